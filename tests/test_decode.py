@@ -1,0 +1,177 @@
+"""The one decode loop: lossless methods reproduce plain greedy decoding token for token."""
+
+import pytest
+import torch
+
+from tierspec.decode import DecodeConfig, PromptError, decode
+from tierspec.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, Proposal
+from tierspec.models import CachedModel
+from tierspec.rules import ExactRule
+
+MAX_NEW = 40
+
+
+def run(target, drafter, prompt, num_draft=5, max_new=MAX_NEW, eos=()):
+    config = DecodeConfig(max_new_tokens=max_new, num_draft=num_draft, eos_token_ids=eos)
+    tokens = []
+    for step in decode(CachedModel(target.model), drafter, ExactRule(), prompt, config):
+        tokens.extend(step.new_tokens)
+    return tokens
+
+
+class NeverAgreeingDrafter(Drafter):
+    """Proposes, at every position, a token other than the reference greedy token there."""
+
+    def __init__(self, reference: list[int], prompt_length: int, vocab_size: int):
+        self.reference, self.prompt_length, self.vocab_size = reference, prompt_length, vocab_size
+        self.calls = 0
+
+    def propose(self, context, num_tokens, sampling, generator):
+        start = len(context) - self.prompt_length
+        wrong = [(self.reference[i] + 1) % self.vocab_size for i in range(start, min(start + num_tokens, len(self.reference)))]
+        return Proposal(torch.tensor(wrong, dtype=torch.long))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_target, prompt_ids):
+    return run(tiny_target, NoDrafter(), prompt_ids)
+
+
+def test_reference_is_not_degenerate(reference):
+    assert len(reference) == MAX_NEW and len(set(reference)) > 5
+
+
+@pytest.mark.parametrize("num_draft", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("kind", ["self", "other-model", "ngram", "never"])
+def test_greedy_lossless_methods_equal_ar(tiny_target, tiny_drafter, prompt_ids, reference, kind, num_draft):
+    drafter = {
+        "self": lambda: ModelDrafter(tiny_target.model),
+        "other-model": lambda: ModelDrafter(tiny_drafter.model),
+        "ngram": lambda: NgramDrafter(3),
+        "never": lambda: NeverAgreeingDrafter(reference, len(prompt_ids), tiny_target.vocab_size),
+    }[kind]()
+    assert run(tiny_target, drafter, prompt_ids, num_draft) == reference
+
+
+def test_always_agreeing_drafter_accepts_everything(tiny_target, prompt_ids):
+    config = DecodeConfig(max_new_tokens=MAX_NEW, num_draft=4)
+    steps = list(decode(CachedModel(tiny_target.model), ModelDrafter(tiny_target.model), ExactRule(), prompt_ids, config))
+    assert all(s.cycle.accepted == s.cycle.drafted for s in steps)
+    assert steps[0].cycle.emitted == 5  # 4 drafts + bonus per target call
+
+
+def test_never_agreeing_drafter_rejects_first_token(tiny_target, prompt_ids, reference):
+    config = DecodeConfig(max_new_tokens=MAX_NEW, num_draft=4)
+    drafter = NeverAgreeingDrafter(reference, len(prompt_ids), tiny_target.vocab_size)
+    steps = list(decode(CachedModel(tiny_target.model), drafter, ExactRule(), prompt_ids, config))
+    assert all(s.cycle.accepted == 0 and s.cycle.emitted == 1 for s in steps)
+
+
+@pytest.mark.parametrize("eos_index", [0, 3, 7, 12])
+@pytest.mark.parametrize("kind", ["ar", "self", "ngram"])
+def test_eos_mid_block_stops_generation(tiny_target, prompt_ids, reference, eos_index, kind):
+    eos = reference[eos_index]
+    expected = reference[: reference.index(eos) + 1]
+    drafter = {"ar": NoDrafter, "self": lambda: ModelDrafter(tiny_target.model), "ngram": lambda: NgramDrafter(3)}[kind]()
+    assert run(tiny_target, drafter, prompt_ids, num_draft=5, eos=(eos,)) == expected
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 6, 11])
+def test_max_new_tokens_is_exact(tiny_target, prompt_ids, reference, max_new):
+    assert run(tiny_target, ModelDrafter(tiny_target.model), prompt_ids, 5, max_new) == reference[:max_new]
+
+
+@pytest.mark.parametrize("kind", ["self", "other-model", "ngram"])
+def test_every_cache_holds_exactly_the_committed_tokens(tiny_target, tiny_drafter, prompt_ids, kind):
+    target = CachedModel(tiny_target.model)
+    drafter = {
+        "self": lambda: ModelDrafter(tiny_target.model),
+        "other-model": lambda: ModelDrafter(tiny_drafter.model),
+        "ngram": lambda: NgramDrafter(3),
+    }[kind]()
+    committed = len(prompt_ids)
+    for step in decode(target, drafter, ExactRule(), prompt_ids, DecodeConfig(max_new_tokens=MAX_NEW, num_draft=4)):
+        committed += len(step.new_tokens)
+        # The target has processed every committed token but the last (fed with the next draft).
+        assert target.length == committed - 1
+        assert target.layer_lengths() == [committed - 1] * tiny_target.identity.num_layers
+        if isinstance(drafter, ModelDrafter):
+            assert drafter.runner.length <= committed - 1
+            assert set(drafter.runner.layer_lengths()) == {drafter.runner.length}
+
+
+def test_rollback_refuses_to_grow(tiny_target):
+    runner = CachedModel(tiny_target.model)
+    runner.forward(torch.tensor([1, 2, 3]))
+    with pytest.raises(ValueError, match="holds only 3"):
+        runner.rollback(5)
+
+
+def test_sampled_generation_is_reproducible_with_a_seed(tiny_target, tiny_drafter, prompt_ids):
+    from tierspec.sampling import SamplingConfig
+
+    def sampled(seed):
+        config = DecodeConfig(max_new_tokens=30, num_draft=3, sampling=SamplingConfig(1.0, top_k=20, top_p=0.9))
+        generator = torch.Generator().manual_seed(seed)
+        out = []
+        for step in decode(CachedModel(tiny_target.model), ModelDrafter(tiny_drafter.model), ExactRule(), prompt_ids, config, generator):
+            out.extend(step.new_tokens)
+        return out
+
+    assert sampled(7) == sampled(7)
+    assert sampled(7) != sampled(8)
+
+
+class TestBadInput:
+    def test_empty_prompt(self, tiny_target):
+        with pytest.raises(PromptError, match="the prompt is empty"):
+            run(tiny_target, NoDrafter(), torch.tensor([], dtype=torch.long))
+
+    def test_batch_larger_than_one(self, tiny_target):
+        with pytest.raises(PromptError, match="batch size 2 is not supported"):
+            run(tiny_target, NoDrafter(), torch.tensor([[1, 2], [3, 4]]))
+
+    def test_prompt_longer_than_context(self, tiny_target):
+        with pytest.raises(PromptError, match="exceeds the model's context of 512 positions"):
+            run(tiny_target, NoDrafter(), torch.ones(500, dtype=torch.long), max_new=20)
+
+    def test_mismatched_drafter_vocabulary(self, tiny_target):
+        from conftest import tiny_llama
+        from tierspec.methods import build_method
+
+        other = tiny_llama(seed=3, vocab_size=80)
+        with pytest.raises(ValueError, match="drafter vocabulary size 80 differs from the target's 64"):
+            build_method("sd", tiny_target, other)
+
+    def test_mismatched_tokenizers(self):
+        from tierspec.drafters.model import check_vocabularies
+
+        class Tok:
+            def __init__(self, vocab):
+                self.vocab = vocab
+
+            def get_vocab(self):
+                return self.vocab
+
+        class M:
+            def __init__(self, name, vocab):
+                from tierspec.models import ModelIdentity
+
+                self.tokenizer = Tok(vocab)
+                self.identity = ModelIdentity(name, 1, 1, len(vocab), "")
+                self.vocab_size = len(vocab)
+
+        with pytest.raises(ValueError, match="drafter 'd' has a different tokenizer from target 't'"):
+            check_vocabularies(M("t", {"a": 0, "b": 1}), M("d", {"a": 1, "b": 0}))
+
+    def test_unknown_method(self, tiny_target):
+        from tierspec.methods import build_method
+
+        with pytest.raises(ValueError, match="unknown method 'fast'; choose one of: ar, sd, pld"):
+            build_method("fast", tiny_target)
+
+    def test_cli_unknown_method_is_a_clear_error(self, capsys):
+        from tierspec.cli import main
+
+        assert main(["generate", "hi", "--method", "warp"]) == 2
+        assert "unknown method 'warp'" in capsys.readouterr().err

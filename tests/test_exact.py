@@ -1,0 +1,102 @@
+"""Exact speculative decoding (DESIGN §3.1): the output distribution equals the target's."""
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from tierspec.decode import DecodeConfig, decode
+from tierspec.drafters import ModelDrafter, NgramDrafter
+from tierspec.models import CachedModel
+from tierspec.rules.exact import ExactRule, acceptance_probability, greedy_verify, sampled_verify
+from tierspec.sampling import SamplingConfig, logits_to_probs, residual_distribution
+
+
+def exact_one_step_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Enumerate draft outcomes: x ~ p is kept w.p. a(x), else the residual is drawn."""
+    accept = acceptance_probability(p, q)  # a(x) for every x
+    rejected_mass = (p * (1 - accept)).sum()
+    return p * accept + rejected_mass * residual_distribution(q, p)
+
+
+@pytest.mark.parametrize(
+    "p, q",
+    [
+        ([0.7, 0.2, 0.1], [0.1, 0.3, 0.6]),
+        ([0.25, 0.25, 0.25, 0.25], [0.97, 0.01, 0.01, 0.01]),
+        ([0.0, 0.5, 0.5], [0.2, 0.0, 0.8]),
+        ([1.0, 0.0, 0.0], [0.3, 0.3, 0.4]),  # one-hot drafter (n-gram)
+        ([0.4, 0.6], [0.4, 0.6]),  # identical: everything accepted
+    ],
+)
+def test_exact_rule_output_distribution_equals_target(p, q):
+    p, q = torch.tensor(p, dtype=torch.float64), torch.tensor(q, dtype=torch.float64)
+    assert torch.allclose(exact_one_step_distribution(p, q), q, atol=1e-12)
+
+
+def test_acceptance_probability_cases():
+    # accepts: q(x) >= p(x) -> 1
+    assert acceptance_probability(torch.tensor(0.2), torch.tensor(0.5)) == 1.0
+    # rejects sometimes: q(x) < p(x) -> q/p
+    assert torch.isclose(acceptance_probability(torch.tensor(0.8), torch.tensor(0.2)), torch.tensor(0.25))
+
+
+def test_greedy_verify_block_cases():
+    logits = torch.tensor([[0, 5.0, 0], [5.0, 0, 0], [0, 0, 5.0], [0, 5.0, 0]])  # argmax 1, 0, 2, 1
+    assert greedy_verify(torch.tensor([1, 0, 2]), logits) == (3, 1)  # accepts all, bonus argmax
+    assert greedy_verify(torch.tensor([1, 2, 2]), logits) == (1, 0)  # rejects at 1, correction 0
+    assert greedy_verify(torch.tensor([0, 0, 2]), logits) == (0, 1)  # rejects first
+    assert greedy_verify(torch.tensor([], dtype=torch.long), logits[:1]) == (0, 1)  # empty draft = AR
+
+
+def test_sampled_verify_uses_residual_on_rejection():
+    p = torch.tensor([[1.0, 0.0, 0.0]])
+    q = torch.tensor([[0.0, 0.5, 0.5], [1.0, 0.0, 0.0]])  # q(x=0) = 0: always rejected
+    for seed in range(20):
+        accepted, token = sampled_verify(torch.tensor([0]), p, q, torch.Generator().manual_seed(seed))
+        assert accepted == 0 and token in (1, 2)
+
+
+def first_token_counts(target, drafter, prompt, runs: int) -> torch.Tensor:
+    """Sample the first generated token ``runs`` times through the decode loop (one draft token)."""
+    vocab = target.vocab_size
+    counts = torch.zeros(vocab)
+    config = DecodeConfig(max_new_tokens=2, num_draft=1, sampling=SamplingConfig(temperature=1.0))
+    generator = torch.Generator().manual_seed(1234)
+    runner = CachedModel(target.model)
+    model_drafter = ModelDrafter(drafter.model)
+    for _ in range(runs):
+        steps = decode(runner, model_drafter, ExactRule(), prompt, config, generator)
+        counts[next(steps).new_tokens[0]] += 1
+    return counts
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    keep = expected > 0
+    if (counts[~keep] > 0).any():
+        return 0.0
+    stat = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+    return float(chi2.sf(stat, int(keep.sum()) - 1))
+
+
+def test_sampling_run_matches_target_first_token_distribution():
+    from conftest import tiny_llama
+
+    # Small vocabulary and peaked, different distributions so that the residual carries mass.
+    target = tiny_llama(seed=11, vocab_size=12, layers=2, hidden=16, sharpness=10.0)
+    drafter = tiny_llama(seed=12, vocab_size=12, layers=1, hidden=16, sharpness=10.0)
+    prompt = torch.tensor([1, 2, 3, 4])
+    with torch.inference_mode():
+        q = logits_to_probs(target.model(prompt[None]).logits[0, -1], SamplingConfig(1.0)).double()
+        p = logits_to_probs(drafter.model(prompt[None]).logits[0, -1], SamplingConfig(1.0)).double()
+    rejected_mass = float((p * (1 - acceptance_probability(p, q))).sum())
+    assert rejected_mass > 0.2, "the test needs a drafter that disagrees often"
+
+    counts = first_token_counts(target, drafter, prompt, runs=3000)
+    assert chi_square_p_value(counts, q) > 1e-3
+
+    # The same counts would condemn a wrong residual (drawing from q itself on rejection).
+    accept = acceptance_probability(p, q)
+    wrong = p * accept + rejected_mass * q
+    assert torch.abs(wrong - q).sum() > 0.1
+    assert chi_square_p_value(counts, wrong) < 1e-6

