@@ -206,7 +206,7 @@ def decode(
         verifiers.reset()
         if len(prompt_ids) > 1:
             target.forward(prompt_ids[:-1], logits_for=1)
-        drafter.start(prompt_ids)
+        drafter.start(prompt_ids, verifiers)
         context = prompt_ids.clone()
         verifiers.context = context
         emitted_total = 0

@@ -247,31 +247,41 @@ class CachedModel:
         self._cache_class = DynamicCache
         self.cache = DynamicCache(config=model.config)
         self.length = 0
-        self.calls = 0  # forward passes run since the last reset
+        self.calls = 0  # full forward passes since the last reset
+        self.masked_calls = 0  # forward passes under a routing mask since the last reset
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
 
     def reset(self) -> None:
         self.cache = self._cache_class(config=self.model.config)
         self.length = 0
         self.calls = 0
+        self.masked_calls = 0
 
-    def forward(self, token_ids: torch.Tensor, logits_for: int | None = None) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, logits_for: int | None = None, mask=None) -> torch.Tensor:
         """Run ``token_ids`` [n] at positions ``length ..``; return logits [m, V] (float32).
 
         ``logits_for`` = m keeps only the last m positions' logits (None = all n); the LM head
-        over a long prompt is a large share of a prefill on a small model.
+        over a long prompt is a large share of a prefill on a small model. With a routing
+        ``mask`` the pass runs with the mask's units bypassed (they write no KV) and counts as
+        a masked call, not a full one.
         """
+        from .routing import apply_mask
+
         n = int(token_ids.shape[0])
         positions = torch.arange(self.length, self.length + n).unsqueeze(0)
-        output = self.model(
-            input_ids=token_ids.unsqueeze(0),
-            position_ids=positions,
-            cache=self.cache,
-            use_cache=True,
-            logits_to_keep=n if logits_for is None else logits_for,
-        )
+        with apply_mask(self.model, mask):
+            output = self.model(
+                input_ids=token_ids.unsqueeze(0),
+                position_ids=positions,
+                cache=self.cache,
+                use_cache=True,
+                logits_to_keep=n if logits_for is None else logits_for,
+            )
         self.length += n
-        self.calls += 1
+        if mask is None or mask.empty:
+            self.calls += 1
+        else:
+            self.masked_calls += 1
         return output.logits[0].float()
 
     def rollback(self, length: int) -> None:

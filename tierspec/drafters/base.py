@@ -37,15 +37,16 @@ class Proposal:
 class Drafter:
     """Base class: proposes up to ``num_tokens`` tokens continuing the committed ``context``.
 
-    The loop calls ``start`` once with the prompt, then per cycle ``propose`` and, after the
-    verifier's verdict is committed, ``commit`` with the new committed length so the drafter
-    can roll its own state back (DESIGN §2 invariant).
+    The loop calls ``start`` once with the prompt and the generation's verifiers (a drafter
+    that reads the target's KV cache, like the self-speculative one, keeps them), then per
+    cycle ``propose`` and, after the verdict is committed, ``commit`` with the new committed
+    length so the drafter can roll its own state back (DESIGN §2 invariant).
     """
 
     #: the drafter's own model forward passes, reported in the statistics
     calls: int = 0
 
-    def start(self, prompt_ids: torch.Tensor) -> None:
+    def start(self, prompt_ids: torch.Tensor, verifiers) -> None:
         self.calls = 0
 
     def propose(

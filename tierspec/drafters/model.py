@@ -50,7 +50,7 @@ class ModelDrafter(Drafter):
         self.vocab_size = vocab_size or self.runner.vocab_size
         self.calls = 0
 
-    def start(self, prompt_ids: torch.Tensor) -> None:
+    def start(self, prompt_ids: torch.Tensor, verifiers) -> None:
         self.runner.reset()
         self.calls = 0
         if len(prompt_ids) > 1:

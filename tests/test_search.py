@@ -1,0 +1,115 @@
+"""DIMR: the routing cost on hand-built distributions, and the search on planted layers."""
+
+import math
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from tierspec.routing import RoutingMask
+from tierspec.search import Calibration, SearchConfig, routing_cost, search_mask, with_target_scores
+
+
+def direct_cost(slim, target, alpha, beta):
+    total = 0.0
+    for qs, q in zip(slim.tolist(), target.tolist()):
+        total += qs * max(0.0, math.log(1 - alpha) + math.log(qs) - math.log(q))
+        total += q * max(0.0, math.log(q) - math.log(qs) - math.log(beta))
+    return total
+
+
+def test_cost_is_zero_when_slim_equals_target():
+    q = torch.tensor([[0.5, 0.3, 0.2]]).log()
+    assert routing_cost(q, q.clone(), 0.0, 1.0).item() == 0.0
+
+
+@pytest.mark.parametrize("alpha, beta", [(0.0, 1.0), (0.3, 0.7), (0.1, 0.5)])
+def test_cost_matches_a_direct_computation(alpha, beta):
+    slim = torch.tensor([0.6, 0.1, 0.3], dtype=torch.float64)
+    target = torch.tensor([0.2, 0.5, 0.3], dtype=torch.float64)
+    got = routing_cost(slim.log()[None], target.log()[None], alpha, beta).item()
+    assert got == pytest.approx(direct_cost(slim, target, alpha, beta), abs=1e-12)
+    assert got > 0
+
+
+def test_alpha_forgives_over_weighting_and_beta_below_one_widens_the_residual_term():
+    slim = torch.tensor([0.55, 0.45]).log()[None]
+    target = torch.tensor([0.5, 0.5]).log()[None]
+    exact = routing_cost(slim, target, 0.0, 1.0).item()
+    # log(1-0.2) + log(0.55/0.5) < 0: the over-weighted token no longer counts
+    assert routing_cost(slim, target, 0.2, 1.0).item() == pytest.approx(0.5 * math.log(0.5 / 0.45))
+    assert routing_cost(slim, target, 0.2, 1.0).item() < exact
+    assert routing_cost(slim, target, 0.0, 0.8).item() > exact
+
+
+@pytest.fixture(scope="module")
+def planted():
+    """12 layers; layers 3, 6 and 9 are planted near-identity (tiny output projections)."""
+    model = tiny_llama(seed=5, layers=12, sharpness=5.0)
+    with torch.no_grad():
+        for index in (3, 6, 9):
+            layer = model.model.model.layers[index]
+            layer.self_attn.o_proj.weight.mul_(1e-4)
+            layer.mlp.down_proj.weight.mul_(1e-4)
+    generator = torch.Generator().manual_seed(0)
+    sequences = torch.randint(0, 64, (4, 24), generator=generator)
+    calibration = with_target_scores(model.model, Calibration(sequences, window=12))
+    return model, calibration
+
+
+def test_dimr_finds_the_planted_layers_and_beats_random_search(planted):
+    model, calibration = planted
+    base = dict(ratio=0.25, unit="layer", budget=30, patience=30, bo_every=2, initial_random=6, seed=1)
+    dimr = search_mask(model, calibration, SearchConfig(**base), progress=False)
+    random = search_mask(model, calibration, SearchConfig(**base, strategy="random"), progress=False)
+    random_costs = [e.cost for e in random.evaluations]
+    assert sorted(dimr.mask.skip_attention) == [3, 6, 9]
+    assert dimr.best.cost < sum(random_costs) / len(random_costs)
+    assert dimr.best.cost <= min(random_costs)
+    assert dimr.best.cost < 1e-3 * (sum(random_costs) / len(random_costs))
+    assert dimr.summary()["bo_evaluations"] > 0
+
+
+def test_search_resumes_from_its_checkpoint(planted, tmp_path):
+    model, calibration = planted
+    checkpoint = tmp_path / "search.partial.json"
+    config = SearchConfig(ratio=0.25, unit="layer", budget=12, patience=100, bo_every=2, initial_random=4, seed=3)
+    calls = []
+
+    def counting(mask):
+        from tierspec.search import evaluate_mask
+
+        calls.append(mask)
+        return evaluate_mask(model.model, calibration, mask)
+
+    full = search_mask(model, calibration, config, progress=False)
+    first = search_mask(model, calibration, SearchConfig(**{**config.__dict__, "budget": 7}), checkpoint=None, progress=False)
+    assert [e.keep for e in first.evaluations] == [e.keep for e in full.evaluations[:7]]
+    # interrupted after 7 evaluations: write those to the checkpoint by running with budget 12 and killing early
+    interrupted = SearchConfig(**config.__dict__)
+    evaluated = iter(range(100))
+
+    def crash_after_seven(mask):
+        if next(evaluated) == 7:
+            raise KeyboardInterrupt
+        return counting(mask)
+
+    with pytest.raises(KeyboardInterrupt):
+        search_mask(model, calibration, interrupted, checkpoint=checkpoint, progress=False, evaluate=crash_after_seven)
+    calls.clear()
+    resumed = search_mask(model, calibration, interrupted, checkpoint=checkpoint, progress=False, evaluate=counting)
+    assert len(calls) == 5  # only the missing evaluations ran
+    assert [e.keep for e in resumed.evaluations] == [e.keep for e in full.evaluations]
+
+
+def test_search_refuses_an_impossible_ratio(planted):
+    model, calibration = planted
+    with pytest.raises(ValueError, match="bypasses 12 of 10 eligible layer units"):
+        search_mask(model, calibration, SearchConfig(ratio=0.99, unit="layer", budget=2), progress=False)
+
+
+def test_sublayer_masks_have_the_requested_count(planted):
+    model, calibration = planted
+    result = search_mask(model, calibration, SearchConfig(ratio=0.25, unit="sublayer", budget=5), progress=False)
+    assert len(result.mask.bypassed_units()) == 6 and result.mask.unit == "sublayer"
+    assert isinstance(result.mask, RoutingMask) and result.mask.info["evaluations"] == 5

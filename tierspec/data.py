@@ -1,0 +1,166 @@
+"""Offline evaluation data (``../shared/data``) and the task prompt templates.
+
+Every record becomes a ``Prompt``: the text fed to the chat template, its category, and the
+reference the task metric needs (a final number, a summary, a translation, HumanEval tests).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DATASETS = ("spec_bench", "gsm8k", "humaneval", "mt_bench", "cnn_dailymail", "xsum", "wmt14")
+
+# Spec-Bench lists its MT-bench part under the 8 MT-bench sub-categories; it has 6 tasks.
+_MT_BENCH_SUBCATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+
+
+class DataError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    category: str
+    text: str
+    reference: str | None = None  # gold answer / summary / translation
+    extra: dict = field(default_factory=dict, compare=False, hash=False)  # e.g. HumanEval test code
+
+
+def default_data_dir() -> Path:
+    """``$TIERSPEC_DATA``, else ``../shared/data`` (from the working directory or this checkout)."""
+    candidates = []
+    if os.environ.get("TIERSPEC_DATA"):
+        candidates.append(Path(os.environ["TIERSPEC_DATA"]))
+    candidates.append(Path.cwd().parent / "shared" / "data")
+    candidates.append(Path(__file__).resolve().parents[2] / "shared" / "data")
+    for candidate in candidates:
+        if candidate.is_dir():
+            return candidate
+    raise DataError(
+        "no data folder found: pass --data-dir, or set TIERSPEC_DATA (looked in: "
+        + ", ".join(str(c) for c in candidates)
+        + ")"
+    )
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        raise DataError(f"data file {path} is missing")
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def gsm8k_prompt(question: str) -> str:
+    return f"{question}\nSolve the problem step by step, then give the final answer as a number on the last line."
+
+
+def summary_prompt(document: str, one_sentence: bool = False) -> str:
+    task = "in one sentence" if one_sentence else "in a few sentences"
+    return f"Summarize the following article {task}.\n\n{document.strip()}"
+
+
+def translation_prompt(german: str) -> str:
+    return f"Translate German to English: {german.strip()}"
+
+
+def code_prompt(prompt: str) -> str:
+    return f"Complete the following Python function. Reply with the whole function in a Python code block.\n\n```python\n{prompt}```"
+
+
+def load_prompts(dataset: str, data_dir: Path | None = None, split: str = "test") -> list[Prompt]:
+    """All prompts of ``dataset`` (see ``DATASETS``), in file order."""
+    if dataset not in DATASETS:
+        raise DataError(f"unknown dataset '{dataset}'; choose one of: {', '.join(DATASETS)}")
+    root = Path(data_dir) if data_dir else default_data_dir()
+    if dataset == "spec_bench":
+        rows = _read_jsonl(root / "spec_bench" / "question.jsonl")
+        return [
+            Prompt(
+                f"spec_bench/{r['question_id']}",
+                "mt_bench" if r["category"] in _MT_BENCH_SUBCATEGORIES else r["category"],
+                r["turns"][0],
+                (r.get("reference") or [None])[0],
+            )
+            for r in rows
+        ]
+    if dataset == "mt_bench":
+        rows = _read_jsonl(root / "mt_bench" / "question.jsonl")
+        return [Prompt(f"mt_bench/{r['question_id']}", r["category"], r["turns"][0]) for r in rows]
+    if dataset == "gsm8k":
+        rows = _read_jsonl(root / "gsm8k" / f"{split}.jsonl")
+        return [
+            Prompt(f"gsm8k-{split}/{i}", "math_reasoning", gsm8k_prompt(r["question"]), r["answer"], {"question": r["question"]})
+            for i, r in enumerate(rows)
+        ]
+    if dataset == "humaneval":
+        rows = _read_jsonl(root / "humaneval" / "HumanEval.jsonl.gz")
+        return [
+            Prompt(
+                r["task_id"],
+                "coding",
+                code_prompt(r["prompt"]),
+                r["canonical_solution"],
+                {"prompt": r["prompt"], "test": r["test"], "entry_point": r["entry_point"]},
+            )
+            for r in rows
+        ]
+    if dataset == "cnn_dailymail":
+        rows = _read_jsonl(root / "cnn_dailymail" / "test.jsonl")
+        return [
+            Prompt(r["id"], "summarization", summary_prompt(r["article"]), r["highlights"], {"in_spec_bench": r.get("in_spec_bench", False)})
+            for r in rows
+        ]
+    if dataset == "xsum":
+        rows = _read_jsonl(root / "xsum" / "test.jsonl")
+        return [Prompt(f"xsum/{r['id']}", "summarization", summary_prompt(r["document"], True), r["summary"]) for r in rows]
+    rows = _read_jsonl(root / "wmt14" / "newstest2014_deen.jsonl")
+    return [
+        Prompt(f"wmt14/{r['id']}", "translation", translation_prompt(r["de"]), r["en"], {"in_spec_bench": r.get("in_spec_bench", False)})
+        for r in rows
+    ]
+
+
+def select(prompts: list[Prompt], per_category: int | None = None, limit: int | None = None, seed: int = 0) -> list[Prompt]:
+    """A seeded sample: up to ``per_category`` prompts of each category, then at most ``limit``.
+
+    Categories keep their first-seen order; within one the sample is random but fixed by ``seed``.
+    """
+    rng = random.Random(seed)
+    if per_category is not None:
+        by_category: dict[str, list[Prompt]] = {}
+        for prompt in prompts:
+            by_category.setdefault(prompt.category, []).append(prompt)
+        chosen = []
+        for items in by_category.values():
+            picked = sorted(rng.sample(range(len(items)), min(per_category, len(items))))
+            chosen.extend(items[i] for i in picked)
+        prompts = chosen
+    elif limit is not None and limit < len(prompts):
+        picked = sorted(rng.sample(range(len(prompts)), limit))
+        prompts = [prompts[i] for i in picked]
+    return prompts[:limit] if limit is not None else prompts
+
+
+def calibration_prompts(count: int, data_dir: Path | None = None, seed: int = 0) -> list[str]:
+    """A fixed, seeded mix of prompts for offline searches (DIMR), kept apart from the
+    Spec-Bench test prompts: GSM8K train questions, WMT14 and CNN/DM items that Spec-Bench does
+    not use, and XSum articles, in equal shares."""
+    pools = [
+        load_prompts("gsm8k", data_dir, split="train"),
+        [p for p in load_prompts("wmt14", data_dir) if not p.extra.get("in_spec_bench")],
+        [p for p in load_prompts("cnn_dailymail", data_dir) if not p.extra.get("in_spec_bench")],
+        load_prompts("xsum", data_dir),
+    ]
+    rng = random.Random(seed)
+    texts = []
+    for i in range(count):
+        pool = pools[i % len(pools)]
+        texts.append(pool[rng.randrange(len(pool))].text)
+    return texts
