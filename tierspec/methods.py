@@ -6,7 +6,10 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, check_vocabularies
+from .drafters.self_spec import SelfSpeculativeDrafter
+from .drafters.swift import SwiftDrafter
 from .models import LoadedModel
+from .routing import RoutingMask
 from .rules import ExactRule, VerificationRule
 
 
@@ -15,6 +18,9 @@ class MethodOptions:
     """Method parameters that are not sampling settings (CLI flags map onto these)."""
 
     ngram_size: int = 3  # prompt lookup: longest suffix n-gram matched
+    mask: RoutingMask | None = None  # routing mask (self-speculative drafter, VIA-SD slim verifier)
+    confidence_threshold: float = 0.8  # self/swift drafters stop below this top probability
+    swift_ratio: float = 0.45  # SWIFT: fraction of sub-layers skipped
 
 
 @dataclass
@@ -43,10 +49,37 @@ def _pld(target, drafter_model, options) -> Method:
     return Method("pld", NgramDrafter(options.ngram_size), ExactRule(), "lossless prompt-lookup (n-gram) decoding")
 
 
+class MissingMaskError(ValueError):
+    pass
+
+
+def _require_mask(name: str, target: LoadedModel, options: MethodOptions) -> RoutingMask:
+    if options.mask is None:
+        raise MissingMaskError(
+            f"method '{name}' needs a routing mask: make one with `tierspec route --target ... --out mask.json` "
+            "and pass --mask mask.json"
+        )
+    options.mask.check_model(target.identity)
+    return options.mask
+
+
+def _self(target, drafter_model, options) -> Method:
+    mask = _require_mask("self", target, options)
+    return Method("self", SelfSpeculativeDrafter(mask, options.confidence_threshold), ExactRule(),
+                  "lossless self-speculative decoding: the target drafts with a routing mask applied")
+
+
+def _swift(target, drafter_model, options) -> Method:
+    drafter = SwiftDrafter(target.identity.num_layers, options.swift_ratio, "sublayer", options.confidence_threshold)
+    return Method("swift", drafter, ExactRule(), "SWIFT: self-speculative decoding with the mask optimised on the fly")
+
+
 _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], Method]] = {
     "ar": _ar,
     "sd": _sd,
     "pld": _pld,
+    "self": _self,
+    "swift": _swift,
 }
 
 #: The fastest lossless method available; the CLI's default.
