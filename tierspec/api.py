@@ -7,7 +7,7 @@ from typing import Iterator
 
 import torch
 
-from .decode import DecodeConfig, GenerationStats, PromptError, decode
+from .decode import DecodeConfig, GenerationStats, PromptError, Verifiers, decode
 from .methods import DEFAULT_METHOD, MethodOptions, build_method
 from .models import DEFAULT_MODEL, CachedModel, LoadedModel, load_model
 from .sampling import SamplingConfig
@@ -82,6 +82,10 @@ def stream(
 
     target = _as_model(target)
     drafter = _as_model(drafter)
+    if options.num_draft != num_draft:
+        from dataclasses import replace
+
+        options = replace(options, num_draft=num_draft)
     built = build_method(method, target, drafter, options)
     prompt_ids = encode_prompt(target, prompt, chat_template)
     config = DecodeConfig(
@@ -96,7 +100,9 @@ def stream(
     tokenizer = target.tokenizer
     shown = ""
     started = time.perf_counter()
-    for step in decode(CachedModel(target.model), built.drafter, built.rule, prompt_ids, config, generator):
+    runner = CachedModel(target.model)
+    verifiers = Verifiers(runner, slim_mask=built.slim_mask)
+    for step in decode(runner, built.drafter, built.rule, prompt_ids, config, generator, verifiers):
         stats.add(step.cycle)
         token_ids.extend(step.new_tokens)
         stats.wall_seconds = time.perf_counter() - started

@@ -122,30 +122,74 @@ class GenerationStats:
 
 
 class Verifiers:
-    """The verifier models of one generation, shared by the loop and the rule.
+    """The verifier tiers of one generation, shared by the loop, the rule and the drafter.
 
-    ``context`` is the committed sequence; the target (and a slim verifier, when a rule has
-    one) may lag behind it: ``target_logits`` first feeds the committed tokens the target has
-    not processed, then the draft, and returns the k+1 rows that score the draft.
+    ``context`` is the committed sequence. The full target is ``target`` (a CachedModel); a
+    rule with a slim verifier (VIA-SD) passes its routing mask as ``slim_mask``: the slim
+    verifier is the same model and cache with the mask applied (no second model in memory).
+
+    Cache bookkeeping: every layer holds full-model KV for the first ``full_length`` positions;
+    the kept layers of the slim mask may hold slim KV beyond that, up to ``target.length``, for
+    committed tokens that only the slim verifier has processed (the full target lags, DESIGN
+    §3.6). A full pass first drops that slim KV and re-processes those tokens in one go.
     """
 
-    def __init__(self, target: CachedModel):
+    def __init__(self, target: CachedModel, slim_mask=None):
         self.target = target
+        self.slim_mask = slim_mask
         self.context = torch.empty(0, dtype=torch.long)
         self.vocab_size = target.vocab_size
-
-    def target_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
-        """Target logits [k+1, V]: row i scores draft token i, row k gives the bonus token."""
-        pending = self.context[self.target.length :]
-        k = int(draft_tokens.shape[0])
-        return self.target.forward(torch.cat([pending, draft_tokens]), logits_for=k + 1)
+        self.full_length = 0
+        self.slim_calls = 0
 
     def reset(self) -> None:
         self.target.reset()
+        self.full_length = 0
+        self.slim_calls = 0
+
+    def prefill(self, prompt_ids: torch.Tensor) -> None:
+        """The target processes all but the last prompt token, which is fed with the first
+        draft (so every verification pass is "pending committed tokens + draft")."""
+        if len(prompt_ids) > 1:
+            self.target.forward(prompt_ids[:-1], logits_for=1)
+        self.full_length = self.target.length
+
+    @property
+    def target_lag(self) -> int:
+        """Committed tokens (before the pending last one) the full target has not processed."""
+        return len(self.context) - 1 - self.full_length
+
+    def target_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """Full-target logits [k+1, V]: row i scores draft token i, row k gives the bonus token."""
+        if self.target.length > self.full_length:
+            self.target.rollback(self.full_length)  # drop slim-only KV; recomputed in this pass
+        pending = self.context[self.full_length :]
+        k = int(draft_tokens.shape[0])
+        logits = self.target.forward(torch.cat([pending, draft_tokens]), logits_for=k + 1)
+        self.full_length = self.target.length
+        return logits
+
+    def slim_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """Slim-verifier logits [k+1, V] (the target under ``slim_mask``), same layout."""
+        if self.slim_mask is None:
+            raise ValueError("this generation has no slim verifier (no routing mask was given)")
+        pending = self.context[self.target.length :]
+        k = int(draft_tokens.shape[0])
+        logits = self.target.forward(torch.cat([pending, draft_tokens]), logits_for=k + 1, mask=self.slim_mask)
+        self.slim_calls += 1
+        return logits
 
     def rollback(self, committed_length: int) -> None:
-        """Trim every verifier cache to the committed tokens it has processed."""
-        self.target.rollback(min(self.target.length, committed_length - 1))
+        """Trim every cache to the committed tokens it has processed (the last committed token
+        is fed with the next draft)."""
+        keep = committed_length - 1
+        self.target.rollback(min(self.target.length, keep))
+        self.full_length = min(self.full_length, keep)
+
+    def drop_slim_cache(self) -> None:
+        """Forget slim-only KV (before a pass under another mask, e.g. a self-drafter's)."""
+        if self.target.length > self.full_length:
+            self.target.rollback(self.full_length)
 
 
 class PromptError(ValueError):
@@ -201,18 +245,15 @@ def decode(
     eos = set(config.eos_token_ids)
 
     with torch.inference_mode():
-        # Prefill: the target processes all but the last prompt token, which is fed with the
-        # first draft (so every verification pass is "pending tokens + draft").
         verifiers.reset()
-        if len(prompt_ids) > 1:
-            target.forward(prompt_ids[:-1], logits_for=1)
+        verifiers.prefill(prompt_ids)
         drafter.start(prompt_ids, verifiers)
         context = prompt_ids.clone()
         verifiers.context = context
         emitted_total = 0
         while emitted_total < config.max_new_tokens:
             started = time.perf_counter()
-            target_calls, slim_calls = target.calls, getattr(verifiers, "slim_calls", 0)
+            target_calls, slim_calls = target.calls, verifiers.slim_calls
             drafter_calls = drafter.calls
             remaining = config.max_new_tokens - emitted_total
             # Never draft past the budget: the cycle emits at most k + 1 tokens.
@@ -244,7 +285,7 @@ def decode(
                 accepted=verdict.accepted,
                 emitted=len(new_tokens),
                 target_calls=target.calls - target_calls,
-                slim_calls=getattr(verifiers, "slim_calls", 0) - slim_calls,
+                slim_calls=verifiers.slim_calls - slim_calls,
                 drafter_calls=drafter.calls - drafter_calls,
                 seconds=time.perf_counter() - started,
                 deciders=verdict.deciders[: len(new_tokens)],

@@ -6,11 +6,18 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, check_vocabularies
+from .drafters.cascade import CascadeDrafter
 from .drafters.self_spec import SelfSpeculativeDrafter
 from .drafters.swift import SwiftDrafter
 from .models import LoadedModel
 from .routing import RoutingMask
 from .rules import ExactRule, VerificationRule
+from .rules.bild import BildRule
+from .rules.cascade import CascadeRule
+from .rules.lossy import LossyRule
+from .rules.via import ViaRule
+
+DRAFTER_KINDS = ("auto", "model", "ngram", "self")
 
 
 @dataclass(frozen=True)
@@ -21,6 +28,19 @@ class MethodOptions:
     mask: RoutingMask | None = None  # routing mask (self-speculative drafter, VIA-SD slim verifier)
     confidence_threshold: float = 0.8  # self/swift drafters stop below this top probability
     swift_ratio: float = 0.45  # SWIFT: fraction of sub-layers skipped
+    drafter_kind: str = "auto"  # lossy rules: auto = the --drafter model if given, else n-gram lookup
+    draft_mask: RoutingMask | None = None  # routing mask of a self-speculative drafter under a lossy rule
+    num_draft: int = 5  # γ (VIA-SD's default lag cap is 4γ)
+    alpha: float = 0.1  # lossy tolerance α; cascade deferral α
+    beta: float | None = None  # lossy residual β (default 1 − α)
+    fallback: float = 0.35  # BiLD: drafter stops below this top probability
+    rollback: float = 3.0  # BiLD: reject a draft token with −log q above this (nats)
+    deferral: str = "opt"  # cascade deferral rule: chow, diff, opt, always
+    alpha1: float = 0.5  # VIA-SD drafter-confidence threshold
+    alpha2: float = 0.3  # VIA-SD slim-verifier-confidence threshold
+    max_target_lag: int | None = None  # VIA-SD lag cap (default 4γ)
+    csd_model_positions: int = 3  # CS Drafting: positions drafted by the model (horizontal cascade)
+    csd_inner_draft: int = 3  # CS Drafting: n-gram guesses the drafter model reviews per pass
 
 
 @dataclass
@@ -29,6 +49,7 @@ class Method:
     drafter: Drafter
     rule: VerificationRule
     description: str
+    slim_mask: RoutingMask | None = None  # VIA-SD's slim verifier
 
 
 def _ar(target, drafter_model, options) -> Method:
@@ -74,12 +95,71 @@ def _swift(target, drafter_model, options) -> Method:
     return Method("swift", drafter, ExactRule(), "SWIFT: self-speculative decoding with the mask optimised on the fly")
 
 
+def _drafter(target: LoadedModel, drafter_model: LoadedModel | None, options: MethodOptions,
+             confidence_threshold: float = 0.0) -> Drafter:
+    """The drafter a lossy rule runs with (``options.drafter_kind``)."""
+    kind = options.drafter_kind
+    if kind not in DRAFTER_KINDS:
+        raise ValueError(f"unknown drafter kind '{kind}'; choose one of: {', '.join(DRAFTER_KINDS)}")
+    if kind == "auto":
+        kind = "model" if drafter_model is not None else "ngram"
+    if kind == "ngram":
+        return NgramDrafter(options.ngram_size)
+    if kind == "self":
+        mask = options.draft_mask
+        if mask is None:
+            raise MissingMaskError("a self-speculative drafter needs a routing mask: pass --draft-mask mask.json")
+        mask.check_model(target.identity)
+        return SelfSpeculativeDrafter(mask, confidence_threshold or options.confidence_threshold)
+    model = drafter_model or target
+    if drafter_model is not None:
+        check_vocabularies(target, drafter_model)
+    return ModelDrafter(model.model, target.vocab_size, confidence_threshold)
+
+
+def _lossy(target, drafter_model, options) -> Method:
+    return Method("lossy", _drafter(target, drafter_model, options), LossyRule(options.alpha, options.beta),
+                  "lossy speculative decoding with tolerance (α, β)")
+
+
+def _bild(target, drafter_model, options) -> Method:
+    return Method("bild", _drafter(target, drafter_model, options, options.fallback), BildRule(options.rollback),
+                  "BiLD: fallback when the drafter is unsure, rollback on unlikely tokens")
+
+
+def _cascade(target, drafter_model, options) -> Method:
+    return Method("cascade", _drafter(target, drafter_model, options), CascadeRule(options.deferral, options.alpha),
+                  "speculative cascades with a deferral rule")
+
+
+def _csd(target, drafter_model, options) -> Method:
+    model = drafter_model or target
+    if drafter_model is not None:
+        check_vocabularies(target, drafter_model)
+    drafter = CascadeDrafter(model.model, target.vocab_size, NgramDrafter(options.ngram_size),
+                             options.csd_model_positions, options.csd_inner_draft)
+    return Method("csd", drafter, ExactRule(), "cascade speculative drafting (vertical + horizontal cascade)")
+
+
+def _via(target, drafter_model, options) -> Method:
+    mask = _require_mask("via", target, options)
+    lag = options.max_target_lag if options.max_target_lag is not None else 4 * max(options.num_draft, 1)
+    rule = ViaRule(options.alpha1, options.alpha2, lag)
+    return Method("via", _drafter(target, drafter_model, options), rule,
+                  "VIA-SD: drafter → slim verifier (routing mask) → full target when unsure", slim_mask=mask)
+
+
 _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], Method]] = {
     "ar": _ar,
     "sd": _sd,
     "pld": _pld,
     "self": _self,
     "swift": _swift,
+    "lossy": _lossy,
+    "bild": _bild,
+    "cascade": _cascade,
+    "csd": _csd,
+    "via": _via,
 }
 
 #: The fastest lossless method available; the CLI's default.

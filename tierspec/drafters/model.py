@@ -44,7 +44,10 @@ def check_vocabularies(target, drafter) -> None:
 class ModelDrafter(Drafter):
     """Drafts autoregressively with its own KV cache, rolled back to the committed prefix."""
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None):
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, confidence_threshold: float = 0.0):
+        """``confidence_threshold``: stop drafting when the next token's top probability (at
+        temperature 1) is below it (BiLD's fallback); 0 = always draft the full block."""
+        self.confidence_threshold = confidence_threshold
         self.runner = CachedModel(model)
         # Logits wider than the target's vocabulary (padded embeddings) are cut to it.
         self.vocab_size = vocab_size or self.runner.vocab_size
@@ -65,12 +68,16 @@ class ModelDrafter(Drafter):
         for _ in range(num_tokens):
             logits = self.runner.forward(pending, logits_for=1)[-1, : self.vocab_size]
             self.calls += 1
+            if self.confidence_threshold > 0 and float(logits.softmax(-1).max()) < self.confidence_threshold:
+                break
             step_probs = logits_to_probs(logits, sampling)
             token = int(logits.argmax()) if sampling.greedy else sample(step_probs, generator)
             tokens.append(token)
             probs.append(step_probs)
             logits_rows.append(logits)
             pending = torch.tensor([token])
+        if not tokens:
+            return Proposal.empty()
         return Proposal(torch.tensor(tokens), torch.stack(probs), torch.stack(logits_rows))
 
     def commit(self, committed_length: int) -> None:

@@ -30,6 +30,7 @@ class SelfSpeculativeDrafter(Drafter):
         self.calls = 0
 
     def start(self, prompt_ids: torch.Tensor, verifiers) -> None:
+        self.verifiers = verifiers
         self.target = verifiers.target
         self.calls = 0
 
@@ -37,7 +38,9 @@ class SelfSpeculativeDrafter(Drafter):
         if num_tokens <= 0:
             return Proposal.empty()
         runner = self.target
-        base = runner.length  # positions every layer holds (full-model KV)
+        # Draft on top of full-model KV only: slim-verifier KV (another mask) is dropped first.
+        self.verifiers.drop_slim_cache()
+        base = runner.length
         pending = context[base:]
         tokens, probs, logits_rows = [], [], []
         try:

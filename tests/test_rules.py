@@ -1,0 +1,263 @@
+"""Lossy and multi-tier rules: exact one-step output distributions, neutral settings, VIA-SD tiers."""
+
+import math
+
+import pytest
+import torch
+from scipy.stats import chi2
+
+from tierspec.decode import DecodeConfig, Verifiers, decode
+from tierspec.drafters import ModelDrafter, NgramDrafter, NoDrafter, Proposal
+from tierspec.drafters.self_spec import SelfSpeculativeDrafter
+from tierspec.models import CachedModel
+from tierspec.routing import RoutingMask
+from tierspec.rules import ExactRule
+from tierspec.rules.bild import BildRule, bild_keep
+from tierspec.rules.cascade import CascadeRule, deferral_bits, mixture
+from tierspec.rules.exact import acceptance_probability
+from tierspec.rules.lossy import LossyRule, lossy_acceptance
+from tierspec.rules.via import ViaRule, via_mixture
+from tierspec.sampling import SamplingConfig, residual_distribution
+
+P = torch.tensor([0.6, 0.25, 0.1, 0.05], dtype=torch.float64)  # drafter
+Q_SLIM = torch.tensor([0.3, 0.5, 0.15, 0.05], dtype=torch.float64)  # slim verifier
+Q = torch.tensor([0.1, 0.3, 0.2, 0.4], dtype=torch.float64)  # target
+
+
+def enumerate_output(p, accept, residual):
+    """Σ_x p(x)·[a(x)·1{v=x} + (1−a(x))·residual(v)] — every accept/reject outcome of one step."""
+    return p * accept + (p * (1 - accept)).sum() * residual
+
+
+# ---- exact one-step distributions -------------------------------------------------------------
+
+@pytest.mark.parametrize("alpha, beta", [(0.0, 1.0), (0.2, 0.8), (0.5, 0.5), (0.3, 1.0)])
+def test_lossy_one_step_distribution_is_the_section_3_2_formula(alpha, beta):
+    got = enumerate_output(P, lossy_acceptance(P, Q, alpha), residual_distribution(Q, P, beta))
+    # §3.2 written out independently: keep min(p, q/(1−α)); the rest goes to norm(max(0, q − βp)).
+    kept = torch.minimum(P, Q / (1 - alpha))
+    residual = (Q - beta * P).clamp_min(0)
+    expected = kept + (1 - kept.sum()) * residual / residual.sum()
+    assert torch.allclose(got, expected, atol=1e-12)
+    if alpha == 0 and beta == 1:
+        assert torch.allclose(got, Q, atol=1e-12)
+
+
+@pytest.mark.parametrize("rollback", [0.5, 1.3, 2.5, 10.0])
+def test_bild_one_step_distribution(rollback):
+    keep = bild_keep(Q, rollback).double()
+    got = enumerate_output(P, keep, Q)
+    expected = torch.where(-torch.log(Q) <= rollback, P, torch.zeros_like(P)) + (P * (-torch.log(Q) > rollback)).sum() * Q
+    assert torch.allclose(got, expected, atol=1e-12)
+
+
+@pytest.mark.parametrize("deferral, alpha", [("chow", 0.3), ("chow", 0.5), ("diff", 0.0), ("opt", 0.1), ("opt", 2.0), ("always", 0.0)])
+def test_cascade_one_step_distribution_is_the_mixture(deferral, alpha):
+    defer = deferral_bits(P[None], Q[None], deferral, alpha)
+    pi = mixture(P[None], Q[None], defer)[0]
+    got = enumerate_output(P, acceptance_probability(P, pi), residual_distribution(pi, P))
+    assert torch.allclose(got, pi, atol=1e-12)
+
+
+def test_deferral_rules_on_hand_built_cases():
+    p = torch.tensor([[0.6, 0.4], [0.9, 0.1]])
+    q = torch.tensor([[0.95, 0.05], [0.5, 0.5]])
+    assert deferral_bits(p, q, "chow", 0.2).tolist() == [True, False]  # max p < 0.8?
+    assert deferral_bits(p, q, "diff", 0.1).tolist() == [True, False]  # 0.6 < 0.85; 0.9 < 0.4 no
+    # opt: TV = 0.35 and 0.4 → thresholds 0.95 − 0.35α, 0.5 − 0.4α
+    assert deferral_bits(p, q, "opt", 1.0).tolist() == [False, False]
+    assert deferral_bits(p, q, "opt", 0.5).tolist() == [True, False]
+    assert deferral_bits(None, q, "chow", 0.2).tolist() == [True, True]  # no distribution: always defer
+
+
+@pytest.mark.parametrize("delta1", [False, True])
+@pytest.mark.parametrize("delta2", [False, True])
+def test_via_one_step_distribution_is_pi(delta1, delta2):
+    pi = via_mixture(P, Q_SLIM, Q, delta1, delta2)
+    expected = (1 - delta2) * ((1 - delta1) * P + delta1 * Q_SLIM) + delta2 * Q  # §3.6
+    assert torch.allclose(pi, expected)
+    got = enumerate_output(P, acceptance_probability(P, pi), residual_distribution(pi, P))
+    assert torch.allclose(got, expected, atol=1e-12)
+
+
+# ---- the rules' own sampling code, driven by fixed distributions ---------------------------------
+
+class StubVerifiers:
+    """Serves fixed target / slim distributions for a one-token block."""
+
+    def __init__(self, target, slim=None):
+        self.target_rows, self.slim_rows = target, slim
+        self.target_lag = 0
+        self.full_calls = 0
+
+    def target_logits(self, tokens):
+        self.full_calls += 1
+        return torch.log(self.target_rows).float()
+
+    def slim_logits(self, tokens):
+        return torch.log(self.slim_rows).float()
+
+
+def sampled_first_tokens(rule, p, target_rows, slim_rows=None, runs=20000, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    counts = torch.zeros(p.shape[-1])
+    sampling = SamplingConfig(temperature=1.0)
+    for _ in range(runs):
+        x = torch.multinomial(p.float(), 1, generator=generator)
+        proposal = Proposal(x, p.float()[None], torch.log(p.float())[None])
+        verdict = rule.verify(StubVerifiers(target_rows, slim_rows), proposal, sampling, generator)
+        counts[int(x) if verdict.accepted else verdict.next_token] += 1
+    return counts
+
+
+def chi_square_p(counts, probs):
+    expected = probs.double() * counts.sum()
+    return float(chi2.sf(float(((counts - expected) ** 2 / expected).sum()), len(probs) - 1))
+
+
+@pytest.mark.parametrize(
+    "rule, expected",
+    [
+        (LossyRule(0.2, 0.8), None),
+        (CascadeRule("chow", 0.5), None),  # max p = 0.6 < 0.5? no: δ = 0 → π = p
+        (CascadeRule("diff", -0.7), None),  # 0.6 < 0.4 + 0.7: δ = 1 → π = q
+        (ViaRule(alpha1=0.2, alpha2=0.6, max_target_lag=100), None),  # δ1 = 1 (0.6 < 0.8), δ2 = 0 (0.5 ≥ 0.4): π = q'
+        (ViaRule(alpha1=0.5, alpha2=0.3, max_target_lag=100), None),  # δ1 = 0, δ2 = 1: π = q
+    ],
+)
+def test_rule_sampling_matches_its_one_step_distribution(rule, expected):
+    target_rows = torch.stack([Q, Q]).float()
+    slim_rows = torch.stack([Q_SLIM, Q_SLIM]).float()
+    if isinstance(rule, LossyRule):
+        kept = torch.minimum(P, Q / 0.8)
+        residual = (Q - 0.8 * P).clamp_min(0)
+        expected = kept + (1 - kept.sum()) * residual / residual.sum()
+    elif isinstance(rule, CascadeRule):
+        defer = deferral_bits(P[None], Q[None], rule.deferral, rule.alpha)
+        expected = mixture(P[None], Q[None], defer)[0]
+    else:
+        delta1 = bool(P.max() < 1 - rule.alpha1)
+        delta2 = bool(Q_SLIM.max() < 1 - rule.alpha2)
+        expected = via_mixture(P, Q_SLIM, Q, delta1, delta2)
+    counts = sampled_first_tokens(rule, P, target_rows, slim_rows)
+    assert chi_square_p(counts, expected) > 1e-3
+    # and the test can tell the target q from the rule's distribution where they differ
+    if not torch.allclose(expected, Q):
+        assert chi_square_p(counts, Q) < 1e-6
+
+
+def test_via_skips_the_target_when_slim_is_confident():
+    rule = ViaRule(alpha1=0.2, alpha2=0.6, max_target_lag=100)
+    stub = StubVerifiers(torch.stack([Q, Q]).float(), torch.stack([Q_SLIM, Q_SLIM]).float())
+    rule.verify(stub, Proposal(torch.tensor([1]), P.float()[None], torch.log(P.float())[None]), SamplingConfig(1.0), None)
+    assert stub.full_calls == 0
+
+
+# ---- neutral settings reproduce plain greedy decoding -------------------------------------------
+
+MASK = RoutingMask.from_units(4, "sublayer", [("mlp", 1), ("attn", 2)])
+
+
+def greedy_tokens(target, drafter, rule, prompt, slim_mask=None, max_new=40, num_draft=4, check=None):
+    runner = CachedModel(target.model)
+    verifiers = Verifiers(runner, slim_mask)
+    out = []
+    config = DecodeConfig(max_new_tokens=max_new, num_draft=num_draft)
+    for step in decode(runner, drafter, rule, prompt, config, None, verifiers):
+        out.extend(step.new_tokens)
+        if check:
+            check(step, verifiers)
+    return out
+
+
+def drafters(target, other):
+    return {
+        "self-model": lambda: ModelDrafter(target.model),  # always agrees
+        "other-model": lambda: ModelDrafter(other.model),
+        "ngram": lambda: NgramDrafter(3),
+        "self-spec": lambda: SelfSpeculativeDrafter(MASK, 0.0),
+    }
+
+
+@pytest.mark.parametrize("kind", ["self-model", "other-model", "ngram", "self-spec"])
+@pytest.mark.parametrize(
+    "rule",
+    [
+        LossyRule(0.0, 1.0),
+        CascadeRule("always"),
+        ViaRule(0.0, 0.0, max_target_lag=20, force_full=True),
+        BildRule(rollback=0.0),
+    ],
+    ids=["lossy-a0-b1", "cascade-always", "via-forced-full", "bild-rb0"],
+)
+def test_neutral_settings_give_ar_greedy_output(tiny_target, tiny_drafter, prompt_ids, kind, rule):
+    reference = greedy_tokens(tiny_target, NoDrafter(), ExactRule(), prompt_ids)
+    drafter = drafters(tiny_target, tiny_drafter)[kind]()
+    slim = MASK if isinstance(rule, ViaRule) else None
+    assert greedy_tokens(tiny_target, drafter, rule, prompt_ids, slim) == reference
+
+
+def test_via_with_confident_tiers_never_calls_the_target_until_the_lag_cap(tiny_target, prompt_ids):
+    """α2 = 1: δ2 = 0 everywhere (planted), so the full target runs only when the lag cap forces it."""
+    lag_cap = 12
+    full_calls = []
+
+    def check(step, verifiers):
+        full_calls.append(step.cycle.target_calls)
+        assert verifiers.target_lag <= lag_cap
+
+    drafter = ModelDrafter(tiny_target.model)
+    greedy_tokens(tiny_target, drafter, ViaRule(0.5, 1.0, max_target_lag=lag_cap), prompt_ids, MASK, 60, 3, check)
+    # blocks emit ≤ 4 tokens, so the cap forces a catch-up at most every 3 cycles; never two calls a cycle
+    assert 0 < sum(full_calls) < len(full_calls) and max(full_calls) == 1
+    assert full_calls[:2] == [0, 0]
+
+
+def test_via_calls_the_target_where_the_slim_verifier_is_unsure(tiny_target, prompt_ids):
+    """α2 = 0: δ2 = 1 wherever max q' < 1, i.e. everywhere: one full call per block."""
+    calls = []
+    greedy_tokens(tiny_target, ModelDrafter(tiny_target.model), ViaRule(0.5, 0.0, 100), prompt_ids, MASK, 30, 3,
+                  lambda step, v: calls.append((step.cycle.target_calls, step.cycle.slim_calls)))
+    assert all(c == (1, 1) for c in calls)
+
+
+# ---- every drafter with every rule, end to end --------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("kind", ["other-model", "ngram", "self-spec"])
+@pytest.mark.parametrize(
+    "rule", [ExactRule(), LossyRule(0.3), BildRule(2.0), CascadeRule("opt", 0.2), CascadeRule("chow", 0.3), ViaRule(0.5, 0.3, 8)],
+    ids=["exact", "lossy", "bild", "cascade-opt", "cascade-chow", "via"],
+)
+def test_drafter_rule_matrix_runs(tiny_target, tiny_drafter, prompt_ids, kind, rule, temperature):
+    runner = CachedModel(tiny_target.model)
+    verifiers = Verifiers(runner, MASK if isinstance(rule, ViaRule) else None)
+    config = DecodeConfig(max_new_tokens=24, num_draft=4, sampling=SamplingConfig(temperature, top_k=40))
+    drafter = drafters(tiny_target, tiny_drafter)[kind]()
+    out = []
+    for step in decode(runner, drafter, rule, prompt_ids, config, torch.Generator().manual_seed(0), verifiers):
+        out.extend(step.new_tokens)
+        assert runner.length <= len(prompt_ids) + len(out) - 1
+        assert verifiers.full_length <= runner.length
+    assert len(out) == 24 and all(0 <= t < 64 for t in out)
+
+
+def test_cascade_drafter_greedy_equals_ar(tiny_target, tiny_drafter, prompt_ids):
+    from tierspec.drafters.cascade import CascadeDrafter
+
+    reference = greedy_tokens(tiny_target, NoDrafter(), ExactRule(), prompt_ids)
+    for model in (tiny_target, tiny_drafter):
+        for positions in (1, 3, 5):
+            drafter = CascadeDrafter(model.model, 64, NgramDrafter(2), model_positions=positions, inner_draft=2)
+            assert greedy_tokens(tiny_target, drafter, ExactRule(), prompt_ids, num_draft=5) == reference
+
+
+def test_cascade_drafter_matches_its_model_greedy_drafts(tiny_target, prompt_ids):
+    """With the target as the drafter model, the vertical cascade's drafts are the target's own
+    greedy tokens, so every model-drafted position is accepted."""
+    from tierspec.drafters.cascade import CascadeDrafter
+
+    runner = CachedModel(tiny_target.model)
+    drafter = CascadeDrafter(tiny_target.model, 64, NgramDrafter(3), model_positions=4, inner_draft=3)
+    for step in decode(runner, drafter, ExactRule(), prompt_ids, DecodeConfig(max_new_tokens=30, num_draft=4)):
+        assert step.cycle.accepted == step.cycle.drafted

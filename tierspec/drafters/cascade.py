@@ -1,0 +1,79 @@
+"""Cascade speculative drafting (CS Drafting, Chen et al. 2023), DESIGN §3.5.
+
+The drafter is itself a cascade of ever cheaper drafters:
+
+* vertical cascade: the drafter model generates its tokens by speculative decoding of its own,
+  with n-gram prompt lookup (the cheapest level, a statistical model of the context) proposing
+  and the drafter model reviewing them with the exact rule, so the model's tokens cost fewer
+  model passes yet are distributed exactly as the model's;
+* horizontal cascade: the drafter model proposes the first ``model_positions`` positions of
+  the block, where acceptance matters most, and the n-gram level the later ones.
+
+The target reviews the whole block with the exact rule (§3.1); n-gram positions carry one-hot
+distributions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..models import CachedModel
+from ..rules.exact import greedy_verify, sampled_verify
+from ..sampling import logits_to_probs
+from .base import Drafter, Proposal
+from .ngram import NgramDrafter
+
+
+class CascadeDrafter(Drafter):
+    def __init__(self, model: torch.nn.Module, vocab_size: int, ngram: NgramDrafter | None = None,
+                 model_positions: int = 3, inner_draft: int = 3):
+        if model_positions < 1 or inner_draft < 0:
+            raise ValueError("model_positions must be >= 1 and inner_draft >= 0")
+        self.runner = CachedModel(model)
+        self.vocab_size = vocab_size
+        self.ngram = ngram or NgramDrafter(3)
+        self.model_positions, self.inner_draft = model_positions, inner_draft
+        self.calls = 0
+
+    def start(self, prompt_ids, verifiers) -> None:
+        self.runner.reset()
+        self.calls = 0
+        if len(prompt_ids) > 1:
+            self.runner.forward(prompt_ids[:-1], logits_for=1)
+            self.calls += 1
+
+    def propose(self, context, num_tokens, sampling, generator) -> Proposal:
+        if num_tokens <= 0:
+            return Proposal.empty()
+        wanted = min(num_tokens, self.model_positions)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        pending = context[self.runner.length :]
+        while len(tokens) < wanted:
+            sequence = torch.cat([context, torch.tensor(tokens, dtype=torch.long)])
+            # Vertical: n-gram guesses, reviewed by the drafter model in one pass.
+            guess = torch.from_numpy(self.ngram.lookup(sequence.numpy(), min(self.inner_draft, wanted - len(tokens) - 1)).copy()).long()
+            logits = self.runner.forward(torch.cat([pending, guess]), logits_for=len(guess) + 1)[:, : self.vocab_size]
+            self.calls += 1
+            probs = logits_to_probs(logits, sampling)
+            if sampling.greedy:
+                kept, nxt = greedy_verify(guess, logits)
+            else:
+                kept, nxt = sampled_verify(guess, None, probs, generator)
+            tokens.extend(guess[:kept].tolist() + [nxt])
+            rows.extend(probs[: kept + 1])
+            # The model has processed the pending tokens and the kept guesses, not ``nxt``.
+            self.runner.rollback(self.runner.length - (len(guess) - kept))
+            pending = torch.tensor([nxt])
+        tokens, rows = tokens[:wanted], rows[:wanted]
+        # Horizontal: the cheap level fills the later positions.
+        if num_tokens > wanted:
+            sequence = torch.cat([context, torch.tensor(tokens, dtype=torch.long)])
+            tail = self.ngram.lookup(sequence.numpy(), num_tokens - wanted).tolist()
+            for token in tail:
+                tokens.append(token)
+                rows.append(torch.nn.functional.one_hot(torch.tensor(token), self.vocab_size).float())
+        return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(rows))
+
+    def commit(self, committed_length: int) -> None:
+        self.runner.rollback(min(self.runner.length, committed_length - 1))

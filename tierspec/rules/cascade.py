@@ -1,0 +1,75 @@
+"""Speculative cascades (Faster Cascades, Narasimhan et al. 2024), DESIGN §3.4.
+
+Per position a deferral bit δ picks the target mixture π = (1−δ)·p + δ·q:
+    chow: δ = 1[max p < 1−α]
+    diff: δ = 1[max p < max q − α]
+    opt:  δ = 1[max p < max q − α·TV(p, q)]
+    always: δ = 1 (exact speculative decoding)
+Accept x with probability min(1, π(x)/p(x)); on rejection draw from norm(max(0, π − p)).
+Deferral bits use the temperature-1 distributions. In greedy mode each tier's distribution is
+the one-hot of its argmax. A drafter with no distribution (n-gram) always defers (δ = 1).
+The bonus after a fully accepted block is drawn from q: the drafter has no distribution for
+position k+1, so δ = 1 there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import logits_to_probs, residual_distribution, temperature_one_probs
+from .base import DRAFTER, TARGET, Verdict, VerificationRule
+from .common import draft_rows, walk_block
+from .exact import acceptance_probability
+
+DEFERRALS = ("chow", "diff", "opt", "always")
+
+
+def deferral_bits(draft_t1: torch.Tensor | None, target_t1: torch.Tensor, rule: str, alpha: float) -> torch.Tensor:
+    """δ [k] from temperature-1 distributions p [k, V] (None: no distribution) and q [k, V]."""
+    k = target_t1.shape[0]
+    if draft_t1 is None or rule == "always":
+        return torch.ones(k, dtype=torch.bool)
+    max_p = draft_t1.max(-1).values
+    if rule == "chow":
+        return max_p < 1.0 - alpha
+    max_q = target_t1.max(-1).values
+    if rule == "diff":
+        return max_p < max_q - alpha
+    if rule == "opt":
+        total_variation = 0.5 * (draft_t1 - target_t1).abs().sum(-1)
+        return max_p < max_q - alpha * total_variation
+    raise ValueError(f"unknown deferral rule '{rule}'; choose one of: {', '.join(DEFERRALS)}")
+
+
+def mixture(draft: torch.Tensor, target: torch.Tensor, defer: torch.Tensor) -> torch.Tensor:
+    """π = (1−δ)·p + δ·q rowwise."""
+    d = defer.to(target.dtype).unsqueeze(-1)
+    return (1 - d) * draft + d * target
+
+
+class CascadeRule(VerificationRule):
+    name = "cascade"
+
+    def __init__(self, deferral: str = "opt", alpha: float = 0.1):
+        if deferral not in DEFERRALS:
+            raise ValueError(f"unknown deferral rule '{deferral}'; choose one of: {', '.join(DEFERRALS)}")
+        self.deferral, self.alpha = deferral, alpha
+
+    def verify(self, verifiers, proposal, sampling, generator) -> Verdict:
+        logits = verifiers.target_logits(proposal.tokens)  # [k+1, V]
+        k = len(proposal)
+        vocab = logits.shape[-1]
+        draft_t1 = None if proposal.draft_logits is None else temperature_one_probs(proposal.draft_logits[:, :vocab])
+        defer = deferral_bits(draft_t1, temperature_one_probs(logits[:k]), self.deferral, self.alpha)
+        # In greedy mode both are one-hot rows (the sampling distribution at temperature 0), so
+        # the walk keeps x iff the selected tier's argmax is x.
+        q = logits_to_probs(logits, sampling)
+        p = draft_rows(proposal, vocab)
+        pi = mixture(p, q[:k], defer)
+        rows = torch.arange(k)
+        accept = acceptance_probability(p[rows, proposal.tokens], pi[rows, proposal.tokens])
+        accepted, token = walk_block(
+            proposal.tokens, accept, lambda i: residual_distribution(pi[i], p[i]), lambda: q[k], generator
+        )
+        deciders = [DRAFTER if not defer[i] else TARGET for i in range(accepted)] + [TARGET]
+        return Verdict(accepted, token, deciders)

@@ -1,0 +1,56 @@
+"""Lossy speculative decoding with tolerance (α, β), DESIGN §3.2.
+
+With z1(v) = log(1−α) + log p(v) − log q(v) and z2(v) = log β + log p(v) − log q(v):
+accept x with probability min(1, q(x) / ((1−α)·p(x))) (outright when z1(x) ≤ 0); on
+rejection draw from norm(max(0, q − β·p)), or from q when that is all zero. β defaults to
+1 − α; α = 0, β = 1 is exact speculative decoding. Greedy: accept iff
+q(x) ≥ (1−α)·max_v q(v) (q at temperature 1); the replacement is argmax q.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import logits_to_probs, residual_distribution, temperature_one_probs
+from .base import DRAFTER, TARGET, Verdict, VerificationRule
+from .common import draft_rows, walk_block
+from .exact import first_rejection
+
+
+def lossy_acceptance(draft_prob: torch.Tensor, target_prob: torch.Tensor, alpha: float) -> torch.Tensor:
+    """min(1, q(x) / ((1−α)·p(x)))."""
+    return torch.clamp(target_prob / ((1.0 - alpha) * draft_prob), max=1.0)
+
+
+class LossyRule(VerificationRule):
+    name = "lossy"
+
+    def __init__(self, alpha: float = 0.1, beta: float | None = None):
+        if not 0.0 <= alpha < 1.0:
+            raise ValueError(f"alpha must be in [0, 1), got {alpha}")
+        beta = 1.0 - alpha if beta is None else beta
+        if not 0.0 < beta <= 1.0:
+            raise ValueError(f"beta must be in (0, 1], got {beta}")
+        self.alpha, self.beta = alpha, beta
+
+    def verify(self, verifiers, proposal, sampling, generator) -> Verdict:
+        logits = verifiers.target_logits(proposal.tokens)  # [k+1, V]
+        k = len(proposal)
+        if sampling.greedy:
+            q = temperature_one_probs(logits[:k])
+            q_x = q[torch.arange(k), proposal.tokens]
+            accepted = first_rejection(q_x >= (1.0 - self.alpha) * q.max(-1).values)
+            token = int(logits[accepted].argmax())
+        else:
+            q = logits_to_probs(logits, sampling)
+            p = draft_rows(proposal, q.shape[-1])
+            rows = torch.arange(k)
+            accept = lossy_acceptance(p[rows, proposal.tokens], q[rows, proposal.tokens], self.alpha)
+            accepted, token = walk_block(
+                proposal.tokens, accept, lambda i: residual_distribution(q[i], p[i], self.beta), lambda: q[k], generator
+            )
+        return Verdict(accepted, token, [DRAFTER] * accepted + [TARGET])
+
+    @property
+    def lossless(self) -> bool:
+        return self.alpha == 0.0 and self.beta == 1.0

@@ -1,0 +1,93 @@
+"""VIA-SD: three-tier hierarchical verification (DESIGN §3.6).
+
+Tiers: the drafter p, the slim verifier q' (the target under a DIMR routing mask, sharing
+every weight), and the full target q, called lazily. Per position i, from temperature-1
+distributions:
+
+    δ1_i = 1[max p_i < 1 − α1]     drafter not confident → defer to q'
+    δ2_i = 1[max q'_i < 1 − α2]    slim verifier not confident → defer to q
+    π_i  = (1−δ2_i)·((1−δ1_i)·p_i + δ1_i·q'_i) + δ2_i·q_i
+
+Cycle: one slim pass scores all k positions (+1). Walk i = 1..k: accept x_i with probability
+min(1, π_i(x_i)/p_i(x_i)); on rejection draw from norm(max(0, π_i − p_i)) and end the block.
+While δ2 = 0, π needs no q. At the first position with δ2 = 1 the full target runs once over
+every committed token it has not processed plus the whole block, and the walk continues with
+π = q wherever δ2 = 1. The bonus position k+1 has no draft (δ1 = 1). Blocks that never need
+q are committed without a full-target call; ``max_target_lag`` caps how many committed
+tokens the full target may leave unprocessed, so it runs at least that often.
+
+With α1 = α2 = 0 and δ2 forced to 1 (``force_full``) the rule is exact speculative decoding.
+In greedy mode each tier's distribution is the one-hot of its argmax.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..sampling import logits_to_probs, residual_distribution, sample, temperature_one_probs, uniforms
+from .base import DRAFTER, SLIM, TARGET, Verdict, VerificationRule
+from .common import draft_confidence, draft_rows
+from .exact import acceptance_probability
+
+
+def via_gates(draft_confidence: torch.Tensor | None, slim_t1: torch.Tensor, alpha1: float, alpha2: float, k: int):
+    """(δ1 [k], δ2 [k+1]) as bool tensors. A drafter with no distribution has δ1 = 1."""
+    delta1 = torch.ones(k, dtype=torch.bool) if draft_confidence is None else draft_confidence < 1.0 - alpha1
+    delta2 = slim_t1.max(-1).values < 1.0 - alpha2
+    return delta1, delta2
+
+
+def via_mixture(draft: torch.Tensor, slim: torch.Tensor, target: torch.Tensor | None, delta1: bool, delta2: bool) -> torch.Tensor:
+    """π for one position; ``target`` may be None when δ2 = 0 (it is not needed)."""
+    if delta2:
+        return target
+    return slim if delta1 else draft
+
+
+class ViaRule(VerificationRule):
+    name = "via"
+
+    def __init__(self, alpha1: float = 0.5, alpha2: float = 0.3, max_target_lag: int = 20, force_full: bool = False):
+        for name, value in (("alpha1", alpha1), ("alpha2", alpha2)):
+            if not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if max_target_lag < 0:
+            raise ValueError(f"max_target_lag must be >= 0, got {max_target_lag}")
+        self.alpha1, self.alpha2 = alpha1, alpha2
+        self.max_target_lag = max_target_lag
+        self.force_full = force_full
+
+    def verify(self, verifiers, proposal, sampling, generator) -> Verdict:
+        k = len(proposal)
+        tokens = proposal.tokens
+        slim_logits = verifiers.slim_logits(tokens)  # [k+1, V]
+        vocab = slim_logits.shape[-1]
+        delta1, delta2 = via_gates(draft_confidence(proposal), temperature_one_probs(slim_logits), self.alpha1, self.alpha2, k)
+        if self.force_full:
+            delta2 = torch.ones_like(delta2)
+        p = draft_rows(proposal, vocab)  # [k, V]; one-hot rows in greedy mode
+        slim = logits_to_probs(slim_logits, sampling)  # [k+1, V]
+        target = None
+        # The cycle commits up to k+1 tokens: catch up now if they could push the lag past the cap.
+        if verifiers.target_lag + k + 1 > self.max_target_lag:
+            target = logits_to_probs(verifiers.target_logits(tokens), sampling)
+        coins = uniforms(k, generator)
+        deciders: list[str] = []
+        for i in range(k + 1):
+            if delta2[i] and target is None:
+                target = logits_to_probs(verifiers.target_logits(tokens), sampling)  # [k+1, V]
+            tier = TARGET if delta2[i] else SLIM
+            if i == k:  # bonus: no draft here, δ1 = 1
+                pi = via_mixture(None, slim[k], None if target is None else target[k], True, bool(delta2[k]))
+                return Verdict(k, sample(pi, generator), deciders + [tier])
+            pi = via_mixture(p[i], slim[i], None if target is None else target[i], bool(delta1[i]), bool(delta2[i]))
+            x = int(tokens[i])
+            if coins[i] < acceptance_probability(p[i, x], pi[x]):
+                deciders.append(TARGET if delta2[i] else DRAFTER)
+                continue
+            return Verdict(i, sample(residual_distribution(pi, p[i]), generator), deciders + [tier])
+        raise AssertionError("unreachable")
+
+    @property
+    def lossless(self) -> bool:
+        return self.force_full
