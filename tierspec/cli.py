@@ -53,7 +53,7 @@ def _add_route(sub) -> None:
     parser.add_argument("--ratio", type=float, default=0.45, help="fraction of units bypassed (r)")
     parser.add_argument("--unit", choices=["layer", "sublayer"], default="sublayer")
     parser.add_argument("--budget", type=int, default=100, help="mask evaluations at most (S)")
-    parser.add_argument("--bo-every", type=int, default=4, help="a Bayesian-optimisation step every θ evaluations")
+    parser.add_argument("--bo-every", type=int, default=2, help="a Bayesian-optimisation step every θ evaluations")
     parser.add_argument("--patience", type=int, default=40, help="stop after this many evaluations without improvement")
     parser.add_argument("--objective", choices=["kl", "agreement"], default="kl", help="kl: DIMR cost; agreement: SWIFT's")
     parser.add_argument("--strategy", choices=["dimr", "random"], default="dimr", help="random: random search alone")
