@@ -33,6 +33,21 @@ def tiny_llama(seed: int, vocab_size: int = 64, layers: int = 4, hidden: int = 3
     return wrap_model(model, name=f"tiny-llama-{seed}")
 
 
+def char_tokenizer():
+    """A character-level tokenizer (56 ids, lower-cased) for tiny models that need text."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    chars = list(" abcdefghijklmnopqrstuvwxyz0123456789.,?!:;=+-*/()'\"\n#")
+    vocab = {"<unk>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tokenizer = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Lowercase()
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex(".|\n"), "isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>")
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     return tiny_llama(seed=1, sharpness=20.0)

@@ -32,13 +32,51 @@ def _add_generate(sub) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--seed", type=int, default=None, help="seed of the sampling generator")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
-    parser.add_argument("--mask", default=None, help="routing mask JSON from `tierspec route` (self, via)")
-    parser.add_argument(
-        "--confidence-threshold", type=float, default=0.8,
-        help="self/swift: stop drafting when the draft's top probability falls below this",
-    )
+    _add_method_options(parser)
     parser.add_argument("--stats", action="store_true", help="print statistics as one JSON line on stderr")
     parser.set_defaults(run=_run_generate)
+
+
+def _add_method_options(parser) -> None:
+    """Flags of the methods' parameters (shared by generate and bench); defaults as in DESIGN."""
+    group = parser.add_argument_group("method parameters")
+    group.add_argument("--mask", default=None, help="routing mask JSON from `tierspec route` (self; via's slim verifier)")
+    group.add_argument("--draft-with", choices=["auto", "model", "ngram", "self"], default="auto",
+                       help="drafter of lossy/bild/cascade/via: auto = --drafter model if given, else n-gram lookup")
+    group.add_argument("--draft-mask", default=None, help="routing mask of the self-speculative drafter (--draft-with self)")
+    group.add_argument("--confidence-threshold", type=float, default=0.8,
+                       help="self/swift drafters: stop drafting when the top probability falls below this")
+    group.add_argument("--alpha", type=float, default=0.1, help="lossy tolerance α; cascade deferral α")
+    group.add_argument("--beta", type=float, default=None, help="lossy residual β (default 1 − α)")
+    group.add_argument("--fallback", type=float, default=0.35, help="BiLD: drafter falls back below this top probability")
+    group.add_argument("--rollback", type=float, default=3.0, help="BiLD: reject draft tokens with −log q above this (nats)")
+    group.add_argument("--deferral", choices=["chow", "diff", "opt", "always"], default="opt", help="cascade deferral rule")
+    group.add_argument("--alpha1", type=float, default=0.5, help="VIA-SD: defer to the slim verifier when max p < 1 − α1")
+    group.add_argument("--alpha2", type=float, default=0.3, help="VIA-SD: defer to the full target when max q' < 1 − α2")
+    group.add_argument("--max-target-lag", type=int, default=None, help="VIA-SD: most tokens the full target may lag (default 4γ)")
+
+
+def method_options(args, target):
+    """MethodOptions from parsed flags; masks are loaded and checked against ``target``."""
+    from .methods import MethodOptions
+    from .routing import RoutingMask
+
+    return MethodOptions(
+        ngram_size=args.ngram_size,
+        mask=RoutingMask.load(args.mask, target.identity) if args.mask else None,
+        confidence_threshold=args.confidence_threshold,
+        drafter_kind=args.draft_with,
+        draft_mask=RoutingMask.load(args.draft_mask, target.identity) if args.draft_mask else None,
+        num_draft=args.num_draft,
+        alpha=args.alpha,
+        beta=args.beta,
+        fallback=args.fallback,
+        rollback=args.rollback,
+        deferral=args.deferral,
+        alpha1=args.alpha1,
+        alpha2=args.alpha2,
+        max_target_lag=args.max_target_lag,
+    )
 
 
 def _add_route(sub) -> None:
@@ -125,16 +163,15 @@ def _run_route(args) -> int:
 def _run_generate(args) -> int:
     from .api import stream
     from .decode import GenerationStats
-    from .methods import MethodOptions, UnknownMethodError
+    from .methods import UnknownMethodError
     from .models import load_model
-    from .routing import RoutingMask
 
     if args.method not in method_names():
         raise UnknownMethodError(f"unknown method '{args.method}'; choose one of: {', '.join(method_names())}")
     prompt = args.prompt if args.prompt is not None else sys.stdin.read()
     target = load_model(args.target)
     drafter = load_model(args.drafter) if args.drafter else None
-    mask = RoutingMask.load(args.mask, target.identity) if args.mask else None
+    options = method_options(args, target)
     stats = GenerationStats()
     for piece in stream(
         prompt,
@@ -148,7 +185,7 @@ def _run_generate(args) -> int:
         top_p=args.top_p,
         seed=args.seed,
         chat_template=not args.no_chat_template,
-        options=MethodOptions(ngram_size=args.ngram_size, mask=mask, confidence_threshold=args.confidence_threshold),
+        options=options,
         stats=stats,
     ):
         sys.stdout.write(piece)
@@ -159,11 +196,66 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _add_bench(sub) -> None:
+    parser = sub.add_parser(
+        "bench",
+        help="benchmark methods and transformers peers on a dataset, in one run",
+        description="Runs every method on the same prompts in one process (interleaved, warmed up), writes per-prompt "
+        "records (resumable), summary.json, summary.md and plots to --out.",
+    )
+    parser.add_argument("--target", default=DEFAULT_MODEL)
+    parser.add_argument("--drafter", default=None, help="drafter model for sd / hf-assisted / lossy rules")
+    parser.add_argument("--methods", default="ar,hf-greedy,sd,pld,hf-pld",
+                        help="comma-separated method specs, e.g. ar,pld,via:alpha2=0.5:mask=m.json,hf-assisted")
+    parser.add_argument("--dataset", default="spec_bench",
+                        help="spec_bench, gsm8k, humaneval, mt_bench, cnn_dailymail, xsum, wmt14")
+    parser.add_argument("--data-dir", default=None, help="data folder (default ../shared/data)")
+    parser.add_argument("--per-category", type=int, default=None, help="prompts per category (seeded sample)")
+    parser.add_argument("--limit", type=int, default=None, help="at most this many prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--num-draft", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--mask", default=None, help="default routing mask for self/via specs that name none")
+    parser.add_argument("--hf-pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
+    parser.add_argument("--hf-early-exit-layer", type=int, default=None, help="assistant_early_exit of hf-early-exit")
+    parser.add_argument("--no-nll", action="store_true", help="skip the target-NLL pass per record")
+    parser.add_argument("--out", required=True, help="output folder (a rerun resumes)")
+    parser.add_argument("--no-progress", action="store_true")
+    parser.set_defaults(run=_run_bench)
+
+
+def _run_bench(args) -> int:
+    from pathlib import Path
+
+    from .bench.report import markdown_table
+    from .bench.runner import BenchConfig, run_bench
+
+    per_category = args.per_category
+    if per_category is None and args.limit is None:
+        per_category = 5 if args.dataset in ("spec_bench", "mt_bench") else None
+    config = BenchConfig(
+        target=args.target, methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), dataset=args.dataset,
+        per_category=per_category, limit=args.limit if args.limit is not None else (None if per_category else 20),
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+        num_draft=args.num_draft, repeats=args.repeats, seed=args.seed, drafter=args.drafter, data_dir=args.data_dir,
+        mask=args.mask, hf_pld_tokens=args.hf_pld_tokens, hf_early_exit_layer=args.hf_early_exit_layer,
+        compute_nll=not args.no_nll,
+    )
+    summary = run_bench(config, Path(args.out), progress=not args.no_progress)
+    print(markdown_table(summary))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierspec", description="Speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_route(sub)
+    _add_bench(sub)
     return parser
 
 

@@ -1,0 +1,134 @@
+"""Benchmark harness: metric functions on hand-made cases, the runner end to end on a tiny model."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import char_tokenizer, tiny_llama
+from tierspec.bench import metrics
+from tierspec.bench.runner import BenchConfig, BenchError, parse_spec, run_bench
+from tierspec.models import wrap_model
+
+
+class TestMetrics:
+    @pytest.mark.parametrize(
+        "text, expected",
+        [("so she pays 18 dollars.", "18"), ("#### 1,234", "1234"), ("It is 3.50 then 7.0", "7"), ("no digits", None),
+         ("-5 degrees", "-5")],
+    )
+    def test_final_number(self, text, expected):
+        assert metrics.final_number(text) == expected
+
+    def test_gsm8k_exact_match(self):
+        reference = "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs.\n#### 18"
+        assert metrics.gsm8k_exact_match("She makes 9 * 2 = 18 dollars.\nThe answer is 18.", reference) == 1.0
+        assert metrics.gsm8k_exact_match("She makes 20 dollars.", reference) == 0.0
+
+    def test_rouge_l(self):
+        assert metrics.rouge_l("the cat sat on the mat", "the cat sat on the mat") == pytest.approx(1.0)
+        # LCS "the cat sat" (3 of 3 predicted, 3 of 6 reference): F1 = 2·1·0.5/1.5
+        assert metrics.rouge_l("the cat sat", "the cat sat on the mat") == pytest.approx(2 / 3)
+        assert metrics.rouge_l("dogs bark", "the cat sat") == 0.0
+
+    def test_bleu(self):
+        assert metrics.corpus_bleu(["the cat sat on the mat"], ["the cat sat on the mat"]) == pytest.approx(100.0)
+        assert metrics.corpus_bleu(["a b c d"], ["the cat sat on the mat"]) == pytest.approx(0.0)
+
+    TEST = "def check(candidate):\n    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n"
+    PROMPT = "def add(a, b):\n    \"\"\"Add two numbers.\"\"\"\n"
+
+    def test_pass_at_1_correct_wrong_and_infinite_loop(self):
+        correct = "```python\ndef add(a, b):\n    return a + b\n```"
+        wrong = "```python\ndef add(a, b):\n    return a - b\n```"
+        looping = "```python\ndef add(a, b):\n    while True:\n        pass\n```"
+        run = lambda reply, timeout=10: metrics.humaneval_pass(metrics.extract_code(reply, self.PROMPT, "add"), self.TEST, "add", timeout)
+        assert run(correct) is True
+        assert run(wrong) is False
+        assert run(looping, timeout=2) is False
+
+    def test_completion_without_definition_is_appended_to_the_prompt(self):
+        program = metrics.extract_code("    return a + b\n", self.PROMPT, "add")
+        assert metrics.humaneval_pass(program, self.TEST, "add")
+
+    def test_target_nll_matches_a_manual_computation(self, tiny_target):
+        prompt, generated = torch.tensor([1, 2, 3]), [4, 5]
+        with torch.inference_mode():
+            logprobs = tiny_target.model(torch.tensor([[1, 2, 3, 4, 5]])).logits[0].log_softmax(-1)
+        manual = -(logprobs[2, 4] + logprobs[3, 5]) / 2
+        assert metrics.target_nll(tiny_target.model, prompt, generated) == pytest.approx(float(manual), rel=1e-6)  # float32 log-softmax
+
+
+def test_method_specs():
+    assert parse_spec("via:alpha2=0.5:mask=m.json") == ("via", {"alpha2": "0.5", "mask": "m.json"})
+    with pytest.raises(BenchError, match="unknown method 'warp'"):
+        parse_spec("warp")
+    with pytest.raises(BenchError, match="not key=value"):
+        parse_spec("pld:3")
+
+
+@pytest.fixture
+def tiny_text_model():
+    tokenizer = char_tokenizer()
+    model = tiny_llama(seed=4, vocab_size=56, layers=3, sharpness=20.0).model
+    model.generation_config.eos_token_id = None
+    return wrap_model(model, tokenizer, name="tiny-char")
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    folder = tmp_path / "data" / "spec_bench"
+    folder.mkdir(parents=True)
+    rows = [
+        {"question_id": 1, "category": "qa", "turns": ["what is the capital of france?"]},
+        {"question_id": 2, "category": "translation", "turns": ["translate: der hund ist gross."]},
+    ]
+    (folder / "question.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return tmp_path / "data"
+
+
+def test_runner_end_to_end_and_resume(tmp_path, tiny_text_model, data_dir):
+    config = BenchConfig(target="tiny", methods=("ar", "pld", "sd", "lossy:alpha=0.3", "hf-greedy"), dataset="spec_bench",
+                         per_category=1, max_new_tokens=12, data_dir=str(data_dir))
+    out = tmp_path / "out"
+    summary = run_bench(config, out, progress=False, target=tiny_text_model)
+    for name in ("records.jsonl", "summary.json", "summary.md", "speedup_by_category.png", "quality_vs_speedup.png", "tier_fractions.png"):
+        assert (out / name).exists(), name
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 5
+    assert summary["methods"]["ar"]["overall"]["speedup"] == pytest.approx(1.0)
+    assert summary["methods"]["ar"]["categories"]["qa"]["speedup"] == pytest.approx(1.0)
+    for lossless in ("pld", "sd", "hf-greedy"):  # greedy lossless methods reproduce ar exactly
+        assert summary["methods"][lossless]["overall"]["fidelity_exact_match"] == 1.0
+    inner = summary["methods"]["pld"]["overall"]
+    for key in ("speedup", "tokens_per_s", "mean_accepted_tokens", "rejection_rate", "n_prompts", "target_nll", "peak_rss_mb"):
+        assert key in inner
+    assert inner["n_prompts"] == 2 and "baseline_check" in summary
+
+    # Resume: nothing left to do, so no generation runs and no record is added.
+    before = (out / "records.jsonl").read_text()
+    import tierspec.bench.runner as runner_module
+
+    calls = []
+    original = runner_module.MethodRunner.run
+    runner_module.MethodRunner.run = lambda self, *a, **k: calls.append(1) or original(self, *a, **k)
+    try:
+        run_bench(config, out, progress=False, target=tiny_text_model)
+    finally:
+        runner_module.MethodRunner.run = original
+    assert calls == [] and (out / "records.jsonl").read_text() == before
+
+    # A partial run: drop the last two records; the rerun redoes exactly those.
+    lines = before.splitlines()
+    (out / "records.jsonl").write_text("\n".join(lines[:-2]) + "\n")
+    run_bench(config, out, progress=False, target=tiny_text_model)
+    after = (out / "records.jsonl").read_text().splitlines()
+    assert len(after) == len(lines)
+    assert {(json.loads(l)["method"], json.loads(l)["prompt_id"]) for l in after} == {
+        (json.loads(l)["method"], json.loads(l)["prompt_id"]) for l in lines}
+
+
+def test_missing_data_dir_is_a_clear_error(tmp_path, tiny_text_model):
+    config = BenchConfig(target="tiny", methods=("ar",), data_dir=str(tmp_path / "nowhere"))
+    with pytest.raises(ValueError, match="data file .* is missing"):
+        run_bench(config, tmp_path / "out", progress=False, target=tiny_text_model)

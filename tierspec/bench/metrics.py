@@ -1,0 +1,101 @@
+"""Quality metrics: task metrics (GSM8K exact match, HumanEval pass@1, ROUGE-L, BLEU) and
+fidelity to the target (exact match and ROUGE-L against its greedy output, target NLL)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def final_number(text: str) -> str | None:
+    """The answer a solution ends on: the number after '####' when present, else the last
+    number in the text; commas and a trailing '.0' are normalised away."""
+    if "####" in text:
+        text = text.split("####")[-1]
+    numbers = _NUMBER.findall(text)
+    if not numbers:
+        return None
+    value = numbers[-1].replace(",", "").rstrip(".")
+    if "." in value:
+        value = value.rstrip("0").rstrip(".")
+    return value
+
+
+def gsm8k_exact_match(generated: str, reference: str) -> float:
+    predicted, gold = final_number(generated), final_number(reference)
+    return float(predicted is not None and predicted == gold)
+
+
+def rouge_l(prediction: str, reference: str) -> float:
+    """ROUGE-L F1 (rouge-score, with stemming)."""
+    from rouge_score import rouge_scorer
+
+    scorer = rouge_scorer.RougeScorer(["rougeL"], use_stemmer=True)
+    return float(scorer.score(reference, prediction)["rougeL"].fmeasure)
+
+
+def corpus_bleu(predictions: list[str], references: list[str]) -> float:
+    """Corpus BLEU (sacrebleu, default 13a tokenisation)."""
+    import sacrebleu
+
+    return float(sacrebleu.corpus_bleu(predictions, [references]).score)
+
+
+def extract_code(generated: str, prompt: str, entry_point: str) -> str:
+    """The program to test: the first fenced code block that defines the entry point (or the
+    first fenced block, or the raw text); if it does not define the function, the completion
+    is appended to the HumanEval prompt."""
+    blocks = re.findall(r"```(?:python|py)?\s*\n(.*?)```", generated, flags=re.S)
+    if not blocks and "```" in generated:  # unterminated block (generation cut off)
+        blocks = [generated.split("```", 1)[1].split("\n", 1)[-1]]
+    chosen = next((b for b in blocks if f"def {entry_point}" in b), blocks[0] if blocks else generated)
+    if f"def {entry_point}" in chosen:
+        # keep the prompt's imports, which the reply often omits
+        imports = "\n".join(line for line in prompt.splitlines() if line.startswith(("import ", "from ")))
+        return f"{imports}\n{chosen}"
+    return prompt + chosen
+
+
+def _sandbox_prefix() -> list[str]:
+    """Run without network where the kernel lets us (a fresh network namespace)."""
+    unshare = shutil.which("unshare")
+    if unshare and subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode == 0:
+        return [unshare, "-rn"]
+    return []
+
+
+def humaneval_pass(program: str, test: str, entry_point: str, timeout: float = 10.0) -> bool:
+    """Run ``program`` + HumanEval ``test`` + ``check(entry_point)`` in a subprocess (isolated
+    interpreter, temp working directory, no network where possible); killed on overrun."""
+    source = f"{program}\n\n{test}\n\ncheck({entry_point})\n"
+    with tempfile.TemporaryDirectory(prefix="tierspec-humaneval-") as folder:
+        path = os.path.join(folder, "candidate.py")
+        with open(path, "w") as handle:
+            handle.write(source)
+        command = _sandbox_prefix() + [sys.executable, "-I", path]
+        try:
+            result = subprocess.run(command, cwd=folder, capture_output=True, timeout=timeout,
+                                    env={"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0"})
+        except subprocess.TimeoutExpired:
+            return False
+    return result.returncode == 0
+
+
+def target_nll(model: torch.nn.Module, prompt_ids: torch.Tensor, generated_ids: list[int]) -> float:
+    """Mean negative log-likelihood (nats, temperature 1) the target assigns to the generated tokens."""
+    if not generated_ids:
+        return float("nan")
+    ids = torch.cat([prompt_ids, torch.tensor(generated_ids, dtype=torch.long)])[None]
+    n = len(generated_ids)
+    with torch.inference_mode():
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float()
+    logprobs = logits.log_softmax(-1)
+    return float(-logprobs[torch.arange(n), torch.tensor(generated_ids)].mean())

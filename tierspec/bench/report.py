@@ -1,0 +1,197 @@
+"""Benchmark summary (summary.json), table (summary.md) and plots, rebuilt from the records."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from ..routing import atomic_write_text
+from . import metrics
+
+TASK_METRICS = ("gsm8k_exact_match", "humaneval_pass@1", "rouge_l")
+
+
+def _mean(values):
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    return sum(values) / len(values) if values else None
+
+
+def _group_summary(rows: list[dict], baseline: dict, hf_greedy: dict, dataset: str, references: dict) -> dict:
+    tps = _mean([r["tokens_per_s"] for r in rows])
+    base = _mean([baseline[(r["prompt_id"], r["repeat"])]["tokens_per_s"] for r in rows if (r["prompt_id"], r["repeat"]) in baseline])
+    hf = _mean([hf_greedy[(r["prompt_id"], r["repeat"])]["tokens_per_s"] for r in rows if (r["prompt_id"], r["repeat"]) in hf_greedy])
+    ours = [r for r in rows if "target_calls" in r]
+    emitted = sum(r["emitted"] for r in ours)
+    target_calls = sum(r["target_calls"] for r in ours)
+    evaluated = sum(r["evaluated"] for r in ours)
+    tiers: dict[str, int] = defaultdict(int)
+    for r in ours:
+        for tier, count in r.get("tiers", {}).items():
+            tiers[tier] += count
+    summary = {
+        "n_prompts": len(rows),
+        "tokens_per_s": tps,
+        "speedup": tps / base if tps and base else None,
+        "speedup_vs_hf_greedy": tps / hf if tps and hf else None,
+        "speedup_vs_best_plain": tps / max(base or 0, hf or 0) if tps and (base or hf) else None,
+        "mean_accepted_tokens": emitted / target_calls if target_calls else None,
+        "rejection_rate": (evaluated - sum(r["accepted"] for r in ours)) / evaluated if evaluated else (0.0 if ours else None),
+        "target_calls_per_token": target_calls / emitted if emitted else None,
+        "slim_calls_per_token": sum(r["slim_calls"] for r in ours) / emitted if emitted else None,
+        "tier_fractions": {t: c / sum(tiers.values()) for t, c in sorted(tiers.items())} if tiers else None,
+        "peak_rss_mb": max(r["peak_rss_mb"] for r in rows),
+        "mean_emitted": _mean([r["emitted"] for r in rows]),
+        "target_nll": _mean([r.get("target_nll") for r in rows]),
+    }
+    paired = [(r, baseline[(r["prompt_id"], r["repeat"])]) for r in rows if (r["prompt_id"], r["repeat"]) in baseline]
+    if paired:
+        summary["fidelity_exact_match"] = _mean([float(r["token_ids"] == b["token_ids"]) for r, b in paired])
+        summary["fidelity_rouge_l"] = _mean([metrics.rouge_l(r["text"], b["text"]) if b["text"] else None for r, b in paired])
+    for name in TASK_METRICS:
+        value = _mean([r.get(name) for r in rows])
+        if value is not None:
+            summary[name] = value
+    if dataset == "wmt14":
+        refs = [references.get(r["prompt_id"]) for r in rows]
+        if all(refs):
+            summary["bleu"] = metrics.corpus_bleu([r["text"] for r in rows], refs)
+    return summary
+
+
+def summarize(records: list[dict], config, references: dict) -> dict:
+    by_method: dict[str, list[dict]] = defaultdict(list)
+    for record in records:
+        by_method[record["method"]].append(record)
+    baseline = {(r["prompt_id"], r["repeat"]): r for r in by_method.get("ar", [])}
+    hf_greedy = {(r["prompt_id"], r["repeat"]): r for r in by_method.get("hf-greedy", [])}
+    methods = {}
+    for name in config.methods:
+        rows = by_method.get(name, [])
+        if not rows:
+            continue
+        categories = defaultdict(list)
+        for r in rows:
+            categories[r["category"]].append(r)
+        methods[name] = {
+            "overall": _group_summary(rows, baseline, hf_greedy, config.dataset, references),
+            "categories": {c: _group_summary(rs, baseline, hf_greedy, config.dataset, references) for c, rs in categories.items()},
+        }
+    from dataclasses import asdict
+
+    summary = {"config": asdict(config), "methods": methods}
+    ar, hf = methods.get("ar"), methods.get("hf-greedy")
+    if ar and hf:
+        ar_tps, hf_tps = ar["overall"]["tokens_per_s"], hf["overall"]["tokens_per_s"]
+        summary["baseline_check"] = {
+            "ar_tokens_per_s": ar_tps,
+            "hf_greedy_tokens_per_s": hf_tps,
+            "ar_at_least_as_fast_as_hf_greedy": ar_tps >= hf_tps,
+            "note": "speed-ups are against `ar`; if hf-greedy is faster they are inflated: use speedup_vs_best_plain",
+        }
+    return summary
+
+
+def _fmt(value, digits=2):
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_table(summary: dict) -> str:
+    methods = summary["methods"]
+    categories = sorted({c for m in methods.values() for c in m["categories"]})
+    config = summary["config"]
+    lines = [
+        f"Target `{config['target']}`, dataset `{config['dataset']}`, {config['max_new_tokens']} new tokens, "
+        f"temperature {config['temperature']}, γ = {config['num_draft']}, repeats {config['repeats']}. "
+        "Speed-up = mean per-prompt tokens/s ÷ that of `ar` on the same prompts, same run.",
+        "",
+    ]
+    check = summary.get("baseline_check")
+    if check:
+        flag = "" if check["ar_at_least_as_fast_as_hf_greedy"] else " **⚠ hf-greedy is faster than ar: speed-ups vs ar are inflated; see 'vs best plain'.**"
+        lines += [f"Plain decoding: `ar` {check['ar_tokens_per_s']:.2f} tok/s, `hf-greedy` {check['hf_greedy_tokens_per_s']:.2f} tok/s.{flag}", ""]
+    header = ["method", "speed-up", "vs best plain", *categories, "tok/s", "τ", "rejection", "target calls/tok", "slim calls/tok",
+              "fidelity EM", "fidelity ROUGE-L", "target NLL"]
+    extra = [m for m in ("gsm8k_exact_match", "humaneval_pass@1", "rouge_l", "bleu") if any(m in v["overall"] for v in methods.values())]
+    header += extra
+    lines.append("| " + " | ".join(header) + " |")
+    lines.append("|" + "---|" * len(header))
+    for name, result in methods.items():
+        o = result["overall"]
+        row = [f"`{name}`", _fmt(o["speedup"]) + "×" if o["speedup"] else "–", _fmt(o["speedup_vs_best_plain"])]
+        row += [_fmt(result["categories"].get(c, {}).get("speedup")) for c in categories]
+        row += [_fmt(o["tokens_per_s"], 1), _fmt(o["mean_accepted_tokens"]), _fmt(o["rejection_rate"]),
+                _fmt(o["target_calls_per_token"]), _fmt(o["slim_calls_per_token"]),
+                _fmt(o.get("fidelity_exact_match")), _fmt(o.get("fidelity_rouge_l")), _fmt(o["target_nll"], 3)]
+        row += [_fmt(o.get(m)) for m in extra]
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "Per-category columns are speed-ups. τ = emitted tokens per full-target call; rejection = rejected / evaluated "
+              "draft tokens; fidelity = agreement with `ar`'s output on the same prompt (exact token match rate, ROUGE-L); "
+              "target NLL = mean −log q per generated token. `–` = not applicable (transformers peers expose no draft statistics)."]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(summary: dict, records: list[dict], out: Path) -> None:
+    atomic_write_text(out / "summary.json", json.dumps(summary, indent=2))
+    atomic_write_text(out / "summary.md", markdown_table(summary))
+    plot(summary, out)
+
+
+def plot(summary: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = summary["methods"]
+    names = list(methods)
+    categories = sorted({c for m in methods.values() for c in m["categories"]})
+
+    fig, ax = plt.subplots(figsize=(max(8, len(names) * 1.2), 4.5))
+    width = 0.8 / max(len(categories) + 1, 1)
+    for j, category in enumerate(categories + ["overall"]):
+        values = [(methods[n]["overall"] if category == "overall" else methods[n]["categories"].get(category, {})).get("speedup") or 0 for n in names]
+        ax.bar([i + j * width for i in range(len(names))], values, width, label=category)
+    ax.axhline(1.0, color="black", linewidth=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=30, ha="right")
+    ax.set_ylabel("speed-up vs ar")
+    ax.set_title("Speed-up by method and category")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(out / "speedup_by_category.png", dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for ax, key, label in ((axes[0], "target_nll", "target NLL per token (lower = closer to target)"),
+                           (axes[1], "fidelity_rouge_l", "ROUGE-L vs ar output")):
+        for n in names:
+            o = methods[n]["overall"]
+            if o.get("speedup") and o.get(key) is not None:
+                ax.scatter(o["speedup"], o[key])
+                ax.annotate(n, (o["speedup"], o[key]), fontsize=7)
+        ax.set_xlabel("speed-up vs ar")
+        ax.set_ylabel(label)
+    fig.suptitle("Quality against speed-up")
+    fig.tight_layout()
+    fig.savefig(out / "quality_vs_speedup.png", dpi=120)
+    plt.close(fig)
+
+    tiered = [n for n in names if methods[n]["overall"].get("tier_fractions")]
+    fig, ax = plt.subplots(figsize=(max(6, len(tiered) * 1.1), 4))
+    bottoms = [0.0] * len(tiered)
+    for tier in ("drafter", "slim", "target"):
+        values = [methods[n]["overall"]["tier_fractions"].get(tier, 0.0) for n in tiered]
+        ax.bar(tiered, values, bottom=bottoms, label=tier)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    ax.set_ylabel("fraction of emitted tokens")
+    ax.set_title("Which tier decided each emitted token")
+    ax.legend()
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(out / "tier_fractions.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,315 @@
+"""``tierspec bench``: every method and the transformers peers on the same prompts, in one process.
+
+Methods are interleaved prompt by prompt (their order rotated per prompt) so that drift of a
+shared machine hits all alike; each method is warmed up first. Every generation is timed the
+same way, from token ids in to token ids out (prefill included). Per-prompt records are
+appended to ``records.jsonl`` as they are made; a rerun skips what is done. The summary, the
+table and the plots are always rebuilt from all records.
+
+A method spec is a name with optional parameters: ``via:alpha2=0.5:mask=m.json``,
+``lossy:alpha=0.2:draft_with=self:draft_mask=m.json``, ``pld:num_draft=3``. The spec string is
+the method's label in the results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+import zlib
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..api import encode_prompt, eos_ids
+from ..data import Prompt, load_prompts, select
+from ..decode import DecodeConfig, GenerationStats, Verifiers, decode
+from ..methods import MethodOptions, build_method, method_names
+from ..models import CachedModel, LoadedModel, load_model
+from ..routing import RoutingMask, atomic_write_text
+from ..sampling import SamplingConfig
+from . import metrics
+
+HF_PEERS = ("hf-greedy", "hf-assisted", "hf-pld", "hf-early-exit")
+BASELINE = "ar"
+
+
+class BenchError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    target: str = "smollm2-135m"
+    methods: tuple[str, ...] = ("ar", "hf-greedy", "sd", "pld", "hf-pld")
+    dataset: str = "spec_bench"
+    per_category: int | None = 5
+    limit: int | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    num_draft: int = 5
+    repeats: int = 1
+    seed: int = 0
+    drafter: str | None = None
+    data_dir: str | None = None
+    mask: str | None = None  # default routing mask for self / via specs without one
+    hf_pld_tokens: int = 10  # transformers' documented prompt_lookup_num_tokens
+    hf_early_exit_layer: int | None = None  # default: half the target's layers
+    compute_nll: bool = True
+
+
+# ---- method specs ---------------------------------------------------------------------------------
+
+_OPTION_FIELDS = {f.name: f for f in fields(MethodOptions)}
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """'via:alpha2=0.5:mask=m.json' → ('via', {'alpha2': '0.5', 'mask': 'm.json'})."""
+    name, *parts = spec.split(":")
+    params = {}
+    for part in parts:
+        if "=" not in part:
+            raise BenchError(f"method spec '{spec}': parameter '{part}' is not key=value")
+        key, value = part.split("=", 1)
+        params[key.strip()] = value.strip()
+    known = set(method_names()) | set(HF_PEERS)
+    if name not in known:
+        raise BenchError(f"unknown method '{name}' in '{spec}'; choose from: {', '.join(sorted(known))}")
+    return name, params
+
+
+def _convert(key: str, value: str, target: LoadedModel):
+    if key in ("mask", "draft_mask"):
+        return RoutingMask.load(value, target.identity)
+    kind = _OPTION_FIELDS[key].type
+    if "float" in str(kind):
+        return None if value.lower() == "none" else float(value)
+    if "int" in str(kind):
+        return None if value.lower() == "none" else int(value)
+    return value
+
+
+@dataclass
+class Outcome:
+    token_ids: list[int]
+    seconds: float
+    stats: GenerationStats | None  # None for transformers peers
+
+
+class MethodRunner:
+    """Runs one method spec on prompt ids; built once, reused for every prompt."""
+
+    def __init__(self, spec: str, target: LoadedModel, drafter: LoadedModel | None, config: BenchConfig):
+        self.spec = spec
+        self.name, params = parse_spec(spec)
+        self.target, self.config = target, config
+        self.eos = eos_ids(target)
+        self.sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
+        self.num_draft = int(params.pop("num_draft", config.num_draft))
+        if self.name in HF_PEERS:
+            self.hf_kwargs = self._hf_kwargs(params, drafter)
+            return
+        unknown = set(params) - set(_OPTION_FIELDS)
+        if unknown:
+            raise BenchError(f"method spec '{spec}': unknown parameter(s) {sorted(unknown)}; known: {sorted(_OPTION_FIELDS)}")
+        options = MethodOptions(num_draft=self.num_draft)
+        if config.mask and "mask" not in params and self.name in ("self", "via"):
+            params["mask"] = config.mask
+        options = replace(options, **{k: _convert(k, v, target) for k, v in params.items()})
+        self.method = build_method(self.name, target, drafter, options)
+
+    def _hf_kwargs(self, params: dict, drafter: LoadedModel | None) -> dict:
+        if self.name == "hf-assisted":
+            # The same drafter as `sd`: the --drafter model, else the target itself.
+            return {"assistant_model": (drafter or self.target).model}
+        if self.name == "hf-pld":
+            return {"prompt_lookup_num_tokens": int(params.get("tokens", self.config.hf_pld_tokens))}
+        if self.name == "hf-early-exit":
+            layer = params.get("layer", self.config.hf_early_exit_layer)
+            return {"assistant_early_exit": int(layer) if layer is not None else self.target.identity.num_layers // 2}
+        return {}
+
+    def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None) -> Outcome:
+        if self.name in HF_PEERS:
+            return self._run_hf(prompt_ids, max_new_tokens, generator)
+        runner = CachedModel(self.target.model)
+        verifiers = Verifiers(runner, slim_mask=self.method.slim_mask)
+        config = DecodeConfig(max_new_tokens, self.num_draft, self.sampling, self.eos)
+        stats = GenerationStats()
+        tokens: list[int] = []
+        started = time.perf_counter()
+        for step in decode(runner, self.method.drafter, self.method.rule, prompt_ids, config, generator, verifiers):
+            tokens.extend(step.new_tokens)
+            stats.add(step.cycle)
+        stats.wall_seconds = time.perf_counter() - started
+        return Outcome(tokens, stats.wall_seconds, stats)
+
+    def _run_hf(self, prompt_ids, max_new_tokens, generator) -> Outcome:
+        model = self.target.model
+        kwargs = dict(self.hf_kwargs)
+        if self.sampling.greedy:
+            kwargs.update(do_sample=False)
+        else:
+            kwargs.update(do_sample=True, temperature=self.sampling.temperature, top_k=self.sampling.top_k or None,
+                          top_p=self.sampling.top_p)
+            if generator is not None:
+                torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
+        eos = list(self.eos) or None
+        started = time.perf_counter()
+        with torch.inference_mode():
+            output = model.generate(
+                prompt_ids[None], attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0] if eos else None, **kwargs,
+            )
+        seconds = time.perf_counter() - started
+        tokens = output[0, len(prompt_ids):].tolist()
+        if eos:  # transformers pads nothing for batch 1, but cut after the first EOS to be safe
+            for i, token in enumerate(tokens):
+                if token in self.eos:
+                    tokens = tokens[: i + 1]
+                    break
+        return Outcome(tokens, seconds, None)
+
+
+# ---- memory ---------------------------------------------------------------------------------------
+
+class PeakRSS:
+    """Peak resident memory (MiB) of this process while the block runs, sampled every 5 ms."""
+
+    def __init__(self):
+        self.peak = 0.0
+        self._stop = threading.Event()
+
+    @staticmethod
+    def current() -> float:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+    def _watch(self):
+        while not self._stop.wait(0.005):
+            self.peak = max(self.peak, self.current())
+
+    def __enter__(self):
+        self.peak = self.current()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.current())
+
+
+# ---- the run --------------------------------------------------------------------------------------
+
+def _task_quality(prompt: Prompt, text: str, dataset: str) -> dict:
+    if dataset == "gsm8k" and prompt.reference:
+        return {"gsm8k_exact_match": metrics.gsm8k_exact_match(text, prompt.reference)}
+    if dataset == "humaneval":
+        program = metrics.extract_code(text, prompt.extra["prompt"], prompt.extra["entry_point"])
+        return {"humaneval_pass@1": float(metrics.humaneval_pass(program, prompt.extra["test"], prompt.extra["entry_point"]))}
+    if dataset in ("cnn_dailymail", "xsum") and prompt.reference:
+        return {"rouge_l": metrics.rouge_l(text, prompt.reference)}
+    if dataset == "mt_bench" and prompt.reference:
+        return {"rouge_l": metrics.rouge_l(text, prompt.reference)}
+    return {}
+
+
+def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: LoadedModel | None = None,
+              drafter: LoadedModel | None = None, log: Callable[[str], None] = print) -> dict:
+    """Run (or resume) a benchmark into ``out``; returns the summary."""
+    from tqdm.auto import tqdm
+
+    out.mkdir(parents=True, exist_ok=True)
+    methods = list(dict.fromkeys(config.methods))
+    if BASELINE not in methods:
+        methods.insert(0, BASELINE)  # speed-ups are defined against plain decoding of the same run
+    config = replace(config, methods=tuple(methods))
+    for spec in methods:
+        parse_spec(spec)
+    prompts = select(load_prompts(config.dataset, Path(config.data_dir) if config.data_dir else None),
+                     config.per_category, config.limit, config.seed)
+    if not prompts:
+        raise BenchError("no prompts selected")
+    target = target or load_model(config.target)
+    if drafter is None and config.drafter:
+        drafter = load_model(config.drafter)
+    runners = {spec: MethodRunner(spec, target, drafter, config) for spec in methods}
+    encoded = {p.id: encode_prompt(target, p.text) for p in prompts}
+
+    records_path = out / "records.jsonl"
+    done = set()
+    if records_path.exists():
+        for line in records_path.read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by an interruption is redone
+            done.add((record["method"], record["prompt_id"], record["repeat"]))
+    atomic_write_text(out / "config.json", json.dumps(asdict(config), indent=2))
+
+    todo = [(r, p, m) for r in range(config.repeats) for i, p in enumerate(prompts)
+            for m in methods[i % len(methods):] + methods[: i % len(methods)] if (m, p.id, r) not in done]
+    if todo:
+        # Warm-up: first calls pay for allocator growth, thread pools and lazy imports.
+        warm_ids = encoded[prompts[0].id]
+        for spec, runner in runners.items():
+            runner.run(warm_ids, 8, torch.Generator().manual_seed(0))
+    bar = tqdm(total=len(todo), desc="bench", disable=not progress)
+    with open(records_path, "a") as sink:
+        for repeat, prompt, spec in todo:
+            bar.set_postfix_str(f"{spec} {prompt.id}")
+            prompt_ids = encoded[prompt.id]
+            generator = torch.Generator().manual_seed(config.seed * 1000003 + repeat * 7919 + zlib.crc32(prompt.id.encode()))
+            with PeakRSS() as memory:
+                outcome = runners[spec].run(prompt_ids, config.max_new_tokens, generator)
+            text = target.tokenizer.decode(outcome.token_ids, skip_special_tokens=True) if target.tokenizer else ""
+            record = {
+                "method": spec,
+                "prompt_id": prompt.id,
+                "category": prompt.category,
+                "repeat": repeat,
+                "emitted": len(outcome.token_ids),
+                "seconds": outcome.seconds,
+                "tokens_per_s": len(outcome.token_ids) / outcome.seconds if outcome.seconds > 0 else 0.0,
+                "peak_rss_mb": round(memory.peak, 1),
+                "token_ids": outcome.token_ids,
+                "text": text,
+                **(_stats_fields(outcome.stats) if outcome.stats else {}),
+                **_task_quality(prompt, text, config.dataset),
+            }
+            if torch.cuda.is_available():
+                record["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+            if config.compute_nll:
+                record["target_nll"] = metrics.target_nll(target.model, prompt_ids, outcome.token_ids)
+            sink.write(json.dumps(record) + "\n")
+            sink.flush()
+            bar.update(1)
+    bar.close()
+
+    from .report import summarize, write_report
+
+    records = [json.loads(line) for line in records_path.read_text().splitlines() if line.strip()]
+    references = {p.id: p.reference for p in prompts}
+    summary = summarize(records, config, references)
+    write_report(summary, records, out)
+    return summary
+
+
+def _stats_fields(stats: GenerationStats) -> dict:
+    return {
+        "drafted": stats.drafted,
+        "evaluated": stats.evaluated,
+        "accepted": stats.accepted,
+        "target_calls": stats.target_calls,
+        "slim_calls": stats.slim_calls,
+        "drafter_calls": stats.drafter_calls,
+        "cycles": stats.cycles,
+        "tiers": dict(stats.decided_by),
+    }
