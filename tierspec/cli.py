@@ -54,6 +54,8 @@ def _add_method_options(parser) -> None:
     group.add_argument("--alpha1", type=float, default=0.5, help="VIA-SD: defer to the slim verifier when max p < 1 − α1")
     group.add_argument("--alpha2", type=float, default=0.3, help="VIA-SD: defer to the full target when max q' < 1 − α2")
     group.add_argument("--max-target-lag", type=int, default=None, help="VIA-SD: most tokens the full target may lag (default 4γ)")
+    group.add_argument("--judge-head", default=None, help="judge head (.safetensors) from `tierspec judge train` (judge, via-judge)")
+    group.add_argument("--judge-threshold", type=float, default=None, help="judge accepts when sigmoid ≥ δ (default: the head's)")
 
 
 def method_options(args, target):
@@ -76,7 +78,15 @@ def method_options(args, target):
         alpha1=args.alpha1,
         alpha2=args.alpha2,
         max_target_lag=args.max_target_lag,
+        judge_head=_load_head(args.judge_head, target) if args.judge_head else None,
+        judge_threshold=args.judge_threshold,
     )
+
+
+def _load_head(path, target):
+    from .judge.head import JudgeHead
+
+    return JudgeHead.load(path, target.identity)
 
 
 def _add_route(sub) -> None:
@@ -250,12 +260,88 @@ def _run_bench(args) -> int:
     return 0
 
 
+def _add_judge(sub) -> None:
+    parser = sub.add_parser("judge", help="judge decoding: build data, train and evaluate the judge head")
+    judge_sub = parser.add_subparsers(dest="judge_command", required=True)
+
+    build = judge_sub.add_parser("build-data", help="correct / planted-error responses from GSM8K train (offline)")
+    build.add_argument("--out", required=True, help="JSONL to write")
+    build.add_argument("--count", type=int, default=500, help="problems (each gives a correct and a wrong response)")
+    build.add_argument("--val-fraction", type=float, default=0.2)
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--data-dir", default=None)
+    build.set_defaults(run=_run_judge_build)
+
+    train = judge_sub.add_parser("train", help="train a linear judge head on the target's hidden states")
+    train.add_argument("--target", default=DEFAULT_MODEL)
+    train.add_argument("--data", required=True, help="judge JSONL (see `judge build-data`)")
+    train.add_argument("--features", choices=["hidden", "hidden+logprob"], default="hidden+logprob")
+    train.add_argument("--max-mistake-acceptance", type=float, default=0.1,
+                       help="the threshold accepts at most this share of the training split's mistaken tokens")
+    train.add_argument("--out", required=True, help="head .safetensors (metadata goes beside it as .json)")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--no-progress", action="store_true")
+    train.set_defaults(run=_run_judge_train)
+
+    evaluate = judge_sub.add_parser("eval", help="validation metrics of a trained head")
+    evaluate.add_argument("--target", default=DEFAULT_MODEL)
+    evaluate.add_argument("--head", required=True)
+    evaluate.add_argument("--data", required=True)
+    evaluate.add_argument("--threshold", type=float, default=None)
+    evaluate.add_argument("--split", default="val")
+    evaluate.add_argument("--no-progress", action="store_true")
+    evaluate.set_defaults(run=_run_judge_eval)
+
+
+def _run_judge_build(args) -> int:
+    from pathlib import Path
+
+    from .data import default_data_dir
+    from .judge.data import build_gsm8k_judge_data
+
+    root = Path(args.data_dir) if args.data_dir else default_data_dir()
+    info = build_gsm8k_judge_data(root / "gsm8k" / "train.jsonl", Path(args.out), args.count, args.val_fraction, args.seed)
+    print(json.dumps(info))
+    return 0
+
+
+def _run_judge_train(args) -> int:
+    from pathlib import Path
+
+    from .judge.train import train_judge
+    from .models import load_model
+
+    target = load_model(args.target)
+    head, metrics = train_judge(target, Path(args.data), args.features, not args.no_progress, args.max_mistake_acceptance, args.seed)
+    head.save(args.out)
+    print(json.dumps({"out": args.out, "train_seconds": head.metadata["train_seconds"], **metrics}, indent=2))
+    return 0
+
+
+def _run_judge_eval(args) -> int:
+    from pathlib import Path
+
+    from .judge.data import read_judge_data
+    from .judge.head import JudgeHead
+    from .judge.train import evaluate_head, extract
+    from .models import load_model
+
+    target = load_model(args.target)
+    head = JudgeHead.load(args.head, target.identity)
+    if args.threshold is not None:
+        head.threshold = args.threshold
+    tokens = extract(target, read_judge_data(Path(args.data)), head.kind, not args.no_progress)
+    print(json.dumps(evaluate_head(head, tokens, args.split), indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierspec", description="Speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_route(sub)
     _add_bench(sub)
+    _add_judge(sub)
     return parser
 
 

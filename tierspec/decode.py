@@ -159,15 +159,19 @@ class Verifiers:
         """Committed tokens (before the pending last one) the full target has not processed."""
         return len(self.context) - 1 - self.full_length
 
-    def target_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
-        """Full-target logits [k+1, V]: row i scores draft token i, row k gives the bonus token."""
+    def target_logits(self, draft_tokens: torch.Tensor, with_hidden: bool = False):
+        """Full-target logits [k+1, V]: row i scores draft token i, row k gives the bonus token.
+
+        ``with_hidden`` also returns the final hidden states [k+1, H] of the same pass: row i
+        (i ≥ 1) is the state at draft token i's own position (what a judge head reads).
+        """
         if self.target.length > self.full_length:
             self.target.rollback(self.full_length)  # drop slim-only KV; recomputed in this pass
         pending = self.context[self.full_length :]
         k = int(draft_tokens.shape[0])
-        logits = self.target.forward(torch.cat([pending, draft_tokens]), logits_for=k + 1)
+        result = self.target.forward(torch.cat([pending, draft_tokens]), logits_for=k + 1, with_hidden=with_hidden)
         self.full_length = self.target.length
-        return logits
+        return result
 
     def slim_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
         """Slim-verifier logits [k+1, V] (the target under ``slim_mask``), same layout."""

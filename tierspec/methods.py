@@ -41,6 +41,8 @@ class MethodOptions:
     max_target_lag: int | None = None  # VIA-SD lag cap (default 4γ)
     csd_model_positions: int = 3  # CS Drafting: positions drafted by the model (horizontal cascade)
     csd_inner_draft: int = 3  # CS Drafting: n-gram guesses the drafter model reviews per pass
+    judge_head: object | None = None  # a JudgeHead (judge, via-judge)
+    judge_threshold: float | None = None  # δ (default: the head's own threshold)
 
 
 @dataclass
@@ -149,6 +151,32 @@ def _via(target, drafter_model, options) -> Method:
                   "VIA-SD: drafter → slim verifier (routing mask) → full target when unsure", slim_mask=mask)
 
 
+def _require_judge(name: str, target: LoadedModel, options: MethodOptions):
+    if options.judge_head is None:
+        raise ValueError(f"method '{name}' needs a judge head: train one with `tierspec judge train` and pass --judge-head")
+    head = options.judge_head
+    if head.model is not None and not head.model.matches(target.identity):
+        raise ValueError(f"the judge head was trained on '{head.model.name}', not on '{target.identity.name}'")
+    return head
+
+
+def _judge(target, drafter_model, options) -> Method:
+    from .rules.judge import JudgeRule
+
+    head = _require_judge("judge", target, options)
+    return Method("judge", _drafter(target, drafter_model, options), JudgeRule(head, options.judge_threshold),
+                  "judge decoding: a linear head on the target's hidden states accepts correct drafts SD rejects")
+
+
+def _via_judge(target, drafter_model, options) -> Method:
+    head = _require_judge("via-judge", target, options)
+    method = _via(target, drafter_model, options)
+    rule = method.rule
+    method.rule = ViaRule(rule.alpha1, rule.alpha2, rule.max_target_lag, judge=head, judge_threshold=options.judge_threshold)
+    method.name = "via-judge"
+    return method
+
+
 _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], Method]] = {
     "ar": _ar,
     "sd": _sd,
@@ -160,6 +188,8 @@ _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], 
     "cascade": _cascade,
     "csd": _csd,
     "via": _via,
+    "judge": _judge,
+    "via-judge": _via_judge,
 }
 
 #: The fastest lossless method available; the CLI's default.

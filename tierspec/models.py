@@ -257,31 +257,42 @@ class CachedModel:
         self.calls = 0
         self.masked_calls = 0
 
-    def forward(self, token_ids: torch.Tensor, logits_for: int | None = None, mask=None) -> torch.Tensor:
+    def forward(self, token_ids: torch.Tensor, logits_for: int | None = None, mask=None, with_hidden: bool = False):
         """Run ``token_ids`` [n] at positions ``length ..``; return logits [m, V] (float32).
 
         ``logits_for`` = m keeps only the last m positions' logits (None = all n); the LM head
         over a long prompt is a large share of a prefill on a small model. With a routing
         ``mask`` the pass runs with the mask's units bypassed (they write no KV) and counts as
-        a masked call, not a full one.
+        a masked call, not a full one. ``with_hidden`` also returns the LM head's input (the
+        final hidden states) [m, H] of the same positions, captured from this very pass.
         """
         from .routing import apply_mask
 
         n = int(token_ids.shape[0])
         positions = torch.arange(self.length, self.length + n).unsqueeze(0)
-        with apply_mask(self.model, mask):
-            output = self.model(
-                input_ids=token_ids.unsqueeze(0),
-                position_ids=positions,
-                cache=self.cache,
-                use_cache=True,
-                logits_to_keep=n if logits_for is None else logits_for,
-            )
+        captured = []
+        hook = None
+        if with_hidden:
+            hook = self.model.get_output_embeddings().register_forward_hook(lambda module, args, out: captured.append(args[0]))
+        try:
+            with apply_mask(self.model, mask):
+                output = self.model(
+                    input_ids=token_ids.unsqueeze(0),
+                    position_ids=positions,
+                    cache=self.cache,
+                    use_cache=True,
+                    logits_to_keep=n if logits_for is None else logits_for,
+                )
+        finally:
+            if hook is not None:
+                hook.remove()
         self.length += n
         if mask is None or mask.empty:
             self.calls += 1
         else:
             self.masked_calls += 1
+        if with_hidden:
+            return output.logits[0].float(), captured[-1][0].float()
         return output.logits[0].float()
 
     def rollback(self, length: int) -> None:

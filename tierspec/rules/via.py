@@ -17,6 +17,10 @@ q are committed without a full-target call; ``max_target_lag`` caps how many com
 tokens the full target may leave unprocessed, so it runs at least that often.
 
 With α1 = α2 = 0 and δ2 forced to 1 (``force_full``) the rule is exact speculative decoding.
+
+``judge`` (VIA-SD + Judge Decoding, method ``via-judge``): where the full target decides
+(δ2 = 1), a draft token the acceptance test rejects is still kept when the judge head, read
+off the same full pass, accepts it (a per-position OR gate at the full-verifier tier).
 In greedy mode each tier's distribution is the one-hot of its argmax.
 """
 
@@ -47,7 +51,8 @@ def via_mixture(draft: torch.Tensor, slim: torch.Tensor, target: torch.Tensor | 
 class ViaRule(VerificationRule):
     name = "via"
 
-    def __init__(self, alpha1: float = 0.5, alpha2: float = 0.3, max_target_lag: int = 20, force_full: bool = False):
+    def __init__(self, alpha1: float = 0.5, alpha2: float = 0.3, max_target_lag: int = 20, force_full: bool = False,
+                 judge=None, judge_threshold: float | None = None):
         for name, value in (("alpha1", alpha1), ("alpha2", alpha2)):
             if not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
@@ -56,6 +61,8 @@ class ViaRule(VerificationRule):
         self.alpha1, self.alpha2 = alpha1, alpha2
         self.max_target_lag = max_target_lag
         self.force_full = force_full
+        self.judge = judge
+        self.judge_threshold = None if judge is None else (judge.threshold if judge_threshold is None else judge_threshold)
 
     def verify(self, verifiers, proposal, sampling, generator) -> Verdict:
         k = len(proposal)
@@ -68,14 +75,26 @@ class ViaRule(VerificationRule):
         p = draft_rows(proposal, vocab)  # [k, V]; one-hot rows in greedy mode
         slim = logits_to_probs(slim_logits, sampling)  # [k+1, V]
         target = None
+        judge_ok = None
+
+        def full_pass():
+            nonlocal judge_ok
+            if self.judge is None:
+                return logits_to_probs(verifiers.target_logits(tokens), sampling)
+            from .judge import judge_accepts
+
+            logits, hidden = verifiers.target_logits(tokens, with_hidden=True)
+            judge_ok = judge_accepts(self.judge, self.judge_threshold, hidden, logits, tokens)
+            return logits_to_probs(logits, sampling)
+
         # The cycle commits up to k+1 tokens: catch up now if they could push the lag past the cap.
         if verifiers.target_lag + k + 1 > self.max_target_lag:
-            target = logits_to_probs(verifiers.target_logits(tokens), sampling)
+            target = full_pass()
         coins = uniforms(k, generator)
         deciders: list[str] = []
         for i in range(k + 1):
             if delta2[i] and target is None:
-                target = logits_to_probs(verifiers.target_logits(tokens), sampling)  # [k+1, V]
+                target = full_pass()  # [k+1, V]
             tier = TARGET if delta2[i] else SLIM
             if i == k:  # bonus: no draft here, δ1 = 1
                 pi = via_mixture(None, slim[k], None if target is None else target[k], True, bool(delta2[k]))
@@ -84,6 +103,9 @@ class ViaRule(VerificationRule):
             x = int(tokens[i])
             if coins[i] < acceptance_probability(p[i, x], pi[x]):
                 deciders.append(TARGET if delta2[i] else DRAFTER)
+                continue
+            if delta2[i] and judge_ok is not None and judge_ok[i]:
+                deciders.append("judge")
                 continue
             return Verdict(i, sample(residual_distribution(pi, p[i]), generator), deciders + [tier])
         raise AssertionError("unreachable")

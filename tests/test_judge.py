@@ -1,0 +1,168 @@
+"""Judge decoding: labels, training, the head file, and the κ = max(κ_SD, κ_J) rule."""
+
+import random
+
+import pytest
+import torch
+
+from tierspec.decode import DecodeConfig, decode
+from tierspec.drafters import ModelDrafter, Proposal
+from tierspec.judge.data import clean_solution, plant_error, token_labels
+from tierspec.judge.head import JudgeHead, JudgeHeadError
+from tierspec.judge.train import auroc, choose_threshold, train_head
+from tierspec.models import CachedModel, ModelIdentity
+from tierspec.rules import ExactRule
+from tierspec.rules.judge import JudgeRule, judge_block
+from tierspec.sampling import SamplingConfig
+
+
+# ---- data and labels -------------------------------------------------------------------------
+
+def test_labels_on_a_hand_made_example():
+    response = "5 + 7 = 13\nso 13 apples"
+    # a wrong copy says 14: the first wrong character is the '4' at offset 9
+    offsets = [(0, 1), (1, 3), (3, 5), (5, 7), (7, 8), (8, 9), (9, 10), (10, 11), (11, 13), (13, 16)]
+    assert token_labels(offsets, 9) == [1, 1, 1, 1, 1, 1, 0, None, None, None]
+    assert token_labels(offsets, None) == [1] * 10
+    assert token_labels(offsets, 0) == [0] + [None] * 9
+
+
+def test_planted_error_changes_a_reused_result_and_points_at_the_first_wrong_character():
+    solution = clean_solution("He has 3 * 4 = <<3*4=12>>12 eggs.\nThen 12 + 5 = <<12+5=17>>17.\n#### 17")
+    assert solution == "He has 3 * 4 = 12 eggs.\nThen 12 + 5 = 17.\nThe answer is 17."
+    wrong, offset = plant_error(solution, random.Random(0))
+    assert wrong != solution
+    assert wrong[:offset] == solution[:offset] and wrong[offset] != solution[offset]
+    # an intermediate result that a later line reuses was changed; the later lines were not
+    assert wrong.endswith("The answer is 17.")
+    for seed in range(20):
+        wrong, offset = plant_error(solution, random.Random(seed))
+        changed_line = wrong[: wrong.index("\n", offset)].split("\n")[-1]
+        assert changed_line in ("He has 3 * 4 = " + changed_line.split("= ")[-1], "Then 12 + 5 = " + changed_line.split("= ")[-1])
+
+
+# ---- training -----------------------------------------------------------------------------------
+
+def imbalanced(seed, n_pos=2000, n_neg=100, dim=8, shift=1.5):
+    g = torch.Generator().manual_seed(seed)
+    direction = torch.zeros(dim)
+    direction[0] = 1.0
+    pos = torch.randn(n_pos, dim, generator=g) + shift * direction
+    neg = torch.randn(n_neg, dim, generator=g) - shift * direction
+    x = torch.cat([pos, neg])
+    y = torch.cat([torch.ones(n_pos), torch.zeros(n_neg)])
+    return x, y
+
+
+def test_training_recovers_a_planted_separator():
+    x, y = imbalanced(0)
+    vx, vy = imbalanced(1)
+    weight, bias, mean, std, _ = train_head(x, y, vx, vy, lr=1e-2, max_epochs=30)
+    head = JudgeHead(weight, bias, mean, std, "hidden", 0.5)
+    assert auroc(vy.numpy(), head.probability(vx).numpy()) > 0.95
+    assert weight[0] > 5 * weight[1:].abs().max()  # the planted direction carries the weight
+
+
+def test_class_weights_matter_on_a_20_to_1_imbalance():
+    x, y = imbalanced(2, shift=0.8)
+    vx, vy = imbalanced(3, shift=0.8)
+
+    def negative_recall(weighted):
+        weight, bias, mean, std, _ = train_head(x, y, vx, vy, weighted=weighted, lr=1e-2, max_epochs=30)
+        head = JudgeHead(weight, bias, mean, std, "hidden", 0.5)
+        return float((head.probability(vx[vy == 0]) < 0.5).float().mean())
+
+    assert negative_recall(True) > 0.7
+    assert negative_recall(False) < 0.3
+
+
+def test_threshold_caps_the_share_of_accepted_mistakes():
+    scores = [0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.05]
+    threshold = choose_threshold(scores, 0.2)
+    assert sum(s >= threshold for s in scores) == 2
+
+
+# ---- the head file ------------------------------------------------------------------------------
+
+def test_head_round_trip_and_refusal_on_another_model(tmp_path):
+    identity = ModelIdentity("tiny", 4, 32, 64, "a" * 64)
+    head = JudgeHead(torch.randn(34), 0.3, torch.zeros(34), torch.ones(34), "hidden+logprob", 0.7, identity, {"validation": {"auroc_all": 0.9}})
+    head.save(tmp_path / "head.safetensors")
+    loaded = JudgeHead.load(tmp_path / "head.safetensors", identity)
+    assert torch.equal(loaded.weight, head.weight) and loaded.threshold == 0.7 and loaded.kind == "hidden+logprob"
+    with pytest.raises(JudgeHeadError, match="trained on 'tiny' \\(hidden 32\\), not on 'smollm2-135m' \\(hidden 576\\)"):
+        JudgeHead.load(tmp_path / "head.safetensors", ModelIdentity("smollm2-135m", 30, 576, 49152, "b" * 64))
+    (tmp_path / "bad.safetensors").write_bytes(b"garbage")
+    (tmp_path / "bad.json").write_text("{}")
+    with pytest.raises(JudgeHeadError, match="cannot read judge head"):
+        JudgeHead.load(tmp_path / "bad.safetensors")
+
+
+# ---- the rule -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "sd, judge, expected",
+    [
+        ([1, 1, 0, 1], [0, 0, 0, 0], (2, 0, 2)),  # plain SD
+        ([1, 0, 0, 0], [1, 1, 1, 0], (1, 3, 3)),  # judge rescues two more
+        ([1, 1, 1, 1], [0, 1, 1, 1], (4, 0, 4)),
+        ([0, 1, 1, 1], [0, 1, 1, 1], (0, 0, 0)),  # neither accepts the first: nothing kept
+    ],
+)
+def test_kappa_is_the_longer_leading_run(sd, judge, expected):
+    assert judge_block(torch.tensor(sd, dtype=torch.bool), torch.tensor(judge, dtype=torch.bool)) == expected
+
+
+class StubVerifiers:
+    def __init__(self, logits, hidden):
+        self.logits, self.hidden = logits, hidden
+
+    def target_logits(self, tokens, with_hidden=False):
+        return (self.logits, self.hidden) if with_hidden else self.logits
+
+
+def sign_head(threshold=0.5):
+    """Judge probability = sigmoid(h[0]): accepts where the planted hidden value is positive."""
+    return JudgeHead(torch.tensor([1.0, 0.0]), 0.0, torch.zeros(2), torch.ones(2), "hidden", threshold)
+
+
+def greedy_block(draft, argmax, judge_signs):
+    vocab = 6
+    logits = torch.full((len(draft) + 1, vocab), -5.0)
+    logits[torch.arange(len(draft) + 1), torch.tensor(argmax)] = 5.0
+    hidden = torch.zeros(len(draft) + 1, 2)
+    hidden[1:, 0] = torch.tensor(judge_signs, dtype=torch.float)  # row i+1 is draft token i's position
+    verdict = JudgeRule(sign_head()).verify(StubVerifiers(logits, hidden), Proposal(torch.tensor(draft)), SamplingConfig(), None)
+    return verdict.accepted, verdict.next_token
+
+
+def test_greedy_judge_blocks_and_correction_token():
+    # argmax q per position: 1, 2, 3, 4 (the last is the bonus position)
+    assert greedy_block([1, 5, 3], [1, 2, 3, 4], [-1, -1, -1]) == (1, 2)  # SD only: correction argmax
+    assert greedy_block([1, 5, 3], [1, 2, 3, 4], [1, 1, -1]) == (2, 3)  # judge keeps 5; x3 = argmax → emitted
+    assert greedy_block([1, 5, 5], [1, 2, 3, 4], [1, 1, -1]) == (2, 3)  # x3 rejected by both: argmax q there
+    assert greedy_block([0, 5, 5], [1, 2, 3, 4], [1, 1, 1]) == (3, 4)  # judge keeps all: bonus
+    assert greedy_block([1, 2, 3], [1, 2, 3, 4], [-1, -1, -1]) == (3, 4)
+
+
+def run(target, drafter_model, rule, prompt, temperature, seed):
+    config = DecodeConfig(max_new_tokens=30, num_draft=4, sampling=SamplingConfig(temperature))
+    out = []
+    generator = torch.Generator().manual_seed(seed)
+    for step in decode(CachedModel(target.model), ModelDrafter(drafter_model.model), rule, prompt, config, generator):
+        out.extend(step.new_tokens)
+    return out
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_threshold_one_reproduces_sd_exactly(tiny_target, tiny_drafter, prompt_ids, temperature):
+    head = JudgeHead(torch.randn(32, generator=torch.Generator().manual_seed(0)), 5.0, torch.zeros(32), torch.ones(32), "hidden", 1.0)
+    judged = run(tiny_target, tiny_drafter, JudgeRule(head, 1.0), prompt_ids, temperature, seed=3)
+    assert judged == run(tiny_target, tiny_drafter, ExactRule(), prompt_ids, temperature, seed=3)
+
+
+def test_a_judge_that_accepts_everything_keeps_every_draft(tiny_target, tiny_drafter, prompt_ids):
+    head = JudgeHead(torch.zeros(32), 10.0, torch.zeros(32), torch.ones(32), "hidden", 0.5)
+    config = DecodeConfig(max_new_tokens=20, num_draft=4)
+    for step in decode(CachedModel(tiny_target.model), ModelDrafter(tiny_drafter.model), JudgeRule(head), prompt_ids, config):
+        assert step.cycle.accepted == step.cycle.drafted

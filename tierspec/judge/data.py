@@ -1,0 +1,132 @@
+"""Judge data: the JSONL format, an offline builder from GSM8K train, and token labels.
+
+Format, one JSON object a line::
+
+    {"id": "gsm8k-17-wrong", "prompt": "...", "response": "...", "mistake_offset": 123, "split": "train"}
+
+``mistake_offset`` is the character offset in ``response`` of the first wrong character, or
+null for a correct response. Token labels (Judge Decoding §4): tokens of a correct response
+and tokens before the mistake are positive (1), the token holding the first wrong character
+is negative (0), later tokens are dropped (None).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..data import gsm8k_prompt
+from ..routing import atomic_write_text
+
+_CALCULATOR = re.compile(r"<<[^>]*>>")
+_RESULT = re.compile(r"=\s*\$?(-?\d[\d,]*(?:\.\d+)?)")
+
+
+class JudgeDataError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class JudgeExample:
+    id: str
+    prompt: str
+    response: str
+    mistake_offset: int | None
+    split: str = "train"
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__)
+
+
+def clean_solution(answer: str) -> str:
+    """GSM8K reference → natural text: calculator annotations removed, '#### N' spelled out."""
+    text = _CALCULATOR.sub("", answer)
+    body, _, final = text.rpartition("####")
+    return f"{body.strip()}\nThe answer is {final.strip()}." if body else text.strip()
+
+
+def plant_error(solution: str, rng: random.Random) -> tuple[str, int] | None:
+    """Change one intermediate result ('= N') that a later line reuses, when there is one (else
+    the first); return the wrong solution and the offset of its first wrong character."""
+    results = list(_RESULT.finditer(solution))
+    if not results:
+        return None
+    reused = [m for m in results if m.group(1) in solution[m.end():]]
+    match = rng.choice(reused) if reused else results[0]
+    original = match.group(1)
+    value = float(original.replace(",", ""))
+    for _ in range(20):
+        delta = rng.choice([-3, -2, -1, 1, 2, 3, 4, 5, 10])
+        changed = value * 2 if rng.random() < 0.2 else value + delta
+        new = str(int(changed)) if float(changed).is_integer() and "." not in original else f"{changed:g}"
+        if new != original.replace(",", "") and not new.startswith("-"):
+            break
+    else:
+        return None
+    start, end = match.span(1)
+    wrong = solution[:start] + new + solution[end:]
+    first_diff = next((i for i, (a, b) in enumerate(zip(original, new)) if a != b), min(len(original), len(new)))
+    return wrong, start + first_diff
+
+
+def build_gsm8k_judge_data(train_path: Path, out: Path, count: int = 500, val_fraction: float = 0.2, seed: int = 0) -> dict:
+    """Write ``count`` problems as a correct and a wrong response each (JSONL, atomically)."""
+    rows = [json.loads(line) for line in Path(train_path).read_text().splitlines() if line.strip()]
+    rng = random.Random(seed)
+    chosen = rng.sample(range(len(rows)), min(count, len(rows)))
+    n_val = max(1, round(len(chosen) * val_fraction))
+    examples = []
+    for rank, index in enumerate(chosen):
+        row = rows[index]
+        split = "val" if rank < n_val else "train"
+        correct = clean_solution(row["answer"])
+        planted = plant_error(correct, random.Random(f"{seed}-{index}"))
+        if planted is None:
+            continue
+        prompt = gsm8k_prompt(row["question"])
+        examples.append(JudgeExample(f"gsm8k-{index}-correct", prompt, correct, None, split))
+        examples.append(JudgeExample(f"gsm8k-{index}-wrong", prompt, planted[0], planted[1], split))
+    text = "\n".join(e.to_json() for e in examples) + "\n"
+    atomic_write_text(Path(out), text)
+    return {"examples": len(examples), "val": sum(e.split == "val" for e in examples), "sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def read_judge_data(path: Path) -> list[JudgeExample]:
+    examples = []
+    for number, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            example = JudgeExample(str(record["id"]), record["prompt"], record["response"], record.get("mistake_offset"),
+                                   record.get("split", "train"))
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise JudgeDataError(f"{path}:{number}: not a judge record ({error})") from None
+        if example.mistake_offset is not None and not 0 <= example.mistake_offset < len(example.response):
+            raise JudgeDataError(f"{path}:{number}: mistake_offset {example.mistake_offset} is outside the response")
+        examples.append(example)
+    if not examples:
+        raise JudgeDataError(f"{path} holds no judge record")
+    return examples
+
+
+def token_labels(offsets: list[tuple[int, int]], mistake_offset: int | None) -> list[int | None]:
+    """Labels for response tokens with character spans ``offsets``: 1 before the mistake,
+    0 for the token holding the first wrong character, None after it."""
+    labels: list[int | None] = []
+    seen_mistake = False
+    for start, end in offsets:
+        if mistake_offset is None:
+            labels.append(1)
+        elif seen_mistake:
+            labels.append(None)
+        elif end <= mistake_offset:
+            labels.append(1)
+        else:
+            labels.append(0)
+            seen_mistake = True
+    return labels
