@@ -294,6 +294,7 @@ def decode(
                 seconds=time.perf_counter() - started,
                 deciders=verdict.deciders[: len(new_tokens)],
             )
+            drafter.observe(cycle)
             yield Step(new_tokens, cycle, finished)
             if finished:
                 return

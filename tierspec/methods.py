@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, check_vocabularies
+from .drafters.adaptive import CostAwareDrafter
 from .drafters.cascade import CascadeDrafter
 from .drafters.self_spec import SelfSpeculativeDrafter
 from .drafters.swift import SwiftDrafter
@@ -177,10 +178,23 @@ def _via_judge(target, drafter_model, options) -> Method:
     return method
 
 
+def _adaptive_pld(target, drafter_model, options) -> Method:
+    return Method("adaptive-pld", CostAwareDrafter(NgramDrafter(options.ngram_size), max(options.num_draft, 1)), ExactRule(),
+                  "lossless prompt lookup with a cost-aware draft length (expected tokens per second, learned online)")
+
+
+def _adaptive_sd(target, drafter_model, options) -> Method:
+    inner = _sd(target, drafter_model, options).drafter
+    return Method("adaptive-sd", CostAwareDrafter(inner, max(options.num_draft, 1)), ExactRule(),
+                  "lossless speculative decoding with a drafter model and a cost-aware draft length")
+
+
 _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], Method]] = {
     "ar": _ar,
     "sd": _sd,
     "pld": _pld,
+    "adaptive-pld": _adaptive_pld,
+    "adaptive-sd": _adaptive_sd,
     "self": _self,
     "swift": _swift,
     "lossy": _lossy,

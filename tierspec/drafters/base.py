@@ -61,6 +61,10 @@ class Drafter:
     def commit(self, committed_length: int) -> None:
         pass
 
+    def observe(self, cycle) -> None:
+        """Called with each cycle's statistics (CycleStats) after the commit; drafters that
+        adapt (e.g. their draft length) learn from it."""
+
 
 class NoDrafter(Drafter):
     """Proposes nothing: with any rule the loop then emits one target token per cycle,

@@ -21,6 +21,7 @@ class NgramDrafter(Drafter):
         self.min_ngram_size = min_ngram_size
         self.max_draft = max_draft
         self.calls = 0
+        self.last_match_size = 0  # n-gram size of the latest lookup's match (0: none)
 
     def lookup(self, context: np.ndarray, num_tokens: int) -> np.ndarray:
         """The continuation [≤ num_tokens] of the latest earlier match of a suffix of ``context``."""
@@ -32,7 +33,9 @@ class NgramDrafter(Drafter):
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n
+                self.last_match_size = n
                 return context[start : start + num_tokens]
+        self.last_match_size = 0
         return context[:0]
 
     def propose(self, context, num_tokens, sampling, generator) -> Proposal:

@@ -1,0 +1,108 @@
+"""Cost-aware draft length: the choice rule on hand-computed cases, the cost fit, losslessness."""
+
+import pytest
+import torch
+
+from tierspec.decode import DecodeConfig, decode
+from tierspec.drafters import NgramDrafter, NoDrafter
+from tierspec.drafters.adaptive import (AcceptanceEstimate, CostAwareDrafter, CycleCostModel, best_draft_length,
+                                        expected_tokens)
+from tierspec.models import CachedModel
+from tierspec.rules import ExactRule
+
+
+def test_expected_tokens_geometric():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def cost(k):  # the DESIGN's measured verification cost, ms
+    return 46 + 7 * k
+
+
+@pytest.mark.parametrize("alpha, expected", [(0.1, 0), (0.3, 1), (0.6, 2), (0.8, 5), (0.95, 10)])
+def test_best_draft_length_under_the_design_cost_model(alpha, expected):
+    # brute force over the same objective, written out
+    rates = [expected_tokens(alpha, k) / cost(k) for k in range(11)]
+    assert best_draft_length(alpha, cost, 10) == rates.index(max(rates)) == expected
+
+
+def test_cost_model_fits_a_line():
+    model = CycleCostModel(decay=1.0, prior_weight=0.01)
+    for _ in range(20):
+        for k, t in [(0, 0.046), (2, 0.060), (5, 0.081)]:
+            model.observe(k, t)
+    a, b = model.coefficients()
+    assert a == pytest.approx(0.046, abs=1e-3) and b == pytest.approx(0.007, abs=5e-4)
+
+
+def test_one_noisy_spike_does_not_poison_the_slope():
+    model = CycleCostModel()
+    for _ in range(10):
+        model.observe(0, 0.046)
+    model.observe(2, 0.5)  # the machine stalled once
+    assert model(2) < 0.046 * 2
+
+
+def test_cost_model_prior_with_one_length():
+    model = CycleCostModel(prior_ratio=0.15)
+    model.observe(0, 0.05)
+    assert model(0) == pytest.approx(0.05) and model(4) == pytest.approx(0.05 * 1.6)
+
+
+def test_acceptance_estimate_learns_and_forgets():
+    estimate = AcceptanceEstimate(decay=1.0, idle_decay=0.5)
+    assert estimate.alpha == 0.5
+    for _ in range(10):
+        estimate.observe(4, 4)  # all accepted
+    assert estimate.alpha > 0.95
+    for _ in range(20):
+        estimate.idle()
+    assert abs(estimate.alpha - 0.5) < 0.05  # back to the prior
+
+
+def run(target, drafter, prompt, max_new=60):
+    out = []
+    for step in decode(CachedModel(target.model), drafter, ExactRule(), prompt, DecodeConfig(max_new_tokens=max_new, num_draft=8)):
+        out.extend(step.new_tokens)
+    return out
+
+
+def test_adaptive_pld_is_lossless(tiny_target, prompt_ids):
+    reference = run(tiny_target, NoDrafter(), prompt_ids)
+    drafter = CostAwareDrafter(NgramDrafter(3), max_draft=8)
+    for _ in range(3):  # estimates carry over between generations; output never changes
+        assert run(tiny_target, drafter, prompt_ids) == reference
+
+
+def test_adaptive_drafts_long_where_drafts_keep_being_right(tiny_target, prompt_ids):
+    """The target drafting for itself is always right: the chosen draft length must grow to the
+    cap (under the DESIGN's cost model: timing on a shared test machine would make the test
+    about the machine)."""
+    from tierspec.drafters import ModelDrafter
+
+    drafter = CostAwareDrafter(ModelDrafter(tiny_target.model), max_draft=6, cost=cost)
+    lengths = []
+    config = DecodeConfig(max_new_tokens=80, num_draft=6)
+    for step in decode(CachedModel(tiny_target.model), drafter, ExactRule(), prompt_ids, config):
+        assert step.cycle.accepted == step.cycle.drafted
+        lengths.append(step.cycle.drafted)
+    assert lengths[0] == 2  # the Beta(1, 1) prior, α = ½, under 46 + 7k ms
+    assert lengths[-4:-1] == [6, 6, 6]
+
+
+def test_adaptive_stops_drafting_where_lookup_is_always_wrong(tiny_target, prompt_ids, reference_wrong_drafts=None):
+    """A drafter whose proposals are always rejected ends up drafting nothing."""
+    from tierspec.drafters.base import Drafter, Proposal
+
+    class Wrong(Drafter):
+        def propose(self, context, num_tokens, sampling, generator):
+            return Proposal(torch.full((num_tokens,), 63, dtype=torch.long))
+
+    drafter = CostAwareDrafter(Wrong(), max_draft=6, cost=cost)
+    lengths = []
+    config = DecodeConfig(max_new_tokens=60, num_draft=6)
+    for step in decode(CachedModel(tiny_target.model), drafter, ExactRule(), prompt_ids, config):
+        lengths.append(step.cycle.drafted)
+    assert lengths[-10:] == [0] * 10
