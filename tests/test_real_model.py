@@ -59,3 +59,47 @@ def test_cli_streams_text_and_stats(smollm, capsys):
 def test_empty_text_prompt_is_refused(smollm):
     with pytest.raises(tierspec.PromptError, match="the prompt is empty"):
         tierspec.generate("   ", target=smollm)
+
+
+# ---- every greedy method at its neutral (lossless) setting reproduces ar on the real model -----
+
+def _mask(smollm):
+    from tierspec.routing import RoutingMask
+
+    return RoutingMask.from_units(30, "sublayer", [("mlp", 10), ("attn", 15), ("mlp", 20), ("attn", 25)], model=smollm.identity)
+
+
+@pytest.mark.parametrize(
+    "method, options",
+    [
+        ("self", {"confidence_threshold": 0.0}),
+        ("adaptive-pld", {}),
+        ("lossy", {"alpha": 0.0, "beta": 1.0}),
+        ("cascade", {"deferral": "always"}),
+        ("csd", {}),
+    ],
+)
+def test_neutral_and_lossless_methods_match_ar(smollm, ar_output, method, options):
+    from tierspec.methods import MethodOptions
+
+    opts = MethodOptions(mask=_mask(smollm), **options)
+    out = tierspec.generate(PROMPT, target=smollm, method=method, max_new_tokens=64, options=opts)
+    assert out.token_ids == ar_output.token_ids
+
+
+def test_via_with_delta2_forced_to_one_matches_ar(smollm, ar_output):
+    """VIA-SD with α1 = α2 = 0 and δ2 forced to 1 is exact speculative decoding (§3.6)."""
+    from tierspec.api import encode_prompt, eos_ids
+    from tierspec.decode import DecodeConfig, Verifiers, decode
+    from tierspec.drafters import NgramDrafter
+    from tierspec.models import CachedModel
+    from tierspec.rules.via import ViaRule
+
+    runner = CachedModel(smollm.model)
+    verifiers = Verifiers(runner, _mask(smollm))
+    tokens = []
+    config = DecodeConfig(max_new_tokens=64, num_draft=5, eos_token_ids=eos_ids(smollm))
+    rule = ViaRule(0.0, 0.0, max_target_lag=20, force_full=True)
+    for step in decode(runner, NgramDrafter(3), rule, encode_prompt(smollm, PROMPT), config, None, verifiers):
+        tokens.extend(step.new_tokens)
+    assert tokens == ar_output.token_ids
