@@ -232,6 +232,58 @@ def wrap_model(model: torch.nn.Module, tokenizer=None, name: str = "") -> Loaded
     return _loaded(model, tokenizer, name or type(model).__name__, "")
 
 
+def _growing_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        """One layer's KV in a buffer grown by doubling: appending writes in place instead of
+        concatenating the whole cache every step, and a rollback only moves the length."""
+
+        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+            self.device = key_states.device
+            self.length = 0
+            self._keys = self._values = None
+            self.is_initialized = True
+
+        def _reserve(self, end: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+            capacity = 0 if self._keys is None else self._keys.shape[-2]
+            if end <= capacity:
+                return
+            capacity = max(256, end, 2 * capacity)
+            new_keys = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])
+            new_values = values.new_empty(*values.shape[:-2], capacity, values.shape[-1])
+            if self.length:
+                new_keys[..., : self.length, :] = self._keys[..., : self.length, :]
+                new_values[..., : self.length, :] = self._values[..., : self.length, :]
+            self._keys, self._values = new_keys, new_values
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            self._reserve(end, key_states, value_states)
+            self._keys[..., self.length : end, :] = key_states
+            self._values[..., self.length : end, :] = value_states
+            self.length = end
+            self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.length if self.is_initialized else 0
+
+        def trim(self, length: int) -> None:
+            if self.is_initialized and length < self.length:
+                self.length = length
+                self.keys, self.values = self._keys[..., :length, :], self._values[..., :length, :]
+
+        def reset(self) -> None:
+            self.keys = self.values = self._keys = self._values = None
+            self.length = 0
+            self.is_initialized = False
+
+    return GrowingLayer
+
+
 class CachedModel:
     """A causal LM with its own KV cache and the number of committed tokens the cache holds.
 
@@ -245,14 +297,24 @@ class CachedModel:
 
         self.model = model
         self._cache_class = DynamicCache
-        self.cache = DynamicCache(config=model.config)
+        self._growing = _growing_layer_class()
+        self.cache = self._new_cache()
         self.length = 0
         self.calls = 0  # full forward passes since the last reset
         self.masked_calls = 0  # forward passes under a routing mask since the last reset
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
 
+    def _new_cache(self):
+        """A DynamicCache whose plain (non-sliding) layers append in place; see GrowingLayer."""
+        from transformers.cache_utils import DynamicLayer
+
+        cache = self._cache_class(config=self.model.config)
+        if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
+            cache.layers = [self._growing() for _ in cache.layers]
+        return cache
+
     def reset(self) -> None:
-        self.cache = self._cache_class(config=self.model.config)
+        self.cache = self._new_cache()
         self.length = 0
         self.calls = 0
         self.masked_calls = 0
@@ -304,6 +366,9 @@ class CachedModel:
         if length > self.length:
             raise ValueError(f"cannot roll back to {length}: the cache holds only {self.length} positions")
         for layer in self.cache.layers:
+            if hasattr(layer, "trim"):
+                layer.trim(length)
+                continue
             keys = getattr(layer, "keys", None)
             if keys is not None and keys.dim() == 4 and keys.shape[-2] > length:
                 layer.keys = keys[..., :length, :]
