@@ -106,3 +106,31 @@ def test_adaptive_stops_drafting_where_lookup_is_always_wrong(tiny_target, promp
     for step in decode(CachedModel(tiny_target.model), drafter, ExactRule(), prompt_ids, config):
         lengths.append(step.cycle.drafted)
     assert lengths[-10:] == [0] * 10
+
+
+def test_padded_verification_is_lossless_and_keeps_the_cache_invariant(tiny_target, prompt_ids):
+    """Passes padded to a cheaper size (here 2–5 tokens → 6; on the default model 2–3 → 4+)
+    give the same greedy text, and the padding never survives a commit."""
+    from tierspec.costs import ForwardCosts
+    from tierspec.decode import Verifiers
+
+    table = ForwardCosts({1: 0.057, 2: 0.092, 3: 0.116, 4: 0.088, 5: 0.090, 6: 0.085})
+    assert [table.padded_size(n) for n in range(1, 8)] == [1, 6, 6, 6, 6, 6, 7]  # 6 rows are the cheapest
+    assert table.cost(2) == 0.085 and table.cost(7) > table.cost(6)
+    reference = run(tiny_target, NoDrafter(), prompt_ids)
+    runner = CachedModel(tiny_target.model)
+    verifiers = Verifiers(runner, forward_costs=table)
+    out, committed = [], len(prompt_ids)
+    config = DecodeConfig(max_new_tokens=60, num_draft=3)
+    for step in decode(runner, NgramDrafter(3), ExactRule(), prompt_ids, config, None, verifiers):
+        out.extend(step.new_tokens)
+        committed += len(step.new_tokens)
+        assert runner.length == committed - 1 and set(runner.layer_lengths()) == {committed - 1}
+    assert out == reference
+
+
+def test_cost_model_with_a_measured_prior_scales_it():
+    model = CycleCostModel(prior=lambda k: [0.057, 0.088, 0.088, 0.088][k], decay=1.0)
+    for _ in range(10):
+        model.observe(0, 0.114)  # this machine is twice as slow as the table
+    assert model(3) == pytest.approx(2 * 0.088, rel=0.05)

@@ -90,7 +90,7 @@ def stream(
     prompt_ids = encode_prompt(target, prompt, chat_template)
     config = DecodeConfig(
         max_new_tokens=max_new_tokens,
-        num_draft=num_draft,
+        num_draft=built.num_draft or num_draft,
         sampling=SamplingConfig(temperature, top_k, top_p),
         eos_token_ids=eos_ids(target),
     )
@@ -101,7 +101,7 @@ def stream(
     shown = ""
     started = time.perf_counter()
     runner = CachedModel(target.model)
-    verifiers = Verifiers(runner, slim_mask=built.slim_mask)
+    verifiers = Verifiers(runner, slim_mask=built.slim_mask, forward_costs=built.forward_costs)
     for step in decode(runner, built.drafter, built.rule, prompt_ids, config, generator, verifiers):
         stats.add(step.cycle)
         token_ids.extend(step.new_tokens)

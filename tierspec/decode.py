@@ -134,9 +134,13 @@ class Verifiers:
     §3.6). A full pass first drops that slim KV and re-processes those tokens in one go.
     """
 
-    def __init__(self, target: CachedModel, slim_mask=None):
+    def __init__(self, target: CachedModel, slim_mask=None, forward_costs=None):
+        """``forward_costs`` (a ``costs.ForwardCosts``): pad each pass to the cheapest measured
+        size at least as long (extra rows repeat the last token; their outputs are dropped and
+        their KV rolled back with the rest of the uncommitted block)."""
         self.target = target
         self.slim_mask = slim_mask
+        self.forward_costs = forward_costs
         self.context = torch.empty(0, dtype=torch.long)
         self.vocab_size = target.vocab_size
         self.full_length = 0
@@ -169,9 +173,18 @@ class Verifiers:
             self.target.rollback(self.full_length)  # drop slim-only KV; recomputed in this pass
         pending = self.context[self.full_length :]
         k = int(draft_tokens.shape[0])
-        result = self.target.forward(torch.cat([pending, draft_tokens]), logits_for=k + 1, with_hidden=with_hidden)
+        tokens, pad = self._padded(torch.cat([pending, draft_tokens]))
+        result = self.target.forward(tokens, logits_for=k + 1 + pad, with_hidden=with_hidden)
         self.full_length = self.target.length
+        if pad:
+            result = tuple(r[: k + 1] for r in result) if with_hidden else result[: k + 1]
         return result
+
+    def _padded(self, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
+        if self.forward_costs is None or len(tokens) < 2:
+            return tokens, 0
+        pad = self.forward_costs.padded_size(len(tokens)) - len(tokens)
+        return (torch.cat([tokens, tokens[-1:].expand(pad)]), pad) if pad else (tokens, 0)
 
     def slim_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
         """Slim-verifier logits [k+1, V] (the target under ``slim_mask``), same layout."""
@@ -179,9 +192,10 @@ class Verifiers:
             raise ValueError("this generation has no slim verifier (no routing mask was given)")
         pending = self.context[self.target.length :]
         k = int(draft_tokens.shape[0])
-        logits = self.target.forward(torch.cat([pending, draft_tokens]), logits_for=k + 1, mask=self.slim_mask)
+        tokens, pad = self._padded(torch.cat([pending, draft_tokens]))
+        logits = self.target.forward(tokens, logits_for=k + 1 + pad, mask=self.slim_mask)
         self.slim_calls += 1
-        return logits
+        return logits[: k + 1]
 
     def rollback(self, committed_length: int) -> None:
         """Trim every cache to the committed tokens it has processed (the last committed token

@@ -42,6 +42,7 @@ class MethodOptions:
     max_target_lag: int | None = None  # VIA-SD lag cap (default 4γ)
     csd_model_positions: int = 3  # CS Drafting: positions drafted by the model (horizontal cascade)
     csd_inner_draft: int = 3  # CS Drafting: n-gram guesses the drafter model reviews per pass
+    adaptive_max_draft: int = 10  # adaptive-*: the longest draft considered
     judge_head: object | None = None  # a JudgeHead (judge, via-judge)
     judge_threshold: float | None = None  # δ (default: the head's own threshold)
 
@@ -53,6 +54,8 @@ class Method:
     rule: VerificationRule
     description: str
     slim_mask: RoutingMask | None = None  # VIA-SD's slim verifier
+    forward_costs: object | None = None  # costs.ForwardCosts: pad verification passes to cheap sizes
+    num_draft: int | None = None  # the method's own cap on the draft length (adaptive methods)
 
 
 def _ar(target, drafter_model, options) -> Method:
@@ -178,15 +181,23 @@ def _via_judge(target, drafter_model, options) -> Method:
     return method
 
 
+def _adaptive(name: str, inner: Drafter, target: LoadedModel, options: MethodOptions, description: str) -> Method:
+    from .costs import forward_costs
+
+    cap = max(options.adaptive_max_draft, 1)
+    table = forward_costs(target, max_tokens=cap + 1)
+    return Method(name, CostAwareDrafter(inner, cap, forward_costs=table), ExactRule(), description,
+                  forward_costs=table, num_draft=cap)
+
+
 def _adaptive_pld(target, drafter_model, options) -> Method:
-    return Method("adaptive-pld", CostAwareDrafter(NgramDrafter(options.ngram_size), max(options.num_draft, 1)), ExactRule(),
-                  "lossless prompt lookup with a cost-aware draft length (expected tokens per second, learned online)")
+    return _adaptive("adaptive-pld", NgramDrafter(options.ngram_size), target, options,
+                     "lossless prompt lookup with a cost-aware draft length (measured pass costs, acceptance learned online)")
 
 
 def _adaptive_sd(target, drafter_model, options) -> Method:
-    inner = _sd(target, drafter_model, options).drafter
-    return Method("adaptive-sd", CostAwareDrafter(inner, max(options.num_draft, 1)), ExactRule(),
-                  "lossless speculative decoding with a drafter model and a cost-aware draft length")
+    return _adaptive("adaptive-sd", _sd(target, drafter_model, options).drafter, target, options,
+                     "lossless speculative decoding with a drafter model and a cost-aware draft length")
 
 
 _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], Method]] = {

@@ -86,6 +86,10 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
 def _convert(key: str, value: str, target: LoadedModel):
     if key in ("mask", "draft_mask"):
         return RoutingMask.load(value, target.identity)
+    if key == "judge_head":
+        from ..judge.head import JudgeHead
+
+        return JudgeHead.load(value, target.identity)
     kind = _OPTION_FIELDS[key].type
     if "float" in str(kind):
         return None if value.lower() == "none" else float(value)
@@ -138,8 +142,8 @@ class MethodRunner:
         if self.name in HF_PEERS:
             return self._run_hf(prompt_ids, max_new_tokens, generator)
         runner = CachedModel(self.target.model)
-        verifiers = Verifiers(runner, slim_mask=self.method.slim_mask)
-        config = DecodeConfig(max_new_tokens, self.num_draft, self.sampling, self.eos)
+        verifiers = Verifiers(runner, slim_mask=self.method.slim_mask, forward_costs=self.method.forward_costs)
+        config = DecodeConfig(max_new_tokens, self.method.num_draft or self.num_draft, self.sampling, self.eos)
         stats = GenerationStats()
         tokens: list[int] = []
         started = time.perf_counter()

@@ -56,8 +56,14 @@ class CycleCostModel:
     written off on stale or noisy data is tried again.
     """
 
-    def __init__(self, decay: float = 0.95, prior_ratio: float = 0.15, prior_weight: float = 3.0):
+    def __init__(self, decay: float = 0.95, prior_ratio: float = 0.15, prior_weight: float = 3.0, prior=None):
+        """``prior``: k → seconds of the verification pass alone (a measured forward-cost
+        table, ``costs.ForwardCosts``); it is scaled online by the observed/prior ratio (which
+        absorbs drafting and loop overhead) and blended with per-k observations."""
         self.decay, self.prior_ratio, self.prior_weight = decay, prior_ratio, prior_weight
+        self.prior = prior
+        self.scale = 1.0
+        self.scale_weight = 0.0
         self.mean: dict[int, float] = {}
         self.weight: dict[int, float] = defaultdict(float)
 
@@ -67,6 +73,9 @@ class CycleCostModel:
             seconds = min(max(seconds, 0.5 * predicted), 2.0 * predicted)
         for key in self.weight:
             self.weight[key] *= self.decay
+        if self.prior is not None:
+            self.scale_weight = self.scale_weight * self.decay + 1.0
+            self.scale += (seconds / self.prior(k) - self.scale) / self.scale_weight
         w = self.weight[k]
         self.mean[k] = (self.mean.get(k, seconds) * w + seconds) / (w + 1.0)
         self.weight[k] = w + 1.0
@@ -90,8 +99,14 @@ class CycleCostModel:
         return a, b
 
     def __call__(self, k: int) -> float:
-        a, b = self.coefficients()
-        return a + b * k
+        if self.prior is None:
+            a, b = self.coefficients()
+            return a + b * k
+        base = self.prior(k) * self.scale
+        if k not in self.mean:
+            return base
+        w = self.weight[k]
+        return (self.mean[k] * w + base * self.prior_weight) / (w + self.prior_weight)
 
 
 class AcceptanceEstimate:
@@ -118,13 +133,15 @@ class AcceptanceEstimate:
 class CostAwareDrafter(Drafter):
     """Wraps a drafter and chooses its draft length per cycle (see the module docstring)."""
 
-    def __init__(self, inner: Drafter, max_draft: int = 10, cost=None):
-        """``cost``: a fixed cycle-cost function k → seconds (e.g. calibrated offline) instead
-        of the one learned from this machine's cycle times."""
+    def __init__(self, inner: Drafter, max_draft: int = 10, cost=None, forward_costs=None):
+        """``cost``: a fixed cycle-cost function k → seconds instead of the one learned from this
+        machine's cycle times. ``forward_costs``: the target's measured forward-cost table
+        (``costs.ForwardCosts``), the learned model's prior for a verification of k + 1 tokens."""
         self.inner = inner
         self.max_draft = max_draft
         self.learn_cost = cost is None
-        self.costs = CycleCostModel() if cost is None else cost
+        prior = None if forward_costs is None else (lambda k: forward_costs.cost(k + 1))
+        self.costs = CycleCostModel(prior=prior) if cost is None else cost
         self.acceptance: dict[object, AcceptanceEstimate] = defaultdict(AcceptanceEstimate)
         self._pending_key = None
         self.calls = 0
