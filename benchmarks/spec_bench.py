@@ -46,8 +46,9 @@ def main() -> None:
     parser.add_argument("--write", default=str(ROOT / "BENCHMARKS.md"))
     args = parser.parse_args()
     methods = [
-        "ar", "hf-greedy", "pld", "adaptive-pld", "sd", "adaptive-sd", "csd", f"self:mask={args.mask}", "swift",
-        "lossy:alpha=0.3:draft_with=ngram", "cascade:deferral=opt:alpha=0.3:draft_with=ngram",
+        "ar", "hf-greedy", "pld", "adaptive-pld", "sd", "csd", f"self:mask={args.mask}", "swift",
+        "lossy:alpha=0.3:draft_with=ngram",
+        f"cascade:deferral=opt:alpha=0.3:draft_with=self:draft_mask={args.draft_mask}",
         f"bild:draft_with=self:draft_mask={args.draft_mask}",
         f"via:mask={args.mask}:draft_with=ngram",
         "hf-pld", "hf-assisted", "hf-early-exit",

@@ -11,7 +11,9 @@ online estimates and picks k each cycle:
 * acceptance: a per-token acceptance probability α, modelled as geometric (each drafted token
   is accepted with probability α given the previous one was), estimated per *context* of the
   proposal — for n-gram lookup the size of the matched n-gram, a strong predictor — from
-  exponentially decayed success / failure counts with a Beta(1, 1) prior.
+  exponentially decayed success / failure counts with a Beta(1, 1) prior, and separately after
+  a fully accepted block and after a rejection (acceptance runs in streaks: a copied passage
+  tends to keep being copied).
 
 Expected tokens emitted by a block of k drafts: E(k) = (1 − α^{k+1}) / (1 − α) (the +1 is the
 correction or bonus token). The chosen k maximises E(k) / t(k), k = 0 (plain decoding)
@@ -144,11 +146,13 @@ class CostAwareDrafter(Drafter):
         self.costs = CycleCostModel(prior=prior) if cost is None else cost
         self.acceptance: dict[object, AcceptanceEstimate] = defaultdict(AcceptanceEstimate)
         self._pending_key = None
+        self._streak = False  # was the last drafted block fully accepted?
         self.calls = 0
 
     def start(self, prompt_ids, verifiers) -> None:
         # Estimates carry over between generations (same machine, same model); drafts reset.
         self.inner.start(prompt_ids, verifiers)
+        self._streak = False
         self.calls = 0
 
     def _choose(self, key, max_k: int) -> int:
@@ -164,11 +168,11 @@ class CostAwareDrafter(Drafter):
             return Proposal.empty()
         if isinstance(self.inner, NgramDrafter):
             found = self.inner.lookup(context.numpy(), cap)
-            key = ("ngram", self.inner.last_match_size)
+            key = ("ngram", self.inner.last_match_size, self._streak)
             k = self._choose(key, len(found)) if len(found) else 0
             self._pending_key = key if k else None
             return Proposal(torch.from_numpy(found[:k].copy()).long()) if k else Proposal.empty()
-        key = "model"
+        key = ("model", self._streak)
         k = self._choose(key, cap)
         self._pending_key = key if k else None
         proposal = self.inner.propose(context, k, sampling, generator) if k else Proposal.empty()
@@ -183,4 +187,5 @@ class CostAwareDrafter(Drafter):
             self.costs.observe(cycle.drafted, cycle.seconds)
         if self._pending_key is not None and cycle.drafted:
             self.acceptance[self._pending_key].observe(cycle.drafted, cycle.accepted)
+            self._streak = cycle.accepted == cycle.drafted
         self.inner.observe(cycle)
