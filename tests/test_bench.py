@@ -61,6 +61,7 @@ class TestMetrics:
 
 def test_method_specs():
     assert parse_spec("via:alpha2=0.5:mask=m.json") == ("via", {"alpha2": "0.5", "mask": "m.json"})
+    assert parse_spec("lossy:draft_with=ngram") == ("lossy", {"drafter_kind": "ngram"})  # the CLI flag name works too
     with pytest.raises(BenchError, match="unknown method 'warp'"):
         parse_spec("warp")
     with pytest.raises(BenchError, match="not key=value"):

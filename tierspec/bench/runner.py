@@ -66,6 +66,7 @@ class BenchConfig:
 # ---- method specs ---------------------------------------------------------------------------------
 
 _OPTION_FIELDS = {f.name: f for f in fields(MethodOptions)}
+_ALIASES = {"draft_with": "drafter_kind"}  # the CLI flag's name
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
@@ -76,7 +77,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
         if "=" not in part:
             raise BenchError(f"method spec '{spec}': parameter '{part}' is not key=value")
         key, value = part.split("=", 1)
-        params[key.strip()] = value.strip()
+        params[_ALIASES.get(key.strip(), key.strip())] = value.strip()
     known = set(method_names()) | set(HF_PEERS)
     if name not in known:
         raise BenchError(f"unknown method '{name}' in '{spec}'; choose from: {', '.join(sorted(known))}")
