@@ -242,6 +242,7 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
                      config.per_category, config.limit, config.seed)
     if not prompts:
         raise BenchError("no prompts selected")
+    prompts = round_robin(prompts)
     target = target or load_model(config.target)
     if drafter is None and config.drafter:
         drafter = load_model(config.drafter)
@@ -305,6 +306,18 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
     summary = summarize(records, config, references)
     write_report(summary, records, out)
     return summary
+
+
+def round_robin(prompts: list[Prompt]) -> list[Prompt]:
+    """Categories take turns (one prompt of each, then the next of each …), so that a run
+    stopped early still covers every category evenly."""
+    by_category: dict[str, list[Prompt]] = {}
+    for prompt in prompts:
+        by_category.setdefault(prompt.category, []).append(prompt)
+    ordered = []
+    for i in range(max(len(v) for v in by_category.values())):
+        ordered.extend(items[i] for items in by_category.values() if i < len(items))
+    return ordered
 
 
 def _stats_fields(stats: GenerationStats) -> dict:
