@@ -233,6 +233,8 @@ def _add_bench(sub) -> None:
     parser.add_argument("--hf-pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
     parser.add_argument("--hf-early-exit-layer", type=int, default=None, help="assistant_early_exit of hf-early-exit")
     parser.add_argument("--no-nll", action="store_true", help="skip the target-NLL pass per record")
+    parser.add_argument("--summarize-only", action="store_true",
+                        help="rebuild summary, table and plots from the records in --out without generating")
     parser.add_argument("--out", required=True, help="output folder (a rerun resumes)")
     parser.add_argument("--no-progress", action="store_true")
     parser.set_defaults(run=_run_bench)
@@ -255,7 +257,7 @@ def _run_bench(args) -> int:
         mask=args.mask, hf_pld_tokens=args.hf_pld_tokens, hf_early_exit_layer=args.hf_early_exit_layer,
         compute_nll=not args.no_nll,
     )
-    summary = run_bench(config, Path(args.out), progress=not args.no_progress)
+    summary = run_bench(config, Path(args.out), progress=not args.no_progress, generate=not args.summarize_only)
     print(markdown_table(summary))
     return 0
 

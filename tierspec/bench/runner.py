@@ -227,8 +227,11 @@ def _task_quality(prompt: Prompt, text: str, dataset: str) -> dict:
 
 
 def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: LoadedModel | None = None,
-              drafter: LoadedModel | None = None, log: Callable[[str], None] = print) -> dict:
-    """Run (or resume) a benchmark into ``out``; returns the summary."""
+              drafter: LoadedModel | None = None, log: Callable[[str], None] = print, generate: bool = True) -> dict:
+    """Run (or resume) a benchmark into ``out``; returns the summary.
+
+    ``generate=False`` only rebuilds the summary, table and plots from the records already in
+    ``out`` (e.g. of a run that was stopped early)."""
     from tqdm.auto import tqdm
 
     out.mkdir(parents=True, exist_ok=True)
@@ -246,7 +249,7 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
     target = target or load_model(config.target)
     if drafter is None and config.drafter:
         drafter = load_model(config.drafter)
-    runners = {spec: MethodRunner(spec, target, drafter, config) for spec in methods}
+    runners = {spec: MethodRunner(spec, target, drafter, config) for spec in methods} if generate else {}
     encoded = {p.id: encode_prompt(target, p.text) for p in prompts}
 
     records_path = out / "records.jsonl"
@@ -262,6 +265,8 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
 
     todo = [(r, p, m) for r in range(config.repeats) for i, p in enumerate(prompts)
             for m in methods[i % len(methods):] + methods[: i % len(methods)] if (m, p.id, r) not in done]
+    if not generate:
+        todo = []
     if todo:
         # Warm-up: first calls pay for allocator growth, thread pools and lazy imports.
         warm_ids = encoded[prompts[0].id]
