@@ -44,6 +44,7 @@ def main() -> None:
     parser.add_argument("--per-category", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--write", default=str(ROOT / "BENCHMARKS.md"))
+    parser.add_argument("--summarize-only", action="store_true", help="report on the records so far (a stopped run)")
     args = parser.parse_args()
     methods = [
         "ar", "hf-greedy", "pld", "adaptive-pld", "sd", "csd", f"self:mask={args.mask}", "swift",
@@ -56,7 +57,7 @@ def main() -> None:
     command = [sys.executable, "-m", "tierspec.cli", "bench", "--target", "smollm2-135m", "--dataset", "spec_bench",
                "--per-category", str(args.per_category), "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
                "--methods", ",".join(methods), "--out", args.out]
-    subprocess.run(command, check=True, cwd=ROOT)
+    subprocess.run(command + (["--summarize-only", "--no-progress"] if args.summarize_only else []), check=True, cwd=ROOT)
     table = (Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out) / "summary.md"
     shown = " ".join(command[1:]).replace(sys.executable, "python")
     text = f"""# Benchmarks

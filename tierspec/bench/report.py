@@ -111,6 +111,9 @@ def markdown_table(summary: dict) -> str:
         "Speed-up = mean per-prompt tokens/s ÷ that of `ar` on the same prompts, same run.",
         "",
     ]
+    if "ar" in methods:
+        counts = ", ".join(f"{c} {methods['ar']['categories'][c]['n_prompts']}" for c in categories if c in methods["ar"]["categories"])
+        lines += [f"Prompts measured per category: {counts} ({methods['ar']['overall']['n_prompts']} in all).", ""]
     check = summary.get("baseline_check")
     if check:
         flag = "" if check["ar_at_least_as_fast_as_hf_greedy"] else " **⚠ hf-greedy is faster than ar: speed-ups vs ar are inflated; see 'vs best plain'.**"
