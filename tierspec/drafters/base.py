@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingConfig
+from ..sampling import SamplingConfig, logits_to_probs, sample
 
 
 @dataclass
@@ -72,3 +72,33 @@ class NoDrafter(Drafter):
 
     def propose(self, context, num_tokens, sampling, generator) -> Proposal:
         return Proposal.empty()
+
+
+def draft_autoregressively(
+    next_logits,
+    pending: torch.Tensor,
+    num_tokens: int,
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+    confidence_threshold: float = 0.0,
+) -> Proposal:
+    """Draft up to ``num_tokens`` tokens one at a time.
+
+    ``next_logits(tokens)`` feeds ``tokens`` [n] to the drafting model and returns the logits
+    [V] after the last of them. Drafting stops early when the next token's top probability at
+    temperature 1 is below ``confidence_threshold`` (0 = never).
+    """
+    tokens, probs, logits_rows = [], [], []
+    for _ in range(num_tokens):
+        logits = next_logits(pending)
+        if confidence_threshold > 0 and float(logits.softmax(-1).max()) < confidence_threshold:
+            break
+        step_probs = logits_to_probs(logits, sampling)
+        token = int(logits.argmax()) if sampling.greedy else sample(step_probs, generator)
+        tokens.append(token)
+        probs.append(step_probs)
+        logits_rows.append(logits)
+        pending = torch.tensor([token])
+    if not tokens:
+        return Proposal.empty()
+    return Proposal(torch.tensor(tokens), torch.stack(probs), torch.stack(logits_rows))

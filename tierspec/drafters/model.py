@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 
 from ..models import CachedModel
-from ..sampling import SamplingConfig, logits_to_probs, sample
-from .base import Drafter, Proposal
+from ..sampling import SamplingConfig
+from .base import Drafter, Proposal, draft_autoregressively
 
 
 class DrafterMismatchError(ValueError):
@@ -64,21 +64,12 @@ class ModelDrafter(Drafter):
         if num_tokens <= 0:
             return Proposal.empty()
         pending = context[self.runner.length :]  # committed tokens this drafter has not seen
-        tokens, probs, logits_rows = [], [], []
-        for _ in range(num_tokens):
-            logits = self.runner.forward(pending, logits_for=1)[-1, : self.vocab_size]
+
+        def next_logits(tokens: torch.Tensor) -> torch.Tensor:
             self.calls += 1
-            if self.confidence_threshold > 0 and float(logits.softmax(-1).max()) < self.confidence_threshold:
-                break
-            step_probs = logits_to_probs(logits, sampling)
-            token = int(logits.argmax()) if sampling.greedy else sample(step_probs, generator)
-            tokens.append(token)
-            probs.append(step_probs)
-            logits_rows.append(logits)
-            pending = torch.tensor([token])
-        if not tokens:
-            return Proposal.empty()
-        return Proposal(torch.tensor(tokens), torch.stack(probs), torch.stack(logits_rows))
+            return self.runner.forward(tokens, logits_for=1)[-1, : self.vocab_size]
+
+        return draft_autoregressively(next_logits, pending, num_tokens, sampling, generator, self.confidence_threshold)
 
     def commit(self, committed_length: int) -> None:
         self.runner.rollback(min(self.runner.length, committed_length - 1))

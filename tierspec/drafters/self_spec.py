@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..routing import RoutingMask
-from ..sampling import SamplingConfig, logits_to_probs, sample
-from .base import Drafter, Proposal
+from ..sampling import SamplingConfig
+from .base import Drafter, Proposal, draft_autoregressively
 
 
 class SelfSpeculativeDrafter(Drafter):
@@ -42,21 +42,12 @@ class SelfSpeculativeDrafter(Drafter):
         self.verifiers.drop_slim_cache()
         base = runner.length
         pending = context[base:]
-        tokens, probs, logits_rows = [], [], []
+
+        def next_logits(tokens: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return runner.forward(tokens, logits_for=1, mask=self.mask)[-1]
+
         try:
-            for _ in range(num_tokens):
-                logits = runner.forward(pending, logits_for=1, mask=self.mask)[-1]
-                self.calls += 1
-                if float(logits.softmax(-1).max()) < self.confidence_threshold:
-                    break
-                step_probs = logits_to_probs(logits, sampling)
-                token = int(logits.argmax()) if sampling.greedy else sample(step_probs, generator)
-                tokens.append(token)
-                probs.append(step_probs)
-                logits_rows.append(logits)
-                pending = torch.tensor([token])
+            return draft_autoregressively(next_logits, pending, num_tokens, sampling, generator, self.confidence_threshold)
         finally:
             runner.rollback(base)  # drop the draft's KV from the kept layers
-        if not tokens:
-            return Proposal.empty()
-        return Proposal(torch.tensor(tokens), torch.stack(probs), torch.stack(logits_rows))
