@@ -95,6 +95,10 @@ def forward_costs(target: LoadedModel, max_tokens: int = 16, refresh: bool = Fal
             return ForwardCosts({int(n): float(s) for n, s in data["seconds"].items()})
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache file is measured again
+    import sys
+
+    print(f"tierspec: measuring {target.identity.name}'s forward cost for 1..{max_tokens} tokens once "
+          f"(cached in {path.parent})", file=sys.stderr)
     costs = measure_forward_costs(target.model, max_tokens)
     atomic_write_text(path, json.dumps({"key": json.loads(key), "seconds": costs.seconds}, indent=2))
     return costs
