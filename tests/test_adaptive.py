@@ -134,3 +134,19 @@ def test_cost_model_with_a_measured_prior_scales_it():
     for _ in range(10):
         model.observe(0, 0.114)  # this machine is twice as slow as the table
     assert model(3) == pytest.approx(2 * 0.088, rel=0.05)
+
+
+def test_forward_cost_table_is_measured_once_and_cached(tiny_target, tmp_path, monkeypatch):
+    from tierspec import costs
+
+    monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path))
+    measured = []
+    real = costs.measure_forward_costs
+    monkeypatch.setattr(costs, "measure_forward_costs", lambda model, n: measured.append(n) or real(model, n, context=8, repeats=1))
+    first = costs.forward_costs(tiny_target, max_tokens=4)
+    second = costs.forward_costs(tiny_target, max_tokens=4)
+    assert measured == [4] and first.seconds == second.seconds and sorted(first.seconds) == [1, 2, 3, 4]
+    # a damaged cache file is measured again rather than trusted
+    next(tmp_path.glob("forward-costs-*.json")).write_text("{broken")
+    costs.forward_costs(tiny_target, max_tokens=4)
+    assert measured == [4, 4]
