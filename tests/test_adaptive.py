@@ -53,6 +53,7 @@ def test_cost_model_prior_with_one_length():
 
 def test_acceptance_estimate_learns_and_forgets():
     estimate = AcceptanceEstimate(decay=1.0, idle_decay=0.5)
+    assert AcceptanceEstimate().decay == 0.9
     assert estimate.alpha == 0.5
     for _ in range(10):
         estimate.observe(4, 4)  # all accepted
@@ -93,7 +94,8 @@ def test_adaptive_drafts_long_where_drafts_keep_being_right(tiny_target, prompt_
 
 
 def test_adaptive_stops_drafting_where_lookup_is_always_wrong(tiny_target, prompt_ids, reference_wrong_drafts=None):
-    """A drafter whose proposals are always rejected ends up drafting nothing."""
+    """A drafter whose proposals are always rejected ends up drafting nothing but a rare
+    one-token probe (estimates drift back toward the prior while idle, by design)."""
     from tierspec.drafters.base import Drafter, Proposal
 
     class Wrong(Drafter):
@@ -105,7 +107,7 @@ def test_adaptive_stops_drafting_where_lookup_is_always_wrong(tiny_target, promp
     config = DecodeConfig(max_new_tokens=60, num_draft=6)
     for step in decode(CachedModel(tiny_target.model), drafter, ExactRule(), prompt_ids, config):
         lengths.append(step.cycle.drafted)
-    assert lengths[-10:] == [0] * 10
+    assert sum(lengths[-20:]) <= 2 and max(lengths[-20:]) <= 1
 
 
 def test_padded_verification_is_lossless_and_keeps_the_cache_invariant(tiny_target, prompt_ids):
@@ -150,3 +152,11 @@ def test_forward_cost_table_is_measured_once_and_cached(tiny_target, tmp_path, m
     next(tmp_path.glob("forward-costs-*.json")).write_text("{broken")
     costs.forward_costs(tiny_target, max_tokens=4)
     assert measured == [4, 4]
+
+
+def test_a_new_prompt_keeps_a_quarter_of_the_acceptance_evidence(tiny_target, prompt_ids):
+    drafter = CostAwareDrafter(NgramDrafter(3), max_draft=4, cost=cost)
+    drafter.acceptance[("ngram", 3, False)].observe(4, 4)
+    before = drafter.acceptance[("ngram", 3, False)].successes
+    drafter.start(prompt_ids, None)
+    assert drafter.acceptance[("ngram", 3, False)].successes == pytest.approx(before / 4)

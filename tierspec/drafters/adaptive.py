@@ -10,7 +10,7 @@ online estimates and picks k each cycle:
   cost and the loop's own overhead are all in it);
 * acceptance: a per-token acceptance probability α, modelled as geometric (each drafted token
   is accepted with probability α given the previous one was), estimated per *context* of the
-  proposal — for n-gram lookup the size of the matched n-gram, a strong predictor — from
+  proposal (a memory of about ten blocks; a new prompt keeps a quarter of the evidence) — for n-gram lookup the size of the matched n-gram, a strong predictor — from
   exponentially decayed success / failure counts with a Beta(1, 1) prior, and separately after
   a fully accepted block and after a rejection (acceptance runs in streaks: a copied passage
   tends to keep being copied).
@@ -114,7 +114,7 @@ class CycleCostModel:
 class AcceptanceEstimate:
     """Geometric per-token acceptance with decayed counts and a Beta(1, 1) prior."""
 
-    def __init__(self, decay: float = 0.97, idle_decay: float = 0.99):
+    def __init__(self, decay: float = 0.9, idle_decay: float = 0.99):
         self.decay, self.idle_decay = decay, idle_decay
         self.successes = 0.0
         self.failures = 0.0
@@ -130,6 +130,11 @@ class AcceptanceEstimate:
     def idle(self) -> None:
         self.successes *= self.idle_decay
         self.failures *= self.idle_decay
+
+    def shrink(self, factor: float) -> None:
+        """Keep only ``factor`` of the evidence (a new prompt may be a new regime)."""
+        self.successes *= factor
+        self.failures *= factor
 
 
 class CostAwareDrafter(Drafter):
@@ -150,8 +155,12 @@ class CostAwareDrafter(Drafter):
         self.calls = 0
 
     def start(self, prompt_ids, verifiers) -> None:
-        # Estimates carry over between generations (same machine, same model); drafts reset.
+        # Costs carry over between generations (same machine, same model). Acceptance is a
+        # property of the text: a summary copies far less than a translation or code edit, so
+        # a new prompt keeps only a quarter of the acceptance evidence as its prior.
         self.inner.start(prompt_ids, verifiers)
+        for estimate in self.acceptance.values():
+            estimate.shrink(0.25)
         self._streak = False
         self.calls = 0
 
