@@ -58,15 +58,24 @@ def main() -> None:
                "--per-category", str(args.per_category), "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
                "--methods", ",".join(methods), "--out", args.out]
     subprocess.run(command + (["--summarize-only", "--no-progress"] if args.summarize_only else []), check=True, cwd=ROOT)
-    table = (Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out) / "summary.md"
+    out_dir = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
+    table = out_dir / "summary.md"
     shown = " ".join(command[1:]).replace(sys.executable, "python")
+    import json
+
+    ar = json.loads((out_dir / "summary.json").read_text())["methods"]["ar"]
+    measured = min(c["n_prompts"] for c in ar["categories"].values())
+    status = ""
+    if measured < args.per_category:
+        status = (f"\n**Partial run:** stopped after {measured} of {args.per_category} prompts per category "
+                  f"({ar['overall']['n_prompts']} prompts); rerunning the command resumes it and rewrites this file.\n")
     text = f"""# Benchmarks
 
 Produced by `python benchmarks/spec_bench.py --out {args.out}` (which runs
 `python {shown}` and writes this file).
 
 Machine: {machine()}
-
+{status}
 Spec-Bench, {args.per_category} prompts per category (seeded sample, first turn), {args.max_new_tokens} new tokens, greedy.
 `hf-*` are transformers' own `generate` in the same process: plain greedy, assisted generation
 with the target itself as assistant (the same drafter as `sd`), prompt lookup (10 tokens), and

@@ -145,6 +145,19 @@ def write_report(summary: dict, records: list[dict], out: Path) -> None:
     plot(summary, out)
 
 
+def short_label(spec: str, width: int = 32) -> str:
+    """A plot label for a method spec: file paths shortened to their stem, then truncated."""
+    name, *params = spec.split(":")
+    shown = []
+    for param in params:
+        key, _, value = param.partition("=")
+        if "/" in value or value.endswith(".json"):
+            value = Path(value).stem.split("-")[-1]  # e.g. masks/smollm2-135m-sublayer-r0.1.json → r0.1
+        shown.append(f"{key}={value}")
+    label = name + (f"({','.join(shown)})" if shown else "")
+    return label if len(label) <= width else label[: width - 1] + "…"
+
+
 def plot(summary: dict, out: Path) -> None:
     import matplotlib
 
@@ -161,7 +174,8 @@ def plot(summary: dict, out: Path) -> None:
         values = [(methods[n]["overall"] if category == "overall" else methods[n]["categories"].get(category, {})).get("speedup") or 0 for n in names]
         ax.bar([i + j * width for i in range(len(names))], values, width, label=category)
     ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=30, ha="right")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], [short_label(n) for n in names], rotation=30,
+                  ha="right", fontsize=7)
     ax.set_ylabel("speed-up vs ar")
     ax.set_title("Speed-up by method and category")
     ax.legend(fontsize=7, ncol=2)
@@ -176,7 +190,7 @@ def plot(summary: dict, out: Path) -> None:
             o = methods[n]["overall"]
             if o.get("speedup") and o.get(key) is not None:
                 ax.scatter(o["speedup"], o[key])
-                ax.annotate(n, (o["speedup"], o[key]), fontsize=7)
+                ax.annotate(short_label(n, 24), (o["speedup"], o[key]), fontsize=6)
         ax.set_xlabel("speed-up vs ar")
         ax.set_ylabel(label)
     fig.suptitle("Quality against speed-up")
@@ -187,9 +201,9 @@ def plot(summary: dict, out: Path) -> None:
     tiered = [n for n in names if methods[n]["overall"].get("tier_fractions")]
     fig, ax = plt.subplots(figsize=(max(6, len(tiered) * 1.1), 4))
     bottoms = [0.0] * len(tiered)
-    for tier in ("drafter", "slim", "target"):
+    for tier in ("drafter", "judge", "slim", "target"):
         values = [methods[n]["overall"]["tier_fractions"].get(tier, 0.0) for n in tiered]
-        ax.bar(tiered, values, bottom=bottoms, label=tier)
+        ax.bar([short_label(n) for n in tiered], values, bottom=bottoms, label=tier)
         bottoms = [b + v for b, v in zip(bottoms, values)]
     ax.set_ylabel("fraction of emitted tokens")
     ax.set_title("Which tier decided each emitted token")
