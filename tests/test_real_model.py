@@ -53,7 +53,7 @@ def test_cli_streams_text_and_stats(smollm, capsys):
     import json
 
     stats = json.loads(captured.err.strip().splitlines()[-1])
-    assert stats["method"] == "pld" and stats["emitted"] == 16
+    assert stats["method"] == "adaptive-pld" and stats["emitted"] == 16
 
 
 def test_empty_text_prompt_is_refused(smollm):

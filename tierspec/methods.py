@@ -218,7 +218,7 @@ _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], 
 }
 
 #: The fastest lossless method available; the CLI's default.
-DEFAULT_METHOD = "pld"
+DEFAULT_METHOD = "adaptive-pld"
 
 
 def method_names() -> list[str]:
