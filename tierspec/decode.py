@@ -69,7 +69,6 @@ class GenerationStats:
     slim_calls: int = 0
     drafter_calls: int = 0
     cycles: int = 0
-    prefill_seconds: float = 0.0
     wall_seconds: float = 0.0
     decided_by: Counter = field(default_factory=Counter)
 
@@ -115,7 +114,6 @@ class GenerationStats:
             "drafter_calls": self.drafter_calls,
             "cycles": self.cycles,
             "tier_fractions": {k: round(v, 4) for k, v in self.tier_fractions().items()},
-            "prefill_seconds": round(self.prefill_seconds, 4),
             "wall_seconds": round(self.wall_seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
         }
