@@ -93,7 +93,7 @@ def test_adaptive_drafts_long_where_drafts_keep_being_right(tiny_target, prompt_
     assert lengths[-4:-1] == [6, 6, 6]
 
 
-def test_adaptive_stops_drafting_where_lookup_is_always_wrong(tiny_target, prompt_ids, reference_wrong_drafts=None):
+def test_adaptive_stops_drafting_where_lookup_is_always_wrong(tiny_target, prompt_ids):
     """A drafter whose proposals are always rejected ends up drafting nothing but a rare
     one-token probe (estimates drift back toward the prior while idle, by design)."""
     from tierspec.drafters.base import Drafter, Proposal

@@ -5,7 +5,7 @@ import torch
 from scipy.stats import chi2
 
 from tierspec.decode import DecodeConfig, decode
-from tierspec.drafters import ModelDrafter, NgramDrafter
+from tierspec.drafters import ModelDrafter
 from tierspec.models import CachedModel
 from tierspec.rules.exact import ExactRule, acceptance_probability, greedy_verify, sampled_verify
 from tierspec.sampling import SamplingConfig, logits_to_probs, residual_distribution

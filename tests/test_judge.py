@@ -19,8 +19,7 @@ from tierspec.sampling import SamplingConfig
 # ---- data and labels -------------------------------------------------------------------------
 
 def test_labels_on_a_hand_made_example():
-    response = "5 + 7 = 13\nso 13 apples"
-    # a wrong copy says 14: the first wrong character is the '4' at offset 9
+    # response "5 + 7 = 13\nso 13 apples"; a wrong copy says 14: the first wrong character is the "4" at offset 9
     offsets = [(0, 1), (1, 3), (3, 5), (5, 7), (7, 8), (8, 9), (9, 10), (10, 11), (11, 13), (13, 16)]
     assert token_labels(offsets, 9) == [1, 1, 1, 1, 1, 1, 0, None, None, None]
     assert token_labels(offsets, None) == [1] * 10

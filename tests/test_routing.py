@@ -1,7 +1,6 @@
 """Routing masks: applying them equals a manual computation of the pruned network."""
 
 import copy
-import json
 
 import pytest
 import torch

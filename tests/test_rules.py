@@ -1,6 +1,5 @@
 """Lossy and multi-tier rules: exact one-step output distributions, neutral settings, VIA-SD tiers."""
 
-import math
 
 import pytest
 import torch

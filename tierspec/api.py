@@ -118,13 +118,12 @@ def stream(
     stats.wall_seconds = time.perf_counter() - started
 
 
-def generate(prompt: str | list[int] | torch.Tensor, **kwargs) -> Generation:
+def generate(prompt: str | list[int] | torch.Tensor, *, target: LoadedModel | str = DEFAULT_MODEL, **kwargs) -> Generation:
     """Generate a completion; see ``stream`` for the arguments. Returns text, ids and stats."""
+    target = _as_model(target)
     stats = GenerationStats()
     token_ids: list[int] = []
-    pieces = list(stream(prompt, stats=stats, token_ids=token_ids, **kwargs))
-    target = kwargs.get("target")
-    text = "".join(pieces)
-    if isinstance(target, LoadedModel) and target.tokenizer is not None:
-        text = target.tokenizer.decode(token_ids, skip_special_tokens=True)
+    for _ in stream(prompt, target=target, stats=stats, token_ids=token_ids, **kwargs):
+        pass
+    text = target.tokenizer.decode(token_ids, skip_special_tokens=True) if target.tokenizer is not None else ""
     return Generation(text, token_ids, stats)

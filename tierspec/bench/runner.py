@@ -18,9 +18,8 @@ import os
 import threading
 import time
 import zlib
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -227,7 +226,7 @@ def _task_quality(prompt: Prompt, text: str, dataset: str) -> dict:
 
 
 def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: LoadedModel | None = None,
-              drafter: LoadedModel | None = None, log: Callable[[str], None] = print, generate: bool = True) -> dict:
+              drafter: LoadedModel | None = None, generate: bool = True) -> dict:
     """Run (or resume) a benchmark into ``out``; returns the summary.
 
     ``generate=False`` only rebuilds the summary, table and plots from the records already in

@@ -81,12 +81,13 @@ class SwiftDrafter(SelfSpeculativeDrafter):
     def _optimise(self, context: torch.Tensor) -> None:
         step = len(self.history)
         keep = None
-        if step and step % self.bayes_interval == 0:
+        bayesian = step > 0 and step % self.bayes_interval == 0
+        if bayesian:
             keep = _bo_proposal(self.history, SearchConfig(ratio=self.ratio, unit=self.unit, objective="agreement", seed=self.seed), self.rng, self.bypass)
         if keep is None:
             keep = _random_keep(self.rng, len(self.eligible), self.bypass)
         score = self._agreement(self._mask(keep), context)
-        evaluation = Evaluation(keep, 0.0, score, "bo" if step and step % self.bayes_interval == 0 else "random")
+        evaluation = Evaluation(keep, 0.0, score, "bo" if bayesian else "random")
         self.history.append(evaluation)
         if self.best is None or score > self.best.agreement:
             self.best, self.since_best = evaluation, 0
