@@ -41,6 +41,9 @@ def main() -> None:
     parser.add_argument("--out", default="results/spec_bench")
     parser.add_argument("--mask", default="masks/smollm2-135m-sublayer-r0.1.json", help="DIMR mask for self / via / bild")
     parser.add_argument("--draft-mask", default="masks/smollm2-135m-sublayer-r0.45.json", help="mask of the layer-skip drafter")
+    parser.add_argument("--more-via-masks", nargs="*", default=["masks/smollm2-135m-sublayer-r0.2.json",
+                                                                "masks/smollm2-135m-sublayer-r0.45.json"],
+                        help="further slim-verifier masks for via (the r the issue asks for besides --mask)")
     parser.add_argument("--per-category", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--write", default=str(ROOT / "BENCHMARKS.md"))
@@ -52,6 +55,7 @@ def main() -> None:
         f"cascade:deferral=opt:alpha=0.3:draft_with=self:draft_mask={args.draft_mask}",
         f"bild:draft_with=self:draft_mask={args.draft_mask}",
         f"via:mask={args.mask}:draft_with=ngram",
+        *(f"via:mask={mask}:draft_with=ngram" for mask in args.more_via_masks),
         "hf-pld", "hf-assisted", "hf-early-exit",
     ]
     command = [sys.executable, "-m", "tierspec.cli", "bench", "--target", "smollm2-135m", "--dataset", "spec_bench",
