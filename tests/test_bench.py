@@ -133,3 +133,44 @@ def test_missing_data_dir_is_a_clear_error(tmp_path, tiny_text_model):
     config = BenchConfig(target="tiny", methods=("ar",), data_dir=str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="data file .* is missing"):
         run_bench(config, tmp_path / "out", progress=False, target=tiny_text_model)
+
+
+def test_resume_with_other_settings_is_refused_and_changes_nothing(tmp_path, tiny_text_model, data_dir):
+    config = BenchConfig(target="tiny", methods=("ar",), dataset="spec_bench", per_category=1, max_new_tokens=6,
+                         data_dir=str(data_dir))
+    out = tmp_path / "out"
+    run_bench(config, out, progress=False, target=tiny_text_model)
+    before = {name: (out / name).read_bytes() for name in ("records.jsonl", "config.json")}
+    from dataclasses import replace
+
+    with pytest.raises(BenchError, match="temperature: 0.0 → 1.0"):
+        run_bench(replace(config, temperature=1.0), out, progress=False, target=tiny_text_model)
+    assert {name: (out / name).read_bytes() for name in before} == before
+    # More methods and prompts may join a run: they do not change what a record measures.
+    run_bench(replace(config, methods=("ar", "pld")), out, progress=False, target=tiny_text_model)
+
+
+def test_fidelity_against_a_reference_run(tmp_path, tiny_text_model, data_dir):
+    greedy = BenchConfig(target="tiny", methods=("ar", "pld"), dataset="spec_bench", per_category=1, max_new_tokens=10,
+                         data_dir=str(data_dir))
+    run_bench(greedy, tmp_path / "greedy", progress=False, target=tiny_text_model)
+    from dataclasses import replace
+
+    # Same greedy settings, the first run as reference: ar reproduces its reference exactly.
+    same = run_bench(replace(greedy, fidelity_reference=str(tmp_path / "greedy")), tmp_path / "again", progress=False,
+                     target=tiny_text_model)
+    assert same["methods"]["ar"]["overall"]["fidelity_exact_match"] == 1.0
+    # A planted reference whose ar outputs differ on one of the two prompts: exact match 0.5.
+    lines = [json.loads(line) for line in (tmp_path / "greedy" / "records.jsonl").read_text().splitlines()]
+    planted = [r for r in lines if r["method"] == "ar"]
+    planted[0]["token_ids"] = planted[0]["token_ids"][:-1] + [(planted[0]["token_ids"][-1] + 1) % 56]
+    (tmp_path / "planted.jsonl").write_text("\n".join(json.dumps(r) for r in planted) + "\n")
+    other = run_bench(replace(greedy, fidelity_reference=str(tmp_path / "planted.jsonl")), tmp_path / "again",
+                      progress=False, target=tiny_text_model, generate=False)
+    assert other["methods"]["ar"]["overall"]["fidelity_exact_match"] == 0.5
+    assert other["methods"]["pld"]["overall"]["fidelity_exact_match"] == 0.5
+    assert "reference run" in (tmp_path / "again" / "summary.md").read_text()
+    with pytest.raises(BenchError, match="no `ar` records"):
+        (tmp_path / "empty.jsonl").write_text(json.dumps({"method": "pld", "prompt_id": "x", "repeat": 0}) + "\n")
+        run_bench(replace(greedy, fidelity_reference=str(tmp_path / "empty.jsonl")), tmp_path / "third",
+                  progress=False, target=tiny_text_model)

@@ -233,6 +233,9 @@ def _add_bench(sub) -> None:
     parser.add_argument("--hf-pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
     parser.add_argument("--hf-early-exit-layer", type=int, default=None, help="assistant_early_exit of hf-early-exit")
     parser.add_argument("--no-nll", action="store_true", help="skip the target-NLL pass per record")
+    parser.add_argument("--fidelity-reference", default=None,
+                        help="records.jsonl (or its folder) of another run whose `ar` outputs fidelity is measured "
+                        "against, e.g. a greedy run for a temperature-1 run (default: this run's `ar`)")
     parser.add_argument("--summarize-only", action="store_true",
                         help="rebuild summary, table and plots from the records in --out without generating")
     parser.add_argument("--out", required=True, help="output folder (a rerun resumes)")
@@ -255,7 +258,7 @@ def _run_bench(args) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         num_draft=args.num_draft, repeats=args.repeats, seed=args.seed, drafter=args.drafter, data_dir=args.data_dir,
         mask=args.mask, hf_pld_tokens=args.hf_pld_tokens, hf_early_exit_layer=args.hf_early_exit_layer,
-        compute_nll=not args.no_nll,
+        compute_nll=not args.no_nll, fidelity_reference=args.fidelity_reference,
     )
     summary = run_bench(config, Path(args.out), progress=not args.no_progress, generate=not args.summarize_only)
     print(markdown_table(summary))

@@ -18,7 +18,8 @@ def _mean(values):
     return sum(values) / len(values) if values else None
 
 
-def _group_summary(rows: list[dict], baseline: dict, hf_greedy: dict, dataset: str, references: dict) -> dict:
+def _group_summary(rows: list[dict], baseline: dict, hf_greedy: dict, dataset: str, references: dict,
+                   fidelity_baseline: dict) -> dict:
     tps = _mean([r["tokens_per_s"] for r in rows])
     base = _mean([baseline[(r["prompt_id"], r["repeat"])]["tokens_per_s"] for r in rows if (r["prompt_id"], r["repeat"]) in baseline])
     hf = _mean([hf_greedy[(r["prompt_id"], r["repeat"])]["tokens_per_s"] for r in rows if (r["prompt_id"], r["repeat"]) in hf_greedy])
@@ -45,7 +46,8 @@ def _group_summary(rows: list[dict], baseline: dict, hf_greedy: dict, dataset: s
         "mean_emitted": _mean([r["emitted"] for r in rows]),
         "target_nll": _mean([r.get("target_nll") for r in rows]),
     }
-    paired = [(r, baseline[(r["prompt_id"], r["repeat"])]) for r in rows if (r["prompt_id"], r["repeat"]) in baseline]
+    paired = [(r, fidelity_baseline[(r["prompt_id"], r["repeat"])]) for r in rows
+              if (r["prompt_id"], r["repeat"]) in fidelity_baseline]
     if paired:
         summary["fidelity_exact_match"] = _mean([float(r["token_ids"] == b["token_ids"]) for r, b in paired])
         summary["fidelity_rouge_l"] = _mean([metrics.rouge_l(r["text"], b["text"]) if b["text"] else None for r, b in paired])
@@ -60,12 +62,16 @@ def _group_summary(rows: list[dict], baseline: dict, hf_greedy: dict, dataset: s
     return summary
 
 
-def summarize(records: list[dict], config, references: dict) -> dict:
+def summarize(records: list[dict], config, references: dict, fidelity_reference: dict | None = None) -> dict:
+    """Per-method summaries, overall and by category. Speed-ups are against `ar` of the same
+    records; fidelity against ``fidelity_reference`` (`ar` records of another run, by prompt id
+    and repeat) when given, else against the same `ar`."""
     by_method: dict[str, list[dict]] = defaultdict(list)
     for record in records:
         by_method[record["method"]].append(record)
     baseline = {(r["prompt_id"], r["repeat"]): r for r in by_method.get("ar", [])}
     hf_greedy = {(r["prompt_id"], r["repeat"]): r for r in by_method.get("hf-greedy", [])}
+    fidelity_baseline = fidelity_reference if fidelity_reference is not None else baseline
     methods = {}
     for name in config.methods:
         rows = by_method.get(name, [])
@@ -75,8 +81,9 @@ def summarize(records: list[dict], config, references: dict) -> dict:
         for r in rows:
             categories[r["category"]].append(r)
         methods[name] = {
-            "overall": _group_summary(rows, baseline, hf_greedy, config.dataset, references),
-            "categories": {c: _group_summary(rs, baseline, hf_greedy, config.dataset, references) for c, rs in categories.items()},
+            "overall": _group_summary(rows, baseline, hf_greedy, config.dataset, references, fidelity_baseline),
+            "categories": {c: _group_summary(rs, baseline, hf_greedy, config.dataset, references, fidelity_baseline)
+                           for c, rs in categories.items()},
         }
     from dataclasses import asdict
 
@@ -133,8 +140,10 @@ def markdown_table(summary: dict) -> str:
                 _fmt(o.get("fidelity_exact_match")), _fmt(o.get("fidelity_rouge_l")), _fmt(o["target_nll"], 3)]
         row += [_fmt(o.get(m)) for m in extra]
         lines.append("| " + " | ".join(row) + " |")
+    against = (f"the `ar` output of the reference run `{config['fidelity_reference']}`" if config.get("fidelity_reference")
+               else "`ar`'s output")
     lines += ["", "Per-category columns are speed-ups. τ = emitted tokens per full-target call; rejection = rejected / evaluated "
-              "draft tokens; fidelity = agreement with `ar`'s output on the same prompt (exact token match rate, ROUGE-L); "
+              f"draft tokens; fidelity = agreement with {against} on the same prompt (exact token match rate, ROUGE-L); "
               "target NLL = mean −log q per generated token. `–` = not applicable (transformers peers expose no draft statistics)."]
     return "\n".join(lines) + "\n"
 

@@ -60,6 +60,52 @@ class BenchConfig:
     hf_pld_tokens: int = 10  # transformers' documented prompt_lookup_num_tokens
     hf_early_exit_layer: int | None = None  # default: half the target's layers
     compute_nll: bool = True
+    # Fidelity (exact match, ROUGE-L) is measured against `ar`'s output of the same run; a path to
+    # another run's records.jsonl (e.g. a greedy run, for a temperature-1 run) uses its `ar` instead.
+    fidelity_reference: str | None = None
+
+
+# Settings that change what a record measures: a run may only resume into a folder made with the
+# same values (methods, prompt counts and repeats may grow).
+_RESUME_KEYS = ("target", "drafter", "dataset", "data_dir", "max_new_tokens", "temperature", "top_k", "top_p",
+                "num_draft", "seed", "mask", "hf_pld_tokens", "hf_early_exit_layer")
+
+
+def check_resumable(config: "BenchConfig", out: Path) -> None:
+    """Refuses to add records to ``out`` if its config.json was written with other settings."""
+    path = out / "config.json"
+    if not path.exists() or not (out / "records.jsonl").exists():
+        return
+    try:
+        previous = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise BenchError(f"{path} is unreadable ({error}); use another --out or delete the folder") from error
+    current = asdict(config)
+    changed = [f"{key}: {previous.get(key)!r} → {current[key]!r}" for key in _RESUME_KEYS
+               if key in previous and previous[key] != current[key]]
+    if changed:
+        raise BenchError(f"{out} holds records made with other settings ({'; '.join(changed)}); "
+                         "resuming would mix them: use another --out")
+
+
+def load_fidelity_reference(path: str) -> dict:
+    """`ar` records of another run, by (prompt id, repeat)."""
+    file = Path(path)
+    if file.is_dir():
+        file = file / "records.jsonl"
+    if not file.exists():
+        raise BenchError(f"fidelity reference {file} does not exist")
+    reference = {}
+    for line in file.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if record.get("method") == BASELINE:
+            reference[(record["prompt_id"], record["repeat"])] = record
+    if not reference:
+        raise BenchError(f"fidelity reference {file} holds no `{BASELINE}` records")
+    return reference
 
 
 # ---- method specs ---------------------------------------------------------------------------------
@@ -244,6 +290,8 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
                      config.per_category, config.limit, config.seed)
     if not prompts:
         raise BenchError("no prompts selected")
+    check_resumable(config, out)
+    reference = load_fidelity_reference(config.fidelity_reference) if config.fidelity_reference else None
     prompts = round_robin(prompts)
     target = target or load_model(config.target)
     if drafter is None and config.drafter:
@@ -307,7 +355,7 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
 
     records = [json.loads(line) for line in records_path.read_text().splitlines() if line.strip()]
     references = {p.id: p.reference for p in prompts}
-    summary = summarize(records, config, references)
+    summary = summarize(records, config, references, fidelity_reference=reference)
     write_report(summary, records, out)
     return summary
 

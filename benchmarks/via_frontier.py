@@ -1,0 +1,139 @@
+"""VIA-SD against the two-tier rules with the same drafter: speed-up against fidelity.
+
+    python benchmarks/via_frontier.py --out results/via_frontier
+
+One ``tierspec bench`` run (resumable) on Spec-Bench with the n-gram drafter for every method:
+``ar``, ``pld`` (lossless two-tier), ``lossy`` at each α, and ``via`` at each DIMR ratio r and
+slim-verifier threshold α2. It then writes ``frontier.md`` and ``frontier.png`` in ``--out``:
+each point's speed-up, exact-match rate against ``ar``, target NLL per token and full / slim
+calls per token, and for every VIA-SD point whether it is faster than every two-tier point of
+equal or better fidelity (the question issue 7 asks), judged by exact match and by NLL apart.
+
+Cascades are left out of the sweep on purpose: with a one-hot (n-gram) draft distribution every
+deferral rule keeps the drafter's token, so "cascade with the same drafter" is not a verifier.
+Target NLL alone can flatter a lossy rule: text copied from the prompt is easy to predict, so a
+lower NLL than ``ar``'s own greedy output does not mean closer to the target; read it with the
+exact-match column.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def specs(ratios, alpha2s, lossy_alphas, unit: str) -> list[str]:
+    methods = ["ar", "pld"]
+    methods += [f"lossy:alpha={a}:draft_with=ngram" for a in lossy_alphas]
+    methods += [f"via:mask=masks/smollm2-135m-{unit}-r{r}.json:alpha2={a2}:draft_with=ngram" for r in ratios for a2 in alpha2s]
+    return methods
+
+
+def dominates(point: dict, others: list[dict], key: str, higher_is_better: bool) -> bool | None:
+    """True if ``point`` is faster than every point of ``others`` whose ``key`` fidelity is
+    equal or better; None if the metric is missing."""
+    if point.get(key) is None:
+        return None
+    better = [o for o in others if o.get(key) is not None
+              and (o[key] >= point[key] if higher_is_better else o[key] <= point[key])]
+    return all(point["speedup"] > o["speedup"] for o in better)
+
+
+def report(summary: dict, out: Path) -> str:
+    points = []
+    for name, result in summary["methods"].items():
+        o = result["overall"]
+        points.append({
+            "name": name, "family": name.split(":")[0], "speedup": o["speedup"],
+            "em": o.get("fidelity_exact_match"), "rouge": o.get("fidelity_rouge_l"), "nll": o.get("target_nll"),
+            "full": o.get("target_calls_per_token"), "slim": o.get("slim_calls_per_token"),
+            "fractions": o.get("tier_fractions") or {},
+        })
+    two_tier = [p for p in points if p["family"] in ("pld", "lossy")]
+    header = ("| method | speed-up | fidelity EM | ROUGE-L | target NLL | full calls/tok | slim calls/tok | "
+              "tiers d/s/t | beats two-tier (EM) | beats two-tier (NLL) |")
+    lines = [header, "|" + "---|" * 10]
+    wins = {"em": [], "nll": []}
+    for p in points:
+        beats_em = beats_nll = None
+        if p["family"] == "via":
+            beats_em = dominates(p, two_tier, "em", True)
+            beats_nll = dominates(p, two_tier, "nll", False)
+            if beats_em:
+                wins["em"].append(p["name"])
+            if beats_nll:
+                wins["nll"].append(p["name"])
+        f = p["fractions"]
+        tiers = "/".join(f"{f.get(t, 0):.2f}" for t in ("drafter", "slim", "target")) if f else "–"
+        fmt = lambda v, d=2: "–" if v is None else f"{v:.{d}f}"
+        yes = lambda v: "–" if v is None else ("yes" if v else "no")
+        lines.append(f"| `{p['name']}` | {fmt(p['speedup'])}× | {fmt(p['em'])} | {fmt(p['rouge'])} | {fmt(p['nll'], 3)} | "
+                     f"{fmt(p['full'])} | {fmt(p['slim'])} | {tiers} | {yes(beats_em)} | {yes(beats_nll)} |")
+    verdict = (f"VIA-SD points faster than every two-tier point of equal or better fidelity: by exact match "
+               f"{', '.join(f'`{n}`' for n in wins['em']) or 'none'}; by target NLL {', '.join(f'`{n}`' for n in wins['nll']) or 'none'}.")
+    _plot(points, out)
+    return "\n".join(lines) + "\n\n" + verdict + "\n"
+
+
+def _plot(points: list[dict], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sys.path.insert(0, str(ROOT))
+    from tierspec.bench.report import short_label
+
+    colours = {"ar": "black", "pld": "tab:blue", "lossy": "tab:orange", "via": "tab:green"}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
+    for ax, key, label in ((axes[0], "em", "exact match with ar (higher = closer)"),
+                           (axes[1], "nll", "target NLL per token (lower = likelier under the target)")):
+        for p in points:
+            if p.get(key) is None or p["speedup"] is None:
+                continue
+            ax.scatter(p["speedup"], p[key], color=colours.get(p["family"], "grey"), label=p["family"])
+            ax.annotate(short_label(p["name"], 30).replace("draft_with=ngram", "").replace(",)", ")"),
+                        (p["speedup"], p[key]), fontsize=6)
+        handles, labels = ax.get_legend_handles_labels()
+        unique = dict(zip(labels, handles))
+        ax.legend(unique.values(), unique.keys(), fontsize=7)
+        ax.set_xlabel("speed-up vs ar (same run)")
+        ax.set_ylabel(label)
+    fig.suptitle("VIA-SD vs two-tier rules, n-gram drafter for all")
+    fig.tight_layout()
+    fig.savefig(out / "frontier.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="results/via_frontier")
+    parser.add_argument("--per-category", type=int, default=2)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--ratios", nargs="+", default=["0.1", "0.2", "0.3"])
+    parser.add_argument("--alpha2", nargs="+", default=["0.1", "0.3", "0.5"])
+    parser.add_argument("--lossy-alpha", nargs="+", default=["0.1", "0.3", "0.5"])
+    parser.add_argument("--unit", default="sublayer", choices=["sublayer", "layer"])
+    parser.add_argument("--summarize-only", action="store_true")
+    args = parser.parse_args()
+    out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
+    command = [sys.executable, "-m", "tierspec.cli", "bench", "--target", "smollm2-135m", "--dataset", "spec_bench",
+               "--per-category", str(args.per_category), "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
+               "--methods", ",".join(specs(args.ratios, args.alpha2, args.lossy_alpha, args.unit)), "--out", str(out)]
+    subprocess.run(command + (["--summarize-only", "--no-progress"] if args.summarize_only else []), check=True, cwd=ROOT)
+    summary = json.loads((out / "summary.json").read_text())
+    text = report(summary, out)
+    sys.path.insert(0, str(ROOT))
+    from tierspec.routing import atomic_write_text
+
+    atomic_write_text(out / "frontier.md", f"`python benchmarks/via_frontier.py --out {args.out}`\n\n" + text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
