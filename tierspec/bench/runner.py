@@ -320,35 +320,36 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
         for spec, runner in runners.items():
             runner.run(warm_ids, 8, torch.Generator().manual_seed(0))
     bar = tqdm(total=len(todo), desc="bench", disable=not progress)
-    with open(records_path, "a") as sink:
-        for repeat, prompt, spec in todo:
-            bar.set_postfix_str(f"{spec} {prompt.id}")
-            prompt_ids = encoded[prompt.id]
-            generator = torch.Generator().manual_seed(config.seed * 1000003 + repeat * 7919 + zlib.crc32(prompt.id.encode()))
-            with PeakRSS() as memory:
-                outcome = runners[spec].run(prompt_ids, config.max_new_tokens, generator)
-            text = target.tokenizer.decode(outcome.token_ids, skip_special_tokens=True) if target.tokenizer else ""
-            record = {
-                "method": spec,
-                "prompt_id": prompt.id,
-                "category": prompt.category,
-                "repeat": repeat,
-                "emitted": len(outcome.token_ids),
-                "seconds": outcome.seconds,
-                "tokens_per_s": len(outcome.token_ids) / outcome.seconds if outcome.seconds > 0 else 0.0,
-                "peak_rss_mb": round(memory.peak, 1),
-                "token_ids": outcome.token_ids,
-                "text": text,
-                **(_stats_fields(outcome.stats) if outcome.stats else {}),
-                **_task_quality(prompt, text, config.dataset),
-            }
-            if torch.cuda.is_available():
-                record["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
-            if config.compute_nll:
-                record["target_nll"] = metrics.target_nll(target.model, prompt_ids, outcome.token_ids)
+    for repeat, prompt, spec in todo:
+        bar.set_postfix_str(f"{spec} {prompt.id}")
+        prompt_ids = encoded[prompt.id]
+        generator = torch.Generator().manual_seed(config.seed * 1000003 + repeat * 7919 + zlib.crc32(prompt.id.encode()))
+        with PeakRSS() as memory:
+            outcome = runners[spec].run(prompt_ids, config.max_new_tokens, generator)
+        text = target.tokenizer.decode(outcome.token_ids, skip_special_tokens=True) if target.tokenizer else ""
+        record = {
+            "method": spec,
+            "prompt_id": prompt.id,
+            "category": prompt.category,
+            "repeat": repeat,
+            "emitted": len(outcome.token_ids),
+            "seconds": outcome.seconds,
+            "tokens_per_s": len(outcome.token_ids) / outcome.seconds if outcome.seconds > 0 else 0.0,
+            "peak_rss_mb": round(memory.peak, 1),
+            "token_ids": outcome.token_ids,
+            "text": text,
+            **(_stats_fields(outcome.stats) if outcome.stats else {}),
+            **_task_quality(prompt, text, config.dataset),
+        }
+        if torch.cuda.is_available():
+            record["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        if config.compute_nll:
+            record["target_nll"] = metrics.target_nll(target.model, prompt_ids, outcome.token_ids)
+        # Opened per record: a file replaced under a long run (an editor, a git checkout)
+        # then receives the next records instead of an unlinked inode swallowing them.
+        with open(records_path, "a") as sink:
             sink.write(json.dumps(record) + "\n")
-            sink.flush()
-            bar.update(1)
+        bar.update(1)
     bar.close()
 
     from .report import summarize, write_report
