@@ -7,9 +7,9 @@ import torch
 
 from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import ModelDrafter, Proposal
-from tierspec.judge.data import clean_solution, plant_error, token_labels
+from tierspec.judge.data import JudgeDataError, build_gsm8k_judge_data, clean_solution, plant_copy_error, plant_error, token_labels
 from tierspec.judge.head import JudgeHead, JudgeHeadError
-from tierspec.judge.train import auroc, choose_threshold, train_head
+from tierspec.judge.train import LabelledTokens, auroc, choose_threshold, matched_pairs, train_head
 from tierspec.models import CachedModel, ModelIdentity
 from tierspec.rules import ExactRule
 from tierspec.rules.judge import JudgeRule, judge_block
@@ -38,6 +38,40 @@ def test_planted_error_changes_a_reused_result_and_points_at_the_first_wrong_cha
         wrong, offset = plant_error(solution, random.Random(seed))
         changed_line = wrong[: wrong.index("\n", offset)].split("\n")[-1]
         assert changed_line in ("He has 3 * 4 = " + changed_line.split("= ")[-1], "Then 12 + 5 = " + changed_line.split("= ")[-1])
+
+
+def test_copy_error_is_the_continuation_of_the_latest_earlier_occurrence():
+    # Only one word of the solution has an earlier occurrence of its predecessor: "z" after "a"
+    # (question "a b c d"); the copying drafter continues with "b c ..." where the truth is "z".
+    for seed in range(10):
+        wrong, offset = plant_copy_error("x a z q", "a b c d", random.Random(seed))
+        assert offset == 4 and wrong[:offset] == "x a " and wrong[offset] == "b"
+        assert "b c d x".startswith(wrong[offset:])
+    # A copy that agrees with the truth is no mistake.
+    assert plant_copy_error("x a b c", "a b c", random.Random(0)) is None
+
+
+def test_builder_writes_both_error_kinds_and_refuses_unknown_ones(tmp_path):
+    import json
+
+    rows = [{"question": "Tom has 3 apples and buys 4 more apples.", "answer": "Tom has 3 + 4 = <<3+4=7>>7 apples.\nSo he has 7 apples.\n#### 7"},
+            {"question": "A box holds 5 pens and 2 pens more.", "answer": "The box holds 5 + 2 = <<5+2=7>>7 pens.\nIt has 7 pens.\n#### 7"}]
+    train = tmp_path / "train.jsonl"
+    train.write_text("\n".join(json.dumps(r) for r in rows))
+    build_gsm8k_judge_data(train, tmp_path / "judge.jsonl", count=2, val_fraction=0.5)
+    kinds = sorted(json.loads(line)["id"].rpartition("-")[2] for line in (tmp_path / "judge.jsonl").read_text().splitlines())
+    assert kinds == ["copy", "copy", "correct", "correct", "wrong", "wrong"]
+    with pytest.raises(JudgeDataError, match="error kinds"):
+        build_gsm8k_judge_data(train, tmp_path / "other.jsonl", errors=("typo",))
+    assert not (tmp_path / "other.jsonl").exists()
+
+
+def test_matched_pairs_pair_each_kind_with_the_correct_twin():
+    example = ["p-correct", "p-correct", "p-wrong", "p-copy", "q-copy"]
+    tokens = LabelledTokens(torch.zeros(5, 2), torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0]), example, [0, 4, 4, 0, 0], ["val"] * 5)
+    scores = torch.tensor([0.9, 0.8, 0.1, 0.2, 0.3])
+    assert matched_pairs(tokens, scores) == [(pytest.approx(0.1), pytest.approx(0.8)), (pytest.approx(0.2), pytest.approx(0.9))]
+    assert matched_pairs(tokens, scores, kind="copy") == [(pytest.approx(0.2), pytest.approx(0.9))]  # q has no correct twin
 
 
 # ---- training -----------------------------------------------------------------------------------

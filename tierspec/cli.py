@@ -271,7 +271,11 @@ def _add_judge(sub) -> None:
 
     build = judge_sub.add_parser("build-data", help="correct / planted-error responses from GSM8K train (offline)")
     build.add_argument("--out", required=True, help="JSONL to write")
-    build.add_argument("--count", type=int, default=500, help="problems (each gives a correct and a wrong response)")
+    build.add_argument("--count", type=int, default=500,
+                       help="problems (each gives a correct response and a wrong one per error kind)")
+    build.add_argument("--errors", default="arithmetic,copy",
+                       help="planted error kinds: arithmetic (a changed intermediate result), copy (an n-gram drafter's "
+                       "wrong continuation)")
     build.add_argument("--val-fraction", type=float, default=0.2)
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--data-dir", default=None)
@@ -305,7 +309,9 @@ def _run_judge_build(args) -> int:
     from .judge.data import build_gsm8k_judge_data
 
     root = Path(args.data_dir) if args.data_dir else default_data_dir()
-    info = build_gsm8k_judge_data(root / "gsm8k" / "train.jsonl", Path(args.out), args.count, args.val_fraction, args.seed)
+    errors = tuple(e.strip() for e in args.errors.split(",") if e.strip())
+    info = build_gsm8k_judge_data(root / "gsm8k" / "train.jsonl", Path(args.out), args.count, args.val_fraction, args.seed,
+                                  errors)
     print(json.dumps(info))
     return 0
 

@@ -73,8 +73,52 @@ def plant_error(solution: str, rng: random.Random) -> tuple[str, int] | None:
     return wrong, start + first_diff
 
 
-def build_gsm8k_judge_data(train_path: Path, out: Path, count: int = 500, val_fraction: float = 0.2, seed: int = 0) -> dict:
-    """Write ``count`` problems as a correct and a wrong response each (JSONL, atomically)."""
+_WORD = re.compile(r"\S+")
+
+
+def plant_copy_error(solution: str, question: str, rng: random.Random, max_words: int = 6) -> tuple[str, int] | None:
+    """The mistake a copying (n-gram) drafter makes: at a random word of ``solution``, continue
+    with the words that followed the latest earlier occurrence of the previous word (in the
+    question or the solution so far) instead of the right ones. Returns the wrong response
+    (cut after the copied words: later text is unlabelled anyway) and the offset of its first
+    wrong character, or None where no such continuation differs from the solution.
+
+    Planted arithmetic errors only teach the judge that a number is wrong; without these, a head
+    accepts any fluent-looking copy (measured: an n-gram drafter then runs away on GSM8K)."""
+    words = list(_WORD.finditer(solution))
+    question_words = [m.group() for m in _WORD.finditer(question)]
+    positions = list(range(1, len(words)))
+    rng.shuffle(positions)
+    for i in positions:
+        previous = words[i - 1].group()
+        history = question_words + [m.group() for m in words[: i - 1]]
+        hits = [j for j, w in enumerate(history) if w == previous and j + 1 < len(history)]
+        if not hits:
+            continue
+        copied = history[hits[-1] + 1 : hits[-1] + 1 + rng.randint(2, max_words)]
+        truth = [m.group() for m in words[i : i + len(copied)]]
+        if truth and copied[0] == truth[0]:
+            continue  # the copy starts right: its mistake, if any, is for a later word
+        start = words[i].start()
+        wrong = solution[:start] + " ".join(copied)
+        first_diff = next((k for k, (a, b) in enumerate(zip(wrong[start:], solution[start:])) if a != b), None)
+        if first_diff is None:
+            continue  # the copy is a prefix of the truth: nothing wrong
+        return wrong, start + first_diff
+    return None
+
+
+ERROR_KINDS = ("arithmetic", "copy")
+
+
+def build_gsm8k_judge_data(train_path: Path, out: Path, count: int = 500, val_fraction: float = 0.2, seed: int = 0,
+                           errors: tuple[str, ...] = ERROR_KINDS) -> dict:
+    """Write ``count`` problems as a correct response and one wrong response per error kind
+    (``arithmetic``: a changed intermediate result later lines reuse; ``copy``: an n-gram
+    drafter's wrong continuation), as JSONL, atomically."""
+    unknown = set(errors) - set(ERROR_KINDS)
+    if unknown or not errors:
+        raise JudgeDataError(f"error kinds must be among {', '.join(ERROR_KINDS)}; got {', '.join(errors) or 'none'}")
     rows = [json.loads(line) for line in Path(train_path).read_text().splitlines() if line.strip()]
     rng = random.Random(seed)
     chosen = rng.sample(range(len(rows)), min(count, len(rows)))
@@ -84,12 +128,18 @@ def build_gsm8k_judge_data(train_path: Path, out: Path, count: int = 500, val_fr
         row = rows[index]
         split = "val" if rank < n_val else "train"
         correct = clean_solution(row["answer"])
-        planted = plant_error(correct, random.Random(f"{seed}-{index}"))
-        if planted is None:
+        planted = {
+            "arithmetic": plant_error(correct, random.Random(f"{seed}-{index}")) if "arithmetic" in errors else None,
+            "copy": plant_copy_error(correct, row["question"], random.Random(f"{seed}-{index}-copy")) if "copy" in errors else None,
+        }
+        if not any(planted.values()):
             continue
         prompt = gsm8k_prompt(row["question"])
         examples.append(JudgeExample(f"gsm8k-{index}-correct", prompt, correct, None, split))
-        examples.append(JudgeExample(f"gsm8k-{index}-wrong", prompt, planted[0], planted[1], split))
+        for kind, wrong in planted.items():
+            if wrong is not None:
+                suffix = "wrong" if kind == "arithmetic" else kind
+                examples.append(JudgeExample(f"gsm8k-{index}-{suffix}", prompt, wrong[0], wrong[1], split))
     text = "\n".join(e.to_json() for e in examples) + "\n"
     atomic_write_text(Path(out), text)
     return {"examples": len(examples), "val": sum(e.split == "val" for e in examples), "sha256": hashlib.sha256(text.encode()).hexdigest()}

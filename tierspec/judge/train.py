@@ -128,17 +128,22 @@ def auroc(labels, scores) -> float | None:
     return float(roc_auc_score(labels, np.asarray(scores)))
 
 
-def matched_pairs(tokens: LabelledTokens, scores: torch.Tensor, split: str = "val") -> list[tuple[float, float]]:
-    """(score of each mistaken token, score of the correct response's token at the same offset)."""
+def matched_pairs(tokens: LabelledTokens, scores: torch.Tensor, split: str = "val",
+                  kind: str | None = None) -> list[tuple[float, float]]:
+    """(score of each mistaken token, score of the correct response's token at the same offset).
+
+    Wrong responses are ``<problem>-<kind>`` beside ``<problem>-correct`` (kind ``wrong`` for a
+    planted arithmetic error, ``copy`` for a copying drafter's mistake); ``kind`` keeps one."""
     by_key = {}
     for i, (example, offset, s) in enumerate(zip(tokens.example, tokens.offset, tokens.split)):
         if s == split:
             by_key[(example, offset)] = i
     pairs = []
     for i, (example, label, s) in enumerate(zip(tokens.example, tokens.labels.tolist(), tokens.split)):
-        if s != split or label != 0 or not example.endswith("-wrong"):
+        base, _, suffix = example.rpartition("-")
+        if s != split or label != 0 or suffix == "correct" or (kind is not None and suffix != kind):
             continue
-        twin = example[: -len("-wrong")] + "-correct"
+        twin = base + "-correct"
         j = by_key.get((twin, tokens.offset[i]))
         if j is not None:
             pairs.append((float(scores[i]), float(scores[j])))
@@ -160,6 +165,7 @@ def evaluate_head(head: JudgeHead, tokens: LabelledTokens, split: str = "val") -
         "auroc_all": auroc(labels.numpy(), scores[mask].numpy()),
         "auroc_matched": auroc([0] * len(pairs) + [1] * len(pairs), neg_scores + pos_scores) if pairs else None,
         "matched_pairs": len(pairs),
+        "auroc_matched_by_kind": _matched_by_kind(tokens, scores, split, head.threshold),
         "threshold": head.threshold,
         # negatives = mistakes; "recall" = share of mistaken tokens the judge refuses
         "matched_negative_recall": rejected_neg / len(pairs) if pairs else None,
@@ -168,6 +174,19 @@ def evaluate_head(head: JudgeHead, tokens: LabelledTokens, split: str = "val") -
         "all_mistakes_accepted": float((scores[mask][labels == 0] >= head.threshold).float().mean()) if (labels == 0).any() else None,
         "all_correct_accepted": float((scores[mask][labels == 1] >= head.threshold).float().mean()),
     }
+
+
+def _matched_by_kind(tokens: LabelledTokens, scores: torch.Tensor, split: str, threshold: float) -> dict:
+    """Matched AUROC and the share of mistaken tokens accepted at ``threshold``, per error kind."""
+    kinds = sorted({e.rpartition("-")[2] for e in tokens.example} - {"correct"})
+    result = {}
+    for kind in kinds:
+        pairs = matched_pairs(tokens, scores, split, kind)
+        if pairs:
+            negatives, positives = [p[0] for p in pairs], [p[1] for p in pairs]
+            result[kind] = {"pairs": len(pairs), "auroc": auroc([0] * len(pairs) + [1] * len(pairs), negatives + positives),
+                            "mistakes_accepted": sum(n >= threshold for n in negatives) / len(pairs)}
+    return result
 
 
 def choose_threshold(scores_of_mistakes: list[float], max_mistake_acceptance: float = 0.1) -> float:
