@@ -9,6 +9,7 @@ method list below, then writes BENCHMARKS.md from its summary, with the machine 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import platform
 import subprocess
@@ -92,8 +93,6 @@ def main() -> None:
     out_dir = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
     table = out_dir / "summary.md"
     shown = " ".join(command[1:]).replace(sys.executable, "python")
-    import json
-
     ar = json.loads((out_dir / "summary.json").read_text())["methods"]["ar"]
     measured = min(c["n_prompts"] for c in ar["categories"].values())
     status = ""

@@ -24,6 +24,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tierspec.bench.report import faster_than_every_as_faithful, short_label
+from tierspec.routing import atomic_write_text
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,16 +35,6 @@ def specs(ratios, alpha2s, lossy_alphas, unit: str) -> list[str]:
     methods += [f"lossy:alpha={a}:draft_with=ngram" for a in lossy_alphas]
     methods += [f"via:mask=masks/smollm2-135m-{unit}-r{r}.json:alpha2={a2}:draft_with=ngram" for r in ratios for a2 in alpha2s]
     return methods
-
-
-def dominates(point: dict, others: list[dict], key: str, higher_is_better: bool) -> bool | None:
-    """True if ``point`` is faster than every point of ``others`` whose ``key`` fidelity is
-    equal or better; None if the metric is missing."""
-    if point.get(key) is None:
-        return None
-    better = [o for o in others if o.get(key) is not None
-              and (o[key] >= point[key] if higher_is_better else o[key] <= point[key])]
-    return all(point["speedup"] > o["speedup"] for o in better)
 
 
 def report(summary: dict, out: Path) -> str:
@@ -62,8 +55,8 @@ def report(summary: dict, out: Path) -> str:
     for p in points:
         beats_em = beats_nll = None
         if p["family"] == "via":
-            beats_em = dominates(p, two_tier, "em", True)
-            beats_nll = dominates(p, two_tier, "nll", False)
+            beats_em = faster_than_every_as_faithful(p, two_tier, "em", higher_is_better=True)
+            beats_nll = faster_than_every_as_faithful(p, two_tier, "nll", higher_is_better=False)
             if beats_em:
                 wins["em"].append(p["name"])
             if beats_nll:
@@ -85,9 +78,6 @@ def _plot(points: list[dict], out: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    sys.path.insert(0, str(ROOT))
-    from tierspec.bench.report import short_label
 
     colours = {"ar": "black", "pld": "tab:blue", "lossy": "tab:orange", "via": "tab:green"}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
@@ -128,9 +118,6 @@ def main() -> None:
     subprocess.run(command + (["--summarize-only", "--no-progress"] if args.summarize_only else []), check=True, cwd=ROOT)
     summary = json.loads((out / "summary.json").read_text())
     text = report(summary, out)
-    sys.path.insert(0, str(ROOT))
-    from tierspec.routing import atomic_write_text
-
     atomic_write_text(out / "frontier.md", f"`python benchmarks/via_frontier.py --out {args.out}`\n\n" + text)
     print(text)
 

@@ -53,7 +53,6 @@ def test_cost_model_prior_with_one_length():
 
 def test_acceptance_estimate_learns_and_forgets():
     estimate = AcceptanceEstimate(decay=1.0, idle_decay=0.5)
-    assert AcceptanceEstimate().decay == 0.9
     assert estimate.alpha == 0.5
     for _ in range(10):
         estimate.observe(4, 4)  # all accepted

@@ -119,12 +119,13 @@ def test_runner_end_to_end_and_resume(tmp_path, tiny_text_model, data_dir):
         runner_module.MethodRunner.run = original
     assert calls == [] and (out / "records.jsonl").read_text() == before
 
-    # A partial run: drop the last two records; the rerun redoes exactly those.
+    # A run killed mid-write: the last two records are missing, one of them half written (no
+    # newline). The rerun cuts the half line off and redoes exactly those two; every line parses.
     lines = before.splitlines()
-    (out / "records.jsonl").write_text("\n".join(lines[:-2]) + "\n")
+    (out / "records.jsonl").write_text("\n".join(lines[:-2]) + "\n" + lines[-2][:30])
     run_bench(config, out, progress=False, target=tiny_text_model)
     after = (out / "records.jsonl").read_text().splitlines()
-    assert len(after) == len(lines)
+    assert len(after) == len(lines) and all(json.loads(line) for line in after)
     assert {(json.loads(l)["method"], json.loads(l)["prompt_id"]) for l in after} == {
         (json.loads(l)["method"], json.loads(l)["prompt_id"]) for l in lines}
 
@@ -170,7 +171,23 @@ def test_fidelity_against_a_reference_run(tmp_path, tiny_text_model, data_dir):
     assert other["methods"]["ar"]["overall"]["fidelity_exact_match"] == 0.5
     assert other["methods"]["pld"]["overall"]["fidelity_exact_match"] == 0.5
     assert "reference run" in (tmp_path / "again" / "summary.md").read_text()
+    (tmp_path / "empty.jsonl").write_text(json.dumps({"method": "pld", "prompt_id": "x", "repeat": 0}) + "\n")
     with pytest.raises(BenchError, match="no `ar` records"):
-        (tmp_path / "empty.jsonl").write_text(json.dumps({"method": "pld", "prompt_id": "x", "repeat": 0}) + "\n")
         run_bench(replace(greedy, fidelity_reference=str(tmp_path / "empty.jsonl")), tmp_path / "third",
                   progress=False, target=tiny_text_model)
+
+
+def test_frontier_question_on_planted_points():
+    from tierspec.bench.report import faster_than_every_as_faithful
+
+    pld = {"speedup": 1.3, "em": 1.0, "nll": 0.55}
+    lossy = {"speedup": 1.4, "em": 0.4, "nll": 0.50}
+    slow_via = {"speedup": 0.8, "em": 0.4, "nll": 0.60}
+    fast_via = {"speedup": 1.5, "em": 0.4, "nll": 0.60}
+    assert faster_than_every_as_faithful(slow_via, [pld, lossy], "em", higher_is_better=True) is False
+    assert faster_than_every_as_faithful(fast_via, [pld, lossy], "em", higher_is_better=True) is True
+    # Less faithful two-tier points do not count: only pld is as faithful by EM as a 0.9-EM point.
+    assert faster_than_every_as_faithful({"speedup": 1.35, "em": 0.9}, [pld, lossy], "em", higher_is_better=True) is True
+    # By NLL lower is better: every two-tier point has NLL ≤ 0.60, so fast_via must beat both.
+    assert faster_than_every_as_faithful({"speedup": 1.35, "nll": 0.60}, [pld, lossy], "nll", higher_is_better=False) is False
+    assert faster_than_every_as_faithful({"speedup": 1.0}, [pld], "nll", higher_is_better=False) is None

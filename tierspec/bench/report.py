@@ -154,6 +154,17 @@ def write_report(summary: dict, records: list[dict], out: Path) -> None:
     plot(summary, out)
 
 
+def faster_than_every_as_faithful(point: dict, others: list[dict], key: str, higher_is_better: bool) -> bool | None:
+    """Whether ``point`` is faster (``speedup``) than every one of ``others`` whose fidelity
+    ``key`` is equal or better — the frontier question VIA-SD must answer against two-tier
+    rules. None when ``point`` lacks the metric."""
+    if point.get(key) is None:
+        return None
+    as_faithful = [o for o in others if o.get(key) is not None
+                   and (o[key] >= point[key] if higher_is_better else o[key] <= point[key])]
+    return all(point["speedup"] > o["speedup"] for o in as_faithful)
+
+
 def short_label(spec: str, width: int = 32) -> str:
     """A plot label for a method spec: file paths shortened to their stem, then truncated."""
     name, *params = spec.split(":")

@@ -88,6 +88,27 @@ def check_resumable(config: "BenchConfig", out: Path) -> None:
                          "resuming would mix them: use another --out")
 
 
+def read_records(path: Path) -> list[dict]:
+    """The records of a records.jsonl; a line cut by an interruption is skipped (and redone)."""
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def _drop_cut_tail(path: Path) -> None:
+    """An interrupted write leaves a last line without its newline; the next append would glue a
+    good record onto it. Cut it off (it is redone)."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        atomic_write_text(path, data[: data.rfind(b"\n") + 1].decode())
+
+
 def load_fidelity_reference(path: str) -> dict:
     """`ar` records of another run, by (prompt id, repeat)."""
     file = Path(path)
@@ -95,14 +116,7 @@ def load_fidelity_reference(path: str) -> dict:
         file = file / "records.jsonl"
     if not file.exists():
         raise BenchError(f"fidelity reference {file} does not exist")
-    reference = {}
-    for line in file.read_text().splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if record.get("method") == BASELINE:
-            reference[(record["prompt_id"], record["repeat"])] = record
+    reference = {(r["prompt_id"], r["repeat"]): r for r in read_records(file) if r.get("method") == BASELINE}
     if not reference:
         raise BenchError(f"fidelity reference {file} holds no `{BASELINE}` records")
     return reference
@@ -300,14 +314,9 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
     encoded = {p.id: encode_prompt(target, p.text) for p in prompts}
 
     records_path = out / "records.jsonl"
-    done = set()
-    if records_path.exists():
-        for line in records_path.read_text().splitlines():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by an interruption is redone
-            done.add((record["method"], record["prompt_id"], record["repeat"]))
+    if generate:
+        _drop_cut_tail(records_path)
+    done = {(r["method"], r["prompt_id"], r["repeat"]) for r in read_records(records_path)}
     atomic_write_text(out / "config.json", json.dumps(asdict(config), indent=2))
 
     todo = [(r, p, m) for r in range(config.repeats) for i, p in enumerate(prompts)
@@ -354,7 +363,7 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
 
     from .report import summarize, write_report
 
-    records = [json.loads(line) for line in records_path.read_text().splitlines() if line.strip()]
+    records = read_records(records_path)
     references = {p.id: p.reference for p in prompts}
     summary = summarize(records, config, references, fidelity_reference=reference)
     write_report(summary, records, out)

@@ -85,21 +85,20 @@ def plant_copy_error(solution: str, question: str, rng: random.Random, max_words
 
     Planted arithmetic errors only teach the judge that a number is wrong; without these, a head
     accepts any fluent-looking copy (measured: an n-gram drafter then runs away on GSM8K)."""
-    words = list(_WORD.finditer(solution))
-    question_words = [m.group() for m in _WORD.finditer(question)]
+    spans = list(_WORD.finditer(solution))
+    words = [m.group() for m in spans]
+    question_words = _WORD.findall(question)
     positions = list(range(1, len(words)))
     rng.shuffle(positions)
     for i in positions:
-        previous = words[i - 1].group()
-        history = question_words + [m.group() for m in words[: i - 1]]
-        hits = [j for j, w in enumerate(history) if w == previous and j + 1 < len(history)]
+        history = question_words + words[: i - 1]
+        hits = [j for j, w in enumerate(history) if w == words[i - 1] and j + 1 < len(history)]
         if not hits:
             continue
         copied = history[hits[-1] + 1 : hits[-1] + 1 + rng.randint(2, max_words)]
-        truth = [m.group() for m in words[i : i + len(copied)]]
-        if truth and copied[0] == truth[0]:
+        if copied[0] == words[i]:
             continue  # the copy starts right: its mistake, if any, is for a later word
-        start = words[i].start()
+        start = spans[i].start()
         wrong = solution[:start] + " ".join(copied)
         first_diff = next((k for k, (a, b) in enumerate(zip(wrong[start:], solution[start:])) if a != b), None)
         if first_diff is None:
@@ -138,7 +137,7 @@ def build_gsm8k_judge_data(train_path: Path, out: Path, count: int = 500, val_fr
         examples.append(JudgeExample(f"gsm8k-{index}-correct", prompt, correct, None, split))
         for kind, wrong in planted.items():
             if wrong is not None:
-                suffix = "wrong" if kind == "arithmetic" else kind
+                suffix = "wrong" if kind == "arithmetic" else kind  # "-wrong": the id of the first data format
                 examples.append(JudgeExample(f"gsm8k-{index}-{suffix}", prompt, wrong[0], wrong[1], split))
     text = "\n".join(e.to_json() for e in examples) + "\n"
     atomic_write_text(Path(out), text)

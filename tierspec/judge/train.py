@@ -165,7 +165,7 @@ def evaluate_head(head: JudgeHead, tokens: LabelledTokens, split: str = "val") -
         "auroc_all": auroc(labels.numpy(), scores[mask].numpy()),
         "auroc_matched": auroc([0] * len(pairs) + [1] * len(pairs), neg_scores + pos_scores) if pairs else None,
         "matched_pairs": len(pairs),
-        "auroc_matched_by_kind": _matched_by_kind(tokens, scores, split, head.threshold),
+        "matched_by_kind": _matched_by_kind(tokens, scores, split, head.threshold),
         "threshold": head.threshold,
         # negatives = mistakes; "recall" = share of mistaken tokens the judge refuses
         "matched_negative_recall": rejected_neg / len(pairs) if pairs else None,
