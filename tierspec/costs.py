@@ -2,15 +2,16 @@
 
 On a CPU the cost of a target pass is not linear in the number of tokens it scores: measured
 on the default model (2 cores, 300 cached tokens) a pass over 1 / 2 / 3 / 4 / 8 new tokens
-took about 57 / 92 / 116 / 88 / 80 ms — the BLAS kernels for 2–3 rows are slower than for
-4–8. Two things follow:
+took about 57 / 92 / 116 / 88 / 80 ms with ``nn.Linear``'s kernels (2–3 rows slower than
+4–8), and 35 / 35 / 45 / 45 / 67 ms with tierspec's few-row linears (``kernels``). Two
+things follow:
 
 * a verification of n tokens can be *padded* to the cheapest size n' ≥ n (the extra rows are
   copies of the last token, their outputs are ignored and their KV rolled back), and
 * a draft-length policy must use this table, not a straight line.
 
 The table is cached as JSON under ``$TIERSPEC_CACHE`` keyed by the model's identity, the
-thread count and the CPU, and reused by later runs.
+thread count, the CPU and the linear kernels in use, and reused by later runs.
 """
 
 from __future__ import annotations
@@ -84,10 +85,18 @@ def measure_forward_costs(model: torch.nn.Module, max_tokens: int = 16, context:
     return ForwardCosts(seconds)
 
 
+def _linear_kind(model: torch.nn.Module) -> str:
+    """Which linear kernels the model runs (the table depends on them: see ``kernels``)."""
+    from .kernels import FewRowLinear
+
+    return "few-row" if any(isinstance(m, FewRowLinear) for m in model.modules()) else "linear"
+
+
 def forward_costs(target: LoadedModel, max_tokens: int = 16, refresh: bool = False) -> ForwardCosts:
     """The cached table for this model on this machine, measured (a few seconds) when missing."""
     key = json.dumps({"model": target.identity.to_dict(), "threads": torch.get_num_threads(), "cpu": _cpu_name(),
-                      "torch": torch.__version__, "max_tokens": max_tokens}, sort_keys=True)
+                      "torch": torch.__version__, "max_tokens": max_tokens, "linear": _linear_kind(target.model)},
+                     sort_keys=True)
     path = cache_root() / f"forward-costs-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.exists() and not refresh:
         try:

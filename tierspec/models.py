@@ -212,7 +212,10 @@ def _folder_hash(folder: Path) -> str:
 
 
 def _loaded(model: torch.nn.Module, tokenizer, name: str, content_hash: str) -> LoadedModel:
+    from .kernels import use_few_row_linears
+
     model.eval()
+    use_few_row_linears(model)  # decoding's few-row passes at up to ~2.5x less matmul time on a CPU
     return LoadedModel(model, tokenizer, identity_of(model, name, content_hash))
 
 
