@@ -51,6 +51,10 @@ MORE_RUNS = [
      ("tierspec bench --dataset gsm8k --limit 50 --max-new-tokens 160 --temperature 0 --methods "
       f'"ar,pld,judge:judge_head={JUDGE}:draft_with=ngram,via-judge:judge_head={JUDGE}:mask={R01}:draft_with=ngram" '
       "--out results/gsm8k_judge"), "results/gsm8k_judge/summary.md"),
+    ("Lossless methods and the transformers peers on the current code (few-row kernels with less per-call overhead, commit after the table above)",
+     ("tierspec bench --dataset spec_bench --per-category 5 --max-new-tokens 128 --temperature 0 "
+      '--methods "ar,hf-greedy,pld,adaptive-pld,hf-pld,hf-assisted" --out results/spec_bench-lossless'),
+     "results/spec_bench-lossless/summary.md"),
     ("Spec-Bench with `nn.Linear` (the previous run, before the few-row kernels)",
      "python benchmarks/spec_bench.py --out results/spec_bench-nn-linear (at commit 2130093)",
      "results/spec_bench-nn-linear/summary.md"),

@@ -89,7 +89,7 @@ def _linear_kind(model: torch.nn.Module) -> str:
     """Which linear kernels the model runs (the table depends on them: see ``kernels``)."""
     from .kernels import FewRowLinear
 
-    return "few-row" if any(isinstance(m, FewRowLinear) for m in model.modules()) else "linear"
+    return "few-row-v2" if any(isinstance(m, FewRowLinear) for m in model.modules()) else "linear"
 
 
 def forward_costs(target: LoadedModel, max_tokens: int = 16, refresh: bool = False) -> ForwardCosts:

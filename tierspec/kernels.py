@@ -33,18 +33,29 @@ class FewRowLinear(torch.nn.Linear):
     max_rows = 10
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        features = x.shape[-1]
-        rows = x.numel() // features if features else 0
-        if rows == 0 or rows > self.max_rows or x.device.type != "cpu" or x.dtype != self.weight.dtype:
-            return F.linear(x, self.weight, self.bias)
-        flat = x.reshape(rows, features)
-        # A contiguous [rows, in] operand read transposed, and a contiguous result: the BLAS
-        # picks its fast kernel only for that layout, and later element-wise ops stay dense.
-        flat = flat.repeat(2, 1) if rows == 1 else flat.contiguous()
-        out = torch.mm(self.weight, flat.t())[:, :rows].t().contiguous()
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], out.shape[-1])
+        return few_row_linear(x, self.weight, self.bias, self.max_rows)
+
+
+def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = 10) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed as (W · xᵀ)ᵀ when x has 1..max_rows rows.
+
+    Called ~200 times per decoding step, so it keeps to a handful of tensor operations: a
+    contiguous [rows, in] operand read transposed (the layout for which the BLAS picks its
+    fast kernel; one row is doubled), and a contiguous result so later element-wise ops stay
+    dense."""
+    features = x.shape[-1]
+    rows = x.numel() // features if features else 0
+    if rows == 0 or rows > max_rows:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, features)
+    if rows == 1:
+        out = torch.mm(weight, torch.cat((flat, flat)).t())[:, :1]
+    else:
+        out = torch.mm(weight, flat.contiguous().t())
+    out = out.t().contiguous()
+    if bias is not None:
+        out += bias
+    return out.view(*x.shape[:-1], out.shape[-1])
 
 
 def use_few_row_linears(model: torch.nn.Module) -> int:
