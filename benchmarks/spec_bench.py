@@ -71,6 +71,46 @@ def more_runs() -> str:
     return "\n".join(parts)
 
 
+def targets(summary: dict) -> str:
+    """The speed targets of the issue, computed from this run's summary. Target 1 counts against
+    the faster of `ar` and `hf-greedy` on each prompt (``speedup_vs_best_plain``); the ratio to a
+    peer does not depend on the baseline."""
+    methods = summary["methods"]
+    lossless = {n: m for n, m in methods.items() if n != "ar" and not n.startswith("hf-")
+                and m["overall"].get("fidelity_exact_match") == 1.0}
+    peers = {n: m for n, m in methods.items() if n.startswith("hf-") and n != "hf-greedy"}
+    if not lossless or not peers:
+        return ""
+    best = max(lossless, key=lambda n: lossless[n]["overall"]["speedup"])
+    peer = max(peers, key=lambda n: peers[n]["overall"]["speedup"])
+    ours = methods[best]
+
+    def plain(group: dict) -> float:
+        return group.get("speedup_vs_best_plain") or group["speedup"]
+
+    speed = plain(ours["overall"])
+    categories = sorted(ours["categories"])
+    worst = min(categories, key=lambda c: plain(ours["categories"][c]))
+    rows = []
+    for c in categories:
+        top = max(peers, key=lambda n: peers[n]["categories"].get(c, {}).get("speedup") or 0)
+        theirs = peers[top]["categories"][c]["speedup"]
+        rows.append(f"| {c} | {ours['categories'][c]['speedup']:.2f}× | `{top}` {theirs:.2f}× | {ours['categories'][c]['speedup'] / theirs:.2f} |")
+    ratio = ours["overall"]["speedup"] / peers[peer]["overall"]["speedup"]
+    ahead = all(float(r.split("|")[4]) > 1.0 for r in rows)
+    return f"""## Speed targets (from this run)
+
+1. Best lossless method: `{best}` {speed:.2f}× the faster of `ar` / `hf-greedy` overall (target ≥ 1.5×:
+   {"met" if speed >= 1.5 else "not met"}); lowest category {worst} {plain(ours['categories'][worst]):.2f}×
+   (target ≥ 1.0: {"met" if plain(ours['categories'][worst]) >= 1.0 else "not met"}).
+2. Against the best transformers peer, `{peer}` ({peers[peer]['overall']['speedup']:.2f}×): {ratio:.2f}× overall (target ≥ 1.3:
+   {"met" if ratio >= 1.3 else "not met"}); ahead in every category: {"yes" if ahead else "no"}.
+
+| category | `{best}` | best `hf-*` peer there | ratio |
+|---|---|---|---|
+""" + "\n".join(rows) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="results/spec_bench")
@@ -123,6 +163,7 @@ algorithms on equal kernels. Masks: `{args.mask}` (DIMR, slim
 verifier / self-drafter), `{args.draft_mask}` (BiLD's and the cascade's layer-skip drafter); `via` also
 runs with {", ".join(f"`{m}`" for m in args.more_via_masks)}.
 
+{targets(json.loads((out_dir / "summary.json").read_text()))}
 {table.read_text()}
 Plots: `{args.out}/speedup_by_category.png`, `{args.out}/quality_vs_speedup.png`, `{args.out}/tier_fractions.png`.
 
