@@ -55,6 +55,10 @@ MORE_RUNS = [
      ("tierspec bench --dataset spec_bench --per-category 5 --temperature 1 --methods "
       f'"ar,pld,lossy:alpha=0.3:draft_with=ngram,via:mask={R01}:draft_with=ngram,via:mask={R045}:draft_with=ngram" '
       "--fidelity-reference results/spec_bench-nn-linear --out results/via_t1"), "results/via_t1/summary.md"),
+    ("Judge decoding on 50 GSM8K test questions",
+     ("tierspec bench --dataset gsm8k --limit 50 --max-new-tokens 160 --temperature 0 --methods "
+      f'"ar,pld,judge:judge_head={JUDGE}:draft_with=ngram,via-judge:judge_head={JUDGE}:mask={R01}:draft_with=ngram" '
+      "--out results/gsm8k_judge-fewrow"), "results/gsm8k_judge-fewrow/summary.md"),
     ("Judge decoding on 50 GSM8K test questions (measured before the few-row kernels, with `nn.Linear`)",
      ("tierspec bench --dataset gsm8k --limit 50 --max-new-tokens 160 --temperature 0 --methods "
       f'"ar,pld,judge:judge_head={JUDGE}:draft_with=ngram,via-judge:judge_head={JUDGE}:mask={R01}:draft_with=ngram" '
