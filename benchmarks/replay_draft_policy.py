@@ -88,7 +88,6 @@ class Adaptive:
         return proposal.tokens.numpy()
 
     def observe(self, drafted, accepted, seconds):
-        self.drafter.commit(0)
         self.drafter.observe(SimpleNamespace(drafted=drafted, accepted=accepted, seconds=seconds))
 
 

@@ -99,13 +99,14 @@ def targets(summary: dict) -> str:
     speed = plain(ours["overall"])
     categories = sorted(ours["categories"])
     worst = min(categories, key=lambda c: plain(ours["categories"][c]))
-    rows = []
+    rows, ratios = [], []
     for c in categories:
         top = max(peers, key=lambda n: peers[n]["categories"].get(c, {}).get("speedup") or 0)
-        theirs = peers[top]["categories"][c]["speedup"]
-        rows.append(f"| {c} | {ours['categories'][c]['speedup']:.2f}× | `{top}` {theirs:.2f}× | {ours['categories'][c]['speedup'] / theirs:.2f} |")
+        mine, theirs = ours["categories"][c]["speedup"], peers[top]["categories"][c]["speedup"]
+        ratios.append(mine / theirs)
+        rows.append(f"| {c} | {mine:.2f}× | `{top}` {theirs:.2f}× | {mine / theirs:.2f} |")
     ratio = ours["overall"]["speedup"] / peers[peer]["overall"]["speedup"]
-    ahead = all(float(r.split("|")[4]) > 1.0 for r in rows)
+    ahead = all(r > 1.0 for r in ratios)
     return f"""## Speed targets (from this run)
 
 1. Best lossless method: `{best}` {speed:.2f}× the faster of `ar` / `hf-greedy` overall (target ≥ 1.5×:

@@ -215,7 +215,7 @@ def _loaded(model: torch.nn.Module, tokenizer, name: str, content_hash: str) -> 
     from .kernels import use_few_row_linears
 
     model.eval()
-    use_few_row_linears(model)  # decoding's few-row passes at up to ~2.5x less matmul time on a CPU
+    use_few_row_linears(model)  # 1-10 token passes: 1.5-3.4x less matmul time here (benchmarks/few_row_linear.py)
     return LoadedModel(model, tokenizer, identity_of(model, name, content_hash))
 
 
