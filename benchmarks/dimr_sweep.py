@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tierspec.data import calibration_prompts
 from tierspec.models import load_model
-from tierspec.routing import atomic_write_text
+from tierspec.util import atomic_write_text
 from tierspec.search import SearchConfig, build_calibration, search_mask
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import transformers
 
-from tierspec.routing import atomic_write_text
+from tierspec.util import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 

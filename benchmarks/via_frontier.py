@@ -25,7 +25,7 @@ import sys
 from pathlib import Path
 
 from tierspec.bench.report import faster_than_every_as_faithful, short_label
-from tierspec.routing import atomic_write_text
+from tierspec.util import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
 

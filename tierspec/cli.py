@@ -346,6 +346,48 @@ def _run_judge_eval(args) -> int:
     return 0
 
 
+def _add_drafter(sub) -> None:
+    parser = sub.add_parser("drafter", help="the trained draft head (EAGLE-style): build its data, train it")
+    drafter_sub = parser.add_subparsers(dest="drafter_command", required=True)
+
+    build = drafter_sub.add_parser(
+        "build-data",
+        help="the target's own answers and features on training prompts (resumable)",
+        description="Self-distillation data for the draft head: the target answers training prompts (GSM8K train, "
+        "WMT14/CNN-DM items Spec-Bench does not use, XSum articles, synthesised prompts) in batches, and reference "
+        "answers are run teacher-forced; the target's features at every position are stored in safetensors shards. "
+        "Rerun the same command to resume.",
+    )
+    build.add_argument("--target", default=DEFAULT_MODEL)
+    build.add_argument("--out", required=True, help="data folder (a rerun resumes)")
+    build.add_argument("--own-prompts", type=int, default=2400, help="prompts the target answers itself")
+    build.add_argument("--reference-items", type=int, default=1600, help="reference answers run teacher-forced")
+    build.add_argument("--max-new-tokens", type=int, default=160)
+    build.add_argument("--batch-size", type=int, default=48)
+    build.add_argument("--sampled-fraction", type=float, default=0.25,
+                       help="share of own answers sampled at temperature 1 (the rest greedy)")
+    build.add_argument("--data-dir", default=None)
+    build.add_argument("--seed", type=int, default=0)
+    build.add_argument("--no-progress", action="store_true", help="one log line per shard instead of a progress bar")
+    build.set_defaults(run=_run_drafter_build)
+
+
+def _run_drafter_build(args) -> int:
+    from pathlib import Path
+
+    from .eagle.data import DataConfig, build_data
+    from .models import load_model
+
+    config = DataConfig(own_prompts=args.own_prompts, reference_items=args.reference_items,
+                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                        sampled_fraction=args.sampled_fraction, seed=args.seed)
+    target = load_model(args.target)
+    manifest = build_data(target, Path(args.out), config, Path(args.data_dir) if args.data_dir else None,
+                          progress=not args.no_progress)
+    print(json.dumps(manifest, indent=2))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierspec", description="Speculative decoding for Hugging Face causal LMs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -353,6 +395,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_route(sub)
     _add_bench(sub)
     _add_judge(sub)
+    _add_drafter(sub)
     return parser
 
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .models import CachedModel, LoadedModel, cache_root
-from .routing import atomic_write_text
+from .util import atomic_write_text
 
 
 def _cpu_name() -> str:

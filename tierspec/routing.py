@@ -24,6 +24,7 @@ from typing import Iterator
 import torch
 
 from .models import ModelIdentity
+from .util import atomic_write_text
 
 UNITS = ("layer", "sublayer")
 MASK_FORMAT = "tierspec-routing-mask"
@@ -160,22 +161,6 @@ class RoutingMask:
 
 
 _MASK_KEYS = {"format", "version", "model", "num_layers", "unit", "ratio", "skip_attention", "skip_mlp"}
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(handle, "w") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(staging, path)
-    except BaseException:
-        if os.path.exists(staging):
-            os.unlink(staging)
-        raise
 
 
 # -- applying a mask ------------------------------------------------------------------------

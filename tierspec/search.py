@@ -28,7 +28,8 @@ import numpy as np
 import torch
 
 from .models import LoadedModel
-from .routing import RoutingMask, apply_mask, atomic_write_text
+from .routing import RoutingMask, apply_mask
+from .util import atomic_write_text
 
 OBJECTIVES = ("kl", "agreement")
 

@@ -7,7 +7,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from ..routing import atomic_write_text
+from ..util import atomic_write_text
 from . import metrics
 
 TASK_METRICS = ("gsm8k_exact_match", "humaneval_pass@1", "rouge_l")

@@ -28,7 +28,8 @@ from ..data import Prompt, load_prompts, select
 from ..decode import DecodeConfig, GenerationStats, Verifiers, decode
 from ..methods import MethodOptions, build_method, method_names
 from ..models import CachedModel, LoadedModel, load_model
-from ..routing import RoutingMask, atomic_write_text
+from ..routing import RoutingMask
+from ..util import atomic_write_text
 from ..sampling import SamplingConfig
 from . import metrics
 

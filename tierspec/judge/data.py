@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..data import gsm8k_prompt
-from ..routing import atomic_write_text
+from ..util import atomic_write_text
 
 _CALCULATOR = re.compile(r"<<[^>]*>>")
 _RESULT = re.compile(r"=\s*\$?(-?\d[\d,]*(?:\.\d+)?)")

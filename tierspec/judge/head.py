@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from ..models import ModelIdentity
-from ..routing import atomic_write_text
+from ..util import atomic_write_text
 
 FEATURE_KINDS = ("hidden", "hidden+logprob")
 HEAD_FORMAT = "tierspec-judge-head"

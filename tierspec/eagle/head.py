@@ -1,0 +1,349 @@
+"""The draft head (EAGLE-style, DESIGN §5b): one decoder layer of the target's own architecture
+that predicts the target's next feature vector, read out through the target's frozen LM head
+restricted to a reduced draft vocabulary.
+
+Notation: f_t is the vector the target's LM head reads at position t (its final hidden state),
+x_t the token at t, E the target's embedding, W_lm its LM head. At position t the head reads
+
+    input_t = W_fc [f_t ; E(x_{t+1})]                                  [H]
+    h_t     = norm(layer(input_≤t))  ≈ f_{t+1}                         [H]
+    logits  = W_lm[V_K] · h_t       over the K draft tokens V_K        [K]
+
+``layer`` is a Llama-style decoder layer (RMSNorm, rotary grouped-query attention, SwiGLU MLP)
+with the target's shapes, initialised from the target's last layer; ``norm`` is a copy of the
+target's final norm. Drafting feeds f_t from the target for committed positions and the head's
+own h for the positions after them. Tokens outside V_K have draft probability 0; verification
+stays over the full vocabulary, so the exact rule stays exact.
+
+The module holds only what it trains: W_fc, the layer and the norm. E and W_lm[V_K] are taken
+from the target when the head is attached (``DraftHead.attach``) and never saved; the file
+stores the vocabulary map V_K (target ids) and the target's identity, and loading onto another
+model is refused.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import few_row_linear
+from ..models import LoadedModel, ModelIdentity
+from ..routing import decoder_layers
+from ..util import atomic_write_text
+
+HEAD_FORMAT = "tierspec-draft-head"
+
+
+class DraftHeadError(ValueError):
+    """A head file that cannot be used: damaged, another format, or made for another model."""
+
+
+@dataclass(frozen=True)
+class HeadConfig:
+    """The shapes of the head (the target's) and its draft vocabulary size."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    vocab_size: int  # the target's vocabulary (draft ids map back into it)
+    draft_vocab_size: int  # K
+
+    @classmethod
+    def from_target(cls, model: torch.nn.Module, draft_vocab_size: int) -> "HeadConfig":
+        config = model.config
+        needed = ("hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps")
+        missing = [name for name in needed if getattr(config, name, None) is None]
+        layer = decoder_layers(model)[-1]
+        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        parts = [getattr(attention, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        parts += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if missing or any(p is None for p in parts) or getattr(config, "hidden_act", "silu") != "silu":
+            raise DraftHeadError(
+                f"{type(model).__name__} is not a Llama-style model (rotary attention with q/k/v/o projections, "
+                "SwiGLU MLP, RMSNorm); the draft head supports Llama, Mistral, Qwen2 and SmolLM-like targets"
+            )
+        heads = int(config.num_attention_heads)
+        kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+        rope = getattr(config, "rope_parameters", None) or {}
+        rope_type = rope.get("rope_type", "default") if isinstance(rope, dict) else "default"
+        if rope_type != "default":
+            raise DraftHeadError(f"the draft head implements plain rotary positions, not rope type '{rope_type}'")
+        theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+        theta = theta or getattr(config, "rope_theta", None) or 10000.0
+        return cls(int(config.hidden_size), int(config.intermediate_size), heads, kv_heads, head_dim,
+                   float(config.rms_norm_eps), float(theta), int(model.get_output_embeddings().weight.shape[0]),
+                   int(draft_vocab_size))
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm, computed in float32 and cast back."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [..., T, D] by position (Llama's rotate-half convention); cos/sin [T, D]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class DraftHead(torch.nn.Module):
+    """W_fc, one decoder layer and a final norm; see the module docstring."""
+
+    def __init__(self, config: HeadConfig, draft_ids: torch.Tensor):
+        super().__init__()
+        H, I = config.hidden_size, config.intermediate_size
+        q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        self.config = config
+        self.fc = torch.nn.Linear(2 * H, H, bias=True)
+        self.input_norm = torch.nn.Parameter(torch.ones(H))
+        self.q_proj = torch.nn.Linear(H, q_out, bias=False)
+        self.k_proj = torch.nn.Linear(H, kv_out, bias=False)
+        self.v_proj = torch.nn.Linear(H, kv_out, bias=False)
+        self.o_proj = torch.nn.Linear(q_out, H, bias=False)
+        self.post_attention_norm = torch.nn.Parameter(torch.ones(H))
+        self.gate_proj = torch.nn.Linear(H, I, bias=False)
+        self.up_proj = torch.nn.Linear(H, I, bias=False)
+        self.down_proj = torch.nn.Linear(I, H, bias=False)
+        self.final_norm = torch.nn.Parameter(torch.ones(H))
+        self.register_buffer("draft_ids", draft_ids.to(torch.long).clone(), persistent=True)
+        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Taken from the target by ``attach`` (frozen, never saved): E and W_lm[V_K].
+        self.embedding: torch.Tensor | None = None
+        self.lm_rows: torch.Tensor | None = None
+        self.target_identity: ModelIdentity | None = None
+
+    # -- construction ------------------------------------------------------------------------
+    @classmethod
+    def for_target(cls, target: LoadedModel, draft_ids: torch.Tensor, seed: int = 0) -> "DraftHead":
+        """A new head for ``target``: the layer and norms copied from the target's last layer and
+        final norm, W_fc initialised to pass f_t through (plus a small random part)."""
+        config = HeadConfig.from_target(target.model, len(draft_ids))
+        head = cls(config, draft_ids)
+        layer = decoder_layers(target.model)[-1]
+        with torch.no_grad():
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(head, name).weight.copy_(getattr(layer.self_attn, name).weight)
+            for name in ("gate_proj", "up_proj", "down_proj"):
+                getattr(head, name).weight.copy_(getattr(layer.mlp, name).weight)
+            head.input_norm.copy_(layer.input_layernorm.weight)
+            head.post_attention_norm.copy_(layer.post_attention_layernorm.weight)
+            norm = getattr(target.model.get_decoder(), "norm", None)
+            if norm is not None and getattr(norm, "weight", None) is not None:
+                head.final_norm.copy_(norm.weight)
+            generator = torch.Generator().manual_seed(seed)
+            H = config.hidden_size
+            fc = torch.randn(H, 2 * H, generator=generator) * (0.02 / math.sqrt(2))
+            fc[:, :H] += torch.eye(H)  # start from "the feature itself": the layer sees f_t
+            head.fc.weight.copy_(fc)
+            head.fc.bias.zero_()
+        head.attach(target)
+        return head
+
+    def attach(self, target: LoadedModel) -> "DraftHead":
+        """Take E and W_lm[V_K] from ``target`` (refused when the head was made for another model)."""
+        if self.target_identity is not None and not self.target_identity.matches(target.identity):
+            raise DraftHeadError(
+                f"this draft head was trained for '{self.target_identity.name}' ({self.target_identity.num_layers} "
+                f"layers, vocabulary {self.target_identity.vocab_size}), not for '{target.identity.name}' "
+                f"({target.identity.num_layers} layers, vocabulary {target.identity.vocab_size}); train one for it "
+                "with `tierspec drafter train`"
+            )
+        if HeadConfig.from_target(target.model, self.config.draft_vocab_size) != self.config:
+            raise DraftHeadError(f"this draft head's shapes do not fit '{target.identity.name}'")
+        self.target_identity = target.identity
+        weight = target.model.get_output_embeddings().weight.detach()
+        self.lm_rows = weight[self.draft_ids].contiguous()  # [K, H], a copy of K rows
+        self.embedding = target.model.get_input_embeddings().weight.detach()  # shared, not copied
+        return self
+
+    # -- the computation ---------------------------------------------------------------------
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, D] for integer ``positions`` [T]."""
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+    def fuse(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """W_fc [f ; E(x_next)]: features [..., H], next_tokens [...] → [..., H]."""
+        embedded = F.embedding(next_tokens, self.embedding).to(features.dtype)
+        return self.fc(torch.cat((features, embedded), dim=-1))
+
+    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Normed input → rotated q [B, h, T, D], k, v [B, kv, T, D] for x [B, T, H]."""
+        c = self.config
+        B, T, _ = x.shape
+        normed = rms_norm(x, self.input_norm, c.rms_norm_eps)
+        q = self.q_proj(normed).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(normed).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(normed).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        return rotary(q, cos, sin), rotary(k, cos, sin), v
+
+    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """Residual + o_proj(attention), then the MLP block and the final norm → h [B, T, H]."""
+        B, _, T, _ = attended.shape
+        x = x + self.o_proj(attended.transpose(1, 2).reshape(B, T, -1))
+        normed = rms_norm(x, self.post_attention_norm, self.config.rms_norm_eps)
+        x = x + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+        return rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+
+    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits over the K draft tokens for head outputs h [..., H]."""
+        return h @ self.lm_rows.to(h.dtype).t()
+
+    # -- files --------------------------------------------------------------------------------
+    def save(self, path: str | Path, metadata: dict | None = None) -> None:
+        """Weights and the vocabulary map to ``path`` (.safetensors), metadata beside it (.json)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        if self.target_identity is None:
+            raise DraftHeadError("attach the head to its target before saving it")
+        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        info = {
+            "format": HEAD_FORMAT,
+            "version": 1,
+            "model": self.target_identity.to_dict(),
+            "config": asdict(self.config),
+            "draft_vocab_sha256": hashlib.sha256(self.draft_ids.numpy().tobytes()).hexdigest(),
+            **(metadata or {}),
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        staging = path.with_name(f".{path.name}.staging")
+        save_file(tensors, str(staging), metadata={"format": HEAD_FORMAT, "info": json.dumps(info)})
+        staging.replace(path)
+        atomic_write_text(path.with_suffix(".json"), json.dumps(info, indent=2))
+
+    @classmethod
+    def load(cls, path: str | Path, target: LoadedModel) -> "DraftHead":
+        """Read a head file and attach it to ``target``; refuses damaged files and other models."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.exists():
+            raise DraftHeadError(f"draft head {path} does not exist (train one with `tierspec drafter train`)")
+        try:
+            with safe_open(str(path), "pt") as handle:
+                header = handle.metadata() or {}
+                tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        except Exception as error:  # safetensors raises several types for a damaged file
+            raise DraftHeadError(f"draft head {path} is damaged or not a safetensors file: {error}") from None
+        if header.get("format") != HEAD_FORMAT:
+            raise DraftHeadError(f"{path} is not a tierspec draft head (format '{header.get('format')}')")
+        try:
+            info = json.loads(header["info"])
+            config = HeadConfig(**info["config"])
+            identity = ModelIdentity(**info["model"])
+        except (KeyError, TypeError, ValueError) as error:
+            raise DraftHeadError(f"draft head {path} has malformed metadata: {error}") from None
+        draft_ids = tensors.get("draft_ids")
+        if draft_ids is None or hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest() != info.get("draft_vocab_sha256"):
+            raise DraftHeadError(f"draft head {path}: the vocabulary map is missing or does not match its checksum")
+        head = cls(config, draft_ids)
+        try:
+            head.load_state_dict(tensors, strict=True)
+        except RuntimeError as error:
+            raise DraftHeadError(f"draft head {path} does not hold the expected weights: {error}") from None
+        if not all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()):
+            raise DraftHeadError(f"draft head {path} holds non-finite weights")
+        head.target_identity = identity
+        head.metadata = info
+        head.eval()
+        return head.attach(target)
+
+
+@dataclass
+class HeadCache:
+    """The head's own KV cache for one generation: keys/values [kv, T, D] of the positions the
+    head has processed, grown by doubling; ``length`` is how many hold committed features."""
+
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    length: int = 0
+    capacity: int = field(default=0)
+
+    def reserve(self, end: int, like: torch.Tensor) -> None:
+        if end <= self.capacity:
+            return
+        capacity = max(256, end, 2 * self.capacity)
+        keys = like.new_empty(like.shape[0], capacity, like.shape[-1])
+        values = like.new_empty(like.shape[0], capacity, like.shape[-1])
+        if self.length:
+            keys[:, : self.length] = self.keys[:, : self.length]
+            values[:, : self.length] = self.values[:, : self.length]
+        self.keys, self.values, self.capacity = keys, values, capacity
+
+
+class HeadRunner:
+    """Runs a ``DraftHead`` incrementally at inference: ``extend`` appends positions (real or
+    predicted features) to its cache and returns their outputs h; ``rollback`` drops positions.
+
+    Linear layers of 1..10 rows use the few-row kernel (``kernels``): a draft step is one row.
+    """
+
+    def __init__(self, head: DraftHead):
+        self.head = head
+        self.cache = HeadCache()
+        c = head.config
+        self._groups = c.num_heads // c.num_kv_heads
+
+    def reset(self) -> None:
+        self.cache = HeadCache()
+
+    @property
+    def length(self) -> int:
+        return self.cache.length
+
+    def rollback(self, length: int) -> None:
+        if length > self.cache.length:
+            raise ValueError(f"cannot roll the head back to {length}: it holds {self.cache.length} positions")
+        self.cache.length = length
+
+    def _linear(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        return few_row_linear(x, layer.weight, layer.bias)
+
+    def extend(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """Process positions ``length .. length+n-1`` with inputs f [n, H] and x_next [n];
+        returns h [n, H] (h[i] ≈ the target's feature at the position after i's)."""
+        head, c, cache = self.head, self.head.config, self.cache
+        n = int(features.shape[0])
+        start = cache.length
+        embedded = F.embedding(next_tokens, head.embedding).to(features.dtype)
+        x = self._linear(head.fc, torch.cat((features, embedded), dim=-1))  # [n, H]
+        normed = rms_norm(x, head.input_norm, c.rms_norm_eps)
+        cos, sin = head.rope(torch.arange(start, start + n), x.dtype)
+        q = rotary(self._linear(head.q_proj, normed).view(n, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)
+        k = rotary(self._linear(head.k_proj, normed).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)
+        v = self._linear(head.v_proj, normed).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
+        cache.reserve(start + n, k)
+        cache.keys[:, start : start + n] = k
+        cache.values[:, start : start + n] = v
+        cache.length = start + n
+        keys, values = cache.keys[:, : start + n], cache.values[:, : start + n]
+        mask = None
+        if n > 1:  # queries at start..start+n-1 see keys up to their own position
+            mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+        attended = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0]
+        x = x + self._linear(head.o_proj, attended.transpose(0, 1).reshape(n, -1))
+        normed = rms_norm(x, head.post_attention_norm, c.rms_norm_eps)
+        x = x + self._linear(head.down_proj, F.silu(self._linear(head.gate_proj, normed)) * self._linear(head.up_proj, normed))
+        return rms_norm(x, head.final_norm, c.rms_norm_eps)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [n, K] for head outputs h [n, H]."""
+        return few_row_linear(h, self.head.lm_rows, None)
