@@ -62,3 +62,27 @@ def tiny_drafter():
 def prompt_ids():
     # Repetitive, so that prompt lookup finds matches.
     return torch.tensor([5, 9, 13, 5, 9, 13, 7, 21, 5, 9, 13, 7, 3, 30, 41])
+
+
+def as_method(drafter, rule=None, policy=None, num_draft: int = 5, slim_mask=None, forward_costs=None):
+    """A (drafter, policy, rule) method for the decode loop; FixedLength(num_draft) by default."""
+    from tierspec.methods import Method
+    from tierspec.policies import FixedLength
+    from tierspec.rules import ExactRule
+
+    return Method("test", drafter, rule or ExactRule(), policy or FixedLength(num_draft), "test method",
+                  slim_mask, forward_costs)
+
+
+def run_ids(target, method, prompt, max_new: int = 40, sampling=None, eos=(), generator=None, inspect=None, on_step=None):
+    """The generated ids of one decode-loop run; ``on_step(step)`` sees every step."""
+    from tierspec.decode import DecodeConfig, decode
+    from tierspec.sampling import SamplingConfig
+
+    config = DecodeConfig(max_new_tokens=max_new, sampling=sampling or SamplingConfig(), eos_token_ids=tuple(eos))
+    out = []
+    for step in decode(target, method, prompt, config, generator, inspect):
+        out.extend(step.new_tokens)
+        if on_step is not None:
+            on_step(step)
+    return out

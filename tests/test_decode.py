@@ -3,20 +3,17 @@
 import pytest
 import torch
 
+from conftest import as_method, run_ids
+
 from tierspec.decode import DecodeConfig, PromptError, decode
 from tierspec.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, Proposal
 from tierspec.models import CachedModel
-from tierspec.rules import ExactRule
 
 MAX_NEW = 40
 
 
 def run(target, drafter, prompt, num_draft=5, max_new=MAX_NEW, eos=()):
-    config = DecodeConfig(max_new_tokens=max_new, num_draft=num_draft, eos_token_ids=eos)
-    tokens = []
-    for step in decode(CachedModel(target.model), drafter, ExactRule(), prompt, config):
-        tokens.extend(step.new_tokens)
-    return tokens
+    return run_ids(target, as_method(drafter, num_draft=num_draft), prompt, max_new, eos=eos)
 
 
 class NeverAgreeingDrafter(Drafter):
@@ -26,7 +23,7 @@ class NeverAgreeingDrafter(Drafter):
         self.reference, self.prompt_length, self.vocab_size = reference, prompt_length, vocab_size
         self.calls = 0
 
-    def propose(self, context, num_tokens, sampling, generator):
+    def propose(self, context, num_tokens, sampling, generator, keep_drafting=None):
         start = len(context) - self.prompt_length
         wrong = [(self.reference[i] + 1) % self.vocab_size for i in range(start, min(start + num_tokens, len(self.reference)))]
         return Proposal(torch.tensor(wrong, dtype=torch.long))
@@ -54,16 +51,16 @@ def test_greedy_lossless_methods_equal_ar(tiny_target, tiny_drafter, prompt_ids,
 
 
 def test_always_agreeing_drafter_accepts_everything(tiny_target, prompt_ids):
-    config = DecodeConfig(max_new_tokens=MAX_NEW, num_draft=4)
-    steps = list(decode(CachedModel(tiny_target.model), ModelDrafter(tiny_target.model), ExactRule(), prompt_ids, config))
+    config = DecodeConfig(max_new_tokens=MAX_NEW)
+    steps = list(decode(tiny_target, as_method(ModelDrafter(tiny_target.model), num_draft=4), prompt_ids, config))
     assert all(s.cycle.accepted == s.cycle.drafted for s in steps)
     assert steps[0].cycle.emitted == 5  # 4 drafts + bonus per target call
 
 
 def test_never_agreeing_drafter_rejects_first_token(tiny_target, prompt_ids, reference):
-    config = DecodeConfig(max_new_tokens=MAX_NEW, num_draft=4)
+    config = DecodeConfig(max_new_tokens=MAX_NEW)
     drafter = NeverAgreeingDrafter(reference, len(prompt_ids), tiny_target.vocab_size)
-    steps = list(decode(CachedModel(tiny_target.model), drafter, ExactRule(), prompt_ids, config))
+    steps = list(decode(tiny_target, as_method(drafter, num_draft=4), prompt_ids, config))
     assert all(s.cycle.accepted == 0 and s.cycle.emitted == 1 for s in steps)
 
 
@@ -83,21 +80,25 @@ def test_max_new_tokens_is_exact(tiny_target, prompt_ids, reference, max_new):
 
 @pytest.mark.parametrize("kind", ["self", "other-model", "ngram"])
 def test_every_cache_holds_exactly_the_committed_tokens(tiny_target, tiny_drafter, prompt_ids, kind):
-    target = CachedModel(tiny_target.model)
     drafter = {
         "self": lambda: ModelDrafter(tiny_target.model),
         "other-model": lambda: ModelDrafter(tiny_drafter.model),
         "ngram": lambda: NgramDrafter(3),
     }[kind]()
-    committed = len(prompt_ids)
-    for step in decode(target, drafter, ExactRule(), prompt_ids, DecodeConfig(max_new_tokens=MAX_NEW, num_draft=4)):
-        committed += len(step.new_tokens)
+    seen = []
+
+    def inspect(verifiers, drafter):
+        committed = len(verifiers.context)
         # The target has processed every committed token but the last (fed with the next draft).
-        assert target.length == committed - 1
-        assert target.layer_lengths() == [committed - 1] * tiny_target.identity.num_layers
+        assert verifiers.runner.length == committed - 1
+        assert verifiers.runner.layer_lengths() == [committed - 1] * tiny_target.identity.num_layers
         if isinstance(drafter, ModelDrafter):
             assert drafter.runner.length <= committed - 1
             assert set(drafter.runner.layer_lengths()) == {drafter.runner.length}
+        seen.append(committed)
+
+    run_ids(tiny_target, as_method(drafter, num_draft=4), prompt_ids, MAX_NEW, inspect=inspect)
+    assert len(seen) > 3
 
 
 def test_rollback_refuses_to_grow(tiny_target):
@@ -111,12 +112,9 @@ def test_sampled_generation_is_reproducible_with_a_seed(tiny_target, tiny_drafte
     from tierspec.sampling import SamplingConfig
 
     def sampled(seed):
-        config = DecodeConfig(max_new_tokens=30, num_draft=3, sampling=SamplingConfig(1.0, top_k=20, top_p=0.9))
         generator = torch.Generator().manual_seed(seed)
-        out = []
-        for step in decode(CachedModel(tiny_target.model), ModelDrafter(tiny_drafter.model), ExactRule(), prompt_ids, config, generator):
-            out.extend(step.new_tokens)
-        return out
+        return run_ids(tiny_target, as_method(ModelDrafter(tiny_drafter.model), num_draft=3), prompt_ids, 30,
+                       SamplingConfig(1.0, top_k=20, top_p=0.9), generator=generator)
 
     assert sampled(7) == sampled(7)
     assert sampled(7) != sampled(8)
@@ -155,7 +153,7 @@ class TestBadInput:
 
         class M:
             def __init__(self, name, vocab):
-                from tierspec.models import ModelIdentity
+                from tierspec.identity import ModelIdentity
 
                 self.tokenizer = Tok(vocab)
                 self.identity = ModelIdentity(name, 1, 1, len(vocab), "")

@@ -10,7 +10,7 @@ from tierspec.drafters import ModelDrafter, Proposal
 from tierspec.judge.data import JudgeDataError, build_gsm8k_judge_data, clean_solution, plant_copy_error, plant_error, token_labels
 from tierspec.judge.head import JudgeHead, JudgeHeadError
 from tierspec.judge.train import LabelledTokens, auroc, choose_threshold, matched_pairs, train_head
-from tierspec.models import CachedModel, ModelIdentity
+from tierspec.identity import ModelIdentity
 from tierspec.rules import ExactRule
 from tierspec.rules.judge import JudgeRule, judge_block
 from tierspec.sampling import SamplingConfig
@@ -179,12 +179,10 @@ def test_greedy_judge_blocks_and_correction_token():
 
 
 def run(target, drafter_model, rule, prompt, temperature, seed):
-    config = DecodeConfig(max_new_tokens=30, num_draft=4, sampling=SamplingConfig(temperature))
-    out = []
-    generator = torch.Generator().manual_seed(seed)
-    for step in decode(CachedModel(target.model), ModelDrafter(drafter_model.model), rule, prompt, config, generator):
-        out.extend(step.new_tokens)
-    return out
+    from conftest import as_method, run_ids
+
+    method = as_method(ModelDrafter(drafter_model.model), rule, num_draft=4)
+    return run_ids(target, method, prompt, 30, SamplingConfig(temperature), generator=torch.Generator().manual_seed(seed))
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -196,6 +194,8 @@ def test_threshold_one_reproduces_sd_exactly(tiny_target, tiny_drafter, prompt_i
 
 def test_a_judge_that_accepts_everything_keeps_every_draft(tiny_target, tiny_drafter, prompt_ids):
     head = JudgeHead(torch.zeros(32), 10.0, torch.zeros(32), torch.ones(32), "hidden", 0.5)
-    config = DecodeConfig(max_new_tokens=20, num_draft=4)
-    for step in decode(CachedModel(tiny_target.model), ModelDrafter(tiny_drafter.model), JudgeRule(head), prompt_ids, config):
+    from conftest import as_method
+
+    method = as_method(ModelDrafter(tiny_drafter.model), JudgeRule(head), num_draft=4)
+    for step in decode(tiny_target, method, prompt_ids, DecodeConfig(max_new_tokens=20)):
         assert step.cycle.accepted == step.cycle.drafted

@@ -8,7 +8,7 @@ from tierspec.sampling import SamplingConfig
 
 
 def lookup(context, k, **kwargs):
-    return NgramDrafter(**kwargs).lookup(np.array(context), k).tolist()
+    return NgramDrafter(**kwargs).lookup(np.array(context), k)[0].tolist()
 
 
 def test_longest_suffix_match_continues():
@@ -37,6 +37,8 @@ def test_no_match_gives_empty_proposal():
     assert len(proposal) == 0 and proposal.draft_probs is None
 
 
-def test_max_draft_caps_the_block():
-    proposal = NgramDrafter(2, max_draft=2).propose(torch.tensor([1, 2, 3, 4, 5, 1, 2]), 5, SamplingConfig(), None)
+def test_budget_caps_the_block_and_tokens_carry_their_match_size():
+    proposal = NgramDrafter(2).propose(torch.tensor([1, 2, 3, 4, 5, 1, 2]), 2, SamplingConfig(), None)
     assert proposal.tokens.tolist() == [3, 4]
+    assert proposal.keys == [("ngram", 2), ("ngram", 2)] and proposal.source == "ngram"
+    assert NgramDrafter(3).lookup(np.array([2, 7, 4, 2]), 2)[1] == 1  # fell back to a 1-gram match

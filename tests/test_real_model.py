@@ -89,17 +89,13 @@ def test_neutral_and_lossless_methods_match_ar(smollm, ar_output, method, option
 
 def test_via_with_delta2_forced_to_one_matches_ar(smollm, ar_output):
     """VIA-SD with α1 = α2 = 0 and δ2 forced to 1 is exact speculative decoding (§3.6)."""
-    from tierspec.api import encode_prompt, eos_ids
-    from tierspec.decode import DecodeConfig, Verifiers, decode
+    from conftest import as_method, run_ids
+
     from tierspec.drafters import NgramDrafter
-    from tierspec.models import CachedModel
+    from tierspec.prompting import encode_prompt, eos_ids
     from tierspec.rules.via import ViaRule
 
-    runner = CachedModel(smollm.model)
-    verifiers = Verifiers(runner, _mask(smollm))
-    tokens = []
-    config = DecodeConfig(max_new_tokens=64, num_draft=5, eos_token_ids=eos_ids(smollm))
     rule = ViaRule(0.0, 0.0, max_target_lag=20, force_full=True)
-    for step in decode(runner, NgramDrafter(3), rule, encode_prompt(smollm, PROMPT), config, None, verifiers):
-        tokens.extend(step.new_tokens)
+    method = as_method(NgramDrafter(3), rule, num_draft=5, slim_mask=_mask(smollm))
+    tokens = run_ids(smollm, method, encode_prompt(smollm, PROMPT), 64, eos=eos_ids(smollm))
     assert tokens == ar_output.token_ids

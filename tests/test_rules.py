@@ -5,10 +5,11 @@ import pytest
 import torch
 from scipy.stats import chi2
 
-from tierspec.decode import DecodeConfig, Verifiers, decode
+from conftest import as_method, run_ids
+
+from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import ModelDrafter, NgramDrafter, NoDrafter, Proposal
 from tierspec.drafters.self_spec import SelfSpeculativeDrafter
-from tierspec.models import CachedModel
 from tierspec.routing import RoutingMask
 from tierspec.rules import ExactRule
 from tierspec.rules.bild import BildRule, bild_keep
@@ -89,7 +90,7 @@ class StubVerifiers:
         self.target_lag = 0
         self.full_calls = 0
 
-    def target_logits(self, tokens):
+    def target_logits(self, tokens, with_hidden=False):
         self.full_calls += 1
         return torch.log(self.target_rows).float()
 
@@ -158,15 +159,10 @@ MASK = RoutingMask.from_units(4, "sublayer", [("mlp", 1), ("attn", 2)])
 
 
 def greedy_tokens(target, drafter, rule, prompt, slim_mask=None, max_new=40, num_draft=4, check=None):
-    runner = CachedModel(target.model)
-    verifiers = Verifiers(runner, slim_mask)
-    out = []
-    config = DecodeConfig(max_new_tokens=max_new, num_draft=num_draft)
-    for step in decode(runner, drafter, rule, prompt, config, None, verifiers):
-        out.extend(step.new_tokens)
-        if check:
-            check(step, verifiers)
-    return out
+    state = {}
+    method = as_method(drafter, rule, num_draft=num_draft, slim_mask=slim_mask)
+    return run_ids(target, method, prompt, max_new, inspect=lambda verifiers, d: state.update(verifiers=verifiers),
+                   on_step=(lambda step: check(step, state["verifiers"])) if check else None)
 
 
 def drafters(target, other):
@@ -174,7 +170,7 @@ def drafters(target, other):
         "self-model": lambda: ModelDrafter(target.model),  # always agrees
         "other-model": lambda: ModelDrafter(other.model),
         "ngram": lambda: NgramDrafter(3),
-        "self-spec": lambda: SelfSpeculativeDrafter(MASK, 0.0),
+        "self-spec": lambda: SelfSpeculativeDrafter(MASK),
     }
 
 
@@ -229,15 +225,15 @@ def test_via_calls_the_target_where_the_slim_verifier_is_unsure(tiny_target, pro
     ids=["exact", "lossy", "bild", "cascade-opt", "cascade-chow", "via"],
 )
 def test_drafter_rule_matrix_runs(tiny_target, tiny_drafter, prompt_ids, kind, rule, temperature):
-    runner = CachedModel(tiny_target.model)
-    verifiers = Verifiers(runner, MASK if isinstance(rule, ViaRule) else None)
-    config = DecodeConfig(max_new_tokens=24, num_draft=4, sampling=SamplingConfig(temperature, top_k=40))
     drafter = drafters(tiny_target, tiny_drafter)[kind]()
-    out = []
-    for step in decode(runner, drafter, rule, prompt_ids, config, torch.Generator().manual_seed(0), verifiers):
-        out.extend(step.new_tokens)
-        assert runner.length <= len(prompt_ids) + len(out) - 1
-        assert verifiers.full_length <= runner.length
+
+    def inspect(verifiers, drafter):
+        assert verifiers.runner.length <= len(verifiers.context) - 1
+        assert verifiers.full_length <= verifiers.runner.length
+
+    method = as_method(drafter, rule, num_draft=4, slim_mask=MASK if isinstance(rule, ViaRule) else None)
+    out = run_ids(tiny_target, method, prompt_ids, 24, SamplingConfig(temperature, top_k=40),
+                  generator=torch.Generator().manual_seed(0), inspect=inspect)
     assert len(out) == 24 and all(0 <= t < 64 for t in out)
 
 
@@ -256,7 +252,6 @@ def test_cascade_drafter_matches_its_model_greedy_drafts(tiny_target, prompt_ids
     greedy tokens, so every model-drafted position is accepted."""
     from tierspec.drafters.cascade import CascadeDrafter
 
-    runner = CachedModel(tiny_target.model)
     drafter = CascadeDrafter(tiny_target.model, 64, NgramDrafter(3), model_positions=4, inner_draft=3)
-    for step in decode(runner, drafter, ExactRule(), prompt_ids, DecodeConfig(max_new_tokens=30, num_draft=4)):
+    for step in decode(tiny_target, as_method(drafter, num_draft=4), prompt_ids, DecodeConfig(max_new_tokens=30)):
         assert step.cycle.accepted == step.cycle.drafted

@@ -24,8 +24,6 @@ def _add_generate(sub) -> None:
     )
     parser.add_argument("--target", default=DEFAULT_MODEL, help="target model: HF folder, .gguf file or smollm2-135m")
     parser.add_argument("--drafter", default=None, help="drafter model for sd (default: the target drafts for itself)")
-    parser.add_argument("--num-draft", type=int, default=5, help="tokens drafted per cycle (γ)")
-    parser.add_argument("--ngram-size", type=int, default=3, help="prompt lookup: longest n-gram matched")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -37,56 +35,46 @@ def _add_generate(sub) -> None:
     parser.set_defaults(run=_run_generate)
 
 
+def _flag(option) -> str:
+    return option.metadata.get("flag") or "--" + option.name.replace("_", "-")
+
+
 def _add_method_options(parser) -> None:
-    """Flags of the methods' parameters (shared by generate and bench); defaults as in DESIGN."""
+    """One flag per ``MethodOptions`` field, with the default and help declared there."""
+    from .methods import option_fields
+
     group = parser.add_argument_group("method parameters")
-    group.add_argument("--mask", default=None, help="routing mask JSON from `tierspec route` (self; via's slim verifier)")
-    group.add_argument("--draft-with", choices=["auto", "model", "ngram", "self"], default="auto",
-                       help="drafter of lossy/bild/cascade/via: auto = --drafter model if given, else n-gram lookup")
-    group.add_argument("--draft-mask", default=None, help="routing mask of the self-speculative drafter (--draft-with self)")
-    group.add_argument("--confidence-threshold", type=float, default=0.8,
-                       help="self/swift drafters: stop drafting when the top probability falls below this")
-    group.add_argument("--alpha", type=float, default=0.1, help="lossy tolerance α; cascade deferral α")
-    group.add_argument("--beta", type=float, default=None, help="lossy residual β (default 1 − α)")
-    group.add_argument("--fallback", type=float, default=0.35, help="BiLD: drafter falls back below this top probability")
-    group.add_argument("--rollback", type=float, default=3.0, help="BiLD: reject draft tokens with −log q above this (nats)")
-    group.add_argument("--deferral", choices=["chow", "diff", "opt", "always"], default="opt", help="cascade deferral rule")
-    group.add_argument("--alpha1", type=float, default=0.5, help="VIA-SD: defer to the slim verifier when max p < 1 − α1")
-    group.add_argument("--alpha2", type=float, default=0.3, help="VIA-SD: defer to the full target when max q' < 1 − α2")
-    group.add_argument("--max-target-lag", type=int, default=None, help="VIA-SD: most tokens the full target may lag (default 4γ)")
-    group.add_argument("--judge-head", default=None, help="judge head (.safetensors) from `tierspec judge train` (judge, via-judge)")
-    group.add_argument("--judge-threshold", type=float, default=None, help="judge accepts when sigmoid ≥ δ (default: the head's)")
+    for option in option_fields():
+        kind = option.metadata.get("kind")
+        text = str(option.type)
+        convert = str if kind else (int if "int" in text else float if "float" in text else str)
+        default = option.default
+        help_text = option.metadata["help"] + ("" if default is None or kind else f" (default {default})")
+        group.add_argument(_flag(option), dest=option.name, type=convert, default=None if kind else default,
+                           choices=option.metadata.get("choices"), help=help_text)
 
 
 def method_options(args, target):
-    """MethodOptions from parsed flags; masks are loaded and checked against ``target``."""
-    from .methods import MethodOptions
+    """MethodOptions from parsed flags; masks and heads are loaded and checked against ``target``."""
+    from .methods import MethodOptions, option_fields
     from .routing import RoutingMask
 
-    return MethodOptions(
-        ngram_size=args.ngram_size,
-        mask=RoutingMask.load(args.mask, target.identity) if args.mask else None,
-        confidence_threshold=args.confidence_threshold,
-        drafter_kind=args.draft_with,
-        draft_mask=RoutingMask.load(args.draft_mask, target.identity) if args.draft_mask else None,
-        num_draft=args.num_draft,
-        alpha=args.alpha,
-        beta=args.beta,
-        fallback=args.fallback,
-        rollback=args.rollback,
-        deferral=args.deferral,
-        alpha1=args.alpha1,
-        alpha2=args.alpha2,
-        max_target_lag=args.max_target_lag,
-        judge_head=_load_head(args.judge_head, target) if args.judge_head else None,
-        judge_threshold=args.judge_threshold,
-    )
+    values = {}
+    for option in option_fields():
+        value = getattr(args, option.name)
+        kind = option.metadata.get("kind")
+        if value is not None and kind == "mask":
+            value = RoutingMask.load(value, target.identity)
+        elif value is not None and kind == "judge_head":
+            from .judge.head import JudgeHead
 
+            value = JudgeHead.load(value, target.identity)
+        elif value is not None and kind == "draft_head":
+            from .eagle.head import DraftHead
 
-def _load_head(path, target):
-    from .judge.head import JudgeHead
-
-    return JudgeHead.load(path, target.identity)
+            value = DraftHead.load(value, target)
+        values[option.name] = value
+    return MethodOptions(**values)
 
 
 def _add_route(sub) -> None:
@@ -170,25 +158,38 @@ def _run_route(args) -> int:
     return 0
 
 
+def read_prompt(argument: str | None) -> str:
+    """The prompt from argv or stdin, refused with a clear message unless it is UTF-8 text."""
+    from .api import check_text
+
+    if argument is not None:
+        return check_text(argument)
+    data = sys.stdin.buffer.read()
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        from .decode import PromptError
+
+        raise PromptError(f"the prompt on stdin is not valid UTF-8 (byte {error.start}); give UTF-8 input") from None
+
+
 def _run_generate(args) -> int:
     from .api import stream
-    from .decode import GenerationStats
-    from .methods import UnknownMethodError
+    from .methods import check_method_name
     from .models import load_model
+    from .sampling import SamplingConfig
 
-    if args.method not in method_names():
-        raise UnknownMethodError(f"unknown method '{args.method}'; choose one of: {', '.join(method_names())}")
-    prompt = args.prompt if args.prompt is not None else sys.stdin.read()
+    check_method_name(args.method)
+    SamplingConfig(args.temperature, args.top_k, args.top_p)  # refuse bad values before loading anything
+    prompt = read_prompt(args.prompt)
     target = load_model(args.target)
     drafter = load_model(args.drafter) if args.drafter else None
     options = method_options(args, target)
-    stats = GenerationStats()
-    for piece in stream(
+    text_stream = stream(
         prompt,
         target=target,
         method=args.method,
         drafter=drafter,
-        num_draft=args.num_draft,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
@@ -196,13 +197,13 @@ def _run_generate(args) -> int:
         seed=args.seed,
         chat_template=not args.no_chat_template,
         options=options,
-        stats=stats,
-    ):
+    )
+    for piece in text_stream:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
     if args.stats:
-        print(json.dumps({"method": args.method, **stats.to_dict()}), file=sys.stderr)
+        print(json.dumps({"method": args.method, **text_stream.stats.to_dict()}), file=sys.stderr)
     return 0
 
 
@@ -390,6 +391,7 @@ def _run_drafter_build(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tierspec", description="Speculative decoding for Hugging Face causal LMs.")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks of every error (or set TIERSPEC_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_route(sub)
@@ -400,13 +402,24 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run the command line. Validation errors (``TierspecError``) print as one line and exit 2;
+    anything else is a bug and prints its traceback (exit 1). ``--debug`` or
+    ``TIERSPEC_DEBUG=1`` shows the traceback of validation errors too."""
+    import os
+
+    from .errors import TierspecError
+
     parser = build_parser()
     args = parser.parse_args(argv)
+    debug = args.debug or os.environ.get("TIERSPEC_DEBUG", "") not in ("", "0")
     try:
         return args.run(args)
     except KeyboardInterrupt:
+        print(f"tierspec: interrupted{getattr(args, 'resume_hint', '')}", file=sys.stderr)
         return 130
-    except (ValueError, RuntimeError, FileNotFoundError) as error:
+    except TierspecError as error:
+        if debug:
+            raise
         print(f"tierspec: error: {error}", file=sys.stderr)
         return 2
 

@@ -1,14 +1,19 @@
-"""The one decode loop (DESIGN §2). Every method is a (drafter, verification rule) pair passed in.
+"""The one decode loop (DESIGN §2). Every method is a drafter, a draft-length policy and a
+verification rule passed in; the loop owns the target's cache and every statistic.
 
-    prefill(prompt)                              # target and drafter caches
+    prefill(prompt)                                 # the target's cache (and the drafter's)
     while not done:
-        proposal = drafter.propose(ctx, γ)       # tokens [k], draft_probs [k, V] or None
-        verdict  = rule.verify(verifiers, proposal)
-        ctx      = commit(ctx, verdict)          # accepted prefix + 1 correction/bonus token
+        proposal = drafter.propose(ctx, budget)     # tokens [k], draft_probs [k, V] or None
+        proposal = proposal[: policy.trim(...)]     # the draft-length policy decides k
+        verdict  = rule.verify(verifiers, proposal) # runs whichever tiers the rule needs
+        ctx      = commit(ctx, verdict)             # accepted prefix + 1 correction/bonus token
         rollback every cache to the committed length
+        policy.observe(per-position acceptance, timings)
         yield the new tokens and the cycle's statistics
 
-Streaming is iterating over ``decode``; ``generate`` in ``tierspec.api`` collects it.
+Streaming is iterating over ``decode``; ``tierspec.api`` builds ``generate`` and ``stream`` on it.
+Inference mode is entered for each cycle's computation only, never across a ``yield``, so a
+suspended generation does not leak it into the caller's code.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
-from .drafters.base import Drafter
-from .models import CachedModel
+from .drafters.base import Drafter, Proposal, TargetDraftView, TargetFeatures
+from .errors import TierspecError
+from .models import CachedModel, LoadedModel
+from .policies import CycleOutcome, DraftPolicy
 from .rules.base import VerificationRule
 from .sampling import SamplingConfig
 
@@ -31,22 +38,19 @@ class DecodeConfig:
     """Run-time settings of one generation (separate from statistics and model state)."""
 
     max_new_tokens: int = 128
-    num_draft: int = 5  # γ: tokens drafted per cycle
     sampling: SamplingConfig = SamplingConfig()
     eos_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if self.num_draft < 0:
-            raise ValueError(f"num_draft must be >= 0, got {self.num_draft}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+            raise PromptError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
 
 
 @dataclass
 class CycleStats:
     """What one draft–verify–commit cycle did."""
 
-    drafted: int  # tokens the drafter proposed
+    drafted: int  # tokens sent to verification
     evaluated: int  # draft tokens up to and including the first rejection
     accepted: int  # draft tokens kept
     emitted: int  # tokens committed this cycle (after EOS / max_new_tokens truncation)
@@ -54,12 +58,17 @@ class CycleStats:
     slim_calls: int  # slim-verifier forward passes
     drafter_calls: int  # drafter model forward passes
     seconds: float
+    draft_seconds: float = 0.0  # of which drafting
     deciders: list[str] = field(default_factory=list)  # tier that decided each emitted token
 
 
 @dataclass
 class GenerationStats:
-    """Totals over one generation (DESIGN §5 definitions)."""
+    """Totals over one generation (DESIGN §5 definitions).
+
+    ``position_drafted[i]`` counts cycles whose draft reached position i+1 *and* whose drafts
+    1..i were all accepted; ``position_accepted[i]`` those of them whose draft i+1 was accepted:
+    their ratio is the acceptance by draft position (DESIGN §5)."""
 
     drafted: int = 0
     evaluated: int = 0
@@ -70,7 +79,10 @@ class GenerationStats:
     drafter_calls: int = 0
     cycles: int = 0
     wall_seconds: float = 0.0
+    draft_seconds: float = 0.0
     decided_by: Counter = field(default_factory=Counter)
+    position_drafted: list[int] = field(default_factory=list)
+    position_accepted: list[int] = field(default_factory=list)
 
     def add(self, cycle: CycleStats) -> None:
         self.drafted += cycle.drafted
@@ -80,8 +92,16 @@ class GenerationStats:
         self.target_calls += cycle.target_calls
         self.slim_calls += cycle.slim_calls
         self.drafter_calls += cycle.drafter_calls
+        self.draft_seconds += cycle.draft_seconds
         self.cycles += 1
         self.decided_by.update(cycle.deciders)
+        # Positions 1..evaluated were evaluated given acceptance so far; the first `accepted` passed.
+        while len(self.position_drafted) < cycle.evaluated:
+            self.position_drafted.append(0)
+            self.position_accepted.append(0)
+        for i in range(cycle.evaluated):
+            self.position_drafted[i] += 1
+            self.position_accepted[i] += int(i < cycle.accepted)
 
     @property
     def rejection_rate(self) -> float:
@@ -95,7 +115,12 @@ class GenerationStats:
 
     @property
     def tokens_per_second(self) -> float:
+        """The one definition used everywhere: emitted tokens / wall seconds of the generation
+        (prompt in to last token out, prefill included)."""
         return self.emitted / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
 
     def tier_fractions(self) -> dict[str, float]:
         total = sum(self.decided_by.values())
@@ -109,52 +134,66 @@ class GenerationStats:
             "emitted": self.emitted,
             "rejection_rate": round(self.rejection_rate, 4),
             "mean_accepted_tokens": round(self.mean_accepted_tokens, 4),
+            "acceptance_by_position": [round(a, 4) for a in self.acceptance_by_position()],
             "target_calls": self.target_calls,
             "slim_calls": self.slim_calls,
             "drafter_calls": self.drafter_calls,
             "cycles": self.cycles,
             "tier_fractions": {k: round(v, 4) for k, v in self.tier_fractions().items()},
+            "draft_seconds": round(self.draft_seconds, 4),
             "wall_seconds": round(self.wall_seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
         }
 
 
 class Verifiers:
-    """The verifier tiers of one generation, shared by the loop, the rule and the drafter.
+    """The verifier tiers of one generation: the target's cache, owned by the loop.
 
-    ``context`` is the committed sequence. The full target is ``target`` (a CachedModel); a
-    rule with a slim verifier (VIA-SD) passes its routing mask as ``slim_mask``: the slim
-    verifier is the same model and cache with the mask applied (no second model in memory).
+    ``context`` is the committed sequence. The full target runs on ``runner`` (a CachedModel);
+    a rule with a slim verifier (VIA-SD) gets it as the same model and cache under
+    ``slim_mask`` (no second model in memory).
 
     Cache bookkeeping: every layer holds full-model KV for the first ``full_length`` positions;
-    the kept layers of the slim mask may hold slim KV beyond that, up to ``target.length``, for
+    the kept layers of the slim mask may hold slim KV beyond that, up to ``runner.length``, for
     committed tokens that only the slim verifier has processed (the full target lags, DESIGN
     §3.6). A full pass first drops that slim KV and re-processes those tokens in one go.
+
+    With ``record_features`` every pass keeps the LM head's inputs f_t of the positions it ran,
+    and ``take_features`` hands those of newly committed positions to the drafter (a draft
+    head reads them; no extra pass).
     """
 
-    def __init__(self, target: CachedModel, slim_mask=None, forward_costs=None):
+    def __init__(self, target: LoadedModel, slim_mask=None, forward_costs=None, record_features: bool = False):
         """``forward_costs`` (a ``costs.ForwardCosts``): pad each pass to the cheapest measured
         size at least as long (extra rows repeat the last token; their outputs are dropped and
         their KV rolled back with the rest of the uncommitted block)."""
-        self.target = target
+        self.runner = CachedModel(target.model)
         self.slim_mask = slim_mask
         self.forward_costs = forward_costs
+        self.record_features = record_features
         self.context = torch.empty(0, dtype=torch.long)
         self.vocab_size = target.vocab_size
         self.full_length = 0
+        self.target_calls = 0
         self.slim_calls = 0
+        self._features: torch.Tensor | None = None  # [capacity, H] by position
+        self._approximate: set[int] = set()  # positions whose features came from a slim pass
+        self._handed = 0  # features of positions < _handed went to the drafter
 
-    def reset(self) -> None:
-        self.target.reset()
-        self.full_length = 0
-        self.slim_calls = 0
-
-    def prefill(self, prompt_ids: torch.Tensor) -> None:
+    # -- passes ------------------------------------------------------------------------------
+    def prefill(self, prompt_ids: torch.Tensor) -> TargetFeatures | None:
         """The target processes all but the last prompt token, which is fed with the first
-        draft (so every verification pass is "pending committed tokens + draft")."""
+        draft (so every verification pass is "pending committed tokens + draft"). Returns the
+        features of the processed positions when recording."""
         if len(prompt_ids) > 1:
-            self.target.forward(prompt_ids[:-1], logits_for=1)
-        self.full_length = self.target.length
+            result = self.runner.forward(prompt_ids[:-1], logits_for=1, with_hidden=self.record_features)
+            if self.record_features:
+                self._store(0, result[1], approximate=False)
+        self.full_length = self.runner.length
+        if not self.record_features:
+            return None
+        self._handed = self.full_length
+        return TargetFeatures(0, self._slice(0, self.full_length))
 
     @property
     def target_lag(self) -> int:
@@ -164,19 +203,44 @@ class Verifiers:
     def target_logits(self, draft_tokens: torch.Tensor, with_hidden: bool = False):
         """Full-target logits [k+1, V]: row i scores draft token i, row k gives the bonus token.
 
-        ``with_hidden`` also returns the final hidden states [k+1, H] of the same pass: row i
+        ``with_hidden`` also returns the final hidden states [k+1, H] of the same rows: row i
         (i ≥ 1) is the state at draft token i's own position (what a judge head reads).
         """
-        if self.target.length > self.full_length:
-            self.target.rollback(self.full_length)  # drop slim-only KV; recomputed in this pass
-        pending = self.context[self.full_length :]
+        if self.runner.length > self.full_length:
+            self.runner.rollback(self.full_length)  # drop slim-only KV; recomputed in this pass
+        start = self.full_length
+        pending = self.context[start:]
         k = int(draft_tokens.shape[0])
         tokens, pad = self._padded(torch.cat([pending, draft_tokens]))
-        result = self.target.forward(tokens, logits_for=k + 1 + pad, with_hidden=with_hidden)
-        self.full_length = self.target.length
-        if pad:
-            result = tuple(r[: k + 1] for r in result) if with_hidden else result[: k + 1]
-        return result
+        capture = with_hidden or self.record_features
+        result = self.runner.forward(tokens, logits_for=k + 1 + pad, with_hidden=capture)
+        self.target_calls += 1
+        self.full_length = self.runner.length
+        if not capture:
+            return result[: k + 1]
+        logits, hidden = result
+        real = len(tokens) - pad
+        if self.record_features:
+            self._store(start, hidden[:real], approximate=False)
+        if with_hidden:
+            return logits[: k + 1], hidden[real - (k + 1) : real]
+        return logits[: k + 1]
+
+    def slim_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """Slim-verifier logits [k+1, V] (the target under ``slim_mask``), same layout."""
+        if self.slim_mask is None:
+            raise ValueError("this generation has no slim verifier (no routing mask was given)")
+        start = self.runner.length
+        pending = self.context[start:]
+        k = int(draft_tokens.shape[0])
+        tokens, pad = self._padded(torch.cat([pending, draft_tokens]))
+        result = self.runner.forward(tokens, logits_for=k + 1 + pad, mask=self.slim_mask, with_hidden=self.record_features)
+        self.slim_calls += 1
+        if self.record_features:
+            logits, hidden = result
+            self._store(start, hidden[: len(tokens) - pad], approximate=True)
+            return logits[: k + 1]
+        return result[: k + 1]
 
     def _padded(self, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
         if self.forward_costs is None or len(tokens) < 2:
@@ -184,37 +248,92 @@ class Verifiers:
         pad = self.forward_costs.padded_size(len(tokens)) - len(tokens)
         return (torch.cat([tokens, tokens[-1:].expand(pad)]), pad) if pad else (tokens, 0)
 
-    def slim_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
-        """Slim-verifier logits [k+1, V] (the target under ``slim_mask``), same layout."""
-        if self.slim_mask is None:
-            raise ValueError("this generation has no slim verifier (no routing mask was given)")
-        pending = self.context[self.target.length :]
-        k = int(draft_tokens.shape[0])
-        tokens, pad = self._padded(torch.cat([pending, draft_tokens]))
-        logits = self.target.forward(tokens, logits_for=k + 1 + pad, mask=self.slim_mask)
-        self.slim_calls += 1
-        return logits[: k + 1]
-
+    # -- rollback ----------------------------------------------------------------------------
     def rollback(self, committed_length: int) -> None:
-        """Trim every cache to the committed tokens it has processed (the last committed token
-        is fed with the next draft)."""
+        """Trim the cache to the committed tokens it has processed (the last committed token is
+        fed with the next draft). Invariant afterwards: full_length ≤ runner.length ≤ committed − 1,
+        and every layer holds KV for exactly the positions the model has processed."""
         keep = committed_length - 1
-        self.target.rollback(min(self.target.length, keep))
+        self.runner.rollback(min(self.runner.length, keep))
         self.full_length = min(self.full_length, keep)
 
-    def drop_slim_cache(self) -> None:
-        """Forget slim-only KV (before a pass under another mask, e.g. a self-drafter's)."""
-        if self.target.length > self.full_length:
-            self.target.rollback(self.full_length)
+    # -- features for a draft head -------------------------------------------------------------
+    def _store(self, start: int, hidden: torch.Tensor, approximate: bool) -> None:
+        end = start + int(hidden.shape[0])
+        if self._features is None or self._features.shape[0] < end:
+            capacity = max(256, end, 0 if self._features is None else 2 * self._features.shape[0])
+            grown = hidden.new_empty(capacity, hidden.shape[-1])
+            if self._features is not None:
+                grown[: self._features.shape[0]] = self._features
+            self._features = grown
+        self._features[start:end] = hidden
+        positions = range(start, end)
+        if approximate:
+            self._approximate.update(positions)
+        else:
+            self._approximate.difference_update(positions)
+
+    def _slice(self, start: int, end: int) -> torch.Tensor:
+        return self._features[start:end]
+
+    def take_features(self) -> TargetFeatures | None:
+        """Features of committed positions processed since the last call (None when none)."""
+        if not self.record_features:
+            return None
+        end = self.runner.length  # committed positions processed by some pass
+        start = min(self._handed, end)
+        self._handed = end
+        if end <= start:
+            return None
+        approximate = any(p in self._approximate for p in range(start, end))
+        return TargetFeatures(start, self._slice(start, end).clone(), approximate)
+
+    def draft_view(self) -> TargetDraftView:
+        return _DraftView(self)
 
 
-class PromptError(ValueError):
-    """The prompt cannot be decoded (empty, batched, or longer than the model's context)."""
+class _DraftView(TargetDraftView):
+    """A self-drafter's access to the target cache: masked passes on top of full-model KV."""
+
+    def __init__(self, verifiers: Verifiers):
+        self.verifiers = verifiers
+
+    @property
+    def length(self) -> int:
+        return self.verifiers.full_length
+
+    def forward(self, tokens: torch.Tensor, mask) -> torch.Tensor:
+        verifiers = self.verifiers
+        if verifiers.runner.length > verifiers.full_length and not getattr(self, "_drafting", False):
+            verifiers.runner.rollback(verifiers.full_length)  # draft on full-model KV only
+        self._drafting = True
+        return verifiers.runner.forward(tokens, logits_for=1, mask=mask)[-1]
+
+    def discard(self) -> None:
+        self._drafting = False
+        self.verifiers.runner.rollback(min(self.verifiers.runner.length, self.verifiers.full_length))
+
+    def replay_window(self, start: int, tokens: torch.Tensor, mask) -> torch.Tensor:
+        verifiers = self.verifiers
+        if verifiers.runner.length > verifiers.full_length:
+            verifiers.runner.rollback(verifiers.full_length)
+        return verifiers.runner.replay(start, tokens, mask)
 
 
-def check_prompt(prompt_ids: torch.Tensor, max_positions: int | None, max_new_tokens: int) -> torch.Tensor:
+class PromptError(TierspecError):
+    """The prompt cannot be decoded (empty, batched, ids outside the vocabulary, or longer than
+    the model's context)."""
+
+
+def check_prompt(prompt_ids, max_positions: int | None, max_new_tokens: int, vocab_size: int | None = None) -> torch.Tensor:
     """Validate and flatten a prompt to [n] int64 (batch size 1 only)."""
-    prompt_ids = torch.as_tensor(prompt_ids, dtype=torch.long)
+    try:
+        prompt_ids = torch.as_tensor(prompt_ids)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise PromptError(f"prompt ids must be a list or tensor of integers: {error}") from None
+    if prompt_ids.is_floating_point() or prompt_ids.is_complex() or prompt_ids.dtype == torch.bool:
+        raise PromptError(f"prompt ids must be integers, got {prompt_ids.dtype}")
+    prompt_ids = prompt_ids.long()
     if prompt_ids.dim() == 2:
         if prompt_ids.shape[0] != 1:
             raise PromptError(
@@ -225,6 +344,9 @@ def check_prompt(prompt_ids: torch.Tensor, max_positions: int | None, max_new_to
         raise PromptError(f"prompt ids must be [n] or [1, n], got shape {tuple(prompt_ids.shape)}")
     if prompt_ids.numel() == 0:
         raise PromptError("the prompt is empty: give at least one token")
+    if vocab_size is not None and (int(prompt_ids.min()) < 0 or int(prompt_ids.max()) >= vocab_size):
+        bad = prompt_ids[(prompt_ids < 0) | (prompt_ids >= vocab_size)][0]
+        raise PromptError(f"token id {int(bad)} is outside the model's vocabulary (0 .. {vocab_size - 1})")
     if max_positions is not None and prompt_ids.numel() + max_new_tokens > max_positions:
         raise PromptError(
             f"prompt of {prompt_ids.numel()} tokens + max_new_tokens {max_new_tokens} exceeds the model's context "
@@ -243,70 +365,89 @@ class Step:
 
 
 def decode(
-    target: CachedModel,
-    drafter: Drafter,
-    rule: VerificationRule,
+    target: LoadedModel,
+    method,
     prompt_ids: torch.Tensor,
     config: DecodeConfig,
     generator: torch.Generator | None = None,
-    verifiers: Verifiers | None = None,
+    inspect: Callable[[Verifiers, Drafter], None] | None = None,
 ) -> Iterator[Step]:
-    """Generate after ``prompt_ids`` [n], yielding a ``Step`` per cycle.
+    """Generate after ``prompt_ids`` [n] with ``method`` (a ``methods.Method``: drafter, policy,
+    rule, and the verifier settings it needs), yielding a ``Step`` per cycle.
 
-    ``verifiers`` lets a rule bring extra tiers (a slim verifier); by default only the target.
+    ``inspect(verifiers, drafter)`` is called after every commit (tests check the cache
+    invariant with it).
     """
+    drafter: Drafter = method.drafter
+    rule: VerificationRule = method.rule
+    policy: DraftPolicy = method.policy
     max_positions = getattr(target.model.config, "max_position_embeddings", None)
-    prompt_ids = check_prompt(prompt_ids, max_positions, config.max_new_tokens)
-    verifiers = verifiers or Verifiers(target)
+    prompt_ids = check_prompt(prompt_ids, max_positions, config.max_new_tokens, target.vocab_size)
+    verifiers = Verifiers(target, slim_mask=method.slim_mask, forward_costs=method.forward_costs,
+                          record_features=drafter.needs_target_features)
     eos = set(config.eos_token_ids)
 
     with torch.inference_mode():
-        verifiers.reset()
-        verifiers.prefill(prompt_ids)
-        drafter.start(prompt_ids, verifiers)
-        context = prompt_ids.clone()
-        verifiers.context = context
-        emitted_total = 0
-        while emitted_total < config.max_new_tokens:
-            started = time.perf_counter()
-            target_calls, slim_calls = target.calls, verifiers.slim_calls
-            drafter_calls = drafter.calls
-            remaining = config.max_new_tokens - emitted_total
-            # Never draft past the budget: the cycle emits at most k + 1 tokens.
-            proposal = drafter.propose(context, min(config.num_draft, remaining - 1), config.sampling, generator)
-            verdict = rule.verify(verifiers, proposal, config.sampling, generator)
+        features = verifiers.prefill(prompt_ids)
+        drafter.start(prompt_ids, features, verifiers.draft_view() if drafter.uses_target_cache else None)
+        policy.start()
+    context = prompt_ids.clone()
+    verifiers.context = context
+    emitted_total = 0
+    while emitted_total < config.max_new_tokens:
+        with torch.inference_mode():
+            step, context = _cycle(verifiers, drafter, rule, policy, context, config, emitted_total, eos, generator)
+        emitted_total += len(step.new_tokens)
+        if inspect is not None:
+            inspect(verifiers, drafter)
+        yield step
+        if step.finished:
+            return
 
-            # Commit: accepted prefix + the correction/bonus token, cut at EOS and the budget.
-            new_tokens = proposal.tokens[: verdict.accepted].tolist() + [verdict.next_token]
-            finished = False
-            for i, token in enumerate(new_tokens):
-                if token in eos:
-                    new_tokens = new_tokens[: i + 1]
-                    finished = True
-                    break
-            new_tokens = new_tokens[:remaining]
-            context = torch.cat([context, torch.tensor(new_tokens, dtype=torch.long)])
-            verifiers.context = context
-            emitted_total += len(new_tokens)
-            finished = finished or emitted_total >= config.max_new_tokens
 
-            # Rollback: every cache keeps exactly the committed tokens it has processed.
-            verifiers.rollback(len(context))
-            drafter.commit(len(context))
+def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, policy: DraftPolicy, context: torch.Tensor,
+           config: DecodeConfig, emitted_total: int, eos: set[int], generator) -> tuple[Step, torch.Tensor]:
+    started = time.perf_counter()
+    target_calls, slim_calls = verifiers.target_calls, verifiers.slim_calls
+    remaining = config.max_new_tokens - emitted_total
+    # Never draft past the budget: the cycle emits at most k + 1 tokens.
+    budget = max(0, min(policy.max_draft, remaining - 1))
+    proposal: Proposal = drafter.propose(context, budget, config.sampling, generator, policy.keep_drafting)
+    proposal = proposal.head(min(policy.trim(proposal), budget))
+    drafted_at = time.perf_counter()
+    verdict = rule.verify(verifiers, proposal, config.sampling, generator)
 
-            k = len(proposal)
-            cycle = CycleStats(
-                drafted=k,
-                evaluated=verdict.accepted + (1 if verdict.accepted < k else 0),
-                accepted=verdict.accepted,
-                emitted=len(new_tokens),
-                target_calls=target.calls - target_calls,
-                slim_calls=verifiers.slim_calls - slim_calls,
-                drafter_calls=drafter.calls - drafter_calls,
-                seconds=time.perf_counter() - started,
-                deciders=verdict.deciders[: len(new_tokens)],
-            )
-            drafter.observe(cycle)
-            yield Step(new_tokens, cycle, finished)
-            if finished:
-                return
+    # Commit: accepted prefix + the correction/bonus token, cut at EOS and the budget.
+    new_tokens = proposal.tokens[: verdict.accepted].tolist() + [verdict.next_token]
+    finished = False
+    for i, token in enumerate(new_tokens):
+        if token in eos:
+            new_tokens = new_tokens[: i + 1]
+            finished = True
+            break
+    new_tokens = new_tokens[:remaining]
+    context = torch.cat([context, torch.tensor(new_tokens, dtype=torch.long)])
+    verifiers.context = context
+    finished = finished or emitted_total + len(new_tokens) >= config.max_new_tokens
+
+    # Rollback: every cache keeps exactly the committed tokens it has processed.
+    verifiers.rollback(len(context))
+    drafter.commit(len(context), verifiers.take_features())
+
+    k = len(proposal)
+    ended = time.perf_counter()
+    policy.observe(CycleOutcome(policy.keys(proposal, k), verdict.accepted, k, drafted_at - started,
+                                ended - drafted_at, proposal.drafter_calls, proposal.source))
+    cycle = CycleStats(
+        drafted=k,
+        evaluated=verdict.accepted + (1 if verdict.accepted < k else 0),
+        accepted=verdict.accepted,
+        emitted=len(new_tokens),
+        target_calls=verifiers.target_calls - target_calls,
+        slim_calls=verifiers.slim_calls - slim_calls,
+        drafter_calls=proposal.drafter_calls,
+        seconds=ended - started,
+        draft_seconds=drafted_at - started,
+        deciders=verdict.deciders[: len(new_tokens)],
+    )
+    return Step(new_tokens, cycle, finished), context

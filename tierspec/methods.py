@@ -1,50 +1,90 @@
-"""Methods by name: each is a (drafter, verification rule) pair for the one decode loop."""
+"""Methods by name: each is a drafter, a draft-length policy and a verification rule for the one
+decode loop, plus the verifier settings it needs (a slim verifier's mask, padded passes).
+
+Every method parameter and its default is declared once, in ``MethodOptions``; the command line
+builds its flags from these fields (``cli``), and the bench parses method specs against them.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, check_vocabularies
-from .drafters.adaptive import CostAwareDrafter
 from .drafters.cascade import CascadeDrafter
 from .drafters.self_spec import SelfSpeculativeDrafter
 from .drafters.swift import SwiftDrafter
+from .errors import TierspecError
 from .models import LoadedModel
+from .policies import ConfidenceStop, CostAware, DraftPolicy, FixedLength
 from .routing import RoutingMask
 from .rules import ExactRule, VerificationRule
 from .rules.bild import BildRule
-from .rules.cascade import CascadeRule
+from .rules.cascade import DEFERRALS, CascadeRule
 from .rules.lossy import LossyRule
 from .rules.via import ViaRule
 
-DRAFTER_KINDS = ("auto", "model", "ngram", "self")
+DRAFTER_KINDS = ("auto", "model", "ngram", "self", "eagle")
+
+
+def _option(default, help: str, flag: str | None = None, choices=None, kind: str | None = None):
+    """A MethodOptions field: its default, its --help text, and how the CLI reads it."""
+    metadata = {"help": help, "flag": flag, "choices": choices, "kind": kind}
+    return field(default=default, metadata=metadata)
 
 
 @dataclass(frozen=True)
 class MethodOptions:
-    """Method parameters that are not sampling settings (CLI flags map onto these)."""
+    """Method parameters that are not sampling settings (every one is a CLI flag)."""
 
-    ngram_size: int = 3  # prompt lookup: longest suffix n-gram matched
-    mask: RoutingMask | None = None  # routing mask (self-speculative drafter, VIA-SD slim verifier)
-    confidence_threshold: float = 0.8  # self/swift drafters stop below this top probability
-    swift_ratio: float = 0.45  # SWIFT: fraction of sub-layers skipped
-    drafter_kind: str = "auto"  # lossy rules: auto = the --drafter model if given, else n-gram lookup
-    draft_mask: RoutingMask | None = None  # routing mask of a self-speculative drafter under a lossy rule
-    num_draft: int = 5  # γ (VIA-SD's default lag cap is 4γ)
-    alpha: float = 0.1  # lossy tolerance α; cascade deferral α
-    beta: float | None = None  # lossy residual β (default 1 − α)
-    fallback: float = 0.35  # BiLD: drafter stops below this top probability
-    rollback: float = 3.0  # BiLD: reject a draft token with −log q above this (nats)
-    deferral: str = "opt"  # cascade deferral rule: chow, diff, opt, always
-    alpha1: float = 0.5  # VIA-SD drafter-confidence threshold
-    alpha2: float = 0.3  # VIA-SD slim-verifier-confidence threshold
-    max_target_lag: int | None = None  # VIA-SD lag cap (default 4γ)
-    csd_model_positions: int = 3  # CS Drafting: positions drafted by the model (horizontal cascade)
-    csd_inner_draft: int = 3  # CS Drafting: n-gram guesses the drafter model reviews per pass
-    adaptive_max_draft: int = 10  # adaptive-*: the longest draft considered
-    judge_head: object | None = None  # a JudgeHead (judge, via-judge)
-    judge_threshold: float | None = None  # δ (default: the head's own threshold)
+    num_draft: int = _option(5, "γ: tokens drafted per cycle by the fixed-length methods")
+    ngram_size: int = _option(3, "prompt lookup: longest n-gram matched")
+    mask: RoutingMask | None = _option(None, "routing mask JSON from `tierspec route` (self; via's slim verifier)", kind="mask")
+    confidence_threshold: float = _option(0.8, "self/swift drafters: stop drafting below this top probability")
+    swift_ratio: float = _option(0.45, "SWIFT: fraction of sub-layers skipped while drafting")
+    drafter_kind: str = _option("auto", "drafter of lossy/bild/cascade/via/judge: auto = --drafter model if given, "
+                                "else n-gram lookup; eagle = the trained draft head", flag="--draft-with", choices=DRAFTER_KINDS)
+    draft_mask: RoutingMask | None = _option(None, "routing mask of the self-speculative drafter (--draft-with self)", kind="mask")
+    draft_head: object | None = _option(None, "draft head (.safetensors) from `tierspec drafter train` (eagle, hybrid, "
+                                        "--draft-with eagle); default: the head shipped for the target", kind="draft_head")
+    alpha: float = _option(0.1, "lossy tolerance α; cascade deferral α")
+    beta: float | None = _option(None, "lossy residual β (default 1 − α)")
+    fallback: float = _option(0.35, "BiLD: drafting stops below this top probability")
+    rollback: float = _option(3.0, "BiLD: reject draft tokens with −log q above this (nats)")
+    deferral: str = _option("opt", "cascade deferral rule", choices=DEFERRALS)
+    alpha1: float = _option(0.5, "VIA-SD: defer to the slim verifier when max p < 1 − α1")
+    alpha2: float = _option(0.3, "VIA-SD: defer to the full target when max q' < 1 − α2")
+    max_target_lag: int | None = _option(None, "VIA-SD: most tokens the full target may lag (default 4γ)")
+    csd_model_positions: int = _option(3, "CS Drafting: positions drafted by the drafter model (horizontal cascade)")
+    csd_inner_draft: int = _option(3, "CS Drafting: n-gram guesses the drafter model reviews per pass")
+    adaptive_max_draft: int = _option(10, "adaptive-*, eagle, hybrid: the longest draft considered")
+    judge_head: object | None = _option(None, "judge head (.safetensors) from `tierspec judge train` (judge, via-judge)",
+                                        kind="judge_head")
+    judge_threshold: float | None = _option(None, "judge accepts when sigmoid ≥ δ (default: the head's)")
+
+    def __post_init__(self) -> None:
+        for name in ("num_draft", "ngram_size", "csd_model_positions", "csd_inner_draft", "adaptive_max_draft"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name != "num_draft" and name != "csd_inner_draft" else 0):
+                raise MethodOptionError(f"{name} must be an integer >= {0 if name in ('num_draft', 'csd_inner_draft') else 1}, "
+                                        f"got {value!r}")
+        if self.max_target_lag is not None and self.max_target_lag < 0:
+            raise MethodOptionError(f"max_target_lag must be >= 0, got {self.max_target_lag}")
+        if self.drafter_kind not in DRAFTER_KINDS:
+            raise MethodOptionError(f"unknown drafter kind '{self.drafter_kind}'; choose one of: {', '.join(DRAFTER_KINDS)}")
+        for name in ("confidence_threshold", "fallback"):
+            value = getattr(self, name)
+            if not 0.0 <= value <= 1.0:
+                raise MethodOptionError(f"{name} must be in [0, 1], got {value}")
+
+
+def option_fields():
+    """The fields of MethodOptions with their CLI metadata (for the CLI and the bench)."""
+    return fields(MethodOptions)
+
+
+class MethodOptionError(TierspecError):
+    """A method parameter out of range."""
 
 
 @dataclass
@@ -52,31 +92,39 @@ class Method:
     name: str
     drafter: Drafter
     rule: VerificationRule
+    policy: DraftPolicy
     description: str
     slim_mask: RoutingMask | None = None  # VIA-SD's slim verifier
     forward_costs: object | None = None  # costs.ForwardCosts: pad verification passes to cheap sizes
-    num_draft: int | None = None  # the method's own cap on the draft length (adaptive methods)
+
+
+def _fixed(options: MethodOptions) -> FixedLength:
+    return FixedLength(options.num_draft)
 
 
 def _ar(target, drafter_model, options) -> Method:
-    return Method("ar", NoDrafter(), ExactRule(), "plain autoregressive decoding")
+    return Method("ar", NoDrafter(), ExactRule(), FixedLength(0), "plain autoregressive decoding")
+
+
+def _model_drafter(target: LoadedModel, drafter_model: LoadedModel | None) -> ModelDrafter:
+    if drafter_model is None:
+        # The target drafting for itself always agrees: slow, but needs no second model.
+        return ModelDrafter(target.model, target.vocab_size)
+    check_vocabularies(target, drafter_model)
+    return ModelDrafter(drafter_model.model, target.vocab_size)
 
 
 def _sd(target, drafter_model, options) -> Method:
-    if drafter_model is None:
-        # The target drafting for itself always agrees: slow, but needs no second model.
-        drafter = ModelDrafter(target.model, target.vocab_size)
-    else:
-        check_vocabularies(target, drafter_model)
-        drafter = ModelDrafter(drafter_model.model, target.vocab_size)
-    return Method("sd", drafter, ExactRule(), "lossless speculative decoding with a drafter model")
+    return Method("sd", _model_drafter(target, drafter_model), ExactRule(), _fixed(options),
+                  "lossless speculative decoding with a drafter model")
 
 
 def _pld(target, drafter_model, options) -> Method:
-    return Method("pld", NgramDrafter(options.ngram_size), ExactRule(), "lossless prompt-lookup (n-gram) decoding")
+    return Method("pld", NgramDrafter(options.ngram_size), ExactRule(), _fixed(options),
+                  "lossless prompt-lookup (n-gram) decoding")
 
 
-class MissingMaskError(ValueError):
+class MissingMaskError(TierspecError):
     pass
 
 
@@ -92,75 +140,111 @@ def _require_mask(name: str, target: LoadedModel, options: MethodOptions) -> Rou
 
 def _self(target, drafter_model, options) -> Method:
     mask = _require_mask("self", target, options)
-    return Method("self", SelfSpeculativeDrafter(mask, options.confidence_threshold), ExactRule(),
+    return Method("self", SelfSpeculativeDrafter(mask), ExactRule(), ConfidenceStop(options.num_draft, options.confidence_threshold),
                   "lossless self-speculative decoding: the target drafts with a routing mask applied")
 
 
 def _swift(target, drafter_model, options) -> Method:
-    drafter = SwiftDrafter(target.identity.num_layers, options.swift_ratio, "sublayer", options.confidence_threshold)
-    return Method("swift", drafter, ExactRule(), "SWIFT: self-speculative decoding with the mask optimised on the fly")
+    drafter = SwiftDrafter(target.identity.num_layers, options.swift_ratio, "sublayer")
+    return Method("swift", drafter, ExactRule(), ConfidenceStop(options.num_draft, options.confidence_threshold),
+                  "SWIFT: self-speculative decoding with the mask optimised on the fly")
 
 
-def _drafter(target: LoadedModel, drafter_model: LoadedModel | None, options: MethodOptions,
-             confidence_threshold: float = 0.0) -> Drafter:
+def draft_head_for(target: LoadedModel, options: MethodOptions):
+    """The draft head of ``options`` (checked against the target), else the one shipped for it."""
+    from .eagle.head import DraftHeadError
+    from .eagle.shipped import shipped_head
+
+    if options.draft_head is not None:
+        head = options.draft_head
+        if head.target_identity is not None and not head.target_identity.matches(target.identity):
+            raise DraftHeadError(f"the draft head {head.target_identity.mismatch(target.identity)}")
+        return head
+    head = shipped_head(target)
+    if head is None:
+        raise DraftHeadError(
+            f"no draft head is shipped for '{target.identity.name}': train one with `tierspec drafter build-data` and "
+            "`tierspec drafter train`, then pass --draft-head head.safetensors"
+        )
+    return head
+
+
+def _drafter(target: LoadedModel, drafter_model: LoadedModel | None, options: MethodOptions) -> Drafter:
     """The drafter a lossy rule runs with (``options.drafter_kind``)."""
     kind = options.drafter_kind
-    if kind not in DRAFTER_KINDS:
-        raise ValueError(f"unknown drafter kind '{kind}'; choose one of: {', '.join(DRAFTER_KINDS)}")
     if kind == "auto":
         kind = "model" if drafter_model is not None else "ngram"
     if kind == "ngram":
         return NgramDrafter(options.ngram_size)
+    if kind == "eagle":
+        from .drafters.eagle import EagleDrafter
+
+        return EagleDrafter(draft_head_for(target, options))
     if kind == "self":
         mask = options.draft_mask
         if mask is None:
             raise MissingMaskError("a self-speculative drafter needs a routing mask: pass --draft-mask mask.json")
         mask.check_model(target.identity)
-        return SelfSpeculativeDrafter(mask, confidence_threshold or options.confidence_threshold)
-    model = drafter_model or target
-    if drafter_model is not None:
-        check_vocabularies(target, drafter_model)
-    return ModelDrafter(model.model, target.vocab_size, confidence_threshold)
+        return SelfSpeculativeDrafter(mask)
+    return _model_drafter(target, drafter_model)
+
+
+def _lossy_policy(drafter: Drafter, options: MethodOptions, stop: float | None = None) -> DraftPolicy:
+    """γ tokens; a self-drafter stops early below ``confidence_threshold`` (BiLD: ``fallback``)."""
+    if stop is not None:
+        return ConfidenceStop(options.num_draft, stop)
+    if isinstance(drafter, SelfSpeculativeDrafter):
+        return ConfidenceStop(options.num_draft, options.confidence_threshold)
+    return _fixed(options)
 
 
 def _lossy(target, drafter_model, options) -> Method:
-    return Method("lossy", _drafter(target, drafter_model, options), LossyRule(options.alpha, options.beta),
+    drafter = _drafter(target, drafter_model, options)
+    return Method("lossy", drafter, LossyRule(options.alpha, options.beta), _lossy_policy(drafter, options),
                   "lossy speculative decoding with tolerance (α, β)")
 
 
 def _bild(target, drafter_model, options) -> Method:
-    return Method("bild", _drafter(target, drafter_model, options, options.fallback), BildRule(options.rollback),
+    drafter = _drafter(target, drafter_model, options)
+    return Method("bild", drafter, BildRule(options.rollback), _lossy_policy(drafter, options, options.fallback),
                   "BiLD: fallback when the drafter is unsure, rollback on unlikely tokens")
 
 
 def _cascade(target, drafter_model, options) -> Method:
-    return Method("cascade", _drafter(target, drafter_model, options), CascadeRule(options.deferral, options.alpha),
+    drafter = _drafter(target, drafter_model, options)
+    return Method("cascade", drafter, CascadeRule(options.deferral, options.alpha), _lossy_policy(drafter, options),
                   "speculative cascades with a deferral rule")
 
 
 def _csd(target, drafter_model, options) -> Method:
-    model = drafter_model or target
     if drafter_model is not None:
         check_vocabularies(target, drafter_model)
+    model = drafter_model or target
     drafter = CascadeDrafter(model.model, target.vocab_size, NgramDrafter(options.ngram_size),
                              options.csd_model_positions, options.csd_inner_draft)
-    return Method("csd", drafter, ExactRule(), "cascade speculative drafting (vertical + horizontal cascade)")
+    return Method("csd", drafter, ExactRule(), _fixed(options), "cascade speculative drafting (vertical + horizontal cascade)")
+
+
+def _via_rule(options: MethodOptions, judge=None) -> ViaRule:
+    lag = options.max_target_lag if options.max_target_lag is not None else 4 * max(options.num_draft, 1)
+    return ViaRule(options.alpha1, options.alpha2, lag, judge=judge, judge_threshold=options.judge_threshold)
 
 
 def _via(target, drafter_model, options) -> Method:
     mask = _require_mask("via", target, options)
-    lag = options.max_target_lag if options.max_target_lag is not None else 4 * max(options.num_draft, 1)
-    rule = ViaRule(options.alpha1, options.alpha2, lag)
-    return Method("via", _drafter(target, drafter_model, options), rule,
+    drafter = _drafter(target, drafter_model, options)
+    return Method("via", drafter, _via_rule(options), _lossy_policy(drafter, options),
                   "VIA-SD: drafter → slim verifier (routing mask) → full target when unsure", slim_mask=mask)
 
 
 def _require_judge(name: str, target: LoadedModel, options: MethodOptions):
+    from .judge.head import JudgeHeadError
+
     if options.judge_head is None:
-        raise ValueError(f"method '{name}' needs a judge head: train one with `tierspec judge train` and pass --judge-head")
+        raise JudgeHeadError(f"method '{name}' needs a judge head: train one with `tierspec judge train` and pass --judge-head")
     head = options.judge_head
     if head.model is not None and not head.model.matches(target.identity):
-        raise ValueError(f"the judge head was trained on '{head.model.name}', not on '{target.identity.name}'")
+        raise JudgeHeadError(f"the judge head {head.model.mismatch(target.identity)}")
     return head
 
 
@@ -168,36 +252,56 @@ def _judge(target, drafter_model, options) -> Method:
     from .rules.judge import JudgeRule
 
     head = _require_judge("judge", target, options)
-    return Method("judge", _drafter(target, drafter_model, options), JudgeRule(head, options.judge_threshold),
+    drafter = _drafter(target, drafter_model, options)
+    return Method("judge", drafter, JudgeRule(head, options.judge_threshold), _lossy_policy(drafter, options),
                   "judge decoding: a linear head on the target's hidden states accepts correct drafts SD rejects")
 
 
 def _via_judge(target, drafter_model, options) -> Method:
     head = _require_judge("via-judge", target, options)
-    method = _via(target, drafter_model, options)
-    rule = method.rule
-    method.rule = ViaRule(rule.alpha1, rule.alpha2, rule.max_target_lag, judge=head, judge_threshold=options.judge_threshold)
-    method.name = "via-judge"
-    return method
+    mask = _require_mask("via-judge", target, options)
+    drafter = _drafter(target, drafter_model, options)
+    return Method("via-judge", drafter, _via_rule(options, judge=head), _lossy_policy(drafter, options),
+                  "VIA-SD with the judge at the full-verifier tier", slim_mask=mask)
 
 
-def _adaptive(name: str, inner: Drafter, target: LoadedModel, options: MethodOptions, description: str) -> Method:
+def _cost_aware(target: LoadedModel, options: MethodOptions) -> tuple[CostAware, object]:
     from .costs import forward_costs
 
-    cap = max(options.adaptive_max_draft, 1)
-    table = forward_costs(target, max_tokens=cap + 1)
-    return Method(name, CostAwareDrafter(inner, cap, forward_costs=table), ExactRule(), description,
-                  forward_costs=table, num_draft=cap)
+    table = forward_costs(target, max_tokens=options.adaptive_max_draft + 1)
+    return CostAware(options.adaptive_max_draft, forward_costs=table), table
 
 
 def _adaptive_pld(target, drafter_model, options) -> Method:
-    return _adaptive("adaptive-pld", NgramDrafter(options.ngram_size), target, options,
-                     "lossless prompt lookup with a cost-aware draft length (measured pass costs, acceptance learned online)")
+    policy, table = _cost_aware(target, options)
+    return Method("adaptive-pld", NgramDrafter(options.ngram_size), ExactRule(), policy,
+                  "lossless prompt lookup with a cost-aware draft length (measured pass costs, acceptance learned online)",
+                  forward_costs=table)
 
 
 def _adaptive_sd(target, drafter_model, options) -> Method:
-    return _adaptive("adaptive-sd", _sd(target, drafter_model, options).drafter, target, options,
-                     "lossless speculative decoding with a drafter model and a cost-aware draft length")
+    policy, table = _cost_aware(target, options)
+    return Method("adaptive-sd", _model_drafter(target, drafter_model), ExactRule(), policy,
+                  "lossless speculative decoding with a drafter model and a cost-aware draft length", forward_costs=table)
+
+
+def _eagle(target, drafter_model, options) -> Method:
+    from .drafters.eagle import EagleDrafter
+
+    policy, table = _cost_aware(target, options)
+    return Method("eagle", EagleDrafter(draft_head_for(target, options)), ExactRule(), policy,
+                  "lossless speculative decoding with the trained draft head and a cost-aware draft length",
+                  forward_costs=table)
+
+
+def _hybrid(target, drafter_model, options) -> Method:
+    from .drafters.eagle import EagleDrafter, HybridDrafter
+
+    policy, table = _cost_aware(target, options)
+    drafter = HybridDrafter(NgramDrafter(options.ngram_size), EagleDrafter(draft_head_for(target, options)), policy)
+    return Method("hybrid", drafter, ExactRule(), policy,
+                  "lossless: n-gram lookup where the context offers a match expected to pay more, the draft head otherwise",
+                  forward_costs=table)
 
 
 _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], Method]] = {
@@ -206,6 +310,8 @@ _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], 
     "pld": _pld,
     "adaptive-pld": _adaptive_pld,
     "adaptive-sd": _adaptive_sd,
+    "eagle": _eagle,
+    "hybrid": _hybrid,
     "self": _self,
     "swift": _swift,
     "lossy": _lossy,
@@ -225,8 +331,13 @@ def method_names() -> list[str]:
     return list(_BUILDERS)
 
 
-class UnknownMethodError(ValueError):
+class UnknownMethodError(TierspecError):
     pass
+
+
+def check_method_name(name: str) -> None:
+    if name not in _BUILDERS:
+        raise UnknownMethodError(f"unknown method '{name}'; choose one of: {', '.join(method_names())}")
 
 
 def build_method(
@@ -235,7 +346,6 @@ def build_method(
     drafter: LoadedModel | None = None,
     options: MethodOptions = MethodOptions(),
 ) -> Method:
-    """The (drafter, rule) pair called ``name``; a drafter model is checked against the target."""
-    if name not in _BUILDERS:
-        raise UnknownMethodError(f"unknown method '{name}'; choose one of: {', '.join(method_names())}")
+    """The method called ``name``; a drafter model is checked against the target."""
+    check_method_name(name)
     return _BUILDERS[name](target, drafter, options)

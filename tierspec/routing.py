@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
+import threading
+import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,14 +24,15 @@ from typing import Iterator
 
 import torch
 
-from .models import ModelIdentity
+from .errors import TierspecError
+from .identity import ModelIdentity
 from .util import atomic_write_text
 
 UNITS = ("layer", "sublayer")
 MASK_FORMAT = "tierspec-routing-mask"
 
 
-class RoutingMaskError(ValueError):
+class RoutingMaskError(TierspecError):
     """A mask that does not fit the model, or a mask file that cannot be read."""
 
 
@@ -153,11 +155,7 @@ class RoutingMask:
                 f"this mask is for a model with {self.num_layers} layers; '{model.name}' has {model.num_layers}"
             )
         if self.model is not None and not self.model.matches(model):
-            raise RoutingMaskError(
-                f"this mask was made for model '{self.model.name}' ({self.model.num_layers} layers, hidden "
-                f"{self.model.hidden_size}), not for '{model.name}' ({model.num_layers} layers, hidden "
-                f"{model.hidden_size}); search one for it with `tierspec route`"
-            )
+            raise RoutingMaskError(f"this mask {self.model.mismatch(model)}; search one for it with `tierspec route`")
 
 
 _MASK_KEYS = {"format", "version", "model", "num_layers", "unit", "ratio", "skip_attention", "skip_mlp"}
@@ -197,12 +195,35 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
+_LOCKS: "weakref.WeakKeyDictionary[torch.nn.Module, threading.RLock]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: torch.nn.Module) -> threading.RLock:
+    """The lock of one model instance. Every forward pass tierspec runs on a model holds it, and
+    so does ``apply_mask`` for as long as modules are swapped: a mask applied in one thread is
+    never seen by a pass of another thread on the same model."""
+    with _LOCKS_GUARD:
+        lock = _LOCKS.get(model)
+        if lock is None:
+            lock = _LOCKS[model] = threading.RLock()
+        return lock
+
+
 @contextmanager
 def apply_mask(model: torch.nn.Module, mask: RoutingMask | None) -> Iterator[torch.nn.Module]:
-    """Within the block, ``model`` runs with ``mask``'s units bypassed; restored on exit."""
+    """Within the block, ``model`` runs with ``mask``'s units bypassed; restored on exit. The
+    model's lock is held throughout (see ``model_lock``)."""
     if mask is None or mask.empty:
         yield model
         return
+    with model_lock(model):
+        with _masked(model, mask):
+            yield model
+
+
+@contextmanager
+def _masked(model: torch.nn.Module, mask: RoutingMask) -> Iterator[None]:
     layers = decoder_layers(model)
     if len(layers) != mask.num_layers:
         raise RoutingMaskError(f"mask is for {mask.num_layers} layers, the model has {len(layers)}")
@@ -224,7 +245,7 @@ def apply_mask(model: torch.nn.Module, mask: RoutingMask | None) -> Iterator[tor
                     )
                 swapped.append((layer, name, getattr(layer, name)))
                 setattr(layer, name, stand_in())
-        yield model
+        yield
     finally:
         for owner, name, original in reversed(swapped):
             if isinstance(owner, torch.nn.ModuleList):

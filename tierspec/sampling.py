@@ -8,9 +8,16 @@ token was not drawn from is no longer lossless.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+
+from .errors import TierspecError
+
+
+class SamplingError(TierspecError):
+    """Sampling settings out of range."""
 
 
 @dataclass(frozen=True)
@@ -22,12 +29,13 @@ class SamplingConfig:
     top_p: float = 1.0  # 1.0 = no nucleus filter
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        # ``not x >= 0`` also refuses NaN, which compares false with everything.
+        if not math.isfinite(self.temperature) or not self.temperature >= 0:
+            raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise SamplingError(f"top_k must be an integer >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise SamplingError(f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def greedy(self) -> bool:
@@ -42,7 +50,7 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     """
     logits = logits.float()
     if config.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return one_hot_rows(logits.argmax(-1), logits.shape[-1])
     logits = logits / config.temperature
     if config.top_k and config.top_k < logits.shape[-1]:
         kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
@@ -94,3 +102,8 @@ def one_hot(token: int, vocab_size: int) -> torch.Tensor:
     probs = torch.zeros(vocab_size)
     probs[token] = 1.0
     return probs
+
+
+def one_hot_rows(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[k, V] float32: ``one_hot`` of each token of ``tokens`` [k]."""
+    return torch.nn.functional.one_hot(tokens.long(), vocab_size).float()

@@ -29,6 +29,7 @@ import torch
 
 from .models import LoadedModel
 from .routing import RoutingMask, apply_mask
+from .mask_proposals import Evaluation, bo_proposal, random_keep
 from .util import atomic_write_text
 
 OBJECTIVES = ("kl", "agreement")
@@ -96,7 +97,7 @@ def build_calibration(
         out = generate(text, target=target, method="pld", max_new_tokens=window)
         if len(out.token_ids) < window:
             continue
-        from .api import encode_prompt
+        from .prompting import encode_prompt
 
         prompt_ids = encode_prompt(target, text).tolist()
         if len(prompt_ids) < context_tokens:
@@ -150,18 +151,6 @@ class SearchConfig:
 
 
 @dataclass
-class Evaluation:
-    keep: list[int]  # keep-vector over eligible units
-    cost: float
-    agreement: float
-    source: str  # "random" or "bo"
-
-    def score(self, objective: str) -> float:
-        """Lower is better for the search, whatever the objective."""
-        return self.cost if objective == "kl" else -self.agreement
-
-
-@dataclass
 class SearchResult:
     mask: RoutingMask
     best: Evaluation
@@ -183,68 +172,6 @@ class SearchResult:
             "random_best_agreement": max(e.agreement for e in randoms) if randoms else None,
             "seconds": round(self.seconds, 2),
         }
-
-
-def _random_keep(rng: np.random.Generator, units: int, bypass: int) -> list[int]:
-    keep = np.ones(units, dtype=int)
-    keep[rng.choice(units, size=bypass, replace=False)] = 0
-    return keep.tolist()
-
-
-def _neighbours(keep: list[int], rng: np.random.Generator, count: int) -> list[list[int]]:
-    """Masks one swap away (bypass a kept unit instead of a bypassed one)."""
-    keep_arr = np.array(keep)
-    kept, dropped = np.flatnonzero(keep_arr == 1), np.flatnonzero(keep_arr == 0)
-    out = []
-    for _ in range(count):
-        if not len(kept) or not len(dropped):
-            break
-        new = keep_arr.copy()
-        new[rng.choice(dropped)] = 1
-        new[rng.choice(kept)] = 0
-        out.append(new.tolist())
-    return out
-
-
-def _bo_proposal(evaluations: list[Evaluation], config: SearchConfig, rng: np.random.Generator, bypass: int) -> list[int] | None:
-    """The unevaluated candidate with the highest expected improvement under a GP fitted to
-    the evaluated (keep-vector, score) pairs."""
-    from scipy.stats import norm
-    from sklearn.gaussian_process import GaussianProcessRegressor
-    from sklearn.gaussian_process.kernels import ConstantKernel, DotProduct, Matern, WhiteKernel
-
-    X = np.array([e.keep for e in evaluations], dtype=float)
-    y = np.array([e.score(config.objective) for e in evaluations])
-    units = X.shape[1]
-    # A dot-product term models each unit's own contribution (costs are close to additive
-    # over bypassed units); the Matérn term models interactions between units.
-    kernel = (
-        ConstantKernel(1.0) * DotProduct(sigma_0=1.0)
-        + ConstantKernel(1.0) * Matern(length_scale=math.sqrt(units), nu=2.5)
-        + WhiteKernel(1e-3)
-    )
-    gp = GaussianProcessRegressor(kernel=kernel, normalize_y=True, random_state=config.seed)
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # convergence chatter on tiny data sets
-        gp.fit(X, y)
-    seen = {tuple(e.keep) for e in evaluations}
-    best_first = sorted(evaluations, key=lambda e: e.score(config.objective))
-    pool = []
-    for e in best_first[:5]:
-        pool.extend(_neighbours(e.keep, rng, config.candidates // 10))
-    while len(pool) < config.candidates:
-        pool.append(_random_keep(rng, units, bypass))
-    pool = [c for c in {tuple(c): c for c in pool}.values() if tuple(c) not in seen]
-    if not pool:
-        return None
-    mean, std = gp.predict(np.array(pool, dtype=float), return_std=True)
-    best = y.min()
-    std = np.maximum(std, 1e-9)
-    z = (best - mean) / std
-    expected_improvement = (best - mean) * norm.cdf(z) + std * norm.pdf(z)
-    return pool[int(np.argmax(expected_improvement))]
 
 
 def _signature(target: LoadedModel, calibration: Calibration, config: SearchConfig) -> str:
@@ -302,12 +229,12 @@ def search_mask(
         keep, source = None, "random"
         use_bo = config.strategy == "dimr" and step >= config.initial_random and (step - config.initial_random) % config.bo_every == 0
         if use_bo:
-            keep = _bo_proposal(evaluations, config, rng, bypass)
+            keep = bo_proposal(evaluations, config.objective, rng, bypass, config.candidates, config.seed)
             source = "bo"
         if keep is None:
             seen = {tuple(e.keep) for e in evaluations}
             for _ in range(100):
-                keep = _random_keep(rng, len(eligible), bypass)
+                keep = random_keep(rng, len(eligible), bypass)
                 if tuple(keep) not in seen:
                     break
             source = "random"

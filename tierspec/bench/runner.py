@@ -23,11 +23,13 @@ from pathlib import Path
 
 import torch
 
-from ..api import encode_prompt, eos_ids
 from ..data import Prompt, load_prompts, select
-from ..decode import DecodeConfig, GenerationStats, Verifiers, decode
-from ..methods import MethodOptions, build_method, method_names
-from ..models import CachedModel, LoadedModel, load_model
+from ..decode import DecodeConfig, GenerationStats, decode
+from ..errors import TierspecError
+from ..methods import MethodOptions, build_method, method_names, option_fields
+from ..models import LoadedModel, load_model
+from ..prompting import encode_prompt, eos_ids
+from ..routing import model_lock
 from ..routing import RoutingMask
 from ..util import atomic_write_text
 from ..sampling import SamplingConfig
@@ -37,7 +39,7 @@ HF_PEERS = ("hf-greedy", "hf-assisted", "hf-pld", "hf-early-exit")
 BASELINE = "ar"
 
 
-class BenchError(ValueError):
+class BenchError(TierspecError):
     pass
 
 
@@ -125,7 +127,7 @@ def load_fidelity_reference(path: str) -> dict:
 
 # ---- method specs ---------------------------------------------------------------------------------
 
-_OPTION_FIELDS = {f.name: f for f in fields(MethodOptions)}
+_OPTION_FIELDS = {f.name: f for f in option_fields()}
 _ALIASES = {"draft_with": "drafter_kind"}  # the CLI flag's name
 
 
@@ -145,12 +147,17 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
 
 
 def _convert(key: str, value: str, target: LoadedModel):
-    if key in ("mask", "draft_mask"):
+    kind = _OPTION_FIELDS[key].metadata.get("kind")
+    if kind == "mask":
         return RoutingMask.load(value, target.identity)
-    if key == "judge_head":
+    if kind == "judge_head":
         from ..judge.head import JudgeHead
 
         return JudgeHead.load(value, target.identity)
+    if kind == "draft_head":
+        from ..eagle.head import DraftHead
+
+        return DraftHead.load(value, target)
     kind = _OPTION_FIELDS[key].type
     if "float" in str(kind):
         return None if value.lower() == "none" else float(value)
@@ -175,14 +182,14 @@ class MethodRunner:
         self.target, self.config = target, config
         self.eos = eos_ids(target)
         self.sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
-        self.num_draft = int(params.pop("num_draft", config.num_draft))
+        num_draft = int(params.pop("num_draft", config.num_draft))
         if self.name in HF_PEERS:
             self.hf_kwargs = self._hf_kwargs(params, drafter)
             return
         unknown = set(params) - set(_OPTION_FIELDS)
         if unknown:
             raise BenchError(f"method spec '{spec}': unknown parameter(s) {sorted(unknown)}; known: {sorted(_OPTION_FIELDS)}")
-        options = MethodOptions(num_draft=self.num_draft)
+        options = MethodOptions(num_draft=num_draft)
         if config.mask and "mask" not in params and self.name in ("self", "via"):
             params["mask"] = config.mask
         options = replace(options, **{k: _convert(k, v, target) for k, v in params.items()})
@@ -202,13 +209,11 @@ class MethodRunner:
     def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None) -> Outcome:
         if self.name in HF_PEERS:
             return self._run_hf(prompt_ids, max_new_tokens, generator)
-        runner = CachedModel(self.target.model)
-        verifiers = Verifiers(runner, slim_mask=self.method.slim_mask, forward_costs=self.method.forward_costs)
-        config = DecodeConfig(max_new_tokens, self.method.num_draft or self.num_draft, self.sampling, self.eos)
+        config = DecodeConfig(max_new_tokens, self.sampling, self.eos)
         stats = GenerationStats()
         tokens: list[int] = []
         started = time.perf_counter()
-        for step in decode(runner, self.method.drafter, self.method.rule, prompt_ids, config, generator, verifiers):
+        for step in decode(self.target, self.method, prompt_ids, config, generator):
             tokens.extend(step.new_tokens)
             stats.add(step.cycle)
         stats.wall_seconds = time.perf_counter() - started
@@ -226,7 +231,7 @@ class MethodRunner:
                 torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
         eos = list(self.eos) or None
         started = time.perf_counter()
-        with torch.inference_mode():
+        with torch.inference_mode(), model_lock(model):
             output = model.generate(
                 prompt_ids[None], attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                 max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0] if eos else None, **kwargs,

@@ -1,53 +1,130 @@
 """What every drafter gives the decode loop: a block of proposed tokens and, when it has one,
-the distribution each was drawn from."""
+the distribution each was drawn from.
+
+Drafters keep only their own state (their own KV cache, a lookup table, a draft head's cache).
+What they need from the target comes through the loop: the target's features for committed
+positions (``TargetFeatures``, for a draft head) and, for self-speculative drafting, a
+``TargetDraftView`` onto the target's cache that the loop's verifiers own.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Hashable
 
 import torch
 
 from ..sampling import SamplingConfig, logits_to_probs, sample
+
+#: Asked by a drafting model after each drafted token with the top probability (temperature 1)
+#: of every token drafted so far and its source name: draft another one?
+#: (``policies.DraftPolicy.keep_drafting``)
+KeepDrafting = Callable[[list[float], str], bool]
+
+
+def always(confidences: list[float], source: str = "") -> bool:
+    return True
 
 
 @dataclass
 class Proposal:
     """A drafted block.
 
-    tokens:      [k] int64, the drafted token ids (k may be 0: plain decoding this cycle).
-    draft_probs: [k, V] the distribution each token was drawn from (after the sampling
-                 transforms), or None for a drafter with no distribution (n-gram lookup),
-                 which rules treat as one-hot.
-    draft_logits: [k, V] raw logits when the drafter has them (rules whose deferral bits are
-                 taken at temperature 1 need them), else None.
+    tokens:        [k] int64, the drafted token ids (k may be 0: plain decoding this cycle).
+    draft_probs:   [k, V] the distribution each token was drawn from (after the sampling
+                   transforms), or None for a drafter with no distribution (n-gram lookup),
+                   which rules treat as one-hot.
+    draft_logits:  [k, V] raw logits when the drafter has them (rules whose deferral bits are
+                   taken at temperature 1 need them), else None.
+    confidence:    [k] top probability at temperature 1 of each token's distribution, or None.
+    keys:          per token, why the drafter proposed it (n-gram lookup: ("ngram", match size)),
+                   for a draft-length policy's acceptance estimates; None when it has no reason.
+    drafter_calls: forward passes of a drafting model spent on this proposal.
+    source:        which drafter proposed ("ngram", "model", "self", "head", …): a policy
+                   keeps costs and acceptance apart per source.
     """
 
     tokens: torch.Tensor
     draft_probs: torch.Tensor | None = None
     draft_logits: torch.Tensor | None = None
+    confidence: torch.Tensor | None = None
+    keys: list[Hashable] | None = None
+    drafter_calls: int = 0
+    source: str = ""
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
+    def head(self, count: int) -> "Proposal":
+        """The first ``count`` tokens (a policy's trim)."""
+        if count >= len(self):
+            return self
+
+        def cut(x):
+            return None if x is None else x[:count]
+
+        return Proposal(self.tokens[:count], cut(self.draft_probs), cut(self.draft_logits), cut(self.confidence),
+                        cut(self.keys), self.drafter_calls, self.source)
+
     @staticmethod
-    def empty() -> "Proposal":
-        return Proposal(torch.empty(0, dtype=torch.long))
+    def empty(drafter_calls: int = 0, source: str = "") -> "Proposal":
+        return Proposal(torch.empty(0, dtype=torch.long), drafter_calls=drafter_calls, source=source)
+
+
+@dataclass
+class TargetFeatures:
+    """The target's LM-head inputs f_t [n, H] for positions ``start`` .. ``start`` + n − 1 of the
+    committed sequence, from the verification passes that processed them (``approximate``: some
+    came from a slim-verifier pass, not the full target)."""
+
+    start: int
+    values: torch.Tensor
+    approximate: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + int(self.values.shape[0])
+
+
+class TargetDraftView:
+    """What a self-speculative drafter may do with the target's cache (owned by the loop's
+    verifiers): run masked passes on top of the committed full-model KV, then discard them."""
+
+    def forward(self, tokens: torch.Tensor, mask) -> torch.Tensor:
+        """Logits [V] after ``tokens`` under ``mask``, appended to the draft's scratch KV."""
+        raise NotImplementedError
+
+    def discard(self) -> None:
+        """Drop every position the draft appended (the cache is as the last commit left it)."""
+        raise NotImplementedError
+
+    @property
+    def length(self) -> int:
+        """Committed positions the target's cache holds (the draft starts after them)."""
+        raise NotImplementedError
+
+    def replay_window(self, start: int, tokens: torch.Tensor, mask) -> torch.Tensor:
+        """Logits [n, V] of committed ``tokens`` re-run at positions start.. under ``mask``,
+        reading the full-model KV before ``start``; the cache is restored afterwards (SWIFT)."""
+        raise NotImplementedError
 
 
 class Drafter:
     """Base class: proposes up to ``num_tokens`` tokens continuing the committed ``context``.
 
-    The loop calls ``start`` once with the prompt and the generation's verifiers (a drafter
-    that reads the target's KV cache, like the self-speculative one, keeps them), then per
-    cycle ``propose`` and, after the verdict is committed, ``commit`` with the new committed
-    length so the drafter can roll its own state back (DESIGN §2 invariant).
+    The loop calls ``start`` once per generation with the prompt, the target's features of the
+    prefilled prompt positions (when ``needs_target_features``) and, for drafters with
+    ``uses_target_cache``, a ``TargetDraftView``; then per cycle ``propose`` and, after the
+    verdict is committed, ``commit`` with the new committed length (the drafter rolls its own
+    state back to it, DESIGN §2) and the target's features of newly committed positions.
     """
 
-    #: the drafter's own model forward passes, reported in the statistics
-    calls: int = 0
+    needs_target_features = False
+    uses_target_cache = False
 
-    def start(self, prompt_ids: torch.Tensor, verifiers) -> None:
-        self.calls = 0
+    def start(self, prompt_ids: torch.Tensor, features: TargetFeatures | None = None,
+              target_view: TargetDraftView | None = None) -> None:
+        pass
 
     def propose(
         self,
@@ -55,22 +132,19 @@ class Drafter:
         num_tokens: int,
         sampling: SamplingConfig,
         generator: torch.Generator | None,
+        keep_drafting: KeepDrafting = always,
     ) -> Proposal:
         raise NotImplementedError
 
-    def commit(self, committed_length: int) -> None:
+    def commit(self, committed_length: int, features: TargetFeatures | None = None) -> None:
         pass
-
-    def observe(self, cycle) -> None:
-        """Called with each cycle's statistics (CycleStats) after the commit; drafters that
-        adapt (e.g. their draft length) learn from it."""
 
 
 class NoDrafter(Drafter):
     """Proposes nothing: with any rule the loop then emits one target token per cycle,
     i.e. plain autoregressive decoding."""
 
-    def propose(self, context, num_tokens, sampling, generator) -> Proposal:
+    def propose(self, context, num_tokens, sampling, generator, keep_drafting=always) -> Proposal:
         return Proposal.empty()
 
 
@@ -80,25 +154,30 @@ def draft_autoregressively(
     num_tokens: int,
     sampling: SamplingConfig,
     generator: torch.Generator | None,
-    confidence_threshold: float = 0.0,
+    keep_drafting: KeepDrafting = always,
+    source: str = "model",
 ) -> Proposal:
     """Draft up to ``num_tokens`` tokens one at a time.
 
     ``next_logits(tokens)`` feeds ``tokens`` [n] to the drafting model and returns the logits
-    [V] after the last of them. Drafting stops early when the next token's top probability at
-    temperature 1 is below ``confidence_threshold`` (0 = never).
+    [V] after the last of them. After each token ``keep_drafting`` (the policy) decides whether
+    to draft another; the policy may still cut the block afterwards.
     """
-    tokens, probs, logits_rows = [], [], []
+    tokens, probs, logits_rows, confidences = [], [], [], []
+    calls = 0
     for _ in range(num_tokens):
         logits = next_logits(pending)
-        if confidence_threshold > 0 and float(logits.softmax(-1).max()) < confidence_threshold:
-            break
+        calls += 1
         step_probs = logits_to_probs(logits, sampling)
         token = int(logits.argmax()) if sampling.greedy else sample(step_probs, generator)
         tokens.append(token)
         probs.append(step_probs)
         logits_rows.append(logits)
+        confidences.append(float(logits.float().softmax(-1).max()))
         pending = torch.tensor([token])
+        if not keep_drafting(confidences, source):
+            break
     if not tokens:
-        return Proposal.empty()
-    return Proposal(torch.tensor(tokens), torch.stack(probs), torch.stack(logits_rows))
+        return Proposal.empty(calls, source)
+    return Proposal(torch.tensor(tokens), torch.stack(probs), torch.stack(logits_rows), torch.tensor(confidences),
+                    drafter_calls=calls, source=source)

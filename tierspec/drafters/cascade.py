@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from ..models import CachedModel
-from ..rules.exact import greedy_verify, sampled_verify
-from ..sampling import logits_to_probs
-from .base import Drafter, Proposal
+from ..rules.exact import exact_walk
+from ..sampling import logits_to_probs, one_hot
+from .base import Drafter, Proposal, always
 from .ngram import NgramDrafter
 
 
@@ -33,18 +33,18 @@ class CascadeDrafter(Drafter):
         self.vocab_size = vocab_size
         self.ngram = ngram or NgramDrafter(3)
         self.model_positions, self.inner_draft = model_positions, inner_draft
-        self.calls = 0
 
-    def start(self, prompt_ids, verifiers) -> None:
+    def start(self, prompt_ids, features=None, target_view=None) -> None:
         self.runner.reset()
-        self.calls = 0
+        self._prefill_calls = 0
         if len(prompt_ids) > 1:
             self.runner.forward(prompt_ids[:-1], logits_for=1)
-            self.calls += 1
+            self._prefill_calls = 1
 
-    def propose(self, context, num_tokens, sampling, generator) -> Proposal:
+    def propose(self, context, num_tokens, sampling, generator, keep_drafting=always) -> Proposal:
+        calls, self._prefill_calls = self._prefill_calls, 0
         if num_tokens <= 0:
-            return Proposal.empty()
+            return Proposal.empty(calls)
         wanted = min(num_tokens, self.model_positions)
         tokens: list[int] = []
         rows: list[torch.Tensor] = []
@@ -52,14 +52,12 @@ class CascadeDrafter(Drafter):
         while len(tokens) < wanted:
             sequence = torch.cat([context, torch.tensor(tokens, dtype=torch.long)])
             # Vertical: n-gram guesses, reviewed by the drafter model in one pass.
-            guess = torch.from_numpy(self.ngram.lookup(sequence.numpy(), min(self.inner_draft, wanted - len(tokens) - 1)).copy()).long()
+            found, _ = self.ngram.lookup(sequence.numpy(), min(self.inner_draft, wanted - len(tokens) - 1))
+            guess = torch.from_numpy(found.copy()).long()
             logits = self.runner.forward(torch.cat([pending, guess]), logits_for=len(guess) + 1)[:, : self.vocab_size]
-            self.calls += 1
+            calls += 1
             probs = logits_to_probs(logits, sampling)
-            if sampling.greedy:
-                kept, nxt = greedy_verify(guess, logits)
-            else:
-                kept, nxt = sampled_verify(guess, None, probs, generator)
+            kept, nxt = exact_walk(Proposal(guess), logits, sampling, generator)
             tokens.extend(guess[:kept].tolist() + [nxt])
             rows.extend(probs[: kept + 1])
             # The model has processed the pending tokens and the kept guesses, not ``nxt``.
@@ -69,11 +67,11 @@ class CascadeDrafter(Drafter):
         # Horizontal: the cheap level fills the later positions.
         if num_tokens > wanted:
             sequence = torch.cat([context, torch.tensor(tokens, dtype=torch.long)])
-            tail = self.ngram.lookup(sequence.numpy(), num_tokens - wanted).tolist()
-            for token in tail:
+            tail, _ = self.ngram.lookup(sequence.numpy(), num_tokens - wanted)
+            for token in tail.tolist():
                 tokens.append(token)
-                rows.append(torch.nn.functional.one_hot(torch.tensor(token), self.vocab_size).float())
-        return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(rows))
+                rows.append(one_hot(token, self.vocab_size))
+        return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(rows), drafter_calls=calls, source="csd")
 
-    def commit(self, committed_length: int) -> None:
+    def commit(self, committed_length: int, features=None) -> None:
         self.runner.rollback(min(self.runner.length, committed_length - 1))

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import TierspecError
 from ..models import CachedModel
 from ..sampling import SamplingConfig
-from .base import Drafter, Proposal, draft_autoregressively
+from .base import Drafter, Proposal, always, draft_autoregressively
 
 
-class DrafterMismatchError(ValueError):
+class DrafterMismatchError(TierspecError):
     """The drafter cannot propose tokens in the target's vocabulary."""
 
 
@@ -44,32 +45,30 @@ def check_vocabularies(target, drafter) -> None:
 class ModelDrafter(Drafter):
     """Drafts autoregressively with its own KV cache, rolled back to the committed prefix."""
 
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None, confidence_threshold: float = 0.0):
-        """``confidence_threshold``: stop drafting when the next token's top probability (at
-        temperature 1) is below it (BiLD's fallback); 0 = always draft the full block."""
-        self.confidence_threshold = confidence_threshold
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None):
         self.runner = CachedModel(model)
         # Logits wider than the target's vocabulary (padded embeddings) are cut to it.
         self.vocab_size = vocab_size or self.runner.vocab_size
-        self.calls = 0
 
-    def start(self, prompt_ids: torch.Tensor, verifiers) -> None:
+    def start(self, prompt_ids, features=None, target_view=None) -> None:
         self.runner.reset()
-        self.calls = 0
+        self._prefill_calls = 0
         if len(prompt_ids) > 1:
             self.runner.forward(prompt_ids[:-1], logits_for=1)
-            self.calls += 1
+            self._prefill_calls = 1
 
-    def propose(self, context, num_tokens, sampling: SamplingConfig, generator) -> Proposal:
+    def propose(self, context, num_tokens, sampling: SamplingConfig, generator, keep_drafting=always) -> Proposal:
+        calls, self._prefill_calls = self._prefill_calls, 0
         if num_tokens <= 0:
-            return Proposal.empty()
+            return Proposal.empty(calls)
         pending = context[self.runner.length :]  # committed tokens this drafter has not seen
 
         def next_logits(tokens: torch.Tensor) -> torch.Tensor:
-            self.calls += 1
             return self.runner.forward(tokens, logits_for=1)[-1, : self.vocab_size]
 
-        return draft_autoregressively(next_logits, pending, num_tokens, sampling, generator, self.confidence_threshold)
+        proposal = draft_autoregressively(next_logits, pending, num_tokens, sampling, generator, keep_drafting)
+        proposal.drafter_calls += calls
+        return proposal
 
-    def commit(self, committed_length: int) -> None:
+    def commit(self, committed_length: int, features=None) -> None:
         self.runner.rollback(min(self.runner.length, committed_length - 1))

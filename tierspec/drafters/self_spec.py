@@ -2,9 +2,9 @@
 (layer skipping, as in Draft & Verify and SWIFT), reading the full model's KV for the
 committed prefix. No second model in memory.
 
-The masked passes append KV (on kept layers only) for the drafted positions; ``propose``
-trims them off again before returning, so verification sees the cache exactly as the last
-commit left it.
+The drafter works through the ``TargetDraftView`` the loop hands it: masked passes append to
+the target's cache on kept layers only, and ``discard`` drops them before verification, so
+verification sees the cache exactly as the last commit left it.
 """
 
 from __future__ import annotations
@@ -13,41 +13,33 @@ import torch
 
 from ..routing import RoutingMask
 from ..sampling import SamplingConfig
-from .base import Drafter, Proposal, draft_autoregressively
+from .base import Drafter, Proposal, TargetDraftView, always, draft_autoregressively
 
 
 class SelfSpeculativeDrafter(Drafter):
-    """Drafts with the target under ``mask``; stops early when the draft's top probability
-    (at temperature 1) falls below ``confidence_threshold`` — a token the slim model is unsure
-    of is likely rejected, and each drafted token costs a masked forward."""
+    """Drafts with the target under ``mask``. Stopping early on unsure tokens is the policy's
+    job (``policies.ConfidenceStop``)."""
 
-    def __init__(self, mask: RoutingMask, confidence_threshold: float = 0.8):
-        if not 0.0 <= confidence_threshold <= 1.0:
-            raise ValueError(f"confidence_threshold must be in [0, 1], got {confidence_threshold}")
+    uses_target_cache = True
+
+    def __init__(self, mask: RoutingMask):
         self.mask = mask
-        self.confidence_threshold = confidence_threshold
-        self.target = None
-        self.calls = 0
+        self.view: TargetDraftView | None = None
 
-    def start(self, prompt_ids: torch.Tensor, verifiers) -> None:
-        self.verifiers = verifiers
-        self.target = verifiers.target
-        self.calls = 0
+    def start(self, prompt_ids, features=None, target_view=None) -> None:
+        if target_view is None:
+            raise ValueError("a self-speculative drafter needs the loop's view of the target cache")
+        self.view = target_view
 
-    def propose(self, context, num_tokens, sampling: SamplingConfig, generator) -> Proposal:
+    def propose(self, context, num_tokens, sampling: SamplingConfig, generator, keep_drafting=always) -> Proposal:
         if num_tokens <= 0:
             return Proposal.empty()
-        runner = self.target
-        # Draft on top of full-model KV only: slim-verifier KV (another mask) is dropped first.
-        self.verifiers.drop_slim_cache()
-        base = runner.length
-        pending = context[base:]
+        pending = context[self.view.length :]
 
         def next_logits(tokens: torch.Tensor) -> torch.Tensor:
-            self.calls += 1
-            return runner.forward(tokens, logits_for=1, mask=self.mask)[-1]
+            return self.view.forward(tokens, self.mask)
 
         try:
-            return draft_autoregressively(next_logits, pending, num_tokens, sampling, generator, self.confidence_threshold)
+            return draft_autoregressively(next_logits, pending, num_tokens, sampling, generator, keep_drafting, "self")
         finally:
-            runner.rollback(base)  # drop the draft's KV from the kept layers
+            self.view.discard()

@@ -6,16 +6,20 @@ Gaussian-process proposal) is scored by SWIFT's objective, the greedy agreement 
 model with the committed tokens over the last ``context_window`` positions; the best mask so
 far drafts. Optimisation stops after ``max_opt_iter`` candidates, after ``max_tolerance_iter``
 without improvement, or once the agreement reaches ``max_score``.
+
+Candidates are scored through the loop's view of the target cache: the window is re-run
+under the mask on top of the cached full-model KV before it, and the cache is restored
+(``TargetDraftView.replay_window``) — no copy of the KV prefix.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from transformers import DynamicCache
 
-from ..routing import RoutingMask, apply_mask
-from ..search import Evaluation, SearchConfig, _bo_proposal, _random_keep
+from ..mask_proposals import Evaluation, bo_proposal, random_keep
+from ..routing import RoutingMask
+from .base import always
 from .self_spec import SelfSpeculativeDrafter
 
 
@@ -25,7 +29,6 @@ class SwiftDrafter(SelfSpeculativeDrafter):
         num_layers: int,
         ratio: float = 0.45,
         unit: str = "sublayer",
-        confidence_threshold: float = 0.8,
         opt_interval: int = 1,
         bayes_interval: int = 25,
         max_opt_iter: int = 1000,
@@ -34,20 +37,22 @@ class SwiftDrafter(SelfSpeculativeDrafter):
         context_window: int = 32,
         seed: int = 0,
     ):
+        if not 0.0 < ratio < 1.0:
+            raise ValueError(f"the SWIFT ratio must be in (0, 1), got {ratio}")
         self.eligible = RoutingMask.eligible_units(num_layers, unit)
         self.bypass = round(ratio * RoutingMask.total_units(num_layers, unit))
         self.num_layers, self.unit, self.ratio = num_layers, unit, ratio
         self.opt_interval, self.bayes_interval = opt_interval, bayes_interval
         self.max_opt_iter, self.max_tolerance_iter, self.max_score = max_opt_iter, max_tolerance_iter, max_score
         self.context_window, self.seed = context_window, seed
-        super().__init__(RoutingMask(num_layers), confidence_threshold)
+        super().__init__(RoutingMask(num_layers))
         self.optimisation_calls = 0
 
     def _mask(self, keep: list[int]) -> RoutingMask:
         return RoutingMask.from_units(self.num_layers, self.unit, [u for u, k in zip(self.eligible, keep) if not k])
 
-    def start(self, prompt_ids, verifiers) -> None:
-        super().start(prompt_ids, verifiers)
+    def start(self, prompt_ids, features=None, target_view=None) -> None:
+        super().start(prompt_ids, features, target_view)
         self.rng = np.random.default_rng(self.seed)
         self.history: list[Evaluation] = []
         self.best: Evaluation | None = None
@@ -55,27 +60,17 @@ class SwiftDrafter(SelfSpeculativeDrafter):
         self.cycle = 0
         self.optimising = True
         self.optimisation_calls = 0
-        self.mask = self._mask(_random_keep(self.rng, len(self.eligible), self.bypass))
+        self.mask = self._mask(random_keep(self.rng, len(self.eligible), self.bypass))
 
     def _agreement(self, mask: RoutingMask, context: torch.Tensor) -> float:
         """Greedy agreement of the masked model with the last ``context_window`` committed
         tokens, reading the full model's KV for the text before the window."""
-        runner = self.target
-        end = min(len(context), runner.length)
+        end = min(len(context), self.view.length)
         start = max(1, end - self.context_window)
         if end - start < 2:
             return 0.0
-        prefix = DynamicCache(config=runner.model.config)
-        for index, layer in enumerate(runner.cache.layers):
-            if getattr(layer, "keys", None) is not None and layer.keys.dim() == 4:
-                prefix.update(layer.keys[..., : start - 1, :], layer.values[..., : start - 1, :], index)
-        positions = torch.arange(start - 1, end - 1).unsqueeze(0)
-        with apply_mask(runner.model, mask):
-            logits = runner.model(
-                input_ids=context[start - 1 : end - 1].unsqueeze(0), position_ids=positions, cache=prefix, use_cache=True
-            ).logits[0]
+        logits = self.view.replay_window(start - 1, context[start - 1 : end - 1], mask)
         self.optimisation_calls += 1
-        self.calls += 1  # an optimisation pass is drafter work too
         return float((logits.argmax(-1) == context[start:end]).float().mean())
 
     def _optimise(self, context: torch.Tensor) -> None:
@@ -83,9 +78,9 @@ class SwiftDrafter(SelfSpeculativeDrafter):
         keep = None
         bayesian = step > 0 and step % self.bayes_interval == 0
         if bayesian:
-            keep = _bo_proposal(self.history, SearchConfig(ratio=self.ratio, unit=self.unit, objective="agreement", seed=self.seed), self.rng, self.bypass)
+            keep = bo_proposal(self.history, "agreement", self.rng, self.bypass, seed=self.seed)
         if keep is None:
-            keep = _random_keep(self.rng, len(self.eligible), self.bypass)
+            keep = random_keep(self.rng, len(self.eligible), self.bypass)
         score = self._agreement(self._mask(keep), context)
         evaluation = Evaluation(keep, 0.0, score, "bo" if bayesian else "random")
         self.history.append(evaluation)
@@ -97,8 +92,13 @@ class SwiftDrafter(SelfSpeculativeDrafter):
         if len(self.history) >= self.max_opt_iter or self.since_best >= self.max_tolerance_iter or self.best.agreement >= self.max_score:
             self.optimising = False
 
-    def propose(self, context, num_tokens, sampling, generator):
+    def propose(self, context, num_tokens, sampling, generator, keep_drafting=always):
+        calls = 0
         if self.optimising and self.cycle % self.opt_interval == 0:
+            before = self.optimisation_calls
             self._optimise(context)
+            calls = self.optimisation_calls - before  # an optimisation pass is drafter work too
         self.cycle += 1
-        return super().propose(context, num_tokens, sampling, generator)
+        proposal = super().propose(context, num_tokens, sampling, generator, keep_drafting)
+        proposal.drafter_calls += calls
+        return proposal

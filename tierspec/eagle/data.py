@@ -35,7 +35,8 @@ from pathlib import Path
 
 import torch
 
-from ..models import LoadedModel, ModelIdentity
+from ..identity import ModelIdentity
+from ..models import LoadedModel
 from ..routing import decoder_layers
 from ..util import atomic_write_text
 from .prompts import TrainingItem, training_items
@@ -169,7 +170,7 @@ def _items_hash(own: list[TrainingItem], forced: list[TrainingItem]) -> str:
 
 
 def _eos_id(target: LoadedModel) -> int:
-    from ..api import eos_ids
+    from ..prompting import eos_ids
 
     ids = eos_ids(target)
     if not ids:

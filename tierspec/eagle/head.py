@@ -33,7 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import few_row_linear
-from ..models import LoadedModel, ModelIdentity
+from ..identity import ModelIdentity
+from ..models import LoadedModel
 from ..routing import decoder_layers
 from ..util import atomic_write_text
 

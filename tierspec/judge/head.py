@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..models import ModelIdentity
+from ..identity import ModelIdentity
 from ..util import atomic_write_text
 
 FEATURE_KINDS = ("hidden", "hidden+logprob")

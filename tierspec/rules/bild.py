@@ -1,7 +1,7 @@
 """BiLD, the big–little decoder (Kim et al. 2023), DESIGN §3.3.
 
-Fallback: the drafter stops drafting when its top probability falls below ``fallback``
-(the drafter's ``confidence_threshold``; see ``methods``). Rollback: the rule keeps the
+Fallback: drafting stops when the drafter's top probability falls below ``fallback`` (the
+``policies.ConfidenceStop`` policy; see ``methods``). Rollback: the rule keeps the
 longest prefix of draft tokens with −log q(x_i) ≤ ``rollback`` nats; at the first violation the
 replacement is argmax q (greedy) or a draw from q. q is the target's sampling distribution
 (temperature 1 in greedy mode, where the sampling distribution is one-hot).
@@ -13,9 +13,10 @@ import math
 
 import torch
 
-from ..sampling import logits_to_probs, sample, temperature_one_probs
+from ..errors import TierspecError
+from ..sampling import logits_to_probs, temperature_one_probs
 from .base import DRAFTER, TARGET, Verdict, VerificationRule
-from .exact import first_rejection
+from .common import acceptance_walk
 
 
 def bild_keep(target_prob_of_draft: torch.Tensor, rollback: float) -> torch.Tensor:
@@ -27,14 +28,18 @@ class BildRule(VerificationRule):
     name = "bild"
 
     def __init__(self, rollback: float = 3.0):
-        if rollback < 0:
-            raise ValueError(f"rollback must be >= 0 nats, got {rollback}")
+        if math.isnan(rollback) or rollback < 0:
+            raise TierspecError(f"rollback must be >= 0 nats, got {rollback}")
         self.rollback = rollback
 
     def verify(self, verifiers, proposal, sampling, generator) -> Verdict:
         logits = verifiers.target_logits(proposal.tokens)
         k = len(proposal)
         q = temperature_one_probs(logits) if sampling.greedy else logits_to_probs(logits, sampling)
-        accepted = first_rejection(bild_keep(q[torch.arange(k), proposal.tokens], self.rollback))
-        token = int(logits[accepted].argmax()) if sampling.greedy else sample(q[accepted], generator)
+        keep = bild_keep(q[torch.arange(k), proposal.tokens], self.rollback).float()
+        if sampling.greedy:
+            best = logits.argmax(-1)
+            accepted, token = acceptance_walk(k, keep, lambda i, passed: int(best[i]), lambda: int(best[k]), generator)
+        else:
+            accepted, token = acceptance_walk(k, keep, lambda i, passed: q[i], lambda: q[k], generator)
         return Verdict(accepted, token, [DRAFTER] * accepted + [TARGET])

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import TierspecError
 from ..sampling import logits_to_probs, residual_distribution, temperature_one_probs
 from .base import DRAFTER, TARGET, Verdict, VerificationRule
-from .common import draft_rows, walk_block
+from .common import acceptance_walk, draft_rows
 from .exact import acceptance_probability
 
 DEFERRALS = ("chow", "diff", "opt", "always")
@@ -52,7 +53,7 @@ class CascadeRule(VerificationRule):
 
     def __init__(self, deferral: str = "opt", alpha: float = 0.1):
         if deferral not in DEFERRALS:
-            raise ValueError(f"unknown deferral rule '{deferral}'; choose one of: {', '.join(DEFERRALS)}")
+            raise TierspecError(f"unknown deferral rule '{deferral}'; choose one of: {', '.join(DEFERRALS)}")
         self.deferral, self.alpha = deferral, alpha
 
     def verify(self, verifiers, proposal, sampling, generator) -> Verdict:
@@ -68,8 +69,6 @@ class CascadeRule(VerificationRule):
         pi = mixture(p, q[:k], defer)
         rows = torch.arange(k)
         accept = acceptance_probability(p[rows, proposal.tokens], pi[rows, proposal.tokens])
-        accepted, token = walk_block(
-            proposal.tokens, accept, lambda i: residual_distribution(pi[i], p[i]), lambda: q[k], generator
-        )
+        accepted, token = acceptance_walk(k, accept, lambda i, passed: residual_distribution(pi[i], p[i]), lambda: q[k], generator)
         deciders = [DRAFTER if not defer[i] else TARGET for i in range(accepted)] + [TARGET]
         return Verdict(accepted, token, deciders)

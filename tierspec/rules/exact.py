@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from ..sampling import SamplingConfig, logits_to_probs, residual_distribution, sample, uniforms
+from ..sampling import SamplingConfig, logits_to_probs, residual_distribution
 from .base import DRAFTER, TARGET, Verdict, VerificationRule
+from .common import acceptance_walk, draft_prob_of_tokens, draft_row
 
 
 def acceptance_probability(draft_prob: torch.Tensor, target_prob: torch.Tensor) -> torch.Tensor:
@@ -25,35 +26,18 @@ def first_rejection(accept: torch.Tensor) -> int:
     return int(rejected[0]) if rejected.numel() else int(accept.shape[0])
 
 
-def greedy_verify(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
-    """Greedy rule on target logits [k+1, V] → (accepted, next token)."""
-    best = target_logits.argmax(-1)  # [k+1]
-    k = int(draft_tokens.shape[0])
-    accepted = first_rejection(draft_tokens == best[:k])
-    return accepted, int(best[accepted])
-
-
-def sampled_verify(
-    draft_tokens: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    target_probs: torch.Tensor,
-    generator: torch.Generator | None,
-) -> tuple[int, int]:
-    """Sampling rule. draft_probs [k, V] or None (one-hot), target_probs [k+1, V]."""
-    k = int(draft_tokens.shape[0])
-    rows = torch.arange(k)
-    q_x = target_probs[rows, draft_tokens]
-    p_x = torch.ones(k) if draft_probs is None else draft_probs[rows, draft_tokens]
-    accept = uniforms(k, generator) < acceptance_probability(p_x, q_x)
-    accepted = first_rejection(accept)
-    if accepted == k:
-        return k, sample(target_probs[k], generator)
-    if draft_probs is None:
-        p_row = torch.zeros_like(target_probs[accepted])
-        p_row[draft_tokens[accepted]] = 1.0
-    else:
-        p_row = draft_probs[accepted]
-    return accepted, sample(residual_distribution(target_probs[accepted], p_row), generator)
+def exact_walk(proposal, target_logits: torch.Tensor, sampling: SamplingConfig, generator) -> tuple[int, int]:
+    """Rule 3.1 on target logits [k+1, V] → (accepted, next token)."""
+    tokens = proposal.tokens
+    k = len(tokens)
+    vocab = target_logits.shape[-1]
+    if sampling.greedy:
+        best = target_logits.argmax(-1)  # [k+1]
+        return acceptance_walk(k, (tokens == best[:k]).float(), lambda i, passed: int(best[i]), lambda: int(best[k]), generator)
+    q = logits_to_probs(target_logits, sampling)  # [k+1, V]
+    accept = acceptance_probability(draft_prob_of_tokens(proposal), q[torch.arange(k), tokens])
+    return acceptance_walk(k, accept, lambda i, passed: residual_distribution(q[i], draft_row(proposal, i, vocab)),
+                           lambda: q[k], generator)
 
 
 class ExactRule(VerificationRule):
@@ -63,11 +47,7 @@ class ExactRule(VerificationRule):
 
     def verify(self, verifiers, proposal, sampling: SamplingConfig, generator) -> Verdict:
         target_logits = verifiers.target_logits(proposal.tokens)  # [k+1, V]
-        if sampling.greedy:
-            accepted, token = greedy_verify(proposal.tokens, target_logits)
-        else:
-            target_probs = logits_to_probs(target_logits, sampling)
-            accepted, token = sampled_verify(proposal.tokens, proposal.draft_probs, target_probs, generator)
+        accepted, token = exact_walk(proposal, target_logits, sampling, generator)
         return Verdict(accepted, token, [DRAFTER] * accepted + [TARGET])
 
     @property

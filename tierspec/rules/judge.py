@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from ..judge.head import JudgeHead, judge_features
-from ..sampling import logits_to_probs, residual_distribution, sample, uniforms
+from ..sampling import logits_to_probs, residual_distribution
 from .base import DRAFTER, TARGET, Verdict, VerificationRule
-from .common import draft_rows
+from .common import acceptance_walk, draft_prob_of_tokens, draft_row
 from .exact import acceptance_probability, first_rejection
 
 JUDGE = "judge"  # tier label: a token plain verification rejected and the judge accepted
@@ -53,19 +53,27 @@ class JudgeRule(VerificationRule):
         judge_ok = judge_accepts(self.head, self.threshold, hidden, logits, tokens)
         if sampling.greedy:
             best = logits.argmax(-1)
-            sd = tokens == best[:k]
+            sd_probability = (tokens == best[:k]).float()
+            # SD accepting x at the last position means x is argmax q: the same token either way.
+            replacement = lambda i, passed: int(best[i])  # noqa: E731
+            bonus = lambda: int(best[k])  # noqa: E731
         else:
             q = logits_to_probs(logits, sampling)
-            p = draft_rows(proposal, q.shape[-1])
-            rows = torch.arange(k)
-            sd = uniforms(k, generator) < acceptance_probability(p[rows, tokens], q[rows, tokens])
-        kappa_sd, _, kappa = judge_block(sd, judge_ok)
-        if kappa == k:
-            token = int(best[k]) if sampling.greedy else sample(q[k], generator)
-        elif sd[kappa]:
-            token = int(tokens[kappa])
-        else:
-            token = int(best[kappa]) if sampling.greedy else sample(residual_distribution(q[kappa], p[kappa]), generator)
+            vocab = q.shape[-1]
+            sd_probability = acceptance_probability(draft_prob_of_tokens(proposal), q[torch.arange(k), tokens])
+            replacement = lambda i, passed: int(tokens[i]) if passed else residual_distribution(q[i], draft_row(proposal, i, vocab))  # noqa: E731
+            bonus = lambda: q[k]  # noqa: E731
+        alive = {"sd": True, "judge": True, "kappa_sd": k}
+
+        def keep(i: int, passed: bool) -> bool:
+            # x_i is kept while either mask accepts the whole prefix (κ = max(κ_SD, κ_J)).
+            if alive["sd"] and not passed:
+                alive["sd"], alive["kappa_sd"] = False, i
+            alive["judge"] = alive["judge"] and bool(judge_ok[i])
+            return alive["sd"] or alive["judge"]
+
+        kappa, token = acceptance_walk(k, sd_probability, replacement, bonus, generator, keep)
+        kappa_sd = min(alive["kappa_sd"], kappa)
         deciders = [DRAFTER if i < kappa_sd else JUDGE for i in range(kappa)] + [TARGET]
         return Verdict(kappa, token, deciders)
 

@@ -9,12 +9,14 @@ q(x) ≥ (1−α)·max_v q(v) (q at temperature 1); the replacement is argmax q.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from ..errors import TierspecError
 from ..sampling import logits_to_probs, residual_distribution, temperature_one_probs
 from .base import DRAFTER, TARGET, Verdict, VerificationRule
-from .common import draft_rows, walk_block
-from .exact import first_rejection
+from .common import acceptance_walk, draft_prob_of_tokens, draft_row
 
 
 def lossy_acceptance(draft_prob: torch.Tensor, target_prob: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -26,29 +28,29 @@ class LossyRule(VerificationRule):
     name = "lossy"
 
     def __init__(self, alpha: float = 0.1, beta: float | None = None):
-        if not 0.0 <= alpha < 1.0:
-            raise ValueError(f"alpha must be in [0, 1), got {alpha}")
+        if math.isnan(alpha) or not 0.0 <= alpha < 1.0:
+            raise TierspecError(f"alpha must be in [0, 1), got {alpha}")
         beta = 1.0 - alpha if beta is None else beta
-        if not 0.0 < beta <= 1.0:
-            raise ValueError(f"beta must be in (0, 1], got {beta}")
+        if math.isnan(beta) or not 0.0 < beta <= 1.0:
+            raise TierspecError(f"beta must be in (0, 1], got {beta}")
         self.alpha, self.beta = alpha, beta
 
     def verify(self, verifiers, proposal, sampling, generator) -> Verdict:
         logits = verifiers.target_logits(proposal.tokens)  # [k+1, V]
+        tokens = proposal.tokens
         k = len(proposal)
+        vocab = logits.shape[-1]
         if sampling.greedy:
             q = temperature_one_probs(logits[:k])
-            q_x = q[torch.arange(k), proposal.tokens]
-            accepted = first_rejection(q_x >= (1.0 - self.alpha) * q.max(-1).values)
-            token = int(logits[accepted].argmax())
+            accept = (q[torch.arange(k), tokens] >= (1.0 - self.alpha) * q.max(-1).values).float()
+            best = logits.argmax(-1)
+            accepted, token = acceptance_walk(k, accept, lambda i, passed: int(best[i]), lambda: int(best[k]), generator)
         else:
             q = logits_to_probs(logits, sampling)
-            p = draft_rows(proposal, q.shape[-1])
-            rows = torch.arange(k)
-            accept = lossy_acceptance(p[rows, proposal.tokens], q[rows, proposal.tokens], self.alpha)
-            accepted, token = walk_block(
-                proposal.tokens, accept, lambda i: residual_distribution(q[i], p[i], self.beta), lambda: q[k], generator
-            )
+            accept = lossy_acceptance(draft_prob_of_tokens(proposal), q[torch.arange(k), tokens], self.alpha)
+            accepted, token = acceptance_walk(
+                k, accept, lambda i, passed: residual_distribution(q[i], draft_row(proposal, i, vocab), self.beta),
+                lambda: q[k], generator)
         return Verdict(accepted, token, [DRAFTER] * accepted + [TARGET])
 
     @property

@@ -26,12 +26,16 @@ In greedy mode each tier's distribution is the one-hot of its argmax.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from ..sampling import logits_to_probs, residual_distribution, sample, temperature_one_probs, uniforms
+from ..errors import TierspecError
+from ..sampling import logits_to_probs, residual_distribution, temperature_one_probs
 from .base import DRAFTER, SLIM, TARGET, Verdict, VerificationRule
-from .common import draft_confidence, draft_rows
+from .common import acceptance_walk, draft_confidence, draft_rows
 from .exact import acceptance_probability
+from .judge import JUDGE, judge_accepts
 
 
 def via_gates(draft_confidence: torch.Tensor | None, slim_t1: torch.Tensor, alpha1: float, alpha2: float, k: int):
@@ -51,13 +55,15 @@ def via_mixture(draft: torch.Tensor, slim: torch.Tensor, target: torch.Tensor | 
 class ViaRule(VerificationRule):
     name = "via"
 
-    def __init__(self, alpha1: float = 0.5, alpha2: float = 0.3, max_target_lag: int = 20, force_full: bool = False,
+    def __init__(self, alpha1: float, alpha2: float, max_target_lag: int, force_full: bool = False,
                  judge=None, judge_threshold: float | None = None):
+        """``max_target_lag``: most committed tokens the full target may leave unprocessed
+        (``methods`` derives the default, 4γ, from the method's draft length)."""
         for name, value in (("alpha1", alpha1), ("alpha2", alpha2)):
-            if not 0.0 <= value <= 1.0:
-                raise ValueError(f"{name} must be in [0, 1], got {value}")
+            if math.isnan(value) or not 0.0 <= value <= 1.0:
+                raise TierspecError(f"{name} must be in [0, 1], got {value}")
         if max_target_lag < 0:
-            raise ValueError(f"max_target_lag must be >= 0, got {max_target_lag}")
+            raise TierspecError(f"max_target_lag must be >= 0, got {max_target_lag}")
         self.alpha1, self.alpha2 = alpha1, alpha2
         self.max_target_lag = max_target_lag
         self.force_full = force_full
@@ -74,41 +80,44 @@ class ViaRule(VerificationRule):
             delta2 = torch.ones_like(delta2)
         p = draft_rows(proposal, vocab)  # [k, V]; one-hot rows in greedy mode
         slim = logits_to_probs(slim_logits, sampling)  # [k+1, V]
-        target = None
-        judge_ok = None
+        state = {"target": None, "judge_ok": None}
+        deciders: list[str] = []
 
-        def full_pass():
-            nonlocal judge_ok
-            if self.judge is None:
-                return logits_to_probs(verifiers.target_logits(tokens), sampling)
-            from .judge import judge_accepts
+        def target() -> torch.Tensor:
+            """q [k+1, V], from one full pass over every unprocessed token and the block (run once)."""
+            if state["target"] is None:
+                if self.judge is None:
+                    state["target"] = logits_to_probs(verifiers.target_logits(tokens), sampling)
+                else:
+                    logits, hidden = verifiers.target_logits(tokens, with_hidden=True)
+                    state["judge_ok"] = judge_accepts(self.judge, self.judge_threshold, hidden, logits, tokens)
+                    state["target"] = logits_to_probs(logits, sampling)
+            return state["target"]
 
-            logits, hidden = verifiers.target_logits(tokens, with_hidden=True)
-            judge_ok = judge_accepts(self.judge, self.judge_threshold, hidden, logits, tokens)
-            return logits_to_probs(logits, sampling)
+        def pi(i: int) -> torch.Tensor:
+            if i == k:  # bonus: no draft here, δ1 = 1
+                return via_mixture(None, slim[k], target()[k] if delta2[k] else None, True, bool(delta2[k]))
+            return via_mixture(p[i], slim[i], target()[i] if delta2[i] else None, bool(delta1[i]), bool(delta2[i]))
+
+        def keep(i: int, passed: bool) -> bool:
+            if passed:
+                deciders.append(TARGET if delta2[i] else DRAFTER)
+                return True
+            if delta2[i] and state["judge_ok"] is not None and state["judge_ok"][i]:
+                deciders.append(JUDGE)
+                return True
+            return False
+
+        def tier(i: int) -> str:
+            return TARGET if delta2[i] else SLIM
 
         # The cycle commits up to k+1 tokens: catch up now if they could push the lag past the cap.
         if verifiers.target_lag + k + 1 > self.max_target_lag:
-            target = full_pass()
-        coins = uniforms(k, generator)
-        deciders: list[str] = []
-        for i in range(k + 1):
-            if delta2[i] and target is None:
-                target = full_pass()  # [k+1, V]
-            tier = TARGET if delta2[i] else SLIM
-            if i == k:  # bonus: no draft here, δ1 = 1
-                pi = via_mixture(None, slim[k], None if target is None else target[k], True, bool(delta2[k]))
-                return Verdict(k, sample(pi, generator), deciders + [tier])
-            pi = via_mixture(p[i], slim[i], None if target is None else target[i], bool(delta1[i]), bool(delta2[i]))
-            x = int(tokens[i])
-            if coins[i] < acceptance_probability(p[i, x], pi[x]):
-                deciders.append(TARGET if delta2[i] else DRAFTER)
-                continue
-            if delta2[i] and judge_ok is not None and judge_ok[i]:
-                deciders.append("judge")
-                continue
-            return Verdict(i, sample(residual_distribution(pi, p[i]), generator), deciders + [tier])
-        raise AssertionError("unreachable")
+            target()
+        accept = lambda i: acceptance_probability(p[i, tokens[i]], pi(i)[tokens[i]])  # noqa: E731
+        accepted, token = acceptance_walk(k, accept, lambda i, passed: residual_distribution(pi(i), p[i]),
+                                          lambda: pi(k), generator, keep)
+        return Verdict(accepted, token, deciders + [tier(accepted)])
 
     @property
     def lossless(self) -> bool:

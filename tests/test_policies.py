@@ -1,0 +1,173 @@
+"""Draft-length policies: the choice rule on hand-computed cases, the cost model, the acceptance
+estimates learned from per-position verdicts, and losslessness of every policy."""
+
+import pytest
+import torch
+from conftest import as_method, run_ids
+
+from tierspec.drafters import ModelDrafter, NgramDrafter, NoDrafter
+from tierspec.drafters.base import Drafter, Proposal
+from tierspec.policies import (AcceptanceEstimate, ConfidenceStop, CostAware, CostModel, CycleOutcome, DraftPolicyError,
+                               FixedLength, best_length, expected_emitted)
+
+
+def cost(k, source=""):  # the DESIGN's measured verification cost, ms
+    return 46 + 7 * k
+
+
+def test_expected_emitted_adds_the_reach_of_each_position():
+    assert expected_emitted([]) == [1.0]
+    assert expected_emitted([0.5, 0.25]) == [1.0, 1.5, 1.75]
+
+
+@pytest.mark.parametrize("alpha, expected", [(0.1, 0), (0.3, 1), (0.6, 2), (0.8, 5), (0.95, 10)])
+def test_best_length_under_the_design_cost_model(alpha, expected):
+    reach = [alpha ** (i + 1) for i in range(10)]  # geometric acceptance
+    # brute force over the same objective, written out: E(k) = Σ_{i=0..k} α^i
+    rates = [sum(alpha**i for i in range(k + 1)) / cost(k) for k in range(11)]
+    assert best_length(reach, cost) == rates.index(max(rates)) == expected
+
+
+def test_best_length_uses_per_position_acceptance():
+    # A high first-token acceptance and a collapse after it: one draft, not a long block.
+    assert best_length([0.9, 0.9 * 0.05, 0.9 * 0.05**2], cost) == 1
+
+
+def test_cost_model_learns_the_verification_scale_and_the_draft_step():
+    model = CostModel(decay=1.0)
+    for _ in range(20):
+        model.observe(4, 0.012, 2 * (0.046 + 0.007 * 4), "head")  # this machine is twice the table
+    assert model.verify_scale == pytest.approx(2.0, rel=1e-3)
+    assert model.draft_step["head"] == pytest.approx(0.003, rel=1e-3)
+    assert model(4, "head") == pytest.approx(2 * 0.074 + 4 * 0.003, rel=1e-3)
+    assert model(4, "ngram") == pytest.approx(2 * 0.074, rel=1e-3)  # per source
+
+
+def test_one_stall_does_not_poison_the_cost_model():
+    model = CostModel()
+    for _ in range(10):
+        model.observe(0, 0.0, 0.046, "ngram")
+    model.observe(0, 0.0, 1.3, "ngram")  # the machine stalled once
+    assert model(0) < 2 * 0.046 * 1.01
+
+
+def test_acceptance_estimate_learns_and_forgets():
+    estimate = AcceptanceEstimate(prior=0.5)
+    assert estimate.probability == 0.5
+    for _ in range(10):
+        estimate.update(4, 0, decay=1.0)
+    assert estimate.probability > 0.95
+    for _ in range(200):
+        estimate.shrink(0.95)
+    assert abs(estimate.probability - 0.5) < 0.05  # back to the prior
+
+
+def test_cost_aware_learns_from_each_evaluated_position_only():
+    policy = CostAware(6, cost=cost)
+    proposal = Proposal(torch.tensor([1, 2, 3, 4]), keys=[("ngram", 3)] * 4, source="ngram")
+    keys = policy.keys(proposal, 4)
+    # 2 accepted, the 3rd rejected, the 4th never evaluated: 2 successes, 1 failure.
+    policy.observe(CycleOutcome(keys, 2, 4, 0.0, 0.05, 0, "ngram"))
+    estimate = policy.acceptance[("ngram", 3, False)]
+    assert (estimate.successes, estimate.failures) == (2.0, 1.0)
+    assert policy.streak is False
+    policy.observe(CycleOutcome(policy.keys(proposal, 2), 2, 2, 0.0, 0.05, 0, "ngram"))
+    assert policy.streak is True
+
+
+def test_keep_drafting_stops_when_no_longer_draft_can_pay():
+    policy = CostAware(8, cost=cost)
+    assert policy.keep_drafting([0.999, 0.999], "head")  # confident: longer drafts pay
+    assert not policy.keep_drafting([0.999, 0.02], "head")  # the chain is all but dead
+    assert not policy.keep_drafting([0.999] * 8, "head")  # the cap
+
+
+def test_confidence_stop_cuts_before_the_first_unsure_token():
+    policy = ConfidenceStop(5, 0.5)
+    proposal = Proposal(torch.tensor([1, 2, 3]), confidence=torch.tensor([0.9, 0.4, 0.95]))
+    assert policy.trim(proposal) == 1
+    assert policy.keep_drafting([0.9]) and not policy.keep_drafting([0.9, 0.4])
+
+
+@pytest.mark.parametrize("bad", [-2, 1.5, True])
+def test_policies_refuse_bad_lengths(bad):
+    with pytest.raises(DraftPolicyError):
+        FixedLength(bad)
+    with pytest.raises(DraftPolicyError):
+        CostAware(bad)
+
+
+def test_cost_aware_pld_is_lossless(tiny_target, prompt_ids):
+    reference = run_ids(tiny_target, as_method(NoDrafter()), prompt_ids, 60)
+    method = as_method(NgramDrafter(3), policy=CostAware(8))
+    for _ in range(3):  # estimates carry over between generations; output never changes
+        assert run_ids(tiny_target, method, prompt_ids, 60) == reference
+
+
+def test_cost_aware_drafts_long_where_drafts_keep_being_right(tiny_target, prompt_ids):
+    """The target drafting for itself is always right: the draft length grows to the cap
+    (under the DESIGN's cost model: timing a shared test machine would test the machine)."""
+    lengths = []
+
+    def on_step(step):
+        assert step.cycle.accepted == step.cycle.drafted
+        lengths.append(step.cycle.drafted)
+
+    run_ids(tiny_target, as_method(ModelDrafter(tiny_target.model), policy=CostAware(6, cost=cost)), prompt_ids, 80,
+            on_step=on_step)
+    assert lengths[-4:-1] == [6, 6, 6]
+
+
+class Wrong(Drafter):
+    def propose(self, context, num_tokens, sampling, generator, keep_drafting=None):
+        return Proposal(torch.full((num_tokens,), 63, dtype=torch.long))
+
+
+def test_cost_aware_stops_drafting_where_drafts_are_always_wrong(tiny_target, prompt_ids):
+    """A drafter whose proposals are always rejected ends up drafting nothing but a rare
+    one-token probe (estimates drift back toward the prior while idle, by design)."""
+    lengths = []
+    run_ids(tiny_target, as_method(Wrong(), policy=CostAware(6, cost=cost)), prompt_ids, 60,
+            on_step=lambda step: lengths.append(step.cycle.drafted))
+    assert sum(lengths[-20:]) <= 2 and max(lengths[-20:]) <= 1
+
+
+def test_a_new_generation_keeps_a_quarter_of_the_acceptance_evidence():
+    policy = CostAware(4, cost=cost)
+    policy._estimate(("ngram", 3, False)).update(4, 0, 1.0)
+    policy.start()
+    assert policy.acceptance[("ngram", 3, False)].successes == pytest.approx(1.0)
+
+
+def test_padded_verification_is_lossless_and_keeps_the_cache_invariant(tiny_target, prompt_ids):
+    """Passes padded to a cheaper size (here 2–5 tokens → 6; on the default model 2–3 → 4+)
+    give the same greedy text, and the padding never survives a commit."""
+    from tierspec.costs import ForwardCosts
+
+    table = ForwardCosts({1: 0.057, 2: 0.092, 3: 0.116, 4: 0.088, 5: 0.090, 6: 0.085})
+    assert [table.padded_size(n) for n in range(1, 8)] == [1, 6, 6, 6, 6, 6, 7]  # 6 rows are the cheapest
+    assert table.cost(2) == 0.085 and table.cost(7) > table.cost(6)
+    reference = run_ids(tiny_target, as_method(NoDrafter()), prompt_ids, 60)
+
+    def inspect(verifiers, drafter):
+        committed = len(verifiers.context)
+        assert verifiers.runner.length == committed - 1 and set(verifiers.runner.layer_lengths()) == {committed - 1}
+
+    method = as_method(NgramDrafter(3), num_draft=3, forward_costs=table)
+    assert run_ids(tiny_target, method, prompt_ids, 60, inspect=inspect) == reference
+
+
+def test_forward_cost_table_is_measured_once_and_cached(tiny_target, tmp_path, monkeypatch):
+    from tierspec import costs
+
+    monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path))
+    measured = []
+    real = costs.measure_forward_costs
+    monkeypatch.setattr(costs, "measure_forward_costs", lambda model, n: measured.append(n) or real(model, n, context=8, repeats=1))
+    first = costs.forward_costs(tiny_target, max_tokens=4)
+    second = costs.forward_costs(tiny_target, max_tokens=4)
+    assert measured == [4] and first.seconds == second.seconds and sorted(first.seconds) == [1, 2, 3, 4]
+    # a damaged cache file is measured again rather than trusted
+    next(tmp_path.glob("forward-costs-*.json")).write_text("{broken")
+    costs.forward_costs(tiny_target, max_tokens=4)
+    assert measured == [4, 4]

@@ -1,0 +1,141 @@
+"""The trained draft head as drafter (EAGLE-style, DESIGN §5b), and the hybrid drafter that
+chooses per cycle between it and n-gram lookup.
+
+The head reads the target's features f_t of committed positions, which the loop hands over
+from the verification passes that computed them (``TargetFeatures``; no extra target pass).
+Each cycle it first catches up on newly committed positions (inputs (f_t, x_{t+1})), whose
+last output predicts the feature of the pending token and so the first draft token; every
+further draft token costs one head step on the head's own predicted feature. The drafted
+positions are dropped from the head's cache at the end of ``propose``: next cycle they are
+recomputed from the target's real features.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..eagle.head import DraftHead, HeadRunner
+from ..sampling import SamplingConfig, logits_to_probs, sample
+from .base import Drafter, Proposal, TargetFeatures, always
+from .ngram import NgramDrafter
+
+
+class EagleDrafter(Drafter):
+    """Drafts with a trained ``DraftHead`` over its reduced vocabulary V_K; the proposal's
+    distributions are over the full vocabulary with p(v) = 0 outside V_K."""
+
+    needs_target_features = True
+
+    def __init__(self, head: DraftHead):
+        self.head = head
+        self.runner = HeadRunner(head)
+        self.vocab_size = head.config.vocab_size
+        self._features: torch.Tensor | None = None  # f for positions [_features_start, _features_end)
+        self._features_start = 0
+        self._last_output: torch.Tensor | None = None
+
+    def start(self, prompt_ids, features: TargetFeatures | None = None, target_view=None) -> None:
+        self.runner.reset()
+        self._features = None
+        self._features_start = 0
+        self._last_output = None
+        if features is not None:
+            self._receive(features)
+
+    def _receive(self, features: TargetFeatures) -> None:
+        """Buffer features of newly committed positions (they arrive contiguously)."""
+        values = features.values.to(self.head.fc.weight.dtype)
+        if self._features is None or len(self._features) == 0 or features.start != self._features_end:
+            self._features, self._features_start = values, features.start
+        else:
+            self._features = torch.cat((self._features, values))
+
+    @property
+    def _features_end(self) -> int:
+        return self._features_start + (0 if self._features is None else len(self._features))
+
+    def _catch_up(self, context: torch.Tensor) -> torch.Tensor | None:
+        """Feed every committed position whose feature is known; return the head's output at
+        the last one (≈ the pending token's feature), or None when the head cannot draft yet."""
+        start = self.runner.length
+        end = self._features_end
+        pending_position = len(context) - 1  # the last committed token, not yet run by the target
+        if end != pending_position or start >= end or start < self._features_start:
+            if start == end == pending_position and self._last_output is not None:
+                return self._last_output
+            return None
+        offset = start - self._features_start
+        h = self.runner.extend(self._features[offset:], context[start + 1 : end + 1])
+        self._features = self._features[:0]  # consumed
+        self._features_start = end
+        self._last_output = h[-1:]
+        return self._last_output
+
+    def propose(self, context, num_tokens, sampling: SamplingConfig, generator, keep_drafting=always) -> Proposal:
+        if num_tokens <= 0:
+            return Proposal.empty()
+        h = self._catch_up(context)
+        if h is None:
+            return Proposal.empty(source="head")
+        committed = self.runner.length
+        ids = self.head.draft_ids
+        tokens, rows, logit_rows, confidences = [], [], [], []
+        steps = 1  # the catch-up pass produced the first draft's logits
+        try:
+            while True:
+                logits = self.runner.logits(h)[0].float()  # [K]
+                probs = logits_to_probs(logits, sampling)
+                choice = int(logits.argmax()) if sampling.greedy else sample(probs, generator)
+                token = int(ids[choice])
+                full_probs = torch.zeros(self.vocab_size)
+                full_probs[ids] = probs
+                full_logits = torch.full((self.vocab_size,), float("-inf"))
+                full_logits[ids] = logits
+                tokens.append(token)
+                rows.append(full_probs)
+                logit_rows.append(full_logits)
+                confidences.append(float(logits.softmax(-1).max()))
+                if len(tokens) >= num_tokens or not keep_drafting(confidences, "head"):
+                    break
+                h = self.runner.extend(h, torch.tensor([token]))
+                steps += 1
+        finally:
+            self.runner.rollback(committed)  # drafted positions are recomputed from real features
+        return Proposal(torch.tensor(tokens), torch.stack(rows), torch.stack(logit_rows), torch.tensor(confidences),
+                        drafter_calls=steps, source="head")
+
+    def commit(self, committed_length: int, features: TargetFeatures | None = None) -> None:
+        # The head's cache holds only committed positions (drafts were dropped in propose).
+        if self.runner.length > committed_length - 1:
+            self.runner.rollback(committed_length - 1)
+        if features is not None:
+            self._receive(features)
+
+
+class HybridDrafter(Drafter):
+    """N-gram lookup where the context offers a match expected to pay more, the draft head
+    otherwise: each cycle compares the expected emitted tokens per second of the n-gram
+    candidate (from the policy's acceptance estimates for its match size and the measured
+    verification costs) with the draft head's (the policy's running estimate for head drafts,
+    which also pay the head's steps). Both stay lossless under the exact rule."""
+
+    needs_target_features = True
+
+    def __init__(self, ngram: NgramDrafter, eagle: EagleDrafter, policy):
+        self.ngram, self.eagle, self.policy = ngram, eagle, policy
+
+    def start(self, prompt_ids, features=None, target_view=None) -> None:
+        self.eagle.start(prompt_ids, features, target_view)
+
+    def propose(self, context, num_tokens, sampling, generator, keep_drafting=always) -> Proposal:
+        if num_tokens <= 0:
+            return Proposal.empty()
+        candidate = self.ngram.propose(context, num_tokens, sampling, generator)
+        if len(candidate) and self.policy.expected_rate(candidate) > self.policy.source_rate("head"):
+            # Keep the head's cache current even on n-gram cycles (its catch-up is cheap).
+            self.eagle._catch_up(context)
+            return candidate
+        return self.eagle.propose(context, num_tokens, sampling, generator, keep_drafting)
+
+    def commit(self, committed_length: int, features=None) -> None:
+        self.eagle.commit(committed_length, features)

@@ -1,0 +1,332 @@
+"""Draft-length policies: how many drafted tokens each cycle sends to verification.
+
+A policy is passed into the decode loop beside the drafter (DESIGN §2); drafters only propose.
+Per cycle the loop
+
+1. gives the drafter ``policy.max_draft`` as its budget (capped by the tokens left) and
+   ``policy.keep_drafting`` as the callback a drafting model asks after each token,
+2. cuts the proposal to ``policy.trim(proposal)`` tokens,
+3. after verification reports the outcome (``observe``): per drafted position whether it was
+   accepted, rejected or never evaluated, and how long drafting and verification took.
+
+Policies:
+
+* ``FixedLength(γ)``: always γ tokens (when the drafter has them).
+* ``ConfidenceStop(γ, threshold)``: stop at the first drafted token whose top probability at
+  temperature 1 is below ``threshold`` (self-speculative drafting's early stop; BiLD's fallback).
+* ``CostAware(max_draft, ...)``: the length that maximises expected emitted tokens per second,
+  from the measured cost of a verification pass per number of tokens, a learned cost per
+  drafted token, and acceptance probabilities learned online from every verdict (per position,
+  keyed by what the drafter knew: the n-gram match size, or the draft confidence).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Hashable
+
+
+class DraftPolicyError(ValueError):
+    """Invalid policy settings."""
+
+
+@dataclass
+class CycleOutcome:
+    """What the loop tells a policy after each verdict."""
+
+    keys: list[Hashable]  # per drafted token: the acceptance context the policy used
+    accepted: int  # leading drafted tokens kept
+    drafted: int
+    draft_seconds: float
+    verify_seconds: float  # verification, commit and rollback
+    drafter_calls: int
+    source: str = ""  # which drafter proposed (a hybrid drafter has several)
+
+
+class DraftPolicy:
+    """Base class: a fixed budget, no early stop, no trimming."""
+
+    max_draft: int = 0
+
+    def start(self) -> None:
+        """A new generation begins (estimates may carry over between generations)."""
+
+    def keep_drafting(self, confidences: list[float], source: str = "") -> bool:
+        """Asked by a drafting model (``source``) after each drafted token, with the top
+        probability at temperature 1 of every token drafted so far: draft another one?"""
+        return True
+
+    def trim(self, proposal) -> int:
+        """How many leading tokens of ``proposal`` to verify."""
+        return len(proposal)
+
+    def keys(self, proposal, count: int) -> list[Hashable]:
+        """The acceptance context of each of the first ``count`` tokens (for ``observe``)."""
+        return [None] * count
+
+    def observe(self, outcome: CycleOutcome) -> None:
+        """Learn from a verdict."""
+
+
+def _check_length(name: str, value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise DraftPolicyError(f"{name} must be an integer >= 0, got {value!r}")
+    return value
+
+
+class FixedLength(DraftPolicy):
+    """Draft γ tokens every cycle (0 = plain decoding)."""
+
+    def __init__(self, num_draft: int):
+        self.max_draft = _check_length("num_draft", num_draft)
+
+
+class ConfidenceStop(DraftPolicy):
+    """Up to γ tokens, cut before the first token the drafter was unsure of (top probability
+    at temperature 1 below ``threshold``): such a token is likely rejected, and a drafting
+    model pays a forward pass per token."""
+
+    def __init__(self, num_draft: int, threshold: float):
+        self.max_draft = _check_length("num_draft", num_draft)
+        if not 0.0 <= threshold <= 1.0 or math.isnan(threshold):
+            raise DraftPolicyError(f"the confidence threshold must be in [0, 1], got {threshold}")
+        self.threshold = threshold
+
+    def keep_drafting(self, confidences: list[float], source: str = "") -> bool:
+        return confidences[-1] >= self.threshold
+
+    def trim(self, proposal) -> int:
+        confidence = proposal.confidence
+        if confidence is None or self.threshold <= 0:
+            return len(proposal)
+        unsure = (confidence < self.threshold).nonzero()
+        return int(unsure[0]) if unsure.numel() else len(proposal)
+
+
+# ---- the cost-aware policy -------------------------------------------------------------------
+
+
+def expected_emitted(reach: list[float]) -> list[float]:
+    """E(k) for k = 0..n: expected tokens emitted by a block of k drafts, where ``reach[i]`` is
+    the probability that drafts 1..i+1 are all accepted. E(k) = 1 + Σ_{i<k} reach[i] (the 1 is
+    the correction or bonus token)."""
+    out = [1.0]
+    for r in reach:
+        out.append(out[-1] + r)
+    return out
+
+
+def best_length(reach: list[float], cost) -> int:
+    """argmax_k E(k) / cost(k) over k = 0 .. len(reach) (ties → shorter)."""
+    emitted = expected_emitted(reach)
+    best_k, best_rate = 0, emitted[0] / cost(0)
+    for k in range(1, len(emitted)):
+        rate = emitted[k] / cost(k)
+        if rate > best_rate * (1 + 1e-9):
+            best_k, best_rate = k, rate
+    return best_k
+
+
+@dataclass
+class AcceptanceEstimate:
+    """P(a drafted token is accepted | the tokens before it were) for one context key: decayed
+    success/failure counts with a Beta prior of mean ``prior`` and weight ``prior_weight``."""
+
+    prior: float = 0.5
+    prior_weight: float = 2.0
+    successes: float = 0.0
+    failures: float = 0.0
+
+    @property
+    def probability(self) -> float:
+        return (self.successes + self.prior * self.prior_weight) / (self.successes + self.failures + self.prior_weight)
+
+    def update(self, successes: int, failures: int, decay: float) -> None:
+        self.successes = self.successes * decay + successes
+        self.failures = self.failures * decay + failures
+
+    def shrink(self, factor: float) -> None:
+        self.successes *= factor
+        self.failures *= factor
+
+
+@dataclass
+class CostModel:
+    """Seconds of a cycle that drafts k tokens from drafter ``source``:
+
+        cost(k) = verify_scale · verify(k + 1) + k · draft_step[source]
+
+    ``verify(n)``: the measured forward cost of the target over n tokens (``costs.ForwardCosts``;
+    without a table, the DESIGN's 46 + 7n ms shape). ``verify_scale`` absorbs the loop's own
+    overhead and drift of the machine; ``draft_step`` is the seconds per drafted token of each
+    drafter. Both are exponentially weighted averages of observed cycles, each observation
+    clipped to [½, 2]× the current estimate so that one stall of a shared machine cannot poison
+    them.
+    """
+
+    forward_costs: object | None = None
+    decay: float = 0.9
+    verify_scale: float = 1.0
+    _scale_weight: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.draft_step: dict[str, float] = {}
+        self._draft_weight: dict[str, float] = defaultdict(float)
+
+    def verify(self, tokens: int) -> float:
+        if self.forward_costs is not None:
+            return self.forward_costs.cost(tokens)
+        return 0.046 + 0.007 * (tokens - 1)
+
+    def __call__(self, k: int, source: str = "") -> float:
+        return self.verify_scale * self.verify(k + 1) + k * self.draft_step.get(source, 0.0)
+
+    def observe(self, drafted: int, draft_seconds: float, verify_seconds: float, source: str = "") -> None:
+        ratio = verify_seconds / self.verify(drafted + 1)
+        if self._scale_weight:
+            ratio = min(max(ratio, 0.5 * self.verify_scale), 2.0 * self.verify_scale)
+        self._scale_weight = self._scale_weight * self.decay + 1.0
+        self.verify_scale += (ratio - self.verify_scale) / self._scale_weight
+        if drafted:
+            step = draft_seconds / drafted
+            current = self.draft_step.get(source)
+            if current is not None:
+                step = min(max(step, 0.5 * current), 2.0 * current)
+            self._draft_weight[source] = self._draft_weight[source] * self.decay + 1.0
+            current = step if current is None else current
+            self.draft_step[source] = current + (step - current) / self._draft_weight[source]
+
+
+CONFIDENCE_BINS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.01)
+
+
+def confidence_bin(confidence: float) -> int:
+    return max(i for i, edge in enumerate(CONFIDENCE_BINS[:-1]) if confidence >= edge)
+
+
+class CostAware(DraftPolicy):
+    """Drafts the length that maximises expected emitted tokens per second (module docstring).
+
+    Acceptance keys: a drafter that knows why it proposes (n-gram lookup: the size of the
+    matched n-gram) labels its tokens (``Proposal.keys``); for a drafter with a distribution the
+    key is its source and the token's confidence bin, whose prior is the bin's confidence
+    itself. Each key is combined with whether the previous block was accepted whole
+    (acceptance runs in streaks). Estimates decay (a memory of about ten blocks), a new
+    generation keeps a quarter of the evidence (a summary copies far less than a translation),
+    and a key that is not drafted drifts back to its prior so that a context written off early
+    is tried again.
+    """
+
+    def __init__(self, max_draft: int = 10, forward_costs=None, cost=None, decay: float = 0.9,
+                 idle_decay: float = 0.99, carry_over: float = 0.25):
+        """``cost``: a fixed function (k, source) → seconds instead of the learned ``CostModel`` (tests)."""
+        self.max_draft = _check_length("max_draft", max_draft)
+        self.learn_cost = cost is None
+        self.cost = CostModel(forward_costs) if cost is None else cost
+        self.decay, self.idle_decay, self.carry_over = decay, idle_decay, carry_over
+        self.acceptance: dict[Hashable, AcceptanceEstimate] = {}
+        self.streak = False  # was the last verified block accepted whole?
+        self.rates: dict[str, float] = {}  # per source: running expected tokens/s of its proposals
+
+    def start(self) -> None:
+        for estimate in self.acceptance.values():
+            estimate.shrink(self.carry_over)
+        self.streak = False
+
+    def _estimate(self, key) -> AcceptanceEstimate:
+        estimate = self.acceptance.get(key)
+        if estimate is None:
+            prior = 0.5
+            if len(key) == 4 and key[1] == "confidence":
+                low, high = CONFIDENCE_BINS[key[2]], min(CONFIDENCE_BINS[key[2] + 1], 1.0)
+                prior = (low + high) / 2
+            estimate = self.acceptance[key] = AcceptanceEstimate(prior=prior)
+        return estimate
+
+    def keys(self, proposal, count: int) -> list[Hashable]:
+        if proposal.keys is not None:
+            return [(*key, self.streak) for key in proposal.keys[:count]]
+        source = proposal.source
+        if proposal.confidence is not None:
+            return [(source, "confidence", confidence_bin(float(c)), self.streak) for c in proposal.confidence[:count]]
+        return [(source, self.streak)] * count
+
+    def _reach(self, keys: list[Hashable]) -> list[float]:
+        reach, alive = [], 1.0
+        for key in keys:
+            alive *= self._estimate(key).probability
+            reach.append(alive)
+        return reach
+
+    def _cost(self, source: str):
+        return lambda k: self.cost(k, source)
+
+    def keep_drafting(self, confidences: list[float], source: str = "model") -> bool:
+        """Stop once no longer draft can pay: even if every further token were accepted with
+        the probability of the last one, the best rate over k ≤ max_draft would not beat the
+        best rate of the tokens drafted so far."""
+        drafted = len(confidences)
+        if drafted >= self.max_draft:
+            return False
+        keys = [(source, "confidence", confidence_bin(c), self.streak) for c in confidences]
+        reach = self._reach(keys)
+        emitted = expected_emitted(reach)
+        cost = self._cost(source)
+        best_rate = max(emitted[k] / cost(k) for k in range(len(emitted)))
+        step = self._estimate(keys[-1]).probability
+        optimistic, p = emitted[-1], reach[-1]
+        for k in range(drafted + 1, self.max_draft + 1):
+            p *= step
+            optimistic += p
+            if optimistic / cost(k) > best_rate:
+                return True
+        return False
+
+    def expected_rate(self, proposal) -> float:
+        """The best expected emitted tokens per second over the lengths of ``proposal``."""
+        count = min(len(proposal), self.max_draft)
+        emitted = expected_emitted(self._reach(self.keys(proposal, count)))
+        cost = self._cost(proposal.source)
+        return max(emitted[k] / cost(k) for k in range(len(emitted)))
+
+    def source_rate(self, source: str) -> float:
+        """The running expected tokens per second of ``source``'s recent proposals (0: none yet)."""
+        return self.rates.get(source, 0.0)
+
+    def trim(self, proposal) -> int:
+        count = min(len(proposal), self.max_draft)
+        if count == 0:
+            return 0
+        keys = self.keys(proposal, count)
+        reach = self._reach(keys)
+        cost = self._cost(proposal.source)
+        k = best_length(reach, cost)
+        rate = expected_emitted(reach)[k] / cost(k)
+        previous = self.rates.get(proposal.source)
+        self.rates[proposal.source] = rate if previous is None else 0.8 * previous + 0.2 * rate
+        if k == 0:
+            self._estimate(keys[0]).shrink(self.idle_decay)
+        return k
+
+    def observe(self, outcome: CycleOutcome) -> None:
+        if self.learn_cost:
+            self.cost.observe(outcome.drafted, outcome.draft_seconds, outcome.verify_seconds, outcome.source)
+        if not outcome.drafted:
+            return
+        # Positions up to and including the first rejection were evaluated; later ones were not.
+        # Each key's evidence decays once per block (a memory of about ten blocks).
+        counts: dict[Hashable, list[int]] = defaultdict(lambda: [0, 0])
+        for i, key in enumerate(outcome.keys[: outcome.accepted + 1]):
+            counts[key][0 if i < outcome.accepted else 1] += 1
+        for key, (successes, failures) in counts.items():
+            self._estimate(key).update(successes, failures, self.decay)
+        self.streak = outcome.accepted == outcome.drafted
+
+
+def policy_summary(policy: DraftPolicy) -> dict:
+    """A few numbers for logs and tests (what the policy currently believes)."""
+    if isinstance(policy, CostAware):
+        return {str(k): round(v.probability, 3) for k, v in sorted(policy.acceptance.items(), key=str)}
+    return {}
