@@ -370,7 +370,31 @@ def _add_drafter(sub) -> None:
     build.add_argument("--data-dir", default=None)
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--no-progress", action="store_true", help="one log line per shard instead of a progress bar")
-    build.set_defaults(run=_run_drafter_build)
+    build.set_defaults(run=_run_drafter_build, resume_hint="; rerun the same command to resume")
+
+    train = drafter_sub.add_parser(
+        "train",
+        help="train the draft head on build-data's output (resumable)",
+        description="Trains one decoder layer of the target's architecture to predict the target's next feature "
+        "(feature regression + cross-entropy against the target's distribution over the draft vocabulary), unrolled "
+        "over several draft steps (training-time test). Prints validation acceptance by draft position per epoch.",
+    )
+    train.add_argument("--target", default=DEFAULT_MODEL)
+    train.add_argument("--data", required=True, help="folder written by `tierspec drafter build-data`")
+    train.add_argument("--out", required=True, help="head .safetensors (metadata goes beside it as .json)")
+    from .eagle.train import TrainConfig
+
+    defaults = TrainConfig()
+    train.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab_size,
+                       help="K: the most frequent answer tokens the head drafts over")
+    train.add_argument("--epochs", type=float, default=defaults.epochs)
+    train.add_argument("--batch-tokens", type=int, default=defaults.batch_tokens)
+    train.add_argument("--lr", type=float, default=defaults.lr)
+    train.add_argument("--ttt-steps", type=int, default=defaults.ttt_steps,
+                       help="draft steps unrolled in training (1 = teacher forcing only)")
+    train.add_argument("--seed", type=int, default=defaults.seed)
+    train.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
+    train.set_defaults(run=_run_drafter_train, resume_hint="; rerun the same command to resume from the checkpoint")
 
 
 def _run_drafter_build(args) -> int:
@@ -386,6 +410,24 @@ def _run_drafter_build(args) -> int:
     manifest = build_data(target, Path(args.out), config, Path(args.data_dir) if args.data_dir else None,
                           progress=not args.no_progress)
     print(json.dumps(manifest, indent=2))
+    return 0
+
+
+def _run_drafter_train(args) -> int:
+    from pathlib import Path
+
+    from .eagle.train import TrainConfig, train_head
+    from .models import load_model
+
+    config = TrainConfig(draft_vocab_size=args.draft_vocab, epochs=args.epochs, batch_tokens=args.batch_tokens,
+                         lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed)
+    target = load_model(args.target)
+    out = Path(args.out)
+    checkpoint = out.with_name(out.name + ".checkpoint.pt")
+    head, metrics = train_head(target, Path(args.data), config, checkpoint, progress=not args.no_progress)
+    head.save(out, {"training": metrics, "data": str(args.data)})
+    checkpoint.unlink(missing_ok=True)
+    print(json.dumps({"out": str(out), **{k: v for k, v in metrics.items() if k != "history"}}, indent=2))
     return 0
 
 

@@ -128,6 +128,7 @@ class DraftHead(torch.nn.Module):
         self.embedding: torch.Tensor | None = None
         self.lm_rows: torch.Tensor | None = None
         self.target_identity: ModelIdentity | None = None
+        self.metadata: dict = {}
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -208,14 +209,15 @@ class DraftHead(torch.nn.Module):
         return h @ self.lm_rows.to(h.dtype).t()
 
     # -- files --------------------------------------------------------------------------------
-    def save(self, path: str | Path, metadata: dict | None = None) -> None:
-        """Weights and the vocabulary map to ``path`` (.safetensors), metadata beside it (.json)."""
+    def save(self, path: str | Path, metadata: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
+        """Weights (in ``dtype``: bfloat16 halves the file; loading computes in float32) and the
+        vocabulary map to ``path`` (.safetensors), metadata beside it (.json)."""
         from safetensors.torch import save_file
 
         path = Path(path)
         if self.target_identity is None:
             raise DraftHeadError("attach the head to its target before saving it")
-        tensors = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous() for k, v in self.state_dict().items()}
         info = {
             "format": HEAD_FORMAT,
             "version": 1,
@@ -256,6 +258,7 @@ class DraftHead(torch.nn.Module):
         if draft_ids is None or hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest() != info.get("draft_vocab_sha256"):
             raise DraftHeadError(f"draft head {path}: the vocabulary map is missing or does not match its checksum")
         head = cls(config, draft_ids)
+        tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
         try:
             head.load_state_dict(tensors, strict=True)
         except RuntimeError as error:

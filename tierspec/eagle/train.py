@@ -30,7 +30,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -294,9 +294,18 @@ def train_head(target: LoadedModel, data: Path, config: TrainConfig = TrainConfi
     check_data_model(data, target.identity)
     started = time.perf_counter()
     sequences = load_sequences(data)
+    log(f"data: {len(sequences)} sequences loaded from {data} in {time.perf_counter() - started:.1f} s")
+    return fit_head(target, sequences, config, checkpoint, progress, log)
+
+
+def fit_head(target: LoadedModel, sequences: list[Sequence], config: TrainConfig = TrainConfig(),
+             checkpoint: Path | None = None, progress: bool = True, log=None) -> tuple[DraftHead, dict]:
+    """Train a head on ``sequences`` (split into train / validation here)."""
+    log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    started = time.perf_counter()
     train, val = split_sequences(sequences, config.val_fraction, config.seed)
     if not val:
-        raise DraftDataError(f"{data} holds no greedy answers of the target to validate on; build more data")
+        raise DraftDataError("the data holds no greedy answers of the target to validate on; build more data")
     val = val[: config.max_val_sequences]
     vocab = target.identity.vocab_size
     draft_ids = draft_vocabulary(train, config.draft_vocab_size, vocab)
@@ -308,27 +317,28 @@ def train_head(target: LoadedModel, data: Path, config: TrainConfig = TrainConfi
     head = DraftHead.for_target(target, draft_ids, config.seed)
     parameters = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
-    rng = random.Random(config.seed)
-    epoch_batches = batches(train, config.batch_tokens, rng)
+    epoch_batches = _epoch_order(train, config, 0)
     total_steps = max(1, int(config.epochs * len(epoch_batches)))
     step = 0
     history: list[dict] = []
     fingerprint = {"config": asdict(config), "sequences": len(sequences), "model": target.identity.to_dict()}
     if checkpoint is not None and checkpoint.exists():
-        state = torch.load(checkpoint, weights_only=False)
+        try:
+            state = torch.load(checkpoint, weights_only=False)
+        except Exception as error:  # a damaged checkpoint: say so, do not guess
+            raise DraftDataError(f"checkpoint {checkpoint} is unreadable ({error}); delete it to start over") from None
         if state.get("fingerprint") != fingerprint:
             raise DraftDataError(f"checkpoint {checkpoint} was made with other settings or data; delete it to start over")
         head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         step, history = state["step"], state["history"]
-        rng.setstate(state["rng"])
         log(f"resumed from {checkpoint} at step {step}/{total_steps}")
     generator = torch.Generator().manual_seed(config.seed + step)
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total_steps, initial=step, desc="train head", disable=not progress)
     epoch = step // len(epoch_batches)
-    if step and epoch > 0:
+    if epoch:
         epoch_batches = _epoch_order(train, config, epoch)
     window: list[float] = []
     head.train()
@@ -346,24 +356,27 @@ def train_head(target: LoadedModel, data: Path, config: TrainConfig = TrainConfi
         torch.nn.utils.clip_grad_norm_(parameters, 1.0)
         optimizer.step()
         step += 1
-        window.append(float(loss))
+        window.append(float(loss.detach()))
         bar.update(1)
         bar.set_postfix_str(f"loss {sum(window[-20:]) / len(window[-20:]):.3f} top1 {stats.get('top1_1', 0):.3f}")
+        if not progress and step % 50 == 0:
+            log(f"step {step}/{total_steps} loss {sum(window[-50:]) / len(window[-50:]):.4f} "
+                f"top1 {stats.get('top1_1', 0):.3f} ({time.perf_counter() - started:.0f} s)")
         end_of_epoch = step % len(epoch_batches) == 0 or step == total_steps
         if end_of_epoch or (checkpoint is not None and step % config.checkpoint_every == 0):
             if end_of_epoch:
                 metrics = validate(head, val, config.val_steps)
                 entry = {"step": step, "epoch": round(step / len(epoch_batches), 2),
-                         "train_loss": round(sum(window) / len(window), 4), "seconds": round(time.perf_counter() - started, 1),
-                         **metrics}
+                         "train_loss": round(sum(window) / max(len(window), 1), 4),
+                         "val_loss": round(validation_loss(head, val, config), 4),
+                         "seconds": round(time.perf_counter() - started, 1), **metrics}
                 history.append(entry)
                 window = []
                 log("validation " + json.dumps(entry))
                 head.train()
             if checkpoint is not None:
                 _save_checkpoint(checkpoint, {"fingerprint": fingerprint, "head": head.state_dict(),
-                                              "optimizer": optimizer.state_dict(), "step": step, "history": history,
-                                              "rng": rng.getstate()})
+                                              "optimizer": optimizer.state_dict(), "step": step, "history": history})
     bar.close()
     head.eval()
     final = history[-1] if history else validate(head, val, config.val_steps)
@@ -372,6 +385,20 @@ def train_head(target: LoadedModel, data: Path, config: TrainConfig = TrainConfi
                "draft_vocab_size": len(draft_ids), "validation_vocab_coverage": round(coverage, 4),
                "validation": final, "history": history, "train_config": asdict(config)}
     return head, metrics
+
+
+@torch.no_grad()
+def validation_loss(head: DraftHead, sequences: list[Sequence], config: TrainConfig) -> float:
+    """The training loss (no noise) averaged over validation batches."""
+    was_training = head.training
+    head.eval()
+    total, count = 0.0, 0
+    for batch_list in batches(sequences, config.batch_tokens, random.Random(0)):
+        loss, _ = head_loss(head, collate(batch_list), replace(config, feature_noise=0.0))
+        total += float(loss)
+        count += 1
+    head.train(was_training)
+    return total / max(count, 1)
 
 
 def _epoch_order(train: list[Sequence], config: TrainConfig, epoch: int) -> list[list[Sequence]]:
