@@ -15,8 +15,8 @@ from pathlib import Path
 
 from tierspec.data import calibration_prompts
 from tierspec.models import load_model
-from tierspec.util import atomic_write_text
 from tierspec.search import SearchConfig, build_calibration, search_mask
+from tierspec.util import atomic_write_text
 
 
 def main() -> None:

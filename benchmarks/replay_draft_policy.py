@@ -18,20 +18,19 @@ substitute for a timed run: the benchmark is the judge.
 from __future__ import annotations
 
 import argparse
-import json
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import torch
+from tierspec.drafters.adaptive import CostAwareDrafter
 
 from tierspec.api import encode_prompt
 from tierspec.bench.runner import read_records
 from tierspec.costs import forward_costs
 from tierspec.data import load_prompts
 from tierspec.drafters import NgramDrafter
-from tierspec.drafters.adaptive import CostAwareDrafter
 from tierspec.models import load_model
 
 

@@ -5,9 +5,14 @@
 Medians of 15 forwards per size (after one warm-up), for 1 and 6 new tokens: what a VIA-SD slim
 call costs in full-pass units on this machine.
 """
-import statistics, time, torch
-from tierspec.models import load_model, CachedModel
+import statistics
+import time
+
+import torch
+
+from tierspec.models import CachedModel, load_model
 from tierspec.routing import RoutingMask
+
 t = load_model("smollm2-135m")
 runner = CachedModel(t.model)
 masks = {"full": None, **{r: RoutingMask.load(f"masks/smollm2-135m-sublayer-{r}.json", t.identity) for r in ("r0.1", "r0.45")}}

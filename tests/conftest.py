@@ -48,6 +48,21 @@ def char_tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """Every test writes tierspec's cache (converted models, cost tables) to a temporary folder,
+    never to the user's."""
+    import os
+
+    previous = os.environ.get("TIERSPEC_CACHE")
+    os.environ["TIERSPEC_CACHE"] = str(tmp_path_factory.mktemp("tierspec-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("TIERSPEC_CACHE", None)
+    else:
+        os.environ["TIERSPEC_CACHE"] = previous
+
+
 @pytest.fixture(scope="session")
 def tiny_target():
     return tiny_llama(seed=1, sharpness=20.0)

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import char_tokenizer, tiny_llama
+
 from tierspec.bench import metrics
 from tierspec.bench.runner import BenchConfig, BenchError, parse_spec, run_bench
 from tierspec.models import wrap_model
@@ -191,3 +191,15 @@ def test_frontier_question_on_planted_points():
     # By NLL lower is better: every two-tier point has NLL ≤ 0.60, so fast_via must beat both.
     assert faster_than_every_as_faithful({"speedup": 1.35, "nll": 0.60}, [pld, lossy], "nll", higher_is_better=False) is False
     assert faster_than_every_as_faithful({"speedup": 1.0}, [pld], "nll", higher_is_better=False) is None
+
+
+def test_repeats_report_their_spread_and_acceptance_by_position(tmp_path, tiny_text_model, data_dir):
+    config = BenchConfig(target="tiny", methods=("ar", "pld"), dataset="spec_bench", per_category=1, max_new_tokens=10,
+                         data_dir=str(data_dir), repeats=2, compute_nll=False)
+    summary = run_bench(config, tmp_path / "out", progress=False, target=tiny_text_model)
+    pld = summary["methods"]["pld"]["overall"]
+    assert len(pld["speedup_by_repeat"]) == 2 and pld["speedup_std"] is not None
+    assert pld["acceptance_by_position"] is not None and all(0 <= a <= 1 for a in pld["acceptance_by_position"] if a is not None)
+    assert " ± " in (tmp_path / "out" / "summary.md").read_text()
+    record = json.loads((tmp_path / "out" / "records.jsonl").read_text().splitlines()[0])
+    assert record["peak_rss_mb"] > 0

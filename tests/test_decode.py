@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from conftest import as_method, run_ids
 
 from tierspec.decode import DecodeConfig, PromptError, decode
@@ -135,6 +134,7 @@ class TestBadInput:
 
     def test_mismatched_drafter_vocabulary(self, tiny_target):
         from conftest import tiny_llama
+
         from tierspec.methods import build_method
 
         other = tiny_llama(seed=3, vocab_size=80)

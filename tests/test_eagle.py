@@ -10,8 +10,17 @@ from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import NgramDrafter, NoDrafter
 from tierspec.drafters.eagle import EagleDrafter, HybridDrafter
 from tierspec.eagle.head import DraftHead, DraftHeadError, HeadRunner
-from tierspec.eagle.train import (Sequence, TrainConfig, chain_mask, collate, draft_vocabulary, fit_head, unrolled_forward,
-                                  validate, vocabulary_coverage)
+from tierspec.eagle.train import (
+    Sequence,
+    TrainConfig,
+    chain_mask,
+    collate,
+    draft_vocabulary,
+    fit_head,
+    unrolled_forward,
+    validate,
+    vocabulary_coverage,
+)
 from tierspec.policies import CostAware
 from tierspec.sampling import SamplingConfig
 

@@ -5,10 +5,9 @@ import torch
 from scipy.stats import chi2
 
 from tierspec.decode import DecodeConfig, decode
-from tierspec.drafters import ModelDrafter
-from tierspec.drafters import Proposal
+from tierspec.drafters import ModelDrafter, Proposal
 from tierspec.rules.common import acceptance_walk
-from tierspec.rules.exact import ExactRule, acceptance_probability, exact_walk
+from tierspec.rules.exact import acceptance_probability, exact_walk
 from tierspec.sampling import SamplingConfig, logits_to_probs, residual_distribution
 
 

@@ -7,14 +7,20 @@ import torch
 
 from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import ModelDrafter, Proposal
-from tierspec.judge.data import JudgeDataError, build_gsm8k_judge_data, clean_solution, plant_copy_error, plant_error, token_labels
+from tierspec.identity import ModelIdentity
+from tierspec.judge.data import (
+    JudgeDataError,
+    build_gsm8k_judge_data,
+    clean_solution,
+    plant_copy_error,
+    plant_error,
+    token_labels,
+)
 from tierspec.judge.head import JudgeHead, JudgeHeadError
 from tierspec.judge.train import LabelledTokens, auroc, choose_threshold, matched_pairs, train_head
-from tierspec.identity import ModelIdentity
 from tierspec.rules import ExactRule
 from tierspec.rules.judge import JudgeRule, judge_block
 from tierspec.sampling import SamplingConfig
-
 
 # ---- data and labels -------------------------------------------------------------------------
 

@@ -1,14 +1,25 @@
 """Draft-length policies: the choice rule on hand-computed cases, the cost model, the acceptance
 estimates learned from per-position verdicts, and losslessness of every policy."""
 
+import json
+
 import pytest
 import torch
 from conftest import as_method, run_ids
 
 from tierspec.drafters import ModelDrafter, NgramDrafter, NoDrafter
 from tierspec.drafters.base import Drafter, Proposal
-from tierspec.policies import (AcceptanceEstimate, ConfidenceStop, CostAware, CostModel, CycleOutcome, DraftPolicyError,
-                               FixedLength, best_length, expected_emitted)
+from tierspec.policies import (
+    AcceptanceEstimate,
+    ConfidenceStop,
+    CostAware,
+    CostModel,
+    CycleOutcome,
+    DraftPolicyError,
+    FixedLength,
+    best_length,
+    expected_emitted,
+)
 
 
 def cost(k, source=""):  # the DESIGN's measured verification cost, ms
@@ -163,11 +174,29 @@ def test_forward_cost_table_is_measured_once_and_cached(tiny_target, tmp_path, m
     monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path))
     measured = []
     real = costs.measure_forward_costs
-    monkeypatch.setattr(costs, "measure_forward_costs", lambda model, n: measured.append(n) or real(model, n, context=8, repeats=1))
+
+    def measure(model, max_tokens, **kwargs):
+        if max_tokens > 1:  # the table itself, not the spot check
+            measured.append(max_tokens)
+            kwargs = dict(context=8, repeats=1)
+        return real(model, max_tokens, **kwargs)
+
+    monkeypatch.setattr(costs, "measure_forward_costs", measure)
     first = costs.forward_costs(tiny_target, max_tokens=4)
     second = costs.forward_costs(tiny_target, max_tokens=4)
     assert measured == [4] and first.seconds == second.seconds and sorted(first.seconds) == [1, 2, 3, 4]
-    # a damaged cache file is measured again rather than trusted
-    next(tmp_path.glob("forward-costs-*.json")).write_text("{broken")
+    table = next(tmp_path.glob("forward-costs-*.json"))
+    # a damaged cache file is measured again rather than trusted ...
+    table.write_text("{broken")
     costs.forward_costs(tiny_target, max_tokens=4)
     assert measured == [4, 4]
+    # ... and so is valid JSON of the wrong shape
+    table.write_text(json.dumps({"seconds": {"1": "fast"}}))
+    costs.forward_costs(tiny_target, max_tokens=4)
+    assert measured == [4, 4, 4]
+    # a table measured on a busy machine (a 1-token pass 10x slower than now) is re-measured
+    data = json.loads(table.read_text())
+    data["seconds"] = {n: 10 * v + 0.5 for n, v in data["seconds"].items()}
+    table.write_text(json.dumps(data))
+    refreshed = costs.forward_costs(tiny_target, max_tokens=4)
+    assert measured == [4, 4, 4, 4] and refreshed.seconds[1] < 0.5

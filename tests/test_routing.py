@@ -5,13 +5,11 @@ import copy
 import pytest
 import torch
 
-from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import NoDrafter
 from tierspec.drafters.self_spec import SelfSpeculativeDrafter
 from tierspec.identity import ModelIdentity
 from tierspec.models import CachedModel
 from tierspec.routing import RoutingMask, RoutingMaskError, apply_mask
-from tierspec.rules import ExactRule
 
 IDS = torch.tensor([[3, 17, 42, 8, 8, 19, 60, 1, 5, 33]])
 

@@ -3,9 +3,8 @@
 
 import pytest
 import torch
-from scipy.stats import chi2
-
 from conftest import as_method, run_ids
+from scipy.stats import chi2
 
 from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import ModelDrafter, NgramDrafter, NoDrafter, Proposal

@@ -4,8 +4,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import tiny_llama
+
 from tierspec.routing import RoutingMask
 from tierspec.search import Calibration, SearchConfig, routing_cost, search_mask, with_target_scores
 

@@ -103,7 +103,7 @@ def _add_route(sub) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", required=True, help="where to write the mask JSON (atomically)")
     parser.add_argument("--no-progress", action="store_true")
-    parser.set_defaults(run=_run_route)
+    parser.set_defaults(run=_run_route, resume_hint="; rerun the same command to resume the search")
 
 
 def _read_calibration_file(path: str) -> list[str]:
@@ -118,7 +118,9 @@ def _read_calibration_file(path: str) -> list[str]:
         else:
             prompts.append(line)
     if not prompts:
-        raise ValueError(f"calibration file {path} holds no prompt")
+        from .errors import TierspecError
+
+        raise TierspecError(f"calibration file {path} holds no prompt")
     return prompts
 
 
@@ -241,7 +243,7 @@ def _add_bench(sub) -> None:
                         help="rebuild summary, table and plots from the records in --out without generating")
     parser.add_argument("--out", required=True, help="output folder (a rerun resumes)")
     parser.add_argument("--no-progress", action="store_true")
-    parser.set_defaults(run=_run_bench)
+    parser.set_defaults(run=_run_bench, resume_hint="; rerun the same command to resume")
 
 
 def _run_bench(args) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import platform
 import statistics
 import time
@@ -92,21 +93,47 @@ def _linear_kind(model: torch.nn.Module) -> str:
     return "few-row-v2" if any(isinstance(m, FewRowLinear) for m in model.modules()) else "linear"
 
 
+def _read_table(path: Path, max_tokens: int) -> ForwardCosts | None:
+    """The table in ``path`` if it has the expected shape (1..max_tokens → positive seconds)."""
+    try:
+        data = json.loads(path.read_text())
+        seconds = {int(n): float(v) for n, v in data["seconds"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    if sorted(seconds) != list(range(1, max_tokens + 1)):
+        return None
+    if not all(math.isfinite(v) and 0 < v < 60 for v in seconds.values()):
+        return None
+    return ForwardCosts(seconds)
+
+
+def spot_check(model: torch.nn.Module, repeats: int = 3, context: int = 64) -> float:
+    """Median seconds of a cached 1-token pass now (a fraction of a second to measure)."""
+    return measure_forward_costs(model, max_tokens=1, context=context, repeats=repeats).seconds[1]
+
+
 def forward_costs(target: LoadedModel, max_tokens: int = 16, refresh: bool = False) -> ForwardCosts:
-    """The cached table for this model on this machine, measured (a few seconds) when missing."""
+    """The cached table for this model on this machine, measured (a few seconds) when missing,
+    damaged, or off: a spot check of a 1-token pass that differs from the table by more than 2×
+    either way (the table was measured on a busy machine, or the machine changed) re-measures it."""
+    import sys
+
     key = json.dumps({"model": target.identity.to_dict(), "threads": torch.get_num_threads(), "cpu": _cpu_name(),
                       "torch": torch.__version__, "max_tokens": max_tokens, "linear": _linear_kind(target.model)},
                      sort_keys=True)
     path = cache_root() / f"forward-costs-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    reason = "measuring it once"
     if path.exists() and not refresh:
-        try:
-            data = json.loads(path.read_text())
-            return ForwardCosts({int(n): float(s) for n, s in data["seconds"].items()})
-        except (OSError, ValueError, KeyError):
-            pass  # a damaged cache file is measured again
-    import sys
-
-    print(f"tierspec: measuring {target.identity.name}'s forward cost for 1..{max_tokens} tokens once "
+        table = _read_table(path, max_tokens)
+        if table is None:
+            reason = f"the cached table {path.name} is damaged; measuring it again"
+        else:
+            now = spot_check(target.model)
+            if 0.5 <= table.seconds[1] / now <= 2.0:
+                return table
+            reason = (f"the cached table says a 1-token pass takes {table.seconds[1] * 1000:.0f} ms, it now takes "
+                      f"{now * 1000:.0f} ms; measuring it again")
+    print(f"tierspec: forward cost of {target.identity.name} for 1..{max_tokens} tokens: {reason} "
           f"(cached in {path.parent})", file=sys.stderr)
     costs = measure_forward_costs(target.model, max_tokens)
     atomic_write_text(path, json.dumps({"key": json.loads(key), "seconds": costs.seconds}, indent=2))

@@ -13,13 +13,15 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .errors import TierspecError
+
 DATASETS = ("spec_bench", "gsm8k", "humaneval", "mt_bench", "cnn_dailymail", "xsum", "wmt14")
 
 # Spec-Bench lists its MT-bench part under the 8 MT-bench sub-categories; it has 6 tasks.
 _MT_BENCH_SUBCATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 
 
-class DataError(ValueError):
+class DataError(TierspecError):
     pass
 
 

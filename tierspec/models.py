@@ -126,7 +126,8 @@ def _convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        marker = {"source": str(gguf), "sha256": _sha256_file(gguf), "name": gguf.stem}
+        marker = {"source": str(gguf), "sha256": _sha256_file(gguf), "name": gguf.stem,
+                  "files": {item.name: _file_record(item) for item in sorted(staging.iterdir()) if item.is_file()}}
         (staging / _CONVERTED_MARKER).write_text(json.dumps(marker, indent=2))
         try:
             os.replace(staging, dest)
@@ -171,11 +172,54 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype = tor
         gguf = path
         name = path.stem
     folder = _gguf_cache_dir(gguf)
-    if not (folder / _CONVERTED_MARKER).exists():
+    problem = converted_copy_problem(folder)
+    if problem is not None and (folder / _CONVERTED_MARKER).exists():
+        print(f"tierspec: the converted copy of {gguf.name} in {folder} is damaged ({problem}); converting it again",
+              file=sys.stderr)
+        shutil.rmtree(folder, ignore_errors=True)
+    if problem is not None:
         _convert_gguf(gguf, folder, dtype)
-    model, tokenizer = _load_hf_folder(folder, dtype)
+    try:
+        model, tokenizer = _load_hf_folder(folder, dtype)
+    except ModelLoadError as error:  # damaged in a way the cheap check did not see
+        print(f"tierspec: the converted copy in {folder} cannot be loaded ({error}); converting it again", file=sys.stderr)
+        shutil.rmtree(folder, ignore_errors=True)
+        _convert_gguf(gguf, folder, dtype)
+        model, tokenizer = _load_hf_folder(folder, dtype)
     marker = json.loads((folder / _CONVERTED_MARKER).read_text())
     return _loaded(model, tokenizer, name, marker["sha256"])
+
+
+def _file_record(path: Path) -> dict:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256_file(path)}
+
+
+def converted_copy_problem(folder: Path) -> str | None:
+    """Why the converted copy in ``folder`` cannot be trusted (None: it can).
+
+    Every file the conversion wrote is checked against the marker: a missing file or another
+    size is damage; a file whose modification time changed is hashed again (an overwrite at the
+    same size). Unchanged files are not re-hashed, so a normal load stays fast.
+    """
+    marker_path = folder / _CONVERTED_MARKER
+    if not marker_path.exists():
+        return "no conversion marker"
+    try:
+        marker = json.loads(marker_path.read_text())
+        files = marker["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unreadable conversion marker (or one written by an older tierspec)"
+    for name, record in files.items():
+        path = folder / name
+        if not path.exists():
+            return f"{name} is missing"
+        stat = path.stat()
+        if stat.st_size != record["size"]:
+            return f"{name} has {stat.st_size} bytes, {record['size']} were written"
+        if stat.st_mtime_ns != record["mtime_ns"] and _sha256_file(path) != record["sha256"]:
+            return f"{name} was modified after conversion (checksum differs)"
+    return None
 
 
 def _folder_hash(folder: Path) -> str:

@@ -27,8 +27,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Hashable
 
+from .errors import TierspecError
 
-class DraftPolicyError(ValueError):
+
+class DraftPolicyError(TierspecError):
     """Invalid policy settings."""
 
 

@@ -27,9 +27,10 @@ from typing import Callable
 import numpy as np
 import torch
 
+from .errors import TierspecError
+from .mask_proposals import Evaluation, bo_proposal, random_keep
 from .models import LoadedModel
 from .routing import RoutingMask, apply_mask
-from .mask_proposals import Evaluation, bo_proposal, random_keep
 from .util import atomic_write_text
 
 OBJECTIVES = ("kl", "agreement")
@@ -41,9 +42,9 @@ def routing_cost(slim_logprobs: torch.Tensor, target_logprobs: torch.Tensor, alp
     With α = 0, β = 1 it is Σ q'·φ(log q'/q) + Σ q·φ(log q/q'): zero iff q' = q.
     """
     if not 0.0 <= alpha < 1.0:
-        raise ValueError(f"alpha must be in [0, 1), got {alpha}")
+        raise TierspecError(f"alpha must be in [0, 1), got {alpha}")
     if not 0.0 < beta <= 1.0:
-        raise ValueError(f"beta must be in (0, 1], got {beta}")
+        raise TierspecError(f"beta must be in (0, 1], got {beta}")
     gap = slim_logprobs - target_logprobs  # log q'(v) − log q(v)
     over = (math.log1p(-alpha) + gap).clamp_min(0.0)  # where the slim model over-weights v
     under = (-gap - math.log(beta)).clamp_min(0.0)  # where it under-weights v
@@ -104,7 +105,7 @@ def build_calibration(
             continue
         rows.append(prompt_ids[-context_tokens:] + out.token_ids[:window])
     if not rows:
-        raise ValueError("no calibration sequence could be built: every prompt ended before the window filled")
+        raise TierspecError("no calibration sequence could be built: every prompt ended before the window filled")
     calibration = Calibration(torch.tensor(rows), window)
     return with_target_scores(target.model, calibration)
 
@@ -141,13 +142,13 @@ class SearchConfig:
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
-            raise ValueError(f"objective must be one of {OBJECTIVES}, got '{self.objective}'")
+            raise TierspecError(f"objective must be one of {OBJECTIVES}, got '{self.objective}'")
         if self.strategy not in ("dimr", "random"):
-            raise ValueError(f"strategy must be 'dimr' or 'random', got '{self.strategy}'")
+            raise TierspecError(f"strategy must be 'dimr' or 'random', got '{self.strategy}'")
         if not 0.0 < self.ratio < 1.0:
-            raise ValueError(f"ratio must be in (0, 1), got {self.ratio}")
+            raise TierspecError(f"ratio must be in (0, 1), got {self.ratio}")
         if self.budget < 1 or self.bo_every < 1:
-            raise ValueError("budget and bo_every must be >= 1")
+            raise TierspecError("budget and bo_every must be >= 1")
 
 
 @dataclass
@@ -198,7 +199,7 @@ def search_mask(
     eligible = RoutingMask.eligible_units(num_layers, config.unit)
     bypass = round(config.ratio * RoutingMask.total_units(num_layers, config.unit))
     if not 0 < bypass <= len(eligible):
-        raise ValueError(
+        raise TierspecError(
             f"ratio {config.ratio} bypasses {bypass} of {len(eligible)} eligible {config.unit} units; choose another ratio"
         )
 

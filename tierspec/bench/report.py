@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections import defaultdict
 from pathlib import Path
 
@@ -31,10 +32,27 @@ def _group_summary(rows: list[dict], baseline: dict, hf_greedy: dict, dataset: s
     for r in ours:
         for tier, count in r.get("tiers", {}).items():
             tiers[tier] += count
+    by_repeat = defaultdict(list)
+    for r in rows:
+        if (r["prompt_id"], r["repeat"]) in baseline:
+            by_repeat[r["repeat"]].append((r["tokens_per_s"], baseline[(r["prompt_id"], r["repeat"])]["tokens_per_s"]))
+    repeat_speedups = [_mean([a for a, _ in pairs]) / _mean([b for _, b in pairs]) for _, pairs in sorted(by_repeat.items())]
+    drafted = [0] * max((len(r.get("position_drafted", [])) for r in ours), default=0)
+    accepted_at = [0] * len(drafted)
+    for r in ours:
+        for i, (d, a) in enumerate(zip(r.get("position_drafted", []), r.get("position_accepted", []))):
+            drafted[i] += d
+            accepted_at[i] += a
+    drafter_calls = sum(r.get("drafter_calls", 0) for r in ours)
     summary = {
         "n_prompts": len(rows),
         "tokens_per_s": tps,
         "speedup": tps / base if tps and base else None,
+        "speedup_by_repeat": repeat_speedups,
+        "speedup_std": statistics.stdev(repeat_speedups) if len(repeat_speedups) > 1 else None,
+        "acceptance_by_position": [a / d if d else None for a, d in zip(accepted_at, drafted)] or None,
+        "draft_seconds_per_drafter_call": (sum(r.get("draft_seconds", 0.0) for r in ours) / drafter_calls
+                                           if drafter_calls else None),
         "speedup_vs_hf_greedy": tps / hf if tps and hf else None,
         "speedup_vs_best_plain": tps / max(base or 0, hf or 0) if tps and (base or hf) else None,
         "mean_accepted_tokens": emitted / target_calls if target_calls else None,
@@ -133,7 +151,11 @@ def markdown_table(summary: dict) -> str:
     lines.append("|" + "---|" * len(header))
     for name, result in methods.items():
         o = result["overall"]
-        row = [f"`{name}`", _fmt(o["speedup"]) + "×" if o["speedup"] else "–", _fmt(o["speedup_vs_best_plain"])]
+        speedup = "–"
+        if o["speedup"]:
+            spread = f" ± {o['speedup_std']:.2f}" if o.get("speedup_std") is not None else ""
+            speedup = f"{o['speedup']:.2f}{spread}×"
+        row = [f"`{name}`", speedup, _fmt(o["speedup_vs_best_plain"])]
         row += [_fmt(result["categories"].get(c, {}).get("speedup")) for c in categories]
         row += [_fmt(o["tokens_per_s"], 1), _fmt(o["mean_accepted_tokens"]), _fmt(o["rejection_rate"]),
                 _fmt(o["target_calls_per_token"]), _fmt(o["slim_calls_per_token"]),
@@ -142,6 +164,9 @@ def markdown_table(summary: dict) -> str:
         lines.append("| " + " | ".join(row) + " |")
     against = (f"the `ar` output of the reference run `{config['fidelity_reference']}`" if config.get("fidelity_reference")
                else "`ar`'s output")
+    if config.get("repeats", 1) > 1:
+        lines += ["", f"Speed-up ± the standard deviation of the per-repeat speed-ups ({config['repeats']} repeats, each "
+                  "repeat's mean tokens/s ÷ that of `ar` in the same repeat)."]
     lines += ["", "Per-category columns are speed-ups. τ = emitted tokens per full-target call; rejection = rejected / evaluated "
               f"draft tokens; fidelity = agreement with {against} on the same prompt (exact token match rate, ROUGE-L); "
               "target NLL = mean −log q per generated token. `–` = not applicable (transformers peers expose no draft statistics)."]

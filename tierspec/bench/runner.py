@@ -14,11 +14,9 @@ the method's label in the results.
 from __future__ import annotations
 
 import json
-import os
-import threading
 import time
 import zlib
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -29,10 +27,9 @@ from ..errors import TierspecError
 from ..methods import MethodOptions, build_method, method_names, option_fields
 from ..models import LoadedModel, load_model
 from ..prompting import encode_prompt, eos_ids
-from ..routing import model_lock
-from ..routing import RoutingMask
-from ..util import atomic_write_text
+from ..routing import RoutingMask, model_lock
 from ..sampling import SamplingConfig
+from ..util import atomic_write_text
 from . import metrics
 
 HF_PEERS = ("hf-greedy", "hf-assisted", "hf-pld", "hf-early-exit")
@@ -249,31 +246,42 @@ class MethodRunner:
 # ---- memory ---------------------------------------------------------------------------------------
 
 class PeakRSS:
-    """Peak resident memory (MiB) of this process while the block runs, sampled every 5 ms."""
+    """Peak resident memory (MiB) of this process during the block, from the kernel's
+    high-water mark (VmHWM), which writing "5" to /proc/self/clear_refs resets to the current
+    size before the block. No sampling thread competes with the timed generation. Where the
+    reset is not allowed, the larger of the sizes before and after the block (a lower bound;
+    ``exact`` is then False)."""
 
     def __init__(self):
         self.peak = 0.0
-        self._stop = threading.Event()
+        self.exact = False
 
     @staticmethod
-    def current() -> float:
-        with open("/proc/self/statm") as handle:
-            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-    def _watch(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, self.current())
+    def _status(field: str) -> float:
+        with open("/proc/self/status") as handle:
+            for line in handle:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) / 1024  # kB → MiB
+        raise OSError(f"{field} missing from /proc/self/status")
 
     def __enter__(self):
-        self.peak = self.current()
-        self._thread = threading.Thread(target=self._watch, daemon=True)
-        self._thread.start()
+        try:
+            with open("/proc/self/clear_refs", "w") as handle:
+                handle.write("5")
+            self.exact = True
+        except OSError:
+            self.exact = False
+        try:
+            self.before = self._status("VmRSS")
+        except OSError:
+            self.before = 0.0
         return self
 
     def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self.current())
+        try:
+            self.peak = self._status("VmHWM") if self.exact else max(self.before, self._status("VmRSS"))
+        except OSError:
+            self.peak = self.before
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -297,9 +305,20 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
 
     ``generate=False`` only rebuilds the summary, table and plots from the records already in
     ``out`` (e.g. of a run that was stopped early)."""
+    created = not out.exists()
+    try:
+        return _run_bench(config, out, progress, target, drafter, generate)
+    except BaseException:
+        # A run that failed before writing anything leaves no empty folder behind.
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
+
+
+def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedModel | None, drafter: LoadedModel | None,
+               generate: bool) -> dict:
     from tqdm.auto import tqdm
 
-    out.mkdir(parents=True, exist_ok=True)
     methods = list(dict.fromkeys(config.methods))
     if BASELINE not in methods:
         methods.insert(0, BASELINE)  # speed-ups are defined against plain decoding of the same run
@@ -311,6 +330,7 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
     if not prompts:
         raise BenchError("no prompts selected")
     check_resumable(config, out)
+    out.mkdir(parents=True, exist_ok=True)
     reference = load_fidelity_reference(config.fidelity_reference) if config.fidelity_reference else None
     prompts = round_robin(prompts)
     target = target or load_model(config.target)
@@ -390,6 +410,9 @@ def round_robin(prompts: list[Prompt]) -> list[Prompt]:
 
 def _stats_fields(stats: GenerationStats) -> dict:
     return {
+        "position_drafted": stats.position_drafted,
+        "position_accepted": stats.position_accepted,
+        "draft_seconds": round(stats.draft_seconds, 5),
         "drafted": stats.drafted,
         "evaluated": stats.evaluated,
         "accepted": stats.accepted,

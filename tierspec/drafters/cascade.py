@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import TierspecError
 from ..models import CachedModel
 from ..rules.exact import exact_walk
 from ..sampling import logits_to_probs, one_hot
@@ -28,7 +29,7 @@ class CascadeDrafter(Drafter):
     def __init__(self, model: torch.nn.Module, vocab_size: int, ngram: NgramDrafter | None = None,
                  model_positions: int = 3, inner_draft: int = 3):
         if model_positions < 1 or inner_draft < 0:
-            raise ValueError("model_positions must be >= 1 and inner_draft >= 0")
+            raise TierspecError("model_positions must be >= 1 and inner_draft >= 0")
         self.runner = CachedModel(model)
         self.vocab_size = vocab_size
         self.ngram = ngram or NgramDrafter(3)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import TierspecError
 from .base import Drafter, Proposal, always
 
 
@@ -19,7 +20,7 @@ class NgramDrafter(Drafter):
 
     def __init__(self, ngram_size: int = 3, min_ngram_size: int = 1):
         if not 1 <= min_ngram_size <= ngram_size:
-            raise ValueError(f"need 1 <= min_ngram_size <= ngram_size, got {min_ngram_size}, {ngram_size}")
+            raise TierspecError(f"need 1 <= min_ngram_size <= ngram_size, got {min_ngram_size}, {ngram_size}")
         self.ngram_size = ngram_size
         self.min_ngram_size = min_ngram_size
 

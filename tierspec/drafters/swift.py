@@ -17,6 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..errors import TierspecError
 from ..mask_proposals import Evaluation, bo_proposal, random_keep
 from ..routing import RoutingMask
 from .base import always
@@ -38,7 +39,7 @@ class SwiftDrafter(SelfSpeculativeDrafter):
         seed: int = 0,
     ):
         if not 0.0 < ratio < 1.0:
-            raise ValueError(f"the SWIFT ratio must be in (0, 1), got {ratio}")
+            raise TierspecError(f"the SWIFT ratio must be in (0, 1), got {ratio}")
         self.eligible = RoutingMask.eligible_units(num_layers, unit)
         self.bypass = round(ratio * RoutingMask.total_units(num_layers, unit))
         self.num_layers, self.unit, self.ratio = num_layers, unit, ratio

@@ -35,6 +35,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import TierspecError
 from ..identity import ModelIdentity
 from ..models import LoadedModel
 from ..routing import decoder_layers
@@ -44,7 +45,7 @@ from .prompts import TrainingItem, training_items
 DATA_FORMAT = "tierspec-eagle-data"
 
 
-class DraftDataError(ValueError):
+class DraftDataError(TierspecError):
     """A data folder that cannot be (re)used: other settings, another model, damaged shards."""
 
 

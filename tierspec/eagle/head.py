@@ -32,8 +32,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..kernels import few_row_linear
+from ..errors import TierspecError
 from ..identity import ModelIdentity
+from ..kernels import few_row_linear
 from ..models import LoadedModel
 from ..routing import decoder_layers
 from ..util import atomic_write_text
@@ -41,7 +42,7 @@ from ..util import atomic_write_text
 HEAD_FORMAT = "tierspec-draft-head"
 
 
-class DraftHeadError(ValueError):
+class DraftHeadError(TierspecError):
     """A head file that cannot be used: damaged, another format, or made for another model."""
 
 

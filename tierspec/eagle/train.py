@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..errors import TierspecError
 from ..models import LoadedModel
 from .data import DraftDataError, check_data_model
 from .head import DraftHead
@@ -62,9 +63,9 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.draft_vocab_size < 2 or self.ttt_steps < 1 or self.val_steps < 1 or self.batch_tokens < 16:
-            raise ValueError("draft_vocab_size >= 2, ttt_steps >= 1, val_steps >= 1 and batch_tokens >= 16 are required")
+            raise TierspecError("draft_vocab_size >= 2, ttt_steps >= 1, val_steps >= 1 and batch_tokens >= 16 are required")
         if not 0.0 < self.val_fraction < 0.5:
-            raise ValueError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
+            raise TierspecError(f"val_fraction must be in (0, 0.5), got {self.val_fraction}")
 
 
 @dataclass

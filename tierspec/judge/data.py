@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..data import gsm8k_prompt
+from ..errors import TierspecError
 from ..util import atomic_write_text
 
 _CALCULATOR = re.compile(r"<<[^>]*>>")
 _RESULT = re.compile(r"=\s*\$?(-?\d[\d,]*(?:\.\d+)?)")
 
 
-class JudgeDataError(ValueError):
+class JudgeDataError(TierspecError):
     pass
 
 
@@ -160,7 +161,20 @@ def read_judge_data(path: Path) -> list[JudgeExample]:
         examples.append(example)
     if not examples:
         raise JudgeDataError(f"{path} holds no judge record")
+    check_judge_data(examples, path)
     return examples
+
+
+def check_judge_data(examples: list[JudgeExample], path) -> None:
+    """Refuse data a head cannot be trained or validated on, before any feature extraction:
+    each split needs responses with a planted mistake (negatives) and responses without."""
+    for split in ("train", "val"):
+        chosen = [e for e in examples if e.split == split]
+        if not chosen:
+            raise JudgeDataError(f"{path}: judge data needs both a 'train' and a 'val' split; '{split}' is empty")
+        if all(e.mistake_offset is None for e in chosen):
+            raise JudgeDataError(f"{path}: the '{split}' split has no response with a mistake (no negative examples); "
+                                 "a judge needs both classes")
 
 
 def token_labels(offsets: list[tuple[int, int]], mistake_offset: int | None) -> list[int | None]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import TierspecError
 from ..identity import ModelIdentity
 from ..util import atomic_write_text
 
@@ -25,7 +26,7 @@ FEATURE_KINDS = ("hidden", "hidden+logprob")
 HEAD_FORMAT = "tierspec-judge-head"
 
 
-class JudgeHeadError(ValueError):
+class JudgeHeadError(TierspecError):
     pass
 
 

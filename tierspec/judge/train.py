@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..api import encode_prompt
+from ..errors import TierspecError
 from ..models import LoadedModel
 from .data import JudgeExample, read_judge_data, token_labels
 from .head import JudgeHead, judge_features
@@ -75,7 +76,7 @@ def class_weights(labels: torch.Tensor) -> torch.Tensor:
     positives = labels.sum()
     negatives = len(labels) - positives
     if positives == 0 or negatives == 0:
-        raise ValueError("training data needs both correct and mistaken tokens")
+        raise TierspecError("training data needs both correct and mistaken tokens")
     w_pos, w_neg = len(labels) / (2 * positives), len(labels) / (2 * negatives)
     return torch.where(labels > 0.5, w_pos, w_neg)
 
@@ -206,7 +207,7 @@ def train_judge(target: LoadedModel, data_path: Path, kind: str = "hidden+logpro
     tokens = extract(target, examples, kind, progress)
     is_val = torch.tensor([s == "val" for s in tokens.split])
     if not is_val.any() or is_val.all():
-        raise ValueError("judge data needs both a 'train' and a 'val' split")
+        raise TierspecError("judge data needs both a 'train' and a 'val' split")
     weight, bias, mean, std, epochs = train_head(tokens.features[~is_val], tokens.labels[~is_val], tokens.features[is_val],
                                                  tokens.labels[is_val], seed=seed, progress=progress)
     head = JudgeHead(weight, bias, mean, std, kind, 0.5, target.identity)

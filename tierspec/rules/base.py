@@ -9,7 +9,6 @@ import torch
 from ..drafters.base import Proposal
 from ..sampling import SamplingConfig
 
-
 # Which tier decided an emitted token (per-tier statistics, DESIGN §3.6).
 DRAFTER = "drafter"  # a draft token kept
 SLIM = "slim"  # a token regenerated (or bonus) from the slim verifier / lower-tier mixture

@@ -39,7 +39,7 @@ def deferral_bits(draft_t1: torch.Tensor | None, target_t1: torch.Tensor, rule: 
     if rule == "opt":
         total_variation = 0.5 * (draft_t1 - target_t1).abs().sum(-1)
         return max_p < max_q - alpha * total_variation
-    raise ValueError(f"unknown deferral rule '{rule}'; choose one of: {', '.join(DEFERRALS)}")
+    raise TierspecError(f"unknown deferral rule '{rule}'; choose one of: {', '.join(DEFERRALS)}")
 
 
 def mixture(draft: torch.Tensor, target: torch.Tensor, defer: torch.Tensor) -> torch.Tensor:
