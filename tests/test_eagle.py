@@ -204,3 +204,34 @@ def test_validation_counts_acceptance_given_earlier_acceptance(target32):
     metrics = validate(head, sequences, 3)
     assert metrics["chains"] > 0 and all(0.0 <= a <= 1.0 for a in metrics["acceptance_by_position"])
     assert 1.0 <= metrics["tau_fixed_draft"] <= 4.0
+
+
+def test_a_head_reading_several_target_layers_drafts_as_it_trains(target32, prompt_ids):
+    """With fused layers (EAGLE-3), the unrolled forward still equals incremental drafting, the
+    loop hands the drafter f and the layers' outputs, and greedy output equals ar."""
+    head = DraftHead.for_target(target32, torch.arange(64), seed=3, feature_layers=(1, 2)).eval()
+    with torch.no_grad():
+        head.aux_proj.weight.normal_(0, 0.1)  # a trained head's correction, planted
+    assert head.config.feature_width == 96
+    torch.manual_seed(0)
+    T = 10
+    features, tokens = torch.randn(T, 96), torch.randint(0, 64, (T,))
+    batch = collate([Sequence(tokens, features.half(), 2, "own-greedy")])
+    with torch.no_grad():
+        outputs = unrolled_forward(head, batch, 2)
+        runner = HeadRunner(head)
+        h = runner.extend(batch["features"][0, :4], tokens[1:5], from_target=True)[-1:]
+        assert torch.allclose(h[0], outputs[0][0, 3], atol=1e-5)
+        h = runner.extend(h, tokens[5:6])
+        assert torch.allclose(h[0], outputs[1][0, 4], atol=1e-5)
+    reference = run_ids(target32, as_method(NoDrafter()), prompt_ids, 30)
+    seen = []
+
+    class Watching(EagleDrafter):
+        def commit(self, committed_length, features=None):
+            if features is not None:
+                seen.append(features.values.shape[-1])
+            super().commit(committed_length, features)
+
+    assert run_ids(target32, as_method(Watching(head), num_draft=3), prompt_ids, 30) == reference
+    assert seen and set(seen) == {96}

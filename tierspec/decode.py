@@ -163,7 +163,8 @@ class Verifiers:
     head reads them; no extra pass).
     """
 
-    def __init__(self, target: LoadedModel, slim_mask=None, forward_costs=None, record_features: bool = False):
+    def __init__(self, target: LoadedModel, slim_mask=None, forward_costs=None, record_features: bool = False,
+                 feature_layers: tuple[int, ...] = ()):
         """``forward_costs`` (a ``costs.ForwardCosts``): pad each pass to the cheapest measured
         size at least as long (extra rows repeat the last token; their outputs are dropped and
         their KV rolled back with the rest of the uncommitted block)."""
@@ -171,6 +172,8 @@ class Verifiers:
         self.slim_mask = slim_mask
         self.forward_costs = forward_costs
         self.record_features = record_features
+        self.feature_layers = tuple(feature_layers)  # decoder layers recorded beside f (a fused draft head)
+        self.hidden_size = int(target.identity.hidden_size)
         self.context = torch.empty(0, dtype=torch.long)
         self.vocab_size = target.vocab_size
         self.full_length = 0
@@ -186,7 +189,8 @@ class Verifiers:
         draft (so every verification pass is "pending committed tokens + draft"). Returns the
         features of the processed positions when recording."""
         if len(prompt_ids) > 1:
-            result = self.runner.forward(prompt_ids[:-1], logits_for=1, with_hidden=self.record_features)
+            result = self.runner.forward(prompt_ids[:-1], logits_for=1, with_hidden=self.record_features,
+                                         hidden_layers=self.feature_layers if self.record_features else ())
             if self.record_features:
                 self._store(0, result[1], approximate=False)
         self.full_length = self.runner.length
@@ -213,7 +217,8 @@ class Verifiers:
         k = int(draft_tokens.shape[0])
         tokens, pad = self._padded(torch.cat([pending, draft_tokens]))
         capture = with_hidden or self.record_features
-        result = self.runner.forward(tokens, logits_for=k + 1 + pad, with_hidden=capture)
+        result = self.runner.forward(tokens, logits_for=k + 1 + pad, with_hidden=capture,
+                                     hidden_layers=self.feature_layers if self.record_features else ())
         self.target_calls += 1
         self.full_length = self.runner.length
         if not capture:
@@ -223,7 +228,7 @@ class Verifiers:
         if self.record_features:
             self._store(start, hidden[:real], approximate=False)
         if with_hidden:
-            return logits[: k + 1], hidden[real - (k + 1) : real]
+            return logits[: k + 1], hidden[real - (k + 1) : real, : self.hidden_size]
         return logits[: k + 1]
 
     def slim_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
@@ -234,7 +239,8 @@ class Verifiers:
         pending = self.context[start:]
         k = int(draft_tokens.shape[0])
         tokens, pad = self._padded(torch.cat([pending, draft_tokens]))
-        result = self.runner.forward(tokens, logits_for=k + 1 + pad, mask=self.slim_mask, with_hidden=self.record_features)
+        result = self.runner.forward(tokens, logits_for=k + 1 + pad, mask=self.slim_mask, with_hidden=self.record_features,
+                                     hidden_layers=self.feature_layers if self.record_features else ())
         self.slim_calls += 1
         if self.record_features:
             logits, hidden = result
@@ -384,7 +390,8 @@ def decode(
     max_positions = getattr(target.model.config, "max_position_embeddings", None)
     prompt_ids = check_prompt(prompt_ids, max_positions, config.max_new_tokens, target.vocab_size)
     verifiers = Verifiers(target, slim_mask=method.slim_mask, forward_costs=method.forward_costs,
-                          record_features=drafter.needs_target_features)
+                          record_features=drafter.needs_target_features,
+                          feature_layers=getattr(drafter, "feature_layers", ()))
     eos = set(config.eos_token_ids)
 
     with torch.inference_mode():

@@ -341,14 +341,16 @@ class CachedModel:
         self.cache = self._new_cache()
         self.length = 0
 
-    def forward(self, token_ids: torch.Tensor, logits_for: int | None = None, mask=None, with_hidden: bool = False):
+    def forward(self, token_ids: torch.Tensor, logits_for: int | None = None, mask=None, with_hidden: bool = False,
+                hidden_layers: tuple[int, ...] = ()):
         """Run ``token_ids`` [n] at positions ``length ..``; return logits [m, V] (float32).
 
         ``logits_for`` = m keeps only the last m positions' logits (None = all n); the LM head
         over a long prompt is a large share of a prefill on a small model. With a routing
         ``mask`` the pass runs with the mask's units bypassed (they write no KV). ``with_hidden``
         also returns the LM head's input (the final hidden states) of *all* n positions [n, H],
-        captured from this very pass.
+        captured from this very pass; with ``hidden_layers`` the outputs of those decoder layers
+        follow it, concatenated: [n, H·(1 + len(hidden_layers))].
 
         The pass holds the model's lock (``routing.model_lock``): a mask swaps modules of the
         shared model instance, so no other pass on it may run meanwhile (two generations on one
@@ -357,11 +359,20 @@ class CachedModel:
         n = int(token_ids.shape[0])
         positions = torch.arange(self.length, self.length + n).unsqueeze(0)
         captured = []
+        layer_outputs: dict[int, torch.Tensor] = {}
         with model_lock(self.model):
-            hook = None
+            hooks = []
             if with_hidden:
-                hook = self.model.get_decoder().register_forward_hook(
-                    lambda module, args, out: captured.append(out[0] if isinstance(out, tuple) else out.last_hidden_state))
+                hooks.append(self.model.get_decoder().register_forward_hook(
+                    lambda module, args, out: captured.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)))
+                if hidden_layers:
+                    from .routing import decoder_layers
+
+                    layers = decoder_layers(self.model)
+                    for index in hidden_layers:
+                        hooks.append(layers[index].register_forward_hook(
+                            lambda module, args, out, index=index: layer_outputs.__setitem__(
+                                index, out[0] if isinstance(out, tuple) else out)))
             try:
                 with apply_mask(self.model, mask):
                     output = self.model(
@@ -372,11 +383,14 @@ class CachedModel:
                         logits_to_keep=n if logits_for is None else logits_for,
                     )
             finally:
-                if hook is not None:
+                for hook in hooks:
                     hook.remove()
         self.length += n
         if with_hidden:
-            return output.logits[0].float(), captured[-1][0].float()
+            hidden = captured[-1][0].float()
+            if hidden_layers:
+                hidden = torch.cat([hidden] + [layer_outputs[i][0].float() for i in hidden_layers], dim=-1)
+            return output.logits[0].float(), hidden
         return output.logits[0].float()
 
     def replay(self, start: int, token_ids: torch.Tensor, mask=None) -> torch.Tensor:

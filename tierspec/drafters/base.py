@@ -120,6 +120,7 @@ class Drafter:
     """
 
     needs_target_features = False
+    feature_layers: tuple[int, ...] = ()  # decoder layers whose outputs the drafter reads beside f
     uses_target_cache = False
 
     def start(self, prompt_ids: torch.Tensor, features: TargetFeatures | None = None,

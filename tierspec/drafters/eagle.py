@@ -28,6 +28,7 @@ class EagleDrafter(Drafter):
 
     def __init__(self, head: DraftHead):
         self.head = head
+        self.feature_layers = head.config.feature_layers
         self.runner = HeadRunner(head)
         self.vocab_size = head.config.vocab_size
         self._features: torch.Tensor | None = None  # f for positions [_features_start, _features_end)
@@ -65,7 +66,7 @@ class EagleDrafter(Drafter):
                 return self._last_output
             return None
         offset = start - self._features_start
-        h = self.runner.extend(self._features[offset:], context[start + 1 : end + 1])
+        h = self.runner.extend(self._features[offset:], context[start + 1 : end + 1], from_target=True)
         self._features = self._features[:0]  # consumed
         self._features_start = end
         self._last_output = h[-1:]
@@ -123,6 +124,7 @@ class HybridDrafter(Drafter):
 
     def __init__(self, ngram: NgramDrafter, eagle: EagleDrafter, policy):
         self.ngram, self.eagle, self.policy = ngram, eagle, policy
+        self.feature_layers = eagle.feature_layers
 
     def start(self, prompt_ids, features=None, target_view=None) -> None:
         self.eagle.start(prompt_ids, features, target_view)

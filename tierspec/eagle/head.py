@@ -59,9 +59,17 @@ class HeadConfig:
     rope_theta: float
     vocab_size: int  # the target's vocabulary (draft ids map back into it)
     draft_vocab_size: int  # K
+    feature_layers: tuple[int, ...] = ()  # decoder layers whose outputs are fused into f (EAGLE-3)
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "feature_layers", tuple(int(i) for i in self.feature_layers))
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features the head reads per position: f and the fused layers."""
+        return self.hidden_size * (1 + len(self.feature_layers))
     @classmethod
-    def from_target(cls, model: torch.nn.Module, draft_vocab_size: int) -> "HeadConfig":
+    def from_target(cls, model: torch.nn.Module, draft_vocab_size: int, feature_layers: tuple[int, ...] = ()) -> "HeadConfig":
         config = model.config
         needed = ("hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps")
         missing = [name for name in needed if getattr(config, name, None) is None]
@@ -83,9 +91,11 @@ class HeadConfig:
             raise DraftHeadError(f"the draft head implements plain rotary positions, not rope type '{rope_type}'")
         theta = rope.get("rope_theta") if isinstance(rope, dict) else None
         theta = theta or getattr(config, "rope_theta", None) or 10000.0
+        if any(not 0 <= i < len(decoder_layers(model)) for i in feature_layers):
+            raise DraftHeadError(f"feature layers {feature_layers} are outside the model's {len(decoder_layers(model))} layers")
         return cls(int(config.hidden_size), int(config.intermediate_size), heads, kv_heads, head_dim,
                    float(config.rms_norm_eps), float(theta), int(model.get_output_embeddings().weight.shape[0]),
-                   int(draft_vocab_size))
+                   int(draft_vocab_size), tuple(feature_layers))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -111,6 +121,10 @@ class DraftHead(torch.nn.Module):
         H, I = config.hidden_size, config.intermediate_size
         q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.config = config
+        # g_t = f_t + W_aux [outputs of feature_layers at t]: the final feature, corrected with
+        # what earlier layers knew (zero-initialised, so a new head starts as f_t alone). Self-fed
+        # positions use the head's own h in place of g.
+        self.aux_proj = torch.nn.Linear(H * len(config.feature_layers), H, bias=False) if config.feature_layers else None
         self.fc = torch.nn.Linear(2 * H, H, bias=True)
         self.input_norm = torch.nn.Parameter(torch.ones(H))
         self.q_proj = torch.nn.Linear(H, q_out, bias=False)
@@ -133,10 +147,11 @@ class DraftHead(torch.nn.Module):
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
-    def for_target(cls, target: LoadedModel, draft_ids: torch.Tensor, seed: int = 0) -> "DraftHead":
+    def for_target(cls, target: LoadedModel, draft_ids: torch.Tensor, seed: int = 0,
+                   feature_layers: tuple[int, ...] = ()) -> "DraftHead":
         """A new head for ``target``: the layer and norms copied from the target's last layer and
         final norm, W_fc initialised to pass f_t through (plus a small random part)."""
-        config = HeadConfig.from_target(target.model, len(draft_ids))
+        config = HeadConfig.from_target(target.model, len(draft_ids), feature_layers)
         head = cls(config, draft_ids)
         layer = decoder_layers(target.model)[-1]
         with torch.no_grad():
@@ -155,6 +170,8 @@ class DraftHead(torch.nn.Module):
             fc[:, :H] += torch.eye(H)  # start from "the feature itself": the layer sees f_t
             head.fc.weight.copy_(fc)
             head.fc.bias.zero_()
+            if head.aux_proj is not None:
+                head.aux_proj.weight.zero_()
         head.attach(target)
         return head
 
@@ -167,7 +184,7 @@ class DraftHead(torch.nn.Module):
                 f"({target.identity.num_layers} layers, vocabulary {target.identity.vocab_size}); train one for it "
                 "with `tierspec drafter train`"
             )
-        if HeadConfig.from_target(target.model, self.config.draft_vocab_size) != self.config:
+        if HeadConfig.from_target(target.model, self.config.draft_vocab_size, self.config.feature_layers) != self.config:
             raise DraftHeadError(f"this draft head's shapes do not fit '{target.identity.name}'")
         self.target_identity = target.identity
         weight = target.model.get_output_embeddings().weight.detach()
@@ -182,10 +199,17 @@ class DraftHead(torch.nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
-    def fuse(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        """W_fc [f ; E(x_next)]: features [..., H], next_tokens [...] → [..., H]."""
-        embedded = F.embedding(next_tokens, self.embedding).to(features.dtype)
-        return self.fc(torch.cat((features, embedded), dim=-1))
+    def target_input(self, features: torch.Tensor) -> torch.Tensor:
+        """g [..., H] from the target's features [..., feature_width] (f, then the fused layers)."""
+        H = self.config.hidden_size
+        if self.aux_proj is None:
+            return features[..., :H]
+        return features[..., :H] + self.aux_proj(features[..., H:])
+
+    def fuse(self, inputs: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """W_fc [g ; E(x_next)]: inputs g [..., H] (target or self-fed), next_tokens [...] → [..., H]."""
+        embedded = F.embedding(next_tokens, self.embedding).to(inputs.dtype)
+        return self.fc(torch.cat((inputs, embedded), dim=-1))
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Normed input → rotated q [B, h, T, D], k, v [B, kv, T, D] for x [B, T, H]."""
@@ -322,14 +346,18 @@ class HeadRunner:
     def _linear(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return few_row_linear(x, layer.weight, layer.bias)
 
-    def extend(self, features: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        """Process positions ``length .. length+n-1`` with inputs f [n, H] and x_next [n];
-        returns h [n, H] (h[i] ≈ the target's feature at the position after i's)."""
+    def extend(self, inputs: torch.Tensor, next_tokens: torch.Tensor, from_target: bool = False) -> torch.Tensor:
+        """Process positions ``length .. length+n-1`` with inputs [n, ·] and x_next [n]; the
+        inputs are the target's features [n, feature_width] (``from_target``) or the head's own
+        outputs h [n, H]. Returns h [n, H] (h[i] ≈ the target's feature at the position after i's)."""
         head, c, cache = self.head, self.head.config, self.cache
-        n = int(features.shape[0])
+        n = int(inputs.shape[0])
         start = cache.length
-        embedded = F.embedding(next_tokens, head.embedding).to(features.dtype)
-        x = self._linear(head.fc, torch.cat((features, embedded), dim=-1))  # [n, H]
+        if from_target:
+            H = c.hidden_size
+            inputs = inputs[:, :H] if head.aux_proj is None else inputs[:, :H] + self._linear(head.aux_proj, inputs[:, H:])
+        embedded = F.embedding(next_tokens, head.embedding).to(inputs.dtype)
+        x = self._linear(head.fc, torch.cat((inputs, embedded), dim=-1))  # [n, H]
         normed = rms_norm(x, head.input_norm, c.rms_norm_eps)
         cos, sin = head.rope(torch.arange(start, start + n), x.dtype)
         q = rotary(self._linear(head.q_proj, normed).view(n, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)

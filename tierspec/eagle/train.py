@@ -59,6 +59,7 @@ class TrainConfig:
     max_val_sequences: int = 120
     checkpoint_every: int = 100
     bf16: bool = True  # matmuls in bfloat16 autocast (fp32 master weights)
+    feature_layers: tuple[int, ...] = ()  # target layers fused into the head's input (EAGLE-3), from the data's aux layers
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -76,8 +77,9 @@ class Sequence:
     kind: str  # own-greedy, own-sampled, reference
 
 
-def load_sequences(folder: Path) -> list[Sequence]:
-    """Every sequence of every finished shard (damaged shards are refused with their name)."""
+def load_sequences(folder: Path, feature_layers: tuple[int, ...] = ()) -> list[Sequence]:
+    """Every sequence of every finished shard (damaged shards are refused with their name).
+    ``feature_layers``: decoder layers whose stored outputs are appended to f (fused heads)."""
     from safetensors import safe_open
 
     shards = sorted(Path(folder).glob("shard-*.safetensors"))
@@ -90,6 +92,8 @@ def load_sequences(folder: Path) -> list[Sequence]:
                 kind = handle.metadata()["kind"]
                 tokens = handle.get_tensor("tokens").long()
                 features = handle.get_tensor("features")
+                if feature_layers:
+                    features = torch.cat([features] + [handle.get_tensor(f"aux_{i}") for i in feature_layers], dim=-1)
                 offsets = handle.get_tensor("offsets").tolist()
                 starts = handle.get_tensor("response_start").tolist()
         except Exception as error:
@@ -155,8 +159,7 @@ def batches(sequences: list[Sequence], batch_tokens: int, rng: random.Random) ->
 def collate(batch: list[Sequence]) -> dict[str, torch.Tensor]:
     """Padded tensors: features f [B, T, H], tokens [B, T], lengths [B], response starts [B]."""
     width = max(len(s.tokens) for s in batch)
-    H = batch[0].features.shape[-1]
-    features = torch.zeros(len(batch), width, H, dtype=torch.float32)
+    features = torch.zeros(len(batch), width, batch[0].features.shape[-1], dtype=torch.float32)
     tokens = torch.zeros(len(batch), width, dtype=torch.long)
     for row, sequence in enumerate(batch):
         n = len(sequence.tokens)
@@ -188,13 +191,14 @@ def unrolled_forward(head: DraftHead, batch: dict[str, torch.Tensor], steps: int
     (f_p, x_{p+1}). Positions p < j−1 have no chain; their outputs are garbage and never scored.
     """
     features, tokens = batch["features"], batch["tokens"]
-    B, T, H = features.shape
+    B, T, _ = features.shape
     next_tokens = torch.cat((tokens[:, 1:], tokens[:, :1] * 0), dim=1)
     cos, sin = head.rope(torch.arange(T), torch.float32)
-    inputs = features
+    H = head.config.hidden_size
+    inputs = head.target_input(features)
     if noise > 0:
-        rms = features.pow(2).mean().sqrt()
-        inputs = features + (torch.rand(features.shape, generator=generator) - 0.5) * (noise * rms)
+        rms = features[..., :H].pow(2).mean().sqrt()
+        inputs = inputs + (torch.rand(inputs.shape, generator=generator) - 0.5) * (noise * rms)
     keys, values, outputs = [], [], []
     previous = None
     for step in range(1, steps + 1):
@@ -224,7 +228,7 @@ def scored_positions(batch: dict[str, torch.Tensor], step: int) -> torch.Tensor:
 def head_loss(head: DraftHead, batch: dict[str, torch.Tensor], config: TrainConfig,
               generator: torch.Generator | None = None) -> tuple[torch.Tensor, dict]:
     outputs = unrolled_forward(head, batch, config.ttt_steps, config.feature_noise, generator)
-    features = batch["features"]
+    features = batch["features"][..., : head.config.hidden_size]
     targets = torch.cat((features[:, 1:], torch.zeros_like(features[:, :1])), dim=1)  # f_{p+1}
     lm = head.lm_rows
     total = torch.zeros(())
@@ -292,9 +296,12 @@ def train_head(target: LoadedModel, data: Path, config: TrainConfig = TrainConfi
     """Train a head on the data in ``data`` for ``target``; resumes from ``checkpoint`` if it
     exists (same settings and data). Returns the head and its metrics."""
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
-    check_data_model(data, target.identity)
+    plan = check_data_model(data, target.identity)
+    missing = set(config.feature_layers) - set(plan.get("aux_layers", []))
+    if missing:
+        raise DraftDataError(f"the data in {data} stores layers {plan.get('aux_layers')}, not {sorted(missing)}")
     started = time.perf_counter()
-    sequences = load_sequences(data)
+    sequences = load_sequences(data, config.feature_layers)
     log(f"data: {len(sequences)} sequences loaded from {data} in {time.perf_counter() - started:.1f} s")
     return fit_head(target, sequences, config, checkpoint, progress, log)
 
@@ -315,7 +322,7 @@ def fit_head(target: LoadedModel, sequences: list[Sequence], config: TrainConfig
         f"{sum(len(s.tokens) - s.response_start for s in train)} train answer tokens; draft vocabulary "
         f"K={len(draft_ids)} covers {coverage:.4f} of validation answer tokens")
     torch.manual_seed(config.seed)
-    head = DraftHead.for_target(target, draft_ids, config.seed)
+    head = DraftHead.for_target(target, draft_ids, config.seed, config.feature_layers)
     parameters = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
     epoch_batches = _epoch_order(train, config, 0)
