@@ -394,6 +394,12 @@ def _add_drafter(sub) -> None:
     train.add_argument("--lr", type=float, default=defaults.lr)
     train.add_argument("--ttt-steps", type=int, default=defaults.ttt_steps,
                        help="draft steps unrolled in training (1 = teacher forcing only)")
+    train.add_argument("--ce-weight", type=float, default=defaults.ce_weight,
+                       help="weight w of the cross-entropy against the target's distribution (feature regression has 1)")
+    train.add_argument("--feature-layers", default=None,
+                       help="target layers fused into the head's input besides f (EAGLE-3), e.g. 1,15; they must be "
+                       "among the layers build-data stored (plan.json: aux_layers); default: all of those; "
+                       "'' = f alone")
     train.add_argument("--seed", type=int, default=defaults.seed)
     train.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     train.set_defaults(run=_run_drafter_train, resume_hint="; rerun the same command to resume from the checkpoint")
@@ -421,8 +427,10 @@ def _run_drafter_train(args) -> int:
     from .eagle.train import TrainConfig, train_head
     from .models import load_model
 
+    layers = None if args.feature_layers is None else tuple(int(i) for i in args.feature_layers.split(",") if i.strip())
     config = TrainConfig(draft_vocab_size=args.draft_vocab, epochs=args.epochs, batch_tokens=args.batch_tokens,
-                         lr=args.lr, ttt_steps=args.ttt_steps, seed=args.seed)
+                         lr=args.lr, ttt_steps=args.ttt_steps, ce_weight=args.ce_weight, feature_layers=layers,
+                         seed=args.seed)
     target = load_model(args.target)
     out = Path(args.out)
     checkpoint = out.with_name(out.name + ".checkpoint.pt")

@@ -293,9 +293,9 @@ class CostAware(DraftPolicy):
         cost = self._cost(proposal.source)
         return max(emitted[k] / cost(k) for k in range(len(emitted)))
 
-    def source_rate(self, source: str) -> float:
-        """The running expected tokens per second of ``source``'s recent proposals (0: none yet)."""
-        return self.rates.get(source, 0.0)
+    def source_rate(self, source: str) -> float | None:
+        """The running expected tokens per second of ``source``'s recent proposals (None: none yet)."""
+        return self.rates.get(source)
 
     def trim(self, proposal) -> int:
         count = min(len(proposal), self.max_draft)

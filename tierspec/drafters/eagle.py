@@ -133,7 +133,8 @@ class HybridDrafter(Drafter):
         if num_tokens <= 0:
             return Proposal.empty()
         candidate = self.ngram.propose(context, num_tokens, sampling, generator)
-        if len(candidate) and self.policy.expected_rate(candidate) > self.policy.source_rate("head"):
+        head_rate = self.policy.source_rate("head")  # None until the head has drafted: try it first
+        if len(candidate) and head_rate is not None and self.policy.expected_rate(candidate) > head_rate:
             # Keep the head's cache current even on n-gram cycles (its catch-up is cheap).
             self.eagle._catch_up(context)
             return candidate
