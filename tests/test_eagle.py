@@ -4,7 +4,7 @@ training on a tiny model lowers the validation loss."""
 
 import pytest
 import torch
-from conftest import as_method, run_ids, tiny_llama
+from conftest import as_method, char_tokenizer, run_ids, tiny_llama
 
 from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import NgramDrafter, NoDrafter
@@ -235,3 +235,66 @@ def test_a_head_reading_several_target_layers_drafts_as_it_trains(target32, prom
 
     assert run_ids(target32, as_method(Watching(head), num_draft=3), prompt_ids, 30) == reference
     assert seen and set(seen) == {96}
+
+
+@pytest.fixture
+def training_data_dir(tmp_path):
+    """A miniature of ../shared/data's training sources (GSM8K train, WMT14, CNN/DM, XSum)."""
+    import json
+
+    root = tmp_path / "data"
+    rows = {
+        "gsm8k/train.jsonl": [{"question": f"tom has {i} apples and buys {i + 1} more. how many?",
+                               "answer": f"{i} + {i + 1} = <<{i}+{i + 1}={2 * i + 1}>>{2 * i + 1}\n#### {2 * i + 1}"}
+                              for i in range(8)],
+        "wmt14/newstest2014_deen.jsonl": [{"id": i, "de": f"der hund {i} ist gross.", "en": f"the dog {i} is big.",
+                                           "in_spec_bench": i == 0} for i in range(6)],
+        "cnn_dailymail/test.jsonl": [{"id": f"c{i}", "article": f"the mayor of springfield said {i} parks open today.",
+                                      "highlights": "parks open.", "in_spec_bench": False} for i in range(3)],
+        "xsum/test.jsonl": [{"id": f"x{i}", "document": f"rain fell on london for {i} days in a row.",
+                             "summary": "it rained."} for i in range(3)],
+    }
+    for name, records in rows.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text("\n".join(json.dumps(r) for r in records))
+    return root
+
+
+def test_drafter_commands_build_data_train_and_generate_on_a_tiny_model(tmp_path, training_data_dir, capsys):
+    """`tierspec drafter build-data` → `tierspec drafter train` → `tierspec generate --method eagle`,
+    end to end on a tiny model folder; a rerun of build-data resumes (nothing left to do); the
+    head is refused for another model."""
+    import json
+
+    from tierspec.cli import main
+
+    model = tiny_llama(seed=4, vocab_size=56, layers=4, sharpness=20.0, dtype=torch.float32).model
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    data = tmp_path / "draft-data"
+    build = ["drafter", "build-data", "--target", str(folder), "--out", str(data), "--own-prompts", "8",
+             "--reference-items", "6", "--batch-size", "4", "--max-new-tokens", "12", "--max-prompt-tokens", "120",
+             "--data-dir", str(training_data_dir), "--no-progress"]
+    assert main(build) == 0, capsys.readouterr().err
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["shards_done"] == manifest["shards_planned"] > 0 and manifest["answer_tokens"] > 0
+    shards = sorted(p.name for p in data.glob("shard-*.safetensors"))
+    assert main(build) == 0  # resumes: every shard is done, nothing is rewritten
+    assert sorted(p.name for p in data.glob("shard-*.safetensors")) == shards
+    head_path = tmp_path / "head.safetensors"
+    assert main(["drafter", "train", "--target", str(folder), "--data", str(data), "--out", str(head_path),
+                 "--epochs", "1", "--batch-tokens", "256", "--draft-vocab", "40", "--no-progress"]) == 0
+    info = json.loads(head_path.with_suffix(".json").read_text())
+    assert info["format"] == "tierspec-draft-head" and info["config"]["draft_vocab_size"] == 40
+    assert info["config"]["feature_layers"] == [1, 2]  # the layers build-data stored for 4 layers
+    capsys.readouterr()
+    assert main(["generate", "tom has 3 apples", "--target", str(folder), "--method", "eagle", "--draft-head",
+                 str(head_path), "--max-new-tokens", "10", "--no-chat-template", "--stats"]) == 0
+    stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert stats["method"] == "eagle" and stats["emitted"] == 10
+    other = tmp_path / "other"
+    tiny_llama(seed=9, vocab_size=56, layers=4, sharpness=20.0, dtype=torch.float32).model.save_pretrained(other)
+    char_tokenizer().save_pretrained(other)
+    assert main(["generate", "hi", "--target", str(other), "--method", "eagle", "--draft-head", str(head_path)]) == 2
+    assert "trained for" in capsys.readouterr().err

@@ -366,6 +366,7 @@ def _add_drafter(sub) -> None:
     build.add_argument("--own-prompts", type=int, default=2400, help="prompts the target answers itself")
     build.add_argument("--reference-items", type=int, default=1600, help="reference answers run teacher-forced")
     build.add_argument("--max-new-tokens", type=int, default=160)
+    build.add_argument("--max-prompt-tokens", type=int, default=448, help="longer prompts are skipped")
     build.add_argument("--batch-size", type=int, default=48)
     build.add_argument("--sampled-fraction", type=float, default=0.25,
                        help="share of own answers sampled at temperature 1 (the rest greedy)")
@@ -412,7 +413,8 @@ def _run_drafter_build(args) -> int:
     from .models import load_model
 
     config = DataConfig(own_prompts=args.own_prompts, reference_items=args.reference_items,
-                        max_new_tokens=args.max_new_tokens, batch_size=args.batch_size,
+                        max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
+                        batch_size=args.batch_size,
                         sampled_fraction=args.sampled_fraction, seed=args.seed)
     target = load_model(args.target)
     manifest = build_data(target, Path(args.out), config, Path(args.data_dir) if args.data_dir else None,

@@ -223,14 +223,23 @@ def converted_copy_problem(folder: Path) -> str | None:
 
 
 def _folder_hash(folder: Path) -> str:
-    """A cheap identity for a model folder: hash of its config and weight-file sizes."""
+    """A cheap identity for a model folder: its config, and each weight file's size with the
+    hash of its first and last 4 MiB (two models of one architecture differ there; hashing all
+    of a large file on every load would cost seconds)."""
     digest = hashlib.sha256()
     for item in sorted(folder.iterdir()):
         if item.suffix in {".json", ".safetensors", ".bin"} and item.is_file():
             digest.update(item.name.encode())
-            digest.update(str(item.stat().st_size).encode())
+            size = item.stat().st_size
+            digest.update(str(size).encode())
             if item.suffix == ".json":
                 digest.update(item.read_bytes())
+                continue
+            with open(item, "rb") as handle:
+                digest.update(handle.read(4 << 20))
+                if size > 8 << 20:
+                    handle.seek(-(4 << 20), os.SEEK_END)
+                    digest.update(handle.read())
     return digest.hexdigest()
 
 

@@ -177,8 +177,8 @@ def training_items(data_dir: Path | None, seed: int = 0) -> tuple[list[TrainingI
     articles += [r["document"] for r in _read_jsonl(root / "xsum" / "test.jsonl")]
 
     own: list[TrainingItem] = []
-    own += [TrainingItem("gsm8k-train", p.text) for p in rng.sample(gsm8k, 700)]
-    own += [TrainingItem("wmt14", p.text) for p in rng.sample(wmt, 500)]
+    own += [TrainingItem("gsm8k-train", p.text) for p in rng.sample(gsm8k, min(700, len(gsm8k)))]
+    own += [TrainingItem("wmt14", p.text) for p in rng.sample(wmt, min(500, len(wmt)))]
     for p in cnn:
         own.append(TrainingItem("cnn_dailymail", summary_prompt(_truncate_words(_document_of(p), 320))))
     for r in xsum:
