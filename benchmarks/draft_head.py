@@ -121,6 +121,12 @@ def report(greedy: dict, sampled: dict | None, costs: dict, head_info: dict, arg
                      f"{sampled['methods']['hybrid']['overall']['speedup']:.2f}×, `adaptive-pld` "
                      f"{sampled['methods']['adaptive-pld']['overall']['speedup']:.2f}×, `pld` "
                      f"{sampled['methods']['pld']['overall']['speedup']:.2f}×.")
+    eagle = methods["eagle"]["overall"]
+    if eagle.get("draft_time_share") is not None:
+        lines.append(f"- Where `eagle`'s time goes: drafting {eagle['draft_time_share']:.1%} of the wall time "
+                     f"({eagle['drafter_calls_per_token']:.2f} head steps per emitted token at "
+                     f"{1000 * eagle['draft_seconds_per_drafter_call']:.2f} ms each, catch-up passes included); the rest is "
+                     f"verification ({eagle['target_calls_per_token']:.2f} target passes per token), prefill and the loop.")
     lines += [
         "",
         "Acceptance of `eagle` by draft position (drafts accepted / drafted, given the earlier drafts of the block were "

@@ -437,7 +437,10 @@ def _run_drafter_train(args) -> int:
     out = Path(args.out)
     checkpoint = out.with_name(out.name + ".checkpoint.pt")
     head, metrics = train_head(target, Path(args.data), config, checkpoint, progress=not args.no_progress)
-    head.save(out, {"training": metrics, "data": str(args.data)})
+    manifest_path = Path(args.data) / "manifest.json"
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    head.save(out, {"training": metrics, "data": str(args.data), "data_manifest": manifest,
+                    "data_seconds": manifest.get("seconds_total", manifest.get("seconds_this_run"))})
     checkpoint.unlink(missing_ok=True)
     print(json.dumps({"out": str(out), **{k: v for k, v in metrics.items() if k != "history"}}, indent=2))
     return 0

@@ -53,6 +53,9 @@ def _group_summary(rows: list[dict], baseline: dict, hf_greedy: dict, dataset: s
         "acceptance_by_position": [a / d if d else None for a, d in zip(accepted_at, drafted)] or None,
         "draft_seconds_per_drafter_call": (sum(r.get("draft_seconds", 0.0) for r in ours) / drafter_calls
                                            if drafter_calls else None),
+        "draft_time_share": (sum(r.get("draft_seconds", 0.0) for r in ours) / sum(r["seconds"] for r in ours)
+                             if ours and sum(r["seconds"] for r in ours) > 0 else None),
+        "drafter_calls_per_token": drafter_calls / emitted if emitted else None,
         "speedup_vs_hf_greedy": tps / hf if tps and hf else None,
         "speedup_vs_best_plain": tps / max(base or 0, hf or 0) if tps and (base or hf) else None,
         "mean_accepted_tokens": emitted / target_calls if target_calls else None,

@@ -323,8 +323,15 @@ def build_data(target: LoadedModel, out: Path, config: DataConfig = DataConfig()
             print(f"shard {index} ({job['kind']}, {len(items)} sequences, {answered} answer tokens) in "
                   f"{time.perf_counter() - shard_started:.1f} s", file=sys.stderr, flush=True)
     bar.close()
+    previous_seconds = 0.0
+    if (out / "manifest.json").exists():
+        try:
+            previous_seconds = float(json.loads((out / "manifest.json").read_text()).get("seconds_total", 0.0))
+        except (OSError, ValueError, TypeError):
+            previous_seconds = 0.0
     manifest = summarize_data(out)
     manifest["seconds_this_run"] = round(time.perf_counter() - started, 1)
+    manifest["seconds_total"] = round(previous_seconds + manifest["seconds_this_run"], 1)  # every run of the job
     atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=2))
     return manifest
 
