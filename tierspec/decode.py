@@ -419,8 +419,8 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
     remaining = config.max_new_tokens - emitted_total
     # Never draft past the budget: the cycle emits at most k + 1 tokens.
     budget = max(0, min(policy.max_draft, remaining - 1))
-    proposal: Proposal = drafter.propose(context, budget, config.sampling, generator, policy.keep_drafting)
-    proposal = proposal.head(min(policy.trim(proposal), budget))
+    drafted: Proposal = drafter.propose(context, budget, config.sampling, generator, policy.keep_drafting)
+    proposal = drafted.head(min(policy.trim(drafted), budget))
     drafted_at = time.perf_counter()
     verdict = rule.verify(verifiers, proposal, config.sampling, generator)
 
@@ -443,8 +443,12 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
 
     k = len(proposal)
     ended = time.perf_counter()
+    cut_key = cut_accepted = None
+    if len(drafted) > k and verdict.accepted == k:  # the bonus token tells whether the cut one would have passed
+        cut_key = policy.keys(drafted, k + 1)[k]
+        cut_accepted = verdict.next_token == int(drafted.tokens[k])
     policy.observe(CycleOutcome(policy.keys(proposal, k), verdict.accepted, k, drafted_at - started,
-                                ended - drafted_at, proposal.drafter_calls, proposal.source))
+                                ended - drafted_at, proposal.drafter_calls, proposal.source, cut_key, cut_accepted))
     cycle = CycleStats(
         drafted=k,
         evaluated=verdict.accepted + (1 if verdict.accepted < k else 0),

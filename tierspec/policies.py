@@ -45,6 +45,12 @@ class CycleOutcome:
     verify_seconds: float  # verification, commit and rollback
     drafter_calls: int
     source: str = ""  # which drafter proposed (a hybrid drafter has several)
+    # The first drafted token the policy cut off, when the verdict tells whether it would have
+    # been accepted: after a fully accepted block, the target's bonus token is its verdict (exact
+    # in greedy mode; in sampling mode "bonus == token" is a conservative stand-in). Without it a
+    # policy that stops drafting a kind of token would never learn that it should not have.
+    cut_key: Hashable | None = None
+    cut_accepted: bool | None = None
 
 
 class DraftPolicy:
@@ -241,7 +247,7 @@ class CostAware(DraftPolicy):
         estimate = self.acceptance.get(key)
         if estimate is None:
             prior = 0.5
-            if len(key) == 4 and key[1] == "confidence":
+            if len(key) == 5 and key[1] == "confidence":
                 low, high = CONFIDENCE_BINS[key[2]], min(CONFIDENCE_BINS[key[2] + 1], 1.0)
                 prior = (low + high) / 2
             estimate = self.acceptance[key] = AcceptanceEstimate(prior=prior)
@@ -252,8 +258,14 @@ class CostAware(DraftPolicy):
             return [(*key, self.streak) for key in proposal.keys[:count]]
         source = proposal.source
         if proposal.confidence is not None:
-            return [(source, "confidence", confidence_bin(float(c)), self.streak) for c in proposal.confidence[:count]]
+            return [self.confidence_key(source, float(c), i) for i, c in enumerate(proposal.confidence[:count])]
         return [(source, self.streak)] * count
+
+    def confidence_key(self, source: str, confidence: float, position: int) -> tuple:
+        """(source, "confidence", bin, first?, streak): a drafter's first token of a block and its
+        later ones (whose predecessors were accepted) are accepted at different rates even at the
+        same confidence (measured on the draft head: 0.52 vs 0.75 for the second position)."""
+        return (source, "confidence", confidence_bin(confidence), position == 0, self.streak)
 
     def _reach(self, keys: list[Hashable]) -> list[float]:
         reach, alive = [], 1.0
@@ -272,7 +284,7 @@ class CostAware(DraftPolicy):
         drafted = len(confidences)
         if drafted >= self.max_draft:
             return False
-        keys = [(source, "confidence", confidence_bin(c), self.streak) for c in confidences]
+        keys = [self.confidence_key(source, c, i) for i, c in enumerate(confidences)]
         reach = self._reach(keys)
         emitted = expected_emitted(reach)
         cost = self._cost(source)
@@ -315,16 +327,19 @@ class CostAware(DraftPolicy):
     def observe(self, outcome: CycleOutcome) -> None:
         if self.learn_cost:
             self.cost.observe(outcome.drafted, outcome.draft_seconds, outcome.verify_seconds, outcome.source)
-        if not outcome.drafted:
+        if not outcome.drafted and outcome.cut_key is None:
             return
         # Positions up to and including the first rejection were evaluated; later ones were not.
         # Each key's evidence decays once per block (a memory of about ten blocks).
         counts: dict[Hashable, list[int]] = defaultdict(lambda: [0, 0])
         for i, key in enumerate(outcome.keys[: outcome.accepted + 1]):
             counts[key][0 if i < outcome.accepted else 1] += 1
+        if outcome.cut_key is not None and outcome.cut_accepted is not None:
+            counts[outcome.cut_key][0 if outcome.cut_accepted else 1] += 1
         for key, (successes, failures) in counts.items():
             self._estimate(key).update(successes, failures, self.decay)
-        self.streak = outcome.accepted == outcome.drafted
+        if outcome.drafted:
+            self.streak = outcome.accepted == outcome.drafted
 
 
 def policy_summary(policy: DraftPolicy) -> dict:
