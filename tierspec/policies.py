@@ -207,7 +207,8 @@ class CostModel:
             self.draft_step[source] = current + (step - current) / self._draft_weight[source]
 
 
-CONFIDENCE_BINS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.01)
+# Coarse on purpose: each bin × first/later is learned on its own, and a generation is short.
+CONFIDENCE_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.95, 1.01)
 
 
 def confidence_bin(confidence: float) -> int:
@@ -218,10 +219,11 @@ class CostAware(DraftPolicy):
     """Drafts the length that maximises expected emitted tokens per second (module docstring).
 
     Acceptance keys: a drafter that knows why it proposes (n-gram lookup: the size of the
-    matched n-gram) labels its tokens (``Proposal.keys``); for a drafter with a distribution the
-    key is its source and the token's confidence bin, whose prior is the bin's confidence
-    itself. Each key is combined with whether the previous block was accepted whole
-    (acceptance runs in streaks). Estimates decay (a memory of about ten blocks), a new
+    matched n-gram) labels its tokens (``Proposal.keys``) and the key is combined with whether the
+    previous block was accepted whole (copying runs in streaks); for a drafter with a
+    distribution the key is its source, the token's confidence bin (whose prior is the bin's
+    confidence itself) and whether it is the block's first token. The first token the policy
+    cut off is still scored when the verdict reveals its fate (``CycleOutcome.cut_key``). Estimates decay (a memory of about ten blocks), a new
     generation keeps a quarter of the evidence (a summary copies far less than a translation),
     and a key that is not drafted drifts back to its prior so that a context written off early
     is tried again.
@@ -247,7 +249,7 @@ class CostAware(DraftPolicy):
         estimate = self.acceptance.get(key)
         if estimate is None:
             prior = 0.5
-            if len(key) == 5 and key[1] == "confidence":
+            if len(key) == 4 and key[1] == "confidence":
                 low, high = CONFIDENCE_BINS[key[2]], min(CONFIDENCE_BINS[key[2] + 1], 1.0)
                 prior = (low + high) / 2
             estimate = self.acceptance[key] = AcceptanceEstimate(prior=prior)
@@ -261,11 +263,13 @@ class CostAware(DraftPolicy):
             return [self.confidence_key(source, float(c), i) for i, c in enumerate(proposal.confidence[:count])]
         return [(source, self.streak)] * count
 
-    def confidence_key(self, source: str, confidence: float, position: int) -> tuple:
-        """(source, "confidence", bin, first?, streak): a drafter's first token of a block and its
-        later ones (whose predecessors were accepted) are accepted at different rates even at the
-        same confidence (measured on the draft head: 0.52 vs 0.75 for the second position)."""
-        return (source, "confidence", confidence_bin(confidence), position == 0, self.streak)
+    @staticmethod
+    def confidence_key(source: str, confidence: float, position: int) -> tuple:
+        """(source, "confidence", bin, first?): a drafter's first token of a block and its later
+        ones (whose predecessors were accepted) are accepted at different rates even at the same
+        confidence (measured on the draft head: 0.52 vs 0.75 for the second position). Unlike
+        n-gram keys these carry no streak flag: the confidence already says what it would."""
+        return (source, "confidence", confidence_bin(confidence), position == 0)
 
     def _reach(self, keys: list[Hashable]) -> list[float]:
         reach, alive = [], 1.0

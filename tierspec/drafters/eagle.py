@@ -80,30 +80,31 @@ class EagleDrafter(Drafter):
             return Proposal.empty(source="head")
         committed = self.runner.length
         ids = self.head.draft_ids
-        tokens, rows, logit_rows, confidences = [], [], [], []
+        tokens, k_probs, k_logits, confidences = [], [], [], []
         steps = 1  # the catch-up pass produced the first draft's logits
         try:
             while True:
                 logits = self.runner.logits(h)[0].float()  # [K]
                 probs = logits_to_probs(logits, sampling)
                 choice = int(logits.argmax()) if sampling.greedy else sample(probs, generator)
-                token = int(ids[choice])
-                full_probs = torch.zeros(self.vocab_size)
-                full_probs[ids] = probs
-                full_logits = torch.full((self.vocab_size,), float("-inf"))
-                full_logits[ids] = logits
-                tokens.append(token)
-                rows.append(full_probs)
-                logit_rows.append(full_logits)
+                tokens.append(int(ids[choice]))
+                k_probs.append(probs)
+                k_logits.append(logits)
                 confidences.append(float(logits.softmax(-1).max()))
                 if len(tokens) >= num_tokens or not keep_drafting(confidences, "head"):
                     break
-                h = self.runner.extend(h, torch.tensor([token]))
+                h = self.runner.extend(h, torch.tensor([tokens[-1]]))
                 steps += 1
         finally:
             self.runner.rollback(committed)  # drafted positions are recomputed from real features
-        return Proposal(torch.tensor(tokens), torch.stack(rows), torch.stack(logit_rows), torch.tensor(confidences),
-                        drafter_calls=steps, source="head")
+        # Rows over the full vocabulary, p(v) = 0 (logit −inf) outside the draft vocabulary.
+        k = len(tokens)
+        rows = torch.zeros(k, self.vocab_size)
+        rows[:, ids] = torch.stack(k_probs)
+        logit_rows = torch.full((k, self.vocab_size), float("-inf"))
+        logit_rows[:, ids] = torch.stack(k_logits)
+        return Proposal(torch.tensor(tokens), rows, logit_rows, torch.tensor(confidences), drafter_calls=steps,
+                        source="head")
 
     def commit(self, committed_length: int, features: TargetFeatures | None = None) -> None:
         # The head's cache holds only committed positions (drafts were dropped in propose).
