@@ -52,7 +52,7 @@ def test_gguf_conversion_is_cached(tmp_path, monkeypatch, tiny_target):
     def fake_convert(source, dest, dtype):
         conversions.append(source)
         tiny_target.model.save_pretrained(dest)
-        (dest / models._CONVERTED_MARKER).write_text(json.dumps({"sha256": "ab" * 32}))
+        models.write_conversion_marker(dest, source, "ab" * 32)
 
     monkeypatch.setattr(models, "_convert_gguf", fake_convert)
     first = load_model(gguf, dtype=torch.float64)

@@ -126,9 +126,7 @@ def _convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        marker = {"source": str(gguf), "sha256": _sha256_file(gguf), "name": gguf.stem,
-                  "files": {item.name: _file_record(item) for item in sorted(staging.iterdir()) if item.is_file()}}
-        (staging / _CONVERTED_MARKER).write_text(json.dumps(marker, indent=2))
+        write_conversion_marker(staging, gguf, _sha256_file(gguf))
         try:
             os.replace(staging, dest)
         except OSError:
@@ -188,6 +186,14 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype = tor
         model, tokenizer = _load_hf_folder(folder, dtype)
     marker = json.loads((folder / _CONVERTED_MARKER).read_text())
     return _loaded(model, tokenizer, name, marker["sha256"])
+
+
+def write_conversion_marker(folder: Path, source: Path, source_sha256: str) -> None:
+    """Record, in ``folder``, the source file's hash and every file the conversion wrote
+    (size, mtime, hash) so that :func:`converted_copy_problem` can tell damage later."""
+    marker = {"source": str(source), "sha256": source_sha256, "name": source.stem,
+              "files": {item.name: _file_record(item) for item in sorted(folder.iterdir()) if item.is_file()}}
+    (folder / _CONVERTED_MARKER).write_text(json.dumps(marker, indent=2))
 
 
 def _file_record(path: Path) -> dict:
