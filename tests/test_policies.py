@@ -93,6 +93,17 @@ def test_keep_drafting_stops_when_no_longer_draft_can_pay():
     assert not policy.keep_drafting([0.999] * 8, "head")  # the cap
 
 
+@pytest.mark.parametrize("later_successes, later_failures, keeps", [(9, 1, True), (1, 9, False)])
+def test_keep_drafting_scores_unseen_tokens_at_the_pooled_later_acceptance(later_successes, later_failures, keeps):
+    """After a first token at confidence 0.5, a second pays (under 46 + 7k ms) only if later
+    tokens are accepted with probability > 0.396; the evidence of later positions decides,
+    whatever the bin those tokens fell in."""
+    policy = CostAware(8, cost=cost)
+    policy._estimate(("head", "confidence", 5, False)).update(later_successes, later_failures, 1.0)
+    assert policy.keep_drafting([0.5], "head") is keeps
+    assert policy.keep_drafting([0.5], "other-source")  # no later evidence: the first token's 0.5 stands in
+
+
 def test_confidence_stop_cuts_before_the_first_unsure_token():
     policy = ConfidenceStop(5, 0.5)
     proposal = Proposal(torch.tensor([1, 2, 3]), confidence=torch.tensor([0.9, 0.4, 0.95]))
