@@ -49,22 +49,22 @@ def step_costs(repeats: int = 200) -> dict:
     with torch.inference_mode():
         runner = CachedModel(target.model)
         runner.forward(context, logits_for=1)
-        target_samples = []
+        drafting = HeadRunner(head)
+        h = drafting.extend(torch.randn(300, head.config.hidden_size), context)[-1:]
+        # Interleaved (four head steps per target pass), so both meet the same machine load.
+        target_samples, head_samples = [], []
         for i in range(repeats // 4 + 3):
             started = time.perf_counter()
             runner.forward(context[:1], logits_for=1)
             target_samples.append(time.perf_counter() - started)
             runner.rollback(300)
-        drafting = HeadRunner(head)
-        h = drafting.extend(torch.randn(300, head.config.hidden_size), context)[-1:]
-        head_samples = []
-        for i in range(repeats + 5):
-            started = time.perf_counter()
-            out = drafting.extend(h, context[:1])
-            drafting.logits(out)
-            head_samples.append(time.perf_counter() - started)
-            drafting.rollback(300)
-    target_s, head_s = statistics.median(target_samples[3:]), statistics.median(head_samples[5:])
+            for _ in range(4):
+                started = time.perf_counter()
+                out = drafting.extend(h, context[:1])
+                drafting.logits(out)
+                head_samples.append(time.perf_counter() - started)
+                drafting.rollback(300)
+    target_s, head_s = statistics.median(target_samples[3:]), statistics.median(head_samples[12:])
     return {"target_pass_ms": target_s * 1000, "draft_step_ms": head_s * 1000, "ratio": head_s / target_s}
 
 

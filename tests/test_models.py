@@ -1,6 +1,5 @@
 """Model loading: folders, GGUF errors, the default model's install hint, the conversion cache."""
 
-import json
 
 import pytest
 import torch
@@ -66,3 +65,23 @@ def test_identity_matching():
     assert a.matches(ModelIdentity("renamed", 30, 576, 49152, "h1"))
     assert not a.matches(ModelIdentity("a", 30, 576, 49152, "h2"))
     assert not a.matches(ModelIdentity("a", 24, 576, 49152, "h1"))
+
+
+def test_devices_dtypes_and_kernels_are_checked(tmp_path, tiny_target):
+    from tierspec.kernels import FewRowLinear
+
+    tiny_target.model.save_pretrained(tmp_path / "m")
+    with pytest.raises(ModelLoadError, match="unknown device"):
+        load_model(tmp_path / "m", device="tpu")
+    with pytest.raises(ModelLoadError, match="unsupported dtype"):
+        load_model(tmp_path / "m", dtype="int8")
+    with pytest.raises(ModelLoadError, match="unknown kernels"):
+        load_model(tmp_path / "m", kernels="fast")
+    if not torch.cuda.is_available():  # never a silent fall-back to the CPU
+        with pytest.raises(ModelLoadError, match="no CUDA device"):
+            load_model(tmp_path / "m", device="cuda")
+    auto = load_model(tmp_path / "m", device="auto", dtype="bfloat16")
+    assert auto.model.dtype == torch.bfloat16
+    assert any(isinstance(m, FewRowLinear) for m in auto.model.modules()) == (auto.device.type == "cpu")
+    stock = load_model(tmp_path / "m", kernels="stock")
+    assert not any(isinstance(m, FewRowLinear) for m in stock.model.modules())

@@ -156,3 +156,28 @@ def test_a_truncated_converted_copy_is_rebuilt(smollm, tmp_path, monkeypatch, ca
     out = tierspec.generate(PROMPT, target=reloaded, method="ar", max_new_tokens=8)
     reference = tierspec.generate(PROMPT, target=smollm, method="ar", max_new_tokens=8)
     assert out.token_ids == reference.token_ids
+
+
+# ---- dtype and device ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smollm_bf16():
+    return tierspec.load_model("smollm2-135m", dtype="bfloat16")
+
+
+@pytest.mark.parametrize("method", ["pld", "eagle"])
+def test_bfloat16_lossless_methods_equal_ar_in_the_same_dtype(smollm_bf16, method):
+    assert smollm_bf16.model.dtype == torch.bfloat16
+    ar = tierspec.generate(PROMPT, target=smollm_bf16, method="ar", max_new_tokens=48)
+    out = tierspec.generate(PROMPT, target=smollm_bf16, method=method, max_new_tokens=48)
+    assert out.token_ids == ar.token_ids and out.stats.target_calls < ar.stats.target_calls
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device on this machine")
+@pytest.mark.parametrize("method", ["pld", "eagle", "hybrid"])
+def test_cuda_lossless_methods_equal_ar_on_the_gpu(method):
+    model = tierspec.load_model("smollm2-135m", device="cuda")
+    assert model.device.type == "cuda"
+    ar = tierspec.generate(PROMPT, target=model, method="ar", max_new_tokens=48)
+    out = tierspec.generate(PROMPT, target=model, method=method, max_new_tokens=48)
+    assert out.token_ids == ar.token_ids

@@ -23,6 +23,7 @@ def _add_generate(sub) -> None:
         help=f"decoding method: {', '.join(method_names())} (default {DEFAULT_METHOD}, the fastest lossless one)",
     )
     parser.add_argument("--target", default=DEFAULT_MODEL, help="target model: HF folder, .gguf file or smollm2-135m")
+    _add_model_flags(parser)
     parser.add_argument("--drafter", default=None, help="drafter model for sd (default: the target drafts for itself)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
@@ -33,6 +34,25 @@ def _add_generate(sub) -> None:
     _add_method_options(parser)
     parser.add_argument("--stats", action="store_true", help="print statistics as one JSON line on stderr")
     parser.set_defaults(run=_run_generate)
+
+
+def _add_model_flags(parser) -> None:
+    """--dtype, --device and --kernels: how every command that loads a model loads it."""
+    from .models import DEVICES, DTYPES, KERNELS
+
+    group = parser.add_argument_group("model loading")
+    group.add_argument("--dtype", default="float32", choices=list(DTYPES), help="weights' dtype (default float32)")
+    group.add_argument("--device", default="cpu", choices=list(DEVICES),
+                       help="where the model runs; auto = cuda, else mps, else cpu (default cpu)")
+    group.add_argument("--kernels", default="auto", choices=list(KERNELS),
+                       help="linear kernels: few-row (pays on a CPU), stock nn.Linear, auto = few-row on the CPU only")
+
+
+def _load(args, spec):
+    """``load_model(spec)`` with the command's --dtype/--device/--kernels."""
+    from .models import load_model
+
+    return load_model(spec, args.dtype, args.device, args.kernels)
 
 
 def _flag(option) -> str:
@@ -86,6 +106,7 @@ def _add_route(sub) -> None:
         "same command after an interruption.",
     )
     parser.add_argument("--target", default=DEFAULT_MODEL)
+    _add_model_flags(parser)
     parser.add_argument("--ratio", type=float, default=0.45, help="fraction of units bypassed (r)")
     parser.add_argument("--unit", choices=["layer", "sublayer"], default="sublayer")
     parser.add_argument("--budget", type=int, default=100, help="mask evaluations at most (S)")
@@ -97,7 +118,7 @@ def _add_route(sub) -> None:
     parser.add_argument("--beta", type=float, default=1.0, help="cost tolerance β")
     parser.add_argument("--calibration-prompts", type=int, default=8, help="prompts sampled from the data folder")
     parser.add_argument("--calibration-file", default=None, help="your own prompts: a text file, one per line, or JSONL with 'prompt'")
-    parser.add_argument("--data-dir", default=None, help="evaluation data folder (default ../shared/data)")
+    parser.add_argument("--data-dir", default=None, help="evaluation data folder (default: the copy shipped in the package, or $TIERSPEC_DATA)")
     parser.add_argument("--window", type=int, default=32, help="τ: scored positions per calibration sequence")
     parser.add_argument("--context", type=int, default=32, help="prompt tokens kept before each window")
     parser.add_argument("--seed", type=int, default=0)
@@ -128,14 +149,13 @@ def _run_route(args) -> int:
     from pathlib import Path
 
     from .data import calibration_prompts
-    from .models import load_model
     from .search import SearchConfig, build_calibration, search_mask
 
     config = SearchConfig(
         ratio=args.ratio, unit=args.unit, budget=args.budget, bo_every=args.bo_every, patience=args.patience,
         objective=args.objective, strategy=args.strategy, alpha=args.alpha, beta=args.beta, seed=args.seed,
     )
-    target = load_model(args.target)
+    target = _load(args, args.target)
     if args.calibration_file:
         prompts = _read_calibration_file(args.calibration_file)
     else:
@@ -178,14 +198,13 @@ def read_prompt(argument: str | None) -> str:
 def _run_generate(args) -> int:
     from .api import stream
     from .methods import check_method_name
-    from .models import load_model
     from .sampling import SamplingConfig
 
     check_method_name(args.method)
     SamplingConfig(args.temperature, args.top_k, args.top_p)  # refuse bad values before loading anything
     prompt = read_prompt(args.prompt)
-    target = load_model(args.target)
-    drafter = load_model(args.drafter) if args.drafter else None
+    target = _load(args, args.target)
+    drafter = _load(args, args.drafter) if args.drafter else None
     options = method_options(args, target)
     text_stream = stream(
         prompt,
@@ -209,6 +228,44 @@ def _run_generate(args) -> int:
     return 0
 
 
+def _add_serve(sub) -> None:
+    parser = sub.add_parser(
+        "serve",
+        help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health)",
+        description="Serve one model over OpenAI's HTTP API, one generation at a time from a bounded queue. A request "
+        "may override the method with an extra body field 'method'; 'usage' carries the speculative statistics.",
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--method", default=DEFAULT_METHOD,
+                        help=f"default method of requests that name none (default {DEFAULT_METHOD})")
+    parser.add_argument("--target", default=DEFAULT_MODEL, help="model to serve: HF folder, .gguf file or smollm2-135m")
+    _add_model_flags(parser)
+    parser.add_argument("--drafter", default=None, help="drafter model for sd (default: the target drafts for itself)")
+    parser.add_argument("--max-queue", type=int, default=8,
+                        help="requests that may wait behind the running one; more are answered 503 (default 8)")
+    parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    _add_method_options(parser)
+    parser.set_defaults(run=_run_serve)
+
+
+def _run_serve(args) -> int:
+    from .methods import check_method_name
+    from .server import Engine, serve
+
+    check_method_name(args.method)
+    if not 0 < args.port < 65536:
+        from .errors import TierspecError
+
+        raise TierspecError(f"--port must be in 1..65535, got {args.port}")
+    target = _load(args, args.target)
+    drafter = _load(args, args.drafter) if args.drafter else None
+    engine = Engine(target, args.method, drafter, method_options(args, target), max_queue=args.max_queue)
+    engine.method(args.method, None)  # build (and measure costs for) the default method before the first request
+    serve(engine, args.host, args.port, args.log_level)
+    return 0
+
+
 def _add_bench(sub) -> None:
     parser = sub.add_parser(
         "bench",
@@ -217,12 +274,13 @@ def _add_bench(sub) -> None:
         "records (resumable), summary.json, summary.md and plots to --out.",
     )
     parser.add_argument("--target", default=DEFAULT_MODEL)
+    _add_model_flags(parser)
     parser.add_argument("--drafter", default=None, help="drafter model for sd / hf-assisted / lossy rules")
     parser.add_argument("--methods", default="ar,hf-greedy,sd,pld,hf-pld",
                         help="comma-separated method specs, e.g. ar,pld,via:alpha2=0.5:mask=m.json,hf-assisted")
     parser.add_argument("--dataset", default="spec_bench",
                         help="spec_bench, gsm8k, humaneval, mt_bench, cnn_dailymail, xsum, wmt14")
-    parser.add_argument("--data-dir", default=None, help="data folder (default ../shared/data)")
+    parser.add_argument("--data-dir", default=None, help="data folder (default: the copy shipped in the package, or $TIERSPEC_DATA)")
     parser.add_argument("--per-category", type=int, default=None, help="prompts per category (seeded sample)")
     parser.add_argument("--limit", type=int, default=None, help="at most this many prompts")
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -256,7 +314,7 @@ def _run_bench(args) -> int:
     if per_category is None and args.limit is None:
         per_category = 5 if args.dataset in ("spec_bench", "mt_bench") else None
     config = BenchConfig(
-        target=args.target, methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), dataset=args.dataset,
+        target=args.target, dtype=args.dtype, device=args.device, kernels=args.kernels, methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), dataset=args.dataset,
         per_category=per_category, limit=args.limit if args.limit is not None else (None if per_category else 20),
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         num_draft=args.num_draft, repeats=args.repeats, seed=args.seed, drafter=args.drafter, data_dir=args.data_dir,
@@ -286,6 +344,7 @@ def _add_judge(sub) -> None:
 
     train = judge_sub.add_parser("train", help="train a linear judge head on the target's hidden states")
     train.add_argument("--target", default=DEFAULT_MODEL)
+    _add_model_flags(train)
     train.add_argument("--data", required=True, help="judge JSONL (see `judge build-data`)")
     train.add_argument("--features", choices=["hidden", "hidden+logprob"], default="hidden+logprob")
     train.add_argument("--max-mistake-acceptance", type=float, default=0.1,
@@ -297,6 +356,7 @@ def _add_judge(sub) -> None:
 
     evaluate = judge_sub.add_parser("eval", help="validation metrics of a trained head")
     evaluate.add_argument("--target", default=DEFAULT_MODEL)
+    _add_model_flags(evaluate)
     evaluate.add_argument("--head", required=True)
     evaluate.add_argument("--data", required=True)
     evaluate.add_argument("--threshold", type=float, default=None)
@@ -323,9 +383,8 @@ def _run_judge_train(args) -> int:
     from pathlib import Path
 
     from .judge.train import train_judge
-    from .models import load_model
 
-    target = load_model(args.target)
+    target = _load(args, args.target)
     head, metrics = train_judge(target, Path(args.data), args.features, not args.no_progress, args.max_mistake_acceptance, args.seed)
     head.save(args.out)
     print(json.dumps({"out": args.out, "train_seconds": head.metadata["train_seconds"], **metrics}, indent=2))
@@ -338,9 +397,8 @@ def _run_judge_eval(args) -> int:
     from .judge.data import read_judge_data
     from .judge.head import JudgeHead
     from .judge.train import evaluate_head, extract
-    from .models import load_model
 
-    target = load_model(args.target)
+    target = _load(args, args.target)
     head = JudgeHead.load(args.head, target.identity)
     if args.threshold is not None:
         head.threshold = args.threshold
@@ -362,6 +420,7 @@ def _add_drafter(sub) -> None:
         "Rerun the same command to resume.",
     )
     build.add_argument("--target", default=DEFAULT_MODEL)
+    _add_model_flags(build)
     build.add_argument("--out", required=True, help="data folder (a rerun resumes)")
     build.add_argument("--own-prompts", type=int, default=2400, help="prompts the target answers itself")
     build.add_argument("--reference-items", type=int, default=1600, help="reference answers run teacher-forced")
@@ -383,6 +442,7 @@ def _add_drafter(sub) -> None:
         "over several draft steps (training-time test). Prints validation acceptance by draft position per epoch.",
     )
     train.add_argument("--target", default=DEFAULT_MODEL)
+    _add_model_flags(train)
     train.add_argument("--data", required=True, help="folder written by `tierspec drafter build-data`")
     train.add_argument("--out", required=True, help="head .safetensors (metadata goes beside it as .json)")
     from .eagle.train import TrainConfig
@@ -410,13 +470,12 @@ def _run_drafter_build(args) -> int:
     from pathlib import Path
 
     from .eagle.data import DataConfig, build_data
-    from .models import load_model
 
     config = DataConfig(own_prompts=args.own_prompts, reference_items=args.reference_items,
                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                         batch_size=args.batch_size,
                         sampled_fraction=args.sampled_fraction, seed=args.seed)
-    target = load_model(args.target)
+    target = _load(args, args.target)
     manifest = build_data(target, Path(args.out), config, Path(args.data_dir) if args.data_dir else None,
                           progress=not args.no_progress)
     print(json.dumps(manifest, indent=2))
@@ -427,13 +486,12 @@ def _run_drafter_train(args) -> int:
     from pathlib import Path
 
     from .eagle.train import TrainConfig, train_head
-    from .models import load_model
 
     layers = None if args.feature_layers is None else tuple(int(i) for i in args.feature_layers.split(",") if i.strip())
     config = TrainConfig(draft_vocab_size=args.draft_vocab, epochs=args.epochs, batch_tokens=args.batch_tokens,
                          lr=args.lr, ttt_steps=args.ttt_steps, ce_weight=args.ce_weight, feature_layers=layers,
                          seed=args.seed)
-    target = load_model(args.target)
+    target = _load(args, args.target)
     out = Path(args.out)
     checkpoint = out.with_name(out.name + ".checkpoint.pt")
     head, metrics = train_head(target, Path(args.data), config, checkpoint, progress=not args.no_progress)
@@ -451,6 +509,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show tracebacks of every error (or set TIERSPEC_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_serve(sub)
     _add_route(sub)
     _add_bench(sub)
     _add_judge(sub)

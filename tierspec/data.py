@@ -1,4 +1,5 @@
-"""Offline evaluation data (``../shared/data``) and the task prompt templates.
+"""Offline evaluation data (shipped in ``tierspec/datasets``, gzip-compressed, with their sources
+and licences in ``SOURCES.md`` there) and the task prompt templates.
 
 Every record becomes a ``Prompt``: the text fed to the chat template, its category, and the
 reference the task metric needs (a final number, a summary, a translation, HumanEval tests).
@@ -34,29 +35,33 @@ class Prompt:
     extra: dict = field(default_factory=dict, compare=False, hash=False)  # e.g. HumanEval test code
 
 
+PACKAGED_DATA = Path(__file__).resolve().parent / "datasets"
+
+
 def default_data_dir() -> Path:
-    """``$TIERSPEC_DATA``, else ``../shared/data`` (from the working directory or this checkout)."""
-    candidates = []
+    """``$TIERSPEC_DATA`` when set, else the copy shipped inside the package (works from any folder)."""
     if os.environ.get("TIERSPEC_DATA"):
-        candidates.append(Path(os.environ["TIERSPEC_DATA"]))
-    candidates.append(Path.cwd().parent / "shared" / "data")
-    candidates.append(Path(__file__).resolve().parents[2] / "shared" / "data")
-    for candidate in candidates:
-        if candidate.is_dir():
-            return candidate
-    raise DataError(
-        "no data folder found: pass --data-dir, or set TIERSPEC_DATA (looked in: "
-        + ", ".join(str(c) for c in candidates)
-        + ")"
-    )
+        chosen = Path(os.environ["TIERSPEC_DATA"]).expanduser()
+        if not chosen.is_dir():
+            raise DataError(f"TIERSPEC_DATA={chosen} is not a folder")
+        return chosen
+    if not PACKAGED_DATA.is_dir():
+        raise DataError(f"the packaged evaluation data is missing ({PACKAGED_DATA}); reinstall tierspec or pass --data-dir")
+    return PACKAGED_DATA
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
+    """Rows of ``path`` (a ``.jsonl`` file, or its ``.jsonl.gz`` twin when only that exists)."""
+    if not path.exists() and path.suffix == ".jsonl" and path.with_name(path.name + ".gz").exists():
+        path = path.with_name(path.name + ".gz")
     if not path.exists():
         raise DataError(f"data file {path} is missing")
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+    try:
+        with opener(path, "rt", encoding="utf-8") as handle:
+            return [json.loads(line) for line in handle if line.strip()]
+    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise DataError(f"data file {path} is damaged: {error}") from error
 
 
 def gsm8k_prompt(question: str) -> str:
@@ -82,7 +87,7 @@ def load_prompts(dataset: str, data_dir: Path | None = None, split: str = "test"
         raise DataError(f"unknown dataset '{dataset}'; choose one of: {', '.join(DATASETS)}")
     root = Path(data_dir) if data_dir else default_data_dir()
     if dataset == "spec_bench":
-        rows = _read_jsonl(root / "spec_bench" / "question.jsonl")
+        rows = read_jsonl(root / "spec_bench" / "question.jsonl")
         return [
             Prompt(
                 f"spec_bench/{r['question_id']}",
@@ -93,16 +98,16 @@ def load_prompts(dataset: str, data_dir: Path | None = None, split: str = "test"
             for r in rows
         ]
     if dataset == "mt_bench":
-        rows = _read_jsonl(root / "mt_bench" / "question.jsonl")
+        rows = read_jsonl(root / "mt_bench" / "question.jsonl")
         return [Prompt(f"mt_bench/{r['question_id']}", r["category"], r["turns"][0]) for r in rows]
     if dataset == "gsm8k":
-        rows = _read_jsonl(root / "gsm8k" / f"{split}.jsonl")
+        rows = read_jsonl(root / "gsm8k" / f"{split}.jsonl")
         return [
             Prompt(f"gsm8k-{split}/{i}", "math_reasoning", gsm8k_prompt(r["question"]), r["answer"], {"question": r["question"]})
             for i, r in enumerate(rows)
         ]
     if dataset == "humaneval":
-        rows = _read_jsonl(root / "humaneval" / "HumanEval.jsonl.gz")
+        rows = read_jsonl(root / "humaneval" / "HumanEval.jsonl.gz")
         return [
             Prompt(
                 r["task_id"],
@@ -114,15 +119,15 @@ def load_prompts(dataset: str, data_dir: Path | None = None, split: str = "test"
             for r in rows
         ]
     if dataset == "cnn_dailymail":
-        rows = _read_jsonl(root / "cnn_dailymail" / "test.jsonl")
+        rows = read_jsonl(root / "cnn_dailymail" / "test.jsonl")
         return [
             Prompt(r["id"], "summarization", summary_prompt(r["article"]), r["highlights"], {"in_spec_bench": r.get("in_spec_bench", False)})
             for r in rows
         ]
     if dataset == "xsum":
-        rows = _read_jsonl(root / "xsum" / "test.jsonl")
+        rows = read_jsonl(root / "xsum" / "test.jsonl")
         return [Prompt(f"xsum/{r['id']}", "summarization", summary_prompt(r["document"], True), r["summary"]) for r in rows]
-    rows = _read_jsonl(root / "wmt14" / "newstest2014_deen.jsonl")
+    rows = read_jsonl(root / "wmt14" / "newstest2014_deen.jsonl")
     return [
         Prompt(f"wmt14/{r['id']}", "translation", translation_prompt(r["de"]), r["en"], {"in_spec_bench": r.get("in_spec_bench", False)})
         for r in rows

@@ -58,13 +58,14 @@ def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out.view(*x.shape[:-1], out.shape[-1])
 
 
-def use_few_row_linears(model: torch.nn.Module) -> int:
-    """Switch every ``nn.Linear`` of a CPU model to ``FewRowLinear`` in place (weights shared,
-    nothing copied); returns how many were switched. Subclasses of ``nn.Linear`` with their own
-    forward are left alone."""
+def use_few_row_linears(model: torch.nn.Module, any_device: bool = False) -> int:
+    """Switch every ``nn.Linear`` of a model to ``FewRowLinear`` in place (weights shared,
+    nothing copied); returns how many were switched. Only CPU layers unless ``any_device`` (the
+    measured gain is a CPU BLAS effect). Subclasses of ``nn.Linear`` with their own forward are
+    left alone."""
     switched = 0
     for module in model.modules():
-        if type(module) is torch.nn.Linear and module.weight.device.type == "cpu":
+        if type(module) is torch.nn.Linear and (any_device or module.weight.device.type == "cpu"):
             module.__class__ = FewRowLinear
             switched += 1
     return switched

@@ -46,6 +46,10 @@ class LoadedModel:
     def vocab_size(self) -> int:
         return self.identity.vocab_size
 
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
 
 def cache_root() -> Path:
     return Path(os.environ.get("TIERSPEC_CACHE", Path.home() / ".cache" / "tierspec"))
@@ -144,12 +148,71 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / f"{gguf.stem}-{key}"
 
 
-def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Load a causal LM from a Hugging Face folder, a ``.gguf`` file, or ``"smollm2-135m"``.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_API_ONLY_DTYPES = {"float64": torch.float64}  # exact reference runs in tests
 
-    GGUF files (the default model is one) are de-quantised once into a cached safetensors
-    folder; later loads read the cache.
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """A torch dtype from a dtype or its name (``float32``, ``bfloat16``, ``float16``)."""
+    known = {**DTYPES, **_API_ONLY_DTYPES}
+    if isinstance(dtype, torch.dtype) and dtype in known.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in known:
+        return known[dtype]
+    raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
+
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+KERNELS = ("auto", "few-row", "stock")
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``auto``: CUDA when available, else MPS when available, else the CPU. A device that this
+    machine lacks is refused (never a silent fall-back to the CPU)."""
+    name = str(device)
+    kind = name.split(":")[0]
+    if kind not in DEVICES:
+        raise ModelLoadError(f"unknown device {name!r}; choose one of: {', '.join(DEVICES)} (cuda:N also works)")
+    mps = getattr(torch.backends, "mps", None)
+    mps_available = bool(mps is not None and mps.is_available())
+    if kind == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "mps" if mps_available else "cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda: this machine's torch sees no CUDA device")
+    if kind == "mps" and not mps_available:
+        raise ModelLoadError("--device mps: this machine's torch sees no MPS device")
+    return torch.device(name)
+
+
+def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32,
+               device: str | torch.device = "cpu", kernels: str = "auto") -> LoadedModel:
+    """Load a causal LM from a Hugging Face folder, a ``.gguf`` file, or ``"smollm2-135m"``,
+    with its weights in ``dtype`` (float32, bfloat16 or float16; logits are returned in
+    float32 whatever the weights) on ``device`` (``auto``, ``cpu``, ``cuda``, ``mps``).
+
+    ``kernels``: ``few-row`` runs the linear layers' 1-10-row products through ``kernels``
+    (pays on a CPU: 1.5-3.4x less matmul time here), ``stock`` keeps ``nn.Linear``; ``auto``
+    picks few-row on the CPU only.
+
+    GGUF files (the default model is one) are de-quantised once into a cached float32
+    safetensors folder; later loads read the cache (in the dtype asked for).
     """
+    dtype = resolve_dtype(dtype)
+    device = resolve_device(device)
+    if kernels not in KERNELS:
+        raise ModelLoadError(f"unknown kernels {kernels!r}; choose one of: {', '.join(KERNELS)}")
+    few_row = kernels == "few-row" or (kernels == "auto" and device.type == "cpu")
+    loaded = _load_model(spec, dtype)
+    if device.type != "cpu":
+        loaded.model.to(device)
+    if few_row:
+        from .kernels import use_few_row_linears
+
+        use_few_row_linears(loaded.model, any_device=kernels == "few-row")
+    return loaded
+
+
+def _load_model(spec: str | os.PathLike, dtype: torch.dtype) -> LoadedModel:
     _quiet_transformers()
     spec_str = str(spec)
     if spec_str == DEFAULT_MODEL:
@@ -176,13 +239,13 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype = tor
               file=sys.stderr)
         shutil.rmtree(folder, ignore_errors=True)
     if problem is not None:
-        _convert_gguf(gguf, folder, dtype)
+        _convert_gguf(gguf, folder, torch.float32)
     try:
         model, tokenizer = _load_hf_folder(folder, dtype)
     except ModelLoadError as error:  # damaged in a way the cheap check did not see
         print(f"tierspec: the converted copy in {folder} cannot be loaded ({error}); converting it again", file=sys.stderr)
         shutil.rmtree(folder, ignore_errors=True)
-        _convert_gguf(gguf, folder, dtype)
+        _convert_gguf(gguf, folder, torch.float32)
         model, tokenizer = _load_hf_folder(folder, dtype)
     marker = json.loads((folder / _CONVERTED_MARKER).read_text())
     return _loaded(model, tokenizer, name, marker["sha256"])
@@ -250,10 +313,7 @@ def _folder_hash(folder: Path) -> str:
 
 
 def _loaded(model: torch.nn.Module, tokenizer, name: str, content_hash: str) -> LoadedModel:
-    from .kernels import use_few_row_linears
-
     model.eval()
-    use_few_row_linears(model)  # 1-10 token passes: 1.5-3.4x less matmul time here (benchmarks/few_row_linear.py)
     return LoadedModel(model, tokenizer, identity_of(model, name, content_hash))
 
 
@@ -269,7 +329,11 @@ def identity_of(model: torch.nn.Module, name: str = "", content_hash: str = "") 
 
 
 def wrap_model(model: torch.nn.Module, tokenizer=None, name: str = "") -> LoadedModel:
-    """Use an already built model (e.g. a tiny random one in a test) with tierspec."""
+    """Use an already built model (e.g. a tiny random one in a test) with tierspec (its CPU
+    linear layers switched to the few-row kernels, as ``load_model`` does)."""
+    from .kernels import use_few_row_linears
+
+    use_few_row_linears(model)
     return _loaded(model, tokenizer, name or type(model).__name__, "")
 
 
@@ -342,6 +406,7 @@ class CachedModel:
         self.cache = self._new_cache()
         self.length = 0
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.device = next(model.parameters()).device
 
     def _new_cache(self):
         """A DynamicCache whose plain (non-sliding) layers append in place; see GrowingLayer."""
@@ -372,7 +437,9 @@ class CachedModel:
         loaded model in two threads are serialised pass by pass, each with its own cache).
         """
         n = int(token_ids.shape[0])
-        positions = torch.arange(self.length, self.length + n).unsqueeze(0)
+        device = self.device
+        positions = torch.arange(self.length, self.length + n, device=device).unsqueeze(0)
+        token_ids = token_ids.to(device)
         captured = []
         layer_outputs: dict[int, torch.Tensor] = {}
         with model_lock(self.model):
@@ -401,12 +468,15 @@ class CachedModel:
                 for hook in hooks:
                     hook.remove()
         self.length += n
+        # The loop's bookkeeping lives on the CPU: results cross back here, once per pass (which
+        # also makes the loop's clocks honest on an asynchronous device).
+        logits = output.logits[0].float().cpu()
         if with_hidden:
             hidden = captured[-1][0].float()
             if hidden_layers:
                 hidden = torch.cat([hidden] + [layer_outputs[i][0].float() for i in hidden_layers], dim=-1)
-            return output.logits[0].float(), hidden
-        return output.logits[0].float()
+            return logits, hidden.cpu()
+        return logits
 
     def replay(self, start: int, token_ids: torch.Tensor, mask=None) -> torch.Tensor:
         """Logits [n, V] of ``token_ids`` run at positions ``start ..`` (already processed ones),

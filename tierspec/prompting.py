@@ -36,3 +36,15 @@ def eos_ids(target: LoadedModel) -> tuple[int, ...]:
         elif isinstance(value, (list, tuple)):
             ids.update(int(v) for v in value)
     return tuple(sorted(ids))
+
+
+def encode_messages(target: LoadedModel, messages: list[dict]) -> torch.Tensor:
+    """Token ids [n] of a chat (``[{"role": ..., "content": ...}, ...]``) through the model's chat
+    template, ending with the prompt for the assistant's turn."""
+    tokenizer = target.tokenizer
+    if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+        raise PromptError(f"model '{target.identity.name}' has no chat template: use the completions endpoint")
+    if not messages or not any(str(m.get("content", "")).strip() for m in messages):
+        raise PromptError("the conversation is empty: give at least one message with text")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)

@@ -75,8 +75,10 @@ def window_logits(model: torch.nn.Module, calibration: Calibration, mask: Routin
     """Logits [B·τ, V] predicting the window tokens, one cache-free batched pass."""
     with torch.inference_mode(), apply_mask(model, mask):
         # Positions W−τ−1 .. W−2 predict the window tokens W−τ .. W−1.
-        logits = model(input_ids=calibration.sequences, use_cache=False, logits_to_keep=calibration.window + 1).logits
-    return logits[:, :-1].reshape(-1, logits.shape[-1]).float()
+        device = next(model.parameters()).device
+        logits = model(input_ids=calibration.sequences.to(device), use_cache=False,
+                       logits_to_keep=calibration.window + 1).logits
+    return logits[:, :-1].reshape(-1, logits.shape[-1]).float().cpu()
 
 
 def build_calibration(

@@ -96,6 +96,7 @@ def target_nll(model: torch.nn.Module, prompt_ids: torch.Tensor, generated_ids: 
     ids = torch.cat([prompt_ids, torch.tensor(generated_ids, dtype=torch.long)])[None]
     n = len(generated_ids)
     with torch.inference_mode():
-        logits = model(input_ids=ids, use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float()
+        device = next(model.parameters()).device
+        logits = model(input_ids=ids.to(device), use_cache=False, logits_to_keep=n + 1).logits[0, :-1].float().cpu()
     logprobs = logits.log_softmax(-1)
     return float(-logprobs[torch.arange(n), torch.tensor(generated_ids)].mean())

@@ -43,6 +43,9 @@ class BenchError(TierspecError):
 @dataclass(frozen=True)
 class BenchConfig:
     target: str = "smollm2-135m"
+    dtype: str = "float32"
+    device: str = "cpu"
+    kernels: str = "auto"
     methods: tuple[str, ...] = ("ar", "hf-greedy", "sd", "pld", "hf-pld")
     dataset: str = "spec_bench"
     per_category: int | None = 5
@@ -67,7 +70,7 @@ class BenchConfig:
 
 # Settings that change what a record measures: a run may only resume into a folder made with the
 # same values (methods, prompt counts and repeats may grow).
-_RESUME_KEYS = ("target", "drafter", "dataset", "data_dir", "max_new_tokens", "temperature", "top_k", "top_p",
+_RESUME_KEYS = ("target", "dtype", "device", "kernels", "drafter", "dataset", "data_dir", "max_new_tokens", "temperature", "top_k", "top_p",
                 "num_draft", "seed", "mask", "hf_pld_tokens", "hf_early_exit_layer")
 
 
@@ -229,12 +232,13 @@ class MethodRunner:
         eos = list(self.eos) or None
         started = time.perf_counter()
         with torch.inference_mode(), model_lock(model):
+            device = next(model.parameters()).device
             output = model.generate(
-                prompt_ids[None], attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                prompt_ids[None].to(device), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long, device=device),
                 max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=eos[0] if eos else None, **kwargs,
             )
+        tokens = output[0, len(prompt_ids):].tolist()  # copies to the host: the clock reads after the device finished
         seconds = time.perf_counter() - started
-        tokens = output[0, len(prompt_ids):].tolist()
         if eos:  # transformers pads nothing for batch 1, but cut after the first EOS to be safe
             for i, token in enumerate(tokens):
                 if token in self.eos:
@@ -333,9 +337,9 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
     out.mkdir(parents=True, exist_ok=True)
     reference = load_fidelity_reference(config.fidelity_reference) if config.fidelity_reference else None
     prompts = round_robin(prompts)
-    target = target or load_model(config.target)
+    target = target or load_model(config.target, config.dtype, config.device, config.kernels)
     if drafter is None and config.drafter:
-        drafter = load_model(config.drafter)
+        drafter = load_model(config.drafter, config.dtype, config.device, config.kernels)
     runners = {spec: MethodRunner(spec, target, drafter, config) for spec in methods} if generate else {}
     encoded = {p.id: encode_prompt(target, p.text) for p in prompts}
 
@@ -359,6 +363,10 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
         bar.set_postfix_str(f"{spec} {prompt.id}")
         prompt_ids = encoded[prompt.id]
         generator = torch.Generator().manual_seed(config.seed * 1000003 + repeat * 7919 + zlib.crc32(prompt.id.encode()))
+        on_cuda = target.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.synchronize(target.device)
+            torch.cuda.reset_peak_memory_stats(target.device)
         with PeakRSS() as memory:
             outcome = runners[spec].run(prompt_ids, config.max_new_tokens, generator)
         text = target.tokenizer.decode(outcome.token_ids, skip_special_tokens=True) if target.tokenizer else ""
@@ -376,8 +384,8 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
             **(_stats_fields(outcome.stats) if outcome.stats else {}),
             **_task_quality(prompt, text, config.dataset),
         }
-        if torch.cuda.is_available():
-            record["cuda_max_allocated_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        if on_cuda:  # the GPU's own peak (the process's RSS says little there)
+            record["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated(target.device) / 2**20, 1)
         if config.compute_nll:
             record["target_nll"] = metrics.target_nll(target.model, prompt_ids, outcome.token_ids)
         # Opened per record: a file replaced under a long run (an editor, a git checkout)

@@ -109,8 +109,8 @@ class FeatureCapture:
 
     def take(self) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Everything captured since the last call, concatenated along time."""
-        final = torch.cat(self.final, dim=1)
-        aux = {i: torch.cat(parts, dim=1) for i, parts in self.aux.items()}
+        final = torch.cat(self.final, dim=1).cpu()
+        aux = {i: torch.cat(parts, dim=1).cpu() for i, parts in self.aux.items()}
         self.final.clear()
         for parts in self.aux.values():
             parts.clear()
@@ -196,8 +196,9 @@ def _own_answers(target: LoadedModel, items: list[TrainingItem], sampled: bool, 
     try:
         with torch.inference_mode():
             kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sampled else dict(do_sample=False)
-            output = target.model.generate(input_ids=input_ids, attention_mask=attention, max_new_tokens=config.max_new_tokens,
-                                           eos_token_id=eos, pad_token_id=eos, **kwargs)
+            output = target.model.generate(input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device),
+                                           max_new_tokens=config.max_new_tokens, eos_token_id=eos, pad_token_id=eos,
+                                           **kwargs).cpu()
         final, aux = capture.take()
     finally:
         capture.close()
@@ -236,7 +237,7 @@ def _reference_answers(target: LoadedModel, items: list[TrainingItem], layers: l
     capture = FeatureCapture(target.model, layers)
     try:
         with torch.inference_mode():
-            target.model.get_decoder()(input_ids=input_ids, attention_mask=attention)
+            target.model.get_decoder()(input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device))
         final, aux = capture.take()
     finally:
         capture.close()

@@ -188,6 +188,7 @@ class DraftHead(torch.nn.Module):
             raise DraftHeadError(f"this draft head's shapes do not fit '{target.identity.name}'")
         self.target_identity = target.identity
         weight = target.model.get_output_embeddings().weight.detach()
+        self.to(weight.device)  # the head runs beside the target (its features and embedding live there)
         self.lm_rows = weight[self.draft_ids].contiguous()  # [K, H], a copy of K rows
         self.embedding = target.model.get_input_embeddings().weight.detach()  # shared, not copied
         return self
@@ -351,6 +352,8 @@ class HeadRunner:
         inputs are the target's features [n, feature_width] (``from_target``) or the head's own
         outputs h [n, H]. Returns h [n, H] (h[i] ≈ the target's feature at the position after i's)."""
         head, c, cache = self.head, self.head.config, self.cache
+        device = head.fc.weight.device
+        inputs, next_tokens = inputs.to(device), next_tokens.to(device)
         n = int(inputs.shape[0])
         start = cache.length
         if from_target:
@@ -359,7 +362,7 @@ class HeadRunner:
         embedded = F.embedding(next_tokens, head.embedding).to(inputs.dtype)
         x = self._linear(head.fc, torch.cat((inputs, embedded), dim=-1))  # [n, H]
         normed = rms_norm(x, head.input_norm, c.rms_norm_eps)
-        cos, sin = head.rope(torch.arange(start, start + n), x.dtype)
+        cos, sin = head.rope(torch.arange(start, start + n, device=device), x.dtype)
         q = rotary(self._linear(head.q_proj, normed).view(n, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)
         k = rotary(self._linear(head.k_proj, normed).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)
         v = self._linear(head.v_proj, normed).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
@@ -370,7 +373,7 @@ class HeadRunner:
         keys, values = cache.keys[:, : start + n], cache.values[:, : start + n]
         mask = None
         if n > 1:  # queries at start..start+n-1 see keys up to their own position
-            mask = torch.arange(start + n)[None, :] <= torch.arange(start, start + n)[:, None]
+            mask = torch.arange(start + n, device=device)[None, :] <= torch.arange(start, start + n, device=device)[:, None]
         attended = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0]
         x = x + self._linear(head.o_proj, attended.transpose(0, 1).reshape(n, -1))
         normed = rms_norm(x, head.post_attention_norm, c.rms_norm_eps)
@@ -378,5 +381,6 @@ class HeadRunner:
         return rms_norm(x, head.final_norm, c.rms_norm_eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits [n, K] for head outputs h [n, H]."""
-        return few_row_linear(h, self.head.lm_rows, None)
+        """Draft-vocabulary logits [n, K] (float32, on the CPU where the loop samples) for head
+        outputs h [n, H]."""
+        return few_row_linear(h, self.head.lm_rows, None).float().cpu()

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data import _read_jsonl, default_data_dir, load_prompts, summary_prompt
+from ..data import default_data_dir, load_prompts, read_jsonl, summary_prompt
 
 
 @dataclass(frozen=True)
@@ -173,8 +173,8 @@ def training_items(data_dir: Path | None, seed: int = 0) -> tuple[list[TrainingI
     cnn = [p for p in load_prompts("cnn_dailymail", data_dir) if not p.extra.get("in_spec_bench")]
     xsum = load_prompts("xsum", data_dir)
     root = Path(data_dir) if data_dir else default_data_dir()
-    articles = [r["article"] for r in _read_jsonl(root / "cnn_dailymail" / "test.jsonl") if not r.get("in_spec_bench")]
-    articles += [r["document"] for r in _read_jsonl(root / "xsum" / "test.jsonl")]
+    articles = [r["article"] for r in read_jsonl(root / "cnn_dailymail" / "test.jsonl") if not r.get("in_spec_bench")]
+    articles += [r["document"] for r in read_jsonl(root / "xsum" / "test.jsonl")]
 
     own: list[TrainingItem] = []
     own += [TrainingItem("gsm8k-train", p.text) for p in rng.sample(gsm8k, min(700, len(gsm8k)))]

@@ -119,7 +119,9 @@ def build_gsm8k_judge_data(train_path: Path, out: Path, count: int = 500, val_fr
     unknown = set(errors) - set(ERROR_KINDS)
     if unknown or not errors:
         raise JudgeDataError(f"error kinds must be among {', '.join(ERROR_KINDS)}; got {', '.join(errors) or 'none'}")
-    rows = [json.loads(line) for line in Path(train_path).read_text().splitlines() if line.strip()]
+    from ..data import read_jsonl
+
+    rows = read_jsonl(Path(train_path))
     rng = random.Random(seed)
     chosen = rng.sample(range(len(rows)), min(count, len(rows)))
     n_val = max(1, round(len(chosen) * val_fraction))

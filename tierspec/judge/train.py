@@ -57,10 +57,11 @@ def extract(target: LoadedModel, examples: list[JudgeExample], kind: str, progre
         hook = lm_head.register_forward_hook(lambda m, a, o: captured.append(a[0]))
         try:
             with torch.inference_mode():
-                logits = target.model(input_ids=ids_all, use_cache=False, logits_to_keep=len(response_ids) + 1).logits[0]
+                logits = target.model(input_ids=ids_all.to(target.device), use_cache=False,
+                                      logits_to_keep=len(response_ids) + 1).logits[0].float().cpu()
         finally:
             hook.remove()
-        hidden = captured[-1][0]  # [len(response)+1, H]: positions from the one before the response
+        hidden = captured[-1][0].float().cpu()  # [len(response)+1, H]: positions from the one before the response
         # Row j+1 is response token j's own position; logits row j predicted it.
         index = torch.tensor(keep)
         feats.append(judge_features(hidden[index + 1], logits[index], response_ids[index], kind))

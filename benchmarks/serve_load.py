@@ -1,0 +1,125 @@
+"""A bounded load test of ``tierspec serve`` on loopback, with the official ``openai`` client.
+
+Starts the server in this process (127.0.0.1, a free port), then for each method sends the same
+fixed list of chat requests from ``--clients`` concurrent clients (streaming, greedy), and
+reports requests per second, p50 / p99 latency and p50 / p99 time to first token. The server
+generates one request at a time (a queue), so with more clients than one the latency includes
+queueing: the comparison between methods is like for like. Stops by itself.
+
+    python benchmarks/serve_load.py [--requests 16] [--clients 2] [--max-tokens 64]
+
+Writes results/serve_load.json and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import openai
+import uvicorn
+
+from tierspec import load_model
+from tierspec.methods import DEFAULT_METHOD
+from tierspec.server import Engine, create_app
+from tierspec.util import atomic_write_text
+
+# Written for this script; not from any evaluation set.
+PROMPTS = [
+    "Give three reasons to learn a second language.",
+    "Explain what a hash table is in two sentences.",
+    "Write a haiku about autumn rain.",
+    "How do vaccines train the immune system?",
+    "Suggest a name for a bakery and explain it.",
+    "What is the difference between weather and climate?",
+    "List four uses of a paper clip.",
+    "Describe how to make a cup of tea.",
+]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def one_request(client: openai.OpenAI, prompt: str, method: str, max_tokens: int) -> dict:
+    started = time.perf_counter()
+    first = None
+    usage = None
+    stream = client.chat.completions.create(
+        model="smollm2-135m", messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+        stream=True, stream_options={"include_usage": True}, extra_body={"method": method})
+    for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - started
+        if chunk.usage is not None:
+            usage = chunk.usage.model_dump()
+    return {"latency": time.perf_counter() - started, "ttft": first or float("nan"),
+            "tokens": usage["completion_tokens"], "tau": usage["mean_accepted_tokens"]}
+
+
+def run_method(port: int, method: str, requests: int, clients: int, max_tokens: int) -> dict:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=600)
+    one_request(client, PROMPTS[0], method, 8)  # warm-up: builds the method, measures its cost table once
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(requests)]
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        results = list(pool.map(lambda p: one_request(client, p, method, max_tokens), prompts))
+    wall = time.perf_counter() - started
+    latencies = [r["latency"] for r in results]
+    ttfts = [r["ttft"] for r in results]
+    tokens = sum(r["tokens"] for r in results)
+    return {"method": method, "requests": requests, "clients": clients, "wall_s": round(wall, 2),
+            "requests_per_s": round(requests / wall, 3), "tokens_per_s": round(tokens / wall, 2),
+            "latency_p50_s": round(statistics.median(latencies), 3), "latency_p99_s": round(percentile(latencies, 0.99), 3),
+            "ttft_p50_s": round(statistics.median(ttfts), 3), "ttft_p99_s": round(percentile(ttfts, 0.99), 3),
+            "mean_tau": round(statistics.mean(r["tau"] for r in results), 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--methods", default=f"{DEFAULT_METHOD},ar")
+    parser.add_argument("--out", type=Path, default=Path("results/serve_load.json"))
+    args = parser.parse_args()
+    if args.requests < 1 or args.clients < 1:
+        parser.error("--requests and --clients must be >= 1")
+    engine = Engine(load_model("smollm2-135m"), max_queue=max(8, args.clients))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        rows = [run_method(port, method.strip(), args.requests, args.clients, args.max_tokens)
+                for method in args.methods.split(",") if method.strip()]
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+    base = next((r for r in rows if r["method"] == "ar"), None)
+    lines = ["| method | req/s | tok/s | vs ar | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | τ |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['requests_per_s'] / base['requests_per_s']:.2f}×" if base else "–"
+        lines.append(f"| {r['method']} | {r['requests_per_s']} | {r['tokens_per_s']} | {ratio} | {r['latency_p50_s']} | "
+                     f"{r['latency_p99_s']} | {r['ttft_p50_s']} | {r['ttft_p99_s']} | {r['mean_tau']} |")
+    table = "\n".join(lines)
+    print(table)
+    atomic_write_text(args.out, json.dumps({"settings": vars(args) | {"out": str(args.out)}, "rows": rows,
+                                            "table": table}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
