@@ -1,4 +1,5 @@
-"""A bounded load test of ``tierspec serve`` on loopback, with the official ``openai`` client.
+"""Serving and start-up: a bounded load test of ``tierspec serve`` on loopback with the official
+``openai`` client, and the start-up times of ``import tierspec`` and a short cached generation.
 
 Starts the server in this process (127.0.0.1, a free port), then for each method sends the same
 fixed list of chat requests from ``--clients`` concurrent clients (streaming, greedy), and
@@ -8,15 +9,22 @@ queueing: the comparison between methods is like for like. Stops by itself.
 
     python benchmarks/serve_load.py [--requests 16] [--clients 2] [--max-tokens 64]
 
-Writes results/serve_load.json and prints a markdown table.
+Start-up (before the load test, in fresh processes, the model and its cost table already
+cached): ``python -c "import tierspec"`` (median of 5) and ``tierspec generate "Hi"
+--max-new-tokens 8`` (median of 3), wall time.
+
+Writes results/serve_load.json and results/serving-report.md (quoted in BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import socket
 import statistics
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -83,6 +91,48 @@ def run_method(port: int, method: str, requests: int, clients: int, max_tokens: 
             "mean_tau": round(statistics.mean(r["tau"] for r in results), 3)}
 
 
+def wall(command: list[str], runs: int) -> dict:
+    """Median and spread of the wall time of ``command`` over ``runs`` fresh processes."""
+    times = []
+    for _ in range(runs):
+        started = time.perf_counter()
+        subprocess.run(command, check=True, capture_output=True)
+        times.append(time.perf_counter() - started)
+    return {"median_s": round(statistics.median(times), 2), "min_s": round(min(times), 2), "max_s": round(max(times), 2),
+            "runs": runs}
+
+
+def startup() -> dict:
+    cli = shutil.which("tierspec") or "tierspec"
+    subprocess.run([cli, "generate", "Hi", "--max-new-tokens", "8"], check=True, capture_output=True)  # fill the caches
+    heavy = subprocess.run([sys.executable, "-c", "import sys, tierspec; print(','.join(m for m in ('transformers', "
+                            "'sklearn', 'matplotlib', 'rouge_score', 'sacrebleu', 'fastapi', 'uvicorn') if m in sys.modules))"],
+                           check=True, capture_output=True, text=True).stdout.strip()
+    return {"import": wall([sys.executable, "-c", "import tierspec"], 5),
+            "generate_hi_8_tokens": wall([cli, "generate", "Hi", "--max-new-tokens", "8"], 3),
+            "heavy_modules_imported_by_import_tierspec": heavy.split(",") if heavy else []}
+
+
+def report(rows: list[dict], start: dict, args, table: str) -> str:
+    generate = start["generate_hi_8_tokens"]
+    return f"""## Serving and start-up
+
+`python benchmarks/serve_load.py --requests {args.requests} --clients {args.clients} --max-tokens {args.max_tokens}` —
+the server in-process on 127.0.0.1, the official `openai` client, streaming chat requests (greedy, {args.max_tokens}
+tokens at most) from {args.clients} concurrent clients; the server generates one request at a time, so latency includes
+queueing. Requests per second and latency are over {args.requests} requests per method (p99 of so few requests is
+about their maximum).
+
+{table}
+
+Start-up, wall time in fresh processes with the model and its cost table cached:
+`python -c "import tierspec"` {start['import']['median_s']} s (median of {start['import']['runs']}; mostly importing
+torch), `tierspec generate "Hi" --max-new-tokens 8` {generate['median_s']} s (median of {generate['runs']}, range
+{generate['min_s']}–{generate['max_s']} s; target ≤ 3 s: {"met" if generate['median_s'] <= 3 else "**not met**"}).
+Heavy optional libraries imported by `import tierspec`: {", ".join(start['heavy_modules_imported_by_import_tierspec']) or "none"}.
+"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=16)
@@ -90,9 +140,12 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--methods", default=f"{DEFAULT_METHOD},ar")
     parser.add_argument("--out", type=Path, default=Path("results/serve_load.json"))
+    parser.add_argument("--report", type=Path, default=Path("results/serving-report.md"))
     args = parser.parse_args()
     if args.requests < 1 or args.clients < 1:
         parser.error("--requests and --clients must be >= 1")
+    start = startup()
+    print(json.dumps(start), flush=True)
     engine = Engine(load_model("smollm2-135m"), max_queue=max(8, args.clients))
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -117,8 +170,9 @@ def main() -> None:
                      f"{r['latency_p99_s']} | {r['ttft_p50_s']} | {r['ttft_p99_s']} | {r['mean_tau']} |")
     table = "\n".join(lines)
     print(table)
-    atomic_write_text(args.out, json.dumps({"settings": vars(args) | {"out": str(args.out)}, "rows": rows,
-                                            "table": table}, indent=2))
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
+    atomic_write_text(args.out, json.dumps({"settings": settings, "rows": rows, "startup": start, "table": table}, indent=2))
+    atomic_write_text(args.report, report(rows, start, args, table))
 
 
 if __name__ == "__main__":

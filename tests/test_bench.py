@@ -89,22 +89,30 @@ def data_dir(tmp_path):
 
 
 def test_runner_end_to_end_and_resume(tmp_path, tiny_text_model, data_dir):
-    config = BenchConfig(target="tiny", methods=("ar", "pld", "sd", "lossy:alpha=0.3", "hf-greedy"), dataset="spec_bench",
+    config = BenchConfig(target="tiny", methods=("ar", "pld", "sd", "lossy:alpha=0.3", "hf-greedy", "hf-greedy-stock"),
+                         dataset="spec_bench",
                          per_category=1, max_new_tokens=12, data_dir=str(data_dir))
     out = tmp_path / "out"
     summary = run_bench(config, out, progress=False, target=tiny_text_model)
     for name in ("records.jsonl", "summary.json", "summary.md", "speedup_by_category.png", "quality_vs_speedup.png", "tier_fractions.png"):
         assert (out / name).exists(), name
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
-    assert len(records) == 2 * 5
+    assert len(records) == 2 * 6
     assert summary["methods"]["ar"]["overall"]["speedup"] == pytest.approx(1.0)
     assert summary["methods"]["ar"]["categories"]["qa"]["speedup"] == pytest.approx(1.0)
-    for lossless in ("pld", "sd", "hf-greedy"):  # greedy lossless methods reproduce ar exactly
+    for lossless in ("pld", "sd", "hf-greedy", "hf-greedy-stock"):  # greedy lossless methods reproduce ar exactly
         assert summary["methods"][lossless]["overall"]["fidelity_exact_match"] == 1.0
     inner = summary["methods"]["pld"]["overall"]
     for key in ("speedup", "tokens_per_s", "mean_accepted_tokens", "rejection_rate", "n_prompts", "target_nll", "peak_rss_mb"):
         assert key in inner
     assert inner["n_prompts"] == 2 and "baseline_check" in summary
+    from tierspec.bench.runner import stock_copy
+    from tierspec.kernels import FewRowLinear
+
+    stock = stock_copy(tiny_text_model.model)  # the stock peer ran on plain nn.Linear, the target kept its kernels
+    assert not any(isinstance(m, FewRowLinear) for m in stock.modules())
+    assert any(isinstance(m, FewRowLinear) for m in tiny_text_model.model.modules())
+    assert "hf-*-stock" in (out / "summary.md").read_text()
 
     # Resume: nothing left to do, so no generation runs and no record is added.
     before = (out / "records.jsonl").read_text()

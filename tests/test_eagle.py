@@ -83,6 +83,14 @@ def test_eagle_greedy_equals_ar(target32, prompt_ids, vocab, policy):
     assert len(seen) > 2
 
 
+def test_eagle_after_a_one_token_prompt_equals_ar(target32):
+    """A one-token prompt leaves the prefill nothing to process: the head starts from no features
+    (a server's completion of "Hello" hit this)."""
+    one = torch.tensor([5])
+    reference = run_ids(target32, as_method(NoDrafter()), one, 20)
+    assert run_ids(target32, as_method(EagleDrafter(random_head(target32)), num_draft=3), one, 20) == reference
+
+
 def test_a_head_that_is_the_target_is_accepted_throughout(prompt_ids):
     """A planted perfect head: for a 1-layer target whose last layer the head copies, with W_fc
     passing the feature through, drafts are not the target's — so instead check the converse:

@@ -111,7 +111,7 @@ def test_request_overrides_the_method(client):
     usage = plain.usage.model_dump()
     assert usage["method"] == "ar" and usage["drafted_tokens"] == 0
     assert usage["target_calls"] == usage["completion_tokens"]
-    assert default.usage.model_dump()["method"] == tierspec.methods.DEFAULT_METHOD
+    assert default.usage.model_dump()["method"] == tierspec.methods.DEFAULT_METHOD  # a head ships for this model
     assert plain.choices[0].message.content == default.choices[0].message.content  # both lossless, greedy
 
 
@@ -213,7 +213,9 @@ def test_serve_command_shuts_down_cleanly_on_sigterm():
             assert time.monotonic() < deadline, "serve did not come up"
             time.sleep(0.2)
         process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=30) == 0
+        # uvicorn shuts down gracefully, then re-raises the signal it caught (the conventional status)
+        assert process.wait(timeout=30) in (0, -signal.SIGTERM)
+        assert "stopped cleanly" in process.stderr.read().decode()
     finally:
         if process.poll() is None:
             process.kill()

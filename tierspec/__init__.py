@@ -8,12 +8,13 @@ Methods are (drafter, verification rule) pairs run by one decode loop (``tierspe
 
 from .api import Generation, generate, stream
 from .decode import DecodeConfig, GenerationStats, PromptError, decode
-from .methods import DEFAULT_METHOD, MethodOptions, UnknownMethodError, build_method, method_names
+from .methods import DEFAULT_METHOD, MethodOptions, UnknownMethodError, build_method, default_method, method_names
 from .models import DEFAULT_MODEL, CachedModel, LoadedModel, ModelLoadError, load_model, wrap_model
 from .sampling import SamplingConfig
 
 __all__ = [
     "DEFAULT_METHOD",
+    "default_method",
     "DEFAULT_MODEL",
     "CachedModel",
     "DecodeConfig",

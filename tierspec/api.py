@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 
 from .decode import DecodeConfig, GenerationStats, PromptError, decode
-from .methods import DEFAULT_METHOD, MethodOptions, build_method
+from .methods import MethodOptions, build_method, default_method
 from .models import DEFAULT_MODEL, LoadedModel, load_model
 from .prompting import encode_prompt, eos_ids
 from .sampling import SamplingConfig
@@ -105,7 +105,7 @@ def stream(
     prompt: str | list[int] | torch.Tensor,
     *,
     target: LoadedModel | str = DEFAULT_MODEL,
-    method: str = DEFAULT_METHOD,
+    method: str | None = None,
     drafter: LoadedModel | str | None = None,
     num_draft: int | None = None,
     max_new_tokens: int = 128,
@@ -119,7 +119,9 @@ def stream(
     """Generate after ``prompt``; iterate the returned ``TextStream`` for the text as the loop
     commits tokens (its ``stats`` and ``token_ids`` fill as it runs).
 
-    ``num_draft`` overrides ``options.num_draft`` (γ of the fixed-length methods).
+    ``method``: None = ``methods.default_method(target)`` (the hybrid where a draft head exists
+    for the target, else adaptive-pld). ``num_draft`` overrides ``options.num_draft`` (γ of the
+    fixed-length methods).
     """
     target = _as_model(target)
     drafter = _as_model(drafter)
@@ -128,7 +130,7 @@ def stream(
     sampling = SamplingConfig(temperature, top_k, top_p)
     if isinstance(prompt, str):
         check_text(prompt)
-    built = build_method(method, target, drafter, options)
+    built = build_method(method or default_method(target, options), target, drafter, options)
     prompt_ids = encode_prompt(target, prompt, chat_template)
     config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_ids(target))
     generator = torch.Generator().manual_seed(seed) if seed is not None else None

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .methods import DEFAULT_METHOD, method_names
+from .methods import DEFAULT_METHOD, DEFAULT_METHOD_WITHOUT_HEAD, method_names
 from .models import DEFAULT_MODEL
 
 
@@ -19,8 +19,9 @@ def _add_generate(sub) -> None:
     parser.add_argument("prompt", nargs="?", help="the prompt (read from stdin when omitted)")
     parser.add_argument(
         "--method",
-        default=DEFAULT_METHOD,
-        help=f"decoding method: {', '.join(method_names())} (default {DEFAULT_METHOD}, the fastest lossless one)",
+        default=None,
+        help=f"decoding method: {', '.join(method_names())} (default: {DEFAULT_METHOD}, the fastest lossless one, where "
+        f"a draft head exists for the target; else {DEFAULT_METHOD_WITHOUT_HEAD})",
     )
     parser.add_argument("--target", default=DEFAULT_MODEL, help="target model: HF folder, .gguf file or smollm2-135m")
     _add_model_flags(parser)
@@ -197,19 +198,21 @@ def read_prompt(argument: str | None) -> str:
 
 def _run_generate(args) -> int:
     from .api import stream
-    from .methods import check_method_name
+    from .methods import check_method_name, default_method
     from .sampling import SamplingConfig
 
-    check_method_name(args.method)
+    if args.method is not None:
+        check_method_name(args.method)
     SamplingConfig(args.temperature, args.top_k, args.top_p)  # refuse bad values before loading anything
     prompt = read_prompt(args.prompt)
     target = _load(args, args.target)
     drafter = _load(args, args.drafter) if args.drafter else None
     options = method_options(args, target)
+    method = args.method or default_method(target, options)
     text_stream = stream(
         prompt,
         target=target,
-        method=args.method,
+        method=method,
         drafter=drafter,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
@@ -224,7 +227,7 @@ def _run_generate(args) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     if args.stats:
-        print(json.dumps({"method": args.method, **text_stream.stats.to_dict()}), file=sys.stderr)
+        print(json.dumps({"method": method, **text_stream.stats.to_dict()}), file=sys.stderr)
     return 0
 
 
@@ -237,8 +240,9 @@ def _add_serve(sub) -> None:
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--method", default=DEFAULT_METHOD,
-                        help=f"default method of requests that name none (default {DEFAULT_METHOD})")
+    parser.add_argument("--method", default=None,
+                        help=f"default method of requests that name none (default: {DEFAULT_METHOD} where a draft head "
+                        f"exists for the target, else {DEFAULT_METHOD_WITHOUT_HEAD})")
     parser.add_argument("--target", default=DEFAULT_MODEL, help="model to serve: HF folder, .gguf file or smollm2-135m")
     _add_model_flags(parser)
     parser.add_argument("--drafter", default=None, help="drafter model for sd (default: the target drafts for itself)")
@@ -253,7 +257,8 @@ def _run_serve(args) -> int:
     from .methods import check_method_name
     from .server import Engine, serve
 
-    check_method_name(args.method)
+    if args.method is not None:
+        check_method_name(args.method)
     if not 0 < args.port < 65536:
         from .errors import TierspecError
 
@@ -261,7 +266,7 @@ def _run_serve(args) -> int:
     target = _load(args, args.target)
     drafter = _load(args, args.drafter) if args.drafter else None
     engine = Engine(target, args.method, drafter, method_options(args, target), max_queue=args.max_queue)
-    engine.method(args.method, None)  # build (and measure costs for) the default method before the first request
+    engine.method(engine.default_method, None)  # build (and measure costs for) the default method before the first request
     serve(engine, args.host, args.port, args.log_level)
     return 0
 

@@ -280,6 +280,9 @@ class Verifiers:
             self._approximate.difference_update(positions)
 
     def _slice(self, start: int, end: int) -> torch.Tensor:
+        if self._features is None:  # nothing processed yet (a one-token prompt)
+            width = self.hidden_size * (1 + len(self.feature_layers))
+            return torch.empty(0, width)
         return self._features[start:end]
 
     def take_features(self) -> TargetFeatures | None:

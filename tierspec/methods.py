@@ -323,8 +323,21 @@ _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], 
     "via-judge": _via_judge,
 }
 
-#: The fastest lossless method available; the CLI's default.
-DEFAULT_METHOD = "adaptive-pld"
+#: The fastest lossless method measured (BENCHMARKS.md: the draft-head report): the default
+#: wherever a draft head exists for the target (shipped, or given as ``draft_head``).
+DEFAULT_METHOD = "hybrid"
+#: The default for a target without a draft head (the hybrid needs one): the fastest n-gram method.
+DEFAULT_METHOD_WITHOUT_HEAD = "adaptive-pld"
+
+
+def default_method(target: LoadedModel, options: MethodOptions = MethodOptions()) -> str:
+    """The method used when none is named: ``DEFAULT_METHOD`` if a draft head exists for
+    ``target``, else ``DEFAULT_METHOD_WITHOUT_HEAD``."""
+    from .eagle.shipped import shipped_head_path
+
+    if options.draft_head is not None or shipped_head_path(target) is not None:
+        return DEFAULT_METHOD
+    return DEFAULT_METHOD_WITHOUT_HEAD
 
 
 def method_names() -> list[str]:

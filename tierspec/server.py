@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import sys
 import threading
 import time
 import uuid
@@ -31,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from .api import IncrementalDetokenizer
 from .decode import DecodeConfig, GenerationStats, decode
 from .errors import TierspecError
-from .methods import DEFAULT_METHOD, Method, MethodOptions, build_method, check_method_name
+from .methods import Method, MethodOptions, build_method, check_method_name, default_method
 from .models import LoadedModel
 from .prompting import encode_messages, encode_prompt, eos_ids
 from .sampling import SamplingConfig
@@ -185,8 +187,10 @@ class Engine:
     num_draft): the cost-aware policies go on learning across requests.
     """
 
-    def __init__(self, target: LoadedModel, method: str = DEFAULT_METHOD, drafter: LoadedModel | None = None,
+    def __init__(self, target: LoadedModel, method: str | None = None, drafter: LoadedModel | None = None,
                  options: MethodOptions = MethodOptions(), max_queue: int = 8):
+        """``method``: requests' default (None: ``methods.default_method(target)``)."""
+        method = method or default_method(target, options)
         check_method_name(method)
         if target.tokenizer is None:
             raise TierspecError(f"model '{target.identity.name}' has no tokenizer: the server speaks text")
@@ -249,7 +253,8 @@ class Engine:
                 return
             job.send("started")
             outcome = self._generate(job, method)
-        except Exception as error:  # a bug: the handler answers 500 and the worker goes on serving
+        except Exception as error:  # a bug: the handler answers 500, the log keeps the traceback, the worker goes on
+            logging.getLogger("tierspec.server").exception("generation failed")
             job.send("error", ApiError(500, f"internal error: {type(error).__name__}: {error}", kind="server_error"))
         finally:
             with self._lock:
@@ -323,6 +328,9 @@ def create_app(engine: Engine) -> FastAPI:
     async def lifespan(app):
         yield
         engine.shutdown()
+        counts = engine.health()
+        print(f"tierspec serve: stopped cleanly ({counts['completed']} completed, {counts['cancelled']} cancelled, "
+              f"{counts['failed']} failed, {counts['refused']} refused)", file=sys.stderr, flush=True)
 
     app = FastAPI(title="tierspec", lifespan=lifespan)
     model_name = engine.target.identity.name
@@ -472,8 +480,10 @@ def create_app(engine: Engine) -> FastAPI:
 
 
 def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run the server until SIGINT/SIGTERM (uvicorn stops accepting, the running generation is
-    stopped at its next cycle, then the process exits)."""
+    """Run the server until SIGINT/SIGTERM: uvicorn stops accepting, open responses get a few
+    seconds, the running generation is stopped at its next cycle, a line on stderr says so, and
+    the process then ends by the signal it received (uvicorn re-raises it: exit status 128 + n,
+    as a process stopped by that signal conventionally reports)."""
     import uvicorn
 
     uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)

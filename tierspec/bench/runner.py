@@ -32,8 +32,30 @@ from ..sampling import SamplingConfig
 from ..util import atomic_write_text
 from . import metrics
 
-HF_PEERS = ("hf-greedy", "hf-assisted", "hf-pld", "hf-early-exit")
+HF_PEERS_ON_OUR_KERNELS = ("hf-greedy", "hf-assisted", "hf-pld", "hf-early-exit")
+# The same peers as a user who picks transformers runs them: stock ``nn.Linear`` modules (a copy
+# of the model without tierspec's few-row kernels). ``hf-*`` without ``-stock`` share tierspec's
+# kernels: an algorithm-to-algorithm comparison.
+STOCK_SUFFIX = "-stock"
+HF_PEERS = HF_PEERS_ON_OUR_KERNELS + tuple(name + STOCK_SUFFIX for name in HF_PEERS_ON_OUR_KERNELS)
 BASELINE = "ar"
+_STOCK_COPIES: dict[int, torch.nn.Module] = {}
+
+
+def stock_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose linear layers are plain ``nn.Linear`` again (made once per model)."""
+    import copy
+
+    from ..kernels import FewRowLinear
+
+    key = id(model)
+    if key not in _STOCK_COPIES:
+        clone = copy.deepcopy(model)
+        for module in clone.modules():
+            if isinstance(module, FewRowLinear):
+                module.__class__ = torch.nn.Linear
+        _STOCK_COPIES[key] = clone
+    return _STOCK_COPIES[key]
 
 
 class BenchError(TierspecError):
@@ -184,7 +206,10 @@ class MethodRunner:
         self.sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
         num_draft = int(params.pop("num_draft", config.num_draft))
         if self.name in HF_PEERS:
-            self.hf_kwargs = self._hf_kwargs(params, drafter)
+            stock = self.name.endswith(STOCK_SUFFIX)
+            self.hf_model = stock_copy(target.model) if stock else target.model
+            self.hf_name = self.name[: -len(STOCK_SUFFIX)] if stock else self.name
+            self.hf_kwargs = self._hf_kwargs(params, drafter, stock)
             return
         unknown = set(params) - set(_OPTION_FIELDS)
         if unknown:
@@ -195,13 +220,14 @@ class MethodRunner:
         options = replace(options, **{k: _convert(k, v, target) for k, v in params.items()})
         self.method = build_method(self.name, target, drafter, options)
 
-    def _hf_kwargs(self, params: dict, drafter: LoadedModel | None) -> dict:
-        if self.name == "hf-assisted":
+    def _hf_kwargs(self, params: dict, drafter: LoadedModel | None, stock: bool) -> dict:
+        if self.hf_name == "hf-assisted":
             # The same drafter as `sd`: the --drafter model, else the target itself.
-            return {"assistant_model": (drafter or self.target).model}
-        if self.name == "hf-pld":
+            assistant = (drafter or self.target).model
+            return {"assistant_model": stock_copy(assistant) if stock else assistant}
+        if self.hf_name == "hf-pld":
             return {"prompt_lookup_num_tokens": int(params.get("tokens", self.config.hf_pld_tokens))}
-        if self.name == "hf-early-exit":
+        if self.hf_name == "hf-early-exit":
             layer = params.get("layer", self.config.hf_early_exit_layer)
             return {"assistant_early_exit": int(layer) if layer is not None else self.target.identity.num_layers // 2}
         return {}
@@ -220,7 +246,7 @@ class MethodRunner:
         return Outcome(tokens, stats.wall_seconds, stats)
 
     def _run_hf(self, prompt_ids, max_new_tokens, generator) -> Outcome:
-        model = self.target.model
+        model = self.hf_model
         kwargs = dict(self.hf_kwargs)
         if self.sampling.greedy:
             kwargs.update(do_sample=False)

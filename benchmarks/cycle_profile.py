@@ -1,0 +1,73 @@
+"""Where a cycle's time goes with the draft head: for fixed draft lengths k = 0 (plain decoding)
+.. 4 on prompts written for this probe, the wall time per cycle, the drafting time per cycle, the
+verification pass predicted by the forward-cost table, and the acceptance of drafted tokens.
+
+    python benchmarks/cycle_profile.py
+
+Greedy, 128 new tokens, one run, each length's runs back to back per prompt. Writes
+results/cycle_profile.json.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from tierspec import load_model
+from tierspec.decode import DecodeConfig, GenerationStats, decode
+from tierspec.methods import build_method
+from tierspec.policies import FixedLength
+from tierspec.prompting import encode_prompt, eos_ids
+from tierspec.util import atomic_write_text
+
+PROMPTS = [
+    "Describe the water cycle to a ten-year-old.",
+    "What are the main differences between a virus and a bacterium?",
+    "A shop sells pencils at 3 for 45 cents. How much do 14 pencils cost? Show your work.",
+    "Translate into French: The train leaves at seven, so we should have breakfast early.",
+]
+
+
+def main() -> None:
+    torch.set_num_threads(2)
+    target = load_model("smollm2-135m")
+    eagle = build_method("eagle", target)
+    table = eagle.forward_costs
+    methods = {0: build_method("ar", target), **{k: replace(eagle, policy=FixedLength(k)) for k in (1, 2, 3, 4)}}
+    totals = {k: GenerationStats() for k in methods}
+    for prompt in PROMPTS:
+        ids = encode_prompt(target, prompt, True)
+        config = DecodeConfig(max_new_tokens=128, eos_token_ids=eos_ids(target))
+        for k, method in methods.items():
+            for _ in range(2):  # the first run of each warms caches; the second is kept
+                stats = GenerationStats()
+                started = time.perf_counter()
+                for step in decode(target, method, ids, config):
+                    stats.add(step.cycle)
+                stats.wall_seconds = time.perf_counter() - started
+            total = totals[k]
+            for name in ("drafted", "accepted", "emitted", "cycles", "wall_seconds", "draft_seconds", "target_calls"):
+                setattr(total, name, getattr(total, name) + getattr(stats, name))
+    rows = []
+    ar_rate = totals[0].emitted / totals[0].wall_seconds
+    for k, total in totals.items():
+        cycle_ms = 1000 * total.wall_seconds / total.cycles
+        draft_ms = 1000 * total.draft_seconds / total.cycles
+        verify_ms = 1000 * table.cost(k + 1)
+        rows.append({"k": k, "tokens_per_s": round(total.emitted / total.wall_seconds, 2),
+                     "vs_ar": round(total.emitted / total.wall_seconds / ar_rate, 3),
+                     "tokens_per_cycle": round(total.emitted / total.cycles, 3),
+                     "acceptance": round(total.accepted / total.drafted, 3) if total.drafted else None,
+                     "cycle_ms": round(cycle_ms, 1), "draft_ms": round(draft_ms, 2),
+                     "table_verify_ms": round(verify_ms, 1),
+                     "rest_ms": round(cycle_ms - draft_ms - verify_ms, 1)})
+        print(rows[-1], flush=True)
+    atomic_write_text(Path("results/cycle_profile.json"), json.dumps({"prompts": PROMPTS, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
