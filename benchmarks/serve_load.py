@@ -109,6 +109,7 @@ def startup() -> dict:
                             "'sklearn', 'matplotlib', 'rouge_score', 'sacrebleu', 'fastapi', 'uvicorn') if m in sys.modules))"],
                            check=True, capture_output=True, text=True).stdout.strip()
     return {"import": wall([sys.executable, "-c", "import tierspec"], 5),
+            "import_transformers_llama": wall([sys.executable, "-c", "import transformers.models.llama.modeling_llama"], 3),
             "generate_hi_8_tokens": wall([cli, "generate", "Hi", "--max-new-tokens", "8"], 3),
             "heavy_modules_imported_by_import_tierspec": heavy.split(",") if heavy else []}
 
@@ -130,6 +131,10 @@ Start-up, wall time in fresh processes with the model and its cost table cached:
 torch), `tierspec generate "Hi" --max-new-tokens 8` {generate['median_s']} s (median of {generate['runs']}, range
 {generate['min_s']}–{generate['max_s']} s; target ≤ 3 s: {"met" if generate['median_s'] <= 3 else "**not met**"}).
 Heavy optional libraries imported by `import tierspec`: {", ".join(start['heavy_modules_imported_by_import_tierspec']) or "none"}.
+The floor under a cached generation is importing transformers' Llama modules, which import torch's compiler stack
+(`torch._dynamo`, `torch.distributed.tensor`, sympy): `python -c "import transformers.models.llama.modeling_llama"`
+alone takes {start['import_transformers_llama']['median_s']} s here (median of 3); loading the cached weights and
+generating 8 tokens take the rest.
 """
 
 
