@@ -189,7 +189,8 @@ class DraftHead(torch.nn.Module):
         self.target_identity = target.identity
         weight = target.model.get_output_embeddings().weight.detach()
         self.to(weight.device)  # the head runs beside the target (its features and embedding live there)
-        self.lm_rows = weight[self.draft_ids].contiguous()  # [K, H], a copy of K rows
+        # [K, H], a copy of K rows, in the head's own dtype (the target may run in bfloat16)
+        self.lm_rows = weight[self.draft_ids].to(self.fc.weight.dtype).contiguous()
         self.embedding = target.model.get_input_embeddings().weight.detach()  # shared, not copied
         return self
 
