@@ -76,14 +76,18 @@ LEAD_REPORTS = [
     ("python benchmarks/draft_head.py", "results/draft_head-report.md"),
     ("python benchmarks/cycle_profile.py", "results/draft_head-profile.md"),
     ("python benchmarks/serve_load.py", "results/serving-report.md"),
+    ("tierspec bench --methods ar,hf-greedy,hf-greedy-stock,hybrid,hf-pld,hf-pld-stock,hf-assisted-stock "
+     "--per-category 2 --max-new-tokens 128 --out results/stock_peers", "results/stock_peers/summary.md",
+     "What a transformers user runs: the peers on stock `nn.Linear` against the default method"),
 ]
 
 
 def lead_reports() -> str:
     parts = []
-    for command, path in LEAD_REPORTS:
+    for command, path, *title in LEAD_REPORTS:
         if (ROOT / path).exists():
-            parts.append((ROOT / path).read_text())
+            text = (ROOT / path).read_text()
+            parts.append(f"## {title[0]}\n\n`{command}`\n\n{text}" if title else text)
     return "\n".join(parts)
 
 
