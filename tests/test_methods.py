@@ -10,7 +10,7 @@ from conftest import as_method, char_tokenizer, run_ids, tiny_llama
 from tierspec.drafters import NgramDrafter, NoDrafter
 from tierspec.judge.head import JudgeHead
 from tierspec.methods import MethodOptions, build_method
-from tierspec.models import CachedModel
+from tierspec.models import CachedModel, ModelLoadError
 from tierspec.routing import RoutingMask
 from tierspec.rules.via import ViaRule
 
@@ -54,7 +54,7 @@ def test_via_judge_with_a_judge_that_never_accepts_and_full_verification_equals_
 
 def test_via_judge_method_runs_and_a_judge_that_always_accepts_keeps_drafts(tiny_target, prompt_ids):
     head = JudgeHead(torch.zeros(32), 10.0, torch.zeros(32), torch.ones(32), "hidden", 0.5, tiny_target.identity)
-    mask = RoutingMask.from_units(4, "sublayer", [("mlp", 1), ("attn", 2)], model=tiny_target.identity)
+    mask = RoutingMask.from_units(4, "sublayer", [("mlp", 1), ("attn", 2)])
     method = build_method("via-judge", tiny_target, options=MethodOptions(mask=mask, judge_head=head, alpha2=0.0,
                                                                           drafter_kind="ngram", num_draft=4))
     steps = []
@@ -85,3 +85,39 @@ def test_route_command_writes_a_mask_for_a_model_folder(tmp_path, capsys):
     RoutingMask.load(out, load_model(folder).identity)  # made for this model: accepted
     with pytest.raises(Exception, match="layers"):
         RoutingMask.load(out, tiny_llama(seed=1, layers=6).identity)
+
+
+def test_a_slim_vocabulary_scores_only_its_tokens(tiny_target):
+    """The slim tier over a draft head's vocabulary: the same logits as the full LM head on its
+    tokens, −inf elsewhere; the cache advances exactly as a full-vocabulary pass would."""
+    from tierspec.models import SlimVocabulary
+
+    tokens = torch.tensor([3, 17, 42, 8, 8, 19])
+    mask = RoutingMask.from_units(4, "sublayer", [("mlp", 1)])
+    full, slim = CachedModel(tiny_target.model), CachedModel(tiny_target.model)
+    reference = full.forward(tokens, logits_for=3, mask=mask)
+    subset = torch.tensor([0, 5, 9, 33, 63])
+    restricted = slim.forward(tokens, logits_for=3, mask=mask, vocabulary=SlimVocabulary(tiny_target.model, subset))
+    assert torch.allclose(restricted[:, subset], reference[:, subset], atol=1e-9)
+    outside = torch.ones(64, dtype=torch.bool)
+    outside[subset] = False
+    assert torch.isneginf(restricted[:, outside]).all()
+    assert slim.length == full.length == 6 and slim.layer_lengths() == full.layer_lengths()
+    everything = SlimVocabulary(tiny_target.model, torch.arange(64))
+    assert torch.allclose(CachedModel(tiny_target.model).forward(tokens, logits_for=3, mask=mask, vocabulary=everything),
+                          reference, atol=1e-9)
+    with pytest.raises(ModelLoadError, match="slim vocabulary ids"):
+        SlimVocabulary(tiny_target.model, torch.tensor([64]))
+
+
+def test_via_with_the_draft_heads_vocabulary_runs_its_slim_tier(tiny_target, prompt_ids):
+    from tierspec.eagle.head import DraftHead
+
+    head = DraftHead.for_target(tiny_target, torch.arange(0, 64, 2), seed=3).eval()
+    mask = RoutingMask.from_units(4, "sublayer", [("mlp", 1), ("attn", 2)])
+    options = MethodOptions(mask=mask, drafter_kind="eagle", draft_head=head, slim_vocabulary="draft-head", num_draft=3)
+    method = build_method("via", tiny_target, options=options)
+    assert method.slim_vocabulary is not None and method.slim_vocabulary.token_ids.tolist() == list(range(0, 64, 2))
+    seen = []
+    tokens = run_ids(tiny_target, method, prompt_ids, 30, on_step=lambda step: seen.append(step.cycle))
+    assert len(tokens) == 30 and sum(cycle.slim_calls for cycle in seen) > 0

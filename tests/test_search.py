@@ -113,3 +113,51 @@ def test_sublayer_masks_have_the_requested_count(planted):
     result = search_mask(model, calibration, SearchConfig(ratio=0.25, unit="sublayer", budget=5), progress=False)
     assert len(result.mask.bypassed_units()) == 6 and result.mask.unit == "sublayer"
     assert isinstance(result.mask, RoutingMask) and result.mask.info["evaluations"] == 5
+
+
+def test_a_compute_budget_draws_and_swaps_within_its_cost_share():
+    """Planted weights: 4 attention units of 0.01 and 4 MLP units of 0.05 of a pass; 0.12 ± 0.005
+    is reachable only as 2 MLPs + 2 attentions, and a same-kind swap keeps the share exactly."""
+    import numpy as np
+
+    from tierspec.mask_proposals import ComputeBudget, neighbours, random_keep
+
+    budget = ComputeBudget((0.01,) * 4 + (0.05,) * 4, share=0.12, tolerance=0.005)
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        keep = random_keep(rng, 8, budget)
+        assert budget.feasible(keep)
+        assert keep[:4].count(0) == 2 and keep[4:].count(0) == 2
+        assert all(budget.feasible(n) for n in neighbours(keep, rng, 10, budget.kinds()))
+    with pytest.raises(ValueError, match="no mask bypasses"):
+        random_keep(rng, 8, ComputeBudget((0.05,) * 4, share=0.12, tolerance=0.005))
+
+
+def test_compute_weighted_search_keeps_every_mask_at_its_cost_share(planted):
+    from tierspec.costs import UnitCosts
+
+    model, calibration = planted
+    costs = UnitCosts(full=1.0, attention=0.01, mlp=0.05, lm_head=0.2)  # a stand-in for the measured table
+    config = SearchConfig(ratio=0.2, unit="sublayer", ratio_by="compute", budget=10, initial_random=4, bo_every=2)
+    result = search_mask(model, calibration, config, progress=False, unit_costs=costs)
+    for evaluation in result.evaluations:
+        mask = RoutingMask.from_units(12, "sublayer", [u for u, k in zip(RoutingMask.eligible_units(12, "sublayer"),
+                                                                           evaluation.keep) if not k])
+        assert abs(costs.bypassed_share(mask) - 0.2) <= 0.005 + 1e-9
+    assert abs(result.mask.info["compute_share"] - 0.2) <= 0.005 + 1e-9 and result.mask.info["ratio_by"] == "compute"
+    with pytest.raises(ValueError, match="more than all bypassable units hold"):
+        search_mask(model, calibration, SearchConfig(ratio=0.9, unit="sublayer", ratio_by="compute", budget=2),
+                    progress=False, unit_costs=costs)
+
+
+def test_measured_unit_costs_are_cached_and_checked(tmp_path, monkeypatch):
+    from tierspec import costs
+
+    model = tiny_llama(seed=5, layers=6, sharpness=5.0)
+    monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path))
+    first = costs.unit_costs(model)
+    assert first.full > 0 and first.attention >= 0 and first.mlp >= 0 and first.lm_head > 0
+    path = next(tmp_path.glob("unit-costs-*.json"))
+    assert costs.unit_costs(model) == first  # read back, not re-measured
+    path.write_text("{broken")
+    assert costs.unit_costs(model).full > 0 and "full" in path.read_text()

@@ -108,7 +108,11 @@ def _add_route(sub) -> None:
     )
     parser.add_argument("--target", default=DEFAULT_MODEL)
     _add_model_flags(parser)
-    parser.add_argument("--ratio", type=float, default=0.45, help="fraction of units bypassed (r)")
+    parser.add_argument("--ratio", type=float, default=0.45, help="fraction of units bypassed (r), or of a pass's "
+                        "measured cost with --ratio-by compute")
+    parser.add_argument("--ratio-by", default="units", choices=["units", "compute"],
+                        help="units: round(r·U) units; compute: units whose measured per-unit cost (attention / MLP "
+                        "sub-layer, cached per machine) sums to r of a full pass")
     parser.add_argument("--unit", choices=["layer", "sublayer"], default="sublayer")
     parser.add_argument("--budget", type=int, default=100, help="mask evaluations at most (S)")
     parser.add_argument("--bo-every", type=int, default=2, help="a Bayesian-optimisation step every θ evaluations")
@@ -153,7 +157,7 @@ def _run_route(args) -> int:
     from .search import SearchConfig, build_calibration, search_mask
 
     config = SearchConfig(
-        ratio=args.ratio, unit=args.unit, budget=args.budget, bo_every=args.bo_every, patience=args.patience,
+        ratio=args.ratio, ratio_by=args.ratio_by, unit=args.unit, budget=args.budget, bo_every=args.bo_every, patience=args.patience,
         objective=args.objective, strategy=args.strategy, alpha=args.alpha, beta=args.beta, seed=args.seed,
     )
     target = _load(args, args.target)

@@ -138,3 +138,94 @@ def forward_costs(target: LoadedModel, max_tokens: int = 16, refresh: bool = Fal
     costs = measure_forward_costs(target.model, max_tokens)
     atomic_write_text(path, json.dumps({"key": json.loads(key), "seconds": costs.seconds}, indent=2))
     return costs
+
+
+# ---- per-unit costs: what bypassing an attention or MLP sub-layer saves ----------------------
+
+
+@dataclass
+class UnitCosts:
+    """Seconds of a cached 1-token pass and what each kind of unit contributes to it:
+    ``attention`` / ``mlp`` per sub-layer (all layers have one shape), ``lm_head`` for the full
+    vocabulary. Measured by bypassing every attention (every MLP) sub-layer and differencing,
+    so the numbers include the unit's own overheads on this machine, not just its weights."""
+
+    full: float
+    attention: float
+    mlp: float
+    lm_head: float
+
+    def unit_share(self, kind: str) -> float:
+        """A unit's share of a full pass (``layer`` = attention + MLP)."""
+        seconds = {"attn": self.attention, "mlp": self.mlp, "layer": self.attention + self.mlp}[kind]
+        return seconds / self.full
+
+    def bypassed_share(self, mask) -> float:
+        """Share of a full 1-token pass that ``mask`` bypasses (its compute-weighted ratio)."""
+        if mask is None:
+            return 0.0
+        return sum(self.unit_share(kind) for kind, _ in mask.bypassed_units())
+
+
+def measure_unit_costs(model: torch.nn.Module, context: int = 256, repeats: int = 15) -> UnitCosts:
+    """Interleaved medians of 1-token passes: full, no attention, no MLP, and the LM head alone."""
+    from .kernels import few_row_linear
+    from .routing import RoutingMask, decoder_layers
+
+    layers = len(decoder_layers(model))
+    every = frozenset(range(1, layers - 1))  # the bypassable layers (first and last always run)
+    variants = {"full": None, "no_attention": RoutingMask(layers, "sublayer", every, frozenset()),
+                "no_mlp": RoutingMask(layers, "sublayer", frozenset(), every)}
+    runner = CachedModel(model)
+    vocab = runner.vocab_size
+    weight = model.get_output_embeddings().weight.detach()
+    hidden = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    samples: dict[str, list[float]] = {name: [] for name in (*variants, "lm_head")}
+    with torch.inference_mode():
+        runner.forward(torch.arange(context) % vocab, logits_for=1)
+        token = torch.tensor([11 % vocab])
+        for i in range(repeats + 2):
+            for name, mask in variants.items():
+                started = time.perf_counter()
+                runner.forward(token, logits_for=1, mask=mask)
+                elapsed = time.perf_counter() - started
+                runner.rollback(context)
+                if i >= 2:
+                    samples[name].append(elapsed)
+            started = time.perf_counter()
+            few_row_linear(hidden, weight, None).float().cpu()
+            if i >= 2:
+                samples["lm_head"].append(time.perf_counter() - started)
+    median = {name: statistics.median(values) for name, values in samples.items()}
+    count = len(every)
+    return UnitCosts(full=median["full"], attention=max(median["full"] - median["no_attention"], 0.0) / count,
+                     mlp=max(median["full"] - median["no_mlp"], 0.0) / count, lm_head=median["lm_head"])
+
+
+def unit_costs(target: LoadedModel, refresh: bool = False) -> UnitCosts:
+    """The cached per-unit costs for this model on this machine (measured once, a few seconds;
+    re-measured when damaged or when a spot check of the full pass is off by more than 2×)."""
+    import sys
+
+    key = json.dumps({"model": target.identity.to_dict(), "threads": torch.get_num_threads(), "cpu": _cpu_name(),
+                      "torch": torch.__version__, "linear": _linear_kind(target.model)}, sort_keys=True)
+    path = cache_root() / f"unit-costs-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    reason = "measuring them once"
+    if path.exists() and not refresh:
+        try:
+            data = json.loads(path.read_text())
+            costs = UnitCosts(**{k: float(data["costs"][k]) for k in ("full", "attention", "mlp", "lm_head")})
+            valid = all(math.isfinite(v) and 0 <= v < 60 for v in vars(costs).values()) and costs.full > 0
+        except (OSError, ValueError, KeyError, TypeError):
+            valid = False
+        if not valid:
+            reason = f"the cached file {path.name} is damaged; measuring again"
+        else:
+            now = spot_check(target.model)
+            if 0.5 <= costs.full / now <= 2.0:
+                return costs
+            reason = f"the cached full pass ({costs.full * 1000:.0f} ms) is off from now ({now * 1000:.0f} ms); measuring again"
+    print(f"tierspec: per-unit costs of {target.identity.name}: {reason} (cached in {path.parent})", file=sys.stderr)
+    costs = measure_unit_costs(target.model)
+    atomic_write_text(path, json.dumps({"key": json.loads(key), "costs": vars(costs)}, indent=2))
+    return costs

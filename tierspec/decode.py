@@ -164,12 +164,14 @@ class Verifiers:
     """
 
     def __init__(self, target: LoadedModel, slim_mask=None, forward_costs=None, record_features: bool = False,
-                 feature_layers: tuple[int, ...] = ()):
+                 feature_layers: tuple[int, ...] = (), slim_vocabulary=None):
         """``forward_costs`` (a ``costs.ForwardCosts``): pad each pass to the cheapest measured
         size at least as long (extra rows repeat the last token; their outputs are dropped and
-        their KV rolled back with the rest of the uncommitted block)."""
+        their KV rolled back with the rest of the uncommitted block). ``slim_vocabulary`` (a
+        ``models.SlimVocabulary``): the slim tier scores only those tokens."""
         self.runner = CachedModel(target.model)
         self.slim_mask = slim_mask
+        self.slim_vocabulary = slim_vocabulary
         self.forward_costs = forward_costs
         self.record_features = record_features
         self.feature_layers = tuple(feature_layers)  # decoder layers recorded beside f (a fused draft head)
@@ -240,7 +242,8 @@ class Verifiers:
         k = int(draft_tokens.shape[0])
         tokens, pad = self._padded(torch.cat([pending, draft_tokens]))
         result = self.runner.forward(tokens, logits_for=k + 1 + pad, mask=self.slim_mask, with_hidden=self.record_features,
-                                     hidden_layers=self.feature_layers if self.record_features else ())
+                                     hidden_layers=self.feature_layers if self.record_features else (),
+                                     vocabulary=self.slim_vocabulary)
         self.slim_calls += 1
         if self.record_features:
             logits, hidden = result
@@ -394,7 +397,8 @@ def decode(
     prompt_ids = check_prompt(prompt_ids, max_positions, config.max_new_tokens, target.vocab_size)
     verifiers = Verifiers(target, slim_mask=method.slim_mask, forward_costs=method.forward_costs,
                           record_features=drafter.needs_target_features,
-                          feature_layers=getattr(drafter, "feature_layers", ()))
+                          feature_layers=getattr(drafter, "feature_layers", ()),
+                          slim_vocabulary=getattr(method, "slim_vocabulary", None))
     eos = set(config.eos_token_ids)
 
     with torch.inference_mode():

@@ -25,6 +25,7 @@ from .rules.lossy import LossyRule
 from .rules.via import ViaRule
 
 DRAFTER_KINDS = ("auto", "model", "ngram", "self", "eagle")
+SLIM_VOCABULARIES = ("full", "draft-head")
 
 
 def _option(default, help: str, flag: str | None = None, choices=None, kind: str | None = None):
@@ -61,6 +62,9 @@ class MethodOptions:
     judge_head: object | None = _option(None, "judge head (.safetensors) from `tierspec judge train` (judge, via-judge)",
                                         kind="judge_head")
     judge_threshold: float | None = _option(None, "judge accepts when sigmoid ≥ δ (default: the head's)")
+    slim_vocabulary: str = _option("full", "via, via-judge: tokens the slim verifier scores: full, or draft-head (the "
+                                   "draft head's K tokens; the slim LM head then costs K/V of the full one, and the slim "
+                                   "distribution is renormalised over those tokens)", choices=SLIM_VOCABULARIES)
 
     def __post_init__(self) -> None:
         for name in ("num_draft", "ngram_size", "csd_model_positions", "csd_inner_draft", "adaptive_max_draft"):
@@ -70,6 +74,9 @@ class MethodOptions:
                                         f"got {value!r}")
         if self.max_target_lag is not None and self.max_target_lag < 0:
             raise MethodOptionError(f"max_target_lag must be >= 0, got {self.max_target_lag}")
+        if self.slim_vocabulary not in SLIM_VOCABULARIES:
+            raise MethodOptionError(f"unknown slim vocabulary '{self.slim_vocabulary}'; choose one of: "
+                                    f"{', '.join(SLIM_VOCABULARIES)}")
         if self.drafter_kind not in DRAFTER_KINDS:
             raise MethodOptionError(f"unknown drafter kind '{self.drafter_kind}'; choose one of: {', '.join(DRAFTER_KINDS)}")
         for name in ("confidence_threshold", "fallback"):
@@ -95,6 +102,7 @@ class Method:
     policy: DraftPolicy
     description: str
     slim_mask: RoutingMask | None = None  # VIA-SD's slim verifier
+    slim_vocabulary: object | None = None  # models.SlimVocabulary: the slim tier scores only these tokens
     forward_costs: object | None = None  # costs.ForwardCosts: pad verification passes to cheap sizes
 
 
@@ -189,31 +197,43 @@ def _drafter(target: LoadedModel, drafter_model: LoadedModel | None, options: Me
     return _model_drafter(target, drafter_model)
 
 
-def _lossy_policy(drafter: Drafter, options: MethodOptions, stop: float | None = None) -> DraftPolicy:
-    """γ tokens; a self-drafter stops early below ``confidence_threshold`` (BiLD: ``fallback``)."""
+def _lossy_policy(drafter: Drafter, options: MethodOptions, target: LoadedModel,
+                  stop: float | None = None) -> tuple[DraftPolicy, object | None]:
+    """The draft-length policy of a lossy rule and the forward-cost table it pads passes with.
+
+    The trained draft head drafts with the cost-aware policy, as in ``eagle`` (it learns the
+    acceptance of whatever rule verifies); a stop threshold (BiLD's fallback: part of that
+    method) or a self-drafter stops below a confidence; other drafters draft γ tokens."""
+    from .drafters.eagle import EagleDrafter
+
     if stop is not None:
-        return ConfidenceStop(options.num_draft, stop)
+        return ConfidenceStop(options.num_draft, stop), None
     if isinstance(drafter, SelfSpeculativeDrafter):
-        return ConfidenceStop(options.num_draft, options.confidence_threshold)
-    return _fixed(options)
+        return ConfidenceStop(options.num_draft, options.confidence_threshold), None
+    if isinstance(drafter, EagleDrafter):
+        return _cost_aware(target, options)
+    return _fixed(options), None
 
 
 def _lossy(target, drafter_model, options) -> Method:
     drafter = _drafter(target, drafter_model, options)
-    return Method("lossy", drafter, LossyRule(options.alpha, options.beta), _lossy_policy(drafter, options),
-                  "lossy speculative decoding with tolerance (α, β)")
+    policy, table = _lossy_policy(drafter, options, target)
+    return Method("lossy", drafter, LossyRule(options.alpha, options.beta), policy,
+                  "lossy speculative decoding with tolerance (α, β)", forward_costs=table)
 
 
 def _bild(target, drafter_model, options) -> Method:
     drafter = _drafter(target, drafter_model, options)
-    return Method("bild", drafter, BildRule(options.rollback), _lossy_policy(drafter, options, options.fallback),
-                  "BiLD: fallback when the drafter is unsure, rollback on unlikely tokens")
+    policy, table = _lossy_policy(drafter, options, target, stop=options.fallback)
+    return Method("bild", drafter, BildRule(options.rollback), policy,
+                  "BiLD: fallback when the drafter is unsure, rollback on unlikely tokens", forward_costs=table)
 
 
 def _cascade(target, drafter_model, options) -> Method:
     drafter = _drafter(target, drafter_model, options)
-    return Method("cascade", drafter, CascadeRule(options.deferral, options.alpha), _lossy_policy(drafter, options),
-                  "speculative cascades with a deferral rule")
+    policy, table = _lossy_policy(drafter, options, target)
+    return Method("cascade", drafter, CascadeRule(options.deferral, options.alpha), policy,
+                  "speculative cascades with a deferral rule", forward_costs=table)
 
 
 def _csd(target, drafter_model, options) -> Method:
@@ -230,11 +250,22 @@ def _via_rule(options: MethodOptions, judge=None) -> ViaRule:
     return ViaRule(options.alpha1, options.alpha2, lag, judge=judge, judge_threshold=options.judge_threshold)
 
 
+def _slim_vocabulary(target: LoadedModel, options: MethodOptions):
+    """The slim tier's vocabulary (None: all tokens); ``draft-head``: the draft head's K tokens."""
+    if options.slim_vocabulary == "full":
+        return None
+    from .models import SlimVocabulary
+
+    return SlimVocabulary(target.model, draft_head_for(target, options).draft_ids)
+
+
 def _via(target, drafter_model, options) -> Method:
     mask = _require_mask("via", target, options)
     drafter = _drafter(target, drafter_model, options)
-    return Method("via", drafter, _via_rule(options), _lossy_policy(drafter, options),
-                  "VIA-SD: drafter → slim verifier (routing mask) → full target when unsure", slim_mask=mask)
+    policy, table = _lossy_policy(drafter, options, target)
+    return Method("via", drafter, _via_rule(options), policy,
+                  "VIA-SD: drafter → slim verifier (routing mask) → full target when unsure", slim_mask=mask,
+                  slim_vocabulary=_slim_vocabulary(target, options), forward_costs=table)
 
 
 def _require_judge(name: str, target: LoadedModel, options: MethodOptions):
@@ -253,16 +284,20 @@ def _judge(target, drafter_model, options) -> Method:
 
     head = _require_judge("judge", target, options)
     drafter = _drafter(target, drafter_model, options)
-    return Method("judge", drafter, JudgeRule(head, options.judge_threshold), _lossy_policy(drafter, options),
-                  "judge decoding: a linear head on the target's hidden states accepts correct drafts SD rejects")
+    policy, table = _lossy_policy(drafter, options, target)
+    return Method("judge", drafter, JudgeRule(head, options.judge_threshold), policy,
+                  "judge decoding: a linear head on the target's hidden states accepts correct drafts SD rejects",
+                  forward_costs=table)
 
 
 def _via_judge(target, drafter_model, options) -> Method:
     head = _require_judge("via-judge", target, options)
     mask = _require_mask("via-judge", target, options)
     drafter = _drafter(target, drafter_model, options)
-    return Method("via-judge", drafter, _via_rule(options, judge=head), _lossy_policy(drafter, options),
-                  "VIA-SD with the judge at the full-verifier tier", slim_mask=mask)
+    policy, table = _lossy_policy(drafter, options, target)
+    return Method("via-judge", drafter, _via_rule(options, judge=head), policy,
+                  "VIA-SD with the judge at the full-verifier tier", slim_mask=mask,
+                  slim_vocabulary=_slim_vocabulary(target, options), forward_costs=table)
 
 
 def _cost_aware(target: LoadedModel, options: MethodOptions) -> tuple[CostAware, object]:

@@ -389,6 +389,30 @@ def _growing_layer_class():
     return GrowingLayer
 
 
+class SlimVocabulary:
+    """The rows of a model's LM head that a slim pass scores (VIA-SD's slim tier over a draft
+    head's vocabulary). The rows are copied once; a pass then costs K·H instead of V·H in its
+    LM head. Tokens outside get logit −inf: the slim distribution is the target-under-mask's
+    softmax renormalised over the K tokens (zero mass elsewhere)."""
+
+    def __init__(self, model: torch.nn.Module, token_ids: torch.Tensor):
+        weight = model.get_output_embeddings().weight.detach()
+        self.token_ids = torch.as_tensor(token_ids, dtype=torch.long).cpu()
+        if self.token_ids.numel() == 0 or int(self.token_ids.max()) >= weight.shape[0] or int(self.token_ids.min()) < 0:
+            raise ModelLoadError(f"slim vocabulary ids must lie in 0..{weight.shape[0] - 1}")
+        self.rows = weight[self.token_ids.to(weight.device)].contiguous()  # [K, H]
+        self.vocab_size = int(weight.shape[0])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-width logits [m, V] (float32, CPU) from final hidden states [m, H]."""
+        from .kernels import few_row_linear
+
+        scores = few_row_linear(hidden, self.rows.to(hidden.dtype), None).float().cpu()
+        out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"))
+        out[:, self.token_ids] = scores
+        return out
+
+
 class CachedModel:
     """A causal LM with its own KV cache and the number of committed tokens the cache holds.
 
@@ -422,7 +446,7 @@ class CachedModel:
         self.length = 0
 
     def forward(self, token_ids: torch.Tensor, logits_for: int | None = None, mask=None, with_hidden: bool = False,
-                hidden_layers: tuple[int, ...] = ()):
+                hidden_layers: tuple[int, ...] = (), vocabulary: SlimVocabulary | None = None):
         """Run ``token_ids`` [n] at positions ``length ..``; return logits [m, V] (float32).
 
         ``logits_for`` = m keeps only the last m positions' logits (None = all n); the LM head
@@ -430,7 +454,8 @@ class CachedModel:
         ``mask`` the pass runs with the mask's units bypassed (they write no KV). ``with_hidden``
         also returns the LM head's input (the final hidden states) of *all* n positions [n, H],
         captured from this very pass; with ``hidden_layers`` the outputs of those decoder layers
-        follow it, concatenated: [n, H·(1 + len(hidden_layers))].
+        follow it, concatenated: [n, H·(1 + len(hidden_layers))]. With a ``vocabulary`` the LM
+        head scores only its rows (the others are −inf).
 
         The pass holds the model's lock (``routing.model_lock``): a mask swaps modules of the
         shared model instance, so no other pass on it may run meanwhile (two generations on one
@@ -457,20 +482,25 @@ class CachedModel:
                                 index, out[0] if isinstance(out, tuple) else out)))
             try:
                 with apply_mask(self.model, mask):
-                    output = self.model(
-                        input_ids=token_ids.unsqueeze(0),
-                        position_ids=positions,
-                        cache=self.cache,
-                        use_cache=True,
-                        logits_to_keep=n if logits_for is None else logits_for,
-                    )
+                    if vocabulary is None:
+                        output = self.model(
+                            input_ids=token_ids.unsqueeze(0),
+                            position_ids=positions,
+                            cache=self.cache,
+                            use_cache=True,
+                            logits_to_keep=n if logits_for is None else logits_for,
+                        )
+                    else:  # the decoder alone, then only the vocabulary's LM-head rows
+                        states = self.model.get_decoder()(input_ids=token_ids.unsqueeze(0), position_ids=positions,
+                                                          cache=self.cache, use_cache=True).last_hidden_state[0]
+                        kept = states[-(n if logits_for is None else logits_for):]
             finally:
                 for hook in hooks:
                     hook.remove()
         self.length += n
         # The loop's bookkeeping lives on the CPU: results cross back here, once per pass (which
         # also makes the loop's clocks honest on an asynchronous device).
-        logits = output.logits[0].float().cpu()
+        logits = output.logits[0].float().cpu() if vocabulary is None else vocabulary.logits(kept)
         if with_hidden:
             hidden = captured[-1][0].float()
             if hidden_layers:

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 from .errors import TierspecError
-from .mask_proposals import Evaluation, bo_proposal, random_keep
+from .mask_proposals import ComputeBudget, Evaluation, bo_proposal, random_keep
 from .models import LoadedModel
 from .routing import RoutingMask, apply_mask
 from .util import atomic_write_text
@@ -129,8 +129,9 @@ def evaluate_mask(model, calibration: Calibration, mask: RoutingMask, alpha: flo
 
 @dataclass(frozen=True)
 class SearchConfig:
-    ratio: float = 0.45  # r: fraction of units bypassed
+    ratio: float = 0.45  # r: fraction of units bypassed (ratio_by "units") or of a pass's cost ("compute")
     unit: str = "sublayer"
+    ratio_by: str = "units"  # "units": round(r·U) units; "compute": units whose measured cost sums to r of a pass
     budget: int = 100  # S: mask evaluations at most
     bo_every: int = 2  # θ: every θ-th evaluation is a Bayesian-optimisation proposal
     initial_random: int = 8  # random evaluations before the first BO step
@@ -149,6 +150,8 @@ class SearchConfig:
             raise TierspecError(f"strategy must be 'dimr' or 'random', got '{self.strategy}'")
         if not 0.0 < self.ratio < 1.0:
             raise TierspecError(f"ratio must be in (0, 1), got {self.ratio}")
+        if self.ratio_by not in ("units", "compute"):
+            raise TierspecError(f"ratio_by must be 'units' or 'compute', got '{self.ratio_by}'")
         if self.budget < 1 or self.bo_every < 1:
             raise TierspecError("budget and bo_every must be >= 1")
 
@@ -177,8 +180,10 @@ class SearchResult:
         }
 
 
-def _signature(target: LoadedModel, calibration: Calibration, config: SearchConfig) -> str:
-    payload = json.dumps({"model": target.identity.to_dict(), "calibration": calibration.digest, "config": asdict(config)}, sort_keys=True)
+def _signature(target: LoadedModel, calibration: Calibration, config: SearchConfig, budget=None) -> str:
+    weights = None if not isinstance(budget, ComputeBudget) else [round(w, 3) for w in budget.weights]
+    payload = json.dumps({"model": target.identity.to_dict(), "calibration": calibration.digest, "config": asdict(config),
+                          "weights": weights}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -189,6 +194,7 @@ def search_mask(
     checkpoint: Path | None = None,
     progress: bool = True,
     evaluate: Callable[[RoutingMask], tuple[float, float]] | None = None,
+    unit_costs=None,
 ) -> SearchResult:
     """Run DIMR (or random search) and return the best mask found.
 
@@ -199,17 +205,29 @@ def search_mask(
 
     num_layers = target.identity.num_layers
     eligible = RoutingMask.eligible_units(num_layers, config.unit)
-    bypass = round(config.ratio * RoutingMask.total_units(num_layers, config.unit))
-    if not 0 < bypass <= len(eligible):
-        raise TierspecError(
-            f"ratio {config.ratio} bypasses {bypass} of {len(eligible)} eligible {config.unit} units; choose another ratio"
-        )
+    if config.ratio_by == "compute":
+        # ``unit_costs`` (``costs.UnitCosts``): measured on this machine unless given (tests).
+        if unit_costs is None:
+            from .costs import unit_costs as measured_unit_costs
+
+            unit_costs = measured_unit_costs(target)
+        weights = tuple(unit_costs.unit_share(kind) for kind, _ in eligible)
+        if config.ratio > sum(weights):
+            raise TierspecError(f"ratio {config.ratio} of the pass's cost is more than all bypassable units hold "
+                                f"({sum(weights):.2f}: the first and last layers and the LM head always run)")
+        bypass = ComputeBudget(weights, config.ratio, tolerance=min(weights) / 2)
+    else:
+        bypass = round(config.ratio * RoutingMask.total_units(num_layers, config.unit))
+        if not 0 < bypass <= len(eligible):
+            raise TierspecError(
+                f"ratio {config.ratio} bypasses {bypass} of {len(eligible)} eligible {config.unit} units; choose another ratio"
+            )
 
     def to_mask(keep: list[int]) -> RoutingMask:
         return RoutingMask.from_units(num_layers, config.unit, [u for u, k in zip(eligible, keep) if not k], model=target.identity)
 
     evaluate = evaluate or (lambda mask: evaluate_mask(target.model, calibration, mask, config.alpha, config.beta))
-    signature = _signature(target, calibration, config)
+    signature = _signature(target, calibration, config, bypass)
     evaluations: list[Evaluation] = []
     seconds_before = 0.0
     if checkpoint is not None and checkpoint.exists():
@@ -272,6 +290,9 @@ def search_mask(
         "evaluations": len(evaluations),
         "seconds": round(seconds, 2),
         "calibration_hash": calibration.digest,
+        "ratio_by": config.ratio_by,
+        **({"compute_share": round(sum(w for w, k in zip(bypass.weights, best.keep) if not k), 4)}
+           if isinstance(bypass, ComputeBudget) else {}),
         "window": calibration.window,
         "search": result.summary(),
     }
