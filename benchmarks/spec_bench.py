@@ -76,6 +76,17 @@ LEAD_REPORTS = [
     ("python benchmarks/draft_head.py", "results/draft_head-report.md"),
     ("python benchmarks/cycle_profile.py", "results/draft_head-profile.md"),
     ("python benchmarks/serve_load.py", "results/serving-report.md"),
+    ("tierspec bench --methods \"ar,eagle,lossy:draft_with=eagle,bild:draft_with=eagle,cascade:draft_with=eagle,"
+     "via:draft_with=eagle:mask=masks/smollm2-135m-sublayer-r0.1.json,via:draft_with=eagle:mask=masks/smollm2-135m-sublayer-r0.45.json,"
+     "judge:draft_with=eagle:judge_head=results/judge/head.safetensors,via-judge:draft_with=eagle:judge_head=results/judge/head.safetensors:"
+     "mask=masks/smollm2-135m-sublayer-r0.1.json\" --per-category 2 --max-new-tokens 128 --out results/trained_drafter",
+     "results/trained_drafter/summary.md",
+     "The papers' methods with the trained drafter (the lossy rules draft with the cost-aware policy, as eagle)"),
+    ("tierspec bench --methods \"ar,eagle,via:draft_with=eagle:slim_vocabulary=draft-head:mask=masks/smollm2-135m-sublayer-r0.45.json,"
+     "(the same with masks c0.3 and c0.5)\" --per-category 2 --max-new-tokens 128 --out results/trained_drafter-slim",
+     "results/trained_drafter-slim/summary.md",
+     "VIA-SD with slimmer slim verifiers: compute-weighted masks and the draft head's vocabulary"),
+    ("python benchmarks/slim_costs.py --repeats 30", "results/slim_costs.md"),
     ("tierspec bench --methods ar,hf-greedy,hf-greedy-stock,hybrid,hf-pld,hf-pld-stock,hf-assisted-stock "
      "--per-category 2 --max-new-tokens 128 --out results/stock_peers", "results/stock_peers/summary.md",
      "What a transformers user runs: the peers on stock `nn.Linear` against the default method"),
