@@ -93,12 +93,41 @@ LEAD_REPORTS = [
 ]
 
 
+def judge_curve() -> str:
+    """The mismatch judge's validation operating curve (from `tierspec judge train`'s output)."""
+    path = ROOT / "results" / "judge-mismatch" / "train.json"
+    if not path.exists():
+        return ""
+    info = json.loads(path.read_text())
+    point = info["operating_point"]
+    lines = ["## Judge trained on the draft head's own mismatches: the validation operating curve", "",
+             "`tierspec judge build-mismatch-data --out results/judge-mismatch/data.jsonl --prompts 150` (591 mismatches "
+             "of the head on 150 training prompts; harmless = the target, continuing from the draft token, rejoins its own "
+             "text within 8 tokens), then `tierspec judge train --data results/judge-mismatch/data.jsonl --out "
+             "results/judge-mismatch/head.safetensors --threshold-from val --max-mistake-acceptance 0.1`. Share of the "
+             f"validation split's draft tokens the judge accepts ({info['val_draft_tokens']['harmless']} harmless, "
+             f"{info['val_draft_tokens']['harmful']} harmful), by threshold:", "",
+             "| threshold | harmless accepted (tokens gained) | harmful accepted (fidelity lost) |", "|---|---|---|"]
+    for row in info["operating_curve"]:
+        mark = " ← chosen" if row["threshold"] == point["threshold"] else ""
+        lines.append(f"| {row['threshold']:.2f}{mark} | {row['harmless_accepted']:.3f} | {row['harmful_accepted']:.3f} |")
+    lines += ["", "The curve lies near the diagonal: the head's features barely tell a harmless mismatch from a harmful "
+              "one. The operating point caps harmful acceptance at 10% on validation.", ""]
+    bench = ROOT / "results" / "judge-mismatch" / "bench" / "summary.md"
+    if bench.exists():
+        lines += ["`tierspec bench --methods \"ar,eagle,judge:draft_with=eagle:judge_head=results/judge-mismatch/head.safetensors\" "
+                  "--per-category 2 --max-new-tokens 128 --out results/judge-mismatch/bench`", "", bench.read_text()]
+    return "\n".join(lines) + "\n"
+
+
 def lead_reports() -> str:
     parts = []
     for command, path, *title in LEAD_REPORTS:
         if (ROOT / path).exists():
             text = (ROOT / path).read_text()
             parts.append(f"## {title[0]}\n\n`{command}`\n\n{text}" if title else text)
+        if path == "results/slim_costs.md":
+            parts.append(judge_curve())
     return "\n".join(parts)
 
 

@@ -205,3 +205,38 @@ def test_a_judge_that_accepts_everything_keeps_every_draft(tiny_target, tiny_dra
     method = as_method(ModelDrafter(tiny_drafter.model), JudgeRule(head), num_draft=4)
     for step in decode(tiny_target, method, prompt_ids, DecodeConfig(max_new_tokens=20)):
         assert step.cycle.accepted == step.cycle.drafted
+
+
+# ---- judge data from the draft head's mismatches ---------------------------------------------
+
+@pytest.mark.parametrize("original, alternative, expected", [
+    ([5, 6, 7, 8, 9], [5, 6, 7, 8], True),          # the same text right away
+    ([5, 6, 7, 8, 9], [40, 6, 7, 8], True),         # one token apart, then back on the target's text
+    ([5, 6, 7, 8, 9], [40, 41, 7, 8, 9], True),     # two tokens, then three in a row rejoin
+    ([5, 6, 7, 8, 9], [40, 6, 41, 8, 42], False),   # shared tokens, never three in a row
+    ([5, 6, 7, 8, 9], [40, 41, 42, 43], False),     # somewhere else entirely
+])
+def test_a_mismatch_is_harmless_when_the_target_rejoins_its_own_text(original, alternative, expected):
+    from tierspec.judge.mismatches import rejoins
+
+    assert rejoins(original, alternative, window=8, match=3) is expected
+
+
+def test_rejoining_must_happen_within_the_window():
+    from tierspec.judge.mismatches import rejoins
+
+    late = [40, 41, 42, 43, 44, 5, 6, 7]
+    assert rejoins([5, 6, 7, 8], late, window=8, match=3)
+    assert not rejoins([5, 6, 7, 8], late, window=4, match=3)
+
+
+def test_the_operating_point_caps_harmful_acceptance_on_validation():
+    from tierspec.judge.mismatches import choose_operating_point, operating_curve
+
+    harmless = [0.9, 0.8, 0.7, 0.6, 0.3]
+    harmful = [0.85, 0.4, 0.2, 0.1, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05]
+    curve = operating_curve(harmless, harmful, thresholds=[0.1, 0.3, 0.5, 0.9])
+    assert [(r["harmless_accepted"], r["harmful_accepted"]) for r in curve] == [(1.0, 0.4), (1.0, 0.2), (0.8, 0.1), (0.2, 0.0)]
+    assert choose_operating_point(curve, max_harmful=0.1)["threshold"] == 0.5
+    assert choose_operating_point(curve, max_harmful=0.0)["threshold"] == 0.9
+    assert choose_operating_point(curve, max_harmful=-1)["threshold"] == 0.9  # none qualifies: the strictest

@@ -201,3 +201,27 @@ def test_cuda_lossless_methods_equal_ar_on_the_gpu(method):
     ar = tierspec.generate(PROMPT, target=model, method="ar", max_new_tokens=48)
     out = tierspec.generate(PROMPT, target=model, method=method, max_new_tokens=48)
     assert out.token_ids == ar.token_ids
+
+
+def test_mismatch_judge_data_labels_the_draft_token(smollm, tmp_path):
+    """Two prompts through `judge build-mismatch-data`'s builder: each record's id carries the
+    draft token's offset; a harmful record's mistake sits exactly there; splits are by prompt."""
+    import json as json_module
+
+    from tierspec.eagle.shipped import shipped_head
+    from tierspec.judge.mismatches import MismatchConfig, build_mismatch_data
+
+    prompts = ["Explain how a bicycle stays upright.", "Write three sentences about rain in a city."]
+    info = build_mismatch_data(smollm, shipped_head(smollm), prompts, tmp_path / "m.jsonl",
+                               MismatchConfig(answer_tokens=40, per_prompt=3, val_fraction=0.5), progress=False)
+    records = [json_module.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert info["examples"] == len(records) > 0 and info["harmless"] + info["harmful"] >= len(records)
+    for record in records:
+        offset = int(record["id"].rpartition("@")[2])
+        assert 0 < offset < len(record["response"])
+        assert record["mistake_offset"] in (None, offset)
+    assert {r["split"] for r in records} <= {"train", "val"}
+    by_prompt = {}
+    for record in records:
+        by_prompt.setdefault(record["prompt"], set()).add(record["split"])
+    assert all(len(splits) == 1 for splits in by_prompt.values())

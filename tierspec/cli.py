@@ -359,9 +359,29 @@ def _add_judge(sub) -> None:
     train.add_argument("--max-mistake-acceptance", type=float, default=0.1,
                        help="the threshold accepts at most this share of the training split's mistaken tokens")
     train.add_argument("--out", required=True, help="head .safetensors (metadata goes beside it as .json)")
+    train.add_argument("--threshold-from", choices=["train", "val"], default="train",
+                       help="split whose mistakes set the threshold; val: the operating point on the validation curve "
+                       "(mismatch data: harmless vs harmful draft tokens accepted)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--no-progress", action="store_true")
     train.set_defaults(run=_run_judge_train)
+
+    mismatch = judge_sub.add_parser("build-mismatch-data",
+                                    help="judge data from the draft head's own mismatches with the target, labelled "
+                                    "harmless when the target continuing from the draft rejoins its own text")
+    mismatch.add_argument("--target", default=DEFAULT_MODEL)
+    _add_model_flags(mismatch)
+    mismatch.add_argument("--out", required=True, help="judge JSONL")
+    mismatch.add_argument("--prompts", type=int, default=120, help="training prompts (the draft head's mix; no test set)")
+    mismatch.add_argument("--answer-tokens", type=int, default=64)
+    mismatch.add_argument("--window", type=int, default=8, help="tokens the target continues after the draft token")
+    mismatch.add_argument("--match", type=int, default=3, help="consecutive tokens that count as rejoining")
+    mismatch.add_argument("--per-prompt", type=int, default=4)
+    mismatch.add_argument("--draft-head", default=None, help="default: the head shipped for the target")
+    mismatch.add_argument("--data-dir", default=None)
+    mismatch.add_argument("--seed", type=int, default=0)
+    mismatch.add_argument("--no-progress", action="store_true")
+    mismatch.set_defaults(run=_run_judge_mismatches)
 
     evaluate = judge_sub.add_parser("eval", help="validation metrics of a trained head")
     evaluate.add_argument("--target", default=DEFAULT_MODEL)
@@ -394,9 +414,31 @@ def _run_judge_train(args) -> int:
     from .judge.train import train_judge
 
     target = _load(args, args.target)
-    head, metrics = train_judge(target, Path(args.data), args.features, not args.no_progress, args.max_mistake_acceptance, args.seed)
+    head, metrics = train_judge(target, Path(args.data), args.features, not args.no_progress, args.max_mistake_acceptance,
+                                args.seed, args.threshold_from)
     head.save(args.out)
     print(json.dumps({"out": args.out, "train_seconds": head.metadata["train_seconds"], **metrics}, indent=2))
+    return 0
+
+
+def _run_judge_mismatches(args) -> int:
+    from pathlib import Path
+
+    from .judge.mismatches import MismatchConfig, build_mismatch_data, mismatch_prompts
+    from .methods import MethodOptions, draft_head_for
+
+    target = _load(args, args.target)
+    options = MethodOptions()
+    if args.draft_head:
+        from .eagle.head import DraftHead
+
+        options = MethodOptions(draft_head=DraftHead.load(args.draft_head, target))
+    head = draft_head_for(target, options)
+    config = MismatchConfig(answer_tokens=args.answer_tokens, window=args.window, match=args.match,
+                            per_prompt=args.per_prompt, seed=args.seed)
+    prompts = mismatch_prompts(args.prompts, Path(args.data_dir) if args.data_dir else None, args.seed)
+    info = build_mismatch_data(target, head, prompts, Path(args.out), config, progress=not args.no_progress)
+    print(json.dumps(info))
     return 0
 
 

@@ -202,7 +202,13 @@ def choose_threshold(scores_of_mistakes: list[float], max_mistake_acceptance: fl
 
 
 def train_judge(target: LoadedModel, data_path: Path, kind: str = "hidden+logprob", progress: bool = True,
-                max_mistake_acceptance: float = 0.1, seed: int = 0) -> tuple[JudgeHead, dict]:
+                max_mistake_acceptance: float = 0.1, seed: int = 0, threshold_from: str = "train") -> tuple[JudgeHead, dict]:
+    """Train a judge head; its threshold caps the accepted share of mistaken tokens, measured on
+    the training split (``threshold_from="train"``) or on the held-out validation split
+    (``"val"``: for mismatch data, the operating point on the validation curve of harmless vs
+    harmful draft tokens accepted, printed in the metrics)."""
+    if threshold_from not in ("train", "val"):
+        raise TierspecError(f"threshold_from must be 'train' or 'val', got '{threshold_from}'")
     started = time.perf_counter()
     examples = read_judge_data(data_path)
     tokens = extract(target, examples, kind, progress)
@@ -212,10 +218,27 @@ def train_judge(target: LoadedModel, data_path: Path, kind: str = "hidden+logpro
     weight, bias, mean, std, epochs = train_head(tokens.features[~is_val], tokens.labels[~is_val], tokens.features[is_val],
                                                  tokens.labels[is_val], seed=seed, progress=progress)
     head = JudgeHead(weight, bias, mean, std, kind, 0.5, target.identity)
-    # Threshold from the *training* split's mistakes (validation stays untouched for the report).
-    train_scores = head.probability(tokens.features[~is_val])
-    head.threshold = choose_threshold(train_scores[tokens.labels[~is_val] == 0].tolist(), max_mistake_acceptance)
+    curve_info = {}
+    if threshold_from == "train":
+        # Threshold from the *training* split's mistakes (validation stays untouched for the report).
+        train_scores = head.probability(tokens.features[~is_val])
+        head.threshold = choose_threshold(train_scores[tokens.labels[~is_val] == 0].tolist(), max_mistake_acceptance)
+    else:
+        from .mismatches import choose_operating_point, draft_token_scores, operating_curve
+
+        scores = head.probability(tokens.features)
+        harmless, harmful = draft_token_scores(tokens, scores, "val")
+        if harmless and harmful:
+            curve = operating_curve(harmless, harmful)
+            point = choose_operating_point(curve, max_mistake_acceptance)
+            curve_info = {"operating_curve": curve, "operating_point": point,
+                          "val_draft_tokens": {"harmless": len(harmless), "harmful": len(harmful)}}
+        else:  # planted-error data: cap the validation split's mistaken tokens
+            val_scores = scores[is_val]
+            point = {"threshold": choose_threshold(val_scores[tokens.labels[is_val] == 0].tolist(), max_mistake_acceptance)}
+        head.threshold = point["threshold"]
     metrics = evaluate_head(head, tokens, "val")
+    metrics.update(curve_info)
     metrics_train = evaluate_head(head, tokens, "train")
     head.metadata = {
         "data_sha256": hashlib.sha256(Path(data_path).read_bytes()).hexdigest(),
