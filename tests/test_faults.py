@@ -267,3 +267,15 @@ def test_the_package_has_no_import_circles():
     for module in sorted(graph):
         if module not in state:
             visit(module)
+
+
+def test_atomic_writes_get_the_permissions_of_an_ordinary_write(tmp_path):
+    import os
+    import stat
+
+    from tierspec.util import atomic_write_text
+
+    (tmp_path / "plain.txt").write_text("x")
+    atomic_write_text(tmp_path / "atomic.txt", "x")
+    mode = lambda name: stat.S_IMODE(os.stat(tmp_path / name).st_mode)  # noqa: E731
+    assert mode("atomic.txt") == mode("plain.txt")

@@ -7,12 +7,29 @@ import tempfile
 from pathlib import Path
 
 
+def _default_file_mode() -> int:
+    """The mode a plainly created file gets (0o666 less the umask); mkstemp's own is 0o600.
+    The umask is read from /proc where it can be (setting it to read it back is not thread-safe)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half."""
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half
+    (with the permissions an ordinary write would give it)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.fchmod(handle, _default_file_mode())
         with os.fdopen(handle, "w") as out:
             out.write(text)
             out.flush()
