@@ -87,6 +87,9 @@ LEAD_REPORTS = [
      "results/trained_drafter-slim/summary.md",
      "VIA-SD with slimmer slim verifiers: compute-weighted masks and the draft head's vocabulary"),
     ("python benchmarks/slim_costs.py --repeats 30", "results/slim_costs.md"),
+    ("python benchmarks/via_frontier.py --out results/via_frontier-eagle --draft-with eagle --per-category 1 --ratios 0.1 0.45",
+     "results/via_frontier-eagle/frontier.md",
+     "VIA-SD against the two-tier rules with the trained drafter: a slice of the frontier (greedy, 1 prompt per category)"),
     ("tierspec bench --methods ar,hf-greedy,hf-greedy-stock,hybrid,hf-pld,hf-pld-stock,hf-assisted-stock "
      "--per-category 2 --max-new-tokens 128 --out results/stock_peers", "results/stock_peers/summary.md",
      "What a transformers user runs: the peers on stock `nn.Linear` against the default method"),

@@ -30,10 +30,13 @@ from tierspec.util import atomic_write_text
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def specs(ratios, alpha2s, lossy_alphas, unit: str) -> list[str]:
-    methods = ["ar", "pld"]
-    methods += [f"lossy:alpha={a}:draft_with=ngram" for a in lossy_alphas]
-    methods += [f"via:mask=masks/smollm2-135m-{unit}-r{r}.json:alpha2={a2}:draft_with=ngram" for r in ratios for a2 in alpha2s]
+def specs(ratios, alpha2s, lossy_alphas, unit: str, draft_with: str = "ngram") -> list[str]:
+    """ar, the lossless two-tier method of the drafter (pld / eagle), lossy at each α and via at
+    each r × α2, all with the same drafter."""
+    methods = ["ar", "pld" if draft_with == "ngram" else "eagle"]
+    methods += [f"lossy:alpha={a}:draft_with={draft_with}" for a in lossy_alphas]
+    methods += [f"via:mask=masks/smollm2-135m-{unit}-r{r}.json:alpha2={a2}:draft_with={draft_with}"
+                for r in ratios for a2 in alpha2s]
     return methods
 
 
@@ -47,7 +50,7 @@ def report(summary: dict, out: Path) -> str:
             "full": o.get("target_calls_per_token"), "slim": o.get("slim_calls_per_token"),
             "fractions": o.get("tier_fractions") or {},
         })
-    two_tier = [p for p in points if p["family"] in ("pld", "lossy")]
+    two_tier = [p for p in points if p["family"] in ("pld", "eagle", "lossy")]
     header = ("| method | speed-up | fidelity EM | ROUGE-L | target NLL | full calls/tok | slim calls/tok | "
               "tiers d/s/t | beats two-tier (EM) | beats two-tier (NLL) |")
     lines = [header, "|" + "---|" * 10]
@@ -79,7 +82,7 @@ def _plot(points: list[dict], out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"ar": "black", "pld": "tab:blue", "lossy": "tab:orange", "via": "tab:green"}
+    colours = {"ar": "black", "pld": "tab:blue", "eagle": "tab:blue", "lossy": "tab:orange", "via": "tab:green"}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for ax, key, label in ((axes[0], "em", "exact match with ar (higher = closer)"),
                            (axes[1], "nll", "target NLL per token (lower = likelier under the target)")):
@@ -87,7 +90,8 @@ def _plot(points: list[dict], out: Path) -> None:
             if p.get(key) is None or p["speedup"] is None:
                 continue
             ax.scatter(p["speedup"], p[key], color=colours.get(p["family"], "grey"), label=p["family"])
-            ax.annotate(short_label(p["name"], 30).replace("draft_with=ngram", "").replace(",)", ")"),
+            ax.annotate(short_label(p["name"], 30).replace("draft_with=ngram", "").replace("draft_with=eagle", "")
+                        .replace(",)", ")"),
                         (p["speedup"], p[key]), fontsize=6)
         handles, labels = ax.get_legend_handles_labels()
         unique = dict(zip(labels, handles))
@@ -109,16 +113,22 @@ def main() -> None:
     parser.add_argument("--alpha2", nargs="+", default=["0.1", "0.3", "0.5"])
     parser.add_argument("--lossy-alpha", nargs="+", default=["0.1", "0.3", "0.5"])
     parser.add_argument("--unit", default="sublayer", choices=["sublayer", "layer"])
+    parser.add_argument("--draft-with", default="ngram", choices=["ngram", "eagle"],
+                        help="the drafter of every method (eagle: the trained draft head; the lossless point is then eagle)")
     parser.add_argument("--summarize-only", action="store_true")
     args = parser.parse_args()
     out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
     command = [sys.executable, "-m", "tierspec.cli", "bench", "--target", "smollm2-135m", "--dataset", "spec_bench",
                "--per-category", str(args.per_category), "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
-               "--methods", ",".join(specs(args.ratios, args.alpha2, args.lossy_alpha, args.unit)), "--out", str(out)]
+               "--methods", ",".join(specs(args.ratios, args.alpha2, args.lossy_alpha, args.unit, args.draft_with)),
+               "--out", str(out)]
     subprocess.run(command + (["--summarize-only", "--no-progress"] if args.summarize_only else []), check=True, cwd=ROOT)
     summary = json.loads((out / "summary.json").read_text())
     text = report(summary, out)
-    atomic_write_text(out / "frontier.md", f"`python benchmarks/via_frontier.py --out {args.out}`\n\n" + text)
+    flags = f" --draft-with {args.draft_with}" if args.draft_with != "ngram" else ""
+    flags += f" --per-category {args.per_category}" if args.per_category != 2 else ""
+    flags += f" --ratios {' '.join(args.ratios)}" if args.ratios != ["0.1", "0.2", "0.3"] else ""
+    atomic_write_text(out / "frontier.md", f"`python benchmarks/via_frontier.py --out {args.out}{flags}`\n\n" + text)
     print(text)
 
 
