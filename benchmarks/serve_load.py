@@ -21,21 +21,18 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import openai
-import uvicorn
 
 from tierspec import load_model
 from tierspec.methods import DEFAULT_METHOD
-from tierspec.server import Engine, create_app
+from tierspec.server import Engine, serving_in_background
 from tierspec.util import atomic_write_text
 
 # Written for this script; not from any evaluation set.
@@ -152,20 +149,9 @@ def main() -> None:
     start = startup()
     print(json.dumps(start), flush=True)
     engine = Engine(load_model("smollm2-135m"), max_queue=max(8, args.clients))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
+    with serving_in_background(engine) as port:
         rows = [run_method(port, method.strip(), args.requests, args.clients, args.max_tokens)
                 for method in args.methods.split(",") if method.strip()]
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
     base = next((r for r in rows if r["method"] == "ar"), None)
     lines = ["| method | req/s | tok/s | vs ar | p50 latency s | p99 latency s | p50 TTFT s | p99 TTFT s | τ |",
              "|---|---|---|---|---|---|---|---|---|"]

@@ -103,10 +103,13 @@ def judge_curve() -> str:
         return ""
     info = json.loads(path.read_text())
     point = info["operating_point"]
+    records = [json.loads(line) for line in (path.parent / "data.jsonl").read_text().splitlines() if line.strip()]
+    harmless = sum(r["mistake_offset"] is None for r in records)
+    prompts = len({r["prompt"] for r in records})
     lines = ["## Judge trained on the draft head's own mismatches: the validation operating curve", "",
-             "`tierspec judge build-mismatch-data --out results/judge-mismatch/data.jsonl --prompts 150` (591 mismatches "
-             "of the head on 150 training prompts; harmless = the target, continuing from the draft token, rejoins its own "
-             "text within 8 tokens), then `tierspec judge train --data results/judge-mismatch/data.jsonl --out "
+             "`tierspec judge build-mismatch-data --out results/judge-mismatch/data.jsonl --prompts 150` "
+             f"({len(records)} mismatches of the head on {prompts} training prompts, {harmless} harmless: the target, "
+             "continuing from the draft token, rejoins its own text within 8 tokens), then `tierspec judge train --data results/judge-mismatch/data.jsonl --out "
              "results/judge-mismatch/head.safetensors --threshold-from val --max-mistake-acceptance 0.1`. Share of the "
              f"validation split's draft tokens the judge accepts ({info['val_draft_tokens']['harmless']} harmless, "
              f"{info['val_draft_tokens']['harmful']} harmful), by threshold:", "",
@@ -114,8 +117,10 @@ def judge_curve() -> str:
     for row in info["operating_curve"]:
         mark = " ← chosen" if row["threshold"] == point["threshold"] else ""
         lines.append(f"| {row['threshold']:.2f}{mark} | {row['harmless_accepted']:.3f} | {row['harmful_accepted']:.3f} |")
-    lines += ["", "The curve lies near the diagonal: the head's features barely tell a harmless mismatch from a harmful "
-              "one. The operating point caps harmful acceptance at 10% on validation.", ""]
+    widest = max(info["operating_curve"], key=lambda row: row["harmless_accepted"] - row["harmful_accepted"])
+    lines += ["", f"The widest gap between the two is {widest['harmless_accepted'] - widest['harmful_accepted']:.3f} "
+              f"(at δ = {widest['threshold']:.2f}); the chosen δ = {point['threshold']:.2f} is the lowest whose harmful "
+              "acceptance is at most the cap (`--max-mistake-acceptance`).", ""]
     bench = ROOT / "results" / "judge-mismatch" / "bench" / "summary.md"
     if bench.exists():
         lines += ["`tierspec bench --methods \"ar,eagle,judge:draft_with=eagle:judge_head=results/judge-mismatch/head.safetensors\" "

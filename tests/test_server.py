@@ -7,15 +7,13 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import openai
 import pytest
-import uvicorn
 
 import tierspec
-from tierspec.server import Engine, StopMatcher, create_app
+from tierspec.server import Engine, StopMatcher, serving_in_background
 
 pytestmark = pytest.mark.real_model
 
@@ -36,17 +34,8 @@ def server(smollm):
     """A server on 127.0.0.1 with no waiting room (max_queue 0), so a second request while one
     runs is refused; its default method is the package default."""
     engine = Engine(smollm, max_queue=0)
-    port = free_port()
-    instance = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=instance.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not instance.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield engine, port
-    instance.should_exit = True
-    thread.join(timeout=30)
+    with serving_in_background(engine) as port:
+        yield engine, port
 
 
 @pytest.fixture

@@ -116,28 +116,40 @@ def forward_costs(target: LoadedModel, max_tokens: int = 16, refresh: bool = Fal
     """The cached table for this model on this machine, measured (a few seconds) when missing,
     damaged, or off: a spot check of a 1-token pass that differs from the table by more than 2×
     either way (the table was measured on a busy machine, or the machine changed) re-measures it."""
+    return _cached_measurement(target, "forward-costs", f"forward cost for 1..{max_tokens} tokens",
+                               {"max_tokens": max_tokens}, lambda path: _read_table(path, max_tokens),
+                               lambda: measure_forward_costs(target.model, max_tokens),
+                               lambda table: {"seconds": table.seconds}, lambda table: table.seconds[1], refresh)
+
+
+def _cached_measurement(target: LoadedModel, prefix: str, what: str, key_extra: dict, read, measure, to_json,
+                        one_token_seconds, refresh: bool):
+    """A measurement of ``target`` on this machine, cached as JSON under ``$TIERSPEC_CACHE``
+    keyed by the model's identity, the thread count, the CPU, torch and the linear kernels.
+    ``read(path)`` returns it or None when the file is damaged; it is measured again (with a
+    line on stderr saying why) when missing, damaged, or when a spot check of a 1-token pass
+    differs from its ``one_token_seconds`` by more than 2× either way (measured on a busy
+    machine, or the machine changed)."""
     import sys
 
     key = json.dumps({"model": target.identity.to_dict(), "threads": torch.get_num_threads(), "cpu": _cpu_name(),
-                      "torch": torch.__version__, "max_tokens": max_tokens, "linear": _linear_kind(target.model)},
-                     sort_keys=True)
-    path = cache_root() / f"forward-costs-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+                      "torch": torch.__version__, "linear": _linear_kind(target.model), **key_extra}, sort_keys=True)
+    path = cache_root() / f"{prefix}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     reason = "measuring it once"
     if path.exists() and not refresh:
-        table = _read_table(path, max_tokens)
-        if table is None:
-            reason = f"the cached table {path.name} is damaged; measuring it again"
+        cached = read(path)
+        if cached is None:
+            reason = f"the cached file {path.name} is damaged; measuring again"
         else:
             now = spot_check(target.model)
-            if 0.5 <= table.seconds[1] / now <= 2.0:
-                return table
-            reason = (f"the cached table says a 1-token pass takes {table.seconds[1] * 1000:.0f} ms, it now takes "
-                      f"{now * 1000:.0f} ms; measuring it again")
-    print(f"tierspec: forward cost of {target.identity.name} for 1..{max_tokens} tokens: {reason} "
-          f"(cached in {path.parent})", file=sys.stderr)
-    costs = measure_forward_costs(target.model, max_tokens)
-    atomic_write_text(path, json.dumps({"key": json.loads(key), "seconds": costs.seconds}, indent=2))
-    return costs
+            if 0.5 <= one_token_seconds(cached) / now <= 2.0:
+                return cached
+            reason = (f"the cached file says a 1-token pass takes {one_token_seconds(cached) * 1000:.0f} ms, it now takes "
+                      f"{now * 1000:.0f} ms; measuring again")
+    print(f"tierspec: {what} of {target.identity.name}: {reason} (cached in {path.parent})", file=sys.stderr)
+    measured = measure()
+    atomic_write_text(path, json.dumps({"key": json.loads(key), **to_json(measured)}, indent=2))
+    return measured
 
 
 # ---- per-unit costs: what bypassing an attention or MLP sub-layer saves ----------------------
@@ -205,27 +217,15 @@ def measure_unit_costs(model: torch.nn.Module, context: int = 256, repeats: int 
 def unit_costs(target: LoadedModel, refresh: bool = False) -> UnitCosts:
     """The cached per-unit costs for this model on this machine (measured once, a few seconds;
     re-measured when damaged or when a spot check of the full pass is off by more than 2×)."""
-    import sys
 
-    key = json.dumps({"model": target.identity.to_dict(), "threads": torch.get_num_threads(), "cpu": _cpu_name(),
-                      "torch": torch.__version__, "linear": _linear_kind(target.model)}, sort_keys=True)
-    path = cache_root() / f"unit-costs-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    reason = "measuring them once"
-    if path.exists() and not refresh:
+    def read(path: Path) -> UnitCosts | None:
         try:
             data = json.loads(path.read_text())
             costs = UnitCosts(**{k: float(data["costs"][k]) for k in ("full", "attention", "mlp", "lm_head")})
-            valid = all(math.isfinite(v) and 0 <= v < 60 for v in vars(costs).values()) and costs.full > 0
         except (OSError, ValueError, KeyError, TypeError):
-            valid = False
-        if not valid:
-            reason = f"the cached file {path.name} is damaged; measuring again"
-        else:
-            now = spot_check(target.model)
-            if 0.5 <= costs.full / now <= 2.0:
-                return costs
-            reason = f"the cached full pass ({costs.full * 1000:.0f} ms) is off from now ({now * 1000:.0f} ms); measuring again"
-    print(f"tierspec: per-unit costs of {target.identity.name}: {reason} (cached in {path.parent})", file=sys.stderr)
-    costs = measure_unit_costs(target.model)
-    atomic_write_text(path, json.dumps({"key": json.loads(key), "costs": vars(costs)}, indent=2))
-    return costs
+            return None
+        valid = all(math.isfinite(v) and 0 <= v < 60 for v in vars(costs).values()) and costs.full > 0
+        return costs if valid else None
+
+    return _cached_measurement(target, "unit-costs", "per-unit costs", {}, read, lambda: measure_unit_costs(target.model),
+                               lambda costs: {"costs": vars(costs)}, lambda costs: costs.full, refresh)

@@ -15,6 +15,7 @@ Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -23,14 +24,14 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Iterator, Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from .api import IncrementalDetokenizer
+from .api import TextStream
 from .decode import DecodeConfig, GenerationStats, decode
 from .errors import TierspecError
 from .methods import Method, MethodOptions, build_method, check_method_name, default_method
@@ -262,19 +263,18 @@ class Engine:
             self._release(outcome)
 
     def _generate(self, job: Job, method: Method) -> str:
+        """One generation through ``api.TextStream`` (the library's own loop over the decode
+        steps, with its incremental detokeniser and statistics), cut at stop sequences and
+        stopped at the next cycle when the client has left."""
         import torch
 
         generator = torch.Generator().manual_seed(job.seed) if job.seed is not None else None
-        steps = decode(self.target, method, job.prompt_ids, job.config, generator)
-        detok = IncrementalDetokenizer(self.target.tokenizer)
+        text_stream = TextStream(decode(self.target, method, job.prompt_ids, job.config, generator), self.target)
         stops = StopMatcher(job.stops)
-        stats, token_ids, finish = GenerationStats(), [], "length"
-        started = time.perf_counter()
+        finish = None
         try:
-            for step in steps:
-                stats.add(step.cycle)
-                token_ids.extend(step.new_tokens)
-                text, stopped = stops.feed(detok.add(step.new_tokens, final=step.finished))
+            for piece in text_stream:
+                text, stopped = stops.feed(piece)
                 if text:
                     job.send("text", text)
                 if stopped:
@@ -282,16 +282,16 @@ class Engine:
                     break
                 if job.cancel.is_set():
                     return "cancelled"
-                if step.finished and token_ids and token_ids[-1] in self.eos:
-                    finish = "stop"
             else:
                 tail = stops.flush()
                 if tail:
                     job.send("text", tail)
         finally:
-            steps.close()
-        stats.wall_seconds = time.perf_counter() - started
-        job.send("done", finish, stats, len(token_ids), job.method)
+            text_stream.close()
+        token_ids = text_stream.token_ids
+        if finish is None:
+            finish = "stop" if token_ids and token_ids[-1] in self.eos else "length"
+        job.send("done", finish, text_stream.stats, len(token_ids), job.method)
         return "completed"
 
     def shutdown(self) -> None:
@@ -487,3 +487,31 @@ def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: 
     import uvicorn
 
     uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+
+@contextlib.contextmanager
+def serving_in_background(engine: Engine, host: str = "127.0.0.1", log_level: str = "warning",
+                          start_timeout: float = 30.0) -> Iterator[int]:
+    """Serve ``engine`` from a background thread of this process on a free port of ``host``
+    (tests, the load benchmark); yields the port and stops the server on exit."""
+    import socket
+
+    import uvicorn
+
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host=host, port=port, log_level=log_level))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + start_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise TierspecError(f"the server did not start on {host}:{port}")
+        time.sleep(0.05)
+    try:
+        yield port
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -39,7 +40,7 @@ HF_PEERS_ON_OUR_KERNELS = ("hf-greedy", "hf-assisted", "hf-pld", "hf-early-exit"
 STOCK_SUFFIX = "-stock"
 HF_PEERS = HF_PEERS_ON_OUR_KERNELS + tuple(name + STOCK_SUFFIX for name in HF_PEERS_ON_OUR_KERNELS)
 BASELINE = "ar"
-_STOCK_COPIES: dict[int, torch.nn.Module] = {}
+_STOCK_COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()
 
 
 def stock_copy(model: torch.nn.Module) -> torch.nn.Module:
@@ -48,14 +49,13 @@ def stock_copy(model: torch.nn.Module) -> torch.nn.Module:
 
     from ..kernels import FewRowLinear
 
-    key = id(model)
-    if key not in _STOCK_COPIES:
+    if model not in _STOCK_COPIES:
         clone = copy.deepcopy(model)
         for module in clone.modules():
             if isinstance(module, FewRowLinear):
                 module.__class__ = torch.nn.Linear
-        _STOCK_COPIES[key] = clone
-    return _STOCK_COPIES[key]
+        _STOCK_COPIES[model] = clone
+    return _STOCK_COPIES[model]
 
 
 class BenchError(TierspecError):

@@ -79,7 +79,7 @@ class EagleDrafter(Drafter):
         if h is None:
             return Proposal.empty(source="head")
         committed = self.runner.length
-        ids = self.head.draft_ids
+        ids = self.head.draft_ids.cpu()  # rows and samples live on the CPU (no copy there)
         tokens, k_probs, k_logits, confidences = [], [], [], []
         steps = 1  # the catch-up pass produced the first draft's logits
         try:

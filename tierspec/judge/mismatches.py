@@ -52,17 +52,13 @@ class MismatchConfig:
     seed: int = 0
 
 
-def _greedy(runner: CachedModel, context: torch.Tensor, steps: int, eos: set[int]) -> list[int]:
-    """Greedy continuation of ``context`` (the runner holds nothing yet)."""
-    logits = runner.forward(context, logits_for=1)[-1]
-    out = []
-    for _ in range(steps):
-        token = int(logits.argmax())
-        out.append(token)
-        if token in eos:
-            break
-        logits = runner.forward(torch.tensor([token]), logits_for=1)[-1]
-    return out
+def _greedy(target: LoadedModel, context: torch.Tensor, steps: int, eos: set[int]) -> list[int]:
+    """The target's greedy continuation of ``context`` (plain decoding through the decode loop)."""
+    from ..decode import DecodeConfig, decode
+    from ..methods import build_method
+
+    config = DecodeConfig(max_new_tokens=steps, eos_token_ids=tuple(eos))
+    return [token for step in decode(target, build_method("ar", target), context, config) for token in step.new_tokens]
 
 
 def find_mismatches(target: LoadedModel, head, prompt_ids: torch.Tensor, config: MismatchConfig,
@@ -71,14 +67,13 @@ def find_mismatches(target: LoadedModel, head, prompt_ids: torch.Tensor, config:
     draft, from the target's features, differs from the answer's token."""
     from ..eagle.head import HeadRunner
 
-    runner = CachedModel(target.model)
-    answer = _greedy(runner, prompt_ids, config.answer_tokens, eos)
+    answer = _greedy(target, prompt_ids, config.answer_tokens, eos)
     sequence = torch.cat([prompt_ids, torch.tensor(answer, dtype=torch.long)])
     layers = tuple(head.config.feature_layers)
     features = CachedModel(target.model).forward(sequence[:-1], logits_for=1, with_hidden=True, hidden_layers=layers)[1]
     drafting = HeadRunner(head)
     h = drafting.extend(features, sequence[1:], from_target=True)  # h[p] predicts the feature after token p+1
-    drafts = head.draft_ids[drafting.logits(h).argmax(-1)].cpu()  # the draft for position p+2
+    drafts = head.draft_ids.cpu()[drafting.logits(h).argmax(-1)]  # the draft for position p+2
     start = len(prompt_ids)
     pairs = []
     for i in range(1, len(answer)):  # answer token i sits at position start+i; its draft came from p = start+i-2
@@ -114,7 +109,7 @@ def build_mismatch_data(target: LoadedModel, head, prompts: list[str], out: Path
             for i, draft in pairs:
                 prefix = answer[:i]
                 context = torch.cat([prompt_ids, torch.tensor(prefix + [draft], dtype=torch.long)])
-                alternative = _greedy(CachedModel(target.model), context, config.window + config.match, eos)
+                alternative = _greedy(target, context, config.window + config.match, eos)
                 harmless = rejoins(answer[i + 1:], alternative, config.window, config.match)
                 counts["harmless" if harmless else "harmful"] += 1
                 before = decode(prefix, skip_special_tokens=True)
