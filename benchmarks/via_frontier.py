@@ -30,17 +30,23 @@ from tierspec.util import atomic_write_text
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def specs(ratios, alpha2s, lossy_alphas, unit: str, draft_with: str = "ngram") -> list[str]:
-    """ar, the lossless two-tier method of the drafter (pld / eagle), lossy at each α and via at
-    each r × α2, all with the same drafter."""
+def specs(ratios, alpha2s, lossy_alphas, unit: str, draft_with: str = "ngram", compute_ratios=(),
+          judge_head: str | None = None, judge_thresholds=()) -> list[str]:
+    """ar, the lossless two-tier method of the drafter (pld / eagle), lossy at each α, via at each
+    r × α2 (unit-count masks ``r…``, then compute-weighted masks ``c…`` scoring the draft head's
+    vocabulary), and judge at each threshold δ, all with the same drafter."""
     methods = ["ar", "pld" if draft_with == "ngram" else "eagle"]
     methods += [f"lossy:alpha={a}:draft_with={draft_with}" for a in lossy_alphas]
     methods += [f"via:mask=masks/smollm2-135m-{unit}-r{r}.json:alpha2={a2}:draft_with={draft_with}"
                 for r in ratios for a2 in alpha2s]
+    methods += [f"via:mask=masks/smollm2-135m-sublayer-c{c}.json:alpha2={a2}:draft_with={draft_with}"
+                f":slim_vocabulary=draft-head" for c in compute_ratios for a2 in alpha2s]
+    if judge_head:
+        methods += [f"judge:judge_head={judge_head}:judge_threshold={t}:draft_with={draft_with}" for t in judge_thresholds]
     return methods
 
 
-def report(summary: dict, out: Path) -> str:
+def report(summary: dict, out: Path, drafter: str = "n-gram", temperature: float = 0.0) -> str:
     points = []
     for name, result in summary["methods"].items():
         o = result["overall"]
@@ -50,14 +56,14 @@ def report(summary: dict, out: Path) -> str:
             "full": o.get("target_calls_per_token"), "slim": o.get("slim_calls_per_token"),
             "fractions": o.get("tier_fractions") or {},
         })
-    two_tier = [p for p in points if p["family"] in ("pld", "eagle", "lossy")]
+    two_tier = [p for p in points if p["family"] in ("pld", "eagle", "lossy", "judge")]
     header = ("| method | speed-up | fidelity EM | ROUGE-L | target NLL | full calls/tok | slim calls/tok | "
               "tiers d/s/t | beats two-tier (EM) | beats two-tier (NLL) |")
     lines = [header, "|" + "---|" * 10]
     wins = {"em": [], "nll": []}
     for p in points:
         beats_em = beats_nll = None
-        if p["family"] == "via":
+        if p["family"] in ("via", "via-judge"):
             beats_em = faster_than_every_as_faithful(p, two_tier, "em", higher_is_better=True)
             beats_nll = faster_than_every_as_faithful(p, two_tier, "nll", higher_is_better=False)
             if beats_em:
@@ -72,17 +78,18 @@ def report(summary: dict, out: Path) -> str:
                      f"{fmt(p['full'])} | {fmt(p['slim'])} | {tiers} | {yes(beats_em)} | {yes(beats_nll)} |")
     verdict = (f"VIA-SD points faster than every two-tier point of equal or better fidelity: by exact match "
                f"{', '.join(f'`{n}`' for n in wins['em']) or 'none'}; by target NLL {', '.join(f'`{n}`' for n in wins['nll']) or 'none'}.")
-    _plot(points, out)
+    _plot(points, out, drafter, temperature)
     return "\n".join(lines) + "\n\n" + verdict + "\n"
 
 
-def _plot(points: list[dict], out: Path) -> None:
+def _plot(points: list[dict], out: Path, drafter: str, temperature: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    colours = {"ar": "black", "pld": "tab:blue", "eagle": "tab:blue", "lossy": "tab:orange", "via": "tab:green"}
+    colours = {"ar": "black", "pld": "tab:blue", "eagle": "tab:blue", "lossy": "tab:orange", "via": "tab:green",
+               "judge": "tab:red"}
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for ax, key, label in ((axes[0], "em", "exact match with ar (higher = closer)"),
                            (axes[1], "nll", "target NLL per token (lower = likelier under the target)")):
@@ -90,7 +97,7 @@ def _plot(points: list[dict], out: Path) -> None:
             if p.get(key) is None or p["speedup"] is None:
                 continue
             ax.scatter(p["speedup"], p[key], color=colours.get(p["family"], "grey"), label=p["family"])
-            ax.annotate(short_label(p["name"], 30).replace("draft_with=ngram", "").replace("draft_with=eagle", "")
+            ax.annotate(short_label(p["name"], 30).replace("draft_with=ngram", "").replace("draft_with=eagle", "").replace("slim_vocabulary=draft-head", "dv")
                         .replace(",)", ")"),
                         (p["speedup"], p[key]), fontsize=6)
         handles, labels = ax.get_legend_handles_labels()
@@ -98,7 +105,7 @@ def _plot(points: list[dict], out: Path) -> None:
         ax.legend(unique.values(), unique.keys(), fontsize=7)
         ax.set_xlabel("speed-up vs ar (same run)")
         ax.set_ylabel(label)
-    fig.suptitle("VIA-SD vs two-tier rules, n-gram drafter for all")
+    fig.suptitle(f"VIA-SD vs two-tier rules, {drafter} drafter for all, temperature {temperature:g}")
     fig.tight_layout()
     fig.savefig(out / "frontier.png", dpi=120)
     plt.close(fig)
@@ -115,17 +122,27 @@ def main() -> None:
     parser.add_argument("--unit", default="sublayer", choices=["sublayer", "layer"])
     parser.add_argument("--draft-with", default="ngram", choices=["ngram", "eagle"],
                         help="the drafter of every method (eagle: the trained draft head; the lossless point is then eagle)")
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--compute-ratios", nargs="*", default=[],
+                        help="compute-weighted masks masks/smollm2-135m-sublayer-c<C>.json, slim tier over the draft vocabulary")
+    parser.add_argument("--judge-head", default=None, help="judge head for judge points (with --judge-threshold)")
+    parser.add_argument("--judge-threshold", nargs="*", default=["0.5", "0.7", "0.9"])
     parser.add_argument("--summarize-only", action="store_true")
     args = parser.parse_args()
     out = Path(args.out) if Path(args.out).is_absolute() else ROOT / args.out
     command = [sys.executable, "-m", "tierspec.cli", "bench", "--target", "smollm2-135m", "--dataset", "spec_bench",
-               "--per-category", str(args.per_category), "--max-new-tokens", str(args.max_new_tokens), "--temperature", "0",
-               "--methods", ",".join(specs(args.ratios, args.alpha2, args.lossy_alpha, args.unit, args.draft_with)),
+               "--per-category", str(args.per_category), "--max-new-tokens", str(args.max_new_tokens), "--temperature", str(args.temperature),
+               "--methods", ",".join(specs(args.ratios, args.alpha2, args.lossy_alpha, args.unit, args.draft_with,
+                                           args.compute_ratios, args.judge_head, args.judge_threshold)),
                "--out", str(out)]
     subprocess.run(command + (["--summarize-only", "--no-progress"] if args.summarize_only else []), check=True, cwd=ROOT)
     summary = json.loads((out / "summary.json").read_text())
-    text = report(summary, out)
+    text = report(summary, out, "trained draft-head" if args.draft_with == "eagle" else "n-gram", args.temperature)
     flags = f" --draft-with {args.draft_with}" if args.draft_with != "ngram" else ""
+    flags += f" --temperature {args.temperature:g}" if args.temperature else ""
+    flags += f" --compute-ratios {' '.join(args.compute_ratios)}" if args.compute_ratios else ""
+    flags += (f" --judge-head {args.judge_head} --judge-threshold {' '.join(args.judge_threshold)}"
+              if args.judge_head else "")
     flags += f" --per-category {args.per_category}" if args.per_category != 2 else ""
     flags += f" --ratios {' '.join(args.ratios)}" if args.ratios != ["0.1", "0.2", "0.3"] else ""
     atomic_write_text(out / "frontier.md", f"`python benchmarks/via_frontier.py --out {args.out}{flags}`\n\n" + text)
