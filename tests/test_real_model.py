@@ -225,3 +225,63 @@ def test_mismatch_judge_data_labels_the_draft_token(smollm, tmp_path):
     for record in records:
         by_prompt.setdefault(record["prompt"], set()).add(record["split"])
     assert all(len(splits) == 1 for splits in by_prompt.values())
+
+
+def test_the_default_model_runs_on_tierspec_code_with_transformers_results(smollm):
+    """The default model loads on tierspec's own Llama code and tokenizer (no transformers
+    import: that is the start-up saving) and computes what transformers' modules compute."""
+    from tierspec.llama import LlamaLM
+    from tierspec.models import CachedModel
+    from tierspec.prompting import encode_prompt
+
+    theirs = tierspec.load_model("smollm2-135m", implementation="transformers")
+    assert isinstance(smollm.model, LlamaLM) and smollm.identity == theirs.identity
+    ids = encode_prompt(smollm, PROMPT)
+    assert ids.tolist() == encode_prompt(theirs, PROMPT).tolist()
+    with torch.inference_mode():
+        ours, reference = CachedModel(smollm.model), CachedModel(theirs.model)
+        torch.testing.assert_close(ours.forward(ids), reference.forward(ids), rtol=0, atol=1e-4)
+        torch.testing.assert_close(ours.forward(ids[:3], with_hidden=True, hidden_layers=(1, 15))[1],
+                                   reference.forward(ids[:3], with_hidden=True, hidden_layers=(1, 15))[1],
+                                   rtol=0, atol=1e-4)
+
+
+def test_own_tokenizer_matches_transformers_on_the_default_model(smollm):
+    from transformers import AutoTokenizer
+
+    theirs = AutoTokenizer.from_pretrained(smollm.tokenizer.folder)
+    own = smollm.tokenizer
+    texts = ["Hello world", "  spaces\tand\n\nnewlines ", "Ünïcödé ☃ 日本語 🎉", "<|im_start|>user\nhi<|im_end|>",
+             "def f(x):\n    return x**2  # squared", ""]
+    for text in texts:
+        for special in (True, False):
+            a = own(text, add_special_tokens=special, return_offsets_mapping=True)
+            b = theirs(text, add_special_tokens=special, return_offsets_mapping=True)
+            assert a["input_ids"] == list(b["input_ids"])
+            assert a["offset_mapping"] == [tuple(span) for span in b["offset_mapping"]]
+        ids = theirs(text)["input_ids"] + [1, 2, 0]
+        for skip in (True, False):
+            assert own.decode(ids, skip_special_tokens=skip) == theirs.decode(ids, skip_special_tokens=skip)
+    chats = ([{"role": "user", "content": "Hi"}],
+             [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Why?"}])
+    for messages in chats:
+        for prompt in (True, False):
+            assert (own.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False)
+                    == theirs.apply_chat_template(messages, add_generation_prompt=prompt, tokenize=False))
+    assert own.get_vocab() == theirs.get_vocab()
+    assert (own.bos_token_id, own.eos_token_id, own.pad_token_id) == (theirs.bos_token_id, theirs.eos_token_id,
+                                                                      theirs.pad_token_id)
+
+
+def test_a_short_generation_imports_no_transformers(smollm):
+    """What `tierspec generate` loads: no transformers, scikit-learn, scipy or matplotlib import
+    (each costs 0.3-2 s of start-up; the wall time itself is measured by benchmarks/serve_load.py)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, tierspec; tierspec.generate('Hi', max_new_tokens=4); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'transformers', 'sklearn', 'scipy', 'matplotlib'}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1] == "[]"

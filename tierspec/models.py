@@ -8,6 +8,7 @@ and later loads read that (well under a second).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -90,23 +91,74 @@ def _quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _load_hf_folder(folder: Path, dtype: torch.dtype):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+IMPLEMENTATIONS = ("auto", "tierspec", "transformers")
+
+
+def _use_own_llama(folder: Path, implementation: str) -> bool:
+    """Whether the model in ``folder`` runs on ``tierspec.llama`` (``auto``: wherever that module
+    covers the architecture, since it starts 2-3 s sooner than transformers' modelling code)."""
+    if implementation == "transformers":
+        return False
+    from .llama import supports
+
+    try:
+        problem = supports(json.loads((folder / "config.json").read_text()))
+    except (OSError, ValueError) as error:
+        problem = f"config.json unreadable ({error})"
+    if problem is None and not any(folder.glob("*.safetensors")):
+        problem = "its weights are not in safetensors files"
+    if problem is not None and implementation == "tierspec":
+        raise ModelLoadError(f"--implementation tierspec cannot run the model in {folder}: {problem}; "
+                             "use --implementation transformers (or auto)")
+    return problem is None
+
+
+def _load_hf_folder(folder: Path, dtype: torch.dtype, implementation: str = "transformers"):
+    if _use_own_llama(folder, implementation):
+        from .llama import load_llama
+
+        try:
+            model = load_llama(folder, dtype)
+        except (OSError, ValueError, KeyError, RuntimeError) as error:
+            raise ModelLoadError(f"cannot load a causal LM from {folder}: {error}") from error
+        return model, _load_tokenizer(folder, own=True)
+    _quiet_transformers()
+    from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     except (OSError, ValueError, KeyError) as error:
         raise ModelLoadError(f"cannot load a causal LM from {folder}: {error}") from error
+    return model, _load_tokenizer(folder)
+
+
+def _load_tokenizer(folder: Path, own: bool = False):
+    """The folder's tokenizer (None where the folder has none). With ``own``, tierspec's
+    ``tokenizer.FastTokenizer`` where it reproduces the folder's tokenizer (no transformers
+    import), else transformers' own."""
+    if own:
+        from .tokenizer import FastTokenizer, fits
+
+        if fits(folder) is None:
+            try:
+                return FastTokenizer(folder)
+            except (OSError, ValueError, KeyError, Exception) as error:  # tokenizers raises its own Exception type
+                print(f"tierspec: reading {folder / 'tokenizer.json'} directly failed ({error}); using transformers",
+                      file=sys.stderr)
+    _quiet_transformers()
+    from transformers import AutoTokenizer
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(folder)
+        return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, KeyError):
-        tokenizer = None
-    return model, tokenizer
+        return None
 
 
 def _convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
     """De-quantise ``gguf`` once and write a safetensors folder to ``dest`` atomically."""
     from safetensors.torch import save_file
+
+    _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     try:
@@ -185,7 +237,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 
 def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32,
-               device: str | torch.device = "cpu", kernels: str = "auto") -> LoadedModel:
+               device: str | torch.device = "cpu", kernels: str = "auto", implementation: str = "auto") -> LoadedModel:
     """Load a causal LM from a Hugging Face folder, a ``.gguf`` file, or ``"smollm2-135m"``,
     with its weights in ``dtype`` (float32, bfloat16 or float16; logits are returned in
     float32 whatever the weights) on ``device`` (``auto``, ``cpu``, ``cuda``, ``mps``).
@@ -194,6 +246,11 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
     (pays on a CPU: 1.5-3.4x less matmul time here), ``stock`` keeps ``nn.Linear``; ``auto``
     picks few-row on the CPU only.
 
+    ``implementation``: ``tierspec`` runs plain Llama models on tierspec's own forward pass
+    (``tierspec.llama``: the same computation, no transformers modelling import, 2-3 s faster to
+    start), ``transformers`` on transformers' modules (needed for ``model.generate``, e.g. the
+    ``hf-*`` peers); ``auto`` picks tierspec's wherever it covers the architecture.
+
     GGUF files (the default model is one) are de-quantised once into a cached float32
     safetensors folder; later loads read the cache (in the dtype asked for).
     """
@@ -201,8 +258,10 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
     device = resolve_device(device)
     if kernels not in KERNELS:
         raise ModelLoadError(f"unknown kernels {kernels!r}; choose one of: {', '.join(KERNELS)}")
+    if implementation not in IMPLEMENTATIONS:
+        raise ModelLoadError(f"unknown implementation {implementation!r}; choose one of: {', '.join(IMPLEMENTATIONS)}")
     few_row = kernels == "few-row" or (kernels == "auto" and device.type == "cpu")
-    loaded = _load_model(spec, dtype)
+    loaded = _load_model(spec, dtype, implementation)
     if device.type != "cpu":
         loaded.model.to(device)
     if few_row:
@@ -212,8 +271,7 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
     return loaded
 
 
-def _load_model(spec: str | os.PathLike, dtype: torch.dtype) -> LoadedModel:
-    _quiet_transformers()
+def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str) -> LoadedModel:
     spec_str = str(spec)
     if spec_str == DEFAULT_MODEL:
         gguf = default_model_file()
@@ -226,7 +284,7 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype) -> LoadedModel:
                 "nor a .gguf file (tierspec never downloads weights)"
             )
         if path.is_dir():
-            model, tokenizer = _load_hf_folder(path, dtype)
+            model, tokenizer = _load_hf_folder(path, dtype, implementation)
             return _loaded(model, tokenizer, path.name, _folder_hash(path))
         if path.suffix != ".gguf":
             raise ModelLoadError(f"'{path}' is a file but not a .gguf file")
@@ -241,12 +299,14 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype) -> LoadedModel:
     if problem is not None:
         _convert_gguf(gguf, folder, torch.float32)
     try:
-        model, tokenizer = _load_hf_folder(folder, dtype)
+        model, tokenizer = _load_hf_folder(folder, dtype, implementation)
     except ModelLoadError as error:  # damaged in a way the cheap check did not see
+        if "--implementation" in str(error):
+            raise
         print(f"tierspec: the converted copy in {folder} cannot be loaded ({error}); converting it again", file=sys.stderr)
         shutil.rmtree(folder, ignore_errors=True)
         _convert_gguf(gguf, folder, torch.float32)
-        model, tokenizer = _load_hf_folder(folder, dtype)
+        model, tokenizer = _load_hf_folder(folder, dtype, implementation)
     marker = json.loads((folder / _CONVERTED_MARKER).read_text())
     return _loaded(model, tokenizer, name, marker["sha256"])
 
@@ -337,6 +397,7 @@ def wrap_model(model: torch.nn.Module, tokenizer=None, name: str = "") -> Loaded
     return _loaded(model, tokenizer, name or type(model).__name__, "")
 
 
+@functools.lru_cache(maxsize=None)
 def _growing_layer_class():
     from transformers.cache_utils import DynamicLayer
 
@@ -422,23 +483,23 @@ class CachedModel:
     """
 
     def __init__(self, model: torch.nn.Module):
-        from transformers import DynamicCache
-
         self.model = model
-        self._cache_class = DynamicCache
-        self._growing = _growing_layer_class()
         self.cache = self._new_cache()
         self.length = 0
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
         self.device = next(model.parameters()).device
 
     def _new_cache(self):
-        """A DynamicCache whose plain (non-sliding) layers append in place; see GrowingLayer."""
+        """tierspec's own cache for models on ``tierspec.llama``; for transformers models a
+        DynamicCache whose plain (non-sliding) layers append in place (see GrowingLayer)."""
+        if hasattr(self.model, "new_kv_cache"):
+            return self.model.new_kv_cache()
+        from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer
 
-        cache = self._cache_class(config=self.model.config)
+        cache = DynamicCache(config=self.model.config)
         if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
-            cache.layers = [self._growing() for _ in cache.layers]
+            cache.layers = [_growing_layer_class()() for _ in cache.layers]
         return cache
 
     def reset(self) -> None:

@@ -68,6 +68,7 @@ class BenchConfig:
     dtype: str = "float32"
     device: str = "cpu"
     kernels: str = "auto"
+    implementation: str = "auto"  # tierspec's methods; hf-* peers always run on transformers' modules
     methods: tuple[str, ...] = ("ar", "hf-greedy", "sd", "pld", "hf-pld")
     dataset: str = "spec_bench"
     per_category: int | None = 5
@@ -92,7 +93,7 @@ class BenchConfig:
 
 # Settings that change what a record measures: a run may only resume into a folder made with the
 # same values (methods, prompt counts and repeats may grow).
-_RESUME_KEYS = ("target", "dtype", "device", "kernels", "drafter", "dataset", "data_dir", "max_new_tokens", "temperature", "top_k", "top_p",
+_RESUME_KEYS = ("target", "dtype", "device", "kernels", "implementation", "drafter", "dataset", "data_dir", "max_new_tokens", "temperature", "top_k", "top_p",
                 "num_draft", "seed", "mask", "hf_pld_tokens", "hf_early_exit_layer")
 
 
@@ -198,7 +199,10 @@ class Outcome:
 class MethodRunner:
     """Runs one method spec on prompt ids; built once, reused for every prompt."""
 
-    def __init__(self, spec: str, target: LoadedModel, drafter: LoadedModel | None, config: BenchConfig):
+    def __init__(self, spec: str, target: LoadedModel, drafter: LoadedModel | None, config: BenchConfig,
+                 hf_models: tuple[LoadedModel, LoadedModel | None] | None = None):
+        """``hf_models``: the target and drafter on transformers' modules for ``hf-*`` peers
+        (default: ``target`` and ``drafter`` themselves, which must then be transformers models)."""
         self.spec = spec
         self.name, params = parse_spec(spec)
         self.target, self.config = target, config
@@ -206,8 +210,12 @@ class MethodRunner:
         self.sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
         num_draft = int(params.pop("num_draft", config.num_draft))
         if self.name in HF_PEERS:
+            hf_target, drafter = hf_models or (target, drafter)
+            if not hasattr(hf_target.model, "generate"):
+                raise BenchError(f"{self.name} runs transformers' generate; load the target with implementation='transformers'")
             stock = self.name.endswith(STOCK_SUFFIX)
-            self.hf_model = stock_copy(target.model) if stock else target.model
+            self.hf_model = stock_copy(hf_target.model) if stock else hf_target.model
+            self.hf_target = hf_target
             self.hf_name = self.name[: -len(STOCK_SUFFIX)] if stock else self.name
             self.hf_kwargs = self._hf_kwargs(params, drafter, stock)
             return
@@ -223,7 +231,7 @@ class MethodRunner:
     def _hf_kwargs(self, params: dict, drafter: LoadedModel | None, stock: bool) -> dict:
         if self.hf_name == "hf-assisted":
             # The same drafter as `sd`: the --drafter model, else the target itself.
-            assistant = (drafter or self.target).model
+            assistant = (drafter or self.hf_target).model
             return {"assistant_model": stock_copy(assistant) if stock else assistant}
         if self.hf_name == "hf-pld":
             return {"prompt_lookup_num_tokens": int(params.get("tokens", self.config.hf_pld_tokens))}
@@ -271,6 +279,17 @@ class MethodRunner:
                     tokens = tokens[: i + 1]
                     break
         return Outcome(tokens, seconds, None)
+
+
+def _on_transformers(loaded: LoadedModel | None, spec: str | None, config: BenchConfig) -> LoadedModel | None:
+    """``loaded`` if it runs on transformers' modules, else the same model loaded that way (the
+    ``hf-*`` peers are transformers' generate on transformers' modules: what its users get)."""
+    if loaded is None or hasattr(loaded.model, "generate"):
+        return loaded
+    twin = load_model(spec, config.dtype, config.device, config.kernels, "transformers")
+    if twin.identity != loaded.identity:
+        raise BenchError(f"the transformers copy of {spec} is not the model the methods run ({twin.identity.mismatch(loaded.identity)})")
+    return twin
 
 
 # ---- memory ---------------------------------------------------------------------------------------
@@ -363,10 +382,14 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
     out.mkdir(parents=True, exist_ok=True)
     reference = load_fidelity_reference(config.fidelity_reference) if config.fidelity_reference else None
     prompts = round_robin(prompts)
-    target = target or load_model(config.target, config.dtype, config.device, config.kernels)
+    target = target or load_model(config.target, config.dtype, config.device, config.kernels, config.implementation)
     if drafter is None and config.drafter:
-        drafter = load_model(config.drafter, config.dtype, config.device, config.kernels)
-    runners = {spec: MethodRunner(spec, target, drafter, config) for spec in methods} if generate else {}
+        drafter = load_model(config.drafter, config.dtype, config.device, config.kernels, config.implementation)
+    hf_models = None
+    if generate and any(parse_spec(spec)[0] in HF_PEERS for spec in methods):
+        hf_models = tuple(_on_transformers(model, spec, config) for model, spec in
+                          ((target, config.target), (drafter, config.drafter)))
+    runners = {spec: MethodRunner(spec, target, drafter, config, hf_models) for spec in methods} if generate else {}
     encoded = {p.id: encode_prompt(target, p.text) for p in prompts}
 
     records_path = out / "records.jsonl"

@@ -281,6 +281,9 @@ def build_data(target: LoadedModel, out: Path, config: DataConfig = DataConfig()
     ``max_shards`` stops after that many shards in this call (tests; a budgeted run)."""
     if target.tokenizer is None:
         raise DraftDataError("building draft-head data needs the target's tokenizer (text prompts)")
+    if not hasattr(target.model, "generate"):
+        raise DraftDataError("building draft-head data generates in padded batches with transformers' generate; "
+                             "load the target with implementation='transformers'")
     out.mkdir(parents=True, exist_ok=True)
     layers = aux_layers(target.identity.num_layers)
     jobs, own, forced = plan_jobs(target, config, data_dir)
