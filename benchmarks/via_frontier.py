@@ -132,6 +132,13 @@ def report(summary: dict, out: Path, drafter: str = "n-gram", temperature: float
                   "`ar`'s own sample measure sampling noise as much as fidelity: the lossless `eagle` row gives "
                   "their floor. Target NLL is the comparable fidelity measure here (a lossless method's expected "
                   "NLL equals ar's)."]
+        lossless_point = next((p for p in points if p["family"] in ("eagle", "pld")), None)
+        lossless = lossless_point["nll"] if lossless_point else None
+        if ar_nll is not None and lossless is not None:
+            notes[-1] += (f" Its noise at this sample size: `ar` and the lossless `{lossless_point['family']}` sample the same "
+                          f"distribution yet their NLLs differ by {abs(ar_nll - lossless):.3f} nats "
+                          f"({abs(ar_nll - lossless) / ar_nll:.0%} of ar's); NLL differences below that, the "
+                          "\"within 5%\" tests and the NLL verdicts above cannot tell methods apart here.")
     verdict += "\n" + "\n".join(notes)
     _plot(points, out, drafter, temperature)
     return "\n".join(lines) + "\n\n" + verdict + "\n"
