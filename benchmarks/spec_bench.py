@@ -140,7 +140,8 @@ def lead_reports() -> str:
             text = (ROOT / path).read_text()
             if len(extra) > 1:  # a plot beside the table
                 text += f"\n![{extra[0]}]({extra[1]})\n"
-            parts.append(f"## {extra[0]}\n\n`{command}`\n\n{text}" if extra else text)
+            shown = "" if text.startswith("`") else f"`{command}`\n\n"  # the report names its own command
+            parts.append(f"## {extra[0]}\n\n{shown}{text}" if extra else text)
         if path == "results/slim_costs.md":
             parts.append(judge_curve())
     return "\n".join(parts)
@@ -236,6 +237,12 @@ Machine: {machine()}
 
 Written by `python benchmarks/spec_bench.py --out {args.out}` from the runs below (each names
 the command that produced it; speed-ups are ratios measured within one run).
+
+Model code: runs from the frontier with the trained drafter onwards (and the serving/start-up section) run the
+default model on tierspec's own Llama forward pass (`tierspec/llama.py`, the default `--implementation auto`
+since commit abc50c7; the same logits, a 1-token pass ≈ 8% faster than on transformers' modules); the runs
+before it used transformers' `LlamaForCausalLM` with the same few-row kernels. `hf-*` peers always run on
+transformers' modules.
 
 {lead_reports()}
 ## Every method on Spec-Bench (the full table; measured before the draft head and the loop restructuring)

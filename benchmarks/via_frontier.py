@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -144,6 +145,12 @@ def report(summary: dict, out: Path, drafter: str = "n-gram", temperature: float
     return "\n".join(lines) + "\n\n" + verdict + "\n"
 
 
+def plot_label(spec: str) -> str:
+    """A short point label: the drafter (the same for all) and the judge head's path left out."""
+    spec = re.sub(r":(draft_with|judge_head)=[^:]+", "", spec).replace(":slim_vocabulary=draft-head", ":dv")
+    return short_label(spec, 40).replace("judge_threshold", "δ").replace("alpha2", "α2").replace("alpha", "α")
+
+
 def _plot(points: list[dict], out: Path, drafter: str, temperature: float) -> None:
     import matplotlib
 
@@ -159,8 +166,7 @@ def _plot(points: list[dict], out: Path, drafter: str, temperature: float) -> No
             if p.get(key) is None or p["speedup"] is None:
                 continue
             ax.scatter(p["speedup"], p[key], color=colours.get(p["family"], "grey"), label=p["family"])
-            ax.annotate(short_label(p["name"], 30).replace("draft_with=ngram", "").replace("draft_with=eagle", "").replace("slim_vocabulary=draft-head", "dv")
-                        .replace(",)", ")"),
+            ax.annotate(plot_label(p["name"]),
                         (p["speedup"], p[key]), fontsize=6)
         handles, labels = ax.get_legend_handles_labels()
         unique = dict(zip(labels, handles))
