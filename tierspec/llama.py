@@ -134,13 +134,19 @@ class RMSNorm(torch.nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm, computed in float32 and cast back (the draft head uses it too)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [..., T, D] by position (Llama's rotate-half convention); cos/sin [T, D]."""
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
@@ -161,7 +167,7 @@ class Attention(torch.nn.Module):
         q = self.q_proj(hidden_states).view(b, n, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(hidden_states).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v)
         total = k.shape[-2]

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from ..errors import TierspecError
 from ..identity import ModelIdentity
 from ..kernels import few_row_linear
+from ..llama import rms_norm, rotary
 from ..models import LoadedModel
 from ..routing import decoder_layers
 from ..util import atomic_write_text
@@ -96,21 +97,6 @@ class HeadConfig:
         return cls(int(config.hidden_size), int(config.intermediate_size), heads, kv_heads, head_dim,
                    float(config.rms_norm_eps), float(theta), int(model.get_output_embeddings().weight.shape[0]),
                    int(draft_vocab_size), tuple(feature_layers))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm, computed in float32 and cast back."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [..., T, D] by position (Llama's rotate-half convention); cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class DraftHead(torch.nn.Module):
