@@ -201,8 +201,12 @@ def test_own_tokenizer_matches_transformers_on_a_saved_folder(tmp_path):
         assert own.decode(ids) == theirs.decode(ids)
     assert own.get_vocab() == theirs.get_vocab() and own.eos_token_id == theirs.eos_token_id == 1
     config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
-    assert "add_bos_token" in fits(folder)  # a setting it does not reproduce: transformers loads it
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "additional_special_tokens": []}))
+    assert fits(folder) is None  # an empty setting changes nothing
+    for setting in ({"add_bos_token": True}, {"additional_special_tokens": ["<x>"]},
+                    {"chat_template": [{"name": "default", "template": "{{ messages }}"}]}):
+        (folder / "tokenizer_config.json").write_text(json.dumps({**config, **setting}))
+        assert fits(folder) is not None, setting  # settings it does not reproduce: transformers loads it
     (folder / "tokenizer.json").unlink()
     assert fits(folder) == "no tokenizer.json"
 

@@ -18,7 +18,7 @@ from pathlib import Path
 _NEUTRAL_KEYS = {
     "backend", "tokenizer_class", "is_local", "local_files_only", "model_max_length", "added_tokens_decoder",
     "bos_token", "eos_token", "pad_token", "unk_token", "sep_token", "cls_token", "mask_token",
-    "additional_special_tokens", "extra_special_tokens", "chat_template", "clean_up_tokenization_spaces",
+    "chat_template", "clean_up_tokenization_spaces",
     "model_input_names", "padding_side", "truncation_side", "name_or_path", "errors", "vocab_size",
 }
 _CLASSES = {"TokenizersBackend", "PreTrainedTokenizerFast", "GPT2Tokenizer", "GPT2TokenizerFast"}
@@ -35,11 +35,13 @@ def fits(folder: Path) -> str | None:
         return "no readable tokenizer_config.json"
     if config.get("tokenizer_class") not in _CLASSES:
         return f"tokenizer class {config.get('tokenizer_class')!r}"
-    extra = sorted(set(config) - _NEUTRAL_KEYS)
+    extra = sorted(key for key in set(config) - _NEUTRAL_KEYS if config[key] not in (None, [], {}))
     if extra:
         return f"tokenizer_config.json sets {extra}"
     if config.get("clean_up_tokenization_spaces"):
         return "clean_up_tokenization_spaces"
+    if config.get("chat_template") is not None and not isinstance(config["chat_template"], str):
+        return "named chat templates"
     return None
 
 
