@@ -157,6 +157,34 @@ def test_resume_with_other_settings_is_refused_and_changes_nothing(tmp_path, tin
     assert {name: (out / name).read_bytes() for name in before} == before
     # More methods and prompts may join a run: they do not change what a record measures.
     run_bench(replace(config, methods=("ar", "pld")), out, progress=False, target=tiny_text_model)
+    # The records name the code that computed them; a run on other code is not resumed into them.
+    assert json.loads((out / "config.json").read_text())["implementation"] == "transformers"
+
+
+def test_a_run_made_on_transformers_modules_is_not_resumed_on_tierspec_code(tmp_path, data_dir):
+    from dataclasses import replace
+
+    from tierspec.llama import LlamaLM
+    from tierspec.models import load_model
+
+    tiny_llama(3, vocab_size=56).model.save_pretrained(tmp_path / "m")
+    char_tokenizer().save_pretrained(tmp_path / "m")
+    config = BenchConfig(target=str(tmp_path / "m"), methods=("ar",), dataset="spec_bench", per_category=1,
+                         max_new_tokens=4, data_dir=str(data_dir), compute_nll=False)
+    out = tmp_path / "out"
+    run_bench(replace(config, implementation="transformers"), out, progress=False)
+    with pytest.raises(BenchError, match="implementation: 'transformers' → 'tierspec'"):
+        run_bench(config, out, progress=False)  # auto: tierspec's code for this model
+    assert isinstance(load_model(tmp_path / "m").model, LlamaLM)
+    # A folder written before the setting existed ran on transformers' modules: refused alike, and a
+    # summary of it reports the code its records came from.
+    saved = json.loads((out / "config.json").read_text())
+    del saved["implementation"]
+    (out / "config.json").write_text(json.dumps(saved))
+    with pytest.raises(BenchError, match="implementation: 'transformers' → 'tierspec'"):
+        run_bench(config, out, progress=False)
+    summary = run_bench(config, out, progress=False, generate=False)
+    assert summary["config"]["implementation"] == "transformers"
 
 
 def test_fidelity_against_a_reference_run(tmp_path, tiny_text_model, data_dir):

@@ -97,6 +97,26 @@ _RESUME_KEYS = ("target", "dtype", "device", "kernels", "implementation", "draft
                 "num_draft", "seed", "mask", "hf_pld_tokens", "hf_early_exit_layer")
 
 
+# What a run made before a setting existed used: its records came from that (not today's default).
+_BEFORE_THE_KEY_EXISTED = {"implementation": "transformers"}
+
+
+def model_code(loaded: LoadedModel) -> str:
+    """Which implementation a loaded model runs on: "tierspec" (tierspec.llama) or "transformers"."""
+    from ..llama import LlamaLM
+
+    return "tierspec" if isinstance(loaded.model, LlamaLM) else "transformers"
+
+
+def _previous_config(out: Path) -> dict:
+    """The settings of the run already in ``out`` (with what runs made before a setting existed
+    used), or {} where there is none."""
+    try:
+        return {**_BEFORE_THE_KEY_EXISTED, **json.loads((out / "config.json").read_text())}
+    except (OSError, ValueError):
+        return {}
+
+
 def check_resumable(config: "BenchConfig", out: Path) -> None:
     """Refuses to add records to ``out`` if its config.json was written with other settings."""
     path = out / "config.json"
@@ -107,6 +127,9 @@ def check_resumable(config: "BenchConfig", out: Path) -> None:
     except (OSError, json.JSONDecodeError) as error:
         raise BenchError(f"{path} is unreadable ({error}); use another --out or delete the folder") from error
     current = asdict(config)
+    previous = {**_BEFORE_THE_KEY_EXISTED, **previous}
+    if previous.get("implementation") == "auto":  # written before "auto" was resolved: it meant tierspec's code
+        previous["implementation"] = current["implementation"]
     changed = [f"{key}: {previous.get(key)!r} → {current[key]!r}" for key in _RESUME_KEYS
                if key in previous and previous[key] != current[key]]
     if changed:
@@ -378,13 +401,21 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
                      config.per_category, config.limit, config.seed)
     if not prompts:
         raise BenchError("no prompts selected")
-    check_resumable(config, out)
-    out.mkdir(parents=True, exist_ok=True)
     reference = load_fidelity_reference(config.fidelity_reference) if config.fidelity_reference else None
     prompts = round_robin(prompts)
     target = target or load_model(config.target, config.dtype, config.device, config.kernels, config.implementation)
     if drafter is None and config.drafter:
         drafter = load_model(config.drafter, config.dtype, config.device, config.kernels, config.implementation)
+    # The records say which code computed them ("auto" is resolved: it depends on the model).
+    config = replace(config, implementation=model_code(target))
+    if generate:
+        check_resumable(config, out)
+    else:  # a summary of records made earlier reports the settings they were made with
+        previous = {key: value for key, value in _previous_config(out).items() if key in _RESUME_KEYS}
+        if previous.get("implementation") == "auto":  # written before "auto" was resolved
+            del previous["implementation"]
+        config = replace(config, **previous)
+    out.mkdir(parents=True, exist_ok=True)
     hf_models = None
     if generate and any(parse_spec(spec)[0] in HF_PEERS for spec in methods):
         hf_models = tuple(_on_transformers(model, spec, config) for model, spec in
