@@ -98,7 +98,7 @@ def report(greedy: dict, sampled: dict | None, costs: dict, head_info: dict, arg
     lines = [
         "## The trained draft head (EAGLE-style) on Spec-Bench",
         "",
-        f"`python benchmarks/draft_head.py` — greedy run: `tierspec bench --dataset spec_bench --per-category "
+        f"`python benchmarks/draft_head.py{_flags(args)}` — greedy run: `tierspec bench --dataset spec_bench --per-category "
         f"{args.per_category} --max-new-tokens {args.max_new_tokens} --temperature 0 --methods \"{','.join(GREEDY_METHODS)}\" "
         f"--out {args.greedy_out}`; temperature 1: the same with `--temperature 1 --methods \"{','.join(SAMPLED_METHODS)}\" "
         f"--out {args.sampled_out}`.",
@@ -156,6 +156,19 @@ def report(greedy: dict, sampled: dict | None, costs: dict, head_info: dict, arg
         "",
     ]
     return "\n".join(lines)
+
+
+def _flags(args) -> str:
+    """The command-line flags that differ from the defaults, as they would be typed."""
+    defaults = {"greedy_out": "results/draft_head", "sampled_out": "results/draft_head-t1", "per_category": 5,
+                "max_new_tokens": 128, "skip_sampled": False, "report": str(ROOT / "results" / "draft_head-report.md")}
+    flags = []
+    for key, default in defaults.items():
+        value = getattr(args, key)
+        if value != default:
+            shown = str(Path(value).relative_to(ROOT)) if key == "report" and Path(value).is_absolute() else value
+            flags.append(f"--{key.replace('_', '-')}" + ("" if value is True else f" {shown}"))
+    return (" " + " ".join(flags)) if flags else ""
 
 
 def main() -> None:

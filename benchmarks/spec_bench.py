@@ -75,7 +75,8 @@ MORE_RUNS = [
 FRONTIER = ("python benchmarks/via_frontier.py --draft-with eagle --ratios 0.1 0.45 --compute-ratios 0.3 0.5 "
             "--judge-head results/judge-mismatch/head.safetensors --judge-threshold 0.5 0.7 0.9")
 LEAD_REPORTS = [
-    ("python benchmarks/draft_head.py", "results/draft_head-report.md"),
+    ("python benchmarks/draft_head.py --greedy-out results/draft_head-own --sampled-out results/draft_head-own-t1 "
+     "--report results/draft_head-own-report.md", "results/draft_head-own-report.md"),
     ("python benchmarks/cycle_profile.py", "results/draft_head-profile.md"),
     ("python benchmarks/serve_load.py", "results/serving-report.md"),
     ("tierspec bench --methods \"ar,eagle,lossy:draft_with=eagle,bild:draft_with=eagle,cascade:draft_with=eagle,"
@@ -238,10 +239,10 @@ Machine: {machine()}
 Written by `python benchmarks/spec_bench.py --out {args.out}` from the runs below (each names
 the command that produced it; speed-ups are ratios measured within one run).
 
-Model code: runs from the frontier with the trained drafter onwards (and the serving/start-up section) run the
-default model on tierspec's own Llama forward pass (`tierspec/llama.py`, the default `--implementation auto`
-since commit abc50c7; the same logits, a 1-token pass ≈ 8% faster than on transformers' modules); the runs
-before it used transformers' `LlamaForCausalLM` with the same few-row kernels. `hf-*` peers always run on
+Model code: the draft-head run just below, the frontier with the trained drafter and the serving/start-up
+section run the default model on tierspec's own Llama forward pass (`tierspec/llama.py`, the default `--implementation auto`
+since commit abc50c7; the same logits, a 1-token pass ≈ 8% faster than on transformers' modules); the other runs
+(made before it) used transformers' `LlamaForCausalLM` with the same few-row kernels. `hf-*` peers always run on
 transformers' modules.
 
 {lead_reports()}

@@ -174,9 +174,12 @@ def markdown_table(summary: dict) -> str:
               f"draft tokens; fidelity = agreement with {against} on the same prompt (exact token match rate, ROUGE-L); "
               "target NLL = mean −log q per generated token. `–` = not applicable (transformers peers expose no draft statistics)."]
     if any(str(name).startswith("hf-") for name in summary.get("methods", {})):
-        lines += ["", "`hf-*`: transformers' own `generate` algorithms on the same model object, i.e. on tierspec's few-row "
-                  "linear kernels (an algorithm-to-algorithm comparison); `hf-*-stock`: the same on a copy with stock "
-                  "`nn.Linear` modules, what a user who picks transformers runs."]
+        twin = config.get("implementation") == "tierspec"
+        lines += ["", "`hf-*`: transformers' own `generate` algorithms on "
+                  + ("a copy of the model on transformers' modules (tierspec's methods ran on its own Llama code)"
+                     if twin else "the same model object") + ", with tierspec's few-row linear kernels (an "
+                  "algorithm-to-algorithm comparison); `hf-*-stock`: the same on a copy with stock `nn.Linear` modules, "
+                  "what a user who picks transformers runs."]
     return "\n".join(lines) + "\n"
 
 
