@@ -64,8 +64,8 @@ def model_config(config: dict) -> SimpleNamespace:
 
 class KVLayer:
     """One layer's keys and values [1, kv_heads, T, d] in a buffer grown by doubling: appending
-    writes in place, a rollback only moves the length (the same contract as the transformers
-    cache layer ``models.CachedModel`` uses for transformers models)."""
+    writes in place, a rollback only moves the length. ``models.CachedModel`` uses the same
+    buffer inside transformers' cache for transformers models."""
 
     def __init__(self):
         self.length = 0

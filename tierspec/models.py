@@ -408,50 +408,28 @@ def wrap_model(model: torch.nn.Module, tokenizer=None, name: str = "") -> Loaded
 def _growing_layer_class():
     from transformers.cache_utils import DynamicLayer
 
-    class GrowingLayer(DynamicLayer):
-        """One layer's KV in a buffer grown by doubling: appending writes in place instead of
-        concatenating the whole cache every step, and a rollback only moves the length."""
+    from .llama import KVLayer
+
+    class GrowingLayer(KVLayer, DynamicLayer):
+        """A transformers cache layer with ``tierspec.llama.KVLayer``'s buffer grown by doubling:
+        appending writes in place instead of concatenating the whole cache every step, and a
+        rollback only moves the length."""
+
+        def __init__(self):
+            DynamicLayer.__init__(self)
+            KVLayer.__init__(self)
 
         def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
             self.device = key_states.device
-            self.length = 0
-            self._keys = self._values = None
             self.is_initialized = True
-
-        def _reserve(self, end: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-            capacity = 0 if self._keys is None else self._keys.shape[-2]
-            if end <= capacity:
-                return
-            capacity = max(256, end, 2 * capacity)
-            new_keys = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])
-            new_values = values.new_empty(*values.shape[:-2], capacity, values.shape[-1])
-            if self.length:
-                new_keys[..., : self.length, :] = self._keys[..., : self.length, :]
-                new_values[..., : self.length, :] = self._values[..., : self.length, :]
-            self._keys, self._values = new_keys, new_values
 
         def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
             if not self.is_initialized:
                 self.lazy_initialization(key_states, value_states)
-            end = self.length + key_states.shape[-2]
-            self._reserve(end, key_states, value_states)
-            self._keys[..., self.length : end, :] = key_states
-            self._values[..., self.length : end, :] = value_states
-            self.length = end
-            self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
-            return self.keys, self.values
-
-        def get_seq_length(self) -> int:
-            return self.length if self.is_initialized else 0
-
-        def trim(self, length: int) -> None:
-            if self.is_initialized and length < self.length:
-                self.length = length
-                self.keys, self.values = self._keys[..., :length, :], self._values[..., :length, :]
+            return KVLayer.update(self, key_states, value_states)
 
         def reset(self) -> None:
-            self.keys = self.values = self._keys = self._values = None
-            self.length = 0
+            KVLayer.__init__(self)
             self.is_initialized = False
 
     return GrowingLayer
