@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from .models import CachedModel, LoadedModel, cache_root
+from .models import CachedModel, LoadedModel, cache_root, model_code
 from .util import atomic_write_text
 
 
@@ -134,7 +134,7 @@ def _cached_measurement(target: LoadedModel, prefix: str, what: str, key_extra: 
 
     key = json.dumps({"model": target.identity.to_dict(), "threads": torch.get_num_threads(), "cpu": _cpu_name(),
                       "torch": torch.__version__, "linear": _linear_kind(target.model),
-                      "code": type(target.model).__module__, **key_extra}, sort_keys=True)
+                      "code": model_code(target.model), **key_extra}, sort_keys=True)
     path = cache_root() / f"{prefix}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     reason = "measuring it once"
     if path.exists() and not refresh:

@@ -46,8 +46,7 @@ def model_config(config: dict) -> SimpleNamespace:
     """The config as attributes, with the defaults transformers' LlamaConfig would fill in."""
     values = dict(config)
     heads = int(values["num_attention_heads"])
-    values.setdefault("num_key_value_heads", heads)
-    values["num_key_value_heads"] = values["num_key_value_heads"] or heads
+    values["num_key_value_heads"] = values.get("num_key_value_heads") or heads
     values["head_dim"] = values.get("head_dim") or int(values["hidden_size"]) // heads
     values.setdefault("rms_norm_eps", 1e-6)
     values.setdefault("tie_word_embeddings", False)
@@ -300,7 +299,7 @@ def load_llama(folder: Path, dtype: torch.dtype) -> LlamaLM:
     generation = SimpleNamespace(**json.loads(generation_file.read_text())) if generation_file.exists() else None
     settings = model_config(config)
     model = LlamaLM(settings, generation)
-    expected = {name: tensor for name, tensor in model.state_dict().items()}
+    expected = dict(model.state_dict())
     state: dict[str, torch.Tensor] = {}
     files = sorted(folder.glob("*.safetensors"))
     if not files:

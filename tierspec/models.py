@@ -95,6 +95,17 @@ def _quiet_transformers() -> None:
 IMPLEMENTATIONS = ("auto", "tierspec", "transformers")
 
 
+class ImplementationError(ModelLoadError):
+    """``implementation="tierspec"`` asked for a model that ``tierspec.llama`` does not cover."""
+
+
+def model_code(model: torch.nn.Module) -> str:
+    """Which code a model runs on: "tierspec" (``tierspec.llama``) or "transformers"."""
+    from .llama import LlamaLM
+
+    return "tierspec" if isinstance(model, LlamaLM) else "transformers"
+
+
 def _use_own_llama(folder: Path, implementation: str) -> bool:
     """Whether the model in ``folder`` runs on ``tierspec.llama`` (``auto``: wherever that module
     covers the architecture, since it starts 2-3 s sooner than transformers' modelling code)."""
@@ -109,7 +120,7 @@ def _use_own_llama(folder: Path, implementation: str) -> bool:
     if problem is None and not any(folder.glob("*.safetensors")):
         problem = "its weights are not in safetensors files"
     if problem is not None and implementation == "tierspec":
-        raise ModelLoadError(f"--implementation tierspec cannot run the model in {folder}: {problem}; "
+        raise ImplementationError(f"--implementation tierspec cannot run the model in {folder}: {problem}; "
                              "use --implementation transformers (or auto)")
     return problem is None
 
@@ -307,9 +318,9 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
         _convert_gguf(gguf, folder, torch.float32)
     try:
         model, tokenizer = _load_hf_folder(folder, dtype, implementation)
+    except ImplementationError:
+        raise
     except ModelLoadError as error:  # damaged in a way the cheap check did not see
-        if "--implementation" in str(error):
-            raise
         print(f"tierspec: the converted copy in {folder} cannot be loaded ({error}); converting it again", file=sys.stderr)
         shutil.rmtree(folder, ignore_errors=True)
         _convert_gguf(gguf, folder, torch.float32)

@@ -26,7 +26,7 @@ from ..data import Prompt, load_prompts, select
 from ..decode import DecodeConfig, GenerationStats, decode
 from ..errors import TierspecError
 from ..methods import MethodOptions, build_method, method_names, option_fields
-from ..models import LoadedModel, load_model
+from ..models import LoadedModel, load_model, model_code
 from ..prompting import encode_prompt, eos_ids
 from ..routing import RoutingMask, model_lock
 from ..sampling import SamplingConfig
@@ -101,35 +101,24 @@ _RESUME_KEYS = ("target", "dtype", "device", "kernels", "implementation", "draft
 _BEFORE_THE_KEY_EXISTED = {"implementation": "transformers"}
 
 
-def model_code(loaded: LoadedModel) -> str:
-    """Which implementation a loaded model runs on: "tierspec" (tierspec.llama) or "transformers"."""
-    from ..llama import LlamaLM
-
-    return "tierspec" if isinstance(loaded.model, LlamaLM) else "transformers"
-
-
-def _previous_config(out: Path) -> dict:
+def _previous_config(out: Path) -> dict | None:
     """The settings of the run already in ``out`` (with what runs made before a setting existed
-    used), or {} where there is none."""
+    used), or None where there is none."""
+    path = out / "config.json"
+    if not path.exists():
+        return None
     try:
-        return {**_BEFORE_THE_KEY_EXISTED, **json.loads((out / "config.json").read_text())}
-    except (OSError, ValueError):
-        return {}
+        return {**_BEFORE_THE_KEY_EXISTED, **json.loads(path.read_text())}
+    except (OSError, json.JSONDecodeError) as error:
+        raise BenchError(f"{path} is unreadable ({error}); use another --out or delete the folder") from error
 
 
 def check_resumable(config: "BenchConfig", out: Path) -> None:
     """Refuses to add records to ``out`` if its config.json was written with other settings."""
-    path = out / "config.json"
-    if not path.exists() or not (out / "records.jsonl").exists():
+    previous = _previous_config(out) if (out / "records.jsonl").exists() else None
+    if previous is None:
         return
-    try:
-        previous = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise BenchError(f"{path} is unreadable ({error}); use another --out or delete the folder") from error
     current = asdict(config)
-    previous = {**_BEFORE_THE_KEY_EXISTED, **previous}
-    if previous.get("implementation") == "auto":  # written before "auto" was resolved: it meant tierspec's code
-        previous["implementation"] = current["implementation"]
     changed = [f"{key}: {previous.get(key)!r} → {current[key]!r}" for key in _RESUME_KEYS
                if key in previous and previous[key] != current[key]]
     if changed:
@@ -234,7 +223,7 @@ class MethodRunner:
         num_draft = int(params.pop("num_draft", config.num_draft))
         if self.name in HF_PEERS:
             hf_target, drafter = hf_models or (target, drafter)
-            if not hasattr(hf_target.model, "generate"):
+            if model_code(hf_target.model) != "transformers":
                 raise BenchError(f"{self.name} runs transformers' generate; load the target with implementation='transformers'")
             stock = self.name.endswith(STOCK_SUFFIX)
             self.hf_model = stock_copy(hf_target.model) if stock else hf_target.model
@@ -307,7 +296,7 @@ class MethodRunner:
 def _on_transformers(loaded: LoadedModel | None, spec: str | None, config: BenchConfig) -> LoadedModel | None:
     """``loaded`` if it runs on transformers' modules, else the same model loaded that way (the
     ``hf-*`` peers are transformers' generate on transformers' modules: what its users get)."""
-    if loaded is None or hasattr(loaded.model, "generate"):
+    if loaded is None or model_code(loaded.model) == "transformers":
         return loaded
     twin = load_model(spec, config.dtype, config.device, config.kernels, "transformers")
     if twin.identity != loaded.identity:
@@ -407,14 +396,12 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
     if drafter is None and config.drafter:
         drafter = load_model(config.drafter, config.dtype, config.device, config.kernels, config.implementation)
     # The records say which code computed them ("auto" is resolved: it depends on the model).
-    config = replace(config, implementation=model_code(target))
+    config = replace(config, implementation=model_code(target.model))
     if generate:
         check_resumable(config, out)
     else:  # a summary of records made earlier reports the settings they were made with
-        previous = {key: value for key, value in _previous_config(out).items() if key in _RESUME_KEYS}
-        if previous.get("implementation") == "auto":  # written before "auto" was resolved
-            del previous["implementation"]
-        config = replace(config, **previous)
+        previous = _previous_config(out) or {}
+        config = replace(config, **{key: value for key, value in previous.items() if key in _RESUME_KEYS})
     out.mkdir(parents=True, exist_ok=True)
     hf_models = None
     if generate and any(parse_spec(spec)[0] in HF_PEERS for spec in methods):

@@ -37,7 +37,7 @@ import torch
 
 from ..errors import TierspecError
 from ..identity import ModelIdentity
-from ..models import LoadedModel
+from ..models import LoadedModel, model_code
 from ..routing import decoder_layers
 from ..util import atomic_write_text
 from .prompts import TrainingItem, training_items
@@ -281,7 +281,7 @@ def build_data(target: LoadedModel, out: Path, config: DataConfig = DataConfig()
     ``max_shards`` stops after that many shards in this call (tests; a budgeted run)."""
     if target.tokenizer is None:
         raise DraftDataError("building draft-head data needs the target's tokenizer (text prompts)")
-    if not hasattr(target.model, "generate"):
+    if model_code(target.model) != "transformers":
         raise DraftDataError("building draft-head data generates in padded batches with transformers' generate; "
                              "load the target with implementation='transformers'")
     out.mkdir(parents=True, exist_ok=True)
