@@ -79,6 +79,7 @@ LEAD_REPORTS = [
      "--report results/draft_head-own-report.md", "results/draft_head-own-report.md"),
     ("python benchmarks/cycle_profile.py", "results/draft_head-profile.md"),
     ("python benchmarks/serve_load.py", "results/serving-report.md"),
+    ("python benchmarks/model_code.py", "results/model_code.md"),
     ("tierspec bench --methods \"ar,eagle,lossy:draft_with=eagle,bild:draft_with=eagle,cascade:draft_with=eagle,"
      "via:draft_with=eagle:mask=masks/smollm2-135m-sublayer-r0.1.json,via:draft_with=eagle:mask=masks/smollm2-135m-sublayer-r0.45.json,"
      "judge:draft_with=eagle:judge_head=results/judge/head.safetensors,via-judge:draft_with=eagle:judge_head=results/judge/head.safetensors:"
@@ -241,7 +242,7 @@ the command that produced it; speed-ups are ratios measured within one run).
 
 Model code: the draft-head run just below, the frontier with the trained drafter and the serving/start-up
 section run the default model on tierspec's own Llama forward pass (`tierspec/llama.py`, the default `--implementation auto`
-since commit abc50c7; the same logits, a 1-token pass ≈ 8% faster than on transformers' modules); the other runs
+since commit abc50c7; the same logits; cached passes take 7–11% less time than on transformers' modules, see the section on the model code); the other runs
 (made before it) used transformers' `LlamaForCausalLM` with the same few-row kernels. `hf-*` peers always run on
 transformers' modules.
 
