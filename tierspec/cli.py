@@ -46,7 +46,9 @@ def _add_model_flags(parser) -> None:
     group.add_argument("--device", default="cpu", choices=list(DEVICES),
                        help="where the model runs; auto = cuda, else mps, else cpu (default cpu)")
     group.add_argument("--kernels", default="auto", choices=list(KERNELS),
-                       help="linear kernels: few-row (pays on a CPU), stock nn.Linear, auto = few-row on the CPU only")
+                       help="linear kernels: packed (weights packed once for oneDNN: a pass over 1-16 tokens costs about "
+                            "one token's; CPU), few-row (CPU), stock nn.Linear; auto = packed on a CPU that "
+                            "supports it, else few-row on a CPU, stock elsewhere")
     group.add_argument("--implementation", default="auto", choices=list(IMPLEMENTATIONS),
                        help="model code: tierspec's own Llama forward pass (starts 2-3 s sooner, same results) or "
                             "transformers' modules; auto = tierspec's wherever it covers the architecture")

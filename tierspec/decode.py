@@ -400,6 +400,9 @@ def decode(
                           feature_layers=getattr(drafter, "feature_layers", ()),
                           slim_vocabulary=getattr(method, "slim_vocabulary", None))
     eos = set(config.eos_token_ids)
+    # The KV buffer for everything this generation can hold (the last verification pass may run a
+    # draft and its padding past the budget); a longer pass still grows it.
+    verifiers.runner.reserve(len(prompt_ids) + config.max_new_tokens + 64)
 
     with torch.inference_mode():
         features = verifiers.prefill(prompt_ids)

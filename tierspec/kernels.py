@@ -1,34 +1,228 @@
-"""Faster linear layers for the few-row passes of decoding on a CPU.
+"""Linear kernels for decoding's passes on a CPU: weights packed once, so that a pass over
+1-16 new tokens costs about what a pass over one costs.
 
-Decoding runs the target over 1 (plain decoding) to ~11 (verification) new tokens per pass,
-so every linear layer multiplies a few rows by a large weight. ``torch.nn.functional.linear``
-computes that as x · Wᵀ, and on a CPU the BLAS (MKL) then packs the *large* operand, the
-weight, on every call — for a small model most of a decoding pass. Measured on the default
-model's shapes (30 layers plus the 49,152-row LM head, 2 cores, weights streamed from memory;
-``python benchmarks/few_row_linear.py``), the matrix products of one pass cost, by rows:
+Decoding runs the target over 1 (plain decoding) to ~16 (verification) new tokens per pass, so
+every linear layer multiplies a few rows by a large weight, and the time goes into streaming
+the weights from memory. ``torch.nn.functional.linear`` has the BLAS re-pack the weight on
+every call; what that costs grows with the rows. Measured on the default model's matrices
+(30 layers' projections plus the 49,152-row LM head, one call each, random weights of the
+same shapes, 2 cores), milliseconds per pass of k rows:
 
-    rows          1     2     3     4     5     8    11
-    x · Wᵀ       44    71    91    62    54    57    79   ms
-    (W · xᵀ)ᵀ    24    21    30    28    35    47    79   ms   (11: above max_rows, x · Wᵀ)
+    k                                   1      2      4      8     16
+    float32 F.linear                  45.7   73.5   61.6   55.8   66.7
+    float32 packed once (oneDNN)      25.6   27.8   22.9   25.9   34.5
+    bfloat16 F.linear                 20.5   20.7   22.7   25.2   30.8
+    bfloat16 packed once (oneDNN)     15.7   16.5   13.9   16.1   20.0
 
-The second form packs only the small operand and streams the weight once. A single row is
-run as two (a duplicate), because BLAS routes a one-row product to a matrix-vector kernel
-that is as slow as the packing path. Above ``max_rows`` rows (a prefill) the usual
-``linear`` is kept: there the packing cost is amortised and its kernel is faster.
+So ``PackedLinear`` reorders its weight once, at load, into oneDNN's blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight``) and runs ``torch.ops.mkldnn._linear_pointwise``:
+the path torch's own inductor takes for frozen linear layers on a CPU, without compiling
+anything (``torch.compile`` takes seconds to start, and tierspec's CLI must not). The packed
+tensor replaces the plain weight: no second copy is kept (``weight`` unpacks on demand).
 
-The rewrite changes only the order of floating-point operations, not the function: outputs
-agree with ``linear`` to rounding (tested). Every method, the transformers peers included,
-runs on the same converted model, so comparisons between them stay like for like.
+Two more properties matter for speculative decoding:
+
+* **A row's result does not depend on the other rows of its pass** (its numerics are the same
+  alone and inside a 2-16-row verification pass), so a lossless method's greedy output equals
+  plain decoding's exactly. oneDNN's packed products have that property for 2+ rows; for one
+  row some shapes take a different path (measured: float32 with K = 1536, the MLP's down
+  projection). ``PackedLinear`` probes this once per layer when packing and, where the single
+  row differs, computes a single row as two (the same cost: the pass is flat).
+* **The LM head's output is float32** whatever the model's dtype, so that near-ties among the
+  logits are not rounded into ties or flips (bfloat16 logits are spaced 0.125 apart at 16).
+
+``FewRowLinear`` (the previous kernel: (W·xᵀ)ᵀ, which streams the weight once on MKL) is kept
+where packing is not possible without a second copy: a float32 LM head tied to the input
+embedding (the embedding lookup needs the plain table). Its row results agree with
+``nn.Linear`` to rounding (~1e-6 relative), not bitwise across pass widths.
 """
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 
+KERNELS = ("auto", "packed", "few-row", "stock")
+
+
+# ---- what this machine can do ---------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def packing_available() -> bool:
+    """Whether torch can pack linear weights for oneDNN here (a CPU build with mkldnn)."""
+    try:
+        return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    except (AttributeError, RuntimeError):
+        return False
+
+
+@functools.lru_cache(maxsize=None)
+def native_bfloat16() -> bool:
+    """Whether this CPU computes bfloat16 products natively (AVX512-BF16 or AMX), where
+    bfloat16 weights halve a pass's memory traffic at no extra compute. Asked of torch's own
+    CPU feature detection (``torch.cpu``), else read from the Linux CPU flags."""
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        check = getattr(torch.cpu, probe, None)
+        try:
+            if check is not None and check():
+                return True
+        except RuntimeError:
+            pass
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def packable_dtype(dtype: torch.dtype) -> bool:
+    """Dtypes oneDNN packs and runs fast here: float32 always, bfloat16 where native."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and native_bfloat16())
+
+
+# ---- packed linears --------------------------------------------------------------------------
+
+
+class PackedLinear(torch.nn.Module):
+    """y = x·Wᵀ + b with W packed once for oneDNN (see the module doc).
+
+    Inputs in another dtype are cast to the weight's (a bfloat16 layer reads the float32
+    residual stream's normalised rows); the output is in the weight's dtype. ``weight`` returns
+    an unpacked copy (for the rare readers: a draft head copying rows, a stock copy)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__()
+        weight = weight.detach()
+        self.out_features, self.in_features = (int(s) for s in weight.shape)
+        self.dtype = weight.dtype
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(weight.dtype), requires_grad=False)
+        self.single_row_as_two = True  # self._single_row_differs(weight)
+
+    def _product(self, rows: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
+
+    def _single_row_differs(self, weight: torch.Tensor) -> bool:
+        """Whether a one-row product differs from the same row inside a wider one (probed on a
+        few random rows; bitwise, the property the decode loop relies on)."""
+        generator = torch.Generator().manual_seed(0)
+        rows = torch.randn(4, self.in_features, generator=generator).to(self.dtype)
+        with torch.inference_mode():
+            together = self._product(rows)
+            return any(not torch.equal(self._product(rows[i : i + 1].contiguous())[0], together[i]) for i in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != self.dtype:
+            flat = flat.to(self.dtype)
+        if flat.shape[0] == 1 and self.single_row_as_two:
+            out = self._product(torch.cat((flat, flat)))[:1]
+        else:
+            out = self._product(flat.contiguous())
+        return out.view(*shape[:-1], self.out_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.packed.to_dense()
+
+    def __deepcopy__(self, memo) -> "PackedLinear":
+        clone = memo[id(self)] = PackedLinear(self.weight, None if self.bias is None else self.bias.detach().clone())
+        return clone
+
+    # A packed layer saves and loads like ``nn.Linear`` (its plain weight under ``weight``), so a
+    # model tierspec packed in place can still be saved (``save_pretrained``) and loaded.
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight
+        if self.bias is not None:
+            destination[prefix + "bias"] = self.bias if keep_vars else self.bias.detach()
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        name = prefix + "weight"
+        if name not in state_dict:
+            missing_keys.append(name)
+        elif tuple(state_dict[name].shape) != (self.out_features, self.in_features):
+            error_msgs.append(f"size mismatch for {name}: copying a param with shape {tuple(state_dict[name].shape)}, "
+                              f"the packed layer has {(self.out_features, self.in_features)}")
+        else:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(state_dict[name].detach().to(self.dtype).contiguous(),
+                                                                  None)
+        if self.bias is not None and prefix + "bias" in state_dict:
+            with torch.no_grad():
+                self.bias.copy_(state_dict[prefix + "bias"])
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, packed"
+
+
+def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def use_packed_linears(model: torch.nn.Module) -> int:
+    """Replace the model's CPU ``nn.Linear`` layers by ``PackedLinear`` (the plain weights are
+    released: no second copy). The LM head is packed in float32 (its output must be float32);
+    a float32 head tied to the input embedding stays plain, as a ``FewRowLinear`` (packing it
+    would keep a second copy of 21% of the default model). Layers in a dtype oneDNN does not
+    run fast here stay as they are. Returns how many layers were packed."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    packed = 0
+    for parent in list(model.modules()):
+        for name, module in list(parent.named_children()):
+            if type(module) not in (torch.nn.Linear, FewRowLinear) or module.weight.device.type != "cpu":
+                continue
+            weight = module.weight
+            if module is head:
+                tied = embedding is not None and _shares_storage(weight, embedding.weight)
+                if tied and weight.dtype == torch.float32:
+                    module.__class__ = FewRowLinear
+                    continue
+                weight = weight.float()
+            elif not packable_dtype(weight.dtype):
+                continue
+            setattr(parent, name, PackedLinear(weight, module.bias))
+            packed += 1
+    return packed
+
+
+def linear_output_features(module: torch.nn.Module) -> int | None:
+    """Output width of a linear layer of any kernel kind (None: not a linear layer)."""
+    if isinstance(module, (torch.nn.Linear, PackedLinear)):
+        return module.out_features
+    return None
+
+
+def unpacked_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model`` with plain ``nn.Linear`` layers everywhere (what a user of
+    transformers runs: the bench's ``-stock`` peers)."""
+    import copy
+
+    clone = copy.deepcopy(model)
+    for parent in list(clone.modules()):
+        for name, module in list(parent.named_children()):
+            if isinstance(module, PackedLinear):
+                plain = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                                        device="meta")
+                plain.weight = torch.nn.Parameter(module.weight, requires_grad=False)
+                if module.bias is not None:
+                    plain.bias = torch.nn.Parameter(module.bias.detach().clone(), requires_grad=False)
+                setattr(parent, name, plain)
+            elif type(module) is FewRowLinear:
+                module.__class__ = torch.nn.Linear
+    return clone
+
+
+# ---- the few-row kernel ----------------------------------------------------------------------
+
 
 class FewRowLinear(torch.nn.Linear):
-    """``nn.Linear`` whose few-row products are computed as (W · xᵀ)ᵀ (see the module doc)."""
+    """``nn.Linear`` whose few-row products are computed as (W · xᵀ)ᵀ (see ``few_row_linear``)."""
 
     max_rows = 10
 
@@ -39,15 +233,18 @@ class FewRowLinear(torch.nn.Linear):
 def few_row_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = 10) -> torch.Tensor:
     """``F.linear(x, weight, bias)`` computed as (W · xᵀ)ᵀ when x has 1..max_rows rows.
 
-    Called ~200 times per decoding step, so it keeps to a handful of tensor operations: a
-    contiguous [rows, in] operand read transposed (the layout for which the BLAS picks its
-    fast kernel; one row is doubled), and a contiguous result so later element-wise ops stay
-    dense."""
+    On a CPU, ``F.linear`` (x · Wᵀ) has the BLAS pack the large operand, the weight, on every
+    call; (W · xᵀ)ᵀ packs only the small one and streams the weight once (measured on the
+    default model's matrices: 24 vs 44 ms per pass at one row, 47 vs 57 at eight). A single row
+    is run as two, because the BLAS routes a one-row product to a matrix-vector kernel as slow
+    as the packing path. Above ``max_rows`` rows (a prefill) the usual ``linear`` is kept."""
     features = x.shape[-1]
     rows = x.numel() // features if features else 0
     if rows == 0 or rows > max_rows:
         return F.linear(x, weight, bias)
     flat = x.reshape(rows, features)
+    if flat.dtype != weight.dtype:
+        flat = flat.to(weight.dtype)
     if rows == 1:
         out = torch.mm(weight, torch.cat((flat, flat)).t())[:, :1]
     else:
@@ -69,3 +266,13 @@ def use_few_row_linears(model: torch.nn.Module, any_device: bool = False) -> int
             module.__class__ = FewRowLinear
             switched += 1
     return switched
+
+
+def resolve_kernels(kernels: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto`` → ``packed`` on a CPU where oneDNN packs this dtype fast, ``few-row`` on other
+    CPUs, ``stock`` elsewhere (GPUs have their own fast paths)."""
+    if kernels != "auto":
+        return kernels
+    if device.type != "cpu":
+        return "stock"
+    return "packed" if packing_available() and packable_dtype(dtype) else "few-row"

@@ -60,33 +60,69 @@ def model_config(config: dict) -> SimpleNamespace:
 
 # ---- the KV cache ---------------------------------------------------------------------------------
 
+# torch's CPU attention kernel walks the keys in blocks of 512, and its per-block arithmetic depends
+# on the block's length. A cached pass therefore attends over whole blocks of 512 slots (the slots
+# past the sequence masked out): a token's attention output is then the same whatever pass it is in.
+KEY_BLOCK = 512
+
 
 class KVLayer:
-    """One layer's keys and values [1, kv_heads, T, d] in a buffer grown by doubling: appending
-    writes in place, a rollback only moves the length. ``models.CachedModel`` uses the same
-    buffer inside transformers' cache for transformers models."""
+    """One layer's keys and values [1, kv_heads, T, d] in a position-indexed buffer: a pass writes
+    its new positions in place, a rollback only moves ``length`` (nothing is copied or freed).
+
+    The buffer is allocated once for the positions a generation will need (``reserve``; the decode
+    loop reserves prompt + budget) and grows by doubling only if a pass goes beyond that.
+    ``models.CachedModel`` uses the same buffer inside transformers' cache for transformers
+    models."""
 
     def __init__(self):
         self.length = 0
+        self.reserved = 0
         self._keys = self._values = None
         self.keys = self.values = None
 
-    def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        end = self.length + keys.shape[-2]
+    def reserve(self, positions: int) -> None:
+        """Hold at least ``positions`` positions without growing (allocated at the first write,
+        when the shapes are known, or now if they are)."""
+        self.reserved = max(self.reserved, positions)
+        if self._keys is not None and self._keys.shape[-2] < positions:
+            self._grow(positions)
+
+    def _grow(self, needed: int) -> None:
         capacity = 0 if self._keys is None else self._keys.shape[-2]
-        if end > capacity:
-            capacity = max(256, end, 2 * capacity)
-            grown_keys = keys.new_empty(*keys.shape[:-2], capacity, keys.shape[-1])
-            grown_values = values.new_empty(*values.shape[:-2], capacity, values.shape[-1])
-            if self.length:
-                grown_keys[..., : self.length, :] = self._keys[..., : self.length, :]
-                grown_values[..., : self.length, :] = self._values[..., : self.length, :]
-            self._keys, self._values = grown_keys, grown_values
+        capacity = max(256, needed, 2 * capacity, self.reserved)
+        like_keys, like_values = (self._keys, self._values) if self._keys is not None else self._shapes
+        capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
+        # zero-filled: attention reads whole key blocks, the slots past ``length`` masked out (a
+        # masked key must be finite, or 0 · value would not be 0)
+        keys = like_keys.new_zeros(*like_keys.shape[:-2], capacity, like_keys.shape[-1])
+        values = like_values.new_zeros(*like_values.shape[:-2], capacity, like_values.shape[-1])
+        if self.length:
+            keys[..., : self.length, :] = self._keys[..., : self.length, :]
+            values[..., : self.length, :] = self._values[..., : self.length, :]
+        self._keys, self._values = keys, values
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write keys/values [1, kv_heads, n, d] at positions ``length ..``; return every cached
+        position's [1, kv_heads, length + n, d] (views of the buffer)."""
+        end = self.length + keys.shape[-2]
+        if self._keys is None or end > self._keys.shape[-2]:
+            self._shapes = (keys, values)
+            self._grow(end)
+            self._shapes = None
         self._keys[..., self.length : end, :] = keys
         self._values[..., self.length : end, :] = values
         self.length = end
         self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
         return self.keys, self.values
+
+    def window(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of slots 0 .. positions − 1 [1, kv_heads, positions, d], which may
+        reach past ``length`` into slots that hold zeros or rolled-back entries (the caller masks
+        them)."""
+        if self._keys.shape[-2] < positions:
+            self._grow(positions)
+        return self._keys[..., :positions, :], self._values[..., :positions, :]
 
     def get_seq_length(self) -> int:
         return self.length
@@ -106,12 +142,16 @@ class KVCache:
     def get_seq_length(self) -> int:
         return self.layers[0].length if self.layers else 0
 
+    def reserve(self, positions: int) -> None:
+        for layer in self.layers:
+            layer.reserve(positions)
+
 
 # ---- the modules ------------------------------------------------------------------------------------
 
 
 class _Linear(torch.nn.Linear):
-    """nn.Linear (the few-row kernels replace it like any other) left uninitialised: its weights
+    """nn.Linear (the CPU kernels replace it like any other) left uninitialised: its weights
     are loaded right after construction, and random initialisation of 135M parameters (or of a
     meta tensor, which imports torch's compiler) would cost more than the load."""
 
@@ -125,19 +165,24 @@ class _Embedding(torch.nn.Embedding):
 
 
 class RMSNorm(torch.nn.Module):
-    """x / rms(x) · w, computed in float32 and cast back before the weight (as transformers does)."""
+    """x / rms(x) · w over the residual stream (float32, or float64 for a float64 model), its
+    output in ``output_dtype``: the dtype of the layer that reads it (bfloat16 projections
+    read bfloat16 rows; the LM head reads float32)."""
 
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(size))
         self.eps = eps
+        self.output_dtype: torch.dtype | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        out = F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        return out if self.output_dtype is None or out.dtype == self.output_dtype else out.to(self.output_dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm, computed in float32 and cast back (the draft head uses it too)."""
+    """Llama's RMSNorm as transformers computes it: in float32, cast back before the weight (the
+    draft head uses it)."""
     dtype = x.dtype
     x = x.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
@@ -150,46 +195,94 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+@dataclass
+class PassLayout:
+    """What every layer of one pass shares, computed once per pass: the rotary factors of the new
+    positions and the attention mask.
+
+    ``cos`` [n, 1, D] and ``signed_sin`` [n, 1, D] (the sine with its first half negated) rotate
+    x as x·cos + roll(x, D/2)·signed_sin, which is Llama's rotate-half x·cos + rotate_half(x)·sin
+    in three tensor operations. ``start`` is the cache length before the pass: every layer that
+    runs must hold exactly that many positions.
+
+    Cached passes (``keys`` > 0) attend over ``keys`` slots (whole blocks of ``KEY_BLOCK``), with
+    each new token as its own one-query attention: ``mask`` [1, kv_heads · n · groups, 1, keys]
+    lets token i see slots 0 .. start + i. So a token's attention is computed exactly as if it
+    were alone in its pass (one query, the same key blocks), whatever else the pass holds, and a
+    verification pass gives the same numbers as plain decoding (bitwise in bfloat16; in float32
+    torch may split a lone query's keys across threads, so agreement there is to rounding).
+    Uncached passes (a batch, e.g. the mask search) use one causal ``mask`` [n, n] (None for
+    n = 1) and ``keys`` = 0."""
+
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+    mask: torch.Tensor | None
+    start: int
+    keys: int = 0
+
+
 class Attention(torch.nn.Module):
+    """Grouped-query self-attention with one fused q/k/v projection (one weight stream and one
+    kernel call instead of three; ``fuse_projections`` builds it from transformers' q/k/v)."""
+
     def __init__(self, config: SimpleNamespace):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         hidden = config.hidden_size
-        self.q_proj = _Linear(hidden, self.heads * self.head_dim, bias=False)
-        self.k_proj = _Linear(hidden, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = _Linear(hidden, self.kv_heads * self.head_dim, bias=False)
+        self.qkv_proj = _Linear(hidden, (self.heads + 2 * self.kv_heads) * self.head_dim, bias=False)
         self.o_proj = _Linear(self.heads * self.head_dim, hidden, bias=False)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVLayer | None):
-        """hidden_states [1, n, H] → (output [1, n, H], None); appends this pass's KV to ``cache``."""
-        b, n, _ = hidden_states.shape
-        q = self.q_proj(hidden_states).view(b, n, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(hidden_states).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(hidden_states).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rotary(q, cos, sin), rotary(k, cos, sin)
-        if cache is not None:
-            k, v = cache.update(k, v)
-        total = k.shape[-2]
-        mask = None
-        if n > 1:  # query i (at cache position total - n + i) sees keys 0 .. total - n + i
-            rows = torch.arange(total - n, total, device=q.device).unsqueeze(1)
-            mask = torch.arange(total, device=q.device).unsqueeze(0) <= rows
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.kv_heads != self.heads)
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, -1)), None
+    def forward(self, x: torch.Tensor, layout: PassLayout, cache: KVLayer | None) -> torch.Tensor:
+        """x [b, n, H] (normalised) → the attention output [b, n, H]; appends this pass's KV to
+        ``cache`` (cached passes have b = 1; a batch runs uncached, e.g. the mask search)."""
+        b, n = x.shape[0], x.shape[1]
+        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
+        qkv = self.qkv_proj(x).view(b, n, heads + 2 * kv_heads, d)
+        rotated = rotate(qkv[:, :, : heads + kv_heads], layout.cos, layout.signed_sin)  # [b, n, heads + kv_heads, D]
+        k = rotated[:, :, heads:].transpose(1, 2)  # [b, kv_heads, n, D]
+        v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
+        if cache is None:
+            q = rotated[:, :, :heads].transpose(1, 2)  # [b, heads, n, D]
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, enable_gqa=kv_heads != heads)
+            return self.o_proj(out.transpose(1, 2).reshape(b, n, heads * d))
+        if cache.length != layout.start:
+            raise RuntimeError(f"a layer's cache holds {cache.length} positions, the pass starts at {layout.start}: "
+                               "the caller broke the rollback invariant")
+        cache.update(k, v)
+        keys, values = cache.window(layout.keys)
+        # each new token its own query, ordered (kv head, token, group) so that grouped-query
+        # attention maps query "head" j to kv head j // (n · groups); see PassLayout
+        groups = heads // kv_heads
+        q = rotated[0, :, :heads].view(n, kv_heads, groups, d).transpose(0, 1).reshape(1, kv_heads * n * groups, 1, d)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.mask, enable_gqa=kv_heads != heads)
+        out = out.view(kv_heads, n, groups, d).transpose(0, 1).reshape(1, n, heads * d)
+        return self.o_proj(out)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x [..., n, heads, D] rotated by position (see ``PassLayout``); cos/signed_sin [n, 1, D]."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class MLP(torch.nn.Module):
+    """SwiGLU with one fused gate/up projection."""
+
     def __init__(self, config: SimpleNamespace):
         super().__init__()
-        self.gate_proj = _Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = _Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.intermediate = config.intermediate_size
+        self.gate_up_proj = _Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = _Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate_up = self.gate_up_proj(x)
+        return self.down_proj(F.silu(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :])
 
 
 class DecoderLayer(torch.nn.Module):
+    """A Llama decoder layer over the residual stream h [1, n, H] (float32, or the model's dtype
+    if wider). A routing mask swaps ``self_attn`` or ``mlp`` for a stand-in marked ``bypassed``
+    (``routing.apply_mask``): that block, and the norm in front of it, are skipped."""
+
     def __init__(self, config: SimpleNamespace):
         super().__init__()  # registered in transformers' order, so state_dict() lists weights alike
         self.self_attn = Attention(config)
@@ -197,10 +290,12 @@ class DecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVLayer | None):
-        attended = self.self_attn(self.input_layernorm(hidden_states), cos, sin, cache)[0]
-        hidden_states = hidden_states + attended
-        return hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+    def forward(self, hidden_states: torch.Tensor, layout: PassLayout, cache: KVLayer | None) -> torch.Tensor:
+        if not getattr(self.self_attn, "bypassed", False):
+            hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), layout, cache)
+        if not getattr(self.mlp, "bypassed", False):
+            hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        return hidden_states
 
 
 @dataclass
@@ -225,20 +320,52 @@ class Decoder(torch.nn.Module):
         theta = config.rope_parameters["rope_theta"]
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.residual_dtype = torch.float32
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, signed sin [P, D] for positions 0..P-1
+
+    def _rope_table(self, positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [P ≥ positions, D] in ``dtype``, computed once (grown by doubling)."""
+        if self._rope is None or self._rope[0].shape[0] < positions or self._rope[0].dtype != dtype \
+                or self._rope[0].device != self.inv_freq.device:
+            size = max(positions, 2 * (0 if self._rope is None else self._rope[0].shape[0]), 512)
+            angles = torch.arange(size, device=self.inv_freq.device).float().unsqueeze(1) * self.inv_freq.float().unsqueeze(0)
+            half = angles.shape[1]
+            angles = torch.cat((angles, angles), dim=-1)
+            sin = angles.sin()
+            sin[:, :half] = -sin[:, :half]
+            self._rope = (angles.cos().to(dtype), sin.to(dtype))
+        return self._rope
+
+    def layout(self, position_ids: torch.Tensor, start: int, cached: bool, dtype: torch.dtype) -> PassLayout:
+        """The pass's shared factors for new tokens at ``position_ids`` [n] written at cache slots
+        ``start ..`` (see ``PassLayout``)."""
+        n = int(position_ids.shape[0])
+        device = position_ids.device
+        cos_table, sin_table = self._rope_table(int(position_ids.max()) + 1, dtype)
+        cos, sin = cos_table.index_select(0, position_ids), sin_table.index_select(0, position_ids)
+        if not cached:
+            mask = torch.ones(n, n, dtype=torch.bool, device=device).tril() if n > 1 else None
+            return PassLayout(cos.unsqueeze(1), sin.unsqueeze(1), mask, start)
+        keys = -(-(start + n) // KEY_BLOCK) * KEY_BLOCK
+        attention = self.layers[0].self_attn
+        groups = attention.heads // attention.kv_heads
+        sees = torch.arange(keys, device=device) <= torch.arange(start, start + n, device=device).unsqueeze(1)  # [n, keys]
+        mask = sees.unsqueeze(1).expand(n, groups, keys).repeat(attention.kv_heads, 1, 1).view(1, -1, 1, keys)
+        return PassLayout(cos.unsqueeze(1), sin.unsqueeze(1), mask, start, keys)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 cache: KVCache | None = None, use_cache: bool = True, **unused) -> DecoderOutput:
         """input_ids [1, n] at ``position_ids`` [1, n] (default: after what ``cache`` holds)."""
-        hidden = self.embed_tokens(input_ids)
+        n = input_ids.shape[1]
+        cached = cache is not None and use_cache
+        start = cache.get_seq_length() if cached else 0
         if position_ids is None:
-            start = cache.get_seq_length() if cache is not None else 0
-            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        angles = position_ids[0].float().unsqueeze(1) * self.inv_freq.float().unsqueeze(0)
-        angles = torch.cat((angles, angles), dim=-1)
-        cos, sin = angles.cos().to(hidden.dtype), angles.sin().to(hidden.dtype)
-        layers = cache.layers if (cache is not None and use_cache) else [None] * len(self.layers)
+            position_ids = torch.arange(start, start + n, device=input_ids.device).unsqueeze(0)
+        hidden = self.embed_tokens(input_ids).to(self.residual_dtype)
+        layout = self.layout(position_ids[0], start, cached, self.embed_tokens.weight.dtype)
+        layers = cache.layers if cached else [None] * len(self.layers)
         for layer, layer_cache in zip(self.layers, layers):
-            hidden = layer(hidden, cos, sin, layer_cache)
+            hidden = layer(hidden, layout, layer_cache)
         return DecoderOutput(self.norm(hidden))
 
 
@@ -258,11 +385,12 @@ class LlamaLM(torch.nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.lm_head.weight.dtype
+        """The dtype of the decoder's weights (the LM head and the residual stream may be wider)."""
+        return self.model.embed_tokens.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.lm_head.weight.device
+        return self.model.embed_tokens.weight.device
 
     def get_decoder(self) -> Decoder:
         return self.model
@@ -270,7 +398,7 @@ class LlamaLM(torch.nn.Module):
     def get_input_embeddings(self) -> torch.nn.Embedding:
         return self.model.embed_tokens
 
-    def get_output_embeddings(self) -> torch.nn.Linear:
+    def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm_head
 
     def new_kv_cache(self) -> KVCache:
@@ -285,10 +413,62 @@ class LlamaLM(torch.nn.Module):
         return CausalLMOutput(self.lm_head(hidden))
 
 
+def fuse_projections(state: dict[str, torch.Tensor], config: SimpleNamespace) -> dict[str, torch.Tensor]:
+    """transformers' weight names → this module's: per layer q/k/v into ``qkv_proj`` and gate/up
+    into ``gate_up_proj`` (concatenated along the output rows). Other names pass through. Raises
+    ValueError for a part whose shape the config does not imply."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    rows = {"q_proj": config.num_attention_heads * head_dim, "k_proj": config.num_key_value_heads * head_dim,
+            "v_proj": config.num_key_value_heads * head_dim, "gate_proj": config.intermediate_size,
+            "up_proj": config.intermediate_size}
+    for i in range(config.num_hidden_layers):
+        for prefix, parts, fused in ((f"model.layers.{i}.self_attn.", ("q_proj", "k_proj", "v_proj"), "qkv_proj"),
+                                     (f"model.layers.{i}.mlp.", ("gate_proj", "up_proj"), "gate_up_proj")):
+            names = [f"{prefix}{part}.weight" for part in parts]
+            for part, name in zip(parts, names):
+                if name in state and tuple(state[name].shape) != (rows[part], hidden):
+                    raise ValueError(f"weight {name} has shape {tuple(state[name].shape)}, "
+                                     f"the config implies {(rows[part], hidden)}")
+            if all(name in state for name in names):
+                state[f"{prefix}{fused}.weight"] = torch.cat([state.pop(name) for name in names])
+    return state
+
+
+def has_projections(layer: torch.nn.Module) -> bool:
+    """Whether a decoder layer has Llama's projections (fused as here, or as transformers' seven)."""
+    attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    fused = (getattr(attention, "qkv_proj", None), getattr(attention, "o_proj", None),
+             getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None))
+    plain = [getattr(attention, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+    plain += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+    return all(p is not None for p in fused) or all(p is not None for p in plain)
+
+
+def projection_weights(layer: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A decoder layer's projections by transformers' names (q/k/v/o/gate/up/down ``_proj``),
+    for a layer of this module (split from the fused weights) or of transformers' Llama."""
+    attention, mlp = layer.self_attn, layer.mlp
+    if hasattr(attention, "qkv_proj"):
+        q, k, v = attention.qkv_proj.weight.split(
+            [attention.heads * attention.head_dim, attention.kv_heads * attention.head_dim,
+             attention.kv_heads * attention.head_dim])
+        gate, up = mlp.gate_up_proj.weight.split([mlp.intermediate, mlp.intermediate])
+        return {"q_proj": q, "k_proj": k, "v_proj": v, "o_proj": attention.o_proj.weight,
+                "gate_proj": gate, "up_proj": up, "down_proj": mlp.down_proj.weight}
+    return {name: getattr(attention, name).weight for name in ("q_proj", "k_proj", "v_proj", "o_proj")} | \
+           {name: getattr(mlp, name).weight for name in ("gate_proj", "up_proj", "down_proj")}
+
+
 def load_llama(folder: Path, dtype: torch.dtype) -> LlamaLM:
-    """The model in ``folder`` (config.json and *.safetensors, as transformers saves it) in
-    ``dtype``. Raises ValueError when the files do not fit the architecture (missing or
-    unexpected weights, wrong shapes); the caller says what to do."""
+    """The model in ``folder`` (config.json and *.safetensors, as transformers saves it) with its
+    decoder weights in ``dtype``. The residual stream, the norms and the LM head stay float32
+    (float64 for a float64 model): a bfloat16 model streams half the bytes through its layers but
+    adds its layers' outputs into a float32 stream and scores the vocabulary in float32, so its
+    logits are not rounded to bfloat16's spacing (0.125 at 16). Weights are converted tensor by
+    tensor as they are read (no second full copy at any time).
+
+    Raises ValueError when the files do not fit the architecture (missing or unexpected weights,
+    wrong shapes); the caller says what to do."""
     from safetensors import safe_open
 
     config = json.loads((folder / "config.json").read_text())
@@ -298,29 +478,39 @@ def load_llama(folder: Path, dtype: torch.dtype) -> LlamaLM:
     generation_file = folder / "generation_config.json"
     generation = SimpleNamespace(**json.loads(generation_file.read_text())) if generation_file.exists() else None
     settings = model_config(config)
+    wide = torch.promote_types(dtype, torch.float32)  # residual stream, norms, LM head
     model = LlamaLM(settings, generation)
-    expected = dict(model.state_dict())
-    state: dict[str, torch.Tensor] = {}
+    expected = {name: tuple(tensor.shape) for name, tensor in model.state_dict().items()}
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"no .safetensors weights in {folder}")
+    state: dict[str, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
-                state[name] = handle.get_tensor(name)
-    if settings.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
+                tensor = handle.get_tensor(name)
+                if settings.tie_word_embeddings and name == "lm_head.weight":
+                    continue
+                if name == "model.embed_tokens.weight" and settings.tie_word_embeddings and wide != dtype:
+                    state["lm_head.weight"] = tensor.to(wide)  # the head keeps the full-precision table
+                keep_wide = name == "lm_head.weight" or name.endswith("norm.weight")
+                state[name] = tensor.to(wide if keep_wide else dtype)
+                del tensor
+    state = fuse_projections(state, settings)
+    if settings.tie_word_embeddings and wide == dtype:
         expected.pop("lm_head.weight", None)
     missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
         raise ValueError(f"weights do not fit a Llama model: missing {missing[:4]}, unexpected {unexpected[:4]}")
     for name, tensor in state.items():
-        if tuple(tensor.shape) != tuple(expected[name].shape):
-            raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the config implies {tuple(expected[name].shape)}")
-        state[name] = tensor.to(dtype)
+        if tuple(tensor.shape) != expected[name]:
+            raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, the config implies {expected[name]}")
     model.load_state_dict(state, strict=False, assign=True)
-    if settings.tie_word_embeddings:
+    if settings.tie_word_embeddings and wide == dtype:
         model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.residual_dtype = wide
+    for layer in model.model.layers:
+        layer.input_layernorm.output_dtype = layer.post_attention_layernorm.output_dtype = dtype
     for module in model.modules():  # initialised now: plain torch classes from here on
         if type(module) is _Linear:
             module.__class__ = torch.nn.Linear

@@ -23,6 +23,7 @@ import torch
 
 from .errors import TierspecError
 from .identity import ModelIdentity
+from .kernels import KERNELS
 from .routing import apply_mask, model_lock
 from .util import default_file_mode
 
@@ -233,7 +234,6 @@ def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
 
 
 DEVICES = ("auto", "cpu", "cuda", "mps")
-KERNELS = ("auto", "few-row", "stock")
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
@@ -260,9 +260,11 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
     with its weights in ``dtype`` (float32, bfloat16 or float16; logits are returned in
     float32 whatever the weights) on ``device`` (``auto``, ``cpu``, ``cuda``, ``mps``).
 
-    ``kernels``: ``few-row`` runs the linear layers' 1-10-row products through ``kernels``
-    (pays on a CPU: 1.5-3.4x less matmul time here), ``stock`` keeps ``nn.Linear``; ``auto``
-    picks few-row on the CPU only.
+    ``kernels``: ``packed`` packs every linear layer's weight once for oneDNN (a pass over 1-16
+    new tokens then costs about what one token costs; float32, and bfloat16 where the CPU has
+    native bfloat16), ``few-row`` runs 1-10-row products as (W·xᵀ)ᵀ, ``stock`` keeps
+    ``nn.Linear``; ``auto`` picks packed on a CPU that supports it, few-row on other CPUs, stock
+    on other devices (see ``tierspec.kernels``).
 
     ``implementation``: ``tierspec`` runs plain Llama models on tierspec's own forward pass
     (``tierspec.llama``: the same computation, no transformers modelling import, 2-3 s faster to
@@ -278,15 +280,27 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
         raise ModelLoadError(f"unknown kernels {kernels!r}; choose one of: {', '.join(KERNELS)}")
     if implementation not in IMPLEMENTATIONS:
         raise ModelLoadError(f"unknown implementation {implementation!r}; choose one of: {', '.join(IMPLEMENTATIONS)}")
-    few_row = kernels == "few-row" or (kernels == "auto" and device.type == "cpu")
     loaded = _load_model(spec, dtype, implementation)
     if device.type != "cpu":
         loaded.model.to(device)
-    if few_row:
-        from .kernels import use_few_row_linears
-
-        use_few_row_linears(loaded.model, any_device=kernels == "few-row")
+    apply_kernels(loaded.model, kernels, device, dtype)
     return loaded
+
+
+def apply_kernels(model: torch.nn.Module, kernels: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Switch ``model``'s linear layers to ``kernels`` (``auto`` resolved for the device and
+    dtype); returns the kind applied."""
+    from .kernels import packing_available, resolve_kernels, use_few_row_linears, use_packed_linears
+
+    kind = resolve_kernels(kernels, device, dtype)
+    if kind == "packed":
+        if device.type != "cpu" or not packing_available():
+            raise ModelLoadError("--kernels packed needs a CPU and a torch build with oneDNN (mkldnn); "
+                                 "use --kernels auto")
+        use_packed_linears(model)
+    elif kind == "few-row":
+        use_few_row_linears(model, any_device=kernels == "few-row")
+    return kind
 
 
 def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str) -> LoadedModel:
@@ -401,17 +415,23 @@ def identity_of(model: torch.nn.Module, name: str = "", content_hash: str = "") 
         name=name or getattr(config, "_name_or_path", "") or type(model).__name__,
         num_layers=int(config.num_hidden_layers),
         hidden_size=int(config.hidden_size),
-        vocab_size=int(model.get_output_embeddings().weight.shape[0]),
+        vocab_size=output_vocabulary_size(model),
         content_hash=content_hash,
     )
 
 
-def wrap_model(model: torch.nn.Module, tokenizer=None, name: str = "") -> LoadedModel:
-    """Use an already built model (e.g. a tiny random one in a test) with tierspec (its CPU
-    linear layers switched to the few-row kernels, as ``load_model`` does)."""
-    from .kernels import use_few_row_linears
+def output_vocabulary_size(model: torch.nn.Module) -> int:
+    """Rows of the model's LM head (without unpacking a packed one)."""
+    head = model.get_output_embeddings()
+    features = getattr(head, "out_features", None)
+    return int(features) if features is not None else int(head.weight.shape[0])
 
-    use_few_row_linears(model)
+
+def wrap_model(model: torch.nn.Module, tokenizer=None, name: str = "", kernels: str = "auto") -> LoadedModel:
+    """Use an already built model (e.g. a tiny random one in a test) with tierspec (its linear
+    layers switched to ``kernels`` as ``load_model`` does)."""
+    parameter = next(model.parameters())
+    apply_kernels(model, kernels, parameter.device, parameter.dtype)
     return _loaded(model, tokenizer, name or type(model).__name__, "")
 
 
@@ -482,7 +502,7 @@ class CachedModel:
         self.model = model
         self.cache = self._new_cache()
         self.length = 0
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.vocab_size = output_vocabulary_size(model)
         self.device = next(model.parameters()).device
 
     def _new_cache(self):
@@ -501,6 +521,13 @@ class CachedModel:
     def reset(self) -> None:
         self.cache = self._new_cache()
         self.length = 0
+
+    def reserve(self, positions: int) -> None:
+        """Allocate the cache for ``positions`` positions now (a generation knows its prompt and
+        budget), so no pass has to grow it."""
+        for layer in self.cache.layers:
+            if hasattr(layer, "reserve"):
+                layer.reserve(positions)
 
     def forward(self, token_ids: torch.Tensor, logits_for: int | None = None, mask=None, with_hidden: bool = False,
                 hidden_layers: tuple[int, ...] = (), vocabulary: SlimVocabulary | None = None):

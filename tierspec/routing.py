@@ -172,13 +172,19 @@ class _BypassedLayer(torch.nn.Module):
 
 
 class _BypassedAttention(torch.nn.Module):
-    """Stands in for an attention block: adds nothing to the residual and writes no KV."""
+    """Stands in for an attention block: adds nothing to the residual and writes no KV.
+    (``bypassed`` tells a layer that knows it, like ``tierspec.llama``'s, to skip the block and
+    its norm instead of adding zeros.)"""
+
+    bypassed = True
 
     def forward(self, hidden_states, *args, **kwargs):
         return torch.zeros_like(hidden_states), None
 
 
 class _BypassedMLP(torch.nn.Module):
+    bypassed = True
+
     def forward(self, hidden_states, *args, **kwargs):
         return torch.zeros_like(hidden_states)
 

@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from ..errors import TierspecError
 from ..identity import ModelIdentity
 from ..kernels import few_row_linear
-from ..llama import rms_norm, rotary
-from ..models import LoadedModel
+from ..llama import has_projections, projection_weights, rms_norm, rotary
+from ..models import LoadedModel, output_vocabulary_size
 from ..routing import decoder_layers
 from ..util import atomic_write_text
 
@@ -75,10 +75,7 @@ class HeadConfig:
         needed = ("hidden_size", "intermediate_size", "num_attention_heads", "rms_norm_eps")
         missing = [name for name in needed if getattr(config, name, None) is None]
         layer = decoder_layers(model)[-1]
-        attention, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        parts = [getattr(attention, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        parts += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if missing or any(p is None for p in parts) or getattr(config, "hidden_act", "silu") != "silu":
+        if missing or not has_projections(layer) or getattr(config, "hidden_act", "silu") != "silu":
             raise DraftHeadError(
                 f"{type(model).__name__} is not a Llama-style model (rotary attention with q/k/v/o projections, "
                 "SwiGLU MLP, RMSNorm); the draft head supports Llama, Mistral, Qwen2 and SmolLM-like targets"
@@ -95,7 +92,7 @@ class HeadConfig:
         if any(not 0 <= i < len(decoder_layers(model)) for i in feature_layers):
             raise DraftHeadError(f"feature layers {feature_layers} are outside the model's {len(decoder_layers(model))} layers")
         return cls(int(config.hidden_size), int(config.intermediate_size), heads, kv_heads, head_dim,
-                   float(config.rms_norm_eps), float(theta), int(model.get_output_embeddings().weight.shape[0]),
+                   float(config.rms_norm_eps), float(theta), output_vocabulary_size(model),
                    int(draft_vocab_size), tuple(feature_layers))
 
 
@@ -141,10 +138,8 @@ class DraftHead(torch.nn.Module):
         head = cls(config, draft_ids)
         layer = decoder_layers(target.model)[-1]
         with torch.no_grad():
-            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-                getattr(head, name).weight.copy_(getattr(layer.self_attn, name).weight)
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                getattr(head, name).weight.copy_(getattr(layer.mlp, name).weight)
+            for name, weight in projection_weights(layer).items():
+                getattr(head, name).weight.copy_(weight)
             head.input_norm.copy_(layer.input_layernorm.weight)
             head.post_attention_norm.copy_(layer.post_attention_layernorm.weight)
             norm = getattr(target.model.get_decoder(), "norm", None)

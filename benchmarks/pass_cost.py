@@ -1,0 +1,124 @@
+"""What one cached forward pass of the default model costs, by number of new tokens.
+
+    python benchmarks/pass_cost.py [--configs float32:auto,bfloat16:auto,float32:few-row,bfloat16:stock]
+                                   [--context 256] [--rounds 7] [--out results/pass_cost.md]
+
+Each configuration is ``dtype:kernels`` (see ``tierspec.load_model``). For every configuration
+the model is loaded once, a 256-token context is cached, and passes of k = 1, 2, 4, 8, 16 new
+tokens are timed (logits for every new token, as a verification pass needs them), the cache
+rolled back after each. Configurations are interleaved round by round so that a busy spell of
+a shared machine hits all of them alike; the table gives medians over rounds.
+
+Two more rows per configuration split a pass into its matrix products and the rest: the same
+passes with every linear layer's product replaced by an uninitialised output of the right
+shape ("outside the matrices": norms, rotary, attention, SiLU, residuals, the KV cache and
+Python dispatch over 30 layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from tierspec.models import CachedModel, load_model
+
+WIDTHS = (1, 2, 4, 8, 16)
+
+
+@contextmanager
+def matrices_stubbed(model: torch.nn.Module):
+    """Within the block every linear layer returns ``empty`` of its output shape (no product)."""
+    from tierspec.kernels import linear_output_features
+
+    stubbed = []
+    for module in model.modules():
+        features = linear_output_features(module)
+        if features is None:
+            continue
+        dtype = module.output_dtype if hasattr(module, "output_dtype") else None
+
+        def stub(x, features=features, dtype=dtype):
+            return x.new_empty(*x.shape[:-1], features, dtype=dtype or x.dtype)
+
+        module.forward = stub
+        stubbed.append(module)
+    try:
+        yield
+    finally:
+        for module in stubbed:
+            del module.forward
+
+
+def time_passes(runner: CachedModel, context: int, widths, repeats: int = 3) -> dict[int, float]:
+    """Median seconds of a cached pass over k new tokens at ``context`` cached positions."""
+    vocab = runner.vocab_size
+    out = {}
+    for k in widths:
+        tokens = (torch.arange(k) * 7 + 11) % vocab
+        samples = []
+        for i in range(repeats + 1):
+            started = time.perf_counter()
+            runner.forward(tokens)
+            elapsed = time.perf_counter() - started
+            runner.rollback(context)
+            if i:
+                samples.append(elapsed)
+        out[k] = statistics.median(samples)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--configs", default="float32:auto,bfloat16:auto")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--out", type=Path, default=None, help="also write the table (markdown) here")
+    args = parser.parse_args()
+    configs = [tuple(item.split(":")) for item in args.configs.split(",")]
+    runners = {}
+    for dtype, kernels in configs:
+        loaded = load_model("smollm2-135m", dtype=dtype, kernels=kernels)
+        runner = CachedModel(loaded.model)
+        with torch.inference_mode():
+            runner.forward(torch.arange(args.context) % runner.vocab_size, logits_for=1)
+        runners[(dtype, kernels)] = runner
+    whole = {config: {k: [] for k in WIDTHS} for config in runners}
+    outside = {config: {k: [] for k in WIDTHS} for config in runners}
+    with torch.inference_mode():
+        for round_index in range(args.rounds):
+            for config, runner in runners.items():
+                for k, seconds in time_passes(runner, args.context, WIDTHS).items():
+                    whole[config][k].append(seconds)
+                with matrices_stubbed(runner.model):
+                    for k, seconds in time_passes(runner, args.context, WIDTHS).items():
+                        outside[config][k].append(seconds)
+            print(f"round {round_index + 1}/{args.rounds}", file=sys.stderr, flush=True)
+
+    def ms(values):
+        return statistics.median(values) * 1e3
+
+    lines = [f"Cached pass of the default model at a {args.context}-token context, logits for every new token, "
+             f"{torch.get_num_threads()} threads, median of {args.rounds} interleaved rounds (ms):", "",
+             "| dtype:kernels | " + " | ".join(f"k={k}" for k in WIDTHS) + " | 8/1 | 16/1 |",
+             "|---|" + "---|" * (len(WIDTHS) + 2)]
+    for config in runners:
+        row = [ms(whole[config][k]) for k in WIDTHS]
+        lines.append(f"| {':'.join(config)} | " + " | ".join(f"{v:.1f}" for v in row)
+                     + f" | {row[3] / row[0]:.2f} | {row[4] / row[0]:.2f} |")
+        rest = [ms(outside[config][k]) for k in WIDTHS]
+        lines.append(f"| {':'.join(config)}, outside the matrices | " + " | ".join(f"{v:.1f}" for v in rest) + " | | |")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
