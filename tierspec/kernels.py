@@ -32,8 +32,7 @@ Two more properties matter for speculative decoding:
   logits are not rounded into ties or flips (bfloat16 logits are spaced 0.125 apart at 16).
 
 ``FewRowLinear`` (the previous kernel: (W·xᵀ)ᵀ, which streams the weight once on MKL) is kept
-where packing is not possible without a second copy: a float32 LM head tied to the input
-embedding (the embedding lookup needs the plain table). Its row results agree with
+for CPUs or dtypes oneDNN does not pack fast (``--kernels few-row``). Its row results agree with
 ``nn.Linear`` to rounding (~1e-6 relative), not bitwise across pass widths.
 """
 
@@ -160,18 +159,14 @@ class PackedLinear(torch.nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, dtype={self.dtype}, packed"
 
 
-def _shares_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
-
-
 def use_packed_linears(model: torch.nn.Module) -> int:
     """Replace the model's CPU ``nn.Linear`` layers by ``PackedLinear`` (the plain weights are
-    released: no second copy). The LM head is packed in float32 (its output must be float32);
-    a float32 head tied to the input embedding stays plain, as a ``FewRowLinear`` (packing it
-    would keep a second copy of 21% of the default model). Layers in a dtype oneDNN does not
-    run fast here stay as they are. Returns how many layers were packed."""
+    released: no second copy). The LM head is packed in float32 (its output must be float32).
+    A head tied to the input embedding is the one exception to "no second copy": the embedding
+    lookup keeps the plain table (the default model's is 113 MB in float32; a bfloat16 model keeps
+    a bfloat16 table for the lookup). Layers in a dtype oneDNN does not run fast here stay as
+    they are. Returns how many layers were packed."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    embedding = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     packed = 0
     for parent in list(model.modules()):
         for name, module in list(parent.named_children()):
@@ -179,10 +174,6 @@ def use_packed_linears(model: torch.nn.Module) -> int:
                 continue
             weight = module.weight
             if module is head:
-                tied = embedding is not None and _shares_storage(weight, embedding.weight)
-                if tied and weight.dtype == torch.float32:
-                    module.__class__ = FewRowLinear
-                    continue
                 weight = weight.float()
             elif not packable_dtype(weight.dtype):
                 continue
