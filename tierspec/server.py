@@ -6,40 +6,67 @@ events in OpenAI's chunk format. Beside OpenAI's fields a request may carry ``me
 tierspec method, overriding the one chosen at start-up), ``top_k`` and ``num_draft``; the
 ``usage`` object carries the speculative statistics next to the token counts.
 
-One loaded model serves one generation at a time: a single worker thread takes requests in
-arrival order from a bounded queue. A request that finds the queue full is answered 503 with
-``Retry-After`` at once; a client that disconnects stops its generation at the next cycle.
-Errors use OpenAI's body, ``{"error": {"message", "type", "param", "code"}}``.
+How a request flows:
+
+    handler (event loop)          read the body (≤ max_request_bytes, else 413)
+      → prepare (a thread)        parse JSON, validate strictly, tokenise, check the context
+      → Engine.submit             queue it, or 503 when the queue is full
+      → Engine's worker thread    one generation at a time; sends typed events back:
+                                  Started, TextPiece…, Finished | Failed
+      → the endpoint's format     one JSON response, or one SSE chunk per event
+
+A client that leaves cancels its request: a waiting one leaves the queue at once, a running
+one stops at its next cycle. On shutdown (SIGTERM, SIGINT) the server stops accepting, turns
+waiting requests away with 503 and stops the running one at its next cycle with a
+well-formed ending. Every error answers with OpenAI's body,
+``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
+import signal
+import socket
 import sys
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Iterator, Literal
+from typing import ClassVar, Iterator, Literal
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import torch
+import uvicorn
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
 
-from .api import TextStream
-from .decode import DecodeConfig, GenerationStats, decode
+from .api import SEED_RANGE, stream_method
+from .decode import DecodeConfig, GenerationStats
 from .errors import TierspecError
 from .methods import Method, MethodOptions, build_method, check_method_name, default_method
 from .models import LoadedModel
 from .prompting import encode_messages, encode_prompt, eos_ids
 from .sampling import SamplingConfig
 
-# ---- errors ----------------------------------------------------------------------------------
+#: Bodies above this many bytes get 413 (``--max-request-bytes``). A prompt filling a whole
+#: 8192-token context is about 40 KB of English; JSON escapes of other scripts take up to 12
+#: bytes per character.
+DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+
+log = logging.getLogger("tierspec.server")
+
+
+# ---- errors ------------------------------------------------------------------------------------
 
 
 class ApiError(Exception):
@@ -50,31 +77,41 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.headers = status, message, param, kind, headers
 
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": None}}
 
-def _error_response(error: ApiError) -> JSONResponse:
-    body = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": None}}
-    return JSONResponse(body, status_code=error.status, headers=error.headers)
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
-# ---- requests ----------------------------------------------------------------------------------
+def _shutting_down() -> ApiError:
+    return ApiError(503, "the server is shutting down; retry on another instance or after it restarts",
+                    kind="server_shutting_down")
+
+
+# ---- requests: strict types, unknown fields refused ---------------------------------------------------
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
 
 
-class _Common(BaseModel):
-    """Fields shared by both endpoints. Unknown fields are refused (a typo must not be ignored)."""
+class GenerationRequest(BaseModel):
+    """Fields shared by both endpoints. Strict: a wrong type is an error, never coerced
+    (``"max_tokens": "5"`` and ``"stream": "yes"`` are refused); unknown fields are refused
+    (a typo must not be ignored)."""
 
-    model_config = ConfigDict(extra="forbid", strict=False)
+    model_config = ConfigDict(extra="forbid", strict=True)
+    prompt_param: ClassVar[str]  # the field an error about the prompt names
+    default_max_tokens: ClassVar[int | None]  # None: the rest of the model's context
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0, allow_inf_nan=False)
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: int | None = Field(default=None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    stop: list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=1, description="one choice per request")
@@ -84,40 +121,65 @@ class _Common(BaseModel):
     top_k: int = Field(default=0, ge=0)
     num_draft: int | None = Field(default=None, ge=0)
 
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop_is_a_list(cls, value):
+        return [value] if isinstance(value, str) else value
+
     @field_validator("stop")
     @classmethod
     def _stops(cls, value):
-        stops = [value] if isinstance(value, str) else list(value or [])
-        if len(stops) > 4:
+        if value is not None and len(value) > 4:
             raise ValueError("at most 4 stop sequences")
-        if any(not s for s in stops):
+        if any(not stop for stop in value or []):
             raise ValueError("stop sequences must not be empty")
-        return stops
+        return value
+
+    def prompt_ids(self, target: LoadedModel) -> torch.Tensor:
+        """The prompt's token ids [n]."""
+        raise NotImplementedError
+
+    def requested_tokens(self) -> int | None:
+        return self.max_tokens
 
 
-class CompletionRequest(_Common):
-    prompt: str | list[str]
+class CompletionRequest(GenerationRequest):
+    prompt_param = "prompt"
+    default_max_tokens = 16  # OpenAI's default for completions
 
-    @field_validator("prompt")
+    prompt: str
+
+    @field_validator("prompt", mode="before")
     @classmethod
     def _one_prompt(cls, value):
         if isinstance(value, list):
             if len(value) != 1:
                 raise ValueError("give one prompt per request")
             value = value[0]
+        return value
+
+    @field_validator("prompt")
+    @classmethod
+    def _some_text(cls, value):
         if not value.strip():
             raise ValueError("the prompt is empty")
         return value
 
+    def prompt_ids(self, target: LoadedModel) -> torch.Tensor:
+        return encode_prompt(target, self.prompt, chat_template=False)
+
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "user", "assistant"]
     content: str
     name: str | None = None
 
 
-class ChatRequest(_Common):
+class ChatRequest(GenerationRequest):
+    prompt_param = "messages"
+    default_max_tokens = None
+
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
 
@@ -130,25 +192,97 @@ class ChatRequest(_Common):
             raise ValueError("every message is empty")
         return value
 
+    def prompt_ids(self, target: LoadedModel) -> torch.Tensor:
+        return encode_messages(target, [message.model_dump(exclude_none=True) for message in self.messages])
 
-# ---- the engine: one model, one generation at a time ---------------------------------------------
+    def requested_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
 
 
-@dataclass
-class Job:
-    """One request's generation: what the worker needs, and the channel back to the handler."""
+def _parse(request_model: type[GenerationRequest], raw: bytes) -> GenerationRequest:
+    """The request in ``raw``, or a 400 naming the first field at fault."""
+    try:
+        data = json.loads(raw)
+    except ValueError as error:  # also bytes that are not UTF-8
+        raise ApiError(400, f"the body is not valid JSON: {error}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the body must be a JSON object")
+    _check_unicode(data, "")
+    try:
+        return request_model.model_validate(data, strict=True)
+    except ValidationError as error:
+        problems = [(".".join(str(part) for part in item["loc"]) or "body", item["msg"].removeprefix("Value error, "))
+                    for item in error.errors()]
+        raise ApiError(400, "; ".join(f"{where}: {message}" for where, message in problems), problems[0][0]) from None
 
-    prompt_ids: object
+
+def _check_unicode(value, where: str) -> None:
+    """Refuse strings that are not valid Unicode: JSON may carry a lone surrogate (``"\\ud800"``),
+    which no tokenizer can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as error:
+            raise ApiError(400, f"{where or 'body'}: not valid Unicode text (a lone surrogate at character "
+                           f"{error.start})", where or None) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, where)
+            _check_unicode(item, f"{where}.{key}" if where else key)
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_unicode(item, f"{where}.{index}")
+
+
+# ---- events: what the worker tells a request's handler ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Started:
+    """The method is built and the generation begins (errors before this are the request's)."""
+
+
+@dataclass(frozen=True)
+class TextPiece:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # "stop" (end of sequence or a stop string) or "length"
+    stats: GenerationStats
+    completion_tokens: int
     method: str
-    config: DecodeConfig
+    interrupted: bool = False  # stopped early by a shutdown
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: ApiError
+
+
+Event = Started | TextPiece | Finished | Failed
+
+# Why a job was cancelled.
+CLIENT_LEFT, SHUTDOWN = "client left", "shutdown"
+
+
+@dataclass(eq=False)
+class Job:
+    """One request's generation: what the worker needs, and the channel back to its handler."""
+
+    prompt_ids: torch.Tensor  # [n]
+    method: str
     num_draft: int | None
+    config: DecodeConfig
     seed: int | None
     stops: list[str]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancel: threading.Event = field(default_factory=threading.Event)
+    cancelled_by: str | None = None  # CLIENT_LEFT or SHUTDOWN; set once, under the engine's lock
 
-    def send(self, *event) -> None:
+    def send(self, event: Event) -> None:
+        """Deliver ``event`` to the handler (from any thread)."""
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
 
 
@@ -180,16 +314,21 @@ class StopMatcher:
         return text
 
 
-class Engine:
-    """Runs generations one at a time on one loaded model.
+# ---- the engine: one model, one generation at a time ---------------------------------------------
 
-    Admission is counted here (running + waiting ≤ 1 + ``max_queue``) so that a full server
-    answers at once instead of piling up requests. Built methods are kept per (name,
-    num_draft): the cost-aware policies go on learning across requests.
+
+class Engine:
+    """Runs generations one at a time on one loaded model, from a bounded queue.
+
+    Admission is decided here (running + waiting ≤ 1 + ``max_queue``) so that a full server
+    answers at once instead of piling requests up. Built methods are kept for the last
+    ``max_methods`` (name, num_draft) pairs a request asked for: a client sending ever new
+    values cannot grow the server's memory, and what a method shares with others (the model,
+    the draft head, the forward-cost table) is built once whatever the value.
     """
 
     def __init__(self, target: LoadedModel, method: str | None = None, drafter: LoadedModel | None = None,
-                 options: MethodOptions = MethodOptions(), max_queue: int = 8):
+                 options: MethodOptions = MethodOptions(), max_queue: int = 8, max_methods: int = 4):
         """``method``: requests' default (None: ``methods.default_method(target)``)."""
         method = method or default_method(target, options)
         check_method_name(method)
@@ -197,312 +336,485 @@ class Engine:
             raise TierspecError(f"model '{target.identity.name}' has no tokenizer: the server speaks text")
         if max_queue < 0:
             raise TierspecError(f"max_queue must be >= 0, got {max_queue}")
+        if max_methods < 1:
+            raise TierspecError(f"max_methods must be >= 1, got {max_methods}")
         self.target, self.default_method, self.drafter, self.options = target, method, drafter, options
-        self.max_queue = max_queue
+        self.model_name = target.identity.name
+        self.max_queue, self.max_methods = max_queue, max_methods
         self.eos = eos_ids(target)
         self.context = getattr(target.model.config, "max_position_embeddings", None)
-        self._methods: dict[tuple[str, int | None], Method] = {}
+        self._methods: OrderedDict[tuple[str, int | None], Method] = OrderedDict()  # least recently used first
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierspec-generate")
-        self._lock = threading.Lock()
-        self._admitted = 0
+        self._lock = threading.Lock()  # guards the fields below
+        self._waiting: list[Job] = []
         self._running: Job | None = None
-        self.counts = {"completed": 0, "cancelled": 0, "failed": 0, "refused": 0}
-
-    # admission
-    def try_admit(self) -> bool:
-        with self._lock:
-            if self._admitted >= 1 + self.max_queue:
-                self.counts["refused"] += 1
-                return False
-            self._admitted += 1
-            return True
-
-    def _release(self, outcome: str) -> None:
-        with self._lock:
-            self._admitted -= 1
-            self.counts[outcome] += 1
+        self._stopping = False
+        self.counts = {"completed": 0, "cancelled": 0, "withdrawn": 0, "interrupted": 0, "failed": 0, "refused": 0}
 
     def health(self) -> dict:
+        """Status and counts: ``cancelled`` / ``withdrawn``: the client left during / before its
+        generation; ``interrupted``: stopped or turned away by a shutdown; ``refused``: queue full."""
         with self._lock:
-            return {"status": "ok", "model": self.target.identity.name, "method": self.default_method,
-                    "running": int(self._running is not None), "waiting": max(self._admitted - 1, 0),
-                    "max_queue": self.max_queue, **self.counts}
+            return {"status": "stopping" if self._stopping else "ok", "model": self.model_name,
+                    "method": self.default_method, "running": int(self._running is not None),
+                    "waiting": len(self._waiting), "max_queue": self.max_queue,
+                    "methods_cached": len(self._methods), **self.counts}
 
     def method(self, name: str, num_draft: int | None) -> Method:
+        """The built method (on the worker thread, or before serving starts)."""
         key = (name, num_draft)
-        if key not in self._methods:
+        method = self._methods.pop(key, None)
+        if method is None:
             options = self.options if num_draft is None else replace(self.options, num_draft=num_draft)
-            self._methods[key] = build_method(name, self.target, self.drafter, options)
-        return self._methods[key]
+            method = build_method(name, self.target, self.drafter, options)
+        self._methods[key] = method
+        while len(self._methods) > self.max_methods:
+            self._methods.popitem(last=False)
+        return method
 
     def submit(self, job: Job) -> None:
+        """Queue ``job``, or raise the 503 of a full or stopping server."""
+        with self._lock:
+            if self._stopping:
+                raise _shutting_down()
+            if len(self._waiting) + (self._running is not None) >= 1 + self.max_queue:
+                self.counts["refused"] += 1
+                raise ApiError(503, f"the server is busy ({self.max_queue} requests already waiting); retry shortly",
+                               kind="server_busy", headers={"Retry-After": "1"})
+            self._waiting.append(job)
         self._worker.submit(self._run, job)
 
+    def cancel(self, job: Job, reason: str) -> None:
+        """End ``job`` for ``reason``: a waiting job leaves the queue at once (the worker skips
+        it), the running one stops at its next cycle."""
+        with self._lock:
+            self._cancel(job, reason)
+
+    def _cancel(self, job: Job, reason: str) -> None:
+        if job.cancelled_by is not None:
+            return
+        job.cancelled_by = reason
+        if job in self._waiting:
+            self._waiting.remove(job)
+            self.counts["withdrawn" if reason == CLIENT_LEFT else "interrupted"] += 1
+            if reason == SHUTDOWN:
+                job.send(Failed(_shutting_down()))
+
+    def stop(self) -> None:
+        """Shut down: refuse new requests, turn the waiting ones away with 503, stop the
+        running one at its next cycle (its client still gets a well-formed ending)."""
+        with self._lock:
+            self._stopping = True
+            for job in [*self._waiting, *([self._running] if self._running is not None else [])]:
+                self._cancel(job, SHUTDOWN)
+
+    def close(self) -> None:
+        """``stop``, then wait for the worker to finish."""
+        self.stop()
+        self._worker.shutdown(wait=True)
+
     def _run(self, job: Job) -> None:
-        """The worker: build the method, generate, send ("started"), ("text", s)…, ("done", …)."""
+        """The worker: build the method, generate, send Started, TextPiece…, Finished (or Failed)."""
+        with self._lock:
+            if job not in self._waiting:  # withdrawn or turned away while it waited: already answered
+                return
+            self._waiting.remove(job)
+            self._running = job
         outcome = "failed"
         try:
-            if job.cancel.is_set():  # the client left while waiting
-                outcome = "cancelled"
-                return
-            with self._lock:
-                self._running = job
             try:
                 method = self.method(job.method, job.num_draft)
             except TierspecError as error:
-                job.send("error", ApiError(400, str(error), "method"))
+                job.send(Failed(ApiError(400, str(error), "method")))
                 return
-            job.send("started")
+            job.send(Started())
             outcome = self._generate(job, method)
         except Exception as error:  # a bug: the handler answers 500, the log keeps the traceback, the worker goes on
-            logging.getLogger("tierspec.server").exception("generation failed")
-            job.send("error", ApiError(500, f"internal error: {type(error).__name__}: {error}", kind="server_error"))
+            log.exception("generation failed")
+            job.send(Failed(ApiError(500, f"internal error: {type(error).__name__}: {error}", kind="server_error")))
         finally:
             with self._lock:
                 self._running = None
-            self._release(outcome)
+                self.counts[outcome] += 1
 
     def _generate(self, job: Job, method: Method) -> str:
-        """One generation through ``api.TextStream`` (the library's own loop over the decode
-        steps, with its incremental detokeniser and statistics), cut at stop sequences and
-        stopped at the next cycle when the client has left."""
-        import torch
-
-        generator = torch.Generator().manual_seed(job.seed) if job.seed is not None else None
-        text_stream = TextStream(decode(self.target, method, job.prompt_ids, job.config, generator), self.target)
+        """One generation, cut at stop sequences, stopped at the next cycle once cancelled;
+        returns its outcome."""
+        text_stream = stream_method(self.target, method, job.prompt_ids, job.config, job.seed)
         stops = StopMatcher(job.stops)
         finish = None
         try:
             for piece in text_stream:
                 text, stopped = stops.feed(piece)
                 if text:
-                    job.send("text", text)
+                    job.send(TextPiece(text))
                 if stopped:
                     finish = "stop"
                     break
-                if job.cancel.is_set():
-                    return "cancelled"
-            else:
-                tail = stops.flush()
-                if tail:
-                    job.send("text", tail)
+                if job.cancelled_by is not None:
+                    break
         finally:
             text_stream.close()
-        token_ids = text_stream.token_ids
+        if job.cancelled_by == CLIENT_LEFT:
+            return "cancelled"
         if finish is None:
+            tail = stops.flush()
+            if tail:
+                job.send(TextPiece(tail))
+            token_ids = text_stream.token_ids
             finish = "stop" if token_ids and token_ids[-1] in self.eos else "length"
-        job.send("done", finish, text_stream.stats, len(token_ids), job.method)
-        return "completed"
-
-    def shutdown(self) -> None:
-        """Stop the running generation at its next cycle and refuse the waiting ones."""
-        with self._lock:
-            if self._running is not None:
-                self._running.cancel.set()
-        self._worker.shutdown(wait=True, cancel_futures=True)
+        interrupted = job.cancelled_by == SHUTDOWN
+        job.send(Finished(finish, text_stream.stats, len(text_stream.token_ids), job.method, interrupted))
+        return "interrupted" if interrupted else "completed"
 
 
-# ---- the app -------------------------------------------------------------------------------------
+def prepare(engine: Engine, request_model: type[GenerationRequest], raw: bytes,
+            loop: asyncio.AbstractEventLoop) -> tuple[GenerationRequest, Job]:
+    """The request in ``raw`` and its job: parsed, validated, tokenised and checked against the
+    model's context. CPU work (a large prompt takes seconds): run it off the event loop."""
+    body = _parse(request_model, raw)
+    if body.model is not None and body.model != engine.model_name:
+        raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{engine.model_name}'",
+                       "model", kind="not_found_error")
+    method = body.method or engine.default_method
+    try:
+        check_method_name(method)
+    except TierspecError as error:
+        raise ApiError(400, str(error), "method") from None
+    try:
+        sampling = SamplingConfig(body.temperature, body.top_k, body.top_p)
+    except TierspecError as error:
+        raise ApiError(400, str(error)) from None
+    try:
+        prompt_ids = body.prompt_ids(engine.target)
+    except TierspecError as error:
+        raise ApiError(400, str(error), body.prompt_param) from None
+    room = None if engine.context is None else engine.context - len(prompt_ids)
+    if room is not None and room < 1:
+        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the model's context is {engine.context}",
+                       body.prompt_param)
+    max_tokens = body.requested_tokens() or body.default_max_tokens or room
+    if max_tokens is None:
+        raise ApiError(400, "give max_tokens: the model's context length is unknown", "max_tokens")
+    if room is not None and max_tokens > room:
+        raise ApiError(400, f"max_tokens {max_tokens} + the prompt's {len(prompt_ids)} tokens exceed the model's "
+                       f"context of {engine.context}", "max_tokens")
+    config = DecodeConfig(max_new_tokens=max_tokens, sampling=sampling, eos_token_ids=engine.eos)
+    return body, Job(prompt_ids, method, body.num_draft, config, body.seed, body.stop or [], loop)
 
 
-def _usage(prompt_tokens: int, completion_tokens: int, stats: GenerationStats, method: str) -> dict:
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "method": method,
-        "drafted_tokens": stats.drafted,
-        "accepted_tokens": stats.accepted,
-        "mean_accepted_tokens": round(stats.mean_accepted_tokens, 4),  # τ: tokens per target call
-        "target_calls": stats.target_calls,
-        "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position()],
-        "seconds": round(stats.wall_seconds, 4),
-    }
+# ---- responses: one format per endpoint ---------------------------------------------------------------
 
 
-def create_app(engine: Engine) -> FastAPI:
-    """The FastAPI application serving ``engine`` (uvicorn runs it: ``serve``)."""
-    from contextlib import asynccontextmanager
+class Endpoint:
+    """What differs between the two generation endpoints: the request model, and the shape of
+    a choice in the whole response and in a streamed chunk."""
 
-    @asynccontextmanager
-    async def lifespan(app):
+    request_model: ClassVar[type[GenerationRequest]]
+    object: ClassVar[str]
+    chunk_object: ClassVar[str]
+    id_prefix: ClassVar[str]
+
+    def choice(self, text: str, finish_reason: str) -> dict:
+        raise NotImplementedError
+
+    def chunk_choice(self, text: str, finish_reason: str | None) -> dict:
+        raise NotImplementedError
+
+    def opening_choice(self) -> dict | None:
+        """The choice of a first chunk sent before any text (None: no such chunk)."""
+        return None
+
+
+class Completions(Endpoint):
+    request_model = CompletionRequest
+    object = chunk_object = "text_completion"
+    id_prefix = "cmpl"
+
+    def choice(self, text: str, finish_reason: str | None) -> dict:
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+    chunk_choice = choice
+
+
+class ChatCompletions(Endpoint):
+    request_model = ChatRequest
+    object, chunk_object = "chat.completion", "chat.completion.chunk"
+    id_prefix = "chatcmpl"
+
+    def choice(self, text: str, finish_reason: str) -> dict:
+        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+
+    def chunk_choice(self, text: str, finish_reason: str | None) -> dict:
+        return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish_reason}
+
+    def opening_choice(self) -> dict:
+        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to one request in its endpoint's format."""
+
+    endpoint: Endpoint
+    model: str
+    prompt_tokens: int
+    include_usage: bool
+    created: int = field(default_factory=lambda: int(time.time()))
+    suffix: str = field(default_factory=lambda: uuid.uuid4().hex[:24])  # of the response's id
+
+    @property
+    def id(self) -> str:
+        return f"{self.endpoint.id_prefix}-{self.suffix}"
+
+    def usage(self, done: Finished) -> dict:
+        stats = done.stats
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": done.completion_tokens,
+            "total_tokens": self.prompt_tokens + done.completion_tokens,
+            "method": done.method,
+            "drafted_tokens": stats.drafted,
+            "accepted_tokens": stats.accepted,
+            "mean_accepted_tokens": round(stats.mean_accepted_tokens, 4),  # τ: tokens per target call
+            "target_calls": stats.target_calls,
+            "acceptance_by_position": [round(a, 4) for a in stats.acceptance_by_position()],
+            "seconds": round(stats.wall_seconds, 4),
+        }
+
+    def whole(self, text: str, done: Finished) -> dict:
+        return {"id": self.id, "object": self.endpoint.object, "created": self.created, "model": self.model,
+                "choices": [self.endpoint.choice(text, done.finish_reason)], "usage": self.usage(done)}
+
+    def chunk(self, choice: dict | None, usage: dict | None = None) -> str:
+        payload = {"id": self.id, "object": self.endpoint.chunk_object, "created": self.created, "model": self.model,
+                   "choices": [] if choice is None else [choice]}
+        if usage is not None:
+            payload["usage"] = usage
+        return f"data: {json.dumps(payload)}\n\n"
+
+
+# ---- handlers ------------------------------------------------------------------------------------
+
+
+def _engine(request: Request) -> Engine:
+    return request.app.state.engine
+
+
+async def health(request: Request) -> JSONResponse:
+    return JSONResponse(_engine(request).health())
+
+
+async def models(request: Request) -> JSONResponse:
+    return JSONResponse({"object": "list", "data": [{"id": _engine(request).model_name, "object": "model",
+                                                     "created": 0, "owned_by": "tierspec"}]})
+
+
+async def completions(request: Request):
+    return await _generate(request, Completions())
+
+
+async def chat_completions(request: Request):
+    return await _generate(request, ChatCompletions())
+
+
+async def _generate(request: Request, endpoint: Endpoint):
+    engine = _engine(request)
+    raw = await _read_body(request, request.app.state.max_request_bytes)
+    body, job = await run_in_threadpool(prepare, engine, endpoint.request_model, raw, asyncio.get_running_loop())
+    engine.submit(job)
+    reply = Reply(endpoint, engine.model_name, len(job.prompt_ids),
+                  body.stream_options is not None and body.stream_options.include_usage)
+    async with _cancelled_if_the_client_leaves(request, engine, job):
+        event = await job.events.get()
+        if isinstance(event, Failed):
+            raise event.error
+        if not body.stream:
+            return JSONResponse(await _whole(job, reply))
+    return StreamingResponse(_chunks(job, engine, reply), media_type="text/event-stream")
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    """The body, refused with 413 once it passes ``limit`` bytes (declared or counted as it
+    arrives): a huge body is never held in memory."""
+    too_large = ApiError(413, f"the request body exceeds the server's limit of {limit} bytes",
+                         headers={"Connection": "close"})
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+@contextlib.asynccontextmanager
+async def _cancelled_if_the_client_leaves(request: Request, engine: Engine, job: Job):
+    """While the handler waits on ``job``, a disconnect cancels it, and a Failed(499) event lets
+    the handler return at once (nobody reads its answer)."""
+
+    async def watch():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        engine.cancel(job, CLIENT_LEFT)
+        job.events.put_nowait(Failed(ApiError(499, "the client disconnected")))
+
+    watcher = asyncio.create_task(watch())
+    try:
         yield
-        engine.shutdown()
-        counts = engine.health()
-        print(f"tierspec serve: stopped cleanly ({counts['completed']} completed, {counts['cancelled']} cancelled, "
-              f"{counts['failed']} failed, {counts['refused']} refused)", file=sys.stderr, flush=True)
+    finally:
+        watcher.cancel()
 
-    app = FastAPI(title="tierspec", lifespan=lifespan)
-    model_name = engine.target.identity.name
 
-    @app.exception_handler(ApiError)
-    async def _api_error(request, error: ApiError):
-        return _error_response(error)
+async def _whole(job: Job, reply: Reply) -> dict:
+    pieces = []
+    while True:
+        match await job.events.get():
+            case TextPiece(text):
+                pieces.append(text)
+            case Failed(error):
+                raise error
+            case Finished() as done:
+                if done.interrupted:  # a partial text is no answer
+                    raise _shutting_down()
+                return reply.whole("".join(pieces), done)
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request, error: RequestValidationError):
-        first = error.errors()[0] if error.errors() else {}
-        where = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
-        message = "; ".join(
-            f"{'.'.join(str(p) for p in item.get('loc', ())[1:]) or 'body'}: {item.get('msg')}" for item in error.errors()
-        )
-        return _error_response(ApiError(400, message or "invalid request", where))
 
-    @app.get("/health")
-    async def health():
-        return engine.health()
+async def _chunks(job: Job, engine: Engine, reply: Reply):
+    """The server-sent events of a started job, always ending with ``data: [DONE]``; a client
+    that goes away (the response task is cancelled) cancels the job."""
+    ended = False
+    try:
+        opening = reply.endpoint.opening_choice()
+        if opening is not None:
+            yield reply.chunk(opening)
+        while not ended:
+            match await job.events.get():
+                case TextPiece(text):
+                    yield reply.chunk(reply.endpoint.chunk_choice(text, None))
+                case Failed(error):
+                    yield f"data: {json.dumps(error.body())}\n\n"
+                    ended = True
+                case Finished() as done:
+                    yield reply.chunk(reply.endpoint.chunk_choice("", done.finish_reason))
+                    if reply.include_usage:
+                        yield reply.chunk(None, reply.usage(done))
+                    ended = True
+        yield "data: [DONE]\n\n"
+    finally:
+        if not ended:
+            engine.cancel(job, CLIENT_LEFT)
 
-    @app.get("/v1/models")
-    async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "tierspec"}]}
 
-    def prepare(body: _Common, prompt_ids, max_tokens: int | None, loop) -> Job:
-        method = body.method or engine.default_method
-        try:
-            check_method_name(method)
-        except TierspecError as error:
-            raise ApiError(400, str(error), "method") from None
-        if body.model is not None and body.model != model_name:
-            raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{model_name}'",
-                           "model", kind="not_found_error")
-        room = None if engine.context is None else engine.context - len(prompt_ids)
-        if room is not None and room < 1:
-            raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the model's context is {engine.context}",
-                           "messages" if isinstance(body, ChatRequest) else "prompt")
-        if max_tokens is None:
-            max_tokens = 16 if isinstance(body, CompletionRequest) else room
-        if room is not None and max_tokens > room:
-            raise ApiError(400, f"max_tokens {max_tokens} + the prompt's {len(prompt_ids)} tokens exceed the model's "
-                           f"context of {engine.context}", "max_tokens")
-        try:
-            sampling = SamplingConfig(body.temperature, body.top_k, body.top_p)
-        except TierspecError as error:
-            raise ApiError(400, str(error)) from None
-        config = DecodeConfig(max_new_tokens=max_tokens, sampling=sampling, eos_token_ids=engine.eos)
-        return Job(prompt_ids, method, config, body.num_draft, body.seed, body.stop or [], loop)
+async def _api_error(request: Request, error: ApiError) -> JSONResponse:
+    return error.response()
 
-    async def next_event(job: Job, request: Request):
-        """The job's next event; a client gone while it waits cancels the job."""
-        while True:
-            try:
-                return await asyncio.wait_for(job.events.get(), timeout=0.25)
-            except TimeoutError:
-                if await request.is_disconnected():
-                    job.cancel.set()
-                    raise ApiError(499, "client disconnected") from None
 
-    async def run(request: Request, body: _Common, prompt_ids, max_tokens, kind: str):
-        job = prepare(body, prompt_ids, max_tokens, asyncio.get_running_loop())
-        if not engine.try_admit():
-            raise ApiError(503, f"the server is busy ({engine.max_queue} requests already waiting); retry shortly",
-                           kind="server_busy", headers={"Retry-After": "1"})
-        engine.submit(job)
-        event = await next_event(job, request)
-        if event[0] == "error":
-            raise event[1]
-        created, ident = int(time.time()), f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if body.stream:
-            return StreamingResponse(stream_events(job, request, kind, ident, created, len(prompt_ids), body),
-                                     media_type="text/event-stream")
-        pieces = []
-        while True:
-            event = await next_event(job, request)
-            if event[0] == "text":
-                pieces.append(event[1])
-            elif event[0] == "error":
-                raise event[1]
-            else:
-                _, finish, stats, completion_tokens, method = event
-                break
-        text = "".join(pieces)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish}
-                  if kind == "chat" else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
-        return {"id": ident, "object": "chat.completion" if kind == "chat" else "text_completion", "created": created,
-                "model": model_name, "choices": [choice],
-                "usage": _usage(len(prompt_ids), completion_tokens, stats, method)}
+async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
+    kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
+    message = f"{request.method} {request.url.path}: {error.detail}"
+    return ApiError(error.status_code, message, kind=kind, headers=error.headers).response()
 
-    async def stream_events(job: Job, request: Request, kind: str, ident: str, created: int, prompt_tokens: int,
-                            body: _Common):
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
 
-        def chunk(delta: dict | None = None, text: str | None = None, finish=None, usage=None) -> str:
-            if kind == "chat":
-                choices = [] if delta is None else [{"index": 0, "delta": delta, "finish_reason": finish}]
-            else:
-                choices = [] if text is None else [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
-            payload = {"id": ident, "object": obj, "created": created, "model": model_name, "choices": choices}
-            if usage is not None:
-                payload["usage"] = usage
-            return f"data: {json.dumps(payload)}\n\n"
+async def _internal_error(request: Request, error: Exception) -> JSONResponse:
+    return ApiError(500, f"internal error: {type(error).__name__}", kind="server_error").response()
 
-        finished = False
-        try:
-            if kind == "chat":
-                yield chunk(delta={"role": "assistant", "content": ""})
-            while True:
-                event = await next_event(job, request)
-                if event[0] == "text":
-                    yield chunk(delta={"content": event[1]}, text=event[1])
-                elif event[0] == "error":
-                    error = event[1]
-                    body_ = {"error": {"message": error.message, "type": error.kind, "param": error.param, "code": None}}
-                    yield f"data: {json.dumps(body_)}\n\n"
-                    break
-                else:
-                    _, finish, stats, completion_tokens, method = event
-                    yield chunk(delta={}, text="", finish=finish)
-                    if body.stream_options is not None and body.stream_options.include_usage:
-                        yield chunk(usage=_usage(prompt_tokens, completion_tokens, stats, method))
-                    break
-            yield "data: [DONE]\n\n"
-            finished = True
-        finally:
-            if not finished:  # the client went away (the response task was cancelled)
-                job.cancel.set()
 
-    @app.post("/v1/completions")
-    async def completions(request: Request, body: CompletionRequest):
-        try:
-            prompt_ids = encode_prompt(engine.target, body.prompt, chat_template=False)
-        except TierspecError as error:
-            raise ApiError(400, str(error), "prompt") from None
-        return await run(request, body, prompt_ids, body.max_tokens, "text")
-
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request, body: ChatRequest):
-        try:
-            prompt_ids = encode_messages(engine.target, [m.model_dump(exclude_none=True) for m in body.messages])
-        except TierspecError as error:
-            raise ApiError(400, str(error), "messages") from None
-        return await run(request, body, prompt_ids, body.max_completion_tokens or body.max_tokens, "chat")
-
+def create_app(engine: Engine, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Starlette:
+    """The ASGI application serving ``engine`` (uvicorn runs it: ``serve``)."""
+    if max_request_bytes < 1:
+        raise TierspecError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    app = Starlette(
+        routes=[Route("/health", health, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
+                Route("/v1/completions", completions, methods=["POST"]),
+                Route("/v1/chat/completions", chat_completions, methods=["POST"])],
+        exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
+    )
+    app.state.engine, app.state.max_request_bytes = engine, max_request_bytes
     return app
 
 
-def serve(engine: Engine, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run the server until SIGINT/SIGTERM: uvicorn stops accepting, open responses get a few
-    seconds, the running generation is stopped at its next cycle, a line on stderr says so, and
-    the process then ends by the signal it received (uvicorn re-raises it: exit status 128 + n,
-    as a process stopped by that signal conventionally reports)."""
-    import uvicorn
+# ---- running it ----------------------------------------------------------------------------------------
 
-    uvicorn.run(create_app(engine), host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+
+def listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, or a one-line error (a port in use, an unknown host)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as error:
+        raise TierspecError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        if error.errno == errno.EADDRINUSE:
+            raise TierspecError(f"port {port} on {host} is in use (another server?); choose another with --port") from None
+        raise TierspecError(f"cannot listen on {host}:{port}: {error.strerror}") from None
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server around an engine: on shutdown it stops the engine's requests before
+    waiting for their connections, and the signal that stopped it is recorded instead of
+    re-raised (a server that ended every request well exits 0)."""
+
+    def __init__(self, engine: Engine, config: uvicorn.Config):
+        super().__init__(config)
+        self.engine = engine
+        self.stopped_by: str | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.stopped_by = signal.Signals(sig).name
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True  # a second Ctrl-C: stop waiting
+        else:
+            self.should_exit = True
+
+    async def shutdown(self, sockets=None) -> None:
+        self.engine.stop()
+        await super().shutdown(sockets)
+
+
+def _uvicorn_config(engine: Engine, log_level: str, max_request_bytes: int) -> uvicorn.Config:
+    # timeout_graceful_shutdown: a backstop only: the engine ends every request within a cycle.
+    return uvicorn.Config(create_app(engine, max_request_bytes), log_level=log_level, lifespan="off",
+                          timeout_graceful_shutdown=30)
+
+
+def serve(engine: Engine, sock: socket.socket, log_level: str = "info",
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+    """Serve ``engine`` on ``sock`` (from ``listen``) until SIGINT or SIGTERM; then every open
+    request gets a well-formed ending (see the module's docstring), a line on stderr says how
+    the server stopped and what became of its requests, and this returns."""
+    server = _Server(engine, _uvicorn_config(engine, log_level, max_request_bytes))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.close()
+    if server.started:
+        counts = engine.health()
+        how = f"stopped on {server.stopped_by}" if server.stopped_by else "stopped"
+        print(f"tierspec serve: {how}; requests: {counts['completed']} completed, {counts['interrupted']} ended by the "
+              f"shutdown, {counts['cancelled']} cancelled and {counts['withdrawn']} withdrawn by their clients, "
+              f"{counts['failed']} failed, {counts['refused']} refused (queue full)", file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
 def serving_in_background(engine: Engine, host: str = "127.0.0.1", log_level: str = "warning",
-                          start_timeout: float = 30.0) -> Iterator[int]:
+                          start_timeout: float = 30.0,
+                          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Iterator[int]:
     """Serve ``engine`` from a background thread of this process on a free port of ``host``
-    (tests, the load benchmark); yields the port and stops the server on exit."""
-    import socket
-
-    import uvicorn
-
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(create_app(engine), host=host, port=port, log_level=log_level))
-    thread = threading.Thread(target=server.run, daemon=True)
+    (tests, the load benchmark); yields the port, and on exit shuts the server down as a
+    signal would and closes the engine."""
+    sock = listen(host, 0)
+    port = sock.getsockname()[1]
+    server = _Server(engine, _uvicorn_config(engine, log_level, max_request_bytes))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout
     while not server.started:
@@ -514,4 +826,5 @@ def serving_in_background(engine: Engine, host: str = "127.0.0.1", log_level: st
         yield port
     finally:
         server.should_exit = True
-        thread.join(timeout=30)
+        thread.join(timeout=60)
+        engine.close()
