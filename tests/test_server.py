@@ -179,6 +179,17 @@ def test_completion_stream_equals_completion(client):
     assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
 
 
+def test_a_seed_goes_straight_to_the_generation(client, smollm):
+    """The same seed gives the library's text, request after request: the server keeps no
+    random state of its own (plain decoding here; the other methods follow the seed contract)."""
+    kwargs = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 16, "temperature": 1.0, "seed": 7,
+              "extra_body": {"method": "ar"}}
+    texts = [client.completions.create(**kwargs).choices[0].text for _ in range(2)]
+    reference = tierspec.generate("Once upon a time", target=smollm, method="ar", max_new_tokens=16, temperature=1.0,
+                                  seed=7, chat_template=False)
+    assert texts == [reference.text] * 2
+
+
 def test_request_overrides_the_method(client):
     messages = [{"role": "user", "content": QUESTION}]
     default = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
@@ -254,6 +265,7 @@ def test_bad_requests_get_400_with_an_openai_error_body(client, request_kwargs, 
     (b'{"model": "smollm2-135m", "messages": [{"role": "user", "conte', None, "not valid JSON"),  # param was "17"
     (b'{"model": "smollm2-135m", "messages": [{"role": "user", "content": "\xff"}]}', None, "not valid JSON"),
     (b'[1, 2]', None, "a JSON object"),
+    (b'[' * 100_000, None, "nested too deeply"),
     (b'', None, "not valid JSON"),
 ])
 def test_malformed_bodies_get_400_with_an_openai_error_body(server, body, param, message):
@@ -390,6 +402,15 @@ def test_a_queued_request_whose_client_left_never_starts(queued_server):
     assert health["cancelled"] == before["cancelled"] + 1 and health["completed"] == before["completed"]
 
 
+def test_back_to_back_requests_find_the_server_free(client):
+    """With no waiting room, a request sent the moment the previous answer arrived must not be
+    refused: the engine frees itself before it sends a generation's last event."""
+    for _ in range(8):
+        reply = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": QUESTION}],
+                                               max_tokens=1, temperature=0, extra_body={"method": "ar"})
+        assert reply.usage.completion_tokens == 1
+
+
 def test_the_method_cache_stays_bounded_over_many_num_draft_values(client, server):
     """Issue 23 finding 4: a method was built and kept for every num_draft a client sent."""
     engine, port = server
@@ -468,6 +489,18 @@ def test_sigterm_ends_every_open_request_well_and_exits_0():
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_a_shutdown_answers_a_running_non_streaming_request_503(smollm):
+    engine = Engine(smollm, method="ar", max_queue=0)
+    with ThreadPoolExecutor(1) as pool:
+        with serving_in_background(engine) as port:
+            running = pool.submit(post, port, "/v1/completions", endless(stream=False), timeout=120)
+            wait_until(lambda: engine.health()["running"], what="the generation to start")
+        # leaving the block shuts the server down as SIGTERM does
+        status, _, body = running.result(timeout=60)
+    assert status == 503 and is_error_body(body) and body["error"]["type"] == "server_shutting_down"
+    assert engine.health()["interrupted"] == 1
 
 
 def test_serve_on_a_port_in_use_is_a_one_line_error():

@@ -174,9 +174,9 @@ async def _answer(request: Request, endpoint: Endpoint):
 
 async def _read_body(request: Request, limit: int) -> bytes:
     """The body, refused with 413 once it passes ``limit`` bytes (declared or counted as it
-    arrives): a huge body is never held in memory."""
-    too_large = ApiError(413, f"the request body exceeds the server's limit of {limit} bytes",
-                         headers={"Connection": "close"})
+    arrives): a huge body is never held in memory. (uvicorn reads and drops the rest of a
+    refused body, for its keep-alive timeout at most, so the client gets to read the 413.)"""
+    too_large = ApiError(413, f"the request body exceeds the server's limit of {limit} bytes")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
@@ -289,15 +289,14 @@ def create_app(engine: Engine, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTE
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A socket bound to ``host:port``, or a one-line error (a port in use, an unknown host)."""
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-    except socket.gaierror as error:
-        raise TierspecError(f"cannot listen on {host}:{port}: {error.strerror}") from None
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    """A socket listening on ``host:port`` (IPv6 when the host has a colon, as uvicorn decides),
+    or a one-line error: a port in use, an unknown host. It listens at once, so the port is held
+    while the model loads; connections made meanwhile wait in the backlog."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+        sock.listen()
     except OSError as error:
         sock.close()
         if error.errno == errno.EADDRINUSE:

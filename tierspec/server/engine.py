@@ -131,7 +131,9 @@ class Engine:
     answers at once instead of piling requests up. Built methods are kept for the last
     ``max_methods`` (name, num_draft) pairs a request asked for: a client sending ever new
     values cannot grow the server's memory, and what a method shares with others (the model,
-    the draft head, the forward-cost table) is built once whatever the value.
+    the draft head, the forward-cost table) is built once whatever the value. A request's seed
+    seeds its own generation (``api.stream_method``, as the library does): the engine keeps no
+    random state of its own.
     """
 
     def __init__(self, target: LoadedModel, method: str | None = None, drafter: LoadedModel | None = None,
@@ -224,32 +226,36 @@ class Engine:
         self._worker.shutdown(wait=True)
 
     def _run(self, job: Job) -> None:
-        """The worker: build the method, generate, send Started, TextPiece…, Finished (or Failed)."""
+        """The worker: build the method, generate, send Started, TextPiece…, Finished (or Failed).
+        The last event goes out after the job has left the engine, so a client that sends its
+        next request as soon as it has its answer finds the server free."""
         with self._lock:
             if job not in self._waiting:  # withdrawn or turned away while it waited: already answered
                 return
             self._waiting.remove(job)
             self._running = job
-        outcome = "failed"
+        outcome, last = "failed", None
         try:
             try:
                 method = self.method(job.method, job.num_draft)
-            except TierspecError as error:
-                job.send(Failed(ApiError(400, str(error), "method")))
-                return
-            job.send(Started())
-            outcome = self._generate(job, method)
+            except TierspecError as error:  # the method cannot be built for this model with these options
+                last = Failed(ApiError(400, str(error), "method"))
+            else:
+                job.send(Started())
+                outcome, last = self._generate(job, method)
         except Exception as error:  # a bug: the handler answers 500, the log keeps the traceback, the worker goes on
             log.exception("generation failed")
-            job.send(Failed(ApiError(500, f"internal error: {type(error).__name__}: {error}", kind="server_error")))
+            last = Failed(ApiError(500, f"internal error: {type(error).__name__}: {error}", kind="server_error"))
         finally:
             with self._lock:
                 self._running = None
                 self._counts[outcome] += 1
+            if last is not None:
+                job.send(last)
 
-    def _generate(self, job: Job, method: Method) -> str:
-        """One generation, cut at stop sequences, stopped at the next cycle once cancelled;
-        returns its outcome."""
+    def _generate(self, job: Job, method: Method) -> tuple[str, Finished | None]:
+        """One generation, cut at stop sequences, stopped at the next cycle once cancelled: its
+        outcome and its last event (None when its client has left)."""
         text_stream = stream_method(self.target, method, job.prompt_ids, job.config, job.seed)
         stops = StopMatcher(job.stops)
         finish = None
@@ -266,7 +272,7 @@ class Engine:
         finally:
             text_stream.close()
         if job.cancelled_by == CLIENT_LEFT:
-            return "cancelled"
+            return "cancelled", None
         if finish is None:
             tail = stops.flush()
             if tail:
@@ -274,5 +280,5 @@ class Engine:
             token_ids = text_stream.token_ids
             finish = "stop" if token_ids and token_ids[-1] in self.eos else "length"
         interrupted = job.cancelled_by == SHUTDOWN
-        job.send(Finished(finish, text_stream.stats, len(text_stream.token_ids), job.method, interrupted))
-        return "interrupted" if interrupted else "completed"
+        done = Finished(finish, text_stream.stats, len(text_stream.token_ids), job.method, interrupted)
+        return "interrupted" if interrupted else "completed", done

@@ -138,15 +138,18 @@ def _parse(request_model: type[GenerationRequest], raw: bytes) -> GenerationRequ
         data = json.loads(raw)
     except ValueError as error:  # also bytes that are not UTF-8
         raise ApiError(400, f"the body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise ApiError(400, "the body is not valid JSON: nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
-    _check_unicode(data, "")
     try:
-        return request_model.model_validate(data, strict=True)
+        request = request_model.model_validate(data, strict=True)
     except ValidationError as error:
         problems = [(".".join(str(part) for part in item["loc"]) or "body", item["msg"].removeprefix("Value error, "))
                     for item in error.errors()]
         raise ApiError(400, "; ".join(f"{where}: {message}" for where, message in problems), problems[0][0]) from None
+    _check_unicode(data, "")  # after validation, which leaves only the request's few known levels of nesting
+    return request
 
 
 def _check_unicode(value, where: str) -> None:
