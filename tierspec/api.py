@@ -218,7 +218,6 @@ def stream(
     if num_draft is not None and num_draft != options.num_draft:
         options = replace(options, num_draft=num_draft)
     sampling = SamplingConfig(temperature, top_k, top_p)
-    check_seed(seed)
     if isinstance(prompt, str):
         check_text(prompt)
     built = build_method(method or default_method(target, options), target, drafter, options)

@@ -32,6 +32,8 @@ from .parsing import ChatRequest, CompletionRequest, GenerationRequest, prepare
 #: 8192-token context is about 40 KB of English; JSON escapes of other scripts take up to 12
 #: bytes per character.
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+#: Requests parsed and tokenised at once: each holds its body, parse tree and token ids in
+#: memory meanwhile, so many large requests together are bounded by this, not by their number.
 PREPARING_AT_ONCE = 2
 
 
@@ -279,8 +281,6 @@ def create_app(engine: Engine, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTE
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
     )
     app.state.engine, app.state.max_request_bytes = engine, max_request_bytes
-    # Requests prepared at once: each holds its body, parse tree and token ids in memory while
-    # it is tokenised, so many large ones together are bounded by this, not by their number.
     app.state.preparing = asyncio.Semaphore(PREPARING_AT_ONCE)
     return app
 
