@@ -104,12 +104,12 @@ def startup() -> dict:
     cli = shutil.which("tierspec") or "tierspec"
     subprocess.run([cli, "generate", "Hi", "--max-new-tokens", "8"], check=True, capture_output=True)  # fill the caches
     heavy = subprocess.run([sys.executable, "-c", "import sys, tierspec; print(','.join(m for m in ('transformers', "
-                            "'sklearn', 'matplotlib', 'rouge_score', 'sacrebleu', 'fastapi', 'uvicorn') if m in sys.modules))"],
+                            "'sklearn', 'matplotlib', 'rouge_score', 'sacrebleu', 'starlette', 'uvicorn') if m in sys.modules))"],
                            check=True, capture_output=True, text=True).stdout.strip()
     subprocess.run([cli, "generate", "Hi", "--max-new-tokens", "8", "--implementation", "transformers"], check=True,
                    capture_output=True)  # its own cost table
     by_generate = subprocess.run([sys.executable, "-c", "import sys, tierspec; tierspec.generate('Hi', max_new_tokens=8); "
-                                  "print(','.join(m for m in ('transformers', 'sklearn', 'scipy', 'matplotlib', 'fastapi') "
+                                  "print(','.join(m for m in ('transformers', 'sklearn', 'scipy', 'matplotlib', 'starlette') "
                                   "if m in sys.modules))"], check=True, capture_output=True, text=True).stdout.strip()
     return {"import": wall([sys.executable, "-c", "import tierspec"], 5),
             "import_transformers_llama": wall([sys.executable, "-c", "import transformers.models.llama.modeling_llama"], 3),

@@ -121,3 +121,11 @@ def test_via_with_the_draft_heads_vocabulary_runs_its_slim_tier(tiny_target, pro
     seen = []
     tokens = run_ids(tiny_target, method, prompt_ids, 30, on_step=lambda step: seen.append(step.cycle))
     assert len(tokens) == 30 and sum(cycle.slim_calls for cycle in seen) > 0
+
+
+def test_methods_built_on_one_model_share_its_forward_cost_table(tiny_target):
+    """A server builds a method for each num_draft a client sends; the forward-cost table, whose
+    read-back runs a timed spot check, is read once per model, not once per method."""
+    first = build_method("adaptive-pld", tiny_target, options=MethodOptions(num_draft=2))
+    second = build_method("adaptive-pld", tiny_target, options=MethodOptions(num_draft=7))
+    assert first.forward_costs is not None and first.forward_costs is second.forward_costs

@@ -6,7 +6,7 @@
 Methods are (drafter, verification rule) pairs run by one decode loop (``tierspec.decode``).
 """
 
-from .api import Generation, generate, stream
+from .api import Generation, TextStream, generate, shared_model, stream
 from .decode import DecodeConfig, GenerationStats, PromptError, decode
 from .methods import DEFAULT_METHOD, MethodOptions, UnknownMethodError, build_method, default_method, method_names
 from .models import DEFAULT_MODEL, CachedModel, LoadedModel, ModelLoadError, load_model, wrap_model
@@ -25,12 +25,14 @@ __all__ = [
     "ModelLoadError",
     "PromptError",
     "SamplingConfig",
+    "TextStream",
     "UnknownMethodError",
     "build_method",
     "decode",
     "generate",
     "load_model",
     "method_names",
+    "shared_model",
     "stream",
     "wrap_model",
 ]

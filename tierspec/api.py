@@ -1,20 +1,27 @@
-"""One-line generation: ``tierspec.generate("prompt")`` and its streaming form ``tierspec.stream``."""
+"""One-call generation: ``tierspec.generate`` (the whole text) and ``tierspec.stream`` (the text
+piece by piece), with one signature between them; a target named by a string is loaded once per
+process (``shared_model``) and reused by every later call, like a pipeline."""
 
 from __future__ import annotations
 
+import os
+import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Iterator
 
 import torch
 
 from .decode import DecodeConfig, GenerationStats, PromptError, decode
-from .methods import MethodOptions, build_method, default_method
-from .models import DEFAULT_MODEL, LoadedModel, load_model
+from .methods import Method, MethodOptions, build_method, default_method
+from .models import DEFAULT_MODEL, LoadedModel, load_model, resolve_device, resolve_dtype
 from .prompting import encode_prompt, eos_ids
 from .sampling import SamplingConfig
 
-__all__ = ["Generation", "TextStream", "encode_prompt", "eos_ids", "generate", "stream"]
+__all__ = ["Generation", "TextStream", "generate", "shared_model", "stream", "stream_method"]
+
+SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)  # int64, as OpenAI's ``seed``; torch's generator takes any of them
 
 
 @dataclass
@@ -24,10 +31,56 @@ class Generation:
     stats: GenerationStats
 
 
-def _as_model(model: LoadedModel | str | None) -> LoadedModel | None:
+# ---- models loaded once per process ----------------------------------------------------------------
+
+
+@dataclass
+class _SharedEntry:
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    model: LoadedModel | None = None
+
+
+class _SharedModels:
+    """Models by (spec, load options), each loaded at most once: threads asking for the same
+    one wait for a single load, different ones load in parallel; a failed load is not kept."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._entries: dict[tuple, _SharedEntry] = {}
+
+    def get(self, spec, dtype, device, kernels: str, implementation: str) -> LoadedModel:
+        # A path is keyed by the file it names, a dtype or device by what it resolves to, so that
+        # "bfloat16" and torch.bfloat16, or "model" and "./model", share one load.
+        name = str(Path(spec).resolve()) if Path(spec).exists() else str(spec)
+        key = (name, resolve_dtype(dtype), resolve_device(device), kernels, implementation)
+        with self._lock:
+            entry = self._entries.setdefault(key, _SharedEntry())
+        with entry.lock:
+            if entry.model is None:
+                entry.model = load_model(spec, dtype=dtype, device=device, kernels=kernels,
+                                         implementation=implementation)
+            return entry.model
+
+
+# The process-wide store behind ``shared_model``: sharing across callers is its whole purpose.
+_SHARED = _SharedModels()
+
+
+def shared_model(spec: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype | str = torch.float32,
+                 device: str | torch.device = "cpu", kernels: str = "auto", implementation: str = "auto") -> LoadedModel:
+    """``load_model(spec, ...)`` (same arguments), loaded once per process for each spec and
+    options and returned to every later caller: ``generate(..., target="smollm2-135m")`` calls
+    this, so a second call does not load the model again. Safe to call from several threads."""
+    return _SHARED.get(spec, dtype, device, kernels, implementation)
+
+
+def _as_model(model: LoadedModel | str | os.PathLike | None) -> LoadedModel | None:
     if model is None or isinstance(model, LoadedModel):
         return model
-    return load_model(model)
+    return shared_model(model)
+
+
+# ---- text as the loop commits tokens --------------------------------------------------------------
 
 
 class IncrementalDetokenizer:
@@ -36,8 +89,11 @@ class IncrementalDetokenizer:
     Each step decodes only the tokens since the previous step's read point plus the tokens of
     the step before (``prefix``), whose text is known: the new piece is the difference. The
     context tokens keep a tokenizer's merging rules (leading spaces, byte fallback) right across
-    the boundary. A trailing incomplete UTF-8 character (decoded as U+FFFD) is held back until
-    the token that completes it arrives, except at the end of the generation.
+    the boundary. A character split over several tokens decodes as U+FFFD until its last byte
+    arrives: a trailing U+FFFD is held back until then, and at the end of the generation (text
+    cut by the token budget inside a character) dropped rather than shown. (A U+FFFD the model
+    really wrote as the very last character is dropped too: the decoded text cannot tell them
+    apart.)
     """
 
     def __init__(self, tokenizer):
@@ -53,25 +109,37 @@ class IncrementalDetokenizer:
         self.tokens.extend(new_tokens)
         known = self._text(self.prefix, self.read)
         window = self._text(self.prefix, len(self.tokens))
-        if len(window) <= len(known) or (window.endswith("\ufffd") and not final):
+        if final:
+            window = window.rstrip("\ufffd")
+        elif window.endswith("\ufffd"):
+            return ""
+        if len(window) <= len(known):
             return ""
         self.prefix, self.read = self.read, len(self.tokens)
         return window[len(known):]
 
 
 class TextStream:
-    """The text of one generation, piece by piece (iterate it). ``stats`` and ``token_ids``
-    grow as it runs and are complete once iteration ends; ``text`` is everything so far."""
+    """The text of one generation, an iterator of pieces as the loop commits tokens (``next``
+    works, as on a generator). ``stats`` and ``token_ids`` grow as it runs and are complete
+    once it is exhausted; ``text`` is everything so far. ``close()`` stops the generation."""
 
-    def __init__(self, steps, target: LoadedModel):
-        self._steps = steps
+    def __init__(self, steps: Iterator, target: LoadedModel):
+        self._steps = steps  # decode()'s steps
         self.target = target
         self.stats = GenerationStats()
         self.token_ids: list[int] = []
         self.text = ""
         self._detok = IncrementalDetokenizer(target.tokenizer) if target.tokenizer is not None else None
+        self._pieces = self._run()
 
-    def __iter__(self) -> Iterator[str]:
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def _run(self) -> Iterator[str]:
         started = time.perf_counter()
         for step in self._steps:
             self.stats.add(step.cycle)
@@ -87,6 +155,7 @@ class TextStream:
 
     def close(self) -> None:
         """Stop the generation (a suspended stream holds the model's cache until closed)."""
+        self._pieces.close()
         self._steps.close()
 
 
@@ -99,6 +168,22 @@ def check_text(prompt: str) -> str:
         raise PromptError(f"the prompt is not valid UTF-8 text (at character {error.start}); "
                           "give UTF-8 input") from None
     return prompt
+
+
+def check_seed(seed: int | None) -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)
+                             or not SEED_RANGE[0] <= seed <= SEED_RANGE[1]):
+        raise PromptError(f"seed must be an integer in [{SEED_RANGE[0]}, {SEED_RANGE[1]}] (int64), got {seed!r}")
+
+
+def stream_method(target: LoadedModel, method: Method, prompt_ids: torch.Tensor, config: DecodeConfig,
+                  seed: int | None) -> TextStream:
+    """The generation of a built ``method`` after ``prompt_ids`` [n]. ``stream`` and the server
+    both start generations here, so a seed means one thing in both: it seeds this generation's
+    draws and nothing else."""
+    check_seed(seed)
+    generator = torch.Generator().manual_seed(seed) if seed is not None else None
+    return TextStream(decode(target, method, prompt_ids, config, generator), target)
 
 
 def stream(
@@ -116,12 +201,17 @@ def stream(
     chat_template: bool = True,
     options: MethodOptions = MethodOptions(),
 ) -> TextStream:
-    """Generate after ``prompt``; iterate the returned ``TextStream`` for the text as the loop
-    commits tokens (its ``stats`` and ``token_ids`` fill as it runs).
+    """Generate after ``prompt``, returning the text piece by piece as the loop commits tokens
+    (a ``TextStream``: iterate it or call ``next``; its ``stats`` and ``token_ids`` fill as it
+    runs).
 
-    ``method``: None = ``methods.default_method(target)`` (the hybrid where a draft head exists
-    for the target, else adaptive-pld). ``num_draft`` overrides ``options.num_draft`` (γ of the
-    fixed-length methods).
+    ``prompt``: text (through the chat template unless ``chat_template=False``) or token ids.
+    ``target``, ``drafter``: a loaded model, or a name or path loaded once per process
+    (``shared_model``). ``method``: None = ``methods.default_method(target)`` (the hybrid where a
+    draft head exists for the target, else adaptive-pld). ``num_draft`` overrides
+    ``options.num_draft`` (γ of the fixed-length methods). ``temperature`` 0 is greedy;
+    ``top_k`` 0 and ``top_p`` 1 keep every token. ``seed`` (int64) makes a sampled text
+    repeatable; None draws from torch's global generator.
     """
     target = _as_model(target)
     drafter = _as_model(drafter)
@@ -133,15 +223,29 @@ def stream(
     built = build_method(method or default_method(target, options), target, drafter, options)
     prompt_ids = encode_prompt(target, prompt, chat_template)
     config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_ids(target))
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    return TextStream(decode(target, built, prompt_ids, config, generator), target)
+    return stream_method(target, built, prompt_ids, config, seed)
 
 
-def generate(prompt: str | list[int] | torch.Tensor, *, target: LoadedModel | str = DEFAULT_MODEL, **kwargs) -> Generation:
-    """Generate a completion; see ``stream`` for the arguments. Returns text, ids and stats."""
-    target = _as_model(target)
-    text_stream = stream(prompt, target=target, **kwargs)
+def generate(
+    prompt: str | list[int] | torch.Tensor,
+    *,
+    target: LoadedModel | str = DEFAULT_MODEL,
+    method: str | None = None,
+    drafter: LoadedModel | str | None = None,
+    num_draft: int | None = None,
+    max_new_tokens: int = 128,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int | None = None,
+    chat_template: bool = True,
+    options: MethodOptions = MethodOptions(),
+) -> Generation:
+    """Generate after ``prompt`` and return the whole ``Generation`` (text, token ids, stats).
+    The arguments are ``stream``'s (see there); the text is the streamed pieces joined."""
+    text_stream = stream(prompt, target=target, method=method, drafter=drafter, num_draft=num_draft,
+                         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                         chat_template=chat_template, options=options)
     for _ in text_stream:
         pass
-    text = target.tokenizer.decode(text_stream.token_ids, skip_special_tokens=True) if target.tokenizer is not None else ""
-    return Generation(text, text_stream.token_ids, text_stream.stats)
+    return Generation(text_stream.text, text_stream.token_ids, text_stream.stats)

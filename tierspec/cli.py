@@ -257,26 +257,35 @@ def _add_serve(sub) -> None:
     parser.add_argument("--drafter", default=None, help="drafter model for sd (default: the target drafts for itself)")
     parser.add_argument("--max-queue", type=int, default=8,
                         help="requests that may wait behind the running one; more are answered 503 (default 8)")
+    parser.add_argument("--max-request-bytes", type=int, default=None,
+                        help="larger request bodies are answered 413 (default 1 MiB: a whole 8192-token prompt is "
+                        "about 40 KB)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_method_options(parser)
     parser.set_defaults(run=_run_serve)
 
 
 def _run_serve(args) -> int:
+    from .errors import TierspecError
     from .methods import check_method_name
-    from .server import Engine, serve
+    from .server import DEFAULT_MAX_REQUEST_BYTES, Engine, listen, serve
 
     if args.method is not None:
         check_method_name(args.method)
     if not 0 < args.port < 65536:
-        from .errors import TierspecError
-
         raise TierspecError(f"--port must be in 1..65535, got {args.port}")
-    target = _load(args, args.target)
-    drafter = _load(args, args.drafter) if args.drafter else None
-    engine = Engine(target, args.method, drafter, method_options(args, target), max_queue=args.max_queue)
-    engine.method(engine.default_method, None)  # build (and measure costs for) the default method before the first request
-    serve(engine, args.host, args.port, args.log_level)
+    max_request_bytes = DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None else args.max_request_bytes
+    if max_request_bytes < 1:
+        raise TierspecError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
+    sock = listen(args.host, args.port)  # before loading anything: a port in use is reported at once
+    try:
+        target = _load(args, args.target)
+        drafter = _load(args, args.drafter) if args.drafter else None
+        engine = Engine(target, args.method, drafter, method_options(args, target), max_queue=args.max_queue)
+        engine.method(engine.default_method, None)  # build (and measure costs for) the default method before the first request
+        serve(engine, sock, args.log_level, max_request_bytes)
+    finally:
+        sock.close()
     return 0
 
 

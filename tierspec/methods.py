@@ -7,6 +7,8 @@ builds its flags from these fields (``cli``), and the bench parses method specs 
 
 from __future__ import annotations
 
+import threading
+import weakref
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
@@ -300,10 +302,23 @@ def _via_judge(target, drafter_model, options) -> Method:
                   slim_vocabulary=_slim_vocabulary(target, options), forward_costs=table)
 
 
+# Forward-cost tables by model, shared by every method built on that model in this process: a
+# table depends on the model alone, and reading it back from disk includes a timed spot check
+# (a fraction of a second) that a server building methods for new request settings would
+# otherwise pay for each one.
+_COST_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {max_tokens: table}
+_COST_TABLES_LOCK = threading.Lock()
+
+
 def _cost_aware(target: LoadedModel, options: MethodOptions) -> tuple[CostAware, object]:
     from .costs import forward_costs
 
-    table = forward_costs(target, max_tokens=options.adaptive_max_draft + 1)
+    max_tokens = options.adaptive_max_draft + 1
+    with _COST_TABLES_LOCK:
+        tables = _COST_TABLES.setdefault(target.model, {})
+        if max_tokens not in tables:
+            tables[max_tokens] = forward_costs(target, max_tokens=max_tokens)
+        table = tables[max_tokens]
     return CostAware(options.adaptive_max_draft, forward_costs=table), table
 
 
