@@ -357,7 +357,10 @@ class Decoder(torch.nn.Module):
         keys = -(-(start + n) // KEY_BLOCK) * KEY_BLOCK
         rows = -(-n // ATTENTION_ROWS) * ATTENTION_ROWS
         sees = torch.arange(start, start + rows, device=device).clamp_(max=start + n - 1).unsqueeze(1)
-        mask = torch.arange(keys, device=device) <= sees  # [rows, keys]
+        # additive (0 / −inf): a boolean mask is converted on every call, which doubled the
+        # attention's time here (127 vs 67 µs for 4 queries over 512 keys)
+        mask = torch.zeros(rows, keys, dtype=self.residual_dtype, device=device)
+        mask.masked_fill_(torch.arange(keys, device=device) > sees, float("-inf"))  # [rows, keys]
         return PassLayout(cos, sin, mask, start, keys)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
