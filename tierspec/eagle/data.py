@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -39,7 +37,7 @@ from ..errors import TierspecError
 from ..identity import ModelIdentity
 from ..models import LoadedModel, model_code
 from ..routing import decoder_layers
-from ..util import atomic_write_text
+from ..util import atomic_write, atomic_write_text
 from .prompts import TrainingItem, training_items
 
 DATA_FORMAT = "tierspec-eagle-data"
@@ -262,15 +260,9 @@ def _write_shard(path: Path, sequences: list[dict], sources: list[str], kind: st
     }
     for layer in sequences[0]["aux"]:
         tensors[f"aux_{layer}"] = torch.cat([s["aux"][layer] for s in sequences]).to(torch.float16)
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(handle)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, staging,
-                  metadata={"format": DATA_FORMAT, "kind": kind, "sources": json.dumps(sources)})
-        os.replace(staging, path)
-    finally:
-        if os.path.exists(staging):
-            os.unlink(staging)
+    atomic_write(path, lambda staging: save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging),
+                                                 metadata={"format": DATA_FORMAT, "kind": kind,
+                                                           "sources": json.dumps(sources)}))
     return sum(len(s["tokens"]) - s["response_start"] for s in sequences)
 
 
