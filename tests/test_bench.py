@@ -369,3 +369,12 @@ def test_summarizing_a_folder_without_records_is_a_one_line_error(tmp_path, tiny
     assert cli.main(["bench", "--summarize-only", "--out", str(empty), "--data-dir", str(data_dir)]) == 2
     assert capsys.readouterr().err == f"tierspec: error: {empty} holds no records.jsonl of a bench run: nothing to summarize\n"
     assert list(empty.iterdir()) == []
+
+
+def test_the_largest_seed_runs(tmp_path, tiny_text_model, data_dir):
+    """Per-prompt generators are seeded from the run's seed, the repeat and the prompt: for seeds
+    near 2**63 that sum overflowed torch's 64-bit seed (a traceback)."""
+    config = BenchConfig(target="tiny", methods=("ar",), per_category=1, max_new_tokens=4, data_dir=str(data_dir),
+                         compute_nll=False, temperature=1.0, seed=2**63 - 1)
+    summary = run_bench(config, tmp_path / "out", progress=False, target=tiny_text_model)
+    assert summary["methods"]["ar"]["overall"]["n_prompts"] == 2

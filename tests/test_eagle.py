@@ -427,3 +427,17 @@ def test_a_method_needing_a_head_refuses_a_target_without_one_before_measuring_c
     with pytest.raises(DraftHeadError, match="no draft head is shipped"):
         build_method(name, target32, None, MethodOptions(drafter_kind="eagle"))
     assert measured == []
+
+
+def test_build_data_runs_with_the_largest_seed(tmp_path, training_data_dir):
+    """Each shard's generation is seeded from the run's seed and the shard's index: for seeds
+    near 2**63 that sum overflowed torch's 64-bit seed (a traceback)."""
+    from tierspec.eagle.data import DataConfig, build_data
+    from tierspec.models import wrap_model
+
+    model = tiny_llama(seed=4, vocab_size=56, layers=4, sharpness=20.0, dtype=torch.float32).model
+    target = wrap_model(model, char_tokenizer(), name="tiny-char")
+    config = DataConfig(own_prompts=4, reference_items=0, batch_size=2, max_new_tokens=4, max_prompt_tokens=120,
+                        seed=2**63 - 1)
+    build_data(target, tmp_path / "data", config, training_data_dir, progress=False, max_shards=1)
+    assert len(list((tmp_path / "data").glob("shard-*.safetensors"))) == 1

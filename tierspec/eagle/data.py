@@ -310,7 +310,8 @@ def build_data(target: LoadedModel, out: Path, config: DataConfig = DataConfig()
             sequences = _reference_answers(target, items, layers)
         else:
             items = [own[i] for i in job["items"]]
-            sequences = _own_answers(target, items, job["kind"] == "own-sampled", config, config.seed * 100003 + index, layers)
+            seed = (config.seed * 100003 + index) % 2**64  # within torch's seed range (unchanged below ~1.8e14)
+            sequences = _own_answers(target, items, job["kind"] == "own-sampled", config, seed, layers)
         answered = _write_shard(out / f"shard-{index:05d}.safetensors", sequences, [item.source for item in items], job["kind"])
         new_tokens += answered
         bar.update(1)
