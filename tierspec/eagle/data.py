@@ -36,6 +36,7 @@ import torch
 from ..errors import TierspecError
 from ..identity import ModelIdentity
 from ..models import LoadedModel, model_code
+from ..prompting import prompt_ids
 from ..routing import decoder_layers
 from ..util import atomic_write, atomic_write_text
 from .prompts import TrainingItem, training_items
@@ -72,14 +73,6 @@ def aux_layers(num_layers: int) -> list[int]:
     """Decoder layers whose outputs are stored besides the final features (low and middle, as
     EAGLE-3 fuses them): layer 1 and the middle layer, 0-based."""
     return sorted({min(1, num_layers - 1), num_layers // 2})
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """The prompt as the bench feeds it: through the chat template with the generation prompt."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(prompt)["input_ids"]
 
 
 class FeatureCapture:
@@ -131,7 +124,7 @@ def plan_jobs(target: LoadedModel, config: DataConfig, data_dir: Path | None) ->
     jobs: list[dict] = []
     by_mode: dict[str, list[tuple[int, int]]] = {"own-greedy": [], "own-sampled": []}
     for index, item in enumerate(own):
-        length = len(chat_ids(tokenizer, item.prompt))
+        length = len(prompt_ids(tokenizer, item.prompt))
         if length > config.max_prompt_tokens:
             continue
         mode = "own-sampled" if rng.random() < config.sampled_fraction else "own-greedy"
@@ -142,7 +135,7 @@ def plan_jobs(target: LoadedModel, config: DataConfig, data_dir: Path | None) ->
             jobs.append({"kind": mode, "items": [i for _, i in entries[start : start + config.batch_size]]})
     lengths = []
     for index, item in enumerate(forced):
-        length = len(chat_ids(tokenizer, item.prompt)) + len(tokenizer(item.reference, add_special_tokens=False)["input_ids"]) + 1
+        length = len(prompt_ids(tokenizer, item.prompt)) + len(tokenizer(item.reference, add_special_tokens=False)["input_ids"]) + 1
         if length <= config.max_prompt_tokens + config.max_new_tokens:
             lengths.append((length, index))
     lengths.sort()
@@ -182,7 +175,7 @@ def _own_answers(target: LoadedModel, items: list[TrainingItem], sampled: bool, 
     """Generate answers to ``items`` in one batch; return the stored sequences."""
     tokenizer = target.tokenizer
     eos = _eos_id(target)
-    prompts = [chat_ids(tokenizer, item.prompt) for item in items]
+    prompts = [prompt_ids(tokenizer, item.prompt) for item in items]
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), eos, dtype=torch.long)
     attention = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -224,7 +217,7 @@ def _reference_answers(target: LoadedModel, items: list[TrainingItem], layers: l
     eos = _eos_id(target)
     rows = []
     for item in items:
-        prompt = chat_ids(tokenizer, item.prompt)
+        prompt = prompt_ids(tokenizer, item.prompt)
         rows.append((prompt + tokenizer(item.reference, add_special_tokens=False)["input_ids"] + [eos], len(prompt)))
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), eos, dtype=torch.long)
