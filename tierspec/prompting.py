@@ -89,9 +89,10 @@ def chat_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True
     run: list[str] = []  # text since the last special token
 
     def flush() -> None:
-        if run:
-            ids.extend(tokenizer("".join(run), add_special_tokens=False, split_special_tokens=True)["input_ids"])
-            run.clear()
+        text = "".join(run)
+        if text:  # special tokens off where content holds one (else there is nothing to turn off)
+            ids.extend(tokenizer(text, add_special_tokens=False, split_special_tokens=bool(marker.search(text)))["input_ids"])
+        run.clear()
 
     for i, template in enumerate(templates):
         position = 0
