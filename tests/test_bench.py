@@ -239,3 +239,142 @@ def test_repeats_report_their_spread_and_acceptance_by_position(tmp_path, tiny_t
     assert " ± " in (tmp_path / "out" / "summary.md").read_text()
     record = json.loads((tmp_path / "out" / "records.jsonl").read_text().splitlines()[0])
     assert record["peak_rss_mb"] > 0
+
+
+# ---- one run per folder (issue 23, finding 2) -----------------------------------------------------
+
+_HOLDER = """
+import sys
+sys.path.insert(0, {tests!r})
+import conftest
+from tierspec.bench import runner
+from tierspec.bench.runner import BenchConfig, run_bench
+from tierspec.models import wrap_model
+
+model = conftest.tiny_llama(seed=4, vocab_size=56, layers=3, sharpness=20.0).model
+model.generation_config.eos_token_id = None
+target = wrap_model(model, conftest.char_tokenizer(), name="tiny-char")
+
+def blocked(self, *args, **kwargs):
+    print("running", flush=True)
+    sys.stdin.readline()  # held here until the test kills this process
+
+runner.MethodRunner.run = blocked
+run_bench(BenchConfig(target="tiny", methods=("ar", "pld"), per_category=1, max_new_tokens=6, data_dir={data!r},
+                      compute_nll=False), __import__("pathlib").Path({out!r}), progress=False, target=target)
+"""
+
+
+def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_runs_lock_is_not(tmp_path, tiny_text_model, data_dir):
+    """Two runs into one --out both appended (12 records for 6 pairs). The second is refused,
+    naming the folder and the first run's pid; once that run is killed (kill -9: no cleanup),
+    its lock is gone and a rerun completes the folder with one record per pair."""
+    import os
+    import re
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "out"
+    config = BenchConfig(target="tiny", methods=("ar", "pld"), per_category=1, max_new_tokens=6, data_dir=str(data_dir),
+                         compute_nll=False)
+    script = _HOLDER.format(tests=str(Path(__file__).parent), data=str(data_dir), out=str(out))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env=env)
+    try:
+        assert holder.stdout.readline().strip() == "running"
+        with pytest.raises(BenchError, match=f"{re.escape(str(out))}.*in use by another tierspec bench run \\(pid {holder.pid}\\)"):
+            run_bench(config, out, progress=False, target=tiny_text_model)
+        with pytest.raises(BenchError, match=f"pid {holder.pid}"):  # a summary of a folder being written waits too
+            run_bench(config, out, progress=False, target=tiny_text_model, generate=False)
+        assert not (out / "records.jsonl").exists()
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait()
+    run_bench(config, out, progress=False, target=tiny_text_model)
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert sorted((r["method"], r["prompt_id"]) for r in records) == sorted(
+        (m, p) for m in ("ar", "pld") for p in {r["prompt_id"] for r in records})
+    assert len(records) == 4
+
+
+def test_duplicate_records_are_counted_once_with_a_warning(tmp_path, tiny_text_model, data_dir, capsys):
+    """A folder written by two runs at once (before the lock) holds every record twice; its
+    summary counts each (method, prompt, repeat) once and says so."""
+    config = BenchConfig(target="tiny", methods=("ar", "pld"), per_category=1, max_new_tokens=6, data_dir=str(data_dir),
+                         compute_nll=False)
+    out = tmp_path / "out"
+    once = run_bench(config, out, progress=False, target=tiny_text_model)
+    lines = (out / "records.jsonl").read_text()
+    (out / "records.jsonl").write_text(lines + lines)
+    capsys.readouterr()
+    twice = run_bench(config, out, progress=False, target=tiny_text_model, generate=False)
+    assert twice["methods"]["pld"]["overall"]["n_prompts"] == once["methods"]["pld"]["overall"]["n_prompts"] == 2
+    assert twice["methods"] == once["methods"]
+    assert "4 duplicate records" in capsys.readouterr().err
+
+
+# ---- bad flags: one line, exit 2, nothing written (issue 23, findings 9 and 11) -------------------
+
+@pytest.mark.parametrize("flags, message", [
+    (["--methods", ""], "methods is empty: name at least one method (e.g. --methods ar,pld)"),
+    (["--methods", " , "], "methods is empty: name at least one method (e.g. --methods ar,pld)"),
+    (["--methods", "pld:num_draft=abc"], "method spec 'pld:num_draft=abc': num_draft must be an integer, got 'abc'"),
+    (["--methods", "lossy:alpha=much"], "method spec 'lossy:alpha=much': alpha must be a number, got 'much'"),
+    (["--methods", "hf-pld:tokens=x"], "method spec 'hf-pld:tokens=x': tokens must be an integer, got 'x'"),
+    (["--methods", "pld:gamma=3"], "method spec 'pld:gamma=3': unknown parameter(s) ['gamma']"),
+    (["--limit", "-1"], "limit must be an integer >= 1, got -1"),
+    (["--limit", "0"], "limit must be an integer >= 1, got 0"),
+    (["--per-category", "0"], "per_category must be an integer >= 1, got 0"),
+    (["--repeats", "0"], "repeats must be an integer >= 1, got 0"),
+    (["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1, got 0"),
+    (["--num-draft", "-1"], "num_draft must be an integer >= 0, got -1"),
+])
+def test_bad_bench_flags_are_one_line_errors(flags, message, tmp_path, tiny_text_model, data_dir, monkeypatch, capsys):
+    from tierspec import cli
+
+    monkeypatch.setattr("tierspec.bench.runner.load_model", lambda *a, **k: tiny_text_model)
+    out = tmp_path / "out"
+    code = cli.main(["bench", "--out", str(out), "--data-dir", str(data_dir), "--max-new-tokens", "4", "--no-progress",
+                     "--no-nll", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith(f"tierspec: error: {message}") and err.count("\n") == 1
+    assert not out.exists()
+
+
+def test_bench_out_that_is_a_file_is_a_one_line_error(tmp_path, tiny_text_model, data_dir, monkeypatch, capsys):
+    from tierspec import cli
+
+    monkeypatch.setattr("tierspec.bench.runner.load_model", lambda *a, **k: tiny_text_model)
+    out = tmp_path / "notes.txt"
+    out.write_text("mine")
+    for extra in ([], ["--summarize-only"]):
+        assert cli.main(["bench", "--out", str(out), "--data-dir", str(data_dir), "--methods", "ar", *extra]) == 2
+        assert capsys.readouterr().err == f"tierspec: error: --out {out} is a file; give a folder (a new one, or one a bench run made)\n"
+    assert out.read_text() == "mine"
+
+
+def test_summarizing_a_folder_without_records_is_a_one_line_error(tmp_path, tiny_text_model, data_dir, monkeypatch, capsys):
+    from tierspec import cli
+
+    monkeypatch.setattr("tierspec.bench.runner.load_model", lambda *a, **k: tiny_text_model)
+    missing = tmp_path / "typo"
+    assert cli.main(["bench", "--summarize-only", "--out", str(missing), "--data-dir", str(data_dir)]) == 2
+    assert capsys.readouterr().err == f"tierspec: error: {missing} does not exist: nothing to summarize\n"
+    assert not missing.exists()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli.main(["bench", "--summarize-only", "--out", str(empty), "--data-dir", str(data_dir)]) == 2
+    assert capsys.readouterr().err == f"tierspec: error: {empty} holds no records.jsonl of a bench run: nothing to summarize\n"
+    assert list(empty.iterdir()) == []
+
+
+def test_the_largest_seed_runs(tmp_path, tiny_text_model, data_dir):
+    """Per-prompt generators are seeded from the run's seed, the repeat and the prompt: for seeds
+    near 2**63 that sum overflowed torch's 64-bit seed (a traceback)."""
+    config = BenchConfig(target="tiny", methods=("ar",), per_category=1, max_new_tokens=4, data_dir=str(data_dir),
+                         compute_nll=False, temperature=1.0, seed=2**63 - 1)
+    summary = run_bench(config, tmp_path / "out", progress=False, target=tiny_text_model)
+    assert summary["methods"]["ar"]["overall"]["n_prompts"] == 2

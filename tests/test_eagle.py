@@ -306,3 +306,138 @@ def test_drafter_commands_build_data_train_and_generate_on_a_tiny_model(tmp_path
     char_tokenizer().save_pretrained(other)
     assert main(["generate", "hi", "--target", str(other), "--method", "eagle", "--draft-head", str(head_path)]) == 2
     assert "trained for" in capsys.readouterr().err
+
+
+# ---- a head whose forward pass overflows (issue 23, finding 8) ------------------------------------
+
+def overflowing_head(target):
+    """Finite weights (|w| ≤ 1e25) whose MLP overflows to inf, and the final norm to NaN: every
+    output of the head is NaN, though every weight passes a finiteness check."""
+    head = random_head(target)
+    with torch.no_grad():
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(head, name).weight.mul_(1e25)
+    assert all(torch.isfinite(p).all() for p in head.parameters())
+    return head
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_head_whose_outputs_overflow_drafts_nothing_and_the_output_is_the_targets(target32, prompt_ids, temperature):
+    """Once loaded (the load check is the other guard), such a head made generation crash: an
+    empty max() over confidence bins at temperature 0, inf/NaN probabilities at 1. A draft
+    distribution that is not finite ends the draft: the target decides every token."""
+    sampling = SamplingConfig(temperature)
+    reference = run_ids(target32, as_method(NoDrafter()), prompt_ids, 20, sampling, generator=torch.Generator().manual_seed(0))
+    drafter = EagleDrafter(overflowing_head(target32))
+    proposals = []
+
+    def watch(step):
+        proposals.append(step.cycle.drafted)
+
+    for policy in (None, CostAware(6)):
+        out = run_ids(target32, as_method(drafter, policy=policy, num_draft=4), prompt_ids, 20, sampling,
+                      generator=torch.Generator().manual_seed(0), on_step=watch)
+        assert out == reference
+    assert proposals and set(proposals) == {0}
+
+
+def test_a_head_whose_outputs_overflow_is_refused_at_load(target32, tmp_path):
+    path = tmp_path / "huge.safetensors"
+    overflowing_head(target32).save(path, dtype=torch.float32)
+    with pytest.raises(DraftHeadError, match="huge.safetensors gives non-finite outputs on the target's features"):
+        DraftHead.load(path, target32)
+
+
+# ---- training checkpoints (issue 23, findings 6 and 12) -------------------------------------------
+
+class Planted:
+    """Unpickling this runs ``Path.touch(marker)``: what a planted checkpoint could run instead."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        from pathlib import Path
+
+        return Path.touch, (Path(self.marker),)
+
+
+def small_training(target, tmp_path):
+    sequences = teacher_forced_sequences(target, 24, 14, seed=2)
+    config = TrainConfig(draft_vocab_size=40, epochs=2, batch_tokens=64, lr=1e-2, warmup_steps=2, val_fraction=0.2,
+                         ttt_steps=2, bf16=False, checkpoint_every=3, max_val_sequences=4)
+    return sequences, config
+
+
+def test_a_planted_checkpoint_runs_no_code_and_is_refused(target32, tmp_path):
+    from tierspec.eagle.data import DraftDataError
+
+    sequences, config = small_training(target32, tmp_path)
+    checkpoint = tmp_path / "head.safetensors.checkpoint.pt"
+    marker = tmp_path / "code-ran"
+    torch.save({"fingerprint": Planted(str(marker)), "step": 1}, checkpoint)
+    with pytest.raises(DraftDataError, match="is not a training checkpoint tierspec can read"):
+        fit_head(target32, sequences, config, checkpoint, progress=False, log=lambda message: None)
+    assert not marker.exists()
+    # a readable file that is not a checkpoint of this training: refused before anything is used
+    torch.save({"step": "three"}, checkpoint)
+    with pytest.raises(DraftDataError, match="made with other settings or data"):
+        fit_head(target32, sequences, config, checkpoint, progress=False, log=lambda message: None)
+
+
+def test_interrupted_and_resumed_training_gives_the_uninterrupted_head_exactly(target32, tmp_path, monkeypatch):
+    """The noise generator's state is saved and restored (it was re-seeded on resume: another
+    head), and so is the window of losses the next history entry averages."""
+    from tierspec.eagle import train as train_module
+
+    sequences, config = small_training(target32, tmp_path)
+    whole, whole_metrics = fit_head(target32, sequences, config, tmp_path / "whole.pt", progress=False,
+                                    log=lambda message: None)
+    save = train_module._save_checkpoint
+    saves = []
+
+    def interrupted(path, state):
+        save(path, state)
+        saves.append(state["step"])
+        if len(saves) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "_save_checkpoint", interrupted)
+    checkpoint = tmp_path / "parted.pt"
+    with pytest.raises(KeyboardInterrupt):
+        fit_head(target32, sequences, config, checkpoint, progress=False, log=lambda message: None)
+    steps_per_epoch = len(train_module._epoch_order(train_module.split_sequences(sequences, 0.2, 0)[0], config, 0))
+    assert saves[0] % steps_per_epoch != 0  # interrupted inside an epoch, not at its end
+    resumed, resumed_metrics = fit_head(target32, sequences, config, checkpoint, progress=False, log=lambda message: None)
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[name]), name
+    without_time = lambda history: [{k: v for k, v in entry.items() if k != "seconds"} for entry in history]  # noqa: E731
+    assert without_time(resumed_metrics["history"]) == without_time(whole_metrics["history"])
+
+
+@pytest.mark.parametrize("name", ["eagle", "hybrid", "lossy"])
+def test_a_method_needing_a_head_refuses_a_target_without_one_before_measuring_costs(name, target32, monkeypatch):
+    """Measuring the cost table takes seconds on a real model: the missing head is reported first."""
+    from tierspec import costs
+    from tierspec.methods import MethodOptions, build_method
+
+    measured = []
+    monkeypatch.setattr(costs, "measure_forward_costs", lambda *a, **k: measured.append(1))
+    monkeypatch.setattr(costs, "_MEASURED", {}, raising=False)
+    with pytest.raises(DraftHeadError, match="no draft head is shipped"):
+        build_method(name, target32, None, MethodOptions(drafter_kind="eagle"))
+    assert measured == []
+
+
+def test_build_data_runs_with_the_largest_seed(tmp_path, training_data_dir):
+    """Each shard's generation is seeded from the run's seed and the shard's index: for seeds
+    near 2**63 that sum overflowed torch's 64-bit seed (a traceback)."""
+    from tierspec.eagle.data import DataConfig, build_data
+    from tierspec.models import wrap_model
+
+    model = tiny_llama(seed=4, vocab_size=56, layers=4, sharpness=20.0, dtype=torch.float32).model
+    target = wrap_model(model, char_tokenizer(), name="tiny-char")
+    config = DataConfig(own_prompts=4, reference_items=0, batch_size=2, max_new_tokens=4, max_prompt_tokens=120,
+                        seed=2**63 - 1)
+    build_data(target, tmp_path / "data", config, training_data_dir, progress=False, max_shards=1)
+    assert len(list((tmp_path / "data").glob("shard-*.safetensors"))) == 1

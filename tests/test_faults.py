@@ -5,6 +5,7 @@ import io
 import json
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -279,3 +280,169 @@ def test_atomic_writes_get_the_permissions_of_an_ordinary_write(tmp_path):
     atomic_write_text(tmp_path / "atomic.txt", "x")
     mode = lambda name: stat.S_IMODE(os.stat(tmp_path / name).st_mode)  # noqa: E731
     assert mode("atomic.txt") == mode("plain.txt")
+
+
+# ---- 8. cache and seed problems are one-line errors (issue 23, finding 9) ------------------------
+
+@contextmanager
+def read_only(folder: Path):
+    """``folder`` read-only for this process for the block: mode 0o555, and the immutable
+    attribute where this process is root (root writes through modes); skipped where neither works."""
+    import os
+    import subprocess
+
+    folder.chmod(0o555)
+    immutable = False
+    try:
+        if os.geteuid() == 0:
+            immutable = subprocess.run(["chattr", "+i", str(folder)], capture_output=True).returncode == 0
+            if not immutable:
+                pytest.skip("running as root without chattr: cannot make a folder read-only")
+        yield folder
+    finally:
+        if immutable:
+            subprocess.run(["chattr", "-i", str(folder)], check=True)
+        folder.chmod(0o755)
+
+
+def _cache_cases(tmp_path: Path) -> dict[str, Path]:
+    (tmp_path / "a-file").write_text("not a folder")
+    return {"a file": tmp_path / "a-file", "below a file": tmp_path / "a-file" / "cache"}
+
+
+@pytest.mark.parametrize("case", ["a file", "below a file", "not permitted"])
+def test_a_cache_that_cannot_be_used_is_a_one_line_error(case, tmp_path, monkeypatch, capsys):
+    from tierspec import cli
+
+    if case == "not permitted":
+        if not Path("/sys/kernel").is_dir():
+            pytest.skip("needs Linux's /sys (no process may create folders in it)")
+        cache = Path("/sys/kernel/tierspec-cache")
+    else:
+        cache = _cache_cases(tmp_path)[case]
+    monkeypatch.setenv("TIERSPEC_CACHE", str(cache))
+    assert cli.main(["generate", "hi", "--method", "pld", "--max-new-tokens", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tierspec: error: cannot load model 'smollm2-135m': ") and err.count("\n") == 1
+    assert "set TIERSPEC_CACHE to a folder this process can write" in err
+
+
+def test_a_read_only_cache_without_the_converted_model_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    from tierspec import cli
+
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    monkeypatch.setenv("TIERSPEC_CACHE", str(cache))
+    with read_only(cache):
+        assert cli.main(["generate", "hi", "--method", "pld", "--max-new-tokens", "2"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("tierspec: error: cannot load model 'smollm2-135m': ") and err.count("\n") == 1
+        assert list(cache.iterdir()) == []
+
+
+def test_a_read_only_cache_holding_the_converted_model_serves_and_does_not_cache_costs(tmp_path, monkeypatch, capsys,
+                                                                                     tiny_target):
+    """A shared, read-only cache that holds the conversion is usable; a cost table that cannot be
+    written there is kept for the process only, with a line saying so."""
+    import os
+    import shutil
+
+    from tierspec import costs
+    from tierspec.models import _gguf_cache_dir, default_model_file, load_model
+
+    converted = _gguf_cache_dir(default_model_file())
+    load_model("smollm2-135m")  # converts into the session's cache once
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copytree(converted, cache / converted.name, copy_function=os.link)
+    monkeypatch.setenv("TIERSPEC_CACHE", str(cache))
+    monkeypatch.setattr(costs, "measure_forward_costs", lambda model, max_tokens, *a, **k: costs.ForwardCosts(
+        {n: 0.01 * n for n in range(1, max_tokens + 1)}))
+    monkeypatch.setattr(costs, "spot_check", lambda *a, **k: 0.01)
+    monkeypatch.setattr(costs, "_MEASURED", {})
+    from tierspec import cli
+
+    with read_only(cache):
+        assert cli.main(["generate", "hi", "--method", "pld", "--max-new-tokens", "2"]) == 0
+        table = costs.forward_costs(tiny_target, max_tokens=4)
+        assert table.seconds == {1: 0.01, 2: 0.02, 3: 0.03, 4: 0.04}
+        assert "cannot keep it in" in capsys.readouterr().err
+        assert sorted(p.name for p in cache.iterdir()) == [converted.name]
+
+
+def test_an_unreadable_cache_is_a_one_line_error(tmp_path, monkeypatch, capsys):
+    import os
+
+    from tierspec import cli
+
+    if os.geteuid() == 0:
+        pytest.skip("root reads any folder")
+    cache = tmp_path / "cache"
+    cache.mkdir(mode=0o000)
+    monkeypatch.setenv("TIERSPEC_CACHE", str(cache / "inner"))
+    try:
+        assert cli.main(["generate", "hi", "--method", "pld", "--max-new-tokens", "2"]) == 2
+    finally:
+        cache.chmod(0o755)
+    err = capsys.readouterr().err
+    assert err.startswith("tierspec: error: cannot load model 'smollm2-135m': ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", [["generate", "hi"], ["bench", "--out", "never-written"],
+                                     ["route", "--out", "never-written.json"],
+                                     ["drafter", "train", "--data", "d", "--out", "never-written"]])
+@pytest.mark.parametrize("seed, shown", [(2**63, "9223372036854775808"), (2**64, "18446744073709551616"), (-1, "-1")])
+def test_a_seed_outside_int64_is_a_one_line_error(command, seed, shown, monkeypatch, capsys, tmp_path):
+    from tierspec import cli
+    from tierspec.models import wrap_model
+
+    from conftest import char_tokenizer
+
+    monkeypatch.chdir(tmp_path)
+    target = wrap_model(tiny_llama(seed=3, vocab_size=56).model, char_tokenizer(), name="tiny-char")
+    monkeypatch.setattr("tierspec.models.load_model", lambda *a, **k: target)
+    monkeypatch.setattr("tierspec.bench.runner.load_model", lambda *a, **k: target)
+    assert cli.main([*command, "--seed", str(seed)]) == 2
+    assert capsys.readouterr().err == (f"tierspec: error: --seed must be an integer from 0 to 2**63 - 1 "
+                                       f"(9223372036854775807), got {shown}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def _write_draft_head(path: Path) -> None:
+    from tierspec.eagle.head import DraftHead
+
+    target = tiny_llama(seed=5, dtype=torch.float32)
+    DraftHead.for_target(target, torch.arange(8)).save(path)
+
+
+def _write_judge_head(path: Path) -> None:
+    from tierspec.judge.head import JudgeHead
+
+    JudgeHead(torch.ones(4), 0.0, torch.zeros(4), torch.ones(4), "hidden", 0.5).save(path)
+
+
+def _write_data_shard(path: Path) -> None:
+    from tierspec.eagle.data import _write_shard
+
+    sequence = {"tokens": torch.arange(5), "final": torch.zeros(5, 4), "aux": {}, "response_start": 2}
+    _write_shard(path, [sequence], ["test"], "own-greedy")
+
+
+def _write_training_checkpoint(path: Path) -> None:
+    from tierspec.eagle.train import _save_checkpoint
+
+    _save_checkpoint(path, {"step": 1})
+
+
+@pytest.mark.parametrize("write", [_write_draft_head, _write_judge_head, _write_data_shard, _write_training_checkpoint])
+def test_heads_shards_and_checkpoints_get_the_permissions_of_an_ordinary_write(write, tmp_path):
+    """safetensors creates its files 0o600 and a staging file made by mkstemp is 0o600: a head
+    or shard in a shared folder was unreadable to everyone else (issue 23, finding 12)."""
+    import os
+    import stat
+
+    (tmp_path / "plain.txt").write_text("x")
+    write(tmp_path / "written.safetensors")
+    mode = lambda name: stat.S_IMODE(os.stat(tmp_path / name).st_mode)  # noqa: E731
+    assert mode("written.safetensors") == mode("plain.txt")
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no staging file left

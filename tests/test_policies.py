@@ -185,31 +185,42 @@ def test_forward_cost_table_is_measured_once_and_cached(tiny_target, tmp_path, m
     from tierspec import costs
 
     monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path))
-    measured = []
+    monkeypatch.setattr(costs, "_MEASURED", {})
+    measured, last = [], {}
     real = costs.measure_forward_costs
 
     def measure(model, max_tokens, **kwargs):
-        if max_tokens > 1:  # the table itself, not the spot check
-            measured.append(max_tokens)
-            kwargs = dict(context=8, repeats=1)
-        return real(model, max_tokens, **kwargs)
+        measured.append(max_tokens)
+        table = real(model, max_tokens, context=8, repeats=1)
+        last["one"] = table.seconds[1]
+        return table
+
+    def new_process():
+        monkeypatch.setattr(costs, "_MEASURED", {})
 
     monkeypatch.setattr(costs, "measure_forward_costs", measure)
+    # the spot check is pinned to the last measurement: timing a shared machine would make the test flaky
+    monkeypatch.setattr(costs, "spot_check", lambda model: last["one"])
     first = costs.forward_costs(tiny_target, max_tokens=4)
+    assert costs.forward_costs(tiny_target, max_tokens=4) is first  # once per process
+    new_process()
     second = costs.forward_costs(tiny_target, max_tokens=4)
     assert measured == [4] and first.seconds == second.seconds and sorted(first.seconds) == [1, 2, 3, 4]
     table = next(tmp_path.glob("forward-costs-*.json"))
     # a damaged cache file is measured again rather than trusted ...
     table.write_text("{broken")
+    new_process()
     costs.forward_costs(tiny_target, max_tokens=4)
     assert measured == [4, 4]
     # ... and so is valid JSON of the wrong shape
     table.write_text(json.dumps({"seconds": {"1": "fast"}}))
+    new_process()
     costs.forward_costs(tiny_target, max_tokens=4)
     assert measured == [4, 4, 4]
     # a table measured on a busy machine (a 1-token pass 10x slower than now) is re-measured
     data = json.loads(table.read_text())
     data["seconds"] = {n: 10 * v + 0.5 for n, v in data["seconds"].items()}
     table.write_text(json.dumps(data))
+    new_process()
     refreshed = costs.forward_costs(tiny_target, max_tokens=4)
     assert measured == [4, 4, 4, 4] and refreshed.seconds[1] < 0.5

@@ -156,16 +156,30 @@ def test_measured_unit_costs_are_cached_and_checked(tmp_path, monkeypatch):
 
     model = tiny_llama(seed=5, layers=6, sharpness=5.0)
     monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path))
-    measured, real = [], costs.measure_unit_costs
-    monkeypatch.setattr(costs, "measure_unit_costs", lambda m: measured.append(1) or real(m))
+    measured, real, now = [], costs.measure_unit_costs, {}
+
+    def measure(m):
+        measured.append(1)
+        result = real(m)
+        now["full"] = result.full  # the machine's speed is what was just measured
+        return result
+
+    def new_process():
+        monkeypatch.setattr(costs, "_MEASURED", {})
+
+    new_process()
+    monkeypatch.setattr(costs, "measure_unit_costs", measure)
+    # the spot check is pinned: timing a shared machine would make the test flaky, not stronger
+    monkeypatch.setattr(costs, "spot_check", lambda model: now["full"])
     first = costs.unit_costs(model)
     assert first.full > 0 and first.attention >= 0 and first.mlp >= 0 and first.lm_head > 0
     path = next(tmp_path.glob("unit-costs-*.json"))
-    # the spot check is pinned: timing a shared machine would make the test flaky, not stronger
-    monkeypatch.setattr(costs, "spot_check", lambda model: first.full)
+    new_process()
     assert costs.unit_costs(model) == first and len(measured) == 1  # read back, not re-measured
     path.write_text("{broken")
+    new_process()
     assert costs.unit_costs(model).full > 0 and len(measured) == 2  # damaged: measured again
-    monkeypatch.setattr(costs, "spot_check", lambda model: 10 * first.full)  # the machine changed
+    now["full"] = json.loads(path.read_text())["costs"]["full"] / 10  # measured on a busy machine
+    new_process()
     remeasured = costs.unit_costs(model)
     assert len(measured) == 3 and json.loads(path.read_text())["costs"]["full"] == remeasured.full

@@ -584,6 +584,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+SEED_LIMIT = 2**63  # seeds are int64 (torch's generators take no more; a derived seed adds small offsets)
+
+
+def _check_seed(args) -> None:
+    """Every command's --seed is a non-negative int64, refused with one line before any work."""
+    seed = getattr(args, "seed", None)
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        from .errors import TierspecError
+
+        raise TierspecError(f"--seed must be an integer from 0 to 2**63 - 1 ({SEED_LIMIT - 1}), got {seed}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line. Validation errors (``TierspecError``) print as one line and exit 2;
     anything else is a bug and prints its traceback (exit 1). ``--debug`` or
@@ -596,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     debug = args.debug or os.environ.get("TIERSPEC_DEBUG", "") not in ("", "0")
     try:
+        _check_seed(args)
         return args.run(args)
     except KeyboardInterrupt:
         print(f"tierspec: interrupted{getattr(args, 'resume_hint', '')}", file=sys.stderr)

@@ -10,8 +10,9 @@ things follow:
   copies of the last token, their outputs are ignored and their KV rolled back), and
 * a draft-length policy must use this table, not a straight line.
 
-The table is cached as JSON under ``$TIERSPEC_CACHE`` keyed by the model's identity, the
-thread count, the CPU and the linear kernels in use, and reused by later runs.
+The table is measured once per process and cached as JSON under ``$TIERSPEC_CACHE`` keyed by
+the model's identity, the thread count, the CPU and the linear kernels in use, and reused by
+later runs while spot checks agree with it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import json
 import math
 import platform
 import statistics
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,43 +115,91 @@ def spot_check(model: torch.nn.Module, repeats: int = 3, context: int = 64) -> f
 
 
 def forward_costs(target: LoadedModel, max_tokens: int = 16, refresh: bool = False) -> ForwardCosts:
-    """The cached table for this model on this machine, measured (a few seconds) when missing,
-    damaged, or off: a spot check of a 1-token pass that differs from the table by more than 2×
-    either way (the table was measured on a busy machine, or the machine changed) re-measures it."""
+    """The table for this model on this machine: measured (a few seconds) once per process, and
+    cached across processes; see ``_cached_measurement`` for when a cached table is re-measured."""
     return _cached_measurement(target, "forward-costs", f"forward cost for 1..{max_tokens} tokens",
                                {"max_tokens": max_tokens}, lambda path: _read_table(path, max_tokens),
                                lambda: measure_forward_costs(target.model, max_tokens),
                                lambda table: {"seconds": table.seconds}, lambda table: table.seconds[1], refresh)
 
 
+# Measurements made by this process, by cache key: each is made (or read and checked) once.
+_MEASURED: dict[str, object] = {}
+# One measurement at a time in a process: two threads measuring at once would each time the
+# other's load, and both would measure what one measurement gives.
+_MEASURING = threading.Lock()
+SPOT_CHECKS = 3  # spot checks of a cached table before it is judged off (one can hit a blip)
+
+
+def _agrees(table_seconds: float, now: float) -> bool:
+    """A table's 1-token pass and a spot check agree within 2× either way."""
+    return 0.5 <= table_seconds / now <= 2.0
+
+
 def _cached_measurement(target: LoadedModel, prefix: str, what: str, key_extra: dict, read, measure, to_json,
                         one_token_seconds, refresh: bool):
-    """A measurement of ``target`` on this machine, cached as JSON under ``$TIERSPEC_CACHE``
-    keyed by the model's identity, the thread count, the CPU, torch and the linear kernels.
-    ``read(path)`` returns it or None when the file is damaged; it is measured again (with a
-    line on stderr saying why) when missing, damaged, or when a spot check of a 1-token pass
-    differs from its ``one_token_seconds`` by more than 2× either way (measured on a busy
-    machine, or the machine changed)."""
-    import sys
+    """A measurement of ``target`` on this machine, made at most once per process (under a lock:
+    a second thread waits for the first's) and cached as JSON under ``$TIERSPEC_CACHE`` keyed by
+    the model's identity, the thread count, the CPU, torch and the linear kernels. ``read(path)``
+    returns it or None when the file is damaged.
 
+    A cached measurement is checked by up to ``SPOT_CHECKS`` spot checks of a 1-token pass
+    against its ``one_token_seconds``: one within 2× keeps it. When every check is more than 2×
+    slower, the machine is busy now: the cached measurement is kept (one made now would record
+    the load). When they are faster, the cached one was made on a busy machine (or another
+    machine): it is measured again. A new measurement whose 1-token pass disagrees with a spot
+    check right after it was disturbed by load: this process uses it, no file keeps it. Every
+    decision other than reusing the file is one line on stderr."""
     key = json.dumps({"model": target.identity.to_dict(), "threads": torch.get_num_threads(), "cpu": _cpu_name(),
                       "torch": torch.__version__, "linear": _linear_kind(target.model),
                       "code": model_code(target.model), **key_extra}, sort_keys=True)
+    with _MEASURING:
+        if refresh or key not in _MEASURED:
+            _MEASURED[key] = _read_or_measure(target, prefix, what, key, read, measure, to_json, one_token_seconds,
+                                              refresh)
+        return _MEASURED[key]
+
+
+def _read_or_measure(target: LoadedModel, prefix: str, what: str, key: str, read, measure, to_json, one_token_seconds,
+                     refresh: bool):
+    """The cached measurement if it passes the spot checks, else a new one (see ``_cached_measurement``)."""
+    import sys
+
+    def say(message: str) -> None:
+        print(f"tierspec: {what} of {target.identity.name}: {message}", file=sys.stderr)
+
     path = cache_root() / f"{prefix}-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    reason = "measuring it once"
-    if path.exists() and not refresh:
-        cached = read(path)
-        if cached is None:
+    reason, cached = "measuring it once", None
+    try:
+        if path.exists() and not refresh:
+            cached = read(path)
             reason = f"the cached file {path.name} is damaged; measuring again"
-        else:
-            now = spot_check(target.model)
-            if 0.5 <= one_token_seconds(cached) / now <= 2.0:
+    except OSError as error:  # an unreadable cache folder: measured as if nothing were cached
+        reason = f"the cache is unreadable ({error.strerror}); measuring it"
+    if cached is not None:
+        table = one_token_seconds(cached)
+        checks = []
+        for _ in range(SPOT_CHECKS):
+            checks.append(spot_check(target.model))
+            if _agrees(table, checks[-1]):
                 return cached
-            reason = (f"the cached file says a 1-token pass takes {one_token_seconds(cached) * 1000:.0f} ms, it now takes "
-                      f"{now * 1000:.0f} ms; measuring again")
-    print(f"tierspec: {what} of {target.identity.name}: {reason} (cached in {path.parent})", file=sys.stderr)
+        if min(checks) > table:
+            say(f"a 1-token pass takes {min(checks) * 1000:.0f} ms now, {table * 1000:.0f} ms in the cached file: the "
+                "machine is busy; using the cached file")
+            return cached
+        reason = (f"the cached file says a 1-token pass takes {table * 1000:.0f} ms, it now takes "
+                  f"{min(checks) * 1000:.0f} ms (measured on a busy machine?); measuring again")
+    say(f"{reason} (cached in {path.parent})")
     measured = measure()
-    atomic_write_text(path, json.dumps({"key": json.loads(key), **to_json(measured)}, indent=2))
+    after = spot_check(target.model)
+    if not _agrees(one_token_seconds(measured), after):
+        say(f"a 1-token pass took {one_token_seconds(measured) * 1000:.0f} ms while measuring, {after * 1000:.0f} ms "
+            "right after: the machine's load changed; this process uses the measurement, no file keeps it")
+        return measured
+    try:
+        atomic_write_text(path, json.dumps({"key": json.loads(key), **to_json(measured)}, indent=2))
+    except OSError as error:
+        say(f"cannot keep it in {path.parent} ({error.strerror}); this process uses it, the next measures again")
     return measured
 
 
@@ -216,8 +266,8 @@ def measure_unit_costs(model: torch.nn.Module, context: int = 256, repeats: int 
 
 
 def unit_costs(target: LoadedModel, refresh: bool = False) -> UnitCosts:
-    """The cached per-unit costs for this model on this machine (measured once, a few seconds;
-    re-measured when damaged or when a spot check of the full pass is off by more than 2×)."""
+    """The per-unit costs for this model on this machine (measured once, a few seconds, and
+    cached; re-measured as ``_cached_measurement`` says)."""
 
     def read(path: Path) -> UnitCosts | None:
         try:

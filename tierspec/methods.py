@@ -338,8 +338,9 @@ def _adaptive_sd(target, drafter_model, options) -> Method:
 def _eagle(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter
 
+    drafter = EagleDrafter(draft_head_for(target, options))  # a missing head is refused before costs are measured
     policy, table = _cost_aware(target, options)
-    return Method("eagle", EagleDrafter(draft_head_for(target, options)), ExactRule(), policy,
+    return Method("eagle", drafter, ExactRule(), policy,
                   "lossless speculative decoding with the trained draft head and a cost-aware draft length",
                   forward_costs=table)
 
@@ -347,8 +348,9 @@ def _eagle(target, drafter_model, options) -> Method:
 def _hybrid(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter, HybridDrafter
 
+    head_drafter = EagleDrafter(draft_head_for(target, options))  # a missing head is refused before costs are measured
     policy, table = _cost_aware(target, options)
-    drafter = HybridDrafter(NgramDrafter(options.ngram_size), EagleDrafter(draft_head_for(target, options)), policy)
+    drafter = HybridDrafter(NgramDrafter(options.ngram_size), head_drafter, policy)
     return Method("hybrid", drafter, ExactRule(), policy,
                   "lossless: n-gram lookup where the context offers a match expected to pay more, the draft head otherwise",
                   forward_costs=table)

@@ -55,7 +55,7 @@ class LoadedModel:
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("TIERSPEC_CACHE", Path.home() / ".cache" / "tierspec"))
+    return Path(os.environ.get("TIERSPEC_CACHE") or Path.home() / ".cache" / "tierspec")
 
 
 def _sha256_file(path: Path) -> str:
@@ -174,14 +174,15 @@ def _convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
     _quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
-    except Exception as error:  # transformers raises many types for a bad GGUF file
-        raise ModelLoadError(f"cannot read GGUF file {gguf}: {error}") from error
+    # The staging folder first: a cache that cannot be written fails here, not after the slow read.
     dest.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=dest.parent))
     try:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+        except Exception as error:  # transformers raises many types for a bad GGUF file
+            raise ModelLoadError(f"cannot read GGUF file {gguf}: {error}") from error
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         # safetensors refuses aliased tensors; a tied LM head is rebuilt from the embedding.
         state = {
@@ -280,7 +281,12 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
         raise ModelLoadError(f"unknown kernels {kernels!r}; choose one of: {', '.join(KERNELS)}")
     if implementation not in IMPLEMENTATIONS:
         raise ModelLoadError(f"unknown implementation {implementation!r}; choose one of: {', '.join(IMPLEMENTATIONS)}")
-    loaded = _load_model(spec, dtype, implementation)
+    try:
+        loaded = _load_model(spec, dtype, implementation)
+    except OSError as error:  # a file or folder that cannot be read or written: say which
+        where = error.filename or ""
+        hint = "; set TIERSPEC_CACHE to a folder this process can write" if str(where).startswith(str(cache_root())) else ""
+        raise ModelLoadError(f"cannot load model '{spec}': {error.strerror or error} ({where}){hint}") from None
     if device.type != "cpu":
         loaded.model.to(device)
     apply_kernels(loaded.model, kernels, device, dtype)

@@ -10,6 +10,7 @@ transformers). Tests pin it against transformers' tokenizer of the same folder.
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -69,8 +70,12 @@ class FastTokenizer:
         self._template = None
 
     # -- encoding and decoding ----------------------------------------------------------------
-    def __call__(self, text: str, add_special_tokens: bool = True, return_offsets_mapping: bool = False) -> dict:
-        encoding = self.backend.encode(text, add_special_tokens=add_special_tokens)
+    def __call__(self, text: str, add_special_tokens: bool = True, return_offsets_mapping: bool = False,
+                 split_special_tokens: bool = False) -> dict:
+        """``split_special_tokens``: special-token strings in ``text`` are tokenised as text (as
+        transformers' flag of that name does)."""
+        backend = self._text_backend if split_special_tokens else self.backend
+        encoding = backend.encode(text, add_special_tokens=add_special_tokens)
         result = {"input_ids": list(encoding.ids), "attention_mask": [1] * len(encoding.ids)}
         if return_offsets_mapping:
             result["offset_mapping"] = [tuple(span) for span in encoding.offsets]
@@ -85,6 +90,20 @@ class FastTokenizer:
         if isinstance(ids, int):
             ids = [ids]
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def _text_backend(self):
+        """A copy of the backend that matches no special token in the text it encodes."""
+        from tokenizers import Tokenizer
+
+        backend = Tokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
+
+    @property
+    def added_tokens_decoder(self) -> dict:
+        """Id → ``tokenizers.AddedToken`` (``content``, ``special``) of the added tokens."""
+        return self.backend.get_added_tokens_decoder()
 
     def get_vocab(self) -> dict[str, int]:
         return self.backend.get_vocab(with_added_tokens=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 
 def default_file_mode() -> int:
@@ -22,20 +23,26 @@ def default_file_mode() -> int:
     return 0o666 & ~umask
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never half
-    (with the permissions an ordinary write would give it)."""
+def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
+    """Make ``path`` with ``write(staging)`` so that readers see the old file or the new one,
+    never half, with the permissions an ordinary write would give it (``write`` may replace the
+    staging file: safetensors, for one, creates its files 0o600)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(handle)
     try:
-        os.fchmod(handle, default_file_mode())
-        with os.fdopen(handle, "w") as out:
-            out.write(text)
-            out.flush()
-            os.fsync(out.fileno())
+        write(Path(staging))
+        os.chmod(staging, default_file_mode())
+        with open(staging, "rb") as written:
+            os.fsync(written.fileno())
         os.replace(staging, path)
     except BaseException:
         if os.path.exists(staging):
             os.unlink(staging)
         raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """``atomic_write`` of ``text``."""
+    atomic_write(path, lambda staging: staging.write_text(text))

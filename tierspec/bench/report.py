@@ -83,12 +83,31 @@ def _group_summary(rows: list[dict], baseline: dict, hf_greedy: dict, dataset: s
     return summary
 
 
+def unique_records(records: list[dict]) -> list[dict]:
+    """The first record of each (method, prompt, repeat), with a warning on stderr when there
+    are more: a folder two runs wrote at once (before runs locked their folder) holds each twice,
+    and counting both would weigh those prompts double."""
+    import sys
+
+    seen, unique = set(), []
+    for record in records:
+        key = (record["method"], record["prompt_id"], record["repeat"])
+        if key not in seen:
+            seen.add(key)
+            unique.append(record)
+    if len(unique) < len(records):
+        print(f"tierspec: warning: the records hold {len(records) - len(unique)} duplicate records (the same method, "
+              "prompt and repeat more than once); the summary counts the first of each", file=sys.stderr)
+    return unique
+
+
 def summarize(records: list[dict], config, references: dict, fidelity_reference: dict | None = None) -> dict:
     """Per-method summaries, overall and by category. Speed-ups are against `ar` of the same
     records; fidelity against ``fidelity_reference`` (`ar` records of another run, by prompt id
-    and repeat) when given, else against the same `ar`."""
+    and repeat) when given, else against the same `ar`. Each (method, prompt, repeat) counts
+    once: ``unique_records``."""
     by_method: dict[str, list[dict]] = defaultdict(list)
-    for record in records:
+    for record in unique_records(records):
         by_method[record["method"]].append(record)
     baseline = {(r["prompt_id"], r["repeat"]): r for r in by_method.get("ar", [])}
     hf_greedy = {(r["prompt_id"], r["repeat"]): r for r in by_method.get("hf-greedy", [])}

@@ -14,9 +14,11 @@ the method's label in the results.
 from __future__ import annotations
 
 import json
+import os
 import time
 import weakref
 import zlib
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -89,6 +91,17 @@ class BenchConfig:
     # Fidelity (exact match, ROUGE-L) is measured against `ar`'s output of the same run; a path to
     # another run's records.jsonl (e.g. a greedy run, for a temperature-1 run) uses its `ar` instead.
     fidelity_reference: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.methods:
+            raise BenchError("methods is empty: name at least one method (e.g. --methods ar,pld)")
+        least = {"limit": 1, "per_category": 1, "repeats": 1, "max_new_tokens": 1, "num_draft": 0}
+        for name, minimum in least.items():
+            value = getattr(self, name)
+            if value is None and name in ("limit", "per_category"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise BenchError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 # Settings that change what a record measures: a run may only resume into a folder made with the
@@ -163,6 +176,11 @@ def load_fidelity_reference(path: str) -> dict:
 # ---- method specs ---------------------------------------------------------------------------------
 
 _OPTION_FIELDS = {f.name: f for f in option_fields()}
+# Each method parameter's kind: "int", "float", or "other" (text, or a file: masks and heads).
+_OPTION_KINDS = {name: "other" if f.metadata.get("kind") else "int" if "int" in str(f.type)
+                 else "float" if "float" in str(f.type) else "other" for name, f in _OPTION_FIELDS.items()}
+# The parameters of the transformers peers (with and without -stock): prompt_lookup_num_tokens, the exit layer.
+_HF_PARAMETERS = {"hf-pld": {"tokens": "int"}, "hf-early-exit": {"layer": "int"}}
 _ALIASES = {"draft_with": "drafter_kind"}  # the CLI flag's name
 
 
@@ -178,10 +196,30 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     known = set(method_names()) | set(HF_PEERS)
     if name not in known:
         raise BenchError(f"unknown method '{name}' in '{spec}'; choose from: {', '.join(sorted(known))}")
+    allowed = _HF_PARAMETERS.get(name.removesuffix(STOCK_SUFFIX), {}) if name in HF_PEERS else _OPTION_KINDS
+    unknown = set(params) - set(allowed)
+    if unknown:
+        raise BenchError(f"method spec '{spec}': unknown parameter(s) {sorted(unknown)}; known: {sorted(allowed)}")
+    for key, value in params.items():
+        _number(spec, key, value, allowed[key])  # refuse a bad number before any model is loaded
     return name, params
 
 
-def _convert(key: str, value: str, target: LoadedModel):
+def _number(spec: str, key: str, value: str, kind: str):
+    """``value`` as the ``kind`` ("int", "float" or "other": left as text) of parameter ``key``;
+    "none" is None (the parameter's default)."""
+    if kind == "other":
+        return value
+    if value.lower() == "none":
+        return None
+    try:
+        return int(value) if kind == "int" else float(value)
+    except ValueError:
+        raise BenchError(f"method spec '{spec}': {key} must be {'an integer' if kind == 'int' else 'a number'}, "
+                         f"got '{value}'") from None
+
+
+def _convert(spec: str, key: str, value: str, target: LoadedModel):
     kind = _OPTION_FIELDS[key].metadata.get("kind")
     if kind == "mask":
         return RoutingMask.load(value, target.identity)
@@ -193,12 +231,7 @@ def _convert(key: str, value: str, target: LoadedModel):
         from ..eagle.head import DraftHead
 
         return DraftHead.load(value, target)
-    kind = _OPTION_FIELDS[key].type
-    if "float" in str(kind):
-        return None if value.lower() == "none" else float(value)
-    if "int" in str(kind):
-        return None if value.lower() == "none" else int(value)
-    return value
+    return _number(spec, key, value, _OPTION_KINDS[key])
 
 
 @dataclass
@@ -220,7 +253,7 @@ class MethodRunner:
         self.target, self.config = target, config
         self.eos = eos_ids(target)
         self.sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
-        num_draft = int(params.pop("num_draft", config.num_draft))
+        num_draft = _number(spec, "num_draft", params.pop("num_draft"), "int") if "num_draft" in params else config.num_draft
         if self.name in HF_PEERS:
             hf_target, drafter = hf_models or (target, drafter)
             if model_code(hf_target.model) != "transformers":
@@ -231,13 +264,10 @@ class MethodRunner:
             self.hf_name = self.name[: -len(STOCK_SUFFIX)] if stock else self.name
             self.hf_kwargs = self._hf_kwargs(params, drafter, stock)
             return
-        unknown = set(params) - set(_OPTION_FIELDS)
-        if unknown:
-            raise BenchError(f"method spec '{spec}': unknown parameter(s) {sorted(unknown)}; known: {sorted(_OPTION_FIELDS)}")
         options = MethodOptions(num_draft=num_draft)
         if config.mask and "mask" not in params and self.name in ("self", "via"):
             params["mask"] = config.mask
-        options = replace(options, **{k: _convert(k, v, target) for k, v in params.items()})
+        options = replace(options, **{k: _convert(spec, k, v, target) for k, v in params.items()})
         self.method = build_method(self.name, target, drafter, options)
 
     def _hf_kwargs(self, params: dict, drafter: LoadedModel | None, stock: bool) -> dict:
@@ -245,11 +275,14 @@ class MethodRunner:
             # The same drafter as `sd`: the --drafter model, else the target itself.
             assistant = (drafter or self.hf_target).model
             return {"assistant_model": stock_copy(assistant) if stock else assistant}
+        given = {key: _number(self.spec, key, value, "int") for key, value in params.items()}
         if self.hf_name == "hf-pld":
-            return {"prompt_lookup_num_tokens": int(params.get("tokens", self.config.hf_pld_tokens))}
+            tokens = given.get("tokens")
+            return {"prompt_lookup_num_tokens": tokens if tokens is not None else self.config.hf_pld_tokens}
         if self.hf_name == "hf-early-exit":
-            layer = params.get("layer", self.config.hf_early_exit_layer)
-            return {"assistant_early_exit": int(layer) if layer is not None else self.target.identity.num_layers // 2}
+            layer = given.get("layer")
+            layer = layer if layer is not None else self.config.hf_early_exit_layer
+            return {"assistant_early_exit": layer if layer is not None else self.target.identity.num_layers // 2}
         return {}
 
     def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None) -> Outcome:
@@ -365,15 +398,70 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
     """Run (or resume) a benchmark into ``out``; returns the summary.
 
     ``generate=False`` only rebuilds the summary, table and plots from the records already in
-    ``out`` (e.g. of a run that was stopped early)."""
+    ``out`` (e.g. of a run that was stopped early). One run at a time holds ``out``
+    (``folder_lock``): a second is refused, not interleaved with the first."""
+    if out.exists() and not out.is_dir():
+        raise BenchError(f"--out {out} is a file; give a folder (a new one, or one a bench run made)")
+    if not generate and not out.is_dir():
+        raise BenchError(f"{out} does not exist: nothing to summarize")
     created = not out.exists()
     try:
-        return _run_bench(config, out, progress, target, drafter, generate)
+        with folder_lock(out):
+            if not generate and not (out / "records.jsonl").is_file():
+                raise BenchError(f"{out} holds no records.jsonl of a bench run: nothing to summarize")
+            return _run_bench(config, out, progress, target, drafter, generate)
     except BaseException:
         # A run that failed before writing anything leaves no empty folder behind.
         if created and out.is_dir() and not any(out.iterdir()):
             out.rmdir()
         raise
+
+
+_LOCK_NAME = ".bench.lock"
+
+
+@contextmanager
+def folder_lock(out: Path):
+    """Hold an exclusive lock on the bench folder ``out`` for the block, or refuse at once with
+    the holder's pid. The lock is ``flock`` on ``out/.bench.lock``: the kernel releases it when
+    its process ends, so a killed run leaves no stale lock. The file holds the holder's pid and
+    is removed on release; a run that opened it just before the removal sees that the path no
+    longer names the file it locked and tries again."""
+    import fcntl
+
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise BenchError(f"cannot create the bench folder {out}: {error.strerror}") from None
+    path = out / _LOCK_NAME
+    while True:
+        try:
+            handle = open(path, "a+")
+        except OSError as error:
+            raise BenchError(f"cannot write in the bench folder {out}: {error.strerror}") from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            raise BenchError(f"{out} is in use by another tierspec bench run (pid {holder}); wait for it to end or "
+                             "use another --out") from None
+        try:
+            same = os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        handle.close()  # the holder removed the file as we opened it: lock the one at the path now
+    try:
+        handle.truncate(0)
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # before the release: a waiting run then sees the path changed
+        handle.close()
 
 
 def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedModel | None, drafter: LoadedModel | None,
@@ -402,7 +490,6 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
     else:  # a summary of records made earlier reports the settings they were made with
         previous = _previous_config(out) or {}
         config = replace(config, **{key: value for key, value in previous.items() if key in _RESUME_KEYS})
-    out.mkdir(parents=True, exist_ok=True)
     hf_models = None
     if generate and any(parse_spec(spec)[0] in HF_PEERS for spec in methods):
         hf_models = tuple(_on_transformers(model, spec, config) for model, spec in
@@ -429,7 +516,9 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
     for repeat, prompt, spec in todo:
         bar.set_postfix_str(f"{spec} {prompt.id}")
         prompt_ids = encoded[prompt.id]
-        generator = torch.Generator().manual_seed(config.seed * 1000003 + repeat * 7919 + zlib.crc32(prompt.id.encode()))
+        # Reduced to torch's 64-bit seed range (the same seed as before for every seed below ~1.8e13).
+        generator = torch.Generator().manual_seed(
+            (config.seed * 1000003 + repeat * 7919 + zlib.crc32(prompt.id.encode())) % 2**64)
         on_cuda = target.device.type == "cuda"
         if on_cuda:
             torch.cuda.synchronize(target.device)

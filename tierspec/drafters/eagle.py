@@ -85,6 +85,10 @@ class EagleDrafter(Drafter):
         try:
             while True:
                 logits = self.runner.logits(h)[0].float()  # [K]
+                if not torch.isfinite(logits).all():
+                    # The head overflowed (DraftHead.load refuses heads that do on a probe): no
+                    # distribution to draft from, so the draft ends here and the target decides.
+                    break
                 probs = logits_to_probs(logits, sampling)
                 choice = int(logits.argmax()) if sampling.greedy else sample(probs, generator)
                 tokens.append(int(ids[choice]))
@@ -97,6 +101,8 @@ class EagleDrafter(Drafter):
                 steps += 1
         finally:
             self.runner.rollback(committed)  # drafted positions are recomputed from real features
+        if not tokens:
+            return Proposal.empty(source="head")
         # Rows over the full vocabulary, p(v) = 0 (logit −inf) outside the draft vocabulary.
         k = len(tokens)
         rows = torch.zeros(k, self.vocab_size)

@@ -25,10 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import random
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,8 +36,9 @@ import torch
 from ..errors import TierspecError
 from ..identity import ModelIdentity
 from ..models import LoadedModel, model_code
+from ..prompting import prompt_ids
 from ..routing import decoder_layers
-from ..util import atomic_write_text
+from ..util import atomic_write, atomic_write_text
 from .prompts import TrainingItem, training_items
 
 DATA_FORMAT = "tierspec-eagle-data"
@@ -74,14 +73,6 @@ def aux_layers(num_layers: int) -> list[int]:
     """Decoder layers whose outputs are stored besides the final features (low and middle, as
     EAGLE-3 fuses them): layer 1 and the middle layer, 0-based."""
     return sorted({min(1, num_layers - 1), num_layers // 2})
-
-
-def chat_ids(tokenizer, prompt: str) -> list[int]:
-    """The prompt as the bench feeds it: through the chat template with the generation prompt."""
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(prompt)["input_ids"]
 
 
 class FeatureCapture:
@@ -133,7 +124,7 @@ def plan_jobs(target: LoadedModel, config: DataConfig, data_dir: Path | None) ->
     jobs: list[dict] = []
     by_mode: dict[str, list[tuple[int, int]]] = {"own-greedy": [], "own-sampled": []}
     for index, item in enumerate(own):
-        length = len(chat_ids(tokenizer, item.prompt))
+        length = len(prompt_ids(tokenizer, item.prompt))
         if length > config.max_prompt_tokens:
             continue
         mode = "own-sampled" if rng.random() < config.sampled_fraction else "own-greedy"
@@ -144,7 +135,7 @@ def plan_jobs(target: LoadedModel, config: DataConfig, data_dir: Path | None) ->
             jobs.append({"kind": mode, "items": [i for _, i in entries[start : start + config.batch_size]]})
     lengths = []
     for index, item in enumerate(forced):
-        length = len(chat_ids(tokenizer, item.prompt)) + len(tokenizer(item.reference, add_special_tokens=False)["input_ids"]) + 1
+        length = len(prompt_ids(tokenizer, item.prompt)) + len(tokenizer(item.reference, add_special_tokens=False)["input_ids"]) + 1
         if length <= config.max_prompt_tokens + config.max_new_tokens:
             lengths.append((length, index))
     lengths.sort()
@@ -184,7 +175,7 @@ def _own_answers(target: LoadedModel, items: list[TrainingItem], sampled: bool, 
     """Generate answers to ``items`` in one batch; return the stored sequences."""
     tokenizer = target.tokenizer
     eos = _eos_id(target)
-    prompts = [chat_ids(tokenizer, item.prompt) for item in items]
+    prompts = [prompt_ids(tokenizer, item.prompt) for item in items]
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), eos, dtype=torch.long)
     attention = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -226,7 +217,7 @@ def _reference_answers(target: LoadedModel, items: list[TrainingItem], layers: l
     eos = _eos_id(target)
     rows = []
     for item in items:
-        prompt = chat_ids(tokenizer, item.prompt)
+        prompt = prompt_ids(tokenizer, item.prompt)
         rows.append((prompt + tokenizer(item.reference, add_special_tokens=False)["input_ids"] + [eos], len(prompt)))
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), width), eos, dtype=torch.long)
@@ -262,15 +253,9 @@ def _write_shard(path: Path, sequences: list[dict], sources: list[str], kind: st
     }
     for layer in sequences[0]["aux"]:
         tensors[f"aux_{layer}"] = torch.cat([s["aux"][layer] for s in sequences]).to(torch.float16)
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(handle)
-    try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, staging,
-                  metadata={"format": DATA_FORMAT, "kind": kind, "sources": json.dumps(sources)})
-        os.replace(staging, path)
-    finally:
-        if os.path.exists(staging):
-            os.unlink(staging)
+    atomic_write(path, lambda staging: save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging),
+                                                 metadata={"format": DATA_FORMAT, "kind": kind,
+                                                           "sources": json.dumps(sources)}))
     return sum(len(s["tokens"]) - s["response_start"] for s in sequences)
 
 
@@ -318,7 +303,8 @@ def build_data(target: LoadedModel, out: Path, config: DataConfig = DataConfig()
             sequences = _reference_answers(target, items, layers)
         else:
             items = [own[i] for i in job["items"]]
-            sequences = _own_answers(target, items, job["kind"] == "own-sampled", config, config.seed * 100003 + index, layers)
+            seed = (config.seed * 100003 + index) % 2**64  # within torch's seed range (unchanged below ~1.8e14)
+            sequences = _own_answers(target, items, job["kind"] == "own-sampled", config, seed, layers)
         answered = _write_shard(out / f"shard-{index:05d}.safetensors", sequences, [item.source for item in items], job["kind"])
         new_tokens += answered
         bar.update(1)

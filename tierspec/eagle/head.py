@@ -38,7 +38,7 @@ from ..kernels import few_row_linear
 from ..llama import has_projections, projection_weights, rms_norm, rotary
 from ..models import LoadedModel, output_vocabulary_size
 from ..routing import decoder_layers
-from ..util import atomic_write_text
+from ..util import atomic_write, atomic_write_text
 
 HEAD_FORMAT = "tierspec-draft-head"
 
@@ -234,10 +234,8 @@ class DraftHead(torch.nn.Module):
             "draft_vocab_sha256": hashlib.sha256(self.draft_ids.numpy().tobytes()).hexdigest(),
             **(metadata or {}),
         }
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_name(f".{path.name}.staging")
-        save_file(tensors, str(staging), metadata={"format": HEAD_FORMAT, "info": json.dumps(info)})
-        staging.replace(path)
+        atomic_write(path, lambda staging: save_file(tensors, str(staging),
+                                                     metadata={"format": HEAD_FORMAT, "info": json.dumps(info)}))
         atomic_write_text(path.with_suffix(".json"), json.dumps(info, indent=2))
 
     @classmethod
@@ -276,7 +274,31 @@ class DraftHead(torch.nn.Module):
         head.target_identity = identity
         head.metadata = info
         head.eval()
-        return head.attach(target)
+        head.attach(target)
+        if not head.drafts_finitely(target):
+            raise DraftHeadError(f"draft head {path} gives non-finite outputs on the target's features (its weights "
+                                 "overflow the forward pass); it cannot draft: retrain it or use another head")
+        return head
+
+    @torch.no_grad()
+    def drafts_finitely(self, target: LoadedModel, probe_length: int = 8, draft_steps: int = 3) -> bool:
+        """Whether the head's draft logits are finite on a probe: the target's features of a few
+        of the head's own draft tokens, then ``draft_steps`` self-fed steps as in drafting.
+        Finite weights can still overflow to inf and NaN in the forward pass; such a head
+        would hand the loop no distribution to draft from."""
+        from ..models import CachedModel
+
+        tokens = self.draft_ids.cpu().repeat(probe_length + 1)[: probe_length + 1]
+        _, features = CachedModel(target.model).forward(tokens, with_hidden=True,
+                                                        hidden_layers=self.config.feature_layers)
+        runner = HeadRunner(self)
+        h = runner.extend(features[:-1], tokens[1:], from_target=True)[-1:]
+        for step in range(draft_steps):
+            logits = runner.logits(h)
+            if not torch.isfinite(logits).all():
+                return False
+            h = runner.extend(h, tokens[step : step + 1])
+        return True
 
 
 @dataclass

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
 import sys
 import time
@@ -38,6 +37,7 @@ import torch.nn.functional as F
 
 from ..errors import TierspecError
 from ..models import LoadedModel
+from ..util import atomic_write
 from .data import DraftDataError, check_data_model
 from .head import DraftHead
 
@@ -338,25 +338,27 @@ def fit_head(target: LoadedModel, sequences: list[Sequence], config: TrainConfig
     step = 0
     history: list[dict] = []
     fingerprint = {"config": asdict(config), "sequences": len(sequences), "model": target.identity.to_dict()}
+    # The noise generator: its state is part of the checkpoint (a resumed run draws what an
+    # uninterrupted one would have).
+    generator = torch.Generator().manual_seed(config.seed)
+    window: list[float] = []  # losses since the last history entry
     if checkpoint is not None and checkpoint.exists():
+        state = _read_checkpoint(checkpoint, fingerprint, total_steps)
         try:
-            state = torch.load(checkpoint, weights_only=False)
-        except Exception as error:  # a damaged checkpoint: say so, do not guess
-            raise DraftDataError(f"checkpoint {checkpoint} is unreadable ({error}); delete it to start over") from None
-        if state.get("fingerprint") != fingerprint:
-            raise DraftDataError(f"checkpoint {checkpoint} was made with other settings or data; delete it to start over")
-        head.load_state_dict(state["head"])
-        optimizer.load_state_dict(state["optimizer"])
-        step, history = state["step"], state["history"]
+            head.load_state_dict(state["head"])
+            optimizer.load_state_dict(state["optimizer"])
+            generator.set_state(state["noise_generator"])
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:
+            raise DraftDataError(f"checkpoint {checkpoint} does not fit this head ({error}); delete it to start "
+                                 "over") from None
+        step, history, window = state["step"], state["history"], state["window"]
         log(f"resumed from {checkpoint} at step {step}/{total_steps}")
-    generator = torch.Generator().manual_seed(config.seed + step)
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total_steps, initial=step, desc="train head", disable=not progress)
     epoch = step // len(epoch_batches)
     if epoch:
         epoch_batches = _epoch_order(train, config, epoch)
-    window: list[float] = []
     head.train()
     while step < total_steps:
         epoch, offset = divmod(step, len(epoch_batches))
@@ -392,7 +394,8 @@ def fit_head(target: LoadedModel, sequences: list[Sequence], config: TrainConfig
                 head.train()
             if checkpoint is not None:
                 _save_checkpoint(checkpoint, {"fingerprint": fingerprint, "head": head.state_dict(),
-                                              "optimizer": optimizer.state_dict(), "step": step, "history": history})
+                                              "optimizer": optimizer.state_dict(), "step": step, "history": history,
+                                              "window": window, "noise_generator": generator.get_state()})
     bar.close()
     head.eval()
     final = history[-1] if history else validate(head, val, config.val_steps)
@@ -422,6 +425,24 @@ def _epoch_order(train: list[Sequence], config: TrainConfig, epoch: int) -> list
 
 
 def _save_checkpoint(path: Path, state: dict) -> None:
-    staging = path.with_name(f".{path.name}.staging")
-    torch.save(state, staging)
-    os.replace(staging, path)
+    atomic_write(path, lambda staging: torch.save(state, staging))
+
+
+def _read_checkpoint(path: Path, fingerprint: dict, total_steps: int) -> dict:
+    """The training state in ``path``, checked before any of it is used. Read with
+    ``weights_only``: tensors and plain containers only, so a planted pickle runs no code."""
+    import pickle
+
+    try:
+        state = torch.load(path, weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError, OSError, EOFError, ValueError, AttributeError) as error:
+        raise DraftDataError(f"checkpoint {path} is not a training checkpoint tierspec can read "
+                             f"({str(error).splitlines()[0] if str(error) else type(error).__name__}); delete it to "
+                             "start over") from None
+    shapes = {"head": dict, "optimizer": dict, "step": int, "history": list, "window": list,
+              "noise_generator": torch.Tensor}
+    if (not isinstance(state, dict) or state.get("fingerprint") != fingerprint
+            or any(not isinstance(state.get(key), kind) for key, kind in shapes.items())
+            or not 0 <= state["step"] <= total_steps):
+        raise DraftDataError(f"checkpoint {path} was made with other settings or data; delete it to start over")
+    return state

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import TierspecError
 from ..identity import ModelIdentity
-from ..util import atomic_write_text
+from ..util import atomic_write, atomic_write_text
 
 FEATURE_KINDS = ("hidden", "hidden+logprob")
 HEAD_FORMAT = "tierspec-judge-head"
@@ -62,11 +62,9 @@ class JudgeHead:
         from safetensors.torch import save_file
 
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        staging = path.with_name(f".{path.name}.partial")
-        save_file({"weight": self.weight.contiguous(), "bias": torch.tensor([self.bias]), "mean": self.mean.contiguous(),
-                   "std": self.std.contiguous()}, str(staging))
-        staging.replace(path)
+        tensors = {"weight": self.weight.contiguous(), "bias": torch.tensor([self.bias]), "mean": self.mean.contiguous(),
+                   "std": self.std.contiguous()}
+        atomic_write(path, lambda staging: save_file(tensors, str(staging)))
         meta = {"format": HEAD_FORMAT, "kind": self.kind, "threshold": self.threshold,
                 "model": self.model.to_dict() if self.model else None, "hidden_size": self.model.hidden_size if self.model else None,
                 **self.metadata}

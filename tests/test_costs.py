@@ -1,0 +1,101 @@
+"""The forward-cost cache (issue 23, finding 12): measured once per model and process, a cached
+table checked again before it is replaced, and no table kept that the machine's load disturbed.
+Measurements and spot checks are planted: the logic is tested, not this machine's timing."""
+
+import threading
+
+import pytest
+
+from tierspec import costs
+
+
+@pytest.fixture
+def planted(monkeypatch, tmp_path):
+    """An empty cache and process memo; ``measure`` returns a table whose 1-token pass takes
+    ``state["table"]`` s, ``spot_check`` returns ``state["checks"]`` one by one (then the last)."""
+    monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs, "_MEASURED", {}, raising=False)
+    state = {"table": 0.01, "checks": [0.01], "measured": 0, "spot_checks": 0}
+
+    def measure(model, max_tokens, **kwargs):
+        state["measured"] += 1
+        return costs.ForwardCosts({n: state["table"] * n for n in range(1, max_tokens + 1)})
+
+    def spot_check(model, **kwargs):
+        state["spot_checks"] += 1
+        return state["checks"].pop(0) if len(state["checks"]) > 1 else state["checks"][0]
+
+    monkeypatch.setattr(costs, "measure_forward_costs", measure)
+    monkeypatch.setattr(costs, "spot_check", spot_check)
+    state["new_process"] = lambda: monkeypatch.setattr(costs, "_MEASURED", {}, raising=False)
+    state["files"] = lambda: sorted(tmp_path.glob("forward-costs-*.json"))
+    return state
+
+
+def test_two_threads_measure_once_and_a_process_measures_once(planted, tiny_target, monkeypatch):
+    entered, release = threading.Event(), threading.Event()
+    measure = costs.measure_forward_costs
+
+    def first_blocks(model, max_tokens, **kwargs):
+        if planted["measured"] == 0:
+            entered.set()
+            release.wait()
+        return measure(model, max_tokens, **kwargs)
+
+    monkeypatch.setattr(costs, "measure_forward_costs", first_blocks)
+    tables = []
+    first = threading.Thread(target=lambda: tables.append(costs.forward_costs(tiny_target, max_tokens=4)))
+    second = threading.Thread(target=lambda: tables.append(costs.forward_costs(tiny_target, max_tokens=4)))
+    first.start()
+    entered.wait()
+    second.start()
+    second.join(timeout=1.0)  # no timing asserted: only a chance for a second measurement to start
+    release.set()
+    first.join()
+    second.join()
+    assert planted["measured"] == 1 and len(tables) == 2 and tables[0] is tables[1]
+    checks = planted["spot_checks"]
+    assert costs.forward_costs(tiny_target, max_tokens=4) is tables[0]  # later calls: no spot check either
+    assert planted["spot_checks"] == checks and planted["measured"] == 1
+
+
+def test_one_slow_spot_check_does_not_replace_a_good_table(planted, tiny_target):
+    costs.forward_costs(tiny_target, max_tokens=4)
+    planted["new_process"]()
+    planted["checks"] = [0.05, 0.01]  # a blip, then the table's speed again
+    assert costs.forward_costs(tiny_target, max_tokens=4).seconds[1] == 0.01
+    assert planted["measured"] == 1
+
+
+def test_a_busy_machine_keeps_the_cached_table(planted, tiny_target, capsys):
+    """Every spot check 5x slower: a table measured now would record the load; the cached one is used."""
+    costs.forward_costs(tiny_target, max_tokens=4)
+    planted["new_process"]()
+    planted["checks"] = [0.05]
+    planted["table"] = 0.05  # what a measurement now would record
+    assert costs.forward_costs(tiny_target, max_tokens=4).seconds[1] == 0.01
+    assert planted["measured"] == 1 and planted["spot_checks"] == 1 + costs.SPOT_CHECKS
+    assert "the machine is busy; using the cached file" in capsys.readouterr().err
+
+
+def test_a_table_measured_on_a_busy_machine_is_replaced_once_the_machine_is_quiet(planted, tiny_target):
+    planted["table"] = planted["checks"][0] = 0.05
+    costs.forward_costs(tiny_target, max_tokens=4)  # measured and checked on a uniformly busy machine
+    planted["new_process"]()
+    planted["table"], planted["checks"] = 0.01, [0.01]
+    assert costs.forward_costs(tiny_target, max_tokens=4).seconds[1] == 0.01 and planted["measured"] == 2
+    planted["new_process"]()
+    assert costs.forward_costs(tiny_target, max_tokens=4).seconds[1] == 0.01 and planted["measured"] == 2
+
+
+def test_a_table_the_load_disturbed_is_used_but_not_cached(planted, tiny_target, capsys):
+    """Measured at 50 ms a pass while a spot check right after takes 10 ms: the process uses it,
+    no file keeps it (the next process measures again instead of trusting it)."""
+    planted["table"], planted["checks"] = 0.05, [0.01]
+    assert costs.forward_costs(tiny_target, max_tokens=4).seconds[1] == 0.05
+    assert planted["files"]() == []
+    assert "no file keeps it" in capsys.readouterr().err
+    planted["new_process"]()
+    planted["table"] = 0.01
+    assert costs.forward_costs(tiny_target, max_tokens=4).seconds[1] == 0.01
+    assert len(planted["files"]()) == 1 and planted["measured"] == 2
