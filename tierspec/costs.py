@@ -89,10 +89,13 @@ def measure_forward_costs(model: torch.nn.Module, max_tokens: int = 16, context:
 
 
 def _linear_kind(model: torch.nn.Module) -> str:
-    """Which linear kernels the model runs (the table depends on them: see ``kernels``)."""
-    from .kernels import FewRowLinear
+    """Which linear kernels and weight dtype the model runs (the table depends on both: see
+    ``kernels``)."""
+    from .kernels import FewRowLinear, PackedLinear
 
-    return "few-row-v2" if any(isinstance(m, FewRowLinear) for m in model.modules()) else "linear"
+    kinds = {type(m) for m in model.modules()}
+    kind = "packed-v1" if PackedLinear in kinds else "few-row-v2" if FewRowLinear in kinds else "linear"
+    return f"{kind}:{str(getattr(model, 'dtype', '')).replace('torch.', '')}"
 
 
 def _read_table(path: Path, max_tokens: int) -> ForwardCosts | None:
@@ -230,9 +233,13 @@ class UnitCosts:
         return sum(self.unit_share(kind) for kind, _ in mask.bypassed_units())
 
 
+def _head_input_dtype(head: torch.nn.Module) -> torch.dtype:
+    dtype = getattr(head, "dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else head.weight.dtype
+
+
 def measure_unit_costs(model: torch.nn.Module, context: int = 256, repeats: int = 15) -> UnitCosts:
     """Interleaved medians of 1-token passes: full, no attention, no MLP, and the LM head alone."""
-    from .kernels import few_row_linear
     from .routing import RoutingMask, decoder_layers
 
     layers = len(decoder_layers(model))
@@ -241,8 +248,8 @@ def measure_unit_costs(model: torch.nn.Module, context: int = 256, repeats: int 
                 "no_mlp": RoutingMask(layers, "sublayer", frozenset(), every)}
     runner = CachedModel(model)
     vocab = runner.vocab_size
-    weight = model.get_output_embeddings().weight.detach()
-    hidden = torch.randn(1, weight.shape[1], dtype=weight.dtype, device=weight.device)
+    head = model.get_output_embeddings()
+    hidden = torch.randn(1, model.config.hidden_size, device=runner.device)  # the float32 stream the head reads
     samples: dict[str, list[float]] = {name: [] for name in (*variants, "lm_head")}
     with torch.inference_mode():
         runner.forward(torch.arange(context) % vocab, logits_for=1)
@@ -256,7 +263,7 @@ def measure_unit_costs(model: torch.nn.Module, context: int = 256, repeats: int 
                 if i >= 2:
                     samples[name].append(elapsed)
             started = time.perf_counter()
-            few_row_linear(hidden, weight, None).float().cpu()
+            head(hidden.to(_head_input_dtype(head))).float().cpu()
             if i >= 2:
                 samples["lm_head"].append(time.perf_counter() - started)
     median = {name: statistics.median(values) for name, values in samples.items()}
