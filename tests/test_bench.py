@@ -107,11 +107,12 @@ def test_runner_end_to_end_and_resume(tmp_path, tiny_text_model, data_dir):
         assert key in inner
     assert inner["n_prompts"] == 2 and "baseline_check" in summary
     from tierspec.bench.runner import stock_copy
-    from tierspec.kernels import FewRowLinear
+    from tierspec.kernels import FewRowLinear, PackedLinear
 
     stock = stock_copy(tiny_text_model.model)  # the stock peer ran on plain nn.Linear, the target kept its kernels
-    assert not any(isinstance(m, FewRowLinear) for m in stock.modules())
-    assert any(isinstance(m, FewRowLinear) for m in tiny_text_model.model.modules())
+    assert not any(isinstance(m, (FewRowLinear, PackedLinear)) for m in stock.modules())
+    assert {type(m) for m in stock.modules()} >= {torch.nn.Linear}
+    assert any(isinstance(m, (FewRowLinear, PackedLinear)) for m in tiny_text_model.model.modules())
     assert "hf-*-stock" in (out / "summary.md").read_text()
 
     # Resume: nothing left to do, so no generation runs and no record is added.

@@ -60,3 +60,96 @@ def test_loaded_models_decode_like_plain_linears(tiny_target):
         few_row, linear = CachedModel(tiny_target.model), CachedModel(plain)
         for chunk in (ids[:4], ids[4:5], ids[5:]):
             torch.testing.assert_close(few_row.forward(chunk), linear.forward(chunk), rtol=1e-5, atol=1e-5)
+
+
+# ---- packed (oneDNN) linears -------------------------------------------------------------------
+
+from tierspec.kernels import (PackedLinear, native_bfloat16, packing_available, resolve_kernels,  # noqa: E402
+                              unpacked_copy, use_packed_linears)
+
+needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch build cannot pack for oneDNN")
+PACKED_DTYPES = [torch.float32] + ([torch.bfloat16] if native_bfloat16() else [])
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17, 300])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_linear(dtype, rows, bias):
+    torch.manual_seed(rows)
+    layer = torch.nn.Linear(48, 80, bias=bias).to(dtype)
+    x = torch.randn(1, rows, 48).to(dtype)
+    packed = PackedLinear(layer.weight, layer.bias)
+    got = packed(x)
+    assert got.dtype == dtype and got.shape == (1, rows, 80)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), F.linear(x.float(), layer.weight.float(), None if layer.bias is None
+                                                     else layer.bias.float()), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(packed(x.float()), got)  # inputs in another dtype are cast to the weight's
+
+
+@needs_packing
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+@pytest.mark.parametrize("shape", [(80, 48), (576, 1536), (192, 576)])
+def test_a_row_is_the_same_alone_and_inside_wider_products(dtype, shape):
+    """The property the decode loop relies on: a row's output does not depend on the other rows
+    of its call (bitwise), for one row too (K = 1536 takes another path for a single row in
+    oneDNN; the layer computes one row as two)."""
+    torch.manual_seed(0)
+    packed = PackedLinear((torch.randn(*shape) * 0.05).to(dtype))
+    rows = (torch.randn(16, shape[1]) * 3).to(dtype)
+    together = packed(rows)
+    for width in (1, 2, 3, 5, 8, 13):
+        for start in range(0, 16 - width + 1, width):
+            assert torch.equal(packed(rows[start : start + width]), together[start : start + width]), (width, start)
+
+
+@needs_packing
+def test_packed_layers_save_load_copy_and_unpack_like_linear():
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 4, bias=False))
+    plain = copy.deepcopy(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    assert use_packed_linears(model) == 2 and all(isinstance(model[i], PackedLinear) for i in (0, 2))
+    assert not any(isinstance(p, torch.Tensor) and p.dim() == 2 for p in model.parameters())  # no plain copy kept
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(model(x), plain(x), rtol=1e-5, atol=1e-6)
+    clone = copy.deepcopy(model)
+    assert torch.equal(clone(x), model(x))
+    doubled = {k: 2 * v for k, v in state.items()}
+    clone.load_state_dict(doubled)  # repacks
+    assert torch.equal(clone.state_dict()["2.weight"], doubled["2.weight"])
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        clone.load_state_dict({**doubled, "2.weight": torch.zeros(3, 6)})
+    unpacked = unpacked_copy(model)
+    assert type(unpacked[0]) is torch.nn.Linear and torch.equal(unpacked[2].weight, state["2.weight"])
+    assert isinstance(model[0], PackedLinear)  # the original is left packed
+
+
+@needs_packing
+@pytest.mark.skipif(not native_bfloat16(), reason="no native bfloat16 on this CPU")
+def test_a_bfloat16_model_keeps_a_float32_head_and_its_unpacked_copy_its_dtypes(tiny_target):
+    import copy
+
+    model = copy.deepcopy(tiny_target.model).to(torch.bfloat16)  # a float64 model: few-row layers, unpacked
+    assert not any(isinstance(m, PackedLinear) for m in model.modules())
+    use_packed_linears(model)
+    assert model.lm_head.dtype == torch.float32 and model.lm_head.source_dtype == torch.bfloat16
+    assert model.model.layers[0].mlp.down_proj.dtype == torch.bfloat16
+    with torch.inference_mode():
+        assert model(torch.tensor([[3, 4, 5]])).logits.dtype == torch.float32
+    stock = unpacked_copy(model)
+    assert stock.lm_head.weight.dtype == torch.bfloat16 and type(stock.lm_head) is torch.nn.Linear
+
+
+def test_auto_kernels_follow_the_device_and_dtype():
+    cpu = torch.device("cpu")
+    expected = "packed" if packing_available() else "few-row"
+    assert resolve_kernels("auto", cpu, torch.float32) == expected
+    assert resolve_kernels("auto", cpu, torch.float64) == "few-row"
+    assert resolve_kernels("auto", torch.device("cuda"), torch.float32) == "stock"
+    assert resolve_kernels("few-row", cpu, torch.float32) == "few-row"

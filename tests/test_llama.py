@@ -224,3 +224,48 @@ def test_a_model_on_tierspec_code_generates_text_through_the_api(tmp_path):
     reference = generate("abc abc abc", target=load_model(folder, implementation="transformers"), method="ar",
                          max_new_tokens=10)
     assert result.token_ids == reference.token_ids and result.text == reference.text
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_tokens_logits_do_not_depend_on_the_pass_it_is_in(tmp_path, dtype):
+    """The exactness the decode loop relies on: logits of a token computed alone (plain
+    decoding) and inside 2-16-token passes (verification) are bitwise equal, also when a pass
+    crosses a 512-key block, with the CPU kernels ``auto`` picks (packed where available)."""
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=56, hidden_size=64, intermediate_size=192, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=None, pad_token_id=None)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "m")
+    loaded = load_model(tmp_path / "m", dtype=dtype, implementation="tierspec")
+    ids = (torch.arange(516) * 31 + 7) % 56
+    runner = CachedModel(loaded.model)
+    with torch.inference_mode():
+        runner.forward(ids[:500], logits_for=1)
+        alone = torch.cat([runner.forward(ids[500 + i : 501 + i]) for i in range(16)])
+        assert alone.dtype == torch.float32
+        for width in (2, 3, 5, 8, 16):
+            runner.rollback(500)
+            together = torch.cat([runner.forward(ids[500 + i : 500 + min(i + width, 16)]) for i in range(0, 16, width)])
+            assert torch.equal(together, alone), f"width {width}"
+
+
+def test_the_kv_buffer_is_reserved_once_and_rollback_only_moves_the_index(pair):
+    own, _ = pair
+    runner = CachedModel(own.model)
+    runner.reserve(40)
+    with torch.inference_mode():
+        runner.forward(IDS[:7])
+        layer = runner.cache.layers[0]
+        storage = layer.keys.untyped_storage().data_ptr()
+        kept = layer.keys[..., :5, :].clone()
+        runner.forward(IDS[7:12])
+        runner.rollback(5)
+        assert layer.length == 5 and torch.equal(layer.keys, kept)
+        for _ in range(6):
+            runner.forward(IDS[:5])
+        assert runner.length == 35 and layer.keys.untyped_storage().data_ptr() == storage  # never reallocated
+        runner.rollback(3)
+        runner.forward(IDS[:2])
+        with pytest.raises(RuntimeError, match="rollback invariant"):  # a layer left behind is refused loudly
+            runner.cache.layers[1].trim(1)
+            runner.forward(IDS[:1])

@@ -93,9 +93,12 @@ class PackedLinear(torch.nn.Module):
     residual stream's normalised rows); the output is in the weight's dtype. ``weight`` returns
     an unpacked copy (for the rare readers: a draft head copying rows, a stock copy)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, source_dtype: torch.dtype | None = None):
+        """``source_dtype``: the dtype the layer had before packing, when packing widened it (an
+        LM head packed in float32 for a bfloat16 model); ``unpacked_copy`` restores it."""
         super().__init__()
         weight = weight.detach()
+        self.source_dtype = source_dtype or weight.dtype
         self.out_features, self.in_features = (int(s) for s in weight.shape)
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
@@ -130,7 +133,8 @@ class PackedLinear(torch.nn.Module):
         return self.packed.to_dense()
 
     def __deepcopy__(self, memo) -> "PackedLinear":
-        clone = memo[id(self)] = PackedLinear(self.weight, None if self.bias is None else self.bias.detach().clone())
+        clone = memo[id(self)] = PackedLinear(self.weight, None if self.bias is None else self.bias.detach().clone(),
+                                              self.source_dtype)
         return clone
 
     # A packed layer saves and loads like ``nn.Linear`` (its plain weight under ``weight``), so a
@@ -177,7 +181,7 @@ def use_packed_linears(model: torch.nn.Module) -> int:
                 weight = weight.float()
             elif not packable_dtype(weight.dtype):
                 continue
-            setattr(parent, name, PackedLinear(weight, module.bias))
+            setattr(parent, name, PackedLinear(weight, module.bias, source_dtype=module.weight.dtype))
             packed += 1
     return packed
 
@@ -200,9 +204,9 @@ def unpacked_copy(model: torch.nn.Module) -> torch.nn.Module:
             if isinstance(module, PackedLinear):
                 plain = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
                                         device="meta")
-                plain.weight = torch.nn.Parameter(module.weight, requires_grad=False)
+                plain.weight = torch.nn.Parameter(module.weight.to(module.source_dtype), requires_grad=False)
                 if module.bias is not None:
-                    plain.bias = torch.nn.Parameter(module.bias.detach().clone(), requires_grad=False)
+                    plain.bias = torch.nn.Parameter(module.bias.detach().to(module.source_dtype), requires_grad=False)
                 setattr(parent, name, plain)
             elif type(module) is FewRowLinear:
                 module.__class__ = torch.nn.Linear

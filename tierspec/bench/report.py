@@ -196,7 +196,7 @@ def markdown_table(summary: dict) -> str:
         twin = config.get("implementation") == "tierspec"
         lines += ["", "`hf-*`: transformers' own `generate` algorithms on "
                   + ("a copy of the model on transformers' modules (tierspec's methods ran on its own Llama code)"
-                     if twin else "the same model object") + ", with tierspec's few-row linear kernels (an "
+                     if twin else "the same model object") + ", with tierspec's linear kernels (`--kernels`; an "
                   "algorithm-to-algorithm comparison); `hf-*-stock`: the same on a copy with stock `nn.Linear` modules, "
                   "what a user who picks transformers runs."]
     return "\n".join(lines) + "\n"

@@ -37,7 +37,7 @@ from . import metrics
 
 HF_PEERS_ON_OUR_KERNELS = ("hf-greedy", "hf-assisted", "hf-pld", "hf-early-exit")
 # The same peers as a user who picks transformers runs them: stock ``nn.Linear`` modules (a copy
-# of the model without tierspec's few-row kernels). ``hf-*`` without ``-stock`` share tierspec's
+# of the model without tierspec's linear kernels). ``hf-*`` without ``-stock`` share tierspec's
 # kernels: an algorithm-to-algorithm comparison.
 STOCK_SUFFIX = "-stock"
 HF_PEERS = HF_PEERS_ON_OUR_KERNELS + tuple(name + STOCK_SUFFIX for name in HF_PEERS_ON_OUR_KERNELS)
@@ -46,17 +46,12 @@ _STOCK_COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = w
 
 
 def stock_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` whose linear layers are plain ``nn.Linear`` again (made once per model)."""
-    import copy
-
-    from ..kernels import FewRowLinear
+    """A copy of ``model`` whose linear layers are plain ``nn.Linear`` again, in the dtype they were
+    loaded in (made once per model)."""
+    from ..kernels import unpacked_copy
 
     if model not in _STOCK_COPIES:
-        clone = copy.deepcopy(model)
-        for module in clone.modules():
-            if isinstance(module, FewRowLinear):
-                module.__class__ = torch.nn.Linear
-        _STOCK_COPIES[model] = clone
+        _STOCK_COPIES[model] = unpacked_copy(model)
     return _STOCK_COPIES[model]
 
 
