@@ -25,9 +25,9 @@ Two more properties matter for speculative decoding:
 * **A row's result does not depend on the other rows of its pass** (its numerics are the same
   alone and inside a 2-16-row verification pass), so a lossless method's greedy output equals
   plain decoding's exactly. oneDNN's packed products have that property for 2+ rows; for one
-  row some shapes take a different path (measured: float32 with K = 1536, the MLP's down
-  projection). ``PackedLinear`` probes this once per layer when packing and, where the single
-  row differs, computes a single row as two (the same cost: the pass is flat).
+  row some shapes take a different path (measured: K = 1536, the MLP's down projection, in
+  float32 on random rows and in bfloat16 on the default model's activations), so a single row is
+  computed as two (the same cost: the product is flat in the rows). Tested bitwise.
 * **The LM head's output is float32** whatever the model's dtype, so that near-ties among the
   logits are not rounded into ties or flips (bfloat16 logits are spaced 0.125 apart at 16).
 
@@ -103,26 +103,15 @@ class PackedLinear(torch.nn.Module):
         self.dtype = weight.dtype
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(weight.dtype), requires_grad=False)
-        self.single_row_as_two = True  # self._single_row_differs(weight)
-
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-
-    def _single_row_differs(self, weight: torch.Tensor) -> bool:
-        """Whether a one-row product differs from the same row inside a wider one (probed on a
-        few random rows; bitwise, the property the decode loop relies on)."""
-        generator = torch.Generator().manual_seed(0)
-        rows = torch.randn(4, self.in_features, generator=generator).to(self.dtype)
-        with torch.inference_mode():
-            together = self._product(rows)
-            return any(not torch.equal(self._product(rows[i : i + 1].contiguous())[0], together[i]) for i in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != self.dtype:
             flat = flat.to(self.dtype)
-        if flat.shape[0] == 1 and self.single_row_as_two:
+        if flat.shape[0] == 1:  # oneDNN's one-row path sums in another order for some shapes: two rows
             out = self._product(torch.cat((flat, flat)))[:1]
         else:
             out = self._product(flat.contiguous())

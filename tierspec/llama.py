@@ -243,7 +243,7 @@ class Attention(torch.nn.Module):
         Attention runs in the layout's dtype (float32 for a bfloat16 model: see KEY_BLOCK)."""
         b, n = x.shape[0], x.shape[1]
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
-        qkv = self.qkv_proj(x).view(b, n, heads + 2 * kv_heads, d).to(layout.cos.dtype)
+        qkv = self.qkv_proj.forward(x).view(b, n, heads + 2 * kv_heads, d).to(layout.cos.dtype)
         rotated = rotate(qkv[:, :, : heads + kv_heads], layout.cos, layout.signed_sin)  # [b, n, heads + kv_heads, D]
         q = rotated[:, :, :heads].transpose(1, 2)  # [b, heads, n, D]
         k = rotated[:, :, heads:].transpose(1, 2)  # [b, kv_heads, n, D]
@@ -264,7 +264,7 @@ class Attention(torch.nn.Module):
                                                             attn_mask=layout.mask[i : i + ATTENTION_ROWS], enable_gqa=gqa)
                              for i in range(0, rows, ATTENTION_ROWS)], dim=2)[:, :, :n] if rows > ATTENTION_ROWS else \
                 F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.mask, enable_gqa=gqa)[:, :, :n]
-        return self.o_proj(out.transpose(1, 2).reshape(b, n, heads * d))
+        return self.o_proj.forward(out.transpose(1, 2).reshape(b, n, heads * d))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -282,14 +282,18 @@ class MLP(torch.nn.Module):
         self.down_proj = _Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        return self.down_proj(F.silu(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :])
+        gate_up = self.gate_up_proj.forward(x)
+        return self.down_proj.forward(F.silu(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :])
 
 
 class DecoderLayer(torch.nn.Module):
     """A Llama decoder layer over the residual stream h [1, n, H] (float32, or the model's dtype
     if wider). A routing mask swaps ``self_attn`` or ``mlp`` for a stand-in marked ``bypassed``
-    (``routing.apply_mask``): that block, and the norm in front of it, are skipped."""
+    (``routing.apply_mask``): that block, and the norm in front of it, are skipped.
+
+    The layer's own parts are run through ``forward`` rather than called as modules: a module
+    call costs a few µs of Python, and a pass makes ~270 of them (hooks on the layer and on the
+    decoder, which tierspec uses, still run; hooks on a layer's parts would not)."""
 
     def __init__(self, config: SimpleNamespace):
         super().__init__()  # registered in transformers' order, so state_dict() lists weights alike
@@ -299,10 +303,11 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, layout: PassLayout, cache: KVLayer | None) -> torch.Tensor:
-        if not getattr(self.self_attn, "bypassed", False):
-            hidden_states = hidden_states + self.self_attn(self.input_layernorm(hidden_states), layout, cache)
-        if not getattr(self.mlp, "bypassed", False):
-            hidden_states = hidden_states + self.mlp(self.post_attention_layernorm(hidden_states))
+        attention, mlp = self.self_attn, self.mlp
+        if not getattr(attention, "bypassed", False):
+            hidden_states = hidden_states + attention.forward(self.input_layernorm.forward(hidden_states), layout, cache)
+        if not getattr(mlp, "bypassed", False):
+            hidden_states = hidden_states + mlp.forward(self.post_attention_layernorm.forward(hidden_states))
         return hidden_states
 
 

@@ -220,15 +220,28 @@ def _gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / f"{gguf.stem}-{key}"
 
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _API_ONLY_DTYPES = {"float64": torch.float64}  # exact reference runs in tests
 
 
-def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """A torch dtype from a dtype or its name (``float32``, ``bfloat16``, ``float16``)."""
+def fastest_dtype(device: torch.device) -> torch.dtype:
+    """What ``auto`` means: bfloat16 on a CPU that computes bfloat16 products natively and where
+    torch packs them for oneDNN (half the bytes per pass; layers in bfloat16, the residual
+    stream, attention and logits in float32 — see ``tierspec.llama``; measured quality in
+    BENCHMARKS.md), float32 elsewhere (GPUs included, where nothing here has been measured)."""
+    from .kernels import native_bfloat16, packing_available
+
+    return torch.bfloat16 if device.type == "cpu" and packing_available() and native_bfloat16() else torch.float32
+
+
+def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device = "cpu") -> torch.dtype:
+    """A torch dtype from a dtype or its name (``auto``, ``float32``, ``bfloat16``, ``float16``);
+    ``auto`` is ``fastest_dtype`` of ``device``."""
     known = {**DTYPES, **_API_ONLY_DTYPES}
     if isinstance(dtype, torch.dtype) and dtype in known.values():
         return dtype
+    if dtype == "auto":
+        return fastest_dtype(resolve_device(device))
     if isinstance(dtype, str) and dtype in known:
         return known[dtype]
     raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
@@ -275,8 +288,8 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
     GGUF files (the default model is one) are de-quantised once into a cached float32
     safetensors folder; later loads read the cache (in the dtype asked for).
     """
-    dtype = resolve_dtype(dtype)
     device = resolve_device(device)
+    dtype = resolve_dtype(dtype, device)
     if kernels not in KERNELS:
         raise ModelLoadError(f"unknown kernels {kernels!r}; choose one of: {', '.join(KERNELS)}")
     if implementation not in IMPLEMENTATIONS:

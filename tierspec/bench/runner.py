@@ -28,7 +28,7 @@ from ..data import Prompt, load_prompts, select
 from ..decode import DecodeConfig, GenerationStats, decode
 from ..errors import TierspecError
 from ..methods import MethodOptions, build_method, method_names, option_fields
-from ..models import LoadedModel, load_model, model_code
+from ..models import LoadedModel, load_model, model_code, resolve_dtype
 from ..prompting import encode_prompt, eos_ids
 from ..routing import RoutingMask, model_lock
 from ..sampling import SamplingConfig
@@ -397,6 +397,8 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
     (``folder_lock``): a second is refused, not interleaved with the first."""
     if out.exists() and not out.is_dir():
         raise BenchError(f"--out {out} is a file; give a folder (a new one, or one a bench run made)")
+    if config.dtype == "auto" and generate:  # records name the dtype they were measured in
+        config = replace(config, dtype=str(resolve_dtype("auto", config.device)).removeprefix("torch."))
     if not generate and not out.is_dir():
         raise BenchError(f"{out} does not exist: nothing to summarize")
     created = not out.exists()
