@@ -7,8 +7,9 @@ from scipy.stats import chi2
 from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import ModelDrafter, Proposal
 from tierspec.rules.common import acceptance_walk
+from tierspec.rules import ExactRule
 from tierspec.rules.exact import acceptance_probability, exact_walk
-from tierspec.sampling import SamplingConfig, logits_to_probs, residual_distribution
+from tierspec.sampling import Noise, SamplingConfig, logits_to_probs, residual_distribution
 
 
 def exact_one_step_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -52,12 +53,17 @@ def test_greedy_exact_walk_block_cases():
     assert greedy([], logits[:1]) == (0, 1)  # empty draft = AR
 
 
-def test_sampled_exact_walk_uses_residual_on_rejection():
+@pytest.mark.parametrize("sampling_rule", ["coupled", "residual"])
+def test_sampled_exact_walk_replaces_a_token_the_target_never_draws(sampling_rule):
     # q(x=0) = 0: the one-hot draft of token 0 is always rejected; the residual is q itself.
     logits = torch.log(torch.tensor([[1e-30, 0.5, 0.5], [1.0, 1e-30, 1e-30]]))
+    seen = set()
     for seed in range(20):
-        accepted, token = exact_walk(Proposal(torch.tensor([0])), logits, SamplingConfig(1.0), torch.Generator().manual_seed(seed))
+        noise = Noise(seed, 3).block(0)
+        accepted, token = exact_walk(Proposal(torch.tensor([0])), logits, SamplingConfig(1.0), noise, sampling_rule)
         assert accepted == 0 and token in (1, 2)
+        seen.add(token)
+    assert seen == {1, 2}
 
 
 def test_acceptance_walk_keeps_in_order_and_stops_at_the_first_rejection():
@@ -70,17 +76,17 @@ def test_acceptance_walk_keeps_in_order_and_stops_at_the_first_rejection():
                            keep=lambda i, passed: i < 2) == (2, 5)
 
 
-def first_token_counts(target, drafter, prompt, runs: int) -> torch.Tensor:
-    """Sample the first generated token ``runs`` times through the decode loop (one draft token)."""
+def first_token_counts(target, drafter, prompt, runs: int, sampling_rule: str) -> torch.Tensor:
+    """Sample the first generated token with seeds 0 .. ``runs`` − 1 through the decode loop
+    (one draft token)."""
     vocab = target.vocab_size
     counts = torch.zeros(vocab)
     from conftest import as_method
 
     config = DecodeConfig(max_new_tokens=2, sampling=SamplingConfig(temperature=1.0))
-    generator = torch.Generator().manual_seed(1234)
-    method = as_method(ModelDrafter(drafter.model), num_draft=1)
-    for _ in range(runs):
-        steps = decode(target, method, prompt, config, generator)
+    method = as_method(ModelDrafter(drafter.model), ExactRule(sampling_rule), num_draft=1)
+    for seed in range(runs):
+        steps = decode(target, method, prompt, config, seed)
         counts[next(steps).new_tokens[0]] += 1
     return counts
 
@@ -94,7 +100,8 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chi2.sf(stat, int(keep.sum()) - 1))
 
 
-def test_sampling_run_matches_target_first_token_distribution():
+@pytest.mark.parametrize("sampling_rule", ["coupled", "residual"])
+def test_sampling_run_matches_target_first_token_distribution(sampling_rule):
     from conftest import tiny_llama
 
     # Small vocabulary and peaked, different distributions so that the residual carries mass.
@@ -107,7 +114,7 @@ def test_sampling_run_matches_target_first_token_distribution():
     rejected_mass = float((p * (1 - acceptance_probability(p, q))).sum())
     assert rejected_mass > 0.2, "the test needs a drafter that disagrees often"
 
-    counts = first_token_counts(target, drafter, prompt, runs=3000)
+    counts = first_token_counts(target, drafter, prompt, runs=3000, sampling_rule=sampling_rule)
     assert chi_square_p_value(counts, q) > 1e-3
 
     # The same counts would condemn a wrong residual (drawing from q itself on rejection).

@@ -121,7 +121,8 @@ def stream(
 
     ``method``: None = ``methods.default_method(target)`` (the hybrid where a draft head exists
     for the target, else adaptive-pld). ``num_draft`` overrides ``options.num_draft`` (γ of the
-    fixed-length methods).
+    fixed-length methods). ``seed``: the same seed gives the same text (README, "Same seed, same
+    text"); None draws a fresh one.
     """
     target = _as_model(target)
     drafter = _as_model(drafter)
@@ -133,8 +134,7 @@ def stream(
     built = build_method(method or default_method(target, options), target, drafter, options)
     prompt_ids = encode_prompt(target, prompt, chat_template)
     config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_ids(target))
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    return TextStream(decode(target, built, prompt_ids, config, generator), target)
+    return TextStream(decode(target, built, prompt_ids, config, seed), target)
 
 
 def generate(prompt: str | list[int] | torch.Tensor, *, target: LoadedModel | str = DEFAULT_MODEL, **kwargs) -> Generation:

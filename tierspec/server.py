@@ -185,7 +185,8 @@ class Engine:
 
     Admission is counted here (running + waiting ≤ 1 + ``max_queue``) so that a full server
     answers at once instead of piling up requests. Built methods are kept per (name,
-    num_draft): the cost-aware policies go on learning across requests.
+    num_draft); a policy starts afresh for every request, so a seed gives the same text
+    whatever the server ran before.
     """
 
     def __init__(self, target: LoadedModel, method: str | None = None, drafter: LoadedModel | None = None,
