@@ -167,7 +167,8 @@ def test_the_coupled_walk_emits_the_targets_perturbed_argmax_whatever_was_drafte
     for seed in range(200):
         noise = Noise(seed, 4).block(0)
         y = (q.log() + noise.gumbels(4)).argmax(-1)  # the target's tokens, written out
-        for draft in ([], y[:1].tolist(), y[:3].tolist(), [(int(y[0]) + 1) % 4, 0, 0], [int(y[0]), (int(y[1]) + 1) % 4, 0]):
+        other = [(int(y[0]) + 1) % 4, 0, 0], [int(y[0]), (int(y[1]) + 1) % 4, 0]  # rejected first / second
+        for draft in ([], y[:1].tolist(), y[:3].tolist(), *other):
             accepted, token = exact_walk(Proposal(torch.tensor(draft, dtype=torch.long)), q[: len(draft) + 1].log(),
                                          SamplingConfig(1.0), noise, "coupled")
             emitted = draft[:accepted] + [token]

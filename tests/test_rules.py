@@ -106,7 +106,8 @@ def sampled_first_tokens(rule, p, target_rows, slim_rows=None, runs=20000, seed=
     for run in range(runs):
         x = torch.multinomial(p.float(), 1, generator=generator)
         proposal = Proposal(x, p.float()[None], torch.log(p.float())[None])
-        verdict = rule.verify(StubVerifiers(target_rows, slim_rows), proposal, sampling, Noise(run, p.shape[-1]).block(0))
+        noise = Noise(run, p.shape[-1]).block(0)
+        verdict = rule.verify(StubVerifiers(target_rows, slim_rows), proposal, sampling, noise)
         counts[int(x) if verdict.accepted else verdict.next_token] += 1
     return counts
 

@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from tierspec.sampling import RESIDUAL, Noise, SamplingConfig, SeedError, gumbel_argmax, logits_to_probs, residual_distribution
+from tierspec.sampling import (
+    RESIDUAL,
+    Noise,
+    SamplingConfig,
+    SeedError,
+    gumbel_argmax,
+    logits_to_probs,
+    residual_distribution,
+)
 
 
 def test_greedy_is_one_hot_of_argmax():

@@ -83,7 +83,8 @@ class LurchingClock:
 
 
 @pytest.mark.parametrize("name", method_names())
-def test_a_seed_fixes_the_text_whatever_ran_before_and_whatever_the_clock_says(name, target, drafter, parts, monkeypatch):
+def test_a_seed_fixes_the_text_whatever_ran_before_and_whatever_the_clock_says(name, target, drafter, parts,
+                                                                                 monkeypatch):
     """The issue's finding, reproduced: one method object (as the server keeps it) generates
     for a prompt, then for another prompt, then again for the first under a clock that lurches;
     the seed must give the first text again. It did not for the cost-aware methods (eagle,

@@ -86,8 +86,10 @@ class EagleDrafter(Drafter):
             while True:
                 logits = self.runner.logits(h)[0].float()  # [K]
                 probs = logits_to_probs(logits, sampling)
-                # Sampled: the token noise of the draft's position, read on the draft vocabulary.
-                choice = int(logits.argmax()) if sampling.greedy else int(gumbel_argmax(probs, noise.gumbel(len(tokens))[ids]))
+                if sampling.greedy:
+                    choice = int(logits.argmax())
+                else:  # the token noise of the draft's position, read on the draft vocabulary
+                    choice = int(gumbel_argmax(probs, noise.gumbel(len(tokens))[ids]))
                 tokens.append(int(ids[choice]))
                 k_probs.append(probs)
                 k_logits.append(logits)
