@@ -13,13 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import as_method, char_tokenizer, tiny_llama
 
+import tierspec
 from tierspec.decode import DecodeConfig, decode
+from tierspec.drafters import NgramDrafter
+from tierspec.drafters.eagle import EagleDrafter
 from tierspec.eagle.head import DraftHead
 from tierspec.judge.head import JudgeHead
 from tierspec.methods import MethodOptions, build_method, method_names
+from tierspec.models import load_model
 from tierspec.routing import RoutingMask
+from tierspec.rules import ExactRule
+from tierspec.rules.cascade import CascadeRule
+from tierspec.rules.lossy import LossyRule
+from tierspec.rules.via import ViaRule
 from tierspec.sampling import SamplingConfig, SeedError
 
 PROMPT = torch.tensor([5, 9, 13, 5, 9, 13, 7, 21, 5, 9, 13, 7, 3, 30, 41])
@@ -165,19 +173,11 @@ def test_with_a_drafter_that_is_the_target_both_rules_give_ars_text(target):
 def test_neutral_lossy_settings_draw_what_the_residual_rule_draws(drafter_kind, target, parts):
     """The rules key their coins and draws alike: lossy with α = 0, β = 1, cascades that always
     defer and VIA-SD always calling the full target are the residual rule draw for draw."""
-    from tierspec.methods import _drafter
-    from tierspec.rules import ExactRule
-    from tierspec.rules.cascade import CascadeRule
-    from tierspec.rules.lossy import LossyRule
-    from tierspec.rules.via import ViaRule
-    from conftest import as_method
-
-    options = MethodOptions(drafter_kind=drafter_kind, draft_head=parts["draft_head"])
     sampling = SamplingConfig(1.0)
 
     def run(rule, slim_mask=None):
-        return tokens(target, as_method(_drafter(target, None, options), rule, num_draft=4, slim_mask=slim_mask),
-                      PROMPT, 11, sampling)
+        drafter = NgramDrafter(3) if drafter_kind == "ngram" else EagleDrafter(parts["draft_head"])
+        return tokens(target, as_method(drafter, rule, num_draft=4, slim_mask=slim_mask), PROMPT, 11, sampling)
 
     reference = run(ExactRule("residual"))
     assert run(LossyRule(0.0, 1.0)) == reference
@@ -194,10 +194,6 @@ REPO = Path(__file__).resolve().parents[1]
 @pytest.fixture(scope="module")
 def model_folder(tmp_path_factory):
     """A tiny model folder with a character tokenizer and a (random) draft head file."""
-    from conftest import char_tokenizer
-
-    from tierspec.models import load_model
-
     folder = tmp_path_factory.mktemp("seed") / "tiny"
     tiny_llama(seed=4, vocab_size=56, layers=4, sharpness=6.0, dtype=torch.float32).model.save_pretrained(folder)
     char_tokenizer().save_pretrained(folder)
@@ -222,8 +218,6 @@ def test_a_seed_fixes_the_text_across_processes_and_the_library(model_folder):
     """The issue's loop (`for i in 1 2 3; do tierspec generate ... --seed 7; done`) on a tiny
     model: every run prints the same text, the lossless methods print ar's, and the library
     gives the same text in this process."""
-    import tierspec
-
     folder, head, loaded = model_folder
     ar = cli_text(folder, "--method", "ar")
     assert len(ar.strip()) > 5
@@ -244,8 +238,6 @@ def test_the_issues_command_prints_one_text_on_the_real_model():
     """`tierspec generate "Write a short story about a robot learning to paint." --method hybrid
     --temperature 1 --seed 7 --max-new-tokens 48`, twice, each in its own process: one text, and
     it is ar's."""
-    import tierspec
-
     tierspec.load_model("smollm2-135m")  # converts the default model into this session's cache once
 
     def run(method: str) -> str:
@@ -268,7 +260,6 @@ def test_server_requests_with_a_seed_give_one_text_whatever_ran_before():
     requests have run, and the lossless methods give ar's."""
     import openai
 
-    import tierspec
     from tierspec.server import Engine, serving_in_background
 
     engine = Engine(tierspec.load_model("smollm2-135m"), max_queue=4)

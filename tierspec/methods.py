@@ -85,7 +85,8 @@ class MethodOptions:
             raise MethodOptionError(f"unknown slim vocabulary '{self.slim_vocabulary}'; choose one of: "
                                     f"{', '.join(SLIM_VOCABULARIES)}")
         if self.sampling_rule not in SAMPLING_RULES:
-            raise MethodOptionError(f"unknown sampling rule '{self.sampling_rule}'; choose one of: {', '.join(SAMPLING_RULES)}")
+            raise MethodOptionError(f"unknown sampling rule '{self.sampling_rule}'; choose one of: "
+                                    f"{', '.join(SAMPLING_RULES)}")
         if self.drafter_kind not in DRAFTER_KINDS:
             raise MethodOptionError(f"unknown drafter kind '{self.drafter_kind}'; choose one of: {', '.join(DRAFTER_KINDS)}")
         for name in ("confidence_threshold", "fallback"):
@@ -158,13 +159,15 @@ def _require_mask(name: str, target: LoadedModel, options: MethodOptions) -> Rou
 
 def _self(target, drafter_model, options) -> Method:
     mask = _require_mask("self", target, options)
-    return Method("self", SelfSpeculativeDrafter(mask), ExactRule(options.sampling_rule), ConfidenceStop(options.num_draft, options.confidence_threshold),
+    return Method("self", SelfSpeculativeDrafter(mask), ExactRule(options.sampling_rule),
+                  ConfidenceStop(options.num_draft, options.confidence_threshold),
                   "lossless self-speculative decoding: the target drafts with a routing mask applied")
 
 
 def _swift(target, drafter_model, options) -> Method:
     drafter = SwiftDrafter(target.identity.num_layers, options.swift_ratio, "sublayer")
-    return Method("swift", drafter, ExactRule(options.sampling_rule), ConfidenceStop(options.num_draft, options.confidence_threshold),
+    return Method("swift", drafter, ExactRule(options.sampling_rule),
+                  ConfidenceStop(options.num_draft, options.confidence_threshold),
                   "SWIFT: self-speculative decoding with the mask optimised on the fly")
 
 
@@ -252,7 +255,8 @@ def _csd(target, drafter_model, options) -> Method:
     model = drafter_model or target
     drafter = CascadeDrafter(model.model, target.vocab_size, NgramDrafter(options.ngram_size),
                              options.csd_model_positions, options.csd_inner_draft)
-    return Method("csd", drafter, ExactRule(options.sampling_rule), _fixed(options), "cascade speculative drafting (vertical + horizontal cascade)")
+    return Method("csd", drafter, ExactRule(options.sampling_rule), _fixed(options),
+                  "cascade speculative drafting (vertical + horizontal cascade)")
 
 
 def _via_rule(options: MethodOptions, judge=None) -> ViaRule:

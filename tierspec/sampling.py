@@ -124,12 +124,11 @@ class Noise:
     0 .. n−1). Each key seeds its own generator through a hash, so a draw does not depend on the
     draws made before it: a drafter and the rule see the same g_t for position t, a position
     drafted again after a rejection sees it again, and nothing about the run's timing reaches
-    the tokens. The token noise of the
-    positions still ahead is kept until ``forget_before`` passes them (one vector per position,
-    made once per generation).
+    the tokens. The token noise of the positions still ahead is kept until ``forget_before``
+    passes them (one vector per position, made once per generation).
     """
 
-    seed: int
+    seed: int | torch.Generator | None  # anything ``seed_of`` takes; an int in [0, 2⁶⁴) once made
     vocab_size: int
     _kept: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
