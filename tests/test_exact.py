@@ -1,4 +1,7 @@
-"""Exact speculative decoding (DESIGN §3.1): the output distribution equals the target's."""
+"""Exact speculative decoding (DESIGN §3.1): the output distribution equals the target's, under
+both sampling rules (coupled and residual)."""
+
+import math
 
 import pytest
 import torch
@@ -6,9 +9,10 @@ from scipy.stats import chi2
 
 from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import ModelDrafter, Proposal
+from tierspec.rules import ExactRule
 from tierspec.rules.common import acceptance_walk
 from tierspec.rules.exact import acceptance_probability, exact_walk
-from tierspec.sampling import SamplingConfig, logits_to_probs, residual_distribution
+from tierspec.sampling import Noise, SamplingConfig, logits_to_probs, residual_distribution
 
 
 def exact_one_step_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -52,12 +56,17 @@ def test_greedy_exact_walk_block_cases():
     assert greedy([], logits[:1]) == (0, 1)  # empty draft = AR
 
 
-def test_sampled_exact_walk_uses_residual_on_rejection():
+@pytest.mark.parametrize("sampling_rule", ["coupled", "residual"])
+def test_sampled_exact_walk_replaces_a_token_the_target_never_draws(sampling_rule):
     # q(x=0) = 0: the one-hot draft of token 0 is always rejected; the residual is q itself.
     logits = torch.log(torch.tensor([[1e-30, 0.5, 0.5], [1.0, 1e-30, 1e-30]]))
+    seen = set()
     for seed in range(20):
-        accepted, token = exact_walk(Proposal(torch.tensor([0])), logits, SamplingConfig(1.0), torch.Generator().manual_seed(seed))
+        noise = Noise(seed, 3).block(0)
+        accepted, token = exact_walk(Proposal(torch.tensor([0])), logits, SamplingConfig(1.0), noise, sampling_rule)
         assert accepted == 0 and token in (1, 2)
+        seen.add(token)
+    assert seen == {1, 2}
 
 
 def test_acceptance_walk_keeps_in_order_and_stops_at_the_first_rejection():
@@ -70,17 +79,17 @@ def test_acceptance_walk_keeps_in_order_and_stops_at_the_first_rejection():
                            keep=lambda i, passed: i < 2) == (2, 5)
 
 
-def first_token_counts(target, drafter, prompt, runs: int) -> torch.Tensor:
-    """Sample the first generated token ``runs`` times through the decode loop (one draft token)."""
+def first_token_counts(target, drafter, prompt, runs: int, sampling_rule: str) -> torch.Tensor:
+    """Sample the first generated token with seeds 0 .. ``runs`` − 1 through the decode loop
+    (one draft token)."""
     vocab = target.vocab_size
     counts = torch.zeros(vocab)
     from conftest import as_method
 
     config = DecodeConfig(max_new_tokens=2, sampling=SamplingConfig(temperature=1.0))
-    generator = torch.Generator().manual_seed(1234)
-    method = as_method(ModelDrafter(drafter.model), num_draft=1)
-    for _ in range(runs):
-        steps = decode(target, method, prompt, config, generator)
+    method = as_method(ModelDrafter(drafter.model), ExactRule(sampling_rule), num_draft=1)
+    for seed in range(runs):
+        steps = decode(target, method, prompt, config, seed)
         counts[next(steps).new_tokens[0]] += 1
     return counts
 
@@ -94,7 +103,8 @@ def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chi2.sf(stat, int(keep.sum()) - 1))
 
 
-def test_sampling_run_matches_target_first_token_distribution():
+@pytest.mark.parametrize("sampling_rule", ["coupled", "residual"])
+def test_sampling_run_matches_target_first_token_distribution(sampling_rule):
     from conftest import tiny_llama
 
     # Small vocabulary and peaked, different distributions so that the residual carries mass.
@@ -107,7 +117,7 @@ def test_sampling_run_matches_target_first_token_distribution():
     rejected_mass = float((p * (1 - acceptance_probability(p, q))).sum())
     assert rejected_mass > 0.2, "the test needs a drafter that disagrees often"
 
-    counts = first_token_counts(target, drafter, prompt, runs=3000)
+    counts = first_token_counts(target, drafter, prompt, runs=3000, sampling_rule=sampling_rule)
     assert chi_square_p_value(counts, q) > 1e-3
 
     # The same counts would condemn a wrong residual (drawing from q itself on rejection).
@@ -115,3 +125,116 @@ def test_sampling_run_matches_target_first_token_distribution():
     wrong = p * accept + rejected_mass * q
     assert torch.abs(wrong - q).sum() > 0.1
     assert chi_square_p_value(counts, wrong) < 1e-6
+
+
+# ---- the coupled rule -----------------------------------------------------------------------
+
+def gumbel_max_probability(pi: torch.Tensor, v: int) -> float:
+    """P(argmax_w(log π_w + G_w) = v) for i.i.d. standard Gumbel G, by quadrature over G_v = t:
+    ∫ f(t) Π_{w≠v} F(t + log π_v − log π_w) dt with F(t) = exp(−e^{−t}), f = F'."""
+    from scipy.integrate import quad
+
+    pi = pi.double()
+    if pi[v] == 0:
+        return 0.0
+    shifts = [float(torch.log(pi[v] / pi[w])) for w in range(len(pi)) if w != v and pi[w] > 0]
+
+    def integrand(t: float) -> float:
+        log_value = -t - math.exp(-t)  # log f(t)
+        for s in shifts:
+            log_value -= math.exp(-(t + s))  # + log F(t + s)
+        return math.exp(log_value)
+
+    return quad(integrand, -10.0, 60.0, epsabs=1e-13, epsrel=1e-12, limit=400)[0]
+
+
+@pytest.mark.parametrize("pi", [
+    [0.1, 0.3, 0.2, 0.4],
+    [0.97, 0.01, 0.01, 0.01],
+    [0.0, 0.5, 0.0, 0.5],  # top-k / top-p leave zeros: never drawn
+    [1e-9, 1 - 2e-9, 1e-9, 0.0],
+])
+def test_the_perturbed_argmax_is_an_exact_draw(pi):
+    """The coupled rule emits argmax(log π + g_t) whatever was drafted (next test); with g_t
+    standard Gumbel that token has law π exactly (integrated, not sampled)."""
+    pi = torch.tensor(pi, dtype=torch.float64)
+    got = torch.tensor([gumbel_max_probability(pi, v) for v in range(len(pi))], dtype=torch.float64)
+    assert torch.allclose(got, pi, atol=1e-10, rtol=0)
+
+
+def test_the_coupled_walk_emits_the_targets_perturbed_argmax_whatever_was_drafted():
+    q = torch.tensor([[0.1, 0.3, 0.2, 0.4], [0.5, 0.2, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25], [0.7, 0.1, 0.1, 0.1]])
+    for seed in range(200):
+        noise = Noise(seed, 4).block(0)
+        y = (q.log() + noise.gumbels(4)).argmax(-1)  # the target's tokens, written out
+        other = [(int(y[0]) + 1) % 4, 0, 0], [int(y[0]), (int(y[1]) + 1) % 4, 0]  # rejected first / second
+        for draft in ([], y[:1].tolist(), y[:3].tolist(), *other):
+            accepted, token = exact_walk(Proposal(torch.tensor(draft, dtype=torch.long)), q[: len(draft) + 1].log(),
+                                         SamplingConfig(1.0), noise, "coupled")
+            emitted = draft[:accepted] + [token]
+            assert emitted == y[: len(emitted)].tolist()  # accepts exactly the drafts equal to y
+            assert accepted == len(draft) or draft[accepted] != int(y[accepted])  # rejects the first that differs
+
+
+class FixedTarget:
+    """Verifiers that serve fixed target rows (one per block position)."""
+
+    def __init__(self, rows: torch.Tensor):
+        self.rows = rows
+
+    def target_logits(self, tokens, with_hidden=False):
+        return self.rows[: len(tokens) + 1].log().float()
+
+
+@pytest.mark.parametrize("sampling_rule, lossless", [("coupled", True), ("residual", False)])
+def test_a_policy_that_peeks_at_the_draft_cannot_bias_the_coupled_rule(sampling_rule, lossless):
+    """A draft-length policy that looks at what was drafted (the cost-aware trim reads the
+    confidence of every drafted token, which depends on the tokens before it) decides whether a
+    position is verified from the draft itself. The coupled rule's token is the target's
+    perturbed argmax whatever was verified, so its output stays q; the residual rule's is biased
+    (planted: the draft is dropped exactly when it is token 0)."""
+    p = torch.tensor([0.6, 0.25, 0.1, 0.05])
+    q = torch.tensor([0.1, 0.3, 0.2, 0.4])
+    rule = ExactRule(sampling_rule)
+    counts = torch.zeros(4)
+    for seed in range(20000):
+        noise = Noise(seed, 4).block(0)
+        x = noise.token(0, p)  # the drafter's draw, with the token noise as in the loop
+        proposal = Proposal(torch.tensor([x]), p[None]) if x != 0 else Proposal.empty()
+        verdict = rule.verify(FixedTarget(torch.stack([q, q])), proposal, SamplingConfig(1.0), noise)
+        counts[x if verdict.accepted else verdict.next_token] += 1
+    assert (chi_square_p_value(counts, q.double()) > 1e-3) is lossless
+    if not lossless:
+        assert chi_square_p_value(counts, q.double()) < 1e-6
+
+
+def test_two_tokens_of_the_coupled_loop_have_the_targets_joint_distribution():
+    """Over positions: the committed tokens before t are a function of g_<t only, so the token
+    at t is an exact draw from q_t given them (a drafter proposing both positions in one block
+    shares g_t with the target). Chi-square of (y1, y2) over seeds against q(y1)·q(y2 | y1)."""
+    from conftest import as_method, tiny_llama
+
+    target = tiny_llama(seed=11, vocab_size=8, layers=2, hidden=16, sharpness=4.0)
+    drafter = tiny_llama(seed=12, vocab_size=8, layers=1, hidden=16, sharpness=4.0)
+    prompt = torch.tensor([1, 2, 3, 4])
+    sampling = SamplingConfig(1.0)
+    with torch.inference_mode():
+        first = logits_to_probs(target.model(prompt[None]).logits[0, -1], sampling).double()
+        second = torch.stack([logits_to_probs(target.model(torch.cat([prompt, torch.tensor([y])])[None]).logits[0, -1],
+                                              sampling).double() for y in range(8)])
+    joint = (first[:, None] * second).flatten()  # [64]
+    method = as_method(ModelDrafter(drafter.model), ExactRule("coupled"), num_draft=2)
+    counts = torch.zeros(64)
+    accepted = 0
+    for seed in range(4000):
+        out = []
+        for step in decode(target, method, prompt, DecodeConfig(max_new_tokens=2, sampling=sampling), seed):
+            out.extend(step.new_tokens)
+            accepted += step.cycle.accepted
+        counts[out[0] * 8 + out[1]] += 1
+    assert accepted > 1000  # drafts were kept (and where they were not, the target's token was emitted)
+    expected = joint * counts.sum()
+    big = expected >= 5  # pool the sparse cells
+    pooled_counts = torch.cat([counts[big], counts[~big].sum()[None]])
+    pooled_probs = torch.cat([joint[big], joint[~big].sum()[None]])
+    assert chi_square_p_value(pooled_counts, pooled_probs) > 1e-3

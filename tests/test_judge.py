@@ -195,7 +195,8 @@ def run(target, drafter_model, rule, prompt, temperature, seed):
 def test_threshold_one_reproduces_sd_exactly(tiny_target, tiny_drafter, prompt_ids, temperature):
     head = JudgeHead(torch.randn(32, generator=torch.Generator().manual_seed(0)), 5.0, torch.zeros(32), torch.ones(32), "hidden", 1.0)
     judged = run(tiny_target, tiny_drafter, JudgeRule(head, 1.0), prompt_ids, temperature, seed=3)
-    assert judged == run(tiny_target, tiny_drafter, ExactRule(), prompt_ids, temperature, seed=3)
+    # δ = 1 leaves rule 3.1 with its own coins: the residual rule, draw for draw (same keyed noise)
+    assert judged == run(tiny_target, tiny_drafter, ExactRule("residual"), prompt_ids, temperature, seed=3)
 
 
 def test_a_judge_that_accepts_everything_keeps_every_draft(tiny_target, tiny_drafter, prompt_ids):

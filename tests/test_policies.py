@@ -44,22 +44,25 @@ def test_best_length_uses_per_position_acceptance():
     assert best_length([0.9, 0.9 * 0.05, 0.9 * 0.05**2], cost) == 1
 
 
-def test_cost_model_learns_the_verification_scale_and_the_draft_step():
-    model = CostModel(decay=1.0)
-    for _ in range(20):
-        model.observe(4, 0.012, 2 * (0.046 + 0.007 * 4), "head")  # this machine is twice the table
-    assert model.verify_scale == pytest.approx(2.0, rel=1e-3)
-    assert model.draft_step["head"] == pytest.approx(0.003, rel=1e-3)
-    assert model(4, "head") == pytest.approx(2 * 0.074 + 4 * 0.003, rel=1e-3)
-    assert model(4, "ngram") == pytest.approx(2 * 0.074, rel=1e-3)  # per source
+def test_cost_model_costs_draft_steps_as_fractions_of_a_one_token_pass():
+    from tierspec.costs import ForwardCosts
+
+    table = ForwardCosts({1: 0.030, 2: 0.031, 3: 0.040, 4: 0.041, 5: 0.045, 6: 0.060})
+    model = CostModel(table, {"head": 0.05, "model": 1.0})
+    assert model(4, "head") == pytest.approx(0.045 + 4 * 0.05 * 0.030)
+    assert model(4, "model") == pytest.approx(0.045 + 4 * 0.030)  # a drafter as large as the target
+    assert model(4, "ngram") == pytest.approx(0.045)  # lookup is free
+    assert CostModel()(2) == pytest.approx(0.046 + 0.007 * 2)  # no table: the DESIGN's shape
 
 
-def test_one_stall_does_not_poison_the_cost_model():
-    model = CostModel()
-    for _ in range(10):
-        model.observe(0, 0.0, 0.046, "ngram")
-    model.observe(0, 0.0, 1.3, "ngram")  # the machine stalled once
-    assert model(0) < 2 * 0.046 * 1.01
+def test_the_cost_aware_policy_has_nothing_to_learn_from_the_clock():
+    """The loop reports verdicts, not timings: a stall of a shared machine cannot choose the
+    next draft lengths (a seed fixes them)."""
+    from dataclasses import fields
+
+    assert not {"draft_seconds", "verify_seconds"} & {f.name for f in fields(CycleOutcome)}
+    policy = CostAware(6, draft_fractions={"head": 0.05})
+    assert policy.cost(3, "head") == CostModel(None, {"head": 0.05})(3, "head")
 
 
 def test_acceptance_estimate_learns_and_forgets():
@@ -78,11 +81,11 @@ def test_cost_aware_learns_from_each_evaluated_position_only():
     proposal = Proposal(torch.tensor([1, 2, 3, 4]), keys=[("ngram", 3)] * 4, source="ngram")
     keys = policy.keys(proposal, 4)
     # 2 accepted, the 3rd rejected, the 4th never evaluated: 2 successes, 1 failure.
-    policy.observe(CycleOutcome(keys, 2, 4, 0.0, 0.05, 0, "ngram"))
+    policy.observe(CycleOutcome(keys, 2, 4, "ngram"))
     estimate = policy.acceptance[("ngram", 3, False)]
     assert (estimate.successes, estimate.failures) == (2.0, 1.0)
     assert policy.streak is False
-    policy.observe(CycleOutcome(policy.keys(proposal, 2), 2, 2, 0.0, 0.05, 0, "ngram"))
+    policy.observe(CycleOutcome(policy.keys(proposal, 2), 2, 2, "ngram"))
     assert policy.streak is True
 
 
@@ -122,7 +125,7 @@ def test_policies_refuse_bad_lengths(bad):
 def test_cost_aware_pld_is_lossless(tiny_target, prompt_ids):
     reference = run_ids(tiny_target, as_method(NoDrafter()), prompt_ids, 60)
     method = as_method(NgramDrafter(3), policy=CostAware(8))
-    for _ in range(3):  # estimates carry over between generations; output never changes
+    for _ in range(3):
         assert run_ids(tiny_target, method, prompt_ids, 60) == reference
 
 
@@ -156,11 +159,16 @@ def test_cost_aware_stops_drafting_where_drafts_are_always_wrong(tiny_target, pr
     assert sum(lengths[-20:]) <= 2 and max(lengths[-20:]) <= 1
 
 
-def test_a_new_generation_keeps_a_quarter_of_the_acceptance_evidence():
+def test_a_new_generation_starts_from_the_priors():
+    """What one generation taught must not choose the next one's drafts (a server's method
+    serves every request; the same seed must give the same text whatever ran before)."""
     policy = CostAware(4, cost=cost)
     policy._estimate(("ngram", 3, False)).update(4, 0, 1.0)
+    policy.observe(CycleOutcome([("ngram", 3, False)] * 2, 2, 2, "ngram"))
+    policy.trim(Proposal(torch.tensor([1]), keys=[("ngram", 3)], source="ngram"))
+    assert policy.acceptance and policy.streak and policy.source_rate("ngram") is not None
     policy.start()
-    assert policy.acceptance[("ngram", 3, False)].successes == pytest.approx(1.0)
+    assert policy.acceptance == {} and not policy.streak and policy.source_rate("ngram") is None
 
 
 def test_padded_verification_is_lossless_and_keeps_the_cache_invariant(tiny_target, prompt_ids):

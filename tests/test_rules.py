@@ -16,7 +16,7 @@ from tierspec.rules.cascade import CascadeRule, deferral_bits, mixture
 from tierspec.rules.exact import acceptance_probability
 from tierspec.rules.lossy import LossyRule, lossy_acceptance
 from tierspec.rules.via import ViaRule, via_mixture
-from tierspec.sampling import SamplingConfig, residual_distribution
+from tierspec.sampling import Noise, SamplingConfig, residual_distribution
 
 P = torch.tensor([0.6, 0.25, 0.1, 0.05], dtype=torch.float64)  # drafter
 Q_SLIM = torch.tensor([0.3, 0.5, 0.15, 0.05], dtype=torch.float64)  # slim verifier
@@ -98,13 +98,16 @@ class StubVerifiers:
 
 
 def sampled_first_tokens(rule, p, target_rows, slim_rows=None, runs=20000, seed=0):
+    """The drafts come from a generator of their own, the rule's draws from the keyed noise of
+    seeds 0 .. runs − 1 (independent of the drafts, as in the loop)."""
     generator = torch.Generator().manual_seed(seed)
     counts = torch.zeros(p.shape[-1])
     sampling = SamplingConfig(temperature=1.0)
-    for _ in range(runs):
+    for run in range(runs):
         x = torch.multinomial(p.float(), 1, generator=generator)
         proposal = Proposal(x, p.float()[None], torch.log(p.float())[None])
-        verdict = rule.verify(StubVerifiers(target_rows, slim_rows), proposal, sampling, generator)
+        noise = Noise(run, p.shape[-1]).block(0)
+        verdict = rule.verify(StubVerifiers(target_rows, slim_rows), proposal, sampling, noise)
         counts[int(x) if verdict.accepted else verdict.next_token] += 1
     return counts
 
@@ -148,7 +151,8 @@ def test_rule_sampling_matches_its_one_step_distribution(rule, expected):
 def test_via_skips_the_target_when_slim_is_confident():
     rule = ViaRule(alpha1=0.2, alpha2=0.6, max_target_lag=100)
     stub = StubVerifiers(torch.stack([Q, Q]).float(), torch.stack([Q_SLIM, Q_SLIM]).float())
-    rule.verify(stub, Proposal(torch.tensor([1]), P.float()[None], torch.log(P.float())[None]), SamplingConfig(1.0), None)
+    rule.verify(stub, Proposal(torch.tensor([1]), P.float()[None], torch.log(P.float())[None]), SamplingConfig(1.0),
+                Noise(0, 4).block(0))
     assert stub.full_calls == 0
 
 

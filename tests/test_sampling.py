@@ -3,7 +3,15 @@
 import pytest
 import torch
 
-from tierspec.sampling import SamplingConfig, logits_to_probs, residual_distribution
+from tierspec.sampling import (
+    RESIDUAL,
+    Noise,
+    SamplingConfig,
+    SeedError,
+    gumbel_argmax,
+    logits_to_probs,
+    residual_distribution,
+)
 
 
 def test_greedy_is_one_hot_of_argmax():
@@ -51,3 +59,62 @@ def test_residual_falls_back_to_target_when_empty():
 def test_bad_sampling_settings_are_refused(kwargs):
     with pytest.raises(ValueError):
         SamplingConfig(**kwargs)
+
+
+# ---- keyed noise --------------------------------------------------------------------------------
+
+def test_noise_is_keyed_by_seed_position_and_purpose_not_by_the_draws_before():
+    first, second = Noise(7, 50), Noise(7, 50)
+    token_noise = first.gumbel(12)
+    first.uniform(3)
+    first.gumbel(12, RESIDUAL)
+    second.gumbel(40)  # other draws first, in another order: the same bits
+    second.uniform(12)
+    assert torch.equal(second.gumbel(12), token_noise)
+    assert second.uniform(3) == first.uniform(3)
+    assert not torch.equal(first.gumbel(13), token_noise)  # another position
+    assert not torch.equal(first.gumbel(12, RESIDUAL), token_noise)  # another purpose
+    assert not torch.equal(Noise(8, 50).gumbel(12), token_noise)  # another seed
+    # a block's position i is absolute position start + i
+    assert torch.equal(first.block(10).gumbel(2), token_noise)
+    assert torch.equal(first.block(10).shifted(1).gumbel(1), token_noise)
+    assert torch.equal(first.block(11).gumbels(3)[1], token_noise)
+
+
+def test_noise_of_committed_positions_is_dropped():
+    noise = Noise(0, 10)
+    kept = noise.gumbel(5).clone()
+    noise.gumbel(6)
+    noise.forget_before(6)
+    assert sorted(noise._kept) == [6]
+    assert torch.equal(noise.gumbel(5), kept)  # made again, the same
+
+
+def test_token_noise_is_standard_gumbel_and_independent_across_keys():
+    from scipy.stats import kstest
+
+    noise = Noise(0, 1000)
+    token = torch.stack([noise.gumbel(t) for t in range(200)]).double()  # 200,000 draws
+    assert kstest(token.flatten().numpy(), "gumbel_r").pvalue > 1e-3
+    residual = torch.stack([noise.gumbel(t, RESIDUAL) for t in range(200)]).double()
+    pairs = [(token.flatten(), residual.flatten()), (token[:-1].flatten(), token[1:].flatten()),
+             (token[:, :-1].flatten(), token[:, 1:].flatten())]
+    for a, b in pairs:  # purposes, neighbouring positions, neighbouring tokens
+        assert abs(float(torch.corrcoef(torch.stack([a, b]))[0, 1])) < 0.01
+    coins = torch.tensor([noise.uniform(t) for t in range(20000)])
+    assert kstest(coins.numpy(), "uniform").pvalue > 1e-3
+
+
+def test_the_perturbed_argmax_never_picks_a_token_of_probability_zero():
+    probs = torch.tensor([0.0, 0.7, 0.0, 0.3])
+    picks = {int(gumbel_argmax(probs, Noise(seed, 4).gumbel(0))) for seed in range(200)}
+    assert picks == {1, 3}
+    # rows at once: [2, V] with [2, V] noise
+    rows = torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+    assert gumbel_argmax(rows, Noise(1, 4).block(0).gumbels(2)).tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("bad", ["7", 1.5, True])
+def test_a_seed_must_be_an_integer(bad):
+    with pytest.raises(SeedError, match="must be an integer"):
+        Noise(bad, 4)

@@ -182,8 +182,7 @@ def stream_method(target: LoadedModel, method: Method, prompt_ids: torch.Tensor,
     both start generations here, so a seed means one thing in both: it seeds this generation's
     draws and nothing else."""
     check_seed(seed)
-    generator = torch.Generator().manual_seed(seed) if seed is not None else None
-    return TextStream(decode(target, method, prompt_ids, config, generator), target)
+    return TextStream(decode(target, method, prompt_ids, config, seed), target)
 
 
 def stream(
@@ -210,8 +209,8 @@ def stream(
     (``shared_model``). ``method``: None = ``methods.default_method(target)`` (the hybrid where a
     draft head exists for the target, else adaptive-pld). ``num_draft`` overrides
     ``options.num_draft`` (γ of the fixed-length methods). ``temperature`` 0 is greedy;
-    ``top_k`` 0 and ``top_p`` 1 keep every token. ``seed`` (int64) makes a sampled text
-    repeatable; None draws from torch's global generator.
+    ``top_k`` 0 and ``top_p`` 1 keep every token. ``seed`` (int64): the same seed gives the
+    same text (README, "Same seed, same text"); None draws a fresh one.
     """
     target = _as_model(target)
     drafter = _as_model(drafter)

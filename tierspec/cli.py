@@ -30,7 +30,9 @@ def _add_generate(sub) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="0 = off")
     parser.add_argument("--top-p", type=float, default=1.0, help="1 = off")
     parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--seed", type=int, default=None, help="seed of the sampling generator")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="fixes the sampled text: the same seed, prompt, method and settings give the same text "
+                        "(README: Same seed, same text); default: a fresh seed")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     _add_method_options(parser)
     parser.add_argument("--stats", action="store_true", help="print statistics as one JSON line on stderr")

@@ -8,8 +8,13 @@ verification rule passed in; the loop owns the target's cache and every statisti
         verdict  = rule.verify(verifiers, proposal) # runs whichever tiers the rule needs
         ctx      = commit(ctx, verdict)             # accepted prefix + 1 correction/bonus token
         rollback every cache to the committed length
-        policy.observe(per-position acceptance, timings)
+        policy.observe(per-position acceptance)
         yield the new tokens and the cycle's statistics
+
+Randomness: one ``sampling.Noise`` per generation, keyed by (seed, position, purpose); each
+cycle hands its block's view to the drafter and the rule. Nothing else a cycle decides reads the
+clock or carries over from another generation (the policies start afresh), so a seed fixes the
+tokens (README: "Same seed, same text").
 
 Streaming is iterating over ``decode``; ``tierspec.api`` builds ``generate`` and ``stream`` on it.
 Inference mode is entered for each cycle's computation only, never across a ``yield``, so a
@@ -30,7 +35,7 @@ from .errors import TierspecError
 from .models import CachedModel, LoadedModel
 from .policies import CycleOutcome, DraftPolicy
 from .rules.base import VerificationRule
-from .sampling import SamplingConfig
+from .sampling import Noise, SamplingConfig
 
 
 @dataclass(frozen=True)
@@ -381,14 +386,15 @@ def decode(
     method,
     prompt_ids: torch.Tensor,
     config: DecodeConfig,
-    generator: torch.Generator | None = None,
+    seed: int | torch.Generator | None = None,
     inspect: Callable[[Verifiers, Drafter], None] | None = None,
 ) -> Iterator[Step]:
     """Generate after ``prompt_ids`` [n] with ``method`` (a ``methods.Method``: drafter, policy,
     rule, and the verifier settings it needs), yielding a ``Step`` per cycle.
 
-    ``inspect(verifiers, drafter)`` is called after every commit (tests check the cache
-    invariant with it).
+    ``seed`` keys every random draw (``sampling.seed_of``: an integer; a ``torch.Generator``
+    stands for the seed it was seeded with; None draws a fresh one). ``inspect(verifiers,
+    drafter)`` is called after every commit (tests check the cache invariant with it).
     """
     drafter: Drafter = method.drafter
     rule: VerificationRule = method.rule
@@ -403,6 +409,7 @@ def decode(
     # The KV buffer for everything this generation can hold (the last verification pass may run a
     # draft and its padding past the budget); a longer pass still grows it.
     verifiers.runner.reserve(len(prompt_ids) + config.max_new_tokens + 64)
+    noise = Noise(seed, target.vocab_size)
 
     with torch.inference_mode():
         features = verifiers.prefill(prompt_ids)
@@ -413,7 +420,7 @@ def decode(
     emitted_total = 0
     while emitted_total < config.max_new_tokens:
         with torch.inference_mode():
-            step, context = _cycle(verifiers, drafter, rule, policy, context, config, emitted_total, eos, generator)
+            step, context = _cycle(verifiers, drafter, rule, policy, context, config, emitted_total, eos, noise)
         emitted_total += len(step.new_tokens)
         if inspect is not None:
             inspect(verifiers, drafter)
@@ -423,16 +430,18 @@ def decode(
 
 
 def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, policy: DraftPolicy, context: torch.Tensor,
-           config: DecodeConfig, emitted_total: int, eos: set[int], generator) -> tuple[Step, torch.Tensor]:
+           config: DecodeConfig, emitted_total: int, eos: set[int], noise: Noise) -> tuple[Step, torch.Tensor]:
     started = time.perf_counter()
     target_calls, slim_calls = verifiers.target_calls, verifiers.slim_calls
     remaining = config.max_new_tokens - emitted_total
     # Never draft past the budget: the cycle emits at most k + 1 tokens.
     budget = max(0, min(policy.max_draft, remaining - 1))
-    drafted: Proposal = drafter.propose(context, budget, config.sampling, generator, policy.keep_drafting)
+    # Draft token i and the token after the drafts sit at position len(context) + i.
+    block = None if config.sampling.greedy else noise.block(len(context))
+    drafted: Proposal = drafter.propose(context, budget, config.sampling, block, policy.keep_drafting)
     proposal = drafted.head(min(policy.trim(drafted), budget))
     drafted_at = time.perf_counter()
-    verdict = rule.verify(verifiers, proposal, config.sampling, generator)
+    verdict = rule.verify(verifiers, proposal, config.sampling, block)
 
     # Commit: accepted prefix + the correction/bonus token, cut at EOS and the budget.
     new_tokens = proposal.tokens[: verdict.accepted].tolist() + [verdict.next_token]
@@ -445,6 +454,7 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
     new_tokens = new_tokens[:remaining]
     context = torch.cat([context, torch.tensor(new_tokens, dtype=torch.long)])
     verifiers.context = context
+    noise.forget_before(len(context))
     finished = finished or emitted_total + len(new_tokens) >= config.max_new_tokens
 
     # Rollback: every cache keeps exactly the committed tokens it has processed.
@@ -457,8 +467,7 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
     if len(drafted) > k and verdict.accepted == k:  # the bonus token tells whether the cut one would have passed
         cut_key = policy.keys(drafted, k + 1)[k]
         cut_accepted = verdict.next_token == int(drafted.tokens[k])
-    policy.observe(CycleOutcome(policy.keys(proposal, k), verdict.accepted, k, drafted_at - started,
-                                ended - drafted_at, proposal.drafter_calls, proposal.source, cut_key, cut_accepted))
+    policy.observe(CycleOutcome(policy.keys(proposal, k), verdict.accepted, k, proposal.source, cut_key, cut_accepted))
     cycle = CycleStats(
         drafted=k,
         evaluated=verdict.accepted + (1 if verdict.accepted < k else 0),

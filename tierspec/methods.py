@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, check_vocabularies
+from .drafters.base import streamed_weights
 from .drafters.cascade import CascadeDrafter
 from .drafters.self_spec import SelfSpeculativeDrafter
 from .drafters.swift import SwiftDrafter
@@ -23,6 +24,7 @@ from .routing import RoutingMask
 from .rules import ExactRule, VerificationRule
 from .rules.bild import BildRule
 from .rules.cascade import DEFERRALS, CascadeRule
+from .rules.exact import SAMPLING_RULES
 from .rules.lossy import LossyRule
 from .rules.via import ViaRule
 
@@ -64,6 +66,11 @@ class MethodOptions:
     judge_head: object | None = _option(None, "judge head (.safetensors) from `tierspec judge train` (judge, via-judge)",
                                         kind="judge_head")
     judge_threshold: float | None = _option(None, "judge accepts when sigmoid ≥ δ (default: the head's)")
+    sampling_rule: str = _option("coupled", "lossless methods at temperature > 0: coupled = the target's token at each "
+                                 "position is fixed by (seed, position) and a draft is kept iff it equals it (every "
+                                 "lossless method then gives ar's text for a seed); residual = min(1, q/p) acceptance "
+                                 "and a residual draw (keeps more drafts of a drafter with a distribution, but its text "
+                                 "depends on the drafts)", choices=SAMPLING_RULES)
     slim_vocabulary: str = _option("full", "via, via-judge: tokens the slim verifier scores: full, or draft-head (the "
                                    "draft head's K tokens; the slim LM head then costs K/V of the full one, and the slim "
                                    "distribution is renormalised over those tokens)", choices=SLIM_VOCABULARIES)
@@ -79,6 +86,9 @@ class MethodOptions:
         if self.slim_vocabulary not in SLIM_VOCABULARIES:
             raise MethodOptionError(f"unknown slim vocabulary '{self.slim_vocabulary}'; choose one of: "
                                     f"{', '.join(SLIM_VOCABULARIES)}")
+        if self.sampling_rule not in SAMPLING_RULES:
+            raise MethodOptionError(f"unknown sampling rule '{self.sampling_rule}'; choose one of: "
+                                    f"{', '.join(SAMPLING_RULES)}")
         if self.drafter_kind not in DRAFTER_KINDS:
             raise MethodOptionError(f"unknown drafter kind '{self.drafter_kind}'; choose one of: {', '.join(DRAFTER_KINDS)}")
         for name in ("confidence_threshold", "fallback"):
@@ -113,7 +123,8 @@ def _fixed(options: MethodOptions) -> FixedLength:
 
 
 def _ar(target, drafter_model, options) -> Method:
-    return Method("ar", NoDrafter(), ExactRule(), FixedLength(0), "plain autoregressive decoding")
+    return Method("ar", NoDrafter(), ExactRule(options.sampling_rule), FixedLength(0),
+                  "plain autoregressive decoding")
 
 
 def _model_drafter(target: LoadedModel, drafter_model: LoadedModel | None) -> ModelDrafter:
@@ -125,12 +136,12 @@ def _model_drafter(target: LoadedModel, drafter_model: LoadedModel | None) -> Mo
 
 
 def _sd(target, drafter_model, options) -> Method:
-    return Method("sd", _model_drafter(target, drafter_model), ExactRule(), _fixed(options),
+    return Method("sd", _model_drafter(target, drafter_model), ExactRule(options.sampling_rule), _fixed(options),
                   "lossless speculative decoding with a drafter model")
 
 
 def _pld(target, drafter_model, options) -> Method:
-    return Method("pld", NgramDrafter(options.ngram_size), ExactRule(), _fixed(options),
+    return Method("pld", NgramDrafter(options.ngram_size), ExactRule(options.sampling_rule), _fixed(options),
                   "lossless prompt-lookup (n-gram) decoding")
 
 
@@ -150,13 +161,15 @@ def _require_mask(name: str, target: LoadedModel, options: MethodOptions) -> Rou
 
 def _self(target, drafter_model, options) -> Method:
     mask = _require_mask("self", target, options)
-    return Method("self", SelfSpeculativeDrafter(mask), ExactRule(), ConfidenceStop(options.num_draft, options.confidence_threshold),
+    return Method("self", SelfSpeculativeDrafter(mask), ExactRule(options.sampling_rule),
+                  ConfidenceStop(options.num_draft, options.confidence_threshold),
                   "lossless self-speculative decoding: the target drafts with a routing mask applied")
 
 
 def _swift(target, drafter_model, options) -> Method:
     drafter = SwiftDrafter(target.identity.num_layers, options.swift_ratio, "sublayer")
-    return Method("swift", drafter, ExactRule(), ConfidenceStop(options.num_draft, options.confidence_threshold),
+    return Method("swift", drafter, ExactRule(options.sampling_rule),
+                  ConfidenceStop(options.num_draft, options.confidence_threshold),
                   "SWIFT: self-speculative decoding with the mask optimised on the fly")
 
 
@@ -213,7 +226,7 @@ def _lossy_policy(drafter: Drafter, options: MethodOptions, target: LoadedModel,
     if isinstance(drafter, SelfSpeculativeDrafter):
         return ConfidenceStop(options.num_draft, options.confidence_threshold), None
     if isinstance(drafter, EagleDrafter):
-        return _cost_aware(target, options)
+        return _cost_aware(target, options, drafter)
     return _fixed(options), None
 
 
@@ -244,7 +257,8 @@ def _csd(target, drafter_model, options) -> Method:
     model = drafter_model or target
     drafter = CascadeDrafter(model.model, target.vocab_size, NgramDrafter(options.ngram_size),
                              options.csd_model_positions, options.csd_inner_draft)
-    return Method("csd", drafter, ExactRule(), _fixed(options), "cascade speculative drafting (vertical + horizontal cascade)")
+    return Method("csd", drafter, ExactRule(options.sampling_rule), _fixed(options),
+                  "cascade speculative drafting (vertical + horizontal cascade)")
 
 
 def _via_rule(options: MethodOptions, judge=None) -> ViaRule:
@@ -310,7 +324,11 @@ _COST_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -
 _COST_TABLES_LOCK = threading.Lock()
 
 
-def _cost_aware(target: LoadedModel, options: MethodOptions) -> tuple[CostAware, object]:
+def _cost_aware(target: LoadedModel, options: MethodOptions, drafter: Drafter) -> tuple[CostAware, object]:
+    """The cost-aware policy for ``drafter``: the target's measured pass costs, and each of the
+    drafter's steps costed as the weights it reads against a target pass's (DESIGN §4b: on a CPU
+    a decoding pass costs about what it streams; the draft head of the default model reads 6.6%
+    of the target's weights per step, and measured 5.1% of a one-token pass)."""
     from .costs import forward_costs
 
     max_tokens = options.adaptive_max_draft + 1
@@ -319,19 +337,23 @@ def _cost_aware(target: LoadedModel, options: MethodOptions) -> tuple[CostAware,
         if max_tokens not in tables:
             tables[max_tokens] = forward_costs(target, max_tokens=max_tokens)
         table = tables[max_tokens]
-    return CostAware(options.adaptive_max_draft, forward_costs=table), table
+    target_weights = streamed_weights(target.model)
+    fractions = {source: weights / target_weights for source, weights in drafter.draft_step_weights().items()}
+    return CostAware(options.adaptive_max_draft, forward_costs=table, draft_fractions=fractions), table
 
 
 def _adaptive_pld(target, drafter_model, options) -> Method:
-    policy, table = _cost_aware(target, options)
-    return Method("adaptive-pld", NgramDrafter(options.ngram_size), ExactRule(), policy,
+    drafter = NgramDrafter(options.ngram_size)
+    policy, table = _cost_aware(target, options, drafter)
+    return Method("adaptive-pld", drafter, ExactRule(options.sampling_rule), policy,
                   "lossless prompt lookup with a cost-aware draft length (measured pass costs, acceptance learned online)",
                   forward_costs=table)
 
 
 def _adaptive_sd(target, drafter_model, options) -> Method:
-    policy, table = _cost_aware(target, options)
-    return Method("adaptive-sd", _model_drafter(target, drafter_model), ExactRule(), policy,
+    drafter = _model_drafter(target, drafter_model)
+    policy, table = _cost_aware(target, options, drafter)
+    return Method("adaptive-sd", drafter, ExactRule(options.sampling_rule), policy,
                   "lossless speculative decoding with a drafter model and a cost-aware draft length", forward_costs=table)
 
 
@@ -339,8 +361,8 @@ def _eagle(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter
 
     drafter = EagleDrafter(draft_head_for(target, options))  # a missing head is refused before costs are measured
-    policy, table = _cost_aware(target, options)
-    return Method("eagle", drafter, ExactRule(), policy,
+    policy, table = _cost_aware(target, options, drafter)
+    return Method("eagle", drafter, ExactRule(options.sampling_rule), policy,
                   "lossless speculative decoding with the trained draft head and a cost-aware draft length",
                   forward_costs=table)
 
@@ -348,10 +370,10 @@ def _eagle(target, drafter_model, options) -> Method:
 def _hybrid(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter, HybridDrafter
 
-    head_drafter = EagleDrafter(draft_head_for(target, options))  # a missing head is refused before costs are measured
-    policy, table = _cost_aware(target, options)
-    drafter = HybridDrafter(NgramDrafter(options.ngram_size), head_drafter, policy)
-    return Method("hybrid", drafter, ExactRule(), policy,
+    ngram, eagle = NgramDrafter(options.ngram_size), EagleDrafter(draft_head_for(target, options))
+    policy, table = _cost_aware(target, options, eagle)
+    drafter = HybridDrafter(ngram, eagle, policy)
+    return Method("hybrid", drafter, ExactRule(options.sampling_rule), policy,
                   "lossless: n-gram lookup where the context offers a match expected to pay more, the draft head otherwise",
                   forward_costs=table)
 

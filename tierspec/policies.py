@@ -7,7 +7,12 @@ Per cycle the loop
    ``policy.keep_drafting`` as the callback a drafting model asks after each token,
 2. cuts the proposal to ``policy.trim(proposal)`` tokens,
 3. after verification reports the outcome (``observe``): per drafted position whether it was
-   accepted, rejected or never evaluated, and how long drafting and verification took.
+   accepted, rejected or never evaluated.
+
+No policy reads the clock or keeps what it learned from one generation to the next (``start``
+resets it): a draft length is a function of the method's settings, its pass-cost table and the
+verdicts of the generation so far, so the seed fixes the drafts and, through them, the text of
+every rule whose verdicts depend on the drafts (README: "Same seed, same text").
 
 Policies:
 
@@ -15,16 +20,17 @@ Policies:
 * ``ConfidenceStop(γ, threshold)``: stop at the first drafted token whose top probability at
   temperature 1 is below ``threshold`` (self-speculative drafting's early stop; BiLD's fallback).
 * ``CostAware(max_draft, ...)``: the length that maximises expected emitted tokens per second,
-  from the measured cost of a verification pass per number of tokens, a learned cost per
-  drafted token, and acceptance probabilities learned online from every verdict (per position,
-  keyed by what the drafter knew: the n-gram match size, or the draft confidence).
+  from the measured cost of a verification pass per number of tokens, the cost of a drafter's
+  step (a fixed fraction of a pass), and acceptance probabilities learned online from every
+  verdict of the generation (per position, keyed by what the drafter knew: the n-gram match
+  size, or the draft confidence).
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Hashable
 
 from .errors import TierspecError
@@ -41,9 +47,6 @@ class CycleOutcome:
     keys: list[Hashable]  # per drafted token: the acceptance context the policy used
     accepted: int  # leading drafted tokens kept
     drafted: int
-    draft_seconds: float
-    verify_seconds: float  # verification, commit and rollback
-    drafter_calls: int
     source: str = ""  # which drafter proposed (a hybrid drafter has several)
     # The first drafted token the policy cut off, when the verdict tells whether it would have
     # been accepted: after a fully accepted block, the target's bonus token is its verdict (exact
@@ -59,7 +62,8 @@ class DraftPolicy:
     max_draft: int = 0
 
     def start(self) -> None:
-        """A new generation begins (estimates may carry over between generations)."""
+        """A new generation begins: forget what earlier generations taught (a server's method
+        serves many requests; a seed must give the same drafts whatever ran before)."""
 
     def keep_drafting(self, confidences: list[float], source: str = "") -> bool:
         """Asked by a drafting model (``source``) after each drafted token, with the top
@@ -160,51 +164,34 @@ class AcceptanceEstimate:
         self.failures *= factor
 
 
-@dataclass
+@dataclass(frozen=True)
 class CostModel:
     """Seconds of a cycle that drafts k tokens from drafter ``source``:
 
-        cost(k) = verify_scale · verify(k + 1) + k · draft_step[source]
+        cost(k) = verify(k + 1) + k · draft_fractions[source] · verify(1)
 
-    ``verify(n)``: the measured forward cost of the target over n tokens (``costs.ForwardCosts``;
-    without a table, the DESIGN's 46 + 7n ms shape). ``verify_scale`` absorbs the loop's own
-    overhead and drift of the machine; ``draft_step`` is the seconds per drafted token of each
-    drafter. Both are exponentially weighted averages of observed cycles, each observation
-    clipped to [½, 2]× the current estimate so that one stall of a shared machine cannot poison
-    them.
+    ``verify(n)``: the measured forward cost of the target over n tokens (``costs.ForwardCosts``,
+    measured once per model and machine and cached; without a table, the DESIGN's 46 + 7n ms
+    shape). ``draft_fractions``: a draft step of each drafter in units of a one-token target pass
+    (``methods`` derives it from the weights a step reads against the target's: a decoding pass
+    on a CPU costs about what it streams; n-gram lookup is free). Nothing here is learned from
+    the clock: a stall of a shared machine would otherwise choose the next draft lengths, and a
+    seed would no longer fix them.
     """
 
     forward_costs: object | None = None
-    decay: float = 0.9
-    verify_scale: float = 1.0
-    _scale_weight: float = 0.0
-
-    def __post_init__(self) -> None:
-        self.draft_step: dict[str, float] = {}
-        self._draft_weight: dict[str, float] = defaultdict(float)
+    draft_fractions: dict[str, float] = field(default_factory=dict)
 
     def verify(self, tokens: int) -> float:
         if self.forward_costs is not None:
             return self.forward_costs.cost(tokens)
         return 0.046 + 0.007 * (tokens - 1)
 
-    def __call__(self, k: int, source: str = "") -> float:
-        return self.verify_scale * self.verify(k + 1) + k * self.draft_step.get(source, 0.0)
+    def draft_step(self, source: str) -> float:
+        return self.draft_fractions.get(source, 0.0) * self.verify(1)
 
-    def observe(self, drafted: int, draft_seconds: float, verify_seconds: float, source: str = "") -> None:
-        ratio = verify_seconds / self.verify(drafted + 1)
-        if self._scale_weight:
-            ratio = min(max(ratio, 0.5 * self.verify_scale), 2.0 * self.verify_scale)
-        self._scale_weight = self._scale_weight * self.decay + 1.0
-        self.verify_scale += (ratio - self.verify_scale) / self._scale_weight
-        if drafted:
-            step = draft_seconds / drafted
-            current = self.draft_step.get(source)
-            if current is not None:
-                step = min(max(step, 0.5 * current), 2.0 * current)
-            self._draft_weight[source] = self._draft_weight[source] * self.decay + 1.0
-            current = step if current is None else current
-            self.draft_step[source] = current + (step - current) / self._draft_weight[source]
+    def __call__(self, k: int, source: str = "") -> float:
+        return self.verify(k + 1) + k * self.draft_step(source)
 
 
 # Coarse on purpose: each bin × first/later is learned on its own, and a generation is short.
@@ -223,27 +210,25 @@ class CostAware(DraftPolicy):
     previous block was accepted whole (copying runs in streaks); for a drafter with a
     distribution the key is its source, the token's confidence bin (whose prior is the bin's
     confidence itself) and whether it is the block's first token. The first token the policy
-    cut off is still scored when the verdict reveals its fate (``CycleOutcome.cut_key``). Estimates decay (a memory of about ten blocks), a new
-    generation keeps a quarter of the evidence (a summary copies far less than a translation),
-    and a key that is not drafted drifts back to its prior so that a context written off early
-    is tried again.
+    cut off is still scored when the verdict reveals its fate (``CycleOutcome.cut_key``).
+    Estimates decay (a memory of about ten blocks), and a key that is not drafted drifts back to
+    its prior so that a context written off early is tried again. Every generation starts from
+    the priors (``start``).
     """
 
     def __init__(self, max_draft: int = 10, forward_costs=None, cost=None, decay: float = 0.9,
-                 idle_decay: float = 0.99, carry_over: float = 0.25):
-        """``cost``: a fixed function (k, source) → seconds instead of the learned ``CostModel`` (tests)."""
+                 idle_decay: float = 0.99, draft_fractions: dict[str, float] | None = None):
+        """``cost``: a function (k, source) → seconds instead of the ``CostModel`` of
+        ``forward_costs`` and ``draft_fractions`` (tests)."""
         self.max_draft = _check_length("max_draft", max_draft)
-        self.learn_cost = cost is None
-        self.cost = CostModel(forward_costs) if cost is None else cost
-        self.decay, self.idle_decay, self.carry_over = decay, idle_decay, carry_over
+        self.cost = CostModel(forward_costs, dict(draft_fractions or {})) if cost is None else cost
+        self.decay, self.idle_decay = decay, idle_decay
+        self.start()
+
+    def start(self) -> None:
         self.acceptance: dict[Hashable, AcceptanceEstimate] = {}
         self.streak = False  # was the last verified block accepted whole?
         self.rates: dict[str, float] = {}  # per source: running expected tokens/s of its proposals
-
-    def start(self) -> None:
-        for estimate in self.acceptance.values():
-            estimate.shrink(self.carry_over)
-        self.streak = False
 
     def _estimate(self, key) -> AcceptanceEstimate:
         estimate = self.acceptance.get(key)
@@ -342,8 +327,6 @@ class CostAware(DraftPolicy):
         return k
 
     def observe(self, outcome: CycleOutcome) -> None:
-        if self.learn_cost:
-            self.cost.observe(outcome.drafted, outcome.draft_seconds, outcome.verify_seconds, outcome.source)
         if not outcome.drafted and outcome.cut_key is None:
             return
         # Positions up to and including the first rejection were evaluated; later ones were not.

@@ -1,15 +1,23 @@
-"""Pure functions from logits to the distributions that drafters and verifiers use.
+"""Pure functions from logits to the distributions that drafters and verifiers use, and the
+keyed noise every sampled token is drawn with.
 
 Every probability a verification rule compares is taken *after* the same transforms
 (temperature, top-k, top-p) for drafter and target, and every sampled token is drawn from
 exactly that distribution (DESIGN §1): a rule that tests ``q(x)/p(x)`` against a ``p`` the
 token was not drawn from is no longer lossless.
+
+Randomness (``Noise``): every random number of a generation is keyed by (seed, position,
+purpose), never by how many draws came before, so the tokens cannot depend on how the
+drafts, draft lengths or timing of a run went. A token at position t is drawn from π by the
+Gumbel-max trick, argmax_v(log π(v) + g_t(v)) with g_t i.i.d. standard Gumbel: an exact
+sample of π, and a deterministic function of (π, g_t).
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -72,14 +80,127 @@ def temperature_one_probs(logits: torch.Tensor) -> torch.Tensor:
     return logits.float().softmax(-1)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Draw one token id from ``probs`` [V]."""
-    return int(torch.multinomial(probs, 1, generator=generator).item())
+def gumbel_argmax(probs: torch.Tensor, gumbel: torch.Tensor) -> torch.Tensor:
+    """argmax_v(log probs(v) + gumbel(v)) over the last dimension: probs [..., V], gumbel [..., V]
+    → token ids [...]. With standard Gumbel noise the result is an exact draw from ``probs``
+    (tokens of probability 0 are never chosen); with the same noise, two distributions choose
+    the same token whenever their perturbed maxima agree (the coupling the lossless rule uses)."""
+    return (probs.log() + gumbel.to(probs.device)).argmax(-1)
 
 
-def uniforms(n: int, generator: torch.Generator | None) -> torch.Tensor:
-    """``n`` independent U(0, 1) draws (the acceptance coins of one block)."""
-    return torch.rand(n, generator=generator)
+# What a keyed draw is for; a different purpose at the same position is independent noise.
+TOKEN = "token"  # g_t [V]: the target's token at t (coupled rule, bonus draws); every drafter drafts with it
+ACCEPT = "accept"  # one uniform: the acceptance coin of the draft at t (residual-style rules)
+RESIDUAL = "residual"  # g'_t [V]: the replacement drawn after the draft at t was not kept
+
+
+class SeedError(TierspecError):
+    """A seed that is not an integer."""
+
+
+SEED_MODULUS = 2**64  # as torch.manual_seed reads a seed
+
+
+def seed_of(seed: int | torch.Generator | None) -> int:
+    """The seed of a generation in [0, 2⁶⁴): any integer, taken modulo 2⁶⁴ as
+    ``torch.manual_seed`` takes it; a ``torch.Generator`` stands for the seed it was seeded with
+    (``initial_seed``), so ``torch.Generator().manual_seed(s)`` and ``s`` give the same text;
+    None draws a fresh seed from torch's default generator (so ``torch.manual_seed`` still fixes
+    an unseeded run)."""
+    if seed is None:
+        return int(torch.randint(0, 2**62, (1,)))
+    if isinstance(seed, torch.Generator):
+        return int(seed.initial_seed())
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise SeedError(f"the seed must be an integer, got {seed!r}")
+    return seed % SEED_MODULUS
+
+
+@dataclass
+class Noise:
+    """The randomness of one generation, every draw keyed by (seed, position, purpose).
+
+    ``position`` is the absolute index of a token in the sequence (the prompt's tokens are
+    0 .. n−1). Each key seeds its own generator through a hash, so a draw does not depend on the
+    draws made before it: a drafter and the rule see the same g_t for position t, a position
+    drafted again after a rejection sees it again, and nothing about the run's timing reaches
+    the tokens. The token noise of the positions still ahead is kept until ``forget_before``
+    passes them (one vector per position, made once per generation).
+    """
+
+    seed: int | torch.Generator | None  # anything ``seed_of`` takes; an int in [0, 2⁶⁴) once made
+    vocab_size: int
+    _kept: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def __post_init__(self) -> None:
+        self.seed = seed_of(self.seed)
+
+    def _generator(self, position: int, purpose: str) -> torch.Generator:
+        # blake2b, not hash(): Python salts string hashes per process.
+        digest = hashlib.blake2b(f"{self.seed}/{position}/{purpose}".encode(), digest_size=8).digest()
+        return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+
+    def gumbel(self, position: int, purpose: str = TOKEN) -> torch.Tensor:
+        """Standard Gumbel noise [V] (float32, CPU) for ``position`` and ``purpose``."""
+        if purpose == TOKEN and position in self._kept:
+            return self._kept[position]
+        # Uniforms in float64: their top end (1 − 2⁻⁵³) bounds g by 36.7, so no token is cut off
+        # (float32's 1 − 2⁻²⁴ would bound g by 16.6 and never pick tokens e⁻²⁰ below the top).
+        uniform = torch.rand(self.vocab_size, generator=self._generator(position, purpose), dtype=torch.float64)
+        noise = uniform.log_().neg_().log_().neg_().float()
+        if purpose == TOKEN:
+            self._kept[position] = noise
+        return noise
+
+    def uniform(self, position: int, purpose: str = ACCEPT) -> float:
+        """One U(0, 1) draw for ``position`` and ``purpose``."""
+        return float(torch.rand(1, generator=self._generator(position, purpose), dtype=torch.float64))
+
+    def forget_before(self, position: int) -> None:
+        """Drop kept noise of positions < ``position`` (committed: never drawn for again)."""
+        for kept in [p for p in self._kept if p < position]:
+            del self._kept[kept]
+
+    def block(self, start: int) -> "BlockNoise":
+        return BlockNoise(self, start)
+
+
+@dataclass(frozen=True)
+class BlockNoise:
+    """The noise of one draft–verify block whose token i sits at position ``start`` + i (draft
+    token i for i < k; the correction or bonus token after them). Drafters and rules index by i."""
+
+    noise: Noise
+    start: int
+
+    def gumbel(self, i: int) -> torch.Tensor:
+        """g [V], the token noise of block position i."""
+        return self.noise.gumbel(self.start + i)
+
+    def gumbels(self, count: int) -> torch.Tensor:
+        """[count, V]: the token noise of block positions 0 .. count − 1."""
+        if count == 0:
+            return torch.empty(0, self.noise.vocab_size)
+        return torch.stack([self.gumbel(i) for i in range(count)])
+
+    def token(self, i: int, probs: torch.Tensor) -> int:
+        """A draw from ``probs`` [V] at block position i with its token noise (a drafter's draft,
+        the target's bonus token)."""
+        return int(gumbel_argmax(probs, self.gumbel(i)))
+
+    def residual(self, i: int, probs: torch.Tensor) -> int:
+        """A draw from ``probs`` [V] with noise of its own: the replacement after the draft at i was
+        not kept, which must not depend on the draft (drawn with the token noise)."""
+        return int(gumbel_argmax(probs, self.noise.gumbel(self.start + i, RESIDUAL)))
+
+    def coin(self, i: int) -> float:
+        """The acceptance coin U(0, 1) of the draft at block position i."""
+        return self.noise.uniform(self.start + i, ACCEPT)
+
+    def shifted(self, offset: int) -> "BlockNoise":
+        """The same noise for a block that starts ``offset`` positions later (a drafter that runs
+        an inner speculative walk of its own)."""
+        return BlockNoise(self.noise, self.start + offset)
 
 
 def residual_distribution(target: torch.Tensor, draft: torch.Tensor, scale: float = 1.0) -> torch.Tensor:

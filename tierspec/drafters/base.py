@@ -14,7 +14,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from ..sampling import SamplingConfig, logits_to_probs, sample
+from ..sampling import BlockNoise, SamplingConfig, logits_to_probs
 
 #: Asked by a drafting model after each drafted token with the top probability (temperature 1)
 #: of every token drafted so far and its source name: draft another one?
@@ -112,6 +112,11 @@ class TargetDraftView:
 class Drafter:
     """Base class: proposes up to ``num_tokens`` tokens continuing the committed ``context``.
 
+    A drafter that samples draws draft token i with the block's token noise (``noise.token(i,
+    probs)``, or ``gumbel_argmax`` against ``noise.gumbel(i)``), the noise the target's own token at
+    that position is drawn with: the drafts are then a function of the seed, and under the coupled
+    rule a draft is kept whenever drafter and target choose the same token.
+
     The loop calls ``start`` once per generation with the prompt, the target's features of the
     prefilled prompt positions (when ``needs_target_features``) and, for drafters with
     ``uses_target_cache``, a ``TargetDraftView``; then per cycle ``propose`` and, after the
@@ -132,7 +137,7 @@ class Drafter:
         context: torch.Tensor,
         num_tokens: int,
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        noise: BlockNoise | None,
         keep_drafting: KeepDrafting = always,
     ) -> Proposal:
         raise NotImplementedError
@@ -140,12 +145,34 @@ class Drafter:
     def commit(self, committed_length: int, features: TargetFeatures | None = None) -> None:
         pass
 
+    def draft_step_weights(self) -> dict[str, int]:
+        """Bytes of weights one draft step reads, per source the drafter proposes as (a cost-aware policy
+        costs a step against a target pass by them); none for a drafter whose steps are free
+        (n-gram lookup)."""
+        return {}
+
+
+def streamed_weights(model: torch.nn.Module) -> int:
+    """Bytes of weights a decoding pass of ``model`` reads: every parameter once (tied ones once)
+    and every packed linear's weight (``kernels.PackedLinear`` keeps it outside the parameters),
+    less an input embedding that is not also the LM head (a lookup reads one row of it). Bytes,
+    not elements: a bfloat16 layer streams half what a float32 one does."""
+    from ..kernels import PackedLinear
+
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total += sum(m.out_features * m.in_features * m.packed.element_size()
+                 for m in model.modules() if isinstance(m, PackedLinear))
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if isinstance(head, PackedLinear) or head is None or embedding.weight.data_ptr() != head.weight.data_ptr():
+        total -= embedding.weight.numel() * embedding.weight.element_size()
+    return total
+
 
 class NoDrafter(Drafter):
     """Proposes nothing: with any rule the loop then emits one target token per cycle,
     i.e. plain autoregressive decoding."""
 
-    def propose(self, context, num_tokens, sampling, generator, keep_drafting=always) -> Proposal:
+    def propose(self, context, num_tokens, sampling, noise, keep_drafting=always) -> Proposal:
         return Proposal.empty()
 
 
@@ -154,7 +181,7 @@ def draft_autoregressively(
     pending: torch.Tensor,
     num_tokens: int,
     sampling: SamplingConfig,
-    generator: torch.Generator | None,
+    noise: BlockNoise | None,
     keep_drafting: KeepDrafting = always,
     source: str = "model",
 ) -> Proposal:
@@ -170,7 +197,7 @@ def draft_autoregressively(
         logits = next_logits(pending)
         calls += 1
         step_probs = logits_to_probs(logits, sampling)
-        token = int(logits.argmax()) if sampling.greedy else sample(step_probs, generator)
+        token = int(logits.argmax()) if sampling.greedy else noise.token(len(tokens), step_probs)
         tokens.append(token)
         probs.append(step_probs)
         logits_rows.append(logits)

@@ -10,7 +10,9 @@ The drafter is itself a cascade of ever cheaper drafters:
   the block, where acceptance matters most, and the n-gram level the later ones.
 
 The target reviews the whole block with the exact rule (§3.1); n-gram positions carry one-hot
-distributions.
+distributions. The drafter model's own review uses the coupled rule with the block's token noise:
+its tokens are exactly the drafter model's samples (argmax(log p + g_t)), drawn with the noise the
+target's tokens are drawn with.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class CascadeDrafter(Drafter):
             self.runner.forward(prompt_ids[:-1], logits_for=1)
             self._prefill_calls = 1
 
-    def propose(self, context, num_tokens, sampling, generator, keep_drafting=always) -> Proposal:
+    def propose(self, context, num_tokens, sampling, noise, keep_drafting=always) -> Proposal:
         calls, self._prefill_calls = self._prefill_calls, 0
         if num_tokens <= 0:
             return Proposal.empty(calls)
@@ -58,7 +60,8 @@ class CascadeDrafter(Drafter):
             logits = self.runner.forward(torch.cat([pending, guess]), logits_for=len(guess) + 1)[:, : self.vocab_size]
             calls += 1
             probs = logits_to_probs(logits, sampling)
-            kept, nxt = exact_walk(Proposal(guess), logits, sampling, generator)
+            inner = None if noise is None else noise.shifted(len(tokens))  # the guesses start at draft i = len(tokens)
+            kept, nxt = exact_walk(Proposal(guess), logits, sampling, inner, "coupled")
             tokens.extend(guess[:kept].tolist() + [nxt])
             rows.extend(probs[: kept + 1])
             # The model has processed the pending tokens and the kept guesses, not ``nxt``.

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..eagle.head import DraftHead, HeadRunner
-from ..sampling import SamplingConfig, logits_to_probs, sample
+from ..sampling import SamplingConfig, gumbel_argmax, logits_to_probs
 from .base import Drafter, Proposal, TargetFeatures, always
 from .ngram import NgramDrafter
 
@@ -72,7 +72,7 @@ class EagleDrafter(Drafter):
         self._last_output = h[-1:]
         return self._last_output
 
-    def propose(self, context, num_tokens, sampling: SamplingConfig, generator, keep_drafting=always) -> Proposal:
+    def propose(self, context, num_tokens, sampling: SamplingConfig, noise, keep_drafting=always) -> Proposal:
         if num_tokens <= 0:
             return Proposal.empty()
         h = self._catch_up(context)
@@ -90,7 +90,10 @@ class EagleDrafter(Drafter):
                     # distribution to draft from, so the draft ends here and the target decides.
                     break
                 probs = logits_to_probs(logits, sampling)
-                choice = int(logits.argmax()) if sampling.greedy else sample(probs, generator)
+                if sampling.greedy:
+                    choice = int(logits.argmax())
+                else:  # the token noise of the draft's position, read on the draft vocabulary
+                    choice = int(gumbel_argmax(probs, noise.gumbel(len(tokens))[ids]))
                 tokens.append(int(ids[choice]))
                 k_probs.append(probs)
                 k_logits.append(logits)
@@ -111,6 +114,13 @@ class EagleDrafter(Drafter):
         logit_rows[:, ids] = torch.stack(k_logits)
         return Proposal(torch.tensor(tokens), rows, logit_rows, torch.tensor(confidences), drafter_calls=steps,
                         source="head")
+
+    def draft_step_weights(self) -> dict[str, int]:
+        # A self-fed step runs W_fc, the decoder layer and the K LM-head rows (aux_proj reads only
+        # the target's features, once per committed position).
+        fed = sum(p.numel() * p.element_size() for name, p in self.head.named_parameters()
+                   if not name.startswith("aux_proj."))
+        return {"head": fed + self.head.lm_rows.numel() * self.head.lm_rows.element_size()}
 
     def commit(self, committed_length: int, features: TargetFeatures | None = None) -> None:
         # The head's cache holds only committed positions (drafts were dropped in propose).
@@ -136,16 +146,16 @@ class HybridDrafter(Drafter):
     def start(self, prompt_ids, features=None, target_view=None) -> None:
         self.eagle.start(prompt_ids, features, target_view)
 
-    def propose(self, context, num_tokens, sampling, generator, keep_drafting=always) -> Proposal:
+    def propose(self, context, num_tokens, sampling, noise, keep_drafting=always) -> Proposal:
         if num_tokens <= 0:
             return Proposal.empty()
-        candidate = self.ngram.propose(context, num_tokens, sampling, generator)
+        candidate = self.ngram.propose(context, num_tokens, sampling, noise)
         head_rate = self.policy.source_rate("head")  # None until the head has drafted: try it first
         if len(candidate) and head_rate is not None and self.policy.expected_rate(candidate) > head_rate:
             # Keep the head's cache current even on n-gram cycles (its catch-up is cheap).
             self.eagle._catch_up(context)
             return candidate
-        return self.eagle.propose(context, num_tokens, sampling, generator, keep_drafting)
+        return self.eagle.propose(context, num_tokens, sampling, noise, keep_drafting)
 
     def commit(self, committed_length: int, features=None) -> None:
         self.eagle.commit(committed_length, features)

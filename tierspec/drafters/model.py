@@ -11,7 +11,7 @@ import torch
 from ..errors import TierspecError
 from ..models import CachedModel
 from ..sampling import SamplingConfig
-from .base import Drafter, Proposal, always, draft_autoregressively
+from .base import Drafter, Proposal, always, draft_autoregressively, streamed_weights
 
 
 class DrafterMismatchError(TierspecError):
@@ -57,7 +57,7 @@ class ModelDrafter(Drafter):
             self.runner.forward(prompt_ids[:-1], logits_for=1)
             self._prefill_calls = 1
 
-    def propose(self, context, num_tokens, sampling: SamplingConfig, generator, keep_drafting=always) -> Proposal:
+    def propose(self, context, num_tokens, sampling: SamplingConfig, noise, keep_drafting=always) -> Proposal:
         calls, self._prefill_calls = self._prefill_calls, 0
         if num_tokens <= 0:
             return Proposal.empty(calls)
@@ -66,9 +66,12 @@ class ModelDrafter(Drafter):
         def next_logits(tokens: torch.Tensor) -> torch.Tensor:
             return self.runner.forward(tokens, logits_for=1)[-1, : self.vocab_size]
 
-        proposal = draft_autoregressively(next_logits, pending, num_tokens, sampling, generator, keep_drafting)
+        proposal = draft_autoregressively(next_logits, pending, num_tokens, sampling, noise, keep_drafting)
         proposal.drafter_calls += calls
         return proposal
 
     def commit(self, committed_length: int, features=None) -> None:
         self.runner.rollback(min(self.runner.length, committed_length - 1))
+
+    def draft_step_weights(self) -> dict[str, int]:
+        return {"model": streamed_weights(self.runner.model)}

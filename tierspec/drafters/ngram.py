@@ -38,7 +38,7 @@ class NgramDrafter(Drafter):
                 return context[start : start + num_tokens], n
         return context[:0], 0
 
-    def propose(self, context, num_tokens, sampling, generator, keep_drafting=always) -> Proposal:
+    def propose(self, context, num_tokens, sampling, noise, keep_drafting=always) -> Proposal:
         if num_tokens <= 0:
             return Proposal.empty(source="ngram")
         found, size = self.lookup(context.numpy(), num_tokens)

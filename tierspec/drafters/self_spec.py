@@ -31,7 +31,7 @@ class SelfSpeculativeDrafter(Drafter):
             raise ValueError("a self-speculative drafter needs the loop's view of the target cache")
         self.view = target_view
 
-    def propose(self, context, num_tokens, sampling: SamplingConfig, generator, keep_drafting=always) -> Proposal:
+    def propose(self, context, num_tokens, sampling: SamplingConfig, noise, keep_drafting=always) -> Proposal:
         if num_tokens <= 0:
             return Proposal.empty()
         pending = context[self.view.length :]
@@ -40,6 +40,6 @@ class SelfSpeculativeDrafter(Drafter):
             return self.view.forward(tokens, self.mask)
 
         try:
-            return draft_autoregressively(next_logits, pending, num_tokens, sampling, generator, keep_drafting, "self")
+            return draft_autoregressively(next_logits, pending, num_tokens, sampling, noise, keep_drafting, "self")
         finally:
             self.view.discard()

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from ..drafters.base import Proposal
-from ..sampling import SamplingConfig
+from ..sampling import BlockNoise, SamplingConfig
 
 # Which tier decided an emitted token (per-tier statistics, DESIGN §3.6).
 DRAFTER = "drafter"  # a draft token kept
@@ -32,7 +30,12 @@ class Verdict:
 
 class VerificationRule:
     """Decides which drafted tokens to keep. Rules call the verifiers they need through
-    ``verifiers`` (the loop owns the models and caches) and never commit anything themselves."""
+    ``verifiers`` (the loop owns the models and caches) and never commit anything themselves.
+
+    Every random number a rule uses comes from ``noise``, the block's keyed noise (draft token i
+    and the token after the drafts sit at block positions i; None in greedy mode, where a rule
+    draws nothing), so a rule's verdict is a function of the distributions, the drafts and the
+    seed."""
 
     name = "rule"
 
@@ -41,7 +44,7 @@ class VerificationRule:
         verifiers,
         proposal: Proposal,
         sampling: SamplingConfig,
-        generator: torch.Generator | None,
+        noise: BlockNoise | None,
     ) -> Verdict:
         raise NotImplementedError
 

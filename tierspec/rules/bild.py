@@ -32,14 +32,14 @@ class BildRule(VerificationRule):
             raise TierspecError(f"rollback must be >= 0 nats, got {rollback}")
         self.rollback = rollback
 
-    def verify(self, verifiers, proposal, sampling, generator) -> Verdict:
+    def verify(self, verifiers, proposal, sampling, noise) -> Verdict:
         logits = verifiers.target_logits(proposal.tokens)
         k = len(proposal)
         q = temperature_one_probs(logits) if sampling.greedy else logits_to_probs(logits, sampling)
         keep = bild_keep(q[torch.arange(k), proposal.tokens], self.rollback).float()
         if sampling.greedy:
             best = logits.argmax(-1)
-            accepted, token = acceptance_walk(k, keep, lambda i, passed: int(best[i]), lambda: int(best[k]), generator)
+            accepted, token = acceptance_walk(k, keep, lambda i, passed: int(best[i]), lambda: int(best[k]), noise)
         else:
-            accepted, token = acceptance_walk(k, keep, lambda i, passed: q[i], lambda: q[k], generator)
+            accepted, token = acceptance_walk(k, keep, lambda i, passed: q[i], lambda: q[k], noise)
         return Verdict(accepted, token, [DRAFTER] * accepted + [TARGET])

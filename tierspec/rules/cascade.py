@@ -56,7 +56,7 @@ class CascadeRule(VerificationRule):
             raise TierspecError(f"unknown deferral rule '{deferral}'; choose one of: {', '.join(DEFERRALS)}")
         self.deferral, self.alpha = deferral, alpha
 
-    def verify(self, verifiers, proposal, sampling, generator) -> Verdict:
+    def verify(self, verifiers, proposal, sampling, noise) -> Verdict:
         logits = verifiers.target_logits(proposal.tokens)  # [k+1, V]
         k = len(proposal)
         vocab = logits.shape[-1]
@@ -69,6 +69,6 @@ class CascadeRule(VerificationRule):
         pi = mixture(p, q[:k], defer)
         rows = torch.arange(k)
         accept = acceptance_probability(p[rows, proposal.tokens], pi[rows, proposal.tokens])
-        accepted, token = acceptance_walk(k, accept, lambda i, passed: residual_distribution(pi[i], p[i]), lambda: q[k], generator)
+        accepted, token = acceptance_walk(k, accept, lambda i, passed: residual_distribution(pi[i], p[i]), lambda: q[k], noise)
         deciders = [DRAFTER if not defer[i] else TARGET for i in range(accepted)] + [TARGET]
         return Verdict(accepted, token, deciders)

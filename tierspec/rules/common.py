@@ -5,6 +5,12 @@ min(1, π_i(x_i)/p_i(x_i))), the distribution to draw from when x_i is not kept 
 norm(max(0, π_i − p_i))), and the bonus distribution after a fully kept block. The walk keeps
 x_1, x_2, … in order and ends the block at the first token not kept (DESIGN §3). Greedy mode is
 the same walk over one-hot distributions; a deterministic replacement may be given as a token id.
+
+Randomness comes from the block's keyed noise (``sampling.BlockNoise``): the coin of position i
+and the replacement drawn there are keyed by i's absolute position, independent of each other and
+of the drafts (which use the token noise); the bonus token is drawn with the token noise, like
+plain decoding's. So a rule's outcome depends only on the seed and the positions, not on how
+many draws earlier blocks made.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from typing import Callable
 import torch
 
 from ..drafters.base import Proposal
-from ..sampling import one_hot, one_hot_rows, sample, temperature_one_probs, uniforms
+from ..errors import TierspecError
+from ..sampling import BlockNoise, one_hot, one_hot_rows, temperature_one_probs
 
 #: A distribution [V] to draw from, or a token id when the draw is deterministic (greedy).
 Draw = torch.Tensor | int
@@ -25,28 +32,44 @@ def acceptance_walk(
     accept_probability: torch.Tensor | Callable[[int], float],
     replacement: Callable[[int, bool], Draw],
     bonus: Callable[[], Draw],
-    generator: torch.Generator | None,
+    noise: BlockNoise | None,
     keep: Callable[[int, bool], bool] | None = None,
 ) -> tuple[int, int]:
     """(tokens kept, the next token).
 
     ``accept_probability``: [k] or a function of i (a rule whose later probabilities need a pass
-    it only runs when the walk gets there, like VIA-SD's lazy full target).
+    it only runs when the walk gets there, like VIA-SD's lazy full target). A probability of
+    exactly 0 or 1 needs no coin (greedy walks run without noise).
     ``keep(i, passed)``: when given, decides from the coin's verdict ``passed`` whether x_i is
     kept (Judge Decoding ORs a second mask in); by default a token is kept iff it passed.
     ``replacement(i, passed)``: what to draw at the first position not kept.
     """
-    coins = uniforms(num_tokens, generator) if num_tokens else None
     for i in range(num_tokens):
-        probability = accept_probability(i) if callable(accept_probability) else accept_probability[i]
-        passed = bool(coins[i] < probability)
+        probability = float(accept_probability(i) if callable(accept_probability) else accept_probability[i])
+        passed = probability >= 1.0 or (probability > 0.0 and _needs(noise).coin(i) < probability)
         if not (passed if keep is None else keep(i, passed)):
-            return i, _draw(replacement(i, passed), generator)
-    return num_tokens, _draw(bonus(), generator)
+            return i, _draw(replacement(i, passed), noise, i, residual=True)
+    return num_tokens, _draw(bonus(), noise, num_tokens, residual=False)
 
 
-def _draw(what: Draw, generator: torch.Generator | None) -> int:
-    return what if isinstance(what, int) else sample(what, generator)
+def _draw(what: Draw, noise: BlockNoise | None, i: int, residual: bool) -> int:
+    """The token of a draw at block position i: a replacement (``residual``) with noise of its own,
+    the bonus with the token noise. Without noise (greedy mode) only a token id or a one-hot
+    distribution can be drawn."""
+    if isinstance(what, int):
+        return what
+    if noise is not None:
+        return noise.residual(i, what) if residual else noise.token(i, what)
+    support = what.nonzero()
+    if support.numel() != 1:
+        raise TierspecError("a draw from a distribution needs the block's noise (sampling.BlockNoise); got None")
+    return int(support)
+
+
+def _needs(noise: BlockNoise | None) -> BlockNoise:
+    if noise is None:
+        raise TierspecError("an acceptance coin needs the block's noise (sampling.BlockNoise); got None")
+    return noise
 
 
 def draft_rows(proposal: Proposal, vocab_size: int) -> torch.Tensor:

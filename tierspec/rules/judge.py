@@ -46,7 +46,7 @@ class JudgeRule(VerificationRule):
         self.head = head
         self.threshold = head.threshold if threshold is None else threshold
 
-    def verify(self, verifiers, proposal, sampling, generator) -> Verdict:
+    def verify(self, verifiers, proposal, sampling, noise) -> Verdict:
         tokens = proposal.tokens
         k = len(proposal)
         logits, hidden = verifiers.target_logits(tokens, with_hidden=True)
@@ -72,7 +72,7 @@ class JudgeRule(VerificationRule):
             alive["judge"] = alive["judge"] and bool(judge_ok[i])
             return alive["sd"] or alive["judge"]
 
-        kappa, token = acceptance_walk(k, sd_probability, replacement, bonus, generator, keep)
+        kappa, token = acceptance_walk(k, sd_probability, replacement, bonus, noise, keep)
         kappa_sd = min(alive["kappa_sd"], kappa)
         deciders = [DRAFTER if i < kappa_sd else JUDGE for i in range(kappa)] + [TARGET]
         return Verdict(kappa, token, deciders)

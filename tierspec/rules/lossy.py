@@ -35,7 +35,7 @@ class LossyRule(VerificationRule):
             raise TierspecError(f"beta must be in (0, 1], got {beta}")
         self.alpha, self.beta = alpha, beta
 
-    def verify(self, verifiers, proposal, sampling, generator) -> Verdict:
+    def verify(self, verifiers, proposal, sampling, noise) -> Verdict:
         logits = verifiers.target_logits(proposal.tokens)  # [k+1, V]
         tokens = proposal.tokens
         k = len(proposal)
@@ -44,13 +44,13 @@ class LossyRule(VerificationRule):
             q = temperature_one_probs(logits[:k])
             accept = (q[torch.arange(k), tokens] >= (1.0 - self.alpha) * q.max(-1).values).float()
             best = logits.argmax(-1)
-            accepted, token = acceptance_walk(k, accept, lambda i, passed: int(best[i]), lambda: int(best[k]), generator)
+            accepted, token = acceptance_walk(k, accept, lambda i, passed: int(best[i]), lambda: int(best[k]), noise)
         else:
             q = logits_to_probs(logits, sampling)
             accept = lossy_acceptance(draft_prob_of_tokens(proposal), q[torch.arange(k), tokens], self.alpha)
             accepted, token = acceptance_walk(
                 k, accept, lambda i, passed: residual_distribution(q[i], draft_row(proposal, i, vocab), self.beta),
-                lambda: q[k], generator)
+                lambda: q[k], noise)
         return Verdict(accepted, token, [DRAFTER] * accepted + [TARGET])
 
     @property

@@ -70,7 +70,7 @@ class ViaRule(VerificationRule):
         self.judge = judge
         self.judge_threshold = None if judge is None else (judge.threshold if judge_threshold is None else judge_threshold)
 
-    def verify(self, verifiers, proposal, sampling, generator) -> Verdict:
+    def verify(self, verifiers, proposal, sampling, noise) -> Verdict:
         k = len(proposal)
         tokens = proposal.tokens
         slim_logits = verifiers.slim_logits(tokens)  # [k+1, V]
@@ -116,7 +116,7 @@ class ViaRule(VerificationRule):
             target()
         accept = lambda i: acceptance_probability(p[i, tokens[i]], pi(i)[tokens[i]])  # noqa: E731
         accepted, token = acceptance_walk(k, accept, lambda i, passed: residual_distribution(pi(i), p[i]),
-                                          lambda: pi(k), generator, keep)
+                                          lambda: pi(k), noise, keep)
         return Verdict(accepted, token, deciders + [tier(accepted)])
 
     @property
