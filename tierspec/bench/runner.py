@@ -17,7 +17,7 @@ import json
 import time
 import weakref
 import zlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -32,6 +32,7 @@ from ..routing import RoutingMask, model_lock
 from ..sampling import SamplingConfig
 from ..util import atomic_write_text
 from . import metrics
+from .llamacpp import LLAMACPP_PEERS
 
 HF_PEERS_ON_OUR_KERNELS = ("hf-greedy", "hf-assisted", "hf-pld", "hf-early-exit")
 # The same peers as a user who picks transformers runs them: stock ``nn.Linear`` modules (a copy
@@ -175,7 +176,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
             raise BenchError(f"method spec '{spec}': parameter '{part}' is not key=value")
         key, value = part.split("=", 1)
         params[_ALIASES.get(key.strip(), key.strip())] = value.strip()
-    known = set(method_names()) | set(HF_PEERS)
+    known = set(method_names()) | set(HF_PEERS) | set(LLAMACPP_PEERS)
     if name not in known:
         raise BenchError(f"unknown method '{name}' in '{spec}'; choose from: {', '.join(sorted(known))}")
     return name, params
@@ -206,6 +207,7 @@ class Outcome:
     token_ids: list[int]
     seconds: float
     stats: GenerationStats | None  # None for transformers peers
+    record_fields: dict = field(default_factory=dict)  # what a peer adds to its records (llama.cpp: its weights)
 
 
 class MethodRunner:
@@ -221,6 +223,12 @@ class MethodRunner:
         self.eos = eos_ids(target)
         self.sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
         num_draft = int(params.pop("num_draft", config.num_draft))
+        if self.name in LLAMACPP_PEERS:
+            from .llamacpp import LlamaCppPeer
+
+            self.peer = LlamaCppPeer(self.name, params, config.target, target, self.eos, config.temperature, config.top_k,
+                                     config.top_p, config.seed)
+            return
         if self.name in HF_PEERS:
             hf_target, drafter = hf_models or (target, drafter)
             if model_code(hf_target.model) != "transformers":
@@ -255,6 +263,8 @@ class MethodRunner:
     def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None) -> Outcome:
         if self.name in HF_PEERS:
             return self._run_hf(prompt_ids, max_new_tokens, generator)
+        if self.name in LLAMACPP_PEERS:
+            return self.peer.run(prompt_ids, max_new_tokens, generator)
         config = DecodeConfig(max_new_tokens, self.sampling, self.eos)
         stats = GenerationStats()
         tokens: list[int] = []
@@ -449,6 +459,7 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
             "token_ids": outcome.token_ids,
             "text": text,
             **(_stats_fields(outcome.stats) if outcome.stats else {}),
+            **outcome.record_fields,
             **_task_quality(prompt, text, config.dataset),
         }
         if on_cuda:  # the GPU's own peak (the process's RSS says little there)
