@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         ("All outputs equal `ar`'s." if not parted else
          f"**{len(parted)} method/dtype pair(s) parted from `ar`.** A logit gap of a few hundredths at the first "
          "divergence is a near-tie flipped by rounding that depends on the pass width; a large one is a bug."), "",
-        f"## Bench ({len(prompts) if args.quick else 'one prompt per category'}, float32, greedy, {bench_new} new tokens)", "",
+        f"## Bench ({'one prompt' if args.quick else 'one prompt per category'}, float32, greedy, {bench_new} new tokens)", "",
         markdown_table(bench),
     ]
     atomic_write_text(out / "summary.md", "\n".join(report))

@@ -193,7 +193,8 @@ def markdown_table(summary: dict) -> str:
                   + (". Above temperature 0 it samples with its own sampler chain (top-k and top-p before the "
                      "temperature) and random stream." if config.get("temperature") else ".")
                   + " `llamacpp-lookup`'s τ and rejection come from the prompt-lookup proposals and the tokens "
-                  "emitted (llama.cpp reports none)."]
+                  "emitted (llama.cpp reports none); its greedy text may part from `llamacpp-greedy`'s at near-ties, "
+                  "since llama.cpp's logits shift slightly with the number of tokens in a pass."]
     return "\n".join(lines) + "\n"
 
 
