@@ -32,7 +32,7 @@ from ..routing import RoutingMask, model_lock
 from ..sampling import SamplingConfig
 from ..util import atomic_write_text
 from . import metrics
-from .llamacpp import LLAMACPP_PEERS
+from .llamacpp import LLAMACPP_PEERS, LlamaCppPeer
 
 HF_PEERS_ON_OUR_KERNELS = ("hf-greedy", "hf-assisted", "hf-pld", "hf-early-exit")
 # The same peers as a user who picks transformers runs them: stock ``nn.Linear`` modules (a copy
@@ -206,7 +206,7 @@ def _convert(key: str, value: str, target: LoadedModel):
 class Outcome:
     token_ids: list[int]
     seconds: float
-    stats: GenerationStats | None  # None for transformers peers
+    stats: GenerationStats | None  # None for peers that report none (transformers', llama.cpp's greedy)
     record_fields: dict = field(default_factory=dict)  # what a peer adds to its records (llama.cpp: its weights)
 
 
@@ -224,8 +224,6 @@ class MethodRunner:
         self.sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
         num_draft = int(params.pop("num_draft", config.num_draft))
         if self.name in LLAMACPP_PEERS:
-            from .llamacpp import LlamaCppPeer
-
             self.peer = LlamaCppPeer(self.name, params, config.target, target, self.eos, config.temperature, config.top_k,
                                      config.top_p, config.seed)
             return
