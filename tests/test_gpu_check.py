@@ -3,6 +3,7 @@ cannot rot while no GPU is at hand), and without CUDA the GPU run refuses clearl
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,10 +14,15 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 
 @pytest.fixture(scope="module")
 def gpu_check():
+    """The script as a module (registered while in use: its dataclasses look their module up)."""
     spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a CUDA device")
