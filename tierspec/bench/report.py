@@ -125,6 +125,9 @@ def summarize(records: list[dict], config, references: dict, fidelity_reference:
             "categories": {c: _group_summary(rs, baseline, hf_greedy, config.dataset, references, fidelity_baseline)
                            for c, rs in categories.items()},
         }
+        engines = sorted({r["engine"] for r in rows if "engine" in r})
+        if engines:  # a peer outside tierspec says what it ran (llama.cpp: version, weights, threads)
+            methods[name]["engine"] = "; ".join(engines)
     from dataclasses import asdict
 
     summary = {"config": asdict(config), "methods": methods}
@@ -199,6 +202,18 @@ def markdown_table(summary: dict) -> str:
                      if twin else "the same model object") + ", with tierspec's linear kernels (`--kernels`; an "
                   "algorithm-to-algorithm comparison); `hf-*-stock`: the same on a copy with stock `nn.Linear` modules, "
                   "what a user who picks transformers runs."]
+    engines = {name: result["engine"] for name, result in methods.items() if name.startswith("llamacpp-") and "engine" in result}
+    if engines:
+        ran = "; ".join(f"`{name}`: {engine}" for name, engine in engines.items())
+        lines += ["", f"`llamacpp-*`: llama.cpp on the target's GGUF file ({ran}), fed the same prompt token ids, timed "
+                  "the same way. It computes with the file's quantised weights where tierspec's methods run "
+                  f"de-quantised {config.get('dtype', 'float32')} ones, so its text may part from `ar`'s: its fidelity "
+                  "columns measure the quantisation, not a fault"
+                  + (". Above temperature 0 it samples with its own sampler chain (top-k and top-p before the "
+                     "temperature) and random stream." if config.get("temperature") else ".")
+                  + " `llamacpp-lookup`'s τ and rejection come from the prompt-lookup proposals and the tokens "
+                  "emitted (llama.cpp reports none); its greedy text may part from `llamacpp-greedy`'s at near-ties, "
+                  "since llama.cpp's logits shift slightly with the number of tokens in a pass."]
     return "\n".join(lines) + "\n"
 
 

@@ -19,7 +19,7 @@ import time
 import weakref
 import zlib
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -34,6 +34,7 @@ from ..routing import RoutingMask, model_lock
 from ..sampling import SamplingConfig
 from ..util import atomic_write_text
 from . import metrics
+from .llamacpp import LLAMACPP_PARAMETERS, LLAMACPP_PEERS, LlamaCppPeer
 
 HF_PEERS_ON_OUR_KERNELS = ("hf-greedy", "hf-assisted", "hf-pld", "hf-early-exit")
 # The same peers as a user who picks transformers runs them: stock ``nn.Linear`` modules (a copy
@@ -188,10 +189,15 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
             raise BenchError(f"method spec '{spec}': parameter '{part}' is not key=value")
         key, value = part.split("=", 1)
         params[_ALIASES.get(key.strip(), key.strip())] = value.strip()
-    known = set(method_names()) | set(HF_PEERS)
+    known = set(method_names()) | set(HF_PEERS) | set(LLAMACPP_PEERS)
     if name not in known:
         raise BenchError(f"unknown method '{name}' in '{spec}'; choose from: {', '.join(sorted(known))}")
-    allowed = _HF_PARAMETERS.get(name.removesuffix(STOCK_SUFFIX), {}) if name in HF_PEERS else _OPTION_KINDS
+    if name in HF_PEERS:
+        allowed = _HF_PARAMETERS.get(name.removesuffix(STOCK_SUFFIX), {})
+    elif name in LLAMACPP_PEERS:
+        allowed = {key: "int" for key in LLAMACPP_PARAMETERS.get(name, {})}
+    else:
+        allowed = _OPTION_KINDS
     unknown = set(params) - set(allowed)
     if unknown:
         raise BenchError(f"method spec '{spec}': unknown parameter(s) {sorted(unknown)}; known: {sorted(allowed)}")
@@ -233,7 +239,8 @@ def _convert(spec: str, key: str, value: str, target: LoadedModel):
 class Outcome:
     token_ids: list[int]
     seconds: float
-    stats: GenerationStats | None  # None for transformers peers
+    stats: GenerationStats | None  # None for peers that report none (transformers', llama.cpp's greedy)
+    record_fields: dict = field(default_factory=dict)  # what a peer adds to its records (llama.cpp: its weights)
 
 
 class MethodRunner:
@@ -249,6 +256,10 @@ class MethodRunner:
         self.eos = eos_ids(target)
         self.sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
         num_draft = _number(spec, "num_draft", params.pop("num_draft"), "int") if "num_draft" in params else config.num_draft
+        if self.name in LLAMACPP_PEERS:
+            self.peer = LlamaCppPeer(self.name, params, config.target, target, self.eos, config.temperature, config.top_k,
+                                     config.top_p, config.seed)
+            return
         if self.name in HF_PEERS:
             hf_target, drafter = hf_models or (target, drafter)
             if model_code(hf_target.model) != "transformers":
@@ -283,6 +294,8 @@ class MethodRunner:
     def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None) -> Outcome:
         if self.name in HF_PEERS:
             return self._run_hf(prompt_ids, max_new_tokens, generator)
+        if self.name in LLAMACPP_PEERS:
+            return self.peer.run(prompt_ids, max_new_tokens, generator)
         config = DecodeConfig(max_new_tokens, self.sampling, self.eos)
         stats = GenerationStats()
         tokens: list[int] = []
@@ -535,6 +548,7 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
             "token_ids": outcome.token_ids,
             "text": text,
             **(_stats_fields(outcome.stats) if outcome.stats else {}),
+            **outcome.record_fields,
             **_task_quality(prompt, text, config.dataset),
         }
         if on_cuda:  # the GPU's own peak (the process's RSS says little there)
