@@ -132,9 +132,11 @@ def test_greedy_generation_equals_transformers_and_speculation_equals_ar(pair):
     assert len(outputs["own", "ar"]) == 24
 
 
-def test_bfloat16_stays_close_to_transformers(tmp_path):
+@pytest.mark.parametrize("kernels", ["auto", "stock", "few-row"])
+def test_bfloat16_stays_close_to_transformers(tmp_path, kernels):
+    """With every kernel kind: the float32 attention output goes back to bfloat16 before o_proj."""
     folder = _save_tiny(tmp_path / "m")
-    own = load_model(folder, dtype="bfloat16", implementation="tierspec")
+    own = load_model(folder, dtype="bfloat16", implementation="tierspec", kernels=kernels)
     theirs = load_model(folder, dtype="bfloat16", implementation="transformers")
     assert own.model.dtype == torch.bfloat16
     a, b = _passes(own)[0], _passes(theirs)[0]

@@ -264,7 +264,8 @@ class Attention(torch.nn.Module):
                                                             attn_mask=layout.mask[i : i + ATTENTION_ROWS], enable_gqa=gqa)
                              for i in range(0, rows, ATTENTION_ROWS)], dim=2)[:, :, :n] if rows > ATTENTION_ROWS else \
                 F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.mask, enable_gqa=gqa)[:, :, :n]
-        return self.o_proj.forward(out.transpose(1, 2).reshape(b, n, heads * d))
+        # Back to the projections' dtype (the input's): a bfloat16 o_proj takes bfloat16 rows.
+        return self.o_proj.forward(out.transpose(1, 2).reshape(b, n, heads * d).to(x.dtype))
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
