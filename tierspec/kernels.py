@@ -26,8 +26,9 @@ Two more properties matter for speculative decoding:
   alone and inside a 2-16-row verification pass), so a lossless method's greedy output equals
   plain decoding's exactly. oneDNN's packed products have that property for 2+ rows; for one
   row some shapes take a different path (measured: K = 1536, the MLP's down projection, in
-  float32 on random rows and in bfloat16 on the default model's activations), so a single row is
-  computed as two (the same cost: the product is flat in the rows). Tested bitwise.
+  float32 on random rows and in bfloat16 on the default model's activations), so passes of
+  fewer than four rows are padded to four (``MIN_ROWS``: also the fastest width here). Tested
+  bitwise.
 * **The LM head's output is float32** whatever the model's dtype, so that near-ties among the
   logits are not rounded into ties or flips (bfloat16 logits are spaced 0.125 apart at 16).
 
@@ -86,6 +87,13 @@ def packable_dtype(dtype: torch.dtype) -> bool:
 # ---- packed linears --------------------------------------------------------------------------
 
 
+# Fewer rows are padded to this many. oneDNN's one-row path sums in another order for some shapes
+# (a token's logits would then depend on whether it was computed alone), and its 1-3-row kernels
+# run slower than the 4-row one on the packed layout (default model, in situ, ms per pass at
+# k = 1: bfloat16 33.5 padded to 2 rows, 30.4 to 4; float32 46.1 and 40.0).
+MIN_ROWS = 4
+
+
 class PackedLinear(torch.nn.Module):
     """y = x·Wᵀ + b with W packed once for oneDNN (see the module doc).
 
@@ -111,10 +119,10 @@ class PackedLinear(torch.nn.Module):
         flat = x.reshape(-1, self.in_features)
         if flat.dtype != self.dtype:
             flat = flat.to(self.dtype)
-        if flat.shape[0] == 1:  # oneDNN's one-row path sums in another order for some shapes: two rows
-            out = self._product(torch.cat((flat, flat)))[:1]
-        else:
-            out = self._product(flat.contiguous())
+        rows = flat.shape[0]
+        if rows < MIN_ROWS:  # copies of the last row: see MIN_ROWS
+            flat = torch.cat((flat, flat[-1:].expand(MIN_ROWS - rows, -1)))
+        out = self._product(flat.contiguous())[:rows]
         return out.view(*shape[:-1], self.out_features)
 
     @property
