@@ -1,13 +1,14 @@
 """Benchmark harness: metric functions on hand-made cases, the runner end to end on a tiny model."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import char_tokenizer, tiny_llama
 
 from tierspec.bench import metrics
-from tierspec.bench.runner import BenchConfig, BenchError, parse_spec, run_bench
+from tierspec.bench.runner import BenchConfig, BenchError, parse_spec, read_records, run_bench
 from tierspec.models import wrap_model
 
 
@@ -57,6 +58,24 @@ class TestMetrics:
             logprobs = tiny_target.model(torch.tensor([[1, 2, 3, 4, 5]])).logits[0].log_softmax(-1)
         manual = -(logprobs[2, 4] + logprobs[3, 5]) / 2
         assert metrics.target_nll(tiny_target.model, prompt, generated) == pytest.approx(float(manual), rel=1e-6)  # float32 log-softmax
+
+
+def test_a_method_in_another_dtype_runs_on_that_dtypes_model(tmp_path, data_dir):
+    """``ar:dtype=bfloat16`` in a float32 run generates what a bfloat16 run's ``ar`` does (its
+    own model, loaded once), and a bad dtype is refused before anything runs."""
+    tiny_llama(3, vocab_size=56).model.save_pretrained(tmp_path / "m")
+    char_tokenizer().save_pretrained(tmp_path / "m")
+    config = BenchConfig(target=str(tmp_path / "m"), methods=("ar", "ar:dtype=bfloat16", "pld:dtype=bfloat16"),
+                         dataset="spec_bench", per_category=1, max_new_tokens=8, data_dir=str(data_dir),
+                         compute_nll=False, dtype="float32")
+    run_bench(config, tmp_path / "mixed", progress=False)
+    only = replace(config, dtype="bfloat16", methods=("ar",))
+    run_bench(only, tmp_path / "bf16", progress=False)
+    mixed = {(r["method"], r["prompt_id"]): r["token_ids"] for r in read_records(tmp_path / "mixed" / "records.jsonl")}
+    alone = {r["prompt_id"]: r["token_ids"] for r in read_records(tmp_path / "bf16" / "records.jsonl")}
+    assert alone and all(mixed["ar:dtype=bfloat16", p] == mixed["pld:dtype=bfloat16", p] == ids for p, ids in alone.items())
+    with pytest.raises(BenchError, match="unsupported dtype"):
+        parse_spec("ar:dtype=float8")
 
 
 def test_method_specs():

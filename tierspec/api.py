@@ -66,7 +66,7 @@ class _SharedModels:
 _SHARED = _SharedModels()
 
 
-def shared_model(spec: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype | str = torch.float32,
+def shared_model(spec: str | os.PathLike = DEFAULT_MODEL, *, dtype: torch.dtype | str = "auto",
                  device: str | torch.device = "cpu", kernels: str = "auto", implementation: str = "auto") -> LoadedModel:
     """``load_model(spec, ...)`` (same arguments), loaded once per process for each spec and
     options and returned to every later caller: ``generate(..., target="smollm2-135m")`` calls

@@ -271,8 +271,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32,
                device: str | torch.device = "cpu", kernels: str = "auto", implementation: str = "auto") -> LoadedModel:
     """Load a causal LM from a Hugging Face folder, a ``.gguf`` file, or ``"smollm2-135m"``,
-    with its weights in ``dtype`` (float32, bfloat16 or float16; logits are returned in
-    float32 whatever the weights) on ``device`` (``auto``, ``cpu``, ``cuda``, ``mps``).
+    with its weights in ``dtype`` (float32, bfloat16 or float16, or ``auto``: ``fastest_dtype``;
+    logits are returned in float32 whatever the weights) on ``device`` (``auto``, ``cpu``, ``cuda``, ``mps``).
 
     ``kernels``: ``packed`` packs every linear layer's weight once for oneDNN (a pass over 1-16
     new tokens then costs about what one token costs; float32, and bfloat16 where the CPU has
@@ -284,6 +284,10 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
     (``tierspec.llama``: the same computation, no transformers modelling import, 2-3 s faster to
     start), ``transformers`` on transformers' modules (needed for ``model.generate``, e.g. the
     ``hf-*`` peers); ``auto`` picks tierspec's wherever it covers the architecture.
+
+    ``dtype`` defaults to float32 here, as transformers' ``from_pretrained`` does: a model
+    loaded by hand is computed as stored. The CLI, ``tierspec.generate``/``stream``, the server
+    and the bench default to ``auto``.
 
     GGUF files (the default model is one) are de-quantised once into a cached float32
     safetensors folder; later loads read the cache (in the dtype asked for).

@@ -63,7 +63,7 @@ class BenchError(TierspecError):
 @dataclass(frozen=True)
 class BenchConfig:
     target: str = "smollm2-135m"
-    dtype: str = "float32"
+    dtype: str = "auto"  # resolved when a run starts (records name the dtype they were measured in)
     device: str = "cpu"
     kernels: str = "auto"
     implementation: str = "auto"  # tierspec's methods; hf-* peers always run on transformers' modules
@@ -197,13 +197,24 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     elif name in LLAMACPP_PEERS:
         allowed = {key: "int" for key in LLAMACPP_PARAMETERS.get(name, {})}
     else:
-        allowed = _OPTION_KINDS
+        allowed = {**_OPTION_KINDS, "dtype": "other"}
     unknown = set(params) - set(allowed)
     if unknown:
         raise BenchError(f"method spec '{spec}': unknown parameter(s) {sorted(unknown)}; known: {sorted(allowed)}")
     for key, value in params.items():
         _number(spec, key, value, allowed[key])  # refuse a bad number before any model is loaded
+    if "dtype" in params:
+        try:
+            resolve_dtype(params["dtype"])
+        except TierspecError as error:
+            raise BenchError(f"method spec '{spec}': {error}") from None
     return name, params
+
+
+def spec_dtype(spec: str, config: "BenchConfig") -> torch.dtype:
+    """The dtype a method spec runs in: its ``dtype=`` parameter (``ar:dtype=float32`` beside
+    a bfloat16 run: one run compares dtypes on the same prompts and clock), else the run's."""
+    return resolve_dtype(parse_spec(spec)[1].get("dtype", config.dtype), config.device)
 
 
 def _number(spec: str, key: str, value: str, kind: str):
@@ -256,6 +267,7 @@ class MethodRunner:
         self.eos = eos_ids(target)
         self.sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
         num_draft = _number(spec, "num_draft", params.pop("num_draft"), "int") if "num_draft" in params else config.num_draft
+        params.pop("dtype", None)  # the caller passed the target loaded in that dtype
         if self.name in LLAMACPP_PEERS:
             self.peer = LlamaCppPeer(self.name, params, config.target, target, self.eos, config.temperature, config.top_k,
                                      config.top_p, config.seed)
@@ -504,7 +516,16 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
     if generate and any(parse_spec(spec)[0] in HF_PEERS for spec in methods):
         hf_models = tuple(_on_transformers(model, spec, config) for model, spec in
                           ((target, config.target), (drafter, config.drafter)))
-    runners = {spec: MethodRunner(spec, target, drafter, config, hf_models) for spec in methods} if generate else {}
+    # Models in another dtype, for specs that ask for one (loaded once per dtype; the run's own
+    # target still encodes the prompts and scores every method's text).
+    models = {resolve_dtype(config.dtype, config.device): (target, drafter)}
+    runners = {}
+    for spec in methods if generate else ():
+        dtype = spec_dtype(spec, config)
+        if dtype not in models:
+            models[dtype] = tuple(load_model(name, dtype, config.device, config.kernels, config.implementation)
+                                  if name else None for name in (config.target, config.drafter))
+        runners[spec] = MethodRunner(spec, *models[dtype], config, hf_models)
     encoded = {p.id: encode_prompt(target, p.text) for p in prompts}
 
     records_path = out / "records.jsonl"
