@@ -190,6 +190,23 @@ def test_a_seed_goes_straight_to_the_generation(client, smollm):
     assert texts == [reference.text] * 2
 
 
+@pytest.mark.parametrize("method", ["hybrid", "eagle", "adaptive-pld"])
+def test_a_seed_fixes_a_speculative_methods_text_across_requests(client, smollm, method):
+    """Issue finding 1 on the server: ``eagle``, ``hybrid`` and ``adaptive-pld`` gave other texts
+    for the same seed from one request to the next. Now the same seed gives ``ar``'s text (the
+    seed contract: every lossless method samples what plain decoding samples), also with another
+    request of the same method in between."""
+    prompt = "Write a short story about a robot learning to paint."
+    kwargs = {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 1.0, "seed": 7,
+              "extra_body": {"method": method}}
+    first = client.completions.create(**kwargs).choices[0].text
+    client.completions.create(**{**kwargs, "prompt": "1, 2, 3, 4, 5, 6, 7, 8,", "seed": 11})
+    again = client.completions.create(**kwargs).choices[0].text
+    reference = tierspec.generate(prompt, target=smollm, method="ar", max_new_tokens=24, temperature=1.0, seed=7,
+                                  chat_template=False)
+    assert first == again == reference.text
+
+
 def test_request_overrides_the_method(client):
     messages = [{"role": "user", "content": QUESTION}]
     default = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
