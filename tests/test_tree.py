@@ -100,28 +100,46 @@ def exact_model(request, tmp_path_factory):
 IDS = (torch.arange(600) * 31 + 7) % 56
 
 
+SMALL = TokenTree.from_paths([[1, 2, 3], [1, 4], [5, 6], [5, 2, 7]])  # 8 nodes: passes of ≤ 10 rows (few-row kernels)
+
+
+@pytest.mark.parametrize("tree", [PLANTED, SMALL], ids=["20-nodes", "8-nodes"])
 @pytest.mark.parametrize("committed", [5, 498, 509, 512])  # the tree inside a 512-key block, and across one
 @pytest.mark.parametrize("pending", [1, 3])
-def test_a_tree_nodes_logits_equal_a_chain_pass_of_its_path_bitwise(exact_model, committed, pending):
+def test_a_tree_nodes_logits_equal_a_chain_pass_of_its_path(exact_model, tree, committed, pending):
+    """bfloat16: bitwise for every node. float32: bitwise for a path that sits in consecutive
+    slots (the tree's first branch, a chain) in a pass of ≤ 10 rows; other nodes differ in the last
+    bits (≤ 3e-7 relative measured): the CPU attention kernel sums exp(scores) in vector lanes by
+    key slot, so a path spread over the tree's slots is summed in another association than the
+    chain's (bfloat16 rounds the attention output before o_proj, which hides it here); passes of
+    more than 10 rows run the stock linear kernel, whose rows differ from the few-row kernel's."""
     runner = CachedModel(exact_model.model)
     start = committed - pending  # the target has run the committed tokens before the pending ones
+    bitwise = exact_model.model.dtype == torch.bfloat16
     with torch.inference_mode():
         runner.forward(IDS[:start], logits_for=1)
-        layout = tree_pass(IDS[start:committed], PLANTED, padding=2)
+        layout = tree_pass(IDS[start:committed], tree, padding=2)
         scores = runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends)
         assert runner.length == start + len(layout.tokens)
-        for node in range(len(PLANTED)):
+        for node in range(len(tree)):
+            path = tree.path_to(node)
             runner.rollback(start)
-            chain = runner.forward(torch.cat([IDS[start:committed], PLANTED.tokens[PLANTED.path_to(node)]]))
-            assert torch.equal(scores[pending + node], chain[-1]), f"node {node}"
+            chain = runner.forward(torch.cat([IDS[start:committed], tree.tokens[path]]))[-1]
+            consecutive = path == list(range(len(path))) and len(layout.tokens) <= 10
+            if bitwise or consecutive:
+                assert torch.equal(scores[pending + node], chain), f"node {node}"
+            torch.testing.assert_close(scores[pending + node], chain, rtol=0, atol=1e-6 * float(chain.abs().max()))
         runner.rollback(start)
-        assert torch.equal(scores[pending - 1], runner.forward(IDS[start:committed])[-1])  # the root's row
+        root = runner.forward(IDS[start:committed])[-1]
+        if bitwise or len(layout.tokens) <= 10:
+            assert torch.equal(scores[pending - 1], root)  # the root's row
+        torch.testing.assert_close(scores[pending - 1], root, rtol=0, atol=1e-6 * float(root.abs().max()))
 
 
 @pytest.mark.parametrize("node", [3, 8, 12, 13])  # a leaf, a deep leaf, the deepest, a depth-1 leaf
 def test_the_accepted_paths_kv_is_made_contiguous(exact_model, node):
-    """After a tree pass, keeping the accepted path leaves the cache exactly as a chain pass of
-    that path would have: the next pass's logits are bitwise the same."""
+    """After a tree pass, keeping the accepted path leaves the cache as a chain pass of that path
+    would have: the next pass's logits are the same (bitwise in bfloat16; see above for float32)."""
     runner = CachedModel(exact_model.model)
     path = PLANTED.path_to(node)
     with torch.inference_mode():
@@ -133,7 +151,10 @@ def test_the_accepted_paths_kv_is_made_contiguous(exact_model, node):
         after_tree = runner.forward(torch.tensor([20, 21]))
         runner.rollback(500)
         runner.forward(torch.cat([IDS[500:501], PLANTED.tokens[path]]))
-        assert torch.equal(after_tree, runner.forward(torch.tensor([20, 21])))
+        after_chain = runner.forward(torch.tensor([20, 21]))
+        if exact_model.model.dtype == torch.bfloat16:
+            assert torch.equal(after_tree, after_chain)
+        torch.testing.assert_close(after_tree, after_chain, rtol=0, atol=1e-6 * float(after_chain.abs().max()))
 
 
 def test_compaction_refuses_slots_outside_the_pass(exact_model):
