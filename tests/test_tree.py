@@ -361,3 +361,73 @@ def test_a_sampled_walk_needs_noise_and_rows_for_every_node():
         tree_walk(WALK_TREE, logits, SamplingConfig(1.0), None, "residual")
     with pytest.raises(TreeError, match="needs 8 rows of target logits, got 7"):
         tree_walk(WALK_TREE, logits[:7], SamplingConfig(), None)
+
+
+# ---- the loop: tree methods give plain decoding's tokens ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def own_target(tmp_path_factory):
+    """A peaked random Llama on tierspec's code (float64: no near-ties)."""
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    folder = tmp_path_factory.mktemp("tree-loop") / "m"
+    model.save_pretrained(folder)
+    return load_model(folder, dtype="float64", implementation="tierspec")
+
+
+def tree_methods(target):
+    from conftest import as_method
+
+    from tierspec.drafters.tree import EagleTreeDrafter, HybridTreeDrafter, NgramTreeDrafter, TreePolicy
+    from tierspec.eagle.head import DraftHead
+
+    def head():
+        return DraftHead.for_target(target, torch.arange(target.vocab_size), seed=3).eval()
+
+    def policy():
+        return TreePolicy(max_nodes=12, max_depth=5, draft_fractions={"head": 0.05})
+
+    ngram_policy, eagle_policy, hybrid_policy = policy(), policy(), policy()
+    return {
+        "ngram-tree": as_method(NgramTreeDrafter(ngram_policy), TreeExactRule(), ngram_policy),
+        "eagle-tree": as_method(EagleTreeDrafter(head(), eagle_policy), TreeExactRule(), eagle_policy),
+        "hybrid-tree": as_method(HybridTreeDrafter(NgramTreeDrafter(hybrid_policy), EagleTreeDrafter(head(), hybrid_policy)),
+                                 TreeExactRule(), hybrid_policy),
+    }
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tree_methods_emit_plain_decodings_tokens_and_keep_the_cache_invariant(own_target, prompt_ids, temperature):
+    from conftest import as_method, run_ids
+
+    from tierspec.drafters import NoDrafter
+
+    sampling = SamplingConfig(temperature)
+    reference = run_ids(own_target, as_method(NoDrafter()), prompt_ids, 40, sampling, generator=7)
+
+    def invariant(verifiers, drafter):
+        assert verifiers.runner.length == verifiers.full_length == len(verifiers.context) - 1
+        assert set(verifiers.runner.layer_lengths()) == {verifiers.runner.length}
+
+    for name, method in tree_methods(own_target).items():
+        steps = []
+        out = run_ids(own_target, method, prompt_ids, 40, sampling, generator=7, inspect=invariant, on_step=steps.append)
+        assert out == reference, name
+        assert sum(step.cycle.accepted for step in steps) > 0, name  # trees were drafted and kept
+        assert max(step.cycle.drafted for step in steps) > 1, name
+
+
+def test_a_chain_rule_refuses_a_tree_drafter(own_target, prompt_ids):
+    from conftest import as_method, run_ids
+
+    from tierspec.drafters.tree import NgramTreeDrafter, TreePolicy
+    from tierspec.rules import ExactRule
+
+    with pytest.raises(TierspecError, match="the rule 'exact' verifies chains only"):
+        run_ids(own_target, as_method(NgramTreeDrafter(TreePolicy()), ExactRule(), TreePolicy()), prompt_ids, 5)

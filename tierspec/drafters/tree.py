@@ -51,7 +51,7 @@ class TreePolicy(DraftPolicy):
 
     def __init__(self, max_nodes: int = 15, max_depth: int = 8, forward_costs=None, draft_fractions=None,
                  decay: float = 0.98, prior_weight: float = 4.0):
-        super().__init__(max_draft=max_depth)
+        self.max_draft = max_depth
         self.max_nodes = max_nodes
         self.max_depth = max_depth
         self.cost = CostModel(forward_costs, dict(draft_fractions or {}))
