@@ -384,6 +384,9 @@ def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int]):
     from .costs import forward_costs
     from .drafters.tree import TreePolicy
 
+    if not hasattr(target.model, "new_kv_cache"):
+        raise MethodOptionError(f"token trees run on tierspec's own Llama forward only; '{target.identity.name}' runs on "
+                                f"{type(target.model).__name__} (load it with implementation='tierspec')")
     with _COST_TABLES_LOCK:
         tables = _COST_TABLES.setdefault(target.model, {})
         if 16 not in tables:
