@@ -189,6 +189,7 @@ class Verifiers:
         self._features: torch.Tensor | None = None  # [capacity, H] by position
         self._approximate: set[int] = set()  # positions whose features came from a slim pass
         self._handed = 0  # features of positions < _handed went to the drafter
+        self._tree_pass = None  # (start, pending tokens, their and the nodes' features) of a tree pass awaiting its path
 
     # -- passes ------------------------------------------------------------------------------
     def prefill(self, prompt_ids: torch.Tensor) -> TargetFeatures | None:
