@@ -431,3 +431,49 @@ def test_a_chain_rule_refuses_a_tree_drafter(own_target, prompt_ids):
 
     with pytest.raises(TierspecError, match="the rule 'exact' verifies chains only"):
         run_ids(own_target, as_method(NgramTreeDrafter(TreePolicy()), ExactRule(), TreePolicy()), prompt_ids, 5)
+
+
+# ---- sizing a tree -------------------------------------------------------------------------------
+
+
+def test_the_policy_keeps_the_node_count_that_maximises_expected_tokens_per_second():
+    from tierspec.costs import ForwardCosts
+    from tierspec.drafters.tree import TreePolicy
+
+    # passes of 1-3 tokens cost the same, 4 tokens twice as much
+    policy = TreePolicy(max_nodes=3, forward_costs=ForwardCosts({1: 1.0, 2: 1.0, 3: 1.0, 4: 2.0}))
+    assert policy.best_size([0.9, 0.8, 0.5], 0.0) == (2, 2.7)  # 1 + 2 nodes fill the cheap pass: (1 + 1.7) / 1
+    assert policy.best_size([0.9, 0.8, 0.5], 0.0, pending=2)[0] == 1  # one pending token more: room for one node
+    assert policy.best_size([0.05], 1.0)[0] == 1  # a free node is worth it when it adds anything
+    expensive = TreePolicy(max_nodes=3, forward_costs=ForwardCosts({1: 1.0, 2: 3.0, 3: 3.0, 4: 3.0}))
+    assert expensive.best_size([0.9, 0.6, 0.3], 0.0) == (0, 1.0)  # 3× the pass for ≤ 1.8 more tokens: no tree
+
+
+def test_the_policy_learns_acceptance_of_every_node_whose_parent_was_reached():
+    from tierspec.drafters.tree import TreePolicy, TreeProposal
+    from tierspec.rules.tree import TreeVerdict
+
+    tree = TokenTree.from_paths([[1, 2], [1, 3], [4]])  # nodes 0:1 1:2 2:3 3:4
+    proposal = TreeProposal(tree, ["a", "b", "c", "d"], [0.5, 0.5, 0.5, 0.5])
+    policy = TreePolicy(prior_weight=1.0)
+    policy.observe_tree(proposal, TreeVerdict([0], 9))  # took node 0; then 2 and 3 were tried and failed
+    assert policy.acceptance("a", 0.5) == pytest.approx(1.5 / 2)  # kept: (1 + 0.5·1) / (1 + 1)
+    assert policy.acceptance("b", 0.5) == policy.acceptance("c", 0.5) == policy.acceptance("d", 0.5) == pytest.approx(0.25)
+    policy.observe_tree(proposal, TreeVerdict([], 9))  # rejected at the root: only 0 and 3 were tried
+    assert policy.acceptance("b", 0.5) == pytest.approx(0.5 / (0.98 + 1))  # not tried: its one failure only decays
+    assert policy.acceptance("e", 0.3) == 0.3  # never seen: the prior
+
+
+def test_ngram_lookup_offers_every_distinct_continuation_as_a_trie():
+    from tierspec.drafters.tree import NgramTreeDrafter, TreePolicy
+
+    context = torch.tensor([5, 6, 1, 2, 5, 6, 1, 3, 9, 5, 6, 7, 5, 6])  # 5 6 was followed by 1 2, 1 3 and 7
+    from tierspec.costs import ForwardCosts
+
+    flat = ForwardCosts({n: 1.0 for n in range(1, 12)})  # every node free: all are kept
+    drafter = NgramTreeDrafter(TreePolicy(max_nodes=10, forward_costs=flat), ngram_size=2)
+    found, size = drafter.continuations(context.numpy(), 2)
+    assert size == 2 and [c.tolist() for c in found] == [[7, 5], [1, 3], [1, 2]]  # most recent first
+    proposal = drafter.propose_tree(context, 2, SamplingConfig(), None)
+    assert sorted(proposal.tree.paths()) == [[1, 2], [1, 3], [7, 5]]
+    assert proposal.source == "ngram" and len(proposal.keys) == len(proposal.tree) == 5
