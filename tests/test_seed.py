@@ -113,6 +113,8 @@ def test_a_seed_fixes_the_text_whatever_ran_before_and_whatever_the_clock_says(n
     the seed must give the first text again. It did not for the cost-aware methods (eagle,
     hybrid, adaptive-*, the lossy rules drafting with the head): their draft lengths followed the
     clock and what earlier generations taught the policy, and the random draws followed the drafts."""
+    if name.endswith("-tree"):
+        pytest.skip("token trees run on tierspec's own Llama forward, not this transformers model (test_tree.py)")
     method = build_method(name, target, drafter, options_for(name, parts))
     first = tokens(target, method, PROMPT, seed=7)
     tokens(target, method, OTHER_PROMPT, seed=3)

@@ -189,6 +189,7 @@ class Verifiers:
         self._features: torch.Tensor | None = None  # [capacity, H] by position
         self._approximate: set[int] = set()  # positions whose features came from a slim pass
         self._handed = 0  # features of positions < _handed went to the drafter
+        self._tree_pass = None  # (start, pending tokens, their and the nodes' features) of a tree pass awaiting its path
 
     # -- passes ------------------------------------------------------------------------------
     def prefill(self, prompt_ids: torch.Tensor) -> TargetFeatures | None:
@@ -237,6 +238,42 @@ class Verifiers:
         if with_hidden:
             return logits[: k + 1], hidden[real - (k + 1) : real, : self.hidden_size]
         return logits[: k + 1]
+
+    def target_tree_logits(self, tree) -> torch.Tensor:
+        """Full-target logits [1 + m, V] of a token tree (``tree.TokenTree``, DESIGN §5c) in one
+        pass: row 0 after the last committed token (the root), row 1 + i after node i. The nodes'
+        KV stays in the cache after the committed tokens until ``keep_tree_path`` keeps the
+        accepted path's (the loop calls it after the verdict)."""
+        from .tree import tree_pass
+
+        if self.runner.length > self.full_length:
+            self.runner.rollback(self.full_length)
+        start = self.full_length
+        pending = self.context[start:]
+        m = len(tree)
+        unpadded = len(pending) + m
+        pad = self.forward_costs.padded_size(unpadded) - unpadded if self.forward_costs is not None and unpadded > 1 else 0
+        layout = tree_pass(pending, tree, pad)
+        result = self.runner.forward(layout.tokens, logits_for=m + 1 + pad, with_hidden=self.record_features,
+                                     hidden_layers=self.feature_layers if self.record_features else (),
+                                     offsets=layout.offsets, attends=layout.attends)
+        self.target_calls += 1
+        logits = result[0] if self.record_features else result
+        self._tree_pass = (start, layout.pending, result[1][: layout.pending + m] if self.record_features else None)
+        return logits[: m + 1]
+
+    def keep_tree_path(self, path: list[int]) -> None:
+        """After a tree pass: keep the KV (and the features) of the accepted ``path``'s nodes as
+        the positions after the committed tokens, drop the other nodes' (``CachedModel.compact``)."""
+        start, pending, hidden = self._tree_pass
+        committed = start + pending
+        self.runner.compact(committed, committed + torch.tensor(path, dtype=torch.long))
+        self.full_length = self.runner.length
+        if hidden is not None:
+            self._store(start, hidden[:pending], approximate=False)
+            if path:
+                self._store(committed, hidden[pending + torch.tensor(path)], approximate=False)
+        self._tree_pass = None
 
     def slim_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
         """Slim-verifier logits [k+1, V] (the target under ``slim_mask``), same layout."""
@@ -418,9 +455,15 @@ def decode(
     context = prompt_ids.clone()
     verifiers.context = context
     emitted_total = 0
+    cycle = _cycle
+    if getattr(drafter, "proposes_trees", False):
+        if not getattr(rule, "accepts_trees", False):
+            raise TierspecError(f"the rule '{rule.name}' verifies chains only; a tree drafter needs a tree rule "
+                                "(rules.tree.TreeExactRule)")
+        cycle = _tree_cycle
     while emitted_total < config.max_new_tokens:
         with torch.inference_mode():
-            step, context = _cycle(verifiers, drafter, rule, policy, context, config, emitted_total, eos, noise)
+            step, context = cycle(verifiers, drafter, rule, policy, context, config, emitted_total, eos, noise)
         emitted_total += len(step.new_tokens)
         if inspect is not None:
             inspect(verifiers, drafter)
@@ -475,6 +518,56 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
         emitted=len(new_tokens),
         target_calls=verifiers.target_calls - target_calls,
         slim_calls=verifiers.slim_calls - slim_calls,
+        drafter_calls=proposal.drafter_calls,
+        seconds=ended - started,
+        draft_seconds=drafted_at - started,
+        deciders=verdict.deciders[: len(new_tokens)],
+    )
+    return Step(new_tokens, cycle, finished), context
+
+
+def _tree_cycle(verifiers: Verifiers, drafter: Drafter, rule, policy: DraftPolicy, context: torch.Tensor,
+                config: DecodeConfig, emitted_total: int, eos: set[int], noise: Noise) -> tuple[Step, torch.Tensor]:
+    """``_cycle`` for a tree drafter (DESIGN §5c): the drafter proposes a token tree no deeper than
+    the tokens left allow, the rule walks it after one target pass, the loop keeps the accepted
+    path's KV and commits path + next token. ``policy.observe_tree`` sees every verdict."""
+    started = time.perf_counter()
+    target_calls = verifiers.target_calls
+    remaining = config.max_new_tokens - emitted_total
+    block = None if config.sampling.greedy else noise.block(len(context))
+    proposal = drafter.propose_tree(context, max(0, remaining - 1), config.sampling, block)
+    drafted_at = time.perf_counter()
+    tree = proposal.tree
+    verdict = rule.verify_tree(verifiers, tree, config.sampling, block)
+    verifiers.keep_tree_path(verdict.path)
+
+    new_tokens = tree.tokens[verdict.path].tolist() + [verdict.next_token]
+    finished = False
+    for i, token in enumerate(new_tokens):
+        if token in eos:
+            new_tokens = new_tokens[: i + 1]
+            finished = True
+            break
+    new_tokens = new_tokens[:remaining]
+    context = torch.cat([context, torch.tensor(new_tokens, dtype=torch.long)])
+    verifiers.context = context
+    noise.forget_before(len(context))
+    finished = finished or emitted_total + len(new_tokens) >= config.max_new_tokens
+    verifiers.rollback(len(context))
+    drafter.commit(len(context), verifiers.take_features())
+    if hasattr(policy, "observe_tree"):
+        policy.observe_tree(proposal, verdict)
+    ended = time.perf_counter()
+    # A node is evaluated when its parent was reached: the accepted path's nodes and the children
+    # tried below its end (at most one counts as "the rejection" of the cycle, as for a chain).
+    stopped_early = bool(tree.children(verdict.path[-1] if verdict.path else -1))
+    cycle = CycleStats(
+        drafted=len(tree),
+        evaluated=verdict.accepted + int(stopped_early),
+        accepted=verdict.accepted,
+        emitted=len(new_tokens),
+        target_calls=verifiers.target_calls - target_calls,
+        slim_calls=0,
         drafter_calls=proposal.drafter_calls,
         seconds=ended - started,
         draft_seconds=drafted_at - started,

@@ -135,6 +135,18 @@ class KVLayer:
     def get_seq_length(self) -> int:
         return self.length
 
+    def compact(self, start: int, slots: torch.Tensor) -> None:
+        """Keep the positions at ``slots`` [L] (increasing, all in start .. length − 1) as
+        positions start .. start + L − 1 and drop the rest after ``start``: a token tree's accepted
+        path made contiguous (DESIGN §5c)."""
+        count = int(slots.shape[0])
+        if count:
+            slots = slots.to(self._keys.device)
+            self._keys[..., start : start + count, :] = self._keys[..., slots, :]  # the gather copies first
+            self._values[..., start : start + count, :] = self._values[..., slots, :]
+        self.length = start + count
+        self.keys, self.values = self._keys[..., : self.length, :], self._values[..., : self.length, :]
+
     def trim(self, length: int) -> None:
         if length < self.length:
             self.length = length
@@ -350,10 +362,14 @@ class Decoder(torch.nn.Module):
             self._rope = (angles.cos().to(dtype), sin.to(dtype))
         return self._rope
 
-    def layout(self, position_ids: torch.Tensor, start: int, cached: bool) -> PassLayout:
+    def layout(self, position_ids: torch.Tensor, start: int, cached: bool, attends: torch.Tensor | None = None) -> PassLayout:
         """The pass's shared factors for new tokens at ``position_ids`` [n] written at cache slots
-        ``start ..`` (see ``PassLayout``)."""
+        ``start ..`` (see ``PassLayout``). ``attends`` [n, n] bool (a token tree, cached passes
+        only): new token i sees new token j iff attends[i, j] (j ≤ i; default: every j ≤ i)."""
         n = int(position_ids.shape[0])
+        if attends is not None and (not cached or tuple(attends.shape) != (n, n)):
+            raise ValueError(f"a tree mask needs a cached pass and shape ({n}, {n}), got {tuple(attends.shape)}"
+                             + ("" if cached else " on an uncached pass"))
         device = position_ids.device
         cos_table, sin_table = self._rope_table(int(position_ids.max()) + 1, self.residual_dtype)
         cos, sin = cos_table.index_select(0, position_ids).unsqueeze(1), sin_table.index_select(0, position_ids).unsqueeze(1)
@@ -367,18 +383,23 @@ class Decoder(torch.nn.Module):
         # attention's time here (127 vs 67 µs for 4 queries over 512 keys)
         mask = torch.zeros(rows, keys, dtype=self.residual_dtype, device=device)
         mask.masked_fill_(torch.arange(keys, device=device) > sees, float("-inf"))  # [rows, keys]
+        if attends is not None:  # a tree: within the new tokens, only the ancestors and the token itself
+            hidden = ~attends.to(device)[torch.arange(rows, device=device).clamp_(max=n - 1)]  # [rows, n]
+            mask[:, start : start + n].masked_fill_(hidden, float("-inf"))
         return PassLayout(cos, sin, mask, start, keys)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                cache: KVCache | None = None, use_cache: bool = True, **unused) -> DecoderOutput:
-        """input_ids [1, n] at ``position_ids`` [1, n] (default: after what ``cache`` holds)."""
+                cache: KVCache | None = None, use_cache: bool = True, attends: torch.Tensor | None = None,
+                **unused) -> DecoderOutput:
+        """input_ids [1, n] at ``position_ids`` [1, n] (default: after what ``cache`` holds);
+        ``attends`` [n, n]: a tree pass's mask among the new tokens (see ``layout``)."""
         n = input_ids.shape[1]
         cached = cache is not None and use_cache
         start = cache.get_seq_length() if cached else 0
         if position_ids is None:
             position_ids = torch.arange(start, start + n, device=input_ids.device).unsqueeze(0)
         hidden = self.embed_tokens(input_ids).to(self.residual_dtype)
-        layout = self.layout(position_ids[0], start, cached)
+        layout = self.layout(position_ids[0], start, cached, attends)
         layers = cache.layers if cached else [None] * len(self.layers)
         for layer, layer_cache in zip(self.layers, layers):
             hidden = layer(hidden, layout, layer_cache)
@@ -421,9 +442,11 @@ class LlamaLM(torch.nn.Module):
         return KVCache(len(self.model.layers))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                use_cache: bool = True, logits_to_keep: int = 0, **unused) -> CausalLMOutput:
-        """Logits [1, m, V] of the last ``logits_to_keep`` = m positions (0: all)."""
-        hidden = self.model(input_ids, position_ids, cache, use_cache).last_hidden_state
+                use_cache: bool = True, logits_to_keep: int = 0, attends: torch.Tensor | None = None,
+                **unused) -> CausalLMOutput:
+        """Logits [1, m, V] of the last ``logits_to_keep`` = m positions (0: all); ``attends``: a
+        tree pass (``Decoder.layout``)."""
+        hidden = self.model(input_ids, position_ids, cache, use_cache, attends).last_hidden_state
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return CausalLMOutput(self.lm_head(hidden))

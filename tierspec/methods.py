@@ -378,6 +378,49 @@ def _hybrid(target, drafter_model, options) -> Method:
                   forward_costs=table)
 
 
+def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int]):
+    """A tree policy (``drafters.tree.TreePolicy``) on the target's pass costs for up to 16 tokens
+    (a tree is wider than a chain): nodes per pass up to the table's size − 1."""
+    from .costs import forward_costs
+    from .drafters.tree import TreePolicy
+
+    if not hasattr(target.model, "new_kv_cache"):
+        raise MethodOptionError(f"token trees run on tierspec's own Llama forward only; '{target.identity.name}' runs on "
+                                f"{type(target.model).__name__} (load it with implementation='tierspec')")
+    with _COST_TABLES_LOCK:
+        tables = _COST_TABLES.setdefault(target.model, {})
+        if 16 not in tables:
+            tables[16] = forward_costs(target, max_tokens=16)
+        table = tables[16]
+    target_weights = streamed_weights(target.model)
+    fractions = {source: weights / target_weights for source, weights in drafter_weights.items()}
+    return TreePolicy(max_nodes=table.max_tokens - 1, forward_costs=table, draft_fractions=fractions), table
+
+
+def _eagle_tree(target, drafter_model, options) -> Method:
+    from .drafters.eagle import EagleDrafter
+    from .drafters.tree import EagleTreeDrafter
+    from .rules.tree import TreeExactRule
+
+    head = draft_head_for(target, options)
+    policy, table = _tree_policy(target, EagleDrafter(head).draft_step_weights())
+    return Method("eagle-tree", EagleTreeDrafter(head, policy), TreeExactRule(options.sampling_rule), policy,
+                  "lossless: the draft head's dynamic token tree (EAGLE-2 style), sized by measured pass costs",
+                  forward_costs=table)
+
+
+def _hybrid_tree(target, drafter_model, options) -> Method:
+    from .drafters.eagle import EagleDrafter
+    from .drafters.tree import EagleTreeDrafter, HybridTreeDrafter, NgramTreeDrafter
+    from .rules.tree import TreeExactRule
+
+    head = draft_head_for(target, options)
+    policy, table = _tree_policy(target, EagleDrafter(head).draft_step_weights())
+    drafter = HybridTreeDrafter(NgramTreeDrafter(policy, options.ngram_size), EagleTreeDrafter(head, policy))
+    return Method("hybrid-tree", drafter, TreeExactRule(options.sampling_rule), policy,
+                  "lossless: the n-gram trie of every match merged with the draft head's token tree", forward_costs=table)
+
+
 _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], Method]] = {
     "ar": _ar,
     "sd": _sd,
@@ -386,6 +429,8 @@ _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], 
     "adaptive-sd": _adaptive_sd,
     "eagle": _eagle,
     "hybrid": _hybrid,
+    "eagle-tree": _eagle_tree,
+    "hybrid-tree": _hybrid_tree,
     "self": _self,
     "swift": _swift,
     "lossy": _lossy,

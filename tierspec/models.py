@@ -553,7 +553,8 @@ class CachedModel:
                 layer.reserve(positions)
 
     def forward(self, token_ids: torch.Tensor, logits_for: int | None = None, mask=None, with_hidden: bool = False,
-                hidden_layers: tuple[int, ...] = (), vocabulary: SlimVocabulary | None = None):
+                hidden_layers: tuple[int, ...] = (), vocabulary: SlimVocabulary | None = None,
+                offsets: torch.Tensor | None = None, attends: torch.Tensor | None = None):
         """Run ``token_ids`` [n] at positions ``length ..``; return logits [m, V] (float32).
 
         ``logits_for`` = m keeps only the last m positions' logits (None = all n); the LM head
@@ -567,10 +568,22 @@ class CachedModel:
         The pass holds the model's lock (``routing.model_lock``): a mask swaps modules of the
         shared model instance, so no other pass on it may run meanwhile (two generations on one
         loaded model in two threads are serialised pass by pass, each with its own cache).
+
+        A token-tree pass (``tree.tree_pass``; tierspec's own Llama forward only) gives each token
+        its position as ``length`` + ``offsets`` [n] and the mask ``attends`` [n, n] among the new
+        tokens; they are written at slots ``length ..`` as any pass, and ``compact`` keeps the
+        accepted path afterwards.
         """
         n = int(token_ids.shape[0])
         device = self.device
-        positions = torch.arange(self.length, self.length + n, device=device).unsqueeze(0)
+        if attends is not None and not hasattr(self.model, "new_kv_cache"):
+            raise TierspecError(f"token-tree passes run on tierspec's own Llama forward only, not on {type(self.model).__name__} "
+                                "(load the model with implementation='tierspec')")
+        if offsets is None:
+            positions = torch.arange(self.length, self.length + n, device=device).unsqueeze(0)
+        else:
+            positions = (self.length + offsets.to(device)).unsqueeze(0)
+        tree_kwargs = {} if attends is None else {"attends": attends}
         token_ids = token_ids.to(device)
         captured = []
         layer_outputs: dict[int, torch.Tensor] = {}
@@ -596,10 +609,11 @@ class CachedModel:
                             cache=self.cache,
                             use_cache=True,
                             logits_to_keep=n if logits_for is None else logits_for,
+                            **tree_kwargs,
                         )
                     else:  # the decoder alone, then only the vocabulary's LM-head rows
                         states = self.model.get_decoder()(input_ids=token_ids.unsqueeze(0), position_ids=positions,
-                                                          cache=self.cache, use_cache=True).last_hidden_state[0]
+                                                          cache=self.cache, use_cache=True, **tree_kwargs).last_hidden_state[0]
                         kept = states[-(n if logits_for is None else logits_for):]
             finally:
                 for hook in hooks:
@@ -660,6 +674,24 @@ class CachedModel:
                 layer.keys = keys[..., :length, :]
                 layer.values = layer.values[..., :length, :]
         self.length = length
+
+    def compact(self, start: int, slots: torch.Tensor) -> None:
+        """After a token-tree pass: keep the KV at cache ``slots`` [L] (increasing, in start ..
+        length − 1: the accepted path's nodes) as positions start .. start + L − 1 and drop every
+        other position after ``start``. Invariant afterwards: ``length`` = start + L, every layer
+        holding exactly that many positions."""
+        slots = torch.as_tensor(slots, dtype=torch.long).reshape(-1)
+        if not 0 <= start <= self.length or (len(slots) and (int(slots.min()) < start or int(slots.max()) >= self.length
+                                                              or not bool((slots[1:] > slots[:-1]).all()))):
+            raise ValueError(f"cannot keep slots {slots.tolist()} from {start}: the cache holds {self.length} positions "
+                             "and the slots must increase within start .. length − 1")
+        for layer in self.cache.layers:
+            if not hasattr(layer, "compact"):
+                raise TierspecError("token-tree passes run on tierspec's own Llama forward only")
+            if layer.length != self.length:  # a routing mask's bypassed layer: nothing of the tree there
+                raise ValueError("cannot compact a cache whose layers hold different lengths (a masked pass ran last)")
+            layer.compact(start, slots)
+        self.length = start + len(slots)
 
     def layer_lengths(self) -> list[int]:
         """Positions held by each layer (for tests of the rollback invariant)."""

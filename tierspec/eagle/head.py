@@ -351,10 +351,14 @@ class HeadRunner:
     def _linear(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return few_row_linear(x, layer.weight, layer.bias)
 
-    def extend(self, inputs: torch.Tensor, next_tokens: torch.Tensor, from_target: bool = False) -> torch.Tensor:
+    def extend(self, inputs: torch.Tensor, next_tokens: torch.Tensor, from_target: bool = False,
+               positions: torch.Tensor | None = None, attends: torch.Tensor | None = None) -> torch.Tensor:
         """Process positions ``length .. length+n-1`` with inputs [n, ·] and x_next [n]; the
         inputs are the target's features [n, feature_width] (``from_target``) or the head's own
-        outputs h [n, H]. Returns h [n, H] (h[i] ≈ the target's feature at the position after i's)."""
+        outputs h [n, H]. Returns h [n, H] (h[i] ≈ the target's feature at the position after i's).
+
+        A token tree's nodes (drafted several per depth): ``positions`` [n] their rotary positions
+        and ``attends`` [n, length + n] bool the cache slots each sees (default: a chain)."""
         head, c, cache = self.head, self.head.config, self.cache
         device = head.fc.weight.device
         inputs, next_tokens = inputs.to(device), next_tokens.to(device)
@@ -366,7 +370,7 @@ class HeadRunner:
         embedded = F.embedding(next_tokens, head.embedding).to(inputs.dtype)
         x = self._linear(head.fc, torch.cat((inputs, embedded), dim=-1))  # [n, H]
         normed = rms_norm(x, head.input_norm, c.rms_norm_eps)
-        cos, sin = head.rope(torch.arange(start, start + n, device=device), x.dtype)
+        cos, sin = head.rope(torch.arange(start, start + n, device=device) if positions is None else positions.to(device), x.dtype)
         q = rotary(self._linear(head.q_proj, normed).view(n, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)
         k = rotary(self._linear(head.k_proj, normed).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)
         v = self._linear(head.v_proj, normed).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
@@ -375,8 +379,8 @@ class HeadRunner:
         cache.values[:, start : start + n] = v
         cache.length = start + n
         keys, values = cache.keys[:, : start + n], cache.values[:, : start + n]
-        mask = None
-        if n > 1:  # queries at start..start+n-1 see keys up to their own position
+        mask = None if attends is None else attends.to(device)
+        if n > 1 and attends is None:  # queries at start..start+n-1 see keys up to their own position
             mask = torch.arange(start + n, device=device)[None, :] <= torch.arange(start, start + n, device=device)[:, None]
         attended = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0]
         x = x + self._linear(head.o_proj, attended.transpose(0, 1).reshape(n, -1))

@@ -1,0 +1,479 @@
+"""Token trees (DESIGN §5c): the tree structure, tree passes in tierspec's Llama forward (a node's
+logits equal a chain pass of its path, bitwise; the accepted path's KV made contiguous), and exact
+verification over a tree (greedy, coupled, multi-draft)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from conftest import tiny_llama
+from test_exact import chi_square_p_value
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from tierspec.errors import TierspecError
+from tierspec.models import CachedModel, load_model
+from tierspec.rules.tree import TreeExactRule, child_trials, match_tree_walk, tree_walk
+from tierspec.sampling import Noise, SamplingConfig, logits_to_probs
+from tierspec.tree import ROOT, TokenTree, TreeError, tree_pass
+
+# ---- the structure ----------------------------------------------------------------------------
+
+
+def test_continuations_merge_into_a_trie():
+    tree = TokenTree.from_paths([[1, 2, 3], [1, 2, 4], [1, 5], [6], [1, 2, 3]])  # the last repeats the first
+    assert tree.tokens.tolist() == [1, 2, 3, 4, 5, 6]
+    assert tree.parents.tolist() == [ROOT, 0, 1, 1, 0, ROOT]
+    assert tree.depths.tolist() == [1, 2, 3, 3, 2, 1] and tree.depth == 3
+    assert tree.children(ROOT) == [0, 5] and tree.children(1) == [2, 3] and tree.children(3) == []
+    assert tree.path_to(3) == [0, 1, 3] and tree.path_to(ROOT) == []
+    assert tree.paths() == [[1, 2, 3], [1, 2, 4], [1, 5], [6]]
+    again = TokenTree.from_paths(tree.paths())
+    assert torch.equal(again.tokens, tree.tokens) and torch.equal(again.parents, tree.parents)
+    chain = TokenTree.chain([7, 7, 8])
+    assert chain.parents.tolist() == [ROOT, 0, 1] and chain.paths() == [[7, 7, 8]]
+    merged = tree.merged(TokenTree.from_paths([[1, 5, 9], [6, 2]]))
+    assert merged.paths() == [[1, 2, 3], [1, 2, 4], [1, 5, 9], [6, 2]] and len(merged) == 8
+
+
+def test_each_node_sees_its_ancestors_and_itself_only():
+    tree = TokenTree.from_paths([[1, 2, 3], [1, 4], [5, 6]])  # nodes 0:1 1:2 2:3 3:4 4:5 5:6
+    expected = torch.tensor([
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 0, 0, 1, 0, 0],  # node 3 (token 4) does not see its cousin branch 1 → 2
+        [0, 0, 0, 0, 1, 0],
+        [0, 0, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    assert torch.equal(tree.sees(), expected)
+
+
+def test_trees_that_break_the_rules_are_refused():
+    with pytest.raises(TreeError, match="node 1 has parent 1: a parent must be the root"):
+        TokenTree(torch.tensor([4, 5]), torch.tensor([ROOT, 1]))
+    with pytest.raises(TreeError, match="node 2 repeats token 5 among the children of 0"):
+        TokenTree(torch.tensor([4, 5, 5]), torch.tensor([ROOT, 0, 0]))
+    with pytest.raises(TreeError, match="one parent per token"):
+        TokenTree(torch.tensor([4, 5]), torch.tensor([ROOT]))
+
+
+def test_a_tree_pass_lays_out_pending_tokens_nodes_and_padding():
+    tree = TokenTree.from_paths([[1, 2], [3]])  # nodes 0:1 (depth 1) 1:2 (depth 2) 2:3 (depth 1)
+    layout = tree_pass(torch.tensor([8, 9]), tree, padding=1)
+    assert layout.tokens.tolist() == [8, 9, 1, 2, 3, 3]
+    assert layout.offsets.tolist() == [0, 1, 2, 3, 2, 2]  # the last pending token at 1, depth d at 1 + d
+    assert layout.pending == 2 and layout.nodes == 3 and layout.padding == 1
+    assert layout.attends.int().tolist() == [
+        [1, 0, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0, 0],
+        [1, 1, 1, 0, 0, 0],
+        [1, 1, 1, 1, 0, 0],
+        [1, 1, 0, 0, 1, 0],
+        [1, 1, 0, 0, 0, 1],  # padding sees the committed tokens and itself
+    ]
+    with pytest.raises(TreeError, match="needs the last committed token"):
+        tree_pass(torch.empty(0, dtype=torch.long), tree)
+
+
+# ---- tree passes in tierspec's Llama forward ----------------------------------------------------
+
+# siblings, cousins with equal tokens, a node whose token equals its parent's, a deep branch
+PLANTED = TokenTree.from_paths([[1, 2, 3, 4], [1, 2, 5], [1, 6, 7, 8, 9], [10, 11], [10, 12, 13], [14], [1, 2, 3, 15, 15, 16],
+                                [6, 2, 3]])
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def exact_model(request, tmp_path_factory):
+    """A random Llama on tierspec's code with the CPU kernels ``auto`` picks (as
+    test_llama's bitwise test)."""
+    torch.manual_seed(3)
+    config = LlamaConfig(vocab_size=56, hidden_size=64, intermediate_size=192, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         tie_word_embeddings=True, bos_token_id=0, eos_token_id=None, pad_token_id=None)
+    folder = tmp_path_factory.mktemp("tree-llama") / "m"
+    LlamaForCausalLM(config).save_pretrained(folder)
+    return load_model(folder, dtype=request.param, implementation="tierspec")
+
+
+IDS = (torch.arange(600) * 31 + 7) % 56
+
+
+SMALL = TokenTree.from_paths([[1, 2, 3], [1, 4], [5, 6], [5, 2, 7]])  # 8 nodes: passes of ≤ 10 rows (few-row kernels)
+
+
+@pytest.mark.parametrize("tree", [PLANTED, SMALL], ids=["20-nodes", "8-nodes"])
+@pytest.mark.parametrize("committed", [5, 498, 509, 512])  # the tree inside a 512-key block, and across one
+@pytest.mark.parametrize("pending", [1, 3])
+def test_a_tree_nodes_logits_equal_a_chain_pass_of_its_path(exact_model, tree, committed, pending):
+    """bfloat16: bitwise for every node. float32: bitwise for a path that sits in consecutive
+    slots (the tree's first branch, a chain) in a pass of ≤ 10 rows; other nodes differ in the last
+    bits (≤ 3e-7 relative measured): the CPU attention kernel sums exp(scores) in vector lanes by
+    key slot, so a path spread over the tree's slots is summed in another association than the
+    chain's (bfloat16 rounds the attention output before o_proj, which hides it here); passes of
+    more than 10 rows run the stock linear kernel, whose rows differ from the few-row kernel's."""
+    runner = CachedModel(exact_model.model)
+    start = committed - pending  # the target has run the committed tokens before the pending ones
+    bitwise = exact_model.model.dtype == torch.bfloat16
+    with torch.inference_mode():
+        runner.forward(IDS[:start], logits_for=1)
+        layout = tree_pass(IDS[start:committed], tree, padding=2)
+        scores = runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends)
+        assert runner.length == start + len(layout.tokens)
+        for node in range(len(tree)):
+            path = tree.path_to(node)
+            runner.rollback(start)
+            chain = runner.forward(torch.cat([IDS[start:committed], tree.tokens[path]]))[-1]
+            consecutive = path == list(range(len(path))) and len(layout.tokens) <= 10
+            if bitwise or consecutive:
+                assert torch.equal(scores[pending + node], chain), f"node {node}"
+            torch.testing.assert_close(scores[pending + node], chain, rtol=0, atol=1e-6 * float(chain.abs().max()))
+        runner.rollback(start)
+        root = runner.forward(IDS[start:committed])[-1]
+        if bitwise or len(layout.tokens) <= 10:
+            assert torch.equal(scores[pending - 1], root)  # the root's row
+        torch.testing.assert_close(scores[pending - 1], root, rtol=0, atol=1e-6 * float(root.abs().max()))
+
+
+@pytest.mark.parametrize("node", [3, 8, 12, 13])  # a leaf, a deep leaf, the deepest, a depth-1 leaf
+def test_the_accepted_paths_kv_is_made_contiguous(exact_model, node):
+    """After a tree pass, keeping the accepted path leaves the cache as a chain pass of that path
+    would have: the next pass's logits are the same (bitwise in bfloat16; see above for float32)."""
+    runner = CachedModel(exact_model.model)
+    path = PLANTED.path_to(node)
+    with torch.inference_mode():
+        runner.forward(IDS[:500], logits_for=1)
+        layout = tree_pass(IDS[500:501], PLANTED, padding=3)
+        runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends)
+        runner.compact(501, 501 + torch.tensor(path))
+        assert runner.length == 501 + len(path) and set(runner.layer_lengths()) == {runner.length}
+        after_tree = runner.forward(torch.tensor([20, 21]))
+        runner.rollback(500)
+        runner.forward(torch.cat([IDS[500:501], PLANTED.tokens[path]]))
+        after_chain = runner.forward(torch.tensor([20, 21]))
+        if exact_model.model.dtype == torch.bfloat16:
+            assert torch.equal(after_tree, after_chain)
+        torch.testing.assert_close(after_tree, after_chain, rtol=0, atol=1e-6 * float(after_chain.abs().max()))
+
+
+def test_compaction_refuses_slots_outside_the_pass(exact_model):
+    runner = CachedModel(exact_model.model)
+    with torch.inference_mode():
+        runner.forward(IDS[:10])
+        with pytest.raises(ValueError, match="must increase within start"):
+            runner.compact(5, torch.tensor([7, 6]))
+        with pytest.raises(ValueError, match="must increase within start"):
+            runner.compact(5, torch.tensor([4]))
+        runner.compact(5, torch.tensor([6, 9]))
+        assert runner.length == 7
+
+
+def test_tree_passes_are_refused_on_transformers_modules():
+    loaded = tiny_llama(seed=1)  # transformers' LlamaForCausalLM
+    layout = tree_pass(torch.tensor([3]), PLANTED)
+    with pytest.raises(TierspecError, match="token-tree passes run on tierspec's own Llama forward only"):
+        CachedModel(loaded.model).forward(layout.tokens, offsets=layout.offsets, attends=layout.attends)
+
+
+# ---- verification ------------------------------------------------------------------------------
+
+V = 6
+WALK_TREE = TokenTree.from_paths([[0, 1, 2], [0, 3], [1, 1], [4]])  # nodes 0:0 1:1 2:2 3:3 4:1 5:1 6:4
+
+
+def planted_probs(sampling: SamplingConfig, seed: int) -> torch.Tensor:
+    """A target distribution [V] in float64 (renormalised there, so exact sums are exact)."""
+    probs = logits_to_probs(planted_logits(WALK_TREE, seed)[0].double(), sampling).double()
+    return probs / probs.sum()
+
+
+def planted_logits(tree: TokenTree, seed: int = 0, sharpness: float = 2.0) -> torch.Tensor:
+    """Target logits [1 + m, V] for a tree pass: a different distribution after every node."""
+    generator = torch.Generator().manual_seed(seed)
+    return sharpness * torch.randn(len(tree) + 1, V, generator=generator)
+
+
+def test_greedy_walk_keeps_the_longest_path_that_agrees_with_the_argmax():
+    logits = torch.full((len(WALK_TREE) + 1, V), -5.0)
+    targets = {ROOT: 0, 0: 1, 1: 2, 2: 5, 3: 5, 4: 1, 5: 5, 6: 5}  # argmax after each node
+    for node, token in targets.items():
+        logits[node + 1, token] = 5.0
+    assert tree_walk(WALK_TREE, logits, SamplingConfig(), None) == ([0, 1, 2], 5)  # accepts 0 → 1 → 2, bonus at a leaf
+    logits[1 + 0] = -5.0
+    logits[1 + 0, 3] = 5.0  # after node 0 the target wants 3: the sibling branch
+    assert tree_walk(WALK_TREE, logits, SamplingConfig(), None) == ([0, 3], 5)
+    logits[0] = -5.0
+    logits[0, 2] = 5.0  # no child of the root carries 2: rejects at once, correction 2
+    assert tree_walk(WALK_TREE, logits, SamplingConfig(), None) == ([], 2)
+    logits[1 + 0, 4] = 9.0
+    assert match_tree_walk(WALK_TREE, lambda node: int(logits[node + 1].argmax())) == ([], 2)
+
+
+SAMPLINGS = [SamplingConfig(1.0), SamplingConfig(0.6), SamplingConfig(1.3, top_k=3), SamplingConfig(0.8, top_p=0.7),
+             SamplingConfig(1.0, top_k=4, top_p=0.9)]
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
+def test_the_coupled_walk_emits_the_targets_perturbed_argmax_whatever_the_tree(sampling):
+    """The target's token at each depth is argmax(log p + g) of the node reached so far: the walk
+    follows the child equal to it and emits it on a mismatch, so what is emitted is plain
+    sampling's token sequence (written out here node by node)."""
+    logits = planted_logits(WALK_TREE, seed=1)
+    probs = logits_to_probs(logits, sampling)
+    matched = 0
+    for seed in range(300):
+        noise = Noise(seed, V).block(10)
+        path, token = tree_walk(WALK_TREE, logits, sampling, noise, "coupled")
+        node, expected = ROOT, []
+        while True:  # plain sampling along the tree, by hand
+            y = int((probs[node + 1].log() + noise.gumbel(len(expected))).argmax())
+            expected.append(y)
+            child = [c for c in WALK_TREE.children(node) if int(WALK_TREE.tokens[c]) == y]
+            if not child:
+                break
+            node = child[0]
+        assert WALK_TREE.tokens[path].tolist() + [token] == expected
+        matched += len(path)
+    assert matched > 100  # the walk went down the tree, not only past its root
+
+
+def one_step_law(target: torch.Tensor, tokens: list[int], draft: torch.Tensor | None) -> torch.Tensor:
+    """The exact law of the token a multi-draft step emits at one node: Σ over the orders in which
+    the children were drawn (``draft``: len(tokens) children drawn from it without replacement,
+    every order enumerated with its probability; None: the deterministic ``tokens``) of
+    Σ_j (Π_{i<j} (1 − a_i)) a_j δ(x_j) + Π_j (1 − a_j) r_m with the step's trials."""
+    law = torch.zeros(V, dtype=torch.float64)
+    orders = [(tuple(tokens), 1.0)]
+    if draft is not None:
+        orders = []
+        for order in itertools.permutations(range(V), len(tokens)):
+            weight, left = 1.0, draft.double().clone()
+            for x in order:
+                weight *= float(left[x] / left.sum())
+                left[x] = 0.0
+            if weight > 0:
+                orders.append((order, weight))
+    for order, weight in orders:
+        reach = weight
+        rows = None if draft is None else draft.expand(len(order), V)
+        trials = child_trials(target, list(order), rows)
+        for trial in trials:
+            law[trial.token] += reach * trial.accept
+            reach *= 1.0 - trial.accept
+        law += reach * (trials[-1].residual_after if trials else target.double())
+    return law
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
+@pytest.mark.parametrize("children", [[2], [0, 2], [3, 0, 5], [5, 4, 3, 2, 1, 0]])
+def test_multi_draft_step_emits_the_target_distribution_for_deterministic_children(sampling, children):
+    """Children chosen without sampling (a head's top-k, n-gram matches): one-hot proposals; tokens
+    the target cannot draw (top-k / top-p zeros) among them, and all of V."""
+    target = planted_probs(sampling, seed=2)
+    assert torch.allclose(one_step_law(target, children, None), target, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
+@pytest.mark.parametrize("count", [1, 2, 3])
+def test_multi_draft_step_emits_the_target_distribution_for_sampled_children(sampling, count):
+    """Children drawn from the drafter's q without replacement (every order enumerated); q with a
+    zero where the target has mass and mass where the target has none."""
+    target = planted_probs(sampling, seed=3)
+    draft = torch.tensor([0.4, 0.3, 0.0, 0.15, 0.1, 0.05], dtype=torch.float64)
+    assert torch.allclose(one_step_law(target, list(range(count)), draft), target, atol=1e-12, rtol=0)
+
+
+def test_the_step_law_condemns_a_rule_without_the_residual_update():
+    """The same sum finds a rule wrong that draws the last token from the target itself instead of
+    the residual (planted: two one-hot children)."""
+    target = torch.tensor([0.3, 0.25, 0.2, 0.15, 0.1, 0.0], dtype=torch.float64)
+    first, second = 0, 1
+    trials = child_trials(target, [first, second], None)
+    assert torch.allclose(one_step_law(target, [first, second], None), target, atol=1e-12, rtol=0)
+    wrong = torch.zeros(V, dtype=torch.float64)
+    wrong[first] += trials[0].accept
+    wrong[second] += (1 - trials[0].accept) * trials[1].accept
+    wrong += (1 - trials[0].accept) * (1 - trials[1].accept) * target
+    assert torch.abs(wrong - target).sum() > 0.05
+
+
+class PlantedTarget:
+    """Verifiers serving a tree pass from a planted model: the distribution after a prefix."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def target_tree_logits(self, tree: TokenTree) -> torch.Tensor:
+        rows = [self.model(())] + [self.model(tuple(tree.tokens[tree.path_to(i)].tolist())) for i in range(len(tree))]
+        return torch.stack(rows).log()
+
+
+@pytest.mark.parametrize("sampling_rule", ["coupled", "residual"])
+@pytest.mark.parametrize("sampled_children", [False, True])
+def test_a_tree_cycle_emits_the_targets_joint_distribution(sampling_rule, sampled_children):
+    """Two emitted tokens of a cycle over a depth-2 tree (continued by a plain draw when the cycle
+    emits one), chi-square against the planted model's joint law q(y1) q(y2 | y1). With
+    ``sampled_children`` the root's children are drawn from a drafter's q without replacement with
+    the token noise the walk's own draws must not reuse."""
+    table = {(): torch.tensor([0.3, 0.25, 0.2, 0.15, 0.1, 0.0])}
+    for y in range(V):
+        table[(y,)] = torch.roll(torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05]), y)
+    model = lambda prefix: table.get(prefix[:1], table[()]) if prefix else table[()]  # noqa: E731
+    draft = torch.tensor([0.1, 0.1, 0.4, 0.3, 0.05, 0.05])
+    rule = TreeExactRule(sampling_rule)
+    sampling = SamplingConfig(1.0)
+    counts = torch.zeros(V * V)
+    accepted = 0
+    for seed in range(6000):
+        noise = Noise(seed, V).block(0)
+        if sampled_children:
+            left, first = draft.clone(), []
+            for rank in range(2):  # Gumbel top-2 of q: a draw without replacement
+                x = int((left.log() + noise.gumbel(0)).argmax()) if rank == 0 else \
+                    int((left.log() + Noise(seed, V).gumbel(0, "draft/1")).argmax())
+                first.append(x)
+                left[x] = 0.0
+            tree = TokenTree.from_paths([[first[0], 1], [first[1], 0, 2]])
+            rows = torch.nn.functional.one_hot(tree.tokens, V).float()  # deeper nodes: chosen, not drawn
+            rows[tree.children(ROOT)] = draft
+            tree = TokenTree(tree.tokens, tree.parents, rows)
+        else:
+            tree = TokenTree.from_paths([[2, 1], [3, 0, 2], [0]])
+        verdict = rule.verify_tree(PlantedTarget(model), tree, sampling, noise)
+        out = tree.tokens[verdict.path].tolist() + [verdict.next_token]
+        accepted += verdict.accepted
+        if len(out) == 1:
+            out.append(int((model((out[0],)).log() + Noise(seed, V).gumbel(1, "next cycle")).argmax()))
+        counts[out[0] * V + out[1]] += 1
+    assert accepted > 1500
+    joint = torch.stack([table[()][a] * table[(a,)] for a in range(V)]).flatten().double()
+    expected = joint * counts.sum()
+    big = expected >= 5
+    pooled_counts = torch.cat([counts[big], counts[~big].sum()[None]])
+    pooled_probs = torch.cat([joint[big], joint[~big].sum()[None]])
+    assert chi_square_p_value(pooled_counts, pooled_probs) > 1e-3
+
+
+def test_a_sampled_walk_needs_noise_and_rows_for_every_node():
+    logits = planted_logits(WALK_TREE)
+    with pytest.raises(TierspecError, match="needs the block's noise"):
+        tree_walk(WALK_TREE, logits, SamplingConfig(1.0), None, "residual")
+    with pytest.raises(TreeError, match="needs 8 rows of target logits, got 7"):
+        tree_walk(WALK_TREE, logits[:7], SamplingConfig(), None)
+
+
+# ---- the loop: tree methods give plain decoding's tokens ----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def own_target(tmp_path_factory):
+    """A peaked random Llama on tierspec's code (float64: no near-ties)."""
+    torch.manual_seed(5)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=False, bos_token_id=0, eos_token_id=None, pad_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    folder = tmp_path_factory.mktemp("tree-loop") / "m"
+    model.save_pretrained(folder)
+    return load_model(folder, dtype="float64", implementation="tierspec")
+
+
+def tree_methods(target):
+    from conftest import as_method
+
+    from tierspec.drafters.tree import EagleTreeDrafter, HybridTreeDrafter, NgramTreeDrafter, TreePolicy
+    from tierspec.eagle.head import DraftHead
+
+    def head():
+        return DraftHead.for_target(target, torch.arange(target.vocab_size), seed=3).eval()
+
+    def policy():
+        return TreePolicy(max_nodes=12, max_depth=5, draft_fractions={"head": 0.05})
+
+    ngram_policy, eagle_policy, hybrid_policy = policy(), policy(), policy()
+    return {
+        "ngram-tree": as_method(NgramTreeDrafter(ngram_policy), TreeExactRule(), ngram_policy),
+        "eagle-tree": as_method(EagleTreeDrafter(head(), eagle_policy), TreeExactRule(), eagle_policy),
+        "hybrid-tree": as_method(HybridTreeDrafter(NgramTreeDrafter(hybrid_policy), EagleTreeDrafter(head(), hybrid_policy)),
+                                 TreeExactRule(), hybrid_policy),
+    }
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tree_methods_emit_plain_decodings_tokens_and_keep_the_cache_invariant(own_target, prompt_ids, temperature):
+    from conftest import as_method, run_ids
+
+    from tierspec.drafters import NoDrafter
+
+    sampling = SamplingConfig(temperature)
+    reference = run_ids(own_target, as_method(NoDrafter()), prompt_ids, 40, sampling, generator=7)
+
+    def invariant(verifiers, drafter):
+        assert verifiers.runner.length == verifiers.full_length == len(verifiers.context) - 1
+        assert set(verifiers.runner.layer_lengths()) == {verifiers.runner.length}
+
+    for name, method in tree_methods(own_target).items():
+        steps = []
+        out = run_ids(own_target, method, prompt_ids, 40, sampling, generator=7, inspect=invariant, on_step=steps.append)
+        assert out == reference, name
+        assert sum(step.cycle.accepted for step in steps) > 0, name  # trees were drafted and kept
+        assert max(step.cycle.drafted for step in steps) > 1, name
+
+
+def test_a_chain_rule_refuses_a_tree_drafter(own_target, prompt_ids):
+    from conftest import as_method, run_ids
+
+    from tierspec.drafters.tree import NgramTreeDrafter, TreePolicy
+    from tierspec.rules import ExactRule
+
+    with pytest.raises(TierspecError, match="the rule 'exact' verifies chains only"):
+        run_ids(own_target, as_method(NgramTreeDrafter(TreePolicy()), ExactRule(), TreePolicy()), prompt_ids, 5)
+
+
+# ---- sizing a tree -------------------------------------------------------------------------------
+
+
+def test_the_policy_keeps_the_node_count_that_maximises_expected_tokens_per_second():
+    from tierspec.costs import ForwardCosts
+    from tierspec.drafters.tree import TreePolicy
+
+    # passes of 1-3 tokens cost the same, 4 tokens twice as much
+    policy = TreePolicy(max_nodes=3, forward_costs=ForwardCosts({1: 1.0, 2: 1.0, 3: 1.0, 4: 2.0}))
+    assert policy.best_size([0.9, 0.8, 0.5], 0.0) == (2, 2.7)  # 1 + 2 nodes fill the cheap pass: (1 + 1.7) / 1
+    assert policy.best_size([0.9, 0.8, 0.5], 0.0, pending=2)[0] == 1  # one pending token more: room for one node
+    assert policy.best_size([0.05], 1.0)[0] == 1  # a free node is worth it when it adds anything
+    expensive = TreePolicy(max_nodes=3, forward_costs=ForwardCosts({1: 1.0, 2: 3.0, 3: 3.0, 4: 3.0}))
+    assert expensive.best_size([0.9, 0.6, 0.3], 0.0) == (0, 1.0)  # 3× the pass for ≤ 1.8 more tokens: no tree
+
+
+def test_the_policy_learns_acceptance_of_every_node_whose_parent_was_reached():
+    from tierspec.drafters.tree import TreePolicy, TreeProposal
+    from tierspec.rules.tree import TreeVerdict
+
+    tree = TokenTree.from_paths([[1, 2], [1, 3], [4]])  # nodes 0:1 1:2 2:3 3:4
+    proposal = TreeProposal(tree, ["a", "b", "c", "d"], [0.5, 0.5, 0.5, 0.5])
+    policy = TreePolicy(prior_weight=1.0)
+    policy.observe_tree(proposal, TreeVerdict([0], 9))  # took node 0; then 2 and 3 were tried and failed
+    assert policy.acceptance("a", 0.5) == pytest.approx(1.5 / 2)  # kept: (1 + 0.5·1) / (1 + 1)
+    assert policy.acceptance("b", 0.5) == policy.acceptance("c", 0.5) == policy.acceptance("d", 0.5) == pytest.approx(0.25)
+    policy.observe_tree(proposal, TreeVerdict([], 9))  # rejected at the root: only 0 and 3 were tried
+    assert policy.acceptance("b", 0.5) == pytest.approx(0.5 / (0.98 + 1))  # not tried: its one failure only decays
+    assert policy.acceptance("e", 0.3) == 0.3  # never seen: the prior
+
+
+def test_ngram_lookup_offers_every_distinct_continuation_as_a_trie():
+    from tierspec.drafters.tree import NgramTreeDrafter, TreePolicy
+
+    context = torch.tensor([5, 6, 1, 2, 5, 6, 1, 3, 9, 5, 6, 7, 5, 6])  # 5 6 was followed by 1 2, 1 3 and 7
+    from tierspec.costs import ForwardCosts
+
+    flat = ForwardCosts({n: 1.0 for n in range(1, 12)})  # every node free: all are kept
+    drafter = NgramTreeDrafter(TreePolicy(max_nodes=10, forward_costs=flat), ngram_size=2)
+    found, size = drafter.continuations(context.numpy(), 2)
+    assert size == 2 and [c.tolist() for c in found] == [[7, 5], [1, 3], [1, 2]]  # most recent first
+    proposal = drafter.propose_tree(context, 2, SamplingConfig(), None)
+    assert sorted(proposal.tree.paths()) == [[1, 2], [1, 3], [7, 5]]
+    assert proposal.source == "ngram" and len(proposal.keys) == len(proposal.tree) == 5

@@ -1,0 +1,178 @@
+"""Token trees (DESIGN §5c): several drafted continuations checked in one target pass.
+
+A tree of m nodes hangs below the *root*, the last committed position (the pending token whose
+target distribution the pass also gives). Node i carries a token ``tokens[i]``, a parent
+``parents[i]`` (−1 = the root, else an earlier node: parents[i] < i, so every prefix of the node
+list is a tree and a node's ancestors come before it) and a depth (1 for the root's children). A
+chain of k drafts is the tree whose node i has parent i − 1.
+
+Siblings carry distinct tokens: building a tree from several continuations merges their common
+prefixes (a trie), so no token is verified twice at one position.
+
+In a tree pass node i sits at position n − 1 + depth_i (n = committed length) and attends to the
+committed context, its ancestors and itself (``sees``); its logits then equal those of a chain pass
+of its path (``tierspec.llama``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+
+from .errors import TierspecError
+
+ROOT = -1  # the parent of depth-1 nodes: the last committed position
+
+
+class TreeError(TierspecError):
+    """A token tree that breaks the rules above (a parent after its child, repeated siblings)."""
+
+
+@dataclass(frozen=True, eq=False)
+class TokenTree:
+    """tokens [m] int64 and parents [m] int64 (see the module docstring); ``depths`` [m] derived.
+
+    ``draft_probs`` [m, V] (optional, for multi-draft verification): row i is the distribution
+    node i's token was drawn from before its earlier siblings were removed — the drafter's q after
+    the parent for siblings sampled without replacement (in node order), one-hot for a node chosen
+    deterministically; None: every node chosen deterministically (a head's top-k, n-gram matches)."""
+
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+    depths: torch.Tensor = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        tokens = torch.as_tensor(self.tokens, dtype=torch.long).reshape(-1)
+        parents = torch.as_tensor(self.parents, dtype=torch.long).reshape(-1)
+        if tokens.shape != parents.shape:
+            raise TreeError(f"a tree needs one parent per token: {len(tokens)} tokens, {len(parents)} parents")
+        depths = torch.empty_like(parents)
+        seen: set[tuple[int, int]] = set()
+        for i, (token, parent) in enumerate(zip(tokens.tolist(), parents.tolist())):
+            if not ROOT <= parent < i:
+                raise TreeError(f"node {i} has parent {parent}: a parent must be the root (−1) or an earlier node")
+            if (parent, token) in seen:
+                raise TreeError(f"node {i} repeats token {token} among the children of {parent}: merge siblings (a trie)")
+            seen.add((parent, token))
+            depths[i] = 1 if parent == ROOT else depths[parent] + 1
+        if self.draft_probs is not None and self.draft_probs.shape[0] != len(tokens):
+            raise TreeError(f"draft_probs has {self.draft_probs.shape[0]} rows for {len(tokens)} nodes")
+        object.__setattr__(self, "tokens", tokens)
+        object.__setattr__(self, "parents", parents)
+        object.__setattr__(self, "depths", depths)
+
+    def __len__(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @property
+    def depth(self) -> int:
+        """The longest path (0 for an empty tree)."""
+        return int(self.depths.max()) if len(self) else 0
+
+    # -- construction --------------------------------------------------------------------------
+    @staticmethod
+    def empty() -> "TokenTree":
+        return TokenTree(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
+
+    @staticmethod
+    def chain(tokens: Sequence[int] | torch.Tensor, draft_probs: torch.Tensor | None = None) -> "TokenTree":
+        """k drafts one after another: node i's parent is node i − 1."""
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        return TokenTree(tokens, torch.arange(len(tokens)) - 1, draft_probs)
+
+    @staticmethod
+    def from_paths(paths: Iterable[Sequence[int]]) -> "TokenTree":
+        """The trie of several continuations of the committed text: common prefixes merged, nodes
+        in order of first appearance (each path's nodes in depth order)."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        index: dict[tuple[int, int], int] = {}
+        for path in paths:
+            parent = ROOT
+            for token in (int(t) for t in path):
+                node = index.get((parent, token))
+                if node is None:
+                    node = index[(parent, token)] = len(tokens)
+                    tokens.append(token)
+                    parents.append(parent)
+                parent = node
+        return TokenTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
+
+    def merged(self, other: "TokenTree") -> "TokenTree":
+        """This tree and ``other`` as one trie (this one's nodes first, in their order; draft
+        distributions are dropped: the merged children of a node no longer share one)."""
+        return TokenTree.from_paths([*self.paths(), *other.paths()])
+
+    # -- reading ---------------------------------------------------------------------------------
+    def children(self, node: int = ROOT) -> list[int]:
+        """The children of ``node`` (ROOT: the depth-1 nodes), in node order."""
+        return (self.parents == node).nonzero().flatten().tolist()
+
+    def path_to(self, node: int) -> list[int]:
+        """The nodes from depth 1 down to ``node`` (empty for ROOT)."""
+        path = []
+        while node != ROOT:
+            path.append(node)
+            node = int(self.parents[node])
+        return path[::-1]
+
+    def leaves(self) -> list[int]:
+        has_child = torch.zeros(len(self), dtype=torch.bool)
+        has_child[self.parents[self.parents >= 0]] = True
+        return (~has_child).nonzero().flatten().tolist()
+
+    def paths(self) -> list[list[int]]:
+        """The token sequence of every root-to-leaf path."""
+        return [self.tokens[self.path_to(leaf)].tolist() for leaf in self.leaves()]
+
+    def sees(self) -> torch.Tensor:
+        """[m, m] bool: node i attends to node j iff j is i or one of its ancestors."""
+        m = len(self)
+        sees = torch.eye(m, dtype=torch.bool)
+        for i, parent in enumerate(self.parents.tolist()):
+            if parent != ROOT:
+                sees[i] |= sees[parent]
+        return sees
+
+
+@dataclass(frozen=True)
+class TreePass:
+    """The inputs of one target pass over pending committed tokens and a tree below the last of
+    them: ``tokens`` [n], position ``offsets`` [n] from the first pending token's position, and
+    ``attends`` [n, n] (``CachedModel.forward``). Rows: the ``pending`` committed tokens (a chain),
+    the tree's ``nodes`` in node order, then ``padding`` rows (copies of the last real token at
+    its position, seeing only the pending tokens and themselves; their outputs are dropped).
+    Node i's output is row pending + i, and it is written at cache slot start + pending + i."""
+
+    tokens: torch.Tensor
+    offsets: torch.Tensor
+    attends: torch.Tensor
+    pending: int
+    nodes: int
+
+    @property
+    def padding(self) -> int:
+        return int(self.tokens.shape[0]) - self.pending - self.nodes
+
+
+def tree_pass(pending: torch.Tensor, tree: TokenTree, padding: int = 0) -> TreePass:
+    """A ``TreePass`` for ``pending`` [P ≥ 1] committed tokens the target has not run (the last is
+    the root) and ``tree``; node i at offset P − 1 + depth_i (position n − 1 + depth_i)."""
+    pending = torch.as_tensor(pending, dtype=torch.long).reshape(-1)
+    P, m = len(pending), len(tree)
+    if P < 1:
+        raise TreeError("a tree pass needs the last committed token (the root) among its pending tokens")
+    n = P + m + padding
+    last_token = tree.tokens[-1:] if m else pending[-1:]
+    last_offset = (P - 1 + tree.depths[-1:]) if m else torch.tensor([P - 1])
+    tokens = torch.cat([pending, tree.tokens, last_token.expand(padding)])
+    offsets = torch.cat([torch.arange(P), P - 1 + tree.depths, last_offset.expand(padding)])
+    attends = torch.zeros(n, n, dtype=torch.bool)
+    attends[:P, :P] = torch.ones(P, P, dtype=torch.bool).tril()
+    attends[P:, :P] = True
+    attends[P : P + m, P : P + m] = tree.sees()
+    attends[P + m :, P + m :] = torch.eye(padding, dtype=torch.bool)
+    return TreePass(tokens, offsets, attends, P, m)
