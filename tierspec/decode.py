@@ -439,7 +439,7 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
     # Draft token i and the token after the drafts sit at position len(context) + i.
     block = None if config.sampling.greedy else noise.block(len(context))
     drafted: Proposal = drafter.propose(context, budget, config.sampling, block, policy.keep_drafting)
-    proposal = drafted.head(min(policy.trim(drafted), budget))
+    proposal = drafted.prefix(min(policy.trim(drafted), budget))
     drafted_at = time.perf_counter()
     verdict = rule.verify(verifiers, proposal, config.sampling, block)
 

@@ -51,11 +51,6 @@ def routing_cost(slim_logprobs: torch.Tensor, target_logprobs: torch.Tensor, alp
     return (slim_logprobs.exp() * over).sum(-1) + (target_logprobs.exp() * under).sum(-1)
 
 
-def greedy_agreement(slim_logits: torch.Tensor, target_logits: torch.Tensor) -> float:
-    """Fraction of positions where argmax q' = argmax q (SWIFT's objective)."""
-    return float((slim_logits.argmax(-1) == target_logits.argmax(-1)).float().mean())
-
-
 @dataclass
 class Calibration:
     """Teacher-forced text: sequences [B, W] whose last ``window`` tokens are the target's own

@@ -212,10 +212,6 @@ class DraftHead(torch.nn.Module):
         x = x + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
         return rms_norm(x, self.final_norm, self.config.rms_norm_eps)
 
-    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits over the K draft tokens for head outputs h [..., H]."""
-        return h @ self.lm_rows.to(h.dtype).t()
-
     # -- files --------------------------------------------------------------------------------
     def save(self, path: str | Path, metadata: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
         """Weights (in ``dtype``: bfloat16 halves the file; loading computes in float32) and the
