@@ -25,7 +25,7 @@ from tierspec.policies import (
 )
 
 
-def cost(k, source=""):  # the DESIGN's measured verification cost, ms
+def cost(k, source=""):  # a straight-line verification cost, ms (docs/algorithms.md §Draft-length policies)
     return 46 + 7 * k
 
 
@@ -55,7 +55,7 @@ def test_cost_model_costs_draft_steps_as_fractions_of_a_one_token_pass():
     assert model(4, "head") == pytest.approx(0.045 + 4 * 0.05 * 0.030)
     assert model(4, "model") == pytest.approx(0.045 + 4 * 0.030)  # a drafter as large as the target
     assert model(4, "ngram") == pytest.approx(0.045)  # lookup is free
-    assert CostModel()(2) == pytest.approx(0.046 + 0.007 * 2)  # no table: the DESIGN's shape
+    assert CostModel()(2) == pytest.approx(0.046 + 0.007 * 2)  # no table: the straight line
 
 
 def test_the_cost_aware_policy_has_nothing_to_learn_from_the_clock():
@@ -158,7 +158,7 @@ def test_cost_aware_pld_is_lossless(tiny_target, prompt_ids):
 
 def test_cost_aware_drafts_long_where_drafts_keep_being_right(tiny_target, prompt_ids):
     """The target drafting for itself is always right: the draft length grows to the cap
-    (under the DESIGN's cost model: timing a shared test machine would test the machine)."""
+    (under the straight-line cost model: timing a shared test machine would test the machine)."""
     lengths, caps, emitted = [], [], [0]
 
     def on_step(step):

@@ -1,7 +1,7 @@
 """Draft-length policies: how many drafted tokens each cycle sends to verification.
 
-A policy is passed into the decode loop beside the drafter (DESIGN §2); drafters only propose.
-Per cycle the loop
+A policy is passed into the decode loop beside the drafter (docs/algorithms.md §The decode loop);
+drafters only propose. Per cycle the loop
 
 1. gives the drafter ``policy.max_draft`` as its budget (capped by the tokens left) and
    ``policy.keep_drafting`` as the callback a drafting model asks after each token,
@@ -226,12 +226,12 @@ class CostModel:
         cost(k) = verify(k + 1) + k · draft_fractions[source] · verify(1)
 
     ``verify(n)``: the measured forward cost of the target over n tokens (``costs.ForwardCosts``,
-    measured once per model and machine and cached; without a table, the DESIGN's 46 + 7n ms
-    shape). ``draft_fractions``: a draft step of each drafter in units of a one-token target pass
-    (``methods`` derives it from the weights a step reads against the target's: a decoding pass
-    on a CPU costs about what it streams; n-gram lookup is free). Nothing here is learned from
-    the clock: a stall of a shared machine would otherwise choose the next draft lengths, and a
-    seed would no longer fix them.
+    measured once per model and machine and cached; without a table, the straight line 46 + 7n ms of
+    docs/algorithms.md §Draft-length policies). ``draft_fractions``: a draft step of each drafter in
+    units of a one-token target pass (``methods`` derives it from the weights a step reads against
+    the target's: a decoding pass on a CPU costs about what it streams; n-gram lookup is free).
+    Nothing here is learned from the clock: a stall of a shared machine would otherwise choose the
+    next draft lengths, and a seed would no longer fix them.
     """
 
     forward_costs: object | None = None

@@ -115,7 +115,7 @@ class _RecordingLookup:
 
 def lookup_stats(tokens: list[int], cycle_of: list[int], proposals: list[list[int]], draft_seconds: list[float],
                  wall_seconds: float) -> GenerationStats:
-    """Statistics of a prompt-lookup generation, in the decode loop's terms (DESIGN §5).
+    """Statistics of a prompt-lookup generation, in the decode loop's terms (docs/metrics.md §Generation statistics).
 
     Cycle 0 is the prompt's pass (no draft); cycle c ≥ 1 is the pass over the last token and
     ``proposals[c - 1]``. ``cycle_of[i]`` is the cycle that emitted ``tokens[i]``. A drafted token

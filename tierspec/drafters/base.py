@@ -121,7 +121,7 @@ class Drafter:
     prefilled prompt positions (when ``needs_target_features``) and, for drafters with
     ``uses_target_cache``, a ``TargetDraftView``; then per cycle ``propose`` and, after the
     verdict is committed, ``commit`` with the new committed length (the drafter rolls its own
-    state back to it, DESIGN §2) and the target's features of newly committed positions.
+    state back to it, docs/algorithms.md §The decode loop) and the target's features of newly committed positions.
     """
 
     needs_target_features = False

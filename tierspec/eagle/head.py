@@ -1,4 +1,4 @@
-"""The draft head (EAGLE-style, DESIGN §5b): one decoder layer of the target's own architecture
+"""The draft head (EAGLE-style, docs/algorithms.md §Draft head): one decoder layer of the target's own architecture
 that predicts the target's next feature vector, read out through the target's frozen LM head
 restricted to a reduced draft vocabulary.
 

@@ -1,6 +1,6 @@
 """Training prompts for the draft head, built offline and kept apart from every test set.
 
-Sources (DESIGN §5b, issue "trained draft head"): GSM8K *train* questions, WMT14 pairs and
+Sources (docs/algorithms.md §Draft head, issue "trained draft head"): GSM8K *train* questions, WMT14 pairs and
 CNN/DailyMail articles that Spec-Bench does not use, XSum articles (as summarisation, question
 and extraction prompts), and prompts synthesised here from templates: writing, role play,
 reasoning puzzles with random numbers, coding tasks, explanations, short factual questions,

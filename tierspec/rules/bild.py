@@ -1,4 +1,4 @@
-"""BiLD, the big–little decoder (Kim et al. 2023), DESIGN §3.3.
+"""BiLD, the big–little decoder (Kim et al. 2023), docs/algorithms.md §BiLD.
 
 Fallback: drafting stops when the drafter's top probability falls below ``fallback`` (the
 ``policies.ConfidenceStop`` policy; see ``methods``). Rollback: the rule keeps the

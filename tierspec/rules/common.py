@@ -2,9 +2,10 @@
 
 A rule supplies, per drafted position i, the probability of keeping x_i (for the mixture rules
 min(1, π_i(x_i)/p_i(x_i))), the distribution to draw from when x_i is not kept (its residual
-norm(max(0, π_i − p_i))), and the bonus distribution after a fully kept block. The walk keeps
-x_1, x_2, … in order and ends the block at the first token not kept (DESIGN §3). Greedy mode is
-the same walk over one-hot distributions; a deterministic replacement may be given as a token id.
+norm(max(0, π_i − p_i))), and the bonus distribution after a fully kept block. The walk keeps x_1,
+x_2, … in order and ends the block at the first token not kept (docs/algorithms.md §Verification
+rules). Greedy mode is the same walk over one-hot distributions; a deterministic replacement may be
+given as a token id.
 
 Randomness comes from the block's keyed noise (``sampling.BlockNoise``): the coin of position i
 and the replacement drawn there are keyed by i's absolute position, independent of each other and

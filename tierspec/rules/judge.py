@@ -1,4 +1,4 @@
-"""Judge decoding (Bachmann et al. 2025), DESIGN §3.7.
+"""Judge decoding (Bachmann et al. 2025), docs/algorithms.md §Judge decoding.
 
 A linear head on the target's final hidden states gives, per drafted position, a judge
 decision J_i = [sigmoid(logit) ≥ δ]; rule 3.1 gives SD_i with its own uniform draw. With

@@ -1,4 +1,4 @@
-"""Lossy speculative decoding with tolerance (α, β), DESIGN §3.2.
+"""Lossy speculative decoding with tolerance (α, β), docs/algorithms.md §Lossy speculative decoding.
 
 With z1(v) = log(1−α) + log p(v) − log q(v) and z2(v) = log β + log p(v) − log q(v):
 accept x with probability min(1, q(x) / ((1−α)·p(x))) (outright when z1(x) ≤ 0); on

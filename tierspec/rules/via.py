@@ -1,4 +1,4 @@
-"""VIA-SD: three-tier hierarchical verification (DESIGN §3.6).
+"""VIA-SD: three-tier hierarchical verification (docs/algorithms.md §VIA-SD).
 
 Tiers: the drafter p, the slim verifier q' (the target under a DIMR routing mask, sharing
 every weight), and the full target q, called lazily. Per position i, from temperature-1
