@@ -1,5 +1,6 @@
-"""The one decode loop (docs/algorithms.md §The decode loop). Every method is a drafter, a draft-length policy and a
-verification rule passed in; the loop owns the target's cache and every statistic.
+"""The one decode loop (docs/algorithms.md §The decode loop). Every method is a drafter, a
+draft-length policy and a verification rule passed in; the loop owns the target's cache and every
+statistic.
 
     prefill(prompt)                                 # the target's cache (and the drafter's)
     while not done:

@@ -1,4 +1,5 @@
-"""DIMR: the offline search for the slim verifier's routing mask (docs/algorithms.md §DIMR mask search).
+"""DIMR: the offline search for the slim verifier's routing mask (docs/algorithms.md §DIMR mask
+search).
 
 Cost of a mask z over a window of τ teacher-forced calibration positions, with the slim
 model q'_z in the drafter role and the full target q as verifier (φ(x) = max(0, x)):
