@@ -1,5 +1,6 @@
-"""The two lossless sampling rules on the same drafts: how many drafted tokens each keeps, and
-what the coupled rule costs or gains in speed (DESIGN §3.1; README "Same seed, same text").
+"""The two lossless sampling rules on the same drafts: how many drafted tokens each keeps, and what
+the coupled rule costs or gains in speed (docs/algorithms.md §Exact speculative decoding; README
+"Same seed, same text").
 
     python benchmarks/sampling_rules.py [--per-category 5] [--max-new-tokens 128] [--temperature 1]
                                         [--methods eagle,hybrid,adaptive-pld]

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tierspec.bench.report import faster_than_every_as_faithful, short_label
+from tierspec.bench.report import faster_than_every_as_faithful, quality_panels, short_label
 from tierspec.util import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,37 +146,17 @@ def report(summary: dict, out: Path, drafter: str = "n-gram", temperature: float
 
 
 def plot_label(spec: str) -> str:
-    """A short point label: the drafter (the same for all) and the judge head's path left out."""
-    spec = re.sub(r":(draft_with|judge_head)=[^:]+", "", spec).replace(":slim_vocabulary=draft-head", ":dv")
-    return short_label(spec, 40).replace("judge_threshold", "δ").replace("alpha2", "α2").replace("alpha", "α")
+    """A point's label: the drafter (the same for all, in the title) and the judge head's path left out."""
+    spec = re.sub(r":(draft_with|judge_head)=[^:]+", "", spec).replace(":slim_vocabulary=draft-head", ":slim_vocab=head")
+    return short_label(spec, None).replace("judge_threshold", "δ").replace("alpha2", "α2").replace("alpha", "α")
 
 
 def _plot(points: list[dict], out: Path, drafter: str, temperature: float) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colours = {"ar": "black", "pld": "tab:blue", "eagle": "tab:blue", "lossy": "tab:orange", "via": "tab:green",
-               "judge": "tab:red"}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
-    for ax, key, label in ((axes[0], "em", "exact match with ar (higher = closer)"),
-                           (axes[1], "nll", "target NLL per token (lower = likelier under the target)")):
-        for p in points:
-            if p.get(key) is None or p["speedup"] is None:
-                continue
-            ax.scatter(p["speedup"], p[key], color=colours.get(p["family"], "grey"), label=p["family"])
-            ax.annotate(plot_label(p["name"]),
-                        (p["speedup"], p[key]), fontsize=6)
-        handles, labels = ax.get_legend_handles_labels()
-        unique = dict(zip(labels, handles))
-        ax.legend(unique.values(), unique.keys(), fontsize=7)
-        ax.set_xlabel("speed-up vs ar (same run)")
-        ax.set_ylabel(label)
-    fig.suptitle(f"VIA-SD vs two-tier rules, {drafter} drafter for all, temperature {temperature:g}")
-    fig.tight_layout()
-    fig.savefig(out / "frontier.png", dpi=120)
-    plt.close(fig)
+    quality_panels({plot_label(p["name"]): p for p in points},
+                   [("em", "exact match with ar (higher = closer)"),
+                    ("nll", "target NLL per token (lower = likelier)")],
+                   f"VIA-SD vs two-tier rules, {drafter} drafter for all, temperature {temperature:g}",
+                   out / "frontier.png", xlabel="speed-up vs ar (same run)")
 
 
 def main() -> None:

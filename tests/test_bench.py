@@ -398,3 +398,15 @@ def test_the_largest_seed_runs(tmp_path, tiny_text_model, data_dir):
                          compute_nll=False, temperature=1.0, seed=2**63 - 1)
     summary = run_bench(config, tmp_path / "out", progress=False, target=tiny_text_model)
     assert summary["methods"]["ar"]["overall"]["n_prompts"] == 2
+
+
+def test_plot_labels_are_whole_and_distinct():
+    """Plots name every method in full (a legend, row labels): nothing is cut, and two specs that
+    shorten to the same label (two heads both called head.safetensors) are shown as written."""
+    from tierspec.bench.report import method_labels
+
+    long = "via:mask=masks/smollm2-135m-sublayer-c0.3.json:alpha2=0.1:draft_with=eagle:slim_vocabulary=draft-head"
+    first, second = "judge:judge_head=results/a/head.safetensors", "judge:judge_head=results/b/head.safetensors"
+    labels = method_labels(["ar", long, first, second])
+    assert labels == {"ar": "ar", long: "via(mask=c0.3,alpha2=0.1,draft_with=eagle,slim_vocabulary=draft-head)",
+                      first: first, second: second}

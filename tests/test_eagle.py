@@ -1,6 +1,6 @@
-"""The trained draft head (DESIGN §5b): the unrolled training forward equals drafting, the
-drafter is lossless (greedy and sampled, over a reduced vocabulary), files are checked, and
-training on a tiny model lowers the validation loss."""
+"""The trained draft head (docs/algorithms.md §Draft head): the unrolled training forward equals
+drafting, the drafter is lossless (greedy and sampled, over a reduced vocabulary), files are
+checked, and training on a tiny model lowers the validation loss."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
-"""Exact speculative decoding (DESIGN §3.1): the output distribution equals the target's, under
-both sampling rules (coupled and residual)."""
+"""Exact speculative decoding (docs/algorithms.md §Exact speculative decoding): the output
+distribution equals the target's, under both sampling rules (coupled and residual)."""
 
 import math
 

@@ -40,5 +40,5 @@ def test_no_match_gives_empty_proposal():
 def test_budget_caps_the_block_and_tokens_carry_their_match_size():
     proposal = NgramDrafter(2).propose(torch.tensor([1, 2, 3, 4, 5, 1, 2]), 2, SamplingConfig(), None)
     assert proposal.tokens.tolist() == [3, 4]
-    assert proposal.keys == [("ngram", 2), ("ngram", 2)] and proposal.source == "ngram"
+    assert proposal.match_sizes == [2, 2] and proposal.source == "ngram"
     assert NgramDrafter(3).lookup(np.array([2, 7, 4, 2]), 2)[1] == 1  # fell back to a 1-gram match

@@ -89,7 +89,7 @@ def test_neutral_and_lossless_methods_match_ar(smollm, ar_output, method, option
 
 
 def test_via_with_delta2_forced_to_one_matches_ar(smollm, ar_output):
-    """VIA-SD with α1 = α2 = 0 and δ2 forced to 1 is exact speculative decoding (§3.6)."""
+    """VIA-SD with α1 = α2 = 0 and δ2 forced to 1 is exact speculative decoding (docs/algorithms.md §VIA-SD)."""
     from conftest import as_method, run_ids
 
     from tierspec.drafters import NgramDrafter

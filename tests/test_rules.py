@@ -33,7 +33,8 @@ def enumerate_output(p, accept, residual):
 @pytest.mark.parametrize("alpha, beta", [(0.0, 1.0), (0.2, 0.8), (0.5, 0.5), (0.3, 1.0)])
 def test_lossy_one_step_distribution_is_the_section_3_2_formula(alpha, beta):
     got = enumerate_output(P, lossy_acceptance(P, Q, alpha), residual_distribution(Q, P, beta))
-    # §3.2 written out independently: keep min(p, q/(1−α)); the rest goes to norm(max(0, q − βp)).
+    # docs/algorithms.md §Lossy speculative decoding written out independently: keep
+    # min(p, q/(1−α)); the rest goes to norm(max(0, q − βp)).
     kept = torch.minimum(P, Q / (1 - alpha))
     residual = (Q - beta * P).clamp_min(0)
     expected = kept + (1 - kept.sum()) * residual / residual.sum()
@@ -73,7 +74,8 @@ def test_deferral_rules_on_hand_built_cases():
 @pytest.mark.parametrize("delta2", [False, True])
 def test_via_one_step_distribution_is_pi(delta1, delta2):
     pi = via_mixture(P, Q_SLIM, Q, delta1, delta2)
-    expected = (1 - delta2) * ((1 - delta1) * P + delta1 * Q_SLIM) + delta2 * Q  # §3.6
+    # π of docs/algorithms.md §VIA-SD
+    expected = (1 - delta2) * ((1 - delta1) * P + delta1 * Q_SLIM) + delta2 * Q
     assert torch.allclose(pi, expected)
     got = enumerate_output(P, acceptance_probability(P, pi), residual_distribution(pi, P))
     assert torch.allclose(got, expected, atol=1e-12)

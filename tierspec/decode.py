@@ -1,5 +1,6 @@
-"""The one decode loop (DESIGN §2). Every method is a drafter, a draft-length policy and a
-verification rule passed in; the loop owns the target's cache and every statistic.
+"""The one decode loop (docs/algorithms.md §The decode loop). Every method is a drafter, a
+draft-length policy and a verification rule passed in; the loop owns the target's cache and every
+statistic.
 
     prefill(prompt)                                 # the target's cache (and the drafter's)
     while not done:
@@ -69,11 +70,11 @@ class CycleStats:
 
 @dataclass
 class GenerationStats:
-    """Totals over one generation (DESIGN §5 definitions).
+    """Totals over one generation (docs/metrics.md §Generation statistics, §Acceptance).
 
     ``position_drafted[i]`` counts cycles whose draft reached position i+1 *and* whose drafts
     1..i were all accepted; ``position_accepted[i]`` those of them whose draft i+1 was accepted:
-    their ratio is the acceptance by draft position (DESIGN §5)."""
+    their ratio is the acceptance by draft position (docs/metrics.md §Acceptance)."""
 
     drafted: int = 0
     evaluated: int = 0
@@ -160,8 +161,8 @@ class Verifiers:
 
     Cache bookkeeping: every layer holds full-model KV for the first ``full_length`` positions;
     the kept layers of the slim mask may hold slim KV beyond that, up to ``runner.length``, for
-    committed tokens that only the slim verifier has processed (the full target lags, DESIGN
-    §3.6). A full pass first drops that slim KV and re-processes those tokens in one go.
+    committed tokens that only the slim verifier has processed (the full target lags,
+    docs/algorithms.md §VIA-SD). A full pass first drops that slim KV and re-processes those tokens in one go.
 
     With ``record_features`` every pass keeps the LM head's inputs f_t of the positions it ran,
     and ``take_features`` hands those of newly committed positions to the drafter (a draft
@@ -482,7 +483,7 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
     # Draft token i and the token after the drafts sit at position len(context) + i.
     block = None if config.sampling.greedy else noise.block(len(context))
     drafted: Proposal = drafter.propose(context, budget, config.sampling, block, policy.keep_drafting)
-    proposal = drafted.head(min(policy.trim(drafted), budget))
+    proposal = drafted.prefix(min(policy.trim(drafted), budget))
     drafted_at = time.perf_counter()
     verdict = rule.verify(verifiers, proposal, config.sampling, block)
 

@@ -326,9 +326,10 @@ _COST_TABLES_LOCK = threading.Lock()
 
 def _cost_aware(target: LoadedModel, options: MethodOptions, drafter: Drafter) -> tuple[CostAware, object]:
     """The cost-aware policy for ``drafter``: the target's measured pass costs, and each of the
-    drafter's steps costed as the weights it reads against a target pass's (DESIGN §4b: on a CPU
-    a decoding pass costs about what it streams; the draft head of the default model reads 6.6%
-    of the target's weights per step, and measured 5.1% of a one-token pass)."""
+    drafter's steps costed as the weights it reads against a target pass's (docs/algorithms.md
+    §Compute-weighted routing: on a CPU a decoding pass costs about what it streams; the draft head
+    of the default model reads 6.6% of the target's weights per step, and measured 5.1% of a
+    one-token pass)."""
     from .costs import forward_costs
 
     max_tokens = options.adaptive_max_draft + 1

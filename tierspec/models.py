@@ -516,7 +516,7 @@ class SlimVocabulary:
 class CachedModel:
     """A causal LM with its own KV cache and the number of committed tokens the cache holds.
 
-    Invariant (DESIGN §2): after every commit the cache holds KV for exactly the committed
+    Invariant (docs/algorithms.md §The decode loop): after every commit the cache holds KV for exactly the committed
     tokens this model has processed, i.e. positions 0 .. ``length`` − 1 of the committed
     sequence. ``forward`` appends; ``rollback`` trims every layer back to a committed length.
     """

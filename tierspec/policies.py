@@ -1,7 +1,7 @@
 """Draft-length policies: how many drafted tokens each cycle sends to verification.
 
-A policy is passed into the decode loop beside the drafter (DESIGN §2); drafters only propose.
-Per cycle the loop
+A policy is passed into the decode loop beside the drafter (docs/algorithms.md §The decode loop);
+drafters only propose. Per cycle the loop
 
 1. gives the drafter ``policy.max_draft`` as its budget (capped by the tokens left) and
    ``policy.keep_drafting`` as the callback a drafting model asks after each token,
@@ -31,8 +31,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Hashable
-
 from .errors import TierspecError
 
 
@@ -40,11 +38,66 @@ class DraftPolicyError(TierspecError):
     """Invalid policy settings."""
 
 
+# Coarse on purpose: each bin × first/later is learned on its own, and a generation is short.
+CONFIDENCE_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.95, 1.01)
+
+
+def confidence_bin(confidence: float) -> int:
+    return max(i for i, edge in enumerate(CONFIDENCE_BINS[:-1]) if confidence >= edge)
+
+
+@dataclass(frozen=True)
+class MatchKey:
+    """The acceptance context of a token an n-gram lookup copied: the size of the n-gram it
+    matched (``Proposal.match_sizes``) and whether the previous block was accepted whole (copying
+    runs in streaks)."""
+
+    source: str
+    match_size: int
+    streak: bool
+
+    prior = 0.5
+
+
+@dataclass(frozen=True)
+class ConfidenceKey:
+    """The acceptance context of a token drawn from a distribution: its confidence bin (top
+    probability at temperature 1, ``CONFIDENCE_BINS``) and whether it is the block's first token
+    (a drafter's first token of a block and its later ones, whose predecessors were accepted, are
+    accepted at different rates even at the same confidence: 0.52 vs 0.75 for the second
+    position, measured on the draft head). No streak flag: the confidence already says what it
+    would."""
+
+    source: str
+    confidence_bin: int
+    first: bool
+
+    @property
+    def prior(self) -> float:
+        """The middle of the bin: a token drafted at confidence c is accepted about c of the time."""
+        low, high = CONFIDENCE_BINS[self.confidence_bin], min(CONFIDENCE_BINS[self.confidence_bin + 1], 1.0)
+        return (low + high) / 2
+
+
+@dataclass(frozen=True)
+class SourceKey:
+    """The acceptance context of a token its drafter gave no reason or distribution for: the
+    drafter and the previous block's streak."""
+
+    source: str
+    streak: bool
+
+    prior = 0.5
+
+
+AcceptanceKey = MatchKey | ConfidenceKey | SourceKey
+
+
 @dataclass
 class CycleOutcome:
     """What the loop tells a policy after each verdict."""
 
-    keys: list[Hashable]  # per drafted token: the acceptance context the policy used
+    keys: list[AcceptanceKey | None]  # per drafted token: the acceptance context the policy used
     accepted: int  # leading drafted tokens kept
     drafted: int
     source: str = ""  # which drafter proposed (a hybrid drafter has several)
@@ -52,7 +105,7 @@ class CycleOutcome:
     # been accepted: after a fully accepted block, the target's bonus token is its verdict (exact
     # in greedy mode; in sampling mode "bonus == token" is a conservative stand-in). Without it a
     # policy that stops drafting a kind of token would never learn that it should not have.
-    cut_key: Hashable | None = None
+    cut_key: AcceptanceKey | None = None
     cut_accepted: bool | None = None
 
 
@@ -71,11 +124,13 @@ class DraftPolicy:
         return True
 
     def trim(self, proposal) -> int:
-        """How many leading tokens of ``proposal`` to verify."""
+        """How many leading tokens of ``proposal`` to verify (a pure choice: a policy learns only
+        in ``observe``)."""
         return len(proposal)
 
-    def keys(self, proposal, count: int) -> list[Hashable]:
-        """The acceptance context of each of the first ``count`` tokens (for ``observe``)."""
+    def keys(self, proposal, count: int) -> list[AcceptanceKey | None]:
+        """The acceptance context of each of the first ``count`` tokens (for ``observe``); None
+        for a policy that learns nothing."""
         return [None] * count
 
     def observe(self, outcome: CycleOutcome) -> None:
@@ -171,12 +226,12 @@ class CostModel:
         cost(k) = verify(k + 1) + k · draft_fractions[source] · verify(1)
 
     ``verify(n)``: the measured forward cost of the target over n tokens (``costs.ForwardCosts``,
-    measured once per model and machine and cached; without a table, the DESIGN's 46 + 7n ms
-    shape). ``draft_fractions``: a draft step of each drafter in units of a one-token target pass
-    (``methods`` derives it from the weights a step reads against the target's: a decoding pass
-    on a CPU costs about what it streams; n-gram lookup is free). Nothing here is learned from
-    the clock: a stall of a shared machine would otherwise choose the next draft lengths, and a
-    seed would no longer fix them.
+    measured once per model and machine and cached; without a table, the straight line 46 + 7n ms of
+    docs/algorithms.md §Draft-length policies). ``draft_fractions``: a draft step of each drafter in
+    units of a one-token target pass (``methods`` derives it from the weights a step reads against
+    the target's: a decoding pass on a CPU costs about what it streams; n-gram lookup is free).
+    Nothing here is learned from the clock: a stall of a shared machine would otherwise choose the
+    next draft lengths, and a seed would no longer fix them.
     """
 
     forward_costs: object | None = None
@@ -194,26 +249,18 @@ class CostModel:
         return self.verify(k + 1) + k * self.draft_step(source)
 
 
-# Coarse on purpose: each bin × first/later is learned on its own, and a generation is short.
-CONFIDENCE_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.95, 1.01)
-
-
-def confidence_bin(confidence: float) -> int:
-    return max(i for i, edge in enumerate(CONFIDENCE_BINS[:-1]) if confidence >= edge)
-
-
 class CostAware(DraftPolicy):
     """Drafts the length that maximises expected emitted tokens per second (module docstring).
 
-    Acceptance keys: a drafter that knows why it proposes (n-gram lookup: the size of the
-    matched n-gram) labels its tokens (``Proposal.keys``) and the key is combined with whether the
-    previous block was accepted whole (copying runs in streaks); for a drafter with a
-    distribution the key is its source, the token's confidence bin (whose prior is the bin's
-    confidence itself) and whether it is the block's first token. The first token the policy
-    cut off is still scored when the verdict reveals its fate (``CycleOutcome.cut_key``).
-    Estimates decay (a memory of about ten blocks), and a key that is not drafted drifts back to
-    its prior so that a context written off early is tried again. Every generation starts from
-    the priors (``start``).
+    Acceptance keys (``AcceptanceKey``): an n-gram lookup's tokens are keyed by the size of the
+    matched n-gram and the previous block's streak (``MatchKey``); a drafter with a distribution's
+    by the token's confidence bin and whether it is the block's first token (``ConfidenceKey``,
+    whose prior is the bin's confidence itself); any other drafter's by its source and the streak
+    (``SourceKey``). The first token the policy cut off is still scored when the verdict reveals
+    its fate (``CycleOutcome.cut_key``). Estimates decay (a memory of about ten blocks), and a
+    key the policy chose not to draft drifts back to its prior so that a context written off
+    early is tried again. Every generation starts from the priors (``start``). ``trim`` only
+    chooses; everything is learned in ``observe``.
     """
 
     def __init__(self, max_draft: int = 10, forward_costs=None, cost=None, decay: float = 0.9,
@@ -226,37 +273,30 @@ class CostAware(DraftPolicy):
         self.start()
 
     def start(self) -> None:
-        self.acceptance: dict[Hashable, AcceptanceEstimate] = {}
+        self.acceptance: dict[AcceptanceKey, AcceptanceEstimate] = {}
         self.streak = False  # was the last verified block accepted whole?
-        self.rates: dict[str, float] = {}  # per source: running expected tokens/s of its proposals
+        self.rates: dict[str, float] = {}  # per source: running expected tokens/s of its verified blocks
 
-    def _estimate(self, key) -> AcceptanceEstimate:
+    def _estimate(self, key: AcceptanceKey) -> AcceptanceEstimate:
         estimate = self.acceptance.get(key)
         if estimate is None:
-            prior = 0.5
-            if len(key) == 4 and key[1] == "confidence":
-                low, high = CONFIDENCE_BINS[key[2]], min(CONFIDENCE_BINS[key[2] + 1], 1.0)
-                prior = (low + high) / 2
-            estimate = self.acceptance[key] = AcceptanceEstimate(prior=prior)
+            estimate = self.acceptance[key] = AcceptanceEstimate(prior=key.prior)
         return estimate
 
-    def keys(self, proposal, count: int) -> list[Hashable]:
-        if proposal.keys is not None:
-            return [(*key, self.streak) for key in proposal.keys[:count]]
+    def keys(self, proposal, count: int) -> list[AcceptanceKey]:
         source = proposal.source
+        if proposal.match_sizes is not None:
+            return [MatchKey(source, size, self.streak) for size in proposal.match_sizes[:count]]
         if proposal.confidence is not None:
             return [self.confidence_key(source, float(c), i) for i, c in enumerate(proposal.confidence[:count])]
-        return [(source, self.streak)] * count
+        return [SourceKey(source, self.streak)] * count
 
     @staticmethod
-    def confidence_key(source: str, confidence: float, position: int) -> tuple:
-        """(source, "confidence", bin, first?): a drafter's first token of a block and its later
-        ones (whose predecessors were accepted) are accepted at different rates even at the same
-        confidence (measured on the draft head: 0.52 vs 0.75 for the second position). Unlike
-        n-gram keys these carry no streak flag: the confidence already says what it would."""
-        return (source, "confidence", confidence_bin(confidence), position == 0)
+    def confidence_key(source: str, confidence: float, position: int) -> ConfidenceKey:
+        """The key of a token drafted at ``confidence`` at block ``position``."""
+        return ConfidenceKey(source, confidence_bin(confidence), position == 0)
 
-    def _reach(self, keys: list[Hashable]) -> list[float]:
+    def _reach(self, keys: list[AcceptanceKey]) -> list[float]:
         reach, alive = [], 1.0
         for key in keys:
             alive *= self._estimate(key).probability
@@ -271,7 +311,7 @@ class CostAware(DraftPolicy):
         the pooled evidence of all its later-position confidence keys (``fallback`` without any)."""
         successes = failures = 0.0
         for key, estimate in self.acceptance.items():
-            if len(key) == 4 and key[0] == source and key[1] == "confidence" and not key[3]:
+            if isinstance(key, ConfidenceKey) and key.source == source and not key.first:
                 successes += estimate.successes
                 failures += estimate.failures
         if successes + failures < 1.0:
@@ -308,30 +348,27 @@ class CostAware(DraftPolicy):
         return max(emitted[k] / cost(k) for k in range(len(emitted)))
 
     def source_rate(self, source: str) -> float | None:
-        """The running expected tokens per second of ``source``'s recent proposals (None: none yet)."""
+        """The running expected tokens per second of ``source``'s recent blocks (None: none yet)."""
         return self.rates.get(source)
 
     def trim(self, proposal) -> int:
         count = min(len(proposal), self.max_draft)
         if count == 0:
             return 0
-        keys = self.keys(proposal, count)
-        reach = self._reach(keys)
-        cost = self._cost(proposal.source)
-        k = best_length(reach, cost)
-        rate = expected_emitted(reach)[k] / cost(k)
-        previous = self.rates.get(proposal.source)
-        self.rates[proposal.source] = rate if previous is None else 0.8 * previous + 0.2 * rate
-        if k == 0:
-            self._estimate(keys[0]).shrink(self.idle_decay)
-        return k
+        return best_length(self._reach(self.keys(proposal, count)), self._cost(proposal.source))
 
     def observe(self, outcome: CycleOutcome) -> None:
         if not outcome.drafted and outcome.cut_key is None:
-            return
+            return  # nothing was drafted: nothing to learn
+        # The block's expected rate, from the estimates it was chosen with (before this verdict).
+        rate = expected_emitted(self._reach(outcome.keys))[outcome.drafted] / self.cost(outcome.drafted, outcome.source)
+        previous = self.rates.get(outcome.source)
+        self.rates[outcome.source] = rate if previous is None else 0.8 * previous + 0.2 * rate
+        if not outcome.drafted:  # drafted, but none was worth verifying: let the first key drift back
+            self._estimate(outcome.cut_key).shrink(self.idle_decay)
         # Positions up to and including the first rejection were evaluated; later ones were not.
         # Each key's evidence decays once per block (a memory of about ten blocks).
-        counts: dict[Hashable, list[int]] = defaultdict(lambda: [0, 0])
+        counts: dict[AcceptanceKey, list[int]] = defaultdict(lambda: [0, 0])
         for i, key in enumerate(outcome.keys[: outcome.accepted + 1]):
             counts[key][0 if i < outcome.accepted else 1] += 1
         if outcome.cut_key is not None and outcome.cut_accepted is not None:
@@ -340,10 +377,3 @@ class CostAware(DraftPolicy):
             self._estimate(key).update(successes, failures, self.decay)
         if outcome.drafted:
             self.streak = outcome.accepted == outcome.drafted
-
-
-def policy_summary(policy: DraftPolicy) -> dict:
-    """A few numbers for logs and tests (what the policy currently believes)."""
-    if isinstance(policy, CostAware):
-        return {str(k): round(v.probability, 3) for k, v in sorted(policy.acceptance.items(), key=str)}
-    return {}

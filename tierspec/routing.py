@@ -89,11 +89,6 @@ class RoutingMask:
             return [("layer", i) for i in sorted(self.skip_attention)]
         return [("attn", i) for i in sorted(self.skip_attention)] + [("mlp", i) for i in sorted(self.skip_mlp)]
 
-    def keep_vector(self) -> list[int]:
-        """z ∈ {0,1}^U over the eligible units (1 = kept), the search's representation."""
-        bypassed = set(self.bypassed_units())
-        return [0 if u in bypassed else 1 for u in self.eligible_units(self.num_layers, self.unit)]
-
     @property
     def ratio(self) -> float:
         return len(self.bypassed_units()) / self.total_units(self.num_layers, self.unit)

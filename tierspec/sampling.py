@@ -1,10 +1,10 @@
 """Pure functions from logits to the distributions that drafters and verifiers use, and the
 keyed noise every sampled token is drawn with.
 
-Every probability a verification rule compares is taken *after* the same transforms
-(temperature, top-k, top-p) for drafter and target, and every sampled token is drawn from
-exactly that distribution (DESIGN §1): a rule that tests ``q(x)/p(x)`` against a ``p`` the
-token was not drawn from is no longer lossless.
+Every probability a verification rule compares is taken *after* the same transforms (temperature,
+top-k, top-p) for drafter and target, and every sampled token is drawn from exactly that
+distribution (docs/algorithms.md §Sampling and noise): a rule that tests ``q(x)/p(x)`` against a
+``p`` the token was not drawn from is no longer lossless.
 
 Randomness (``Noise``): every random number of a generation is keyed by (seed, position,
 purpose), never by how many draws came before, so the tokens cannot depend on how the
@@ -76,7 +76,8 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
 
 
 def temperature_one_probs(logits: torch.Tensor) -> torch.Tensor:
-    """Plain softmax, used for confidence/deferral bits, which DESIGN §3.4 takes at T = 1."""
+    """Plain softmax, used for confidence and deferral bits, which are taken at T = 1
+    (docs/algorithms.md §Verification rules)."""
     return logits.float().softmax(-1)
 
 
@@ -206,10 +207,11 @@ class BlockNoise:
 def residual_distribution(target: torch.Tensor, draft: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """norm(max(0, target − scale·draft)) [V]; falls back to ``target`` when that is all zero.
 
-    ``scale = 1`` is the residual of exact speculative decoding (DESIGN §3.1); ``scale = β``
-    is the lossy residual of §3.2. The fallback happens when target ≤ scale·draft everywhere
-    (e.g. target == draft), where the residual is never needed with probability > 0 in the
-    exact rule; drawing from the target keeps the lossy rule well defined.
+    ``scale = 1`` is the residual of exact speculative decoding (docs/algorithms.md §Exact
+    speculative decoding); ``scale = β`` is the lossy residual (§Lossy speculative decoding). The
+    fallback happens when target ≤ scale·draft everywhere (e.g. target == draft), where the
+    residual is never needed with probability > 0 in the exact rule; drawing from the target
+    keeps the lossy rule well defined.
     """
     residual = (target - scale * draft).clamp_min(0.0)
     total = residual.sum()

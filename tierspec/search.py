@@ -1,4 +1,5 @@
-"""DIMR: the offline search for the slim verifier's routing mask (DESIGN §4).
+"""DIMR: the offline search for the slim verifier's routing mask (docs/algorithms.md §DIMR mask
+search).
 
 Cost of a mask z over a window of τ teacher-forced calibration positions, with the slim
 model q'_z in the drafter role and the full target q as verifier (φ(x) = max(0, x)):
@@ -49,11 +50,6 @@ def routing_cost(slim_logprobs: torch.Tensor, target_logprobs: torch.Tensor, alp
     over = (math.log1p(-alpha) + gap).clamp_min(0.0)  # where the slim model over-weights v
     under = (-gap - math.log(beta)).clamp_min(0.0)  # where it under-weights v
     return (slim_logprobs.exp() * over).sum(-1) + (target_logprobs.exp() * under).sum(-1)
-
-
-def greedy_agreement(slim_logits: torch.Tensor, target_logits: torch.Tensor) -> float:
-    """Fraction of positions where argmax q' = argmax q (SWIFT's objective)."""
-    return float((slim_logits.argmax(-1) == target_logits.argmax(-1)).float().mean())
 
 
 @dataclass

@@ -30,6 +30,7 @@ import torch
 from ..decode import CycleStats, GenerationStats
 from ..errors import TierspecError
 from ..models import DEFAULT_MODEL, LoadedModel, default_model_file
+from .outcome import Outcome
 
 LLAMACPP_PEERS = ("llamacpp-greedy", "llamacpp-lookup")
 LLAMACPP_EXTRA = "pip install -e '.[llamacpp]'"
@@ -115,7 +116,7 @@ class _RecordingLookup:
 
 def lookup_stats(tokens: list[int], cycle_of: list[int], proposals: list[list[int]], draft_seconds: list[float],
                  wall_seconds: float) -> GenerationStats:
-    """Statistics of a prompt-lookup generation, in the decode loop's terms (DESIGN §5).
+    """Statistics of a prompt-lookup generation, in the decode loop's terms (docs/metrics.md §Generation statistics).
 
     Cycle 0 is the prompt's pass (no draft); cycle c ≥ 1 is the pass over the last token and
     ``proposals[c - 1]``. ``cycle_of[i]`` is the cycle that emitted ``tokens[i]``. A drafted token
@@ -207,8 +208,6 @@ class LlamaCppPeer:
     def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None):
         """Generate after ``prompt_ids`` [n]: up to ``max_new_tokens`` tokens, the first end-of-
         sequence id included (as tierspec's decode loop does). Returns the bench's ``Outcome``."""
-        from .runner import Outcome
-
         ids = [int(t) for t in prompt_ids]
         self._fit(len(ids), max_new_tokens)
         llama = self.llama

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 from ..util import atomic_write_text
@@ -234,70 +234,129 @@ def faster_than_every_as_faithful(point: dict, others: list[dict], key: str, hig
     return all(point["speedup"] > o["speedup"] for o in as_faithful)
 
 
-def short_label(spec: str, width: int = 32) -> str:
-    """A plot label for a method spec: file paths shortened to their stem, then truncated."""
+def short_label(spec: str, width: int | None = 32) -> str:
+    """A label for a method spec: file paths shortened to the last part of their stem
+    (masks/smollm2-135m-sublayer-r0.1.json → r0.1), then cut to ``width`` characters (None: never)."""
     name, *params = spec.split(":")
     shown = []
     for param in params:
         key, _, value = param.partition("=")
         if "/" in value or value.endswith(".json"):
-            value = Path(value).stem.split("-")[-1]  # e.g. masks/smollm2-135m-sublayer-r0.1.json → r0.1
+            value = Path(value).stem.split("-")[-1]
         shown.append(f"{key}={value}")
     label = name + (f"({','.join(shown)})" if shown else "")
-    return label if len(label) <= width else label[: width - 1] + "…"
+    return label if width is None or len(label) <= width else label[: width - 1] + "…"
 
 
-def plot(summary: dict, out: Path) -> None:
+def method_labels(names: list[str]) -> dict[str, str]:
+    """Plot labels for method specs, whole (``short_label`` without a cut), and distinct: specs
+    whose shortened labels coincide (two heads both called head.safetensors) are shown in full."""
+    labels = {name: short_label(name, None) for name in names}
+    counts = Counter(labels.values())
+    return {name: label if counts[label] == 1 else name for name, label in labels.items()}
+
+
+# Hollow markers of distinct shapes: methods on the same spot (every lossless method has ar's
+# text) stay visible. Shape and colour cycle with coprime periods: no two of 70 methods share both.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
+def _method_styles(names: list[str], plt) -> dict[str, dict]:
+    return {name: {"marker": MARKERS[i % len(MARKERS)], "edgecolors": plt.cm.tab10(i % 10)}
+            for i, name in enumerate(names)}
+
+
+def quality_panels(points: dict[str, dict], panels: list[tuple[str, str]], title: str, path: Path,
+                   xlabel: str = "speed-up vs ar") -> None:
+    """One panel per (key, axis label) of ``panels``: each point of ``points`` (label → a dict
+    with ``speedup`` and the keys) at (speedup, value), as a hollow marker of its own shape and
+    colour, every point named in one legend below the panels — labels written beside the points
+    would print over each other where methods land on the same spot, and long ones would be cut."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    styles = _method_styles(list(points), plt)
+    longest = max(map(len, points), default=0)
+    ncol = 3 if longest <= 40 else 2 if longest <= 75 else 1
+    legend_inches = 0.25 + 0.17 * math.ceil(len(points) / ncol)
+    fig, axes = plt.subplots(1, len(panels), figsize=(12, 4.2 + legend_inches), squeeze=False)
+    handles = {}
+    for ax, (key, label) in zip(axes[0], panels):
+        for name, point in points.items():
+            if point.get("speedup") and point.get(key) is not None:
+                handles[name] = ax.scatter(point["speedup"], point[key], facecolors="none", linewidths=1.3, s=50,
+                                           **styles[name])
+        ax.axvline(1.0, color="grey", linewidth=0.6, linestyle=":")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(label)
+    fig.suptitle(title)
+    shown = [name for name in points if name in handles]
+    fig.legend([handles[name] for name in shown], shown, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, legend_inches / (4.2 + legend_inches), 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _row_labels(ax, labels: list[str]) -> None:
+    """Methods as rows, top to bottom in the run's order, labels whole."""
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.set_ylim(len(labels) - 0.5, -0.5)
+
+
+def plot(summary: dict, out: Path) -> None:
+    """``speedup_by_category.png`` (a table of speed-ups coloured around 1.0),
+    ``quality_vs_speedup.png`` (``quality_panels``) and
+    ``tier_fractions.png`` (stacked shares per method); every method is named in full."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import TwoSlopeNorm
+
     methods = summary["methods"]
     names = list(methods)
+    labels = method_labels(names)
     categories = sorted({c for m in methods.values() for c in m["categories"]})
+    columns = categories + ["overall"]
 
-    fig, ax = plt.subplots(figsize=(max(8, len(names) * 1.2), 4.5))
-    width = 0.8 / max(len(categories) + 1, 1)
-    for j, category in enumerate(categories + ["overall"]):
-        values = [(methods[n]["overall"] if category == "overall" else methods[n]["categories"].get(category, {})).get("speedup") or 0 for n in names]
-        ax.bar([i + j * width for i in range(len(names))], values, width, label=category)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], [short_label(n) for n in names], rotation=30,
-                  ha="right", fontsize=7)
-    ax.set_ylabel("speed-up vs ar")
-    ax.set_title("Speed-up by method and category")
-    ax.legend(fontsize=7, ncol=2)
+    # Speed-up by method and category: the numbers themselves, in cells coloured red below ar and green above.
+    speedups = [[(methods[n]["overall"] if c == "overall" else methods[n]["categories"].get(c, {})).get("speedup")
+                 for c in columns] for n in names]
+    grid = [[math.nan if v is None else v for v in row] for row in speedups]
+    known = [v for row in grid for v in row if not math.isnan(v)] or [1.0]
+    spread = max(max(abs(v - 1.0) for v in known), 0.05)
+    fig, ax = plt.subplots(figsize=(2.5 + 0.9 * len(columns) + 0.05 * max(map(len, labels.values())),
+                                    1.2 + 0.3 * len(names)))
+    ax.imshow(grid, cmap="RdYlGn", norm=TwoSlopeNorm(1.0, 1.0 - spread, 1.0 + spread), aspect="auto")
+    for i, row in enumerate(speedups):
+        for j, value in enumerate(row):
+            ax.text(j, i, "–" if value is None else f"{value:.2f}", ha="center", va="center", fontsize=7)
+    ax.set_xticks(range(len(columns)), columns, fontsize=7, rotation=20, ha="right")
+    _row_labels(ax, [labels[n] for n in names])
+    ax.set_title("Speed-up vs ar by category (green: faster than ar)", fontsize=9)
     fig.tight_layout()
     fig.savefig(out / "speedup_by_category.png", dpi=120)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
-    for ax, key, label in ((axes[0], "target_nll", "target NLL per token (lower = closer to target)"),
-                           (axes[1], "fidelity_rouge_l", "ROUGE-L vs ar output")):
-        for n in names:
-            o = methods[n]["overall"]
-            if o.get("speedup") and o.get(key) is not None:
-                ax.scatter(o["speedup"], o[key])
-                ax.annotate(short_label(n, 24), (o["speedup"], o[key]), fontsize=6)
-        ax.set_xlabel("speed-up vs ar")
-        ax.set_ylabel(label)
-    fig.suptitle("Quality against speed-up")
-    fig.tight_layout()
-    fig.savefig(out / "quality_vs_speedup.png", dpi=120)
-    plt.close(fig)
+    quality_panels({labels[n]: methods[n]["overall"] for n in names},
+                   [("target_nll", "target NLL per token (lower = closer to target)"),
+                    ("fidelity_rouge_l", "ROUGE-L vs ar output")],
+                   "Quality against speed-up", out / "quality_vs_speedup.png")
 
+    # Which tier decided each emitted token: stacked shares, one row per method that reports tiers.
     tiered = [n for n in names if methods[n]["overall"].get("tier_fractions")]
-    fig, ax = plt.subplots(figsize=(max(6, len(tiered) * 1.1), 4))
-    bottoms = [0.0] * len(tiered)
+    fig, ax = plt.subplots(figsize=(7 + 0.05 * max(map(len, labels.values())), 1.4 + 0.3 * max(len(tiered), 1)))
+    lefts = [0.0] * len(tiered)
     for tier in ("drafter", "judge", "slim", "target"):
         values = [methods[n]["overall"]["tier_fractions"].get(tier, 0.0) for n in tiered]
-        ax.bar([short_label(n) for n in tiered], values, bottom=bottoms, label=tier)
-        bottoms = [b + v for b, v in zip(bottoms, values)]
-    ax.set_ylabel("fraction of emitted tokens")
-    ax.set_title("Which tier decided each emitted token")
-    ax.legend()
-    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+        ax.barh(range(len(tiered)), values, left=lefts, label=tier)
+        lefts = [b + v for b, v in zip(lefts, values)]
+    _row_labels(ax, [labels[n] for n in tiered])
+    ax.set_xlabel("fraction of emitted tokens")
+    ax.set_title("Which tier decided each emitted token", fontsize=9)
+    ax.legend(fontsize=7, ncol=4, loc="lower center", bbox_to_anchor=(0.5, 1.06), frameon=False)
     fig.tight_layout()
     fig.savefig(out / "tier_fractions.png", dpi=120)
     plt.close(fig)

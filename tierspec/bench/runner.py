@@ -19,7 +19,7 @@ import time
 import weakref
 import zlib
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -35,6 +35,7 @@ from ..sampling import SamplingConfig
 from ..util import atomic_write_text
 from . import metrics
 from .llamacpp import LLAMACPP_PARAMETERS, LLAMACPP_PEERS, LlamaCppPeer
+from .outcome import Outcome
 
 HF_PEERS_ON_OUR_KERNELS = ("hf-greedy", "hf-assisted", "hf-pld", "hf-early-exit")
 # The same peers as a user who picks transformers runs them: stock ``nn.Linear`` modules (a copy
@@ -244,14 +245,6 @@ def _convert(spec: str, key: str, value: str, target: LoadedModel):
 
         return DraftHead.load(value, target)
     return _number(spec, key, value, _OPTION_KINDS[key])
-
-
-@dataclass
-class Outcome:
-    token_ids: list[int]
-    seconds: float
-    stats: GenerationStats | None  # None for peers that report none (transformers', llama.cpp's greedy)
-    record_fields: dict = field(default_factory=dict)  # what a peer adds to its records (llama.cpp: its weights)
 
 
 class MethodRunner:

@@ -10,7 +10,7 @@ positions (``TargetFeatures``, for a draft head) and, for self-speculative draft
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable
+from typing import Callable
 
 import torch
 
@@ -37,8 +37,8 @@ class Proposal:
     draft_logits:  [k, V] raw logits when the drafter has them (rules whose deferral bits are
                    taken at temperature 1 need them), else None.
     confidence:    [k] top probability at temperature 1 of each token's distribution, or None.
-    keys:          per token, why the drafter proposed it (n-gram lookup: ("ngram", match size)),
-                   for a draft-length policy's acceptance estimates; None when it has no reason.
+    match_sizes:   per token, the size of the n-gram whose continuation it copied (n-gram lookup),
+                   for a draft-length policy's acceptance estimates; None for other drafters.
     drafter_calls: forward passes of a drafting model spent on this proposal.
     source:        which drafter proposed ("ngram", "model", "self", "head", …): a policy
                    keeps costs and acceptance apart per source.
@@ -48,15 +48,15 @@ class Proposal:
     draft_probs: torch.Tensor | None = None
     draft_logits: torch.Tensor | None = None
     confidence: torch.Tensor | None = None
-    keys: list[Hashable] | None = None
+    match_sizes: list[int] | None = None
     drafter_calls: int = 0
     source: str = ""
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
 
-    def head(self, count: int) -> "Proposal":
-        """The first ``count`` tokens (a policy's trim)."""
+    def prefix(self, count: int) -> "Proposal":
+        """The first ``count`` tokens with everything known about them (a policy's trim)."""
         if count >= len(self):
             return self
 
@@ -64,7 +64,7 @@ class Proposal:
             return None if x is None else x[:count]
 
         return Proposal(self.tokens[:count], cut(self.draft_probs), cut(self.draft_logits), cut(self.confidence),
-                        cut(self.keys), self.drafter_calls, self.source)
+                        cut(self.match_sizes), self.drafter_calls, self.source)
 
     @staticmethod
     def empty(drafter_calls: int = 0, source: str = "") -> "Proposal":
@@ -121,7 +121,7 @@ class Drafter:
     prefilled prompt positions (when ``needs_target_features``) and, for drafters with
     ``uses_target_cache``, a ``TargetDraftView``; then per cycle ``propose`` and, after the
     verdict is committed, ``commit`` with the new committed length (the drafter rolls its own
-    state back to it, DESIGN §2) and the target's features of newly committed positions.
+    state back to it, docs/algorithms.md §The decode loop) and the target's features of newly committed positions.
     """
 
     needs_target_features = False

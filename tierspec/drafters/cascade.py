@@ -1,4 +1,4 @@
-"""Cascade speculative drafting (CS Drafting, Chen et al. 2023), DESIGN §3.5.
+"""Cascade speculative drafting (CS Drafting, Chen et al. 2023), docs/algorithms.md §Cascade drafting.
 
 The drafter is itself a cascade of ever cheaper drafters:
 
@@ -9,10 +9,10 @@ The drafter is itself a cascade of ever cheaper drafters:
 * horizontal cascade: the drafter model proposes the first ``model_positions`` positions of
   the block, where acceptance matters most, and the n-gram level the later ones.
 
-The target reviews the whole block with the exact rule (§3.1); n-gram positions carry one-hot
-distributions. The drafter model's own review uses the coupled rule with the block's token noise:
-its tokens are exactly the drafter model's samples (argmax(log p + g_t)), drawn with the noise the
-target's tokens are drawn with.
+The target reviews the whole block with the exact rule (docs/algorithms.md §Exact speculative
+decoding); n-gram positions carry one-hot distributions. The drafter model's own review uses the
+coupled rule with the block's token noise: its tokens are exactly the drafter model's samples
+(argmax(log p + g_t)), drawn with the noise the target's tokens are drawn with.
 """
 
 from __future__ import annotations

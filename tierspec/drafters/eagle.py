@@ -1,5 +1,5 @@
-"""The trained draft head as drafter (EAGLE-style, DESIGN §5b), and the hybrid drafter that
-chooses per cycle between it and n-gram lookup.
+"""The trained draft head as drafter (EAGLE-style, docs/algorithms.md §Draft head), and the hybrid
+drafter that chooses per cycle between it and n-gram lookup.
 
 The head reads the target's features f_t of committed positions, which the loop hands over
 from the verification passes that computed them (``TargetFeatures``; no extra target pass).

@@ -42,4 +42,4 @@ class NgramDrafter(Drafter):
         if num_tokens <= 0:
             return Proposal.empty(source="ngram")
         found, size = self.lookup(context.numpy(), num_tokens)
-        return Proposal(torch.from_numpy(found.copy()).long(), keys=[("ngram", size)] * len(found), source="ngram")
+        return Proposal(torch.from_numpy(found.copy()).long(), match_sizes=[size] * len(found), source="ngram")

@@ -1,6 +1,6 @@
 """Training data for the draft head: token sequences and the target's features at every position.
 
-Two kinds of text, both labelled by the target itself (DESIGN §5b):
+Two kinds of text, both labelled by the target itself (docs/algorithms.md §Draft head):
 
 * **own answers** (self-distillation): the target answers training prompts (``prompts.py``),
   in batches through transformers' ``generate`` — greedy for most, sampled at temperature 1 for

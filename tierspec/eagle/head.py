@@ -1,6 +1,6 @@
-"""The draft head (EAGLE-style, DESIGN §5b): one decoder layer of the target's own architecture
-that predicts the target's next feature vector, read out through the target's frozen LM head
-restricted to a reduced draft vocabulary.
+"""The draft head (EAGLE-style, docs/algorithms.md §Draft head): one decoder layer of the target's
+own architecture that predicts the target's next feature vector, read out through the target's
+frozen LM head restricted to a reduced draft vocabulary.
 
 Notation: f_t is the vector the target's LM head reads at position t (its final hidden state),
 x_t the token at t, E the target's embedding, W_lm its LM head. At position t the head reads
@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ..errors import TierspecError
 from ..identity import ModelIdentity
 from ..kernels import few_row_linear
-from ..llama import has_projections, projection_weights, rms_norm, rotary
+from ..llama import KVLayer, has_projections, projection_weights, rms_norm, rotary
 from ..models import LoadedModel, output_vocabulary_size
 from ..routing import decoder_layers
 from ..util import atomic_write, atomic_write_text
@@ -175,46 +175,48 @@ class DraftHead(torch.nn.Module):
         self.embedding = target.model.get_input_embeddings().weight.detach()  # shared, not copied
         return self
 
-    # -- the computation ---------------------------------------------------------------------
+    # -- the computation: the one layer, for training (batches [B, T, ·]) and drafting ([1, n, ·]) --
     def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, D] for integer ``positions`` [T]."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         angles = torch.cat((angles, angles), dim=-1)
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
+    @staticmethod
+    def _linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``layer(x)``; 1..10 rows (a draft step) through the few-row kernel (``kernels``), more
+        rows (training, a catch-up after a long prompt) as ``F.linear``."""
+        return few_row_linear(x, layer.weight, layer.bias)
+
     def target_input(self, features: torch.Tensor) -> torch.Tensor:
         """g [..., H] from the target's features [..., feature_width] (f, then the fused layers)."""
         H = self.config.hidden_size
         if self.aux_proj is None:
             return features[..., :H]
-        return features[..., :H] + self.aux_proj(features[..., H:])
+        return features[..., :H] + self._linear(self.aux_proj, features[..., H:])
 
     def fuse(self, inputs: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """W_fc [g ; E(x_next)]: inputs g [..., H] (target or self-fed), next_tokens [...] → [..., H]."""
         embedded = F.embedding(next_tokens, self.embedding).to(inputs.dtype)
-        return self.fc(torch.cat((inputs, embedded), dim=-1))
+        return self._linear(self.fc, torch.cat((inputs, embedded), dim=-1))
 
     def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """Normed input → rotated q [B, h, T, D], k, v [B, kv, T, D] for x [B, T, H]."""
         c = self.config
         B, T, _ = x.shape
         normed = rms_norm(x, self.input_norm, c.rms_norm_eps)
-        q = self.q_proj(normed).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(normed).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(normed).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        q = self._linear(self.q_proj, normed).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+        k = self._linear(self.k_proj, normed).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        v = self._linear(self.v_proj, normed).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         return rotary(q, cos, sin), rotary(k, cos, sin), v
 
     def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """Residual + o_proj(attention), then the MLP block and the final norm → h [B, T, H]."""
         B, _, T, _ = attended.shape
-        x = x + self.o_proj(attended.transpose(1, 2).reshape(B, T, -1))
+        x = x + self._linear(self.o_proj, attended.transpose(1, 2).reshape(B, T, -1))
         normed = rms_norm(x, self.post_attention_norm, self.config.rms_norm_eps)
-        x = x + self.down_proj(F.silu(self.gate_proj(normed)) * self.up_proj(normed))
+        x = x + self._linear(self.down_proj, F.silu(self._linear(self.gate_proj, normed)) * self._linear(self.up_proj, normed))
         return rms_norm(x, self.final_norm, self.config.rms_norm_eps)
-
-    def draft_logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits over the K draft tokens for head outputs h [..., H]."""
-        return h @ self.lm_rows.to(h.dtype).t()
 
     # -- files --------------------------------------------------------------------------------
     def save(self, path: str | Path, metadata: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -301,43 +303,21 @@ class DraftHead(torch.nn.Module):
         return True
 
 
-@dataclass
-class HeadCache:
-    """The head's own KV cache for one generation: keys/values [kv, T, D] of the positions the
-    head has processed, grown by doubling; ``length`` is how many hold committed features."""
-
-    keys: torch.Tensor | None = None
-    values: torch.Tensor | None = None
-    length: int = 0
-    capacity: int = field(default=0)
-
-    def reserve(self, end: int, like: torch.Tensor) -> None:
-        if end <= self.capacity:
-            return
-        capacity = max(256, end, 2 * self.capacity)
-        keys = like.new_empty(like.shape[0], capacity, like.shape[-1])
-        values = like.new_empty(like.shape[0], capacity, like.shape[-1])
-        if self.length:
-            keys[:, : self.length] = self.keys[:, : self.length]
-            values[:, : self.length] = self.values[:, : self.length]
-        self.keys, self.values, self.capacity = keys, values, capacity
-
-
 class HeadRunner:
     """Runs a ``DraftHead`` incrementally at inference: ``extend`` appends positions (real or
     predicted features) to its cache and returns their outputs h; ``rollback`` drops positions.
 
-    Linear layers of 1..10 rows use the few-row kernel (``kernels``): a draft step is one row.
+    The layer is the head's own (``target_input``, ``fuse``, ``project_qkv``, ``finish``: what
+    training runs), on a batch of one; the cache is the target's position-indexed buffer
+    (``llama.KVLayer``), so a rollback only moves its length.
     """
 
     def __init__(self, head: DraftHead):
         self.head = head
-        self.cache = HeadCache()
-        c = head.config
-        self._groups = c.num_heads // c.num_kv_heads
+        self.cache = KVLayer()
 
     def reset(self) -> None:
-        self.cache = HeadCache()
+        self.cache = KVLayer()
 
     @property
     def length(self) -> int:
@@ -346,10 +326,7 @@ class HeadRunner:
     def rollback(self, length: int) -> None:
         if length > self.cache.length:
             raise ValueError(f"cannot roll the head back to {length}: it holds {self.cache.length} positions")
-        self.cache.length = length
-
-    def _linear(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        return few_row_linear(x, layer.weight, layer.bias)
+        self.cache.trim(length)
 
     def extend(self, inputs: torch.Tensor, next_tokens: torch.Tensor, from_target: bool = False,
                positions: torch.Tensor | None = None, attends: torch.Tensor | None = None) -> torch.Tensor:
@@ -359,34 +336,22 @@ class HeadRunner:
 
         A token tree's nodes (drafted several per depth): ``positions`` [n] their rotary positions
         and ``attends`` [n, length + n] bool the cache slots each sees (default: a chain)."""
-        head, c, cache = self.head, self.head.config, self.cache
+        head = self.head
         device = head.fc.weight.device
         inputs, next_tokens = inputs.to(device), next_tokens.to(device)
-        n = int(inputs.shape[0])
-        start = cache.length
+        n, start = int(inputs.shape[0]), self.cache.length
         if from_target:
-            H = c.hidden_size
-            inputs = inputs[:, :H] if head.aux_proj is None else inputs[:, :H] + self._linear(head.aux_proj, inputs[:, H:])
-        embedded = F.embedding(next_tokens, head.embedding).to(inputs.dtype)
-        x = self._linear(head.fc, torch.cat((inputs, embedded), dim=-1))  # [n, H]
-        normed = rms_norm(x, head.input_norm, c.rms_norm_eps)
-        cos, sin = head.rope(torch.arange(start, start + n, device=device) if positions is None else positions.to(device), x.dtype)
-        q = rotary(self._linear(head.q_proj, normed).view(n, c.num_heads, c.head_dim).transpose(0, 1), cos, sin)
-        k = rotary(self._linear(head.k_proj, normed).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1), cos, sin)
-        v = self._linear(head.v_proj, normed).view(n, c.num_kv_heads, c.head_dim).transpose(0, 1)
-        cache.reserve(start + n, k)
-        cache.keys[:, start : start + n] = k
-        cache.values[:, start : start + n] = v
-        cache.length = start + n
-        keys, values = cache.keys[:, : start + n], cache.values[:, : start + n]
+            inputs = head.target_input(inputs)
+        x = head.fuse(inputs, next_tokens)[None]  # [1, n, H]
+        rotary_positions = torch.arange(start, start + n, device=device) if positions is None else positions.to(device)
+        cos, sin = head.rope(rotary_positions, x.dtype)
+        q, k, v = head.project_qkv(x, cos, sin)  # [1, h, n, D], [1, kv, n, D] ×2
+        keys, values = self.cache.update(k, v)  # [1, kv, start + n, D]
         mask = None if attends is None else attends.to(device)
         if n > 1 and attends is None:  # queries at start..start+n-1 see keys up to their own position
             mask = torch.arange(start + n, device=device)[None, :] <= torch.arange(start, start + n, device=device)[:, None]
-        attended = F.scaled_dot_product_attention(q[None], keys[None], values[None], attn_mask=mask, enable_gqa=True)[0]
-        x = x + self._linear(head.o_proj, attended.transpose(0, 1).reshape(n, -1))
-        normed = rms_norm(x, head.post_attention_norm, c.rms_norm_eps)
-        x = x + self._linear(head.down_proj, F.silu(self._linear(head.gate_proj, normed)) * self._linear(head.up_proj, normed))
-        return rms_norm(x, head.final_norm, c.rms_norm_eps)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [1, h, n, D]
+        return head.finish(x, attended)[0]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [n, K] (float32, on the CPU where the loop samples) for head

@@ -1,11 +1,11 @@
 """Training prompts for the draft head, built offline and kept apart from every test set.
 
-Sources (DESIGN §5b, issue "trained draft head"): GSM8K *train* questions, WMT14 pairs and
-CNN/DailyMail articles that Spec-Bench does not use, XSum articles (as summarisation, question
-and extraction prompts), and prompts synthesised here from templates: writing, role play,
-reasoning puzzles with random numbers, coding tasks, explanations, short factual questions,
-and questions about passages (retrieval-style). Never the Spec-Bench or MT-Bench question files
-and never HumanEval: the benchmark measures the head on prompts it has not seen.
+Sources (docs/algorithms.md §Draft head, issue "trained draft head"): GSM8K *train* questions, WMT14
+pairs and CNN/DailyMail articles that Spec-Bench does not use, XSum articles (as summarisation,
+question and extraction prompts), and prompts synthesised here from templates: writing, role play,
+reasoning puzzles with random numbers, coding tasks, explanations, short factual questions, and
+questions about passages (retrieval-style). Never the Spec-Bench or MT-Bench question files and
+never HumanEval: the benchmark measures the head on prompts it has not seen.
 
 Each item is a ``TrainingItem``: the user prompt and, where the source has one, a reference
 answer (a GSM8K solution, an English translation, a gold summary) that the data builder

@@ -1,4 +1,4 @@
-"""Training the draft head (DESIGN §5b) on the data of ``eagle.data``.
+"""Training the draft head (docs/algorithms.md §Draft head) on the data of ``eagle.data``.
 
 Loss per head output h at position p (the target's features f, its LM head W restricted to the
 draft vocabulary V_K):

@@ -1,4 +1,4 @@
-"""Training and evaluating the judge head (Judge Decoding §4, DESIGN §3.7).
+"""Training and evaluating the judge head (Judge Decoding §4, docs/algorithms.md §Judge decoding).
 
 Hidden states of the target are extracted once per example (batches of labelled tokens, a
 progress bar), then a linear head is trained with class-weighted cross-entropy, AdamW

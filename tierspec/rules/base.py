@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from ..drafters.base import Proposal
 from ..sampling import BlockNoise, SamplingConfig
 
-# Which tier decided an emitted token (per-tier statistics, DESIGN §3.6).
+# Which tier decided an emitted token (per-tier statistics, docs/metrics.md §Tiers).
 DRAFTER = "drafter"  # a draft token kept
 SLIM = "slim"  # a token regenerated (or bonus) from the slim verifier / lower-tier mixture
 TARGET = "target"  # a token decided with the full target's distribution

@@ -1,4 +1,4 @@
-"""BiLD, the big–little decoder (Kim et al. 2023), DESIGN §3.3.
+"""BiLD, the big–little decoder (Kim et al. 2023), docs/algorithms.md §BiLD.
 
 Fallback: drafting stops when the drafter's top probability falls below ``fallback`` (the
 ``policies.ConfidenceStop`` policy; see ``methods``). Rollback: the rule keeps the
@@ -33,13 +33,11 @@ class BildRule(VerificationRule):
         self.rollback = rollback
 
     def verify(self, verifiers, proposal, sampling, noise) -> Verdict:
-        logits = verifiers.target_logits(proposal.tokens)
+        logits = verifiers.target_logits(proposal.tokens)  # [k+1, V]
         k = len(proposal)
-        q = temperature_one_probs(logits) if sampling.greedy else logits_to_probs(logits, sampling)
-        keep = bild_keep(q[torch.arange(k), proposal.tokens], self.rollback).float()
-        if sampling.greedy:
-            best = logits.argmax(-1)
-            accepted, token = acceptance_walk(k, keep, lambda i, passed: int(best[i]), lambda: int(best[k]), noise)
-        else:
-            accepted, token = acceptance_walk(k, keep, lambda i, passed: q[i], lambda: q[k], noise)
+        q = logits_to_probs(logits, sampling)  # one-hot rows of argmax q in greedy mode
+        # The rollback test reads q at temperature 1 in greedy mode, where q itself is one-hot.
+        tested = temperature_one_probs(logits) if sampling.greedy else q
+        keep = bild_keep(tested[torch.arange(k), proposal.tokens], self.rollback).float()
+        accepted, token = acceptance_walk(k, keep, lambda i, passed: q[i], lambda: q[k], noise)
         return Verdict(accepted, token, [DRAFTER] * accepted + [TARGET])

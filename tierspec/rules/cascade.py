@@ -1,4 +1,5 @@
-"""Speculative cascades (Faster Cascades, Narasimhan et al. 2024), DESIGN §3.4.
+"""Speculative cascades (Faster Cascades, Narasimhan et al. 2024), docs/algorithms.md §Speculative
+cascades.
 
 Per position a deferral bit δ picks the target mixture π = (1−δ)·p + δ·q:
     chow: δ = 1[max p < 1−α]

@@ -2,9 +2,10 @@
 
 A rule supplies, per drafted position i, the probability of keeping x_i (for the mixture rules
 min(1, π_i(x_i)/p_i(x_i))), the distribution to draw from when x_i is not kept (its residual
-norm(max(0, π_i − p_i))), and the bonus distribution after a fully kept block. The walk keeps
-x_1, x_2, … in order and ends the block at the first token not kept (DESIGN §3). Greedy mode is
-the same walk over one-hot distributions; a deterministic replacement may be given as a token id.
+norm(max(0, π_i − p_i))), and the bonus distribution after a fully kept block. The walk keeps x_1,
+x_2, … in order and ends the block at the first token not kept (docs/algorithms.md §Verification
+rules). Greedy mode is the same walk over one-hot distributions; a deterministic replacement may be
+given as a token id.
 
 Randomness comes from the block's keyed noise (``sampling.BlockNoise``): the coin of position i
 and the replacement drawn there are keyed by i's absolute position, independent of each other and
@@ -46,13 +47,26 @@ def acceptance_walk(
     """
     for i in range(num_tokens):
         probability = float(accept_probability(i) if callable(accept_probability) else accept_probability[i])
-        passed = probability >= 1.0 or (probability > 0.0 and _needs(noise).coin(i) < probability)
+        passed = coin_passes(probability, noise, i)
         if not (passed if keep is None else keep(i, passed)):
-            return i, _draw(replacement(i, passed), noise, i, residual=True)
-    return num_tokens, _draw(bonus(), noise, num_tokens, residual=False)
+            return i, draw(replacement(i, passed), noise, i, residual=True)
+    return num_tokens, draw(bonus(), noise, num_tokens, residual=False)
 
 
-def _draw(what: Draw, noise: BlockNoise | None, i: int, residual: bool) -> int:
+def coin_passes(probability: float, noise: BlockNoise | None, i: int) -> bool:
+    """Whether the draft at block position i passes a test it passes with ``probability``: its
+    keyed coin, so the verdict does not depend on which other positions were tested. A
+    probability of exactly 0 or 1 needs no coin (greedy walks run without noise)."""
+    return probability >= 1.0 or (probability > 0.0 and _needs(noise).coin(i) < probability)
+
+
+def coin_verdicts(accept_probability: torch.Tensor, noise: BlockNoise | None) -> torch.Tensor:
+    """``coin_passes`` at every position: probabilities [k] → bool [k] (a rule that combines the
+    test's verdicts with another mask before deciding, like Judge Decoding)."""
+    return torch.tensor([coin_passes(float(p), noise, i) for i, p in enumerate(accept_probability)], dtype=torch.bool)
+
+
+def draw(what: Draw, noise: BlockNoise | None, i: int, residual: bool) -> int:
     """The token of a draw at block position i: a replacement (``residual``) with noise of its own,
     the bonus with the token noise. Without noise (greedy mode) only a token id or a one-hot
     distribution can be drawn."""

@@ -1,18 +1,19 @@
-"""Exact (lossless) speculative decoding (Leviathan et al. 2023; Chen et al. 2023), DESIGN §3.1,
-with two sampling rules that both give the target's distribution exactly:
+"""Exact (lossless) speculative decoding (Leviathan et al. 2023; Chen et al. 2023),
+docs/algorithms.md §Exact speculative decoding, with two sampling rules that both give the
+target's distribution exactly:
 
 ``coupled`` (the default): the target's token at position t is y_t = argmax_v(log q_t(v) + g_t(v)),
-g_t the Gumbel noise keyed by (seed, t) (``sampling.Noise``), an exact draw from q_t. A drafted
-x_t is kept iff x_t = y_t; the first mismatch is replaced by y_t, a fully kept block gets y_{t+k}.
-The emitted tokens are therefore y_t whatever was drafted: plain decoding's tokens for the same
-seed, exactly like greedy mode. A drafter with a distribution p drafts with the same noise
-(argmax(log p + g_t)), so it is kept whenever the two perturbed maxima agree; an n-gram draft is
-kept with probability q(x), as under the residual rule. Exact at every position: the tokens
-before t are y_<t, a function of g_<t alone, so g_t is independent of them and y_t is an exact
-draw from q_t given the text so far, whatever the drafter or the draft-length policy did (a
-policy that chooses a length from the drafted tokens biases the residual rule, not this one).
-A token tree (DESIGN §5c) is verified as in greedy mode: follow the child whose token equals y at
-its depth (siblings sit at one position, so they share its noise).
+g_t the Gumbel noise keyed by (seed, t) (``sampling.Noise``), an exact draw from q_t. A drafted x_t
+is kept iff x_t = y_t; the first mismatch is replaced by y_t, a fully kept block gets y_{t+k}. The
+emitted tokens are therefore y_t whatever was drafted: plain decoding's tokens for the same seed,
+exactly like greedy mode. A drafter with a distribution p drafts with the same noise (argmax(log p +
+g_t)), so it is kept whenever the two perturbed maxima agree; an n-gram draft is kept with
+probability q(x), as under the residual rule. Exact at every position: the tokens before t are y_<t,
+a function of g_<t alone, so g_t is independent of them and y_t is an exact draw from q_t given the
+text so far, whatever the drafter or the draft-length policy did (a policy that chooses a length
+from the drafted tokens biases the residual rule, not this one). A token tree (docs/algorithms.md
+§Token trees) is verified as in greedy mode: follow the child whose token equals y at its depth
+(siblings sit at one position, so they share its noise).
 
 ``residual``: accept x with probability min(1, q(x)/p(x)) (its own coin); on rejection draw from
 norm(max(0, q − p)) (its own noise). The emitted token is distributed exactly as q. A drafter

@@ -1,11 +1,12 @@
-"""Judge decoding (Bachmann et al. 2025), DESIGN §3.7.
+"""Judge decoding (Bachmann et al. 2025), docs/algorithms.md §Judge decoding.
 
 A linear head on the target's final hidden states gives, per drafted position, a judge
 decision J_i = [sigmoid(logit) ≥ δ]; rule 3.1 gives SD_i with its own uniform draw. With
 κ_SD and κ_J the numbers of leading SD and judge accepts, the block keeps x_1..x_κ,
 κ = max(κ_SD, κ_J). Then one more token: if κ < γ, x_{κ+1} when SD_{κ+1} accepts it, else a
-draw from norm(max(0, q − p)) there; if κ = γ, the bonus token from q. Greedy: SD_i iff
-x_i = argmax q_i, and the extra token is argmax q at κ+1.
+draw from norm(max(0, q − p)) there; if κ = γ, the bonus token from q. Greedy mode is the
+same rule on one-hot rows of argmax q: SD_i iff x_i = argmax q_i, and the extra token is
+argmax q at κ+1.
 
 The head reads hidden states of the verification pass itself (one extra dot product per
 position, no second forward). δ ≥ 1 disables the judge: exactly rule 3.1.
@@ -18,7 +19,7 @@ import torch
 from ..judge.head import JudgeHead, judge_features
 from ..sampling import logits_to_probs, residual_distribution
 from .base import DRAFTER, TARGET, Verdict, VerificationRule
-from .common import acceptance_walk, draft_prob_of_tokens, draft_row
+from .common import coin_verdicts, draft_prob_of_tokens, draft_row, draw
 from .exact import acceptance_probability, first_rejection
 
 JUDGE = "judge"  # tier label: a token plain verification rejected and the judge accepted
@@ -49,33 +50,21 @@ class JudgeRule(VerificationRule):
     def verify(self, verifiers, proposal, sampling, noise) -> Verdict:
         tokens = proposal.tokens
         k = len(proposal)
-        logits, hidden = verifiers.target_logits(tokens, with_hidden=True)
-        judge_ok = judge_accepts(self.head, self.threshold, hidden, logits, tokens)
-        if sampling.greedy:
-            best = logits.argmax(-1)
-            sd_probability = (tokens == best[:k]).float()
-            # SD accepting x at the last position means x is argmax q: the same token either way.
-            replacement = lambda i, passed: int(best[i])  # noqa: E731
-            bonus = lambda: int(best[k])  # noqa: E731
+        logits, hidden = verifiers.target_logits(tokens, with_hidden=True)  # [k+1, V], [k+1, H]
+        q = logits_to_probs(logits, sampling)  # [k+1, V]; one-hot rows in greedy mode
+        # SD_i for every position (keyed coins: testing a position the block never reaches
+        # changes nothing); in greedy mode q(x)/p(x) is 1 iff x = argmax q, else 0.
+        sd_accepts = coin_verdicts(acceptance_probability(draft_prob_of_tokens(proposal), q[torch.arange(k), tokens]),
+                                   noise)
+        kappa_sd, _, kappa = judge_block(sd_accepts, judge_accepts(self.head, self.threshold, hidden, logits, tokens))
+        if kappa == k:  # every draft kept: the bonus token from q
+            token = draw(q[k], noise, k, residual=False)
+        elif sd_accepts[kappa]:  # the judge's run outlasted SD's, and SD accepts x_{κ+1} on its own
+            token = int(tokens[kappa])
         else:
-            q = logits_to_probs(logits, sampling)
-            vocab = q.shape[-1]
-            sd_probability = acceptance_probability(draft_prob_of_tokens(proposal), q[torch.arange(k), tokens])
-            replacement = lambda i, passed: int(tokens[i]) if passed else residual_distribution(q[i], draft_row(proposal, i, vocab))  # noqa: E731
-            bonus = lambda: q[k]  # noqa: E731
-        alive = {"sd": True, "judge": True, "kappa_sd": k}
-
-        def keep(i: int, passed: bool) -> bool:
-            # x_i is kept while either mask accepts the whole prefix (κ = max(κ_SD, κ_J)).
-            if alive["sd"] and not passed:
-                alive["sd"], alive["kappa_sd"] = False, i
-            alive["judge"] = alive["judge"] and bool(judge_ok[i])
-            return alive["sd"] or alive["judge"]
-
-        kappa, token = acceptance_walk(k, sd_probability, replacement, bonus, noise, keep)
-        kappa_sd = min(alive["kappa_sd"], kappa)
-        deciders = [DRAFTER if i < kappa_sd else JUDGE for i in range(kappa)] + [TARGET]
-        return Verdict(kappa, token, deciders)
+            token = draw(residual_distribution(q[kappa], draft_row(proposal, kappa, q.shape[-1])), noise, kappa,
+                         residual=True)
+        return Verdict(kappa, token, [DRAFTER] * kappa_sd + [JUDGE] * (kappa - kappa_sd) + [TARGET])
 
     @property
     def lossless(self) -> bool:

@@ -1,4 +1,4 @@
-"""Lossy speculative decoding with tolerance (α, β), DESIGN §3.2.
+"""Lossy speculative decoding with tolerance (α, β), docs/algorithms.md §Lossy speculative decoding.
 
 With z1(v) = log(1−α) + log p(v) − log q(v) and z2(v) = log β + log p(v) − log q(v):
 accept x with probability min(1, q(x) / ((1−α)·p(x))) (outright when z1(x) ≤ 0); on
@@ -39,18 +39,16 @@ class LossyRule(VerificationRule):
         logits = verifiers.target_logits(proposal.tokens)  # [k+1, V]
         tokens = proposal.tokens
         k = len(proposal)
-        vocab = logits.shape[-1]
-        if sampling.greedy:
-            q = temperature_one_probs(logits[:k])
-            accept = (q[torch.arange(k), tokens] >= (1.0 - self.alpha) * q.max(-1).values).float()
-            best = logits.argmax(-1)
-            accepted, token = acceptance_walk(k, accept, lambda i, passed: int(best[i]), lambda: int(best[k]), noise)
+        q = logits_to_probs(logits, sampling)  # [k+1, V]; one-hot rows of argmax q in greedy mode
+        if sampling.greedy:  # the greedy test reads q at temperature 1 (a one-hot q would make it exact)
+            t1 = temperature_one_probs(logits[:k])
+            accept = (t1[torch.arange(k), tokens] >= (1.0 - self.alpha) * t1.max(-1).values).float()
         else:
-            q = logits_to_probs(logits, sampling)
             accept = lossy_acceptance(draft_prob_of_tokens(proposal), q[torch.arange(k), tokens], self.alpha)
-            accepted, token = acceptance_walk(
-                k, accept, lambda i, passed: residual_distribution(q[i], draft_row(proposal, i, vocab), self.beta),
-                lambda: q[k], noise)
+        # Greedy mode: a rejected x is not argmax q, so the residual of one-hot rows is argmax q.
+        accepted, token = acceptance_walk(
+            k, accept, lambda i, passed: residual_distribution(q[i], draft_row(proposal, i, q.shape[-1]), self.beta),
+            lambda: q[k], noise)
         return Verdict(accepted, token, [DRAFTER] * accepted + [TARGET])
 
     @property

@@ -1,4 +1,4 @@
-"""VIA-SD: three-tier hierarchical verification (DESIGN §3.6).
+"""VIA-SD: three-tier hierarchical verification (docs/algorithms.md §VIA-SD).
 
 Tiers: the drafter p, the slim verifier q' (the target under a DIMR routing mask, sharing
 every weight), and the full target q, called lazily. Per position i, from temperature-1
@@ -52,6 +52,35 @@ def via_mixture(draft: torch.Tensor, slim: torch.Tensor, target: torch.Tensor | 
     return slim if delta1 else draft
 
 
+class FullPass:
+    """The full target's verdict on one block, computed at most once and only when the walk needs
+    it: the first position with δ2 = 1 (or the lag cap) runs one full pass over every committed
+    token the target has not processed plus the block. With a judge head, the same pass's hidden
+    states give the judge's verdicts."""
+
+    def __init__(self, verifiers, tokens: torch.Tensor, sampling, judge=None, judge_threshold: float | None = None):
+        self.verifiers, self.tokens, self.sampling = verifiers, tokens, sampling
+        self.judge, self.judge_threshold = judge, judge_threshold
+        self._probs: torch.Tensor | None = None  # q [k+1, V] once run
+        self._judge_ok: torch.Tensor | None = None  # J [k] once run with a judge
+
+    def probs(self) -> torch.Tensor:
+        """q [k+1, V] under the sampling settings (runs the pass the first time)."""
+        if self._probs is None:
+            if self.judge is None:
+                logits = self.verifiers.target_logits(self.tokens)
+            else:
+                logits, hidden = self.verifiers.target_logits(self.tokens, with_hidden=True)
+                self._judge_ok = judge_accepts(self.judge, self.judge_threshold, hidden, logits, self.tokens)
+            self._probs = logits_to_probs(logits, self.sampling)
+        return self._probs
+
+    def judge_accepts(self, i: int) -> bool:
+        """Whether the judge accepts draft i (False without a judge or before the pass ran: a
+        position the full target decides always runs it first)."""
+        return self._judge_ok is not None and bool(self._judge_ok[i])
+
+
 class ViaRule(VerificationRule):
     name = "via"
 
@@ -80,30 +109,19 @@ class ViaRule(VerificationRule):
             delta2 = torch.ones_like(delta2)
         p = draft_rows(proposal, vocab)  # [k, V]; one-hot rows in greedy mode
         slim = logits_to_probs(slim_logits, sampling)  # [k+1, V]
-        state = {"target": None, "judge_ok": None}
+        full = FullPass(verifiers, tokens, sampling, self.judge, self.judge_threshold)
         deciders: list[str] = []
-
-        def target() -> torch.Tensor:
-            """q [k+1, V], from one full pass over every unprocessed token and the block (run once)."""
-            if state["target"] is None:
-                if self.judge is None:
-                    state["target"] = logits_to_probs(verifiers.target_logits(tokens), sampling)
-                else:
-                    logits, hidden = verifiers.target_logits(tokens, with_hidden=True)
-                    state["judge_ok"] = judge_accepts(self.judge, self.judge_threshold, hidden, logits, tokens)
-                    state["target"] = logits_to_probs(logits, sampling)
-            return state["target"]
 
         def pi(i: int) -> torch.Tensor:
             if i == k:  # bonus: no draft here, δ1 = 1
-                return via_mixture(None, slim[k], target()[k] if delta2[k] else None, True, bool(delta2[k]))
-            return via_mixture(p[i], slim[i], target()[i] if delta2[i] else None, bool(delta1[i]), bool(delta2[i]))
+                return via_mixture(None, slim[k], full.probs()[k] if delta2[k] else None, True, bool(delta2[k]))
+            return via_mixture(p[i], slim[i], full.probs()[i] if delta2[i] else None, bool(delta1[i]), bool(delta2[i]))
 
         def keep(i: int, passed: bool) -> bool:
             if passed:
                 deciders.append(TARGET if delta2[i] else DRAFTER)
                 return True
-            if delta2[i] and state["judge_ok"] is not None and state["judge_ok"][i]:
+            if delta2[i] and full.judge_accepts(i):
                 deciders.append(JUDGE)
                 return True
             return False
@@ -111,9 +129,10 @@ class ViaRule(VerificationRule):
         def tier(i: int) -> str:
             return TARGET if delta2[i] else SLIM
 
-        # The cycle commits up to k+1 tokens: catch up now if they could push the lag past the cap.
+        # The cycle commits up to k+1 tokens: run the full pass now (the target catches up) if they
+        # could push the lag past the cap.
         if verifiers.target_lag + k + 1 > self.max_target_lag:
-            target()
+            full.probs()
         accept = lambda i: acceptance_probability(p[i, tokens[i]], pi(i)[tokens[i]])  # noqa: E731
         accepted, token = acceptance_walk(k, accept, lambda i, passed: residual_distribution(pi(i), p[i]),
                                           lambda: pi(k), noise, keep)
