@@ -271,3 +271,30 @@ def test_the_kv_buffer_is_reserved_once_and_rollback_only_moves_the_index(pair):
         with pytest.raises(RuntimeError, match="rollback invariant"):  # a layer left behind is refused loudly
             runner.cache.layers[1].trim(1)
             runner.forward(IDS[:1])
+
+
+def test_safetensors_are_read_exactly_and_a_damaged_file_is_a_clear_error(tmp_path):
+    """The loader reads each tensor into memory of its own (no mapping kept alive: peak memory
+    at load); what it reads equals safetensors' own reader, and a cut or garbled file is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from tierspec.llama import read_safetensors
+
+    tensors = {"a": torch.randn(3, 5), "b": torch.randn(7).to(torch.bfloat16), "c": torch.zeros(0, 4),
+               "d": torch.randn(2, 2, dtype=torch.float64)}
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path))
+    read = dict(read_safetensors(path))
+    reference = load_file(str(path))
+    assert read.keys() == reference.keys()
+    for name, tensor in read.items():
+        assert tensor.dtype == reference[name].dtype and torch.equal(tensor, reference[name])
+        tensor.add_(1)  # writable memory of its own: the file is untouched
+    assert torch.equal(load_file(str(path))["a"], tensors["a"])
+    data = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-9])
+    with pytest.raises(ValueError, match="does not fit the file|cut short"):
+        list(read_safetensors(tmp_path / "cut.safetensors"))
+    (tmp_path / "junk.safetensors").write_bytes(b"\xff" * 64)
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        list(read_safetensors(tmp_path / "junk.safetensors"))

@@ -179,6 +179,10 @@ def use_packed_linears(model: torch.nn.Module) -> int:
             elif not packable_dtype(weight.dtype):
                 continue
             setattr(parent, name, PackedLinear(weight, module.bias, source_dtype=module.weight.dtype))
+            # The list above still holds the plain module: drop its weight now, so that the plain
+            # and the packed copies of the whole model never coexist (peak memory at load).
+            module.weight = None
+            del weight
             packed += 1
     return packed
 
