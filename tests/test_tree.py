@@ -1,4 +1,4 @@
-"""Token trees (DESIGN §5c): the tree structure, tree passes in tierspec's Llama forward (a node's
+"""Token trees (docs/algorithms.md §Token trees): the tree structure, tree passes in tierspec's Llama forward (a node's
 logits equal a chain pass of its path, bitwise; the accepted path's KV made contiguous), and exact
 verification over a tree (greedy, coupled, multi-draft)."""
 

@@ -241,7 +241,7 @@ class Verifiers:
         return logits[: k + 1]
 
     def target_tree_logits(self, tree) -> torch.Tensor:
-        """Full-target logits [1 + m, V] of a token tree (``tree.TokenTree``, DESIGN §5c) in one
+        """Full-target logits [1 + m, V] of a token tree (``tree.TokenTree``, docs/algorithms.md §Token trees) in one
         pass: row 0 after the last committed token (the root), row 1 + i after node i. The nodes'
         KV stays in the cache after the committed tokens until ``keep_tree_path`` keeps the
         accepted path's (the loop calls it after the verdict)."""
@@ -529,7 +529,7 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
 
 def _tree_cycle(verifiers: Verifiers, drafter: Drafter, rule, policy: DraftPolicy, context: torch.Tensor,
                 config: DecodeConfig, emitted_total: int, eos: set[int], noise: Noise) -> tuple[Step, torch.Tensor]:
-    """``_cycle`` for a tree drafter (DESIGN §5c): the drafter proposes a token tree no deeper than
+    """``_cycle`` for a tree drafter (docs/algorithms.md §Token trees): the drafter proposes a token tree no deeper than
     the tokens left allow, the rule walks it after one target pass, the loop keeps the accepted
     path's KV and commits path + next token. ``policy.observe_tree`` sees every verdict."""
     started = time.perf_counter()

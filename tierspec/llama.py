@@ -140,7 +140,7 @@ class KVLayer:
     def compact(self, start: int, slots: torch.Tensor) -> None:
         """Keep the positions at ``slots`` [L] (increasing, all in start .. length − 1) as
         positions start .. start + L − 1 and drop the rest after ``start``: a token tree's accepted
-        path made contiguous (DESIGN §5c)."""
+        path made contiguous (docs/algorithms.md §Token trees)."""
         count = int(slots.shape[0])
         if count:
             slots = slots.to(self._keys.device)

@@ -1,4 +1,4 @@
-"""Token trees (DESIGN §5c): several drafted continuations checked in one target pass.
+"""Token trees (docs/algorithms.md §Token trees): several drafted continuations checked in one target pass.
 
 A tree of m nodes hangs below the *root*, the last committed position (the pending token whose
 target distribution the pass also gives). Node i carries a token ``tokens[i]``, a parent

@@ -1,4 +1,4 @@
-"""Tree drafters (DESIGN §5c): the draft head growing a tree by cumulative probability (the
+"""Tree drafters (docs/algorithms.md §Token trees): the draft head growing a tree by cumulative probability (the
 dynamic tree of EAGLE-2), n-gram lookup offering every distinct continuation of its matches as a
 trie, and the hybrid of both; and the policy that sizes a tree from the measured pass costs.
 

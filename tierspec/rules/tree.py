@@ -1,7 +1,7 @@
-"""Exact verification of a token tree (DESIGN §5c): one target pass scores every node, then a walk
+"""Exact verification of a token tree (docs/algorithms.md §Token trees): one target pass scores every node, then a walk
 from the root keeps the longest path the target's own draws agree with.
 
-Notation (DESIGN §5c): p_c is the target's distribution after node c (after temperature, top-k,
+Notation (docs/algorithms.md §Token trees): p_c is the target's distribution after node c (after temperature, top-k,
 top-p), c = root for the last committed position; r is the distribution the current step draws
 from, starting at p_c; a child's proposal q is the distribution its token was drawn from (one-hot
 for a child chosen deterministically: a top-k rank, an n-gram match).
