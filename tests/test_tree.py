@@ -443,14 +443,22 @@ def test_tree_methods_emit_plain_decodings_tokens_and_keep_the_cache_invariant(o
         assert max(step.cycle.drafted for step in steps) > 1, name
 
 
-def test_a_chain_rule_refuses_a_tree_drafter(own_target, prompt_ids):
+@pytest.mark.parametrize("rule", ["exact", "lossy", "cascade", "via"])
+def test_a_chain_rule_refuses_a_tree_drafter_and_names_the_alternatives(own_target, prompt_ids, rule):
     from conftest import as_method, run_ids
 
     from tierspec.drafters.tree import NgramTreeDrafter, TreePolicy
     from tierspec.rules import ExactRule
+    from tierspec.rules.cascade import CascadeRule
+    from tierspec.rules.lossy import LossyRule
+    from tierspec.rules.via import ViaRule
 
-    with pytest.raises(TierspecError, match="the rule 'exact' verifies chains only"):
-        run_ids(own_target, as_method(NgramTreeDrafter(TreePolicy()), ExactRule(), TreePolicy()), prompt_ids, 5)
+    chain_rule = {"exact": ExactRule, "lossy": LossyRule, "cascade": CascadeRule, "via": lambda: ViaRule(0.1, 0.1, 8)}[rule]()
+    method = as_method(NgramTreeDrafter(TreePolicy()), chain_rule, TreePolicy())
+    with pytest.raises(TierspecError, match=rf"the rule '{chain_rule.name}' verifies chains only: a token tree needs the "
+                                            r"exact tree rule .*eagle-tree and hybrid-tree, lossless\). For "
+                                            rf"'{chain_rule.name}', use a chain drafter instead \(methods eagle, hybrid, pld\)"):
+        run_ids(own_target, method, prompt_ids, 5)
 
 
 # ---- sizing a tree -------------------------------------------------------------------------------

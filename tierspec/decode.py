@@ -481,6 +481,7 @@ def decode(
     drafter: Drafter = method.drafter
     rule: VerificationRule = method.rule
     policy: DraftPolicy = method.policy
+    check_tree_rule(drafter, rule)
     max_positions = getattr(target.model.config, "max_position_embeddings", None)
     prompt_ids = check_prompt(prompt_ids, max_positions, config.max_new_tokens, target.vocab_size)
     verifiers = Verifiers(target, slim_mask=method.slim_mask, forward_costs=method.forward_costs,
@@ -500,12 +501,7 @@ def decode(
     context = prompt_ids.clone()
     verifiers.context = context
     emitted_total = 0
-    cycle = _cycle
-    if getattr(drafter, "proposes_trees", False):
-        if not getattr(rule, "accepts_trees", False):
-            raise TierspecError(f"the rule '{rule.name}' verifies chains only; a tree drafter needs a tree rule "
-                                "(rules.tree.TreeExactRule)")
-        cycle = _tree_cycle
+    cycle = _tree_cycle if getattr(drafter, "proposes_trees", False) else _cycle
     while emitted_total < config.max_new_tokens:
         with torch.inference_mode():
             step, context = cycle(verifiers, drafter, rule, policy, context, config, emitted_total, eos, noise)
@@ -515,6 +511,20 @@ def decode(
         yield step
         if step.finished:
             return
+
+
+def check_tree_rule(drafter: Drafter, rule) -> None:
+    """Refuse a tree drafter with a rule that verifies chains only. Only the exact rule has a tree
+    version (``rules.tree.TreeExactRule``: greedy, coupled, multi-draft residual; DESIGN §5c). The
+    lossy rules (lossy, cascade, judge, VIA and via-judge) are defined over one chain of drafts: the
+    lossy and cascade tests compare a draft with the target's distribution at its position, the
+    judge head scores the drafts of a chain one by one, and VIA's slim verifier runs ahead of a
+    lagging full target on one committed chain; none is built over a tree yet, so trees stay
+    lossless-only and the lossy rules keep chain drafters."""
+    if getattr(drafter, "proposes_trees", False) and not getattr(rule, "accepts_trees", False):
+        raise TierspecError(f"the rule '{rule.name}' verifies chains only: a token tree needs the exact tree rule "
+                            "(rules.tree.TreeExactRule, the methods eagle-tree and hybrid-tree, lossless). "
+                            f"For '{rule.name}', use a chain drafter instead (methods eagle, hybrid, pld).")
 
 
 def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, policy: DraftPolicy, context: torch.Tensor,
