@@ -571,3 +571,39 @@ def test_bench_summary_reports_tree_shape_and_acceptance_by_depth():
     assert "nodes_per_pass" not in ar
     table = markdown_table({"config": asdict(config), "methods": summarize(records, config, {})["methods"]})
     assert "| `eagle-tree` | 10.0 | 14 | 3.00 | 2.00 | 0.75, 0.33 |" in table
+
+
+def test_the_hybrid_tree_skips_the_head_when_the_ngram_trie_is_expected_to_pay_more():
+    from tierspec.costs import ForwardCosts
+    from tierspec.drafters.tree import HybridTreeDrafter, NgramTreeDrafter, TreePolicy, TreeProposal
+
+    # passes of 1-8 tokens cost the same; a head step costs a whole pass
+    policy = TreePolicy(max_nodes=6, forward_costs=ForwardCosts({n: 1.0 for n in range(1, 9)}),
+                        draft_fractions={"head": 1.0})
+
+    class Head:  # a draft head's tree drafter that proposes one fixed tree of 3 steps
+        feature_layers, calls = (), 0
+
+        def __init__(self):
+            self.policy = policy
+
+        def propose_tree(self, context, max_depth, sampling, noise):
+            Head.calls += 1
+            tree = TokenTree.from_paths([[40, 41], [42]])
+            return TreeProposal(tree, [("head", 3, 1)] * 3, [0.5, 0.5, 0.5], drafter_calls=3, source="head",
+                                rate=(1 + 0.5 + 0.25 + 0.5) / 4.0)
+
+    hybrid = HybridTreeDrafter(NgramTreeDrafter(policy, ngram_size=2), Head())
+    repetitive = torch.tensor([5, 6, 1, 2, 3, 5, 6, 1, 2, 3, 5, 6])  # 5 6 → 1 2 3 (twice)
+    first = hybrid.propose_tree(repetitive, 3, SamplingConfig(), None)
+    assert Head.calls == 1 and first.source == "hybrid"  # the head's rate is unknown: it drafts first
+    assert sorted(first.tree.paths()) == [[1, 2, 3], [40, 41], [42]]
+    # the union paid 3 head steps for its head nodes: (1 + Σ values) / (1 pass + 3 steps), below the
+    # trie's (1 + 0.5 + 0.25 + 0.125) / 1 pass
+    assert hybrid.head_rate == pytest.approx(first.rate) and first.rate < 1.875
+    second = hybrid.propose_tree(repetitive, 3, SamplingConfig(), None)
+    assert Head.calls == 1 and second.source == "ngram" and second.drafter_calls == 0  # the head did not run
+    assert second.tree.paths() == [[1, 2, 3]] and second.rate == pytest.approx(1.875)
+    unmatched = torch.tensor([5, 6, 1, 2, 3, 9])  # no earlier occurrence of a suffix: only the head drafts
+    third = hybrid.propose_tree(unmatched, 3, SamplingConfig(), None)
+    assert Head.calls == 2 and third.source == "head"
