@@ -9,6 +9,10 @@ tokens are timed (logits for every new token, as a verification pass needs them)
 rolled back after each. Configurations are interleaved round by round so that a busy spell of
 a shared machine hits all of them alike; the table gives medians over rounds.
 
+A "tree" row times token-tree passes (``tierspec.tree``) of 1 pending token and 7 / 15 nodes
+(4 / 8 root-to-leaf paths; a tree pass attends once per path, ``llama.tree_attention_plan``)
+under the k = 8 / 16 columns.
+
 Two more rows per configuration split a pass into its matrix products and the rest: the same
 passes with every linear layer's product replaced by an uninitialised output of the right
 shape ("outside the matrices": norms, rotary, attention, SiLU, residuals, the KV cache and
@@ -29,6 +33,9 @@ import torch
 from tierspec.models import CachedModel, load_model
 
 WIDTHS = (1, 2, 4, 8, 16)
+# token trees of 7 and 15 nodes (with the pending token: passes of 8 and 16 rows), 4 and 8 leaves
+TREES = {8: [[1, 2, 3, 4], [1, 5], [6], [7]],
+         16: [[1, 2, 3, 4, 5, 6], [1, 7, 8], [1, 2, 9], [10, 11], [12], [13], [14], [1, 15]]}
 
 
 @contextmanager
@@ -73,6 +80,25 @@ def time_passes(runner: CachedModel, context: int, widths, repeats: int = 3) -> 
     return out
 
 
+def time_tree_passes(runner: CachedModel, context: int, repeats: int = 3) -> dict[int, float]:
+    """Median seconds of a tree pass (``TREES``) after the token at ``context``."""
+    from tierspec.tree import TokenTree, tree_pass
+
+    out = {}
+    for k, paths in TREES.items():
+        layout = tree_pass(torch.tensor([11]), TokenTree.from_paths(paths))
+        samples = []
+        for i in range(repeats + 1):
+            started = time.perf_counter()
+            runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends)
+            elapsed = time.perf_counter() - started
+            runner.rollback(context)
+            if i:
+                samples.append(elapsed)
+        out[k] = statistics.median(samples)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="float32:auto,bfloat16:auto")
@@ -90,11 +116,14 @@ def main() -> None:
         runners[(dtype, kernels)] = runner
     whole = {config: {k: [] for k in WIDTHS} for config in runners}
     outside = {config: {k: [] for k in WIDTHS} for config in runners}
+    trees = {config: {k: [] for k in TREES} for config in runners}
     with torch.inference_mode():
         for round_index in range(args.rounds):
             for config, runner in runners.items():
                 for k, seconds in time_passes(runner, args.context, WIDTHS).items():
                     whole[config][k].append(seconds)
+                for k, seconds in time_tree_passes(runner, args.context).items():
+                    trees[config][k].append(seconds)
                 with matrices_stubbed(runner.model):
                     for k, seconds in time_passes(runner, args.context, WIDTHS).items():
                         outside[config][k].append(seconds)
@@ -111,6 +140,8 @@ def main() -> None:
         row = [ms(whole[config][k]) for k in WIDTHS]
         lines.append(f"| {':'.join(config)} | " + " | ".join(f"{v:.1f}" for v in row)
                      + f" | {row[3] / row[0]:.2f} | {row[4] / row[0]:.2f} |")
+        tree = [f"{ms(trees[config][k]):.1f}" if k in TREES else "" for k in WIDTHS]
+        lines.append(f"| {':'.join(config)}, tree | " + " | ".join(tree) + " | | |")
         rest = [ms(outside[config][k]) for k in WIDTHS]
         lines.append(f"| {':'.join(config)}, outside the matrices | " + " | ".join(f"{v:.1f}" for v in rest) + " | | |")
     text = "\n".join(lines)

@@ -71,7 +71,7 @@ def test_a_tree_pass_lays_out_pending_tokens_nodes_and_padding():
         [1, 1, 1, 0, 0, 0],
         [1, 1, 1, 1, 0, 0],
         [1, 1, 0, 0, 1, 0],
-        [1, 1, 0, 0, 0, 1],  # padding sees the committed tokens and itself
+        [1, 1, 0, 0, 1, 0],  # padding repeats the last node (token, position, view)
     ]
     with pytest.raises(TreeError, match="needs the last committed token"):
         tree_pass(torch.empty(0, dtype=torch.long), tree)
@@ -100,22 +100,19 @@ def exact_model(request, tmp_path_factory):
 IDS = (torch.arange(600) * 31 + 7) % 56
 
 
-SMALL = TokenTree.from_paths([[1, 2, 3], [1, 4], [5, 6], [5, 2, 7]])  # 8 nodes: passes of ≤ 10 rows (few-row kernels)
+SMALL = TokenTree.from_paths([[1, 2, 3], [1, 4], [5, 6], [5, 2, 7]])  # 8 nodes: a pass of ≤ 16 rows
+WIDE = TokenTree.from_paths([[t] for t in range(1, 9)] + [[1, 9, 10], [4, 11]])  # 8 siblings: lanes 0-7 of a depth
 
 
-@pytest.mark.parametrize("tree", [PLANTED, SMALL], ids=["20-nodes", "8-nodes"])
+@pytest.mark.parametrize("tree", [PLANTED, SMALL, WIDE], ids=["20-nodes", "8-nodes", "wide"])
 @pytest.mark.parametrize("committed", [5, 498, 509, 512])  # the tree inside a 512-key block, and across one
 @pytest.mark.parametrize("pending", [1, 3])
 def test_a_tree_nodes_logits_equal_a_chain_pass_of_its_path(exact_model, tree, committed, pending):
-    """bfloat16: bitwise for every node. float32: bitwise for a path that sits in consecutive
-    slots (the tree's first branch, a chain) in a pass of ≤ 10 rows; other nodes differ in the last
-    bits (≤ 3e-7 relative measured): the CPU attention kernel sums exp(scores) in vector lanes by
-    key slot, so a path spread over the tree's slots is summed in another association than the
-    chain's (bfloat16 rounds the attention output before o_proj, which hides it here); passes of
-    more than 10 rows run the stock linear kernel, whose rows differ from the few-row kernel's."""
+    """Bitwise, in float32 and bfloat16, for every node and the root: each node's path is attended
+    in the slots a chain pass of it fills (``llama.tree_attention_plan``; before, a path spread over
+    the tree's slots was summed in other vector lanes and differed by ~3e-7 relative in float32)."""
     runner = CachedModel(exact_model.model)
     start = committed - pending  # the target has run the committed tokens before the pending ones
-    bitwise = exact_model.model.dtype == torch.bfloat16
     with torch.inference_mode():
         runner.forward(IDS[:start], logits_for=1)
         layout = tree_pass(IDS[start:committed], tree, padding=2)
@@ -125,15 +122,38 @@ def test_a_tree_nodes_logits_equal_a_chain_pass_of_its_path(exact_model, tree, c
             path = tree.path_to(node)
             runner.rollback(start)
             chain = runner.forward(torch.cat([IDS[start:committed], tree.tokens[path]]))[-1]
-            consecutive = path == list(range(len(path))) and len(layout.tokens) <= 10
-            if bitwise or consecutive:
-                assert torch.equal(scores[pending + node], chain), f"node {node}"
-            torch.testing.assert_close(scores[pending + node], chain, rtol=0, atol=1e-6 * float(chain.abs().max()))
+            assert torch.equal(scores[pending + node], chain), f"node {node}"
         runner.rollback(start)
-        root = runner.forward(IDS[start:committed])[-1]
-        if bitwise or len(layout.tokens) <= 10:
-            assert torch.equal(scores[pending - 1], root)  # the root's row
-        torch.testing.assert_close(scores[pending - 1], root, rtol=0, atol=1e-6 * float(root.abs().max()))
+        root = runner.forward(IDS[start:committed])
+        assert torch.equal(scores[:pending], root)  # the pending tokens' rows, the root's last
+        assert torch.equal(scores[pending + len(tree) :], scores[pending + len(tree) - 1].expand(2, -1))  # padding
+
+
+def test_a_tree_pass_attends_each_root_to_leaf_path_in_a_chains_slots():
+    from tierspec.llama import ATTENTION_ROWS, tree_attention_plan
+
+    tree = TokenTree.from_paths([[1, 2, 3], [1, 4], [5]])  # nodes 0:1 1:2 2:3 3:4 4:5
+    layout = tree_pass(torch.tensor([8, 9]), tree, padding=2)  # rows: pending 0-1, nodes 2-6, padding 7-8
+    plan = tree_attention_plan(layout.attends, layout.tokens, layout.offsets + 40, start=40, keys=512,
+                               dtype=torch.float32, device=torch.device("cpu"))
+    assert plan.copies is not None and plan.copies[0].tolist() == [7, 8] and plan.copies[1].tolist() == [6, 6]
+    groups = {tuple(g.rows[: g.real].tolist()): g for g in plan.groups}
+    # three root-to-leaf paths, three calls; a pending row fills the room in a shorter path's call
+    assert sorted(groups) == [(0, 5), (1, 2, 3, 4), (6,)]
+    first, second, third = groups[(1, 2, 3, 4)], groups[(0, 5)], groups[(6,)]
+    assert first.moved is None  # path 1 → 2 → 3 is already in the chain's slots
+    assert (second.first, second.moved.tolist()) == (3, [5])  # node 3 (token 4) into node 1's slot 43
+    assert (third.first, third.moved.tolist()) == (2, [6])  # node 4 (token 5) at slot 42, a depth-1 slot
+    assert plan.restore == 2
+    for group in plan.groups:
+        assert group.rows.shape[0] == ATTENTION_ROWS and group.mask.shape == (ATTENTION_ROWS, 512)
+    # a row sees slots < 40 + the length of its view, as in a chain pass; call padding repeats the last row
+    assert (first.mask == 0).sum(1).tolist() == [42, 43, 44, 45]
+    assert (second.mask == 0).sum(1).tolist() == [41, 44, 44, 44] and second.rows.tolist() == [0, 5, 5, 5]
+    assert (third.mask == 0).sum(1).tolist() == [43] * 4
+    with pytest.raises(ValueError, match="may see new tokens j ≤ i only"):
+        tree_attention_plan(torch.ones(2, 2, dtype=torch.bool), torch.tensor([1, 2]), torch.tensor([0, 1]), 0, 512,
+                            torch.float32, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("node", [3, 8, 12, 13])  # a leaf, a deep leaf, the deepest, a depth-1 leaf
@@ -423,14 +443,22 @@ def test_tree_methods_emit_plain_decodings_tokens_and_keep_the_cache_invariant(o
         assert max(step.cycle.drafted for step in steps) > 1, name
 
 
-def test_a_chain_rule_refuses_a_tree_drafter(own_target, prompt_ids):
+@pytest.mark.parametrize("rule", ["exact", "lossy", "cascade", "via"])
+def test_a_chain_rule_refuses_a_tree_drafter_and_names_the_alternatives(own_target, prompt_ids, rule):
     from conftest import as_method, run_ids
 
     from tierspec.drafters.tree import NgramTreeDrafter, TreePolicy
     from tierspec.rules import ExactRule
+    from tierspec.rules.cascade import CascadeRule
+    from tierspec.rules.lossy import LossyRule
+    from tierspec.rules.via import ViaRule
 
-    with pytest.raises(TierspecError, match="the rule 'exact' verifies chains only"):
-        run_ids(own_target, as_method(NgramTreeDrafter(TreePolicy()), ExactRule(), TreePolicy()), prompt_ids, 5)
+    chain_rule = {"exact": ExactRule, "lossy": LossyRule, "cascade": CascadeRule, "via": lambda: ViaRule(0.1, 0.1, 8)}[rule]()
+    method = as_method(NgramTreeDrafter(TreePolicy()), chain_rule, TreePolicy())
+    with pytest.raises(TierspecError, match=rf"the rule '{chain_rule.name}' verifies chains only: a token tree needs the "
+                                            r"exact tree rule .*eagle-tree and hybrid-tree, lossless\). For "
+                                            rf"'{chain_rule.name}', use a chain drafter instead \(methods eagle, hybrid, pld\)"):
+        run_ids(own_target, method, prompt_ids, 5)
 
 
 # ---- sizing a tree -------------------------------------------------------------------------------
@@ -496,3 +524,105 @@ def test_tree_methods_are_refused_until_asked_for_explicitly(monkeypatch, tmp_pa
     for name in ("eagle-tree", "hybrid-tree"):
         with pytest.raises(MethodOptionError, match=f"not yet lossless.*{EXPERIMENTAL_TREES}=1"):
             build_method(name, target, None, MethodOptions(draft_head=str(tmp_path / "no-head")))
+
+
+# ---- statistics of tree methods ------------------------------------------------------------------
+
+
+def test_tree_cycles_add_nodes_depth_accepted_length_and_acceptance_by_depth():
+    from tierspec.decode import CycleStats, GenerationStats
+
+    stats = GenerationStats()
+    # (nodes, depth, accepted, evaluated): a walk stopped below its path, one that ran off a leaf,
+    # one rejected at the root
+    for nodes, depth, accepted, evaluated in ((10, 4, 2, 3), (6, 3, 3, 3), (8, 2, 0, 1)):
+        stats.add(CycleStats(drafted=nodes, evaluated=evaluated, accepted=accepted, emitted=accepted + 1,
+                             target_calls=1, slim_calls=0, drafter_calls=2, seconds=0.1, tree_depth=depth))
+    tree = stats.to_dict()["tree"]
+    assert tree == {"cycles": 3, "nodes_per_pass": 8.0, "max_nodes": 10, "depth_mean": 3.0, "max_depth": 4,
+                    "accepted_per_cycle": round(5 / 3, 4), "accepted_length_counts": [1, 0, 1, 1],
+                    # depth 1 reached 3×, kept 2×; depth 2 reached 2×, kept 2×; depth 3 reached 2×, kept 1×
+                    "acceptance_by_depth": [round(2 / 3, 4), 1.0, 0.5]}
+    chain = GenerationStats()
+    chain.add(CycleStats(drafted=5, evaluated=3, accepted=2, emitted=3, target_calls=1, slim_calls=0, drafter_calls=0,
+                         seconds=0.1))
+    assert "tree" not in chain.to_dict() and chain.tree_summary() is None
+    assert chain.to_dict()["accepted_per_cycle"] == 2.0 and chain.accepted_lengths == [0, 0, 1]
+
+
+def test_a_tree_methods_stats_report_its_trees(own_target, prompt_ids):
+    from tierspec.decode import GenerationStats
+
+    method = tree_methods(own_target)["hybrid-tree"]
+    from conftest import run_ids
+
+    steps = []
+    run_ids(own_target, method, prompt_ids, 30, on_step=steps.append)
+    stats = GenerationStats()
+    for step in steps:
+        assert step.cycle.tree_depth is not None and step.cycle.tree_depth <= step.cycle.drafted
+        stats.add(step.cycle)
+    tree = stats.to_dict()["tree"]
+    assert tree["cycles"] == len(steps) and tree["nodes_per_pass"] == round(sum(s.cycle.drafted for s in steps) / len(steps), 4)
+    assert tree["max_depth"] == max(s.cycle.tree_depth for s in steps) and sum(tree["accepted_length_counts"]) == len(steps)
+    assert tree["acceptance_by_depth"] == stats.to_dict()["acceptance_by_position"]
+
+
+def test_bench_summary_reports_tree_shape_and_acceptance_by_depth():
+    from dataclasses import asdict
+
+    from tierspec.bench.report import markdown_table, summarize
+    from tierspec.bench.runner import BenchConfig
+
+    def record(prompt, method, **fields):
+        return {"method": method, "prompt_id": prompt, "repeat": 0, "category": "qa", "tokens_per_s": 10.0,
+                "peak_rss_mb": 1.0, "emitted": 12, "target_calls": 4, "evaluated": 8, "accepted": 8, "slim_calls": 0,
+                "cycles": 4, "seconds": 1.0, "token_ids": [1], "text": "x", **fields}
+
+    records = [record("p1", "ar", accepted=0, evaluated=0, cycles=12, target_calls=12),
+               record("p1", "eagle-tree", position_drafted=[4, 3], position_accepted=[3, 1], tree_cycles=4,
+                      tree_nodes=40, tree_depth=12, tree_max_nodes=14, accepted_lengths=[1, 2, 1])]
+    config = BenchConfig(target="t", methods=("ar", "eagle-tree"), dataset="spec_bench", max_new_tokens=12)
+    overall = summarize(records, config, {})["methods"]["eagle-tree"]["overall"]
+    assert overall["nodes_per_pass"] == 10.0 and overall["tree_depth_mean"] == 3.0 and overall["max_nodes"] == 14
+    assert overall["acceptance_by_depth"] == [0.75, 1 / 3] and overall["accepted_per_cycle"] == 2.0
+    ar = summarize(records, config, {})["methods"]["ar"]["overall"]
+    assert "nodes_per_pass" not in ar
+    table = markdown_table({"config": asdict(config), "methods": summarize(records, config, {})["methods"]})
+    assert "| `eagle-tree` | 10.0 | 14 | 3.00 | 2.00 | 0.75, 0.33 |" in table
+
+
+def test_the_hybrid_tree_skips_the_head_when_the_ngram_trie_is_expected_to_pay_more():
+    from tierspec.costs import ForwardCosts
+    from tierspec.drafters.tree import HybridTreeDrafter, NgramTreeDrafter, TreePolicy, TreeProposal
+
+    # passes of 1-8 tokens cost the same; a head step costs a whole pass
+    policy = TreePolicy(max_nodes=6, forward_costs=ForwardCosts({n: 1.0 for n in range(1, 9)}),
+                        draft_fractions={"head": 1.0})
+
+    class Head:  # a draft head's tree drafter that proposes one fixed tree of 3 steps
+        feature_layers, calls = (), 0
+
+        def __init__(self):
+            self.policy = policy
+
+        def propose_tree(self, context, max_depth, sampling, noise):
+            Head.calls += 1
+            tree = TokenTree.from_paths([[40, 41], [42]])
+            return TreeProposal(tree, [("head", 3, 1)] * 3, [0.5, 0.5, 0.5], drafter_calls=3, source="head",
+                                rate=(1 + 0.5 + 0.25 + 0.5) / 4.0)
+
+    hybrid = HybridTreeDrafter(NgramTreeDrafter(policy, ngram_size=2), Head())
+    repetitive = torch.tensor([5, 6, 1, 2, 3, 5, 6, 1, 2, 3, 5, 6])  # 5 6 → 1 2 3 (twice)
+    first = hybrid.propose_tree(repetitive, 3, SamplingConfig(), None)
+    assert Head.calls == 1 and first.source == "hybrid"  # the head's rate is unknown: it drafts first
+    assert sorted(first.tree.paths()) == [[1, 2, 3], [40, 41], [42]]
+    # the union paid 3 head steps for its head nodes: (1 + Σ values) / (1 pass + 3 steps), below the
+    # trie's (1 + 0.5 + 0.25 + 0.125) / 1 pass
+    assert hybrid.head_rate == pytest.approx(first.rate) and first.rate < 1.875
+    second = hybrid.propose_tree(repetitive, 3, SamplingConfig(), None)
+    assert Head.calls == 1 and second.source == "ngram" and second.drafter_calls == 0  # the head did not run
+    assert second.tree.paths() == [[1, 2, 3]] and second.rate == pytest.approx(1.875)
+    unmatched = torch.tensor([5, 6, 1, 2, 3, 9])  # no earlier occurrence of a suffix: only the head drafts
+    third = hybrid.propose_tree(unmatched, 3, SamplingConfig(), None)
+    assert Head.calls == 2 and third.source == "head"

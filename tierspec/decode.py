@@ -66,6 +66,7 @@ class CycleStats:
     seconds: float
     draft_seconds: float = 0.0  # of which drafting
     deciders: list[str] = field(default_factory=list)  # tier that decided each emitted token
+    tree_depth: int | None = None  # a token-tree cycle: the tree's depth (``drafted`` is its node count); None: a chain
 
 
 @dataclass
@@ -74,7 +75,12 @@ class GenerationStats:
 
     ``position_drafted[i]`` counts cycles whose draft reached position i+1 *and* whose drafts
     1..i were all accepted; ``position_accepted[i]`` those of them whose draft i+1 was accepted:
-    their ratio is the acceptance by draft position (docs/metrics.md §Acceptance)."""
+    their ratio is the acceptance by draft position (docs/metrics.md §Acceptance). For a token tree (docs/algorithms.md §Token trees) the
+    position is the depth: ``position_drafted[d]`` counts cycles whose walk reached depth d with a
+    child to try below it, so the ratio is the acceptance by depth.
+
+    Tree cycles also add up ``tree_nodes`` (nodes per pass), ``tree_depth`` and the depth of the
+    deepest tree; ``accepted_lengths[L]`` counts the cycles (chain or tree) that accepted L drafts."""
 
     drafted: int = 0
     evaluated: int = 0
@@ -89,6 +95,12 @@ class GenerationStats:
     decided_by: Counter = field(default_factory=Counter)
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+    tree_cycles: int = 0
+    tree_nodes: int = 0
+    tree_depth: int = 0
+    tree_max_nodes: int = 0
+    tree_max_depth: int = 0
 
     def add(self, cycle: CycleStats) -> None:
         self.drafted += cycle.drafted
@@ -108,6 +120,15 @@ class GenerationStats:
         for i in range(cycle.evaluated):
             self.position_drafted[i] += 1
             self.position_accepted[i] += int(i < cycle.accepted)
+        while len(self.accepted_lengths) <= cycle.accepted:
+            self.accepted_lengths.append(0)
+        self.accepted_lengths[cycle.accepted] += 1
+        if cycle.tree_depth is not None:
+            self.tree_cycles += 1
+            self.tree_nodes += cycle.drafted
+            self.tree_depth += cycle.tree_depth
+            self.tree_max_nodes = max(self.tree_max_nodes, cycle.drafted)
+            self.tree_max_depth = max(self.tree_max_depth, cycle.tree_depth)
 
     @property
     def rejection_rate(self) -> float:
@@ -127,6 +148,28 @@ class GenerationStats:
 
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.position_accepted, self.position_drafted)]
+
+    @property
+    def accepted_per_cycle(self) -> float:
+        """Mean drafts accepted per cycle (a tree: the accepted path's length)."""
+        return self.accepted / self.cycles if self.cycles else 0.0
+
+    def tree_summary(self) -> dict | None:
+        """A tree method's shape and yield (None when no cycle verified a tree): mean and largest
+        nodes per pass and depth, accepted path length per cycle (mean and counts by length), and
+        acceptance by depth (``acceptance_by_position`` read by depth)."""
+        if not self.tree_cycles:
+            return None
+        return {
+            "cycles": self.tree_cycles,
+            "nodes_per_pass": round(self.tree_nodes / self.tree_cycles, 4),
+            "max_nodes": self.tree_max_nodes,
+            "depth_mean": round(self.tree_depth / self.tree_cycles, 4),
+            "max_depth": self.tree_max_depth,
+            "accepted_per_cycle": round(self.accepted_per_cycle, 4),
+            "accepted_length_counts": list(self.accepted_lengths),
+            "acceptance_by_depth": [round(a, 4) for a in self.acceptance_by_position()],
+        }
 
     def tier_fractions(self) -> dict[str, float]:
         total = sum(self.decided_by.values())
@@ -149,6 +192,8 @@ class GenerationStats:
             "draft_seconds": round(self.draft_seconds, 4),
             "wall_seconds": round(self.wall_seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
+            "accepted_per_cycle": round(self.accepted_per_cycle, 4),
+            **({"tree": self.tree_summary()} if self.tree_cycles else {}),
         }
 
 
@@ -437,6 +482,7 @@ def decode(
     drafter: Drafter = method.drafter
     rule: VerificationRule = method.rule
     policy: DraftPolicy = method.policy
+    check_tree_rule(drafter, rule)
     max_positions = getattr(target.model.config, "max_position_embeddings", None)
     prompt_ids = check_prompt(prompt_ids, max_positions, config.max_new_tokens, target.vocab_size)
     verifiers = Verifiers(target, slim_mask=method.slim_mask, forward_costs=method.forward_costs,
@@ -456,12 +502,7 @@ def decode(
     context = prompt_ids.clone()
     verifiers.context = context
     emitted_total = 0
-    cycle = _cycle
-    if getattr(drafter, "proposes_trees", False):
-        if not getattr(rule, "accepts_trees", False):
-            raise TierspecError(f"the rule '{rule.name}' verifies chains only; a tree drafter needs a tree rule "
-                                "(rules.tree.TreeExactRule)")
-        cycle = _tree_cycle
+    cycle = _tree_cycle if getattr(drafter, "proposes_trees", False) else _cycle
     while emitted_total < config.max_new_tokens:
         with torch.inference_mode():
             step, context = cycle(verifiers, drafter, rule, policy, context, config, emitted_total, eos, noise)
@@ -471,6 +512,20 @@ def decode(
         yield step
         if step.finished:
             return
+
+
+def check_tree_rule(drafter: Drafter, rule) -> None:
+    """Refuse a tree drafter with a rule that verifies chains only. Only the exact rule has a tree
+    version (``rules.tree.TreeExactRule``: greedy, coupled, multi-draft residual; DESIGN §5c). The
+    lossy rules (lossy, cascade, judge, VIA and via-judge) are defined over one chain of drafts: the
+    lossy and cascade tests compare a draft with the target's distribution at its position, the
+    judge head scores the drafts of a chain one by one, and VIA's slim verifier runs ahead of a
+    lagging full target on one committed chain; none is built over a tree yet, so trees stay
+    lossless-only and the lossy rules keep chain drafters."""
+    if getattr(drafter, "proposes_trees", False) and not getattr(rule, "accepts_trees", False):
+        raise TierspecError(f"the rule '{rule.name}' verifies chains only: a token tree needs the exact tree rule "
+                            "(rules.tree.TreeExactRule, the methods eagle-tree and hybrid-tree, lossless). "
+                            f"For '{rule.name}', use a chain drafter instead (methods eagle, hybrid, pld).")
 
 
 def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, policy: DraftPolicy, context: torch.Tensor,
@@ -573,5 +628,6 @@ def _tree_cycle(verifiers: Verifiers, drafter: Drafter, rule, policy: DraftPolic
         seconds=ended - started,
         draft_seconds=drafted_at - started,
         deciders=verdict.deciders[: len(new_tokens)],
+        tree_depth=tree.depth,
     )
     return Step(new_tokens, cycle, finished), context

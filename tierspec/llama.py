@@ -231,13 +231,113 @@ class PassLayout:
     Cached passes attend over ``keys`` slots (whole blocks of ``KEY_BLOCK``) with ``mask`` [r, keys]
     (r = n rounded up to ``ATTENTION_ROWS``): query i sees slots 0 .. start + i, the padding
     queries repeat the last one. Uncached passes (a batch, e.g. the mask search) use one causal
-    ``mask`` [n, n] (None for n = 1) and ``keys`` = 0."""
+    ``mask`` [n, n] (None for n = 1) and ``keys`` = 0. A token-tree pass has ``groups`` instead of
+    ``mask`` (``TreeAttention``)."""
 
     cos: torch.Tensor
     signed_sin: torch.Tensor
     mask: torch.Tensor | None
     start: int
     keys: int = 0
+    tree: "TreeAttention | None" = None
+
+
+# ---- token-tree passes --------------------------------------------------------------------------
+
+# A tree pass (``tierspec.tree``) must give each node exactly the logits a chain pass of its path
+# gives, in float32 too (greedy output must equal plain decoding's, near-ties included). The keys a
+# node sees are the same, but a tree spreads a path over the tree's slots, and the attention
+# kernel's arithmetic depends on which slot a key sits in: torch's CPU flash attention adds the
+# exp(scores) of a 512-key block in vector lanes by slot (slot mod 16 on AVX-512) before one
+# horizontal sum, so a path's terms land in other lanes than in the chain pass and are added in
+# another association (measured: ~3e-7 relative on the logits, float32). So a tree pass attends
+# in *groups*: each group is one root-to-leaf path; before its queries run, the path's keys and
+# values are written to the slots after the pending tokens, in depth order — exactly the slots a
+# chain pass of that path fills — and every node of the path (with the pending tokens) is queried
+# in calls of ATTENTION_ROWS as in a chain pass. Nothing is copied but the path's own entries, and
+# the cache is put back in pass order afterwards (``CachedModel.compact`` reads it).
+
+
+@dataclass
+class AttentionGroup:
+    """Queries ``rows`` [r] (pass rows, r a multiple of ATTENTION_ROWS: the last real row repeated)
+    with ``mask`` [r, keys], after writing pass rows ``moved`` [L] to slots start + ``first`` ..
+    (None: the slots already hold this group's path, as the earlier groups left them). ``real``
+    rows are kept."""
+
+    rows: torch.Tensor
+    mask: torch.Tensor
+    real: int
+    first: int
+    moved: torch.Tensor | None
+
+
+@dataclass
+class TreeAttention:
+    """A tree pass's attention plan (``tree_attention_plan``): its ``groups``; ``restore`` (None:
+    no group moved anything) is the first pass row whose slot a group overwrote; ``copies`` (dst,
+    src) [c] pass rows whose output is another row's (same token, position and view: a padding row)."""
+
+    groups: list[AttentionGroup]
+    restore: int | None
+    copies: tuple[torch.Tensor, torch.Tensor] | None
+
+
+def tree_attention_plan(attends: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, start: int, keys: int,
+                        dtype: torch.dtype, device: torch.device) -> TreeAttention:
+    """The attention groups of a pass whose new token i sees new token j iff attends[i, j] (j ≤ i).
+    Row i's *view* is the new tokens it sees, in pass order; a chain pass of exactly those tokens
+    puts them at slots start .. start + len(view) − 1, and so does the group row i is queried in.
+    Rows with the same token, position and view compute the same outputs: only the first is
+    queried. Groups: the longest views, each also serving the rows whose view is a prefix of its
+    own (a node's ancestors; the pending tokens), which join a group with room in its last call."""
+    n = int(attends.shape[0])
+    seen = attends.to("cpu", torch.bool)
+    if bool(seen.triu(1).any()):
+        raise ValueError("a tree mask lets a token see a later one: new token i may see new tokens j ≤ i only")
+    views = [tuple(row.nonzero().flatten().tolist()) for row in seen]
+    token_list, position_list = tokens.tolist(), positions.tolist()
+    first_of: dict = {}
+    copy_rows, copy_sources, distinct = [], [], []
+    for i in range(n):
+        key = (token_list[i], position_list[i], views[i])
+        if key in first_of:
+            copy_rows.append(i)
+            copy_sources.append(first_of[key])
+        else:
+            first_of[key] = i
+            distinct.append(i)
+    plans: list[tuple[tuple[int, ...], list[int]]] = []
+    for i in sorted(distinct, key=lambda i: (-len(views[i]), i)):
+        view = views[i]
+        fits = [plan for plan in plans if plan[0][: len(view)] == view]
+        if fits:
+            roomy = [plan for plan in fits if len(plan[1]) % ATTENTION_ROWS]
+            (roomy or fits)[0][1].append(i)
+        else:
+            plans.append((view, [i]))
+    groups, restore = [], None
+    slots = torch.arange(keys, device=device)
+    current = list(range(n))  # the pass row whose entries sit at slot start + k, as the groups run
+    for view, rows in plans:
+        first = next((k for k, row in enumerate(view) if row != current[k]), len(view))
+        moved = None
+        if first < len(view):
+            moved = torch.tensor(view[first:], dtype=torch.long, device=device)
+            current[first : len(view)] = view[first:]
+            restore = first if restore is None else min(restore, first)
+        rows = sorted(rows, key=lambda i: (len(views[i]), i))
+        real = len(rows)
+        rows = rows + [rows[-1]] * (-real % ATTENTION_ROWS)
+        lengths = torch.tensor([len(views[i]) for i in rows], device=device)
+        mask = torch.zeros(len(rows), keys, dtype=dtype, device=device)
+        mask.masked_fill_(slots >= (start + lengths).unsqueeze(1), float("-inf"))
+        groups.append(AttentionGroup(torch.tensor(rows, dtype=torch.long, device=device), mask, real, first, moved))
+    copies = None
+    if copy_rows:
+        copies = (torch.tensor(copy_rows, dtype=torch.long, device=device),
+                  torch.tensor(copy_sources, dtype=torch.long, device=device))
+    return TreeAttention(groups, restore, copies)
 
 
 class Attention(torch.nn.Module):
@@ -271,6 +371,9 @@ class Attention(torch.nn.Module):
                                    "the caller broke the rollback invariant")
             cache.update(k, v)
             keys, values = cache.window(layout.keys)
+            if layout.tree is not None:
+                out = tree_attention(q, k, v, keys, values, layout.start, layout.tree, gqa)
+                return self.o_proj.forward(out.transpose(1, 2).reshape(b, n, heads * d).to(x.dtype))
             rows = layout.mask.shape[0]
             if rows > n:  # pad the queries to whole calls with copies of the last one
                 q = torch.cat((q, q[:, :, -1:].expand(1, heads, rows - n, d)), dim=2)
@@ -280,6 +383,32 @@ class Attention(torch.nn.Module):
                 F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.mask, enable_gqa=gqa)[:, :, :n]
         # Back to the projections' dtype (the input's): a bfloat16 o_proj takes bfloat16 rows.
         return self.o_proj.forward(out.transpose(1, 2).reshape(b, n, heads * d).to(x.dtype))
+
+
+def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                   start: int, plan: TreeAttention, gqa: bool) -> torch.Tensor:
+    """A tree pass's attention [1, heads, n, D] by ``plan`` (see ``tree_attention_plan``): q [1, heads,
+    n, D] and this pass's k, v [1, kv_heads, n, D], already written at slots start .. of the cache
+    window ``keys``/``values`` (views of the buffer), which each group rearranges and which is put
+    back in pass order at the end."""
+    out = q.new_empty(q.shape)
+    for group in plan.groups:
+        if group.moved is not None:
+            end = start + group.first + int(group.moved.shape[0])
+            keys[:, :, start + group.first : end] = k.index_select(2, group.moved)
+            values[:, :, start + group.first : end] = v.index_select(2, group.moved)
+        queries = q.index_select(2, group.rows)
+        result = torch.cat([F.scaled_dot_product_attention(queries[:, :, i : i + ATTENTION_ROWS], keys, values,
+                                                           attn_mask=group.mask[i : i + ATTENTION_ROWS], enable_gqa=gqa)
+                            for i in range(0, int(group.rows.shape[0]), ATTENTION_ROWS)], dim=2)
+        out.index_copy_(2, group.rows[: group.real], result[:, :, : group.real])
+    if plan.restore is not None:
+        n = int(k.shape[2])
+        keys[:, :, start + plan.restore : start + n] = k[:, :, plan.restore :]
+        values[:, :, start + plan.restore : start + n] = v[:, :, plan.restore :]
+    if plan.copies is not None:
+        out.index_copy_(2, plan.copies[0], out.index_select(2, plan.copies[1]))
+    return out
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
@@ -364,10 +493,12 @@ class Decoder(torch.nn.Module):
             self._rope = (angles.cos().to(dtype), sin.to(dtype))
         return self._rope
 
-    def layout(self, position_ids: torch.Tensor, start: int, cached: bool, attends: torch.Tensor | None = None) -> PassLayout:
+    def layout(self, position_ids: torch.Tensor, start: int, cached: bool, attends: torch.Tensor | None = None,
+               tokens: torch.Tensor | None = None) -> PassLayout:
         """The pass's shared factors for new tokens at ``position_ids`` [n] written at cache slots
         ``start ..`` (see ``PassLayout``). ``attends`` [n, n] bool (a token tree, cached passes
-        only): new token i sees new token j iff attends[i, j] (j ≤ i; default: every j ≤ i)."""
+        only, with the pass's ``tokens`` [n]): new token i sees new token j iff attends[i, j] (j ≤ i;
+        default: every j ≤ i); it attends in groups (``tree_attention_plan``)."""
         n = int(position_ids.shape[0])
         if attends is not None and (not cached or tuple(attends.shape) != (n, n)):
             raise ValueError(f"a tree mask needs a cached pass and shape ({n}, {n}), got {tuple(attends.shape)}"
@@ -379,15 +510,16 @@ class Decoder(torch.nn.Module):
             mask = torch.ones(n, n, dtype=torch.bool, device=device).tril() if n > 1 else None
             return PassLayout(cos, sin, mask, start)
         keys = -(-(start + n) // KEY_BLOCK) * KEY_BLOCK
+        if attends is not None:
+            plan = tree_attention_plan(attends, tokens.to("cpu"), position_ids.to("cpu"), start, keys,
+                                       self.residual_dtype, device)
+            return PassLayout(cos, sin, None, start, keys, plan)
         rows = -(-n // ATTENTION_ROWS) * ATTENTION_ROWS
         sees = torch.arange(start, start + rows, device=device).clamp_(max=start + n - 1).unsqueeze(1)
         # additive (0 / −inf): a boolean mask is converted on every call, which doubled the
         # attention's time here (127 vs 67 µs for 4 queries over 512 keys)
         mask = torch.zeros(rows, keys, dtype=self.residual_dtype, device=device)
         mask.masked_fill_(torch.arange(keys, device=device) > sees, float("-inf"))  # [rows, keys]
-        if attends is not None:  # a tree: within the new tokens, only the ancestors and the token itself
-            hidden = ~attends.to(device)[torch.arange(rows, device=device).clamp_(max=n - 1)]  # [rows, n]
-            mask[:, start : start + n].masked_fill_(hidden, float("-inf"))
         return PassLayout(cos, sin, mask, start, keys)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
@@ -401,7 +533,7 @@ class Decoder(torch.nn.Module):
         if position_ids is None:
             position_ids = torch.arange(start, start + n, device=input_ids.device).unsqueeze(0)
         hidden = self.embed_tokens(input_ids).to(self.residual_dtype)
-        layout = self.layout(position_ids[0], start, cached, attends)
+        layout = self.layout(position_ids[0], start, cached, attends, input_ids[0])
         layers = cache.layers if cached else [None] * len(self.layers)
         for layer, layer_cache in zip(self.layers, layers):
             hidden = layer(hidden, layout, layer_cache)

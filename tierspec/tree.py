@@ -11,7 +11,7 @@ prefixes (a trie), so no token is verified twice at one position.
 
 In a tree pass node i sits at position n − 1 + depth_i (n = committed length) and attends to the
 committed context, its ancestors and itself (``sees``); its logits then equal those of a chain pass
-of its path (``tierspec.llama``).
+of its path, bitwise in every dtype (``tierspec.llama.tree_attention_plan`` says how).
 """
 
 from __future__ import annotations
@@ -143,8 +143,8 @@ class TreePass:
     """The inputs of one target pass over pending committed tokens and a tree below the last of
     them: ``tokens`` [n], position ``offsets`` [n] from the first pending token's position, and
     ``attends`` [n, n] (``CachedModel.forward``). Rows: the ``pending`` committed tokens (a chain),
-    the tree's ``nodes`` in node order, then ``padding`` rows (copies of the last real token at
-    its position, seeing only the pending tokens and themselves; their outputs are dropped).
+    the tree's ``nodes`` in node order, then ``padding`` rows (copies of the last real row: its
+    token, position and what it sees, so the attention computes them once; outputs dropped).
     Node i's output is row pending + i, and it is written at cache slot start + pending + i."""
 
     tokens: torch.Tensor
@@ -174,5 +174,5 @@ def tree_pass(pending: torch.Tensor, tree: TokenTree, padding: int = 0) -> TreeP
     attends[:P, :P] = torch.ones(P, P, dtype=torch.bool).tril()
     attends[P:, :P] = True
     attends[P : P + m, P : P + m] = tree.sees()
-    attends[P + m :, P + m :] = torch.eye(padding, dtype=torch.bool)
+    attends[P + m :] = attends[P + m - 1]
     return TreePass(tokens, offsets, attends, P, m)

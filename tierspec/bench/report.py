@@ -44,6 +44,9 @@ def _group_summary(rows: list[dict], baseline: dict, hf_greedy: dict, dataset: s
             drafted[i] += d
             accepted_at[i] += a
     drafter_calls = sum(r.get("drafter_calls", 0) for r in ours)
+    cycles = sum(r.get("cycles", 0) for r in ours)
+    trees = [r for r in ours if r.get("tree_cycles")]
+    tree_cycles = sum(r["tree_cycles"] for r in trees)
     summary = {
         "n_prompts": len(rows),
         "tokens_per_s": tps,
@@ -66,7 +69,13 @@ def _group_summary(rows: list[dict], baseline: dict, hf_greedy: dict, dataset: s
         "peak_rss_mb": max(r["peak_rss_mb"] for r in rows),
         "mean_emitted": _mean([r["emitted"] for r in rows]),
         "target_nll": _mean([r.get("target_nll") for r in rows]),
+        "accepted_per_cycle": sum(r["accepted"] for r in ours) / cycles if cycles else None,
     }
+    if tree_cycles:  # a token-tree method (DESIGN §5c): its shape, and acceptance read by depth
+        summary["nodes_per_pass"] = sum(r["tree_nodes"] for r in trees) / tree_cycles
+        summary["tree_depth_mean"] = sum(r["tree_depth"] for r in trees) / tree_cycles
+        summary["max_nodes"] = max(r.get("tree_max_nodes", 0) for r in trees)
+        summary["acceptance_by_depth"] = summary["acceptance_by_position"]
     paired = [(r, fidelity_baseline[(r["prompt_id"], r["repeat"])]) for r in rows
               if (r["prompt_id"], r["repeat"]) in fidelity_baseline]
     if paired:
@@ -202,6 +211,16 @@ def markdown_table(summary: dict) -> str:
                      if twin else "the same model object") + ", with tierspec's linear kernels (`--kernels`; an "
                   "algorithm-to-algorithm comparison); `hf-*-stock`: the same on a copy with stock `nn.Linear` modules, "
                   "what a user who picks transformers runs."]
+    trees = {name: result["overall"] for name, result in methods.items() if result["overall"].get("nodes_per_pass")}
+    if trees:  # token-tree methods (DESIGN §5c): what a pass checked and what survived, by depth
+        lines += ["", "| tree method | nodes per pass | largest | depth (mean) | accepted per cycle | acceptance by depth 1–6 |",
+                  "|---|---|---|---|---|---|"]
+        for name, o in trees.items():
+            by_depth = ", ".join(_fmt(a) for a in (o.get("acceptance_by_depth") or [])[:6])
+            lines.append(f"| `{name}` | {_fmt(o['nodes_per_pass'], 1)} | {o['max_nodes']} | {_fmt(o['tree_depth_mean'])} | "
+                         f"{_fmt(o['accepted_per_cycle'])} | {by_depth} |")
+        lines += ["", "Acceptance by depth d: of the cycles whose walk reached depth d − 1 with children to try, the share "
+                  "that accepted one of them."]
     engines = {name: result["engine"] for name, result in methods.items() if name.startswith("llamacpp-") and "engine" in result}
     if engines:
         ran = "; ".join(f"`{name}`: {engine}" for name, engine in engines.items())

@@ -610,4 +610,7 @@ def _stats_fields(stats: GenerationStats) -> dict:
         "drafter_calls": stats.drafter_calls,
         "cycles": stats.cycles,
         "tiers": dict(stats.decided_by),
+        "accepted_lengths": stats.accepted_lengths,
+        **({"tree_cycles": stats.tree_cycles, "tree_nodes": stats.tree_nodes, "tree_depth": stats.tree_depth,
+            "tree_max_nodes": stats.tree_max_nodes} if stats.tree_cycles else {}),
     }

@@ -38,6 +38,7 @@ class TreeProposal:
     priors: list[float] = field(default_factory=list)
     drafter_calls: int = 0
     source: str = ""
+    rate: float = 0.0  # the policy's expected emitted tokens per second for this tree (``best_size``)
 
     @staticmethod
     def empty(source: str = "") -> "TreeProposal":
@@ -91,7 +92,7 @@ class TreePolicy(DraftPolicy):
 
 
 def _select(tokens: list[int], parents: list[int], values: list[float], keys: list, priors: list[float],
-            count: int, drafter_calls: int, source: str) -> TreeProposal:
+            count: int, drafter_calls: int, source: str, rate: float = 0.0) -> TreeProposal:
     """The ``count`` nodes of highest value (ties: shallower first), re-indexed parents first."""
     depth = [0] * len(tokens)
     for i, parent in enumerate(parents):
@@ -102,7 +103,7 @@ def _select(tokens: list[int], parents: list[int], values: list[float], keys: li
     index = {old: new for new, old in enumerate(order)}
     tree = TokenTree(torch.tensor([tokens[i] for i in order], dtype=torch.long),
                      torch.tensor([ROOT if parents[i] == ROOT else index[parents[i]] for i in order], dtype=torch.long))
-    return TreeProposal(tree, [keys[i] for i in order], [priors[i] for i in order], drafter_calls, source)
+    return TreeProposal(tree, [keys[i] for i in order], [priors[i] for i in order], drafter_calls, source, rate)
 
 
 def probability_bin(probability: float) -> int:
@@ -196,8 +197,8 @@ class EagleTreeDrafter(EagleDrafter):
                 calls += 1
         finally:
             runner.rollback(committed)
-        count, _ = policy.best_size(sorted(values, reverse=True), calls * step)
-        return _select(tokens, parents, values, keys, priors, count, calls, "head")
+        count, rate = policy.best_size(sorted(values, reverse=True), calls * step)
+        return _select(tokens, parents, values, keys, priors, count, calls, "head", rate)
 
 
 class NgramTreeDrafter(Drafter):
@@ -250,13 +251,18 @@ class NgramTreeDrafter(Drafter):
             keys.append(key)
             priors.append(prior)
             values.append((1.0 if parent == ROOT else values[parent]) * self.policy.acceptance(key, prior))
-        count, _ = self.policy.best_size(sorted(values, reverse=True), 0.0)
-        return _select(tokens, parents, values, keys, priors, count, 0, "ngram")
+        count, rate = self.policy.best_size(sorted(values, reverse=True), 0.0)
+        return _select(tokens, parents, values, keys, priors, count, 0, "ngram", rate)
 
 
 class HybridTreeDrafter(Drafter):
-    """The head's tree merged with the n-gram trie: the n-gram nodes first (free to draft), then the
-    head's; the policy keeps the best nodes of the union by value."""
+    """Per cycle, the n-gram trie alone or the head's tree merged with it, whichever the policy
+    expects to emit more tokens per second (``best_size``: learned acceptance, the measured pass
+    costs, the head's drafting steps). The n-gram trie is free to draft, so its rate is known before
+    the head runs; the head's is the rate of the last merged tree (None until the head has drafted:
+    it is tried first). When the trie's rate is higher the head is not run at all (no drafting
+    time); otherwise the union is proposed: the n-gram nodes first, then the head's, the policy
+    keeping the best nodes of the union by value."""
 
     proposes_trees = True
 
@@ -265,8 +271,10 @@ class HybridTreeDrafter(Drafter):
         self.needs_target_features = True
         self.feature_layers = eagle.feature_layers
         self.policy = eagle.policy
+        self.head_rate: float | None = None
 
     def start(self, prompt_ids, features=None, target_view=None) -> None:
+        self.head_rate = None
         self.eagle.start(prompt_ids, features, target_view)
 
     def commit(self, committed_length: int, features=None) -> None:
@@ -277,7 +285,10 @@ class HybridTreeDrafter(Drafter):
 
     def propose_tree(self, context, max_depth, sampling, noise) -> TreeProposal:
         ngram = self.ngram.propose_tree(context, max_depth, sampling, noise)
+        if len(ngram.tree) and self.head_rate is not None and ngram.rate > self.head_rate:
+            return ngram
         head = self.eagle.propose_tree(context, max_depth, sampling, noise)
+        self.head_rate = head.rate
         if not len(ngram.tree):
             return head
         if not len(head.tree):
@@ -302,6 +313,7 @@ class HybridTreeDrafter(Drafter):
         values = []
         for node, parent in enumerate(parents):
             values.append((1.0 if parent == ROOT else values[parent]) * self.policy.acceptance(keys[node], priors[node]))
-        count, _ = self.policy.best_size(sorted(values, reverse=True),
-                                         head.drafter_calls * self.policy.cost.draft_step("head"))
-        return _select(tokens, parents, values, keys, priors, count, head.drafter_calls, "hybrid")
+        count, rate = self.policy.best_size(sorted(values, reverse=True),
+                                            head.drafter_calls * self.policy.cost.draft_step("head"))
+        self.head_rate = rate
+        return _select(tokens, parents, values, keys, priors, count, head.drafter_calls, "hybrid", rate)
