@@ -516,7 +516,7 @@ def decode(
 
 def check_tree_rule(drafter: Drafter, rule) -> None:
     """Refuse a tree drafter with a rule that verifies chains only. Only the exact rule has a tree
-    version (``rules.tree.TreeExactRule``: greedy, coupled, multi-draft residual; DESIGN §5c). The
+    version (``rules.tree.TreeExactRule``: greedy, coupled, multi-draft residual; docs/algorithms.md §Token trees). The
     lossy rules (lossy, cascade, judge, VIA and via-judge) are defined over one chain of drafts: the
     lossy and cascade tests compare a draft with the target's distribution at its position, the
     judge head scores the drafts of a chain one by one, and VIA's slim verifier runs ahead of a

@@ -71,7 +71,7 @@ def _group_summary(rows: list[dict], baseline: dict, hf_greedy: dict, dataset: s
         "target_nll": _mean([r.get("target_nll") for r in rows]),
         "accepted_per_cycle": sum(r["accepted"] for r in ours) / cycles if cycles else None,
     }
-    if tree_cycles:  # a token-tree method (DESIGN §5c): its shape, and acceptance read by depth
+    if tree_cycles:  # a token-tree method (docs/algorithms.md §Token trees): its shape, and acceptance read by depth
         summary["nodes_per_pass"] = sum(r["tree_nodes"] for r in trees) / tree_cycles
         summary["tree_depth_mean"] = sum(r["tree_depth"] for r in trees) / tree_cycles
         summary["max_nodes"] = max(r.get("tree_max_nodes", 0) for r in trees)
@@ -212,7 +212,7 @@ def markdown_table(summary: dict) -> str:
                   "algorithm-to-algorithm comparison); `hf-*-stock`: the same on a copy with stock `nn.Linear` modules, "
                   "what a user who picks transformers runs."]
     trees = {name: result["overall"] for name, result in methods.items() if result["overall"].get("nodes_per_pass")}
-    if trees:  # token-tree methods (DESIGN §5c): what a pass checked and what survived, by depth
+    if trees:  # token-tree methods (docs/algorithms.md §Token trees): what a pass checked and what survived, by depth
         lines += ["", "| tree method | nodes per pass | largest | depth (mean) | accepted per cycle | acceptance by depth 1–6 |",
                   "|---|---|---|---|---|---|"]
         for name, o in trees.items():
