@@ -7,7 +7,6 @@ builds its flags from these fields (``cli``), and the bench parses method specs 
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from dataclasses import dataclass, field, fields
@@ -380,21 +379,6 @@ def _hybrid(target, drafter_model, options) -> Method:
                   forward_costs=table)
 
 
-# Until a tree node's logits equal a chain pass of its path bitwise on real models (issue 20), the
-# tree methods run only when asked for explicitly: a lossless method must print plain decoding's text.
-EXPERIMENTAL_TREES = "TIERSPEC_EXPERIMENTAL_TREES"
-
-
-def _check_trees_enabled() -> None:
-    """Refuse the tree methods (before anything is loaded) unless the user opted in."""
-    if os.environ.get(EXPERIMENTAL_TREES) != "1":
-        raise MethodOptionError(
-            "eagle-tree and hybrid-tree are experimental and not yet lossless: on the default model their greedy "
-            "text parted from plain decoding's on 4 of 12 Spec-Bench prompts (results/tree_first; suspected cause: a tree pass "
-            "sums a node's attention over its keys in another order than a chain pass, and the last-bit "
-            f"difference flips near-ties). Set {EXPERIMENTAL_TREES}=1 to run them anyway")
-
-
 def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int]):
     """A tree policy (``drafters.tree.TreePolicy``) on the target's pass costs for up to 16 tokens
     (a tree is wider than a chain): nodes per pass up to the table's size − 1."""
@@ -415,7 +399,6 @@ def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int]):
 
 
 def _eagle_tree(target, drafter_model, options) -> Method:
-    _check_trees_enabled()
     from .drafters.eagle import EagleDrafter
     from .drafters.tree import EagleTreeDrafter
     from .rules.tree import TreeExactRule
@@ -428,7 +411,6 @@ def _eagle_tree(target, drafter_model, options) -> Method:
 
 
 def _hybrid_tree(target, drafter_model, options) -> Method:
-    _check_trees_enabled()
     from .drafters.eagle import EagleDrafter
     from .drafters.tree import EagleTreeDrafter, HybridTreeDrafter, NgramTreeDrafter
     from .rules.tree import TreeExactRule
