@@ -543,22 +543,8 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
     verdict = rule.verify(verifiers, proposal, config.sampling, block)
 
     # Commit: accepted prefix + the correction/bonus token, cut at EOS and the budget.
-    new_tokens = proposal.tokens[: verdict.accepted].tolist() + [verdict.next_token]
-    finished = False
-    for i, token in enumerate(new_tokens):
-        if token in eos:
-            new_tokens = new_tokens[: i + 1]
-            finished = True
-            break
-    new_tokens = new_tokens[:remaining]
-    context = torch.cat([context, torch.tensor(new_tokens, dtype=torch.long)])
-    verifiers.context = context
-    noise.forget_before(len(context))
-    finished = finished or emitted_total + len(new_tokens) >= config.max_new_tokens
-
-    # Rollback: every cache keeps exactly the committed tokens it has processed.
-    verifiers.rollback(len(context))
-    drafter.commit(len(context), verifiers.take_features())
+    emitted = proposal.tokens[: verdict.accepted].tolist() + [verdict.next_token]
+    new_tokens, context, finished = _commit(emitted, verifiers, drafter, context, config, emitted_total, eos, noise)
 
     k = len(proposal)
     ended = time.perf_counter()
@@ -582,6 +568,27 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
     return Step(new_tokens, cycle, finished), context
 
 
+def _commit(new_tokens: list[int], verifiers: Verifiers, drafter: Drafter, context: torch.Tensor,
+            config: DecodeConfig, emitted_total: int, eos: set[int], noise: Noise) -> tuple[list[int], torch.Tensor, bool]:
+    """Commit a cycle's tokens (accepted drafts + the correction/bonus token), cut after an EOS
+    and at the token budget; then roll every cache back to exactly the committed tokens it has
+    processed. Returns (the tokens committed, the new context, whether generation is finished)."""
+    finished = False
+    for i, token in enumerate(new_tokens):
+        if token in eos:
+            new_tokens = new_tokens[: i + 1]
+            finished = True
+            break
+    new_tokens = new_tokens[: config.max_new_tokens - emitted_total]
+    context = torch.cat([context, torch.tensor(new_tokens, dtype=torch.long)])
+    verifiers.context = context
+    noise.forget_before(len(context))
+    finished = finished or emitted_total + len(new_tokens) >= config.max_new_tokens
+    verifiers.rollback(len(context))
+    drafter.commit(len(context), verifiers.take_features())
+    return new_tokens, context, finished
+
+
 def _tree_cycle(verifiers: Verifiers, drafter: Drafter, rule, policy: DraftPolicy, context: torch.Tensor,
                 config: DecodeConfig, emitted_total: int, eos: set[int], noise: Noise) -> tuple[Step, torch.Tensor]:
     """``_cycle`` for a tree drafter (docs/algorithms.md §Token trees): the drafter proposes a token tree no deeper than
@@ -597,20 +604,8 @@ def _tree_cycle(verifiers: Verifiers, drafter: Drafter, rule, policy: DraftPolic
     verdict = rule.verify_tree(verifiers, tree, config.sampling, block)
     verifiers.keep_tree_path(verdict.path)
 
-    new_tokens = tree.tokens[verdict.path].tolist() + [verdict.next_token]
-    finished = False
-    for i, token in enumerate(new_tokens):
-        if token in eos:
-            new_tokens = new_tokens[: i + 1]
-            finished = True
-            break
-    new_tokens = new_tokens[:remaining]
-    context = torch.cat([context, torch.tensor(new_tokens, dtype=torch.long)])
-    verifiers.context = context
-    noise.forget_before(len(context))
-    finished = finished or emitted_total + len(new_tokens) >= config.max_new_tokens
-    verifiers.rollback(len(context))
-    drafter.commit(len(context), verifiers.take_features())
+    emitted = tree.tokens[verdict.path].tolist() + [verdict.next_token]
+    new_tokens, context, finished = _commit(emitted, verifiers, drafter, context, config, emitted_total, eos, noise)
     if hasattr(policy, "observe_tree"):
         policy.observe_tree(proposal, verdict)
     ended = time.perf_counter()
