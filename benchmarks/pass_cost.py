@@ -68,16 +68,22 @@ def time_passes(runner: CachedModel, context: int, widths, repeats: int = 3) -> 
     out = {}
     for k in widths:
         tokens = (torch.arange(k) * 7 + 11) % vocab
-        samples = []
-        for i in range(repeats + 1):
-            started = time.perf_counter()
-            runner.forward(tokens)
-            elapsed = time.perf_counter() - started
-            runner.rollback(context)
-            if i:
-                samples.append(elapsed)
-        out[k] = statistics.median(samples)
+        out[k] = median_seconds(lambda: runner.forward(tokens), runner, context, repeats)
     return out
+
+
+def median_seconds(pass_, runner: CachedModel, context: int, repeats: int) -> float:
+    """Median seconds of ``pass_()`` over ``repeats`` calls after one untimed warm-up, the cache
+    rolled back to ``context`` after each."""
+    samples = []
+    for i in range(repeats + 1):
+        started = time.perf_counter()
+        pass_()
+        elapsed = time.perf_counter() - started
+        runner.rollback(context)
+        if i:
+            samples.append(elapsed)
+    return statistics.median(samples)
 
 
 def time_tree_passes(runner: CachedModel, context: int, repeats: int = 3) -> dict[int, float]:
@@ -87,15 +93,8 @@ def time_tree_passes(runner: CachedModel, context: int, repeats: int = 3) -> dic
     out = {}
     for k, paths in TREES.items():
         layout = tree_pass(torch.tensor([11]), TokenTree.from_paths(paths))
-        samples = []
-        for i in range(repeats + 1):
-            started = time.perf_counter()
-            runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends)
-            elapsed = time.perf_counter() - started
-            runner.rollback(context)
-            if i:
-                samples.append(elapsed)
-        out[k] = statistics.median(samples)
+        out[k] = median_seconds(lambda: runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends),
+                                runner, context, repeats)
     return out
 
 
