@@ -298,6 +298,14 @@ def apply_decoder_mask(model: torch.nn.Module, mask: RoutingMask | None) -> Iter
 # -- DIMR calibration ------------------------------------------------------------------------
 
 
+def decoder_logits(model: torch.nn.Module, source_ids: torch.Tensor, decoder_ids: list[int]) -> torch.Tensor:
+    """Logits [n + 1, V] after the decoder start token and each of ``decoder_ids`` [n] against
+    ``source_ids`` (teacher-forced, one pass: a bench record's target NLL)."""
+    tokens = torch.cat([decoder_start(model), torch.tensor(decoder_ids, dtype=torch.long)])
+    with torch.inference_mode():
+        return Seq2SeqCachedModel(model, source_ids).forward(tokens)
+
+
 def window_logits(model: torch.nn.Module, sources: list[torch.Tensor], sequences: torch.Tensor, window: int,
                   mask: RoutingMask | None) -> torch.Tensor:
     """Logits [B·τ, V] of teacher-forced decoder ``sequences`` [B, W] against their ``sources``,
