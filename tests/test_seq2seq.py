@@ -324,6 +324,38 @@ def test_bench_runs_a_t5_pair_by_path(t5_folders, dataset, tmp_path, capsys):
     assert all(r["target_nll"] == r["target_nll"] for r in records)  # computed (not NaN) on the decoder's tokens
 
 
+def test_the_readme_table_3_methods_run_in_one_bench_on_a_t5_pair(t5_folders, tmp_path, capsys):
+    from tierspec.cli import main
+    from tierspec.models import load_model
+
+    mask = tmp_path / "mask.json"
+    RoutingMask(3, "layer", frozenset({1}), frozenset({1}), model=load_model(t5_folders["target"]).identity).save(mask)
+    out = tmp_path / "out"
+    code = main(["bench", "--target", str(t5_folders["target"]), "--drafter", str(t5_folders["drafter"]),
+                 "--methods", "ar,sd,pld,lossy,bild,cascade,via", "--mask", str(mask), "--dataset", "wmt14",
+                 "--limit", "1", "--max-new-tokens", "6", "--dtype", "float32", "--no-nll", "--out", str(out),
+                 "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    methods = json.loads((out / "summary.json").read_text())["methods"]
+    assert {"ar", "sd", "pld", "lossy", "bild", "cascade", "via"} <= set(methods)
+    assert all("bleu" in methods[name]["overall"] for name in ("ar", "via"))  # against the German references
+
+
+def test_route_searches_a_decoder_mask_for_a_t5_folder(t5_folders, tmp_path, capsys):
+    from tierspec.cli import main
+    from tierspec.models import load_model
+
+    out = tmp_path / "mask.json"
+    code = main(["route", "--target", str(t5_folders["target"]), "--ratio", "0.3", "--unit", "layer", "--budget", "2",
+                 "--bo-every", "2", "--calibration-prompts", "2", "--window", "4", "--dtype", "float32",
+                 "--out", str(out), "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    mask = RoutingMask.load(out, load_model(t5_folders["target"]).identity)  # made for this model: accepted
+    assert mask.num_layers == 3 and mask.bypassed_units() == [("layer", 1)]  # round(0.3 · 3); only layer 1 may go
+    with pytest.raises(RoutingMaskError):
+        RoutingMask.load(out, load_model(t5_folders["drafter"]).identity)
+
+
 def test_bench_refuses_a_dataset_without_a_t5_task_format(t5_folders, tmp_path, capsys):
     from tierspec.cli import main
 

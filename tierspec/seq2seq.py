@@ -1,5 +1,5 @@
 """Encoder–decoder models (transformers' T5-style ``AutoModelForSeq2SeqLM``) in the one decode
-loop (docs/algorithms.md §Encoder–decoder models).
+loop (docs/algorithms.md §Encoder-decoder models).
 
 The prompt is the *source*: the encoder runs on it once per generation. The loop then decodes
 the decoder's sequence, which starts with the model's decoder-start token, exactly as it decodes
@@ -14,7 +14,7 @@ back exactly as ``models.CachedModel``'s does (the same invariant, the same code
 cross-attention KV is a function of the source alone, computed by the first pass that runs each
 layer's cross-attention and kept until the next source.
 
-Routing masks cover the decoder's units only (docs/algorithms.md §Encoder–decoder models says
+Routing masks cover the decoder's units only (docs/algorithms.md §Encoder-decoder models says
 why): a bypassed decoder block skips its self-attention, cross-attention and feed-forward; a
 bypassed ``attn`` sub-layer is the block's self-attention (it writes no KV, as in a decoder-only
 model); the cross-attention is kept in sub-layer masks; ``mlp`` is the feed-forward.
@@ -376,3 +376,15 @@ def as_task_prompts(prompts: list, dataset: str, data_dir: Path | None = None) -
     """The selected ``prompts`` (from ``data.load_prompts``) in T5's task format, same ids and order."""
     by_id = {p.id: p for p in task_prompts(dataset, data_dir)}
     return [by_id[p.id] for p in prompts]
+
+
+def calibration_prompts(count: int, data_dir: Path | None = None, seed: int = 0) -> list[str]:
+    """``data.calibration_prompts`` for an encoder–decoder target: a seeded mix of XSum,
+    CNN/DailyMail and WMT14 prompts in T5's task format, leaving out, as that function does, the
+    CNN/DM and WMT14 items Spec-Bench uses (XSum has no such mark: its items may also be bench
+    prompts)."""
+    import random
+
+    pools = [[p for p in task_prompts(dataset, data_dir) if not p.extra.get("in_spec_bench")] for dataset in DATASETS]
+    rng = random.Random(seed)
+    return [pools[i % len(pools)][rng.randrange(len(pools[i % len(pools)]))].text for i in range(count)]
