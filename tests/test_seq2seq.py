@@ -1,4 +1,4 @@
-"""Encoder–decoder (T5-style) models in the one decode loop (docs/algorithms.md §Encoder–decoder
+"""Encoder–decoder (T5-style) models in the one decode loop (docs/algorithms.md §Encoder-decoder
 models), on tiny random T5 models built in the test: the decoder cache and its rollback, the
 kept cross-attention cache, every lossless method's greedy output against ``ar``'s, the sampling
 exactness tests, decoder-unit routing masks and DIMR, and a pair saved to folders run through
