@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-from .models import CachedModel, LoadedModel, cache_root, model_code
+from .models import LoadedModel, cache_root, model_code
+from .seq2seq import measuring_runner
 from .util import atomic_write_text
 
 
@@ -69,7 +70,7 @@ class ForwardCosts:
 
 
 def measure_forward_costs(model: torch.nn.Module, max_tokens: int = 16, context: int = 256, repeats: int = 5) -> ForwardCosts:
-    runner = CachedModel(model)
+    runner = measuring_runner(model)  # an encoder–decoder model's decoder, against a source
     vocab = runner.vocab_size
     seconds = {}
     with torch.inference_mode():
@@ -246,7 +247,7 @@ def measure_unit_costs(model: torch.nn.Module, context: int = 256, repeats: int 
     every = frozenset(range(1, layers - 1))  # the bypassable layers (first and last always run)
     variants = {"full": None, "no_attention": RoutingMask(layers, "sublayer", every, frozenset()),
                 "no_mlp": RoutingMask(layers, "sublayer", frozenset(), every)}
-    runner = CachedModel(model)
+    runner = measuring_runner(model)  # an encoder–decoder model's decoder, against a source
     vocab = runner.vocab_size
     head = model.get_output_embeddings()
     hidden = torch.randn(1, model.config.hidden_size, device=runner.device)  # the float32 stream the head reads

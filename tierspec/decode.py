@@ -33,10 +33,11 @@ import torch
 
 from .drafters.base import Drafter, Proposal, TargetDraftView, TargetFeatures
 from .errors import TierspecError
-from .models import CachedModel, LoadedModel
+from .models import LoadedModel
 from .policies import CycleOutcome, DraftPolicy
 from .rules.base import VerificationRule
 from .sampling import Noise, SamplingConfig
+from .seq2seq import decoder_start, is_encoder_decoder, runner_for
 
 
 @dataclass(frozen=True)
@@ -215,12 +216,13 @@ class Verifiers:
     """
 
     def __init__(self, target: LoadedModel, slim_mask=None, forward_costs=None, record_features: bool = False,
-                 feature_layers: tuple[int, ...] = (), slim_vocabulary=None):
+                 feature_layers: tuple[int, ...] = (), slim_vocabulary=None, source=None):
         """``forward_costs`` (a ``costs.ForwardCosts``): pad each pass to the cheapest measured
         size at least as long (extra rows repeat the last token; their outputs are dropped and
         their KV rolled back with the rest of the uncommitted block). ``slim_vocabulary`` (a
-        ``models.SlimVocabulary``): the slim tier scores only those tokens."""
-        self.runner = CachedModel(target.model)
+        ``models.SlimVocabulary``): the slim tier scores only those tokens. ``source`` [S]: an
+        encoder–decoder target's encoder input (``seq2seq``); the cache is then its decoder's."""
+        self.runner = runner_for(target.model, source)
         self.slim_mask = slim_mask
         self.slim_vocabulary = slim_vocabulary
         self.forward_costs = forward_costs
@@ -485,10 +487,14 @@ def decode(
     check_tree_rule(drafter, rule)
     max_positions = getattr(target.model.config, "max_position_embeddings", None)
     prompt_ids = check_prompt(prompt_ids, max_positions, config.max_new_tokens, target.vocab_size)
+    source = None
+    if is_encoder_decoder(target.model):  # the prompt is the encoder's; the loop decodes the decoder's sequence
+        source, prompt_ids = prompt_ids, decoder_start(target.model)
+    drafter.set_source(source)
     verifiers = Verifiers(target, slim_mask=method.slim_mask, forward_costs=method.forward_costs,
                           record_features=drafter.needs_target_features,
                           feature_layers=getattr(drafter, "feature_layers", ()),
-                          slim_vocabulary=getattr(method, "slim_vocabulary", None))
+                          slim_vocabulary=getattr(method, "slim_vocabulary", None), source=source)
     eos = set(config.eos_token_ids)
     # The KV buffer for everything this generation can hold (the last verification pass may run a
     # draft and its padding past the budget); a longer pass still grows it.

@@ -27,6 +27,8 @@ from .rules.cascade import DEFERRALS, CascadeRule
 from .rules.exact import SAMPLING_RULES
 from .rules.lossy import LossyRule
 from .rules.via import ViaRule
+from .seq2seq import Seq2SeqModelDrafter, check_same_family, is_encoder_decoder
+from .seq2seq import check_method as check_seq2seq_method
 
 DRAFTER_KINDS = ("auto", "model", "ngram", "self", "eagle")
 SLIM_VOCABULARIES = ("full", "draft-head")
@@ -130,8 +132,11 @@ def _ar(target, drafter_model, options) -> Method:
 def _model_drafter(target: LoadedModel, drafter_model: LoadedModel | None) -> ModelDrafter:
     if drafter_model is None:
         # The target drafting for itself always agrees: slow, but needs no second model.
-        return ModelDrafter(target.model, target.vocab_size)
+        drafter_model = target
     check_vocabularies(target, drafter_model)
+    if is_encoder_decoder(target.model) or is_encoder_decoder(drafter_model.model):
+        check_same_family(target, drafter_model)
+        return Seq2SeqModelDrafter(drafter_model.model, target.vocab_size)
     return ModelDrafter(drafter_model.model, target.vocab_size)
 
 
@@ -482,4 +487,6 @@ def build_method(
 ) -> Method:
     """The method called ``name``; a drafter model is checked against the target."""
     check_method_name(name)
+    if is_encoder_decoder(target.model):
+        check_seq2seq_method(name, options)
     return _BUILDERS[name](target, drafter, options)

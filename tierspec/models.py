@@ -136,12 +136,15 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, implementation: str = "tra
             raise ModelLoadError(f"cannot load a causal LM from {folder}: {error}") from error
         return model, _load_tokenizer(folder, own=True)
     _quiet_transformers()
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+    from .seq2seq import folder_is_encoder_decoder
+
+    seq2seq = folder_is_encoder_decoder(folder)  # T5-style: see tierspec.seq2seq
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        model = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(folder, dtype=dtype)
     except (OSError, ValueError, KeyError) as error:
-        raise ModelLoadError(f"cannot load a causal LM from {folder}: {error}") from error
+        raise ModelLoadError(f"cannot load {'an encoder–decoder' if seq2seq else 'a causal'} LM from {folder}: {error}") from error
     return model, _load_tokenizer(folder)
 
 
@@ -316,6 +319,8 @@ def apply_kernels(model: torch.nn.Module, kernels: str, device: torch.device, dt
     from .kernels import packing_available, resolve_kernels, use_few_row_linears, use_packed_linears
 
     kind = resolve_kernels(kernels, device, dtype)
+    if kind == "packed" and kernels == "auto" and getattr(model.config, "is_encoder_decoder", False):
+        kind = "few-row"  # T5's feed-forward reads wo.weight every pass, which a packed layer unpacks each time
     if kind == "packed":
         if device.type != "cpu" or not packing_available():
             raise ModelLoadError("--kernels packed needs a CPU and a torch build with oneDNN (mkldnn); "
@@ -436,11 +441,20 @@ def identity_of(model: torch.nn.Module, name: str = "", content_hash: str = "") 
     config = model.config
     return ModelIdentity(
         name=name or getattr(config, "_name_or_path", "") or type(model).__name__,
-        num_layers=int(config.num_hidden_layers),
+        num_layers=_routed_layer_count(model),
         hidden_size=int(config.hidden_size),
         vocab_size=output_vocabulary_size(model),
         content_hash=content_hash,
     )
+
+
+def _routed_layer_count(model: torch.nn.Module) -> int:
+    """Layers a routing mask covers: the decoder's (an encoder–decoder model's encoder is never routed)."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        from .seq2seq import decoder_layer_count
+
+        return decoder_layer_count(model)
+    return int(model.config.num_hidden_layers)
 
 
 def output_vocabulary_size(model: torch.nn.Module) -> int:

@@ -185,7 +185,12 @@ class _BypassedMLP(torch.nn.Module):
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder's layer list of an HF causal LM (``model.model.layers`` for Llama-likes)."""
+    """The decoder's layer list of an HF causal LM (``model.model.layers`` for Llama-likes), or
+    of an encoder–decoder model's decoder (``seq2seq.decoder_blocks``)."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        from .seq2seq import decoder_blocks
+
+        return decoder_blocks(model)
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None) or getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
@@ -217,6 +222,12 @@ def apply_mask(model: torch.nn.Module, mask: RoutingMask | None) -> Iterator[tor
     model's lock is held throughout (see ``model_lock``)."""
     if mask is None or mask.empty:
         yield model
+        return
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        from .seq2seq import apply_decoder_mask  # T5's blocks take other stand-ins
+
+        with apply_decoder_mask(model, mask):
+            yield model
         return
     with model_lock(model):
         with _masked(model, mask):

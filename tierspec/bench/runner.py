@@ -32,6 +32,7 @@ from ..models import LoadedModel, load_model, model_code, resolve_dtype
 from ..prompting import encode_prompt, eos_ids
 from ..routing import RoutingMask, model_lock
 from ..sampling import SamplingConfig
+from ..seq2seq import as_task_prompts, is_encoder_decoder
 from ..util import atomic_write_text
 from . import metrics
 from .llamacpp import LLAMACPP_PARAMETERS, LLAMACPP_PEERS, LlamaCppPeer
@@ -498,6 +499,8 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
     target = target or load_model(config.target, config.dtype, config.device, config.kernels, config.implementation)
     if drafter is None and config.drafter:
         drafter = load_model(config.drafter, config.dtype, config.device, config.kernels, config.implementation)
+    if is_encoder_decoder(target.model):  # the same prompts in T5's task format (summarize: / translate English to German:)
+        prompts = as_task_prompts(prompts, config.dataset, Path(config.data_dir) if config.data_dir else None)
     # The records say which code computed them ("auto" is resolved: it depends on the model).
     config = replace(config, implementation=model_code(target.model))
     if generate:

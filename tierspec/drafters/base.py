@@ -132,6 +132,12 @@ class Drafter:
               target_view: TargetDraftView | None = None) -> None:
         pass
 
+    def set_source(self, source_ids: torch.Tensor | None) -> None:
+        """The loop calls this before ``start``: an encoder–decoder generation's source tokens [S]
+        (the encoder's input, while ``prompt_ids`` and the context are decoder tokens), None for
+        a decoder-only target. Drafters that read the source (an encoder–decoder drafter model,
+        prompt lookup) keep it; the others have nothing to do with it."""
+
     def propose(
         self,
         context: torch.Tensor,
