@@ -17,13 +17,14 @@ greedy choice per cell, as in the paper): the best state at u need not lead to t
 On the model (``select_in_context``) the token is the last one the full target verified: every
 candidate row of a unit runs at that token's position, attending to the full model's cached keys
 and values of the positions before it and to its own (the paper's approximation: the prefix's KV
-is the full model's, not the skipped model's), as siblings of a one-level token tree
-(``llama.Decoder.layout`` with ``attends`` = identity). The cache is set aside and restored
-around it (``CachedModel.set_aside``).
+is the full model's, not the skipped model's): one cached pass of the candidate rows whose mask
+lets row i see the prefix and its own key only. The cache is set aside and restored around it
+(``CachedModel.set_aside``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
@@ -105,12 +106,16 @@ def select_in_context(runner, position: int, token: int, unit: str, budget: int)
     layouts: dict[int, object] = {}
 
     def layout(rows: int):
-        # ``rows`` siblings at one position: each sees the cached prefix and itself
+        # ``rows`` siblings at one position, each seeing the cached prefix and its own key (slot
+        # position + i): a cached pass's layout with the causal mask swapped for that one
         if rows not in layouts:
             device = decoder.inv_freq.device
-            layouts[rows] = decoder.layout(torch.full((rows,), position, device=device), position, cached=True,
-                                           attends=torch.eye(rows, dtype=torch.bool, device=device),
-                                           tokens=torch.full((rows,), token, device=device))
+            causal = decoder.layout(torch.full((rows,), position, device=device), position, cached=True)
+            mask = torch.full_like(causal.mask, float("-inf"))  # [rows rounded up to ATTENTION_ROWS, keys]
+            mask[:, :position] = 0.0
+            own = torch.arange(mask.shape[0], device=device).clamp(max=rows - 1)  # padding rows repeat the last
+            mask[torch.arange(mask.shape[0], device=device), position + own] = 0.0
+            layouts[rows] = dataclasses.replace(causal, mask=mask)
         return layouts[rows]
 
     def apply(u: int, states: torch.Tensor) -> torch.Tensor:

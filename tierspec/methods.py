@@ -51,7 +51,8 @@ class MethodOptions:
     clasp_interval: int = _option(8, "CLaSP: verified tokens between two layer selections")
     pearl_gamma: int | None = _option(None, "PEARL: tokens drafted ahead during each target pass (default: a target "
                                       "pass's weight bytes over a draft step's, PEARL's speed ratio)")
-    pearl_threads: int | None = _option(1, "PEARL: intra-op threads of the drafter and of the target while both run")
+    pearl_threads: int | None = _option(1, "PEARL: intra-op threads of the drafter and of the target while both run "
+                                        "(0: no overlap, the same drafts made before each target pass)")
     drafter_kind: str = _option("auto", "drafter of lossy/bild/cascade/via/judge: auto = --drafter model if given, "
                                 "else n-gram lookup; eagle = the trained draft head", flag="--draft-with", choices=DRAFTER_KINDS)
     draft_mask: RoutingMask | None = _option(None, "routing mask of the self-speculative drafter (--draft-with self)", kind="mask")
@@ -97,10 +98,10 @@ class MethodOptions:
                                     f"{', '.join(SAMPLING_RULES)}")
         if self.drafter_kind not in DRAFTER_KINDS:
             raise MethodOptionError(f"unknown drafter kind '{self.drafter_kind}'; choose one of: {', '.join(DRAFTER_KINDS)}")
-        for name in ("pearl_gamma", "pearl_threads"):
+        for name, least in (("pearl_gamma", 1), ("pearl_threads", 0)):
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise MethodOptionError(f"{name} must be an integer >= 1, got {value!r}")
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise MethodOptionError(f"{name} must be an integer >= {least}, got {value!r}")
         if not 0.0 < self.clasp_ratio < 1.0:
             raise MethodOptionError(f"clasp_ratio must be in (0, 1), got {self.clasp_ratio}")
         for name in ("confidence_threshold", "fallback"):

@@ -21,7 +21,8 @@ exact and a seed still fixes the text (the drafts do not depend on timing: ``gam
 Threads: while both run, the target's pass and the drafter each use ``threads`` intra-op
 threads (one core each on a two-core machine; the count is per thread, and the loop's own is put
 back when the drafter is joined). torch releases the GIL inside its kernels, so the passes
-overlap except for their Python.
+overlap except for their Python. ``threads`` = 0 drafts the same tokens ahead in the loop's
+thread before the target's pass (no overlap: the measure of what the overlap buys).
 """
 
 from __future__ import annotations
@@ -69,8 +70,9 @@ class PearlDrafter(Drafter):
                                 f"not the target's ({type(inner).__name__})")
         if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise TierspecError(f"PEARL's gamma must be an integer >= 1, got {gamma!r}")
-        if threads is not None and threads < 1:
-            raise TierspecError(f"PEARL's threads per side must be >= 1 (or None: leave them), got {threads}")
+        if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 0):
+            raise TierspecError(f"PEARL's threads per side must be an integer >= 0 (0: no overlap; None: leave the "
+                                f"counts as they are), got {threads!r}")
         self.inner, self.gamma, self.threads = inner, gamma, threads
         self._thread: threading.Thread | None = None
         self._reset()
@@ -94,7 +96,7 @@ class PearlDrafter(Drafter):
     def _run_ahead(self, sequence: torch.Tensor, sampling, noise: Noise | None) -> None:
         def draft() -> None:
             try:
-                if self.threads is not None:
+                if self.threads:
                     torch.set_num_threads(self.threads)
                 block = None if noise is None else noise.block(len(sequence))
                 with torch.inference_mode():
@@ -103,11 +105,15 @@ class PearlDrafter(Drafter):
             except BaseException as error:  # re-raised in the loop's thread by _join
                 self._error = error
 
+        self._cancel.clear()
+        self._result = self._error = None
+        if self.threads == 0:  # the same drafts, made before the target's pass instead of during it
+            self._thread = threading.Thread(target=draft, name="pearl-drafter", daemon=True)
+            self._thread.run()
+            return
         if self.threads is not None:
             self._loop_threads = torch.get_num_threads()
             torch.set_num_threads(self.threads)
-        self._cancel.clear()
-        self._result = self._error = None
         self._thread = threading.Thread(target=draft, name="pearl-drafter", daemon=True)
         self._thread.start()
 
@@ -116,7 +122,8 @@ class PearlDrafter(Drafter):
         if self._thread is None:
             return
         began = time.perf_counter()
-        self._thread.join()
+        if self._thread.ident is not None:
+            self._thread.join()
         self.wait_seconds += time.perf_counter() - began
         self._thread = None
         if self._loop_threads is not None:
