@@ -49,8 +49,9 @@ class MethodOptions:
     swift_ratio: float = _option(0.45, "SWIFT: fraction of sub-layers skipped while drafting")
     clasp_ratio: float = _option(0.45, "CLaSP: fraction of sub-layers skipped while drafting")
     clasp_interval: int = _option(8, "CLaSP: verified tokens between two layer selections")
-    pearl_gamma: int | None = _option(None, "PEARL: tokens drafted ahead during each target pass (default: a target "
-                                      "pass's weight bytes over a draft step's, PEARL's speed ratio)")
+    pearl_gamma: int | None = _option(None, "PEARL: block length while blocks are kept; γ + 1 tokens are drafted during "
+                                      "each target pass (default: a target pass's weight bytes over a draft step's, "
+                                      "PEARL's speed ratio, less 1)")
     pearl_threads: int | None = _option(1, "PEARL: intra-op threads of the drafter and of the target while both run "
                                         "(0: no overlap, the same drafts made before each target pass)")
     drafter_kind: str = _option("auto", "drafter of lossy/bild/cascade/via/judge: auto = --drafter model if given, "
@@ -199,8 +200,9 @@ def _pearl_drafter(name: str, target: LoadedModel, drafter_model: LoadedModel | 
                    options: MethodOptions):
     """PEARL's drafter: the drafter model when given, else the target under ``mask`` as a second
     module tree over the same weights (``routing.masked_copy``: it must run while the target runs).
-    ``gamma`` defaults to PEARL's speed ratio, a target pass over a draft step, taken as their
-    weight bytes (docs/algorithms.md §Compute-weighted routing: a CPU pass costs what it streams)."""
+    ``gamma`` defaults to PEARL's speed ratio (a target pass over a draft step, taken as their
+    weight bytes: docs/algorithms.md §Compute-weighted routing, a CPU pass costs what it streams)
+    less one, since the thread drafts γ + 1 tokens per pass."""
     from .drafters.pearl import PearlDrafter
     from .routing import masked_copy
 
@@ -215,8 +217,8 @@ def _pearl_drafter(name: str, target: LoadedModel, drafter_model: LoadedModel | 
         mask.check_model(target.identity)
         inner = ModelDrafter(masked_copy(target.model, mask), target.vocab_size)
     gamma = options.pearl_gamma
-    if gamma is None:
-        gamma = max(1, round(streamed_weights(target.model) / streamed_weights(inner.runner.model)))
+    if gamma is None:  # the thread drafts γ + 1 steps per target pass (PearlDrafter)
+        gamma = max(1, round(streamed_weights(target.model) / streamed_weights(inner.runner.model)) - 1)
     return PearlDrafter(inner, gamma, options.pearl_threads), FixedLength(gamma + 1)
 
 

@@ -6,13 +6,14 @@ starts drafting the *next* block in a background thread as it hands over a block
 run during the target's pass, and it keeps those drafts when the commit agrees with them:
 
 - pre-verify: with nothing drafted ahead (the first cycle, or after a rejection) it drafts one
-  token and hands it over at once; the target checks it while the thread drafts ``gamma`` more
-  after it. If it is rejected, the thread is stopped and its drafts dropped.
+  token and hands it over at once; the target checks it while the thread drafts ``gamma`` + 1
+  more after it. If it is rejected, the thread is stopped and its drafts dropped.
 - post-verify: with drafts ahead that the committed text agrees with (the whole block kept and
-  the target's bonus token equal to the first draft ahead), the block is the rest of them, handed
-  over without drafting, and the thread drafts ``gamma`` more after it.
+  the target's bonus token equal to the first draft ahead, which stands at the bonus token's
+  position), the block is the other ``gamma``, handed over without drafting, and the thread
+  drafts ``gamma`` + 1 more after them.
 
-The draft length adapts by itself: one token after a rejection, ``gamma`` − 1 per cycle while
+The draft length adapts by itself: one token after a rejection, ``gamma`` per cycle while
 blocks are kept. Every draft is drawn from the drafter's distribution given the committed text
 and the drafts before it, with the token noise of its position (a private ``Noise`` of the same
 seed: the same draws without sharing the loop's noise store across threads), so the rules stay
@@ -100,7 +101,7 @@ class PearlDrafter(Drafter):
                     torch.set_num_threads(self.threads)
                 block = None if noise is None else noise.block(len(sequence))
                 with torch.inference_mode():
-                    self._result = self.inner.propose(sequence, self.gamma, sampling, block,
+                    self._result = self.inner.propose(sequence, self.gamma + 1, sampling, block,
                                                       lambda confidences, source: not self._cancel.is_set())
             except BaseException as error:  # re-raised in the loop's thread by _join
                 self._error = error
