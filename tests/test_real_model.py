@@ -74,6 +74,8 @@ def _mask(smollm):
     "method, options",
     [
         ("self", {"confidence_threshold": 0.0}),
+        ("clasp", {"confidence_threshold": 0.0}),
+        ("pearl", {"pearl_gamma": 3}),
         ("adaptive-pld", {}),
         ("lossy", {"alpha": 0.0, "beta": 1.0}),
         ("cascade", {"deferral": "always"}),

@@ -415,6 +415,12 @@ class _DraftView(TargetDraftView):
         self._drafting = False
         self.verifiers.runner.rollback(min(self.verifiers.runner.length, self.verifiers.full_length))
 
+    def full_model_cache(self) -> CachedModel:
+        verifiers = self.verifiers
+        if verifiers.runner.length > verifiers.full_length:
+            verifiers.runner.rollback(verifiers.full_length)
+        return verifiers.runner
+
     def replay_window(self, start: int, tokens: torch.Tensor, mask) -> torch.Tensor:
         verifiers = self.verifiers
         if verifiers.runner.length > verifiers.full_length:

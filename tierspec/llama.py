@@ -447,12 +447,19 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, layout: PassLayout, cache: KVLayer | None) -> torch.Tensor:
-        attention, mlp = self.self_attn, self.mlp
-        if not getattr(attention, "bypassed", False):
-            hidden_states = hidden_states + attention.forward(self.input_layernorm.forward(hidden_states), layout, cache)
-        if not getattr(mlp, "bypassed", False):
-            hidden_states = hidden_states + mlp.forward(self.post_attention_layernorm.forward(hidden_states))
+        if not getattr(self.self_attn, "bypassed", False):
+            hidden_states = self.attention_block(hidden_states, layout, cache)
+        if not getattr(self.mlp, "bypassed", False):
+            hidden_states = self.mlp_block(hidden_states)
         return hidden_states
+
+    # The layer's two residual units, also run one at a time by CLaSP's layer selection
+    # (``tierspec.clasp``), which bypasses each on its own.
+    def attention_block(self, hidden_states: torch.Tensor, layout: PassLayout, cache: KVLayer | None) -> torch.Tensor:
+        return hidden_states + self.self_attn.forward(self.input_layernorm.forward(hidden_states), layout, cache)
+
+    def mlp_block(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states + self.mlp.forward(self.post_attention_layernorm.forward(hidden_states))
 
 
 @dataclass

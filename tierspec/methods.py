@@ -49,6 +49,13 @@ class MethodOptions:
     mask: RoutingMask | None = _option(None, "routing mask JSON from `tierspec route` (self; via's slim verifier)", kind="mask")
     confidence_threshold: float = _option(0.8, "self/swift drafters: stop drafting below this top probability")
     swift_ratio: float = _option(0.45, "SWIFT: fraction of sub-layers skipped while drafting")
+    clasp_ratio: float = _option(0.45, "CLaSP: fraction of sub-layers skipped while drafting")
+    clasp_interval: int = _option(8, "CLaSP: verified tokens between two layer selections")
+    pearl_gamma: int | None = _option(None, "PEARL: block length while blocks are kept; γ + 1 tokens are drafted during "
+                                      "each target pass (default: a target pass's weight bytes over a draft step's, "
+                                      "PEARL's speed ratio, less 1)")
+    pearl_threads: int | None = _option(1, "PEARL: intra-op threads of the drafter and of the target while both run "
+                                        "(0: no overlap, the same drafts made before each target pass)")
     drafter_kind: str = _option("auto", "drafter of lossy/bild/cascade/via/judge: auto = --drafter model if given, "
                                 "else n-gram lookup; eagle = the trained draft head", flag="--draft-with", choices=DRAFTER_KINDS)
     draft_mask: RoutingMask | None = _option(None, "routing mask of the self-speculative drafter (--draft-with self)", kind="mask")
@@ -78,7 +85,8 @@ class MethodOptions:
                                    "distribution is renormalised over those tokens)", choices=SLIM_VOCABULARIES)
 
     def __post_init__(self) -> None:
-        for name in ("num_draft", "ngram_size", "csd_model_positions", "csd_inner_draft", "adaptive_max_draft"):
+        for name in ("num_draft", "ngram_size", "csd_model_positions", "csd_inner_draft", "adaptive_max_draft",
+                     "clasp_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name != "num_draft" and name != "csd_inner_draft" else 0):
                 raise MethodOptionError(f"{name} must be an integer >= {0 if name in ('num_draft', 'csd_inner_draft') else 1}, "
@@ -93,6 +101,12 @@ class MethodOptions:
                                     f"{', '.join(SAMPLING_RULES)}")
         if self.drafter_kind not in DRAFTER_KINDS:
             raise MethodOptionError(f"unknown drafter kind '{self.drafter_kind}'; choose one of: {', '.join(DRAFTER_KINDS)}")
+        for name, least in (("pearl_gamma", 1), ("pearl_threads", 0)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise MethodOptionError(f"{name} must be an integer >= {least}, got {value!r}")
+        if not 0.0 < self.clasp_ratio < 1.0:
+            raise MethodOptionError(f"clasp_ratio must be in (0, 1), got {self.clasp_ratio}")
         for name in ("confidence_threshold", "fallback"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -176,6 +190,55 @@ def _swift(target, drafter_model, options) -> Method:
     return Method("swift", drafter, ExactRule(options.sampling_rule),
                   ConfidenceStop(options.num_draft, options.confidence_threshold),
                   "SWIFT: self-speculative decoding with the mask optimised on the fly")
+
+
+def _clasp(target, drafter_model, options) -> Method:
+    from .drafters.clasp import ClaspDrafter
+
+    drafter = ClaspDrafter(target.identity.num_layers, options.clasp_ratio, "sublayer", options.clasp_interval)
+    return Method("clasp", drafter, ExactRule(options.sampling_rule),
+                  ConfidenceStop(options.num_draft, options.confidence_threshold),
+                  "CLaSP: self-speculative decoding with the skipped sub-layers re-chosen in context by dynamic programming")
+
+
+def _pearl_drafter(name: str, target: LoadedModel, drafter_model: LoadedModel | None, mask: RoutingMask | None,
+                   options: MethodOptions):
+    """PEARL's drafter: the drafter model when given, else the target under ``mask`` as a second
+    module tree over the same weights (``routing.masked_copy``: it must run while the target runs).
+    ``gamma`` defaults to PEARL's speed ratio (a target pass over a draft step, taken as their
+    weight bytes: docs/algorithms.md §Compute-weighted routing, a CPU pass costs what it streams)
+    less one, since the thread drafts γ + 1 tokens per pass."""
+    from .drafters.pearl import PearlDrafter
+    from .routing import masked_copy
+
+    if drafter_model is not None:
+        check_vocabularies(target, drafter_model)
+        inner = ModelDrafter(drafter_model.model, target.vocab_size)
+    else:
+        if mask is None:
+            raise MissingMaskError(f"method '{name}' drafts with a drafter model (--drafter) or with the target under a "
+                                   "routing mask: pass --draft-mask mask.json (from `tierspec route`)"
+                                   + ("" if name == "via-pearl" else " or --mask mask.json"))
+        mask.check_model(target.identity)
+        inner = ModelDrafter(masked_copy(target.model, mask), target.vocab_size)
+    gamma = options.pearl_gamma
+    if gamma is None:  # the thread drafts γ + 1 steps per target pass (PearlDrafter)
+        gamma = max(1, round(streamed_weights(target.model) / streamed_weights(inner.runner.model)) - 1)
+    return PearlDrafter(inner, gamma, options.pearl_threads), FixedLength(gamma + 1)
+
+
+def _pearl(target, drafter_model, options) -> Method:
+    drafter, policy = _pearl_drafter("pearl", target, drafter_model, options.draft_mask or options.mask, options)
+    return Method("pearl", drafter, ExactRule(options.sampling_rule), policy,
+                  "PEARL: lossless; the drafter drafts the next block while the target verifies this one")
+
+
+def _via_pearl(target, drafter_model, options) -> Method:
+    mask = _require_mask("via-pearl", target, options)
+    drafter, policy = _pearl_drafter("via-pearl", target, drafter_model, options.draft_mask, options)
+    return Method("via-pearl", drafter, _via_rule(options), policy,
+                  "VIA-SD + PEARL: PEARL's parallel drafting, verified by the slim verifier and the full target when unsure",
+                  slim_mask=mask, slim_vocabulary=_slim_vocabulary(target, options))
 
 
 def draft_head_for(target: LoadedModel, options: MethodOptions):
@@ -440,6 +503,8 @@ _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], 
     "hybrid-tree": _hybrid_tree,
     "self": _self,
     "swift": _swift,
+    "clasp": _clasp,
+    "pearl": _pearl,
     "lossy": _lossy,
     "bild": _bild,
     "cascade": _cascade,
@@ -447,6 +512,7 @@ _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], 
     "via": _via,
     "judge": _judge,
     "via-judge": _via_judge,
+    "via-pearl": _via_pearl,
 }
 
 #: The fastest lossless method measured (BENCHMARKS.md: the draft-head report): the default

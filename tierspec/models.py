@@ -16,8 +16,10 @@ import os
 import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -645,13 +647,19 @@ class CachedModel:
 
     def replay(self, start: int, token_ids: torch.Tensor, mask=None) -> torch.Tensor:
         """Logits [n, V] of ``token_ids`` run at positions ``start ..`` (already processed ones),
-        reading the cached KV before ``start``; afterwards the cache is exactly as before.
+        reading the cached KV before ``start``; afterwards the cache is exactly as before."""
+        with self.set_aside(start):
+            return self.forward(token_ids, mask=mask)
 
-        The KV of positions ``start .. length`` is set aside, the pass writes its own there,
-        and the saved KV is put back (a rollback of a few positions, not a copy of the prefix).
-        """
+    @contextmanager
+    def set_aside(self, start: int) -> Iterator[None]:
+        """Within the block the cache holds positions 0 .. ``start`` − 1 only; whatever runs there
+        (a replay, CLaSP's layer selection) may append; on exit the cache is exactly as before.
+
+        The KV of positions ``start .. length`` is set aside and put back (a rollback of a few
+        positions, not a copy of the prefix)."""
         if not 0 <= start <= self.length:
-            raise ValueError(f"cannot replay from {start}: the cache holds {self.length} positions")
+            raise ValueError(f"cannot set aside the cache from {start}: it holds {self.length} positions")
         length = self.length
         saved = []
         for layer in self.cache.layers:
@@ -662,7 +670,7 @@ class CachedModel:
                 saved.append((keys[..., start:, :].clone(), layer.values[..., start:, :].clone()))
         self.rollback(start)
         try:
-            return self.forward(token_ids, mask=mask)
+            yield
         finally:
             self.rollback(start)
             with torch.inference_mode():

@@ -277,7 +277,7 @@ class MethodRunner:
             self.hf_kwargs = self._hf_kwargs(params, drafter, stock)
             return
         options = MethodOptions(num_draft=num_draft)
-        if config.mask and "mask" not in params and self.name in ("self", "via"):
+        if config.mask and "mask" not in params and self.name in ("self", "via", "pearl", "via-pearl"):
             params["mask"] = config.mask
         options = replace(options, **{k: _convert(spec, k, v, target) for k, v in params.items()})
         self.method = build_method(self.name, target, drafter, options)

@@ -108,6 +108,12 @@ class TargetDraftView:
         reading the full-model KV before ``start``; the cache is restored afterwards (SWIFT)."""
         raise NotImplementedError
 
+    def full_model_cache(self):
+        """The target's ``CachedModel`` holding the full model's KV of the first ``length``
+        committed positions only (KV a slim pass added beyond them is dropped), for a drafter
+        that reads it in place and leaves it as it found it (CLaSP's layer selection)."""
+        raise NotImplementedError
+
 
 class Drafter:
     """Base class: proposes up to ``num_tokens`` tokens continuing the committed ``context``.
