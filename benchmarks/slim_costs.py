@@ -24,7 +24,7 @@ import torch
 
 from tierspec import load_model
 from tierspec.eagle.shipped import shipped_head
-from tierspec.models import CachedModel, SlimVocabulary
+from tierspec.cached_model import CachedModel, SlimVocabulary
 from tierspec.routing import RoutingMask, decoder_layers
 from tierspec.util import atomic_write_text
 

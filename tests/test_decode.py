@@ -6,7 +6,7 @@ from conftest import as_method, run_ids
 
 from tierspec.decode import DecodeConfig, PromptError, decode
 from tierspec.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, Proposal
-from tierspec.models import CachedModel
+from tierspec.cached_model import CachedModel
 
 MAX_NEW = 40
 

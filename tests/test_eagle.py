@@ -170,7 +170,7 @@ def test_a_head_for_another_shape_is_refused(target32, tmp_path):
 
 def teacher_forced_sequences(target, count, length, seed):
     """Greedy continuations of random prompts by the tiny target, with its features."""
-    from tierspec.models import CachedModel
+    from tierspec.cached_model import CachedModel
 
     generator = torch.Generator().manual_seed(seed)
     sequences = []
@@ -180,7 +180,7 @@ def teacher_forced_sequences(target, count, length, seed):
         answer = run_ids(target, method, prompt, length)
         tokens = torch.cat([prompt, torch.tensor(answer)])
         with torch.inference_mode():
-            _, hidden = CachedModel(target.model).forward(tokens, with_hidden=True)
+            hidden = CachedModel(target.model).forward(tokens, with_hidden=True).hidden
         sequences.append(Sequence(tokens[:-1], hidden[:-1].half(), 6, "own-greedy"))
     return sequences
 

@@ -9,7 +9,8 @@ Methods are (drafter, verification rule) pairs run by one decode loop (``tierspe
 from .api import Generation, TextStream, generate, shared_model, stream
 from .decode import DecodeConfig, GenerationStats, PromptError, decode
 from .methods import DEFAULT_METHOD, MethodOptions, UnknownMethodError, build_method, default_method, method_names
-from .models import DEFAULT_MODEL, CachedModel, LoadedModel, ModelLoadError, load_model, wrap_model
+from .cached_model import CachedModel
+from .models import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model, wrap_model
 from .sampling import SamplingConfig
 
 __all__ = [

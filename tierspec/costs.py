@@ -29,7 +29,11 @@ from pathlib import Path
 
 import torch
 
-from .models import CachedModel, LoadedModel, cache_root, model_code
+from .cached_model import CachedModel
+
+from .util import cache_root
+
+from .models import LoadedModel, model_code
 from .util import atomic_write_text
 
 

@@ -33,7 +33,8 @@ import torch
 
 from .drafters.base import Drafter, Proposal, TargetDraftView, TargetFeatures
 from .errors import TierspecError
-from .models import CachedModel, LoadedModel
+from .cached_model import CachedModel, PassResult
+from .models import LoadedModel
 from .policies import CycleOutcome, DraftPolicy
 from .rules.base import VerificationRule
 from .sampling import Noise, SamplingConfig
@@ -219,7 +220,7 @@ class Verifiers:
         """``forward_costs`` (a ``costs.ForwardCosts``): pad each pass to the cheapest measured
         size at least as long (extra rows repeat the last token; their outputs are dropped and
         their KV rolled back with the rest of the uncommitted block). ``slim_vocabulary`` (a
-        ``models.SlimVocabulary``): the slim tier scores only those tokens."""
+        ``cached_model.SlimVocabulary``): the slim tier scores only those tokens."""
         self.runner = CachedModel(target.model)
         self.slim_mask = slim_mask
         self.slim_vocabulary = slim_vocabulary
@@ -246,7 +247,7 @@ class Verifiers:
             result = self.runner.forward(prompt_ids[:-1], logits_for=1, with_hidden=self.record_features,
                                          hidden_layers=self.feature_layers if self.record_features else ())
             if self.record_features:
-                self._store(0, result[1], approximate=False)
+                self._store(0, result.hidden, approximate=False)
         self.full_length = self.runner.length
         if not self.record_features:
             return None
@@ -258,11 +259,15 @@ class Verifiers:
         """Committed tokens (before the pending last one) the full target has not processed."""
         return len(self.context) - 1 - self.full_length
 
-    def target_logits(self, draft_tokens: torch.Tensor, with_hidden: bool = False):
-        """Full-target logits [k+1, V]: row i scores draft token i, row k gives the bonus token.
+    def target_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """``target_pass(draft_tokens).logits``: what most rules need."""
+        return self.target_pass(draft_tokens).logits
 
-        ``with_hidden`` also returns the final hidden states [k+1, H] of the same rows: row i
-        (i ≥ 1) is the state at draft token i's own position (what a judge head reads).
+    def target_pass(self, draft_tokens: torch.Tensor, with_hidden: bool = False) -> PassResult:
+        """One full-target pass over the pending committed tokens and ``draft_tokens`` [k]:
+        logits [k+1, V] (row i scores draft token i, row k gives the bonus token) and, with
+        ``with_hidden``, the final hidden states [k+1, H] of the same rows (row i ≥ 1 is the
+        state at draft token i's own position: what a judge head reads).
         """
         if self.runner.length > self.full_length:
             self.runner.rollback(self.full_length)  # drop slim-only KV; recomputed in this pass
@@ -275,15 +280,11 @@ class Verifiers:
                                      hidden_layers=self.feature_layers if self.record_features else ())
         self.target_calls += 1
         self.full_length = self.runner.length
-        if not capture:
-            return result[: k + 1]
-        logits, hidden = result
         real = len(tokens) - pad
         if self.record_features:
-            self._store(start, hidden[:real], approximate=False)
-        if with_hidden:
-            return logits[: k + 1], hidden[real - (k + 1) : real, : self.hidden_size]
-        return logits[: k + 1]
+            self._store(start, result.hidden[:real], approximate=False)
+        hidden = result.hidden[real - (k + 1) : real, : self.hidden_size] if with_hidden else None
+        return PassResult(result.logits[: k + 1], hidden)
 
     def target_tree_logits(self, tree) -> torch.Tensor:
         """Full-target logits [1 + m, V] of a token tree (``tree.TokenTree``, docs/algorithms.md §Token trees) in one
@@ -304,9 +305,8 @@ class Verifiers:
                                      hidden_layers=self.feature_layers if self.record_features else (),
                                      offsets=layout.offsets, attends=layout.attends)
         self.target_calls += 1
-        logits = result[0] if self.record_features else result
-        self._tree_pass = (start, layout.pending, result[1][: layout.pending + m] if self.record_features else None)
-        return logits[: m + 1]
+        self._tree_pass = (start, layout.pending, result.hidden[: layout.pending + m] if self.record_features else None)
+        return result.logits[: m + 1]
 
     def keep_tree_path(self, path: list[int]) -> None:
         """After a tree pass: keep the KV (and the features) of the accepted ``path``'s nodes as
@@ -334,10 +334,8 @@ class Verifiers:
                                      vocabulary=self.slim_vocabulary)
         self.slim_calls += 1
         if self.record_features:
-            logits, hidden = result
-            self._store(start, hidden[: len(tokens) - pad], approximate=True)
-            return logits[: k + 1]
-        return result[: k + 1]
+            self._store(start, result.hidden[: len(tokens) - pad], approximate=True)
+        return result.logits[: k + 1]
 
     def _padded(self, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
         if self.forward_costs is None or len(tokens) < 2:
@@ -407,7 +405,7 @@ class _DraftView(TargetDraftView):
         if verifiers.runner.length > verifiers.full_length and not getattr(self, "_drafting", False):
             verifiers.runner.rollback(verifiers.full_length)  # draft on full-model KV only
         self._drafting = True
-        return verifiers.runner.forward(tokens, logits_for=1, mask=mask)[-1]
+        return verifiers.runner.forward(tokens, logits_for=1, mask=mask).logits[-1]
 
     def discard(self) -> None:
         self._drafting = False
