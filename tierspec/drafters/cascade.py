@@ -77,5 +77,5 @@ class CascadeDrafter(Drafter):
                 rows.append(one_hot(token, self.vocab_size))
         return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(rows), drafter_calls=calls, source="csd")
 
-    def commit(self, committed_length: int, features=None) -> None:
+    def commit(self, committed_length: int) -> None:
         self.runner.rollback(min(self.runner.length, committed_length - 1))

@@ -70,7 +70,7 @@ class ModelDrafter(Drafter):
         proposal.drafter_calls += calls
         return proposal
 
-    def commit(self, committed_length: int, features=None) -> None:
+    def commit(self, committed_length: int) -> None:
         self.runner.rollback(min(self.runner.length, committed_length - 1))
 
     def draft_step_weights(self) -> dict[str, int]:
