@@ -83,6 +83,20 @@ def test_eagle_greedy_equals_ar(target32, prompt_ids, vocab, policy):
     assert len(seen) > 2
 
 
+def test_the_head_reads_the_loops_one_feature_log(target32, prompt_ids):
+    """The draft head keeps no copy of the target's features: it reads the log the verifiers
+    write, whose rows are allocated once for the generation."""
+    drafter = EagleDrafter(random_head(target32))
+    rows = []
+
+    def inspect(verifiers, d):
+        assert d.features is verifiers.features and d.features.length == verifiers.runner.length
+        rows.append(verifiers.features._rows.data_ptr())
+
+    run_ids(target32, as_method(drafter, num_draft=4), prompt_ids, 40, inspect=inspect)
+    assert len(rows) > 2 and len(set(rows)) == 1
+
+
 def test_eagle_after_a_one_token_prompt_equals_ar(target32):
     """A one-token prompt leaves the prefill nothing to process: the head starts from no features
     (a server's completion of "Hello" hit this)."""

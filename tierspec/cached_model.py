@@ -14,6 +14,7 @@ and ``SlimVocabulary`` (VIA-SD's slim tier scoring only a draft head's vocabular
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -220,21 +221,16 @@ class CachedModel:
         tree_kwargs = {} if attends is None else {"attends": attends}
         token_ids = token_ids.to(device)
         kept = n if logits_for is None else logits_for
-        capture = None
-        with model_lock(self.model):
-            try:
-                if with_hidden:
-                    capture = HiddenCapture(self.model, hidden_layers)
-                with apply_mask(self.model, mask):
-                    if vocabulary is None:
-                        output = self.model(input_ids=token_ids.unsqueeze(0), position_ids=positions, cache=self.cache,
-                                            use_cache=True, logits_to_keep=kept, **tree_kwargs)
-                    else:  # the decoder alone, then only the vocabulary's LM-head rows
-                        states = self.model.get_decoder()(input_ids=token_ids.unsqueeze(0), position_ids=positions,
-                                                          cache=self.cache, use_cache=True, **tree_kwargs).last_hidden_state[0]
-            finally:
-                if capture is not None:
-                    capture.close()
+        # Hooks go on the modules of the masked model: a layer the mask bypasses outputs its
+        # input (the stand-in's output), as the masked model computes it.
+        with model_lock(self.model), apply_mask(self.model, mask):
+            with HiddenCapture(self.model, hidden_layers) if with_hidden else contextlib.nullcontext() as capture:
+                if vocabulary is None:
+                    output = self.model(input_ids=token_ids.unsqueeze(0), position_ids=positions, cache=self.cache,
+                                        use_cache=True, logits_to_keep=kept, **tree_kwargs)
+                else:  # the decoder alone, then only the vocabulary's LM-head rows
+                    states = self.model.get_decoder()(input_ids=token_ids.unsqueeze(0), position_ids=positions,
+                                                      cache=self.cache, use_cache=True, **tree_kwargs).last_hidden_state[0]
         self.length += n
         # The loop's bookkeeping lives on the CPU: results cross back here, once per pass (which
         # also makes the loop's clocks honest on an asynchronous device).
