@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
+from tierspec.cached_model import CachedModel
 from tierspec.data import load_prompts, select
 from tierspec.eagle.head import HeadRunner
 from tierspec.methods import MethodOptions, draft_head_for
-from tierspec.cached_model import CachedModel
 from tierspec.models import load_model
 from tierspec.prompting import encode_prompt
 from tierspec.util import atomic_write_text

@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 from tierspec.cached_model import CachedModel
-
 from tierspec.models import load_model
 
 WIDTHS = (1, 2, 4, 8, 16)

@@ -11,7 +11,6 @@ import time
 import torch
 
 from tierspec.cached_model import CachedModel
-
 from tierspec.models import load_model
 from tierspec.routing import RoutingMask
 

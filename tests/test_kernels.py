@@ -4,8 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tierspec.kernels import FewRowLinear, use_few_row_linears
 from tierspec.cached_model import CachedModel
+from tierspec.kernels import FewRowLinear, use_few_row_linears
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 10, 11, 40])

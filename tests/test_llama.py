@@ -11,10 +11,10 @@ from conftest import char_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tierspec.api import generate
+from tierspec.cached_model import CachedModel, SlimVocabulary
 from tierspec.decode import DecodeConfig, decode
 from tierspec.llama import LlamaLM, supports
 from tierspec.methods import MethodOptions, build_method
-from tierspec.cached_model import CachedModel, SlimVocabulary
 from tierspec.models import ModelLoadError, load_model
 from tierspec.routing import RoutingMask, apply_mask
 from tierspec.sampling import SamplingConfig

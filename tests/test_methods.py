@@ -7,10 +7,10 @@ import pytest
 import torch
 from conftest import as_method, char_tokenizer, run_ids, tiny_llama
 
+from tierspec.cached_model import CachedModel
 from tierspec.drafters import NgramDrafter, NoDrafter
 from tierspec.judge.head import JudgeHead
 from tierspec.methods import MethodOptions, build_method
-from tierspec.cached_model import CachedModel
 from tierspec.models import ModelLoadError
 from tierspec.routing import RoutingMask
 from tierspec.rules.via import ViaRule

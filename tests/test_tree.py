@@ -12,8 +12,8 @@ from conftest import tiny_llama
 from test_exact import chi_square_p_value
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tierspec.errors import TierspecError
 from tierspec.cached_model import CachedModel
+from tierspec.errors import TierspecError
 from tierspec.models import load_model
 from tierspec.rules.tree import TreeExactRule, child_trials, match_tree_walk, tree_walk
 from tierspec.sampling import Noise, SamplingConfig, logits_to_probs

@@ -30,11 +30,8 @@ from pathlib import Path
 import torch
 
 from .cached_model import CachedModel
-
-from .util import cache_root
-
 from .models import LoadedModel, model_code
-from .util import atomic_write_text
+from .util import atomic_write_text, cache_root
 
 
 def _cpu_name() -> str:

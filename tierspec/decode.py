@@ -34,9 +34,9 @@ from typing import Callable, Iterator
 
 import torch
 
+from .cached_model import CachedModel, PassResult
 from .drafters.base import Drafter, FeatureLog, Proposal, TargetDraftView
 from .errors import TierspecError
-from .cached_model import CachedModel, PassResult
 from .models import LoadedModel
 from .policies import CycleOutcome, DraftPolicy
 from .rules.base import VerificationRule

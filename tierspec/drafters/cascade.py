@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import TierspecError
 from ..cached_model import CachedModel
+from ..errors import TierspecError
 from ..rules.exact import exact_walk
 from ..sampling import logits_to_probs, one_hot
 from .base import Drafter, Proposal, always

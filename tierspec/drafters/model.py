@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import TierspecError
 from ..cached_model import CachedModel
+from ..errors import TierspecError
 from ..sampling import SamplingConfig
 from .base import Drafter, Proposal, always, draft_autoregressively, streamed_weights
 

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-from ..errors import TierspecError
 from ..cached_model import CachedModel
+from ..errors import TierspecError
 from ..models import LoadedModel
 from ..util import atomic_write_text
 from .data import JudgeExample
