@@ -382,7 +382,7 @@ def _hybrid(target, drafter_model, options) -> Method:
 def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int]):
     """A tree policy (``drafters.tree.TreePolicy``) on the target's pass costs for up to 16 tokens
     (a tree is wider than a chain): nodes per pass up to the table's size − 1."""
-    from .costs import forward_costs
+    from .costs import forward_costs, tree_call_seconds
     from .drafters.tree import TreePolicy
 
     if not hasattr(target.model, "new_kv_cache"):
@@ -395,7 +395,8 @@ def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int]):
         table = tables[16]
     target_weights = streamed_weights(target.model)
     fractions = {source: weights / target_weights for source, weights in drafter_weights.items()}
-    return TreePolicy(max_nodes=table.max_tokens - 1, forward_costs=table, draft_fractions=fractions), table
+    return TreePolicy(max_nodes=table.max_tokens - 1, forward_costs=table, draft_fractions=fractions,
+                      path_call_seconds=tree_call_seconds(target)), table
 
 
 def _eagle_tree(target, drafter_model, options) -> Method:
