@@ -111,7 +111,7 @@ def test_a_suspended_stream_leaves_the_callers_autograd_alone(prompt_ids):
 
     target = tiny_llama(seed=1, sharpness=20.0)
     text_stream = tierspec.stream(prompt_ids.tolist(), target=target, method="pld", max_new_tokens=20)
-    steps = iter(text_stream._steps)
+    steps = iter(text_stream._run)  # the DecodeRun under the text
     next(steps)  # the generation is suspended mid-way
     assert not torch.is_inference_mode_enabled()
     weight = torch.ones(3, requires_grad=True)
