@@ -12,8 +12,9 @@ from conftest import tiny_llama
 from test_exact import chi_square_p_value
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tierspec.cached_model import CachedModel
 from tierspec.errors import TierspecError
-from tierspec.models import CachedModel, load_model
+from tierspec.models import load_model
 from tierspec.rules.tree import TreeExactRule, child_trials, match_tree_walk, tree_walk
 from tierspec.sampling import Noise, SamplingConfig, logits_to_probs
 from tierspec.tree import ROOT, TokenTree, TreeError, tree_pass
@@ -116,15 +117,15 @@ def test_a_tree_nodes_logits_equal_a_chain_pass_of_its_path(exact_model, tree, c
     with torch.inference_mode():
         runner.forward(IDS[:start], logits_for=1)
         layout = tree_pass(IDS[start:committed], tree, padding=2)
-        scores = runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends)
+        scores = runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends).logits
         assert runner.length == start + len(layout.tokens)
         for node in range(len(tree)):
             path = tree.path_to(node)
             runner.rollback(start)
-            chain = runner.forward(torch.cat([IDS[start:committed], tree.tokens[path]]))[-1]
+            chain = runner.forward(torch.cat([IDS[start:committed], tree.tokens[path]])).logits[-1]
             assert torch.equal(scores[pending + node], chain), f"node {node}"
         runner.rollback(start)
-        root = runner.forward(IDS[start:committed])
+        root = runner.forward(IDS[start:committed]).logits
         assert torch.equal(scores[:pending], root)  # the pending tokens' rows, the root's last
         assert torch.equal(scores[pending + len(tree) :], scores[pending + len(tree) - 1].expand(2, -1))  # padding
 
@@ -168,10 +169,10 @@ def test_the_accepted_paths_kv_is_made_contiguous(exact_model, node):
         runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends)
         runner.compact(501, 501 + torch.tensor(path))
         assert runner.length == 501 + len(path) and set(runner.layer_lengths()) == {runner.length}
-        after_tree = runner.forward(torch.tensor([20, 21]))
+        after_tree = runner.forward(torch.tensor([20, 21])).logits
         runner.rollback(500)
         runner.forward(torch.cat([IDS[500:501], PLANTED.tokens[path]]))
-        after_chain = runner.forward(torch.tensor([20, 21]))
+        after_chain = runner.forward(torch.tensor([20, 21])).logits
         if exact_model.model.dtype == torch.bfloat16:
             assert torch.equal(after_tree, after_chain)
         torch.testing.assert_close(after_tree, after_chain, rtol=0, atol=1e-6 * float(after_chain.abs().max()))

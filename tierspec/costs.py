@@ -29,9 +29,10 @@ from pathlib import Path
 
 import torch
 
-from .models import LoadedModel, cache_root, model_code
+from .cached_model import CachedModel
+from .models import LoadedModel, model_code
 from .seq2seq import measuring_runner
-from .util import atomic_write_text
+from .util import atomic_write_text, cache_root
 
 
 def _cpu_name() -> str:

@@ -82,7 +82,7 @@ class KVLayer:
 
     The buffer is allocated once for the positions a generation will need (``reserve``; the decode
     loop reserves prompt + budget) and grows by doubling only if a pass goes beyond that.
-    ``models.CachedModel`` uses the same buffer inside transformers' cache for transformers
+    ``cached_model.CachedModel`` uses the same buffer inside transformers' cache for transformers
     models."""
 
     def __init__(self):

@@ -130,7 +130,7 @@ class Method:
     policy: DraftPolicy
     description: str
     slim_mask: RoutingMask | None = None  # VIA-SD's slim verifier
-    slim_vocabulary: object | None = None  # models.SlimVocabulary: the slim tier scores only these tokens
+    slim_vocabulary: object | None = None  # cached_model.SlimVocabulary: the slim tier scores only these tokens
     forward_costs: object | None = None  # costs.ForwardCosts: pad verification passes to cheap sizes
 
 
@@ -338,7 +338,7 @@ def _slim_vocabulary(target: LoadedModel, options: MethodOptions):
     """The slim tier's vocabulary (None: all tokens); ``draft-head``: the draft head's K tokens."""
     if options.slim_vocabulary == "full":
         return None
-    from .models import SlimVocabulary
+    from .cached_model import SlimVocabulary
 
     return SlimVocabulary(target.model, draft_head_for(target, options).draft_ids)
 

@@ -31,7 +31,8 @@ import torch
 
 from .drafters.model import DrafterMismatchError, ModelDrafter
 from .errors import TierspecError
-from .models import CachedModel, SlimVocabulary, _growing_layer_class, output_vocabulary_size
+from .cached_model import CachedModel, HiddenCapture, PassResult, SlimVocabulary, _growing_layer_class
+from .models import output_vocabulary_size
 from .routing import RoutingMask, RoutingMaskError, model_lock
 
 
@@ -136,33 +137,27 @@ class Seq2SeqCachedModel(CachedModel):
             raise Seq2SeqError("no source is encoded: call encode(source_ids) before decoding")
         n = int(token_ids.shape[0])
         keep = n if logits_for is None else logits_for
-        blocks = decoder_blocks(self.model)
-        layer_outputs: dict[int, torch.Tensor] = {}
+        aux: dict[int, torch.Tensor] = {}
         with model_lock(self.model):
-            hooks = [blocks[index].register_forward_hook(
-                lambda module, args, out, index=index: layer_outputs.__setitem__(index, out[0]))
-                for index in hidden_layers]
-            try:
-                with apply_decoder_mask(self.model, mask):
+            with apply_decoder_mask(self.model, mask):
+                # hooks under the mask: a bypassed block's stand-in records what it passes on
+                with HiddenCapture(self.model, hidden_layers) as capture:
                     # A fresh wrapper per pass: it marks the layers whose cross-attention KV is
                     # already in cross_cache, so those are read, never recomputed.
                     cache = EncoderDecoderCache(self.cache, self.cross_cache)
                     states = self.model.get_decoder()(input_ids=token_ids.unsqueeze(0).to(self.device),
                                                       encoder_hidden_states=self.encoder_states, cache=cache,
                                                       use_cache=True).last_hidden_state[0]
-            finally:
-                for hook in hooks:
-                    hook.remove()
+                    if hidden_layers:
+                        _, aux = capture.take()
             if getattr(self.model.config, "scale_decoder_outputs", False):  # T5 v1.0 scales the tied LM head's input
                 states = states * (self.model.config.d_model ** -0.5)
             logits = self.model.get_output_embeddings()(states[n - keep:]).float().cpu()
         self.length += n
         if not with_hidden:
-            return logits
-        hidden = states.float()
-        if hidden_layers:
-            hidden = torch.cat([hidden] + [layer_outputs[i][0].float() for i in hidden_layers], dim=-1)
-        return logits, hidden.cpu()
+            return PassResult(logits)
+        hidden = torch.cat([states.float().cpu()] + [aux[i][0].float() for i in hidden_layers], dim=-1)
+        return PassResult(logits, hidden)
 
 
 def runner_for(model: torch.nn.Module, source_ids: torch.Tensor | None = None) -> CachedModel:
@@ -303,7 +298,7 @@ def decoder_logits(model: torch.nn.Module, source_ids: torch.Tensor, decoder_ids
     ``source_ids`` (teacher-forced, one pass: a bench record's target NLL)."""
     tokens = torch.cat([decoder_start(model), torch.tensor(decoder_ids, dtype=torch.long)])
     with torch.inference_mode():
-        return Seq2SeqCachedModel(model, source_ids).forward(tokens)
+        return Seq2SeqCachedModel(model, source_ids).forward(tokens).logits
 
 
 def window_logits(model: torch.nn.Module, sources: list[torch.Tensor], sequences: torch.Tensor, window: int,
@@ -315,7 +310,7 @@ def window_logits(model: torch.nn.Module, sources: list[torch.Tensor], sequences
     with torch.inference_mode():
         for source, sequence in zip(sources, sequences):
             runner = Seq2SeqCachedModel(model, source)
-            logits = runner.forward(sequence, logits_for=window + 1, mask=mask)
+            logits = runner.forward(sequence, logits_for=window + 1, mask=mask).logits
             rows.append(logits[:-1])
     return torch.cat(rows)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..data import Prompt, load_prompts, select
-from ..decode import DecodeConfig, GenerationStats, decode
+from ..decode import DecodeConfig, DecodeRun, GenerationStats
 from ..errors import TierspecError
 from ..methods import MethodOptions, build_method, method_names, option_fields
 from ..models import LoadedModel, load_model, model_code, resolve_dtype
@@ -303,14 +303,8 @@ class MethodRunner:
         if self.name in LLAMACPP_PEERS:
             return self.peer.run(prompt_ids, max_new_tokens, generator)
         config = DecodeConfig(max_new_tokens, self.sampling, self.eos)
-        stats = GenerationStats()
-        tokens: list[int] = []
-        started = time.perf_counter()
-        for step in decode(self.target, self.method, prompt_ids, config, generator):
-            tokens.extend(step.new_tokens)
-            stats.add(step.cycle)
-        stats.wall_seconds = time.perf_counter() - started
-        return Outcome(tokens, stats.wall_seconds, stats)
+        run = DecodeRun(self.target, self.method, prompt_ids, config, generator).finish()
+        return Outcome(run.token_ids, run.stats.wall_seconds, run.stats)
 
     def _run_hf(self, prompt_ids, max_new_tokens, generator) -> Outcome:
         model = self.hf_model

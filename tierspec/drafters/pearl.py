@@ -191,7 +191,7 @@ class PearlDrafter(Drafter):
         calls, self._uncounted_calls = self._uncounted_calls, 0
         return calls
 
-    def commit(self, committed_length: int, features=None) -> None:
+    def commit(self, committed_length: int) -> None:
         """Stop the thread early when the commit already shows its drafts are lost (a draft of the
         block was rejected, so fewer than block + bonus tokens were committed), then wait for it:
         the next proposal needs its drafts."""

@@ -307,8 +307,8 @@ class HybridTreeDrafter(Drafter):
         self.head_rate = None
         self.eagle.start(prompt_ids, features, target_view)
 
-    def commit(self, committed_length: int, features=None) -> None:
-        self.eagle.commit(committed_length, features)
+    def commit(self, committed_length: int) -> None:
+        self.eagle.commit(committed_length)
 
     def draft_step_weights(self) -> dict[str, int]:
         return self.eagle.draft_step_weights()
