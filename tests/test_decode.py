@@ -167,6 +167,9 @@ def test_a_decode_run_adds_up_the_generation_once(tiny_target, prompt_ids):
     assert run.stats.emitted == len(run.token_ids) == 20
     assert run.stats.target_calls == sum(step.cycle.target_calls for step in steps)
     assert run.stats.wall_seconds >= sum(step.cycle.seconds for step in steps)
+    # each cycle's pass time is part of its time, one pass or more per cycle, and the totals add up
+    assert all(0 < step.cycle.pass_seconds <= step.cycle.seconds - step.cycle.draft_seconds for step in steps)
+    assert run.stats.pass_seconds == pytest.approx(sum(step.cycle.pass_seconds for step in steps))
     assert run.token_ids == run_ids(tiny_target, as_method(NgramDrafter(3), num_draft=4), prompt_ids, 20)
 
 

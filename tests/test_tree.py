@@ -583,7 +583,8 @@ def test_bench_summary_reports_tree_shape_and_acceptance_by_depth():
 
     records = [record("p1", "ar", accepted=0, evaluated=0, cycles=12, target_calls=12),
                record("p1", "eagle-tree", position_drafted=[4, 3], position_accepted=[3, 1], tree_cycles=4,
-                      tree_nodes=40, tree_depth=12, tree_max_nodes=14, accepted_lengths=[1, 2, 1])]
+                      tree_nodes=40, tree_depth=12, tree_max_nodes=14, accepted_lengths=[1, 2, 1],
+                      draft_seconds=0.25, pass_seconds=0.5)]
     config = BenchConfig(target="t", methods=("ar", "eagle-tree"), dataset="spec_bench", max_new_tokens=12)
     overall = summarize(records, config, {})["methods"]["eagle-tree"]["overall"]
     assert overall["nodes_per_pass"] == 10.0 and overall["tree_depth_mean"] == 3.0 and overall["max_nodes"] == 14
@@ -592,6 +593,8 @@ def test_bench_summary_reports_tree_shape_and_acceptance_by_depth():
     assert "nodes_per_pass" not in ar
     table = markdown_table({"config": asdict(config), "methods": summarize(records, config, {})["methods"]})
     assert "| `eagle-tree` | 10.0 | 14 | 3.00 | 2.00 | 0.75, 0.33 |" in table
+    # where the time goes: 1 s at 10 tokens/s, a quarter drafting, half in passes
+    assert "| `eagle-tree` | 100.0 | 0.25 | 0.50 | 0.25 |" in table
 
 
 def test_the_hybrid_tree_skips_the_head_when_the_ngram_trie_is_expected_to_pay_more():

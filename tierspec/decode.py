@@ -70,6 +70,7 @@ class CycleStats:
     drafter_calls: int  # drafter model forward passes
     seconds: float
     draft_seconds: float = 0.0  # of which drafting
+    pass_seconds: float = 0.0  # of which verifier passes (full target and slim), the forward calls alone
     deciders: list[str] = field(default_factory=list)  # tier that decided each emitted token
     tree_depth: int | None = None  # a token-tree cycle: the tree's depth (``drafted`` is its node count); None: a chain
 
@@ -97,6 +98,7 @@ class GenerationStats:
     cycles: int = 0
     wall_seconds: float = 0.0
     draft_seconds: float = 0.0
+    pass_seconds: float = 0.0
     decided_by: Counter = field(default_factory=Counter)
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
@@ -116,6 +118,7 @@ class GenerationStats:
         self.slim_calls += cycle.slim_calls
         self.drafter_calls += cycle.drafter_calls
         self.draft_seconds += cycle.draft_seconds
+        self.pass_seconds += cycle.pass_seconds
         self.cycles += 1
         self.decided_by.update(cycle.deciders)
         # Positions 1..evaluated were evaluated given acceptance so far; the first `accepted` passed.
@@ -195,6 +198,7 @@ class GenerationStats:
             "cycles": self.cycles,
             "tier_fractions": {k: round(v, 4) for k, v in self.tier_fractions().items()},
             "draft_seconds": round(self.draft_seconds, 4),
+            "pass_seconds": round(self.pass_seconds, 4),
             "wall_seconds": round(self.wall_seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
             "accepted_per_cycle": round(self.accepted_per_cycle, 4),
@@ -244,6 +248,7 @@ class Verifiers:
         self.full_length = 0
         self.target_calls = 0
         self.slim_calls = 0
+        self.pass_seconds = 0.0  # time in verifier passes (``_forward``): where a cycle's time goes
         self._tree_pass = None  # (start, pending tokens, their and the nodes' features) of a tree pass awaiting its path
 
     @property
@@ -261,8 +266,11 @@ class Verifiers:
         """A pass on the target's cache, with the hidden states the feature log needs (and
         those asked for)."""
         recording = self.features is not None
-        return self.runner.forward(tokens, logits_for=logits_for, with_hidden=with_hidden or recording,
-                                   hidden_layers=self.feature_layers if recording else (), **kwargs)
+        started = time.perf_counter()
+        result = self.runner.forward(tokens, logits_for=logits_for, with_hidden=with_hidden or recording,
+                                     hidden_layers=self.feature_layers if recording else (), **kwargs)
+        self.pass_seconds += time.perf_counter() - started
+        return result
 
     def _record(self, start: int, hidden: torch.Tensor | None) -> None:
         if self.features is not None:
@@ -573,7 +581,7 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
            config: DecodeConfig, emitted_total: int, eos: set[int], noise: Noise) -> Step:
     started = time.perf_counter()
     context = verifiers.context
-    target_calls, slim_calls = verifiers.target_calls, verifiers.slim_calls
+    target_calls, slim_calls, pass_seconds = verifiers.target_calls, verifiers.slim_calls, verifiers.pass_seconds
     remaining = config.max_new_tokens - emitted_total
     # Never draft past the budget: the cycle emits at most k + 1 tokens.
     budget = max(0, min(policy.max_draft, remaining - 1))
@@ -605,6 +613,7 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
         drafter_calls=proposal.drafter_calls,
         seconds=ended - started,
         draft_seconds=drafted_at - started,
+        pass_seconds=verifiers.pass_seconds - pass_seconds,
         deciders=verdict.deciders[: len(new_tokens)],
     )
     return Step(new_tokens, cycle, finished)
@@ -637,7 +646,7 @@ def _tree_cycle(verifiers: Verifiers, drafter: Drafter, rule, policy: DraftPolic
     path's KV and commits path + next token. ``policy.observe_tree`` sees every verdict."""
     started = time.perf_counter()
     context = verifiers.context
-    target_calls = verifiers.target_calls
+    target_calls, pass_seconds = verifiers.target_calls, verifiers.pass_seconds
     remaining = config.max_new_tokens - emitted_total
     block = None if config.sampling.greedy else noise.block(len(context))
     proposal = drafter.propose_tree(context, max(0, remaining - 1), config.sampling, block)
@@ -663,6 +672,7 @@ def _tree_cycle(verifiers: Verifiers, drafter: Drafter, rule, policy: DraftPolic
         drafter_calls=proposal.drafter_calls,
         seconds=ended - started,
         draft_seconds=drafted_at - started,
+        pass_seconds=verifiers.pass_seconds - pass_seconds,
         deciders=verdict.deciders[: len(new_tokens)],
         tree_depth=tree.depth,
     )

@@ -58,6 +58,9 @@ def _group_summary(rows: list[dict], baseline: dict, hf_greedy: dict, dataset: s
                                            if drafter_calls else None),
         "draft_time_share": (sum(r.get("draft_seconds", 0.0) for r in ours) / sum(r["seconds"] for r in ours)
                              if ours and sum(r["seconds"] for r in ours) > 0 else None),
+        "pass_time_share": (sum(r.get("pass_seconds", 0.0) for r in ours) / sum(r["seconds"] for r in ours)
+                            if ours and sum(r["seconds"] for r in ours) > 0 and any("pass_seconds" in r for r in ours)
+                            else None),
         "drafter_calls_per_token": drafter_calls / emitted if emitted else None,
         "speedup_vs_hf_greedy": tps / hf if tps and hf else None,
         "speedup_vs_best_plain": tps / max(base or 0, hf or 0) if tps and (base or hf) else None,
@@ -221,6 +224,19 @@ def markdown_table(summary: dict) -> str:
                          f"{_fmt(o['accepted_per_cycle'])} | {by_depth} |")
         lines += ["", "Acceptance by depth d: of the cycles whose walk reached depth d − 1 with children to try, the share "
                   "that accepted one of them."]
+    timed = {name: result["overall"] for name, result in methods.items()
+             if result["overall"].get("pass_time_share") is not None and result["overall"].get("tokens_per_s")}
+    if timed:  # tierspec's own loop: where a generation's time goes
+        lines += ["", "| where the time goes | ms per token | drafting | verifier passes | rest of the loop |",
+                  "|---|---|---|---|---|"]
+        for name, o in timed.items():
+            draft, passes = o.get("draft_time_share") or 0.0, o["pass_time_share"]
+            lines.append(f"| `{name}` | {_fmt(1000 / o['tokens_per_s'], 1)} | {_fmt(draft)} | {_fmt(passes)} | "
+                         f"{_fmt(max(0.0, 1 - draft - passes))} |")
+        lines += ["", "Shares of the generations' wall time: drafting (the drafter's proposal and the policy's trim), "
+                  "the verifier passes of the draft–verify cycles (the target's and slim verifier's forward calls "
+                  "alone), and the rest (the prompt's prefill, verification rules, commit, rollback, the policy's "
+                  "learning)."]
     engines = {name: result["engine"] for name, result in methods.items() if name.startswith("llamacpp-") and "engine" in result}
     if engines:
         ran = "; ".join(f"`{name}`: {engine}" for name, engine in engines.items())

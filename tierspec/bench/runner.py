@@ -599,6 +599,7 @@ def _stats_fields(stats: GenerationStats) -> dict:
         "position_drafted": stats.position_drafted,
         "position_accepted": stats.position_accepted,
         "draft_seconds": round(stats.draft_seconds, 5),
+        "pass_seconds": round(stats.pass_seconds, 5),
         "drafted": stats.drafted,
         "evaluated": stats.evaluated,
         "accepted": stats.accepted,
