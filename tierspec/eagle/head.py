@@ -148,14 +148,13 @@ class DraftHead(torch.nn.Module):
         config = HeadConfig.from_target(target.model, len(draft_ids), feature_layers)
         head = cls(config, draft_ids)
         layer = decoder_layers(target.model)[-1]
-        weights = projection_weights(layer)
-        norm = getattr(target.model.get_decoder(), "norm", None)
-        final_norm = norm.weight if norm is not None and getattr(norm, "weight", None) is not None else torch.ones(config.hidden_size)
+        weights = {f"{name}.weight": weight for name, weight in projection_weights(layer).items()}
+        weights |= {"input_norm": layer.input_layernorm.weight, "post_attention_norm": layer.post_attention_layernorm.weight}
+        final_norm = getattr(getattr(target.model.get_decoder(), "norm", None), "weight", None)
+        if final_norm is not None:  # (else the head's final norm stays ones)
+            weights["final_norm"] = final_norm
         with torch.no_grad():
-            copied = head.load_state_dict(head.from_file_names(
-                {f"{name}.weight": weight for name, weight in weights.items()}
-                | {"input_norm": layer.input_layernorm.weight, "post_attention_norm": layer.post_attention_layernorm.weight,
-                   "final_norm": final_norm}), strict=False)
+            copied = head.load_state_dict(head.from_file_names(weights), strict=False)
             if copied.unexpected_keys:
                 raise DraftHeadError(f"the target's last layer has weights the head does not: {copied.unexpected_keys}")
             generator = torch.Generator().manual_seed(seed)
@@ -196,12 +195,13 @@ class DraftHead(torch.nn.Module):
             return features[..., :H]
         return features[..., :H] + self.aux_proj(features[..., H:])
 
-    def forward(self, inputs: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, cache,
+    def forward(self, inputs: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, cache: KVLayer,
                 mask: torch.Tensor, keys: int) -> torch.Tensor:
         """h [B, T, H] for inputs g [B, T, H] (target or self-fed) and x_next [B, T] at rotary
         ``positions`` [T]: W_fc [g ; E(x_next)], then the decoder layer (its keys and values
-        appended to ``cache``, attending over its first ``keys`` slots with ``mask`` [T, keys],
-        all queries in one call), then the final norm."""
+        appended to ``cache``: drafting's ``KVLayer`` or training's ``eagle.train.StepKeys``;
+        attending over the cache's first ``keys`` slots with ``mask`` [T, keys], all queries in one
+        call), then the final norm."""
         embedded = F.embedding(next_tokens, self.embedding).to(inputs.dtype)
         # the residual stream in the head's dtype (float32), also under bfloat16 autocast in training
         x = self.fc(torch.cat((inputs, embedded), dim=-1)).to(self.fc.weight.dtype)
@@ -228,7 +228,6 @@ class DraftHead(torch.nn.Module):
         module_names = {file_name: name for name, file_name in FILE_NAMES.items()}
         return {module_names.get(name, name): tensor for name, tensor in tensors.items()}
 
-    # -- files --------------------------------------------------------------------------------
     def save(self, path: str | Path, metadata: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
         """Weights (in ``dtype``: bfloat16 halves the file; loading computes in float32) and the
         vocabulary map to ``path`` (.safetensors), metadata beside it (.json)."""
