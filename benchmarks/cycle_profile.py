@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from tierspec import load_model
-from tierspec.decode import DecodeConfig, GenerationStats, decode
+from tierspec.decode import DecodeConfig, DecodeRun, GenerationStats
 from tierspec.methods import build_method
 from tierspec.policies import FixedLength
 from tierspec.prompting import encode_prompt, eos_ids
@@ -83,11 +82,7 @@ def main() -> None:
         config = DecodeConfig(max_new_tokens=128, eos_token_ids=eos_ids(target))
         for k, method in methods.items():
             for _ in range(2):  # the first run of each warms caches; the second is kept
-                stats = GenerationStats()
-                started = time.perf_counter()
-                for step in decode(target, method, ids, config):
-                    stats.add(step.cycle)
-                stats.wall_seconds = time.perf_counter() - started
+                stats = DecodeRun(target, method, ids, config).finish().stats
             total = totals[k]
             for name in ("drafted", "accepted", "emitted", "cycles", "wall_seconds", "draft_seconds", "target_calls"):
                 setattr(total, name, getattr(total, name) + getattr(stats, name))

@@ -40,7 +40,8 @@ def step_costs(repeats: int = 200) -> dict:
     logits) and of a cached 1-token target pass, at a 300-token context, alone on the machine."""
     from tierspec.eagle.head import HeadRunner
     from tierspec.eagle.shipped import shipped_head
-    from tierspec.models import CachedModel, load_model
+    from tierspec.cached_model import CachedModel
+    from tierspec.models import load_model
 
     target = load_model("smollm2-135m")
     head = shipped_head(target)

@@ -32,7 +32,7 @@ import torch
 from tierspec.bench.report import markdown_table
 from tierspec.bench.runner import BenchConfig, run_bench
 from tierspec.data import load_prompts, select
-from tierspec.decode import DecodeConfig, decode
+from tierspec.decode import DecodeConfig, DecodeRun
 from tierspec.errors import TierspecError
 from tierspec.methods import MethodOptions, build_method, method_names
 from tierspec.models import DEFAULT_MODEL, load_model
@@ -102,9 +102,8 @@ def lossless_methods(target, options: MethodOptions, only: list[str] | None) -> 
 def greedy_ids(target, method, prompt_ids: torch.Tensor, max_new_tokens: int) -> tuple[list[int], float]:
     """The method's greedy output ids and its wall seconds (the loop's results are on the host)."""
     config = DecodeConfig(max_new_tokens, eos_token_ids=eos_ids(target))
-    started = time.perf_counter()
-    tokens = [t for step in decode(target, method, prompt_ids, config) for t in step.new_tokens]
-    return tokens, time.perf_counter() - started
+    run = DecodeRun(target, method, prompt_ids, config).finish()
+    return run.token_ids, run.stats.wall_seconds
 
 
 def divergence(target, prompt_id: str, prompt_ids: torch.Tensor, reference: list[int], output: list[int]) -> Divergence:

@@ -28,10 +28,11 @@ from pathlib import Path
 
 import torch
 
+from tierspec.cached_model import CachedModel
 from tierspec.data import load_prompts, select
 from tierspec.eagle.head import HeadRunner
 from tierspec.methods import MethodOptions, draft_head_for
-from tierspec.models import CachedModel, load_model
+from tierspec.models import load_model
 from tierspec.prompting import encode_prompt
 from tierspec.util import atomic_write_text
 
@@ -44,15 +45,15 @@ def greedy_run(target, prompt_ids: torch.Tensor, new_tokens: int, feature_layers
     prompt + continuation [n, feature_width] (one pass over the whole sequence)."""
     runner = CachedModel(target.model)
     runner.reserve(len(prompt_ids) + new_tokens + 1)
-    logits = runner.forward(prompt_ids, logits_for=1)
+    logits = runner.forward(prompt_ids, logits_for=1).logits
     out = []
     for _ in range(new_tokens):
         token = int(logits[-1].argmax())
         out.append(token)
-        logits = runner.forward(torch.tensor([token]))
+        logits = runner.forward(torch.tensor([token])).logits
     sequence = torch.cat([prompt_ids, torch.tensor(out)])
     runner.reset()
-    _, features = runner.forward(sequence, logits_for=1, with_hidden=True, hidden_layers=feature_layers)
+    features = runner.forward(sequence, logits_for=1, with_hidden=True, hidden_layers=feature_layers).hidden
     return torch.tensor(out), sequence, features
 
 

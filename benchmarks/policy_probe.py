@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from tierspec import load_model
-from tierspec.decode import DecodeConfig, GenerationStats, decode
+from tierspec.decode import DecodeConfig, DecodeRun
 from tierspec.methods import build_method
 from tierspec.policies import CostAware, FixedLength
 from tierspec.prompting import encode_prompt, eos_ids
@@ -75,12 +74,8 @@ def main() -> None:
         for name, method in methods.items():
             if isinstance(method.policy, CostAware):
                 method.policy.start()
-            start = time.perf_counter()
-            tokens, stats = [], GenerationStats()
-            for step in decode(target, method, ids, config):
-                tokens.extend(step.new_tokens)
-                stats.add(step.cycle)
-            seconds = time.perf_counter() - start
+            run = DecodeRun(target, method, ids, config).finish()
+            tokens, stats, seconds = run.token_ids, run.stats, run.stats.wall_seconds
             if name == "ar":
                 reference[index] = tokens
             elif index in reference and tokens != reference[index]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 import zlib
 from collections import defaultdict
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 
 from tierspec.data import load_prompts, select
-from tierspec.decode import DecodeConfig, decode
+from tierspec.decode import DecodeConfig, DecodeRun
 from tierspec.methods import build_method
 from tierspec.models import load_model
 from tierspec.prompting import encode_prompt, eos_ids
@@ -64,12 +63,8 @@ class ScoredCoupledRule(ExactRule):
 
 
 def run(target, method, prompt_ids, config, seed) -> tuple[list[int], float, int]:
-    tokens, calls = [], 0
-    started = time.perf_counter()
-    for step in decode(target, method, prompt_ids, config, seed):
-        tokens.extend(step.new_tokens)
-        calls += step.cycle.target_calls
-    return tokens, time.perf_counter() - started, calls
+    run = DecodeRun(target, method, prompt_ids, config, seed).finish()
+    return run.token_ids, run.stats.wall_seconds, run.stats.target_calls
 
 
 def acceptance_by_position(cycles, kept_reach) -> list[float]:

@@ -10,7 +10,8 @@ import time
 
 import torch
 
-from tierspec.models import CachedModel, load_model
+from tierspec.cached_model import CachedModel
+from tierspec.models import load_model
 from tierspec.routing import RoutingMask
 
 t = load_model("smollm2-135m")

@@ -23,8 +23,8 @@ from pathlib import Path
 import torch
 
 from tierspec import load_model
+from tierspec.cached_model import CachedModel, SlimVocabulary
 from tierspec.eagle.shipped import shipped_head
-from tierspec.models import CachedModel, SlimVocabulary
 from tierspec.routing import RoutingMask, decoder_layers
 from tierspec.util import atomic_write_text
 

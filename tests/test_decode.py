@@ -4,9 +4,11 @@ import pytest
 import torch
 from conftest import as_method, run_ids
 
-from tierspec.decode import DecodeConfig, PromptError, decode
+from tierspec.cached_model import CachedModel, PassResult
+from tierspec.decode import DecodeConfig, DecodeRun, PromptError, decode
 from tierspec.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, Proposal
-from tierspec.models import CachedModel
+from tierspec.drafters.base import FeatureLog
+from tierspec.routing import RoutingMask, decoder_layers
 
 MAX_NEW = 40
 
@@ -105,6 +107,67 @@ def test_rollback_refuses_to_grow(tiny_target):
     runner.forward(torch.tensor([1, 2, 3]))
     with pytest.raises(ValueError, match="holds only 3"):
         runner.rollback(5)
+
+
+def test_a_pass_returns_one_typed_result_and_leaves_no_hooks(tiny_target):
+    runner = CachedModel(tiny_target.model)
+    with torch.inference_mode():
+        plain = runner.forward(torch.tensor([1, 2, 3]), logits_for=1)
+        assert isinstance(plain, PassResult) and plain.hidden is None and plain.logits.shape == (1, 64)
+        asked = runner.forward(torch.tensor([4, 5]), with_hidden=True, hidden_layers=(1, 2))
+    assert asked.logits.shape == (2, 64) and asked.hidden.shape == (2, 32 * 3) and asked.hidden.dtype == torch.float32
+    modules = [tiny_target.model.get_decoder(), *decoder_layers(tiny_target.model)]
+    assert not any(module._forward_hooks for module in modules)
+
+
+def test_the_output_of_a_layer_the_mask_bypasses_is_its_input(tiny_target):
+    """A slim pass records the draft head's feature layers: a bypassed one passes its input on."""
+    mask = RoutingMask(4, "layer", frozenset({2}), frozenset({2}))
+    with torch.inference_mode():
+        hidden = CachedModel(tiny_target.model).forward(torch.tensor([1, 2, 3]), mask=mask, with_hidden=True,
+                                                        hidden_layers=(1, 2)).hidden  # [3, 32 · 3]
+    assert torch.equal(hidden[:, 64:], hidden[:, 32:64]) and not torch.equal(hidden[:, 32:64], hidden[:, :32])
+
+
+def test_the_verifiers_own_the_committed_sequence(tiny_target, prompt_ids):
+    commits = []
+
+    def inspect(verifiers, drafter):
+        with pytest.raises(AttributeError):
+            verifiers.context = verifiers.context[:1]  # the loop commits through verifiers.commit only
+        with pytest.raises(ValueError, match="only a tree pass's"):
+            verifiers.commit([1], tree_path=[0])  # no tree pass is awaiting a verdict
+        commits.append(verifiers.context.clone())
+
+    tokens = run_ids(tiny_target, as_method(NgramDrafter(3), num_draft=4), prompt_ids, 12, inspect=inspect)
+    assert torch.equal(commits[-1], torch.cat([prompt_ids, torch.tensor(tokens)]))
+
+
+def test_the_feature_log_reads_committed_rows_only_and_never_grows():
+    log = FeatureLog(6, 2)
+    log.write(0, torch.ones(4, 2))  # positions 0..3 run, not yet committed
+    with pytest.raises(ValueError, match="not committed"):
+        log.read(0, 1)
+    log.commit(3)
+    assert torch.equal(log.read(1, 3), torch.ones(2, 2))
+    with pytest.raises(ValueError, match="not committed"):
+        log.read(2, 4)
+    with pytest.raises(ValueError, match="do not fit the log's 6"):
+        log.write(5, torch.ones(2, 2))
+
+
+def test_a_decode_run_adds_up_the_generation_once(tiny_target, prompt_ids):
+    config = DecodeConfig(max_new_tokens=20)
+    steps = []
+    run = DecodeRun(tiny_target, as_method(NgramDrafter(3), num_draft=4), prompt_ids, config)
+    for step in run:
+        steps.append(step)
+        assert run.stats.cycles == len(steps) and run.stats.wall_seconds > 0
+    assert run.token_ids == [t for step in steps for t in step.new_tokens]
+    assert run.stats.emitted == len(run.token_ids) == 20
+    assert run.stats.target_calls == sum(step.cycle.target_calls for step in steps)
+    assert run.stats.wall_seconds >= sum(step.cycle.seconds for step in steps)
+    assert run.token_ids == run_ids(tiny_target, as_method(NgramDrafter(3), num_draft=4), prompt_ids, 20)
 
 
 def test_sampled_generation_is_reproducible_with_a_seed(tiny_target, tiny_drafter, prompt_ids):

@@ -83,6 +83,20 @@ def test_eagle_greedy_equals_ar(target32, prompt_ids, vocab, policy):
     assert len(seen) > 2
 
 
+def test_the_head_reads_the_loops_one_feature_log(target32, prompt_ids):
+    """The draft head keeps no copy of the target's features: it reads the log the verifiers
+    write, whose rows are allocated once for the generation."""
+    drafter = EagleDrafter(random_head(target32))
+    rows = []
+
+    def inspect(verifiers, d):
+        assert d.features is verifiers.features and d.features.length == verifiers.runner.length
+        rows.append(verifiers.features._rows.data_ptr())
+
+    run_ids(target32, as_method(drafter, num_draft=4), prompt_ids, 40, inspect=inspect)
+    assert len(rows) > 2 and len(set(rows)) == 1
+
+
 def test_eagle_after_a_one_token_prompt_equals_ar(target32):
     """A one-token prompt leaves the prefill nothing to process: the head starts from no features
     (a server's completion of "Hello" hit this)."""
@@ -214,7 +228,7 @@ def test_a_head_for_another_shape_is_refused(target32, tmp_path):
 
 def teacher_forced_sequences(target, count, length, seed):
     """Greedy continuations of random prompts by the tiny target, with its features."""
-    from tierspec.models import CachedModel
+    from tierspec.cached_model import CachedModel
 
     generator = torch.Generator().manual_seed(seed)
     sequences = []
@@ -224,7 +238,7 @@ def teacher_forced_sequences(target, count, length, seed):
         answer = run_ids(target, method, prompt, length)
         tokens = torch.cat([prompt, torch.tensor(answer)])
         with torch.inference_mode():
-            _, hidden = CachedModel(target.model).forward(tokens, with_hidden=True)
+            hidden = CachedModel(target.model).forward(tokens, with_hidden=True).hidden
         sequences.append(Sequence(tokens[:-1], hidden[:-1].half(), 6, "own-greedy"))
     return sequences
 
@@ -279,10 +293,10 @@ def test_a_head_reading_several_target_layers_drafts_as_it_trains(target32, prom
     seen = []
 
     class Watching(EagleDrafter):
-        def commit(self, committed_length, features=None):
-            if features is not None:
-                seen.append(features.values.shape[-1])
-            super().commit(committed_length, features)
+        def _catch_up(self, context):  # the width of the features the head reads from the loop's log
+            if self.features.length > self.runner.length:
+                seen.append(self.features.read(self.runner.length, self.features.length).shape[-1])
+            return super()._catch_up(context)
 
     assert run_ids(target32, as_method(Watching(head), num_draft=3), prompt_ids, 30) == reference
     assert seen and set(seen) == {96}

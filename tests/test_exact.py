@@ -182,7 +182,7 @@ class FixedTarget:
     def __init__(self, rows: torch.Tensor):
         self.rows = rows
 
-    def target_logits(self, tokens, with_hidden=False):
+    def target_logits(self, tokens):
         return self.rows[: len(tokens) + 1].log().float()
 
 

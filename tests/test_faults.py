@@ -56,19 +56,19 @@ def test_a_masked_generation_beside_a_plain_one_on_the_same_model_changes_nothin
 # ---- 2. a damaged converted model in the cache ------------------------------------------------
 
 def planted_conversion(folder: Path):
-    from tierspec.models import _CONVERTED_MARKER, _file_record
+    from tierspec.gguf_cache import CONVERTED_MARKER, file_record
 
     folder.mkdir()
     (folder / "model.safetensors").write_bytes(b"x" * 1000)
     (folder / "config.json").write_text("{}")
-    files = {p.name: _file_record(p) for p in folder.iterdir()}
-    (folder / _CONVERTED_MARKER).write_text(json.dumps({"sha256": "s", "files": files}))
+    files = {p.name: file_record(p) for p in folder.iterdir()}
+    (folder / CONVERTED_MARKER).write_text(json.dumps({"sha256": "s", "files": files}))
 
 
 def test_damage_to_a_converted_copy_is_detected(tmp_path):
     import os
 
-    from tierspec.models import converted_copy_problem
+    from tierspec.gguf_cache import converted_copy_problem
 
     folder = tmp_path / "copy"
     planted_conversion(folder)
@@ -111,7 +111,7 @@ def test_a_suspended_stream_leaves_the_callers_autograd_alone(prompt_ids):
 
     target = tiny_llama(seed=1, sharpness=20.0)
     text_stream = tierspec.stream(prompt_ids.tolist(), target=target, method="pld", max_new_tokens=20)
-    steps = iter(text_stream._steps)
+    steps = iter(text_stream._run)  # the DecodeRun under the text
     next(steps)  # the generation is suspended mid-way
     assert not torch.is_inference_mode_enabled()
     weight = torch.ones(3, requires_grad=True)
@@ -348,9 +348,10 @@ def test_a_read_only_cache_holding_the_converted_model_serves_and_does_not_cache
     import shutil
 
     from tierspec import costs
-    from tierspec.models import _gguf_cache_dir, default_model_file, load_model
+    from tierspec.gguf_cache import gguf_cache_dir
+    from tierspec.models import default_model_file, load_model
 
-    converted = _gguf_cache_dir(default_model_file())
+    converted = gguf_cache_dir(default_model_file())
     load_model("smollm2-135m")  # converts into the session's cache once
     cache = tmp_path / "cache"
     cache.mkdir()

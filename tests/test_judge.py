@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from tierspec.cached_model import PassResult
 from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import ModelDrafter, Proposal
 from tierspec.identity import ModelIdentity
@@ -156,8 +157,8 @@ class StubVerifiers:
     def __init__(self, logits, hidden):
         self.logits, self.hidden = logits, hidden
 
-    def target_logits(self, tokens, with_hidden=False):
-        return (self.logits, self.hidden) if with_hidden else self.logits
+    def target_pass(self, tokens, with_hidden=False):
+        return PassResult(self.logits, self.hidden if with_hidden else None)
 
 
 def sign_head(threshold=0.5):

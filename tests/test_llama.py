@@ -11,10 +11,11 @@ from conftest import char_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tierspec.api import generate
+from tierspec.cached_model import CachedModel, SlimVocabulary
 from tierspec.decode import DecodeConfig, decode
 from tierspec.llama import LlamaLM, supports
 from tierspec.methods import MethodOptions, build_method
-from tierspec.models import CachedModel, ModelLoadError, SlimVocabulary, load_model
+from tierspec.models import ModelLoadError, load_model
 from tierspec.routing import RoutingMask, apply_mask
 from tierspec.sampling import SamplingConfig
 
@@ -58,11 +59,11 @@ def _passes(loaded, mask=None, vocabulary_ids=None):
     cache = CachedModel(loaded.model)
     vocabulary = SlimVocabulary(loaded.model, vocabulary_ids) if vocabulary_ids is not None else None
     with torch.inference_mode():
-        outs = [cache.forward(IDS[:7], mask=mask)]
-        outs.append(cache.forward(IDS[7:10], mask=mask, vocabulary=vocabulary))
+        outs = [cache.forward(IDS[:7], mask=mask).logits]
+        outs.append(cache.forward(IDS[7:10], mask=mask, vocabulary=vocabulary).logits)
         cache.rollback(8)
-        logits, hidden = cache.forward(IDS[8:10], mask=mask, with_hidden=True, hidden_layers=(1, 3))
-        outs += [logits, hidden, cache.replay(5, IDS[5:9], mask=mask)]
+        result = cache.forward(IDS[8:10], mask=mask, with_hidden=True, hidden_layers=(1, 3))
+        outs += [result.logits, result.hidden, cache.replay(5, IDS[5:9], mask=mask)]
         outs.append(torch.tensor(cache.layer_lengths(), dtype=torch.float64))
     return outs
 
@@ -72,10 +73,10 @@ def _self_draft_passes(loaded, mask):
     (bypassed layers fall behind), a rollback, a full 2-token pass."""
     cache = CachedModel(loaded.model)
     with torch.inference_mode():
-        outs = [cache.forward(IDS[:7]), cache.forward(IDS[7:8], mask=mask), cache.forward(IDS[8:9], mask=mask)]
+        outs = [cache.forward(IDS[:7]).logits, cache.forward(IDS[7:8], mask=mask).logits, cache.forward(IDS[8:9], mask=mask).logits]
         lengths = cache.layer_lengths()
         cache.rollback(7)
-        outs.append(cache.forward(IDS[7:9]))
+        outs.append(cache.forward(IDS[7:9]).logits)
     return outs + [torch.tensor(lengths + cache.layer_lengths(), dtype=torch.float64)]
 
 
@@ -243,11 +244,11 @@ def test_a_tokens_logits_do_not_depend_on_the_pass_it_is_in(tmp_path, dtype):
     runner = CachedModel(loaded.model)
     with torch.inference_mode():
         runner.forward(ids[:500], logits_for=1)
-        alone = torch.cat([runner.forward(ids[500 + i : 501 + i]) for i in range(16)])
+        alone = torch.cat([runner.forward(ids[500 + i : 501 + i]).logits for i in range(16)])
         assert alone.dtype == torch.float32
         for width in (2, 3, 5, 8, 16):
             runner.rollback(500)
-            together = torch.cat([runner.forward(ids[500 + i : 500 + min(i + width, 16)]) for i in range(0, 16, width)])
+            together = torch.cat([runner.forward(ids[500 + i : 500 + min(i + width, 16)]).logits for i in range(0, 16, width)])
             assert torch.equal(together, alone), f"width {width}"
 
 

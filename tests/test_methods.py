@@ -7,10 +7,11 @@ import pytest
 import torch
 from conftest import as_method, char_tokenizer, run_ids, tiny_llama
 
+from tierspec.cached_model import CachedModel
 from tierspec.drafters import NgramDrafter, NoDrafter
 from tierspec.judge.head import JudgeHead
 from tierspec.methods import MethodOptions, build_method
-from tierspec.models import CachedModel, ModelLoadError
+from tierspec.models import ModelLoadError
 from tierspec.routing import RoutingMask
 from tierspec.rules.via import ViaRule
 
@@ -27,7 +28,7 @@ def test_replay_reads_the_prefix_and_restores_the_cache_exactly(tiny_target):
     # the same logits as a masked pass over the window after a 4-token full-model prefix
     fresh = CachedModel(tiny_target.model)
     fresh.forward(tokens[:4])
-    assert torch.allclose(replayed, fresh.forward(tokens[4:9], mask=mask), atol=1e-10)
+    assert torch.allclose(replayed, fresh.forward(tokens[4:9], mask=mask).logits, atol=1e-10)
     assert runner.length == 10
     for (keys, values), layer in zip(before, runner.cache.layers):
         assert torch.equal(keys, layer.keys) and torch.equal(values, layer.values)
@@ -90,21 +91,21 @@ def test_route_command_writes_a_mask_for_a_model_folder(tmp_path, capsys):
 def test_a_slim_vocabulary_scores_only_its_tokens(tiny_target):
     """The slim tier over a draft head's vocabulary: the same logits as the full LM head on its
     tokens, −inf elsewhere; the cache advances exactly as a full-vocabulary pass would."""
-    from tierspec.models import SlimVocabulary
+    from tierspec.cached_model import SlimVocabulary
 
     tokens = torch.tensor([3, 17, 42, 8, 8, 19])
     mask = RoutingMask.from_units(4, "sublayer", [("mlp", 1)])
     full, slim = CachedModel(tiny_target.model), CachedModel(tiny_target.model)
-    reference = full.forward(tokens, logits_for=3, mask=mask)
+    reference = full.forward(tokens, logits_for=3, mask=mask).logits
     subset = torch.tensor([0, 5, 9, 33, 63])
-    restricted = slim.forward(tokens, logits_for=3, mask=mask, vocabulary=SlimVocabulary(tiny_target.model, subset))
+    restricted = slim.forward(tokens, logits_for=3, mask=mask, vocabulary=SlimVocabulary(tiny_target.model, subset)).logits
     assert torch.allclose(restricted[:, subset], reference[:, subset], atol=1e-9)
     outside = torch.ones(64, dtype=torch.bool)
     outside[subset] = False
     assert torch.isneginf(restricted[:, outside]).all()
     assert slim.length == full.length == 6 and slim.layer_lengths() == full.layer_lengths()
     everything = SlimVocabulary(tiny_target.model, torch.arange(64))
-    assert torch.allclose(CachedModel(tiny_target.model).forward(tokens, logits_for=3, mask=mask, vocabulary=everything),
+    assert torch.allclose(CachedModel(tiny_target.model).forward(tokens, logits_for=3, mask=mask, vocabulary=everything).logits,
                           reference, atol=1e-9)
     with pytest.raises(ModelLoadError, match="slim vocabulary ids"):
         SlimVocabulary(tiny_target.model, torch.tensor([64]))

@@ -4,7 +4,7 @@
 import pytest
 import torch
 
-from tierspec import models
+from tierspec import gguf_cache, models
 from tierspec.models import ModelIdentity, ModelLoadError, load_model
 
 
@@ -61,9 +61,9 @@ def test_gguf_conversion_is_cached(tmp_path, monkeypatch, tiny_target):
     def fake_convert(source, dest, dtype):
         conversions.append(source)
         tiny_target.model.save_pretrained(dest)
-        models.write_conversion_marker(dest, source, "ab" * 32)
+        gguf_cache.write_conversion_marker(dest, source, "ab" * 32)
 
-    monkeypatch.setattr(models, "_convert_gguf", fake_convert)
+    monkeypatch.setattr(gguf_cache, "convert_gguf", fake_convert)
     first = load_model(gguf, dtype=torch.float64)
     second = load_model(gguf, dtype=torch.float64)
     assert len(conversions) == 1

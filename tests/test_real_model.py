@@ -74,6 +74,8 @@ def _mask(smollm):
     "method, options",
     [
         ("self", {"confidence_threshold": 0.0}),
+        ("clasp", {"confidence_threshold": 0.0}),
+        ("pearl", {"pearl_gamma": 3}),
         ("adaptive-pld", {}),
         ("lossy", {"alpha": 0.0, "beta": 1.0}),
         ("cascade", {"deferral": "always"}),
@@ -161,13 +163,13 @@ def test_stream_pieces_join_to_the_text_across_multibyte_characters(smollm):
 def test_a_truncated_converted_copy_is_rebuilt(smollm, tmp_path, monkeypatch, capsys):
     """The converted safetensors copy is checked on load: truncated, it is converted again
     (with a message) instead of failing on every run until deleted by hand."""
-    from tierspec import models
+    from tierspec import models, util
 
     monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path))
     models.load_model("smollm2-135m")
     folder = next(p for p in tmp_path.iterdir() if p.is_dir())
     # the copy gets the permissions a plainly made folder and file would (mkdtemp's are private)
-    plain_file = models.default_file_mode()
+    plain_file = util.default_file_mode()
     assert all(item.stat().st_mode & 0o777 == plain_file for item in folder.iterdir())
     assert folder.stat().st_mode & 0o444 == plain_file & 0o444
     weights = folder / "model.safetensors"
@@ -206,13 +208,13 @@ def test_a_tokens_logits_are_the_same_alone_and_inside_wider_passes(dtype, smoll
     runner = tierspec.CachedModel(loaded.model)
     with torch.inference_mode():
         runner.forward(ids[:500], logits_for=1)
-        alone = torch.cat([runner.forward(ids[500 + i : 501 + i]) for i in range(16)])
+        alone = torch.cat([runner.forward(ids[500 + i : 501 + i]).logits for i in range(16)])
         assert alone.dtype == torch.float32
         if dtype == "bfloat16":  # not rounded to bfloat16's grid
             assert not torch.equal(alone, alone.bfloat16().float())
         for width in (2, 3, 8, 16):
             runner.rollback(500)
-            together = torch.cat([runner.forward(ids[500 + i : 500 + min(i + width, 16)]) for i in range(0, 16, width)])
+            together = torch.cat([runner.forward(ids[500 + i : 500 + min(i + width, 16)]).logits for i in range(0, 16, width)])
             assert torch.equal(together, alone), f"width {width}"
 
 
@@ -254,7 +256,7 @@ def test_the_default_model_runs_on_tierspec_code_with_transformers_results(smoll
     """The default model loads on tierspec's own Llama code and tokenizer (no transformers
     import: that is the start-up saving) and computes what transformers' modules compute."""
     from tierspec.llama import LlamaLM
-    from tierspec.models import CachedModel
+    from tierspec.cached_model import CachedModel
     from tierspec.prompting import encode_prompt
 
     theirs = tierspec.load_model("smollm2-135m", implementation="transformers")
@@ -263,9 +265,9 @@ def test_the_default_model_runs_on_tierspec_code_with_transformers_results(smoll
     assert ids.tolist() == encode_prompt(theirs, PROMPT).tolist()
     with torch.inference_mode():
         ours, reference = CachedModel(smollm.model), CachedModel(theirs.model)
-        torch.testing.assert_close(ours.forward(ids), reference.forward(ids), rtol=0, atol=1e-4)
-        torch.testing.assert_close(ours.forward(ids[:3], with_hidden=True, hidden_layers=(1, 15))[1],
-                                   reference.forward(ids[:3], with_hidden=True, hidden_layers=(1, 15))[1],
+        torch.testing.assert_close(ours.forward(ids).logits, reference.forward(ids).logits, rtol=0, atol=1e-4)
+        torch.testing.assert_close(ours.forward(ids[:3], with_hidden=True, hidden_layers=(1, 15)).hidden,
+                                   reference.forward(ids[:3], with_hidden=True, hidden_layers=(1, 15)).hidden,
                                    rtol=0, atol=1e-4)
 
 

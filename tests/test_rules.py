@@ -91,7 +91,7 @@ class StubVerifiers:
         self.target_lag = 0
         self.full_calls = 0
 
-    def target_logits(self, tokens, with_hidden=False):
+    def target_logits(self, tokens):
         self.full_calls += 1
         return torch.log(self.target_rows).float()
 

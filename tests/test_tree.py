@@ -12,8 +12,9 @@ from conftest import tiny_llama
 from test_exact import chi_square_p_value
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from tierspec.cached_model import CachedModel
 from tierspec.errors import TierspecError
-from tierspec.models import CachedModel, load_model
+from tierspec.models import load_model
 from tierspec.rules.tree import TreeExactRule, child_trials, match_tree_walk, tree_walk
 from tierspec.sampling import Noise, SamplingConfig, logits_to_probs
 from tierspec.tree import ROOT, TokenTree, TreeError, tree_pass
@@ -116,15 +117,15 @@ def test_a_tree_nodes_logits_equal_a_chain_pass_of_its_path(exact_model, tree, c
     with torch.inference_mode():
         runner.forward(IDS[:start], logits_for=1)
         layout = tree_pass(IDS[start:committed], tree, padding=2)
-        scores = runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends)
+        scores = runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends).logits
         assert runner.length == start + len(layout.tokens)
         for node in range(len(tree)):
             path = tree.path_to(node)
             runner.rollback(start)
-            chain = runner.forward(torch.cat([IDS[start:committed], tree.tokens[path]]))[-1]
+            chain = runner.forward(torch.cat([IDS[start:committed], tree.tokens[path]])).logits[-1]
             assert torch.equal(scores[pending + node], chain), f"node {node}"
         runner.rollback(start)
-        root = runner.forward(IDS[start:committed])
+        root = runner.forward(IDS[start:committed]).logits
         assert torch.equal(scores[:pending], root)  # the pending tokens' rows, the root's last
         assert torch.equal(scores[pending + len(tree) :], scores[pending + len(tree) - 1].expand(2, -1))  # padding
 
@@ -168,10 +169,10 @@ def test_the_accepted_paths_kv_is_made_contiguous(exact_model, node):
         runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends)
         runner.compact(501, 501 + torch.tensor(path))
         assert runner.length == 501 + len(path) and set(runner.layer_lengths()) == {runner.length}
-        after_tree = runner.forward(torch.tensor([20, 21]))
+        after_tree = runner.forward(torch.tensor([20, 21])).logits
         runner.rollback(500)
         runner.forward(torch.cat([IDS[500:501], PLANTED.tokens[path]]))
-        after_chain = runner.forward(torch.tensor([20, 21]))
+        after_chain = runner.forward(torch.tensor([20, 21])).logits
         if exact_model.model.dtype == torch.bfloat16:
             assert torch.equal(after_tree, after_chain)
         torch.testing.assert_close(after_tree, after_chain, rtol=0, atol=1e-6 * float(after_chain.abs().max()))
@@ -468,13 +469,33 @@ def test_the_policy_keeps_the_node_count_that_maximises_expected_tokens_per_seco
     from tierspec.costs import ForwardCosts
     from tierspec.drafters.tree import TreePolicy
 
-    # passes of 1-3 tokens cost the same, 4 tokens twice as much
+    # passes of 1-3 tokens cost the same, 4 tokens twice as much; a chain of three nodes
+    chain = [-1, 0, 1]
     policy = TreePolicy(max_nodes=3, forward_costs=ForwardCosts({1: 1.0, 2: 1.0, 3: 1.0, 4: 2.0}))
-    assert policy.best_size([0.9, 0.8, 0.5], 0.0) == (2, 2.7)  # 1 + 2 nodes fill the cheap pass: (1 + 1.7) / 1
-    assert policy.best_size([0.9, 0.8, 0.5], 0.0, pending=2)[0] == 1  # one pending token more: room for one node
-    assert policy.best_size([0.05], 1.0)[0] == 1  # a free node is worth it when it adds anything
+    assert policy.best_size([0.9, 0.8, 0.5], chain, 0.0) == (2, 2.7)  # 1 + 2 nodes fill the cheap pass: (1 + 1.7) / 1
+    assert policy.best_size([0.9, 0.8, 0.5], chain, 0.0, pending=2)[0] == 1  # one pending token more: room for one node
+    assert policy.best_size([0.05], [-1], 1.0)[0] == 1  # a free node is worth it when it adds anything
     expensive = TreePolicy(max_nodes=3, forward_costs=ForwardCosts({1: 1.0, 2: 3.0, 3: 3.0, 4: 3.0}))
-    assert expensive.best_size([0.9, 0.6, 0.3], 0.0) == (0, 1.0)  # 3× the pass for ≤ 1.8 more tokens: no tree
+    assert expensive.best_size([0.9, 0.6, 0.3], chain, 0.0) == (0, 1.0)  # 3× the pass for ≤ 1.8 more tokens: no tree
+    # nodes are taken in value order, not list order
+    assert policy.best_size([0.9, 0.5, 0.8], [-1, 0, 0], 0.0) == (2, 2.7)
+
+
+def test_the_policy_charges_a_tree_one_attention_call_per_path_beyond_the_chains():
+    from tierspec.costs import ForwardCosts
+    from tierspec.drafters.tree import TreePolicy
+
+    flat = ForwardCosts({n: 1.0 for n in range(1, 9)})
+    free, costly = TreePolicy(max_nodes=7, forward_costs=flat), TreePolicy(max_nodes=7, forward_costs=flat,
+                                                                          path_call_seconds=0.5)
+    # one pending token and four siblings: 5 rows = 2 calls as a chain, 4 paths = 4 calls (2 more)
+    siblings = ([0.6, 0.5, 0.4, 0.3], [-1, -1, -1, -1])
+    assert free.best_size(*siblings, 0.0) == (4, 2.8)
+    assert costly.verify_tree(5, 4) == 2.0 and costly.verify_tree(5, 2) == 1.0 and costly.verify_tree(3, 3) == 2.0
+    # each sibling beyond the first adds a call: 4 → 2.8 / 2.0, 2 → 2.1 / 1.5, 1 → 1.6 / 1 (best)
+    assert costly.best_size(*siblings, 0.0) == (1, 1.6)
+    # the same values as a chain pay no such charge
+    assert costly.best_size([0.6, 0.5, 0.4, 0.3], [-1, 0, 1, 2], 0.0) == (4, 2.8)
 
 
 def test_the_policy_learns_acceptance_of_every_node_whose_parent_was_reached():
@@ -607,3 +628,17 @@ def test_the_hybrid_tree_skips_the_head_when_the_ngram_trie_is_expected_to_pay_m
     unmatched = torch.tensor([5, 6, 1, 2, 3, 9])  # no earlier occurrence of a suffix: only the head drafts
     third = hybrid.propose_tree(unmatched, 3, SamplingConfig(), None)
     assert Head.calls == 2 and third.source == "head"
+
+
+def test_the_attention_calls_of_a_tree_pass_are_one_per_path_and_a_chains_one_per_four_rows():
+    from tierspec.costs import _attention_calls
+    from tierspec.tree import TokenTree, tree_pass
+
+    chain = tree_pass(torch.tensor([5]), TokenTree(torch.arange(15), torch.arange(-1, 14)))
+    assert _attention_calls(chain.attends, chain.tokens, chain.offsets, 256) == 4  # 16 rows
+    # 8 children of the root, 7 with a child: 8 paths of ≤ 3 rows, one call each
+    bushy = tree_pass(torch.tensor([5]), TokenTree(torch.arange(15), torch.tensor([-1] * 8 + list(range(7)))))
+    assert _attention_calls(bushy.attends, bushy.tokens, bushy.offsets, 256) == 8
+    # a chain of 7 under the root with one sibling leaf: 2 calls for the chain's 8 rows, 1 for the leaf
+    forked = tree_pass(torch.tensor([5]), TokenTree(torch.arange(8), torch.tensor([-1, 0, 1, 2, 3, 4, 5, -1])))
+    assert _attention_calls(forked.attends, forked.tokens, forked.offsets, 256) == 3

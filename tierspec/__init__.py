@@ -7,9 +7,10 @@ Methods are (drafter, verification rule) pairs run by one decode loop (``tierspe
 """
 
 from .api import Generation, TextStream, generate, shared_model, stream
-from .decode import DecodeConfig, GenerationStats, PromptError, decode
+from .cached_model import CachedModel
+from .decode import DecodeConfig, DecodeRun, GenerationStats, PromptError, decode
 from .methods import DEFAULT_METHOD, MethodOptions, UnknownMethodError, build_method, default_method, method_names
-from .models import DEFAULT_MODEL, CachedModel, LoadedModel, ModelLoadError, load_model, wrap_model
+from .models import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model, wrap_model
 from .sampling import SamplingConfig
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "DEFAULT_MODEL",
     "CachedModel",
     "DecodeConfig",
+    "DecodeRun",
     "Generation",
     "GenerationStats",
     "LoadedModel",

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
-from .decode import DecodeConfig, GenerationStats, PromptError, decode
+from .decode import DecodeConfig, DecodeRun, GenerationStats, PromptError
 from .methods import Method, MethodOptions, build_method, default_method
 from .models import DEFAULT_MODEL, LoadedModel, load_model, resolve_device, resolve_dtype
 from .prompting import encode_prompt, eos_ids
@@ -121,17 +120,24 @@ class IncrementalDetokenizer:
 
 class TextStream:
     """The text of one generation, an iterator of pieces as the loop commits tokens (``next``
-    works, as on a generator). ``stats`` and ``token_ids`` grow as it runs and are complete
-    once it is exhausted; ``text`` is everything so far. ``close()`` stops the generation."""
+    works, as on a generator). ``stats`` and ``token_ids`` (the ``DecodeRun``'s) grow as it runs
+    and are complete once it is exhausted; ``text`` is everything so far. ``close()`` stops the
+    generation."""
 
-    def __init__(self, steps: Iterator, target: LoadedModel):
-        self._steps = steps  # decode()'s steps
+    def __init__(self, run: DecodeRun, target: LoadedModel):
+        self._run = run
         self.target = target
-        self.stats = GenerationStats()
-        self.token_ids: list[int] = []
         self.text = ""
         self._detok = IncrementalDetokenizer(target.tokenizer) if target.tokenizer is not None else None
-        self._pieces = self._run()
+        self._pieces = self._texts()
+
+    @property
+    def stats(self) -> GenerationStats:
+        return self._run.stats
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self._run.token_ids
 
     def __iter__(self) -> TextStream:
         return self
@@ -139,24 +145,19 @@ class TextStream:
     def __next__(self) -> str:
         return next(self._pieces)
 
-    def _run(self) -> Iterator[str]:
-        started = time.perf_counter()
-        for step in self._steps:
-            self.stats.add(step.cycle)
-            self.token_ids.extend(step.new_tokens)
-            self.stats.wall_seconds = time.perf_counter() - started
+    def _texts(self) -> Iterator[str]:
+        for step in self._run:
             if self._detok is None:
                 continue
             piece = self._detok.add(step.new_tokens, final=step.finished)
             if piece:
                 self.text += piece
                 yield piece
-        self.stats.wall_seconds = time.perf_counter() - started
 
     def close(self) -> None:
         """Stop the generation (a suspended stream holds the model's cache until closed)."""
         self._pieces.close()
-        self._steps.close()
+        self._run.close()
 
 
 def check_text(prompt: str) -> str:
@@ -182,7 +183,7 @@ def stream_method(target: LoadedModel, method: Method, prompt_ids: torch.Tensor,
     both start generations here, so a seed means one thing in both: it seeds this generation's
     draws and nothing else."""
     check_seed(seed)
-    return TextStream(decode(target, method, prompt_ids, config, seed), target)
+    return TextStream(DecodeRun(target, method, prompt_ids, config, seed), target)
 
 
 def stream(

@@ -174,7 +174,11 @@ def _run_route(args) -> int:
     if args.calibration_file:
         prompts = _read_calibration_file(args.calibration_file)
     else:
-        prompts = calibration_prompts(args.calibration_prompts, Path(args.data_dir) if args.data_dir else None, args.seed)
+        from .seq2seq import calibration_prompts as task_calibration_prompts
+        from .seq2seq import is_encoder_decoder
+
+        sample = task_calibration_prompts if is_encoder_decoder(target.model) else calibration_prompts  # T5's task format
+        prompts = sample(args.calibration_prompts, Path(args.data_dir) if args.data_dir else None, args.seed)
     calibration = build_calibration(target, prompts, args.context, args.window, progress=not args.no_progress)
     out = Path(args.out)
     checkpoint = out.with_name(out.name + ".partial.json")

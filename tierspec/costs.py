@@ -29,8 +29,10 @@ from pathlib import Path
 
 import torch
 
-from .models import CachedModel, LoadedModel, cache_root, model_code
-from .util import atomic_write_text
+from .cached_model import CachedModel
+from .models import LoadedModel, model_code
+from .seq2seq import measuring_runner
+from .util import atomic_write_text, cache_root
 
 
 def _cpu_name() -> str:
@@ -69,7 +71,7 @@ class ForwardCosts:
 
 
 def measure_forward_costs(model: torch.nn.Module, max_tokens: int = 16, context: int = 256, repeats: int = 5) -> ForwardCosts:
-    runner = CachedModel(model)
+    runner = measuring_runner(model)  # an encoder–decoder model's decoder, against a source
     vocab = runner.vocab_size
     seconds = {}
     with torch.inference_mode():
@@ -246,7 +248,7 @@ def measure_unit_costs(model: torch.nn.Module, context: int = 256, repeats: int 
     every = frozenset(range(1, layers - 1))  # the bypassable layers (first and last always run)
     variants = {"full": None, "no_attention": RoutingMask(layers, "sublayer", every, frozenset()),
                 "no_mlp": RoutingMask(layers, "sublayer", frozenset(), every)}
-    runner = CachedModel(model)
+    runner = measuring_runner(model)  # an encoder–decoder model's decoder, against a source
     vocab = runner.vocab_size
     head = model.get_output_embeddings()
     hidden = torch.randn(1, model.config.hidden_size, device=runner.device)  # the float32 stream the head reads
@@ -287,3 +289,69 @@ def unit_costs(target: LoadedModel, refresh: bool = False) -> UnitCosts:
 
     return _cached_measurement(target, "unit-costs", "per-unit costs", {}, read, lambda: measure_unit_costs(target.model),
                                lambda costs: {"costs": vars(costs)}, lambda costs: costs.full, refresh)
+
+
+# ---- tree passes: what one more attention call costs ------------------------------------------
+
+
+def _attention_calls(attends: torch.Tensor, tokens: torch.Tensor, offsets: torch.Tensor, start: int) -> int:
+    """Attention calls per layer of a cached pass with the tree mask ``attends`` (``llama.tree_attention_plan``)."""
+    from .llama import ATTENTION_ROWS, KEY_BLOCK, tree_attention_plan
+
+    keys = -(-(start + len(tokens)) // KEY_BLOCK) * KEY_BLOCK
+    plan = tree_attention_plan(attends, tokens, start + offsets, start, keys, torch.float32, torch.device("cpu"))
+    return sum(int(group.rows.shape[0]) // ATTENTION_ROWS for group in plan.groups)
+
+
+def measure_tree_call_seconds(model: torch.nn.Module, context: int = 256, repeats: int = 7) -> float:
+    """Seconds one more attention call adds to a pass: interleaved medians of a 16-token chain pass
+    and a 16-token tree pass (1 pending token, 8 children of the root, 7 of them with one child:
+    8 root-to-leaf paths), their difference over the difference of their attention calls."""
+    from .llama import ATTENTION_ROWS
+    from .tree import TokenTree, tree_pass
+
+    runner = CachedModel(model)
+    vocab = runner.vocab_size
+    tree = TokenTree(torch.tensor([(7 * i + 11) % vocab for i in range(15)]),
+                     torch.tensor([-1] * 8 + list(range(7))))
+    layout = tree_pass(torch.tensor([5 % vocab]), tree)
+    chain = (torch.arange(16) * 7 + 11) % vocab
+    extra = _attention_calls(layout.attends, layout.tokens, layout.offsets, context) - -(-16 // ATTENTION_ROWS)
+    samples: dict[str, list[float]] = {"chain": [], "tree": []}
+    with torch.inference_mode():
+        runner.forward(torch.arange(context) % vocab, logits_for=1)
+        for i in range(repeats + 1):
+            for name in samples:
+                started = time.perf_counter()
+                if name == "chain":
+                    runner.forward(chain, logits_for=16)
+                else:
+                    runner.forward(layout.tokens, logits_for=16, offsets=layout.offsets, attends=layout.attends)
+                elapsed = time.perf_counter() - started
+                runner.rollback(context)
+                if i:
+                    samples[name].append(elapsed)
+    difference = statistics.median(samples["tree"]) - statistics.median(samples["chain"])
+    return max(difference, 0.0) / max(extra, 1)
+
+
+def tree_call_seconds(target: LoadedModel, refresh: bool = False) -> float:
+    """``measure_tree_call_seconds`` for this model on this machine (a second to measure, cached and
+    re-measured as ``_cached_measurement`` says; its spot check is the 1-token pass it was measured
+    beside)."""
+
+    def read(path: Path) -> tuple[float, float] | None:
+        try:
+            data = json.loads(path.read_text())
+            values = (float(data["call_seconds"]), float(data["one_token_seconds"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return values if all(math.isfinite(v) and 0 <= v < 60 for v in values) and values[1] > 0 else None
+
+    def measure() -> tuple[float, float]:
+        return measure_tree_call_seconds(target.model), spot_check(target.model)
+
+    measured = _cached_measurement(target, "tree-call", "the cost of a tree pass's extra attention call", {}, read,
+                                   measure, lambda m: {"call_seconds": m[0], "one_token_seconds": m[1]},
+                                   lambda m: m[1], refresh)
+    return measured[0]

@@ -1,14 +1,16 @@
 """The one decode loop (docs/algorithms.md §The decode loop). Every method is a drafter, a
-draft-length policy and a verification rule passed in; the loop owns the target's cache and every
-statistic.
+draft-length policy and a verification rule passed in. Who owns what: ``Verifiers`` the target's
+cache, its passes and padding, the committed sequence and the feature log; the drafter its own
+state; ``DecodeRun`` a generation's ``GenerationStats`` and wall clock.
 
-    prefill(prompt)                                 # the target's cache (and the drafter's)
+    verifiers.prefill(prompt)                       # the target's cache (and the drafter's)
     while not done:
         proposal = drafter.propose(ctx, budget)     # tokens [k], draft_probs [k, V] or None
         proposal = proposal[: policy.trim(...)]     # the draft-length policy decides k
         verdict  = rule.verify(verifiers, proposal) # runs whichever tiers the rule needs
-        ctx      = commit(ctx, verdict)             # accepted prefix + 1 correction/bonus token
-        rollback every cache to the committed length
+        ctx = verifiers.commit(tokens)              # accepted prefix + 1 correction/bonus token;
+                                                    # every cache rolled back to the committed length
+        drafter.commit(len(ctx))
         policy.observe(per-position acceptance)
         yield the new tokens and the cycle's statistics
 
@@ -17,7 +19,8 @@ cycle hands its block's view to the drafter and the rule. Nothing else a cycle d
 clock or carries over from another generation (the policies start afresh), so a seed fixes the
 tokens (README: "Same seed, same text").
 
-Streaming is iterating over ``decode``; ``tierspec.api`` builds ``generate`` and ``stream`` on it.
+Streaming is iterating over ``decode``; ``DecodeRun`` adds up the statistics as it iterates, and
+``tierspec.api`` (``generate``, ``stream``), the bench and the benchmarks run generations through it.
 Inference mode is entered for each cycle's computation only, never across a ``yield``, so a
 suspended generation does not leak it into the caller's code.
 """
@@ -31,12 +34,14 @@ from typing import Callable, Iterator
 
 import torch
 
-from .drafters.base import Drafter, Proposal, TargetDraftView, TargetFeatures
+from .cached_model import CachedModel, PassResult
+from .drafters.base import Drafter, FeatureLog, Proposal, TargetDraftView
 from .errors import TierspecError
-from .models import CachedModel, LoadedModel
+from .models import LoadedModel
 from .policies import CycleOutcome, DraftPolicy
 from .rules.base import VerificationRule
 from .sampling import Noise, SamplingConfig
+from .seq2seq import decoder_start, is_encoder_decoder, runner_for
 
 
 @dataclass(frozen=True)
@@ -198,195 +203,181 @@ class GenerationStats:
 
 
 class Verifiers:
-    """The verifier tiers of one generation: the target's cache, owned by the loop.
+    """The verifier tiers of one generation and everything they own: the target's cache and
+    passes, the padding of each pass, the committed sequence, rollback, and the feature log.
 
-    ``context`` is the committed sequence. The full target runs on ``runner`` (a CachedModel);
-    a rule with a slim verifier (VIA-SD) gets it as the same model and cache under
+    ``context`` is the committed sequence; only ``prefill`` and ``commit`` change it (the loop
+    calls ``commit`` with each cycle's tokens). The full target runs on ``runner`` (a
+    CachedModel); a rule with a slim verifier (VIA-SD) gets it as the same model and cache under
     ``slim_mask`` (no second model in memory).
 
     Cache bookkeeping: every layer holds full-model KV for the first ``full_length`` positions;
     the kept layers of the slim mask may hold slim KV beyond that, up to ``runner.length``, for
     committed tokens that only the slim verifier has processed (the full target lags,
-    docs/algorithms.md §VIA-SD). A full pass first drops that slim KV and re-processes those tokens in one go.
+    docs/algorithms.md §VIA-SD). A full pass first drops that slim KV and re-processes those
+    tokens in one go.
 
-    With ``record_features`` every pass keeps the LM head's inputs f_t of the positions it ran,
-    and ``take_features`` hands those of newly committed positions to the drafter (a draft
-    head reads them; no extra pass).
+    With ``record_features`` every pass writes the LM head's inputs f_t of the positions it ran
+    into ``features`` (a ``FeatureLog``, the one copy a draft head reads; no extra pass).
     """
 
-    def __init__(self, target: LoadedModel, slim_mask=None, forward_costs=None, record_features: bool = False,
-                 feature_layers: tuple[int, ...] = (), slim_vocabulary=None):
-        """``forward_costs`` (a ``costs.ForwardCosts``): pad each pass to the cheapest measured
-        size at least as long (extra rows repeat the last token; their outputs are dropped and
-        their KV rolled back with the rest of the uncommitted block). ``slim_vocabulary`` (a
-        ``models.SlimVocabulary``): the slim tier scores only those tokens."""
-        self.runner = CachedModel(target.model)
+    def __init__(self, target: LoadedModel, positions: int, slim_mask=None, forward_costs=None,
+                 record_features: bool = False, feature_layers: tuple[int, ...] = (), slim_vocabulary=None,
+                 source=None):
+        """``positions``: every position this generation's passes can reach (the prompt, the
+        token budget and a last pass's draft and padding); the KV buffer and the feature log
+        are allocated for them once. ``forward_costs`` (a ``costs.ForwardCosts``): pad each pass
+        to the cheapest measured size at least as long (extra rows repeat the last token; their
+        outputs are dropped and their KV rolled back with the rest of the uncommitted block).
+        ``slim_vocabulary`` (a ``cached_model.SlimVocabulary``): the slim tier scores only
+        those tokens. ``source`` [S]: an encoder–decoder target's encoder input (``seq2seq``);
+        the cache is then its decoder's."""
+        self.runner = runner_for(target.model, source)
+        self.runner.reserve(positions)  # a longer pass than foreseen still grows the KV buffer
         self.slim_mask = slim_mask
         self.slim_vocabulary = slim_vocabulary
         self.forward_costs = forward_costs
-        self.record_features = record_features
         self.feature_layers = tuple(feature_layers)  # decoder layers recorded beside f (a fused draft head)
         self.hidden_size = int(target.identity.hidden_size)
-        self.context = torch.empty(0, dtype=torch.long)
-        self.vocab_size = target.vocab_size
+        self.features = FeatureLog(positions, self.hidden_size * (1 + len(self.feature_layers))) if record_features else None
+        self._context = torch.empty(0, dtype=torch.long)
         self.full_length = 0
         self.target_calls = 0
         self.slim_calls = 0
-        self._features: torch.Tensor | None = None  # [capacity, H] by position
-        self._approximate: set[int] = set()  # positions whose features came from a slim pass
-        self._handed = 0  # features of positions < _handed went to the drafter
         self._tree_pass = None  # (start, pending tokens, their and the nodes' features) of a tree pass awaiting its path
 
-    # -- passes ------------------------------------------------------------------------------
-    def prefill(self, prompt_ids: torch.Tensor) -> TargetFeatures | None:
-        """The target processes all but the last prompt token, which is fed with the first
-        draft (so every verification pass is "pending committed tokens + draft"). Returns the
-        features of the processed positions when recording."""
-        if len(prompt_ids) > 1:
-            result = self.runner.forward(prompt_ids[:-1], logits_for=1, with_hidden=self.record_features,
-                                         hidden_layers=self.feature_layers if self.record_features else ())
-            if self.record_features:
-                self._store(0, result[1], approximate=False)
-        self.full_length = self.runner.length
-        if not self.record_features:
-            return None
-        self._handed = self.full_length
-        return TargetFeatures(0, self._slice(0, self.full_length))
+    @property
+    def context(self) -> torch.Tensor:
+        """The committed sequence [n] (read-only: ``commit`` extends it)."""
+        return self._context
 
     @property
     def target_lag(self) -> int:
         """Committed tokens (before the pending last one) the full target has not processed."""
-        return len(self.context) - 1 - self.full_length
+        return len(self._context) - 1 - self.full_length
 
-    def target_logits(self, draft_tokens: torch.Tensor, with_hidden: bool = False):
-        """Full-target logits [k+1, V]: row i scores draft token i, row k gives the bonus token.
+    # -- passes ------------------------------------------------------------------------------
+    def _forward(self, tokens: torch.Tensor, logits_for: int, with_hidden: bool = False, **kwargs) -> PassResult:
+        """A pass on the target's cache, with the hidden states the feature log needs (and
+        those asked for)."""
+        recording = self.features is not None
+        return self.runner.forward(tokens, logits_for=logits_for, with_hidden=with_hidden or recording,
+                                   hidden_layers=self.feature_layers if recording else (), **kwargs)
 
-        ``with_hidden`` also returns the final hidden states [k+1, H] of the same rows: row i
-        (i ≥ 1) is the state at draft token i's own position (what a judge head reads).
+    def _record(self, start: int, hidden: torch.Tensor | None) -> None:
+        if self.features is not None:
+            self.features.write(start, hidden)
+
+    def prefill(self, prompt_ids: torch.Tensor) -> None:
+        """Commit the prompt. The target processes all but its last token, which is fed with the
+        first draft (so every verification pass is "pending committed tokens + draft")."""
+        self._context = prompt_ids.clone()
+        if len(prompt_ids) > 1:
+            result = self._forward(prompt_ids[:-1], logits_for=1)
+            self._record(0, result.hidden)
+        self.full_length = self.runner.length
+        if self.features is not None:
+            self.features.commit(self.full_length)
+
+    def target_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
+        """``target_pass(draft_tokens).logits``: what most rules need."""
+        return self.target_pass(draft_tokens).logits
+
+    def target_pass(self, draft_tokens: torch.Tensor, with_hidden: bool = False) -> PassResult:
+        """One full-target pass over the pending committed tokens and ``draft_tokens`` [k]:
+        logits [k+1, V] (row i scores draft token i, row k gives the bonus token) and, with
+        ``with_hidden``, the final hidden states [k+1, H] of the same rows (row i ≥ 1 is the
+        state at draft token i's own position: what a judge head reads).
         """
         if self.runner.length > self.full_length:
             self.runner.rollback(self.full_length)  # drop slim-only KV; recomputed in this pass
         start = self.full_length
-        pending = self.context[start:]
         k = int(draft_tokens.shape[0])
-        tokens, pad = self._padded(torch.cat([pending, draft_tokens]))
-        capture = with_hidden or self.record_features
-        result = self.runner.forward(tokens, logits_for=k + 1 + pad, with_hidden=capture,
-                                     hidden_layers=self.feature_layers if self.record_features else ())
+        tokens, pad = self._padded(torch.cat([self._context[start:], draft_tokens]))
+        result = self._forward(tokens, logits_for=k + 1 + pad, with_hidden=with_hidden)
         self.target_calls += 1
         self.full_length = self.runner.length
-        if not capture:
-            return result[: k + 1]
-        logits, hidden = result
         real = len(tokens) - pad
-        if self.record_features:
-            self._store(start, hidden[:real], approximate=False)
-        if with_hidden:
-            return logits[: k + 1], hidden[real - (k + 1) : real, : self.hidden_size]
-        return logits[: k + 1]
+        if self.features is not None:
+            self._record(start, result.hidden[:real])
+        hidden = result.hidden[real - (k + 1) : real, : self.hidden_size] if with_hidden else None
+        return PassResult(result.logits[: k + 1], hidden)
 
     def target_tree_logits(self, tree) -> torch.Tensor:
-        """Full-target logits [1 + m, V] of a token tree (``tree.TokenTree``, docs/algorithms.md §Token trees) in one
-        pass: row 0 after the last committed token (the root), row 1 + i after node i. The nodes'
-        KV stays in the cache after the committed tokens until ``keep_tree_path`` keeps the
-        accepted path's (the loop calls it after the verdict)."""
+        """Full-target logits [1 + m, V] of a token tree (``tree.TokenTree``, docs/algorithms.md
+        §Token trees) in one pass: row 0 after the last committed token (the root), row 1 + i
+        after node i. The nodes' KV stays in the cache after the committed tokens until
+        ``commit`` keeps the accepted path's."""
         from .tree import tree_pass
 
         if self.runner.length > self.full_length:
             self.runner.rollback(self.full_length)
         start = self.full_length
-        pending = self.context[start:]
+        pending = self._context[start:]
         m = len(tree)
-        unpadded = len(pending) + m
-        pad = self.forward_costs.padded_size(unpadded) - unpadded if self.forward_costs is not None and unpadded > 1 else 0
-        layout = tree_pass(pending, tree, pad)
-        result = self.runner.forward(layout.tokens, logits_for=m + 1 + pad, with_hidden=self.record_features,
-                                     hidden_layers=self.feature_layers if self.record_features else (),
-                                     offsets=layout.offsets, attends=layout.attends)
+        layout = tree_pass(pending, tree, self._pad_count(len(pending) + m))
+        result = self._forward(layout.tokens, logits_for=m + 1 + layout.padding, offsets=layout.offsets,
+                               attends=layout.attends)
         self.target_calls += 1
-        logits = result[0] if self.record_features else result
-        self._tree_pass = (start, layout.pending, result[1][: layout.pending + m] if self.record_features else None)
-        return logits[: m + 1]
-
-    def keep_tree_path(self, path: list[int]) -> None:
-        """After a tree pass: keep the KV (and the features) of the accepted ``path``'s nodes as
-        the positions after the committed tokens, drop the other nodes' (``CachedModel.compact``)."""
-        start, pending, hidden = self._tree_pass
-        committed = start + pending
-        self.runner.compact(committed, committed + torch.tensor(path, dtype=torch.long))
-        self.full_length = self.runner.length
-        if hidden is not None:
-            self._store(start, hidden[:pending], approximate=False)
-            if path:
-                self._store(committed, hidden[pending + torch.tensor(path)], approximate=False)
-        self._tree_pass = None
+        hidden = result.hidden[: layout.pending + m] if self.features is not None else None
+        self._tree_pass = (start, layout.pending, hidden)
+        return result.logits[: m + 1]
 
     def slim_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
         """Slim-verifier logits [k+1, V] (the target under ``slim_mask``), same layout."""
         if self.slim_mask is None:
             raise ValueError("this generation has no slim verifier (no routing mask was given)")
         start = self.runner.length
-        pending = self.context[start:]
         k = int(draft_tokens.shape[0])
-        tokens, pad = self._padded(torch.cat([pending, draft_tokens]))
-        result = self.runner.forward(tokens, logits_for=k + 1 + pad, mask=self.slim_mask, with_hidden=self.record_features,
-                                     hidden_layers=self.feature_layers if self.record_features else (),
-                                     vocabulary=self.slim_vocabulary)
+        tokens, pad = self._padded(torch.cat([self._context[start:], draft_tokens]))
+        result = self._forward(tokens, logits_for=k + 1 + pad, mask=self.slim_mask, vocabulary=self.slim_vocabulary)
         self.slim_calls += 1
-        if self.record_features:
-            logits, hidden = result
-            self._store(start, hidden[: len(tokens) - pad], approximate=True)
-            return logits[: k + 1]
-        return result[: k + 1]
+        if self.features is not None:  # the slim model's features, until a full pass rewrites them
+            self._record(start, result.hidden[: len(tokens) - pad])
+        return result.logits[: k + 1]
+
+    def _pad_count(self, n: int) -> int:
+        """Rows to add to an n-token pass (a one-token pass is never padded)."""
+        return self.forward_costs.padded_size(n) - n if self.forward_costs is not None and n > 1 else 0
 
     def _padded(self, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
-        if self.forward_costs is None or len(tokens) < 2:
-            return tokens, 0
-        pad = self.forward_costs.padded_size(len(tokens)) - len(tokens)
+        pad = self._pad_count(len(tokens))
         return (torch.cat([tokens, tokens[-1:].expand(pad)]), pad) if pad else (tokens, 0)
 
-    # -- rollback ----------------------------------------------------------------------------
-    def rollback(self, committed_length: int) -> None:
-        """Trim the cache to the committed tokens it has processed (the last committed token is
-        fed with the next draft). Invariant afterwards: full_length ≤ runner.length ≤ committed − 1,
-        and every layer holds KV for exactly the positions the model has processed."""
-        keep = committed_length - 1
+    # -- commit and rollback --------------------------------------------------------------------
+    def commit(self, new_tokens: list[int], tree_path: list[int] | None = None) -> torch.Tensor:
+        """Append a cycle's ``new_tokens`` to the committed sequence and roll every cache back to
+        the committed tokens it has processed; returns the new committed sequence.
+
+        After a tree pass, ``tree_path`` (the accepted nodes, root first) says whose KV and
+        features to keep as the positions after the committed tokens (``CachedModel.compact``)
+        before the rollback.
+
+        Invariant afterwards: full_length ≤ runner.length ≤ committed − 1, every layer holds KV
+        for exactly the positions the model has processed, and the feature log's committed
+        rows are those positions' features."""
+        if (self._tree_pass is None) != (tree_path is None):
+            raise ValueError("a tree pass's verdict is committed with its path, and only a tree pass's")
+        if tree_path is not None:
+            self._keep_tree_path(tree_path)
+        self._context = torch.cat([self._context, torch.tensor(new_tokens, dtype=torch.long)])
+        keep = len(self._context) - 1  # the last committed token is fed with the next draft
         self.runner.rollback(min(self.runner.length, keep))
         self.full_length = min(self.full_length, keep)
+        if self.features is not None:
+            self.features.commit(self.runner.length)
+        return self._context
 
-    # -- features for a draft head -------------------------------------------------------------
-    def _store(self, start: int, hidden: torch.Tensor, approximate: bool) -> None:
-        end = start + int(hidden.shape[0])
-        if self._features is None or self._features.shape[0] < end:
-            capacity = max(256, end, 0 if self._features is None else 2 * self._features.shape[0])
-            grown = hidden.new_empty(capacity, hidden.shape[-1])
-            if self._features is not None:
-                grown[: self._features.shape[0]] = self._features
-            self._features = grown
-        self._features[start:end] = hidden
-        positions = range(start, end)
-        if approximate:
-            self._approximate.update(positions)
-        else:
-            self._approximate.difference_update(positions)
-
-    def _slice(self, start: int, end: int) -> torch.Tensor:
-        if self._features is None:  # nothing processed yet (a one-token prompt)
-            width = self.hidden_size * (1 + len(self.feature_layers))
-            return torch.empty(0, width)
-        return self._features[start:end]
-
-    def take_features(self) -> TargetFeatures | None:
-        """Features of committed positions processed since the last call (None when none)."""
-        if not self.record_features:
-            return None
-        end = self.runner.length  # committed positions processed by some pass
-        start = min(self._handed, end)
-        self._handed = end
-        if end <= start:
-            return None
-        approximate = any(p in self._approximate for p in range(start, end))
-        return TargetFeatures(start, self._slice(start, end).clone(), approximate)
+    def _keep_tree_path(self, path: list[int]) -> None:
+        start, pending, hidden = self._tree_pass
+        committed = start + pending
+        self.runner.compact(committed, committed + torch.tensor(path, dtype=torch.long))
+        self.full_length = self.runner.length
+        if hidden is not None:
+            self._record(start, hidden[:pending])
+            if path:
+                self._record(committed, hidden[pending + torch.tensor(path)])
+        self._tree_pass = None
 
     def draft_view(self) -> TargetDraftView:
         return _DraftView(self)
@@ -407,11 +398,17 @@ class _DraftView(TargetDraftView):
         if verifiers.runner.length > verifiers.full_length and not getattr(self, "_drafting", False):
             verifiers.runner.rollback(verifiers.full_length)  # draft on full-model KV only
         self._drafting = True
-        return verifiers.runner.forward(tokens, logits_for=1, mask=mask)[-1]
+        return verifiers.runner.forward(tokens, logits_for=1, mask=mask).logits[-1]
 
     def discard(self) -> None:
         self._drafting = False
         self.verifiers.runner.rollback(min(self.verifiers.runner.length, self.verifiers.full_length))
+
+    def full_model_cache(self) -> CachedModel:
+        verifiers = self.verifiers
+        if verifiers.runner.length > verifiers.full_length:
+            verifiers.runner.rollback(verifiers.full_length)
+        return verifiers.runner
 
     def replay_window(self, start: int, tokens: torch.Tensor, mask) -> torch.Tensor:
         verifiers = self.verifiers
@@ -485,33 +482,77 @@ def decode(
     check_tree_rule(drafter, rule)
     max_positions = getattr(target.model.config, "max_position_embeddings", None)
     prompt_ids = check_prompt(prompt_ids, max_positions, config.max_new_tokens, target.vocab_size)
-    verifiers = Verifiers(target, slim_mask=method.slim_mask, forward_costs=method.forward_costs,
+    source = None
+    if is_encoder_decoder(target.model):  # the prompt is the encoder's; the loop decodes the decoder's sequence
+        source, prompt_ids = prompt_ids, decoder_start(target.model)
+    drafter.set_source(source)
+    # Every position this generation can reach: the prompt, the budget, and the last verification
+    # pass's draft and padding past the budget.
+    positions = len(prompt_ids) + config.max_new_tokens + 64
+    verifiers = Verifiers(target, positions, slim_mask=method.slim_mask, forward_costs=method.forward_costs,
                           record_features=drafter.needs_target_features,
                           feature_layers=getattr(drafter, "feature_layers", ()),
-                          slim_vocabulary=getattr(method, "slim_vocabulary", None))
+                          slim_vocabulary=getattr(method, "slim_vocabulary", None), source=source)
     eos = set(config.eos_token_ids)
-    # The KV buffer for everything this generation can hold (the last verification pass may run a
-    # draft and its padding past the budget); a longer pass still grows it.
-    verifiers.runner.reserve(len(prompt_ids) + config.max_new_tokens + 64)
     noise = Noise(seed, target.vocab_size)
 
     with torch.inference_mode():
-        features = verifiers.prefill(prompt_ids)
-        drafter.start(prompt_ids, features, verifiers.draft_view() if drafter.uses_target_cache else None)
+        verifiers.prefill(prompt_ids)
+        drafter.start(prompt_ids, verifiers.features, verifiers.draft_view() if drafter.uses_target_cache else None)
         policy.start()
-    context = prompt_ids.clone()
-    verifiers.context = context
     emitted_total = 0
     cycle = _tree_cycle if getattr(drafter, "proposes_trees", False) else _cycle
     while emitted_total < config.max_new_tokens:
         with torch.inference_mode():
-            step, context = cycle(verifiers, drafter, rule, policy, context, config, emitted_total, eos, noise)
+            step = cycle(verifiers, drafter, rule, policy, config, emitted_total, eos, noise)
         emitted_total += len(step.new_tokens)
         if inspect is not None:
             inspect(verifiers, drafter)
         yield step
         if step.finished:
             return
+
+
+class DecodeRun:
+    """One generation, iterated step by step, with the totals every caller reads: the one place
+    a generation's ``GenerationStats`` is built and its wall clock read.
+
+    Iterating runs ``decode`` (same arguments) and yields its ``Step``s; meanwhile each cycle is
+    added to ``stats`` and the committed tokens to ``token_ids``. ``stats.wall_seconds`` runs from
+    the first step asked for (the prefill is in it) to the latest step handed out, or to the end
+    of the generation once it is exhausted (docs/metrics.md §Generation statistics). ``finish()``
+    runs it to the end; ``close()`` stops it early."""
+
+    def __init__(self, target: LoadedModel, method, prompt_ids: torch.Tensor, config: DecodeConfig,
+                 seed: int | torch.Generator | None = None, inspect: Callable[[Verifiers, Drafter], None] | None = None):
+        self._steps = decode(target, method, prompt_ids, config, seed, inspect)
+        self.stats = GenerationStats()
+        self.token_ids: list[int] = []
+        self._started: float | None = None
+
+    def __iter__(self) -> DecodeRun:
+        return self
+
+    def __next__(self) -> Step:
+        if self._started is None:
+            self._started = time.perf_counter()
+        try:
+            step = next(self._steps)
+        finally:
+            self.stats.wall_seconds = time.perf_counter() - self._started
+        self.stats.add(step.cycle)
+        self.token_ids.extend(step.new_tokens)
+        return step
+
+    def finish(self) -> DecodeRun:
+        """Run the generation to its end; returns this run (``token_ids`` and ``stats`` complete)."""
+        for _ in self:
+            pass
+        return self
+
+    def close(self) -> None:
+        """Stop the generation (a suspended one holds the target's cache until closed)."""
+        self._steps.close()
 
 
 def check_tree_rule(drafter: Drafter, rule) -> None:
@@ -528,9 +569,10 @@ def check_tree_rule(drafter: Drafter, rule) -> None:
                             f"For '{rule.name}', use a chain drafter instead (methods eagle, hybrid, pld).")
 
 
-def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, policy: DraftPolicy, context: torch.Tensor,
-           config: DecodeConfig, emitted_total: int, eos: set[int], noise: Noise) -> tuple[Step, torch.Tensor]:
+def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, policy: DraftPolicy,
+           config: DecodeConfig, emitted_total: int, eos: set[int], noise: Noise) -> Step:
     started = time.perf_counter()
+    context = verifiers.context
     target_calls, slim_calls = verifiers.target_calls, verifiers.slim_calls
     remaining = config.max_new_tokens - emitted_total
     # Never draft past the budget: the cycle emits at most k + 1 tokens.
@@ -544,7 +586,7 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
 
     # Commit: accepted prefix + the correction/bonus token, cut at EOS and the budget.
     emitted = proposal.tokens[: verdict.accepted].tolist() + [verdict.next_token]
-    new_tokens, context, finished = _commit(emitted, verifiers, drafter, context, config, emitted_total, eos, noise)
+    new_tokens, finished = _commit(emitted, verifiers, drafter, config, emitted_total, eos, noise)
 
     k = len(proposal)
     ended = time.perf_counter()
@@ -565,14 +607,15 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
         draft_seconds=drafted_at - started,
         deciders=verdict.deciders[: len(new_tokens)],
     )
-    return Step(new_tokens, cycle, finished), context
+    return Step(new_tokens, cycle, finished)
 
 
-def _commit(new_tokens: list[int], verifiers: Verifiers, drafter: Drafter, context: torch.Tensor,
-            config: DecodeConfig, emitted_total: int, eos: set[int], noise: Noise) -> tuple[list[int], torch.Tensor, bool]:
-    """Commit a cycle's tokens (accepted drafts + the correction/bonus token), cut after an EOS
-    and at the token budget; then roll every cache back to exactly the committed tokens it has
-    processed. Returns (the tokens committed, the new context, whether generation is finished)."""
+def _commit(new_tokens: list[int], verifiers: Verifiers, drafter: Drafter, config: DecodeConfig, emitted_total: int,
+            eos: set[int], noise: Noise, tree_path: list[int] | None = None) -> tuple[list[int], bool]:
+    """Commit a cycle's tokens (accepted drafts + the correction/bonus token; after a tree pass,
+    ``tree_path`` the accepted nodes), cut after an EOS and at the token budget: the verifiers
+    extend the committed sequence and roll their caches back, the drafter rolls its state back
+    to the new length. Returns (the tokens committed, whether generation is finished)."""
     finished = False
     for i, token in enumerate(new_tokens):
         if token in eos:
@@ -580,21 +623,20 @@ def _commit(new_tokens: list[int], verifiers: Verifiers, drafter: Drafter, conte
             finished = True
             break
     new_tokens = new_tokens[: config.max_new_tokens - emitted_total]
-    context = torch.cat([context, torch.tensor(new_tokens, dtype=torch.long)])
-    verifiers.context = context
-    noise.forget_before(len(context))
+    committed = len(verifiers.commit(new_tokens, tree_path))
+    noise.forget_before(committed)
     finished = finished or emitted_total + len(new_tokens) >= config.max_new_tokens
-    verifiers.rollback(len(context))
-    drafter.commit(len(context), verifiers.take_features())
-    return new_tokens, context, finished
+    drafter.commit(committed)
+    return new_tokens, finished
 
 
-def _tree_cycle(verifiers: Verifiers, drafter: Drafter, rule, policy: DraftPolicy, context: torch.Tensor,
-                config: DecodeConfig, emitted_total: int, eos: set[int], noise: Noise) -> tuple[Step, torch.Tensor]:
+def _tree_cycle(verifiers: Verifiers, drafter: Drafter, rule, policy: DraftPolicy, config: DecodeConfig,
+                emitted_total: int, eos: set[int], noise: Noise) -> Step:
     """``_cycle`` for a tree drafter (docs/algorithms.md §Token trees): the drafter proposes a token tree no deeper than
     the tokens left allow, the rule walks it after one target pass, the loop keeps the accepted
     path's KV and commits path + next token. ``policy.observe_tree`` sees every verdict."""
     started = time.perf_counter()
+    context = verifiers.context
     target_calls = verifiers.target_calls
     remaining = config.max_new_tokens - emitted_total
     block = None if config.sampling.greedy else noise.block(len(context))
@@ -602,10 +644,9 @@ def _tree_cycle(verifiers: Verifiers, drafter: Drafter, rule, policy: DraftPolic
     drafted_at = time.perf_counter()
     tree = proposal.tree
     verdict = rule.verify_tree(verifiers, tree, config.sampling, block)
-    verifiers.keep_tree_path(verdict.path)
 
     emitted = tree.tokens[verdict.path].tolist() + [verdict.next_token]
-    new_tokens, context, finished = _commit(emitted, verifiers, drafter, context, config, emitted_total, eos, noise)
+    new_tokens, finished = _commit(emitted, verifiers, drafter, config, emitted_total, eos, noise, verdict.path)
     if hasattr(policy, "observe_tree"):
         policy.observe_tree(proposal, verdict)
     ended = time.perf_counter()
@@ -625,4 +666,4 @@ def _tree_cycle(verifiers: Verifiers, drafter: Drafter, rule, policy: DraftPolic
         deciders=verdict.deciders[: len(new_tokens)],
         tree_depth=tree.depth,
     )
-    return Step(new_tokens, cycle, finished), context
+    return Step(new_tokens, cycle, finished)

@@ -10,3 +10,7 @@ from __future__ import annotations
 
 class TierspecError(ValueError):
     """Bad input or settings, a missing or damaged file: the message says what to do."""
+
+
+class ModelLoadError(TierspecError):
+    """A model spec could not be resolved or loaded; the message says what to do."""

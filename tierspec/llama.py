@@ -80,7 +80,7 @@ class KVLayer:
     """One layer's keys and values [b, kv_heads, T, d] in a position-indexed buffer: a pass writes
     its new positions in place, a rollback only moves ``length`` (nothing is copied or freed).
     The target's layers (``KVCache``), the draft head's layer (``eagle.head.HeadRunner``) and
-    transformers models' layers (``models.CachedModel``) all keep their KV in it.
+    transformers models' layers (``cached_model.CachedModel``) all keep their KV in it.
 
     The buffer holds ``reserve``'s positions (the decode loop reserves prompt + budget), allocated
     at the first write when the shapes are known, in whole ``KEY_BLOCK``s. A write past it (a
@@ -489,12 +489,19 @@ class DecoderLayer(torch.nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, hidden_states: torch.Tensor, layout: PassLayout, cache: KVLayer | None) -> torch.Tensor:
-        attention, mlp = self.self_attn, self.mlp
-        if not getattr(attention, "bypassed", False):
-            hidden_states = hidden_states + attention.forward(self.input_layernorm.forward(hidden_states), layout, cache)
-        if not getattr(mlp, "bypassed", False):
-            hidden_states = hidden_states + mlp.forward(self.post_attention_layernorm.forward(hidden_states))
+        if not getattr(self.self_attn, "bypassed", False):
+            hidden_states = self.attention_block(hidden_states, layout, cache)
+        if not getattr(self.mlp, "bypassed", False):
+            hidden_states = self.mlp_block(hidden_states)
         return hidden_states
+
+    # The layer's two residual units, also run one at a time by CLaSP's layer selection
+    # (``tierspec.clasp``), which bypasses each on its own.
+    def attention_block(self, hidden_states: torch.Tensor, layout: PassLayout, cache: KVLayer | None) -> torch.Tensor:
+        return hidden_states + self.self_attn.forward(self.input_layernorm.forward(hidden_states), layout, cache)
+
+    def mlp_block(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states + self.mlp.forward(self.post_attention_layernorm.forward(hidden_states))
 
 
 @dataclass

@@ -27,6 +27,8 @@ from .rules.cascade import DEFERRALS, CascadeRule
 from .rules.exact import SAMPLING_RULES
 from .rules.lossy import LossyRule
 from .rules.via import ViaRule
+from .seq2seq import Seq2SeqModelDrafter, check_same_family, is_encoder_decoder
+from .seq2seq import check_method as check_seq2seq_method
 
 DRAFTER_KINDS = ("auto", "model", "ngram", "self", "eagle")
 SLIM_VOCABULARIES = ("full", "draft-head")
@@ -47,6 +49,13 @@ class MethodOptions:
     mask: RoutingMask | None = _option(None, "routing mask JSON from `tierspec route` (self; via's slim verifier)", kind="mask")
     confidence_threshold: float = _option(0.8, "self/swift drafters: stop drafting below this top probability")
     swift_ratio: float = _option(0.45, "SWIFT: fraction of sub-layers skipped while drafting")
+    clasp_ratio: float = _option(0.45, "CLaSP: fraction of sub-layers skipped while drafting")
+    clasp_interval: int = _option(8, "CLaSP: verified tokens between two layer selections")
+    pearl_gamma: int | None = _option(None, "PEARL: block length while blocks are kept; γ + 1 tokens are drafted during "
+                                      "each target pass (default: a target pass's weight bytes over a draft step's, "
+                                      "PEARL's speed ratio, less 1)")
+    pearl_threads: int | None = _option(1, "PEARL: intra-op threads of the drafter and of the target while both run "
+                                        "(0: no overlap, the same drafts made before each target pass)")
     drafter_kind: str = _option("auto", "drafter of lossy/bild/cascade/via/judge: auto = --drafter model if given, "
                                 "else n-gram lookup; eagle = the trained draft head", flag="--draft-with", choices=DRAFTER_KINDS)
     draft_mask: RoutingMask | None = _option(None, "routing mask of the self-speculative drafter (--draft-with self)", kind="mask")
@@ -76,7 +85,8 @@ class MethodOptions:
                                    "distribution is renormalised over those tokens)", choices=SLIM_VOCABULARIES)
 
     def __post_init__(self) -> None:
-        for name in ("num_draft", "ngram_size", "csd_model_positions", "csd_inner_draft", "adaptive_max_draft"):
+        for name in ("num_draft", "ngram_size", "csd_model_positions", "csd_inner_draft", "adaptive_max_draft",
+                     "clasp_interval"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name != "num_draft" and name != "csd_inner_draft" else 0):
                 raise MethodOptionError(f"{name} must be an integer >= {0 if name in ('num_draft', 'csd_inner_draft') else 1}, "
@@ -91,6 +101,12 @@ class MethodOptions:
                                     f"{', '.join(SAMPLING_RULES)}")
         if self.drafter_kind not in DRAFTER_KINDS:
             raise MethodOptionError(f"unknown drafter kind '{self.drafter_kind}'; choose one of: {', '.join(DRAFTER_KINDS)}")
+        for name, least in (("pearl_gamma", 1), ("pearl_threads", 0)):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise MethodOptionError(f"{name} must be an integer >= {least}, got {value!r}")
+        if not 0.0 < self.clasp_ratio < 1.0:
+            raise MethodOptionError(f"clasp_ratio must be in (0, 1), got {self.clasp_ratio}")
         for name in ("confidence_threshold", "fallback"):
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
@@ -114,7 +130,7 @@ class Method:
     policy: DraftPolicy
     description: str
     slim_mask: RoutingMask | None = None  # VIA-SD's slim verifier
-    slim_vocabulary: object | None = None  # models.SlimVocabulary: the slim tier scores only these tokens
+    slim_vocabulary: object | None = None  # cached_model.SlimVocabulary: the slim tier scores only these tokens
     forward_costs: object | None = None  # costs.ForwardCosts: pad verification passes to cheap sizes
 
 
@@ -130,8 +146,11 @@ def _ar(target, drafter_model, options) -> Method:
 def _model_drafter(target: LoadedModel, drafter_model: LoadedModel | None) -> ModelDrafter:
     if drafter_model is None:
         # The target drafting for itself always agrees: slow, but needs no second model.
-        return ModelDrafter(target.model, target.vocab_size)
+        drafter_model = target
     check_vocabularies(target, drafter_model)
+    if is_encoder_decoder(target.model) or is_encoder_decoder(drafter_model.model):
+        check_same_family(target, drafter_model)
+        return Seq2SeqModelDrafter(drafter_model.model, target.vocab_size)
     return ModelDrafter(drafter_model.model, target.vocab_size)
 
 
@@ -171,6 +190,55 @@ def _swift(target, drafter_model, options) -> Method:
     return Method("swift", drafter, ExactRule(options.sampling_rule),
                   ConfidenceStop(options.num_draft, options.confidence_threshold),
                   "SWIFT: self-speculative decoding with the mask optimised on the fly")
+
+
+def _clasp(target, drafter_model, options) -> Method:
+    from .drafters.clasp import ClaspDrafter
+
+    drafter = ClaspDrafter(target.identity.num_layers, options.clasp_ratio, "sublayer", options.clasp_interval)
+    return Method("clasp", drafter, ExactRule(options.sampling_rule),
+                  ConfidenceStop(options.num_draft, options.confidence_threshold),
+                  "CLaSP: self-speculative decoding with the skipped sub-layers re-chosen in context by dynamic programming")
+
+
+def _pearl_drafter(name: str, target: LoadedModel, drafter_model: LoadedModel | None, mask: RoutingMask | None,
+                   options: MethodOptions):
+    """PEARL's drafter: the drafter model when given, else the target under ``mask`` as a second
+    module tree over the same weights (``routing.masked_copy``: it must run while the target runs).
+    ``gamma`` defaults to PEARL's speed ratio (a target pass over a draft step, taken as their
+    weight bytes: docs/algorithms.md §Compute-weighted routing, a CPU pass costs what it streams)
+    less one, since the thread drafts γ + 1 tokens per pass."""
+    from .drafters.pearl import PearlDrafter
+    from .routing import masked_copy
+
+    if drafter_model is not None:
+        check_vocabularies(target, drafter_model)
+        inner = ModelDrafter(drafter_model.model, target.vocab_size)
+    else:
+        if mask is None:
+            raise MissingMaskError(f"method '{name}' drafts with a drafter model (--drafter) or with the target under a "
+                                   "routing mask: pass --draft-mask mask.json (from `tierspec route`)"
+                                   + ("" if name == "via-pearl" else " or --mask mask.json"))
+        mask.check_model(target.identity)
+        inner = ModelDrafter(masked_copy(target.model, mask), target.vocab_size)
+    gamma = options.pearl_gamma
+    if gamma is None:  # the thread drafts γ + 1 steps per target pass (PearlDrafter)
+        gamma = max(1, round(streamed_weights(target.model) / streamed_weights(inner.runner.model)) - 1)
+    return PearlDrafter(inner, gamma, options.pearl_threads), FixedLength(gamma + 1)
+
+
+def _pearl(target, drafter_model, options) -> Method:
+    drafter, policy = _pearl_drafter("pearl", target, drafter_model, options.draft_mask or options.mask, options)
+    return Method("pearl", drafter, ExactRule(options.sampling_rule), policy,
+                  "PEARL: lossless; the drafter drafts the next block while the target verifies this one")
+
+
+def _via_pearl(target, drafter_model, options) -> Method:
+    mask = _require_mask("via-pearl", target, options)
+    drafter, policy = _pearl_drafter("via-pearl", target, drafter_model, options.draft_mask, options)
+    return Method("via-pearl", drafter, _via_rule(options), policy,
+                  "VIA-SD + PEARL: PEARL's parallel drafting, verified by the slim verifier and the full target when unsure",
+                  slim_mask=mask, slim_vocabulary=_slim_vocabulary(target, options))
 
 
 def draft_head_for(target: LoadedModel, options: MethodOptions):
@@ -270,7 +338,7 @@ def _slim_vocabulary(target: LoadedModel, options: MethodOptions):
     """The slim tier's vocabulary (None: all tokens); ``draft-head``: the draft head's K tokens."""
     if options.slim_vocabulary == "full":
         return None
-    from .models import SlimVocabulary
+    from .cached_model import SlimVocabulary
 
     return SlimVocabulary(target.model, draft_head_for(target, options).draft_ids)
 
@@ -382,7 +450,7 @@ def _hybrid(target, drafter_model, options) -> Method:
 def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int]):
     """A tree policy (``drafters.tree.TreePolicy``) on the target's pass costs for up to 16 tokens
     (a tree is wider than a chain): nodes per pass up to the table's size − 1."""
-    from .costs import forward_costs
+    from .costs import forward_costs, tree_call_seconds
     from .drafters.tree import TreePolicy
 
     if not hasattr(target.model, "new_kv_cache"):
@@ -395,7 +463,8 @@ def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int]):
         table = tables[16]
     target_weights = streamed_weights(target.model)
     fractions = {source: weights / target_weights for source, weights in drafter_weights.items()}
-    return TreePolicy(max_nodes=table.max_tokens - 1, forward_costs=table, draft_fractions=fractions), table
+    return TreePolicy(max_nodes=table.max_tokens - 1, forward_costs=table, draft_fractions=fractions,
+                      path_call_seconds=tree_call_seconds(target)), table
 
 
 def _eagle_tree(target, drafter_model, options) -> Method:
@@ -434,6 +503,8 @@ _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], 
     "hybrid-tree": _hybrid_tree,
     "self": _self,
     "swift": _swift,
+    "clasp": _clasp,
+    "pearl": _pearl,
     "lossy": _lossy,
     "bild": _bild,
     "cascade": _cascade,
@@ -441,6 +512,7 @@ _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], 
     "via": _via,
     "judge": _judge,
     "via-judge": _via_judge,
+    "via-pearl": _via_pearl,
 }
 
 #: The fastest lossless method measured (BENCHMARKS.md: the draft-head report): the default
@@ -481,4 +553,6 @@ def build_method(
 ) -> Method:
     """The method called ``name``; a drafter model is checked against the target."""
     check_method_name(name)
+    if is_encoder_decoder(target.model):
+        check_seq2seq_method(name, options)
     return _BUILDERS[name](target, drafter, options)

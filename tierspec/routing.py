@@ -185,7 +185,12 @@ class _BypassedMLP(torch.nn.Module):
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder's layer list of an HF causal LM (``model.model.layers`` for Llama-likes)."""
+    """The decoder's layer list of an HF causal LM (``model.model.layers`` for Llama-likes), or
+    of an encoder–decoder model's decoder (``seq2seq.decoder_blocks``)."""
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        from .seq2seq import decoder_blocks
+
+        return decoder_blocks(model)
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None) or getattr(model, "model", None)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, torch.nn.ModuleList):
@@ -218,6 +223,12 @@ def apply_mask(model: torch.nn.Module, mask: RoutingMask | None) -> Iterator[tor
     if mask is None or mask.empty:
         yield model
         return
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
+        from .seq2seq import apply_decoder_mask  # T5's blocks take other stand-ins
+
+        with apply_decoder_mask(model, mask):
+            yield model
+        return
     with model_lock(model):
         with _masked(model, mask):
             yield model
@@ -225,6 +236,16 @@ def apply_mask(model: torch.nn.Module, mask: RoutingMask | None) -> Iterator[tor
 
 @contextmanager
 def _masked(model: torch.nn.Module, mask: RoutingMask) -> Iterator[None]:
+    swapped = _swap_in(model, mask)
+    try:
+        yield
+    finally:
+        _swap_back(swapped)
+
+
+def _swap_in(model: torch.nn.Module, mask: RoutingMask) -> list[tuple[torch.nn.Module, str, torch.nn.Module]]:
+    """Swap ``mask``'s bypassed modules of ``model`` for stand-ins; return (owner, name, original)
+    for each swap, in order (a failure part-way puts the earlier swaps back before raising)."""
     layers = decoder_layers(model)
     if len(layers) != mask.num_layers:
         raise RoutingMaskError(f"mask is for {mask.num_layers} layers, the model has {len(layers)}")
@@ -246,10 +267,36 @@ def _masked(model: torch.nn.Module, mask: RoutingMask) -> Iterator[None]:
                     )
                 swapped.append((layer, name, getattr(layer, name)))
                 setattr(layer, name, stand_in())
-        yield
-    finally:
-        for owner, name, original in reversed(swapped):
-            if isinstance(owner, torch.nn.ModuleList):
-                owner[int(name)] = original
-            else:
-                setattr(owner, name, original)
+    except BaseException:
+        _swap_back(swapped)
+        raise
+    return swapped
+
+
+def _swap_back(swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]]) -> None:
+    for owner, name, original in reversed(swapped):
+        if isinstance(owner, torch.nn.ModuleList):
+            owner[int(name)] = original
+        else:
+            setattr(owner, name, original)
+
+
+def masked_copy(model: torch.nn.Module, mask: RoutingMask) -> torch.nn.Module:
+    """A second module tree over the very same weights with ``mask``'s units bypassed for good:
+    a self-drafter that must run *while* the target runs (PEARL, docs/algorithms.md §PEARL) cannot
+    use ``apply_mask``, which swaps modules of the target's own instance under its lock.
+
+    Every tensor the modules hold (parameters, buffers, packed weights kept as attributes) is
+    shared, not copied; only the small module objects are new, so the copy costs no weight
+    memory and has its own lock (``model_lock``)."""
+    import copy
+
+    shared: dict[int, object] = {}
+    for module in model.modules():
+        for value in (*module._parameters.values(), *module._buffers.values(), *vars(module).values()):
+            if isinstance(value, torch.Tensor):
+                shared[id(value)] = value
+    twin = copy.deepcopy(model, shared)
+    if mask is not None and not mask.empty:
+        _swap_in(twin, mask)
+    return twin

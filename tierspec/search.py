@@ -61,14 +61,20 @@ class Calibration:
     window: int  # τ: positions scored per sequence
     target_logprobs: torch.Tensor = field(repr=False, default=None)  # [B·τ, V]
     target_argmax: torch.Tensor = field(repr=False, default=None)  # [B·τ]
+    sources: list[torch.Tensor] | None = None  # an encoder–decoder target's B sources; sequences are decoder tokens
 
     @property
     def digest(self) -> str:
-        return hashlib.sha256(self.sequences.numpy().tobytes() + str(self.window).encode()).hexdigest()[:16]
+        sources = b"".join(s.numpy().tobytes() + b"|" for s in self.sources or ())
+        return hashlib.sha256(self.sequences.numpy().tobytes() + str(self.window).encode() + sources).hexdigest()[:16]
 
 
 def window_logits(model: torch.nn.Module, calibration: Calibration, mask: RoutingMask | None) -> torch.Tensor:
     """Logits [B·τ, V] predicting the window tokens, one cache-free batched pass."""
+    if calibration.sources is not None:  # the decoder against each source (routing covers decoder units only)
+        from .seq2seq import window_logits as decoder_window_logits
+
+        return decoder_window_logits(model, calibration.sources, calibration.sequences, calibration.window, mask)
     with torch.inference_mode(), apply_mask(model, mask):
         # Positions W−τ−1 .. W−2 predict the window tokens W−τ .. W−1.
         device = next(model.parameters()).device
@@ -90,7 +96,11 @@ def build_calibration(
     from tqdm.auto import tqdm
 
     from .api import generate
+    from .seq2seq import calibration_rows, is_encoder_decoder
 
+    if is_encoder_decoder(target.model):  # sources for the encoder, the target's greedy text for the decoder
+        sources, sequences = calibration_rows(target, prompts, window, progress)
+        return with_target_scores(target.model, Calibration(sequences, window, sources=sources))
     rows = []
     for text in tqdm(prompts, desc="calibration text", disable=not progress):
         out = generate(text, target=target, method="pld", max_new_tokens=window)

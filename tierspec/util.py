@@ -8,6 +8,20 @@ from pathlib import Path
 from typing import Callable
 
 
+def cache_root() -> Path:
+    """tierspec's own cache folder: ``$TIERSPEC_CACHE``, default ``~/.cache/tierspec`` (converted
+    GGUF models, measured cost tables)."""
+    return Path(os.environ.get("TIERSPEC_CACHE") or Path.home() / ".cache" / "tierspec")
+
+
+def quiet_transformers() -> None:
+    """Silence transformers' warnings and progress bars (imported here, on first use only)."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
 def default_file_mode() -> int:
     """The mode a plainly created file gets (0o666 less the umask); mkstemp's own is 0o600.
     The umask is read from /proc where it can be (setting it to read it back is not thread-safe)."""

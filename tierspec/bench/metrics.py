@@ -93,6 +93,11 @@ def target_nll(model: torch.nn.Module, prompt_ids: torch.Tensor, generated_ids: 
     """Mean negative log-likelihood (nats, temperature 1) the target assigns to the generated tokens."""
     if not generated_ids:
         return float("nan")
+    if getattr(model.config, "is_encoder_decoder", False):  # the prompt is the source; score the decoder's tokens
+        from ..seq2seq import decoder_logits
+
+        logprobs = decoder_logits(model, prompt_ids, generated_ids)[:-1].log_softmax(-1)
+        return float(-logprobs[torch.arange(len(generated_ids)), torch.tensor(generated_ids)].mean())
     ids = torch.cat([prompt_ids, torch.tensor(generated_ids, dtype=torch.long)])[None]
     n = len(generated_ids)
     with torch.inference_mode():

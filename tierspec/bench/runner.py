@@ -25,13 +25,14 @@ from pathlib import Path
 import torch
 
 from ..data import Prompt, load_prompts, select
-from ..decode import DecodeConfig, GenerationStats, decode
+from ..decode import DecodeConfig, DecodeRun, GenerationStats
 from ..errors import TierspecError
 from ..methods import MethodOptions, build_method, method_names, option_fields
 from ..models import LoadedModel, load_model, model_code, resolve_dtype
 from ..prompting import encode_prompt, eos_ids
 from ..routing import RoutingMask, model_lock
 from ..sampling import SamplingConfig
+from ..seq2seq import as_task_prompts, is_encoder_decoder
 from ..util import atomic_write_text
 from . import metrics
 from .llamacpp import LLAMACPP_PARAMETERS, LLAMACPP_PEERS, LlamaCppPeer
@@ -276,7 +277,7 @@ class MethodRunner:
             self.hf_kwargs = self._hf_kwargs(params, drafter, stock)
             return
         options = MethodOptions(num_draft=num_draft)
-        if config.mask and "mask" not in params and self.name in ("self", "via"):
+        if config.mask and "mask" not in params and self.name in ("self", "via", "pearl", "via-pearl"):
             params["mask"] = config.mask
         options = replace(options, **{k: _convert(spec, k, v, target) for k, v in params.items()})
         self.method = build_method(self.name, target, drafter, options)
@@ -302,14 +303,8 @@ class MethodRunner:
         if self.name in LLAMACPP_PEERS:
             return self.peer.run(prompt_ids, max_new_tokens, generator)
         config = DecodeConfig(max_new_tokens, self.sampling, self.eos)
-        stats = GenerationStats()
-        tokens: list[int] = []
-        started = time.perf_counter()
-        for step in decode(self.target, self.method, prompt_ids, config, generator):
-            tokens.extend(step.new_tokens)
-            stats.add(step.cycle)
-        stats.wall_seconds = time.perf_counter() - started
-        return Outcome(tokens, stats.wall_seconds, stats)
+        run = DecodeRun(self.target, self.method, prompt_ids, config, generator).finish()
+        return Outcome(run.token_ids, run.stats.wall_seconds, run.stats)
 
     def _run_hf(self, prompt_ids, max_new_tokens, generator) -> Outcome:
         model = self.hf_model
@@ -498,6 +493,8 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
     target = target or load_model(config.target, config.dtype, config.device, config.kernels, config.implementation)
     if drafter is None and config.drafter:
         drafter = load_model(config.drafter, config.dtype, config.device, config.kernels, config.implementation)
+    if is_encoder_decoder(target.model):  # the same prompts in T5's task format (summarize: / translate English to German:)
+        prompts = as_task_prompts(prompts, config.dataset, Path(config.data_dir) if config.data_dir else None)
     # The records say which code computed them ("auto" is resolved: it depends on the model).
     config = replace(config, implementation=model_code(target.model))
     if generate:

@@ -2,9 +2,9 @@
 the distribution each was drawn from.
 
 Drafters keep only their own state (their own KV cache, a lookup table, a draft head's cache).
-What they need from the target comes through the loop: the target's features for committed
-positions (``TargetFeatures``, for a draft head) and, for self-speculative drafting, a
-``TargetDraftView`` onto the target's cache that the loop's verifiers own.
+What they need from the target comes through the loop, owned by the loop's verifiers: the
+target's features of committed positions (``FeatureLog``, read by a draft head) and, for
+self-speculative drafting, a ``TargetDraftView`` onto the target's cache.
 """
 
 from __future__ import annotations
@@ -71,19 +71,45 @@ class Proposal:
         return Proposal(torch.empty(0, dtype=torch.long), drafter_calls=drafter_calls, source=source)
 
 
-@dataclass
-class TargetFeatures:
-    """The target's LM-head inputs f_t [n, H] for positions ``start`` .. ``start`` + n − 1 of the
-    committed sequence, from the verification passes that processed them (``approximate``: some
-    came from a slim-verifier pass, not the full target)."""
+class FeatureLog:
+    """The target's features by position of the committed sequence: the one record of them.
 
-    start: int
-    values: torch.Tensor
-    approximate: bool = False
+    Row t holds the LM head's input f_t [H] of position t, followed by the outputs of the decoder
+    layers a draft head fuses (width H·(1 + layers)), float32. The verifier passes that compute
+    features write them (``decode.Verifiers``: no extra pass); a draft head reads the rows of
+    committed positions, ``0 .. length − 1``, and keeps no copy. Rows past ``length`` belong to
+    a pass whose verdict is not committed yet (or was rolled back): not readable. A row written
+    by a slim-verifier pass (VIA-SD) is the slim model's feature until a full pass rewrites it.
+
+    The rows are allocated once for every position a generation can reach (a rollback only
+    moves ``length``)."""
+
+    def __init__(self, positions: int, width: int):
+        self._rows = torch.empty(positions, width)  # [positions, W]
+        self.length = 0  # committed positions with features
 
     @property
-    def end(self) -> int:
-        return self.start + int(self.values.shape[0])
+    def width(self) -> int:
+        return int(self._rows.shape[1])
+
+    def write(self, start: int, values: torch.Tensor) -> None:
+        """Features [n, W] of positions ``start`` .. ``start`` + n − 1 (committed or not yet)."""
+        end = start + int(values.shape[0])
+        if end > self._rows.shape[0]:
+            raise ValueError(f"features of positions up to {end} do not fit the log's {self._rows.shape[0]} "
+                             "(the generation's positions were reserved too short)")
+        self._rows[start:end] = values
+
+    def commit(self, length: int) -> None:
+        """Positions ``0 .. length − 1`` are committed and their rows written."""
+        self.length = length
+
+    def read(self, start: int, end: int) -> torch.Tensor:
+        """Features [end − start, W] of committed positions ``start .. end − 1`` (a view: valid
+        until the next pass writes)."""
+        if not 0 <= start <= end <= self.length:
+            raise ValueError(f"features of positions {start}..{end - 1} are not committed (the log holds {self.length})")
+        return self._rows[start:end]
 
 
 class TargetDraftView:
@@ -108,6 +134,12 @@ class TargetDraftView:
         reading the full-model KV before ``start``; the cache is restored afterwards (SWIFT)."""
         raise NotImplementedError
 
+    def full_model_cache(self):
+        """The target's ``CachedModel`` holding the full model's KV of the first ``length``
+        committed positions only (KV a slim pass added beyond them is dropped), for a drafter
+        that reads it in place and leaves it as it found it (CLaSP's layer selection)."""
+        raise NotImplementedError
+
 
 class Drafter:
     """Base class: proposes up to ``num_tokens`` tokens continuing the committed ``context``.
@@ -117,20 +149,26 @@ class Drafter:
     that position is drawn with: the drafts are then a function of the seed, and under the coupled
     rule a draft is kept whenever drafter and target choose the same token.
 
-    The loop calls ``start`` once per generation with the prompt, the target's features of the
-    prefilled prompt positions (when ``needs_target_features``) and, for drafters with
-    ``uses_target_cache``, a ``TargetDraftView``; then per cycle ``propose`` and, after the
-    verdict is committed, ``commit`` with the new committed length (the drafter rolls its own
-    state back to it, docs/algorithms.md §The decode loop) and the target's features of newly committed positions.
+    The loop calls ``start`` once per generation with the prompt, the generation's
+    ``FeatureLog`` (when ``needs_target_features``: read it in ``propose``, it grows as tokens
+    are committed) and, for drafters with ``uses_target_cache``, a ``TargetDraftView``; then per
+    cycle ``propose`` and, after the verdict is committed, ``commit`` with the new committed
+    length (the drafter rolls its own state back to it, docs/algorithms.md §The decode loop).
     """
 
     needs_target_features = False
     feature_layers: tuple[int, ...] = ()  # decoder layers whose outputs the drafter reads beside f
     uses_target_cache = False
 
-    def start(self, prompt_ids: torch.Tensor, features: TargetFeatures | None = None,
+    def start(self, prompt_ids: torch.Tensor, features: FeatureLog | None = None,
               target_view: TargetDraftView | None = None) -> None:
         pass
+
+    def set_source(self, source_ids: torch.Tensor | None) -> None:
+        """The loop calls this before ``start``: an encoder–decoder generation's source tokens [S]
+        (the encoder's input, while ``prompt_ids`` and the context are decoder tokens), None for
+        a decoder-only target. Drafters that read the source (an encoder–decoder drafter model,
+        prompt lookup) keep it; the others have nothing to do with it."""
 
     def propose(
         self,
@@ -142,7 +180,7 @@ class Drafter:
     ) -> Proposal:
         raise NotImplementedError
 
-    def commit(self, committed_length: int, features: TargetFeatures | None = None) -> None:
+    def commit(self, committed_length: int) -> None:
         pass
 
     def draft_step_weights(self) -> dict[str, int]:

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from ..cached_model import CachedModel
 from ..errors import TierspecError
-from ..models import CachedModel
 from ..rules.exact import exact_walk
 from ..sampling import logits_to_probs, one_hot
 from .base import Drafter, Proposal, always
@@ -57,7 +57,7 @@ class CascadeDrafter(Drafter):
             # Vertical: n-gram guesses, reviewed by the drafter model in one pass.
             found, _ = self.ngram.lookup(sequence.numpy(), min(self.inner_draft, wanted - len(tokens) - 1))
             guess = torch.from_numpy(found.copy()).long()
-            logits = self.runner.forward(torch.cat([pending, guess]), logits_for=len(guess) + 1)[:, : self.vocab_size]
+            logits = self.runner.forward(torch.cat([pending, guess]), logits_for=len(guess) + 1).logits[:, : self.vocab_size]
             calls += 1
             probs = logits_to_probs(logits, sampling)
             inner = None if noise is None else noise.shifted(len(tokens))  # the guesses start at draft i = len(tokens)
@@ -77,5 +77,5 @@ class CascadeDrafter(Drafter):
                 rows.append(one_hot(token, self.vocab_size))
         return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(rows), drafter_calls=calls, source="csd")
 
-    def commit(self, committed_length: int, features=None) -> None:
+    def commit(self, committed_length: int) -> None:
         self.runner.rollback(min(self.runner.length, committed_length - 1))

@@ -1,8 +1,9 @@
 """The trained draft head as drafter (EAGLE-style, docs/algorithms.md §Draft head), and the hybrid
 drafter that chooses per cycle between it and n-gram lookup.
 
-The head reads the target's features f_t of committed positions, which the loop hands over
-from the verification passes that computed them (``TargetFeatures``; no extra target pass).
+The head reads the target's features f_t of committed positions from the generation's
+``FeatureLog``, written by the verification passes that computed them (no extra target pass;
+the drafter keeps no copy).
 Each cycle it first catches up on newly committed positions (inputs (f_t, x_{t+1})), whose
 last output predicts the feature of the pending token and so the first draft token; every
 further draft token costs one head step on the head's own predicted feature. The drafted
@@ -16,7 +17,7 @@ import torch
 
 from ..eagle.head import DraftHead, HeadRunner
 from ..sampling import SamplingConfig
-from .base import Drafter, Proposal, TargetFeatures, always, draft_autoregressively
+from .base import Drafter, FeatureLog, Proposal, always, draft_autoregressively
 from .ngram import NgramDrafter
 
 
@@ -31,44 +32,27 @@ class EagleDrafter(Drafter):
         self.feature_layers = head.config.feature_layers
         self.runner = HeadRunner(head)
         self.vocab_size = head.config.vocab_size
-        self._features: torch.Tensor | None = None  # f for positions [_features_start, _features_end)
-        self._features_start = 0
+        self.features: FeatureLog | None = None  # the generation's, owned by the loop's verifiers
         self._last_output: torch.Tensor | None = None
 
-    def start(self, prompt_ids, features: TargetFeatures | None = None, target_view=None) -> None:
+    def start(self, prompt_ids, features: FeatureLog | None = None, target_view=None) -> None:
         self.runner.reset()
-        self._features = None
-        self._features_start = 0
+        self.features = features
         self._last_output = None
-        if features is not None:
-            self._receive(features)
-
-    def _receive(self, features: TargetFeatures) -> None:
-        """Buffer features of newly committed positions (they arrive contiguously)."""
-        values = features.values.to(self.head.fc.weight.dtype)
-        if self._features is None or len(self._features) == 0 or features.start != self._features_end:
-            self._features, self._features_start = values, features.start
-        else:
-            self._features = torch.cat((self._features, values))
-
-    @property
-    def _features_end(self) -> int:
-        return self._features_start + (0 if self._features is None else len(self._features))
 
     def _catch_up(self, context: torch.Tensor) -> torch.Tensor | None:
-        """Feed every committed position whose feature is known; return the head's output at
-        the last one (≈ the pending token's feature), or None when the head cannot draft yet."""
+        """Feed every committed position the head has not seen (its feature read from the log);
+        return the head's output at the last one (≈ the pending token's feature), or None when
+        the head cannot draft yet."""
         start = self.runner.length
-        end = self._features_end
+        end = 0 if self.features is None else self.features.length
         pending_position = len(context) - 1  # the last committed token, not yet run by the target
-        if end != pending_position or start >= end or start < self._features_start:
+        if end != pending_position or start >= end:
             if start == end == pending_position and self._last_output is not None:
                 return self._last_output
             return None
-        offset = start - self._features_start
-        h = self.runner.extend(self._features[offset:], context[start + 1 : end + 1], from_target=True)
-        self._features = self._features[:0]  # consumed
-        self._features_start = end
+        values = self.features.read(start, end).to(self.head.fc.weight.dtype)
+        h = self.runner.extend(values, context[start + 1 : end + 1], from_target=True)
         self._last_output = h[-1:]
         return self._last_output
 
@@ -101,12 +85,10 @@ class EagleDrafter(Drafter):
                    if not name.startswith("aux_proj."))
         return {"head": fed + self.head.lm_rows.numel() * self.head.lm_rows.element_size()}
 
-    def commit(self, committed_length: int, features: TargetFeatures | None = None) -> None:
+    def commit(self, committed_length: int) -> None:
         # The head's cache holds only committed positions (drafts were dropped in propose).
         if self.runner.length > committed_length - 1:
             self.runner.rollback(committed_length - 1)
-        if features is not None:
-            self._receive(features)
 
 
 class HybridDrafter(Drafter):
@@ -136,5 +118,5 @@ class HybridDrafter(Drafter):
             return candidate
         return self.eagle.propose(context, num_tokens, sampling, noise, keep_drafting)
 
-    def commit(self, committed_length: int, features=None) -> None:
-        self.eagle.commit(committed_length, features)
+    def commit(self, committed_length: int) -> None:
+        self.eagle.commit(committed_length)

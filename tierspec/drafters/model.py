@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..cached_model import CachedModel
 from ..errors import TierspecError
-from ..models import CachedModel
 from ..sampling import SamplingConfig
 from .base import Drafter, Proposal, always, draft_autoregressively, streamed_weights
 
@@ -64,13 +64,13 @@ class ModelDrafter(Drafter):
         pending = context[self.runner.length :]  # committed tokens this drafter has not seen
 
         def next_logits(tokens: torch.Tensor) -> torch.Tensor:
-            return self.runner.forward(tokens, logits_for=1)[-1, : self.vocab_size]
+            return self.runner.forward(tokens, logits_for=1).logits[-1, : self.vocab_size]
 
         proposal = draft_autoregressively(next_logits, pending, num_tokens, sampling, noise, keep_drafting)
         proposal.drafter_calls += calls
         return proposal
 
-    def commit(self, committed_length: int, features=None) -> None:
+    def commit(self, committed_length: int) -> None:
         self.runner.rollback(min(self.runner.length, committed_length - 1))
 
     def draft_step_weights(self) -> dict[str, int]:

@@ -23,6 +23,12 @@ class NgramDrafter(Drafter):
             raise TierspecError(f"need 1 <= min_ngram_size <= ngram_size, got {min_ngram_size}, {ngram_size}")
         self.ngram_size = ngram_size
         self.min_ngram_size = min_ngram_size
+        self.source: np.ndarray | None = None  # an encoder–decoder generation's source tokens
+
+    def set_source(self, source_ids: torch.Tensor | None) -> None:
+        """Search the source too (encoder–decoder models): summaries and translations copy from
+        it, and it is not part of the decoder's context."""
+        self.source = None if source_ids is None else source_ids.numpy()
 
     def lookup(self, context: np.ndarray, num_tokens: int) -> tuple[np.ndarray, int]:
         """(the continuation [≤ num_tokens] of the latest earlier match of a suffix of
@@ -41,5 +47,7 @@ class NgramDrafter(Drafter):
     def propose(self, context, num_tokens, sampling, noise, keep_drafting=always) -> Proposal:
         if num_tokens <= 0:
             return Proposal.empty(source="ngram")
-        found, size = self.lookup(context.numpy(), num_tokens)
+        # Source first, then the output: the output's own matches are the most recent and win.
+        text = context.numpy() if self.source is None else np.concatenate([self.source, context.numpy()])
+        found, size = self.lookup(text, num_tokens)
         return Proposal(torch.from_numpy(found.copy()).long(), match_sizes=[size] * len(found), source="ngram")

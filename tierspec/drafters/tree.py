@@ -22,6 +22,7 @@ import torch
 
 from ..policies import CONFIDENCE_BINS, AcceptanceEstimate, CostModel, DraftPolicy
 from ..sampling import SamplingConfig, logits_to_probs
+from ..llama import ATTENTION_ROWS
 from ..tree import ROOT, TokenTree
 from .base import Drafter
 from .eagle import EagleDrafter
@@ -51,11 +52,15 @@ class TreePolicy(DraftPolicy):
     step's share of a pass (``CostModel``). Nothing read from the clock (a seed fixes the trees)."""
 
     def __init__(self, max_nodes: int = 15, max_depth: int = 8, forward_costs=None, draft_fractions=None,
-                 decay: float = 0.98, prior_weight: float = 4.0):
+                 decay: float = 0.98, prior_weight: float = 4.0, path_call_seconds: float = 0.0):
+        """``path_call_seconds``: what one more attention call costs a pass (every layer), measured by
+        ``costs.tree_call_seconds``: a tree pass attends once per root-to-leaf path (``llama.
+        tree_attention_plan``), so a bushy tree costs more than a chain of as many tokens."""
         self.max_draft = max_depth
         self.max_nodes = max_nodes
         self.max_depth = max_depth
         self.cost = CostModel(forward_costs, dict(draft_fractions or {}))
+        self.path_call_seconds = path_call_seconds
         self.decay = decay
         self.prior_weight = prior_weight
         self.start()
@@ -67,13 +72,27 @@ class TreePolicy(DraftPolicy):
         estimate = self.estimates.get(key)
         return prior if estimate is None else estimate.probability
 
-    def best_size(self, values: list[float], draft_seconds: float, pending: int = 1) -> tuple[int, float]:
-        """(N, expected emitted tokens per second) for the best N of ``values`` (sorted, largest
-        first): (1 + Σ_{i<N} v_i) / (draft_seconds + verify(pending + N))."""
-        best_n, best_rate, emitted = 0, (1.0) / (draft_seconds + self.cost.verify(pending)), 1.0
-        for n, value in enumerate(values[: self.max_nodes], start=1):
-            emitted += value
-            rate = emitted / (draft_seconds + self.cost.verify(pending + n))
+    def verify_tree(self, rows: int, leaves: int) -> float:
+        """Seconds of a tree pass over ``rows`` tokens (pending + nodes) with ``leaves`` root-to-leaf
+        paths: the chain pass of as many rows (whose attention runs in ceil(rows / ATTENTION_ROWS)
+        calls) plus one call for each path beyond that (each path is at least one call)."""
+        extra_calls = max(0, leaves - -(-rows // ATTENTION_ROWS))
+        return self.cost.verify(rows) + extra_calls * self.path_call_seconds
+
+    def best_size(self, values: list[float], parents: list[int], draft_seconds: float,
+                  pending: int = 1) -> tuple[int, float]:
+        """(N, expected emitted tokens per second) for the tree of the N best nodes (``values`` and
+        ``parents`` in node order, ranked as ``_select`` ranks them): (1 + Σ values) / (draft_seconds +
+        ``verify_tree``(pending + N, its leaves))."""
+        best_n, best_rate, emitted = 0, 1.0 / (draft_seconds + self.cost.verify(pending)), 1.0
+        has_child: set[int] = set()
+        leaves = 0
+        for n, node in enumerate(_ranked(values, parents)[: self.max_nodes], start=1):
+            emitted += values[node]
+            parent = parents[node]
+            leaves += 0 if parent != ROOT and parent not in has_child else 1
+            has_child.add(parent)
+            rate = emitted / (draft_seconds + self.verify_tree(pending + n, leaves))
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n, best_rate
@@ -91,13 +110,25 @@ class TreePolicy(DraftPolicy):
                 estimate.update(int(node in kept), int(node not in kept), 1.0)
 
 
+def _depths(parents: list[int]) -> list[int]:
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(1 if parent == ROOT else depth[parent] + 1)
+    return depth
+
+
+def _ranked(values: list[float], parents: list[int]) -> list[int]:
+    """Nodes by value, largest first (ties: shallower, then earlier): a parent's value is never
+    below its child's, so every prefix of the ranking is a tree."""
+    depth = _depths(parents)
+    return sorted(range(len(values)), key=lambda i: (-values[i], depth[i], i))
+
+
 def _select(tokens: list[int], parents: list[int], values: list[float], keys: list, priors: list[float],
             count: int, drafter_calls: int, source: str, rate: float = 0.0) -> TreeProposal:
     """The ``count`` nodes of highest value (ties: shallower first), re-indexed parents first."""
-    depth = [0] * len(tokens)
-    for i, parent in enumerate(parents):
-        depth[i] = 1 if parent == ROOT else depth[parent] + 1
-    order = sorted(range(len(tokens)), key=lambda i: (-values[i], depth[i], i))[:count]
+    depth = _depths(parents)
+    order = _ranked(values, parents)[:count]
     chosen = set(order)
     order = [i for i in sorted(order, key=lambda i: (depth[i], i)) if parents[i] == ROOT or parents[i] in chosen]
     index = {old: new for new, old in enumerate(order)}
@@ -170,11 +201,10 @@ class EagleTreeDrafter(EagleDrafter):
                     break
                 expand = sorted(new, key=lambda i: -values[i])[: self.beam]
                 # Expand only while the best child of each expanded node is expected to pay for the step.
-                ranked = sorted(values, reverse=True)
-                _, rate_now = policy.best_size(ranked, calls * step)
+                _, rate_now = policy.best_size(values, parents, calls * step)
                 typical = policy.acceptance(("head", probability_bin(0.5), 2), 0.5)
-                hoped = sorted(ranked + [values[i] * typical for i in expand], reverse=True)
-                _, rate_deeper = policy.best_size(hoped, (calls + 1) * step)
+                _, rate_deeper = policy.best_size(values + [values[i] * typical for i in expand], parents + expand,
+                                                  (calls + 1) * step)
                 if rate_deeper <= rate_now:
                     break
                 # one head pass over the expanded nodes: each sees the committed slots, its ancestors and itself
@@ -197,7 +227,7 @@ class EagleTreeDrafter(EagleDrafter):
                 calls += 1
         finally:
             runner.rollback(committed)
-        count, rate = policy.best_size(sorted(values, reverse=True), calls * step)
+        count, rate = policy.best_size(values, parents, calls * step)
         return _select(tokens, parents, values, keys, priors, count, calls, "head", rate)
 
 
@@ -251,7 +281,7 @@ class NgramTreeDrafter(Drafter):
             keys.append(key)
             priors.append(prior)
             values.append((1.0 if parent == ROOT else values[parent]) * self.policy.acceptance(key, prior))
-        count, rate = self.policy.best_size(sorted(values, reverse=True), 0.0)
+        count, rate = self.policy.best_size(values, parents, 0.0)
         return _select(tokens, parents, values, keys, priors, count, 0, "ngram", rate)
 
 
@@ -277,8 +307,8 @@ class HybridTreeDrafter(Drafter):
         self.head_rate = None
         self.eagle.start(prompt_ids, features, target_view)
 
-    def commit(self, committed_length: int, features=None) -> None:
-        self.eagle.commit(committed_length, features)
+    def commit(self, committed_length: int) -> None:
+        self.eagle.commit(committed_length)
 
     def draft_step_weights(self) -> dict[str, int]:
         return self.eagle.draft_step_weights()
@@ -313,7 +343,6 @@ class HybridTreeDrafter(Drafter):
         values = []
         for node, parent in enumerate(parents):
             values.append((1.0 if parent == ROOT else values[parent]) * self.policy.acceptance(keys[node], priors[node]))
-        count, rate = self.policy.best_size(sorted(values, reverse=True),
-                                            head.drafter_calls * self.policy.cost.draft_step("head"))
+        count, rate = self.policy.best_size(values, parents, head.drafter_calls * self.policy.cost.draft_step("head"))
         self.head_rate = rate
         return _select(tokens, parents, values, keys, priors, count, head.drafter_calls, "hybrid", rate)

@@ -33,11 +33,11 @@ from pathlib import Path
 
 import torch
 
+from ..cached_model import HiddenCapture
 from ..errors import TierspecError
 from ..identity import ModelIdentity
 from ..models import LoadedModel, model_code
 from ..prompting import prompt_ids
-from ..routing import decoder_layers
 from ..util import atomic_write, atomic_write_text
 from .prompts import TrainingItem, training_items
 
@@ -73,43 +73,6 @@ def aux_layers(num_layers: int) -> list[int]:
     """Decoder layers whose outputs are stored besides the final features (low and middle, as
     EAGLE-3 fuses them): layer 1 and the middle layer, 0-based."""
     return sorted({min(1, num_layers - 1), num_layers // 2})
-
-
-class FeatureCapture:
-    """Forward hooks that collect, per forward pass, the LM head's input [B, n, H] and the
-    outputs of ``layers`` (each [B, n, H]) of a Hugging Face causal LM."""
-
-    def __init__(self, model: torch.nn.Module, layers: list[int]):
-        self.final: list[torch.Tensor] = []
-        self.aux: dict[int, list[torch.Tensor]] = {i: [] for i in layers}
-        decoder = model.get_decoder()
-        self.handles = [decoder.register_forward_hook(self._on_decoder)]
-        stack = decoder_layers(model)
-        for index in layers:
-            self.handles.append(stack[index].register_forward_hook(self._on_layer(index)))
-
-    def _on_decoder(self, module, args, output):
-        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
-        self.final.append(hidden.detach())
-
-    def _on_layer(self, index: int):
-        def hook(module, args, output):
-            self.aux[index].append((output[0] if isinstance(output, tuple) else output).detach())
-
-        return hook
-
-    def take(self) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Everything captured since the last call, concatenated along time."""
-        final = torch.cat(self.final, dim=1).cpu()
-        aux = {i: torch.cat(parts, dim=1).cpu() for i, parts in self.aux.items()}
-        self.final.clear()
-        for parts in self.aux.values():
-            parts.clear()
-        return final, aux
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
 
 
 # ---- planning -----------------------------------------------------------------------------------
@@ -182,17 +145,14 @@ def _own_answers(target: LoadedModel, items: list[TrainingItem], sampled: bool, 
     for row, ids in enumerate(prompts):  # left padding: every answer starts at column ``width``
         input_ids[row, width - len(ids) :] = torch.tensor(ids)
         attention[row, width - len(ids) :] = 1
-    capture = FeatureCapture(target.model, layers)
     torch.manual_seed(seed)
-    try:
+    with HiddenCapture(target.model, layers) as capture:
         with torch.inference_mode():
             kwargs = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if sampled else dict(do_sample=False)
             output = target.model.generate(input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device),
                                            max_new_tokens=config.max_new_tokens, eos_token_id=eos, pad_token_id=eos,
                                            **kwargs).cpu()
         final, aux = capture.take()
-    finally:
-        capture.close()
     sequences = []
     answers = output[:, width:]
     for row, ids in enumerate(prompts):
@@ -225,13 +185,10 @@ def _reference_answers(target: LoadedModel, items: list[TrainingItem], layers: l
     for row, (ids, _) in enumerate(rows):
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention[row, : len(ids)] = 1
-    capture = FeatureCapture(target.model, layers)
-    try:
+    with HiddenCapture(target.model, layers) as capture:
         with torch.inference_mode():
             target.model.get_decoder()(input_ids=input_ids.to(target.device), attention_mask=attention.to(target.device))
         final, aux = capture.take()
-    finally:
-        capture.close()
     return [
         {"tokens": input_ids[row, : len(ids)], "final": final[row, : len(ids)],
          "aux": {i: a[row, : len(ids)] for i, a in aux.items()}, "response_start": prompt_length}

@@ -298,11 +298,11 @@ class DraftHead(torch.nn.Module):
         of the head's own draft tokens, then ``draft_steps`` self-fed steps as in drafting.
         Finite weights can still overflow to inf and NaN in the forward pass; such a head
         would hand the loop no distribution to draft from."""
-        from ..models import CachedModel
+        from ..cached_model import CachedModel
 
         tokens = self.draft_ids.cpu().repeat(probe_length + 1)[: probe_length + 1]
-        _, features = CachedModel(target.model).forward(tokens, with_hidden=True,
-                                                        hidden_layers=self.config.feature_layers)
+        features = CachedModel(target.model).forward(tokens, with_hidden=True,
+                                                     hidden_layers=self.config.feature_layers).hidden
         runner = HeadRunner(self)
         h = runner.extend(features[:-1], tokens[1:], from_target=True)[-1:]
         for step in range(draft_steps):

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
+from ..cached_model import CachedModel
 from ..errors import TierspecError
-from ..models import CachedModel, LoadedModel
+from ..models import LoadedModel
 from ..util import atomic_write_text
 from .data import JudgeExample
 
@@ -70,7 +71,7 @@ def find_mismatches(target: LoadedModel, head, prompt_ids: torch.Tensor, config:
     answer = _greedy(target, prompt_ids, config.answer_tokens, eos)
     sequence = torch.cat([prompt_ids, torch.tensor(answer, dtype=torch.long)])
     layers = tuple(head.config.feature_layers)
-    features = CachedModel(target.model).forward(sequence[:-1], logits_for=1, with_hidden=True, hidden_layers=layers)[1]
+    features = CachedModel(target.model).forward(sequence[:-1], logits_for=1, with_hidden=True, hidden_layers=layers).hidden
     drafting = HeadRunner(head)
     h = drafting.extend(features, sequence[1:], from_target=True)  # h[p] predicts the feature after token p+1
     drafts = head.draft_ids.cpu()[drafting.logits(h).argmax(-1)]  # the draft for position p+2

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from ..api import encode_prompt
+from ..cached_model import HiddenCapture
 from ..errors import TierspecError
 from ..models import LoadedModel
 from .data import JudgeExample, read_judge_data, token_labels
@@ -42,7 +43,6 @@ def extract(target: LoadedModel, examples: list[JudgeExample], kind: str, progre
     from tqdm.auto import tqdm
 
     tokenizer = target.tokenizer
-    lm_head = target.model.get_output_embeddings()
     feats, labels, ids, offsets, splits = [], [], [], [], []
     for example in tqdm(examples, desc="judge features", disable=not progress):
         prompt_ids = encode_prompt(target, example.prompt)
@@ -53,15 +53,11 @@ def extract(target: LoadedModel, examples: list[JudgeExample], kind: str, progre
         if not keep:
             continue
         ids_all = torch.cat([prompt_ids, response_ids])[None]
-        captured = []
-        hook = lm_head.register_forward_hook(lambda m, a, o: captured.append(a[0]))
-        try:
-            with torch.inference_mode():
-                logits = target.model(input_ids=ids_all.to(target.device), use_cache=False,
-                                      logits_to_keep=len(response_ids) + 1).logits[0].float().cpu()
-        finally:
-            hook.remove()
-        hidden = captured[-1][0].float().cpu()  # [len(response)+1, H]: positions from the one before the response
+        with HiddenCapture(target.model) as capture, torch.inference_mode():
+            logits = target.model(input_ids=ids_all.to(target.device), use_cache=False,
+                                  logits_to_keep=len(response_ids) + 1).logits[0].float().cpu()
+        # [len(response)+1, H]: the LM head's inputs from the position before the response on
+        hidden = capture.features()[-(len(response_ids) + 1):]
         # Row j+1 is response token j's own position; logits row j predicted it.
         index = torch.tensor(keep)
         feats.append(judge_features(hidden[index + 1], logits[index], response_ids[index], kind))

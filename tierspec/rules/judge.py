@@ -50,7 +50,8 @@ class JudgeRule(VerificationRule):
     def verify(self, verifiers, proposal, sampling, noise) -> Verdict:
         tokens = proposal.tokens
         k = len(proposal)
-        logits, hidden = verifiers.target_logits(tokens, with_hidden=True)  # [k+1, V], [k+1, H]
+        result = verifiers.target_pass(tokens, with_hidden=True)
+        logits, hidden = result.logits, result.hidden  # [k+1, V], [k+1, H]
         q = logits_to_probs(logits, sampling)  # [k+1, V]; one-hot rows in greedy mode
         # SD_i for every position (keyed coins: testing a position the block never reaches
         # changes nothing); in greedy mode q(x)/p(x) is 1 iff x = argmax q, else 0.

@@ -70,7 +70,8 @@ class FullPass:
             if self.judge is None:
                 logits = self.verifiers.target_logits(self.tokens)
             else:
-                logits, hidden = self.verifiers.target_logits(self.tokens, with_hidden=True)
+                result = self.verifiers.target_pass(self.tokens, with_hidden=True)
+                logits, hidden = result.logits, result.hidden
                 self._judge_ok = judge_accepts(self.judge, self.judge_threshold, hidden, logits, self.tokens)
             self._probs = logits_to_probs(logits, self.sampling)
         return self._probs

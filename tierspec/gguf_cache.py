@@ -1,0 +1,158 @@
+"""The GGUF conversion cache: a GGUF file de-quantised once into a float32 safetensors folder.
+
+transformers de-quantises GGUF on every load (~20 s on 2 cores for the default model), so the
+first load writes a plain copy under ``$TIERSPEC_CACHE`` (``util.cache_root``) and later loads
+read that (well under a second). Each copy carries a marker file recording the source file's
+hash (the loaded model's identity) and every written file's size, mtime and hash, so a copy
+damaged later (truncated, overwritten) is found and converted again instead of failing on every
+run until deleted by hand. ``models.load_model`` is the only caller.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .errors import ModelLoadError
+from .util import cache_root, default_file_mode, quiet_transformers
+
+CONVERTED_MARKER = "tierspec-source.json"
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def gguf_cache_dir(gguf: Path) -> Path:
+    """Where the converted copy of ``gguf`` lives: keyed by the file's path, size and mtime (a
+    replaced file gets a new copy without hashing it on every load)."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    return cache_root() / f"{gguf.stem}-{key}"
+
+
+def converted_copy(gguf: Path) -> Path:
+    """The folder of ``gguf``'s converted copy, converting it first when it is missing or
+    damaged (a damaged one with a message)."""
+    folder = gguf_cache_dir(gguf)
+    problem = converted_copy_problem(folder)
+    if problem is not None and (folder / CONVERTED_MARKER).exists():
+        print(f"tierspec: the converted copy of {gguf.name} in {folder} is damaged ({problem}); converting it again",
+              file=sys.stderr)
+        shutil.rmtree(folder, ignore_errors=True)
+    if problem is not None:
+        convert_gguf(gguf, folder, torch.float32)
+    return folder
+
+
+def reconvert(gguf: Path, reason: str) -> Path:
+    """Convert ``gguf`` again after its copy failed to load for ``reason`` (damage the cheap
+    check of ``converted_copy_problem`` did not see); returns the folder."""
+    folder = gguf_cache_dir(gguf)
+    print(f"tierspec: the converted copy in {folder} cannot be loaded ({reason}); converting it again", file=sys.stderr)
+    shutil.rmtree(folder, ignore_errors=True)
+    convert_gguf(gguf, folder, torch.float32)
+    return folder
+
+
+def source_hash(folder: Path) -> str:
+    """The sha256 of the GGUF file a converted ``folder`` was made from (the model's identity)."""
+    return json.loads((folder / CONVERTED_MARKER).read_text())["sha256"]
+
+
+def convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
+    """De-quantise ``gguf`` once and write a safetensors folder to ``dest`` atomically."""
+    from safetensors.torch import save_file
+
+    quiet_transformers()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    # The staging folder first: a cache that cannot be written fails here, not after the slow read.
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=dest.parent))
+    try:
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+        except Exception as error:  # transformers raises many types for a bad GGUF file
+            raise ModelLoadError(f"cannot read GGUF file {gguf}: {error}") from error
+        tied = bool(getattr(model.config, "tie_word_embeddings", False))
+        # safetensors refuses aliased tensors; a tied LM head is rebuilt from the embedding.
+        state = {
+            name: tensor.contiguous()
+            for name, tensor in model.state_dict().items()
+            if not (tied and name == "lm_head.weight")
+        }
+        save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the copy is plain float weights
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        # mkdtemp's folder is private (0o700) and some writers leave 0o600 files: give the copy the
+        # permissions a plainly made folder would have, so a shared $TIERSPEC_CACHE stays usable.
+        file_mode = default_file_mode()
+        for item in staging.iterdir():
+            os.chmod(item, file_mode)
+        os.chmod(staging, file_mode | ((file_mode & 0o444) >> 2))  # r → x on folders
+        write_conversion_marker(staging, gguf, sha256_file(gguf))
+        try:
+            os.replace(staging, dest)
+        except OSError:
+            # Another process finished the same conversion first; its copy is as good.
+            if not (dest / CONVERTED_MARKER).exists():
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_conversion_marker(folder: Path, source: Path, source_sha256: str) -> None:
+    """Record, in ``folder``, the source file's hash and every file the conversion wrote
+    (size, mtime, hash) so that :func:`converted_copy_problem` can tell damage later."""
+    marker = {"source": str(source), "sha256": source_sha256, "name": source.stem,
+              "files": {item.name: file_record(item) for item in sorted(folder.iterdir()) if item.is_file()}}
+    (folder / CONVERTED_MARKER).write_text(json.dumps(marker, indent=2))
+
+
+def file_record(path: Path) -> dict:
+    stat = path.stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256_file(path)}
+
+
+def converted_copy_problem(folder: Path) -> str | None:
+    """Why the converted copy in ``folder`` cannot be trusted (None: it can).
+
+    Every file the conversion wrote is checked against the marker: a missing file or another
+    size is damage; a file whose modification time changed is hashed again (an overwrite at the
+    same size). Unchanged files are not re-hashed, so a normal load stays fast.
+    """
+    marker_path = folder / CONVERTED_MARKER
+    if not marker_path.exists():
+        return "no conversion marker"
+    try:
+        marker = json.loads(marker_path.read_text())
+        files = marker["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "unreadable conversion marker (or one written by an older tierspec)"
+    for name, record in files.items():
+        path = folder / name
+        if not path.exists():
+            return f"{name} is missing"
+        stat = path.stat()
+        if stat.st_size != record["size"]:
+            return f"{name} has {stat.st_size} bytes, {record['size']} were written"
+        if stat.st_mtime_ns != record["mtime_ns"] and sha256_file(path) != record["sha256"]:
+            return f"{name} was modified after conversion (checksum differs)"
+    return None

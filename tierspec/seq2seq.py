@@ -1,0 +1,385 @@
+"""Encoder–decoder models (transformers' T5-style ``AutoModelForSeq2SeqLM``) in the one decode
+loop (docs/algorithms.md §Encoder-decoder models).
+
+The prompt is the *source*: the encoder runs on it once per generation. The loop then decodes
+the decoder's sequence, which starts with the model's decoder-start token, exactly as it decodes
+a decoder-only model's sequence; every drafter and rule sees only decoder tokens.
+
+    encode(source)                       # once: encoder states [1, S, H]
+    context = [decoder_start]            # the committed decoder sequence
+    while not done: draft, verify, commit, roll back  # the same loop, the same rules
+
+Caches (``Seq2SeqCachedModel``): the decoder's self-attention KV is position-indexed and rolls
+back exactly as ``models.CachedModel``'s does (the same invariant, the same code); the
+cross-attention KV is a function of the source alone, computed by the first pass that runs each
+layer's cross-attention and kept until the next source.
+
+Routing masks cover the decoder's units only (docs/algorithms.md §Encoder-decoder models says
+why): a bypassed decoder block skips its self-attention, cross-attention and feed-forward; a
+bypassed ``attn`` sub-layer is the block's self-attention (it writes no KV, as in a decoder-only
+model); the cross-attention is kept in sub-layer masks; ``mlp`` is the feed-forward.
+"""
+
+from __future__ import annotations
+
+import json
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from .drafters.model import DrafterMismatchError, ModelDrafter
+from .errors import TierspecError
+from .cached_model import CachedModel, HiddenCapture, PassResult, SlimVocabulary, _growing_layer_class
+from .models import output_vocabulary_size
+from .routing import RoutingMask, RoutingMaskError, model_lock
+
+
+class Seq2SeqError(TierspecError):
+    """Something an encoder–decoder model cannot do here; the message says what can."""
+
+
+def is_encoder_decoder(model: torch.nn.Module) -> bool:
+    return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
+
+
+def folder_is_encoder_decoder(folder: Path) -> bool:
+    """Whether the Hugging Face folder holds an encoder–decoder model (its config.json says so)."""
+    try:
+        return bool(json.loads((Path(folder) / "config.json").read_text()).get("is_encoder_decoder", False))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def decoder_layer_count(model: torch.nn.Module) -> int:
+    return len(decoder_blocks(model))
+
+
+def decoder_start(model: torch.nn.Module) -> torch.Tensor:
+    """The decoder's first token [1] (T5: the pad token), from the generation config or the config."""
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "decoder_start_token_id", None)
+        if isinstance(value, int):
+            return torch.tensor([value])
+    raise Seq2SeqError(f"{type(model).__name__} names no decoder_start_token_id in its config or generation config; "
+                       "set it in config.json")
+
+
+# -- the cached decoder ----------------------------------------------------------------------
+
+
+class Seq2SeqCachedModel(CachedModel):
+    """An encoder–decoder model's decoder with its own caches, run against one encoded source.
+
+    ``cache`` is the decoder's self-attention cache: every method ``CachedModel`` has that reads
+    or trims it (``rollback``, ``replay``, ``reserve``, ``layer_lengths``) works unchanged, with
+    the same invariant: after every commit it holds KV for exactly the committed decoder tokens
+    this model has processed. ``cross_cache`` holds each decoder layer's cross-attention KV,
+    computed once per source and never rolled back. ``length`` counts decoder positions.
+    """
+
+    def __init__(self, model: torch.nn.Module, source_ids: torch.Tensor | None = None):
+        if not is_encoder_decoder(model):
+            raise Seq2SeqError(f"{type(model).__name__} is not an encoder–decoder model")
+        self.encoder_states: torch.Tensor | None = None  # [1, S, H]
+        self.source: torch.Tensor | None = None  # [S] int64
+        self.cross_cache = None
+        super().__init__(model)
+        if source_ids is not None:
+            self.encode(source_ids)
+
+    def _new_cache(self):
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        cache.layers = [_growing_layer_class()() for _ in range(decoder_layer_count(self.model))]
+        return cache
+
+    def encode(self, source_ids: torch.Tensor) -> None:
+        """Run the encoder on ``source_ids`` [S] (the one encoder pass of a generation) and start
+        an empty decoder against it (new self- and cross-attention caches)."""
+        from transformers import DynamicCache
+
+        source_ids = torch.as_tensor(source_ids, dtype=torch.long).reshape(-1)
+        if source_ids.numel() == 0:
+            raise Seq2SeqError("the source is empty: give at least one token")
+        with model_lock(self.model), torch.inference_mode():
+            states = self.model.get_encoder()(input_ids=source_ids.unsqueeze(0).to(self.device)).last_hidden_state
+        self.encoder_states = states
+        self.source = source_ids.cpu()
+        self.cross_cache = DynamicCache()
+        self.reset()
+
+    def reset(self) -> None:
+        """An empty decoder against the same source (the cross-attention KV stays: it depends on
+        the source only)."""
+        self.cache = self._new_cache()
+        self.length = 0
+
+    def forward(self, token_ids: torch.Tensor, logits_for: int | None = None, mask=None, with_hidden: bool = False,
+                hidden_layers: tuple[int, ...] = (), vocabulary: SlimVocabulary | None = None,
+                offsets: torch.Tensor | None = None, attends: torch.Tensor | None = None):
+        """Run decoder tokens ``token_ids`` [n] at positions ``length ..`` against the encoded
+        source; logits [m, V] (float32, CPU) of the last m = ``logits_for`` (None: all n).
+
+        As ``CachedModel.forward``: ``mask`` bypasses decoder units; ``with_hidden`` also returns
+        the LM head's input [n, H] (after T5's output scaling where the config asks for it), with
+        ``hidden_layers``' block outputs concatenated after it. Token trees and slim vocabularies
+        are decoder-only features and are refused."""
+        from transformers import EncoderDecoderCache
+
+        if attends is not None or offsets is not None:
+            raise Seq2SeqError("token-tree passes run on tierspec's own Llama forward only, not on encoder–decoder models")
+        if vocabulary is not None:
+            raise Seq2SeqError("a slim vocabulary needs a draft head, which encoder–decoder models do not have here")
+        if self.encoder_states is None:
+            raise Seq2SeqError("no source is encoded: call encode(source_ids) before decoding")
+        n = int(token_ids.shape[0])
+        keep = n if logits_for is None else logits_for
+        aux: dict[int, torch.Tensor] = {}
+        with model_lock(self.model):
+            with apply_decoder_mask(self.model, mask):
+                # hooks under the mask: a bypassed block's stand-in records what it passes on
+                with HiddenCapture(self.model, hidden_layers) as capture:
+                    # A fresh wrapper per pass: it marks the layers whose cross-attention KV is
+                    # already in cross_cache, so those are read, never recomputed.
+                    cache = EncoderDecoderCache(self.cache, self.cross_cache)
+                    states = self.model.get_decoder()(input_ids=token_ids.unsqueeze(0).to(self.device),
+                                                      encoder_hidden_states=self.encoder_states, cache=cache,
+                                                      use_cache=True).last_hidden_state[0]
+                    if hidden_layers:
+                        _, aux = capture.take()
+            if getattr(self.model.config, "scale_decoder_outputs", False):  # T5 v1.0 scales the tied LM head's input
+                states = states * (self.model.config.d_model ** -0.5)
+            logits = self.model.get_output_embeddings()(states[n - keep:]).float().cpu()
+        self.length += n
+        if not with_hidden:
+            return PassResult(logits)
+        hidden = torch.cat([states.float().cpu()] + [aux[i][0].float() for i in hidden_layers], dim=-1)
+        return PassResult(logits, hidden)
+
+
+def runner_for(model: torch.nn.Module, source_ids: torch.Tensor | None = None) -> CachedModel:
+    """The cached model the loop runs ``model`` with: a ``Seq2SeqCachedModel`` on ``source_ids``
+    for an encoder–decoder model, else a ``CachedModel``."""
+    if is_encoder_decoder(model):
+        return Seq2SeqCachedModel(model, source_ids)
+    if source_ids is not None:
+        raise Seq2SeqError(f"{type(model).__name__} is a decoder-only model: it takes no source")
+    return CachedModel(model)
+
+
+def measuring_runner(model: torch.nn.Module, source_tokens: int = 256) -> CachedModel:
+    """A cached model for timing passes (``costs``): encoder–decoder models decode against a
+    source of ``source_tokens`` tokens (cross-attention cost grows with the source)."""
+    if not is_encoder_decoder(model):
+        return CachedModel(model)
+    return Seq2SeqCachedModel(model, torch.arange(source_tokens) % output_vocabulary_size(model))
+
+
+# -- drafters --------------------------------------------------------------------------------
+
+
+class Seq2SeqModelDrafter(ModelDrafter):
+    """A small encoder–decoder model of the target's family drafting the decoder sequence: its
+    own encoder runs once on the source (``set_source``), its decoder caches roll back as any
+    drafter model's (``ModelDrafter``'s loop over them is unchanged)."""
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None):
+        super().__init__(model, vocab_size)
+        self.runner = Seq2SeqCachedModel(model)
+
+    def set_source(self, source_ids: torch.Tensor | None) -> None:
+        if source_ids is None:
+            raise Seq2SeqError("an encoder–decoder drafter drafts for an encoder–decoder target only")
+        self.runner.encode(source_ids)
+
+
+def check_same_family(target, drafter) -> None:
+    """Refuse a drafter model of the other kind (encoder–decoder vs decoder-only): a drafter
+    reads the same context as the target, and the two kinds do not."""
+    if is_encoder_decoder(target.model) != is_encoder_decoder(drafter.model):
+        kinds = {True: "an encoder–decoder", False: "a decoder-only"}
+        raise DrafterMismatchError(
+            f"drafter '{drafter.identity.name}' is {kinds[is_encoder_decoder(drafter.model)]} model and target "
+            f"'{target.identity.name}' is {kinds[is_encoder_decoder(target.model)]} one; use a drafter of the "
+            "target's kind (for T5: a smaller T5 with the same vocabulary)")
+
+
+# -- methods ---------------------------------------------------------------------------------
+
+#: Methods that run on an encoder–decoder target. The others need what such a model does not
+#: have here: a draft head (eagle, hybrid, the trees, --draft-with eagle), a judge head trained on
+#: it (judge, via-judge), or a decoder-only drafter cascade (csd).
+METHODS = ("ar", "sd", "adaptive-sd", "pld", "adaptive-pld", "self", "swift", "lossy", "bild", "cascade", "via")
+
+
+def check_method(name: str, options) -> None:
+    """Refuse a method (or drafter kind) that encoder–decoder targets do not support."""
+    if name not in METHODS:
+        raise Seq2SeqError(f"method '{name}' does not run on an encoder–decoder target; choose one of: "
+                           f"{', '.join(METHODS)}")
+    if getattr(options, "drafter_kind", "auto") == "eagle":
+        raise Seq2SeqError("--draft-with eagle needs a draft head, which encoder–decoder targets do not have here; "
+                           "use --draft-with model (with --drafter), ngram or self")
+
+
+# -- routing over the decoder's units --------------------------------------------------------
+
+
+def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder's blocks of a T5-style model (``model.decoder.block``)."""
+    blocks = getattr(model.get_decoder(), "block", None)
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise RoutingMaskError(f"cannot find the decoder blocks of {type(model).__name__}: routing masks support "
+                               "T5-style encoder–decoder models whose decoder blocks are at model.decoder.block")
+    return blocks
+
+
+class _BypassedBlock(torch.nn.Module):
+    """Stands in for a whole decoder block: the residual stream and the position biases (which
+    the first block computes and every later one reuses) pass through unchanged."""
+
+    def forward(self, hidden_states, attention_mask=None, position_bias=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, encoder_decoder_position_bias=None, *args, **kwargs):
+        return hidden_states, position_bias, encoder_decoder_position_bias
+
+
+class _BypassedSelfAttention(torch.nn.Module):
+    """Stands in for a block's self-attention sub-layer: adds nothing, writes no KV."""
+
+    def forward(self, hidden_states, attention_mask=None, position_bias=None, *args, **kwargs):
+        return hidden_states, position_bias, None
+
+
+class _BypassedFeedForward(torch.nn.Module):
+    def forward(self, hidden_states):
+        return hidden_states
+
+
+@contextmanager
+def apply_decoder_mask(model: torch.nn.Module, mask: RoutingMask | None) -> Iterator[None]:
+    """Within the block, the decoder runs with ``mask``'s units bypassed (stand-ins swapped into
+    this model instance, restored in ``finally``; the model's lock is held). The encoder is
+    never routed."""
+    if mask is None or mask.empty:
+        yield
+        return
+    blocks = decoder_blocks(model)
+    if len(blocks) != mask.num_layers:
+        raise RoutingMaskError(f"mask is for {mask.num_layers} layers, the decoder has {len(blocks)}")
+    swapped: list[tuple[torch.nn.ModuleList, int, torch.nn.Module]] = []
+    with model_lock(model):
+        try:
+            for index in range(mask.num_layers):
+                attention, feed_forward = index in mask.skip_attention, index in mask.skip_mlp
+                if attention and feed_forward:
+                    swapped.append((blocks, index, blocks[index]))
+                    blocks[index] = _BypassedBlock()
+                    continue
+                sublayers = blocks[index].layer  # [self-attention, cross-attention, feed-forward]
+                for skip, position, stand_in in ((attention, 0, _BypassedSelfAttention), (feed_forward, -1, _BypassedFeedForward)):
+                    if skip:
+                        position = position % len(sublayers)
+                        swapped.append((sublayers, position, sublayers[position]))
+                        sublayers[position] = stand_in()
+            yield
+        finally:
+            for owner, position, original in reversed(swapped):
+                owner[position] = original
+
+
+# -- DIMR calibration ------------------------------------------------------------------------
+
+
+def decoder_logits(model: torch.nn.Module, source_ids: torch.Tensor, decoder_ids: list[int]) -> torch.Tensor:
+    """Logits [n + 1, V] after the decoder start token and each of ``decoder_ids`` [n] against
+    ``source_ids`` (teacher-forced, one pass: a bench record's target NLL)."""
+    tokens = torch.cat([decoder_start(model), torch.tensor(decoder_ids, dtype=torch.long)])
+    with torch.inference_mode():
+        return Seq2SeqCachedModel(model, source_ids).forward(tokens).logits
+
+
+def window_logits(model: torch.nn.Module, sources: list[torch.Tensor], sequences: torch.Tensor, window: int,
+                  mask: RoutingMask | None) -> torch.Tensor:
+    """Logits [B·τ, V] of teacher-forced decoder ``sequences`` [B, W] against their ``sources``,
+    predicting each row's last ``window`` tokens, with ``mask`` on the decoder (one cache-free
+    pass per row: the sources differ in length)."""
+    rows = []
+    with torch.inference_mode():
+        for source, sequence in zip(sources, sequences):
+            runner = Seq2SeqCachedModel(model, source)
+            logits = runner.forward(sequence, logits_for=window + 1, mask=mask).logits
+            rows.append(logits[:-1])
+    return torch.cat(rows)
+
+
+def calibration_rows(target, prompts: list[str], window: int, progress: bool = True):
+    """(sources, decoder sequences [B, 1 + τ]) for DIMR: each prompt is a source; its row is the
+    decoder start token and the target's greedy continuation of ``window`` tokens (the lossless
+    ``pld`` method). Prompts whose continuation ends early are skipped."""
+    from tqdm.auto import tqdm
+
+    from .api import generate
+    from .prompting import encode_prompt
+
+    sources, rows = [], []
+    start = decoder_start(target.model).tolist()
+    for text in tqdm(prompts, desc="calibration text", disable=not progress):
+        out = generate(text, target=target, method="pld", max_new_tokens=window)
+        if len(out.token_ids) < window:
+            continue
+        sources.append(encode_prompt(target, text))
+        rows.append(start + out.token_ids[:window])
+    if not rows:
+        raise TierspecError("no calibration sequence could be built: every prompt ended before the window filled")
+    return sources, torch.tensor(rows)
+
+
+# -- bench prompts in T5's task format -------------------------------------------------------
+
+#: The datasets ``tierspec bench`` runs an encoder–decoder target on, with T5's task prefixes:
+#: summarisation and English→German translation (the VIA-SD paper's Table 3 setting).
+DATASETS = ("xsum", "cnn_dailymail", "wmt14")
+
+
+def task_prompts(dataset: str, data_dir: Path | None = None):
+    """The prompts of ``dataset`` in T5's task format, with the ids ``data.load_prompts`` gives
+    them: ``summarize: <document>`` (XSum, CNN/DailyMail) and ``translate English to German:
+    <English>`` (WMT14, with the German side as reference: T5's supervised mixture translates
+    from English, and the paper's setting is En–De)."""
+    from .data import Prompt, default_data_dir, read_jsonl
+
+    if dataset not in DATASETS:
+        raise Seq2SeqError(f"an encoder–decoder target runs the bench on {', '.join(DATASETS)}, not on '{dataset}' "
+                           "(its prompts are not in a T5 task format)")
+    root = Path(data_dir) if data_dir else default_data_dir()
+    if dataset == "xsum":
+        return [Prompt(f"xsum/{r['id']}", "summarization", f"summarize: {r['document'].strip()}", r["summary"])
+                for r in read_jsonl(root / "xsum" / "test.jsonl")]
+    if dataset == "cnn_dailymail":
+        return [Prompt(r["id"], "summarization", f"summarize: {r['article'].strip()}", r["highlights"],
+                       {"in_spec_bench": r.get("in_spec_bench", False)})
+                for r in read_jsonl(root / "cnn_dailymail" / "test.jsonl")]
+    return [Prompt(f"wmt14/{r['id']}", "translation", f"translate English to German: {r['en'].strip()}", r["de"],
+                   {"in_spec_bench": r.get("in_spec_bench", False)})
+            for r in read_jsonl(root / "wmt14" / "newstest2014_deen.jsonl")]
+
+
+def as_task_prompts(prompts: list, dataset: str, data_dir: Path | None = None) -> list:
+    """The selected ``prompts`` (from ``data.load_prompts``) in T5's task format, same ids and order."""
+    by_id = {p.id: p for p in task_prompts(dataset, data_dir)}
+    return [by_id[p.id] for p in prompts]
+
+
+def calibration_prompts(count: int, data_dir: Path | None = None, seed: int = 0) -> list[str]:
+    """``data.calibration_prompts`` for an encoder–decoder target: a seeded mix of XSum,
+    CNN/DailyMail and WMT14 prompts in T5's task format, leaving out, as that function does, the
+    CNN/DM and WMT14 items Spec-Bench uses (XSum has no such mark: its items may also be bench
+    prompts)."""
+    import random
+
+    pools = [[p for p in task_prompts(dataset, data_dir) if not p.extra.get("in_spec_bench")] for dataset in DATASETS]
+    rng = random.Random(seed)
+    return [pools[i % len(pools)][rng.randrange(len(pools[i % len(pools)]))].text for i in range(count)]
