@@ -79,12 +79,13 @@ def test_cached_decoder_passes_equal_a_cache_free_forward_and_roll_back(target):
     with torch.inference_mode():
         full = model(input_ids=SOURCE[None], decoder_input_ids=decoder[None]).logits[0]
         runner = Seq2SeqCachedModel(model, SOURCE)
-        pieces = torch.cat([runner.forward(decoder[:2]), runner.forward(decoder[2:5]), runner.forward(decoder[5:])])
+        pieces = torch.cat([runner.forward(decoder[:2]).logits, runner.forward(decoder[2:5]).logits,
+                            runner.forward(decoder[5:]).logits])
         assert torch.allclose(pieces, full.float(), atol=1e-5)
         assert runner.length == 6 and runner.layer_lengths() == [6] * 4
         runner.rollback(3)  # the invariant: every self-attention layer holds exactly the kept positions
         assert runner.layer_lengths() == [3] * 4
-        assert torch.allclose(runner.forward(decoder[3:]), full[3:].float(), atol=1e-5)
+        assert torch.allclose(runner.forward(decoder[3:]).logits, full[3:].float(), atol=1e-5)
         # the cross-attention KV stays: one source-length entry per decoder layer
         assert [layer.keys.shape[-2] for layer in runner.cross_cache.layers] == [len(SOURCE)] * 4
 
@@ -109,11 +110,11 @@ def test_a_bypassed_self_attention_writes_no_kv_and_rollback_trims_each_layer(ta
     runner = Seq2SeqCachedModel(target.model, SOURCE)
     with torch.inference_mode():
         runner.forward(torch.tensor([0, 4, 7]))
-        masked = runner.forward(torch.tensor([9, 3]), mask=mask)
+        masked = runner.forward(torch.tensor([9, 3]), mask=mask).logits
         assert runner.layer_lengths() == [5, 3, 5, 5]
         runner.rollback(3)
         assert runner.layer_lengths() == [3] * 4
-        full = runner.forward(torch.tensor([9, 3]))
+        full = runner.forward(torch.tensor([9, 3])).logits
     assert not torch.allclose(masked, full)  # the mask changed the pass
     blocks = decoder_blocks(target.model)
     assert all(type(block).__name__ == "T5Block" for block in blocks)  # every stand-in was put back

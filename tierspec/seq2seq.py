@@ -10,7 +10,7 @@ a decoder-only model's sequence; every drafter and rule sees only decoder tokens
     while not done: draft, verify, commit, roll back  # the same loop, the same rules
 
 Caches (``Seq2SeqCachedModel``): the decoder's self-attention KV is position-indexed and rolls
-back exactly as ``models.CachedModel``'s does (the same invariant, the same code); the
+back exactly as ``cached_model.CachedModel``'s does (the same invariant, the same code); the
 cross-attention KV is a function of the source alone, computed by the first pass that runs each
 layer's cross-attention and kept until the next source.
 
