@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import TierspecError
+from .llama import slot_mask
 from .routing import RoutingMask, decoder_layers, model_lock
 
 #: apply(u, states [R, H]) → states [R, H] after unit u (every row on its own).
@@ -111,10 +112,10 @@ def select_in_context(runner, position: int, token: int, unit: str, budget: int)
         if rows not in layouts:
             device = decoder.rotary.inv_freq.device
             causal = decoder.layout(torch.full((rows,), position, device=device), position, cached=True)
-            mask = torch.full_like(causal.mask, float("-inf"))  # [rows rounded up to ATTENTION_ROWS, keys]
-            mask[:, :position] = 0.0
-            own = torch.arange(mask.shape[0], device=device).clamp(max=rows - 1)  # padding rows repeat the last
-            mask[torch.arange(mask.shape[0], device=device), position + own] = 0.0
+            sees = torch.zeros(rows, position + rows, dtype=torch.bool)
+            sees[:, :position] = True
+            sees[:, position:] = torch.eye(rows, dtype=torch.bool)
+            mask, _ = slot_mask(position, rows, causal.mask.dtype, device, sees)  # [rows rounded up to ATTENTION_ROWS, keys]
             layouts[rows] = dataclasses.replace(causal, mask=mask)
         return layouts[rows]
 
