@@ -173,6 +173,50 @@ def test_vocabulary_map_round_trips_and_files_are_checked(target32, tmp_path):
         DraftHead.load(tmp_path / "missing.safetensors", target32)
 
 
+FILE_WEIGHTS = {"fc.weight", "fc.bias", "q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                "gate_proj.weight", "up_proj.weight", "down_proj.weight", "input_norm", "post_attention_norm",
+                "final_norm", "draft_ids"}
+
+
+def test_a_saved_head_names_its_weights_as_the_shipped_file_does(target32, tmp_path):
+    """The head's layer is ``llama``'s (q/k/v and gate/up fused), but its file keeps the names
+    heads have always been saved with, so the shipped head and heads users trained still load."""
+    from safetensors import safe_open
+
+    head = DraftHead.for_target(target32, torch.arange(64), seed=3, feature_layers=(1,))
+    path = tmp_path / "head.safetensors"
+    head.save(path, dtype=torch.float32)
+    with safe_open(str(path), "pt") as handle:
+        saved = {key: handle.get_tensor(key) for key in handle.keys()}
+    assert set(saved) == FILE_WEIGHTS | {"aux_proj.weight"}
+    layer = target32.model.model.layers[-1]  # copied from the target's last layer, by name
+    assert torch.equal(saved["k_proj.weight"], layer.self_attn.k_proj.weight)
+    assert torch.equal(saved["up_proj.weight"], layer.mlp.up_proj.weight)
+    assert torch.equal(saved["post_attention_norm"], layer.post_attention_layernorm.weight)
+
+
+def test_the_shipped_file_loads_into_the_layer_and_writes_back_bitwise():
+    """The shipped head's tensors, read into the module and written out under the file's names
+    again, are exactly the file's (no weight renamed, reshaped, dropped or left over)."""
+    import json
+
+    from safetensors import safe_open
+
+    from tierspec.eagle.head import HeadConfig
+    from tierspec.eagle.shipped import HEADS_DIR
+
+    with safe_open(str(HEADS_DIR / "smollm2-135m.safetensors"), "pt") as handle:
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        config = HeadConfig(**json.loads(handle.metadata()["info"])["config"])
+    assert set(tensors) == FILE_WEIGHTS | {"aux_proj.weight"}
+    head = DraftHead(config, tensors["draft_ids"]).to(torch.bfloat16)
+    head.load_state_dict(head.from_file_names(tensors), strict=True)
+    written = head.to_file_names()
+    assert written.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert torch.equal(written[name], tensor), name
+
+
 def test_a_head_for_another_shape_is_refused(target32, tmp_path):
     head = random_head(target32)
     path = tmp_path / "head.safetensors"
@@ -328,8 +372,8 @@ def overflowing_head(target):
     output of the head is NaN, though every weight passes a finiteness check."""
     head = random_head(target)
     with torch.no_grad():
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(head, name).weight.mul_(1e25)
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(head.layer.mlp, name).weight.mul_(1e25)
     assert all(torch.isfinite(p).all() for p in head.parameters())
     return head
 

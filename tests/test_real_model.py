@@ -117,6 +117,23 @@ def test_eagle_and_hybrid_match_ar_on_the_real_model(smollm, ar_output, method):
     assert out.stats.acceptance_by_position()[0] > 0.1
 
 
+def test_the_shipped_head_drafts_exactly_the_recorded_tokens(smollm):
+    """The shipped head, loaded as shipped, drafts chains and trees (greedy and seeded) exactly as
+    it did when its drafts were recorded (``tests/shipped_head_drafts.py``): a change to the
+    head's layer, cache or loading that moved any draft token fails here, although lossless
+    methods would still emit ar's text."""
+    import json
+
+    from shipped_head_drafts import REFERENCE, record
+
+    recorded = json.loads(REFERENCE.read_text())
+    now = record(smollm)
+    assert now.keys() == recorded.keys()
+    for run, expected in recorded.items():
+        assert now[run]["emitted"] == expected["emitted"], run
+        assert now[run]["drafts"] == expected["drafts"], run
+
+
 @pytest.mark.parametrize("rule", ["lossy", "judge"])
 def test_lossy_rules_run_with_the_draft_head(smollm, rule):
     from tierspec.judge.head import JudgeHead

@@ -100,9 +100,9 @@ def _growing_layer_class():
     from .llama import KVLayer
 
     class GrowingLayer(KVLayer, DynamicLayer):
-        """A transformers cache layer with ``tierspec.llama.KVLayer``'s buffer grown by doubling:
-        appending writes in place instead of concatenating the whole cache every step, and a
-        rollback only moves the length."""
+        """A transformers cache layer with ``tierspec.llama.KVLayer``'s buffer (reserved ahead,
+        reallocated in whole blocks past that): appending writes in place instead of concatenating
+        the whole cache every step, and a rollback only moves the length."""
 
         def __init__(self):
             DynamicLayer.__init__(self)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .errors import TierspecError
+from .llama import slot_mask
 from .routing import RoutingMask, decoder_layers, model_lock
 
 #: apply(u, states [R, H]) → states [R, H] after unit u (every row on its own).
@@ -109,12 +110,12 @@ def select_in_context(runner, position: int, token: int, unit: str, budget: int)
         # ``rows`` siblings at one position, each seeing the cached prefix and its own key (slot
         # position + i): a cached pass's layout with the causal mask swapped for that one
         if rows not in layouts:
-            device = decoder.inv_freq.device
+            device = decoder.rotary.inv_freq.device
             causal = decoder.layout(torch.full((rows,), position, device=device), position, cached=True)
-            mask = torch.full_like(causal.mask, float("-inf"))  # [rows rounded up to ATTENTION_ROWS, keys]
-            mask[:, :position] = 0.0
-            own = torch.arange(mask.shape[0], device=device).clamp(max=rows - 1)  # padding rows repeat the last
-            mask[torch.arange(mask.shape[0], device=device), position + own] = 0.0
+            sees = torch.zeros(rows, position + rows, dtype=torch.bool)
+            sees[:, :position] = True
+            sees[:, position:] = torch.eye(rows, dtype=torch.bool)
+            mask, _ = slot_mask(position, rows, causal.mask.dtype, device, sees)  # [rows rounded up to ATTENTION_ROWS, keys]
             layouts[rows] = dataclasses.replace(causal, mask=mask)
         return layouts[rows]
 
@@ -130,7 +131,7 @@ def select_in_context(runner, position: int, token: int, unit: str, budget: int)
         return hidden[0]
 
     with model_lock(model), runner.set_aside(position):
-        embedded = decoder.embed_tokens(torch.tensor([token], device=decoder.inv_freq.device))[0].to(decoder.residual_dtype)
+        embedded = decoder.embed_tokens(torch.tensor([token], device=decoder.rotary.inv_freq.device))[0].to(decoder.residual_dtype)
         skipped, score = select_skips(apply, embedded, len(units), skippable, budget)
     mask = RoutingMask.from_units(len(layers), unit, [units[u] for u in skipped], info={"cosine": round(score, 6)})
     return mask, score

@@ -77,13 +77,15 @@ ATTENTION_ROWS = 4
 
 
 class KVLayer:
-    """One layer's keys and values [1, kv_heads, T, d] in a position-indexed buffer: a pass writes
+    """One layer's keys and values [b, kv_heads, T, d] in a position-indexed buffer: a pass writes
     its new positions in place, a rollback only moves ``length`` (nothing is copied or freed).
+    The target's layers (``KVCache``), the draft head's layer (``eagle.head.HeadRunner``) and
+    transformers models' layers (``cached_model.CachedModel``) all keep their KV in it.
 
-    The buffer is allocated once for the positions a generation will need (``reserve``; the decode
-    loop reserves prompt + budget) and grows by doubling only if a pass goes beyond that.
-    ``cached_model.CachedModel`` uses the same buffer inside transformers' cache for transformers
-    models."""
+    The buffer holds ``reserve``'s positions (the decode loop reserves prompt + budget), allocated
+    at the first write when the shapes are known, in whole ``KEY_BLOCK``s. A write past it (a
+    cache nobody reserved, or a longer generation) reallocates it to the positions now needed,
+    rounded up to a whole block: at most once per ``KEY_BLOCK`` positions, no doubling."""
 
     def __init__(self):
         self.length = 0
@@ -91,20 +93,23 @@ class KVLayer:
         self._keys = self._values = None
         self.keys = self.values = None
 
-    def reserve(self, positions: int) -> None:
-        """Hold at least ``positions`` positions without growing (allocated at the first write,
-        when the shapes are known, or now if they are)."""
-        self.reserved = max(self.reserved, positions)
-        if self._keys is not None and self._keys.shape[-2] < positions:
-            self._grow(positions)
+    @property
+    def capacity(self) -> int:
+        """Positions the buffer holds now (0 before the first write)."""
+        return 0 if self._keys is None else int(self._keys.shape[-2])
 
-    def _grow(self, needed: int) -> None:
-        capacity = 0 if self._keys is None else self._keys.shape[-2]
-        capacity = max(256, needed, 2 * capacity, self.reserved)
-        like_keys, like_values = (self._keys, self._values) if self._keys is not None else self._shapes
-        capacity = -(-capacity // KEY_BLOCK) * KEY_BLOCK
-        # zero-filled: attention reads whole key blocks, the slots past ``length`` masked out (a
-        # masked key must be finite, or 0 · value would not be 0)
+    def reserve(self, positions: int) -> None:
+        """Hold at least ``positions`` positions without reallocating (allocated at the first
+        write, when the shapes are known, or now if they are)."""
+        self.reserved = max(self.reserved, positions)
+        if self._keys is not None and self.capacity < positions:
+            self._allocate(positions, self._keys, self._values)
+
+    def _allocate(self, needed: int, like_keys: torch.Tensor, like_values: torch.Tensor) -> None:
+        """A buffer of max(needed, reserved) positions rounded up to whole blocks, holding the
+        ``length`` positions of the old one. Zero-filled: attention reads whole key blocks, the
+        slots past ``length`` masked out (a masked key must be finite, or 0 · value would not be 0)."""
+        capacity = -(-max(needed, self.reserved) // KEY_BLOCK) * KEY_BLOCK
         keys = like_keys.new_zeros(*like_keys.shape[:-2], capacity, like_keys.shape[-1])
         values = like_values.new_zeros(*like_values.shape[:-2], capacity, like_values.shape[-1])
         if self.length:
@@ -113,13 +118,11 @@ class KVLayer:
         self._keys, self._values = keys, values
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write keys/values [1, kv_heads, n, d] at positions ``length ..``; return every cached
-        position's [1, kv_heads, length + n, d] (views of the buffer)."""
+        """Write keys/values [b, kv_heads, n, d] at positions ``length ..``; return every cached
+        position's [b, kv_heads, length + n, d] (views of the buffer)."""
         end = self.length + keys.shape[-2]
-        if self._keys is None or end > self._keys.shape[-2]:
-            self._shapes = (keys, values)
-            self._grow(end)
-            self._shapes = None
+        if end > self.capacity:
+            self._allocate(end, keys, values)
         self._keys[..., self.length : end, :] = keys
         self._values[..., self.length : end, :] = values
         self.length = end
@@ -127,11 +130,11 @@ class KVLayer:
         return self.keys, self.values
 
     def window(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of slots 0 .. positions − 1 [1, kv_heads, positions, d], which may
+        """Keys and values of slots 0 .. positions − 1 [b, kv_heads, positions, d], which may
         reach past ``length`` into slots that hold zeros or rolled-back entries (the caller masks
         them)."""
-        if self._keys.shape[-2] < positions:
-            self._grow(positions)
+        if self.capacity < positions:
+            self._allocate(positions, self._keys, self._values)
         return self._keys[..., :positions, :], self._values[..., :positions, :]
 
     def get_seq_length(self) -> int:
@@ -202,21 +205,6 @@ class RMSNorm(torch.nn.Module):
         return out if self.output_dtype is None or out.dtype == self.output_dtype else out.to(self.output_dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm as transformers computes it: in float32, cast back before the weight (the
-    draft head uses it)."""
-    dtype = x.dtype
-    x = x.float()
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x.to(dtype)
-
-
-def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` [..., T, D] by position (Llama's rotate-half convention); cos/sin [T, D]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
-
-
 @dataclass
 class PassLayout:
     """What every layer of one pass shares, computed once per pass: the rotary factors of the new
@@ -229,10 +217,12 @@ class PassLayout:
     exactly that many positions.
 
     Cached passes attend over ``keys`` slots (whole blocks of ``KEY_BLOCK``) with ``mask`` [r, keys]
-    (r = n rounded up to ``ATTENTION_ROWS``): query i sees slots 0 .. start + i, the padding
-    queries repeat the last one. Uncached passes (a batch, e.g. the mask search) use one causal
-    ``mask`` [n, n] (None for n = 1) and ``keys`` = 0. A token-tree pass has ``groups`` instead of
-    ``mask`` (``TreeAttention``)."""
+    (``slot_mask``: r = n rounded up to ``ATTENTION_ROWS``, query i sees slots 0 .. start + i, the
+    padding queries repeat the last one), in calls of ``rows_per_call`` queries. Uncached passes (a
+    batch, e.g. the mask search) use one causal ``mask`` [n, n] (None for n = 1) and ``keys`` = 0.
+    A token-tree pass has ``groups`` instead of ``mask`` (``TreeAttention``). The draft head's
+    passes are cached passes too: its token trees bring their own ``slot_mask``, and its unrolled
+    training (``eagle.train``) a mask over every earlier step's keys with all rows in one call."""
 
     cos: torch.Tensor
     signed_sin: torch.Tensor
@@ -240,6 +230,57 @@ class PassLayout:
     start: int
     keys: int = 0
     tree: "TreeAttention | None" = None
+    rows_per_call: int = ATTENTION_ROWS
+
+
+def slot_mask(start: int, n: int, dtype: torch.dtype, device: torch.device, sees: torch.Tensor | None = None,
+              row_multiple: int = ATTENTION_ROWS) -> tuple[torch.Tensor, int]:
+    """The attention mask [r, keys] of a cached pass of n new tokens written at slots start ..
+    start + n − 1, and ``keys``: start + n rounded up to whole ``KEY_BLOCK``s. Query i sees slots
+    0 .. start + i, or the slots ``sees`` [n, start + n] (bool) marks (the draft head's token
+    trees); r is n rounded up to ``row_multiple``, the padding queries seeing what the last one
+    does. Additive (0 / −inf): a boolean mask is converted on every call, which doubled the
+    attention's time here (127 vs 67 µs for 4 queries over 512 keys)."""
+    keys = -(-(start + n) // KEY_BLOCK) * KEY_BLOCK
+    rows = -(-n // row_multiple) * row_multiple
+    if sees is None:
+        last = torch.arange(start, start + rows, device=device).clamp_(max=start + n - 1).unsqueeze(1)
+        blocked = torch.arange(keys, device=device) > last  # [rows, keys]
+    else:
+        if tuple(sees.shape) != (n, start + n):
+            raise ValueError(f"a slot mask for {n} tokens after {start} has shape ({n}, {start + n}), "
+                             f"got {tuple(sees.shape)}")
+        blocked = torch.ones(rows, keys, dtype=torch.bool, device=device)
+        blocked[:n, : start + n] = ~sees.to(device=device, dtype=torch.bool)
+        blocked[n:] = blocked[n - 1]
+    return torch.zeros(rows, keys, dtype=dtype, device=device).masked_fill_(blocked, float("-inf")), keys
+
+
+class RotaryTable(torch.nn.Module):
+    """Llama's rotary factors by position, cos and signed sin [P, D] (see ``PassLayout``), computed
+    once for positions 0 .. P − 1 and again, longer, when a pass reaches past P (P in whole
+    ``KEY_BLOCK``s). The decoder and the draft head each keep one."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._table: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def factors(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin [n, 1, D] in ``dtype`` for integer ``positions`` [n]."""
+        needed = int(positions.max()) + 1
+        table = self._table
+        if table is None or table[0].shape[0] < needed or table[0].dtype != dtype or table[0].device != self.inv_freq.device:
+            size = -(-needed // KEY_BLOCK) * KEY_BLOCK
+            angles = torch.arange(size, device=self.inv_freq.device).float().unsqueeze(1) * self.inv_freq.float().unsqueeze(0)
+            half = angles.shape[1]
+            angles = torch.cat((angles, angles), dim=-1)
+            sin = angles.sin()
+            sin[:, :half] = -sin[:, :half]
+            table = self._table = (angles.cos().to(dtype), sin.to(dtype))
+        positions = positions.to(table[0].device)
+        return table[0].index_select(0, positions).unsqueeze(1), table[1].index_select(0, positions).unsqueeze(1)
 
 
 # ---- token-tree passes --------------------------------------------------------------------------
@@ -353,7 +394,8 @@ class Attention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, layout: PassLayout, cache: KVLayer | None) -> torch.Tensor:
         """x [b, n, H] (normalised) → the attention output [b, n, H]; appends this pass's KV to
-        ``cache`` (cached passes have b = 1; a batch runs uncached, e.g. the mask search).
+        ``cache`` (the target's cached passes have b = 1; a batch runs uncached, e.g. the mask
+        search, or over the draft head's training cache, ``eagle.train.StepKeys``).
         Attention runs in the layout's dtype (float32 for a bfloat16 model: see KEY_BLOCK)."""
         b, n = x.shape[0], x.shape[1]
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
@@ -374,12 +416,12 @@ class Attention(torch.nn.Module):
             if layout.tree is not None:
                 out = tree_attention(q, k, v, keys, values, layout.start, layout.tree, gqa)
                 return self.o_proj.forward(out.transpose(1, 2).reshape(b, n, heads * d).to(x.dtype))
-            rows = layout.mask.shape[0]
+            rows, per_call = layout.mask.shape[0], layout.rows_per_call
             if rows > n:  # pad the queries to whole calls with copies of the last one
-                q = torch.cat((q, q[:, :, -1:].expand(1, heads, rows - n, d)), dim=2)
-            out = torch.cat([F.scaled_dot_product_attention(q[:, :, i : i + ATTENTION_ROWS], keys, values,
-                                                            attn_mask=layout.mask[i : i + ATTENTION_ROWS], enable_gqa=gqa)
-                             for i in range(0, rows, ATTENTION_ROWS)], dim=2)[:, :, :n] if rows > ATTENTION_ROWS else \
+                q = torch.cat((q, q[:, :, -1:].expand(b, heads, rows - n, d)), dim=2)
+            out = torch.cat([F.scaled_dot_product_attention(q[:, :, i : i + per_call], keys, values,
+                                                            attn_mask=layout.mask[i : i + per_call], enable_gqa=gqa)
+                             for i in range(0, rows, per_call)], dim=2)[:, :, :n] if rows > per_call else \
                 F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.mask, enable_gqa=gqa)[:, :, :n]
         # Back to the projections' dtype (the input's): a bfloat16 o_proj takes bfloat16 rows.
         return self.o_proj.forward(out.transpose(1, 2).reshape(b, n, heads * d).to(x.dtype))
@@ -480,25 +522,8 @@ class Decoder(torch.nn.Module):
         self.embed_tokens = _Embedding(config.vocab_size, config.hidden_size)
         self.layers = torch.nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        head_dim = config.head_dim
-        theta = config.rope_parameters["rope_theta"]
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary = RotaryTable(config.head_dim, config.rope_parameters["rope_theta"])
         self.residual_dtype = torch.float32
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, signed sin [P, D] for positions 0..P-1
-
-    def _rope_table(self, positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [P ≥ positions, D] in ``dtype``, computed once (grown by doubling)."""
-        if self._rope is None or self._rope[0].shape[0] < positions or self._rope[0].dtype != dtype \
-                or self._rope[0].device != self.inv_freq.device:
-            size = max(positions, 2 * (0 if self._rope is None else self._rope[0].shape[0]), 512)
-            angles = torch.arange(size, device=self.inv_freq.device).float().unsqueeze(1) * self.inv_freq.float().unsqueeze(0)
-            half = angles.shape[1]
-            angles = torch.cat((angles, angles), dim=-1)
-            sin = angles.sin()
-            sin[:, :half] = -sin[:, :half]
-            self._rope = (angles.cos().to(dtype), sin.to(dtype))
-        return self._rope
 
     def layout(self, position_ids: torch.Tensor, start: int, cached: bool, attends: torch.Tensor | None = None,
                tokens: torch.Tensor | None = None) -> PassLayout:
@@ -511,22 +536,16 @@ class Decoder(torch.nn.Module):
             raise ValueError(f"a tree mask needs a cached pass and shape ({n}, {n}), got {tuple(attends.shape)}"
                              + ("" if cached else " on an uncached pass"))
         device = position_ids.device
-        cos_table, sin_table = self._rope_table(int(position_ids.max()) + 1, self.residual_dtype)
-        cos, sin = cos_table.index_select(0, position_ids).unsqueeze(1), sin_table.index_select(0, position_ids).unsqueeze(1)
+        cos, sin = self.rotary.factors(position_ids, self.residual_dtype)
         if not cached:
             mask = torch.ones(n, n, dtype=torch.bool, device=device).tril() if n > 1 else None
             return PassLayout(cos, sin, mask, start)
-        keys = -(-(start + n) // KEY_BLOCK) * KEY_BLOCK
         if attends is not None:
+            keys = -(-(start + n) // KEY_BLOCK) * KEY_BLOCK
             plan = tree_attention_plan(attends, tokens.to("cpu"), position_ids.to("cpu"), start, keys,
                                        self.residual_dtype, device)
             return PassLayout(cos, sin, None, start, keys, plan)
-        rows = -(-n // ATTENTION_ROWS) * ATTENTION_ROWS
-        sees = torch.arange(start, start + rows, device=device).clamp_(max=start + n - 1).unsqueeze(1)
-        # additive (0 / −inf): a boolean mask is converted on every call, which doubled the
-        # attention's time here (127 vs 67 µs for 4 queries over 512 keys)
-        mask = torch.zeros(rows, keys, dtype=self.residual_dtype, device=device)
-        mask.masked_fill_(torch.arange(keys, device=device) > sees, float("-inf"))  # [rows, keys]
+        mask, keys = slot_mask(start, n, self.residual_dtype, device)
         return PassLayout(cos, sin, mask, start, keys)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,

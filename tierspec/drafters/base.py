@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from ..sampling import BlockNoise, SamplingConfig, logits_to_probs
+from ..sampling import BlockNoise, SamplingConfig, gumbel_argmax, logits_to_probs
 
 #: Asked by a drafting model after each drafted token with the top probability (temperature 1)
 #: of every token drafted so far and its source name: draft another one?
@@ -222,20 +222,36 @@ def draft_autoregressively(
     noise: BlockNoise | None,
     keep_drafting: KeepDrafting = always,
     source: str = "model",
+    vocabulary: torch.Tensor | None = None,
+    vocab_size: int = 0,
 ) -> Proposal:
     """Draft up to ``num_tokens`` tokens one at a time.
 
     ``next_logits(tokens)`` feeds ``tokens`` [n] to the drafting model and returns the logits
     [V] after the last of them. After each token ``keep_drafting`` (the policy) decides whether
-    to draft another; the policy may still cut the block afterwards.
+    to draft another; the policy may still cut the block afterwards. Logits that are not all
+    finite (a drafting model whose forward pass overflowed) give no distribution to draw from:
+    the draft ends before them, and the target decides.
+
+    ``vocabulary`` [K] (target ids; a draft head's reduced vocabulary): ``next_logits`` scores
+    only these tokens, a sampled draft reads their entries of the position's token noise, and
+    the proposal's rows are widened to ``vocab_size`` with probability 0 (logit −inf) elsewhere.
     """
     tokens, probs, logits_rows, confidences = [], [], [], []
     calls = 0
     for _ in range(num_tokens):
         logits = next_logits(pending)
         calls += 1
+        if not torch.isfinite(logits).all():
+            break
         step_probs = logits_to_probs(logits, sampling)
-        token = int(logits.argmax()) if sampling.greedy else noise.token(len(tokens), step_probs)
+        if sampling.greedy:
+            choice = int(logits.argmax())
+        elif vocabulary is None:
+            choice = noise.token(len(tokens), step_probs)
+        else:
+            choice = int(gumbel_argmax(step_probs, noise.gumbel(len(tokens))[vocabulary]))
+        token = choice if vocabulary is None else int(vocabulary[choice])
         tokens.append(token)
         probs.append(step_probs)
         logits_rows.append(logits)
@@ -245,5 +261,12 @@ def draft_autoregressively(
             break
     if not tokens:
         return Proposal.empty(calls, source)
-    return Proposal(torch.tensor(tokens), torch.stack(probs), torch.stack(logits_rows), torch.tensor(confidences),
+    draft_probs, draft_logits = torch.stack(probs), torch.stack(logits_rows)
+    if vocabulary is not None:
+        wide_probs = torch.zeros(len(tokens), vocab_size, dtype=draft_probs.dtype)
+        wide_logits = torch.full((len(tokens), vocab_size), float("-inf"), dtype=draft_logits.dtype)
+        wide_probs[:, vocabulary] = draft_probs
+        wide_logits[:, vocabulary] = draft_logits
+        draft_probs, draft_logits = wide_probs, wide_logits
+    return Proposal(torch.tensor(tokens), draft_probs, draft_logits, torch.tensor(confidences),
                     drafter_calls=calls, source=source)

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..eagle.head import DraftHead, HeadRunner
-from ..sampling import SamplingConfig, gumbel_argmax, logits_to_probs
-from .base import Drafter, FeatureLog, Proposal, always
+from ..sampling import SamplingConfig
+from .base import Drafter, FeatureLog, Proposal, always, draft_autoregressively
 from .ngram import NgramDrafter
 
 
@@ -63,41 +63,20 @@ class EagleDrafter(Drafter):
         if h is None:
             return Proposal.empty(source="head")
         committed = self.runner.length
-        ids = self.head.draft_ids.cpu()  # rows and samples live on the CPU (no copy there)
-        tokens, k_probs, k_logits, confidences = [], [], [], []
-        steps = 1  # the catch-up pass produced the first draft's logits
+
+        def next_logits(tokens: torch.Tensor) -> torch.Tensor:
+            """Logits [K] after feeding ``tokens``: none at the first draft (the catch-up's output
+            predicts it), then each draft token with the head's own output as its input."""
+            nonlocal h
+            if len(tokens):
+                h = self.runner.extend(h, tokens)
+            return self.runner.logits(h)[0]
+
         try:
-            while True:
-                logits = self.runner.logits(h)[0].float()  # [K]
-                if not torch.isfinite(logits).all():
-                    # The head overflowed (DraftHead.load refuses heads that do on a probe): no
-                    # distribution to draft from, so the draft ends here and the target decides.
-                    break
-                probs = logits_to_probs(logits, sampling)
-                if sampling.greedy:
-                    choice = int(logits.argmax())
-                else:  # the token noise of the draft's position, read on the draft vocabulary
-                    choice = int(gumbel_argmax(probs, noise.gumbel(len(tokens))[ids]))
-                tokens.append(int(ids[choice]))
-                k_probs.append(probs)
-                k_logits.append(logits)
-                confidences.append(float(logits.softmax(-1).max()))
-                if len(tokens) >= num_tokens or not keep_drafting(confidences, "head"):
-                    break
-                h = self.runner.extend(h, torch.tensor([tokens[-1]]))
-                steps += 1
+            return draft_autoregressively(next_logits, torch.empty(0, dtype=torch.long), num_tokens, sampling, noise,
+                                          keep_drafting, "head", self.head.draft_ids.cpu(), self.vocab_size)
         finally:
             self.runner.rollback(committed)  # drafted positions are recomputed from real features
-        if not tokens:
-            return Proposal.empty(source="head")
-        # Rows over the full vocabulary, p(v) = 0 (logit −inf) outside the draft vocabulary.
-        k = len(tokens)
-        rows = torch.zeros(k, self.vocab_size)
-        rows[:, ids] = torch.stack(k_probs)
-        logit_rows = torch.full((k, self.vocab_size), float("-inf"))
-        logit_rows[:, ids] = torch.stack(k_logits)
-        return Proposal(torch.tensor(tokens), rows, logit_rows, torch.tensor(confidences), drafter_calls=steps,
-                        source="head")
 
     def draft_step_weights(self) -> dict[str, int]:
         # A self-fed step runs W_fc, the decoder layer and the K LM-head rows (aux_proj reads only

@@ -9,16 +9,20 @@ x_t the token at t, E the target's embedding, W_lm its LM head. At position t th
     h_t     = norm(layer(input_≤t))  ≈ f_{t+1}                         [H]
     logits  = W_lm[V_K] · h_t       over the K draft tokens V_K        [K]
 
-``layer`` is a Llama-style decoder layer (RMSNorm, rotary grouped-query attention, SwiGLU MLP)
-with the target's shapes, initialised from the target's last layer; ``norm`` is a copy of the
-target's final norm. Drafting feeds f_t from the target for committed positions and the head's
-own h for the positions after them. Tokens outside V_K have draft probability 0; verification
-stays over the full vocabulary, so the exact rule stays exact.
+``layer`` is ``tierspec.llama``'s decoder layer (RMSNorm, rotary grouped-query attention, SwiGLU
+MLP) with the target's shapes, initialised from the target's last layer; ``norm`` is a copy of the
+target's final norm. The same layer runs in training (a batch, ``eagle.train``) and in drafting
+(``HeadRunner``, over a ``llama.KVLayer`` like every target layer's). Drafting feeds f_t from the
+target for committed positions and the head's own h for the positions after them. Tokens outside
+V_K have draft probability 0; verification stays over the full vocabulary, so the exact rule
+stays exact.
 
 The module holds only what it trains: W_fc, the layer and the norm. E and W_lm[V_K] are taken
 from the target when the head is attached (``DraftHead.attach``) and never saved; the file
 stores the vocabulary map V_K (target ids) and the target's identity, and loading onto another
-model is refused.
+model is refused. The file names the layer's weights as transformers does (``q_proj.weight`` …,
+``input_norm``, ``post_attention_norm``, ``final_norm``: ``FILE_NAMES``), so heads saved before
+the layer was ``llama``'s load unchanged.
 """
 
 from __future__ import annotations
@@ -28,19 +32,31 @@ import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
 from ..errors import TierspecError
 from ..identity import ModelIdentity
-from ..kernels import few_row_linear
-from ..llama import KVLayer, has_projections, projection_weights, rms_norm, rotary
+from ..kernels import FewRowLinear, few_row_linear
+from ..llama import DecoderLayer, KVLayer, PassLayout, RMSNorm, RotaryTable, has_projections, projection_weights, slot_mask
 from ..models import LoadedModel, output_vocabulary_size
 from ..routing import decoder_layers
 from ..util import atomic_write, atomic_write_text
 
 HEAD_FORMAT = "tierspec-draft-head"
+
+#: The module's names of the weights a head file names otherwise (the file keeps the names heads
+#: were first saved with; the projections are stored as transformers' seven, q/k/v and gate/up
+#: fused only in the module: ``DraftHead.to_file_names`` / ``from_file_names``).
+FILE_NAMES = {
+    "layer.self_attn.o_proj.weight": "o_proj.weight",
+    "layer.mlp.down_proj.weight": "down_proj.weight",
+    "layer.input_layernorm.weight": "input_norm",
+    "layer.post_attention_layernorm.weight": "post_attention_norm",
+    "norm.weight": "final_norm",
+}
 
 
 class DraftHeadError(TierspecError):
@@ -101,27 +117,22 @@ class DraftHead(torch.nn.Module):
 
     def __init__(self, config: HeadConfig, draft_ids: torch.Tensor):
         super().__init__()
-        H, I = config.hidden_size, config.intermediate_size
-        q_out, kv_out = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+        H = config.hidden_size
         self.config = config
         # g_t = f_t + W_aux [outputs of feature_layers at t]: the final feature, corrected with
         # what earlier layers knew (zero-initialised, so a new head starts as f_t alone). Self-fed
         # positions use the head's own h in place of g.
-        self.aux_proj = torch.nn.Linear(H * len(config.feature_layers), H, bias=False) if config.feature_layers else None
-        self.fc = torch.nn.Linear(2 * H, H, bias=True)
-        self.input_norm = torch.nn.Parameter(torch.ones(H))
-        self.q_proj = torch.nn.Linear(H, q_out, bias=False)
-        self.k_proj = torch.nn.Linear(H, kv_out, bias=False)
-        self.v_proj = torch.nn.Linear(H, kv_out, bias=False)
-        self.o_proj = torch.nn.Linear(q_out, H, bias=False)
-        self.post_attention_norm = torch.nn.Parameter(torch.ones(H))
-        self.gate_proj = torch.nn.Linear(H, I, bias=False)
-        self.up_proj = torch.nn.Linear(H, I, bias=False)
-        self.down_proj = torch.nn.Linear(I, H, bias=False)
-        self.final_norm = torch.nn.Parameter(torch.ones(H))
+        self.aux_proj = FewRowLinear(H * len(config.feature_layers), H, bias=False) if config.feature_layers else None
+        self.fc = FewRowLinear(2 * H, H, bias=True)
+        self.layer = DecoderLayer(SimpleNamespace(
+            hidden_size=H, intermediate_size=config.intermediate_size, num_attention_heads=config.num_heads,
+            num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim, rms_norm_eps=config.rms_norm_eps))
+        for module in self.layer.modules():  # 1..10 rows (a draft step) through the few-row kernel
+            if isinstance(module, torch.nn.Linear):
+                module.__class__ = FewRowLinear
+        self.norm = RMSNorm(H, config.rms_norm_eps)
+        self.rotary = RotaryTable(config.head_dim, config.rope_theta)
         self.register_buffer("draft_ids", draft_ids.to(torch.long).clone(), persistent=True)
-        inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float32) / config.head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
         # Taken from the target by ``attach`` (frozen, never saved): E and W_lm[V_K].
         self.embedding: torch.Tensor | None = None
         self.lm_rows: torch.Tensor | None = None
@@ -137,14 +148,15 @@ class DraftHead(torch.nn.Module):
         config = HeadConfig.from_target(target.model, len(draft_ids), feature_layers)
         head = cls(config, draft_ids)
         layer = decoder_layers(target.model)[-1]
+        weights = {f"{name}.weight": weight for name, weight in projection_weights(layer).items()}
+        weights |= {"input_norm": layer.input_layernorm.weight, "post_attention_norm": layer.post_attention_layernorm.weight}
+        final_norm = getattr(getattr(target.model.get_decoder(), "norm", None), "weight", None)
+        if final_norm is not None:  # (else the head's final norm stays ones)
+            weights["final_norm"] = final_norm
         with torch.no_grad():
-            for name, weight in projection_weights(layer).items():
-                getattr(head, name).weight.copy_(weight)
-            head.input_norm.copy_(layer.input_layernorm.weight)
-            head.post_attention_norm.copy_(layer.post_attention_layernorm.weight)
-            norm = getattr(target.model.get_decoder(), "norm", None)
-            if norm is not None and getattr(norm, "weight", None) is not None:
-                head.final_norm.copy_(norm.weight)
+            copied = head.load_state_dict(head.from_file_names(weights), strict=False)
+            if copied.unexpected_keys:
+                raise DraftHeadError(f"the target's last layer has weights the head does not: {copied.unexpected_keys}")
             generator = torch.Generator().manual_seed(seed)
             H = config.hidden_size
             fc = torch.randn(H, 2 * H, generator=generator) * (0.02 / math.sqrt(2))
@@ -175,50 +187,47 @@ class DraftHead(torch.nn.Module):
         self.embedding = target.model.get_input_embeddings().weight.detach()  # shared, not copied
         return self
 
-    # -- the computation: the one layer, for training (batches [B, T, ·]) and drafting ([1, n, ·]) --
-    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, D] for integer ``positions`` [T]."""
-        angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        angles = torch.cat((angles, angles), dim=-1)
-        return angles.cos().to(dtype), angles.sin().to(dtype)
-
-    @staticmethod
-    def _linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """``layer(x)``; 1..10 rows (a draft step) through the few-row kernel (``kernels``), more
-        rows (training, a catch-up after a long prompt) as ``F.linear``."""
-        return few_row_linear(x, layer.weight, layer.bias)
-
+    # -- the computation: one pass of the layer, for training (batches [B, T, ·]) and drafting ([1, n, ·]) --
     def target_input(self, features: torch.Tensor) -> torch.Tensor:
         """g [..., H] from the target's features [..., feature_width] (f, then the fused layers)."""
         H = self.config.hidden_size
         if self.aux_proj is None:
             return features[..., :H]
-        return features[..., :H] + self._linear(self.aux_proj, features[..., H:])
+        return features[..., :H] + self.aux_proj(features[..., H:])
 
-    def fuse(self, inputs: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
-        """W_fc [g ; E(x_next)]: inputs g [..., H] (target or self-fed), next_tokens [...] → [..., H]."""
+    def forward(self, inputs: torch.Tensor, next_tokens: torch.Tensor, positions: torch.Tensor, cache: KVLayer,
+                mask: torch.Tensor, keys: int) -> torch.Tensor:
+        """h [B, T, H] for inputs g [B, T, H] (target or self-fed) and x_next [B, T] at rotary
+        ``positions`` [T]: W_fc [g ; E(x_next)], then the decoder layer (its keys and values
+        appended to ``cache``: drafting's ``KVLayer`` or training's ``eagle.train.StepKeys``;
+        attending over the cache's first ``keys`` slots with ``mask`` [T, keys], all queries in one
+        call), then the final norm."""
         embedded = F.embedding(next_tokens, self.embedding).to(inputs.dtype)
-        return self._linear(self.fc, torch.cat((inputs, embedded), dim=-1))
-
-    def project_qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Normed input → rotated q [B, h, T, D], k, v [B, kv, T, D] for x [B, T, H]."""
-        c = self.config
-        B, T, _ = x.shape
-        normed = rms_norm(x, self.input_norm, c.rms_norm_eps)
-        q = self._linear(self.q_proj, normed).view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
-        k = self._linear(self.k_proj, normed).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        v = self._linear(self.v_proj, normed).view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        return rotary(q, cos, sin), rotary(k, cos, sin), v
-
-    def finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
-        """Residual + o_proj(attention), then the MLP block and the final norm → h [B, T, H]."""
-        B, _, T, _ = attended.shape
-        x = x + self._linear(self.o_proj, attended.transpose(1, 2).reshape(B, T, -1))
-        normed = rms_norm(x, self.post_attention_norm, self.config.rms_norm_eps)
-        x = x + self._linear(self.down_proj, F.silu(self._linear(self.gate_proj, normed)) * self._linear(self.up_proj, normed))
-        return rms_norm(x, self.final_norm, self.config.rms_norm_eps)
+        # the residual stream in the head's dtype (float32), also under bfloat16 autocast in training
+        x = self.fc(torch.cat((inputs, embedded), dim=-1)).to(self.fc.weight.dtype)
+        cos, sin = self.rotary.factors(positions, self.fc.weight.dtype)  # attention in the head's dtype
+        layout = PassLayout(cos, sin, mask, cache.length, keys, rows_per_call=int(mask.shape[0]))
+        return self.norm(self.layer(x, layout, cache))
 
     # -- files --------------------------------------------------------------------------------
+    def to_file_names(self) -> dict[str, torch.Tensor]:
+        """The weights under the file's names (``FILE_NAMES``; q/k/v and gate/up split apart)."""
+        state = {FILE_NAMES.get(name, name): tensor for name, tensor in self.state_dict().items()}
+        del state["layer.self_attn.qkv_proj.weight"], state["layer.mlp.gate_up_proj.weight"]
+        return state | {f"{name}.weight": weight for name, weight in projection_weights(self.layer).items()}
+
+    def from_file_names(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A state dict of this module from tensors under the file's names (q/k/v and gate/up
+        fused as the layer holds them); other names pass through (``load_state_dict`` judges them)."""
+        tensors = dict(tensors)
+        parts = {"layer.self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
+                 "layer.mlp.gate_up_proj.weight": ("gate_proj", "up_proj")}
+        for fused, names in parts.items():
+            if all(f"{name}.weight" in tensors for name in names):
+                tensors[fused] = torch.cat([tensors.pop(f"{name}.weight") for name in names])
+        module_names = {file_name: name for name, file_name in FILE_NAMES.items()}
+        return {module_names.get(name, name): tensor for name, tensor in tensors.items()}
+
     def save(self, path: str | Path, metadata: dict | None = None, dtype: torch.dtype = torch.bfloat16) -> None:
         """Weights (in ``dtype``: bfloat16 halves the file; loading computes in float32) and the
         vocabulary map to ``path`` (.safetensors), metadata beside it (.json)."""
@@ -227,7 +236,8 @@ class DraftHead(torch.nn.Module):
         path = Path(path)
         if self.target_identity is None:
             raise DraftHeadError("attach the head to its target before saving it")
-        tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous() for k, v in self.state_dict().items()}
+        tensors = {k: (v.to(dtype) if v.is_floating_point() else v).detach().contiguous()
+                   for k, v in self.to_file_names().items()}
         info = {
             "format": HEAD_FORMAT,
             "version": 1,
@@ -268,7 +278,7 @@ class DraftHead(torch.nn.Module):
         head = cls(config, draft_ids)
         tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
         try:
-            head.load_state_dict(tensors, strict=True)
+            head.load_state_dict(head.from_file_names(tensors), strict=True)
         except RuntimeError as error:
             raise DraftHeadError(f"draft head {path} does not hold the expected weights: {error}") from None
         if not all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()):
@@ -307,9 +317,8 @@ class HeadRunner:
     """Runs a ``DraftHead`` incrementally at inference: ``extend`` appends positions (real or
     predicted features) to its cache and returns their outputs h; ``rollback`` drops positions.
 
-    The layer is the head's own (``target_input``, ``fuse``, ``project_qkv``, ``finish``: what
-    training runs), on a batch of one; the cache is the target's position-indexed buffer
-    (``llama.KVLayer``), so a rollback only moves its length.
+    The pass is the head's ``forward`` (what training runs) on a batch of one; the cache is the
+    target's position-indexed buffer (``llama.KVLayer``), so a rollback only moves its length.
     """
 
     def __init__(self, head: DraftHead):
@@ -338,20 +347,14 @@ class HeadRunner:
         and ``attends`` [n, length + n] bool the cache slots each sees (default: a chain)."""
         head = self.head
         device = head.fc.weight.device
-        inputs, next_tokens = inputs.to(device), next_tokens.to(device)
+        inputs, next_tokens = inputs.to(device, head.fc.weight.dtype), next_tokens.to(device)
         n, start = int(inputs.shape[0]), self.cache.length
         if from_target:
             inputs = head.target_input(inputs)
-        x = head.fuse(inputs, next_tokens)[None]  # [1, n, H]
-        rotary_positions = torch.arange(start, start + n, device=device) if positions is None else positions.to(device)
-        cos, sin = head.rope(rotary_positions, x.dtype)
-        q, k, v = head.project_qkv(x, cos, sin)  # [1, h, n, D], [1, kv, n, D] ×2
-        keys, values = self.cache.update(k, v)  # [1, kv, start + n, D]
-        mask = None if attends is None else attends.to(device)
-        if n > 1 and attends is None:  # queries at start..start+n-1 see keys up to their own position
-            mask = torch.arange(start + n, device=device)[None, :] <= torch.arange(start, start + n, device=device)[:, None]
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)  # [1, h, n, D]
-        return head.finish(x, attended)[0]
+        if positions is None:
+            positions = torch.arange(start, start + n, device=device)
+        mask, keys = slot_mask(start, n, inputs.dtype, device, attends, row_multiple=1)
+        return head(inputs[None], next_tokens[None], positions.to(device), self.cache, mask, keys)[0]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [n, K] (float32, on the CPU where the loop samples) for head

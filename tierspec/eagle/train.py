@@ -187,9 +187,30 @@ def chain_mask(width: int, step: int) -> torch.Tensor:
     return torch.cat(blocks, dim=1)
 
 
+class StepKeys:
+    """The keys and values of the unrolled steps so far [B, kv_heads, T·steps, D], read by the next
+    step's attention as a ``llama.KVLayer`` is read in drafting (same ``length`` / ``update`` /
+    ``window``). Concatenated, not written into a buffer: autograd needs every step's keys
+    unchanged until the backward pass, and an in-place write would change them."""
+
+    def __init__(self):
+        self.length = 0
+        self._keys: list[torch.Tensor] = []
+        self._values: list[torch.Tensor] = []
+
+    def update(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self._keys.append(keys)
+        self._values.append(values)
+        self.length += int(keys.shape[-2])
+
+    def window(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.cat(self._keys, dim=-2), torch.cat(self._values, dim=-2)
+
+
 def unrolled_forward(head: DraftHead, batch: dict[str, torch.Tensor], steps: int, noise: float = 0.0,
                      generator: torch.Generator | None = None) -> list[torch.Tensor]:
-    """Head outputs h_j [B, T, H] for unrolled steps j = 1..steps (see the module docstring).
+    """Head outputs h_j [B, T, H] for unrolled steps j = 1..steps (see the module docstring), each
+    step one pass of the head's ``forward`` (what drafting runs) over the keys of the steps before.
 
     Step j at position p reads (h_{j−1} at p−1, x_{p+1}) and predicts f_{p+1}; step 1 reads
     (f_p, x_{p+1}). Positions p < j−1 have no chain; their outputs are garbage and never scored.
@@ -197,26 +218,18 @@ def unrolled_forward(head: DraftHead, batch: dict[str, torch.Tensor], steps: int
     features, tokens = batch["features"], batch["tokens"]
     B, T, _ = features.shape
     next_tokens = torch.cat((tokens[:, 1:], tokens[:, :1] * 0), dim=1)
-    cos, sin = head.rope(torch.arange(T), torch.float32)
     H = head.config.hidden_size
     inputs = head.target_input(features)
     if noise > 0:
         rms = features[..., :H].pow(2).mean().sqrt()
         inputs = inputs + (torch.rand(inputs.shape, generator=generator) - 0.5) * (noise * rms)
-    keys, values, outputs = [], [], []
-    previous = None
+    positions, keys = torch.arange(T), StepKeys()
+    outputs = []
     for step in range(1, steps + 1):
         if step > 1:
+            previous = outputs[-1]
             inputs = torch.cat((torch.zeros_like(previous[:, :1]), previous[:, :-1]), dim=1)
-        x = head.fuse(inputs, next_tokens)
-        q, k, v = head.project_qkv(x, cos, sin)
-        keys.append(k)
-        values.append(v)
-        mask = chain_mask(T, step)
-        attended = F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
-                                                  attn_mask=mask, enable_gqa=True)
-        previous = head.finish(x, attended)
-        outputs.append(previous)
+        outputs.append(head(inputs, next_tokens, positions, keys, chain_mask(T, step), step * T))
     return outputs
 
 

@@ -1,0 +1,81 @@
+"""The shipped draft head's drafts on the real default model, recorded and compared.
+
+``record(target)`` runs the shipped head as a chain drafter (fixed 5-token drafts) and as a tree
+drafter (a tree policy on the default cost line, so nothing depends on this machine's clock),
+greedy and sampled with a seed, on float32 SmolLM2-135M-Instruct, and returns every cycle's
+drafted tokens (and the tree's parents). ``tests/data/shipped_head_drafts.json`` holds what it
+returned on the code before the draft head's layer became ``tierspec.llama``'s decoder layer
+(commit ad3fa31); ``tests/test_real_model.py`` checks the head still drafts exactly that.
+
+Regenerate only on purpose (a new head or a deliberate change of its drafts):
+``python tests/shipped_head_drafts.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+REFERENCE = Path(__file__).parent / "data" / "shipped_head_drafts.json"
+PROMPTS = ("Explain in two sentences why the sky is blue.",
+           "Write a Python function that returns the n-th Fibonacci number.",
+           "What is the capital of France, and what is it famous for?")
+MAX_NEW_TOKENS = 40
+
+
+def record(target) -> dict:
+    from tierspec.decode import DecodeConfig, decode
+    from tierspec.drafters.eagle import EagleDrafter
+    from tierspec.drafters.tree import EagleTreeDrafter, TreePolicy
+    from tierspec.eagle.shipped import shipped_head
+    from tierspec.methods import Method
+    from tierspec.policies import FixedLength
+    from tierspec.prompting import encode_prompt
+    from tierspec.rules.exact import ExactRule
+    from tierspec.rules.tree import TreeExactRule
+    from tierspec.sampling import SamplingConfig
+
+    head = shipped_head(target)
+    runs = {}
+    for temperature, seed in ((0.0, None), (1.0, 7)):
+        config = DecodeConfig(max_new_tokens=MAX_NEW_TOKENS, sampling=SamplingConfig(temperature=temperature))
+        for shape in ("chain", "tree"):
+            if shape == "chain":
+                drafter = EagleDrafter(head)
+                method = Method("eagle", drafter, ExactRule(), FixedLength(5), "reference")
+                original = drafter.propose
+
+                def propose(*args, _original=original, **kwargs):
+                    proposal = _original(*args, **kwargs)
+                    drafts.append(proposal.tokens.tolist())
+                    return proposal
+
+                drafter.propose = propose
+            else:
+                policy = TreePolicy(max_nodes=15, forward_costs=None, draft_fractions={"head": 0.02})
+                drafter = EagleTreeDrafter(head, policy)
+                method = Method("eagle-tree", drafter, TreeExactRule(), policy, "reference")
+                original_tree = drafter.propose_tree
+
+                def propose_tree(*args, _original=original_tree, **kwargs):
+                    proposal = _original(*args, **kwargs)
+                    drafts.append([proposal.tree.tokens.tolist(), proposal.tree.parents.tolist()])
+                    return proposal
+
+                drafter.propose_tree = propose_tree
+            for index, prompt in enumerate(PROMPTS):
+                drafts: list = []
+                emitted = [token for step in decode(target, method, encode_prompt(target, prompt), config, seed)
+                           for token in step.new_tokens]
+                runs[f"{shape}/T={temperature:g}/prompt{index}"] = {"drafts": drafts, "emitted": emitted}
+    return runs
+
+
+if __name__ == "__main__":
+    import tierspec
+
+    smollm = tierspec.load_model("smollm2-135m", dtype=torch.float32)
+    REFERENCE.write_text(json.dumps(record(smollm)) + "\n")
+    print(f"wrote {REFERENCE}")
