@@ -56,6 +56,14 @@ def target():
 
 
 @pytest.fixture(scope="module")
+def own_target(target, tmp_path_factory):
+    """The same weights on tierspec's own Llama forward: what CLaSP and token trees run on."""
+    folder = tmp_path_factory.mktemp("seed-own") / "m"
+    target.model.save_pretrained(folder)
+    return load_model(folder, dtype="float32", implementation="tierspec")
+
+
+@pytest.fixture(scope="module")
 def drafter():
     """A drafter model of its own for sd, adaptive-sd and csd (the target drafting for itself
     always agrees; and a drafter as costly as the target never pays for the cost-aware policy)."""
@@ -77,7 +85,7 @@ def options_for(name: str, parts: dict, **extra) -> MethodOptions:
     """Every method's needs: masks for self/via, heads for eagle/hybrid/judge; the lossy rules
     draft with the trained head (the cost-aware policy), as the issue's runs did."""
     values = {"num_draft": 4, "adaptive_max_draft": 6, "draft_head": parts["draft_head"]}
-    if name in ("self", "via", "via-judge"):
+    if name in ("self", "via", "via-judge", "via-pearl"):
         values["mask"] = parts["mask"]
     if name in ("judge", "via-judge"):
         values["judge_head"] = parts["judge_head"]
@@ -107,14 +115,15 @@ class LurchingClock:
 
 @pytest.mark.parametrize("name", method_names())
 def test_a_seed_fixes_the_text_whatever_ran_before_and_whatever_the_clock_says(name, target, drafter, parts,
-                                                                                 monkeypatch):
+                                                                                 monkeypatch, request):
     """The issue's finding, reproduced: one method object (as the server keeps it) generates
     for a prompt, then for another prompt, then again for the first under a clock that lurches;
     the seed must give the first text again. It did not for the cost-aware methods (eagle,
     hybrid, adaptive-*, the lossy rules drafting with the head): their draft lengths followed the
     clock and what earlier generations taught the policy, and the random draws followed the drafts."""
-    if name.endswith("-tree"):
-        pytest.skip("token trees run on tierspec's own Llama forward, not this transformers model (test_tree.py)")
+    if name.endswith("-tree") or name == "clasp":  # these run on tierspec's own Llama forward only
+        target = request.getfixturevalue("own_target")
+        parts = {**parts, "draft_head": DraftHead.for_target(target, torch.arange(0, 64, 2), seed=3).eval()}
     method = build_method(name, target, drafter, options_for(name, parts))
     first = tokens(target, method, PROMPT, seed=7)
     tokens(target, method, OTHER_PROMPT, seed=3)
