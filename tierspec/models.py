@@ -112,8 +112,6 @@ def _load_hf_folder(folder: Path, dtype: torch.dtype, implementation: str = "tra
     quiet_transformers()
     from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
-    from .seq2seq import folder_is_encoder_decoder
-
     seq2seq = folder_is_encoder_decoder(folder)  # T5-style: see tierspec.seq2seq
     try:
         model = (AutoModelForSeq2SeqLM if seq2seq else AutoModelForCausalLM).from_pretrained(folder, dtype=dtype)
@@ -323,10 +321,17 @@ def identity_of(model: torch.nn.Module, name: str = "", content_hash: str = "") 
 def _routed_layer_count(model: torch.nn.Module) -> int:
     """Layers a routing mask covers: the decoder's (an encoder–decoder model's encoder is never routed)."""
     if getattr(model.config, "is_encoder_decoder", False):
-        from .seq2seq import decoder_layer_count
-
-        return decoder_layer_count(model)
+        blocks = getattr(model.get_decoder(), "block", None)  # T5-style (``seq2seq.decoder_blocks``)
+        return len(blocks) if blocks is not None else int(model.config.num_decoder_layers)
     return int(model.config.num_hidden_layers)
+
+
+def folder_is_encoder_decoder(folder: Path) -> bool:
+    """Whether the Hugging Face folder holds an encoder–decoder model (its config.json says so)."""
+    try:
+        return bool(json.loads((Path(folder) / "config.json").read_text()).get("is_encoder_decoder", False))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def output_vocabulary_size(model: torch.nn.Module) -> int:

@@ -22,16 +22,15 @@ model); the cross-attention is kept in sub-layer masks; ``mlp`` is the feed-forw
 
 from __future__ import annotations
 
-import json
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
 import torch
 
+from .cached_model import CachedModel, HiddenCapture, PassResult, SlimVocabulary, _growing_layer_class
 from .drafters.model import DrafterMismatchError, ModelDrafter
 from .errors import TierspecError
-from .cached_model import CachedModel, HiddenCapture, PassResult, SlimVocabulary, _growing_layer_class
 from .models import output_vocabulary_size
 from .routing import RoutingMask, RoutingMaskError, model_lock
 
@@ -42,14 +41,6 @@ class Seq2SeqError(TierspecError):
 
 def is_encoder_decoder(model: torch.nn.Module) -> bool:
     return bool(getattr(getattr(model, "config", None), "is_encoder_decoder", False))
-
-
-def folder_is_encoder_decoder(folder: Path) -> bool:
-    """Whether the Hugging Face folder holds an encoder–decoder model (its config.json says so)."""
-    try:
-        return bool(json.loads((Path(folder) / "config.json").read_text()).get("is_encoder_decoder", False))
-    except (OSError, ValueError, AttributeError):
-        return False
 
 
 def decoder_layer_count(model: torch.nn.Module) -> int:
