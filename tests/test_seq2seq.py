@@ -21,7 +21,8 @@ from tierspec.models import wrap_model
 from tierspec.routing import RoutingMask, RoutingMaskError, apply_mask
 from tierspec.rules import ExactRule
 from tierspec.sampling import SamplingConfig, logits_to_probs
-from tierspec.seq2seq import Seq2SeqCachedModel, Seq2SeqError, Seq2SeqModelDrafter, decoder_blocks
+from tierspec.routing import decoder_blocks
+from tierspec.seq2seq import Seq2SeqCachedModel, Seq2SeqError, Seq2SeqModelDrafter
 
 
 def t5_model(seed: int, vocab_size: int = 64, layers: int = 3, decoder_layers: int = 4, hidden: int = 32,

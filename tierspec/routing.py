@@ -186,10 +186,8 @@ class _BypassedMLP(torch.nn.Module):
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The decoder's layer list of an HF causal LM (``model.model.layers`` for Llama-likes), or
-    of an encoder–decoder model's decoder (``seq2seq.decoder_blocks``)."""
+    of an encoder–decoder model's decoder (``decoder_blocks``)."""
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        from .seq2seq import decoder_blocks
-
         return decoder_blocks(model)
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None) or getattr(model, "model", None)
     layers = getattr(base, "layers", None)
@@ -224,9 +222,7 @@ def apply_mask(model: torch.nn.Module, mask: RoutingMask | None) -> Iterator[tor
         yield model
         return
     if getattr(getattr(model, "config", None), "is_encoder_decoder", False):
-        from .seq2seq import apply_decoder_mask  # T5's blocks take other stand-ins
-
-        with apply_decoder_mask(model, mask):
+        with apply_decoder_mask(model, mask):  # T5's blocks take other stand-ins
             yield model
         return
     with model_lock(model):
@@ -300,3 +296,68 @@ def masked_copy(model: torch.nn.Module, mask: RoutingMask) -> torch.nn.Module:
     if mask is not None and not mask.empty:
         _swap_in(twin, mask)
     return twin
+
+
+# ---- encoder–decoder models (``seq2seq``): routing over the decoder's units -----------------
+
+
+def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The decoder's blocks of a T5-style model (``model.decoder.block``)."""
+    blocks = getattr(model.get_decoder(), "block", None)
+    if not isinstance(blocks, torch.nn.ModuleList):
+        raise RoutingMaskError(f"cannot find the decoder blocks of {type(model).__name__}: routing masks support "
+                               "T5-style encoder–decoder models whose decoder blocks are at model.decoder.block")
+    return blocks
+
+
+class _BypassedBlock(torch.nn.Module):
+    """Stands in for a whole decoder block: the residual stream and the position biases (which
+    the first block computes and every later one reuses) pass through unchanged."""
+
+    def forward(self, hidden_states, attention_mask=None, position_bias=None, encoder_hidden_states=None,
+                encoder_attention_mask=None, encoder_decoder_position_bias=None, *args, **kwargs):
+        return hidden_states, position_bias, encoder_decoder_position_bias
+
+
+class _BypassedSelfAttention(torch.nn.Module):
+    """Stands in for a block's self-attention sub-layer: adds nothing, writes no KV."""
+
+    def forward(self, hidden_states, attention_mask=None, position_bias=None, *args, **kwargs):
+        return hidden_states, position_bias, None
+
+
+class _BypassedFeedForward(torch.nn.Module):
+    def forward(self, hidden_states):
+        return hidden_states
+
+
+@contextmanager
+def apply_decoder_mask(model: torch.nn.Module, mask: RoutingMask | None) -> Iterator[None]:
+    """Within the block, the decoder runs with ``mask``'s units bypassed (stand-ins swapped into
+    this model instance, restored in ``finally``; the model's lock is held). The encoder is
+    never routed."""
+    if mask is None or mask.empty:
+        yield
+        return
+    blocks = decoder_blocks(model)
+    if len(blocks) != mask.num_layers:
+        raise RoutingMaskError(f"mask is for {mask.num_layers} layers, the decoder has {len(blocks)}")
+    swapped: list[tuple[torch.nn.ModuleList, int, torch.nn.Module]] = []
+    with model_lock(model):
+        try:
+            for index in range(mask.num_layers):
+                attention, feed_forward = index in mask.skip_attention, index in mask.skip_mlp
+                if attention and feed_forward:
+                    swapped.append((blocks, index, blocks[index]))
+                    blocks[index] = _BypassedBlock()
+                    continue
+                sublayers = blocks[index].layer  # [self-attention, cross-attention, feed-forward]
+                for skip, position, stand_in in ((attention, 0, _BypassedSelfAttention), (feed_forward, -1, _BypassedFeedForward)):
+                    if skip:
+                        position = position % len(sublayers)
+                        swapped.append((sublayers, position, sublayers[position]))
+                        sublayers[position] = stand_in()
+            yield
+        finally:
+            for owner, position, original in reversed(swapped):
+                owner[position] = original

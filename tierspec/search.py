@@ -92,29 +92,32 @@ def build_calibration(
 ) -> Calibration:
     """Greedy-continue each prompt by ``window`` tokens with the target (the lossless ``pld``
     method, so exactly the target's greedy text); keep the last ``context_tokens`` prompt
-    tokens + the continuation. Prompts whose continuation ends early are skipped."""
+    tokens + the continuation. Prompts whose continuation ends early are skipped.
+
+    An encoder–decoder target (``seq2seq``): each prompt is a source for the encoder, and its
+    row is the decoder start token + the target's greedy continuation (the routed units are the
+    decoder's)."""
     from tqdm.auto import tqdm
 
     from .api import generate
-    from .seq2seq import calibration_rows, is_encoder_decoder
+    from .prompting import encode_prompt
+    from .seq2seq import decoder_start, is_encoder_decoder
 
-    if is_encoder_decoder(target.model):  # sources for the encoder, the target's greedy text for the decoder
-        sources, sequences = calibration_rows(target, prompts, window, progress)
-        return with_target_scores(target.model, Calibration(sequences, window, sources=sources))
-    rows = []
+    seq2seq = is_encoder_decoder(target.model)
+    rows, sources = [], []
     for text in tqdm(prompts, desc="calibration text", disable=not progress):
         out = generate(text, target=target, method="pld", max_new_tokens=window)
         if len(out.token_ids) < window:
             continue
-        from .prompting import encode_prompt
-
-        prompt_ids = encode_prompt(target, text).tolist()
-        if len(prompt_ids) < context_tokens:
-            continue
-        rows.append(prompt_ids[-context_tokens:] + out.token_ids[:window])
+        prompt_ids = encode_prompt(target, text)
+        if seq2seq:
+            sources.append(prompt_ids)
+            rows.append(decoder_start(target.model).tolist() + out.token_ids[:window])
+        elif len(prompt_ids) >= context_tokens:
+            rows.append(prompt_ids.tolist()[-context_tokens:] + out.token_ids[:window])
     if not rows:
         raise TierspecError("no calibration sequence could be built: every prompt ended before the window filled")
-    calibration = Calibration(torch.tensor(rows), window)
+    calibration = Calibration(torch.tensor(rows), window, sources=sources if seq2seq else None)
     return with_target_scores(target.model, calibration)
 
 

@@ -22,9 +22,7 @@ model); the cross-attention is kept in sub-layer masks; ``mlp`` is the feed-forw
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
@@ -32,7 +30,7 @@ from .cached_model import CachedModel, HiddenCapture, PassResult, SlimVocabulary
 from .drafters.model import DrafterMismatchError, ModelDrafter
 from .errors import TierspecError
 from .models import output_vocabulary_size
-from .routing import RoutingMask, RoutingMaskError, model_lock
+from .routing import RoutingMask, apply_decoder_mask, decoder_blocks, model_lock
 
 
 class Seq2SeqError(TierspecError):
@@ -216,71 +214,6 @@ def check_method(name: str, options) -> None:
                            "use --draft-with model (with --drafter), ngram or self")
 
 
-# -- routing over the decoder's units --------------------------------------------------------
-
-
-def decoder_blocks(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The decoder's blocks of a T5-style model (``model.decoder.block``)."""
-    blocks = getattr(model.get_decoder(), "block", None)
-    if not isinstance(blocks, torch.nn.ModuleList):
-        raise RoutingMaskError(f"cannot find the decoder blocks of {type(model).__name__}: routing masks support "
-                               "T5-style encoder–decoder models whose decoder blocks are at model.decoder.block")
-    return blocks
-
-
-class _BypassedBlock(torch.nn.Module):
-    """Stands in for a whole decoder block: the residual stream and the position biases (which
-    the first block computes and every later one reuses) pass through unchanged."""
-
-    def forward(self, hidden_states, attention_mask=None, position_bias=None, encoder_hidden_states=None,
-                encoder_attention_mask=None, encoder_decoder_position_bias=None, *args, **kwargs):
-        return hidden_states, position_bias, encoder_decoder_position_bias
-
-
-class _BypassedSelfAttention(torch.nn.Module):
-    """Stands in for a block's self-attention sub-layer: adds nothing, writes no KV."""
-
-    def forward(self, hidden_states, attention_mask=None, position_bias=None, *args, **kwargs):
-        return hidden_states, position_bias, None
-
-
-class _BypassedFeedForward(torch.nn.Module):
-    def forward(self, hidden_states):
-        return hidden_states
-
-
-@contextmanager
-def apply_decoder_mask(model: torch.nn.Module, mask: RoutingMask | None) -> Iterator[None]:
-    """Within the block, the decoder runs with ``mask``'s units bypassed (stand-ins swapped into
-    this model instance, restored in ``finally``; the model's lock is held). The encoder is
-    never routed."""
-    if mask is None or mask.empty:
-        yield
-        return
-    blocks = decoder_blocks(model)
-    if len(blocks) != mask.num_layers:
-        raise RoutingMaskError(f"mask is for {mask.num_layers} layers, the decoder has {len(blocks)}")
-    swapped: list[tuple[torch.nn.ModuleList, int, torch.nn.Module]] = []
-    with model_lock(model):
-        try:
-            for index in range(mask.num_layers):
-                attention, feed_forward = index in mask.skip_attention, index in mask.skip_mlp
-                if attention and feed_forward:
-                    swapped.append((blocks, index, blocks[index]))
-                    blocks[index] = _BypassedBlock()
-                    continue
-                sublayers = blocks[index].layer  # [self-attention, cross-attention, feed-forward]
-                for skip, position, stand_in in ((attention, 0, _BypassedSelfAttention), (feed_forward, -1, _BypassedFeedForward)):
-                    if skip:
-                        position = position % len(sublayers)
-                        swapped.append((sublayers, position, sublayers[position]))
-                        sublayers[position] = stand_in()
-            yield
-        finally:
-            for owner, position, original in reversed(swapped):
-                owner[position] = original
-
-
 # -- DIMR calibration ------------------------------------------------------------------------
 
 
@@ -304,28 +237,6 @@ def window_logits(model: torch.nn.Module, sources: list[torch.Tensor], sequences
             logits = runner.forward(sequence, logits_for=window + 1, mask=mask).logits
             rows.append(logits[:-1])
     return torch.cat(rows)
-
-
-def calibration_rows(target, prompts: list[str], window: int, progress: bool = True):
-    """(sources, decoder sequences [B, 1 + τ]) for DIMR: each prompt is a source; its row is the
-    decoder start token and the target's greedy continuation of ``window`` tokens (the lossless
-    ``pld`` method). Prompts whose continuation ends early are skipped."""
-    from tqdm.auto import tqdm
-
-    from .api import generate
-    from .prompting import encode_prompt
-
-    sources, rows = [], []
-    start = decoder_start(target.model).tolist()
-    for text in tqdm(prompts, desc="calibration text", disable=not progress):
-        out = generate(text, target=target, method="pld", max_new_tokens=window)
-        if len(out.token_ids) < window:
-            continue
-        sources.append(encode_prompt(target, text))
-        rows.append(start + out.token_ids[:window])
-    if not rows:
-        raise TierspecError("no calibration sequence could be built: every prompt ended before the window filled")
-    return sources, torch.tensor(rows)
 
 
 # -- bench prompts in T5's task format -------------------------------------------------------
