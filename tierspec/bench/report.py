@@ -225,7 +225,7 @@ def markdown_table(summary: dict) -> str:
         lines += ["", "Acceptance by depth d: of the cycles whose walk reached depth d − 1 with children to try, the share "
                   "that accepted one of them."]
     timed = {name: result["overall"] for name, result in methods.items()
-             if result["overall"].get("pass_time_share") is not None and result["overall"].get("tokens_per_s")}
+             if result["overall"].get("pass_time_share") and result["overall"].get("tokens_per_s")}  # peers time no passes
     if timed:  # tierspec's own loop: where a generation's time goes
         lines += ["", "| where the time goes | ms per token | drafting | verifier passes | rest of the loop |",
                   "|---|---|---|---|---|"]
