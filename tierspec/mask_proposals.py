@@ -131,3 +131,20 @@ def bo_proposal(evaluations: list[Evaluation], objective: str, rng: np.random.Ge
     z = (best - mean) / std
     expected_improvement = (best - mean) * norm.cdf(z) + std * norm.pdf(z)
     return pool[int(np.argmax(expected_improvement))]
+
+
+def next_keep(evaluations: list[Evaluation], objective: str, rng: np.random.Generator, units: int,
+              bypass: "int | ComputeBudget", use_bo: bool, candidates: int = 512, seed: int = 0) -> tuple[list[int], str]:
+    """One step of a mask search (DIMR offline, SWIFT during decoding): the Bayesian proposal
+    when ``use_bo`` and the GP has one, else a random keep-vector not evaluated before (up to 100
+    draws). Returns (keep-vector, "bo" | "random")."""
+    if use_bo:
+        keep = bo_proposal(evaluations, objective, rng, bypass, candidates, seed)
+        if keep is not None:
+            return keep, "bo"
+    seen = {tuple(e.keep) for e in evaluations}
+    for _ in range(100):
+        keep = random_keep(rng, units, bypass)
+        if tuple(keep) not in seen:
+            break
+    return keep, "random"

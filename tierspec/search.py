@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from .errors import TierspecError
-from .mask_proposals import ComputeBudget, Evaluation, bo_proposal, random_keep
+from .mask_proposals import ComputeBudget, Evaluation, next_keep
 from .models import LoadedModel
 from .routing import RoutingMask, apply_mask
 from .util import atomic_write_text
@@ -256,18 +256,9 @@ def search_mask(
         # Seeded by position, so a resumed search continues exactly as an uninterrupted one.
         rng = np.random.default_rng([config.seed, len(evaluations)])
         step = len(evaluations)
-        keep, source = None, "random"
         use_bo = config.strategy == "dimr" and step >= config.initial_random and (step - config.initial_random) % config.bo_every == 0
-        if use_bo:
-            keep = bo_proposal(evaluations, config.objective, rng, bypass, config.candidates, config.seed)
-            source = "bo"
-        if keep is None:
-            seen = {tuple(e.keep) for e in evaluations}
-            for _ in range(100):
-                keep = random_keep(rng, len(eligible), bypass)
-                if tuple(keep) not in seen:
-                    break
-            source = "random"
+        keep, source = next_keep(evaluations, config.objective, rng, len(eligible), bypass, use_bo, config.candidates,
+                                 config.seed)
         cost, agreement = evaluate(to_mask(keep))
         evaluations.append(Evaluation(keep, cost, agreement, source))
         score = evaluations[-1].score(config.objective)

@@ -249,7 +249,10 @@ def _convert(spec: str, key: str, value: str, target: LoadedModel):
 
 
 class MethodRunner:
-    """Runs one method spec on prompt ids; built once, reused for every prompt."""
+    """Runs one method spec on prompt ids; built once, reused for every prompt. The spec names
+    one of three engines: a tierspec method (``TierspecMethod``), transformers' own ``generate``
+    (``TransformersPeer``, the ``hf-*`` names) or llama.cpp (``LlamaCppPeer``, ``llamacpp-*``);
+    each has ``run(prompt_ids, max_new_tokens, generator) → Outcome``."""
 
     def __init__(self, spec: str, target: LoadedModel, drafter: LoadedModel | None, config: BenchConfig,
                  hf_models: tuple[LoadedModel, LoadedModel | None] | None = None):
@@ -257,58 +260,76 @@ class MethodRunner:
         (default: ``target`` and ``drafter`` themselves, which must then be transformers models)."""
         self.spec = spec
         self.name, params = parse_spec(spec)
-        self.target, self.config = target, config
-        self.eos = eos_ids(target)
-        self.sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
-        num_draft = _number(spec, "num_draft", params.pop("num_draft"), "int") if "num_draft" in params else config.num_draft
+        eos = eos_ids(target)
+        sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
         params.pop("dtype", None)  # the caller passed the target loaded in that dtype
         if self.name in LLAMACPP_PEERS:
-            self.peer = LlamaCppPeer(self.name, params, config.target, target, self.eos, config.temperature, config.top_k,
-                                     config.top_p, config.seed)
-            return
-        if self.name in HF_PEERS:
-            hf_target, drafter = hf_models or (target, drafter)
-            if model_code(hf_target.model) != "transformers":
-                raise BenchError(f"{self.name} runs transformers' generate; load the target with implementation='transformers'")
-            stock = self.name.endswith(STOCK_SUFFIX)
-            self.hf_model = stock_copy(hf_target.model) if stock else hf_target.model
-            self.hf_target = hf_target
-            self.hf_name = self.name[: -len(STOCK_SUFFIX)] if stock else self.name
-            self.hf_kwargs = self._hf_kwargs(params, drafter, stock)
-            return
-        options = MethodOptions(num_draft=num_draft)
-        if config.mask and "mask" not in params and self.name in ("self", "via", "pearl", "via-pearl"):
-            params["mask"] = config.mask
-        options = replace(options, **{k: _convert(spec, k, v, target) for k, v in params.items()})
-        self.method = build_method(self.name, target, drafter, options)
+            self.engine = LlamaCppPeer(self.name, params, config.target, target, eos, config.temperature, config.top_k,
+                                       config.top_p, config.seed)
+        elif self.name in HF_PEERS:
+            hf_target, hf_drafter = hf_models or (target, drafter)
+            self.engine = TransformersPeer(spec, params, hf_target, hf_drafter, config, eos, sampling)
+        else:
+            self.engine = TierspecMethod(spec, params, target, drafter, config, eos, sampling)
 
-    def _hf_kwargs(self, params: dict, drafter: LoadedModel | None, stock: bool) -> dict:
-        if self.hf_name == "hf-assisted":
+    def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None) -> Outcome:
+        return self.engine.run(prompt_ids, max_new_tokens, generator)
+
+
+class TierspecMethod:
+    """A tierspec method (``methods.build_method`` from the spec's options) through the decode loop."""
+
+    def __init__(self, spec: str, params: dict, target: LoadedModel, drafter: LoadedModel | None, config: BenchConfig,
+                 eos: set[int], sampling: SamplingConfig):
+        self.target, self.eos, self.sampling = target, eos, sampling
+        name = parse_spec(spec)[0]
+        num_draft = _number(spec, "num_draft", params.pop("num_draft"), "int") if "num_draft" in params else config.num_draft
+        if config.mask and "mask" not in params and name in ("self", "via", "pearl", "via-pearl"):
+            params["mask"] = config.mask
+        options = replace(MethodOptions(num_draft=num_draft), **{k: _convert(spec, k, v, target) for k, v in params.items()})
+        self.method = build_method(name, target, drafter, options)
+
+    def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None) -> Outcome:
+        config = DecodeConfig(max_new_tokens, self.sampling, self.eos)
+        run = DecodeRun(self.target, self.method, prompt_ids, config, generator).finish()
+        return Outcome(run.token_ids, run.stats.wall_seconds, run.stats)
+
+
+class TransformersPeer:
+    """transformers' ``generate`` with the algorithm an ``hf-*`` name stands for, on the model
+    itself (tierspec's linear kernels) or, for ``-stock`` names, on a copy with stock ``nn.Linear``
+    modules (what a user of transformers runs). Timed around ``generate``; no draft statistics."""
+
+    def __init__(self, spec: str, params: dict, target: LoadedModel, drafter: LoadedModel | None, config: BenchConfig,
+                 eos: set[int], sampling: SamplingConfig):
+        name = parse_spec(spec)[0]
+        if model_code(target.model) != "transformers":
+            raise BenchError(f"{name} runs transformers' generate; load the target with implementation='transformers'")
+        stock = name.endswith(STOCK_SUFFIX)
+        self.spec, self.target, self.config, self.eos, self.sampling = spec, target, config, eos, sampling
+        self.model = stock_copy(target.model) if stock else target.model
+        self.algorithm = name[: -len(STOCK_SUFFIX)] if stock else name
+        self.kwargs = self._kwargs(params, drafter, stock)
+
+    def _kwargs(self, params: dict, drafter: LoadedModel | None, stock: bool) -> dict:
+        """generate's arguments that make it this peer's algorithm."""
+        if self.algorithm == "hf-assisted":
             # The same drafter as `sd`: the --drafter model, else the target itself.
-            assistant = (drafter or self.hf_target).model
+            assistant = (drafter or self.target).model
             return {"assistant_model": stock_copy(assistant) if stock else assistant}
         given = {key: _number(self.spec, key, value, "int") for key, value in params.items()}
-        if self.hf_name == "hf-pld":
+        if self.algorithm == "hf-pld":
             tokens = given.get("tokens")
             return {"prompt_lookup_num_tokens": tokens if tokens is not None else self.config.hf_pld_tokens}
-        if self.hf_name == "hf-early-exit":
+        if self.algorithm == "hf-early-exit":
             layer = given.get("layer")
             layer = layer if layer is not None else self.config.hf_early_exit_layer
             return {"assistant_early_exit": layer if layer is not None else self.target.identity.num_layers // 2}
         return {}
 
     def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None) -> Outcome:
-        if self.name in HF_PEERS:
-            return self._run_hf(prompt_ids, max_new_tokens, generator)
-        if self.name in LLAMACPP_PEERS:
-            return self.peer.run(prompt_ids, max_new_tokens, generator)
-        config = DecodeConfig(max_new_tokens, self.sampling, self.eos)
-        run = DecodeRun(self.target, self.method, prompt_ids, config, generator).finish()
-        return Outcome(run.token_ids, run.stats.wall_seconds, run.stats)
-
-    def _run_hf(self, prompt_ids, max_new_tokens, generator) -> Outcome:
-        model = self.hf_model
-        kwargs = dict(self.hf_kwargs)
+        model = self.model
+        kwargs = dict(self.kwargs)
         if self.sampling.greedy:
             kwargs.update(do_sample=False)
         else:

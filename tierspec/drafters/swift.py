@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from ..errors import TierspecError
-from ..mask_proposals import Evaluation, bo_proposal, random_keep
+from ..mask_proposals import Evaluation, next_keep, random_keep
 from ..routing import RoutingMask
 from .base import always
 from .self_spec import SelfSpeculativeDrafter
@@ -76,14 +76,10 @@ class SwiftDrafter(SelfSpeculativeDrafter):
 
     def _optimise(self, context: torch.Tensor) -> None:
         step = len(self.history)
-        keep = None
-        bayesian = step > 0 and step % self.bayes_interval == 0
-        if bayesian:
-            keep = bo_proposal(self.history, "agreement", self.rng, self.bypass, seed=self.seed)
-        if keep is None:
-            keep = random_keep(self.rng, len(self.eligible), self.bypass)
+        keep, source = next_keep(self.history, "agreement", self.rng, len(self.eligible), self.bypass,
+                                 use_bo=step > 0 and step % self.bayes_interval == 0, seed=self.seed)
         score = self._agreement(self._mask(keep), context)
-        evaluation = Evaluation(keep, 0.0, score, "bo" if bayesian else "random")
+        evaluation = Evaluation(keep, 0.0, score, source)
         self.history.append(evaluation)
         if self.best is None or score > self.best.agreement:
             self.best, self.since_best = evaluation, 0
