@@ -353,6 +353,20 @@ def test_drafter_commands_build_data_train_and_generate_on_a_tiny_model(tmp_path
     info = json.loads(head_path.with_suffix(".json").read_text())
     assert info["format"] == "tierspec-draft-head" and info["config"]["draft_vocab_size"] == 40
     assert info["config"]["feature_layers"] == [1, 2]  # the layers build-data stored for 4 layers
+    # continued training: the starting head's vocabulary (not --draft-vocab) and a record of it
+    import hashlib
+
+    continued = tmp_path / "continued.safetensors"
+    assert main(["drafter", "train", "--target", str(folder), "--data", str(data), "--out", str(continued),
+                 "--epochs", "1", "--batch-tokens", "256", "--draft-vocab", "30", "--init-head", str(head_path),
+                 "--no-progress"]) == 0
+    more = json.loads(continued.with_suffix(".json").read_text())
+    assert more["draft_vocab_sha256"] == info["draft_vocab_sha256"] and more["config"] == info["config"]
+    assert more["continued_from"]["sha256"] == hashlib.sha256(head_path.read_bytes()).hexdigest()
+    assert [entry["epoch"] for entry in more["training"]["history"]] == [0.0, 1.0]
+    assert main(["drafter", "train", "--target", str(folder), "--data", str(data), "--out", str(continued),
+                 "--init-head", str(head_path), "--feature-layers", "1"]) == 2
+    assert "fuses target layers [1, 2]" in capsys.readouterr().err
     capsys.readouterr()
     assert main(["generate", "tom has 3 apples", "--target", str(folder), "--method", "eagle", "--draft-head",
                  str(head_path), "--max-new-tokens", "10", "--no-chat-template", "--stats"]) == 0
@@ -470,6 +484,36 @@ def test_interrupted_and_resumed_training_gives_the_uninterrupted_head_exactly(t
         assert torch.equal(tensor, resumed.state_dict()[name]), name
     without_time = lambda history: [{k: v for k, v in entry.items() if k != "seconds"} for entry in history]  # noqa: E731
     assert without_time(resumed_metrics["history"]) == without_time(whole_metrics["history"])
+
+
+def test_continued_training_starts_from_the_head_and_scores_it_first(target32, tmp_path):
+    """``init_head``: the history's epoch 0 is the starting head's validation on the same chains;
+    training continues from its weights (the starting head itself is left as it was) with its
+    draft vocabulary; a checkpoint made from another starting head is not resumed."""
+    from tierspec.eagle import train as train_module
+    from tierspec.eagle.data import DraftDataError
+
+    sequences, config = small_training(target32, tmp_path)
+    start, _ = fit_head(target32, sequences, config, progress=False, log=lambda message: None)
+    before = {name: tensor.clone() for name, tensor in start.state_dict().items()}
+    more = teacher_forced_sequences(target32, 24, 14, seed=7)
+    wider = train_module.replace(config, draft_vocab_size=50)  # ignored: the head's vocabulary stays
+    checkpoint = tmp_path / "continued.pt"
+    head, metrics = fit_head(target32, more, wider, checkpoint, progress=False, log=lambda message: None,
+                             init_head=start)
+    _, val = train_module.split_sequences(more, config.val_fraction, config.seed)
+    first = metrics["history"][0]
+    assert first["epoch"] == 0.0 and first["step"] == 0
+    assert {k: first[k] for k in ("acceptance_by_position", "tau_fixed_draft", "chains")} == validate(start, val[:4], config.val_steps)
+    assert torch.equal(head.draft_ids, start.draft_ids) and metrics["draft_vocab_size"] == 40
+    assert all(torch.equal(before[name], tensor) for name, tensor in start.state_dict().items())
+    assert any(not torch.equal(before[name], tensor) for name, tensor in head.state_dict().items()
+               if name != "draft_ids")
+    # the same settings and data continued from another head: the checkpoint is refused
+    assert checkpoint.exists()  # (fit_head leaves it; the command deletes it once the head is saved)
+    other = random_head(target32, vocab=start.draft_ids, seed=11)
+    with pytest.raises(DraftDataError, match="other settings or data"):
+        fit_head(target32, more, wider, checkpoint, progress=False, log=lambda message: None, init_head=other)
 
 
 @pytest.mark.parametrize("name", ["eagle", "hybrid", "lossy"])

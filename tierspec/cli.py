@@ -536,6 +536,10 @@ def _add_drafter(sub) -> None:
                        help="target layers fused into the head's input besides f (EAGLE-3), e.g. 1,15; they must be "
                        "among the layers build-data stored (plan.json: aux_layers); default: all of those; "
                        "'' = f alone")
+    train.add_argument("--init-head", default=None,
+                       help="continue training this head (a .safetensors file, or 'shipped' for the head tierspec "
+                       "ships for the target) on the new data: its weights, draft vocabulary and fused layers; "
+                       "validation starts with its acceptance on the new data (epoch 0)")
     train.add_argument("--seed", type=int, default=defaults.seed)
     train.add_argument("--no-progress", action="store_true", help="log lines instead of a progress bar")
     train.set_defaults(run=_run_drafter_train, resume_hint="; rerun the same command to resume from the checkpoint")
@@ -569,15 +573,40 @@ def _run_drafter_train(args) -> int:
                          seed=args.seed)
     target = _load(args, args.target)
     out = Path(args.out)
+    init_head, continued = _starting_head(args.init_head, target)
     checkpoint = out.with_name(out.name + ".checkpoint.pt")
-    head, metrics = train_head(target, Path(args.data), config, checkpoint, progress=not args.no_progress)
+    head, metrics = train_head(target, Path(args.data), config, checkpoint, progress=not args.no_progress,
+                               init_head=init_head)
     manifest_path = Path(args.data) / "manifest.json"
     manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
     head.save(out, {"training": metrics, "data": str(args.data), "data_manifest": manifest,
-                    "data_seconds": manifest.get("seconds_total", manifest.get("seconds_this_run"))})
+                    "data_seconds": manifest.get("seconds_total", manifest.get("seconds_this_run")),
+                    **({"continued_from": continued} if continued else {})})
     checkpoint.unlink(missing_ok=True)
     print(json.dumps({"out": str(out), **{k: v for k, v in metrics.items() if k != "history"}}, indent=2))
     return 0
+
+
+def _starting_head(spec: str | None, target):
+    """(the head ``--init-head`` names, what its file says of it) or (None, None)."""
+    if spec is None:
+        return None, None
+    import hashlib
+    from pathlib import Path
+
+    from .eagle.head import DraftHead, DraftHeadError
+    from .eagle.shipped import shipped_head_path
+
+    path = shipped_head_path(target) if spec == "shipped" else Path(spec)
+    if path is None:
+        raise DraftHeadError(f"tierspec ships no draft head for '{target.identity.name}'; pass a head file to --init-head")
+    head = DraftHead.load(path, target)
+    earlier = head.metadata.get("training", {})
+    continued = {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+                 "train_seconds": earlier.get("train_seconds"), "steps": earlier.get("steps"),
+                 "train_sequences": earlier.get("train_sequences"), "validation": earlier.get("validation"),
+                 "continued_from": head.metadata.get("continued_from")}
+    return head, continued
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,6 +20,11 @@ target's greedy token | drafts 1..i−1 did) — computed by the same unrolled f
 mean accepted tokens per verification it implies for a fixed draft of ``val_steps``.
 
 Seeded; checkpoints every ``checkpoint_every`` steps (atomically) and resumes from them.
+
+Continued training (``init_head``): the head starts from a trained head's weights and keeps its
+draft vocabulary and fused layers (the LM-head rows and the input projection must keep meaning
+the same tokens and layers), and the history starts with that head's validation on the new
+held-apart answers (epoch 0), so every later epoch is compared with it on the same chains.
 """
 
 from __future__ import annotations
@@ -309,11 +314,14 @@ def _lr(step: int, total: int, config: TrainConfig) -> float:
 
 
 def train_head(target: LoadedModel, data: Path, config: TrainConfig = TrainConfig(), checkpoint: Path | None = None,
-               progress: bool = True, log=None) -> tuple[DraftHead, dict]:
+               progress: bool = True, log=None, init_head: DraftHead | None = None) -> tuple[DraftHead, dict]:
     """Train a head on the data in ``data`` for ``target``; resumes from ``checkpoint`` if it
-    exists (same settings and data). Returns the head and its metrics."""
+    exists (same settings and data); continues ``init_head`` when given. Returns the head and its
+    metrics."""
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
     plan = check_data_model(data, target.identity)
+    if init_head is not None:
+        config = _continued_config(config, init_head)
     if config.feature_layers is None:
         config = replace(config, feature_layers=tuple(plan.get("aux_layers", [])))
     missing = set(config.feature_layers) - set(plan.get("aux_layers", []))
@@ -322,13 +330,29 @@ def train_head(target: LoadedModel, data: Path, config: TrainConfig = TrainConfi
     started = time.perf_counter()
     sequences = load_sequences(data, config.feature_layers)
     log(f"data: {len(sequences)} sequences loaded from {data} in {time.perf_counter() - started:.1f} s")
-    return fit_head(target, sequences, config, checkpoint, progress, log)
+    return fit_head(target, sequences, config, checkpoint, progress, log, init_head)
+
+
+def _continued_config(config: TrainConfig, init_head: DraftHead) -> TrainConfig:
+    """``config`` with the starting head's draft vocabulary size and fused layers (refused when
+    the settings ask for other layers: the head's input projection reads exactly its own)."""
+    layers = tuple(init_head.config.feature_layers)
+    if config.feature_layers is not None and tuple(config.feature_layers) != layers:
+        raise TierspecError(f"the starting head fuses target layers {list(layers)}, not {list(config.feature_layers)}; "
+                            "leave --feature-layers out to continue it")
+    return replace(config, draft_vocab_size=int(len(init_head.draft_ids)), feature_layers=layers)
 
 
 def fit_head(target: LoadedModel, sequences: list[Sequence], config: TrainConfig = TrainConfig(),
-             checkpoint: Path | None = None, progress: bool = True, log=None) -> tuple[DraftHead, dict]:
-    """Train a head on ``sequences`` (split into train / validation here)."""
+             checkpoint: Path | None = None, progress: bool = True, log=None,
+             init_head: DraftHead | None = None) -> tuple[DraftHead, dict]:
+    """Train a head on ``sequences`` (split into train / validation here); a new one, or
+    ``init_head`` continued (its weights and draft vocabulary; it is not modified)."""
     log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+    if init_head is not None:
+        config = _continued_config(config, init_head)
+        if init_head.target_identity is None or not init_head.target_identity.matches(target.identity):
+            raise TierspecError("the starting head was trained for another model")
     if config.feature_layers is None:
         config = replace(config, feature_layers=())
     started = time.perf_counter()
@@ -337,20 +361,23 @@ def fit_head(target: LoadedModel, sequences: list[Sequence], config: TrainConfig
         raise DraftDataError("the data holds no greedy answers of the target to validate on; build more data")
     val = val[: config.max_val_sequences]
     vocab = target.identity.vocab_size
-    draft_ids = draft_vocabulary(train, config.draft_vocab_size, vocab)
+    draft_ids = draft_vocabulary(train, config.draft_vocab_size, vocab) if init_head is None else init_head.draft_ids
     coverage = vocabulary_coverage(val, draft_ids, vocab)
     log(f"data: {len(train)} train / {len(val)} validation sequences, "
         f"{sum(len(s.tokens) - s.response_start for s in train)} train answer tokens; draft vocabulary "
         f"K={len(draft_ids)} covers {coverage:.4f} of validation answer tokens")
     torch.manual_seed(config.seed)
     head = DraftHead.for_target(target, draft_ids, config.seed, config.feature_layers)
+    if init_head is not None:
+        head.load_state_dict(init_head.state_dict())
     parameters = [p for p in head.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay)
     epoch_batches = _epoch_order(train, config, 0)
     total_steps = max(1, int(config.epochs * len(epoch_batches)))
     step = 0
     history: list[dict] = []
-    fingerprint = {"config": asdict(config), "sequences": len(sequences), "model": target.identity.to_dict()}
+    fingerprint = {"config": asdict(config), "sequences": len(sequences), "model": target.identity.to_dict(),
+                   "init_head": None if init_head is None else _weights_digest(init_head)}
     # The noise generator: its state is part of the checkpoint (a resumed run draws what an
     # uninterrupted one would have).
     generator = torch.Generator().manual_seed(config.seed)
@@ -366,6 +393,11 @@ def fit_head(target: LoadedModel, sequences: list[Sequence], config: TrainConfig
                                  "over") from None
         step, history, window = state["step"], state["history"], state["window"]
         log(f"resumed from {checkpoint} at step {step}/{total_steps}")
+    elif init_head is not None:  # epoch 0: the starting head on the same validation chains
+        entry = {"step": 0, "epoch": 0.0, "train_loss": None, "val_loss": round(validation_loss(head, val, config), 4),
+                 "seconds": round(time.perf_counter() - started, 1), **validate(head, val, config.val_steps)}
+        history.append(entry)
+        log("validation (starting head) " + json.dumps(entry))
     from tqdm.auto import tqdm
 
     bar = tqdm(total=total_steps, initial=step, desc="train head", disable=not progress)
@@ -411,7 +443,7 @@ def fit_head(target: LoadedModel, sequences: list[Sequence], config: TrainConfig
                                               "window": window, "noise_generator": generator.get_state()})
     bar.close()
     head.eval()
-    final = history[-1] if history else validate(head, val, config.val_steps)
+    final = history[-1] if history and history[-1]["step"] == step else validate(head, val, config.val_steps)
     metrics = {"train_seconds": round(time.perf_counter() - started, 1), "steps": step,
                "train_sequences": len(train), "validation_sequences": len(val),
                "draft_vocab_size": len(draft_ids), "validation_vocab_coverage": round(coverage, 4),
@@ -431,6 +463,18 @@ def validation_loss(head: DraftHead, sequences: list[Sequence], config: TrainCon
         count += 1
     head.train(was_training)
     return total / max(count, 1)
+
+
+def _weights_digest(head: DraftHead) -> str:
+    """SHA-256 over a head's weights (names, shapes, bytes): identifies the starting head in a
+    checkpoint's fingerprint, so a resume cannot continue from another one."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(head.state_dict().items()):
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _epoch_order(train: list[Sequence], config: TrainConfig, epoch: int) -> list[list[Sequence]]:
