@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tierspec.models import wrap_model
+
+# One intra-op thread for the whole suite (and the commands it starts): the tests check results,
+# not speed, and on a shared machine a second thread waits for a busy core at every operation.
+# Measured while another job kept both cores busy: a tiny model's four-token PEARL decode took
+# 21 ms with one thread and 159 ms with two, and the suite has thousands of such small
+# decodes. TIERSPEC_TEST_THREADS overrides it.
+_TEST_THREADS = int(os.environ.get("TIERSPEC_TEST_THREADS", "1"))
+torch.set_num_threads(_TEST_THREADS)
+os.environ.setdefault("OMP_NUM_THREADS", str(_TEST_THREADS))
 
 
 def tiny_llama(seed: int, vocab_size: int = 64, layers: int = 4, hidden: int = 32, sharpness: float = 1.0,
