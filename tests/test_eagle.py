@@ -363,6 +363,7 @@ def test_drafter_commands_build_data_train_and_generate_on_a_tiny_model(tmp_path
     more = json.loads(continued.with_suffix(".json").read_text())
     assert more["draft_vocab_sha256"] == info["draft_vocab_sha256"] and more["config"] == info["config"]
     assert more["continued_from"]["sha256"] == hashlib.sha256(head_path.read_bytes()).hexdigest()
+    assert more["continued_from"]["path"] == str(head_path)  # as given on the command line
     assert [entry["epoch"] for entry in more["training"]["history"]] == [0.0, 1.0]
     assert main(["drafter", "train", "--target", str(folder), "--data", str(data), "--out", str(continued),
                  "--init-head", str(head_path), "--feature-layers", "1"]) == 2

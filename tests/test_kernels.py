@@ -64,18 +64,29 @@ def test_loaded_models_decode_like_plain_linears(tiny_target):
 
 # ---- packed (oneDNN) linears -------------------------------------------------------------------
 
-from tierspec.kernels import (PackedLinear, native_bfloat16, packing_available, resolve_kernels,  # noqa: E402
+from tierspec.kernels import (PackedLinear, packing_available, resolve_kernels,  # noqa: E402
                               unpacked_copy, use_packed_linears)
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch build cannot pack for oneDNN")
-PACKED_DTYPES = [torch.float32] + ([torch.bfloat16] if native_bfloat16() else [])
+PACKED_DTYPES = [torch.float32, torch.bfloat16]  # bfloat16 natively, or emulated in float32
+
+
+@pytest.fixture(params=["this CPU", "emulated"])
+def bfloat16_mode(request, monkeypatch):
+    """Runs a test with this CPU's bfloat16 path and again with the float32 emulation forced (the
+    path of a CPU without native bfloat16), so both are tested on any machine."""
+    from tierspec import kernels
+
+    if request.param == "emulated":
+        monkeypatch.setattr(kernels, "native_bfloat16", lambda: False)
+    return request.param
 
 
 @needs_packing
 @pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 17, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_linear(dtype, rows, bias):
+def test_packed_linear_matches_linear(dtype, rows, bias, bfloat16_mode):
     torch.manual_seed(rows)
     layer = torch.nn.Linear(48, 80, bias=bias).to(dtype)
     x = torch.randn(1, rows, 48).to(dtype)
@@ -91,7 +102,7 @@ def test_packed_linear_matches_linear(dtype, rows, bias):
 @needs_packing
 @pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("shape", [(80, 48), (576, 1536), (192, 576)])
-def test_a_row_is_the_same_alone_and_inside_wider_products(dtype, shape):
+def test_a_row_is_the_same_alone_and_inside_wider_products(dtype, shape, bfloat16_mode):
     """The property the decode loop relies on: a row's output does not depend on the other rows
     of its call (bitwise), for one row too (K = 1536 takes another path for a single row in
     oneDNN; the layer computes one row as two)."""
@@ -131,8 +142,24 @@ def test_packed_layers_save_load_copy_and_unpack_like_linear():
 
 
 @needs_packing
-@pytest.mark.skipif(not native_bfloat16(), reason="no native bfloat16 on this CPU")
-def test_a_bfloat16_model_keeps_a_float32_head_and_its_unpacked_copy_its_dtypes(tiny_target):
+def test_emulated_bfloat16_is_the_float32_product_of_the_bfloat16_values(monkeypatch):
+    """Without native bfloat16 a bfloat16 layer multiplies the bfloat16 weights and rows widened to
+    float32 (exact) on the packed float32 path and rounds the result to bfloat16: bitwise that."""
+    from tierspec import kernels
+
+    monkeypatch.setattr(kernels, "native_bfloat16", lambda: False)
+    torch.manual_seed(0)
+    weight, bias = (torch.randn(80, 48) * 0.1).bfloat16(), torch.randn(80).bfloat16()
+    layer = PackedLinear(weight, bias)
+    assert layer.dtype == torch.bfloat16 and layer.compute_dtype == torch.float32 and "computed in" in repr(layer)
+    assert torch.equal(layer.weight, weight)  # the weight reads back in its own dtype, unchanged
+    x = torch.randn(6, 48)  # float32 rows are rounded to bfloat16 first, as the native layer does
+    expected = PackedLinear(weight.float(), bias.float())(x.bfloat16().float()).bfloat16()
+    assert torch.equal(layer(x), expected) and layer(x).dtype == torch.bfloat16
+
+
+@needs_packing
+def test_a_bfloat16_model_keeps_a_float32_head_and_its_unpacked_copy_its_dtypes(tiny_target, bfloat16_mode):
     import copy
 
     model = copy.deepcopy(tiny_target.model).to(torch.bfloat16)  # a float64 model: few-row layers, unpacked
@@ -150,6 +177,7 @@ def test_auto_kernels_follow_the_device_and_dtype():
     cpu = torch.device("cpu")
     expected = "packed" if packing_available() else "few-row"
     assert resolve_kernels("auto", cpu, torch.float32) == expected
+    assert resolve_kernels("auto", cpu, torch.bfloat16) == expected  # natively or emulated
     assert resolve_kernels("auto", cpu, torch.float64) == "few-row"
     assert resolve_kernels("auto", torch.device("cuda"), torch.float32) == "stock"
     assert resolve_kernels("few-row", cpu, torch.float32) == "few-row"

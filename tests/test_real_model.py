@@ -265,7 +265,10 @@ def test_the_default_model_runs_on_tierspec_code_with_transformers_results(smoll
     assert ids.tolist() == encode_prompt(theirs, PROMPT).tolist()
     with torch.inference_mode():
         ours, reference = CachedModel(smollm.model), CachedModel(theirs.model)
-        torch.testing.assert_close(ours.forward(ids).logits, reference.forward(ids).logits, rtol=0, atol=1e-4)
+        # Float32 sums in another order (the two attention and norm codes; oneDNN's kernels differ by
+        # CPU): measured ≤ 1e-4 on an AVX-512 CPU, 1.3e-4 on an AVX2 one, on logits of magnitude ~20;
+        # a real fault (a rotary, norm or mask error) moves them by 1e-2 or more.
+        torch.testing.assert_close(ours.forward(ids).logits, reference.forward(ids).logits, rtol=0, atol=5e-4)
         torch.testing.assert_close(ours.forward(ids[:3], with_hidden=True, hidden_layers=(1, 15)).hidden,
                                    reference.forward(ids[:3], with_hidden=True, hidden_layers=(1, 15)).hidden,
                                    rtol=0, atol=1e-4)

@@ -602,7 +602,9 @@ def _starting_head(spec: str | None, target):
         raise DraftHeadError(f"tierspec ships no draft head for '{target.identity.name}'; pass a head file to --init-head")
     head = DraftHead.load(path, target)
     earlier = head.metadata.get("training", {})
-    continued = {"path": str(path), "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+    # the head as the user named it ("shipped" stays "shipped": the file is replaced when a continued
+    # head ships); its digest identifies the exact weights
+    continued = {"path": spec, "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
                  "train_seconds": earlier.get("train_seconds"), "steps": earlier.get("steps"),
                  "train_sequences": earlier.get("train_sequences"), "validation": earlier.get("validation"),
                  "continued_from": head.metadata.get("continued_from")}
