@@ -68,25 +68,29 @@ from tierspec.kernels import (PackedLinear, packing_available, resolve_kernels, 
                               unpacked_copy, use_packed_linears)
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="this torch build cannot pack for oneDNN")
-PACKED_DTYPES = [torch.float32, torch.bfloat16]  # bfloat16 natively, or emulated in float32
 
 
-@pytest.fixture(params=["this CPU", "emulated"])
-def bfloat16_mode(request, monkeypatch):
-    """Runs a test with this CPU's bfloat16 path and again with the float32 emulation forced (the
-    path of a CPU without native bfloat16), so both are tested on any machine."""
+def force_emulated_bfloat16(monkeypatch):
+    """Take the path of a CPU without native bfloat16 (``kernels.compute_dtype``) on any machine."""
     from tierspec import kernels
 
-    if request.param == "emulated":
-        monkeypatch.setattr(kernels, "native_bfloat16", lambda: False)
-    return request.param
+    monkeypatch.setattr(kernels, "native_bfloat16", lambda: False)
+
+
+@pytest.fixture(params=["float32", "bfloat16", "bfloat16-emulated"])
+def packed_dtype(request, monkeypatch):
+    """float32; bfloat16 on this CPU's path (native where it has bfloat16 products, else emulated);
+    bfloat16 emulated in float32 whatever the CPU."""
+    if request.param == "bfloat16-emulated":
+        force_emulated_bfloat16(monkeypatch)
+    return torch.float32 if request.param == "float32" else torch.bfloat16
 
 
 @needs_packing
-@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 17, 300])
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_matches_linear(dtype, rows, bias, bfloat16_mode):
+def test_packed_linear_matches_linear(packed_dtype, rows, bias):
+    dtype = packed_dtype
     torch.manual_seed(rows)
     layer = torch.nn.Linear(48, 80, bias=bias).to(dtype)
     x = torch.randn(1, rows, 48).to(dtype)
@@ -100,12 +104,12 @@ def test_packed_linear_matches_linear(dtype, rows, bias, bfloat16_mode):
 
 
 @needs_packing
-@pytest.mark.parametrize("dtype", PACKED_DTYPES)
 @pytest.mark.parametrize("shape", [(80, 48), (576, 1536), (192, 576)])
-def test_a_row_is_the_same_alone_and_inside_wider_products(dtype, shape, bfloat16_mode):
+def test_a_row_is_the_same_alone_and_inside_wider_products(packed_dtype, shape):
     """The property the decode loop relies on: a row's output does not depend on the other rows
     of its call (bitwise), for one row too (K = 1536 takes another path for a single row in
     oneDNN; the layer computes one row as two)."""
+    dtype = packed_dtype
     torch.manual_seed(0)
     packed = PackedLinear((torch.randn(*shape) * 0.05).to(dtype))
     rows = (torch.randn(16, shape[1]) * 3).to(dtype)
@@ -145,9 +149,7 @@ def test_packed_layers_save_load_copy_and_unpack_like_linear():
 def test_emulated_bfloat16_is_the_float32_product_of_the_bfloat16_values(monkeypatch):
     """Without native bfloat16 a bfloat16 layer multiplies the bfloat16 weights and rows widened to
     float32 (exact) on the packed float32 path and rounds the result to bfloat16: bitwise that."""
-    from tierspec import kernels
-
-    monkeypatch.setattr(kernels, "native_bfloat16", lambda: False)
+    force_emulated_bfloat16(monkeypatch)
     torch.manual_seed(0)
     weight, bias = (torch.randn(80, 48) * 0.1).bfloat16(), torch.randn(80).bfloat16()
     layer = PackedLinear(weight, bias)
@@ -156,10 +158,16 @@ def test_emulated_bfloat16_is_the_float32_product_of_the_bfloat16_values(monkeyp
     x = torch.randn(6, 48)  # float32 rows are rounded to bfloat16 first, as the native layer does
     expected = PackedLinear(weight.float(), bias.float())(x.bfloat16().float()).bfloat16()
     assert torch.equal(layer(x), expected) and layer(x).dtype == torch.bfloat16
+    doubled = PackedLinear(2 * weight.float(), 2 * bias.float())(x.bfloat16().float()).bfloat16()
+    layer.load_state_dict({"weight": 2 * weight.float(), "bias": 2 * bias})  # repacks and widens the new bias
+    assert torch.equal(layer(x), doubled)
 
 
 @needs_packing
-def test_a_bfloat16_model_keeps_a_float32_head_and_its_unpacked_copy_its_dtypes(tiny_target, bfloat16_mode):
+@pytest.mark.parametrize("emulated", [False, True])
+def test_a_bfloat16_model_keeps_a_float32_head_and_its_unpacked_copy_its_dtypes(tiny_target, emulated, monkeypatch):
+    if emulated:
+        force_emulated_bfloat16(monkeypatch)
     import copy
 
     model = copy.deepcopy(tiny_target.model).to(torch.bfloat16)  # a float64 model: few-row layers, unpacked

@@ -92,10 +92,11 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     native path's arithmetic up to the order of the float32 sums (a product of two bfloat16
     numbers is exact in float32, and oneDNN's bfloat16 kernels accumulate in float32), and it
     keeps the property the decode loop needs: a row's result does not depend on the other rows
-    of its pass. Measured on a 2-core AVX2 CPU, torch's generic bfloat16 product of the default
-    model's LM head costs 4.9 ms for one row and 60 ms for 16 (it grows with the rows, and its
-    row results change with the width), the packed float32 one 9.9 ms for 4 rows and 14 ms for 16;
-    oneDNN refuses to pack bfloat16 there at all. The emulation keeps float32's bytes per pass,
+    of its pass. Measured on a 2-core AVX2 CPU (2 threads, random weights of the default model's
+    LM head shape, 576 → 49,152), torch's generic bfloat16 product costs 4.9 ms for one row and
+    60 ms for 16, the packed float32 one 9.9 ms for 4 rows and 14 ms for 16; and the generic
+    path's row results change with the pass width (the bfloat16 tests of a token alone and inside
+    a wider pass failed on it). oneDNN refuses to pack bfloat16 there at all. The emulation keeps float32's bytes per pass,
     so ``--dtype auto`` stays float32 on such CPUs (``models.fastest_dtype``)."""
     if dtype == torch.bfloat16 and not native_bfloat16():
         return torch.float32
@@ -130,13 +131,20 @@ class PackedLinear(torch.nn.Module):
         self.compute_dtype = compute_dtype(weight.dtype)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.compute_dtype).contiguous(), None)
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach().to(weight.dtype), requires_grad=False)
+        self._widen_bias()
+
+    def _widen_bias(self) -> None:
+        """The emulated path's bias in the compute dtype (a plain tensor, not a parameter), made at
+        packing and loading, not on every call; None on the native path, which reads ``bias``."""
+        emulated = self.bias is not None and self.compute_dtype != self.dtype
+        self.compute_bias = self.bias.detach().to(self.compute_dtype) if emulated else None
 
     def _product(self, rows: torch.Tensor) -> torch.Tensor:
         if self.compute_dtype == self.dtype:
             return torch.ops.mkldnn._linear_pointwise(rows, self.packed, self.bias, "none", [], "")
-        # emulated (see compute_dtype): rows and bias already hold bfloat16 values; widen, multiply, round
-        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
-        out = torch.ops.mkldnn._linear_pointwise(rows.to(self.compute_dtype), self.packed, bias, "none", [], "")
+        # emulated (see compute_dtype): the rows and the bias hold bfloat16 values; widen, multiply, round
+        out = torch.ops.mkldnn._linear_pointwise(rows.to(self.compute_dtype), self.packed, self.compute_bias, "none",
+                                                 [], "")
         return out.to(self.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -175,11 +183,12 @@ class PackedLinear(torch.nn.Module):
             error_msgs.append(f"size mismatch for {name}: copying a param with shape {tuple(state_dict[name].shape)}, "
                               f"the packed layer has {(self.out_features, self.in_features)}")
         else:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(state_dict[name].detach().to(self.dtype).to(self.compute_dtype).contiguous(),
-                                                                  None)
+            weight = state_dict[name].detach().to(self.dtype)  # rounded to the layer's dtype, then as in __init__
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.compute_dtype).contiguous(), None)
         if self.bias is not None and prefix + "bias" in state_dict:
             with torch.no_grad():
                 self.bias.copy_(state_dict[prefix + "bias"])
+            self._widen_bias()
 
     def extra_repr(self) -> str:
         emulated = f" (computed in {self.compute_dtype})" if self.compute_dtype != self.dtype else ""

@@ -198,8 +198,8 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
 
     ``kernels``: ``packed`` packs every linear layer's weight once for oneDNN (a pass over 1-16
     new tokens then costs about what one token costs; float32 and bfloat16, the latter emulated
-    in float32 where the CPU has no native bfloat16: ``kernels.compute_dtype``), ``few-row`` runs 1-10-row products as (W·xᵀ)ᵀ, ``stock`` keeps
-    ``nn.Linear``; ``auto`` picks packed on a CPU that supports it, few-row on other CPUs, stock
+    in float32 where the CPU has no native bfloat16: ``kernels.compute_dtype``), ``few-row``
+    runs 1-10-row products as (W·xᵀ)ᵀ, ``stock`` keeps ``nn.Linear``; ``auto`` picks packed on a CPU that supports it, few-row on other CPUs, stock
     on other devices (see ``tierspec.kernels``).
 
     ``implementation``: ``tierspec`` runs plain Llama models on tierspec's own forward pass
