@@ -112,6 +112,9 @@ def select_in_context(runner, position: int, token: int, unit: str, budget: int)
         if rows not in layouts:
             device = decoder.rotary.inv_freq.device
             causal = decoder.layout(torch.full((rows,), position, device=device), position, cached=True)
+            if causal.fused:  # the engine takes who-sees-whom among the new rows directly
+                layouts[rows] = dataclasses.replace(causal, attends=torch.eye(rows, dtype=torch.uint8))
+                return layouts[rows]
             sees = torch.zeros(rows, position + rows, dtype=torch.bool)
             sees[:, :position] = True
             sees[:, position:] = torch.eye(rows, dtype=torch.bool)
@@ -127,7 +130,7 @@ def select_in_context(runner, position: int, token: int, unit: str, budget: int)
             hidden = layer.attention_block(hidden, layout(states.shape[0]), cache)
             cache.trim(position)  # the candidates' keys are scratch: the next call starts at `position` again
         if kind in ("layer", "mlp"):
-            hidden = layer.mlp_block(hidden)
+            hidden = layer.mlp_block(hidden, layout(states.shape[0]))
         return hidden[0]
 
     with model_lock(model), runner.set_aside(position):

@@ -94,9 +94,11 @@ def _linear_kind(model: torch.nn.Module) -> str:
     """Which linear kernels and weight dtype the model runs (the table depends on both: see
     ``kernels``)."""
     from .kernels import FewRowLinear, PackedLinear
+    from .quant import QuantLinear
 
     kinds = {type(m) for m in model.modules()}
-    kind = "packed-v1" if PackedLinear in kinds else "few-row-v2" if FewRowLinear in kinds else "linear"
+    kind = ("gguf-v1" if QuantLinear in kinds else "packed-v1" if PackedLinear in kinds
+            else "few-row-v2" if FewRowLinear in kinds else "linear")
     return f"{kind}:{str(getattr(model, 'dtype', '')).replace('torch.', '')}"
 
 

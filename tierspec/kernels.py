@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-KERNELS = ("auto", "packed", "few-row", "stock")
+KERNELS = ("auto", "gguf", "packed", "few-row", "stock")
 
 
 # ---- what this machine can do ---------------------------------------------------------------
@@ -224,7 +224,9 @@ def use_packed_linears(model: torch.nn.Module) -> int:
 
 def linear_output_features(module: torch.nn.Module) -> int | None:
     """Output width of a linear layer of any kernel kind (None: not a linear layer)."""
-    if isinstance(module, (torch.nn.Linear, PackedLinear)):
+    from .quant import QuantLinear
+
+    if isinstance(module, (torch.nn.Linear, PackedLinear, QuantLinear)):
         return module.out_features
     return None
 
@@ -234,10 +236,23 @@ def unpacked_copy(model: torch.nn.Module) -> torch.nn.Module:
     transformers runs: the bench's ``-stock`` peers)."""
     import copy
 
+    from .quant import QuantEmbedding, QuantLinear
+
     clone = copy.deepcopy(model)
     for parent in list(clone.modules()):
         for name, module in list(parent.named_children()):
-            if isinstance(module, PackedLinear):
+            if isinstance(module, (QuantLinear, QuantEmbedding)):  # the file's weights, de-quantised exactly
+                weight = torch.nn.Parameter(module.weight, requires_grad=False)
+                if isinstance(module, QuantEmbedding):
+                    plain = torch.nn.Embedding(module.num_embeddings, module.embedding_dim, _weight=weight)
+                else:
+                    plain = torch.nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
+                    plain.weight = weight
+                setattr(parent, name, plain)
+                for layer in getattr(clone, "model", clone).modules():
+                    if getattr(layer, "fused", None) is not None and hasattr(layer, "self_attn"):
+                        layer.fused = None
+            elif isinstance(module, PackedLinear):
                 plain = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
                                         device="meta")
                 plain.weight = torch.nn.Parameter(module.weight.to(module.source_dtype), requires_grad=False)

@@ -140,6 +140,22 @@ class KVLayer:
     def get_seq_length(self) -> int:
         return self.length
 
+    def slots(self, end: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers [1, kv_heads, capacity, head_dim] (float32), holding at
+        least ``end`` slots: the pass engine writes a pass's entries into them itself
+        (``gguf_llama.FusedLayer``), then ``advance`` counts them."""
+        if self._keys is None:
+            like = torch.zeros(1, kv_heads, 0, head_dim)
+            self._allocate(end, like, like)
+        elif self.capacity < end:
+            self._allocate(end, self._keys, self._values)
+        return self._keys, self._values
+
+    def advance(self, count: int) -> None:
+        """Count ``count`` entries written after ``length`` into the buffers by the engine."""
+        self.length += count
+        self.keys, self.values = self._keys[..., : self.length, :], self._values[..., : self.length, :]
+
     def compact(self, start: int, slots: torch.Tensor) -> None:
         """Keep the positions at ``slots`` [L] (increasing, all in start .. length − 1) as
         positions start .. start + L − 1 and drop the rest after ``start``: a token tree's accepted
@@ -231,6 +247,8 @@ class PassLayout:
     keys: int = 0
     tree: "TreeAttention | None" = None
     rows_per_call: int = ATTENTION_ROWS
+    fused: bool = False  # the layers run as engine calls (``gguf_llama.FusedLayer``): no mask or plan built
+    attends: torch.Tensor | None = None  # fused tree passes: uint8 [n, n], new token i sees new token j
 
 
 def slot_mask(start: int, n: int, dtype: torch.dtype, device: torch.device, sees: torch.Tensor | None = None,
@@ -488,19 +506,30 @@ class DecoderLayer(torch.nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    fused = None  # a gguf_llama.FusedLayer: the layer as one engine call (cached passes, layout.fused)
+
     def forward(self, hidden_states: torch.Tensor, layout: PassLayout, cache: KVLayer | None) -> torch.Tensor:
-        if not getattr(self.self_attn, "bypassed", False):
+        attention = not getattr(self.self_attn, "bypassed", False)
+        mlp = not getattr(self.mlp, "bypassed", False)
+        if layout.fused:
+            units = (1 if attention else 0) | (2 if mlp else 0)
+            return self.fused.run(hidden_states, layout, cache, units) if units else hidden_states
+        if attention:
             hidden_states = self.attention_block(hidden_states, layout, cache)
-        if not getattr(self.mlp, "bypassed", False):
+        if mlp:
             hidden_states = self.mlp_block(hidden_states)
         return hidden_states
 
     # The layer's two residual units, also run one at a time by CLaSP's layer selection
     # (``tierspec.clasp``), which bypasses each on its own.
     def attention_block(self, hidden_states: torch.Tensor, layout: PassLayout, cache: KVLayer | None) -> torch.Tensor:
+        if layout.fused:
+            return self.fused.run(hidden_states, layout, cache, 1)
         return hidden_states + self.self_attn.forward(self.input_layernorm.forward(hidden_states), layout, cache)
 
-    def mlp_block(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def mlp_block(self, hidden_states: torch.Tensor, layout: PassLayout | None = None) -> torch.Tensor:
+        if layout is not None and layout.fused:
+            return self.fused.run(hidden_states, layout, None, 2)
         return hidden_states + self.mlp.forward(self.post_attention_layernorm.forward(hidden_states))
 
 
@@ -525,6 +554,11 @@ class Decoder(torch.nn.Module):
         self.rotary = RotaryTable(config.head_dim, config.rope_parameters["rope_theta"])
         self.residual_dtype = torch.float32
 
+    @property
+    def fused(self) -> bool:
+        """Whether every layer runs as one engine call on cached passes (a GGUF model's layers)."""
+        return bool(self.layers) and all(getattr(layer, "fused", None) is not None for layer in self.layers)
+
     def layout(self, position_ids: torch.Tensor, start: int, cached: bool, attends: torch.Tensor | None = None,
                tokens: torch.Tensor | None = None) -> PassLayout:
         """The pass's shared factors for new tokens at ``position_ids`` [n] written at cache slots
@@ -537,6 +571,12 @@ class Decoder(torch.nn.Module):
                              + ("" if cached else " on an uncached pass"))
         device = position_ids.device
         cos, sin = self.rotary.factors(position_ids, self.residual_dtype)
+        if cached and self.fused:
+            # the engine attends in each query's logical key order: no mask, no groups
+            seen = None if attends is None else attends.to("cpu", torch.uint8).contiguous()
+            if seen is not None and bool(seen.triu(1).any()):
+                raise ValueError("a tree mask lets a token see a later one: new token i may see new tokens j ≤ i only")
+            return PassLayout(cos, sin, None, start, fused=True, attends=seen)
         if not cached:
             mask = torch.ones(n, n, dtype=torch.bool, device=device).tril() if n > 1 else None
             return PassLayout(cos, sin, mask, start)
@@ -582,8 +622,11 @@ class LlamaLM(torch.nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype of the decoder's weights (the LM head and the residual stream may be wider)."""
-        return self.model.embed_tokens.weight.dtype
+        """The dtype of the decoder's weights (the LM head and the residual stream may be wider); for
+        a GGUF model's quantised layers, the dtype their rows are rounded to (``quant.Numerics``)."""
+        embedding = self.model.embed_tokens
+        quantised = getattr(embedding, "qweight", None)
+        return quantised.numerics.dtype if quantised is not None else embedding.weight.dtype
 
     @property
     def device(self) -> torch.device:

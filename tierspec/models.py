@@ -221,7 +221,7 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
     if implementation not in IMPLEMENTATIONS:
         raise ModelLoadError(f"unknown implementation {implementation!r}; choose one of: {', '.join(IMPLEMENTATIONS)}")
     try:
-        loaded = _load_model(spec, dtype, implementation)
+        loaded = _load_model(spec, dtype, implementation, kernels, device)
     except OSError as error:  # a file or folder that cannot be read or written: say which
         where = error.filename or ""
         hint = "; set TIERSPEC_CACHE to a folder this process can write" if str(where).startswith(str(cache_root())) else ""
@@ -237,7 +237,14 @@ def apply_kernels(model: torch.nn.Module, kernels: str, device: torch.device, dt
     dtype); returns the kind applied."""
     from .kernels import packing_available, resolve_kernels, use_few_row_linears, use_packed_linears
 
+    if any(type(m).__name__ == "QuantLinear" for m in model.modules()):  # loaded from the GGUF's blocks
+        if device.type == "cpu" and packing_available():
+            use_packed_linears(model)  # layers of a non-native type, de-quantised at load
+        return "gguf"
     kind = resolve_kernels(kernels, device, dtype)
+    if kind == "gguf":
+        raise ModelLoadError("--kernels gguf computes with a GGUF file's blocks: give a .gguf model (or "
+                             f"'{DEFAULT_MODEL}'), or choose another --kernels")
     if kind == "packed" and kernels == "auto" and getattr(model.config, "is_encoder_decoder", False):
         kind = "few-row"  # T5's feed-forward reads wo.weight every pass, which a packed layer unpacks each time
     if kind == "packed":
@@ -250,7 +257,42 @@ def apply_kernels(model: torch.nn.Module, kernels: str, device: torch.device, dt
     return kind
 
 
-def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str) -> LoadedModel:
+def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.device, dtype: torch.dtype,
+                     implementation: str) -> bool:
+    """Whether a GGUF model computes with the file's own blocks (``tierspec.gguf_llama``).
+
+    ``auto``: yes where that path covers it — tierspec's Llama forward, a CPU, bfloat16 or float32
+    rows, the compiled engine present — and every projection and the LM head are of a native type
+    (Q4_0, Q4_1, Q8_0; others would run de-quantised, as the converted copy does). ``gguf`` asks
+    for it and refuses what it cannot do; the other kernels keep the converted copy."""
+    from .quant import NATIVE_TYPES, engine_available, read_gguf_tensors
+
+    if kernels not in ("auto", "gguf"):
+        return False
+    reasons = []
+    if implementation == "transformers":
+        reasons.append("--implementation transformers runs transformers' modules on the converted copy")
+    elif not _use_own_llama(folder, "auto"):
+        reasons.append("tierspec's Llama forward does not cover this architecture")
+    if device.type != "cpu":
+        reasons.append(f"the engine runs on the CPU, not {device.type}")
+    if dtype not in (torch.bfloat16, torch.float32):
+        reasons.append(f"the engine rounds rows to bfloat16 or keeps float32, not {str(dtype).replace('torch.', '')}")
+    if not engine_available():
+        reasons.append("the compiled engine is missing (build it with README's install command)")
+    if kernels == "gguf":
+        if reasons:
+            raise ModelLoadError(f"--kernels gguf cannot run {gguf.name}: {'; '.join(reasons)}")
+        return True
+    if reasons:
+        return False
+    tensors, _ = read_gguf_tensors(gguf)
+    matrices = [t for name, t in tensors.items() if len(t.shape) == 2 and name.endswith(".weight")]
+    return bool(matrices) and all(t.ggml_type in NATIVE_TYPES for t in matrices)
+
+
+def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str, kernels: str = "auto",
+                device: torch.device = torch.device("cpu")) -> LoadedModel:
     spec_str = str(spec)
     if spec_str == DEFAULT_MODEL:
         gguf = default_model_file()
@@ -270,6 +312,12 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
         gguf = path
         name = path.stem
     folder = gguf_cache.converted_copy(gguf)
+    if use_gguf_kernels(gguf, folder, kernels, device, dtype, implementation):
+        from .gguf_llama import load_gguf_llama
+        from .quant import numerics_for
+
+        model = load_gguf_llama(gguf, folder, numerics_for(dtype))
+        return _loaded(model, _load_tokenizer(folder, own=True), name, gguf_cache.source_hash(folder))
     try:
         model, tokenizer = _load_hf_folder(folder, dtype, implementation)
     except ImplementationError:

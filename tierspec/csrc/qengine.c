@@ -1,0 +1,1225 @@
+/* tierspec's pass engine: linear layers that multiply with a GGUF file's own 4- and 8-bit blocks,
+ * and a Llama decoder layer fused into one call (norms, rotary, KV write, attention, SwiGLU,
+ * residuals), for the decode loop's passes of 1-16 new tokens (and prefills) on a CPU.
+ *
+ * Why it exists (measurements in BENCHMARKS.md, "Pass engines"): torch's int4/int8 packs are not
+ * flat over 1-16 rows and cannot hold the file's fp16 scales; a pass through torch's per-layer
+ * operators spends ~5 ms per pass of the default model outside its matrices. Here a weight tile is
+ * de-quantised once per call and serves every row of the pass, and a layer is one call.
+ *
+ * Two properties the decode loop relies on, kept by construction:
+ *  - Every output element is computed by one thread in an order fixed by the weights' shape alone,
+ *    never by the number of rows in the pass or by which thread runs it, so a token's results do
+ *    not depend on the other rows of its pass (tests check bitwise).
+ *  - Attention walks each query's visible keys in logical order (the cached context, then the new
+ *    tokens it sees, in pass order), whatever slots they sit in, so a token-tree node gets exactly
+ *    the result of a chain pass of its path.
+ *
+ * Weights are exactly the file's: a Q4_0/Q4_1 weight is d*q + m (q in 0..15; Q4_0's m = -8d) and a
+ * Q8_0 weight d*q (q in -128..127), d and m the block's fp16 values. Products:
+ *  - layout A (AVX512-BF16): the rows rounded to bfloat16, sum_k q_k x_k in vdpbf16ps (q exact in
+ *    bfloat16, float32 sums), then d * that + m * sum_k x_k per block, in float32;
+ *  - layout B (AVX2/FMA, or any CPU through the portable C loop with the same order): float32 rows
+ *    (or rows rounded to bfloat16 when asked), acc += (d*q_k) x_k in float32 (d*q is exact), and
+ *    m * sum_k x_k per block.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define QE_X86 1
+#include <immintrin.h>
+#define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,f16c,fma")))
+#else
+#define QE_X86 0
+#endif
+
+/* ---- formats ------------------------------------------------------------------------------- */
+
+enum { KIND_Q4 = 0, KIND_Q8 = 1 };   /* Q4: Q4_0 and Q4_1 (w = d*q + m); Q8: Q8_0 (w = d*q) */
+enum { LAYOUT_A = 0, LAYOUT_B = 1 }; /* A: bfloat16 dot products; B: float32 FMAs */
+enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8 }; /* ggml type ids */
+
+#define TILE 16  /* output rows per tile */
+#define QK 32    /* weights per block */
+
+/* bytes of one (tile, block) cell */
+static size_t cell_bytes(int kind) { return kind == KIND_Q4 ? 64 + 256 : 32 + 512; }
+
+static inline float fp16_to_float(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
+    if (exp == 0) {
+        if (mant == 0) {
+            bits = sign;
+        } else { /* subnormal: normalise */
+            int e = -1;
+            do { e++; mant <<= 1; } while (!(mant & 0x400));
+            bits = sign | ((uint32_t)(127 - 15 - e) << 23) | ((mant & 0x3ff) << 13);
+        }
+    } else if (exp == 31) {
+        bits = sign | 0x7f800000 | (mant << 13);
+    } else {
+        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* float -> fp16, round to nearest even (only used for Q4_0's m = -8d, which is exact) */
+static uint16_t float_to_fp16(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000;
+    int exp = (int)((x >> 23) & 0xff) - 127 + 15;
+    uint32_t mant = x & 0x7fffff;
+    if (((x >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00 | (mant ? 0x200 : 0));
+    if (exp >= 31) return (uint16_t)(sign | 0x7c00);
+    if (exp <= 0) {
+        if (exp < -10) return (uint16_t)sign;
+        mant |= 0x800000;
+        int shift = 14 - exp;
+        uint32_t half = mant >> shift, rem = mant & ((1u << shift) - 1), mid = 1u << (shift - 1);
+        if (rem > mid || (rem == mid && (half & 1))) half++;
+        return (uint16_t)(sign | half);
+    }
+    uint32_t half = (uint32_t)(exp << 10) | (mant >> 13), rem = mant & 0x1fff;
+    if (rem > 0x1000 || (rem == 0x1000 && (half & 1))) half++;
+    return (uint16_t)(sign | half);
+}
+
+static inline uint16_t float_to_bf16(float f) { /* round to nearest even; NaN kept quiet */
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)((x >> 16) | 0x40);
+    return (uint16_t)((x + 0x7fff + ((x >> 16) & 1)) >> 16);
+}
+
+static inline float bf16_to_float(uint16_t b) {
+    uint32_t x = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+/* One GGUF block's values: d, m (fp16 bits) and q[32] (0..15 for Q4, -128..127 for Q8). */
+static void read_gguf_block(int type, const uint8_t *src, uint16_t *d, uint16_t *m, int q[QK]) {
+    if (type == GGUF_Q8_0) {
+        memcpy(d, src, 2);
+        *m = 0;
+        for (int i = 0; i < QK; i++) q[i] = (int8_t)src[2 + i];
+        return;
+    }
+    const uint8_t *qs;
+    memcpy(d, src, 2);
+    if (type == GGUF_Q4_1) {
+        memcpy(m, src + 2, 2);
+        qs = src + 4;
+    } else { /* Q4_0: w = d*(q-8) = d*q + (-8d); -8d is exact in fp16 */
+        *m = float_to_fp16(-8.0f * fp16_to_float(*d));
+        qs = src + 2;
+    }
+    for (int i = 0; i < 16; i++) {
+        q[i] = qs[i] & 0x0f;
+        q[i + 16] = qs[i] >> 4;
+    }
+}
+
+static size_t gguf_block_bytes(int type) { return type == GGUF_Q8_0 ? 34 : type == GGUF_Q4_1 ? 20 : 18; }
+
+/* Where q(row r of the tile, k of the block) lives in a cell, as (byte offset in the q area, shift). */
+static inline void q4_slot(int layout, int r, int k, int *byte, int *shift) {
+    if (layout == LAYOUT_A) { /* pair p = k/2, word j = 2r + (k&1); 32-byte groups hold pairs (2g, 2g+1) */
+        int p = k >> 1, j = 2 * r + (k & 1);
+        *byte = 32 * (p >> 1) + j;
+        *shift = (p & 1) ? 4 : 0;
+    } else { /* per k: 8 bytes, byte j = rows j (low) and j+8 (high) */
+        *byte = 8 * k + (r & 7);
+        *shift = r >= 8 ? 4 : 0;
+    }
+}
+
+static inline int q8_slot(int layout, int r, int k) {
+    if (layout == LAYOUT_A) return 32 * (k >> 1) + 2 * r + (k & 1); /* pair-interleaved */
+    return 16 * k + r;                                               /* per k: rows 0..15 */
+}
+
+/* ---- the thread pool ------------------------------------------------------------------------ */
+
+/* A task is ``chunks`` independent pieces of work (tiles of a product, (row, head) pairs of the
+ * attention, rows of the SwiGLU), claimed one at a time from a shared counter by the calling thread
+ * and any worker that is awake. So a worker that the OS has not scheduled (a busy machine) delays
+ * nothing: the caller takes the pieces it would have taken. Which thread computes a piece does not
+ * change its result (each output is computed whole by one thread). */
+
+typedef void (*task_fn)(void *arg, int chunk);
+
+/* Tasks alternate between two slots by generation, so a worker that wakes late for an old task
+ * reads that task's (finished) slot while the caller fills the other; the caller waits for every
+ * worker to leave a task before it reuses its slot. */
+typedef struct {
+    task_fn fn;
+    void *arg;
+    int chunks, helpers; /* helpers: how many workers may join */
+    atomic_int next;     /* the next unclaimed chunk */
+    atomic_int done;     /* chunks finished */
+} task_slot;
+
+#define MAX_THREADS 64
+static struct {
+    int workers;
+    atomic_int generation; /* bumped when a task is posted */
+    atomic_int active;     /* workers inside a task */
+    atomic_int sleepers;
+    atomic_int busy;       /* a task is running (another Python thread's pass runs alone) */
+    task_slot slots[2];
+    pthread_mutex_t mutex;
+    pthread_cond_t wake;
+} pool = {.mutex = PTHREAD_MUTEX_INITIALIZER, .wake = PTHREAD_COND_INITIALIZER};
+
+static inline void cpu_relax(void) {
+#if QE_X86
+    _mm_pause();
+#endif
+}
+
+/* Spin this long for the next task before sleeping: a pass runs ~150 tasks with a few microseconds
+ * of Python between layers; between passes the workers sleep. */
+#define SPIN_ROUNDS 20000
+
+static void claim_chunks(task_slot *task) {
+    for (;;) {
+        int c = atomic_fetch_add_explicit(&task->next, 1, memory_order_acq_rel);
+        if (c >= task->chunks) return;
+        task->fn(task->arg, c);
+        atomic_fetch_add_explicit(&task->done, 1, memory_order_release);
+    }
+}
+
+static int start_generation[MAX_THREADS];
+
+static void *worker_main(void *raw) {
+    int ith = (int)(intptr_t)raw;
+    int seen = start_generation[ith]; /* the generation when it was made: a task posted before it runs is still its */
+    for (;;) {
+        int spins = 0;
+        while (atomic_load_explicit(&pool.generation, memory_order_acquire) == seen && spins < SPIN_ROUNDS) {
+            cpu_relax();
+            spins++;
+        }
+        if (atomic_load(&pool.generation) == seen) {
+            pthread_mutex_lock(&pool.mutex);
+            atomic_fetch_add(&pool.sleepers, 1);
+            while (atomic_load(&pool.generation) == seen) pthread_cond_wait(&pool.wake, &pool.mutex);
+            atomic_fetch_sub(&pool.sleepers, 1);
+            pthread_mutex_unlock(&pool.mutex);
+        }
+        int g = atomic_load(&pool.generation);
+        atomic_fetch_add(&pool.active, 1);
+        if (atomic_load(&pool.generation) == g) { /* else a newer task was posted: see it next round */
+            task_slot *task = &pool.slots[g & 1];
+            if (ith <= task->helpers) claim_chunks(task);
+        }
+        atomic_fetch_sub(&pool.active, 1);
+        seen = g;
+    }
+    return NULL;
+}
+
+static int ensure_workers(int wanted) {
+    if (wanted > MAX_THREADS - 1) wanted = MAX_THREADS - 1;
+    while (pool.workers < wanted) {
+        pthread_attr_t attr;
+        pthread_t thread;
+        pthread_attr_init(&attr);
+        pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+        start_generation[pool.workers + 1] = atomic_load(&pool.generation);
+        int ok = pthread_create(&thread, &attr, worker_main, (void *)(intptr_t)(pool.workers + 1));
+        pthread_attr_destroy(&attr);
+        if (ok != 0) break;
+        pool.workers++;
+    }
+    return pool.workers;
+}
+
+static inline void wait_until(atomic_int *value, int target, int at_least) {
+    int spins = 0;
+    while (at_least ? atomic_load_explicit(value, memory_order_acquire) < target
+                    : atomic_load_explicit(value, memory_order_acquire) != target) {
+        if (++spins > 256) sched_yield(); /* a worker holding a chunk was descheduled: let it run */
+        else cpu_relax();
+    }
+}
+
+/* Run fn(arg, c) for every chunk c in 0..chunks-1 on up to ``nth`` threads, the caller among them.
+ * A pool already running a task (another Python thread's pass) is not shared: the caller runs the
+ * chunks alone. */
+static void run_parallel(task_fn fn, void *arg, int chunks, int nth) {
+    if (nth > 1 && chunks > 1 && atomic_exchange(&pool.busy, 1) == 0) {
+        int workers = ensure_workers(nth - 1);
+        wait_until(&pool.active, 0, 0); /* nobody is still inside the slot about to be reused */
+        int g = atomic_load(&pool.generation) + 1;
+        task_slot *task = &pool.slots[g & 1];
+        task->fn = fn;
+        task->arg = arg;
+        task->chunks = chunks;
+        task->helpers = nth - 1 < workers ? nth - 1 : workers;
+        atomic_store(&task->next, 0);
+        atomic_store(&task->done, 0);
+        atomic_store(&pool.generation, g);
+        if (atomic_load(&pool.sleepers) > 0) {
+            pthread_mutex_lock(&pool.mutex);
+            pthread_cond_broadcast(&pool.wake);
+            pthread_mutex_unlock(&pool.mutex);
+        }
+        claim_chunks(task);
+        wait_until(&task->done, chunks, 1);
+        atomic_store(&pool.busy, 0);
+        return;
+    }
+    for (int c = 0; c < chunks; c++) fn(arg, c);
+}
+
+/* ---- CPU features --------------------------------------------------------------------------- */
+
+static int cpu_avx512bf16 = 0, cpu_avx2 = 0; /* set once at import (detect_cpu) */
+
+static void detect_cpu(void) {
+#if QE_X86 && defined(__GNUC__)
+    __builtin_cpu_init();
+    cpu_avx512bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                     __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                     __builtin_cpu_supports("avx512bf16");
+    cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+#endif
+}
+
+static inline int have_avx512bf16(void) { return cpu_avx512bf16; }
+static inline int have_avx2(void) { return cpu_avx2; }
+
+static int force_portable = 0; /* tests: the portable C loops on any CPU */
+
+/* ---- row preparation ----------------------------------------------------------------------- */
+
+/* Rows as the kernels read them: layout A wants bfloat16 rows; layout B float32 rows, rounded to
+ * bfloat16 values when ``round_bf16``. sums[m][b]: the block sums of the rows as used. */
+typedef struct {
+    const void *x;      /* uint16 [M, K] (A) or float [M, K] (B) */
+    const float *sums;  /* [M, K/32] */
+} rows_t;
+
+static void prepare_rows(int layout, int round_bf16, const float *x, int M, int K, void *xbuf, float *sums) {
+    int KB = K / QK;
+    for (int m = 0; m < M; m++) {
+        const float *row = x + (size_t)m * K;
+        if (layout == LAYOUT_A) {
+            uint16_t *out = (uint16_t *)xbuf + (size_t)m * K;
+            for (int b = 0; b < KB; b++) {
+                float s = 0.0f;
+                for (int i = 0; i < QK; i++) {
+                    uint16_t v = float_to_bf16(row[b * QK + i]);
+                    out[b * QK + i] = v;
+                    s += bf16_to_float(v);
+                }
+                sums[(size_t)m * KB + b] = s;
+            }
+        } else {
+            float *out = (float *)xbuf + (size_t)m * K;
+            for (int b = 0; b < KB; b++) {
+                float s = 0.0f;
+                for (int i = 0; i < QK; i++) {
+                    float v = row[b * QK + i];
+                    if (round_bf16) v = bf16_to_float(float_to_bf16(v));
+                    out[b * QK + i] = v;
+                    s += v;
+                }
+                sums[(size_t)m * KB + b] = s;
+            }
+        }
+    }
+}
+
+/* ---- matrix kernels ------------------------------------------------------------------------- */
+
+typedef struct {
+    int kind, layout;
+    const uint8_t *w;
+    int N, K;
+    const void *x;
+    const float *sums;
+    int M;
+    float *out;
+    int ldo;        /* out row stride (floats) */
+    int accumulate; /* out += result instead of out = result */
+    int tiles_per_chunk;
+} matmul_args;
+
+static inline void store_tile(const matmul_args *a, int m, int n0, const float *vals) {
+    float *dst = a->out + (size_t)m * a->ldo + n0;
+    int count = a->N - n0 < TILE ? a->N - n0 : TILE;
+    if (a->accumulate)
+        for (int i = 0; i < count; i++) dst[i] += vals[i];
+    else
+        for (int i = 0; i < count; i++) dst[i] = vals[i];
+}
+
+/* Portable kernel. Layout B: the same operations, in the same order per output, as the AVX2 one
+ * (so the two agree bitwise). Layout A: the same maths as the AVX512-BF16 one (bfloat16 rows, the
+ * block's sum of q*x before its scale), summed in another order: close, not bitwise. */
+static void tile_portable(const matmul_args *a, int t, int m0, int mt) {
+    int KB = a->K / QK;
+    float acc[8][TILE];
+    for (int i = 0; i < mt; i++)
+        for (int r = 0; r < TILE; r++) acc[i][r] = 0.0f;
+    for (int b = 0; b < KB; b++) {
+        const uint8_t *cell = a->w + ((size_t)t * KB + b) * cell_bytes(a->kind);
+        float d[TILE], mn[TILE];
+        for (int r = 0; r < TILE; r++) {
+            uint16_t h;
+            memcpy(&h, cell + 2 * r, 2);
+            d[r] = fp16_to_float(h);
+            mn[r] = 0.0f;
+            if (a->kind == KIND_Q4) {
+                memcpy(&h, cell + 32 + 2 * r, 2);
+                mn[r] = fp16_to_float(h);
+            }
+        }
+        const uint8_t *q = cell + (a->kind == KIND_Q4 ? 64 : 32);
+        int v[QK][TILE];
+        for (int k = 0; k < QK; k++)
+            for (int r = 0; r < TILE; r++) {
+                if (a->kind == KIND_Q4) {
+                    int byte, shift;
+                    q4_slot(a->layout, r, k, &byte, &shift);
+                    v[k][r] = (q[byte] >> shift) & 0x0f;
+                } else {
+                    v[k][r] = (int8_t)q[q8_slot(a->layout, r, k)];
+                }
+            }
+        for (int i = 0; i < mt; i++) {
+            size_t row = (size_t)(m0 + i) * a->K + (size_t)b * QK;
+            float s = a->sums[(size_t)(m0 + i) * KB + b];
+            if (a->layout == LAYOUT_B) {
+                const float *x = (const float *)a->x + row;
+                for (int k = 0; k < QK; k++)
+                    for (int r = 0; r < TILE; r++) acc[i][r] = fmaf(d[r] * (float)v[k][r], x[k], acc[i][r]);
+                if (a->kind == KIND_Q4)
+                    for (int r = 0; r < TILE; r++) acc[i][r] = fmaf(mn[r], s, acc[i][r]);
+            } else {
+                const uint16_t *x = (const uint16_t *)a->x + row;
+                for (int r = 0; r < TILE; r++) {
+                    float dot = 0.0f;
+                    for (int k = 0; k < QK; k++) dot = fmaf((float)v[k][r], bf16_to_float(x[k]), dot);
+                    acc[i][r] = fmaf(dot, d[r], acc[i][r]);
+                    if (a->kind == KIND_Q4) acc[i][r] = fmaf(mn[r], s, acc[i][r]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++) store_tile(a, m0 + i, t * TILE, acc[i]);
+}
+
+#if QE_X86
+
+/* Layout B, 8 float lanes = 8 output rows; two halves of the tile; up to 4 rows of x at once. */
+AVX2_TARGET static inline void tile_avx2_mt(const matmul_args *a, int t, int m0, const int mt) {
+    int KB = a->K / QK;
+    const float *x = (const float *)a->x;
+    __m256 acc0[4], acc1[4];
+    for (int i = 0; i < mt; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    for (int b = 0; b < KB; b++) {
+        const uint8_t *cell = a->w + ((size_t)t * KB + b) * cell_bytes(a->kind);
+        __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)cell));
+        __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + 16)));
+        const float *xb = x + (size_t)m0 * a->K + b * QK;
+        if (a->kind == KIND_Q4) {
+            const uint8_t *q = cell + 64;
+            for (int k = 0; k < QK; k++) {
+                __m256i raw = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k)));
+                __m256 w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_and_si256(raw, low)));
+                __m256 w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_srli_epi32(raw, 4)));
+                for (int i = 0; i < mt; i++) {
+                    __m256 xv = _mm256_broadcast_ss(xb + (size_t)i * a->K + k);
+                    acc0[i] = _mm256_fmadd_ps(w0, xv, acc0[i]);
+                    acc1[i] = _mm256_fmadd_ps(w1, xv, acc1[i]);
+                }
+            }
+            __m256 n0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + 32)));
+            __m256 n1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + 48)));
+            for (int i = 0; i < mt; i++) {
+                __m256 s = _mm256_set1_ps(a->sums[(size_t)(m0 + i) * KB + b]);
+                acc0[i] = _mm256_fmadd_ps(n0, s, acc0[i]);
+                acc1[i] = _mm256_fmadd_ps(n1, s, acc1[i]);
+            }
+        } else {
+            const uint8_t *q = cell + 32;
+            for (int k = 0; k < QK; k++) {
+                __m256 w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 16 * k)))));
+                __m256 w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 16 * k + 8)))));
+                for (int i = 0; i < mt; i++) {
+                    __m256 xv = _mm256_broadcast_ss(xb + (size_t)i * a->K + k);
+                    acc0[i] = _mm256_fmadd_ps(w0, xv, acc0[i]);
+                    acc1[i] = _mm256_fmadd_ps(w1, xv, acc1[i]);
+                }
+            }
+        }
+    }
+    float vals[TILE];
+    for (int i = 0; i < mt; i++) {
+        _mm256_storeu_ps(vals, acc0[i]);
+        _mm256_storeu_ps(vals + 8, acc1[i]);
+        store_tile(a, m0 + i, t * TILE, vals);
+    }
+}
+
+AVX2_TARGET static void tile_avx2(const matmul_args *a, int t, int m0, int mt) {
+    switch (mt) {
+    case 1: tile_avx2_mt(a, t, m0, 1); break;
+    case 2: tile_avx2_mt(a, t, m0, 2); break;
+    case 3: tile_avx2_mt(a, t, m0, 3); break;
+    default: tile_avx2_mt(a, t, m0, 4); break;
+    }
+}
+
+/* Layout A: 16 float lanes = the tile's 16 output rows; each vdpbf16ps adds two k's products.
+ * Per block: bacc = sum_k q_k x_k (bfloat16 products, float32 sums), then acc += d*bacc + m*sum x. */
+AVX512_TARGET static inline void tile_avx512_mt(const matmul_args *a, int t, int m0, const int mt) {
+    int KB = a->K / QK;
+    const uint32_t *x = (const uint32_t *)a->x; /* bfloat16 pairs */
+    int K2 = a->K / 2;
+    __m512 acc[8], bacc[8];
+    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
+    /* bfloat16 of 0..15 for vpermw */
+    const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                           0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
+                                           0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
+    const __m512i low = _mm512_set1_epi16(0x0f);
+    for (int b = 0; b < KB; b++) {
+        const uint8_t *cell = a->w + ((size_t)t * KB + b) * cell_bytes(a->kind);
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)cell));
+        const uint32_t *xb = x + (size_t)m0 * K2 + b * (QK / 2);
+        for (int i = 0; i < mt; i++) bacc[i] = _mm512_setzero_ps();
+        if (a->kind == KIND_Q4) {
+            const uint8_t *q = cell + 64;
+            for (int g = 0; g < 8; g++) {
+                __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * g)));
+                __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(raw, low), table);
+                __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), table);
+                for (int i = 0; i < mt; i++) {
+                    const uint32_t *xr = xb + (size_t)i * K2 + 2 * g;
+                    bacc[i] = _mm512_dpbf16_ps(bacc[i], w0, (__m512bh)_mm512_set1_epi32((int)xr[0]));
+                    bacc[i] = _mm512_dpbf16_ps(bacc[i], w1, (__m512bh)_mm512_set1_epi32((int)xr[1]));
+                }
+            }
+            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cell + 32)));
+            for (int i = 0; i < mt; i++) {
+                acc[i] = _mm512_fmadd_ps(bacc[i], d, acc[i]);
+                acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->sums[(size_t)(m0 + i) * KB + b]), acc[i]);
+            }
+        } else {
+            const uint8_t *q = cell + 32;
+            for (int p = 0; p < 16; p++) {
+                __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * p))));
+                __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * p + 16))));
+                __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
+                for (int i = 0; i < mt; i++)
+                    bacc[i] = _mm512_dpbf16_ps(bacc[i], w, (__m512bh)_mm512_set1_epi32((int)xb[(size_t)i * K2 + p]));
+            }
+            for (int i = 0; i < mt; i++) acc[i] = _mm512_fmadd_ps(bacc[i], d, acc[i]);
+        }
+    }
+    float vals[TILE];
+    for (int i = 0; i < mt; i++) {
+        _mm512_storeu_ps(vals, acc[i]);
+        store_tile(a, m0 + i, t * TILE, vals);
+    }
+}
+
+AVX512_TARGET static void tile_avx512(const matmul_args *a, int t, int m0, int mt) {
+    switch (mt) {
+    case 1: tile_avx512_mt(a, t, m0, 1); break;
+    case 2: tile_avx512_mt(a, t, m0, 2); break;
+    case 3: tile_avx512_mt(a, t, m0, 3); break;
+    case 4: tile_avx512_mt(a, t, m0, 4); break;
+    case 5: tile_avx512_mt(a, t, m0, 5); break;
+    case 6: tile_avx512_mt(a, t, m0, 6); break;
+    case 7: tile_avx512_mt(a, t, m0, 7); break;
+    default: tile_avx512_mt(a, t, m0, 8); break;
+    }
+}
+#endif
+
+static int use_avx512(int layout) { return QE_X86 && layout == LAYOUT_A && !force_portable && have_avx512bf16(); }
+static int use_avx2(int layout) { return QE_X86 && layout == LAYOUT_B && !force_portable && have_avx2(); }
+
+static void matmul_task(void *raw, int chunk) {
+    const matmul_args *a = (const matmul_args *)raw;
+    int tiles = (a->N + TILE - 1) / TILE;
+    int t0 = chunk * a->tiles_per_chunk, t1 = t0 + a->tiles_per_chunk < tiles ? t0 + a->tiles_per_chunk : tiles;
+    int rows_per = 8;
+#if QE_X86
+    if (use_avx2(a->layout)) rows_per = 4;
+#endif
+    for (int t = t0; t < t1; t++) {
+        for (int m0 = 0; m0 < a->M; m0 += rows_per) {
+            int mt = a->M - m0 < rows_per ? a->M - m0 : rows_per;
+#if QE_X86
+            if (use_avx512(a->layout)) { tile_avx512(a, t, m0, mt); continue; }
+            if (use_avx2(a->layout)) { tile_avx2(a, t, m0, mt); continue; }
+#endif
+            tile_portable(a, t, m0, mt);
+        }
+    }
+}
+
+/* ---- vector maths --------------------------------------------------------------------------- */
+
+/* exp(x): Cephes' polynomial after a range reduction by ln 2 (~1 ulp), x clamped above at 88.376
+ * (exp is then ~2.4e38) and 0 below -87.336 (where the result would be subnormal). The vector
+ * versions below do the same operations, so every element gets the same value whichever code or
+ * lane computes it. */
+#define EXP_HI 88.3762626647949f
+#define EXP_LO -87.3365447504f
+#define EXP_C0 1.9875691500e-4f
+#define EXP_C1 1.3981999507e-3f
+#define EXP_C2 8.3334519073e-3f
+#define EXP_C3 4.1665795894e-2f
+#define EXP_C4 1.6666665459e-1f
+#define EXP_C5 5.0000001201e-1f
+#define LOG2E 1.44269504088896341f
+#define LN2_HI -0.693359375f
+#define LN2_LO 2.12194440e-4f
+
+static inline float exp_scalar(float x) {
+    if (x < EXP_LO) return 0.0f;
+    if (x > EXP_HI) x = EXP_HI;
+    float n = nearbyintf(x * LOG2E);
+    float r = fmaf(n, LN2_HI, x);
+    r = fmaf(n, LN2_LO, r);
+    float p = EXP_C0;
+    p = fmaf(p, r, EXP_C1);
+    p = fmaf(p, r, EXP_C2);
+    p = fmaf(p, r, EXP_C3);
+    p = fmaf(p, r, EXP_C4);
+    p = fmaf(p, r, EXP_C5);
+    p = fmaf(p, r * r, r + 1.0f);
+    uint32_t bits = (uint32_t)((int)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+#if QE_X86
+AVX512_TARGET static inline __m512 exp16(__m512 x) {
+    __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ);
+    x = _mm512_min_ps(x, _mm512_set1_ps(EXP_HI));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_C0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C5));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~zero, p, _mm512_castsi512_ps(e));
+}
+
+AVX2_TARGET static inline __m256 exp8(__m256 x) {
+    __m256 zero = _mm256_cmp_ps(x, _mm256_set1_ps(EXP_LO), _CMP_LT_OQ);
+    x = _mm256_min_ps(x, _mm256_set1_ps(EXP_HI));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    r = _mm256_fmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    __m256 p = _mm256_set1_ps(EXP_C0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_C5));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(zero, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+#endif
+
+#if QE_X86
+AVX512_TARGET static void exp_inplace_avx512(float *v, int count) {
+    int i = 0;
+    for (; i + 16 <= count; i += 16) _mm512_storeu_ps(v + i, exp16(_mm512_loadu_ps(v + i)));
+    if (i < count) {
+        __mmask16 tail = (__mmask16)((1u << (count - i)) - 1);
+        _mm512_mask_storeu_ps(v + i, tail, exp16(_mm512_maskz_loadu_ps(tail, v + i)));
+    }
+}
+
+AVX2_TARGET static void exp_inplace_avx2(float *v, int count) {
+    int i = 0;
+    for (; i + 8 <= count; i += 8) _mm256_storeu_ps(v + i, exp8(_mm256_loadu_ps(v + i)));
+    for (; i < count; i++) v[i] = exp_scalar(v[i]);
+}
+#endif
+
+/* exp of count values in place: vectors where the CPU has them, the same values either way. */
+static void exp_inplace(float *v, int count) {
+#if QE_X86
+    if (!force_portable && have_avx512bf16()) { exp_inplace_avx512(v, count); return; }
+    if (!force_portable && have_avx2()) { exp_inplace_avx2(v, count); return; }
+#endif
+    for (int i = 0; i < count; i++) v[i] = exp_scalar(v[i]);
+}
+
+/* A sum in a fixed order (the values in logical order): 16 running lanes, then the lanes pairwise. */
+static float sum_in_order(const float *v, int count) {
+    float lanes[16] = {0};
+    int i = 0;
+    for (; i + 16 <= count; i += 16)
+        for (int j = 0; j < 16; j++) lanes[j] += v[i + j];
+    for (int j = 0; i < count; i++, j++) lanes[j] += v[i];
+    for (int width = 8; width >= 1; width /= 2)
+        for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
+    return lanes[0];
+}
+
+/* ---- the Llama layer ------------------------------------------------------------------------ */
+
+typedef struct {
+    int kind, layout;
+    const uint8_t *w;
+    int N, K;
+} qweight;
+
+typedef struct {
+    qweight qkv, o, gate_up, down;
+    const float *norm_in, *norm_post;
+    float eps;
+    int hidden, heads, kv_heads, head_dim, inter;
+    int round_bf16; /* layout B: round rows to bfloat16 values (emulated bfloat16) */
+} layer_desc;
+
+typedef struct {
+    void *buf;
+    size_t size;
+} scratch_t;
+
+static void *scratch_get(scratch_t *s, size_t bytes) {
+    if (s->size < bytes) {
+        free(s->buf);
+        size_t size = bytes + (bytes >> 2) + 4096;
+        s->buf = aligned_alloc(64, (size + 63) & ~(size_t)63);
+        s->size = s->buf ? size : 0;
+    }
+    return s->buf;
+}
+
+static _Thread_local scratch_t scratch_main, scratch_rows, scratch_scores;
+
+static void rms_norm(const float *x, const float *w, float eps, int n, float *out) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss = fmaf(x[i], x[i], ss);
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+static int row_bytes(int layout) { return layout == LAYOUT_A ? 2 : 4; }
+
+/* x [M, K] float -> the kernels' rows, then out (+)= x W^T on nth threads. */
+static void linear(const qweight *w, int round_bf16, const float *x, int M, float *out, int ldo, int accumulate,
+                   int nth) {
+    int KB = w->K / QK;
+    char *mem = scratch_get(&scratch_rows, (size_t)M * w->K * row_bytes(w->layout) + (size_t)M * KB * 4 + 64);
+    void *xbuf = mem;
+    float *sums = (float *)(mem + (((size_t)M * w->K * row_bytes(w->layout) + 63) & ~(size_t)63));
+    prepare_rows(w->layout, round_bf16, x, M, w->K, xbuf, sums);
+    int tiles = (w->N + TILE - 1) / TILE;
+    /* a small product is not worth waking the other threads for */
+    if ((int64_t)w->N * w->K * (M < 4 ? M : 4) < 65536) nth = 1;
+    /* pieces small enough to balance threads, large enough that claiming them costs nothing */
+    int per = tiles / (8 * (nth > 0 ? nth : 1));
+    if (per < 1) per = 1;
+    matmul_args a = {w->kind, w->layout, w->w, w->N, w->K, xbuf, sums, M, out, ldo, accumulate, per};
+    run_parallel(matmul_task, &a, (tiles + per - 1) / per, nth);
+}
+
+typedef struct {
+    const layer_desc *L;
+    const float *q;        /* [n, heads * D], rotated */
+    const float *keys;     /* [kv_heads, cap, D] */
+    const float *values;
+    int cap, start, n;
+    const uint8_t *attends; /* [n, n] or NULL (causal chain) */
+    float *out;            /* [n, heads * D] */
+} attention_args;
+
+/* One query's attention over its visible keys, in logical order. */
+static void attend_one(const attention_args *a, int row, int head, float *scores, int *slots) {
+    const layer_desc *L = a->L;
+    int D = L->head_dim, group = L->heads / L->kv_heads, g = head / group;
+    const float *q = a->q + (size_t)row * L->heads * D + (size_t)head * D;
+    const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
+    int count = 0;
+    for (int s = 0; s < a->start; s++) slots[count++] = s;
+    for (int j = 0; j <= row; j++)
+        if (a->attends == NULL || a->attends[(size_t)row * a->n + j]) slots[count++] = a->start + j;
+    float scale = 1.0f / sqrtf((float)D), best = -INFINITY;
+    for (int l = 0; l < count; l++) {
+        const float *k = K + (size_t)slots[l] * D;
+        float s = 0.0f;
+        for (int i = 0; i < D; i++) s = fmaf(q[i], k[i], s);
+        s *= scale;
+        scores[l] = s;
+        if (s > best) best = s;
+    }
+    for (int l = 0; l < count; l++) scores[l] -= best;
+    exp_inplace(scores, count);
+    float total = sum_in_order(scores, count);
+    float *out = a->out + (size_t)row * L->heads * D + (size_t)head * D;
+    for (int i = 0; i < D; i++) out[i] = 0.0f;
+    for (int l = 0; l < count; l++) {
+        const float *v = V + (size_t)slots[l] * D;
+        float p = scores[l];
+        for (int i = 0; i < D; i++) out[i] = fmaf(p, v[i], out[i]);
+    }
+    float inv = 1.0f / total;
+    for (int i = 0; i < D; i++) out[i] *= inv;
+}
+
+#if QE_X86
+/* The same computation, vectorised over the head dimension (D a multiple of 16): per key one dot
+ * product reduced in a fixed order; exp and the weighted sum in logical key order. */
+AVX512_TARGET static float reduce16(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+AVX512_TARGET static void attend_one_avx512(const attention_args *a, int row, int head, float *scores, int *slots) {
+    const layer_desc *L = a->L;
+    int D = L->head_dim, group = L->heads / L->kv_heads, g = head / group;
+    const float *q = a->q + (size_t)row * L->heads * D + (size_t)head * D;
+    const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
+    int count = 0;
+    for (int s = 0; s < a->start; s++) slots[count++] = s;
+    for (int j = 0; j <= row; j++)
+        if (a->attends == NULL || a->attends[(size_t)row * a->n + j]) slots[count++] = a->start + j;
+    float scale = 1.0f / sqrtf((float)D), best = -INFINITY;
+    int chunks = D / 16;
+    __m512 qv[16];
+    for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
+    for (int l = 0; l < count; l++) {
+        const float *k = K + (size_t)slots[l] * D;
+        __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+        for (int c = 1; c < chunks; c++) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), s);
+        float v = reduce16(s) * scale;
+        scores[l] = v;
+        if (v > best) best = v;
+    }
+    for (int l = 0; l < count; l++) scores[l] -= best;
+    exp_inplace(scores, count);
+    float total = sum_in_order(scores, count);
+    __m512 acc[16];
+    for (int c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
+    for (int l = 0; l < count; l++) {
+        const float *v = V + (size_t)slots[l] * D;
+        __m512 p = _mm512_set1_ps(scores[l]);
+        for (int c = 0; c < chunks; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / total);
+    float *out = a->out + (size_t)row * L->heads * D + (size_t)head * D;
+    for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], inv));
+}
+
+AVX2_TARGET static float reduce8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+    return _mm_cvtss_f32(lo);
+}
+
+AVX2_TARGET static void attend_one_avx2(const attention_args *a, int row, int head, float *scores, int *slots) {
+    const layer_desc *L = a->L;
+    int D = L->head_dim, group = L->heads / L->kv_heads, g = head / group;
+    const float *q = a->q + (size_t)row * L->heads * D + (size_t)head * D;
+    const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
+    int count = 0;
+    for (int s = 0; s < a->start; s++) slots[count++] = s;
+    for (int j = 0; j <= row; j++)
+        if (a->attends == NULL || a->attends[(size_t)row * a->n + j]) slots[count++] = a->start + j;
+    float scale = 1.0f / sqrtf((float)D), best = -INFINITY;
+    int chunks = D / 8;
+    for (int l = 0; l < count; l++) {
+        const float *k = K + (size_t)slots[l] * D;
+        __m256 s = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+        for (int c = 1; c < chunks; c++) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), s);
+        float v = reduce8(s) * scale;
+        scores[l] = v;
+        if (v > best) best = v;
+    }
+    for (int l = 0; l < count; l++) scores[l] -= best;
+    exp_inplace(scores, count);
+    float total = sum_in_order(scores, count);
+    float *out = a->out + (size_t)row * L->heads * D + (size_t)head * D;
+    for (int c = 0; c < chunks; c++) _mm256_storeu_ps(out + 8 * c, _mm256_setzero_ps());
+    for (int l = 0; l < count; l++) {
+        const float *v = V + (size_t)slots[l] * D;
+        __m256 p = _mm256_set1_ps(scores[l]);
+        for (int c = 0; c < chunks; c++)
+            _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), _mm256_loadu_ps(out + 8 * c)));
+    }
+    __m256 inv = _mm256_set1_ps(1.0f / total);
+    for (int c = 0; c < chunks; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(out + 8 * c), inv));
+}
+#endif
+
+static void attention_task(void *raw, int chunk) { /* chunk: one (row, head) */
+    const attention_args *a = (const attention_args *)raw;
+    int heads = a->L->heads, begin = chunk, end = chunk + 1;
+    int keys = a->start + a->n;
+    char *mem = scratch_get(&scratch_scores, (size_t)keys * 8 + 64);
+    float *scores = (float *)mem;
+    int *slots = (int *)(mem + (size_t)keys * 4);
+    int D = a->L->head_dim;
+    for (int u = begin; u < end; u++) {
+        int row = u / heads, head = u % heads;
+#if QE_X86
+        if (!force_portable && D % 16 == 0 && D <= 256 && have_avx512bf16()) {
+            attend_one_avx512(a, row, head, scores, slots);
+            continue;
+        }
+        if (!force_portable && D % 8 == 0 && have_avx2()) {
+            attend_one_avx2(a, row, head, scores, slots);
+            continue;
+        }
+#endif
+        attend_one(a, row, head, scores, slots);
+    }
+}
+
+typedef struct {
+    const float *gu; /* [n, 2I] */
+    float *act;      /* [n, I] */
+    int n, inter;
+} swiglu_args;
+
+static void swiglu_task(void *raw, int chunk) { /* chunk: one row */
+    const swiglu_args *a = (const swiglu_args *)raw;
+    for (int r = chunk; r < chunk + 1; r++) {
+        const float *g = a->gu + (size_t)r * 2 * a->inter, *u = g + a->inter;
+        float *o = a->act + (size_t)r * a->inter;
+        /* silu(g) * u = g / (1 + exp(-g)) * u */
+        for (int i = 0; i < a->inter; i++) o[i] = -g[i];
+        exp_inplace(o, a->inter);
+        for (int i = 0; i < a->inter; i++) o[i] = g[i] / (1.0f + o[i]) * u[i];
+    }
+}
+
+/* One decoder layer over hidden [n, H] (float32): out = h + attention unit (if flags & 1), then
+ * + MLP unit (if flags & 2). New keys/values go to slots start .. start+n-1 of the layer's cache
+ * [kv_heads, cap, D]; cos/signed_sin [n, D] rotate by position (x*cos + roll(x, D/2)*signed_sin). */
+static void run_layer(const layer_desc *L, const float *h_in, float *h, int n, int start, float *keys, float *values,
+                      int cap, const float *cos, const float *ssin, const uint8_t *attends, int flags, int nth) {
+    int H = L->hidden, D = L->head_dim, heads = L->heads, kvh = L->kv_heads, I = L->inter;
+    int qkv_width = (heads + 2 * kvh) * D;
+    size_t need = (size_t)n * (H + qkv_width + heads * D + 2 * I + I) * 4 + 5 * 64;
+    char *mem = scratch_get(&scratch_main, need);
+    float *xn = (float *)mem;
+    float *qkv = xn + (size_t)n * H;
+    float *att = qkv + (size_t)n * qkv_width;
+    float *gu = att + (size_t)n * heads * D;
+    float *act = gu + (size_t)n * 2 * I;
+    if (h != h_in) memcpy(h, h_in, (size_t)n * H * 4);
+    if (flags & 1) {
+        for (int r = 0; r < n; r++) rms_norm(h + (size_t)r * H, L->norm_in, L->eps, H, xn + (size_t)r * H);
+        linear(&L->qkv, L->round_bf16, xn, n, qkv, qkv_width, 0, nth);
+        int half = D / 2;
+        for (int r = 0; r < n; r++) {
+            float *row = qkv + (size_t)r * qkv_width;
+            const float *c = cos + (size_t)r * D, *s = ssin + (size_t)r * D;
+            float tmp[512];
+            for (int hh = 0; hh < heads + kvh; hh++) { /* q heads and k heads rotate; v does not */
+                float *x = row + (size_t)hh * D;
+                for (int i = 0; i < D; i++) tmp[i] = x[i] * c[i] + x[(i + half) % D] * s[i];
+                memcpy(x, tmp, (size_t)D * 4);
+            }
+            for (int g = 0; g < kvh; g++) {
+                memcpy(keys + ((size_t)g * cap + start + r) * D, row + (size_t)(heads + g) * D, (size_t)D * 4);
+                memcpy(values + ((size_t)g * cap + start + r) * D, row + (size_t)(heads + kvh + g) * D, (size_t)D * 4);
+            }
+        }
+        /* queries packed [n, heads*D] for the attention (in place: the q part of each row) */
+        float *q = att; /* borrow: att is written per (row, head) from q, so give q its own copy first */
+        float *qcopy = gu; /* gu is free until the MLP */
+        for (int r = 0; r < n; r++) memcpy(qcopy + (size_t)r * heads * D, qkv + (size_t)r * qkv_width, (size_t)heads * D * 4);
+        attention_args aa = {L, qcopy, keys, values, cap, start, n, attends, q};
+        int anth = (int64_t)n * heads * (start + n) < 4096 ? 1 : nth;
+        run_parallel(attention_task, &aa, n * heads, anth);
+        linear(&L->o, L->round_bf16, att, n, h, H, 1, nth);
+    }
+    if (flags & 2) {
+        for (int r = 0; r < n; r++) rms_norm(h + (size_t)r * H, L->norm_post, L->eps, H, xn + (size_t)r * H);
+        linear(&L->gate_up, L->round_bf16, xn, n, gu, 2 * I, 0, nth);
+        swiglu_args sa = {gu, act, n, I};
+        run_parallel(swiglu_task, &sa, n, n >= 8 ? nth : 1);
+        linear(&L->down, L->round_bf16, act, n, h, H, 1, nth);
+    }
+}
+
+/* ---- repacking and de-quantising ------------------------------------------------------------ */
+
+/* GGUF rows (each K/32 blocks of ``type``) -> ``kind``'s cells in ``layout``; rows past N are 0. */
+static void repack(int type, int layout, const uint8_t *src, int N, int K, uint8_t *dst) {
+    int kind = type == GGUF_Q8_0 ? KIND_Q8 : KIND_Q4, KB = K / QK, tiles = (N + TILE - 1) / TILE;
+    size_t cb = cell_bytes(kind), bb = gguf_block_bytes(type);
+    memset(dst, 0, (size_t)tiles * KB * cb);
+    for (int n = 0; n < N; n++) {
+        int t = n / TILE, r = n % TILE;
+        for (int b = 0; b < KB; b++) {
+            uint16_t d, m;
+            int q[QK];
+            read_gguf_block(type, src + ((size_t)n * KB + b) * bb, &d, &m, q);
+            uint8_t *cell = dst + ((size_t)t * KB + b) * cb;
+            memcpy(cell + 2 * r, &d, 2);
+            if (kind == KIND_Q4) {
+                memcpy(cell + 32 + 2 * r, &m, 2);
+                for (int k = 0; k < QK; k++) {
+                    int byte, shift;
+                    q4_slot(layout, r, k, &byte, &shift);
+                    cell[64 + byte] |= (uint8_t)(q[k] << shift);
+                }
+            } else {
+                for (int k = 0; k < QK; k++) cell[32 + q8_slot(layout, r, k)] = (uint8_t)(int8_t)q[k];
+            }
+        }
+    }
+}
+
+/* Rows ``rows`` of a repacked weight as float32 [count, K]: d*q + m exactly (one rounding). */
+static void dequant_rows(int kind, int layout, const uint8_t *w, int N, int K, const int64_t *rows, int count,
+                         float *out) {
+    int KB = K / QK;
+    size_t cb = cell_bytes(kind);
+    for (int c = 0; c < count; c++) {
+        int64_t n = rows[c];
+        int t = (int)(n / TILE), r = (int)(n % TILE);
+        for (int b = 0; b < KB; b++) {
+            const uint8_t *cell = w + ((size_t)t * KB + b) * cb;
+            uint16_t h;
+            memcpy(&h, cell + 2 * r, 2);
+            float d = fp16_to_float(h), m = 0.0f;
+            if (kind == KIND_Q4) {
+                memcpy(&h, cell + 32 + 2 * r, 2);
+                m = fp16_to_float(h);
+            }
+            for (int k = 0; k < QK; k++) {
+                int v;
+                if (kind == KIND_Q4) {
+                    int byte, shift;
+                    q4_slot(layout, r, k, &byte, &shift);
+                    v = (cell[64 + byte] >> shift) & 0x0f;
+                } else {
+                    v = (int8_t)cell[32 + q8_slot(layout, r, k)];
+                }
+                out[(size_t)c * K + b * QK + k] = fmaf(d, (float)v, m);
+            }
+        }
+    }
+    (void)N;
+}
+
+/* ---- Python bindings ------------------------------------------------------------------------ */
+
+static int as_ptr(PyObject *o, void **p) {
+    *p = PyLong_AsVoidPtr(o);
+    return !(*p == NULL && PyErr_Occurred());
+}
+
+static int as_int(PyObject *o, long long *v) {
+    *v = PyLong_AsLongLong(o);
+    return !(*v == -1 && PyErr_Occurred());
+}
+
+#define ARGS(count)                                                                         \
+    if (nargs != (count)) {                                                                 \
+        PyErr_Format(PyExc_TypeError, "expected %d arguments, got %zd", (int)(count), nargs); \
+        return NULL;                                                                        \
+    }
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    if (force_portable) return PyUnicode_FromString("portable");
+    if (have_avx512bf16()) return PyUnicode_FromString("avx512bf16");
+    if (have_avx2()) return PyUnicode_FromString("avx2");
+    return PyUnicode_FromString("portable");
+}
+
+static PyObject *py_force_portable(PyObject *self, PyObject *arg) {
+    (void)self;
+    force_portable = PyObject_IsTrue(arg);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_packed_bytes(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    ARGS(3);
+    long long type, n, k;
+    if (!as_int(args[0], &type) || !as_int(args[1], &n) || !as_int(args[2], &k)) return NULL;
+    int kind = type == GGUF_Q8_0 ? KIND_Q8 : KIND_Q4;
+    return PyLong_FromSize_t((size_t)((n + TILE - 1) / TILE) * (size_t)(k / QK) * cell_bytes(kind));
+}
+
+/* repack(type, layout, src, N, K, dst) */
+static PyObject *py_repack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    ARGS(6);
+    long long type, layout, n, k;
+    void *src, *dst;
+    if (!as_int(args[0], &type) || !as_int(args[1], &layout) || !as_ptr(args[2], &src) || !as_int(args[3], &n) ||
+        !as_int(args[4], &k) || !as_ptr(args[5], &dst))
+        return NULL;
+    if (type != GGUF_Q4_0 && type != GGUF_Q4_1 && type != GGUF_Q8_0) {
+        PyErr_Format(PyExc_ValueError, "ggml type %lld is not native here", type);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    repack((int)type, (int)layout, src, (int)n, (int)k, dst);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* dequant_rows(kind, layout, w, N, K, rows_ptr, count, out) */
+static PyObject *py_dequant_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    ARGS(8);
+    long long kind, layout, n, k, count;
+    void *w, *rows, *out;
+    if (!as_int(args[0], &kind) || !as_int(args[1], &layout) || !as_ptr(args[2], &w) || !as_int(args[3], &n) ||
+        !as_int(args[4], &k) || !as_ptr(args[5], &rows) || !as_int(args[6], &count) || !as_ptr(args[7], &out))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    dequant_rows((int)kind, (int)layout, w, (int)n, (int)k, rows, (int)count, out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* matmul(kind, layout, w, N, K, round_bf16, x, M, out, ldo, accumulate, threads) */
+static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    ARGS(12);
+    long long kind, layout, n, k, rnd, m, ldo, acc, nth;
+    void *w, *x, *out;
+    if (!as_int(args[0], &kind) || !as_int(args[1], &layout) || !as_ptr(args[2], &w) || !as_int(args[3], &n) ||
+        !as_int(args[4], &k) || !as_int(args[5], &rnd) || !as_ptr(args[6], &x) || !as_int(args[7], &m) ||
+        !as_ptr(args[8], &out) || !as_int(args[9], &ldo) || !as_int(args[10], &acc) || !as_int(args[11], &nth))
+        return NULL;
+    qweight q = {(int)kind, (int)layout, w, (int)n, (int)k};
+    Py_BEGIN_ALLOW_THREADS
+    linear(&q, (int)rnd, x, (int)m, out, (int)ldo, (int)acc, (int)nth);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static void layer_capsule_free(PyObject *capsule) { free(PyCapsule_GetPointer(capsule, "tierspec.layer")); }
+
+/* make_layer(layout, round_bf16, (kind, w, N, K) x 4 = qkv, o, gate_up, down, norm_in, norm_post, eps,
+ *            hidden, heads, kv_heads, head_dim, inter) */
+static PyObject *py_make_layer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    ARGS(2 + 16 + 3 + 5);
+    long long layout, rnd;
+    if (!as_int(args[0], &layout) || !as_int(args[1], &rnd)) return NULL;
+    layer_desc *L = calloc(1, sizeof(layer_desc));
+    if (!L) return PyErr_NoMemory();
+    qweight *ws[4] = {&L->qkv, &L->o, &L->gate_up, &L->down};
+    for (int i = 0; i < 4; i++) {
+        long long kind, n, k;
+        void *w;
+        if (!as_int(args[2 + 4 * i], &kind) || !as_ptr(args[3 + 4 * i], &w) || !as_int(args[4 + 4 * i], &n) ||
+            !as_int(args[5 + 4 * i], &k)) {
+            free(L);
+            return NULL;
+        }
+        *ws[i] = (qweight){(int)kind, (int)layout, w, (int)n, (int)k};
+    }
+    void *ni, *np;
+    long long dims[5];
+    double eps = PyFloat_AsDouble(args[20]);
+    if (!as_ptr(args[18], &ni) || !as_ptr(args[19], &np) || (eps == -1.0 && PyErr_Occurred())) {
+        free(L);
+        return NULL;
+    }
+    for (int i = 0; i < 5; i++)
+        if (!as_int(args[21 + i], &dims[i])) {
+            free(L);
+            return NULL;
+        }
+    L->norm_in = ni;
+    L->norm_post = np;
+    L->eps = (float)eps;
+    L->hidden = (int)dims[0];
+    L->heads = (int)dims[1];
+    L->kv_heads = (int)dims[2];
+    L->head_dim = (int)dims[3];
+    L->inter = (int)dims[4];
+    L->round_bf16 = (int)rnd;
+    if (L->head_dim > 512 || L->heads % L->kv_heads) {
+        free(L);
+        PyErr_SetString(PyExc_ValueError, "head_dim above 512 or heads not a multiple of kv_heads");
+        return NULL;
+    }
+    return PyCapsule_New(L, "tierspec.layer", layer_capsule_free);
+}
+
+/* run_layer(layer, h_in, h_out, n, start, keys, values, cap, cos, signed_sin, attends, flags, threads) */
+static PyObject *py_run_layer(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    ARGS(13);
+    layer_desc *L = PyCapsule_GetPointer(args[0], "tierspec.layer");
+    if (!L) return NULL;
+    void *hin, *h, *keys, *values, *cos, *sin, *attends;
+    long long n, start, cap, flags, nth;
+    if (!as_ptr(args[1], &hin) || !as_ptr(args[2], &h) || !as_int(args[3], &n) || !as_int(args[4], &start) ||
+        !as_ptr(args[5], &keys) || !as_ptr(args[6], &values) || !as_int(args[7], &cap) || !as_ptr(args[8], &cos) ||
+        !as_ptr(args[9], &sin) || !as_int(args[11], &flags) || !as_int(args[12], &nth))
+        return NULL;
+    attends = args[10] == Py_None ? NULL : PyLong_AsVoidPtr(args[10]);
+    if (PyErr_Occurred()) return NULL;
+    if (start + n > cap) {
+        PyErr_Format(PyExc_ValueError, "a pass of %lld tokens at %lld does not fit a cache of %lld slots", n, start, cap);
+        return NULL;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    run_layer(L, hin, h, (int)n, (int)start, keys, values, (int)cap, cos, sin, attends, (int)flags, (int)nth);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use here: avx512bf16, avx2 or portable."},
+    {"force_portable", py_force_portable, METH_O, "Use the portable C loops whatever the CPU (tests)."},
+    {"packed_bytes", (PyCFunction)(void (*)(void))py_packed_bytes, METH_FASTCALL, "Bytes of a repacked weight."},
+    {"repack", (PyCFunction)(void (*)(void))py_repack, METH_FASTCALL, "GGUF blocks -> the kernels' layout."},
+    {"dequant_rows", (PyCFunction)(void (*)(void))py_dequant_rows, METH_FASTCALL, "Rows of a repacked weight as float32."},
+    {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "out (+)= x W^T with a repacked weight."},
+    {"make_layer", (PyCFunction)(void (*)(void))py_make_layer, METH_FASTCALL, "A decoder layer's description."},
+    {"run_layer", (PyCFunction)(void (*)(void))py_run_layer, METH_FASTCALL, "One decoder layer over a pass's rows."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qengine", "tierspec's pass engine (see qengine.c).", -1,
+                                    methods};
+
+PyMODINIT_FUNC PyInit__qengine(void) {
+    detect_cpu();
+    return PyModule_Create(&module);
+}

@@ -1,0 +1,165 @@
+"""A Llama model built straight from a GGUF file's blocks: ``tierspec.llama``'s modules with
+``quant.QuantLinear`` projections and LM head, a ``quant.QuantEmbedding``, and each decoder layer
+run as one call of the pass engine (``FusedLayer``) on cached passes.
+
+The config, tokenizer and generation settings come from the GGUF's converted folder
+(``gguf_cache``), the weights from the GGUF file itself (mapped, repacked once, ~96 MB for the
+default model instead of a 327 MB bfloat16 copy with a float32 head).
+
+Why one call per layer: a decoder layer through torch's operators is ~25 operator calls (norms,
+rotary, the cache writes, attention in fixed-shape chunks, SiLU, residuals), 5 ms per one-token pass
+of the default model's 30 layers on 2 cores — as much as its 4-bit matrices cost. The engine runs
+the same computation (float32 residual stream, norms, rotary, attention and SwiGLU) in one call;
+the layer is still a module call, so forward hooks (hidden-state capture), routing masks (a
+bypassed attention or MLP unit is skipped) and CLaSP's unit-by-unit runs keep working.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+from .errors import ModelLoadError
+from .llama import KVLayer, LlamaLM, PassLayout, model_config, supports
+from .quant import (NATIVE_TYPES, GgufTensor, Numerics, QuantEmbedding, QuantLinear, QuantWeight, engine,
+                    engine_threads, read_gguf_tensors, unpermute_rows)
+
+ATTENTION_UNIT, MLP_UNIT = 1, 2  # the engine's flags: which residual units of a layer run
+
+
+class FusedLayer:
+    """A decoder layer's engine description (weights, norms, shapes) and its call. Holds references
+    to the tensors whose addresses the engine keeps."""
+
+    def __init__(self, layer, config: SimpleNamespace):
+        attention, mlp = layer.self_attn, layer.mlp
+        parts = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        if not all(isinstance(p, QuantLinear) for p in parts):
+            raise ValueError("a fused layer needs all four projections quantised")
+        numerics = {p.qweight.numerics for p in parts}
+        if len(numerics) != 1:
+            raise ValueError("a fused layer's projections must share their numerics")
+        self.numerics: Numerics = numerics.pop()
+        self._keep = (parts, layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
+        args = []
+        for part in parts:
+            w = part.qweight
+            args += [w.kind, w.packed.data_ptr(), w.out_features, w.in_features]
+        self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.hidden = config.hidden_size
+        self.capsule = engine().make_layer(
+            self.numerics.layout, int(self.numerics.round_rows), *args,
+            layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+            float(config.rms_norm_eps), self.hidden, self.heads, self.kv_heads, self.head_dim,
+            config.intermediate_size)
+
+    def __deepcopy__(self, memo) -> "FusedLayer":
+        return self  # stateless over shared weights: a model's masked copy (routing.masked_copy) shares it
+
+    def run(self, hidden: torch.Tensor, layout: PassLayout, cache: KVLayer, units: int) -> torch.Tensor:
+        """hidden [1, n, H] float32 → the layer's output [1, n, H] (a new tensor: hooks may keep the
+        input), this pass's keys/values written at slots ``layout.start ..`` of ``cache``."""
+        n = int(hidden.shape[1])
+        if units & ATTENTION_UNIT and cache.length != layout.start:
+            raise RuntimeError(f"a layer's cache holds {cache.length} positions, the pass starts at {layout.start}: "
+                               "the caller broke the rollback invariant")
+        source = hidden if hidden.is_contiguous() and hidden.dtype == torch.float32 else hidden.float().contiguous()
+        out = torch.empty_like(source)
+        keys, values = cache.slots(layout.start + n, self.kv_heads, self.head_dim)
+        attends = layout.attends
+        engine().run_layer(self.capsule, source.data_ptr(), out.data_ptr(), n, layout.start, keys.data_ptr(),
+                           values.data_ptr(), int(keys.shape[-2]), layout.cos.data_ptr(), layout.signed_sin.data_ptr(),
+                           None if attends is None else attends.data_ptr(), units,
+                           engine_threads())
+        if units & ATTENTION_UNIT:
+            cache.advance(n)
+        return out
+
+
+def _tensor(tensors: dict[str, GgufTensor], name: str, path: Path) -> GgufTensor:
+    if name not in tensors:
+        raise ModelLoadError(f"{path}: the GGUF file has no tensor {name!r} (not a Llama model file?)")
+    return tensors[name]
+
+
+def _projection(parts: list[tuple[GgufTensor, int | None]], in_features: int, numerics: Numerics,
+                path: Path) -> torch.nn.Module:
+    """One fused projection from GGUF tensors stacked along the output rows (each with the head
+    count to undo llama.cpp's q/k row order, or None): a QuantLinear when they share one native
+    type, else the de-quantised float weights in a plain ``nn.Linear`` (packed later as any)."""
+    for tensor, _ in parts:
+        if len(tensor.shape) != 2 or tensor.shape[1] != in_features:
+            raise ModelLoadError(f"{path}: tensor {tensor.name!r} has shape {tensor.shape}, expected [*, {in_features}]")
+    types = {tensor.ggml_type for tensor, _ in parts}
+    if len(types) == 1 and next(iter(types)) in NATIVE_TYPES:
+        rows = [tensor.raw_rows() if heads is None else unpermute_rows(tensor.raw_rows(), heads)
+                for tensor, heads in parts]
+        return QuantLinear(QuantWeight(torch.cat(rows), next(iter(types)), in_features, numerics))
+    weights = [tensor.dequantized() if heads is None else unpermute_rows(tensor.dequantized(), heads)
+               for tensor, heads in parts]
+    weight = torch.cat(weights)
+    linear = torch.nn.Linear(in_features, int(weight.shape[0]), bias=False, device="meta")
+    linear.weight = torch.nn.Parameter(weight.to(numerics.dtype), requires_grad=False)
+    return linear
+
+
+def load_gguf_llama(gguf: Path, folder: Path, numerics: Numerics) -> LlamaLM:
+    """The Llama model of ``gguf`` with its native-type weights kept as blocks (see the module
+    doc); ``folder``: its converted copy (config.json, generation_config.json). Raises
+    ModelLoadError where the file does not fit the config."""
+    config = json.loads((folder / "config.json").read_text())
+    problem = supports(config)
+    if problem:
+        raise ModelLoadError(f"not a plain Llama model: {problem}")
+    generation_file = folder / "generation_config.json"
+    generation = SimpleNamespace(**json.loads(generation_file.read_text())) if generation_file.exists() else None
+    settings = model_config(config)
+    tensors, fields = read_gguf_tensors(gguf)
+    if fields.get("general.architecture") != "llama":
+        raise ModelLoadError(f"{gguf}: architecture {fields.get('general.architecture')!r}, not 'llama'")
+    model = LlamaLM(settings, generation)
+    hidden, heads, kv_heads = settings.hidden_size, settings.num_attention_heads, settings.num_key_value_heads
+    decoder = model.model
+    for i, layer in enumerate(decoder.layers):
+        t = lambda part: _tensor(tensors, f"blk.{i}.{part}.weight", gguf)  # noqa: E731
+        attention, mlp = layer.self_attn, layer.mlp
+        attention.qkv_proj = _projection([(t("attn_q"), heads), (t("attn_k"), kv_heads), (t("attn_v"), None)],
+                                         hidden, numerics, gguf)
+        attention.o_proj = _projection([(t("attn_output"), None)], heads * settings.head_dim, numerics, gguf)
+        mlp.gate_up_proj = _projection([(t("ffn_gate"), None), (t("ffn_up"), None)], hidden, numerics, gguf)
+        mlp.down_proj = _projection([(t("ffn_down"), None)], settings.intermediate_size, numerics, gguf)
+        for norm, part in ((layer.input_layernorm, "attn_norm"), (layer.post_attention_layernorm, "ffn_norm")):
+            norm.weight = torch.nn.Parameter(t(part).dequantized().reshape(hidden).float(), requires_grad=False)
+    final_norm = _tensor(tensors, "output_norm.weight", gguf)
+    decoder.norm.weight = torch.nn.Parameter(final_norm.dequantized().reshape(hidden).float(), requires_grad=False)
+    embedding = _tensor(tensors, "token_embd.weight", gguf)
+    head_tensor = tensors.get("output.weight")
+    if embedding.native:
+        table = QuantWeight(embedding.raw_rows(), embedding.ggml_type, hidden, numerics)
+        decoder.embed_tokens = QuantEmbedding(table)
+    else:
+        decoder.embed_tokens = torch.nn.Embedding.from_pretrained(embedding.dequantized(), freeze=True)
+    if head_tensor is None:  # tied: the head is the embedding table
+        model.lm_head = QuantLinear(table) if embedding.native else \
+            _projection([(embedding, None)], hidden, Numerics(torch.float32, numerics.layout, False), gguf)
+    else:
+        model.lm_head = _projection([(head_tensor, None)], hidden, numerics, gguf)
+    if isinstance(model.lm_head, torch.nn.Linear):
+        model.lm_head.weight.data = model.lm_head.weight.data.float()  # the head's output must be float32
+    vocab = settings.vocab_size
+    rows = model.lm_head.out_features
+    if rows != vocab:
+        raise ModelLoadError(f"{gguf}: the LM head has {rows} rows, the config says a vocabulary of {vocab}")
+    decoder.residual_dtype = torch.float32
+    for module in model.modules():  # constructed uninitialised; plain torch classes from here on
+        if type(module).__name__ == "_Linear":
+            module.__class__ = torch.nn.Linear
+    for layer in decoder.layers:
+        try:
+            layer.fused = FusedLayer(layer, settings)
+        except ValueError:
+            layer.fused = None  # a layer with a de-quantised projection runs torch's operators
+    return model.eval()

@@ -1,0 +1,362 @@
+"""Linear layers and an embedding that compute with a GGUF file's own quantised blocks.
+
+A GGUF file stores most of a model's weights in blocks of 32: Q4_1 as 4-bit values q with the
+block's fp16 scale d and minimum m (w = d·q + m), Q4_0 as w = d·(q − 8), Q8_0 as 8-bit values with
+a scale (w = d·q). De-quantising them into bfloat16 copies (what tierspec did before) streams 3.4×
+the file's bytes per pass and rounds the weights again (d·q + m does not fit bfloat16's 8-bit
+significand). Here the blocks are kept, repacked once at load into the layout of tierspec's pass
+engine (``tierspec/csrc/qengine.c``: tiles of 16 output rows, the same values), and every product
+de-quantises a weight tile once for all the rows of its pass, so a pass over 1–16 new tokens costs
+about what one costs.
+
+How the products round (``Numerics``): with native bfloat16 products (AVX512-BF16) the rows are
+rounded to bfloat16 and each block's Σ q·x is summed in float32 before its scale is applied — the
+weights themselves exact; elsewhere, or with ``dtype=float32``, the rows stay float32 and the
+products are float32 FMAs with the exact weights (bfloat16 asked for on such a CPU rounds the rows
+first: emulated). Outputs are float32 either way, and a row's result never depends on the other
+rows of its pass (every output is summed in an order fixed by the weight's shape).
+
+Native: Q4_0, Q4_1, Q8_0. Other types (K-quants, F16, …) are de-quantised to float as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .errors import ModelLoadError
+
+# ggml type ids (ggml.h) of the natively computed block types
+Q4_0, Q4_1, Q8_0 = 2, 3, 8
+NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
+_KIND = {Q4_0: 0, Q4_1: 0, Q8_0: 1}  # the engine's kinds: 4-bit (with a minimum) and 8-bit
+_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+BLOCK = 32
+LAYOUT_BFLOAT16_DOT, LAYOUT_FLOAT32_FMA = 0, 1
+
+
+class EngineMissingError(ModelLoadError):
+    """tierspec's compiled pass engine is not importable (a source checkout not built)."""
+
+
+@functools.lru_cache(maxsize=None)
+def engine():
+    """The compiled engine module ``tierspec._qengine``, or a one-line error saying how to build it."""
+    try:
+        from . import _qengine
+    except ImportError as error:
+        raise EngineMissingError(f"tierspec's compiled pass engine is missing ({error}); build it with README's "
+                                 "install command (pip install -e '.[test,llamacpp]')") from None
+    return _qengine
+
+
+def engine_available() -> bool:
+    try:
+        engine()
+    except EngineMissingError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How a quantised layer's products round: ``layout`` (the engine's kernels: bfloat16 dot
+    products, or float32 FMAs) and ``round_rows`` (float32 FMAs on rows rounded to bfloat16
+    values: bfloat16 emulated). ``dtype`` is what the user asked for."""
+
+    dtype: torch.dtype
+    layout: int
+    round_rows: bool
+
+    @property
+    def description(self) -> str:
+        if self.layout == LAYOUT_BFLOAT16_DOT:
+            return "bfloat16 rows, float32 sums (AVX512-BF16)"
+        return "bfloat16 rows emulated on float32 FMAs" if self.round_rows else "float32 rows, float32 FMAs"
+
+
+def numerics_for(dtype: torch.dtype) -> Numerics:
+    """bfloat16: native dot products where the CPU has them (AVX512-BF16), else emulated;
+    float32: float32 FMAs. Other dtypes are refused (the engine's outputs are float32)."""
+    if dtype == torch.bfloat16:
+        native = engine().isa() == "avx512bf16"
+        return Numerics(dtype, LAYOUT_BFLOAT16_DOT if native else LAYOUT_FLOAT32_FMA, not native)
+    if dtype == torch.float32:
+        return Numerics(dtype, LAYOUT_FLOAT32_FMA, False)
+    raise ModelLoadError(f"GGUF kernels compute with bfloat16 or float32 rows, not {dtype}; use --dtype auto, "
+                         "bfloat16 or float32")
+
+
+def engine_threads() -> int:
+    """Threads a product runs on: torch's intra-op count (what the rest of a pass uses)."""
+    return torch.get_num_threads()
+
+
+class QuantWeight:
+    """A [N, K] weight of one native GGUF type, repacked for the engine (``packed``: uint8)."""
+
+    def __init__(self, rows: torch.Tensor, ggml_type: int, in_features: int, numerics: Numerics):
+        """``rows``: the GGUF tensor's raw blocks, uint8 [N, K/32 · block bytes], row n = output n."""
+        if ggml_type not in NATIVE_TYPES:
+            raise ValueError(f"ggml type {ggml_type} is not computed natively (native: {sorted(NATIVE_TYPES.values())})")
+        if in_features % BLOCK:
+            raise ValueError(f"{NATIVE_TYPES[ggml_type]} rows hold whole blocks of {BLOCK}, not {in_features} values")
+        expected = in_features // BLOCK * _BLOCK_BYTES[ggml_type]
+        if rows.dim() != 2 or rows.dtype != torch.uint8 or rows.shape[1] != expected:
+            raise ValueError(f"{NATIVE_TYPES[ggml_type]} rows of {in_features} values take {expected} bytes each; "
+                             f"got a {rows.dtype} tensor of shape {tuple(rows.shape)}")
+        qe = engine()
+        self.ggml_type, self.kind = ggml_type, _KIND[ggml_type]
+        self.out_features, self.in_features = int(rows.shape[0]), in_features
+        self.numerics = numerics
+        rows = rows.contiguous()
+        self.packed = torch.empty(qe.packed_bytes(ggml_type, self.out_features, in_features), dtype=torch.uint8)
+        qe.repack(ggml_type, numerics.layout, rows.data_ptr(), self.out_features, in_features, self.packed.data_ptr())
+
+    def __deepcopy__(self, memo) -> "QuantWeight":
+        return self  # immutable once packed: copies of a model (routing.masked_copy) share it
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a pass streams for this weight."""
+        return int(self.packed.numel())
+
+    def multiply(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
+        """x [M, K] float32 contiguous → x·Wᵀ [M, N] float32 (into ``out``, or added to it)."""
+        rows = int(x.shape[0])
+        if out is None:
+            out = torch.empty(rows, self.out_features, dtype=torch.float32)
+        if rows:
+            engine().matmul(self.kind, self.numerics.layout, self.packed.data_ptr(), self.out_features,
+                            self.in_features, int(self.numerics.round_rows), x.data_ptr(), rows, out.data_ptr(),
+                            int(out.stride(0)), int(accumulate), engine_threads())
+        return out
+
+    def rows(self, indices: torch.Tensor) -> torch.Tensor:
+        """Rows ``indices`` [c] of W as float32 [c, K]: d·q + m exactly as the file defines them."""
+        indices = indices.reshape(-1).to(torch.int64).contiguous()
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.out_features):
+            raise IndexError(f"row index out of range 0..{self.out_features - 1}")
+        out = torch.empty(int(indices.numel()), self.in_features, dtype=torch.float32)
+        engine().dequant_rows(self.kind, self.numerics.layout, self.packed.data_ptr(), self.out_features,
+                              self.in_features, indices.data_ptr(), int(indices.numel()), out.data_ptr())
+        return out
+
+    def dense(self) -> torch.Tensor:
+        """All of W as float32 [N, K]."""
+        return self.rows(torch.arange(self.out_features))
+
+
+class QuantLinear(torch.nn.Module):
+    """y = x·Wᵀ with W a ``QuantWeight`` (no bias: GGUF Llama projections have none). Inputs of any
+    float dtype are read as float32 (the numerics round them as they say); outputs are float32."""
+
+    def __init__(self, weight: QuantWeight):
+        super().__init__()
+        self.qweight = weight
+        self.in_features, self.out_features = weight.in_features, weight.out_features
+        self.bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, self.in_features)
+        if flat.dtype != torch.float32 or not flat.is_contiguous():
+            flat = flat.to(torch.float32).contiguous()
+        return self.qweight.multiply(flat).view(*shape[:-1], self.out_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """W de-quantised (float32 [N, K], a new tensor: for the rare readers, e.g. a slim vocabulary)."""
+        return self.qweight.dense()
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        return torch.float32
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        if prefix + "weight" in state_dict:
+            error_msgs.append(f"{prefix}weight: a GGUF-quantised layer cannot load float weights")
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"{NATIVE_TYPES[self.qweight.ggml_type]}, {self.qweight.numerics.description}")
+
+
+class QuantEmbedding(torch.nn.Module):
+    """An embedding lookup that de-quantises the rows it is asked for from a ``QuantWeight``
+    (shared with a tied LM head: the table is held once, in the file's bytes)."""
+
+    def __init__(self, weight: QuantWeight):
+        super().__init__()
+        self.qweight = weight
+        self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qweight.rows(ids.cpu()).view(*ids.shape, self.embedding_dim)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The whole table de-quantised (float32 [V, H]; a new tensor)."""
+        return self.qweight.dense()
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        destination[prefix + "weight"] = self.weight
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {NATIVE_TYPES[self.qweight.ggml_type]}"
+
+
+# ---- reading a GGUF file ---------------------------------------------------------------------------
+
+
+@dataclass
+class GgufTensor:
+    """One tensor of a GGUF file: its ggml type, shape as [rows, row length] (ggml's ne[1], ne[0];
+    1-D tensors have rows = 1) and raw data (uint8 rows of blocks for quantised types)."""
+
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]
+    data: "object"  # numpy array (a view of the file's mapping)
+
+    @property
+    def native(self) -> bool:
+        return self.ggml_type in NATIVE_TYPES
+
+    def raw_rows(self) -> torch.Tensor:
+        """The blocks as uint8 [N, bytes per row] (a copy, not a view of the mapping)."""
+        import numpy as np
+
+        return torch.from_numpy(np.array(self.data, copy=True)).view(torch.uint8).reshape(self.shape[0], -1)
+
+    def dequantized(self) -> torch.Tensor:
+        """The values as float32 (any type gguf-py can de-quantise), shape [N, K] or [K]."""
+        import numpy as np
+        from gguf import GGMLQuantizationType, dequantize
+
+        raw = np.asarray(self.data)
+        if self.ggml_type != 0:
+            raw = raw.reshape(self.shape[0], -1) if len(self.shape) == 2 else raw
+        values = dequantize(raw, GGMLQuantizationType(self.ggml_type))
+        return torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(self.shape)
+
+
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class _Cursor:
+    """Reads little-endian GGUF header values from a mapped file (gguf-py's reader parses every
+    field into Python objects, 2 s for the default model's tokenizer lists: too slow to start)."""
+
+    def __init__(self, buffer, path: Path):
+        self.buffer, self.offset, self.path = buffer, 0, path
+
+    def take(self, fmt: str):
+        import struct
+
+        size = struct.calcsize(fmt)
+        if self.offset + size > len(self.buffer):
+            raise ModelLoadError(f"the GGUF file {self.path} is cut short in its header (truncated?)")
+        value = struct.unpack_from(fmt, self.buffer, self.offset)[0]
+        self.offset += size
+        return value
+
+    def string(self) -> str:
+        length = self.take("<Q")
+        if self.offset + length > len(self.buffer):
+            raise ModelLoadError(f"the GGUF file {self.path} is cut short in its header (truncated?)")
+        text = bytes(self.buffer[self.offset : self.offset + length]).decode("utf-8", "replace")
+        self.offset += length
+        return text
+
+    def value(self, kind: int, keep: bool):
+        """A field value (None where not ``keep``: arrays and strings skipped without decoding)."""
+        import struct
+
+        if kind in _GGUF_SCALARS:
+            return self.take(_GGUF_SCALARS[kind])
+        if kind == _GGUF_STRING:
+            if keep:
+                return self.string()
+            length = self.take("<Q")
+            self.offset += length
+            return None
+        if kind == _GGUF_ARRAY:
+            item, count = self.take("<I"), self.take("<Q")
+            if item in _GGUF_SCALARS:
+                self.offset += count * struct.calcsize(_GGUF_SCALARS[item])
+            else:
+                for _ in range(count):
+                    self.value(item, False)
+            return None
+        raise ModelLoadError(f"the GGUF file {self.path} has a header value of unknown type {kind} (damaged?)")
+
+
+def read_gguf_tensors(path: Path) -> tuple[dict[str, GgufTensor], dict[str, object]]:
+    """The tensors of a GGUF file by name (their data views of a read-only mapping of the file) and
+    its scalar and string header fields. Raises ModelLoadError for a file that is not GGUF, is cut
+    short, or whose tensors do not fit it."""
+    import numpy as np
+    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        mapped = np.memmap(path, dtype=np.uint8, mode="r")
+    except (OSError, ValueError) as error:
+        raise ModelLoadError(f"cannot read the GGUF file {path}: {error}") from None
+    cursor = _Cursor(memoryview(mapped), path)
+    if len(mapped) < 24 or bytes(mapped[:4]) != b"GGUF":
+        raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic)")
+    cursor.offset = 4
+    version, tensor_count, field_count = cursor.take("<I"), cursor.take("<Q"), cursor.take("<Q")
+    if version < 2:
+        raise ModelLoadError(f"{path}: GGUF version {version} is not supported (2 or later)")
+    fields: dict[str, object] = {}
+    for _ in range(field_count):
+        name, kind = cursor.string(), cursor.take("<I")
+        value = cursor.value(kind, keep=True)
+        if value is not None:
+            fields[name] = value
+    infos = []
+    for _ in range(tensor_count):
+        name = cursor.string()
+        dims = [cursor.take("<Q") for _ in range(cursor.take("<I"))]
+        infos.append((name, dims, cursor.take("<I"), cursor.take("<Q")))
+    alignment = int(fields.get("general.alignment", 32))
+    base = -(-cursor.offset // alignment) * alignment
+    tensors = {}
+    for name, dims, kind, offset in infos:
+        try:
+            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+        except (ValueError, KeyError):
+            raise ModelLoadError(f"{path}: tensor {name!r} has an unknown ggml type {kind}") from None
+        count = int(np.prod(dims)) if dims else 1
+        if dims[0] % block:
+            raise ModelLoadError(f"{path}: tensor {name!r} rows of {dims[0]} values are not whole blocks of {block}")
+        nbytes = count // block * block_bytes
+        start = base + offset
+        if start + nbytes > len(mapped):
+            raise ModelLoadError(f"{path}: tensor {name!r} reaches past the end of the file (truncated?)")
+        rows = count // dims[0]
+        shape = (rows, dims[0]) if len(dims) >= 2 else (dims[0],)
+        data = mapped[start : start + nbytes]
+        if kind == 0:  # F32
+            data = data.view(np.float32)
+        tensors[name] = GgufTensor(name, kind, shape, data)
+    return tensors, fields
+
+
+def unpermute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter stores q/k projection rows interleaved for its rotary layout; this
+    puts them back in transformers' order (rows are whole: a row permutation keeps every block)."""
+    count = int(rows.shape[0])
+    half = count // heads // 2
+    order = torch.arange(count).view(heads, half, 2).transpose(1, 2).reshape(-1)
+    return rows.index_select(0, order)
