@@ -68,12 +68,15 @@ class FusedLayer:
                                "the caller broke the rollback invariant")
         source = hidden if hidden.is_contiguous() and hidden.dtype == torch.float32 else hidden.float().contiguous()
         out = torch.empty_like(source)
-        keys, values = cache.slots(layout.start + n, self.kv_heads, self.head_dim)
         attends = layout.attends
-        engine().run_layer(self.capsule, source.data_ptr(), out.data_ptr(), n, layout.start, keys.data_ptr(),
-                           values.data_ptr(), int(keys.shape[-2]), layout.cos.data_ptr(), layout.signed_sin.data_ptr(),
-                           None if attends is None else attends.data_ptr(), units,
-                           engine_threads())
+        if units & ATTENTION_UNIT:
+            keys, values = cache.slots(layout.start + n, self.kv_heads, self.head_dim)
+            kv = (keys.data_ptr(), values.data_ptr(), int(keys.shape[-2]))
+        else:  # the MLP unit alone reads no cache
+            kv = (0, 0, layout.start + n)
+        engine().run_layer(self.capsule, source.data_ptr(), out.data_ptr(), n, layout.start, *kv,
+                           layout.cos.data_ptr(), layout.signed_sin.data_ptr(),
+                           None if attends is None else attends.data_ptr(), units, engine_threads())
         if units & ATTENTION_UNIT:
             cache.advance(n)
         return out

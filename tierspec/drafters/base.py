@@ -191,17 +191,24 @@ class Drafter:
 
 
 def streamed_weights(model: torch.nn.Module) -> int:
-    """Bytes of weights a decoding pass of ``model`` reads: every parameter once (tied ones once)
-    and every packed linear's weight (``kernels.PackedLinear`` keeps it outside the parameters),
-    less an input embedding that is not also the LM head (a lookup reads one row of it). Bytes,
-    not elements: a bfloat16 layer streams half what a float32 one does."""
+    """Bytes of weights a decoding pass of ``model`` reads: every parameter once (tied ones once),
+    every packed linear's weight (``kernels.PackedLinear`` keeps it outside the parameters) and
+    every GGUF-quantised weight in the file's bytes (``quant.QuantWeight``, once however many
+    modules share it), less an input embedding that is not also the LM head (a lookup reads one
+    row of it). Bytes, not elements: a bfloat16 layer streams half what a float32 one does."""
     from ..kernels import PackedLinear
+    from ..quant import QuantEmbedding
 
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     total += sum(m.out_features * m.in_features * m.packed.element_size()
                  for m in model.modules() if isinstance(m, PackedLinear))
+    quantised = {id(m.qweight): m.qweight for m in model.modules() if hasattr(m, "qweight")}
+    total += sum(weight.nbytes for weight in quantised.values())
     embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if isinstance(head, PackedLinear) or head is None or embedding.weight.data_ptr() != head.weight.data_ptr():
+    if isinstance(embedding, QuantEmbedding):
+        if embedding.qweight is not getattr(head, "qweight", None):
+            total -= embedding.qweight.nbytes
+    elif isinstance(head, PackedLinear) or head is None or embedding.weight.data_ptr() != head.weight.data_ptr():
         total -= embedding.weight.numel() * embedding.weight.element_size()
     return total
 

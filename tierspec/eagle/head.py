@@ -134,7 +134,7 @@ class DraftHead(torch.nn.Module):
         self.rotary = RotaryTable(config.head_dim, config.rope_theta)
         self.register_buffer("draft_ids", draft_ids.to(torch.long).clone(), persistent=True)
         # Taken from the target by ``attach`` (frozen, never saved): E and W_lm[V_K].
-        self.embedding: torch.Tensor | None = None
+        self.embedding: torch.nn.Module | None = None
         self.lm_rows: torch.Tensor | None = None
         self.target_identity: ModelIdentity | None = None
         self.metadata: dict = {}
@@ -184,7 +184,9 @@ class DraftHead(torch.nn.Module):
         self.to(weight.device)  # the head runs beside the target (its features and embedding live there)
         # [K, H], a copy of K rows, in the head's own dtype (the target may run in bfloat16)
         self.lm_rows = weight[self.draft_ids].to(self.fc.weight.dtype).contiguous()
-        self.embedding = target.model.get_input_embeddings().weight.detach()  # shared, not copied
+        # the target's embedding module, called for the rows a step needs (a GGUF model's table stays
+        # quantised: its ``weight`` would be a de-quantised 113 MB copy)
+        self.__dict__["embedding"] = target.model.get_input_embeddings()  # not registered: not the head's module
         return self
 
     # -- the computation: one pass of the layer, for training (batches [B, T, ·]) and drafting ([1, n, ·]) --
@@ -202,7 +204,8 @@ class DraftHead(torch.nn.Module):
         appended to ``cache``: drafting's ``KVLayer`` or training's ``eagle.train.StepKeys``;
         attending over the cache's first ``keys`` slots with ``mask`` [T, keys], all queries in one
         call), then the final norm."""
-        embedded = F.embedding(next_tokens, self.embedding).to(inputs.dtype)
+        with torch.no_grad():
+            embedded = self.embedding(next_tokens).to(inputs.dtype)  # frozen: the target's table
         # the residual stream in the head's dtype (float32), also under bfloat16 autocast in training
         x = self.fc(torch.cat((inputs, embedded), dim=-1)).to(self.fc.weight.dtype)
         cos, sin = self.rotary.factors(positions, self.fc.weight.dtype)  # attention in the head's dtype
