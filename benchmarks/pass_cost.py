@@ -1,22 +1,28 @@
-"""What one cached forward pass of the default model costs, by number of new tokens.
+"""What one cached forward pass of the default model costs, by number of new tokens, beside
+llama.cpp's pass on the same GGUF file.
 
-    python benchmarks/pass_cost.py [--configs float32:auto,bfloat16:auto,float32:few-row,bfloat16:stock]
+    python benchmarks/pass_cost.py [--configs auto:auto,float32:gguf,bfloat16:packed] [--llamacpp]
                                    [--context 256] [--rounds 7] [--out results/pass_cost.md]
 
-Each configuration is ``dtype:kernels`` (see ``tierspec.load_model``). For every configuration
-the model is loaded once, a 256-token context is cached, and passes of k = 1, 2, 4, 8, 16 new
-tokens are timed (logits for every new token, as a verification pass needs them), the cache
-rolled back after each. Configurations are interleaved round by round so that a busy spell of
-a shared machine hits all of them alike; the table gives medians over rounds.
+Each configuration is ``dtype:kernels`` (see ``tierspec.load_model``; ``auto:auto`` is the
+default load: the file's own blocks on the pass engine). For every configuration the model is
+loaded once, a 256-token context is cached, and passes of k = 1, 2, 4, 8, 16 new tokens are timed
+(logits for every new token, as a verification pass needs them), the cache rolled back after each.
+Configurations are interleaved round by round so that a busy spell of a shared machine hits all
+of them alike; the table gives medians over rounds.
 
 A "tree" row times token-tree passes (``tierspec.tree``) of 1 pending token and 7 / 15 nodes
-(4 / 8 root-to-leaf paths; a tree pass attends once per path, ``llama.tree_attention_plan``)
-under the k = 8 / 16 columns.
+(4 / 8 root-to-leaf paths) under the k = 8 / 16 columns.
 
-Two more rows per configuration split a pass into its matrix products and the rest: the same
-passes with every linear layer's product replaced by an uninitialised output of the right
-shape ("outside the matrices": norms, rotary, attention, SiLU, residuals, the KV cache and
-Python dispatch over 30 layers).
+"Outside the matrices" splits a pass into its matrix products and the rest (norms, rotary,
+attention, SiLU, residuals, the KV cache and Python dispatch over 30 layers): for the pass engine,
+the pass time less the time its matrix products took (measured inside the engine,
+``_qengine.profile``); for torch's kernels, the same passes with every linear layer's product
+replaced by an uninitialised output of the right shape.
+
+``--llamacpp``: llama.cpp (llama-cpp-python) on the same file and thread count: the same context,
+then k tokens evaluated with logits for all of them (``logits_all``), its KV cache rolled back after
+each, interleaved with the other configurations.
 """
 
 from __future__ import annotations
@@ -99,9 +105,69 @@ def time_tree_passes(runner: CachedModel, context: int, repeats: int = 3) -> dic
     return out
 
 
+class LlamaCppPasses:
+    """llama.cpp's cached passes on the default model's GGUF file (``--llamacpp``)."""
+
+    def __init__(self, context: int):
+        from llama_cpp import Llama
+
+        from tierspec.models import default_model_file
+
+        self.llama = Llama(str(default_model_file()), n_ctx=1024, n_batch=512, n_threads=torch.get_num_threads(),
+                           n_threads_batch=torch.get_num_threads(), logits_all=True, verbose=False)
+        self.context = context
+        self.llama.eval([int(t) for t in torch.arange(context) % self.llama.n_vocab()])
+
+    def rollback(self) -> None:
+        self.llama._ctx.kv_cache_seq_rm(-1, self.context, -1)
+        self.llama.n_tokens = self.context
+
+    def time_passes(self, widths, repeats: int = 3) -> dict[int, float]:
+        out = {}
+        for k in widths:
+            tokens = [int(t) for t in (torch.arange(k) * 7 + 11) % self.llama.n_vocab()]
+            samples = []
+            for i in range(repeats + 1):
+                started = time.perf_counter()
+                self.llama.eval(tokens)
+                elapsed = time.perf_counter() - started
+                self.rollback()
+                if i:
+                    samples.append(elapsed)
+            out[k] = statistics.median(samples)
+        return out
+
+
+def engine_matrix_seconds(runner: CachedModel, context: int, widths, repeats: int = 3) -> dict[int, float]:
+    """Per width, the median seconds a pass spent outside the engine's matrix products."""
+    from tierspec.quant import engine
+
+    out = {}
+    vocab = runner.vocab_size
+    for k in widths:
+        tokens = (torch.arange(k) * 7 + 11) % vocab
+        samples = []
+        for i in range(repeats + 1):
+            engine().profile(True)
+            started = time.perf_counter()
+            runner.forward(tokens)
+            elapsed = time.perf_counter() - started
+            _, matrices, _, _ = engine().profile(False)
+            runner.rollback(context)
+            if i:
+                samples.append(elapsed - matrices)
+        out[k] = statistics.median(samples)
+    return out
+
+
+def uses_engine(model: torch.nn.Module) -> bool:
+    return any(type(m).__name__ == "QuantLinear" for m in model.modules())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--configs", default="float32:auto,bfloat16:auto")
+    parser.add_argument("--configs", default="auto:auto,float32:gguf,bfloat16:packed")
+    parser.add_argument("--llamacpp", action="store_true", help="add llama.cpp's passes on the same file")
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", type=Path, default=None, help="also write the table (markdown) here")
@@ -117,6 +183,8 @@ def main() -> None:
     whole = {config: {k: [] for k in WIDTHS} for config in runners}
     outside = {config: {k: [] for k in WIDTHS} for config in runners}
     trees = {config: {k: [] for k in TREES} for config in runners}
+    llamacpp = LlamaCppPasses(args.context) if args.llamacpp else None
+    llamacpp_times = {k: [] for k in WIDTHS}
     with torch.inference_mode():
         for round_index in range(args.rounds):
             for config, runner in runners.items():
@@ -124,9 +192,16 @@ def main() -> None:
                     whole[config][k].append(seconds)
                 for k, seconds in time_tree_passes(runner, args.context).items():
                     trees[config][k].append(seconds)
-                with matrices_stubbed(runner.model):
-                    for k, seconds in time_passes(runner, args.context, WIDTHS).items():
+                if uses_engine(runner.model):
+                    for k, seconds in engine_matrix_seconds(runner, args.context, WIDTHS).items():
                         outside[config][k].append(seconds)
+                else:
+                    with matrices_stubbed(runner.model):
+                        for k, seconds in time_passes(runner, args.context, WIDTHS).items():
+                            outside[config][k].append(seconds)
+            if llamacpp is not None:
+                for k, seconds in llamacpp.time_passes(WIDTHS).items():
+                    llamacpp_times[k].append(seconds)
             print(f"round {round_index + 1}/{args.rounds}", file=sys.stderr, flush=True)
 
     def ms(values):
@@ -144,6 +219,12 @@ def main() -> None:
         lines.append(f"| {':'.join(config)}, tree | " + " | ".join(tree) + " | | |")
         rest = [ms(outside[config][k]) for k in WIDTHS]
         lines.append(f"| {':'.join(config)}, outside the matrices | " + " | ".join(f"{v:.1f}" for v in rest) + " | | |")
+    if llamacpp is not None:
+        import llama_cpp
+
+        row = [ms(llamacpp_times[k]) for k in WIDTHS]
+        lines.append(f"| llama.cpp {llama_cpp.__version__}, same file | " + " | ".join(f"{v:.1f}" for v in row)
+                     + f" | {row[3] / row[0]:.2f} | {row[4] / row[0]:.2f} |")
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -54,14 +54,14 @@ def import_llama_cpp(peer: str):
     return llama_cpp
 
 
-def gguf_file(target_spec: str, peer: str) -> Path:
+def gguf_file(target_spec: str, peer: str, engine: str = "llama.cpp") -> Path:
     """The GGUF file the target was loaded from: the default model's, or a ``.gguf`` path."""
     if str(target_spec) == DEFAULT_MODEL:
         return default_model_file()
     path = Path(str(target_spec)).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return path
-    raise LlamaCppPeerError(f"{peer} runs llama.cpp on the target's GGUF file: the target must be '{DEFAULT_MODEL}' "
+    raise LlamaCppPeerError(f"{peer} runs {engine} on the target's GGUF file: the target must be '{DEFAULT_MODEL}' "
                             f"or a .gguf file, not '{target_spec}'")
 
 

@@ -241,14 +241,25 @@ def markdown_table(summary: dict) -> str:
     if engines:
         ran = "; ".join(f"`{name}`: {engine}" for name, engine in engines.items())
         lines += ["", f"`llamacpp-*`: llama.cpp on the target's GGUF file ({ran}), fed the same prompt token ids, timed "
-                  "the same way. It computes with the file's quantised weights where tierspec's methods run "
-                  f"de-quantised {config.get('dtype', 'float32')} ones, so its text may part from `ar`'s: its fidelity "
-                  "columns measure the quantisation, not a fault"
+                  "the same way. It computes with the file's quantised weights and rounds each row of activations to "
+                  "8 bits per block of 32 (tierspec's methods keep the activations in bfloat16 or float32), so its "
+                  "text may part from `ar`'s: its fidelity columns measure that quantisation, not a fault"
                   + (". Above temperature 0 it samples with its own sampler chain (top-k and top-p before the "
                      "temperature) and random stream." if config.get("temperature") else ".")
                   + " `llamacpp-lookup`'s τ and rejection come from the prompt-lookup proposals and the tokens "
                   "emitted (llama.cpp reports none); its greedy text may part from `llamacpp-greedy`'s at near-ties, "
                   "since llama.cpp's logits shift slightly with the number of tokens in a pass."]
+    engines = {name: result["engine"] for name, result in methods.items() if name.startswith("ov-") and "engine" in result}
+    if engines:
+        ran = "; ".join(f"`{name}`: {engine}" for name, engine in engines.items())
+        lines += ["", f"`ov-*`: OpenVINO GenAI's LLMPipeline reading the target's GGUF file itself ({ran}), fed the same "
+                  "prompt token ids, timed the same way. Its GGUF reader stores each Q4_1 block's minimum as a 4-bit "
+                  "zero point rounded from −m/d, so it computes with weights off the file's (by ~9% of their mean "
+                  "magnitude on the default model) and its text may part from `ar`'s early: its fidelity and NLL "
+                  "columns measure that, not a fault"
+                  + (". Above temperature 0 it samples with its own sampler and random stream." if config.get("temperature")
+                     else ".")
+                  + " OpenVINO reports no draft statistics, so `ov-lookup` has no τ."]
     return "\n".join(lines) + "\n"
 
 

@@ -36,6 +36,7 @@ from ..seq2seq import as_task_prompts, is_encoder_decoder
 from ..util import atomic_write_text
 from . import metrics
 from .llamacpp import LLAMACPP_PARAMETERS, LLAMACPP_PEERS, LlamaCppPeer
+from .openvino import OPENVINO_PARAMETERS, OPENVINO_PEERS, OpenVinoPeer
 from .outcome import Outcome
 
 HF_PEERS_ON_OUR_KERNELS = ("hf-greedy", "hf-assisted", "hf-pld", "hf-early-exit")
@@ -191,13 +192,15 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
             raise BenchError(f"method spec '{spec}': parameter '{part}' is not key=value")
         key, value = part.split("=", 1)
         params[_ALIASES.get(key.strip(), key.strip())] = value.strip()
-    known = set(method_names()) | set(HF_PEERS) | set(LLAMACPP_PEERS)
+    known = set(method_names()) | set(HF_PEERS) | set(LLAMACPP_PEERS) | set(OPENVINO_PEERS)
     if name not in known:
         raise BenchError(f"unknown method '{name}' in '{spec}'; choose from: {', '.join(sorted(known))}")
     if name in HF_PEERS:
         allowed = _HF_PARAMETERS.get(name.removesuffix(STOCK_SUFFIX), {})
     elif name in LLAMACPP_PEERS:
         allowed = {key: "int" for key in LLAMACPP_PARAMETERS.get(name, {})}
+    elif name in OPENVINO_PEERS:
+        allowed = {key: "int" for key in OPENVINO_PARAMETERS.get(name, {})}
     else:
         allowed = {**_OPTION_KINDS, "dtype": "other"}
     unknown = set(params) - set(allowed)
@@ -250,8 +253,9 @@ def _convert(spec: str, key: str, value: str, target: LoadedModel):
 
 class MethodRunner:
     """Runs one method spec on prompt ids; built once, reused for every prompt. The spec names
-    one of three engines: a tierspec method (``TierspecMethod``), transformers' own ``generate``
-    (``TransformersPeer``, the ``hf-*`` names) or llama.cpp (``LlamaCppPeer``, ``llamacpp-*``);
+    one of four engines: a tierspec method (``TierspecMethod``), transformers' own ``generate``
+    (``TransformersPeer``, the ``hf-*`` names), llama.cpp (``LlamaCppPeer``, ``llamacpp-*``) or
+    OpenVINO GenAI (``OpenVinoPeer``, ``ov-*``);
     each has ``run(prompt_ids, max_new_tokens, generator) → Outcome``."""
 
     def __init__(self, spec: str, target: LoadedModel, drafter: LoadedModel | None, config: BenchConfig,
@@ -265,6 +269,9 @@ class MethodRunner:
         params.pop("dtype", None)  # the caller passed the target loaded in that dtype
         if self.name in LLAMACPP_PEERS:
             self.engine = LlamaCppPeer(self.name, params, config.target, target, eos, config.temperature, config.top_k,
+                                       config.top_p, config.seed)
+        elif self.name in OPENVINO_PEERS:
+            self.engine = OpenVinoPeer(self.name, params, config.target, target, eos, config.temperature, config.top_k,
                                        config.top_p, config.seed)
         elif self.name in HF_PEERS:
             hf_target, hf_drafter = hf_models or (target, drafter)

@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define QE_X86 1
@@ -308,6 +309,16 @@ static inline int have_avx512bf16(void) { return cpu_avx512bf16; }
 static inline int have_avx2(void) { return cpu_avx2; }
 
 static int force_portable = 0; /* tests: the portable C loops on any CPU */
+
+/* Where a layer call's time goes (benchmarks/pass_cost.py): on only when asked. */
+static int profiling = 0;
+static int64_t profile_ns[4]; /* whole layer calls, matrix products (rows prepared + products), attention, calls */
+
+static inline int64_t now_ns(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
 
 /* ---- row preparation ----------------------------------------------------------------------- */
 
@@ -737,8 +748,18 @@ static void rms_norm(const float *x, const float *w, float eps, int n, float *ou
 static int row_bytes(int layout) { return layout == LAYOUT_A ? 2 : 4; }
 
 /* x [M, K] float -> the kernels' rows, then out (+)= x W^T on nth threads. */
+static void linear_body(const qweight *w, int round_bf16, const float *x, int M, float *out, int ldo, int accumulate,
+                        int nth);
+
 static void linear(const qweight *w, int round_bf16, const float *x, int M, float *out, int ldo, int accumulate,
                    int nth) {
+    int64_t started = profiling ? now_ns() : 0;
+    linear_body(w, round_bf16, x, M, out, ldo, accumulate, nth);
+    if (profiling) profile_ns[1] += now_ns() - started;
+}
+
+static void linear_body(const qweight *w, int round_bf16, const float *x, int M, float *out, int ldo, int accumulate,
+                        int nth) {
     int KB = w->K / QK;
     char *mem = scratch_get(&scratch_rows, (size_t)M * w->K * row_bytes(w->layout) + (size_t)M * KB * 4 + 64);
     void *xbuf = mem;
@@ -962,7 +983,9 @@ static void run_layer(const layer_desc *L, const float *h_in, float *h, int n, i
         for (int r = 0; r < n; r++) memcpy(qcopy + (size_t)r * heads * D, qkv + (size_t)r * qkv_width, (size_t)heads * D * 4);
         attention_args aa = {L, qcopy, keys, values, cap, start, n, attends, q};
         int anth = (int64_t)n * heads * (start + n) < 4096 ? 1 : nth;
+        int64_t attention_started = profiling ? now_ns() : 0;
         run_parallel(attention_task, &aa, n * heads, anth);
+        if (profiling) profile_ns[2] += now_ns() - attention_started;
         linear(&L->o, L->round_bf16, att, n, h, H, 1, nth);
     }
     if (flags & 2) {
@@ -1199,12 +1222,28 @@ static PyObject *py_run_layer(PyObject *self, PyObject *const *args, Py_ssize_t 
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
+    int64_t started = profiling ? now_ns() : 0;
     run_layer(L, hin, h, (int)n, (int)start, keys, values, (int)cap, cos, sin, attends, (int)flags, (int)nth);
+    if (profiling) {
+        profile_ns[0] += now_ns() - started;
+        profile_ns[3] += 1;
+    }
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
+/* profile(on) -> (layer seconds, matrix seconds, attention seconds, layer calls) since the last call */
+static PyObject *py_profile(PyObject *self, PyObject *arg) {
+    (void)self;
+    PyObject *out = Py_BuildValue("(dddL)", profile_ns[0] * 1e-9, profile_ns[1] * 1e-9, profile_ns[2] * 1e-9,
+                                  (long long)profile_ns[3]);
+    memset(profile_ns, 0, sizeof profile_ns);
+    profiling = PyObject_IsTrue(arg);
+    return out;
+}
+
 static PyMethodDef methods[] = {
+    {"profile", py_profile, METH_O, "Time spent in layer calls, their products and attention (and switch it on/off)."},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use here: avx512bf16, avx2 or portable."},
     {"force_portable", py_force_portable, METH_O, "Use the portable C loops whatever the CPU (tests)."},
     {"packed_bytes", (PyCFunction)(void (*)(void))py_packed_bytes, METH_FASTCALL, "Bytes of a repacked weight."},

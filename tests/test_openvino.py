@@ -1,0 +1,101 @@
+"""The OpenVINO GenAI peers of the bench (``tierspec/bench/openvino.py``): their errors, their
+method specs, and on the real default model that they are wired to OpenVINO right."""
+
+import json
+
+import pytest
+from conftest import char_tokenizer, tiny_llama
+
+from tierspec.bench.openvino import OPENVINO_EXTRA
+from tierspec.bench.runner import BenchConfig, parse_spec, run_bench
+from tierspec.errors import TierspecError
+from tierspec.models import wrap_model
+
+
+def _import_genai():
+    try:
+        import openvino_genai
+    except ImportError as error:  # README's install command installs the extra; say so loudly
+        pytest.fail(f"openvino-genai is missing ({error}); install it with {OPENVINO_EXTRA}")
+    return openvino_genai
+
+
+@pytest.fixture
+def data_dir(tmp_path):
+    folder = tmp_path / "data" / "spec_bench"
+    folder.mkdir(parents=True)
+    rows = [
+        {"question_id": 1, "category": "qa", "turns": ["What is the capital of France? Answer in one sentence."]},
+        {"question_id": 2, "category": "rewrite", "turns": [
+            "Copy this list exactly, then add one more fruit: apple, banana, cherry, apple, banana, cherry."]},
+    ]
+    (folder / "question.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return tmp_path / "data"
+
+
+def test_specs_take_the_lookup_parameters_only():
+    assert parse_spec("ov-lookup:tokens=3:ngram=2") == ("ov-lookup", {"tokens": "3", "ngram": "2"})
+    with pytest.raises(TierspecError, match=r"unknown parameter\(s\) \['tokens'\]"):
+        parse_spec("ov-greedy:tokens=3")
+    with pytest.raises(TierspecError, match="tokens must be an integer"):
+        parse_spec("ov-lookup:tokens=many")
+
+
+def test_a_missing_extra_is_one_line_naming_it(tmp_path, data_dir, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "openvino_genai", None)  # `import openvino_genai` now fails
+    target = wrap_model(tiny_llama(4, vocab_size=56).model, char_tokenizer(), name="tiny-char")
+    config = BenchConfig(target="tiny", methods=("ov-greedy",), per_category=1, max_new_tokens=4, data_dir=str(data_dir))
+    with pytest.raises(TierspecError) as error:
+        run_bench(config, tmp_path / "out", progress=False, target=target)
+    message = str(error.value)
+    assert "\n" not in message
+    assert message.startswith("ov-greedy needs openvino-genai") and message.endswith(OPENVINO_EXTRA)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_target_without_a_gguf_file_is_refused(tmp_path, data_dir):
+    _import_genai()
+    target = wrap_model(tiny_llama(4, vocab_size=56).model, char_tokenizer(), name="tiny-char")
+    config = BenchConfig(target="tiny", methods=("ov-lookup",), per_category=1, max_new_tokens=4, data_dir=str(data_dir))
+    with pytest.raises(TierspecError, match="ov-lookup runs OpenVINO GenAI on the target's GGUF file: the target must be 'smollm2-135m'"):
+        run_bench(config, tmp_path / "out", progress=False, target=target)
+
+
+@pytest.mark.real_model
+def test_peers_on_the_real_model_match_openvinos_own_decoding(tmp_path, data_dir):
+    """Through the bench: the records carry the budget and the weights; ov-greedy's tokens are what
+    OpenVINO GenAI's own pipeline gives for the same prompt ids (so the peer is wired right: the
+    prompt ids, the budget, the stop ids), and its prompt lookup runs in fewer passes' worth of time
+    than tokens (it reports no statistics)."""
+    genai = _import_genai()
+    import numpy as np
+    import openvino
+
+    import tierspec
+    from tierspec.data import load_prompts
+    from tierspec.models import default_model_file
+    from tierspec.prompting import encode_prompt, eos_ids
+
+    budget = 24
+    target = tierspec.load_model("smollm2-135m")
+    config = BenchConfig(methods=("ar", "ov-greedy", "ov-lookup"), per_category=1, max_new_tokens=budget,
+                         data_dir=str(data_dir), compute_nll=False)
+    run_bench(config, tmp_path / "out", progress=False, target=target)
+    records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
+    by = {(r["method"], r["prompt_id"]): r for r in records}
+    eos = set(eos_ids(target))
+    reference = genai.LLMPipeline(str(default_model_file()), "CPU", INFERENCE_NUM_THREADS=2)
+    for prompt in load_prompts("spec_bench", data_dir):
+        greedy, lookup = by[("ov-greedy", prompt.id)], by[("ov-lookup", prompt.id)]
+        for record in (greedy, lookup):
+            assert record["emitted"] == len(record["token_ids"]) > 0
+            assert record["emitted"] == budget or record["token_ids"][-1] in eos
+            assert record["weights"] == "Q4_1" and record["seconds"] > 0
+        ids = np.asarray([encode_prompt(target, prompt.text).tolist()], dtype=np.int64)
+        settings = genai.GenerationConfig()
+        settings.max_new_tokens, settings.do_sample, settings.stop_token_ids = budget, False, eos
+        own = reference.generate(genai.TokenizedInputs(openvino.Tensor(ids), openvino.Tensor(np.ones_like(ids))),
+                                 settings)
+        assert greedy["token_ids"] == [int(t) for t in own.tokens[0]]
+    table = (tmp_path / "out" / "summary.md").read_text()
+    assert "`ov-*`: OpenVINO GenAI" in table and "zero point" in table
