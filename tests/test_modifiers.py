@@ -240,7 +240,7 @@ def test_echo_scores_the_prompt_with_the_prefill(target):
     log-probability after tokens 0..j−1 (only the bias applies: nothing is generated yet)."""
     _, _, steps = run(target, build_method("ar", target), GREEDY, 0, score_prompt=True, logprobs=2)
     records = steps[0].prompt_logprobs
-    assert records[0] is None and len(records) == len(PROMPT)
+    assert records[0] == TokenLogprob(int(PROMPT[0]), None) and len(records) == len(PROMPT)
     assert all(step.prompt_logprobs is None for step in steps[1:])
     with torch.no_grad():
         logits = target.model(PROMPT[None]).logits[0, :-1].double()

@@ -269,6 +269,9 @@ def _add_serve(sub) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=None,
                         help="larger request bodies are answered 413 (default 1 MiB: a whole 8192-token prompt is "
                         "about 40 KB)")
+    parser.add_argument("--body-timeout", type=float, default=None,
+                        help="seconds a request body may take to arrive; a slower one is answered 408 and its "
+                        "connection closed (default 30)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_method_options(parser)
     parser.set_defaults(run=_run_serve)
@@ -278,6 +281,7 @@ def _run_serve(args) -> int:
     from .errors import TierspecError
     from .methods import check_method_name
     from .server import DEFAULT_MAX_REQUEST_BYTES, Engine, listen, serve
+    from .server.app import DEFAULT_BODY_TIMEOUT
 
     if args.method is not None:
         check_method_name(args.method)
@@ -286,13 +290,16 @@ def _run_serve(args) -> int:
     max_request_bytes = DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None else args.max_request_bytes
     if max_request_bytes < 1:
         raise TierspecError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
+    body_timeout = DEFAULT_BODY_TIMEOUT if args.body_timeout is None else args.body_timeout
+    if not 0 < body_timeout < float("inf"):
+        raise TierspecError(f"--body-timeout must be a number of seconds > 0, got {args.body_timeout}")
     sock = listen(args.host, args.port)  # before loading anything: a port in use is reported at once
     try:
         target = _load(args, args.target)
         drafter = _load(args, args.drafter) if args.drafter else None
         engine = Engine(target, args.method, drafter, method_options(args, target), max_queue=args.max_queue)
         engine.method(engine.default_method, None)  # build (and measure costs for) the default method before the first request
-        serve(engine, sock, args.log_level, max_request_bytes)
+        serve(engine, sock, args.log_level, max_request_bytes, body_timeout)
     finally:
         sock.close()
     return 0

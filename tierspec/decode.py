@@ -82,10 +82,11 @@ class DecodeConfig:
 @dataclass(frozen=True)
 class TokenLogprob:
     """One token's log-probability under the target (``sampling.reported_logprobs``) and the
-    ``top`` alternatives at its position, most likely first: (token id, log-probability) pairs."""
+    ``top`` alternatives at its position, most likely first: (token id, log-probability) pairs.
+    ``logprob`` is None for a prompt's first token, which nothing scores."""
 
     token: int
-    logprob: float
+    logprob: float | None
     top: tuple[tuple[int, float], ...] = ()
 
 
@@ -565,6 +566,20 @@ def check_prompt(prompt_ids, max_positions: int | None, max_new_tokens: int, voc
     return prompt_ids
 
 
+def score_prompt(target: LoadedModel, prompt_ids: torch.Tensor, config: DecodeConfig) -> list[TokenLogprob]:
+    """The prompt's logprob records (``echo`` with nothing to generate): one prefill, no decoding."""
+    if is_encoder_decoder(target.model):
+        raise TierspecError("an encoder-decoder model reads the prompt with its encoder: there are no prompt "
+                            "log-probabilities to report (echo)")
+    max_positions = getattr(target.model.config, "max_position_embeddings", None)
+    prompt_ids = check_prompt(prompt_ids, max_positions, 0, target.vocab_size)
+    config.modifiers.check_vocabulary(target.vocab_size)
+    verifiers = Verifiers(target, len(prompt_ids) + 1, modifiers=config.modifiers)
+    with torch.inference_mode():
+        rows = verifiers.prefill(prompt_ids, score=True)
+        return prompt_records(prompt_ids, rows, config)
+
+
 @dataclass
 class Step:
     """What the loop yields after each commit. With ``DecodeConfig.logprobs``: ``logprobs``, one
@@ -575,7 +590,7 @@ class Step:
     cycle: CycleStats
     finished: bool
     logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob | None] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 def check_logprobs_method(method, config: DecodeConfig) -> None:
@@ -587,9 +602,11 @@ def check_logprobs_method(method, config: DecodeConfig) -> None:
                             "eagle, pld, ar)")
 
 
-def prompt_records(prompt_ids: torch.Tensor, rows: torch.Tensor, config: DecodeConfig) -> list[TokenLogprob | None]:
-    """The echo records of ``prompt_ids`` [n] from the prefill's ``rows`` [n−1, V]."""
-    return [None] + token_logprobs(rows, prompt_ids[1:].tolist(), config.sampling, config.logprobs)
+def prompt_records(prompt_ids: torch.Tensor, rows: torch.Tensor, config: DecodeConfig) -> list[TokenLogprob]:
+    """The echo records of ``prompt_ids`` [n] from the prefill's ``rows`` [n−1, V] (the first
+    token's logprob is None)."""
+    first = TokenLogprob(int(prompt_ids[0]), None)
+    return [first] + token_logprobs(rows, prompt_ids[1:].tolist(), config.sampling, config.logprobs)
 
 
 def decode(
