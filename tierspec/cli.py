@@ -66,6 +66,50 @@ def _load(args, spec, implementation: str | None = None):
     return load_model(spec, args.dtype, args.device, args.kernels, implementation or args.implementation)
 
 
+def _check_model_flags(args) -> None:
+    """--dtype with --device, refused before anything loads (float16 on a CPU)."""
+    from .models import check_dtype_for_device, resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    check_dtype_for_device(resolve_dtype(args.dtype, device), device)
+
+
+def _check_generation_budget(max_new_tokens: int, target_spec: str) -> None:
+    """--max-new-tokens against 1 and, where the model's config can be read without loading the
+    model, its context: refused before the model loads (and before any cost table is measured)."""
+    from .decode import PromptError
+
+    if max_new_tokens < 1:
+        raise PromptError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    context = _known_context(target_spec)
+    if context is not None and max_new_tokens >= context:
+        raise PromptError(f"--max-new-tokens {max_new_tokens} does not fit the model's context of {context} positions "
+                          "(with the prompt)")
+
+
+def _known_context(spec: str) -> int | None:
+    """The model's context length from a config.json beside it (an HF folder, or the default
+    model's converted copy when it exists); None when it cannot be read cheaply."""
+    from pathlib import Path
+
+    from .models import DEFAULT_MODEL
+
+    folder = Path(spec)
+    if spec == DEFAULT_MODEL:
+        try:
+            from .gguf_cache import gguf_cache_dir
+            from .models import default_model_file
+
+            folder = gguf_cache_dir(default_model_file())
+        except Exception:  # not installed: the load reports it
+            return None
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        return int(config["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _flag(option) -> str:
     return option.metadata.get("flag") or "--" + option.name.replace("_", "-")
 
@@ -221,8 +265,15 @@ def _run_generate(args) -> int:
 
     if args.method is not None:
         check_method_name(args.method)
-    SamplingConfig(args.temperature, args.top_k, args.top_p)  # refuse bad values before loading anything
+    # Refuse bad values before loading anything (a load and a cost table take 10-56 s).
+    SamplingConfig(args.temperature, args.top_k, args.top_p)
+    _check_model_flags(args)
+    _check_generation_budget(args.max_new_tokens, args.target)
     prompt = read_prompt(args.prompt)
+    if not prompt.strip():
+        from .decode import PromptError
+
+        raise PromptError("the prompt is empty: give some text")
     target = _load(args, args.target)
     drafter = _load(args, args.drafter) if args.drafter else None
     options = method_options(args, target)
@@ -244,6 +295,7 @@ def _run_generate(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()  # here, where a closed pipe is caught (main), not at the interpreter's exit
     if args.stats:
         print(json.dumps({"method": method, **text_stream.stats.to_dict()}), file=sys.stderr)
     return 0
@@ -285,6 +337,7 @@ def _run_serve(args) -> int:
 
     if args.method is not None:
         check_method_name(args.method)
+    _check_model_flags(args)
     if not 0 < args.port < 65536:
         raise TierspecError(f"--port must be in 1..65535, got {args.port}")
     max_request_bytes = DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None else args.max_request_bytes
@@ -556,15 +609,18 @@ def _run_drafter_build(args) -> int:
     from pathlib import Path
 
     from .eagle.data import DataConfig, build_data
+    from .util import exclusive_lock
 
     config = DataConfig(own_prompts=args.own_prompts, reference_items=args.reference_items,
                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                         batch_size=args.batch_size,
                         sampled_fraction=args.sampled_fraction, seed=args.seed)
     # Batched generation with padding: transformers' generate (tierspec's decode loop runs one sequence).
-    target = _load(args, args.target, "transformers" if args.implementation == "auto" else None)
-    manifest = build_data(target, Path(args.out), config, Path(args.data_dir) if args.data_dir else None,
-                          progress=not args.no_progress)
+    out = Path(args.out)
+    with exclusive_lock(out / ".build-data.lock", f"the data folder {out}", "tierspec drafter build-data"):
+        target = _load(args, args.target, "transformers" if args.implementation == "auto" else None)
+        manifest = build_data(target, out, config, Path(args.data_dir) if args.data_dir else None,
+                              progress=not args.no_progress)
     print(json.dumps(manifest, indent=2))
     return 0
 
@@ -572,14 +628,25 @@ def _run_drafter_build(args) -> int:
 def _run_drafter_train(args) -> int:
     from pathlib import Path
 
-    from .eagle.train import TrainConfig, train_head
+    from .eagle.train import TrainConfig
+    from .util import exclusive_lock
 
     layers = None if args.feature_layers is None else tuple(int(i) for i in args.feature_layers.split(",") if i.strip())
     config = TrainConfig(draft_vocab_size=args.draft_vocab, epochs=args.epochs, batch_tokens=args.batch_tokens,
                          lr=args.lr, ttt_steps=args.ttt_steps, ce_weight=args.ce_weight, feature_layers=layers,
                          seed=args.seed)
-    target = _load(args, args.target)
     out = Path(args.out)
+    # One training per output (its checkpoint is out + .checkpoint.pt): a second is refused.
+    with exclusive_lock(out.with_name(f".{out.name}.train.lock"), f"the head file {out}", "tierspec drafter train"):
+        return _train_into(args, config, out)
+
+
+def _train_into(args, config, out) -> int:
+    from pathlib import Path
+
+    from .eagle.train import train_head
+
+    target = _load(args, args.target)
     init_head, continued = _starting_head(args.init_head, target)
     checkpoint = out.with_name(out.name + ".checkpoint.pt")
     head, metrics = train_head(target, Path(args.data), config, checkpoint, progress=not args.no_progress,
@@ -644,7 +711,8 @@ def _check_seed(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line. Validation errors (``TierspecError``) print as one line and exit 2;
+    """Run the command line. Validation errors (``TierspecError``) and OS errors (a full disk)
+    print as one line and exit 2; a closed stdout pipe ends quietly (141, SIGPIPE's status);
     anything else is a bug and prints its traceback (exit 1). ``--debug`` or
     ``TIERSPEC_DEBUG=1`` shows the traceback of validation errors too."""
     import os
@@ -657,13 +725,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_seed(args)
         return args.run(args)
+    except BrokenPipeError:
+        # The reader went away (``tierspec generate … | head -c 10``): end quietly as a shell tool
+        # does, with SIGPIPE's status; stdout points at /dev/null so the exit's flush finds no pipe.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         print(f"tierspec: interrupted{getattr(args, 'resume_hint', '')}", file=sys.stderr)
         return 130
     except TierspecError as error:
         if debug:
             raise
-        print(f"tierspec: error: {error}", file=sys.stderr)
+        message = " ".join(line.strip() for line in str(error).splitlines())  # one line, whoever wrote it
+        print(f"tierspec: error: {message}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        # A full disk or a file that cannot be written, where no writer named it: one line with
+        # the file when the error knows it (a bug is not an OSError; --debug shows the traceback).
+        if debug:
+            raise
+        where = f" ({error.filename})" if error.filename else ""
+        print(f"tierspec: error: {error.strerror or error}{where}", file=sys.stderr)
         return 2
 
 

@@ -87,6 +87,7 @@ def source_hash(folder: Path) -> str:
 
 def convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
     """De-quantise ``gguf`` once and write a safetensors folder to ``dest`` atomically."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     quiet_transformers()
@@ -109,19 +110,24 @@ def convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
             for name, tensor in model.state_dict().items()
             if not (tied and name == "lm_head.weight")
         }
-        save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)  # the copy is plain float weights
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        model.generation_config.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        # mkdtemp's folder is private (0o700) and some writers leave 0o600 files: give the copy the
-        # permissions a plainly made folder would have, so a shared $TIERSPEC_CACHE stays usable.
-        file_mode = default_file_mode()
-        for item in staging.iterdir():
-            os.chmod(item, file_mode)
-        os.chmod(staging, file_mode | ((file_mode & 0o444) >> 2))  # r → x on folders
-        write_conversion_marker(staging, gguf, sha256_file(gguf))
+        try:
+            save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)  # the copy is plain float weights
+            (staging / "config.json").write_text(json.dumps(config, indent=2))
+            model.generation_config.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            # mkdtemp's folder is private (0o700) and some writers leave 0o600 files: give the copy the
+            # permissions a plainly made folder would have, so a shared $TIERSPEC_CACHE stays usable.
+            file_mode = default_file_mode()
+            for item in staging.iterdir():
+                os.chmod(item, file_mode)
+            os.chmod(staging, file_mode | ((file_mode & 0o444) >> 2))  # r → x on folders
+            write_conversion_marker(staging, gguf, sha256_file(gguf))
+        except (OSError, SafetensorError) as error:  # a full disk: one line, nothing partial left
+            reason = getattr(error, "strerror", None) or str(error)
+            raise ModelLoadError(f"cannot write the converted copy of {gguf.name} to {dest.parent}: {reason}; free "
+                                 "space there or set TIERSPEC_CACHE to another folder") from None
         try:
             os.replace(staging, dest)
         except OSError:
