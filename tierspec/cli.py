@@ -372,6 +372,10 @@ def _add_bench(sub) -> None:
                         help="comma-separated method specs, e.g. ar,pld,via:alpha2=0.5:mask=m.json,hf-assisted")
     parser.add_argument("--dataset", default="spec_bench",
                         help="spec_bench, gsm8k, humaneval, mt_bench, cnn_dailymail, xsum, wmt14")
+    parser.add_argument("--allow-code-execution", action="store_true",
+                        help="humaneval: run the code the model writes (sandboxed: no network, time, memory, file-size "
+                        "and process limits, a scratch folder) to score pass@1; refused without this flag or "
+                        "TIERSPEC_ALLOW_CODE_EXECUTION=1")
     parser.add_argument("--data-dir", default=None, help="data folder (default: the copy shipped in the package, or $TIERSPEC_DATA)")
     parser.add_argument("--per-category", type=int, default=None, help="prompts per category (seeded sample)")
     parser.add_argument("--limit", type=int, default=None, help="at most this many prompts")
@@ -414,7 +418,8 @@ def _run_bench(args) -> int:
         mask=args.mask, hf_pld_tokens=args.hf_pld_tokens, hf_early_exit_layer=args.hf_early_exit_layer,
         compute_nll=not args.no_nll, fidelity_reference=args.fidelity_reference,
     )
-    summary = run_bench(config, Path(args.out), progress=not args.no_progress, generate=not args.summarize_only)
+    summary = run_bench(config, Path(args.out), progress=not args.no_progress, generate=not args.summarize_only,
+                        allow_code_execution=args.allow_code_execution)
     print(markdown_table(summary))
     return 0
 

@@ -33,6 +33,7 @@ from ..routing import RoutingMask, model_lock
 from ..sampling import SamplingConfig
 from ..seq2seq import as_task_prompts, is_encoder_decoder
 from ..util import atomic_write_text, exclusive_lock, write_error
+from .sandbox import check_code_execution_allowed, network_isolation
 from . import metrics
 from .llamacpp import LLAMACPP_PARAMETERS, LLAMACPP_PEERS, LlamaCppPeer
 from .outcome import Outcome
@@ -422,12 +423,17 @@ def _task_quality(prompt: Prompt, text: str, dataset: str) -> dict:
 
 
 def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: LoadedModel | None = None,
-              drafter: LoadedModel | None = None, generate: bool = True) -> dict:
+              drafter: LoadedModel | None = None, generate: bool = True, allow_code_execution: bool = False) -> dict:
     """Run (or resume) a benchmark into ``out``; returns the summary.
 
     ``generate=False`` only rebuilds the summary, table and plots from the records already in
     ``out`` (e.g. of a run that was stopped early). One run at a time holds ``out``
-    (``folder_lock``): a second is refused, not interleaved with the first."""
+    (``folder_lock``): a second is refused, not interleaved with the first. HumanEval scores run
+    the model's code (``sandbox``): refused unless ``allow_code_execution`` or
+    ``TIERSPEC_ALLOW_CODE_EXECUTION=1``."""
+    if config.dataset == "humaneval" and generate:
+        check_code_execution_allowed(allow_code_execution)
+        network_isolation()  # no isolation, no run: said before any generation
     if out.exists() and not out.is_dir():
         raise BenchError(f"--out {out} is a file; give a folder (a new one, or one a bench run made)")
     if config.dtype == "auto" and generate:  # records name the dtype they were measured in
