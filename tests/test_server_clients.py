@@ -351,12 +351,13 @@ def test_lm_eval_loglikelihood_and_generation_tasks_run_against_tierspec_serve(s
     assert "acc,none" in run["results"]["tiny_mc"] and "exact_match,none" in run["results"]["tiny_gen"]
     scored = 0
     for sample in run["samples"]["tiny_mc"]:
-        context = sample["arguments"]["gen_args_0"]["arg_0"]
-        for i, choice in enumerate(sample["doc"]["choices"]):
-            whole = smollm.tokenizer(context + choice, add_special_tokens=False)["input_ids"]
+        for i in range(len(sample["doc"]["choices"])):
+            arguments = sample["arguments"][f"gen_args_{i}"]  # (context, continuation) as lm-eval asked
+            context, continuation = arguments["arg_0"], arguments["arg_1"]
+            whole = smollm.tokenizer(context + continuation, add_special_tokens=False)["input_ids"]
             context_ids = smollm.tokenizer(context, add_special_tokens=False)["input_ids"]
             expected = float(reference_logprobs(smollm, whole)[len(context_ids) - 1:].sum())
-            assert sample["resps"][i][0][0] == pytest.approx(expected, abs=1e-3)
+            assert float(sample["resps"][i][0][0]) == pytest.approx(expected, abs=1e-3)
             scored += 1
     assert scored == 9
     for sample in run["samples"]["tiny_gen"]:
