@@ -355,6 +355,13 @@ def _run_serve(args) -> int:
         serve(engine, sock, args.log_level, max_request_bytes, body_timeout)
     finally:
         sock.close()
+    import signal
+
+    # Stopped: further signals change nothing. Ignored rather than handled in Python, since the
+    # interpreter resets Python handlers to the default while it exits (a late SIGTERM killed the
+    # process after its closing line, exit 143).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     return 0
 
 

@@ -559,9 +559,11 @@ def serve(engine: Engine, sock: socket.socket, log_level: str = "info",
     The server's own signal handler stays installed after uvicorn restores the handlers it found
     (they are the server's too, set here first): a second SIGTERM during the teardown (the engine
     closing, the closing line) is one more request to stop, not the default action that killed
-    the process with 143."""
+    the process with 143. (``tierspec serve`` ignores signals once this returns: the interpreter
+    resets Python handlers to the default as it exits.)"""
     server = _Server(engine, log_level, max_request_bytes, body_timeout)
-    if threading.current_thread() is threading.main_thread():
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, server.handle_exit)
     try:
