@@ -40,14 +40,23 @@ def default_file_mode() -> int:
     return 0o666 & ~umask
 
 
-class WriteError(TierspecError):
-    """A file could not be written (a full disk, no permission): one line naming the file."""
+class WriteError(TierspecError, OSError):
+    """A file could not be written (a full disk, no permission): one line naming the file. Also
+    an ``OSError`` with the original ``errno`` and ``strerror``, so callers that handle a failed
+    write (a cost table kept for the process only) still do."""
+
+    def __init__(self, path: Path, error: OSError):
+        super().__init__(f"cannot write {path}: {error.strerror or error}")
+        self.errno, self.strerror, self.filename = error.errno, error.strerror, str(path)
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 def write_error(path: Path, error: OSError) -> WriteError:
     """The one-line error for ``error`` raised while writing ``path`` (``write()`` itself names
     no file: ENOSPC comes without one)."""
-    return WriteError(f"cannot write {path}: {error.strerror or error}")
+    return WriteError(path, error)
 
 
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
