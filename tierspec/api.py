@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from .decode import DecodeConfig, DecodeRun, GenerationStats, PromptError
+from .decode import DecodeConfig, DecodeRun, GenerationStats, PromptError, TokenLogprob
 from .methods import Method, MethodOptions, build_method, default_method
 from .models import DEFAULT_MODEL, LoadedModel, load_model, resolve_device, resolve_dtype
 from .prompting import encode_prompt, eos_ids
@@ -121,13 +121,16 @@ class IncrementalDetokenizer:
 class TextStream:
     """The text of one generation, an iterator of pieces as the loop commits tokens (``next``
     works, as on a generator). ``stats`` and ``token_ids`` (the ``DecodeRun``'s) grow as it runs
-    and are complete once it is exhausted; ``text`` is everything so far. ``close()`` stops the
-    generation."""
+    and are complete once it is exhausted; ``text`` is everything so far; ``logprobs`` the
+    records of the tokens so far (with ``DecodeConfig.logprobs``; ``prompt_logprobs`` with
+    ``score_prompt``). ``close()`` stops the generation."""
 
     def __init__(self, run: DecodeRun, target: LoadedModel):
         self._run = run
         self.target = target
         self.text = ""
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] | None = None
         self._detok = IncrementalDetokenizer(target.tokenizer) if target.tokenizer is not None else None
         self._pieces = self._texts()
 
@@ -147,6 +150,10 @@ class TextStream:
 
     def _texts(self) -> Iterator[str]:
         for step in self._run:
+            if step.logprobs is not None:
+                self.logprobs.extend(step.logprobs)
+            if step.prompt_logprobs is not None:
+                self.prompt_logprobs = step.prompt_logprobs
             if self._detok is None:
                 continue
             piece = self._detok.add(step.new_tokens, final=step.finished)

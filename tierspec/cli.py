@@ -66,6 +66,50 @@ def _load(args, spec, implementation: str | None = None):
     return load_model(spec, args.dtype, args.device, args.kernels, implementation or args.implementation)
 
 
+def _check_model_flags(args) -> None:
+    """--dtype with --device, refused before anything loads (float16 on a CPU)."""
+    from .models import check_dtype_for_device, resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    check_dtype_for_device(resolve_dtype(args.dtype, device), device)
+
+
+def _check_generation_budget(max_new_tokens: int, target_spec: str) -> None:
+    """--max-new-tokens against 1 and, where the model's config can be read without loading the
+    model, its context: refused before the model loads (and before any cost table is measured)."""
+    from .decode import PromptError
+
+    if max_new_tokens < 1:
+        raise PromptError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    context = _known_context(target_spec)
+    if context is not None and max_new_tokens >= context:
+        raise PromptError(f"--max-new-tokens {max_new_tokens} does not fit the model's context of {context} positions "
+                          "(with the prompt)")
+
+
+def _known_context(spec: str) -> int | None:
+    """The model's context length from a config.json beside it (an HF folder, or the default
+    model's converted copy when it exists); None when it cannot be read cheaply."""
+    from pathlib import Path
+
+    from .models import DEFAULT_MODEL
+
+    folder = Path(spec)
+    if spec == DEFAULT_MODEL:
+        try:
+            from .gguf_cache import gguf_cache_dir
+            from .models import default_model_file
+
+            folder = gguf_cache_dir(default_model_file())
+        except Exception:  # not installed: the load reports it
+            return None
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        return int(config["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _flag(option) -> str:
     return option.metadata.get("flag") or "--" + option.name.replace("_", "-")
 
@@ -221,8 +265,15 @@ def _run_generate(args) -> int:
 
     if args.method is not None:
         check_method_name(args.method)
-    SamplingConfig(args.temperature, args.top_k, args.top_p)  # refuse bad values before loading anything
+    # Refuse bad values before loading anything (a load and a cost table take 10-56 s).
+    SamplingConfig(args.temperature, args.top_k, args.top_p)
+    _check_model_flags(args)
+    _check_generation_budget(args.max_new_tokens, args.target)
     prompt = read_prompt(args.prompt)
+    if not prompt.strip():
+        from .decode import PromptError
+
+        raise PromptError("the prompt is empty: give some text")
     target = _load(args, args.target)
     drafter = _load(args, args.drafter) if args.drafter else None
     options = method_options(args, target)
@@ -244,6 +295,7 @@ def _run_generate(args) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()  # here, where a closed pipe is caught (main), not at the interpreter's exit
     if args.stats:
         print(json.dumps({"method": method, **text_stream.stats.to_dict()}), file=sys.stderr)
     return 0
@@ -269,6 +321,9 @@ def _add_serve(sub) -> None:
     parser.add_argument("--max-request-bytes", type=int, default=None,
                         help="larger request bodies are answered 413 (default 1 MiB: a whole 8192-token prompt is "
                         "about 40 KB)")
+    parser.add_argument("--body-timeout", type=float, default=None,
+                        help="seconds a request body may take to arrive; a slower one is answered 408 and its "
+                        "connection closed (default 30)")
     parser.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     _add_method_options(parser)
     parser.set_defaults(run=_run_serve)
@@ -278,23 +333,35 @@ def _run_serve(args) -> int:
     from .errors import TierspecError
     from .methods import check_method_name
     from .server import DEFAULT_MAX_REQUEST_BYTES, Engine, listen, serve
+    from .server.app import DEFAULT_BODY_TIMEOUT
 
     if args.method is not None:
         check_method_name(args.method)
+    _check_model_flags(args)
     if not 0 < args.port < 65536:
         raise TierspecError(f"--port must be in 1..65535, got {args.port}")
     max_request_bytes = DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None else args.max_request_bytes
     if max_request_bytes < 1:
         raise TierspecError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
+    body_timeout = DEFAULT_BODY_TIMEOUT if args.body_timeout is None else args.body_timeout
+    if not 0 < body_timeout < float("inf"):
+        raise TierspecError(f"--body-timeout must be a number of seconds > 0, got {args.body_timeout}")
     sock = listen(args.host, args.port)  # before loading anything: a port in use is reported at once
     try:
         target = _load(args, args.target)
         drafter = _load(args, args.drafter) if args.drafter else None
         engine = Engine(target, args.method, drafter, method_options(args, target), max_queue=args.max_queue)
         engine.method(engine.default_method, None)  # build (and measure costs for) the default method before the first request
-        serve(engine, sock, args.log_level, max_request_bytes)
+        serve(engine, sock, args.log_level, max_request_bytes, body_timeout)
     finally:
         sock.close()
+    import signal
+
+    # Stopped: further signals change nothing. Ignored rather than handled in Python, since the
+    # interpreter resets Python handlers to the default while it exits (a late SIGTERM killed the
+    # process after its closing line, exit 143).
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     return 0
 
 
@@ -312,6 +379,10 @@ def _add_bench(sub) -> None:
                         help="comma-separated method specs, e.g. ar,pld,via:alpha2=0.5:mask=m.json,hf-assisted")
     parser.add_argument("--dataset", default="spec_bench",
                         help="spec_bench, gsm8k, humaneval, mt_bench, cnn_dailymail, xsum, wmt14")
+    parser.add_argument("--allow-code-execution", action="store_true",
+                        help="humaneval: run the code the model writes (sandboxed: no network, time, memory, file-size "
+                        "and process limits, a scratch folder) to score pass@1; refused without this flag or "
+                        "TIERSPEC_ALLOW_CODE_EXECUTION=1")
     parser.add_argument("--data-dir", default=None, help="data folder (default: the copy shipped in the package, or $TIERSPEC_DATA)")
     parser.add_argument("--per-category", type=int, default=None, help="prompts per category (seeded sample)")
     parser.add_argument("--limit", type=int, default=None, help="at most this many prompts")
@@ -354,7 +425,8 @@ def _run_bench(args) -> int:
         mask=args.mask, hf_pld_tokens=args.hf_pld_tokens, hf_early_exit_layer=args.hf_early_exit_layer,
         compute_nll=not args.no_nll, fidelity_reference=args.fidelity_reference,
     )
-    summary = run_bench(config, Path(args.out), progress=not args.no_progress, generate=not args.summarize_only)
+    summary = run_bench(config, Path(args.out), progress=not args.no_progress, generate=not args.summarize_only,
+                        allow_code_execution=args.allow_code_execution)
     print(markdown_table(summary))
     return 0
 
@@ -549,15 +621,18 @@ def _run_drafter_build(args) -> int:
     from pathlib import Path
 
     from .eagle.data import DataConfig, build_data
+    from .util import exclusive_lock
 
     config = DataConfig(own_prompts=args.own_prompts, reference_items=args.reference_items,
                         max_new_tokens=args.max_new_tokens, max_prompt_tokens=args.max_prompt_tokens,
                         batch_size=args.batch_size,
                         sampled_fraction=args.sampled_fraction, seed=args.seed)
     # Batched generation with padding: transformers' generate (tierspec's decode loop runs one sequence).
-    target = _load(args, args.target, "transformers" if args.implementation == "auto" else None)
-    manifest = build_data(target, Path(args.out), config, Path(args.data_dir) if args.data_dir else None,
-                          progress=not args.no_progress)
+    out = Path(args.out)
+    with exclusive_lock(out / ".build-data.lock", f"the data folder {out}", "tierspec drafter build-data"):
+        target = _load(args, args.target, "transformers" if args.implementation == "auto" else None)
+        manifest = build_data(target, out, config, Path(args.data_dir) if args.data_dir else None,
+                              progress=not args.no_progress)
     print(json.dumps(manifest, indent=2))
     return 0
 
@@ -565,14 +640,25 @@ def _run_drafter_build(args) -> int:
 def _run_drafter_train(args) -> int:
     from pathlib import Path
 
-    from .eagle.train import TrainConfig, train_head
+    from .eagle.train import TrainConfig
+    from .util import exclusive_lock
 
     layers = None if args.feature_layers is None else tuple(int(i) for i in args.feature_layers.split(",") if i.strip())
     config = TrainConfig(draft_vocab_size=args.draft_vocab, epochs=args.epochs, batch_tokens=args.batch_tokens,
                          lr=args.lr, ttt_steps=args.ttt_steps, ce_weight=args.ce_weight, feature_layers=layers,
                          seed=args.seed)
-    target = _load(args, args.target)
     out = Path(args.out)
+    # One training per output (its checkpoint is out + .checkpoint.pt): a second is refused.
+    with exclusive_lock(out.with_name(f".{out.name}.train.lock"), f"the head file {out}", "tierspec drafter train"):
+        return _train_into(args, config, out)
+
+
+def _train_into(args, config, out) -> int:
+    from pathlib import Path
+
+    from .eagle.train import train_head
+
+    target = _load(args, args.target)
     init_head, continued = _starting_head(args.init_head, target)
     checkpoint = out.with_name(out.name + ".checkpoint.pt")
     head, metrics = train_head(target, Path(args.data), config, checkpoint, progress=not args.no_progress,
@@ -637,7 +723,8 @@ def _check_seed(args) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the command line. Validation errors (``TierspecError``) print as one line and exit 2;
+    """Run the command line. Validation errors (``TierspecError``) and OS errors (a full disk)
+    print as one line and exit 2; a closed stdout pipe ends quietly (141, SIGPIPE's status);
     anything else is a bug and prints its traceback (exit 1). ``--debug`` or
     ``TIERSPEC_DEBUG=1`` shows the traceback of validation errors too."""
     import os
@@ -650,13 +737,28 @@ def main(argv: list[str] | None = None) -> int:
     try:
         _check_seed(args)
         return args.run(args)
+    except BrokenPipeError:
+        # The reader went away (``tierspec generate … | head -c 10``): end quietly as a shell tool
+        # does, with SIGPIPE's status; stdout points at /dev/null so the exit's flush finds no pipe.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
     except KeyboardInterrupt:
         print(f"tierspec: interrupted{getattr(args, 'resume_hint', '')}", file=sys.stderr)
         return 130
     except TierspecError as error:
         if debug:
             raise
-        print(f"tierspec: error: {error}", file=sys.stderr)
+        message = " ".join(line.strip() for line in str(error).splitlines())  # one line, whoever wrote it
+        print(f"tierspec: error: {message}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        # A full disk or a file that cannot be written, where no writer named it: one line with
+        # the file when the error knows it (a bug is not an OSError; --debug shows the traceback).
+        if debug:
+            raise
+        where = f" ({error.filename})" if error.filename else ""
+        print(f"tierspec: error: {error.strerror or error}{where}", file=sys.stderr)
         return 2
 
 

@@ -37,24 +37,73 @@ import torch
 from .cached_model import CachedModel, PassResult
 from .drafters.base import Drafter, FeatureLog, Proposal, TargetDraftView
 from .errors import TierspecError
+from .modifiers import LogitModifiers, chain_counts, modified_logits, token_counts, tree_counts
 from .models import LoadedModel
 from .policies import CycleOutcome, DraftPolicy
 from .rules.base import VerificationRule
-from .sampling import Noise, SamplingConfig
+from .sampling import Noise, SamplingConfig, reported_logprobs
 from .seq2seq import decoder_start, is_encoder_decoder, runner_for
+
+
+#: Most alternatives a token's log-probability record lists (OpenAI's ``top_logprobs`` limit).
+MAX_TOP_LOGPROBS = 20
+#: Prompt tokens per pass of a prefill that returns its logits (``echo``): 512 rows of the default
+#: model's 49,152-token vocabulary are 100 MB of float32.
+SCORED_PREFILL_CHUNK = 512
 
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Run-time settings of one generation (separate from statistics and model state)."""
+    """Run-time settings of one generation (separate from statistics and model state).
+
+    ``modifiers``: penalties and logit bias on the target's logits (``tierspec.modifiers``).
+    ``logprobs``: None, or record each emitted token's log-probability under the target with the
+    ``logprobs`` most likely alternatives (0 .. MAX_TOP_LOGPROBS), read from the verification pass
+    that scored the token (``sampling.reported_logprobs``). ``score_prompt``: also record the
+    prompt tokens' (from the prefill; needs ``logprobs``)."""
 
     max_new_tokens: int = 128
     sampling: SamplingConfig = SamplingConfig()
     eos_token_ids: tuple[int, ...] = ()
+    modifiers: LogitModifiers = LogitModifiers()
+    logprobs: int | None = None
+    score_prompt: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             raise PromptError(f"max_new_tokens must be an integer >= 1, got {self.max_new_tokens!r}")
+        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
+                                          or not 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise PromptError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {self.logprobs!r}")
+        if self.score_prompt and self.logprobs is None:
+            raise PromptError("score_prompt records log-probabilities: give logprobs too")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One token's log-probability under the target (``sampling.reported_logprobs``) and the
+    ``top`` alternatives at its position, most likely first: (token id, log-probability) pairs.
+    ``logprob`` is None for a prompt's first token, which nothing scores."""
+
+    token: int
+    logprob: float | None
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], sampling: SamplingConfig, top: int) -> list[TokenLogprob]:
+    """The records of ``tokens`` [r] scored by ``logits`` [r, V] (row i is the target's logits
+    before token i, modifiers applied): the reported log-probability of each and its ``top`` most
+    likely alternatives."""
+    if not tokens:
+        return []
+    logprobs = reported_logprobs(logits[: len(tokens)], sampling)  # [r, V]
+    chosen = logprobs.gather(-1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
+    if top:
+        values, ids = logprobs.topk(top, dim=-1)
+        tops = [tuple(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [()] * len(tokens)
+    return [TokenLogprob(token, logprob, alternatives) for token, logprob, alternatives in zip(tokens, chosen, tops)]
 
 
 @dataclass
@@ -227,7 +276,7 @@ class Verifiers:
 
     def __init__(self, target: LoadedModel, positions: int, slim_mask=None, forward_costs=None,
                  record_features: bool = False, feature_layers: tuple[int, ...] = (), slim_vocabulary=None,
-                 source=None):
+                 source=None, modifiers: LogitModifiers = LogitModifiers()):
         """``positions``: every position this generation's passes can reach (the prompt, the
         token budget and a last pass's draft and padding); the KV buffer and the feature log
         are allocated for them once. ``forward_costs`` (a ``costs.ForwardCosts``): pad each pass
@@ -235,7 +284,8 @@ class Verifiers:
         outputs are dropped and their KV rolled back with the rest of the uncommitted block).
         ``slim_vocabulary`` (a ``cached_model.SlimVocabulary``): the slim tier scores only
         those tokens. ``source`` [S]: an encoder–decoder target's encoder input (``seq2seq``);
-        the cache is then its decoder's."""
+        the cache is then its decoder's. ``modifiers``: applied to every row of every pass the
+        rules read (target and slim), each row with the counts of the generated text before it."""
         self.runner = runner_for(target.model, source)
         self.runner.reserve(positions)  # a longer pass than foreseen still grows the KV buffer
         self.slim_mask = slim_mask
@@ -250,6 +300,13 @@ class Verifiers:
         self.slim_calls = 0
         self.pass_seconds = 0.0  # time in verifier passes (``_forward``): where a cycle's time goes
         self._tree_pass = None  # (start, pending tokens, their and the nodes' features) of a tree pass awaiting its path
+        self.modifiers = modifiers if modifiers.active else None
+        self._generated_from = 0  # the first position that counts for the penalties (after the prompt)
+        self._generated_counts: torch.Tensor | None = None  # c [V] of the committed generated tokens
+        self._bias: torch.Tensor | None = None  # b [V]
+        # The target's logits rows of the last full pass (modifiers applied) and the position the
+        # first of them predicts: what the logprobs of the tokens committed after it are read from.
+        self._scored: tuple[int, torch.Tensor] | None = None
 
     @property
     def context(self) -> torch.Tensor:
@@ -276,16 +333,41 @@ class Verifiers:
         if self.features is not None:
             self.features.write(start, hidden)
 
-    def prefill(self, prompt_ids: torch.Tensor) -> None:
+    def _modified(self, logits: torch.Tensor, counts: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """``logits`` [r, V] under the modifiers; ``counts(prior [V])`` gives each row's counts [r, V]."""
+        if self.modifiers is None:
+            return logits
+        vocab_size = logits.shape[-1]
+        if self._generated_counts is None or self._generated_counts.shape[0] != vocab_size:
+            self._generated_counts = token_counts(self._context[self._generated_from:], vocab_size)
+            self._bias = self.modifiers.bias_vector(vocab_size) if self.modifiers.logit_bias else None
+        return modified_logits(logits, counts(self._generated_counts), self.modifiers, self._bias)
+
+    def prefill(self, prompt_ids: torch.Tensor, score: bool = False) -> torch.Tensor | None:
         """Commit the prompt. The target processes all but its last token, which is fed with the
-        first draft (so every verification pass is "pending committed tokens + draft")."""
+        first draft (so every verification pass is "pending committed tokens + draft").
+
+        ``score``: return the logits [n−1, V] (modifiers applied) of the same pass's rows, row j
+        before prompt token j+1 (the first token has none): what ``echo`` reports. Long prompts
+        run in chunks of ``SCORED_PREFILL_CHUNK`` tokens then, so the rows' memory stays bounded."""
         self._context = prompt_ids.clone()
+        self._generated_from = len(prompt_ids)
+        rows = []
         if len(prompt_ids) > 1:
-            result = self._forward(prompt_ids[:-1], logits_for=1)
-            self._record(0, result.hidden)
+            pending = prompt_ids[:-1]
+            step = SCORED_PREFILL_CHUNK if score else len(pending)
+            for start in range(0, len(pending), step):
+                chunk = pending[start : start + step]
+                result = self._forward(chunk, logits_for=len(chunk) if score else 1)
+                self._record(start, result.hidden)
+                if score:
+                    rows.append(self._modified(result.logits, lambda prior: prior.expand(len(chunk), -1)))
         self.full_length = self.runner.length
         if self.features is not None:
             self.features.commit(self.full_length)
+        if not score:
+            return None
+        return torch.cat(rows) if rows else torch.empty(0, 0)
 
     def target_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
         """``target_pass(draft_tokens).logits``: what most rules need."""
@@ -309,7 +391,9 @@ class Verifiers:
         if self.features is not None:
             self._record(start, result.hidden[:real])
         hidden = result.hidden[real - (k + 1) : real, : self.hidden_size] if with_hidden else None
-        return PassResult(result.logits[: k + 1], hidden)
+        logits = self._modified(result.logits[: k + 1], lambda prior: chain_counts(prior, draft_tokens))
+        self._scored = (len(self._context), logits)  # row 0 predicts the token after the committed text
+        return PassResult(logits, hidden)
 
     def target_tree_logits(self, tree) -> torch.Tensor:
         """Full-target logits [1 + m, V] of a token tree (``tree.TokenTree``, docs/algorithms.md
@@ -329,7 +413,9 @@ class Verifiers:
         self.target_calls += 1
         hidden = result.hidden[: layout.pending + m] if self.features is not None else None
         self._tree_pass = (start, layout.pending, hidden)
-        return result.logits[: m + 1]
+        logits = self._modified(result.logits[: m + 1], lambda prior: tree_counts(prior, tree.tokens, tree.parents))
+        self._scored = (len(self._context), logits)  # rows by node: ``scored_rows`` follows the path
+        return logits
 
     def slim_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
         """Slim-verifier logits [k+1, V] (the target under ``slim_mask``), same layout."""
@@ -342,7 +428,23 @@ class Verifiers:
         self.slim_calls += 1
         if self.features is not None:  # the slim model's features, until a full pass rewrites them
             self._record(start, result.hidden[: len(tokens) - pad])
-        return result.logits[: k + 1]
+        return self._modified(result.logits[: k + 1], lambda prior: chain_counts(prior, draft_tokens))
+
+    def scored_rows(self, new_tokens: list[int], tree_path: list[int] | None = None) -> torch.Tensor:
+        """The target's logits rows [len(new_tokens), V] that scored ``new_tokens`` (to be committed
+        next; after a tree pass, along the accepted ``tree_path``), from the last full pass: the
+        logprobs come from the rows the rule verified against, with no pass of their own."""
+        if self._scored is None or self._scored[0] != len(self._context):
+            raise TierspecError("log-probabilities need the target's scores of every emitted token; "
+                                "this cycle committed tokens no target pass scored")
+        first, logits = self._scored
+        if tree_path is not None:
+            return logits[torch.tensor([0] + [1 + node for node in tree_path[: len(new_tokens) - 1]], dtype=torch.long)]
+        rows = logits[: len(new_tokens)]
+        if rows.shape[0] < len(new_tokens):
+            raise TierspecError("log-probabilities need the target's scores of every emitted token; "
+                                "this cycle committed tokens no target pass scored")
+        return rows
 
     def _pad_count(self, n: int) -> int:
         """Rows to add to an n-token pass (a one-token pass is never padded)."""
@@ -369,11 +471,15 @@ class Verifiers:
         if tree_path is not None:
             self._keep_tree_path(tree_path)
         self._context = torch.cat([self._context, torch.tensor(new_tokens, dtype=torch.long)])
+        if self._generated_counts is not None:
+            self._generated_counts = self._generated_counts + token_counts(torch.tensor(new_tokens, dtype=torch.long),
+                                                                           self._generated_counts.shape[0])
         keep = len(self._context) - 1  # the last committed token is fed with the next draft
         self.runner.rollback(min(self.runner.length, keep))
         self.full_length = min(self.full_length, keep)
         if self.features is not None:
             self.features.commit(self.runner.length)
+        self._scored = None  # its rows scored this cycle's tokens only
         return self._context
 
     def _keep_tree_path(self, path: list[int]) -> None:
@@ -460,13 +566,47 @@ def check_prompt(prompt_ids, max_positions: int | None, max_new_tokens: int, voc
     return prompt_ids
 
 
+def score_prompt(target: LoadedModel, prompt_ids: torch.Tensor, config: DecodeConfig) -> list[TokenLogprob]:
+    """The prompt's logprob records (``echo`` with nothing to generate): one prefill, no decoding."""
+    if is_encoder_decoder(target.model):
+        raise TierspecError("an encoder-decoder model reads the prompt with its encoder: there are no prompt "
+                            "log-probabilities to report (echo)")
+    max_positions = getattr(target.model.config, "max_position_embeddings", None)
+    prompt_ids = check_prompt(prompt_ids, max_positions, 0, target.vocab_size)
+    config.modifiers.check_vocabulary(target.vocab_size)
+    verifiers = Verifiers(target, len(prompt_ids) + 1, modifiers=config.modifiers)
+    with torch.inference_mode():
+        rows = verifiers.prefill(prompt_ids, score=True)
+        return prompt_records(prompt_ids, rows, config)
+
+
 @dataclass
 class Step:
-    """What the loop yields after each commit."""
+    """What the loop yields after each commit. With ``DecodeConfig.logprobs``: ``logprobs``, one
+    record per new token; the first step also carries ``prompt_logprobs`` with
+    ``DecodeConfig.score_prompt`` (None for the first prompt token, which nothing scores)."""
 
     new_tokens: list[int]
     cycle: CycleStats
     finished: bool
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+
+
+def check_logprobs_method(method, config: DecodeConfig) -> None:
+    """Refuse log-probabilities where tokens are committed that no target pass scored: VIA-SD's
+    slim tier commits tokens before the full target sees them."""
+    if config.logprobs is not None and getattr(method, "slim_mask", None) is not None:
+        raise TierspecError(f"method '{method.name}' cannot report log-probabilities: its slim verifier commits "
+                            "tokens the full target has not scored; use a method without a slim tier (e.g. hybrid, "
+                            "eagle, pld, ar)")
+
+
+def prompt_records(prompt_ids: torch.Tensor, rows: torch.Tensor, config: DecodeConfig) -> list[TokenLogprob]:
+    """The echo records of ``prompt_ids`` [n] from the prefill's ``rows`` [n−1, V] (the first
+    token's logprob is None)."""
+    first = TokenLogprob(int(prompt_ids[0]), None)
+    return [first] + token_logprobs(rows, prompt_ids[1:].tolist(), config.sampling, config.logprobs)
 
 
 def decode(
@@ -488,10 +628,14 @@ def decode(
     rule: VerificationRule = method.rule
     policy: DraftPolicy = method.policy
     check_tree_rule(drafter, rule)
+    check_logprobs_method(method, config)
     max_positions = getattr(target.model.config, "max_position_embeddings", None)
     prompt_ids = check_prompt(prompt_ids, max_positions, config.max_new_tokens, target.vocab_size)
     source = None
     if is_encoder_decoder(target.model):  # the prompt is the encoder's; the loop decodes the decoder's sequence
+        if config.score_prompt:
+            raise TierspecError("an encoder-decoder model reads the prompt with its encoder: there are no prompt "
+                                "log-probabilities to report (echo)")
         source, prompt_ids = prompt_ids, decoder_start(target.model)
     drafter.set_source(source)
     # Every position this generation can reach: the prompt, the budget, and the last verification
@@ -500,12 +644,16 @@ def decode(
     verifiers = Verifiers(target, positions, slim_mask=method.slim_mask, forward_costs=method.forward_costs,
                           record_features=drafter.needs_target_features,
                           feature_layers=getattr(drafter, "feature_layers", ()),
-                          slim_vocabulary=getattr(method, "slim_vocabulary", None), source=source)
+                          slim_vocabulary=getattr(method, "slim_vocabulary", None), source=source,
+                          modifiers=config.modifiers)
+    config.modifiers.check_vocabulary(target.vocab_size)
     eos = set(config.eos_token_ids)
     noise = Noise(seed, target.vocab_size)
 
     with torch.inference_mode():
-        verifiers.prefill(prompt_ids)
+        prompt_rows = verifiers.prefill(prompt_ids, score=config.score_prompt)
+        prompt_logprobs = None if prompt_rows is None else prompt_records(prompt_ids, prompt_rows, config)
+        del prompt_rows
         drafter.start(prompt_ids, verifiers.features, verifiers.draft_view() if drafter.uses_target_cache else None)
         policy.start()
     emitted_total = 0
@@ -513,6 +661,7 @@ def decode(
     while emitted_total < config.max_new_tokens:
         with torch.inference_mode():
             step = cycle(verifiers, drafter, rule, policy, config, emitted_total, eos, noise)
+        step.prompt_logprobs, prompt_logprobs = prompt_logprobs, None
         emitted_total += len(step.new_tokens)
         if inspect is not None:
             inspect(verifiers, drafter)
@@ -594,7 +743,7 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
 
     # Commit: accepted prefix + the correction/bonus token, cut at EOS and the budget.
     emitted = proposal.tokens[: verdict.accepted].tolist() + [verdict.next_token]
-    new_tokens, finished = _commit(emitted, verifiers, drafter, config, emitted_total, eos, noise)
+    new_tokens, finished, records = _commit(emitted, verifiers, drafter, config, emitted_total, eos, noise)
 
     k = len(proposal)
     ended = time.perf_counter()
@@ -616,15 +765,17 @@ def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, polic
         pass_seconds=verifiers.pass_seconds - pass_seconds,
         deciders=verdict.deciders[: len(new_tokens)],
     )
-    return Step(new_tokens, cycle, finished)
+    return Step(new_tokens, cycle, finished, records)
 
 
 def _commit(new_tokens: list[int], verifiers: Verifiers, drafter: Drafter, config: DecodeConfig, emitted_total: int,
-            eos: set[int], noise: Noise, tree_path: list[int] | None = None) -> tuple[list[int], bool]:
+            eos: set[int], noise: Noise, tree_path: list[int] | None = None
+            ) -> tuple[list[int], bool, list[TokenLogprob] | None]:
     """Commit a cycle's tokens (accepted drafts + the correction/bonus token; after a tree pass,
     ``tree_path`` the accepted nodes), cut after an EOS and at the token budget: the verifiers
     extend the committed sequence and roll their caches back, the drafter rolls its state back
-    to the new length. Returns (the tokens committed, whether generation is finished)."""
+    to the new length. Returns (the tokens committed, whether generation is finished, their
+    logprob records when the config asks for them)."""
     finished = False
     for i, token in enumerate(new_tokens):
         if token in eos:
@@ -632,11 +783,14 @@ def _commit(new_tokens: list[int], verifiers: Verifiers, drafter: Drafter, confi
             finished = True
             break
     new_tokens = new_tokens[: config.max_new_tokens - emitted_total]
+    records = None
+    if config.logprobs is not None:
+        records = token_logprobs(verifiers.scored_rows(new_tokens, tree_path), new_tokens, config.sampling, config.logprobs)
     committed = len(verifiers.commit(new_tokens, tree_path))
     noise.forget_before(committed)
     finished = finished or emitted_total + len(new_tokens) >= config.max_new_tokens
     drafter.commit(committed)
-    return new_tokens, finished
+    return new_tokens, finished, records
 
 
 def _tree_cycle(verifiers: Verifiers, drafter: Drafter, rule, policy: DraftPolicy, config: DecodeConfig,
@@ -655,7 +809,7 @@ def _tree_cycle(verifiers: Verifiers, drafter: Drafter, rule, policy: DraftPolic
     verdict = rule.verify_tree(verifiers, tree, config.sampling, block)
 
     emitted = tree.tokens[verdict.path].tolist() + [verdict.next_token]
-    new_tokens, finished = _commit(emitted, verifiers, drafter, config, emitted_total, eos, noise, verdict.path)
+    new_tokens, finished, records = _commit(emitted, verifiers, drafter, config, emitted_total, eos, noise, verdict.path)
     if hasattr(policy, "observe_tree"):
         policy.observe_tree(proposal, verdict)
     ended = time.perf_counter()
@@ -676,4 +830,4 @@ def _tree_cycle(verifiers: Verifiers, drafter: Drafter, rule, policy: DraftPolic
         deciders=verdict.deciders[: len(new_tokens)],
         tree_depth=tree.depth,
     )
-    return Step(new_tokens, cycle, finished)
+    return Step(new_tokens, cycle, finished, records)

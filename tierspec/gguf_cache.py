@@ -10,7 +10,9 @@ run until deleted by hand. ``models.load_model`` is the only caller.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -47,13 +49,25 @@ def converted_copy(gguf: Path) -> Path:
     damaged (a damaged one with a message)."""
     folder = gguf_cache_dir(gguf)
     problem = converted_copy_problem(folder)
-    if problem is not None and (folder / CONVERTED_MARKER).exists():
+    if problem is not None and folder.exists():
+        # A folder without its marker is no finished copy (conversions finish in a staging folder
+        # and are renamed into place with the marker): left by hand or by another tool. Keeping it
+        # made every later conversion fail to move its result into place.
         print(f"tierspec: the converted copy of {gguf.name} in {folder} is damaged ({problem}); converting it again",
               file=sys.stderr)
-        shutil.rmtree(folder, ignore_errors=True)
+        _remove_folder(folder)
     if problem is not None:
         convert_gguf(gguf, folder, torch.float32)
     return folder
+
+
+def _remove_folder(folder: Path) -> None:
+    """Delete a damaged copy, or say in one line what to delete by hand."""
+    try:
+        shutil.rmtree(folder)
+    except OSError as error:
+        raise ModelLoadError(f"the damaged converted copy {folder} cannot be removed ({error.strerror}); "
+                             f"delete that folder and run again") from None
 
 
 def reconvert(gguf: Path, reason: str) -> Path:
@@ -61,7 +75,7 @@ def reconvert(gguf: Path, reason: str) -> Path:
     check of ``converted_copy_problem`` did not see); returns the folder."""
     folder = gguf_cache_dir(gguf)
     print(f"tierspec: the converted copy in {folder} cannot be loaded ({reason}); converting it again", file=sys.stderr)
-    shutil.rmtree(folder, ignore_errors=True)
+    _remove_folder(folder)
     convert_gguf(gguf, folder, torch.float32)
     return folder
 
@@ -73,6 +87,7 @@ def source_hash(folder: Path) -> str:
 
 def convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
     """De-quantise ``gguf`` once and write a safetensors folder to ``dest`` atomically."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     quiet_transformers()
@@ -83,8 +98,9 @@ def convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=dest.parent))
     try:
         try:
-            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+            with progress_bars_only_on_a_terminal():
+                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+                model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
         except Exception as error:  # transformers raises many types for a bad GGUF file
             raise ModelLoadError(f"cannot read GGUF file {gguf}: {error}") from error
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -94,19 +110,24 @@ def convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
             for name, tensor in model.state_dict().items()
             if not (tied and name == "lm_head.weight")
         }
-        save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)  # the copy is plain float weights
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        model.generation_config.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        # mkdtemp's folder is private (0o700) and some writers leave 0o600 files: give the copy the
-        # permissions a plainly made folder would have, so a shared $TIERSPEC_CACHE stays usable.
-        file_mode = default_file_mode()
-        for item in staging.iterdir():
-            os.chmod(item, file_mode)
-        os.chmod(staging, file_mode | ((file_mode & 0o444) >> 2))  # r → x on folders
-        write_conversion_marker(staging, gguf, sha256_file(gguf))
+        try:
+            save_file(state, staging / "model.safetensors", metadata={"format": "pt"})
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)  # the copy is plain float weights
+            (staging / "config.json").write_text(json.dumps(config, indent=2))
+            model.generation_config.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            # mkdtemp's folder is private (0o700) and some writers leave 0o600 files: give the copy the
+            # permissions a plainly made folder would have, so a shared $TIERSPEC_CACHE stays usable.
+            file_mode = default_file_mode()
+            for item in staging.iterdir():
+                os.chmod(item, file_mode)
+            os.chmod(staging, file_mode | ((file_mode & 0o444) >> 2))  # r → x on folders
+            write_conversion_marker(staging, gguf, sha256_file(gguf))
+        except (OSError, SafetensorError) as error:  # a full disk: one line, nothing partial left
+            reason = getattr(error, "strerror", None) or str(error)
+            raise ModelLoadError(f"cannot write the converted copy of {gguf.name} to {dest.parent}: {reason}; free "
+                                 "space there or set TIERSPEC_CACHE to another folder") from None
         try:
             os.replace(staging, dest)
         except OSError:
@@ -116,6 +137,20 @@ def convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def progress_bars_only_on_a_terminal():
+    """transformers' GGUF reader draws a tqdm bar per tensor group (30-46 lines of it in a log):
+    on a terminal it shows the slow conversion moving; anywhere else (a log, a pipe, CI) the bars
+    are dropped, with one line saying what runs instead. Errors are raised, not printed, so none
+    is lost."""
+    if sys.stderr.isatty():
+        yield
+        return
+    print("tierspec: converting the GGUF file once (de-quantising; about 20 s on 2 cores)", file=sys.stderr, flush=True)
+    with contextlib.redirect_stderr(io.StringIO()):
+        yield
 
 
 def write_conversion_marker(folder: Path, source: Path, source_sha256: str) -> None:

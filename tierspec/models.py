@@ -172,6 +172,16 @@ def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device = "cpu") 
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
+def check_dtype_for_device(dtype: torch.dtype, device: torch.device) -> None:
+    """Refuse float16 on a CPU: torch computes it there with generic scalar kernels (no packing,
+    no few-row path), so a model crawls (a ``--dtype float16 --method hybrid`` run was still
+    measuring its pass-cost table after 120 s); bfloat16 is the CPU's half-size format."""
+    if dtype == torch.float16 and device.type == "cpu":
+        raise ModelLoadError("float16 on a CPU runs on torch's slow generic kernels (a hybrid run was still measuring "
+                             "its pass costs after 120 s); use --dtype bfloat16 (half the bytes, emulated exactly where "
+                             "the CPU lacks it) or float32, or float16 on --device cuda or mps")
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """``auto``: CUDA when available, else MPS when available, else the CPU. A device that this
     machine lacks is refused (never a silent fall-back to the CPU)."""
@@ -216,6 +226,7 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
+    check_dtype_for_device(dtype, device)
     if kernels not in KERNELS:
         raise ModelLoadError(f"unknown kernels {kernels!r}; choose one of: {', '.join(KERNELS)}")
     if implementation not in IMPLEMENTATIONS:

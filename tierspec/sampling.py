@@ -56,9 +56,17 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     In greedy mode this is the one-hot of the argmax, so that a rule written for
     distributions gives the greedy rule when fed greedy "distributions".
     """
-    logits = logits.float()
     if config.greedy:
         return one_hot_rows(logits.argmax(-1), logits.shape[-1])
+    return sampling_logits(logits, config).softmax(-1)
+
+
+def sampling_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """The logits [..., V] (float32) whose softmax ``logits_to_probs`` samples from at a temperature
+    above 0: divided by the temperature, −inf outside the top-k and the nucleus."""
+    logits = logits.float()
+    if config.greedy:
+        raise SamplingError("greedy decoding (temperature 0) samples from no distribution; see reported_logprobs")
     logits = logits / config.temperature
     if config.top_k and config.top_k < logits.shape[-1]:
         kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
@@ -72,7 +80,18 @@ def logits_to_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
         drop_sorted = mass_before >= config.top_p
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
-    return logits.softmax(-1)
+    return logits
+
+
+def reported_logprobs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
+    """The log-probabilities [..., V] that ``logprobs`` report for ``logits`` [..., V]: those of the
+    distribution tokens are sampled from (after temperature, top-k and top-p, as OpenAI reports
+    them; −inf outside top-k / top-p). Greedy decoding (temperature 0) samples from none (its law
+    is the one-hot of the argmax, which says nothing), so it reports the model's own distribution,
+    the softmax at temperature 1 (what a scorer such as lm-eval's loglikelihood asks for)."""
+    if config.greedy:
+        return logits.float().log_softmax(-1)
+    return sampling_logits(logits, config).log_softmax(-1)
 
 
 def temperature_one_probs(logits: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,14 @@
-"""Small utilities shared across the package (no tierspec imports here: no import circles)."""
+"""Small utilities shared across the package (only ``errors`` imported here: no import circles)."""
 
 from __future__ import annotations
 
 import os
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
+
+from .errors import TierspecError
 
 
 def cache_root() -> Path:
@@ -37,24 +40,91 @@ def default_file_mode() -> int:
     return 0o666 & ~umask
 
 
+class WriteError(TierspecError, OSError):
+    """A file could not be written (a full disk, no permission): one line naming the file. Also
+    an ``OSError`` with the original ``errno`` and ``strerror``, so callers that handle a failed
+    write (a cost table kept for the process only) still do."""
+
+    def __init__(self, path: Path, error: OSError):
+        super().__init__(f"cannot write {path}: {error.strerror or error}")
+        self.errno, self.strerror, self.filename = error.errno, error.strerror, str(path)
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def write_error(path: Path, error: OSError) -> WriteError:
+    """The one-line error for ``error`` raised while writing ``path`` (``write()`` itself names
+    no file: ENOSPC comes without one)."""
+    return WriteError(path, error)
+
+
 def atomic_write(path: Path, write: Callable[[Path], None]) -> None:
     """Make ``path`` with ``write(staging)`` so that readers see the old file or the new one,
     never half, with the permissions an ordinary write would give it (``write`` may replace the
-    staging file: safetensors, for one, creates its files 0o600)."""
+    staging file: safetensors, for one, creates its files 0o600). An OS error (a full disk) is a
+    ``WriteError`` naming ``path``; nothing is left behind."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(handle)
+    staging = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handle, staging = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+        os.close(handle)
         write(Path(staging))
         os.chmod(staging, default_file_mode())
         with open(staging, "rb") as written:
             os.fsync(written.fileno())
         os.replace(staging, path)
-    except BaseException:
-        if os.path.exists(staging):
+    except BaseException as error:
+        if staging is not None and os.path.exists(staging):
             os.unlink(staging)
+        if isinstance(error, OSError):
+            raise write_error(path, error) from None
         raise
+
+
+@contextmanager
+def exclusive_lock(lock_path: Path, what: str, job: str, error: type[TierspecError] = TierspecError):
+    """Hold an exclusive lock on ``lock_path`` for the block, or refuse at once with the holder's
+    pid (``what`` names the thing held: "the bench folder results/x"; ``job`` the command:
+    "tierspec bench"). The lock is ``flock``: the
+    kernel releases it when its process ends, so a killed run leaves no stale lock. The file holds
+    the holder's pid and is removed on release; a run that opened it just before the removal sees
+    that the path no longer names the file it locked and tries again."""
+    import fcntl
+
+    try:
+        lock_path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as failure:
+        raise error(f"cannot create the folder {lock_path.parent}: {failure.strerror}") from None
+    while True:
+        try:
+            handle = open(lock_path, "a+")
+        except OSError as failure:
+            raise error(f"cannot write in the folder {lock_path.parent}: {failure.strerror}") from None
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            handle.close()
+            raise error(f"{what} is in use by another {job} run (pid {holder}); wait for it to end or "
+                        "choose another --out") from None
+        try:
+            same = os.path.samestat(os.fstat(handle.fileno()), os.stat(lock_path))
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        handle.close()  # the holder removed the file as we opened it: lock the one at the path now
+    try:
+        handle.truncate(0)
+        handle.write(str(os.getpid()))
+        handle.flush()
+        yield
+    finally:
+        lock_path.unlink(missing_ok=True)  # before the release: a waiting run then sees the path changed
+        handle.close()
 
 
 def atomic_write_text(path: Path, text: str) -> None:

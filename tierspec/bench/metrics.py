@@ -3,12 +3,7 @@ fidelity to the target (exact match and ROUGE-L against its greedy output, targe
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import subprocess
-import sys
-import tempfile
 
 import torch
 
@@ -64,29 +59,14 @@ def extract_code(generated: str, prompt: str, entry_point: str) -> str:
     return prompt + chosen
 
 
-def _sandbox_prefix() -> list[str]:
-    """Run without network where the kernel lets us (a fresh network namespace)."""
-    unshare = shutil.which("unshare")
-    if unshare and subprocess.run([unshare, "-rn", "true"], capture_output=True).returncode == 0:
-        return [unshare, "-rn"]
-    return []
-
-
 def humaneval_pass(program: str, test: str, entry_point: str, timeout: float = 10.0) -> bool:
-    """Run ``program`` + HumanEval ``test`` + ``check(entry_point)`` in a subprocess (isolated
-    interpreter, temp working directory, no network where possible); killed on overrun."""
+    """Run ``program`` + HumanEval ``test`` + ``check(entry_point)`` in the sandbox
+    (``bench.sandbox.run_sandboxed``: no network, time, memory, file-size and process limits, a
+    scratch folder); the caller has checked that the user allows it."""
+    from .sandbox import Limits, run_sandboxed
+
     source = f"{program}\n\n{test}\n\ncheck({entry_point})\n"
-    with tempfile.TemporaryDirectory(prefix="tierspec-humaneval-") as folder:
-        path = os.path.join(folder, "candidate.py")
-        with open(path, "w") as handle:
-            handle.write(source)
-        command = _sandbox_prefix() + [sys.executable, "-I", path]
-        try:
-            result = subprocess.run(command, cwd=folder, capture_output=True, timeout=timeout,
-                                    env={"PATH": os.environ.get("PATH", ""), "PYTHONHASHSEED": "0"})
-        except subprocess.TimeoutExpired:
-            return False
-    return result.returncode == 0
+    return run_sandboxed(source, Limits(wall_seconds=timeout, cpu_seconds=max(1, int(timeout)))).passed
 
 
 def target_nll(model: torch.nn.Module, prompt_ids: torch.Tensor, generated_ids: list[int]) -> float:

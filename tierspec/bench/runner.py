@@ -18,7 +18,6 @@ import os
 import time
 import weakref
 import zlib
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -33,7 +32,8 @@ from ..prompting import encode_prompt, eos_ids
 from ..routing import RoutingMask, model_lock
 from ..sampling import SamplingConfig
 from ..seq2seq import as_task_prompts, is_encoder_decoder
-from ..util import atomic_write_text
+from ..util import atomic_write_text, exclusive_lock, write_error
+from .sandbox import check_code_execution_allowed, network_isolation
 from . import metrics
 from .llamacpp import LLAMACPP_PARAMETERS, LLAMACPP_PEERS, LlamaCppPeer
 from .openvino import OPENVINO_PARAMETERS, OPENVINO_PEERS, OpenVinoPeer
@@ -430,12 +430,17 @@ def _task_quality(prompt: Prompt, text: str, dataset: str) -> dict:
 
 
 def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: LoadedModel | None = None,
-              drafter: LoadedModel | None = None, generate: bool = True) -> dict:
+              drafter: LoadedModel | None = None, generate: bool = True, allow_code_execution: bool = False) -> dict:
     """Run (or resume) a benchmark into ``out``; returns the summary.
 
     ``generate=False`` only rebuilds the summary, table and plots from the records already in
     ``out`` (e.g. of a run that was stopped early). One run at a time holds ``out``
-    (``folder_lock``): a second is refused, not interleaved with the first."""
+    (``folder_lock``): a second is refused, not interleaved with the first. HumanEval scores run
+    the model's code (``sandbox``): refused unless ``allow_code_execution`` or
+    ``TIERSPEC_ALLOW_CODE_EXECUTION=1``."""
+    if config.dataset == "humaneval" and generate:
+        check_code_execution_allowed(allow_code_execution)
+        network_isolation()  # no isolation, no run: said before any generation
     if out.exists() and not out.is_dir():
         raise BenchError(f"--out {out} is a file; give a folder (a new one, or one a bench run made)")
     if config.dtype == "auto" and generate:  # records name the dtype they were measured in
@@ -458,48 +463,14 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
 _LOCK_NAME = ".bench.lock"
 
 
-@contextmanager
 def folder_lock(out: Path):
-    """Hold an exclusive lock on the bench folder ``out`` for the block, or refuse at once with
-    the holder's pid. The lock is ``flock`` on ``out/.bench.lock``: the kernel releases it when
-    its process ends, so a killed run leaves no stale lock. The file holds the holder's pid and
-    is removed on release; a run that opened it just before the removal sees that the path no
-    longer names the file it locked and tries again."""
-    import fcntl
-
+    """Hold the bench folder ``out`` for a run, or refuse at once with the holder's pid
+    (``util.exclusive_lock`` on ``out/.bench.lock``)."""
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         raise BenchError(f"cannot create the bench folder {out}: {error.strerror}") from None
-    path = out / _LOCK_NAME
-    while True:
-        try:
-            handle = open(path, "a+")
-        except OSError as error:
-            raise BenchError(f"cannot write in the bench folder {out}: {error.strerror}") from None
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.seek(0)
-            holder = handle.read().strip() or "unknown"
-            handle.close()
-            raise BenchError(f"{out} is in use by another tierspec bench run (pid {holder}); wait for it to end or "
-                             "use another --out") from None
-        try:
-            same = os.path.samestat(os.fstat(handle.fileno()), os.stat(path))
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        handle.close()  # the holder removed the file as we opened it: lock the one at the path now
-    try:
-        handle.truncate(0)
-        handle.write(str(os.getpid()))
-        handle.flush()
-        yield
-    finally:
-        path.unlink(missing_ok=True)  # before the release: a waiting run then sees the path changed
-        handle.close()
+    return exclusive_lock(out / _LOCK_NAME, f"the bench folder {out}", "tierspec bench", BenchError)
 
 
 def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedModel | None, drafter: LoadedModel | None,
@@ -596,8 +567,11 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
             record["target_nll"] = metrics.target_nll(target.model, prompt_ids, outcome.token_ids)
         # Opened per record: a file replaced under a long run (an editor, a git checkout)
         # then receives the next records instead of an unlinked inode swallowing them.
-        with open(records_path, "a") as sink:
-            sink.write(json.dumps(record) + "\n")
+        try:
+            with open(records_path, "a") as sink:
+                sink.write(json.dumps(record) + "\n")
+        except OSError as error:  # a full disk: the records so far stay whole (a rerun resumes)
+            raise write_error(records_path, error) from None
         bar.update(1)
     bar.close()
 

@@ -59,6 +59,11 @@ FILE_NAMES = {
 }
 
 
+def one_line(error: Exception) -> str:
+    """An error's message on one line (the command line prints a user error as one line)."""
+    return " ".join(str(error).split())
+
+
 class DraftHeadError(TierspecError):
     """A head file that cannot be used: damaged, another format, or made for another model."""
 
@@ -266,7 +271,7 @@ class DraftHead(torch.nn.Module):
                 header = handle.metadata() or {}
                 tensors = {key: handle.get_tensor(key) for key in handle.keys()}
         except Exception as error:  # safetensors raises several types for a damaged file
-            raise DraftHeadError(f"draft head {path} is damaged or not a safetensors file: {error}") from None
+            raise DraftHeadError(f"draft head {path} is damaged or not a safetensors file: {one_line(error)}") from None
         if header.get("format") != HEAD_FORMAT:
             raise DraftHeadError(f"{path} is not a tierspec draft head (format '{header.get('format')}')")
         try:
@@ -274,7 +279,7 @@ class DraftHead(torch.nn.Module):
             config = HeadConfig(**info["config"])
             identity = ModelIdentity(**info["model"])
         except (KeyError, TypeError, ValueError) as error:
-            raise DraftHeadError(f"draft head {path} has malformed metadata: {error}") from None
+            raise DraftHeadError(f"draft head {path} has malformed metadata: {one_line(error)}") from None
         draft_ids = tensors.get("draft_ids")
         if draft_ids is None or hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest() != info.get("draft_vocab_sha256"):
             raise DraftHeadError(f"draft head {path}: the vocabulary map is missing or does not match its checksum")
@@ -283,7 +288,8 @@ class DraftHead(torch.nn.Module):
         try:
             head.load_state_dict(head.from_file_names(tensors), strict=True)
         except RuntimeError as error:
-            raise DraftHeadError(f"draft head {path} does not hold the expected weights: {error}") from None
+            # torch's message lists missing and unexpected keys on lines of their own
+            raise DraftHeadError(f"draft head {path} does not hold the expected weights: {one_line(error)}") from None
         if not all(torch.isfinite(t).all() for t in tensors.values() if t.is_floating_point()):
             raise DraftHeadError(f"draft head {path} holds non-finite weights")
         head.target_identity = identity

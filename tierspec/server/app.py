@@ -16,22 +16,29 @@ import uuid
 from dataclasses import dataclass, field
 from typing import ClassVar, Iterator
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 from starlette.applications import Starlette
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
+from pydantic import BaseModel, ConfigDict, ValidationError
 
+from ..decode import GenerationStats
 from ..errors import TierspecError
-from .engine import CLIENT_LEFT, ApiError, Engine, Failed, Finished, Job, TextPiece, shutting_down
+from .engine import CLIENT_LEFT, ApiError, ChoiceDone, Engine, Failed, Finished, Job, TextPiece, shutting_down
 from .parsing import ChatRequest, CompletionRequest, GenerationRequest, prepare
 
 #: Bodies above this many bytes get 413 (``--max-request-bytes``). A prompt filling a whole
 #: 8192-token context is about 40 KB of English; JSON escapes of other scripts take up to 12
 #: bytes per character.
 DEFAULT_MAX_REQUEST_BYTES = 1 << 20
+#: Seconds a request body may take to arrive (``--body-timeout``): a client that sends its headers
+#: and then nothing (or a trickle) is answered 408 instead of holding its connection for ever.
+DEFAULT_BODY_TIMEOUT = 30.0
 #: Requests parsed and tokenised at once: each holds its body, parse tree and token ids in
 #: memory meanwhile, so many large requests together are bounded by this, not by their number.
 PREPARING_AT_ONCE = 2
@@ -39,25 +46,52 @@ PREPARING_AT_ONCE = 2
 
 # ---- responses: one format per endpoint ---------------------------------------------------------------
 
+#: JSON has no infinity: a token outside top-k / top-p (log-probability −inf) is reported with this
+#: value, as vLLM does.
+NO_PROBABILITY = -9999.0
+
+
+def _finite(logprob: float) -> float:
+    return logprob if logprob > NO_PROBABILITY else NO_PROBABILITY
+
+
+class TokenTexts:
+    """Each token id's own text (special tokens spelled out), decoded once per id."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._texts: dict[int, str] = {}
+
+    def __call__(self, token: int) -> str:
+        text = self._texts.get(token)
+        if text is None:
+            text = self._texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+        return text
+
 
 class Endpoint:
     """What differs between the two generation endpoints: the request model, and the shape of
-    a choice in the whole response and in a streamed chunk."""
+    a choice (with its logprobs) in the whole response and in a streamed chunk."""
 
     request_model: ClassVar[type[GenerationRequest]]
     object: ClassVar[str]
     chunk_object: ClassVar[str]
     id_prefix: ClassVar[str]
 
-    def choice(self, text: str, finish_reason: str) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
         raise NotImplementedError
 
-    def chunk_choice(self, text: str, finish_reason: str | None) -> dict:
+    def chunk_choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
         raise NotImplementedError
 
-    def opening_choice(self) -> dict | None:
+    def opening_choice(self, index: int) -> dict | None:
         """The choice of a first chunk sent before any text (None: no such chunk)."""
         return None
+
+    def logprobs(self, records, texts: TokenTexts, offset: int) -> dict:
+        """The endpoint's logprobs object for ``records`` (``decode.TokenLogprob``; an echoed
+        prompt's first token has no logprob) whose text starts ``offset`` characters into the choice."""
+        raise NotImplementedError
 
 
 class Completions(Endpoint):
@@ -65,10 +99,28 @@ class Completions(Endpoint):
     object = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def choice(self, text: str, finish_reason: str | None) -> dict:
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     chunk_choice = choice
+
+    def logprobs(self, records, texts: TokenTexts, offset: int) -> dict:
+        """OpenAI's legacy format: parallel lists of tokens, their logprobs, the top alternatives
+        as {token: logprob} and each token's offset in the choice's text."""
+        tokens, values, tops, offsets = [], [], [], []
+        for record in records:
+            if record.logprob is None:  # an echoed prompt's first token: nothing scores it
+                value, top = None, None
+            else:
+                value = _finite(record.logprob)
+                top = {texts(alternative): _finite(logprob) for alternative, logprob in record.top}
+            text = texts(record.token)
+            tokens.append(text)
+            values.append(value)
+            tops.append(top)
+            offsets.append(offset)
+            offset += len(text)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
 class ChatCompletions(Endpoint):
@@ -76,36 +128,69 @@ class ChatCompletions(Endpoint):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def choice(self, text: str, finish_reason: str) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
 
-    def chunk_choice(self, text: str, finish_reason: str | None) -> dict:
-        return {"index": 0, "delta": {"content": text} if text else {}, "finish_reason": finish_reason}
+    def chunk_choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+        return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
+                "finish_reason": finish_reason}
 
-    def opening_choice(self) -> dict:
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+    def opening_choice(self, index: int) -> dict:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def logprobs(self, records, texts: TokenTexts, offset: int) -> dict:
+        """OpenAI's chat format: one entry per token with its UTF-8 bytes and top alternatives."""
+        def entry(token: int, logprob: float) -> dict:
+            text = texts(token)
+            return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+
+        content = [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
+                   for r in records if r.logprob is not None]
+        return {"content": content, "refusal": None}
 
 
 COMPLETIONS, CHAT_COMPLETIONS = Completions(), ChatCompletions()
 
 
-@dataclass(frozen=True)
+def _merged_stats(done: Finished) -> GenerationStats:
+    """The statistics of every choice of a request added up (usage reports one set)."""
+    total = GenerationStats()
+    for choice in done.choices:
+        stats = choice.stats
+        for name in ("drafted", "evaluated", "accepted", "emitted", "target_calls", "slim_calls", "drafter_calls",
+                     "cycles", "wall_seconds"):
+            setattr(total, name, getattr(total, name) + getattr(stats, name))
+        for name in ("position_drafted", "position_accepted"):
+            mine, theirs = getattr(total, name), getattr(stats, name)
+            mine.extend([0] * (len(theirs) - len(mine)))
+            for i, count in enumerate(theirs):
+                mine[i] += count
+    return total
+
+
+@dataclass
 class Reply:
-    """The answer to one request in its endpoint's format."""
+    """The answer to one request in its endpoint's format: the choices' texts and logprobs as
+    their pieces arrive, the whole response or one chunk at a time."""
 
     endpoint: Endpoint
     model: str
     prompt_tokens: int
     include_usage: bool
+    texts: TokenTexts
+    logprobs: bool  # whether the request asked for them
     created: int = field(default_factory=lambda: int(time.time()))
     suffix: str = field(default_factory=lambda: uuid.uuid4().hex[:24])  # of the response's id
+    _text: dict[int, str] = field(default_factory=dict)  # choice → its text so far
+    _records: dict[int, list] = field(default_factory=dict)  # choice → its logprob records so far
 
     @property
     def id(self) -> str:
         return f"{self.endpoint.id_prefix}-{self.suffix}"
 
     def usage(self, done: Finished) -> dict:
-        stats = done.stats
+        stats = _merged_stats(done)
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": done.completion_tokens,
@@ -119,9 +204,24 @@ class Reply:
             "seconds": round(stats.wall_seconds, 4),
         }
 
-    def whole(self, text: str, done: Finished) -> dict:
+    def add(self, piece: TextPiece) -> dict | None:
+        """Take ``piece`` in; returns its logprobs object (None without logprobs)."""
+        offset = len(self._text.get(piece.index, ""))
+        self._text[piece.index] = self._text.get(piece.index, "") + piece.text
+        if not self.logprobs:
+            return None
+        self._records.setdefault(piece.index, []).extend(piece.logprobs)
+        return self.endpoint.logprobs(piece.logprobs, self.texts, offset)
+
+    def whole(self, done: Finished) -> dict:
+        choices = []
+        for choice in sorted(done.choices, key=lambda c: c.index):
+            logprobs = self.endpoint.logprobs(self._records.get(choice.index, []), self.texts, 0) \
+                if self.logprobs else None
+            choices.append(self.endpoint.choice(choice.index, self._text.get(choice.index, ""),
+                                                choice.finish_reason, logprobs))
         return {"id": self.id, "object": self.endpoint.object, "created": self.created, "model": self.model,
-                "choices": [self.endpoint.choice(text, done.finish_reason)], "usage": self.usage(done)}
+                "choices": choices, "usage": self.usage(done)}
 
     def chunk(self, choice: dict | None, usage: dict | None = None) -> str:
         payload = {"id": self.id, "object": self.endpoint.chunk_object, "created": self.created, "model": self.model,
@@ -142,9 +242,78 @@ async def health(request: Request) -> JSONResponse:
     return JSONResponse(_engine(request).health())
 
 
+def _model_card(engine: Engine) -> dict:
+    return {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "tierspec"}
+
+
 async def models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [{"id": _engine(request).model_name, "object": "model",
-                                                     "created": 0, "owned_by": "tierspec"}]})
+    return JSONResponse({"object": "list", "data": [_model_card(_engine(request))]})
+
+
+async def model(request: Request) -> JSONResponse:
+    """``GET /v1/models/{id}`` (``models.retrieve``): the served model, else 404."""
+    engine, name = _engine(request), request.path_params["model"]
+    if name != engine.model_name:
+        raise ApiError(404, f"model '{name}' is not served here; this server serves '{engine.model_name}'", "model",
+                       kind="not_found_error")
+    return JSONResponse(_model_card(engine))
+
+
+async def tokenizer_info(request: Request) -> JSONResponse:
+    """``GET /tokenizer_info`` (vLLM's): what a client tokenising through the server needs (lm-eval's
+    ``remote`` tokenizer backend finds it and then needs no tokenizer of its own)."""
+    engine = _engine(request)
+    tokenizer = engine.target.tokenizer
+    return JSONResponse({"eos_token": getattr(tokenizer, "eos_token", None),
+                         "bos_token": getattr(tokenizer, "bos_token", None),
+                         "pad_token": getattr(tokenizer, "pad_token", None),
+                         "chat_template": getattr(tokenizer, "chat_template", None),
+                         "model_max_length": engine.context})
+
+
+class _TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class _DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    tokens: list[int]
+
+
+def _small_body(raw: bytes, request_model: type[BaseModel]) -> BaseModel:
+    try:
+        return request_model.model_validate_json(raw, strict=True)
+    except ValidationError as error:
+        item = error.errors()[0]
+        where = ".".join(str(part) for part in item["loc"]) or "body"
+        raise ApiError(400, f"{where}: {item['msg']}", where) from None
+
+
+async def tokenize(request: Request) -> JSONResponse:
+    """``POST /tokenize`` (vLLM's): ``{"prompt", "add_special_tokens"}`` → ``{"tokens", "count",
+    "max_model_len"}`` with the served model's tokenizer (no chat template)."""
+    engine = _engine(request)
+    body = _small_body(await _read_body(request, request.app.state.max_request_bytes, request.app.state.body_timeout),
+                       _TokenizeRequest)
+    tokens = (await run_in_threadpool(engine.target.tokenizer, body.prompt,
+                                      add_special_tokens=body.add_special_tokens))["input_ids"]
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.context})
+
+
+async def detokenize(request: Request) -> JSONResponse:
+    """``POST /detokenize`` (vLLM's): ``{"tokens"}`` → ``{"prompt"}``."""
+    engine = _engine(request)
+    body = _small_body(await _read_body(request, request.app.state.max_request_bytes, request.app.state.body_timeout),
+                       _DetokenizeRequest)
+    vocab_size = engine.target.vocab_size
+    bad = [token for token in body.tokens if not 0 <= token < vocab_size]
+    if bad:
+        raise ApiError(400, f"token id {bad[0]} is outside the model's vocabulary (0 .. {vocab_size - 1})", "tokens")
+    return JSONResponse({"prompt": engine.target.tokenizer.decode(body.tokens)})
 
 
 async def completions(request: Request):
@@ -160,37 +329,56 @@ async def _answer(request: Request, endpoint: Endpoint):
     one JSON response, or server-sent events once the generation has started (until then an
     error still gets its own status)."""
     engine = _engine(request)
-    raw = await _read_body(request, request.app.state.max_request_bytes)
+    raw = await _read_body(request, request.app.state.max_request_bytes, request.app.state.body_timeout)
     async with request.app.state.preparing:
-        body, job = await run_in_threadpool(prepare, engine, endpoint.request_model, raw, asyncio.get_running_loop())
+        try:
+            body, job = await run_in_threadpool(prepare, engine, endpoint.request_model, raw,
+                                                asyncio.get_running_loop())
+        except ApiError as error:
+            if error.status == 400:
+                engine.count_invalid()
+            raise
     engine.submit(job)
-    reply = Reply(endpoint, engine.model_name, len(job.prompt_ids), body.include_usage)
+    prompt_tokens = sum(len(ids) for ids in {c.prompt: c.prompt_ids for c in job.choices}.values())
+    reply = Reply(endpoint, engine.model_name, prompt_tokens, body.include_usage, request.app.state.token_texts,
+                  body.logprobs_count() is not None)
     async with _cancelled_if_the_client_leaves(request, engine, job):
         event = await job.events.get()
         if isinstance(event, Failed):
             raise event.error
         if not body.stream:
             return JSONResponse(await _whole(job, reply))
-    return StreamingResponse(_chunks(job, engine, reply), media_type="text/event-stream")
+    return StreamingResponse(_chunks(job, engine, reply, [c.index for c in job.choices]),
+                             media_type="text/event-stream")
 
 
-async def _read_body(request: Request, limit: int) -> bytes:
+async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
     """The body, refused with 413 once it passes ``limit`` bytes (declared or counted as it
     arrives): a huge body is never held in memory. (uvicorn reads and drops the rest of a
-    refused body, for its keep-alive timeout at most, so the client gets to read the 413.)"""
+    refused body, for its keep-alive timeout at most, so the client gets to read the 413.) A body
+    that has not arrived whole within ``timeout`` seconds is answered 408 and its connection
+    closed."""
     too_large = ApiError(413, f"the request body exceeds the server's limit of {limit} bytes")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    try:
+
+    async def read() -> None:
+        nonlocal size
         async for chunk in request.stream():
             size += len(chunk)
             if size > limit:
                 raise too_large
             chunks.append(chunk)
+
+    try:
+        await asyncio.wait_for(read(), timeout)
     except ClientDisconnect:
         raise ApiError(499, "the client disconnected") from None
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s ({size} bytes came)",
+                       headers={"Connection": "close"}) from None
     return b"".join(chunks)
 
 
@@ -213,36 +401,47 @@ async def _cancelled_if_the_client_leaves(request: Request, engine: Engine, job:
 
 
 async def _whole(job: Job, reply: Reply) -> dict:
-    pieces = []
     while True:
         match await job.events.get():
-            case TextPiece(text):
-                pieces.append(text)
+            case TextPiece() as piece:
+                reply.add(piece)
+            case ChoiceDone():
+                pass
             case Failed(error):
                 raise error
             case Finished() as done:
                 if done.interrupted:  # a partial text is no answer
                     raise shutting_down()
-                return reply.whole("".join(pieces), done)
+                return reply.whole(done)
 
 
-async def _chunks(job: Job, engine: Engine, reply: Reply):
+async def _chunks(job: Job, engine: Engine, reply: Reply, indices: list[int]):
     """The server-sent events of a started job, always ending with ``data: [DONE]``; a client
-    that goes away (the response task is cancelled) cancels the job."""
+    that goes away (the response task is cancelled) cancels the job. A choice's last chunk
+    carries its ``finish_reason``; a shutdown ends the choices not yet done with "length"."""
     ended = False
+    finished: set[int] = set()
     try:
-        opening = reply.endpoint.opening_choice()
-        if opening is not None:
-            yield reply.chunk(opening)
+        for index in indices:
+            opening = reply.endpoint.opening_choice(index)
+            if opening is not None:
+                yield reply.chunk(opening)
         while not ended:
             match await job.events.get():
-                case TextPiece(text):
-                    yield reply.chunk(reply.endpoint.chunk_choice(text, None))
+                case TextPiece() as piece:
+                    logprobs = reply.add(piece)
+                    if piece.text or logprobs:
+                        yield reply.chunk(reply.endpoint.chunk_choice(piece.index, piece.text, None, logprobs))
+                case ChoiceDone() as choice:
+                    finished.add(choice.index)
+                    yield reply.chunk(reply.endpoint.chunk_choice(choice.index, "", choice.finish_reason, None))
                 case Failed(error):
                     yield f"data: {json.dumps(error.body())}\n\n"
                     ended = True
                 case Finished() as done:
-                    yield reply.chunk(reply.endpoint.chunk_choice("", done.finish_reason))
+                    for index in indices:
+                        if index not in finished:  # stopped by the shutdown before it began
+                            yield reply.chunk(reply.endpoint.chunk_choice(index, "", "length", None))
                     if reply.include_usage:
                         yield reply.chunk(None, reply.usage(done))
                     ended = True
@@ -270,18 +469,25 @@ async def _internal_error(request: Request, error: Exception) -> JSONResponse:
     return _json_error(ApiError(500, f"internal error: {type(error).__name__}", kind="server_error"))
 
 
-def create_app(engine: Engine, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Starlette:
+def create_app(engine: Engine, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+               body_timeout: float = DEFAULT_BODY_TIMEOUT) -> Starlette:
     """The ASGI application serving ``engine`` (uvicorn runs it: ``serve``)."""
     if max_request_bytes < 1:
         raise TierspecError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
+    if not body_timeout > 0:
+        raise TierspecError(f"body_timeout must be > 0 seconds, got {body_timeout}")
     app = Starlette(
         routes=[Route("/health", health, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
+                Route("/v1/models/{model:path}", model, methods=["GET"]),
                 Route("/v1/completions", completions, methods=["POST"]),
-                Route("/v1/chat/completions", chat_completions, methods=["POST"])],
+                Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                Route("/tokenizer_info", tokenizer_info, methods=["GET"]),
+                Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
     )
-    app.state.engine, app.state.max_request_bytes = engine, max_request_bytes
+    app.state.engine, app.state.max_request_bytes, app.state.body_timeout = engine, max_request_bytes, body_timeout
     app.state.preparing = asyncio.Semaphore(PREPARING_AT_ONCE)
+    app.state.token_texts = TokenTexts(engine.target.tokenizer)
     return app
 
 
@@ -305,15 +511,30 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+class _JsonErrorsH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol, answering a request it cannot parse (a garbage request line, a bad
+    header) with OpenAI's error body in JSON instead of uvicorn's plain text."""
+
+    def send_400_response(self, msg: str) -> None:
+        body = json.dumps(ApiError(400, f"malformed HTTP request: {msg}").body()).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
+        self.transport.write(self.conn.send(h11.Data(data=body)))
+        self.transport.write(self.conn.send(h11.EndOfMessage()))
+        self.transport.close()
+
+
 class _Server(uvicorn.Server):
     """uvicorn's server around an engine: on shutdown it stops the engine's requests before
     waiting for their connections, and the signal that stopped it is recorded instead of
     re-raised (a server that ended every request well exits 0)."""
 
-    def __init__(self, engine: Engine, log_level: str, max_request_bytes: int):
+    def __init__(self, engine: Engine, log_level: str, max_request_bytes: int,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT):
         # The graceful-shutdown timeout is a backstop only: the engine ends every request within a cycle.
-        super().__init__(uvicorn.Config(create_app(engine, max_request_bytes), log_level=log_level, lifespan="off",
-                                        timeout_graceful_shutdown=30))
+        super().__init__(uvicorn.Config(create_app(engine, max_request_bytes, body_timeout), log_level=log_level,
+                                        lifespan="off", timeout_graceful_shutdown=30, http=_JsonErrorsH11Protocol))
         self.engine = engine
         self.stopped_by: str | None = None
 
@@ -330,11 +551,21 @@ class _Server(uvicorn.Server):
 
 
 def serve(engine: Engine, sock: socket.socket, log_level: str = "info",
-          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
     """Serve ``engine`` on ``sock`` (from ``listen``) until SIGINT or SIGTERM; then every open
     request gets a well-formed ending (see the module's docstring), a line on stderr says how
-    the server stopped and what became of its requests, and this returns."""
-    server = _Server(engine, log_level, max_request_bytes)
+    the server stopped and what became of its requests, and this returns.
+
+    The server's own signal handler stays installed after uvicorn restores the handlers it found
+    (they are the server's too, set here first): a second SIGTERM during the teardown (the engine
+    closing, the closing line) is one more request to stop, not the default action that killed
+    the process with 143. (``tierspec serve`` ignores signals once this returns: the interpreter
+    resets Python handlers to the default as it exits.)"""
+    server = _Server(engine, log_level, max_request_bytes, body_timeout)
+    main_thread = threading.current_thread() is threading.main_thread()
+    if main_thread:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, server.handle_exit)
     try:
         server.run(sockets=[sock])
     finally:
@@ -344,19 +575,20 @@ def serve(engine: Engine, sock: socket.socket, log_level: str = "info",
         how = f"stopped on {server.stopped_by}" if server.stopped_by else "stopped"
         print(f"tierspec serve: {how}; requests: {counts['completed']} completed, {counts['interrupted']} ended by the "
               f"shutdown, {counts['cancelled']} cancelled and {counts['withdrawn']} withdrawn by their clients, "
-              f"{counts['failed']} failed, {counts['refused']} refused (queue full)", file=sys.stderr, flush=True)
+              f"{counts['failed']} failed, {counts['refused']} refused (queue full), {counts['invalid']} invalid (400)",
+              file=sys.stderr, flush=True)
 
 
 @contextlib.contextmanager
 def serving_in_background(engine: Engine, host: str = "127.0.0.1", log_level: str = "warning",
-                          start_timeout: float = 30.0,
-                          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> Iterator[int]:
+                          start_timeout: float = 30.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+                          body_timeout: float = DEFAULT_BODY_TIMEOUT) -> Iterator[int]:
     """Serve ``engine`` from a background thread of this process on a free port of ``host``
     (tests, the load benchmark); yields the port, and on exit shuts the server down as a
     signal would and closes the engine."""
     sock = listen(host, 0)
     port = sock.getsockname()[1]
-    server = _Server(engine, log_level, max_request_bytes)
+    server = _Server(engine, log_level, max_request_bytes, body_timeout)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout

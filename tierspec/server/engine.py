@@ -1,7 +1,9 @@
-"""The engine behind the server: one loaded model, one generation at a time from a bounded
-queue, on a worker thread that tells each request's handler what happens through typed events
-(``Started``, ``TextPiece``…, then ``Finished`` or ``Failed``). Nothing here knows HTTP beyond
-``ApiError``, the status and OpenAI error body an event or a refusal carries."""
+"""The engine behind the server: one loaded model, one request at a time from a bounded queue,
+on a worker thread that tells each request's handler what happens through typed events
+(``Started``, then per choice ``TextPiece``… and ``ChoiceDone``, then ``Finished`` or
+``Failed``). A request's choices (its prompts × ``n``) are generated one after another. Nothing
+here knows HTTP beyond ``ApiError``, the status and OpenAI error body an event or a refusal
+carries."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from ..api import stream_method
-from ..decode import DecodeConfig, GenerationStats
+from ..decode import DecodeConfig, GenerationStats, TokenLogprob, score_prompt
 from ..errors import TierspecError
 from ..methods import Method, MethodOptions, build_method, check_method_name, default_method
 from ..models import LoadedModel
@@ -51,16 +53,34 @@ class Started:
 
 @dataclass(frozen=True)
 class TextPiece:
+    """Text of choice ``index``, with the logprob records of the tokens that wrote it (when asked
+    for). ``echo``: the prompt, sent first (its first token's logprob is None)."""
+
     text: str
+    index: int = 0
+    logprobs: tuple[TokenLogprob, ...] = ()
+    echo: bool = False
+
+
+@dataclass(frozen=True)
+class ChoiceDone:
+    index: int
+    finish_reason: str  # "stop" (end of sequence or a stop string) or "length"
+    stats: GenerationStats
+    completion_tokens: int
 
 
 @dataclass(frozen=True)
 class Finished:
-    finish_reason: str  # "stop" (end of sequence or a stop string) or "length"
-    stats: GenerationStats
-    completion_tokens: int
+    """Every choice is done (or the shutdown ``interrupted`` them)."""
+
+    choices: tuple[ChoiceDone, ...]
     method: str
     interrupted: bool = False  # stopped early by a shutdown
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(choice.completion_tokens for choice in self.choices)
 
 
 @dataclass(frozen=True)
@@ -68,21 +88,34 @@ class Failed:
     error: ApiError
 
 
-Event = Started | TextPiece | Finished | Failed
+Event = Started | TextPiece | ChoiceDone | Finished | Failed
 
 # Why a job was cancelled.
 CLIENT_LEFT, SHUTDOWN = "client left", "shutdown"
 
 
+@dataclass(frozen=True)
+class Choice:
+    """One generation of a request: choice ``index`` (OpenAI's order: prompt by prompt, ``n`` each)
+    after prompt number ``prompt`` with its own seed. ``echo_text``: the prompt's text, sent first
+    (``echo``). ``score_only``: nothing to generate (``max_tokens: 0`` with ``echo``)."""
+
+    index: int
+    prompt: int
+    prompt_ids: torch.Tensor  # [n]
+    seed: int | None
+    config: DecodeConfig
+    score_only: bool = False
+    echo_text: str | None = None
+
+
 @dataclass(eq=False)
 class Job:
-    """One request's generation: what the worker needs, and the channel back to its handler."""
+    """One request's generations: what the worker needs, and the channel back to its handler."""
 
-    prompt_ids: torch.Tensor  # [n]
+    choices: list[Choice]
     method: str
     num_draft: int | None
-    config: DecodeConfig
-    seed: int | None
     stops: list[str]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
@@ -158,11 +191,14 @@ class Engine:
         self._waiting: list[Job] = []
         self._running: Job | None = None
         self._stopping = False
-        self._counts = {"completed": 0, "cancelled": 0, "withdrawn": 0, "interrupted": 0, "failed": 0, "refused": 0}
+        self._counts = {"completed": 0, "cancelled": 0, "withdrawn": 0, "interrupted": 0, "failed": 0, "refused": 0,
+                        "invalid": 0}
 
     def health(self) -> dict:
         """Status and counts: ``cancelled`` / ``withdrawn``: the client left during / before its
-        generation; ``interrupted``: stopped or turned away by a shutdown; ``refused``: queue full."""
+        generation; ``interrupted``: stopped or turned away by a shutdown; ``refused``: queue full;
+        ``invalid``: answered 400 (a request the server cannot serve as asked, e.g. a method this
+        model cannot build); ``failed``: the server's own errors (500)."""
         with self._lock:
             return {"status": "stopping" if self._stopping else "ok", "model": self.model_name,
                     "method": self.default_method, "running": int(self._running is not None),
@@ -181,6 +217,11 @@ class Engine:
         while len(self._methods) > self.max_methods:
             self._methods.popitem(last=False)
         return method
+
+    def count_invalid(self) -> None:
+        """One more request refused as invalid (400) before it reached the queue."""
+        with self._lock:
+            self._counts["invalid"] += 1
 
     def submit(self, job: Job) -> None:
         """Queue ``job``, or raise the 503 of a full or stopping server."""
@@ -239,10 +280,10 @@ class Engine:
             try:
                 method = self.method(job.method, job.num_draft)
             except TierspecError as error:  # the method cannot be built for this model with these options
-                last = Failed(ApiError(400, str(error), "method"))
+                outcome, last = "invalid", Failed(ApiError(400, str(error), "method"))
             else:
                 job.send(Started())
-                outcome, last = self._generate(job, method)
+                outcome, last = self._generate_all(job, method)
         except Exception as error:  # a bug: the handler answers 500, the log keeps the traceback, the worker goes on
             log.exception("generation failed")
             last = Failed(ApiError(500, f"internal error: {type(error).__name__}: {error}", kind="server_error"))
@@ -253,17 +294,54 @@ class Engine:
             if last is not None:
                 job.send(last)
 
-    def _generate(self, job: Job, method: Method) -> tuple[str, Finished | None]:
-        """One generation, cut at stop sequences, stopped at the next cycle once cancelled: its
-        outcome and its last event (None when its client has left)."""
-        text_stream = stream_method(self.target, method, job.prompt_ids, job.config, job.seed)
+    def _generate_all(self, job: Job, method: Method) -> tuple[str, Finished | Failed | None]:
+        """Every choice of ``job`` in order: its outcome and its last event (None when its client
+        has left)."""
+        done = []
+        for choice in job.choices:
+            try:
+                done.append(self._generate(job, choice, method))
+            except TierspecError as error:  # e.g. logprobs from a method with a slim tier
+                return "invalid", Failed(ApiError(400, str(error), "method"))
+            job.send(done[-1])
+            if job.cancelled_by is not None:
+                break
+        if job.cancelled_by == CLIENT_LEFT:
+            return "cancelled", None
+        interrupted = job.cancelled_by == SHUTDOWN
+        return "interrupted" if interrupted else "completed", Finished(tuple(done), job.method, interrupted)
+
+    def _generate(self, job: Job, choice: Choice, method: Method) -> ChoiceDone:
+        """One generation, cut at stop sequences, stopped at the next cycle once cancelled. With
+        logprobs, each piece carries the records of the tokens whose text it completes (a token's
+        text starts at the sum of the texts before it); a stop sequence drops the records of the
+        tokens after the cut."""
+        index, config = choice.index, choice.config
+        if choice.score_only:
+            records = tuple(score_prompt(self.target, choice.prompt_ids, config)) if config.score_prompt else ()
+            job.send(TextPiece(choice.echo_text or "", index, records, echo=True))
+            return ChoiceDone(index, "length", GenerationStats(), 0)
+        text_stream = stream_method(self.target, method, choice.prompt_ids, config, choice.seed)
+        echo_pending = choice.echo_text is not None
+
+        def send_echo() -> None:  # the prompt first, scored by the generation's own prefill
+            nonlocal echo_pending
+            if echo_pending:
+                job.send(TextPiece(choice.echo_text, index, tuple(text_stream.prompt_logprobs or ()), echo=True))
+                echo_pending = False
+
         stops = StopMatcher(job.stops)
-        finish = None
+        records = TokenRecords(self.target.tokenizer) if config.logprobs is not None else None
+        finish, sent = None, 0  # characters sent
         try:
             for piece in text_stream:
+                send_echo()
                 text, stopped = stops.feed(piece)
+                sent += len(text)
+                if records is not None:
+                    records.add(text_stream.logprobs)
                 if text:
-                    job.send(TextPiece(text))
+                    job.send(TextPiece(text, index, records.release(sent) if records is not None else ()))
                 if stopped:
                     finish = "stop"
                     break
@@ -271,14 +349,37 @@ class Engine:
                     break
         finally:
             text_stream.close()
-        if job.cancelled_by == CLIENT_LEFT:
-            return "cancelled", None
+        token_ids = text_stream.token_ids
+        send_echo()
         if finish is None:
+            if records is not None:
+                records.add(text_stream.logprobs)
             tail = stops.flush()
-            if tail:
-                job.send(TextPiece(tail))
-            token_ids = text_stream.token_ids
+            rest = records.release(None) if records is not None else ()
+            if tail or rest:
+                job.send(TextPiece(tail, index, rest))
             finish = "stop" if token_ids and token_ids[-1] in self.eos else "length"
-        interrupted = job.cancelled_by == SHUTDOWN
-        done = Finished(finish, text_stream.stats, len(text_stream.token_ids), job.method, interrupted)
-        return "interrupted" if interrupted else "completed", done
+        return ChoiceDone(index, finish, text_stream.stats, len(token_ids))
+
+
+class TokenRecords:
+    """The logprob records of a generation not yet sent, with where each token's text starts
+    (the sum of the texts of the tokens before it, each decoded alone)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.seen = 0  # records taken from the stream
+        self.waiting: list[tuple[int, TokenLogprob]] = []  # (offset, record)
+        self.end = 0  # the text offset after the last record taken
+
+    def add(self, stream_records: list[TokenLogprob]) -> None:
+        for record in stream_records[self.seen:]:
+            self.waiting.append((self.end, record))
+            self.end += len(self.tokenizer.decode([record.token], skip_special_tokens=True))
+        self.seen = len(stream_records)
+
+    def release(self, sent: int | None) -> tuple[TokenLogprob, ...]:
+        """The records of tokens whose text starts before ``sent`` characters (None: all)."""
+        count = len(self.waiting) if sent is None else sum(1 for offset, _ in self.waiting if offset < sent)
+        released, self.waiting = self.waiting[:count], self.waiting[count:]
+        return tuple(record for _, record in released)

@@ -5,20 +5,25 @@ it is CPU work: the handlers run ``prepare`` on a thread, off the event loop."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ..api import SEED_RANGE
-from ..decode import DecodeConfig
+from ..decode import MAX_TOP_LOGPROBS, DecodeConfig
 from ..errors import TierspecError
 from ..methods import check_method_name
 from ..models import LoadedModel
+from ..modifiers import BIAS_RANGE, PENALTY_RANGE, LogitModifiers
 from ..prompting import encode_messages, encode_prompt
 from ..sampling import SamplingConfig
-from .engine import ApiError, Engine, Job
+from .engine import ApiError, Choice, Engine, Job
+
+#: Most choices one request may ask for (prompts × ``n``): each is a generation of its own.
+MAX_CHOICES = 128
 
 
 class StreamOptions(BaseModel):
@@ -26,10 +31,27 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+class ResponseFormat(BaseModel):
+    """``response_format``: plain text only (tierspec does not constrain what the model writes)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+
+    @field_validator("type")
+    @classmethod
+    def _text_only(cls, value):
+        if value != "text":
+            raise ValueError(f"type '{value}' is not supported: tierspec does not constrain generation to JSON "
+                             "or a schema; only {\"type\": \"text\"}")
+        return value
+
+
 class GenerationRequest(BaseModel):
     """Fields shared by both endpoints. Strict: a wrong type is an error, never coerced
     (``"max_tokens": "5"`` and ``"stream": "yes"`` are refused); unknown fields are refused
-    (a typo must not be ignored)."""
+    (a typo must not be ignored). Fields that change nothing here are accepted in their no-op
+    forms only: ``response_format`` text, ``store`` (nothing is stored), ``parallel_tool_calls``
+    and ``tool_choice: "none"`` without tools; tools themselves are refused."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     prompt_param: ClassVar[str]  # the field an error about the prompt names
@@ -43,12 +65,52 @@ class GenerationRequest(BaseModel):
     stop: list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(default=1, ge=1, le=1, description="one choice per request")
+    n: int = Field(default=1, ge=1, le=16)
     user: str | None = None
+    presence_penalty: float = Field(default=0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)
+    frequency_penalty: float = Field(default=0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)
+    logit_bias: dict[str, float] | None = None
+    response_format: ResponseFormat | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    parallel_tool_calls: bool | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict | None = None
     # tierspec's own fields
     method: str | None = None
     top_k: int = Field(default=0, ge=0)
     num_draft: int | None = Field(default=None, ge=0)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_by_token_id(cls, value):
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"keys are token ids (strings of digits), got '{key}'")
+            if not BIAS_RANGE[0] <= bias <= BIAS_RANGE[1]:
+                raise ValueError(f"the bias of token {key} must be in [{BIAS_RANGE[0]:g}, {BIAS_RANGE[1]:g}], got {bias}")
+        return value
+
+    @field_validator("tools")
+    @classmethod
+    def _no_tools(cls, value):
+        if value:
+            raise ValueError("tools (function calling) are not supported by tierspec serve")
+        return value
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _no_tool_choice(cls, value):
+        if value not in (None, "none"):
+            raise ValueError("only \"none\" is supported: tierspec serve has no tools")
+        return value
+
+    @field_validator("method")
+    @classmethod
+    def _a_method_name(cls, value):
+        if value is not None and not value.strip():
+            raise ValueError("give a method name, or leave the field out for the server's default")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -64,12 +126,24 @@ class GenerationRequest(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return value
 
-    def prompt_ids(self, target: LoadedModel) -> torch.Tensor:
-        """The prompt's token ids [n]."""
+    def prompts_ids(self, target: LoadedModel) -> list[torch.Tensor]:
+        """Each prompt's token ids [n] (the completions endpoint takes several)."""
         raise NotImplementedError
 
     def requested_tokens(self) -> int | None:
         return self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        """None: no logprobs; else the number of alternatives per token."""
+        return None
+
+    def modifiers(self, vocab_size: int) -> LogitModifiers:
+        bias = tuple((int(token), float(value)) for token, value in (self.logit_bias or {}).items())
+        for token, _ in bias:
+            if token >= vocab_size:
+                raise ApiError(400, f"logit_bias: token id {token} is outside the model's vocabulary "
+                               f"(0 .. {vocab_size - 1})", "logit_bias")
+        return LogitModifiers(self.presence_penalty, self.frequency_penalty, bias)
 
     @property
     def include_usage(self) -> bool:
@@ -77,36 +151,101 @@ class GenerationRequest(BaseModel):
 
 
 class CompletionRequest(GenerationRequest):
+    """``prompt``: text, token ids, or a list of either (one choice per prompt and ``n``).
+    ``logprobs`` (0 .. 20 alternatives) and ``echo`` (the prompt again in front of the text, its
+    tokens scored by the prefill; with ``max_tokens: 0`` only that)."""
+
     prompt_param = "prompt"
     default_max_tokens = 16  # OpenAI's default for completions
 
-    prompt: str
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _one_prompt(cls, value):
-        if isinstance(value, list):
-            if len(value) != 1:
-                raise ValueError("give one prompt per request")
-            value = value[0]
-        return value
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
 
     @field_validator("prompt")
     @classmethod
-    def _some_text(cls, value):
-        if not value.strip():
-            raise ValueError("the prompt is empty")
+    def _some_prompt(cls, value):
+        if value == []:
+            raise ValueError("give at least one prompt")
+        prompts = value if isinstance(value, list) and value and not isinstance(value[0], int) else [value]
+        for i, prompt in enumerate(prompts):
+            where = f"prompt {i}" if len(prompts) > 1 else "the prompt"
+            if isinstance(prompt, str) and not prompt.strip():
+                raise ValueError(f"{where} is empty")
+            if isinstance(prompt, list) and (not prompt or any(token < 0 for token in prompt)):
+                raise ValueError(f"{where}: give one or more token ids >= 0")
         return value
 
-    def prompt_ids(self, target: LoadedModel) -> torch.Tensor:
-        return encode_prompt(target, self.prompt, chat_template=False)
+    @model_validator(mode="after")
+    def _tokens_or_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 generates nothing; it is allowed with echo (score the prompt) only")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        value = self.prompt
+        return value if isinstance(value, list) and value and not isinstance(value[0], int) else [value]
+
+    def prompts_ids(self, target: LoadedModel) -> list[torch.Tensor]:
+        ids = []
+        for i, prompt in enumerate(self.prompts()):
+            if isinstance(prompt, list):
+                bad = [token for token in prompt if token >= target.vocab_size]
+                if bad:
+                    raise ApiError(400, f"prompt {i}: token id {bad[0]} is outside the model's vocabulary "
+                                   f"(0 .. {target.vocab_size - 1})", "prompt")
+                ids.append(torch.tensor(prompt, dtype=torch.long))
+            else:
+                ids.append(encode_prompt(target, prompt, chat_template=False))
+        return ids
+
+    def requested_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        return self.logprobs
+
+
+def _content_text(value):
+    """A message's content: a string, or a list of text parts (``[{"type": "text", "text": ...}]``,
+    joined with newlines); any other part type is refused, by name."""
+    if not isinstance(value, list):
+        return value
+    texts = []
+    for i, part in enumerate(value):
+        if not isinstance(part, dict):
+            raise ValueError(f"part {i} must be an object such as {{\"type\": \"text\", \"text\": \"...\"}}")
+        kind = part.get("type")
+        if kind != "text":
+            raise ValueError(f"part {i} has type {kind!r}: only text parts are supported (this model reads text)")
+        if set(part) - {"type", "text"} or not isinstance(part.get("text"), str):
+            raise ValueError(f"part {i}: a text part is {{\"type\": \"text\", \"text\": a string}}")
+        texts.append(part["text"])
+    if not texts:
+        raise ValueError("the list of content parts is empty")
+    return "\n".join(texts)
 
 
 class ChatMessage(BaseModel):
+    """One message; ``developer`` (OpenAI's newer name for the system role) is the template's
+    ``system`` role."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant"]
     content: str
     name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts(cls, value):
+        return _content_text(value)
+
+    def for_template(self) -> dict:
+        message = self.model_dump(exclude_none=True)
+        if self.role == "developer":
+            message["role"] = "system"
+        return message
 
 
 class ChatRequest(GenerationRequest):
@@ -115,6 +254,14 @@ class ChatRequest(GenerationRequest):
 
     messages: list[ChatMessage]
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
 
     @field_validator("messages")
     @classmethod
@@ -125,11 +272,14 @@ class ChatRequest(GenerationRequest):
             raise ValueError("every message is empty")
         return value
 
-    def prompt_ids(self, target: LoadedModel) -> torch.Tensor:
-        return encode_messages(target, [message.model_dump(exclude_none=True) for message in self.messages])
+    def prompts_ids(self, target: LoadedModel) -> list[torch.Tensor]:
+        return [encode_messages(target, [message.for_template() for message in self.messages])]
 
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def logprobs_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 def _parse(request_model: type[GenerationRequest], raw: bytes) -> GenerationRequest:
@@ -170,6 +320,16 @@ def _check_unicode(value, where: str) -> None:
             _check_unicode(item, f"{where}.{index}")
 
 
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request with ``seed`` (``n`` > 1: independent samples):
+    choice 0 keeps the request's seed, so ``n: 1`` and the first of ``n`` choices give the same
+    text; the others take a hash of (seed, index) in int64's range."""
+    if index == 0 or seed is None:
+        return seed
+    digest = hashlib.blake2b(f"{seed}/choice/{index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
 def prepare(engine: Engine, request_model: type[GenerationRequest], raw: bytes,
             loop: asyncio.AbstractEventLoop) -> tuple[GenerationRequest, Job]:
     """The request in ``raw`` and its job: parsed, validated, tokenised and checked against the
@@ -178,7 +338,7 @@ def prepare(engine: Engine, request_model: type[GenerationRequest], raw: bytes,
     if body.model is not None and body.model != engine.model_name:
         raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{engine.model_name}'",
                        "model", kind="not_found_error")
-    method = body.method or engine.default_method
+    method = engine.default_method if body.method is None else body.method
     try:
         check_method_name(method)
     except TierspecError as error:
@@ -187,19 +347,40 @@ def prepare(engine: Engine, request_model: type[GenerationRequest], raw: bytes,
         sampling = SamplingConfig(body.temperature, body.top_k, body.top_p)
     except TierspecError as error:
         raise ApiError(400, str(error)) from None
+    modifiers = body.modifiers(engine.target.vocab_size)
     try:
-        prompt_ids = body.prompt_ids(engine.target)
+        prompts = body.prompts_ids(engine.target)
     except TierspecError as error:
         raise ApiError(400, str(error), body.prompt_param) from None
-    room = None if engine.context is None else engine.context - len(prompt_ids)
-    if room is not None and room < 1:
-        raise ApiError(400, f"the prompt has {len(prompt_ids)} tokens; the model's context is {engine.context}",
-                       body.prompt_param)
-    max_tokens = body.requested_tokens() or body.default_max_tokens or room
-    if max_tokens is None:
-        raise ApiError(400, "give max_tokens: the model's context length is unknown", "max_tokens")
-    if room is not None and max_tokens > room:
-        raise ApiError(400, f"max_tokens {max_tokens} + the prompt's {len(prompt_ids)} tokens exceed the model's "
-                       f"context of {engine.context}", "max_tokens")
-    config = DecodeConfig(max_new_tokens=max_tokens, sampling=sampling, eos_token_ids=engine.eos)
-    return body, Job(prompt_ids, method, body.num_draft, config, body.seed, body.stop or [], loop)
+    if len(prompts) * body.n > MAX_CHOICES:
+        raise ApiError(400, f"{len(prompts)} prompts × n {body.n} = {len(prompts) * body.n} choices; at most "
+                       f"{MAX_CHOICES} per request", "n")
+    requested = body.requested_tokens()
+    logprobs = body.logprobs_count()
+    score_prompt = getattr(body, "echo", False) and logprobs is not None  # echo without logprobs: the text only
+    choices = []
+    seed = body.seed
+    if seed is None and body.n > 1:  # independent samples still: one fresh seed, one derived per choice
+        seed = int(torch.randint(SEED_RANGE[0], SEED_RANGE[1], (1,)))
+    for p, prompt_ids in enumerate(prompts):
+        where = body.prompt_param if len(prompts) == 1 else f"{body.prompt_param} {p}"
+        room = None if engine.context is None else engine.context - len(prompt_ids)
+        if room is not None and room < 1:
+            raise ApiError(400, f"{where} has {len(prompt_ids)} tokens; the model's context is {engine.context}",
+                           body.prompt_param)
+        max_tokens = requested if requested is not None else (body.default_max_tokens or room)
+        if max_tokens is None:
+            raise ApiError(400, "give max_tokens: the model's context length is unknown", "max_tokens")
+        if room is not None and max_tokens > room:
+            raise ApiError(400, f"max_tokens {max_tokens} + the {len(prompt_ids)} tokens of {where} exceed the "
+                           f"model's context of {engine.context}", "max_tokens")
+        config = DecodeConfig(max_new_tokens=max(1, max_tokens), sampling=sampling, eos_token_ids=engine.eos,
+                              modifiers=modifiers, logprobs=logprobs, score_prompt=score_prompt)
+        echo_text = None
+        if getattr(body, "echo", False):
+            prompt = body.prompts()[p]
+            echo_text = prompt if isinstance(prompt, str) else engine.target.tokenizer.decode(prompt)
+        for i in range(body.n):
+            choices.append(Choice(p * body.n + i, p, prompt_ids, choice_seed(seed, i), config,
+                                  score_only=max_tokens == 0, echo_text=echo_text))
+    return body, Job(choices, method, body.num_draft, body.stop or [], loop)

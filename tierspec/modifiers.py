@@ -1,0 +1,123 @@
+"""Sampling modifiers on the target's logits: presence and frequency penalties and a logit bias
+(OpenAI's ``presence_penalty``, ``frequency_penalty``, ``logit_bias``), as pure functions of the
+logits and the generated tokens before each position (docs/DESIGN.md §9).
+
+At position t the modified logits are
+
+    z'_t(x) = z_t(x) + b(x) − α_f·c_t(x) − α_p·[c_t(x) > 0]
+
+with c_t(x) the count of x among the tokens *generated* before t (the prompt does not count, as
+in OpenAI's definition). A verification pass scores several positions at once: row i of a chain
+pass comes after the committed text and drafts 1..i, exactly the text that exists if those
+drafts are kept, so each row gets the counts of that text (``chain_counts``); a tree node's row
+gets its ancestors' (``tree_counts``). The rule then verifies against the modified target, and
+the lossless methods emit what plain decoding under the same modifiers emits; a drafter may
+ignore the modifiers (fewer drafts are kept, none wrongly).
+
+The temperature, top-k and top-p apply after the modifiers (``sampling.logits_to_probs``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .errors import TierspecError
+
+#: OpenAI's ranges.
+PENALTY_RANGE = (-2.0, 2.0)
+BIAS_RANGE = (-100.0, 100.0)
+
+
+@dataclass(frozen=True)
+class LogitModifiers:
+    """The modifiers of one generation. ``logit_bias``: (token id, bias) pairs, each id once."""
+
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not PENALTY_RANGE[0] <= value <= PENALTY_RANGE[1]:
+                raise TierspecError(f"{name} must be a number in [{PENALTY_RANGE[0]}, {PENALTY_RANGE[1]}], got {value!r}")
+        seen = set()
+        for token, bias in self.logit_bias:
+            if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+                raise TierspecError(f"logit_bias: token ids are integers >= 0, got {token!r}")
+            if token in seen:
+                raise TierspecError(f"logit_bias: token id {token} is given twice")
+            seen.add(token)
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not BIAS_RANGE[0] <= bias <= BIAS_RANGE[1]:
+                raise TierspecError(f"logit_bias: the bias of token {token} must be in [{BIAS_RANGE[0]}, "
+                                    f"{BIAS_RANGE[1]}], got {bias!r}")
+
+    @property
+    def active(self) -> bool:
+        """Whether they change anything (all zero: the logits pass through untouched)."""
+        return bool(self.presence_penalty or self.frequency_penalty or any(bias for _, bias in self.logit_bias))
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
+
+    def check_vocabulary(self, vocab_size: int) -> None:
+        for token, _ in self.logit_bias:
+            if token >= vocab_size:
+                raise TierspecError(f"logit_bias: token id {token} is outside the model's vocabulary "
+                                    f"(0 .. {vocab_size - 1})")
+
+    def bias_vector(self, vocab_size: int) -> torch.Tensor:
+        """b [V] float32."""
+        self.check_vocabulary(vocab_size)
+        bias = torch.zeros(vocab_size)
+        for token, value in self.logit_bias:
+            bias[token] = float(value)
+        return bias
+
+
+def token_counts(tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """c [V] float32: how often each id occurs in ``tokens`` [n]."""
+    return torch.bincount(torch.as_tensor(tokens, dtype=torch.long).reshape(-1), minlength=vocab_size)[:vocab_size].float()
+
+
+def chain_counts(prior_counts: torch.Tensor, drafts: torch.Tensor) -> torch.Tensor:
+    """The counts before each row of a chain pass: prior_counts [V] (the generated tokens
+    committed so far), drafts [k] → [k+1, V], row i = prior + the counts of drafts[:i]."""
+    vocab_size = prior_counts.shape[-1]
+    k = int(drafts.shape[0])
+    steps = torch.zeros(k + 1, vocab_size)
+    if k:
+        steps[torch.arange(1, k + 1), drafts.long()] = 1.0
+    return prior_counts + steps.cumsum(0)
+
+
+def tree_counts(prior_counts: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """The counts before each row of a tree pass (``tree.TokenTree``'s tokens [m] and parents [m],
+    −1 = the root): [1+m, V], row 0 = prior (after the root), row 1+i = prior + the counts of
+    node i's path (its ancestors and itself)."""
+    rows = [prior_counts]
+    for token, parent in zip(tokens.tolist(), parents.tolist()):
+        row = rows[parent + 1].clone()  # parent −1 → row 0; a parent precedes its children
+        row[token] += 1.0
+        rows.append(row)
+    return torch.stack(rows)
+
+
+def modified_logits(logits: torch.Tensor, counts: torch.Tensor, modifiers: LogitModifiers,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """z' = z + b − α_f·c − α_p·[c > 0]: logits [r, V], counts [r, V] (``chain_counts``,
+    ``tree_counts``) → [r, V], float32 (float64 logits stay float64). ``bias``:
+    ``modifiers.bias_vector`` when already built."""
+    vocab_size = logits.shape[-1]
+    result = logits if logits.dtype == torch.float64 else logits.float()
+    if bias is None and modifiers.logit_bias:
+        bias = modifiers.bias_vector(vocab_size)
+    if bias is not None:
+        result = result + bias.to(result.dtype)
+    if modifiers.frequency_penalty:
+        result = result - modifiers.frequency_penalty * counts.to(result.dtype)
+    if modifiers.presence_penalty:
+        result = result - modifiers.presence_penalty * (counts > 0).to(result.dtype)
+    return result
