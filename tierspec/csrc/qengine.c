@@ -209,8 +209,30 @@ static void claim_chunks(task_slot *task) {
 
 static int start_generation[MAX_THREADS];
 
+/* Denormal inputs and results are flushed to zero inside the engine (as oneDNN does): products of
+ * tiny attention weights with values would otherwise fall into slow microcoded paths, and their
+ * contribution (below 1e-38) is nothing. The caller's floating-point state is restored after. */
+static inline unsigned flush_denormals(void) {
+#if QE_X86
+    unsigned previous = _mm_getcsr();
+    _mm_setcsr(previous | 0x8040); /* FTZ | DAZ */
+    return previous;
+#else
+    return 0;
+#endif
+}
+
+static inline void restore_denormals(unsigned previous) {
+#if QE_X86
+    _mm_setcsr(previous);
+#else
+    (void)previous;
+#endif
+}
+
 static void *worker_main(void *raw) {
     int ith = (int)(intptr_t)raw;
+    flush_denormals();
     int seen = start_generation[ith]; /* the generation when it was made: a task posted before it runs is still its */
     for (;;) {
         int spins = 0;
@@ -785,16 +807,22 @@ typedef struct {
     float *out;            /* [n, heads * D] */
 } attention_args;
 
+/* The slots a query sees, in logical order: the cached context, then the new tokens it sees. */
+static int visible_slots(const attention_args *a, int row, int *slots) {
+    int count = 0;
+    for (int s = 0; s < a->start; s++) slots[count++] = s;
+    for (int j = 0; j <= row; j++)
+        if (a->attends == NULL || a->attends[(size_t)row * a->n + j]) slots[count++] = a->start + j;
+    return count;
+}
+
 /* One query's attention over its visible keys, in logical order. */
 static void attend_one(const attention_args *a, int row, int head, float *scores, int *slots) {
     const layer_desc *L = a->L;
     int D = L->head_dim, group = L->heads / L->kv_heads, g = head / group;
     const float *q = a->q + (size_t)row * L->heads * D + (size_t)head * D;
     const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
-    int count = 0;
-    for (int s = 0; s < a->start; s++) slots[count++] = s;
-    for (int j = 0; j <= row; j++)
-        if (a->attends == NULL || a->attends[(size_t)row * a->n + j]) slots[count++] = a->start + j;
+    int count = visible_slots(a, row, slots);
     float scale = 1.0f / sqrtf((float)D), best = -INFINITY;
     for (int l = 0; l < count; l++) {
         const float *k = K + (size_t)slots[l] * D;
@@ -819,111 +847,132 @@ static void attend_one(const attention_args *a, int row, int head, float *scores
 }
 
 #if QE_X86
-/* The same computation, vectorised over the head dimension (D a multiple of 16): per key one dot
- * product reduced in a fixed order; exp and the weighted sum in logical key order. */
-AVX512_TARGET static float reduce16(__m512 v) { return _mm512_reduce_add_ps(v); }
-
-AVX512_TARGET static void attend_one_avx512(const attention_args *a, int row, int head, float *scores, int *slots) {
+/* The same computation vectorised over the head dimension, the width a compile-time constant (D =
+ * 32, 64 or 128) so that the query and the sums stay in registers. Per key one dot product reduced
+ * in a fixed order; the weighted sum of values over the logical order in two interleaved sums (even
+ * and odd keys: two independent FMA chains), added at the end. */
+AVX512_TARGET static inline void attend_head_avx512(const attention_args *a, int row, int head, float *scores,
+                                                   const int *slots, int count, const int chunks) {
     const layer_desc *L = a->L;
-    int D = L->head_dim, group = L->heads / L->kv_heads, g = head / group;
+    int D = 16 * chunks, g = head / (L->heads / L->kv_heads);
     const float *q = a->q + (size_t)row * L->heads * D + (size_t)head * D;
     const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
-    int count = 0;
-    for (int s = 0; s < a->start; s++) slots[count++] = s;
-    for (int j = 0; j <= row; j++)
-        if (a->attends == NULL || a->attends[(size_t)row * a->n + j]) slots[count++] = a->start + j;
-    float scale = 1.0f / sqrtf((float)D), best = -INFINITY;
-    int chunks = D / 16;
-    __m512 qv[16];
+    float scale = 1.0f / sqrtf((float)D), top = -INFINITY;
+    __m512 qv[8];
     for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
     for (int l = 0; l < count; l++) {
         const float *k = K + (size_t)slots[l] * D;
         __m512 s = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
         for (int c = 1; c < chunks; c++) s = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), s);
-        float v = reduce16(s) * scale;
+        float v = _mm512_reduce_add_ps(s) * scale;
         scores[l] = v;
-        if (v > best) best = v;
+        top = v > top ? v : top;
     }
-    for (int l = 0; l < count; l++) scores[l] -= best;
+    for (int l = 0; l < count; l++) scores[l] -= top;
     exp_inplace(scores, count);
     float total = sum_in_order(scores, count);
-    __m512 acc[16];
-    for (int c = 0; c < chunks; c++) acc[c] = _mm512_setzero_ps();
-    for (int l = 0; l < count; l++) {
-        const float *v = V + (size_t)slots[l] * D;
-        __m512 p = _mm512_set1_ps(scores[l]);
-        for (int c = 0; c < chunks; c++) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(v + 16 * c), acc[c]);
+    __m512 even[8], odd[8];
+    for (int c = 0; c < chunks; c++) even[c] = odd[c] = _mm512_setzero_ps();
+    int l = 0;
+    for (; l + 1 < count; l += 2) {
+        const float *v0 = V + (size_t)slots[l] * D, *v1 = V + (size_t)slots[l + 1] * D;
+        __m512 p0 = _mm512_set1_ps(scores[l]), p1 = _mm512_set1_ps(scores[l + 1]);
+        for (int c = 0; c < chunks; c++) {
+            even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+            odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), odd[c]);
+        }
+    }
+    if (l < count) {
+        const float *v0 = V + (size_t)slots[l] * D;
+        __m512 p0 = _mm512_set1_ps(scores[l]);
+        for (int c = 0; c < chunks; c++) even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
     }
     __m512 inv = _mm512_set1_ps(1.0f / total);
     float *out = a->out + (size_t)row * L->heads * D + (size_t)head * D;
-    for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(acc[c], inv));
+    for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), inv));
 }
 
-AVX2_TARGET static float reduce8(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
-
-AVX2_TARGET static void attend_one_avx2(const attention_args *a, int row, int head, float *scores, int *slots) {
+AVX2_TARGET static inline void attend_head_avx2(const attention_args *a, int row, int head, float *scores,
+                                               const int *slots, int count, const int chunks) {
     const layer_desc *L = a->L;
-    int D = L->head_dim, group = L->heads / L->kv_heads, g = head / group;
+    int D = 8 * chunks, g = head / (L->heads / L->kv_heads);
     const float *q = a->q + (size_t)row * L->heads * D + (size_t)head * D;
     const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
-    int count = 0;
-    for (int s = 0; s < a->start; s++) slots[count++] = s;
-    for (int j = 0; j <= row; j++)
-        if (a->attends == NULL || a->attends[(size_t)row * a->n + j]) slots[count++] = a->start + j;
-    float scale = 1.0f / sqrtf((float)D), best = -INFINITY;
-    int chunks = D / 8;
+    float scale = 1.0f / sqrtf((float)D), top = -INFINITY;
     for (int l = 0; l < count; l++) {
         const float *k = K + (size_t)slots[l] * D;
         __m256 s = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
         for (int c = 1; c < chunks; c++) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), s);
-        float v = reduce8(s) * scale;
+        __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+        r = _mm_add_ss(r, _mm_movehdup_ps(r));
+        float v = _mm_cvtss_f32(r) * scale;
         scores[l] = v;
-        if (v > best) best = v;
+        top = v > top ? v : top;
     }
-    for (int l = 0; l < count; l++) scores[l] -= best;
+    for (int l = 0; l < count; l++) scores[l] -= top;
     exp_inplace(scores, count);
     float total = sum_in_order(scores, count);
-    float *out = a->out + (size_t)row * L->heads * D + (size_t)head * D;
-    for (int c = 0; c < chunks; c++) _mm256_storeu_ps(out + 8 * c, _mm256_setzero_ps());
-    for (int l = 0; l < count; l++) {
-        const float *v = V + (size_t)slots[l] * D;
-        __m256 p = _mm256_set1_ps(scores[l]);
-        for (int c = 0; c < chunks; c++)
-            _mm256_storeu_ps(out + 8 * c, _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * c), _mm256_loadu_ps(out + 8 * c)));
+    __m256 even[16], odd[16];
+    for (int c = 0; c < chunks; c++) even[c] = odd[c] = _mm256_setzero_ps();
+    int l = 0;
+    for (; l + 1 < count; l += 2) {
+        const float *v0 = V + (size_t)slots[l] * D, *v1 = V + (size_t)slots[l + 1] * D;
+        __m256 p0 = _mm256_set1_ps(scores[l]), p1 = _mm256_set1_ps(scores[l + 1]);
+        for (int c = 0; c < chunks; c++) {
+            even[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
+            odd[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * c), odd[c]);
+        }
+    }
+    if (l < count) {
+        const float *v0 = V + (size_t)slots[l] * D;
+        __m256 p0 = _mm256_set1_ps(scores[l]);
+        for (int c = 0; c < chunks; c++) even[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
     }
     __m256 inv = _mm256_set1_ps(1.0f / total);
-    for (int c = 0; c < chunks; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(out + 8 * c), inv));
+    float *out = a->out + (size_t)row * L->heads * D + (size_t)head * D;
+    for (int c = 0; c < chunks; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_add_ps(even[c], odd[c]), inv));
+}
+
+/* Dispatch on the head width (a compile-time constant in each kernel); 0: no vector kernel for it. */
+AVX512_TARGET static int attend_avx512(const attention_args *a, int row, int head, float *scores, const int *slots,
+                                       int count) {
+    switch (a->L->head_dim) {
+    case 32: attend_head_avx512(a, row, head, scores, slots, count, 2); return 1;
+    case 64: attend_head_avx512(a, row, head, scores, slots, count, 4); return 1;
+    case 128: attend_head_avx512(a, row, head, scores, slots, count, 8); return 1;
+    default: return 0;
+    }
+}
+
+AVX2_TARGET static int attend_avx2(const attention_args *a, int row, int head, float *scores, const int *slots,
+                                   int count) {
+    switch (a->L->head_dim) {
+    case 32: attend_head_avx2(a, row, head, scores, slots, count, 4); return 1;
+    case 64: attend_head_avx2(a, row, head, scores, slots, count, 8); return 1;
+    case 128: attend_head_avx2(a, row, head, scores, slots, count, 16); return 1;
+    default: return 0;
+    }
 }
 #endif
 
 static void attention_task(void *raw, int chunk) { /* chunk: one (row, head) */
     const attention_args *a = (const attention_args *)raw;
-    int heads = a->L->heads, begin = chunk, end = chunk + 1;
+    int heads = a->L->heads, row = chunk / heads, head = chunk % heads;
     int keys = a->start + a->n;
     char *mem = scratch_get(&scratch_scores, (size_t)keys * 8 + 64);
     float *scores = (float *)mem;
     int *slots = (int *)(mem + (size_t)keys * 4);
-    int D = a->L->head_dim;
-    for (int u = begin; u < end; u++) {
-        int row = u / heads, head = u % heads;
 #if QE_X86
-        if (!force_portable && D % 16 == 0 && D <= 256 && have_avx512bf16()) {
-            attend_one_avx512(a, row, head, scores, slots);
-            continue;
-        }
-        if (!force_portable && D % 8 == 0 && have_avx2()) {
-            attend_one_avx2(a, row, head, scores, slots);
-            continue;
-        }
-#endif
-        attend_one(a, row, head, scores, slots);
+    if (!force_portable && have_avx512bf16()) {
+        int count = visible_slots(a, row, slots);
+        if (attend_avx512(a, row, head, scores, slots, count)) return;
+    } else if (!force_portable && have_avx2()) {
+        int count = visible_slots(a, row, slots);
+        if (attend_avx2(a, row, head, scores, slots, count)) return;
     }
+#endif
+    attend_one(a, row, head, scores, slots);
 }
 
 typedef struct {
@@ -1147,7 +1196,9 @@ static PyObject *py_matmul(PyObject *self, PyObject *const *args, Py_ssize_t nar
         return NULL;
     qweight q = {(int)kind, (int)layout, w, (int)n, (int)k};
     Py_BEGIN_ALLOW_THREADS
+    unsigned csr = flush_denormals();
     linear(&q, (int)rnd, x, (int)m, out, (int)ldo, (int)acc, (int)nth);
+    restore_denormals(csr);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1223,7 +1274,9 @@ static PyObject *py_run_layer(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     Py_BEGIN_ALLOW_THREADS
     int64_t started = profiling ? now_ns() : 0;
+    unsigned csr = flush_denormals();
     run_layer(L, hin, h, (int)n, (int)start, keys, values, (int)cap, cos, sin, attends, (int)flags, (int)nth);
+    restore_denormals(csr);
     if (profiling) {
         profile_ns[0] += now_ns() - started;
         profile_ns[3] += 1;
