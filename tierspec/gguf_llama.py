@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from .errors import ModelLoadError
-from .llama import KVLayer, LlamaLM, PassLayout, model_config, supports
+from .llama import KVLayer, LlamaLM, PassLayout, ViewOnReadKVLayer, model_config, supports
 from .quant import (NATIVE_TYPES, GgufTensor, Numerics, QuantEmbedding, QuantLinear, QuantWeight, engine,
                     engine_threads, read_gguf_tensors, unpermute_rows)
 
@@ -165,4 +165,7 @@ def load_gguf_llama(gguf: Path, folder: Path, numerics: Numerics) -> LlamaLM:
             layer.fused = FusedLayer(layer, settings)
         except ValueError:
             layer.fused = None  # a layer with a de-quantised projection runs torch's operators
+    if decoder.fused:
+        decoder.engine_stack = engine().make_stack(tuple(layer.fused.capsule for layer in decoder.layers))
+        model.kv_layer_class = ViewOnReadKVLayer
     return model.eval()

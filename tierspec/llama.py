@@ -174,11 +174,27 @@ class KVLayer:
             self.keys, self.values = self._keys[..., :length, :], self._values[..., :length, :]
 
 
+class ViewOnReadKVLayer(KVLayer):
+    """A ``KVLayer`` whose ``keys``/``values`` views of the first ``length`` positions are made when
+    read, not after every write: the pass engine advances 30 layers per pass, and two views per layer
+    cost more than the rest of the bookkeeping (the stored views are always that prefix, so the
+    assignments of ``KVLayer``'s own methods are ignored)."""
+
+    keys = property(lambda self: None if self._keys is None else self._keys[..., : self.length, :],
+                    lambda self, value: None)
+    values = property(lambda self: None if self._values is None else self._values[..., : self.length, :],
+                      lambda self, value: None)
+
+    def advance(self, count: int) -> None:
+        self.length += count
+
+
 class KVCache:
     """The KV of every decoder layer; layers a routing mask bypassed may hold fewer positions."""
 
-    def __init__(self, num_layers: int):
-        self.layers = [KVLayer() for _ in range(num_layers)]
+    def __init__(self, num_layers: int, layer_class: type = KVLayer):
+        self.layers = [layer_class() for _ in range(num_layers)]
+        self._table: tuple | None = None  # engine_table's last answer: (buffers, capacity, table)
 
     def get_seq_length(self) -> int:
         return self.layers[0].length if self.layers else 0
@@ -186,6 +202,22 @@ class KVCache:
     def reserve(self, positions: int) -> None:
         for layer in self.layers:
             layer.reserve(positions)
+
+    def engine_table(self, end: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+        """int64 [L, 3]: every layer's key and value buffer addresses and capacity, each buffer
+        holding at least ``end`` slots (``KVLayer.slots``): what the pass engine's whole-stack call
+        reads. Rebuilt only when a buffer was reallocated or is too small."""
+        cached = self._table
+        if cached is not None and cached[1] >= end and all(
+                layer._keys is buffer for layer, buffer in zip(self.layers, cached[0])):
+            return cached[2]
+        rows = []
+        for layer in self.layers:
+            keys, values = layer.slots(end, kv_heads, head_dim)
+            rows.append((keys.data_ptr(), values.data_ptr(), int(keys.shape[-2])))
+        table = torch.tensor(rows, dtype=torch.int64)
+        self._table = ([layer._keys for layer in self.layers], min(row[2] for row in rows), table)
+        return table
 
 
 # ---- the modules ------------------------------------------------------------------------------------
@@ -403,6 +435,8 @@ class Attention(torch.nn.Module):
     """Grouped-query self-attention with one fused q/k/v projection (one weight stream and one
     kernel call instead of three; ``fuse_projections`` builds it from transformers' q/k/v)."""
 
+    bypassed = False  # a routing mask's stand-in says True (a class attribute: read on every pass)
+
     def __init__(self, config: SimpleNamespace):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
@@ -478,6 +512,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 
 class MLP(torch.nn.Module):
     """SwiGLU with one fused gate/up projection."""
+
+    bypassed = False  # as Attention.bypassed
 
     def __init__(self, config: SimpleNamespace):
         super().__init__()
@@ -600,10 +636,54 @@ class Decoder(torch.nn.Module):
             position_ids = torch.arange(start, start + n, device=input_ids.device).unsqueeze(0)
         hidden = self.embed_tokens(input_ids).to(self.residual_dtype)
         layout = self.layout(position_ids[0], start, cached, attends, input_ids[0])
+        if layout.fused and self.engine_stack is not None:
+            return DecoderOutput(self.norm(self._engine_forward(hidden, layout, cache)))
         layers = cache.layers if cached else [None] * len(self.layers)
         for layer, layer_cache in zip(self.layers, layers):
             hidden = layer(hidden, layout, layer_cache)
         return DecoderOutput(self.norm(hidden))
+
+    engine_stack = None  # the pass engine's description of every layer (``gguf_llama``), when all are fused
+
+    def _engine_forward(self, hidden: torch.Tensor, layout: PassLayout, cache: KVCache) -> torch.Tensor:
+        """The layers as engine calls: runs of layers without forward hooks in one call each, a
+        hooked layer (hidden-state capture) as a module call, so its hooks see its output."""
+        from .quant import engine, engine_threads
+
+        layers = self.layers
+        if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
+            hooked = set(range(len(layers)))
+        else:
+            hooked = {i for i, layer in enumerate(layers) if layer._forward_hooks or layer._forward_pre_hooks}
+        flags = bytes((0 if layer.self_attn.bypassed else 1) | (0 if layer.mlp.bypassed else 2) for layer in layers)
+        first = layers[0].fused
+        n = int(hidden.shape[1])
+        table = cache.engine_table(layout.start + n, first.kv_heads, first.head_dim)
+        hidden = hidden.contiguous()
+        attends = None if layout.attends is None else layout.attends.data_ptr()
+        threads = engine_threads()
+        i = 0
+        while i < len(layers):
+            if i in hooked:
+                hidden = layers[i](hidden, layout, cache.layers[i])
+                i += 1
+                continue
+            j = i
+            while j < len(layers) and j not in hooked:
+                j += 1
+            for k in range(i, j):
+                if flags[k] & 1 and cache.layers[k].length != layout.start:
+                    raise RuntimeError(f"layer {k}'s cache holds {cache.layers[k].length} positions, the pass starts "
+                                       f"at {layout.start}: the caller broke the rollback invariant")
+            out = torch.empty_like(hidden)
+            engine().run_stack(self.engine_stack, i, j, hidden.data_ptr(), out.data_ptr(), n, layout.start,
+                               table.data_ptr(), layout.cos.data_ptr(), layout.signed_sin.data_ptr(), attends, flags,
+                               threads)
+            for k in range(i, j):
+                if flags[k] & 1:
+                    cache.layers[k].advance(n)
+            hidden, i = out, j
+        return hidden
 
 
 class LlamaLM(torch.nn.Module):
@@ -641,8 +721,10 @@ class LlamaLM(torch.nn.Module):
     def get_output_embeddings(self) -> torch.nn.Module:
         return self.lm_head
 
+    kv_layer_class: type = KVLayer  # a GGUF model's layers run on the engine: ViewOnReadKVLayer
+
     def new_kv_cache(self) -> KVCache:
-        return KVCache(len(self.model.layers))
+        return KVCache(len(self.model.layers), self.kv_layer_class)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None, cache: KVCache | None = None,
                 use_cache: bool = True, logits_to_keep: int = 0, attends: torch.Tensor | None = None,

@@ -1295,7 +1295,104 @@ static PyObject *py_profile(PyObject *self, PyObject *arg) {
     return out;
 }
 
+typedef struct {
+    int count;
+    layer_desc **layers;
+    PyObject *keep; /* the tuple of layer capsules */
+} stack_desc;
+
+static void stack_capsule_free(PyObject *capsule) {
+    stack_desc *S = PyCapsule_GetPointer(capsule, "tierspec.stack");
+    if (!S) return;
+    Py_XDECREF(S->keep);
+    free(S->layers);
+    free(S);
+}
+
+/* make_stack(tuple of layer capsules): the decoder's layers, run in one call by run_stack */
+static PyObject *py_make_stack(PyObject *self, PyObject *layers) {
+    (void)self;
+    if (!PyTuple_Check(layers)) {
+        PyErr_SetString(PyExc_TypeError, "make_stack takes a tuple of layers");
+        return NULL;
+    }
+    Py_ssize_t count = PyTuple_GET_SIZE(layers);
+    stack_desc *S = calloc(1, sizeof(stack_desc));
+    if (!S) return PyErr_NoMemory();
+    S->layers = calloc(count ? (size_t)count : 1, sizeof(layer_desc *));
+    if (!S->layers) {
+        free(S);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        S->layers[i] = PyCapsule_GetPointer(PyTuple_GET_ITEM(layers, i), "tierspec.layer");
+        if (!S->layers[i]) {
+            free(S->layers);
+            free(S);
+            return NULL;
+        }
+    }
+    S->count = (int)count;
+    Py_INCREF(layers);
+    S->keep = layers;
+    return PyCapsule_New(S, "tierspec.stack", stack_capsule_free);
+}
+
+/* run_stack(stack, first, last, h_in, h_out, n, start, table, cos, signed_sin, attends, flags, threads):
+ * layers first .. last-1 in turn over the rows (h_out = the last one's output); table: int64
+ * [count, 3] of (keys, values, capacity) per layer; flags: bytes, one per layer (as run_layer's). */
+static PyObject *py_run_stack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    ARGS(13);
+    stack_desc *S = PyCapsule_GetPointer(args[0], "tierspec.stack");
+    if (!S) return NULL;
+    long long first, last, n, start, nth;
+    void *hin, *h, *table, *cos, *sin, *attends;
+    if (!as_int(args[1], &first) || !as_int(args[2], &last) || !as_ptr(args[3], &hin) || !as_ptr(args[4], &h) ||
+        !as_int(args[5], &n) || !as_int(args[6], &start) || !as_ptr(args[7], &table) || !as_ptr(args[8], &cos) ||
+        !as_ptr(args[9], &sin) || !as_int(args[12], &nth))
+        return NULL;
+    attends = args[10] == Py_None ? NULL : PyLong_AsVoidPtr(args[10]);
+    if (PyErr_Occurred()) return NULL;
+    if (!PyBytes_Check(args[11]) || PyBytes_GET_SIZE(args[11]) != S->count) {
+        PyErr_SetString(PyExc_ValueError, "flags must be bytes, one per layer of the stack");
+        return NULL;
+    }
+    if (first < 0 || last > S->count || first > last) {
+        PyErr_SetString(PyExc_ValueError, "layer range outside the stack");
+        return NULL;
+    }
+    const uint8_t *flags = (const uint8_t *)PyBytes_AS_STRING(args[11]);
+    const int64_t *t = table;
+    for (long long i = first; i < last; i++)
+        if ((flags[i] & 1) && start + n > t[3 * i + 2]) {
+            PyErr_Format(PyExc_ValueError, "layer %lld's cache holds %lld slots, the pass needs %lld", i,
+                         (long long)t[3 * i + 2], start + n);
+            return NULL;
+        }
+    Py_BEGIN_ALLOW_THREADS
+    int64_t started = profiling ? now_ns() : 0;
+    unsigned csr = flush_denormals();
+    const void *source = hin;
+    for (long long i = first; i < last; i++) {
+        if (!flags[i]) continue;
+        run_layer(S->layers[i], source, h, (int)n, (int)start, (float *)(intptr_t)t[3 * i], (float *)(intptr_t)t[3 * i + 1],
+                  (int)t[3 * i + 2], cos, sin, attends, flags[i], (int)nth);
+        source = h;
+    }
+    if (source != h) memcpy(h, hin, (size_t)n * S->layers[0]->hidden * 4);
+    restore_denormals(csr);
+    if (profiling) {
+        profile_ns[0] += now_ns() - started;
+        profile_ns[3] += last - first;
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"make_stack", py_make_stack, METH_O, "The decoder's layers as one description (for run_stack)."},
+    {"run_stack", (PyCFunction)(void (*)(void))py_run_stack, METH_FASTCALL, "Layers first..last-1 in one call."},
     {"profile", py_profile, METH_O, "Time spent in layer calls, their products and attention (and switch it on/off)."},
     {"isa", py_isa, METH_NOARGS, "The instruction set the kernels use here: avx512bf16, avx2 or portable."},
     {"force_portable", py_force_portable, METH_O, "Use the portable C loops whatever the CPU (tests)."},
