@@ -82,6 +82,17 @@ class FusedLayer:
         return out
 
 
+class EngineStack:
+    """Every decoder layer's engine description in one (``_qengine.make_stack``), for the whole-stack
+    call ``llama.Decoder`` makes on cached passes. Shared, not copied, by a copy of the model."""
+
+    def __init__(self, layers):
+        self.capsule = engine().make_stack(tuple(layer.fused.capsule for layer in layers))
+
+    def __deepcopy__(self, memo) -> "EngineStack":
+        return self
+
+
 def _tensor(tensors: dict[str, GgufTensor], name: str, path: Path) -> GgufTensor:
     if name not in tensors:
         raise ModelLoadError(f"{path}: the GGUF file has no tensor {name!r} (not a Llama model file?)")
@@ -166,6 +177,6 @@ def load_gguf_llama(gguf: Path, folder: Path, numerics: Numerics) -> LlamaLM:
         except ValueError:
             layer.fused = None  # a layer with a de-quantised projection runs torch's operators
     if decoder.fused:
-        decoder.engine_stack = engine().make_stack(tuple(layer.fused.capsule for layer in decoder.layers))
+        decoder.engine_stack = EngineStack(decoder.layers)
         model.kv_layer_class = ViewOnReadKVLayer
     return model.eval()

@@ -643,7 +643,7 @@ class Decoder(torch.nn.Module):
             hidden = layer(hidden, layout, layer_cache)
         return DecoderOutput(self.norm(hidden))
 
-    engine_stack = None  # the pass engine's description of every layer (``gguf_llama``), when all are fused
+    engine_stack = None  # a gguf_llama.EngineStack: every layer's engine description, when all are fused
 
     def _engine_forward(self, hidden: torch.Tensor, layout: PassLayout, cache: KVCache) -> torch.Tensor:
         """The layers as engine calls: runs of layers without forward hooks in one call each, a
@@ -676,7 +676,7 @@ class Decoder(torch.nn.Module):
                     raise RuntimeError(f"layer {k}'s cache holds {cache.layers[k].length} positions, the pass starts "
                                        f"at {layout.start}: the caller broke the rollback invariant")
             out = torch.empty_like(hidden)
-            engine().run_stack(self.engine_stack, i, j, hidden.data_ptr(), out.data_ptr(), n, layout.start,
+            engine().run_stack(self.engine_stack.capsule, i, j, hidden.data_ptr(), out.data_ptr(), n, layout.start,
                                table.data_ptr(), layout.cos.data_ptr(), layout.signed_sin.data_ptr(), attends, flags,
                                threads)
             for k in range(i, j):

@@ -526,38 +526,41 @@ AVX2_TARGET static void tile_avx2(const matmul_args *a, int t, int m0, int mt) {
 }
 
 /* Layout A: 16 float lanes = the tile's 16 output rows; each vdpbf16ps adds two k's products.
- * Per block: bacc = sum_k q_k x_k (bfloat16 products, float32 sums), then acc += d*bacc + m*sum x. */
+ * Per block: the sum of q_k x_k (bfloat16 products, float32 sums), then acc += d * it + m * sum x. */
 AVX512_TARGET static inline void tile_avx512_mt(const matmul_args *a, int t, int m0, const int mt) {
     int KB = a->K / QK;
     const uint32_t *x = (const uint32_t *)a->x; /* bfloat16 pairs */
     int K2 = a->K / 2;
-    __m512 acc[8], bacc[8];
+    /* per row and block two running sums (even and odd pairs of k), added at the block's end: twice
+     * the independent vdpbf16ps chains, whose latency bounds a product over few rows otherwise */
+    __m512 acc[8], even[8], odd[8];
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
-    /* bfloat16 of 0..15 for vpermw */
-    const __m512i table = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                                           0x4170, 0x4160, 0x4150, 0x4140, 0x4130, 0x4120, 0x4110, 0x4100,
-                                           0x40e0, 0x40c0, 0x40a0, 0x4080, 0x4040, 0x4000, 0x3f80, 0x0000);
     const __m512i low = _mm512_set1_epi16(0x0f);
     for (int b = 0; b < KB; b++) {
         const uint8_t *cell = a->w + ((size_t)t * KB + b) * cell_bytes(a->kind);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)cell));
         const uint32_t *xb = x + (size_t)m0 * K2 + b * (QK / 2);
-        for (int i = 0; i < mt; i++) bacc[i] = _mm512_setzero_ps();
+        for (int i = 0; i < mt; i++) even[i] = odd[i] = _mm512_setzero_ps();
         if (a->kind == KIND_Q4) {
+            /* A nibble q OR-ed into 0x4300 is the bfloat16 of 128 + q (exact): one instruction where a
+             * table lookup took one on the shuffle unit. So the block's dot product is of (128 + q),
+             * and w = d*q + m = d*(128 + q) + (m - 128 d) takes the offset into the minimum's term. */
             const uint8_t *q = cell + 64;
+            const __m512i bias = _mm512_set1_epi16(0x4300);
             for (int g = 0; g < 8; g++) {
                 __m512i raw = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(q + 32 * g)));
-                __m512bh w0 = (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(raw, low), table);
-                __m512bh w1 = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(raw, 4), table);
+                __m512bh w0 = (__m512bh)_mm512_ternarylogic_epi32(raw, low, bias, 0xEA); /* (raw & low) | bias */
+                __m512bh w1 = (__m512bh)_mm512_or_si512(_mm512_srli_epi16(raw, 4), bias);
                 for (int i = 0; i < mt; i++) {
                     const uint32_t *xr = xb + (size_t)i * K2 + 2 * g;
-                    bacc[i] = _mm512_dpbf16_ps(bacc[i], w0, (__m512bh)_mm512_set1_epi32((int)xr[0]));
-                    bacc[i] = _mm512_dpbf16_ps(bacc[i], w1, (__m512bh)_mm512_set1_epi32((int)xr[1]));
+                    even[i] = _mm512_dpbf16_ps(even[i], w0, (__m512bh)_mm512_set1_epi32((int)xr[0]));
+                    odd[i] = _mm512_dpbf16_ps(odd[i], w1, (__m512bh)_mm512_set1_epi32((int)xr[1]));
                 }
             }
-            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cell + 32)));
+            __m512 mn = _mm512_fmadd_ps(d, _mm512_set1_ps(-128.0f),
+                                        _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cell + 32))));
             for (int i = 0; i < mt; i++) {
-                acc[i] = _mm512_fmadd_ps(bacc[i], d, acc[i]);
+                acc[i] = _mm512_fmadd_ps(_mm512_add_ps(even[i], odd[i]), d, acc[i]);
                 acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->sums[(size_t)(m0 + i) * KB + b]), acc[i]);
             }
         } else {
@@ -566,10 +569,14 @@ AVX512_TARGET static inline void tile_avx512_mt(const matmul_args *a, int t, int
                 __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * p))));
                 __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 32 * p + 16))));
                 __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
-                for (int i = 0; i < mt; i++)
-                    bacc[i] = _mm512_dpbf16_ps(bacc[i], w, (__m512bh)_mm512_set1_epi32((int)xb[(size_t)i * K2 + p]));
+                if (p & 1)
+                    for (int i = 0; i < mt; i++)
+                        odd[i] = _mm512_dpbf16_ps(odd[i], w, (__m512bh)_mm512_set1_epi32((int)xb[(size_t)i * K2 + p]));
+                else
+                    for (int i = 0; i < mt; i++)
+                        even[i] = _mm512_dpbf16_ps(even[i], w, (__m512bh)_mm512_set1_epi32((int)xb[(size_t)i * K2 + p]));
             }
-            for (int i = 0; i < mt; i++) acc[i] = _mm512_fmadd_ps(bacc[i], d, acc[i]);
+            for (int i = 0; i < mt; i++) acc[i] = _mm512_fmadd_ps(_mm512_add_ps(even[i], odd[i]), d, acc[i]);
         }
     }
     float vals[TILE];
