@@ -345,41 +345,96 @@ static inline int64_t now_ns(void) {
 /* ---- row preparation ----------------------------------------------------------------------- */
 
 /* Rows as the kernels read them: layout A wants bfloat16 rows; layout B float32 rows, rounded to
- * bfloat16 values when ``round_bf16``. sums[m][b]: the block sums of the rows as used. */
-typedef struct {
-    const void *x;      /* uint16 [M, K] (A) or float [M, K] (B) */
-    const float *sums;  /* [M, K/32] */
-} rows_t;
+ * bfloat16 values when ``round_bf16``. sums[m][b]: the block sums of the rows as used, in a fixed
+ * order: 8 lanes (element i of the block in lane i % 8, summed in order of i), then the lanes
+ * pairwise ((0+4)+(2+6)) + ((1+5)+(3+7)) — what the AVX2 code does, so both agree bitwise. */
+static float block_sum(const float *v) {
+    float lane[8];
+    for (int j = 0; j < 8; j++) lane[j] = v[j];
+    for (int i = 8; i < QK; i += 8)
+        for (int j = 0; j < 8; j++) lane[j] += v[i + j];
+    for (int j = 0; j < 4; j++) lane[j] += lane[j + 4];
+    lane[0] += lane[2];
+    lane[1] += lane[3];
+    return lane[0] + lane[1];
+}
 
-static void prepare_rows(int layout, int round_bf16, const float *x, int M, int K, void *xbuf, float *sums) {
+static void prepare_rows_portable(int layout, int round_bf16, const float *x, int M, int K, void *xbuf, float *sums) {
     int KB = K / QK;
+    float block[QK];
     for (int m = 0; m < M; m++) {
         const float *row = x + (size_t)m * K;
-        if (layout == LAYOUT_A) {
-            uint16_t *out = (uint16_t *)xbuf + (size_t)m * K;
-            for (int b = 0; b < KB; b++) {
-                float s = 0.0f;
-                for (int i = 0; i < QK; i++) {
-                    uint16_t v = float_to_bf16(row[b * QK + i]);
-                    out[b * QK + i] = v;
-                    s += bf16_to_float(v);
-                }
-                sums[(size_t)m * KB + b] = s;
-            }
-        } else {
-            float *out = (float *)xbuf + (size_t)m * K;
-            for (int b = 0; b < KB; b++) {
-                float s = 0.0f;
-                for (int i = 0; i < QK; i++) {
-                    float v = row[b * QK + i];
+        for (int b = 0; b < KB; b++) {
+            for (int i = 0; i < QK; i++) {
+                float v = row[b * QK + i];
+                if (layout == LAYOUT_A) {
+                    uint16_t h = float_to_bf16(v);
+                    ((uint16_t *)xbuf)[(size_t)m * K + b * QK + i] = h;
+                    v = bf16_to_float(h);
+                } else {
                     if (round_bf16) v = bf16_to_float(float_to_bf16(v));
-                    out[b * QK + i] = v;
-                    s += v;
+                    ((float *)xbuf)[(size_t)m * K + b * QK + i] = v;
                 }
-                sums[(size_t)m * KB + b] = s;
+                block[i] = v;
             }
+            sums[(size_t)m * KB + b] = block_sum(block);
         }
     }
+}
+
+#if QE_X86
+AVX512_TARGET static void prepare_rows_avx512(const float *x, int M, int K, uint16_t *xbuf, float *sums) {
+    int KB = K / QK;
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < KB; b++) {
+            const float *v = x + (size_t)m * K + b * QK;
+            __m512bh h = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(v + 16), _mm512_loadu_ps(v));
+            _mm512_storeu_si512((void *)(xbuf + (size_t)m * K + b * QK), (__m512i)h);
+            __m512i bits = (__m512i)h; /* bfloat16 -> float32: the 16 bits on top */
+            __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(bits)), 16));
+            __m512 hi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(bits, 1)), 16));
+            sums[(size_t)m * KB + b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+        }
+}
+
+AVX2_TARGET static void prepare_rows_avx2(int round_bf16, const float *x, int M, int K, float *xbuf, float *sums) {
+    int KB = K / QK;
+    const __m256i half = _mm256_set1_epi32(0x7fff), one = _mm256_set1_epi32(1), top = _mm256_set1_epi32((int)0xffff0000);
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < KB; b++) {
+            const float *v = x + (size_t)m * K + b * QK;
+            float *out = xbuf + (size_t)m * K + b * QK;
+            __m256 lane = _mm256_setzero_ps();
+            for (int i = 0; i < QK; i += 8) {
+                __m256 r = _mm256_loadu_ps(v + i);
+                if (round_bf16) { /* round to nearest even at bit 16, as float_to_bf16 (finite values) */
+                    __m256i bits = _mm256_castps_si256(r);
+                    __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), one);
+                    bits = _mm256_and_si256(_mm256_add_epi32(bits, _mm256_add_epi32(half, odd)), top);
+                    r = _mm256_castsi256_ps(bits);
+                }
+                _mm256_storeu_ps(out + i, r);
+                lane = i ? _mm256_add_ps(lane, r) : r;
+            }
+            __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(lane), _mm256_extractf128_ps(lane, 1)); /* j + (j+4) */
+            __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                   /* (0+2), (1+3) */
+            sums[(size_t)m * KB + b] = _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+        }
+}
+#endif
+
+static void prepare_rows(int layout, int round_bf16, const float *x, int M, int K, void *xbuf, float *sums) {
+#if QE_X86
+    if (!force_portable && layout == LAYOUT_A && have_avx512bf16()) {
+        prepare_rows_avx512(x, M, K, xbuf, sums);
+        return;
+    }
+    if (!force_portable && layout == LAYOUT_B && have_avx2()) {
+        prepare_rows_avx2(round_bf16, x, M, K, xbuf, sums);
+        return;
+    }
+#endif
+    prepare_rows_portable(layout, round_bf16, x, M, K, xbuf, sums);
 }
 
 /* ---- matrix kernels ------------------------------------------------------------------------- */
@@ -767,7 +822,33 @@ static void *scratch_get(scratch_t *s, size_t bytes) {
 
 static _Thread_local scratch_t scratch_main, scratch_rows, scratch_scores;
 
+/* x / rms(x) * w over one row (float32). The sum of squares in 16 (8) lanes where vectors are used,
+ * reduced in a fixed order; the same on every row. */
+#if QE_X86
+AVX512_TARGET static void rms_norm_avx512(const float *x, const float *w, float eps, int n, float *out) {
+    __m512 ss = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) ss = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(x + i), ss);
+    __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps));
+    for (int i = 0; i < n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), r), _mm512_loadu_ps(w + i)));
+}
+
+AVX2_TARGET static void rms_norm_avx2(const float *x, const float *w, float eps, int n, float *out) {
+    __m256 ss = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) ss = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), ss);
+    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(ss), _mm256_extractf128_ps(ss, 1));
+    __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    __m256 r = _mm256_set1_ps(1.0f / sqrtf(_mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2))) / (float)n + eps));
+    for (int i = 0; i < n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), r), _mm256_loadu_ps(w + i)));
+}
+#endif
+
 static void rms_norm(const float *x, const float *w, float eps, int n, float *out) {
+#if QE_X86
+    if (!force_portable && n % 16 == 0 && have_avx512bf16()) { rms_norm_avx512(x, w, eps, n, out); return; }
+    if (!force_portable && n % 8 == 0 && have_avx2()) { rms_norm_avx2(x, w, eps, n, out); return; }
+#endif
     float ss = 0.0f;
     for (int i = 0; i < n; i++) ss = fmaf(x[i], x[i], ss);
     float r = 1.0f / sqrtf(ss / (float)n + eps);
