@@ -59,6 +59,40 @@ def _add_model_flags(parser) -> None:
                             "transformers' modules; auto = tierspec's wherever it covers the architecture")
 
 
+def _add_ray_flags(parser, unit: str) -> None:
+    """--ray and the width of a run on a Ray cluster (commands whose work shares out by ``unit``)."""
+    group = parser.add_argument_group("Ray cluster (pip install 'tierspec[ray]')")
+    group.add_argument("--ray", default=None, metavar="ADDRESS",
+                       help=f"share the {unit}s out to Ray workers, each loading the models once (by path: the same "
+                            "files on every node); this process writes every result. ADDRESS: local (a cluster "
+                            "started for this run, on the loopback address), auto (the cluster this machine joined "
+                            "with `ray start`), or HOST:PORT of its head")
+    group.add_argument("--ray-workers", type=int, default=None, metavar="N",
+                       help="workers (default: as many as the cluster's CPUs hold at --ray-cpus each, or its GPUs "
+                            "at --ray-gpus)")
+    group.add_argument("--ray-cpus", type=int, default=1, metavar="C",
+                       help="CPUs each worker reserves, and its torch threads (default 1)")
+    group.add_argument("--ray-gpus", type=float, default=0.0, metavar="G",
+                       help="GPUs each worker reserves: 1 on a GPU cluster, with --device cuda (default 0)")
+    group.add_argument("--ray-tries", type=int, default=3, metavar="T",
+                       help=f"tries of a {unit} (its worker lost, or an error) before it is reported as failed "
+                            "(default 3)")
+
+
+def _cluster(args):
+    """The ClusterConfig the --ray flags ask for, or None; --ray-* without --ray is refused."""
+    from .cluster import ClusterConfig, ClusterError
+
+    if args.ray is None:
+        given = [flag for flag, value, default in (("--ray-workers", args.ray_workers, None), ("--ray-cpus", args.ray_cpus, 1),
+                                                   ("--ray-gpus", args.ray_gpus, 0.0), ("--ray-tries", args.ray_tries, 3))
+                 if value != default]
+        if given:
+            raise ClusterError(f"{', '.join(given)} without --ray: add --ray local (or auto, or the cluster's address)")
+        return None
+    return ClusterConfig(args.ray, args.ray_workers, args.ray_cpus, args.ray_gpus, args.ray_tries)
+
+
 def _load(args, spec, implementation: str | None = None):
     """``load_model(spec)`` with the command's --dtype/--device/--kernels/--implementation."""
     from .models import load_model
@@ -302,8 +336,9 @@ def _add_bench(sub) -> None:
     parser = sub.add_parser(
         "bench",
         help="benchmark methods and transformers peers on a dataset, in one run",
-        description="Runs every method on the same prompts in one process (interleaved, warmed up), writes per-prompt "
-        "records (resumable), summary.json, summary.md and plots to --out.",
+        description="Runs every method on the same prompts in one process (interleaved, warmed up), or shared out by "
+        "prompt to the workers of a Ray cluster (--ray), writes per-prompt records (resumable), summary.json, "
+        "summary.md and plots to --out.",
     )
     parser.add_argument("--target", default=DEFAULT_MODEL)
     _add_model_flags(parser)
@@ -333,6 +368,7 @@ def _add_bench(sub) -> None:
                         help="rebuild summary, table and plots from the records in --out without generating")
     parser.add_argument("--out", required=True, help="output folder (a rerun resumes)")
     parser.add_argument("--no-progress", action="store_true")
+    _add_ray_flags(parser, "prompt")
     parser.set_defaults(run=_run_bench, resume_hint="; rerun the same command to resume")
 
 
@@ -354,7 +390,8 @@ def _run_bench(args) -> int:
         mask=args.mask, hf_pld_tokens=args.hf_pld_tokens, hf_early_exit_layer=args.hf_early_exit_layer,
         compute_nll=not args.no_nll, fidelity_reference=args.fidelity_reference,
     )
-    summary = run_bench(config, Path(args.out), progress=not args.no_progress, generate=not args.summarize_only)
+    summary = run_bench(config, Path(args.out), progress=not args.no_progress, generate=not args.summarize_only,
+                        cluster=_cluster(args))
     print(markdown_table(summary))
     return 0
 

@@ -135,11 +135,18 @@ class UnitFailure:
     errors: list[str] = field(default_factory=list)
 
 
-def _import_ray(local: bool):
-    """Ray, imported on first use. A cluster started here for this job binds the loopback address:
-    Ray resolves 127.0.0.1 to the machine's outward address unless its single-machine mode
-    (the one it uses where multi-machine clusters are off) is chosen before it is imported."""
-    if local and "ray" not in sys.modules:
+def _on_loopback(address: str) -> bool:
+    """Whether ``address`` is LOCAL or a cluster on this machine's loopback address."""
+    host = address.removeprefix("ray://").rsplit(":", 1)[0].strip("[]")
+    return address == LOCAL or host in ("127.0.0.1", "localhost", "::1")
+
+
+def _import_ray(loopback: bool):
+    """Ray, imported on first use. A cluster started here for this job binds the loopback
+    address, and a driver joining a cluster there must use it too: Ray resolves 127.0.0.1 to the
+    machine's outward address unless its single-machine mode (the one it uses where
+    multi-machine clusters are off) is chosen before it is imported."""
+    if loopback and "ray" not in sys.modules:
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     try:
         import ray
@@ -152,7 +159,7 @@ def _import_ray(local: bool):
 def connected(cluster: ClusterConfig):
     """Connected to the cluster for the block: a new one for LOCAL (stopped after), or the one at
     the address. A process already connected (a test, a notebook) is left as it is."""
-    ray = _import_ray(cluster.address == LOCAL)
+    ray = _import_ray(_on_loopback(cluster.address))
     if ray.is_initialized():
         yield ray
         return
