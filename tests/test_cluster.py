@@ -241,6 +241,47 @@ def test_a_prompt_that_fails_on_every_try_is_reported_and_the_rest_is_done(ray_c
     assert summary["methods"]["pld"]["overall"]["n_prompts"] == 2
 
 
+def test_build_data_on_two_workers_writes_the_single_process_shards(ray_cluster, training_data_dir, tmp_path, capsys):
+    """`tierspec drafter build-data --ray`: the shards (greedy and sampled own answers, reference
+    answers) hold exactly the single-process run's tensors and metadata (the files' bytes differ:
+    safetensors writes metadata keys in no fixed order), written by the driver; both workers made
+    some; a rerun finds nothing to do."""
+    from tierspec.cli import main
+
+    folder = tmp_path / "tiny"
+    tiny_llama(seed=4, vocab_size=56, layers=4, sharpness=20.0, dtype=torch.float32).model.save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    build = ["drafter", "build-data", "--target", str(folder), "--own-prompts", "8", "--reference-items", "6",
+             "--batch-size", "2", "--max-new-tokens", "12", "--max-prompt-tokens", "120", "--sampled-fraction", "0.5",
+             "--data-dir", str(training_data_dir), "--no-progress"]
+    assert main([*build, "--out", str(tmp_path / "single")]) == 0, capsys.readouterr().err
+    capsys.readouterr()
+    assert main([*build, "--out", str(tmp_path / "ray"), "--ray", LOCAL, "--ray-workers", "2"]) == 0
+    manifest = json.loads(capsys.readouterr().out)
+    shards = sorted(p.name for p in (tmp_path / "single").glob("shard-*.safetensors"))
+    planned = json.loads((tmp_path / "single" / "plan.json").read_text())["shards"]
+    assert len(shards) == manifest["shards_done"] == manifest["shards_planned"] == planned >= 4
+    assert sorted(p.name for p in (tmp_path / "ray").glob("shard-*.safetensors")) == shards
+    assert (tmp_path / "ray" / "plan.json").read_text() == (tmp_path / "single" / "plan.json").read_text()
+    from safetensors import safe_open
+
+    def contents(path: Path) -> tuple[dict, dict]:
+        with safe_open(str(path), "pt") as handle:
+            return handle.metadata(), {key: handle.get_tensor(key) for key in handle.keys()}
+
+    made = set()
+    for name in shards:
+        (metadata, tensors), (ray_metadata, ray_tensors) = (contents(tmp_path / run / name) for run in ("single", "ray"))
+        assert ray_metadata == metadata and ray_tensors.keys() == tensors.keys(), name
+        assert all(torch.equal(ray_tensors[key], tensors[key]) for key in tensors), name
+        made.add(metadata["kind"])
+    assert made == {"own-greedy", "own-sampled", "reference"}
+    assert set(manifest["workers_this_run"]) == {"w0", "w1"}
+    assert sum(w["shards"] for w in manifest["workers_this_run"].values()) == len(shards)
+    assert main([*build, "--out", str(tmp_path / "ray"), "--ray", LOCAL, "--ray-workers", "2"]) == 0
+    assert "workers_this_run" not in json.loads(capsys.readouterr().out)  # nothing left: no shard made
+
+
 # ---- without Ray: the summary per machine, the flags ----------------------------------------------
 
 def planted(method: str, prompt: str, tokens_per_s: float, cpu: str, worker: str) -> dict:

@@ -528,8 +528,8 @@ def _add_drafter(sub) -> None:
         help="the target's own answers and features on training prompts (resumable)",
         description="Self-distillation data for the draft head: the target answers training prompts (GSM8K train, "
         "WMT14/CNN-DM items Spec-Bench does not use, XSum articles, synthesised prompts) in batches, and reference "
-        "answers are run teacher-forced; the target's features at every position are stored in safetensors shards. "
-        "Rerun the same command to resume.",
+        "answers are run teacher-forced; the target's features at every position are stored in safetensors shards, "
+        "made in this process or shared out to the workers of a Ray cluster (--ray). Rerun the same command to resume.",
     )
     build.add_argument("--target", default=DEFAULT_MODEL)
     _add_model_flags(build)
@@ -544,6 +544,7 @@ def _add_drafter(sub) -> None:
     build.add_argument("--data-dir", default=None)
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--no-progress", action="store_true", help="one log line per shard instead of a progress bar")
+    _add_ray_flags(build, "shard")
     build.set_defaults(run=_run_drafter_build, resume_hint="; rerun the same command to resume")
 
     train = drafter_sub.add_parser(
@@ -592,9 +593,18 @@ def _run_drafter_build(args) -> int:
                         batch_size=args.batch_size,
                         sampled_fraction=args.sampled_fraction, seed=args.seed)
     # Batched generation with padding: transformers' generate (tierspec's decode loop runs one sequence).
-    target = _load(args, args.target, "transformers" if args.implementation == "auto" else None)
-    manifest = build_data(target, Path(args.out), config, Path(args.data_dir) if args.data_dir else None,
-                          progress=not args.no_progress)
+    implementation = "transformers" if args.implementation == "auto" else args.implementation
+    data_dir = Path(args.data_dir) if args.data_dir else None
+    cluster = _cluster(args)
+    if cluster is not None:
+        from .eagle.data import build_data_on_cluster
+
+        loading = (args.dtype, args.device, args.kernels, implementation)
+        manifest = build_data_on_cluster(args.target, loading, Path(args.out), cluster, config, data_dir,
+                                         progress=not args.no_progress)
+    else:
+        manifest = build_data(_load(args, args.target, implementation), Path(args.out), config, data_dir,
+                              progress=not args.no_progress)
     print(json.dumps(manifest, indent=2))
     return 0
 
