@@ -144,6 +144,10 @@ def test_two_workers_make_the_single_process_runs_records(ray_cluster, models, d
     before = (out / "records.jsonl").read_text()
     run_bench(bench_config(models, data_dir), out, progress=False, cluster=two_workers())
     assert (out / "records.jsonl").read_text() == before
+    # Other settings are refused before any worker starts, and change nothing.
+    with pytest.raises(BenchError, match="temperature: 0.0 → 1.0"):
+        run_bench(bench_config(models, data_dir, temperature=1.0), out, progress=False, cluster=two_workers())
+    assert (out / "records.jsonl").read_text() == before
 
 
 def kill_the_first_records_worker(records_path: Path, killed: list[int]) -> None:
@@ -328,6 +332,29 @@ def test_bad_ray_flags_are_one_line_errors(flags, message, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith(f"tierspec: error: {message}") and err.count("\n") == 1, err
     assert not out.exists()
+
+
+def test_workers_that_settle_auto_differently_are_refused():
+    """A bfloat16 CPU beside one without: under --dtype auto their records would measure two
+    dtypes under one name."""
+    from tierspec.bench.runner import WorkerSettings, agreed_settings
+
+    machine = lambda name: {"worker": name, "host": f"host-{name}"}  # noqa: E731
+    same = [WorkerSettings("bfloat16", "tierspec", False, machine(name)) for name in ("w0", "w1")]
+    assert agreed_settings(same) == same[0]
+    mixed = [same[0], WorkerSettings("float32", "tierspec", False, machine("w1"))]
+    with pytest.raises(BenchError, match=r"settled dtype differently \(w0 on host-w0: bfloat16, w1 on host-w1: "
+                                         r"float32\); pass --dtype and --implementation explicitly"):
+        agreed_settings(mixed)
+
+
+@pytest.mark.parametrize("address, loopback", [("local", True), ("127.0.0.1:6379", True), ("localhost:6379", True),
+                                               ("ray://127.0.0.1:10001", True), ("auto", False),
+                                               ("10.0.0.5:6379", False), ("ray://head:10001", False)])
+def test_which_addresses_are_on_the_loopback(address, loopback):
+    from tierspec.cluster import _on_loopback
+
+    assert _on_loopback(address) is loopback
 
 
 def test_ray_missing_is_a_clear_error(monkeypatch):

@@ -309,10 +309,13 @@ class WorkerPool:
             if ref in reviving:
                 name = reviving.pop(ref)
                 try:
-                    ray.get(ref)
+                    answer = ray.get(ref)
+                except ray.exceptions.RayError as error:  # out of restarts
+                    answer = {"error": _first_line(error)}
+                if "error" in answer:  # a restart that could not load its models takes no more units
+                    print(f"tierspec: worker {name} is gone for good ({answer['error']})", file=sys.stderr, flush=True)
+                else:
                     free.append(name)
-                except ray.exceptions.RayError as error:
-                    print(f"tierspec: worker {name} is gone for good ({_first_line(error)})", file=sys.stderr, flush=True)
                 submit()
                 continue
             name, index = running.pop(ref)

@@ -649,11 +649,13 @@ class BenchWorker:
 def agreed_settings(settings: list[WorkerSettings]) -> WorkerSettings:
     """The settings every worker settled alike; workers that settled ``auto`` differently (a
     bfloat16 CPU beside one without) would measure different things under one name."""
+    def where(worker: WorkerSettings) -> str:
+        return f"{worker.machine['worker']} on {worker.machine['host']}"
+
     first = settings[0]
     for other in settings[1:]:
         for key in ("dtype", "implementation", "encoder_decoder"):
             if getattr(other, key) != getattr(first, key):
-                where = lambda s: f"{s.machine['worker']} on {s.machine['host']}"
                 raise BenchError(f"the workers settled {key} differently ({where(first)}: {getattr(first, key)}, "
                                  f"{where(other)}: {getattr(other, key)}); pass --dtype and --implementation explicitly")
     return first
