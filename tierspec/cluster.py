@@ -183,6 +183,17 @@ def connected(cluster: ClusterConfig):
         ray.shutdown()
 
 
+@dataclass(frozen=True)
+class Readiness:
+    """A worker's answer once started: its job worker's ``describe()``, the tierspec code it runs
+    (``code_fingerprint``) and its host, or the user error that kept it from starting."""
+
+    description: Any = None
+    code: str = ""
+    host: str = ""
+    error: str | None = None
+
+
 class Worker:
     """The body of each Ray actor: builds one job worker, ``factory(name, *args)``, on
     ``threads`` torch threads, and keeps a user error (``TierspecError``: a model path missing on
@@ -201,10 +212,10 @@ class Worker:
         except TierspecError as error:
             self.error = f"{error} (on {socket.gethostname()})"
 
-    def ready(self) -> dict:
+    def ready(self) -> Readiness:
         if self.error is not None:
-            return {"error": self.error}
-        return {"description": self.worker.describe(), "code": code_fingerprint(), "host": socket.gethostname()}
+            return Readiness(error=self.error)
+        return Readiness(self.worker.describe(), code_fingerprint(), socket.gethostname())
 
     def run(self, unit):
         if self.worker is None:
@@ -267,12 +278,12 @@ class WorkerPool:
                 answer = ray.get(actor.ready.remote())
             except ray.exceptions.RayError as error:
                 raise ClusterError(f"worker {name} did not start: {error}") from None
-            if "error" in answer:
-                raise ClusterError(f"worker {name}: {answer['error']}")
-            if answer["code"] != mine:
-                raise ClusterError(f"worker {name} on {answer['host']} runs other tierspec code than this driver "
-                                   f"({answer['code']} vs {mine}): install the same tierspec on every node")
-            descriptions.append(answer["description"])
+            if answer.error is not None:
+                raise ClusterError(f"worker {name}: {answer.error}")
+            if answer.code != mine:
+                raise ClusterError(f"worker {name} on {answer.host} runs other tierspec code than this driver "
+                                   f"({answer.code} vs {mine}): install the same tierspec on every node")
+            descriptions.append(answer.description)
         return descriptions
 
     def run(self, units: Iterable, describe: Callable[[Any], str] = str) -> Iterator[tuple[Any, Any]]:
@@ -315,9 +326,9 @@ class WorkerPool:
                 try:
                     answer = ray.get(ref)
                 except ray.exceptions.RayError as error:  # out of restarts
-                    answer = {"error": _first_line(error)}
-                if "error" in answer:  # a restart that could not load its models takes no more units
-                    print(f"tierspec: worker {name} is gone for good ({answer['error']})", file=sys.stderr, flush=True)
+                    answer = Readiness(error=_first_line(error))
+                if answer.error is not None:  # a restart that could not load its models takes no more units
+                    print(f"tierspec: worker {name} is gone for good ({answer.error})", file=sys.stderr, flush=True)
                 else:
                     free.append(name)
                 submit()

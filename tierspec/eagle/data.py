@@ -295,6 +295,16 @@ def build_data(target: LoadedModel, out: Path, config: DataConfig = DataConfig()
                   progress, max_shards)
 
 
+@dataclass(frozen=True)
+class WorkerPlan:
+    """The plan a data worker made (plan.json's content, a digest of its shard list) and where it
+    runs (``cluster.MachineInfo`` as a dict)."""
+
+    header: dict
+    jobs: str
+    machine: dict
+
+
 class DataWorker:
     """A Ray worker's share of the data job (``cluster.WorkerPool``): the target loaded once by
     path, the job planned from it (every worker plans alike; the driver checks), and the shards
@@ -311,8 +321,8 @@ class DataWorker:
         self.plan = make_plan(self.target, config, data_dir)
         self.machine = MachineInfo.here(name, self.target.device).to_dict()
 
-    def describe(self) -> dict:
-        return {"plan": self.plan.header, "jobs": self.plan.jobs_digest(), "machine": self.machine}
+    def describe(self) -> WorkerPlan:
+        return WorkerPlan(self.plan.header, self.plan.jobs_digest(), self.machine)
 
     def run(self, index: int) -> Shard:
         return replace(make_shard(self.target, self.plan, self.config, index), worker=self.machine)
@@ -329,13 +339,13 @@ def build_data_on_cluster(target: str, loading: tuple[str, str, str, str], out: 
 
     cluster.check_device(loading[1])
     with connected(cluster), WorkerPool(DataWorker, (target, loading, config, data_dir), cluster) as pool:
-        described = pool.start()
-        first = described[0]
-        for other in described[1:]:
-            if (other["plan"], other["jobs"]) != (first["plan"], first["jobs"]):
-                raise DraftDataError(f"workers {first['machine']['worker']} and {other['machine']['worker']} planned the "
+        planned = pool.start()
+        first = planned[0]
+        for other in planned[1:]:
+            if (other.header, other.jobs) != (first.header, first.jobs):
+                raise DraftDataError(f"workers {first.machine['worker']} and {other.machine['worker']} planned the "
                                      "job differently: every node needs the same model files and training data")
-        manifest = _build(out, first["plan"], lambda todo: (shard for _, shard in pool.run(todo, lambda i: f"shard {i}")),
+        manifest = _build(out, first.header, lambda todo: (shard for _, shard in pool.run(todo, lambda i: f"shard {i}")),
                           progress, max_shards)
         failures = pool.failures
     path = out / "failures.json"
