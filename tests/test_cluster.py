@@ -289,8 +289,8 @@ def test_build_data_on_two_workers_writes_the_single_process_shards(ray_cluster,
 # ---- without Ray: the summary per machine, the flags ----------------------------------------------
 
 def planted(method: str, prompt: str, tokens_per_s: float, cpu: str, worker: str) -> dict:
-    return {"method": method, "prompt_id": prompt, "category": "qa", "repeat": 0, "emitted": 10, "seconds": 10 / tokens_per_s,
-            "tokens_per_s": tokens_per_s, "peak_rss_mb": 1.0, "token_ids": [1] * 10, "text": "a",
+    return {"method": method, "prompt_id": prompt, "category": "qa", "repeat": 0, "emitted": 10,
+            "seconds": 10 / tokens_per_s, "tokens_per_s": tokens_per_s, "peak_rss_mb": 1.0, "token_ids": [1] * 10, "text": "a",
             "worker": {"worker": worker, "host": f"host-{worker}", "pid": 1, "cpu": cpu, "threads": 1, "device": "cpu"}}
 
 
@@ -319,7 +319,8 @@ def test_the_summary_groups_records_per_machine_where_machines_differ():
 
 @pytest.mark.parametrize("flags, message", [
     (["--ray-workers", "2"], "--ray-workers without --ray: add --ray local (or auto, or the cluster's address)"),
-    (["--ray", "local", "--ray-gpus", "1"], "--ray-gpus 1 reserves GPUs for workers that run on --device cpu; pass --device cuda"),
+    (["--ray", "local", "--ray-gpus", "1"],
+     "--ray-gpus 1 reserves GPUs for workers that run on --device cpu; pass --device cuda"),
     (["--ray", "local", "--device", "cuda"], "--device cuda on Ray needs --ray-gpus (1 per worker)"),
     (["--ray", "local", "--ray-workers", "0"], "workers must be an integer >= 1, got 0"),
     (["--ray", "local", "--ray-tries", "0"], "max_tries must be an integer >= 1, got 0"),

@@ -84,9 +84,9 @@ def _cluster(args):
     from .cluster import ClusterConfig, ClusterError
 
     if args.ray is None:
-        given = [flag for flag, value, default in (("--ray-workers", args.ray_workers, None), ("--ray-cpus", args.ray_cpus, 1),
-                                                   ("--ray-gpus", args.ray_gpus, 0.0), ("--ray-tries", args.ray_tries, 3))
-                 if value != default]
+        defaults = (("--ray-workers", args.ray_workers, None), ("--ray-cpus", args.ray_cpus, 1),
+                    ("--ray-gpus", args.ray_gpus, 0.0), ("--ray-tries", args.ray_tries, 3))
+        given = [flag for flag, value, default in defaults if value != default]
         if given:
             raise ClusterError(f"{', '.join(given)} without --ray: add --ray local (or auto, or the cluster's address)")
         return None

@@ -314,14 +314,14 @@ def _worker_lines(summary: dict) -> list[str]:
     machines = summary.get("machines")
     if machines:
         labels = list(machines)
-        lines += ["", "The records come from more than one machine; speed-up on each (tok/s, prompts), against `ar` on the "
-                  "same machine:", "", "| method | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+        lines += ["", "The records come from more than one machine; speed-up on each (tok/s, prompts), against `ar` "
+                  "on the same machine:", "", "| method | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
         for name in summary["methods"]:
             cells = []
             for label in labels:
                 o = machines[label]["methods"].get(name)
-                cells.append("–" if o is None else
-                             f"{_fmt(o['speedup'])}{'×' if o['speedup'] else ''} ({_fmt(o['tokens_per_s'], 1)}, {o['n_prompts']})")
+                speedup = f"{_fmt(o['speedup'])}×" if o and o["speedup"] else "–"
+                cells.append("–" if o is None else f"{speedup} ({_fmt(o['tokens_per_s'], 1)}, {o['n_prompts']})")
             lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
     return lines
 

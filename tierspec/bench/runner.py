@@ -530,7 +530,8 @@ class BenchUnit:
         return f"prompt {self.prompt.id} (repeat {self.repeat})"
 
 
-def bench_units(prompts: list[Prompt], methods: list[str], repeats: int, done: set[tuple[str, str, int]]) -> list[BenchUnit]:
+def bench_units(prompts: list[Prompt], methods: list[str], repeats: int,
+                done: set[tuple[str, str, int]]) -> list[BenchUnit]:
     """The units still to do, repeat by repeat and prompt by prompt, methods in their order
     rotated by the prompt's place (drift of a shared machine hits all alike); ``done`` holds
     (method, prompt id, repeat) of the records already made."""
