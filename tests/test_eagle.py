@@ -302,29 +302,6 @@ def test_a_head_reading_several_target_layers_drafts_as_it_trains(target32, prom
     assert seen and set(seen) == {96}
 
 
-@pytest.fixture
-def training_data_dir(tmp_path):
-    """A miniature of ../shared/data's training sources (GSM8K train, WMT14, CNN/DM, XSum)."""
-    import json
-
-    root = tmp_path / "data"
-    rows = {
-        "gsm8k/train.jsonl": [{"question": f"tom has {i} apples and buys {i + 1} more. how many?",
-                               "answer": f"{i} + {i + 1} = <<{i}+{i + 1}={2 * i + 1}>>{2 * i + 1}\n#### {2 * i + 1}"}
-                              for i in range(8)],
-        "wmt14/newstest2014_deen.jsonl": [{"id": i, "de": f"der hund {i} ist gross.", "en": f"the dog {i} is big.",
-                                           "in_spec_bench": i == 0} for i in range(6)],
-        "cnn_dailymail/test.jsonl": [{"id": f"c{i}", "article": f"the mayor of springfield said {i} parks open today.",
-                                      "highlights": "parks open.", "in_spec_bench": False} for i in range(3)],
-        "xsum/test.jsonl": [{"id": f"x{i}", "document": f"rain fell on london for {i} days in a row.",
-                             "summary": "it rained."} for i in range(3)],
-    }
-    for name, records in rows.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text("\n".join(json.dumps(r) for r in records))
-    return root
-
-
 def test_drafter_commands_build_data_train_and_generate_on_a_tiny_model(tmp_path, training_data_dir, capsys):
     """`tierspec drafter build-data` → `tierspec drafter train` → `tierspec generate --method eagle`,
     end to end on a tiny model folder; a rerun of build-data resumes (nothing left to do); the

@@ -423,10 +423,10 @@ def _write_judge_head(path: Path) -> None:
 
 
 def _write_data_shard(path: Path) -> None:
-    from tierspec.eagle.data import _write_shard
+    from tierspec.eagle.data import _shard_bytes, _write_shard
 
     sequence = {"tokens": torch.arange(5), "final": torch.zeros(5, 4), "aux": {}, "response_start": 2}
-    _write_shard(path, [sequence], ["test"], "own-greedy")
+    _write_shard(path, _shard_bytes([sequence], ["test"], "own-greedy")[0])
 
 
 def _write_training_checkpoint(path: Path) -> None:

@@ -59,6 +59,40 @@ def _add_model_flags(parser) -> None:
                             "transformers' modules; auto = tierspec's wherever it covers the architecture")
 
 
+def _add_ray_flags(parser, unit: str) -> None:
+    """--ray and the width of a run on a Ray cluster (commands whose work shares out by ``unit``)."""
+    group = parser.add_argument_group("Ray cluster (pip install 'tierspec[ray]')")
+    group.add_argument("--ray", default=None, metavar="ADDRESS",
+                       help=f"share the {unit}s out to Ray workers, each loading the models once (by path: the same "
+                            "files on every node); this process writes every result. ADDRESS: local (a cluster "
+                            "started for this run, on the loopback address), auto (the cluster this machine joined "
+                            "with `ray start`), or HOST:PORT of its head")
+    group.add_argument("--ray-workers", type=int, default=None, metavar="N",
+                       help="workers (default: as many as the cluster's CPUs hold at --ray-cpus each, or its GPUs "
+                            "at --ray-gpus)")
+    group.add_argument("--ray-cpus", type=int, default=1, metavar="C",
+                       help="CPUs each worker reserves, and its torch threads (default 1)")
+    group.add_argument("--ray-gpus", type=float, default=0.0, metavar="G",
+                       help="GPUs each worker reserves: 1 on a GPU cluster, with --device cuda (default 0)")
+    group.add_argument("--ray-tries", type=int, default=3, metavar="T",
+                       help=f"tries of a {unit} (its worker lost, or an error) before it is reported as failed "
+                            "(default 3)")
+
+
+def _cluster(args):
+    """The ClusterConfig the --ray flags ask for, or None; --ray-* without --ray is refused."""
+    from .cluster import ClusterConfig, ClusterError
+
+    if args.ray is None:
+        defaults = (("--ray-workers", args.ray_workers, None), ("--ray-cpus", args.ray_cpus, 1),
+                    ("--ray-gpus", args.ray_gpus, 0.0), ("--ray-tries", args.ray_tries, 3))
+        given = [flag for flag, value, default in defaults if value != default]
+        if given:
+            raise ClusterError(f"{', '.join(given)} without --ray: add --ray local (or auto, or the cluster's address)")
+        return None
+    return ClusterConfig(args.ray, args.ray_workers, args.ray_cpus, args.ray_gpus, args.ray_tries)
+
+
 def _load(args, spec, implementation: str | None = None):
     """``load_model(spec)`` with the command's --dtype/--device/--kernels/--implementation."""
     from .models import load_model
@@ -369,8 +403,9 @@ def _add_bench(sub) -> None:
     parser = sub.add_parser(
         "bench",
         help="benchmark methods and transformers peers on a dataset, in one run",
-        description="Runs every method on the same prompts in one process (interleaved, warmed up), writes per-prompt "
-        "records (resumable), summary.json, summary.md and plots to --out.",
+        description="Runs every method on the same prompts in one process (interleaved, warmed up), or shared out by "
+        "prompt to the workers of a Ray cluster (--ray), writes per-prompt records (resumable), summary.json, "
+        "summary.md and plots to --out.",
     )
     parser.add_argument("--target", default=DEFAULT_MODEL)
     _add_model_flags(parser)
@@ -404,6 +439,7 @@ def _add_bench(sub) -> None:
                         help="rebuild summary, table and plots from the records in --out without generating")
     parser.add_argument("--out", required=True, help="output folder (a rerun resumes)")
     parser.add_argument("--no-progress", action="store_true")
+    _add_ray_flags(parser, "prompt")
     parser.set_defaults(run=_run_bench, resume_hint="; rerun the same command to resume")
 
 
@@ -426,7 +462,7 @@ def _run_bench(args) -> int:
         compute_nll=not args.no_nll, fidelity_reference=args.fidelity_reference,
     )
     summary = run_bench(config, Path(args.out), progress=not args.no_progress, generate=not args.summarize_only,
-                        allow_code_execution=args.allow_code_execution)
+                        cluster=_cluster(args), allow_code_execution=args.allow_code_execution)
     print(markdown_table(summary))
     return 0
 
@@ -563,8 +599,8 @@ def _add_drafter(sub) -> None:
         help="the target's own answers and features on training prompts (resumable)",
         description="Self-distillation data for the draft head: the target answers training prompts (GSM8K train, "
         "WMT14/CNN-DM items Spec-Bench does not use, XSum articles, synthesised prompts) in batches, and reference "
-        "answers are run teacher-forced; the target's features at every position are stored in safetensors shards. "
-        "Rerun the same command to resume.",
+        "answers are run teacher-forced; the target's features at every position are stored in safetensors shards, "
+        "made in this process or shared out to the workers of a Ray cluster (--ray). Rerun the same command to resume.",
     )
     build.add_argument("--target", default=DEFAULT_MODEL)
     _add_model_flags(build)
@@ -579,6 +615,7 @@ def _add_drafter(sub) -> None:
     build.add_argument("--data-dir", default=None)
     build.add_argument("--seed", type=int, default=0)
     build.add_argument("--no-progress", action="store_true", help="one log line per shard instead of a progress bar")
+    _add_ray_flags(build, "shard")
     build.set_defaults(run=_run_drafter_build, resume_hint="; rerun the same command to resume")
 
     train = drafter_sub.add_parser(
@@ -628,11 +665,20 @@ def _run_drafter_build(args) -> int:
                         batch_size=args.batch_size,
                         sampled_fraction=args.sampled_fraction, seed=args.seed)
     # Batched generation with padding: transformers' generate (tierspec's decode loop runs one sequence).
+    implementation = "transformers" if args.implementation == "auto" else args.implementation
+    data_dir = Path(args.data_dir) if args.data_dir else None
+    cluster = _cluster(args)
     out = Path(args.out)
     with exclusive_lock(out / ".build-data.lock", f"the data folder {out}", "tierspec drafter build-data"):
-        target = _load(args, args.target, "transformers" if args.implementation == "auto" else None)
-        manifest = build_data(target, out, config, Path(args.data_dir) if args.data_dir else None,
-                              progress=not args.no_progress)
+        if cluster is not None:
+            from .eagle.data import build_data_on_cluster
+
+            loading = (args.dtype, args.device, args.kernels, implementation)
+            manifest = build_data_on_cluster(args.target, loading, out, cluster, config, data_dir,
+                                             progress=not args.no_progress)
+        else:
+            manifest = build_data(_load(args, args.target, implementation), out, config, data_dir,
+                                  progress=not args.no_progress)
     print(json.dumps(manifest, indent=2))
     return 0
 

@@ -113,36 +113,85 @@ def unique_records(records: list[dict]) -> list[dict]:
     return unique
 
 
+def machine_label(worker: dict | None) -> str:
+    """The machine a record was made on, as far as its numbers depend on it: CPU model, torch
+    threads, device ("unrecorded" for records made before records named their worker)."""
+    if not worker:
+        return "unrecorded"
+    threads = worker["threads"]
+    return f"{worker['cpu']}, {threads} thread{'' if threads == 1 else 's'}, {worker['device']}"
+
+
+def _by_method(records: list[dict]) -> dict[str, list[dict]]:
+    by_method: dict[str, list[dict]] = defaultdict(list)
+    for record in records:
+        by_method[record["method"]].append(record)
+    return by_method
+
+
+def _method_summary(rows: list[dict], by_method: dict[str, list[dict]], dataset: str, references: dict,
+                    fidelity_baseline: dict, categories: bool) -> dict:
+    """One method's summary over ``rows``, overall (and by category), its speed-ups against the
+    `ar` (and hf-greedy) records of ``by_method``."""
+    baseline = {(r["prompt_id"], r["repeat"]): r for r in by_method.get("ar", [])}
+    hf_greedy = {(r["prompt_id"], r["repeat"]): r for r in by_method.get("hf-greedy", [])}
+    summary = {"overall": _group_summary(rows, baseline, hf_greedy, dataset, references, fidelity_baseline)}
+    if categories:
+        by_category = defaultdict(list)
+        for r in rows:
+            by_category[r["category"]].append(r)
+        summary["categories"] = {c: _group_summary(rs, baseline, hf_greedy, dataset, references, fidelity_baseline)
+                                 for c, rs in by_category.items()}
+    return summary
+
+
 def summarize(records: list[dict], config, references: dict, fidelity_reference: dict | None = None) -> dict:
     """Per-method summaries, overall and by category. Speed-ups are against `ar` of the same
     records; fidelity against ``fidelity_reference`` (`ar` records of another run, by prompt id
     and repeat) when given, else against the same `ar`. Each (method, prompt, repeat) counts
-    once: ``unique_records``."""
-    by_method: dict[str, list[dict]] = defaultdict(list)
-    for record in unique_records(records):
-        by_method[record["method"]].append(record)
+    once: ``unique_records``. ``workers``: who made the records (where they say); ``machines``,
+    where records come from more than one machine (``machine_label``): each method's overall
+    summary on each, against `ar` on the same machine."""
+    unique = unique_records(records)
+    by_method = _by_method(unique)
     baseline = {(r["prompt_id"], r["repeat"]): r for r in by_method.get("ar", [])}
-    hf_greedy = {(r["prompt_id"], r["repeat"]): r for r in by_method.get("hf-greedy", [])}
     fidelity_baseline = fidelity_reference if fidelity_reference is not None else baseline
     methods = {}
     for name in config.methods:
         rows = by_method.get(name, [])
         if not rows:
             continue
-        categories = defaultdict(list)
-        for r in rows:
-            categories[r["category"]].append(r)
-        methods[name] = {
-            "overall": _group_summary(rows, baseline, hf_greedy, config.dataset, references, fidelity_baseline),
-            "categories": {c: _group_summary(rs, baseline, hf_greedy, config.dataset, references, fidelity_baseline)
-                           for c, rs in categories.items()},
-        }
+        methods[name] = _method_summary(rows, by_method, config.dataset, references, fidelity_baseline, categories=True)
         engines = sorted({r["engine"] for r in rows if "engine" in r})
         if engines:  # a peer outside tierspec says what it ran (llama.cpp: version, weights, threads)
             methods[name]["engine"] = "; ".join(engines)
     from dataclasses import asdict
 
     summary = {"config": asdict(config), "methods": methods}
+    workers: dict[str, dict] = {}
+    for record in unique:
+        if record.get("worker"):
+            entry = workers.setdefault(record["worker"]["worker"], {"machine": machine_label(record["worker"]),
+                                                                    "hosts": [], "records": 0})
+            entry["records"] += 1
+            if record["worker"]["host"] not in entry["hosts"]:
+                entry["hosts"].append(record["worker"]["host"])
+    if workers:
+        summary["workers"] = workers
+    by_machine: dict[str, list[dict]] = defaultdict(list)
+    for record in unique:
+        by_machine[machine_label(record.get("worker"))].append(record)
+    if len(by_machine) > 1:  # speed-ups per machine, each against `ar` on that machine
+        summary["machines"] = {}
+        for label, rows in by_machine.items():
+            here = _by_method(rows)
+            summary["machines"][label] = {
+                "workers": sorted({r["worker"]["worker"] for r in rows if r.get("worker")}),
+                "records": len(rows),
+                "methods": {name: _method_summary(here[name], here, config.dataset, references, fidelity_baseline,
+                                                  categories=False)["overall"]
+                            for name in config.methods if here.get(name)},
+            }
     ar, hf = methods.get("ar"), methods.get("hf-greedy")
     if ar and hf:
         ar_tps, hf_tps = ar["overall"]["tokens_per_s"], hf["overall"]["tokens_per_s"]
@@ -199,6 +248,7 @@ def markdown_table(summary: dict) -> str:
                 _fmt(o.get("fidelity_exact_match")), _fmt(o.get("fidelity_rouge_l")), _fmt(o["target_nll"], 3)]
         row += [_fmt(o.get(m)) for m in extra]
         lines.append("| " + " | ".join(row) + " |")
+    lines += _worker_lines(summary)
     against = (f"the `ar` output of the reference run `{config['fidelity_reference']}`" if config.get("fidelity_reference")
                else "`ar`'s output")
     if config.get("repeats", 1) > 1:
@@ -261,6 +311,30 @@ def markdown_table(summary: dict) -> str:
                      else ".")
                   + " OpenVINO reports no draft statistics, so `ov-lookup` has no τ."]
     return "\n".join(lines) + "\n"
+
+
+def _worker_lines(summary: dict) -> list[str]:
+    """Who made the records, where more than one worker did; per-machine speed-ups where the
+    records come from more than one machine."""
+    lines = []
+    workers = summary.get("workers", {})
+    if len(workers) > 1:
+        shown = "; ".join(f"`{name}` ({', '.join(w['hosts'])}: {w['machine']}) {w['records']}"
+                          for name, w in sorted(workers.items()))
+        lines += ["", f"Records per worker: {shown}."]
+    machines = summary.get("machines")
+    if machines:
+        labels = list(machines)
+        lines += ["", "The records come from more than one machine; speed-up on each (tok/s, prompts), against `ar` "
+                  "on the same machine:", "", "| method | " + " | ".join(labels) + " |", "|---|" + "---|" * len(labels)]
+        for name in summary["methods"]:
+            cells = []
+            for label in labels:
+                o = machines[label]["methods"].get(name)
+                speedup = f"{_fmt(o['speedup'])}×" if o and o["speedup"] else "–"
+                cells.append("–" if o is None else f"{speedup} ({_fmt(o['tokens_per_s'], 1)}, {o['n_prompts']})")
+            lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return lines
 
 
 def write_report(summary: dict, records: list[dict], out: Path) -> None:

@@ -1,10 +1,17 @@
-"""``tierspec bench``: every method and the transformers peers on the same prompts, in one process.
+"""``tierspec bench``: every method and the transformers peers on the same prompts, in one process
+or shared out to the workers of a Ray cluster.
 
 Methods are interleaved prompt by prompt (their order rotated per prompt) so that drift of a
 shared machine hits all alike; each method is warmed up first. Every generation is timed the
 same way, from token ids in to token ids out (prefill included). Per-prompt records are
 appended to ``records.jsonl`` as they are made; a rerun skips what is done. The summary, the
 table and the plots are always rebuilt from all records.
+
+On Ray (``cluster``) a unit of work is one prompt and repeat with its methods (``BenchUnit``);
+each worker (``BenchWorker``, the class the single process uses too) loads the models once and
+runs its units' methods interleaved as above, so ratios are taken within one worker. The
+driver alone appends records, a unit's at once; records name the worker and machine that made
+them (``MachineInfo``), and the summary groups them per machine where machines differ.
 
 A method spec is a name with optional parameters: ``via:alpha2=0.5:mask=m.json``,
 ``lossy:alpha=0.2:draft_with=self:draft_mask=m.json``, ``pld:num_draft=3``. The spec string is
@@ -20,9 +27,11 @@ import weakref
 import zlib
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable, Iterable, Iterator
 
 import torch
 
+from ..cluster import ClusterConfig, MachineInfo, UnitFailure
 from ..data import Prompt, load_prompts, select
 from ..decode import DecodeConfig, DecodeRun, GenerationStats
 from ..errors import TierspecError
@@ -125,14 +134,16 @@ def _previous_config(out: Path) -> dict | None:
         raise BenchError(f"{path} is unreadable ({error}); use another --out or delete the folder") from error
 
 
-def check_resumable(config: "BenchConfig", out: Path) -> None:
-    """Refuses to add records to ``out`` if its config.json was written with other settings."""
+def check_resumable(config: "BenchConfig", out: Path, unsettled: tuple[str, ...] = ()) -> None:
+    """Refuses to add records to ``out`` if its config.json was written with other settings.
+    ``unsettled``: settings not compared yet (a run on Ray learns its dtype and implementation
+    from its workers; it checks early, without them, then again once they are known)."""
     previous = _previous_config(out) if (out / "records.jsonl").exists() else None
     if previous is None:
         return
     current = asdict(config)
     changed = [f"{key}: {previous.get(key)!r} → {current[key]!r}" for key in _RESUME_KEYS
-               if key in previous and previous[key] != current[key]]
+               if key in previous and key not in unsettled and previous[key] != current[key]]
     if changed:
         raise BenchError(f"{out} holds records made with other settings ({'; '.join(changed)}); "
                          "resuming would mix them: use another --out")
@@ -430,20 +441,31 @@ def _task_quality(prompt: Prompt, text: str, dataset: str) -> dict:
 
 
 def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: LoadedModel | None = None,
-              drafter: LoadedModel | None = None, generate: bool = True, allow_code_execution: bool = False) -> dict:
+              drafter: LoadedModel | None = None, generate: bool = True, cluster: ClusterConfig | None = None,
+              allow_code_execution: bool = False) -> dict:
     """Run (or resume) a benchmark into ``out``; returns the summary.
 
     ``generate=False`` only rebuilds the summary, table and plots from the records already in
     ``out`` (e.g. of a run that was stopped early). One run at a time holds ``out``
-    (``folder_lock``): a second is refused, not interleaved with the first. HumanEval scores run
-    the model's code (``sandbox``): refused unless ``allow_code_execution`` or
+    (``folder_lock``): a second is refused, not interleaved with the first. ``cluster``: the
+    prompts are shared out to Ray workers (``tierspec.cluster``), each loading the models by path;
+    this process stays the folder's only writer (a summary never needs the cluster). HumanEval
+    scores run the model's code (``sandbox``): refused unless ``allow_code_execution`` or
     ``TIERSPEC_ALLOW_CODE_EXECUTION=1``."""
     if config.dataset == "humaneval" and generate:
         check_code_execution_allowed(allow_code_execution)
         network_isolation()  # no isolation, no run: said before any generation
     if out.exists() and not out.is_dir():
         raise BenchError(f"--out {out} is a file; give a folder (a new one, or one a bench run made)")
-    if config.dtype == "auto" and generate:  # records name the dtype they were measured in
+    cluster = cluster if generate else None
+    if cluster is not None:
+        if target is not None or drafter is not None:
+            raise BenchError("a run on Ray loads its models on every worker, by path: pass the models' paths, "
+                             "not loaded models")
+        cluster.check_device(config.device)
+    # Records name the dtype they were measured in. On Ray each worker settles "auto" itself: this
+    # process may lack the workers' devices.
+    if config.dtype == "auto" and generate and cluster is None:
         config = replace(config, dtype=str(resolve_dtype("auto", config.device)).removeprefix("torch."))
     if not generate and not out.is_dir():
         raise BenchError(f"{out} does not exist: nothing to summarize")
@@ -452,7 +474,7 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
         with folder_lock(out):
             if not generate and not (out / "records.jsonl").is_file():
                 raise BenchError(f"{out} holds no records.jsonl of a bench run: nothing to summarize")
-            return _run_bench(config, out, progress, target, drafter, generate)
+            return _run_bench(config, out, progress, target, drafter, generate, cluster)
     except BaseException:
         # A run that failed before writing anything leaves no empty folder behind.
         if created and out.is_dir() and not any(out.iterdir()):
@@ -473,10 +495,166 @@ def folder_lock(out: Path):
     return exclusive_lock(out / _LOCK_NAME, f"the bench folder {out}", "tierspec bench", BenchError)
 
 
-def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedModel | None, drafter: LoadedModel | None,
-               generate: bool) -> dict:
-    from tqdm.auto import tqdm
+@dataclass(frozen=True)
+class BenchUnit:
+    """The bench's unit of work: one prompt and repeat, with the methods still to run on it in
+    the order they run. One worker runs a unit's methods back to back, so that every ratio on a
+    prompt is taken on one machine, a moment apart."""
 
+    repeat: int
+    prompt: Prompt
+    methods: tuple[str, ...]
+
+    def __str__(self) -> str:
+        return f"prompt {self.prompt.id} (repeat {self.repeat})"
+
+
+def bench_units(prompts: list[Prompt], methods: list[str], repeats: int,
+                done: set[tuple[str, str, int]]) -> list[BenchUnit]:
+    """The units still to do, repeat by repeat and prompt by prompt, methods in their order
+    rotated by the prompt's place (drift of a shared machine hits all alike); ``done`` holds
+    (method, prompt id, repeat) of the records already made."""
+    units = []
+    for repeat in range(repeats):
+        for i, prompt in enumerate(prompts):
+            order = methods[i % len(methods):] + methods[: i % len(methods)]
+            todo = tuple(m for m in order if (m, prompt.id, repeat) not in done)
+            if todo:
+                units.append(BenchUnit(repeat, prompt, todo))
+    return units
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What a worker settled that the run's settings may leave open (records name the dtype and
+    the code they were computed in), and where it runs (``cluster.MachineInfo`` as a dict)."""
+
+    dtype: str
+    implementation: str
+    encoder_decoder: bool
+    machine: dict
+
+
+class BenchWorker:
+    """One process's share of a bench run: the models (loaded once), the method runners, and
+    the records of the units it is given. The single-process run has one; a run on Ray one per
+    worker (``cluster.WorkerPool``), each loading the target, drafter and peers by path."""
+
+    def __init__(self, name: str, config: BenchConfig, target: LoadedModel | None = None,
+                 drafter: LoadedModel | None = None, build_runners: bool = True):
+        """``build_runners=False`` leaves the runners to ``build_runners()``: a run checks that it
+        may resume into its folder first (building them can take seconds: peers, heads, costs)."""
+        if config.dtype == "auto":
+            config = replace(config, dtype=str(resolve_dtype("auto", config.device)).removeprefix("torch."))
+        self.target = target or load_model(config.target, config.dtype, config.device, config.kernels,
+                                           config.implementation)
+        if drafter is None and config.drafter:
+            drafter = load_model(config.drafter, config.dtype, config.device, config.kernels, config.implementation)
+        self.drafter = drafter
+        # The records say which code computed them ("auto" is resolved: it depends on the model).
+        self.config = replace(config, implementation=model_code(self.target.model))
+        self.machine = MachineInfo.here(name, self.target.device).to_dict()
+        self.runners: dict[str, MethodRunner] = {}
+        self.warmed_up = False
+        if build_runners:
+            self.build_runners()
+
+    def describe(self) -> WorkerSettings:
+        return WorkerSettings(self.config.dtype, self.config.implementation, is_encoder_decoder(self.target.model),
+                              self.machine)
+
+    def build_runners(self) -> None:
+        config, target, drafter = self.config, self.target, self.drafter
+        hf_models = None
+        if any(parse_spec(spec)[0] in HF_PEERS for spec in config.methods):
+            hf_models = tuple(_on_transformers(model, spec, config) for model, spec in
+                              ((target, config.target), (drafter, config.drafter)))
+        # Models in another dtype, for specs that ask for one (loaded once per dtype; the run's own
+        # target still encodes the prompts and scores every method's text).
+        models = {resolve_dtype(config.dtype, config.device): (target, drafter)}
+        for spec in config.methods:
+            dtype = spec_dtype(spec, config)
+            if dtype not in models:
+                models[dtype] = tuple(load_model(name, dtype, config.device, config.kernels, config.implementation)
+                                      if name else None for name in (config.target, config.drafter))
+            self.runners[spec] = MethodRunner(spec, *models[dtype], config, hf_models)
+
+    def run(self, unit: BenchUnit) -> list[dict]:
+        """The unit's records, together (what a Ray worker returns)."""
+        return list(self.records(unit))
+
+    def records(self, unit: BenchUnit) -> Iterator[dict]:
+        """The unit's records, one per method, each as soon as it is made."""
+        config, target, prompt = self.config, self.target, unit.prompt
+        prompt_ids = encode_prompt(target, prompt.text)
+        if not self.warmed_up:
+            # Warm-up: first calls pay for allocator growth, thread pools and lazy imports.
+            for runner in self.runners.values():
+                runner.run(prompt_ids, 8, torch.Generator().manual_seed(0))
+            self.warmed_up = True
+        for spec in unit.methods:
+            # Reduced to torch's 64-bit seed range (the same seed as before for every seed below ~1.8e13).
+            generator = torch.Generator().manual_seed(
+                (config.seed * 1000003 + unit.repeat * 7919 + zlib.crc32(prompt.id.encode())) % 2**64)
+            on_cuda = target.device.type == "cuda"
+            if on_cuda:
+                torch.cuda.synchronize(target.device)
+                torch.cuda.reset_peak_memory_stats(target.device)
+            with PeakRSS() as memory:
+                outcome = self.runners[spec].run(prompt_ids, config.max_new_tokens, generator)
+            text = target.tokenizer.decode(outcome.token_ids, skip_special_tokens=True) if target.tokenizer else ""
+            record = {
+                "method": spec,
+                "prompt_id": prompt.id,
+                "category": prompt.category,
+                "repeat": unit.repeat,
+                "emitted": len(outcome.token_ids),
+                "seconds": outcome.seconds,
+                "tokens_per_s": len(outcome.token_ids) / outcome.seconds if outcome.seconds > 0 else 0.0,
+                "peak_rss_mb": round(memory.peak, 1),
+                "token_ids": outcome.token_ids,
+                "text": text,
+                **(_stats_fields(outcome.stats) if outcome.stats else {}),
+                **outcome.record_fields,
+                **_task_quality(prompt, text, config.dataset),
+                "worker": self.machine,
+            }
+            if on_cuda:  # the GPU's own peak (the process's RSS says little there)
+                record["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated(target.device) / 2**20, 1)
+            if config.compute_nll:
+                record["target_nll"] = metrics.target_nll(target.model, prompt_ids, outcome.token_ids)
+            yield record
+
+
+def agreed_settings(settings: list[WorkerSettings]) -> WorkerSettings:
+    """The settings every worker settled alike; workers that settled ``auto`` differently (a
+    bfloat16 CPU beside one without) would measure different things under one name."""
+    def where(worker: WorkerSettings) -> str:
+        return f"{worker.machine['worker']} on {worker.machine['host']}"
+
+    first = settings[0]
+    for other in settings[1:]:
+        for key in ("dtype", "implementation", "encoder_decoder"):
+            if getattr(other, key) != getattr(first, key):
+                raise BenchError(f"the workers settled {key} differently ({where(first)}: {getattr(first, key)}, "
+                                 f"{where(other)}: {getattr(other, key)}); pass --dtype and --implementation explicitly")
+    return first
+
+
+def append_records(path: Path, records: list[dict]) -> None:
+    """Appends whole lines in one write: a unit's records land together (a write cut by a kill
+    leaves a last line without its newline, which ``_drop_cut_tail`` removes). Opened per call:
+    a file replaced under a long run (an editor, a git checkout) then receives the next records
+    instead of an unlinked inode swallowing them."""
+    try:
+        with open(path, "a") as sink:
+            sink.write("".join(json.dumps(record) + "\n" for record in records))
+    except OSError as error:  # a full disk: the records so far stay whole (a rerun resumes)
+        raise write_error(path, error) from None
+
+
+def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedModel | None, drafter: LoadedModel | None,
+               generate: bool, cluster: ClusterConfig | None) -> dict:
     methods = list(dict.fromkeys(config.methods))
     if BASELINE not in methods:
         methods.insert(0, BASELINE)  # speed-ups are defined against plain decoding of the same run
@@ -489,99 +667,83 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
         raise BenchError("no prompts selected")
     reference = load_fidelity_reference(config.fidelity_reference) if config.fidelity_reference else None
     prompts = round_robin(prompts)
-    target = target or load_model(config.target, config.dtype, config.device, config.kernels, config.implementation)
-    if drafter is None and config.drafter:
-        drafter = load_model(config.drafter, config.dtype, config.device, config.kernels, config.implementation)
-    if is_encoder_decoder(target.model):  # the same prompts in T5's task format (summarize: / translate English to German:)
+    failures: list[UnitFailure] = []
+    if cluster is None:
+        worker = BenchWorker("local", config, target, drafter, build_runners=False)
+        config, prompts = _settle(config, worker.describe(), prompts, out, generate)
+        if generate:
+            worker.build_runners()
+        _generate(config, out, prompts, progress, generate,
+                  lambda units: ([record] for unit in units for record in worker.records(unit)))
+    else:
+        from ..cluster import WorkerPool, connected
+
+        check_resumable(config, out, unsettled=("dtype", "implementation"))  # before any worker loads a model
+        with connected(cluster), WorkerPool(BenchWorker, (config,), cluster) as pool:
+            settings = agreed_settings(pool.start())
+            config, prompts = _settle(config, settings, prompts, out, generate)
+            _generate(config, out, prompts, progress, generate,
+                      lambda units: (records for _, records in pool.run(units)))
+            failures = pool.failures
+
+    from .report import summarize, write_report
+
+    records = read_records(out / "records.jsonl")
+    references = {p.id: p.reference for p in prompts}
+    summary = summarize(records, config, references, fidelity_reference=reference)
+    write_report(summary, records, out)
+    if generate:
+        _report_failures(out, failures)
+    return summary
+
+
+def _settle(config: BenchConfig, settings: WorkerSettings, prompts: list[Prompt], out: Path,
+            generate: bool) -> tuple[BenchConfig, list[Prompt]]:
+    """The run's settings as its worker(s) settled them, checked against the folder's (or, for a
+    summary, taken from it), and the prompts in the form the target reads."""
+    if settings.encoder_decoder:  # the same prompts in T5's task format (summarize: / translate English to German:)
         prompts = as_task_prompts(prompts, config.dataset, Path(config.data_dir) if config.data_dir else None)
-    # The records say which code computed them ("auto" is resolved: it depends on the model).
-    config = replace(config, implementation=model_code(target.model))
+    config = replace(config, implementation=settings.implementation, **({"dtype": settings.dtype} if generate else {}))
     if generate:
         check_resumable(config, out)
     else:  # a summary of records made earlier reports the settings they were made with
         previous = _previous_config(out) or {}
         config = replace(config, **{key: value for key, value in previous.items() if key in _RESUME_KEYS})
-    hf_models = None
-    if generate and any(parse_spec(spec)[0] in HF_PEERS for spec in methods):
-        hf_models = tuple(_on_transformers(model, spec, config) for model, spec in
-                          ((target, config.target), (drafter, config.drafter)))
-    # Models in another dtype, for specs that ask for one (loaded once per dtype; the run's own
-    # target still encodes the prompts and scores every method's text).
-    models = {resolve_dtype(config.dtype, config.device): (target, drafter)}
-    runners = {}
-    for spec in methods if generate else ():
-        dtype = spec_dtype(spec, config)
-        if dtype not in models:
-            models[dtype] = tuple(load_model(name, dtype, config.device, config.kernels, config.implementation)
-                                  if name else None for name in (config.target, config.drafter))
-        runners[spec] = MethodRunner(spec, *models[dtype], config, hf_models)
-    encoded = {p.id: encode_prompt(target, p.text) for p in prompts}
+    return config, prompts
+
+
+def _generate(config: BenchConfig, out: Path, prompts: list[Prompt], progress: bool, generate: bool,
+              execute: Callable[[list[BenchUnit]], Iterable[list[dict]]]) -> None:
+    """Makes the records still missing from ``out``: ``execute(units)`` yields them in batches
+    as they are made (one record at a time in one process, a unit's on Ray), each batch
+    appended at once by this process alone."""
+    from tqdm.auto import tqdm
 
     records_path = out / "records.jsonl"
     if generate:
         _drop_cut_tail(records_path)
     done = {(r["method"], r["prompt_id"], r["repeat"]) for r in read_records(records_path)}
     atomic_write_text(out / "config.json", json.dumps(asdict(config), indent=2))
-
-    todo = [(r, p, m) for r in range(config.repeats) for i, p in enumerate(prompts)
-            for m in methods[i % len(methods):] + methods[: i % len(methods)] if (m, p.id, r) not in done]
-    if not generate:
-        todo = []
-    if todo:
-        # Warm-up: first calls pay for allocator growth, thread pools and lazy imports.
-        warm_ids = encoded[prompts[0].id]
-        for spec, runner in runners.items():
-            runner.run(warm_ids, 8, torch.Generator().manual_seed(0))
-    bar = tqdm(total=len(todo), desc="bench", disable=not progress)
-    for repeat, prompt, spec in todo:
-        bar.set_postfix_str(f"{spec} {prompt.id}")
-        prompt_ids = encoded[prompt.id]
-        # Reduced to torch's 64-bit seed range (the same seed as before for every seed below ~1.8e13).
-        generator = torch.Generator().manual_seed(
-            (config.seed * 1000003 + repeat * 7919 + zlib.crc32(prompt.id.encode())) % 2**64)
-        on_cuda = target.device.type == "cuda"
-        if on_cuda:
-            torch.cuda.synchronize(target.device)
-            torch.cuda.reset_peak_memory_stats(target.device)
-        with PeakRSS() as memory:
-            outcome = runners[spec].run(prompt_ids, config.max_new_tokens, generator)
-        text = target.tokenizer.decode(outcome.token_ids, skip_special_tokens=True) if target.tokenizer else ""
-        record = {
-            "method": spec,
-            "prompt_id": prompt.id,
-            "category": prompt.category,
-            "repeat": repeat,
-            "emitted": len(outcome.token_ids),
-            "seconds": outcome.seconds,
-            "tokens_per_s": len(outcome.token_ids) / outcome.seconds if outcome.seconds > 0 else 0.0,
-            "peak_rss_mb": round(memory.peak, 1),
-            "token_ids": outcome.token_ids,
-            "text": text,
-            **(_stats_fields(outcome.stats) if outcome.stats else {}),
-            **outcome.record_fields,
-            **_task_quality(prompt, text, config.dataset),
-        }
-        if on_cuda:  # the GPU's own peak (the process's RSS says little there)
-            record["cuda_max_allocated_mb"] = round(torch.cuda.max_memory_allocated(target.device) / 2**20, 1)
-        if config.compute_nll:
-            record["target_nll"] = metrics.target_nll(target.model, prompt_ids, outcome.token_ids)
-        # Opened per record: a file replaced under a long run (an editor, a git checkout)
-        # then receives the next records instead of an unlinked inode swallowing them.
-        try:
-            with open(records_path, "a") as sink:
-                sink.write(json.dumps(record) + "\n")
-        except OSError as error:  # a full disk: the records so far stay whole (a rerun resumes)
-            raise write_error(records_path, error) from None
-        bar.update(1)
+    units = bench_units(prompts, list(config.methods), config.repeats, done) if generate else []
+    bar = tqdm(total=sum(len(unit.methods) for unit in units), desc="bench", disable=not progress)
+    for records in execute(units):
+        append_records(records_path, records)
+        bar.set_postfix_str(f"{records[-1]['method']} {records[-1]['prompt_id']}")
+        bar.update(len(records))
     bar.close()
 
-    from .report import summarize, write_report
 
-    records = read_records(records_path)
-    references = {p.id: p.reference for p in prompts}
-    summary = summarize(records, config, references, fidelity_reference=reference)
-    write_report(summary, records, out)
-    return summary
+def _report_failures(out: Path, failures: list[UnitFailure]) -> None:
+    """``failures.json`` lists the units a run gave up (each try's error), and the run fails
+    loudly after its report is written; a run that gave up nothing removes an old list."""
+    path = out / "failures.json"
+    if not failures:
+        path.unlink(missing_ok=True)
+        return
+    atomic_write_text(path, json.dumps([asdict(failure) for failure in failures], indent=2))
+    named = ", ".join(failure.unit for failure in failures[:3]) + (", …" if len(failures) > 3 else "")
+    raise BenchError(f"{len(failures)} prompt(s) failed on every try ({named}); their errors are in {path}. The report "
+                     "covers the rest; a rerun tries them again")
 
 
 def round_robin(prompts: list[Prompt]) -> list[Prompt]:

@@ -18,7 +18,10 @@ not trained on.
 
 The job is planned once (``plan.json``: settings, the target's identity, the shard list) and
 writes one safetensors shard per batch, atomically; a rerun skips finished shards, and refuses
-to continue a folder planned with other settings or for another model.
+to continue a folder planned with other settings or for another model. On Ray
+(``build_data_on_cluster``) the shards are shared out to workers (``DataWorker``) that each load
+the target and plan the job themselves; they return each shard's bytes, and the driver writes
+every file, so the folder is the one a single process makes, and resumes alike.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ import json
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Callable, Iterable
 
 import torch
 
@@ -196,8 +200,69 @@ def _reference_answers(target: LoadedModel, items: list[TrainingItem], layers: l
     ]
 
 
-def _write_shard(path: Path, sequences: list[dict], sources: list[str], kind: str) -> int:
-    from safetensors.torch import save_file
+@dataclass(frozen=True)
+class DataPlan:
+    """The job as planned from the target and the settings: the shard jobs, the items they draw
+    on, the layers stored, and ``header``, plan.json's content (what a rerun must find unchanged)."""
+
+    jobs: list[dict]
+    own: list[TrainingItem]
+    forced: list[TrainingItem]
+    layers: list[int]
+    header: dict
+
+    def jobs_digest(self) -> str:
+        """A digest of the shard list: every worker of a run on Ray must plan the same shards."""
+        return hashlib.sha256(json.dumps(self.jobs).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Shard:
+    """One finished shard, as the bytes of its safetensors file (for whoever writes the folder:
+    the process itself, or a Ray run's driver), and what it holds."""
+
+    index: int
+    kind: str
+    sequences: int
+    answer_tokens: int
+    seconds: float
+    data: bytes
+    worker: dict | None = None  # cluster.MachineInfo of the Ray worker that made it
+
+
+def make_plan(target: LoadedModel, config: DataConfig, data_dir: Path | None) -> DataPlan:
+    """The job's plan for ``target``: the same on every process given the same model files,
+    training data and settings."""
+    if target.tokenizer is None:
+        raise DraftDataError("building draft-head data needs the target's tokenizer (text prompts)")
+    if model_code(target.model) != "transformers":
+        raise DraftDataError("building draft-head data generates in padded batches with transformers' generate; "
+                             "load the target with implementation='transformers'")
+    layers = aux_layers(target.identity.num_layers)
+    jobs, own, forced = plan_jobs(target, config, data_dir)
+    header = {"format": DATA_FORMAT, "config": asdict(config), "model": target.identity.to_dict(),
+              "aux_layers": layers, "items_hash": _items_hash(own, forced), "shards": len(jobs)}
+    return DataPlan(jobs, own, forced, layers, header)
+
+
+def make_shard(target: LoadedModel, plan: DataPlan, config: DataConfig, index: int) -> Shard:
+    """Shard ``index`` of ``plan``: the target's answers (or its teacher-forced pass) and features."""
+    started = time.perf_counter()
+    job = plan.jobs[index]
+    if job["kind"] == "reference":
+        items = [plan.forced[i] for i in job["items"]]
+        sequences = _reference_answers(target, items, plan.layers)
+    else:
+        items = [plan.own[i] for i in job["items"]]
+        seed = (config.seed * 100003 + index) % 2**64  # within torch's seed range (unchanged below ~1.8e14)
+        sequences = _own_answers(target, items, job["kind"] == "own-sampled", config, seed, plan.layers)
+    data, answered = _shard_bytes(sequences, [item.source for item in items], job["kind"])
+    return Shard(index, job["kind"], len(items), answered, time.perf_counter() - started, data)
+
+
+def _shard_bytes(sequences: list[dict], sources: list[str], kind: str) -> tuple[bytes, int]:
+    """The safetensors file of ``sequences`` and the answer tokens it holds."""
+    from safetensors.torch import save
 
     offsets = [0]
     for sequence in sequences:
@@ -210,10 +275,14 @@ def _write_shard(path: Path, sequences: list[dict], sources: list[str], kind: st
     }
     for layer in sequences[0]["aux"]:
         tensors[f"aux_{layer}"] = torch.cat([s["aux"][layer] for s in sequences]).to(torch.float16)
-    atomic_write(path, lambda staging: save_file({k: v.contiguous() for k, v in tensors.items()}, str(staging),
-                                                 metadata={"format": DATA_FORMAT, "kind": kind,
-                                                           "sources": json.dumps(sources)}))
-    return sum(len(s["tokens"]) - s["response_start"] for s in sequences)
+    data = save({k: v.contiguous() for k, v in tensors.items()},
+                metadata={"format": DATA_FORMAT, "kind": kind, "sources": json.dumps(sources)})
+    return data, sum(len(s["tokens"]) - s["response_start"] for s in sequences)
+
+
+def _write_shard(path: Path, data: bytes) -> None:
+    """A shard file, atomically, with an ordinary file's permissions."""
+    atomic_write(path, lambda staging: staging.write_bytes(data))
 
 
 def build_data(target: LoadedModel, out: Path, config: DataConfig = DataConfig(), data_dir: Path | None = None,
@@ -221,54 +290,112 @@ def build_data(target: LoadedModel, out: Path, config: DataConfig = DataConfig()
     """Plan (or resume) and run the data job into ``out``; returns the manifest.
 
     ``max_shards`` stops after that many shards in this call (tests; a budgeted run)."""
-    if target.tokenizer is None:
-        raise DraftDataError("building draft-head data needs the target's tokenizer (text prompts)")
-    if model_code(target.model) != "transformers":
-        raise DraftDataError("building draft-head data generates in padded batches with transformers' generate; "
-                             "load the target with implementation='transformers'")
+    plan = make_plan(target, config, data_dir)
+    return _build(out, plan.header, lambda todo: (make_shard(target, plan, config, index) for index in todo),
+                  progress, max_shards)
+
+
+@dataclass(frozen=True)
+class WorkerPlan:
+    """The plan a data worker made (plan.json's content, a digest of its shard list) and where it
+    runs (``cluster.MachineInfo`` as a dict)."""
+
+    header: dict
+    jobs: str
+    machine: dict
+
+
+class DataWorker:
+    """A Ray worker's share of the data job (``cluster.WorkerPool``): the target loaded once by
+    path, the job planned from it (every worker plans alike; the driver checks), and the shards
+    it is given, returned as bytes for the driver to write."""
+
+    def __init__(self, name: str, target: str, loading: tuple[str, str, str, str], config: DataConfig,
+                 data_dir: Path | None):
+        """``loading``: load_model's dtype, device, kernels and implementation."""
+        from ..cluster import MachineInfo
+        from ..models import load_model
+
+        self.target = load_model(target, *loading)
+        self.config = config
+        self.plan = make_plan(self.target, config, data_dir)
+        self.machine = MachineInfo.here(name, self.target.device).to_dict()
+
+    def describe(self) -> WorkerPlan:
+        return WorkerPlan(self.plan.header, self.plan.jobs_digest(), self.machine)
+
+    def run(self, index: int) -> Shard:
+        return replace(make_shard(self.target, self.plan, self.config, index), worker=self.machine)
+
+
+def build_data_on_cluster(target: str, loading: tuple[str, str, str, str], out: Path, cluster,
+                          config: DataConfig = DataConfig(), data_dir: Path | None = None, progress: bool = True,
+                          max_shards: int | None = None) -> dict:
+    """``build_data`` with the shards made by Ray workers (``cluster``: a ``ClusterConfig``), each
+    loading ``target`` by path (``loading``: load_model's dtype, device, kernels, implementation);
+    this process writes every file. A shard that fails on every try is listed in failures.json
+    and named in the error raised after the manifest is written; a rerun tries it again."""
+    from ..cluster import WorkerPool, connected
+
+    cluster.check_device(loading[1])
+    with connected(cluster), WorkerPool(DataWorker, (target, loading, config, data_dir), cluster) as pool:
+        planned = pool.start()
+        first = planned[0]
+        for other in planned[1:]:
+            if (other.header, other.jobs) != (first.header, first.jobs):
+                raise DraftDataError(f"workers {first.machine['worker']} and {other.machine['worker']} planned the "
+                                     "job differently: every node needs the same model files and training data")
+        manifest = _build(out, first.header, lambda todo: (shard for _, shard in pool.run(todo, lambda i: f"shard {i}")),
+                          progress, max_shards)
+        failures = pool.failures
+    path = out / "failures.json"
+    if not failures:
+        path.unlink(missing_ok=True)
+        return manifest
+    atomic_write_text(path, json.dumps([asdict(failure) for failure in failures], indent=2))
+    raise DraftDataError(f"{len(failures)} shard(s) failed on every try ({', '.join(f.unit for f in failures[:3])}"
+                         f"{', …' if len(failures) > 3 else ''}); their errors are in {path}; rerun to try them again")
+
+
+def _build(out: Path, header: dict, make: Callable[[list[int]], Iterable[Shard]], progress: bool,
+           max_shards: int | None) -> dict:
+    """Checks (or writes) plan.json, writes the shards ``make(todo)`` yields as they come, and the
+    manifest; the shards still missing are ``todo``."""
     out.mkdir(parents=True, exist_ok=True)
-    layers = aux_layers(target.identity.num_layers)
-    jobs, own, forced = plan_jobs(target, config, data_dir)
-    plan = {"format": DATA_FORMAT, "config": asdict(config), "model": target.identity.to_dict(),
-            "aux_layers": layers, "items_hash": _items_hash(own, forced), "shards": len(jobs)}
     plan_path = out / "plan.json"
     if plan_path.exists():
         try:
             previous = json.loads(plan_path.read_text())
         except (OSError, ValueError) as error:
             raise DraftDataError(f"{plan_path} is unreadable ({error}); delete the folder or use another --out") from None
-        if {k: previous.get(k) for k in plan} != plan:
+        if {k: previous.get(k) for k in header} != header:
             raise DraftDataError(f"{out} was planned with other settings, data or model; use another --out "
                                  "(or the same settings to resume)")
     else:
-        atomic_write_text(plan_path, json.dumps(plan, indent=2))
+        atomic_write_text(plan_path, json.dumps(header, indent=2))
 
     from tqdm.auto import tqdm
 
-    todo = [i for i in range(len(jobs)) if not (out / f"shard-{i:05d}.safetensors").exists()]
+    shards = header["shards"]
+    todo = [i for i in range(shards) if not (out / f"shard-{i:05d}.safetensors").exists()]
     if max_shards is not None:
         todo = todo[:max_shards]
-    bar = tqdm(total=len(jobs), initial=len(jobs) - len(todo) if max_shards is None else 0, desc="draft data",
+    bar = tqdm(total=shards, initial=shards - len(todo) if max_shards is None else 0, desc="draft data",
                disable=not progress)
     started = time.perf_counter()
-    new_tokens = 0
-    for index in todo:
-        job = jobs[index]
-        shard_started = time.perf_counter()
-        if job["kind"] == "reference":
-            items = [forced[i] for i in job["items"]]
-            sequences = _reference_answers(target, items, layers)
-        else:
-            items = [own[i] for i in job["items"]]
-            seed = (config.seed * 100003 + index) % 2**64  # within torch's seed range (unchanged below ~1.8e14)
-            sequences = _own_answers(target, items, job["kind"] == "own-sampled", config, seed, layers)
-        answered = _write_shard(out / f"shard-{index:05d}.safetensors", sequences, [item.source for item in items], job["kind"])
-        new_tokens += answered
+    workers: dict[str, dict] = {}
+    for shard in make(todo):
+        _write_shard(out / f"shard-{shard.index:05d}.safetensors", shard.data)
         bar.update(1)
-        bar.set_postfix_str(f"{job['kind']} {answered / (time.perf_counter() - shard_started):.0f} answer tok/s")
+        bar.set_postfix_str(f"{shard.kind} {shard.answer_tokens / shard.seconds:.0f} answer tok/s")
+        where = ""
+        if shard.worker is not None:
+            entry = workers.setdefault(shard.worker["worker"], {**shard.worker, "shards": 0})
+            entry["shards"] += 1
+            where = f" on {shard.worker['worker']} ({shard.worker['host']})"
         if not progress:
-            print(f"shard {index} ({job['kind']}, {len(items)} sequences, {answered} answer tokens) in "
-                  f"{time.perf_counter() - shard_started:.1f} s", file=sys.stderr, flush=True)
+            print(f"shard {shard.index} ({shard.kind}, {shard.sequences} sequences, {shard.answer_tokens} answer tokens) "
+                  f"in {shard.seconds:.1f} s{where}", file=sys.stderr, flush=True)
     bar.close()
     previous_seconds = 0.0
     if (out / "manifest.json").exists():
@@ -279,6 +406,8 @@ def build_data(target: LoadedModel, out: Path, config: DataConfig = DataConfig()
     manifest = summarize_data(out)
     manifest["seconds_this_run"] = round(time.perf_counter() - started, 1)
     manifest["seconds_total"] = round(previous_seconds + manifest["seconds_this_run"], 1)  # every run of the job
+    if workers:  # a run on Ray: who made this run's shards
+        manifest["workers_this_run"] = workers
     atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=2))
     return manifest
 
