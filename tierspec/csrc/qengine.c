@@ -52,6 +52,7 @@ enum { LAYOUT_A = 0, LAYOUT_B = 1 }; /* A: bfloat16 dot products; B: float32 FMA
 enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8 }; /* ggml type ids */
 
 #define TILE 16  /* output rows per tile */
+#define PREFETCH_CELLS 48 /* how far ahead (in cells, ~15 KB) the kernels ask for weights: measured best of 2-96 */
 #define QK 32    /* weights per block */
 
 /* bytes of one (tile, block) cell */
@@ -526,8 +527,10 @@ AVX2_TARGET static inline void tile_avx2_mt(const matmul_args *a, int t, int m0,
     __m256 acc0[4], acc1[4];
     for (int i = 0; i < mt; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();
     const __m256i low = _mm256_set1_epi32(0x0f);
+    size_t cb = cell_bytes(a->kind);
     for (int b = 0; b < KB; b++) {
-        const uint8_t *cell = a->w + ((size_t)t * KB + b) * cell_bytes(a->kind);
+        const uint8_t *cell = a->w + ((size_t)t * KB + b) * cb;
+        for (size_t line = 0; line < cb; line += 64) _mm_prefetch((const char *)(cell + PREFETCH_CELLS * cb + line), _MM_HINT_T0);
         __m256 d0 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)cell));
         __m256 d1 = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + 16)));
         const float *xb = x + (size_t)m0 * a->K + b * QK;
@@ -591,8 +594,12 @@ AVX512_TARGET static inline void tile_avx512_mt(const matmul_args *a, int t, int
     __m512 acc[8], even[8], odd[8];
     for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi16(0x0f);
+    size_t cb = cell_bytes(a->kind);
     for (int b = 0; b < KB; b++) {
-        const uint8_t *cell = a->w + ((size_t)t * KB + b) * cell_bytes(a->kind);
+        const uint8_t *cell = a->w + ((size_t)t * KB + b) * cb;
+        /* the cells a few blocks ahead (the next tile's first ones at a tile's end): a pass over
+         * several rows computes long enough per cell that the loads must be asked for early */
+        for (size_t line = 0; line < cb; line += 64) _mm_prefetch((const char *)(cell + PREFETCH_CELLS * cb + line), _MM_HINT_T0);
         __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)cell));
         const uint32_t *xb = x + (size_t)m0 * K2 + b * (QK / 2);
         for (int i = 0; i < mt; i++) even[i] = odd[i] = _mm512_setzero_ps();
