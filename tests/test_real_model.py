@@ -117,7 +117,14 @@ def test_eagle_and_hybrid_match_ar_on_the_real_model(smollm, ar_output, method):
     assert out.stats.acceptance_by_position()[0] > 0.1
 
 
-def test_the_shipped_head_drafts_exactly_the_recorded_tokens(smollm):
+@pytest.fixture(scope="module")
+def smollm_converted():
+    """The default model from its float32 converted copy on torch's packed kernels (the target the
+    shipped head's drafts were recorded on; the float32 head drafts beside it)."""
+    return tierspec.load_model("smollm2-135m", dtype="float32", kernels="packed")
+
+
+def test_the_shipped_head_drafts_exactly_the_recorded_tokens(smollm_converted):
     """The shipped head, loaded as shipped, drafts chains and trees (greedy and seeded) exactly as
     it did when its drafts were recorded (``tests/shipped_head_drafts.py``): a change to the
     head's layer, cache or loading that moved any draft token fails here, although lossless
@@ -127,11 +134,35 @@ def test_the_shipped_head_drafts_exactly_the_recorded_tokens(smollm):
     from shipped_head_drafts import REFERENCE, record
 
     recorded = json.loads(REFERENCE.read_text())
-    now = record(smollm)
+    now = record(smollm_converted)
     assert now.keys() == recorded.keys()
     for run, expected in recorded.items():
         assert now[run]["emitted"] == expected["emitted"], run
         assert now[run]["drafts"] == expected["drafts"], run
+
+
+def test_the_engine_head_drafts_what_the_float_head_drafts(smollm, smollm_converted):
+    """Beside the GGUF target the head drafts on the engine (``eagle.engine_head``: Q8_0 copies of
+    its weights, the target's own head rows): greedy first drafts after the same features are the
+    float32 head's almost always (planted check: a head drafting over the wrong rows agrees ~0%)."""
+    from tierspec.cached_model import CachedModel
+    from tierspec.eagle.head import HeadRunner
+    from tierspec.eagle.shipped import shipped_head
+    from tierspec.prompting import encode_prompt
+
+    engine_head, float_head = shipped_head(smollm), shipped_head(smollm_converted)
+    assert engine_head.engine is not None and float_head.engine is None
+    ids = encode_prompt(smollm, "Write a Python function that returns the n-th Fibonacci number.")
+    ids = torch.cat((ids, torch.tensor(tierspec.generate(ids, target=smollm, method="ar", max_new_tokens=48).token_ids)))
+    layers = engine_head.config.feature_layers
+    features = CachedModel(smollm.model).forward(ids, with_hidden=True, hidden_layers=layers).hidden
+    drafts = []
+    for head in (engine_head, float_head):
+        runner = HeadRunner(head)
+        h = runner.extend(features[:-1], ids[1:], from_target=True)
+        drafts.append(head.draft_ids[runner.logits(h).argmax(-1)])
+    agreement = (drafts[0] == drafts[1]).float().mean().item()
+    assert agreement >= 0.9, agreement
 
 
 @pytest.mark.parametrize("rule", ["lossy", "judge"])

@@ -116,6 +116,34 @@ class QuantWeight:
         self.packed = torch.empty(qe.packed_bytes(ggml_type, self.out_features, in_features), dtype=torch.uint8)
         qe.repack(ggml_type, numerics.layout, rows.data_ptr(), self.out_features, in_features, self.packed.data_ptr())
 
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, numerics: Numerics, ggml_type: int = Q8_0) -> "QuantWeight":
+        """A float weight [N, K] (K a multiple of 32) quantised by gguf-py into ``ggml_type`` blocks
+        (the draft head's layer on the engine: Q8_0, ~0.4% per weight)."""
+        import numpy as np
+        from gguf import GGMLQuantizationType
+        from gguf.quants import quantize
+
+        values = np.ascontiguousarray(weight.detach().float().cpu().numpy())
+        raw = torch.from_numpy(np.array(quantize(values, GGMLQuantizationType(ggml_type)), copy=True))
+        return cls(raw, ggml_type, int(weight.shape[1]), numerics)
+
+    def select(self, indices: torch.Tensor) -> "QuantWeight":
+        """Rows ``indices`` [c] as a weight of their own (the same blocks, repacked): a draft
+        vocabulary's rows of an LM head, computed as cheaply as the head itself."""
+        indices = indices.reshape(-1).to(torch.int64).contiguous()
+        if indices.numel() == 0 or int(indices.min()) < 0 or int(indices.max()) >= self.out_features:
+            raise IndexError(f"row indices must lie in 0..{self.out_features - 1}")
+        qe = engine()
+        chosen = object.__new__(QuantWeight)
+        chosen.ggml_type, chosen.kind, chosen.numerics = self.ggml_type, self.kind, self.numerics
+        chosen.out_features, chosen.in_features = int(indices.numel()), self.in_features
+        chosen.packed = torch.empty(qe.packed_bytes(self.ggml_type, chosen.out_features, self.in_features),
+                                    dtype=torch.uint8)
+        qe.gather_rows(self.kind, self.numerics.layout, self.packed.data_ptr(), self.in_features, indices.data_ptr(),
+                       chosen.out_features, chosen.packed.data_ptr())
+        return chosen
+
     def __deepcopy__(self, memo) -> "QuantWeight":
         return self  # immutable once packed: copies of a model (routing.masked_copy) share it
 

@@ -898,13 +898,19 @@ typedef struct {
     const float *keys;     /* [kv_heads, cap, D] */
     const float *values;
     int cap, start, n;
-    const uint8_t *attends; /* [n, n] or NULL (causal chain) */
+    const uint8_t *attends; /* [n, n] or NULL (causal chain); [n, start + n] when ``full`` */
     float *out;            /* [n, heads * D] */
+    int full;
 } attention_args;
 
 /* The slots a query sees, in logical order: the cached context, then the new tokens it sees. */
 static int visible_slots(const attention_args *a, int row, int *slots) {
     int count = 0;
+    if (a->full) { /* attends: [n, start + n] over every slot (the draft head's token trees) */
+        for (int s = 0; s < a->start + a->n; s++)
+            if (a->attends[(size_t)row * (a->start + a->n) + s]) slots[count++] = s;
+        return count;
+    }
     for (int s = 0; s < a->start; s++) slots[count++] = s;
     for (int j = 0; j <= row; j++)
         if (a->attends == NULL || a->attends[(size_t)row * a->n + j]) slots[count++] = a->start + j;
@@ -1125,7 +1131,7 @@ static void run_layer(const layer_desc *L, const float *h_in, float *h, int n, i
         float *q = att; /* borrow: att is written per (row, head) from q, so give q its own copy first */
         float *qcopy = gu; /* gu is free until the MLP */
         for (int r = 0; r < n; r++) memcpy(qcopy + (size_t)r * heads * D, qkv + (size_t)r * qkv_width, (size_t)heads * D * 4);
-        attention_args aa = {L, qcopy, keys, values, cap, start, n, attends, q};
+        attention_args aa = {L, qcopy, keys, values, cap, start, n, attends, q, (flags & 4) && attends != NULL};
         int anth = (int64_t)n * heads * (start + n) < 4096 ? 1 : nth;
         int64_t attention_started = profiling ? now_ns() : 0;
         run_parallel(attention_task, &aa, n * heads, anth);
@@ -1203,6 +1209,34 @@ static void dequant_rows(int kind, int layout, const uint8_t *w, int N, int K, c
     (void)N;
 }
 
+/* Rows ``rows`` of a repacked weight as a new repacked weight of ``count`` rows (the same values):
+ * the draft head's vocabulary, a subset of the target's LM head. */
+static void gather_rows(int kind, int layout, const uint8_t *w, int K, const int64_t *rows, int count, uint8_t *dst) {
+    int KB = K / QK, tiles = (count + TILE - 1) / TILE;
+    size_t cb = cell_bytes(kind);
+    memset(dst, 0, (size_t)tiles * KB * cb);
+    for (int c = 0; c < count; c++) {
+        int64_t n = rows[c];
+        int st = (int)(n / TILE), sr = (int)(n % TILE), dt = c / TILE, dr = c % TILE;
+        for (int b = 0; b < KB; b++) {
+            const uint8_t *from = w + ((size_t)st * KB + b) * cb;
+            uint8_t *to = dst + ((size_t)dt * KB + b) * cb;
+            memcpy(to + 2 * dr, from + 2 * sr, 2);
+            if (kind == KIND_Q4) memcpy(to + 32 + 2 * dr, from + 32 + 2 * sr, 2);
+            for (int k = 0; k < QK; k++) {
+                if (kind == KIND_Q4) {
+                    int sb, ss, db, ds;
+                    q4_slot(layout, sr, k, &sb, &ss);
+                    q4_slot(layout, dr, k, &db, &ds);
+                    to[64 + db] |= (uint8_t)(((from[64 + sb] >> ss) & 0x0f) << ds);
+                } else {
+                    to[32 + q8_slot(layout, dr, k)] = from[32 + q8_slot(layout, sr, k)];
+                }
+            }
+        }
+    }
+}
+
 /* ---- Python bindings ------------------------------------------------------------------------ */
 
 static int as_ptr(PyObject *o, void **p) {
@@ -1275,6 +1309,21 @@ static PyObject *py_dequant_rows(PyObject *self, PyObject *const *args, Py_ssize
         return NULL;
     Py_BEGIN_ALLOW_THREADS
     dequant_rows((int)kind, (int)layout, w, (int)n, (int)k, rows, (int)count, out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* gather_rows(kind, layout, w, K, rows_ptr, count, dst) */
+static PyObject *py_gather_rows(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    ARGS(7);
+    long long kind, layout, k, count;
+    void *w, *rows, *dst;
+    if (!as_int(args[0], &kind) || !as_int(args[1], &layout) || !as_ptr(args[2], &w) || !as_int(args[3], &k) ||
+        !as_ptr(args[4], &rows) || !as_int(args[5], &count) || !as_ptr(args[6], &dst))
+        return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    gather_rows((int)kind, (int)layout, w, (int)k, rows, (int)count, dst);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
@@ -1494,6 +1543,7 @@ static PyMethodDef methods[] = {
     {"packed_bytes", (PyCFunction)(void (*)(void))py_packed_bytes, METH_FASTCALL, "Bytes of a repacked weight."},
     {"repack", (PyCFunction)(void (*)(void))py_repack, METH_FASTCALL, "GGUF blocks -> the kernels' layout."},
     {"dequant_rows", (PyCFunction)(void (*)(void))py_dequant_rows, METH_FASTCALL, "Rows of a repacked weight as float32."},
+    {"gather_rows", (PyCFunction)(void (*)(void))py_gather_rows, METH_FASTCALL, "Rows of a repacked weight, repacked."},
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_FASTCALL, "out (+)= x W^T with a repacked weight."},
     {"make_layer", (PyCFunction)(void (*)(void))py_make_layer, METH_FASTCALL, "A decoder layer's description."},
     {"run_layer", (PyCFunction)(void (*)(void))py_run_layer, METH_FASTCALL, "One decoder layer over a pass's rows."},

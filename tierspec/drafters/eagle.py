@@ -81,6 +81,8 @@ class EagleDrafter(Drafter):
     def draft_step_weights(self) -> dict[str, int]:
         # A self-fed step runs W_fc, the decoder layer and the K LM-head rows (aux_proj reads only
         # the target's features, once per committed position).
+        if self.head.engine is not None:
+            return {"head": self.head.engine.step_bytes}
         fed = sum(p.numel() * p.element_size() for name, p in self.head.named_parameters()
                    if not name.startswith("aux_proj."))
         return {"head": fed + self.head.lm_rows.numel() * self.head.lm_rows.element_size()}

@@ -141,6 +141,7 @@ class DraftHead(torch.nn.Module):
         # Taken from the target by ``attach`` (frozen, never saved): E and W_lm[V_K].
         self.embedding: torch.nn.Module | None = None
         self.lm_rows: torch.Tensor | None = None
+        self.engine = None  # an engine_head.EngineHead once attached to a target on the pass engine
         self.target_identity: ModelIdentity | None = None
         self.metadata: dict = {}
 
@@ -192,6 +193,9 @@ class DraftHead(torch.nn.Module):
         # the target's embedding module, called for the rows a step needs (a GGUF model's table stays
         # quantised: its ``weight`` would be a de-quantised 113 MB copy)
         self.__dict__["embedding"] = target.model.get_input_embeddings()  # not registered: not the head's module
+        from .engine_head import engine_head_for
+
+        self.engine = engine_head_for(self, target.model)  # drafting on the pass engine beside an engine target
         return self
 
     # -- the computation: one pass of the layer, for training (batches [B, T, ·]) and drafting ([1, n, ·]) --
@@ -355,6 +359,13 @@ class HeadRunner:
         A token tree's nodes (drafted several per depth): ``positions`` [n] their rotary positions
         and ``attends`` [n, length + n] bool the cache slots each sees (default: a chain)."""
         head = self.head
+        if head.engine is not None:
+            n, start = int(inputs.shape[0]), self.cache.length
+            if from_target:
+                inputs = head.engine.target_input(inputs)
+            if positions is None:
+                positions = torch.arange(start, start + n)
+            return head.engine.step(inputs, next_tokens.cpu(), positions.cpu(), self.cache, attends)
         device = head.fc.weight.device
         inputs, next_tokens = inputs.to(device, head.fc.weight.dtype), next_tokens.to(device)
         n, start = int(inputs.shape[0]), self.cache.length
@@ -368,4 +379,6 @@ class HeadRunner:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [n, K] (float32, on the CPU where the loop samples) for head
         outputs h [n, H]."""
+        if self.head.engine is not None:
+            return self.head.engine.logits(h)
         return few_row_linear(h, self.head.lm_rows, None).float().cpu()
