@@ -264,3 +264,35 @@ def test_a_file_cut_short_is_a_clear_error(tiny, tmp_path):
     (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(100))
     with pytest.raises(ModelLoadError, match="not a GGUF file"):
         load_gguf_llama(tmp_path / "not.gguf", tiny.folder, numerics_for(torch.float32))
+
+
+def test_a_batched_pass_gives_every_sequence_its_solo_pass_bitwise(tiny):
+    """Sequences of different lengths, new-row counts and a token tree share one pass
+    (``gguf_llama.batched_pass``): each gets exactly its own pass's logits and hidden states, and
+    its cache advances as its own pass would."""
+    from tierspec.gguf_llama import BatchItem, batched_pass
+    from tierspec.tree import TokenTree, tree_pass
+
+    model = _model(tiny, "bfloat16-native" if NATIVE_AVX512 else "float32")
+    prompts = [PROMPT, PROMPT[:5], torch.tensor([9, 9, 9, 9, 9, 9, 9, 9, 9])]
+    solo = [CachedModel(model) for _ in prompts]
+    shared = [CachedModel(model) for _ in prompts]
+    layout = tree_pass(torch.tensor([4]), TokenTree.from_paths([[5, 6], [5, 7], [8]]))
+    with torch.inference_mode():
+        expected = [runner.forward(p).logits for runner, p in zip(solo, prompts)]
+        got = batched_pass(model, [BatchItem(runner, p) for runner, p in zip(shared, prompts)])
+        assert all(torch.equal(g.logits, e) for g, e in zip(got, expected))
+        steps = [BatchItem(shared[0], torch.tensor([3, 1, 4]), logits_for=2),
+                 BatchItem(shared[1], layout.tokens, offsets=layout.offsets, attends=layout.attends),
+                 BatchItem(shared[2], torch.tensor([7]))]
+        expected = [solo[0].forward(torch.tensor([3, 1, 4]), logits_for=2, with_hidden=True, hidden_layers=(1,)),
+                    solo[1].forward(layout.tokens, offsets=layout.offsets, attends=layout.attends, with_hidden=True,
+                                    hidden_layers=(1,)),
+                    solo[2].forward(torch.tensor([7]), with_hidden=True, hidden_layers=(1,))]
+        got = batched_pass(model, steps, hidden_layers=(1,))
+    for g, e in zip(got, expected):
+        assert torch.equal(g.logits, e.logits) and torch.equal(g.hidden, e.hidden)
+    assert [r.length for r in shared] == [r.length for r in solo]
+    assert [r.layer_lengths() for r in shared] == [r.layer_lengths() for r in solo]
+    with pytest.raises(ValueError, match="twice"):
+        batched_pass(model, [BatchItem(shared[0], torch.tensor([1])), BatchItem(shared[0], torch.tensor([2]))])

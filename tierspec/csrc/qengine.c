@@ -1057,6 +1057,47 @@ AVX2_TARGET static int attend_avx2(const attention_args *a, int row, int head, f
 }
 #endif
 
+/* The rows of one pass, in segments: each segment one sequence's new rows with its own cache (a
+ * batch of sequences shares the products; attention is per sequence, over its own cache). */
+typedef struct {
+    int row0, n, start, cap, full;
+    float *keys, *values;   /* this layer's buffers of the sequence */
+    const uint8_t *attends; /* [n, n], [n, start + n] (full), or NULL (chain) */
+} segment_t;
+
+typedef struct {
+    const layer_desc *L;
+    const float *q;   /* [rows, heads * D] */
+    float *out;       /* [rows, heads * D] */
+    const segment_t *segments;
+    const int *segment_of; /* [rows] */
+} batch_attention_args;
+
+static void batch_attention_task(void *raw, int chunk) { /* chunk: one (row, head) of the pass */
+    const batch_attention_args *b = (const batch_attention_args *)raw;
+    int heads = b->L->heads, row = chunk / heads, head = chunk % heads;
+    const segment_t *sg = &b->segments[b->segment_of[row]];
+    int D = b->L->head_dim;
+    /* the segment's own view: its queries and outputs start at its first row */
+    attention_args a = {b->L, b->q + (size_t)sg->row0 * heads * D, sg->keys, sg->values, sg->cap, sg->start, sg->n,
+                        sg->attends, b->out + (size_t)sg->row0 * heads * D, sg->full && sg->attends != NULL};
+    int local = row - sg->row0;
+    int keys = a.start + a.n;
+    char *mem = scratch_get(&scratch_scores, (size_t)keys * 8 + 64);
+    float *scores = (float *)mem;
+    int *slots = (int *)(mem + (size_t)keys * 4);
+#if QE_X86
+    if (!force_portable && have_avx512bf16()) {
+        int count = visible_slots(&a, local, slots);
+        if (attend_avx512(&a, local, head, scores, slots, count)) return;
+    } else if (!force_portable && have_avx2()) {
+        int count = visible_slots(&a, local, slots);
+        if (attend_avx2(&a, local, head, scores, slots, count)) return;
+    }
+#endif
+    attend_one(&a, local, head, scores, slots);
+}
+
 static void attention_task(void *raw, int chunk) { /* chunk: one (row, head) */
     const attention_args *a = (const attention_args *)raw;
     int heads = a->L->heads, row = chunk / heads, head = chunk % heads;
@@ -1144,6 +1185,61 @@ static void run_layer(const layer_desc *L, const float *h_in, float *h, int n, i
         swiglu_args sa = {gu, act, n, I};
         run_parallel(swiglu_task, &sa, n, n >= 8 ? nth : 1);
         linear(&L->down, L->round_bf16, act, n, h, H, 1, nth);
+    }
+}
+
+/* One decoder layer over the rows of several sequences (``segments``, rows in segment order): the
+ * products over all rows at once, each sequence's keys/values written to its own cache and its
+ * attention over its own cache. A row's results are what its sequence's own pass gives: the
+ * products are row-independent and the attention reads only the row's sequence. */
+static void run_layer_batch(const layer_desc *L, const float *h_in, float *h, int rows, const segment_t *segments,
+                            int count, const int *segment_of, const float *cos, const float *ssin, int flags, int nth) {
+    int H = L->hidden, D = L->head_dim, heads = L->heads, kvh = L->kv_heads, I = L->inter;
+    int qkv_width = (heads + 2 * kvh) * D;
+    size_t need = (size_t)rows * (H + qkv_width + heads * D + 2 * I + I) * 4 + 5 * 64;
+    char *mem = scratch_get(&scratch_main, need);
+    float *xn = (float *)mem;
+    float *qkv = xn + (size_t)rows * H;
+    float *att = qkv + (size_t)rows * qkv_width;
+    float *gu = att + (size_t)rows * heads * D;
+    float *act = gu + (size_t)rows * 2 * I;
+    if (h != h_in) memcpy(h, h_in, (size_t)rows * H * 4);
+    if (flags & 1) {
+        for (int r = 0; r < rows; r++) rms_norm(h + (size_t)r * H, L->norm_in, L->eps, H, xn + (size_t)r * H);
+        linear(&L->qkv, L->round_bf16, xn, rows, qkv, qkv_width, 0, nth);
+        int half = D / 2;
+        for (int r = 0; r < rows; r++) {
+            const segment_t *sg = &segments[segment_of[r]];
+            float *row = qkv + (size_t)r * qkv_width;
+            const float *c = cos + (size_t)r * D, *sn = ssin + (size_t)r * D;
+            float tmp[512];
+            for (int hh = 0; hh < heads + kvh; hh++) {
+                float *x = row + (size_t)hh * D;
+                for (int i = 0; i < D; i++) tmp[i] = x[i] * c[i] + x[(i + half) % D] * sn[i];
+                memcpy(x, tmp, (size_t)D * 4);
+            }
+            int slot = sg->start + (r - sg->row0);
+            for (int g = 0; g < kvh; g++) {
+                memcpy(sg->keys + ((size_t)g * sg->cap + slot) * D, row + (size_t)(heads + g) * D, (size_t)D * 4);
+                memcpy(sg->values + ((size_t)g * sg->cap + slot) * D, row + (size_t)(heads + kvh + g) * D, (size_t)D * 4);
+            }
+        }
+        float *qcopy = gu;
+        for (int r = 0; r < rows; r++) memcpy(qcopy + (size_t)r * heads * D, qkv + (size_t)r * qkv_width, (size_t)heads * D * 4);
+        batch_attention_args ba = {L, qcopy, att, segments, segment_of};
+        int64_t work = 0;
+        for (int i = 0; i < count; i++) work += (int64_t)segments[i].n * heads * (segments[i].start + segments[i].n);
+        int64_t attention_started = profiling ? now_ns() : 0;
+        run_parallel(batch_attention_task, &ba, rows * heads, work < 4096 ? 1 : nth);
+        if (profiling) profile_ns[2] += now_ns() - attention_started;
+        linear(&L->o, L->round_bf16, att, rows, h, H, 1, nth);
+    }
+    if (flags & 2) {
+        for (int r = 0; r < rows; r++) rms_norm(h + (size_t)r * H, L->norm_post, L->eps, H, xn + (size_t)r * H);
+        linear(&L->gate_up, L->round_bf16, xn, rows, gu, 2 * I, 0, nth);
+        swiglu_args sa = {gu, act, rows, I};
+        run_parallel(swiglu_task, &sa, rows, rows >= 8 ? nth : 1);
+        linear(&L->down, L->round_bf16, act, rows, h, H, 1, nth);
     }
 }
 
@@ -1534,7 +1630,88 @@ static PyObject *py_run_stack(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+/* run_stack_batch(stack, first, last, h_in, h_out, rows, sequences, count, cos, signed_sin, flags, threads):
+ * layers first .. last-1 over the rows of ``count`` sequences; sequences: int64 [count, 5] of (first
+ * row, rows, start, the sequence's int64 [layers, 3] KV table (as run_stack's), attends or 0), the
+ * attends [n, n] among the sequence's new rows. */
+static PyObject *py_run_stack_batch(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    ARGS(12);
+    stack_desc *S = PyCapsule_GetPointer(args[0], "tierspec.stack");
+    if (!S) return NULL;
+    long long first, last, rows, count, nth;
+    void *hin, *h, *seqs, *cos, *sin;
+    if (!as_int(args[1], &first) || !as_int(args[2], &last) || !as_ptr(args[3], &hin) || !as_ptr(args[4], &h) ||
+        !as_int(args[5], &rows) || !as_ptr(args[6], &seqs) || !as_int(args[7], &count) || !as_ptr(args[8], &cos) ||
+        !as_ptr(args[9], &sin) || !as_int(args[11], &nth))
+        return NULL;
+    if (!PyBytes_Check(args[10]) || PyBytes_GET_SIZE(args[10]) != S->count) {
+        PyErr_SetString(PyExc_ValueError, "flags must be bytes, one per layer of the stack");
+        return NULL;
+    }
+    if (first < 0 || last > S->count || first > last || count < 1 || rows < 1) {
+        PyErr_SetString(PyExc_ValueError, "layer range outside the stack, or an empty batch");
+        return NULL;
+    }
+    const uint8_t *flags = (const uint8_t *)PyBytes_AS_STRING(args[10]);
+    const int64_t *sq = seqs;
+    int64_t covered = 0;
+    for (long long i = 0; i < count; i++) {
+        if (sq[5 * i] != covered || sq[5 * i + 1] < 1) {
+            PyErr_SetString(PyExc_ValueError, "sequences must cover the rows in order, one row at least each");
+            return NULL;
+        }
+        covered += sq[5 * i + 1];
+        const int64_t *t = (const int64_t *)(intptr_t)sq[5 * i + 3];
+        for (long long l = first; l < last; l++)
+            if ((flags[l] & 1) && sq[5 * i + 2] + sq[5 * i + 1] > t[3 * l + 2]) {
+                PyErr_Format(PyExc_ValueError, "sequence %lld's cache of layer %lld is too small", i, l);
+                return NULL;
+            }
+    }
+    if (covered != rows) {
+        PyErr_SetString(PyExc_ValueError, "the sequences do not cover the pass's rows");
+        return NULL;
+    }
+    segment_t *segments = malloc(sizeof(segment_t) * (size_t)count);
+    int *segment_of = malloc(sizeof(int) * (size_t)rows);
+    if (!segments || !segment_of) {
+        free(segments);
+        free(segment_of);
+        return PyErr_NoMemory();
+    }
+    for (long long i = 0; i < count; i++)
+        for (long long r = sq[5 * i]; r < sq[5 * i] + sq[5 * i + 1]; r++) segment_of[r] = (int)i;
+    Py_BEGIN_ALLOW_THREADS
+    int64_t started = profiling ? now_ns() : 0;
+    unsigned csr = flush_denormals();
+    const void *source = hin;
+    for (long long l = first; l < last; l++) {
+        if (!flags[l]) continue;
+        for (long long i = 0; i < count; i++) {
+            const int64_t *t = (const int64_t *)(intptr_t)sq[5 * i + 3];
+            segments[i] = (segment_t){(int)sq[5 * i], (int)sq[5 * i + 1], (int)sq[5 * i + 2], (int)t[3 * l + 2], 0,
+                                      (float *)(intptr_t)t[3 * l], (float *)(intptr_t)t[3 * l + 1],
+                                      (const uint8_t *)(intptr_t)sq[5 * i + 4]};
+        }
+        run_layer_batch(S->layers[l], source, h, (int)rows, segments, (int)count, segment_of, cos, sin, flags[l], (int)nth);
+        source = h;
+    }
+    if (source != h) memcpy(h, hin, (size_t)rows * S->layers[0]->hidden * 4);
+    restore_denormals(csr);
+    if (profiling) {
+        profile_ns[0] += now_ns() - started;
+        profile_ns[3] += last - first;
+    }
+    Py_END_ALLOW_THREADS
+    free(segments);
+    free(segment_of);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef methods[] = {
+    {"run_stack_batch", (PyCFunction)(void (*)(void))py_run_stack_batch, METH_FASTCALL,
+     "Layers first..last-1 over the rows of several sequences, each with its own cache."},
     {"make_stack", py_make_stack, METH_O, "The decoder's layers as one description (for run_stack)."},
     {"run_stack", (PyCFunction)(void (*)(void))py_run_stack, METH_FASTCALL, "Layers first..last-1 in one call."},
     {"profile", py_profile, METH_O, "Time spent in layer calls, their products and attention (and switch it on/off)."},
