@@ -969,9 +969,21 @@ AVX512_TARGET static inline void attend_head_avx512(const attention_args *a, int
         scores[l] = v;
         top = v > top ? v : top;
     }
-    for (int l = 0; l < count; l++) scores[l] -= top;
-    exp_inplace(scores, count);
-    float total = sum_in_order(scores, count);
+    /* exp(score - top) and their sum, 16 at a time in logical order */
+    __m512 shift = _mm512_set1_ps(top), sums = _mm512_setzero_ps();
+    int l16 = 0;
+    for (; l16 + 16 <= count; l16 += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + l16), shift));
+        _mm512_storeu_ps(scores + l16, e);
+        sums = _mm512_add_ps(sums, e);
+    }
+    if (l16 < count) {
+        __mmask16 tail = (__mmask16)((1u << (count - l16)) - 1);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + l16), shift));
+        _mm512_mask_storeu_ps(scores + l16, tail, e);
+        sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(tail, e));
+    }
+    float total = _mm512_reduce_add_ps(sums);
     __m512 even[8], odd[8];
     for (int c = 0; c < chunks; c++) even[c] = odd[c] = _mm512_setzero_ps();
     int l = 0;
@@ -1173,7 +1185,7 @@ static void run_layer(const layer_desc *L, const float *h_in, float *h, int n, i
         float *qcopy = gu; /* gu is free until the MLP */
         for (int r = 0; r < n; r++) memcpy(qcopy + (size_t)r * heads * D, qkv + (size_t)r * qkv_width, (size_t)heads * D * 4);
         attention_args aa = {L, qcopy, keys, values, cap, start, n, attends, q, (flags & 4) && attends != NULL};
-        int anth = (int64_t)n * heads * (start + n) < 4096 ? 1 : nth;
+        int anth = (int64_t)n * heads * (start + n) < 1024 ? 1 : nth; /* a few microseconds: one thread */
         int64_t attention_started = profiling ? now_ns() : 0;
         run_parallel(attention_task, &aa, n * heads, anth);
         if (profiling) profile_ns[2] += now_ns() - attention_started;
@@ -1230,7 +1242,7 @@ static void run_layer_batch(const layer_desc *L, const float *h_in, float *h, in
         int64_t work = 0;
         for (int i = 0; i < count; i++) work += (int64_t)segments[i].n * heads * (segments[i].start + segments[i].n);
         int64_t attention_started = profiling ? now_ns() : 0;
-        run_parallel(batch_attention_task, &ba, rows * heads, work < 4096 ? 1 : nth);
+        run_parallel(batch_attention_task, &ba, rows * heads, work < 1024 ? 1 : nth);
         if (profiling) profile_ns[2] += now_ns() - attention_started;
         linear(&L->o, L->round_bf16, att, rows, h, H, 1, nth);
     }
