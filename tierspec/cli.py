@@ -45,15 +45,17 @@ def _add_model_flags(parser) -> None:
 
     group = parser.add_argument_group("model loading")
     group.add_argument("--dtype", default="auto", choices=list(DTYPES),
-                       help="the decoder layers' weights (the residual stream, attention and logits stay float32); "
-                            "auto = bfloat16 on a CPU with native bfloat16 products and oneDNN packing (a pass streams "
-                            "half the bytes; the same quality on Spec-Bench: BENCHMARKS.md), float32 elsewhere (default auto)")
+                       help="what the linear layers compute in (the residual stream, attention and logits stay float32): "
+                            "for a GGUF model on its own blocks (--kernels gguf), the rows the 4/8-bit weights multiply; "
+                            "otherwise the decoder layers' weights. auto = bfloat16 on a CPU with native bfloat16 "
+                            "products (AVX512-BF16), float32 elsewhere (default auto)")
     group.add_argument("--device", default="cpu", choices=list(DEVICES),
                        help="where the model runs; auto = cuda, else mps, else cpu (default cpu)")
     group.add_argument("--kernels", default="auto", choices=list(KERNELS),
-                       help="linear kernels: packed (weights packed once for oneDNN: a pass over 1-16 tokens costs about "
-                            "one token's; CPU), few-row (CPU), stock nn.Linear; auto = packed on a CPU that "
-                            "supports it, else few-row on a CPU, stock elsewhere")
+                       help="linear kernels: gguf (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks on tierspec's pass engine, "
+                            "each layer one call; CPU), packed (de-quantised weights packed once for oneDNN; CPU), "
+                            "few-row (CPU), stock nn.Linear; auto = gguf for a GGUF file of native types, else packed "
+                            "on a CPU that supports it, few-row on other CPUs, stock elsewhere")
     group.add_argument("--implementation", default="auto", choices=list(IMPLEMENTATIONS),
                        help="model code: tierspec's own Llama forward pass (starts 2-3 s sooner, same results) or "
                             "transformers' modules; auto = tierspec's wherever it covers the architecture")
