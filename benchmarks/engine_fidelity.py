@@ -1,0 +1,124 @@
+"""How close the pass engine's text is to the file's model: greedy `ar` on the engine (bfloat16 and
+float32 rows) against greedy `ar` on the float32 de-quantised model, with llama.cpp and OpenVINO
+GenAI on the same file beside them.
+
+    python benchmarks/engine_fidelity.py [--prompts 24] [--max-new-tokens 128] [--out results/engine_fidelity]
+
+Every text is scored by the float32 de-quantised model (the GGUF's values in float32, torch's
+operators: ``load_model(dtype="float32", kernels="packed")``): the mean negative log-likelihood per
+generated token, which the issue's target compares (the engine's `ar` within +1% of the reference's
+own `ar`). Also: the share of prompts whose text equals the reference's, and where the first token
+differs. Prompts: MT-Bench first turns and GSM8K test questions (neither tunes anything here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+import tierspec
+from tierspec.bench.metrics import target_nll
+from tierspec.data import load_prompts
+from tierspec.prompting import encode_prompt, eos_ids
+
+
+def prompts(count: int) -> list[str]:
+    texts = [p.text for p in load_prompts("mt_bench")][: count // 2]
+    texts += [p.text for p in load_prompts("gsm8k")][: count - len(texts)]
+    return texts
+
+
+def llama_cpp_greedy(path: Path, ids: list[int], budget: int, eos: set[int]) -> list[int]:
+    from llama_cpp import Llama
+
+    llama = getattr(llama_cpp_greedy, "model", None)
+    if llama is None:
+        llama = llama_cpp_greedy.model = Llama(str(path), n_ctx=2048, n_threads=torch.get_num_threads(), verbose=False)
+    llama.reset()
+    out = []
+    for token in llama.generate(ids, temp=0.0, reset=True, repeat_penalty=1.0, top_k=1):
+        out.append(int(token))
+        if out[-1] in eos or len(out) >= budget:
+            break
+    return out
+
+
+def openvino_greedy(path: Path, ids: list[int], budget: int, eos: set[int]) -> list[int]:
+    import numpy as np
+    import openvino
+    import openvino_genai
+
+    pipeline = getattr(openvino_greedy, "pipeline", None)
+    if pipeline is None:
+        pipeline = openvino_greedy.pipeline = openvino_genai.LLMPipeline(
+            str(path), "CPU", INFERENCE_NUM_THREADS=torch.get_num_threads())
+    array = np.asarray([ids], dtype=np.int64)
+    config = openvino_genai.GenerationConfig()
+    config.max_new_tokens, config.do_sample, config.stop_token_ids = budget, False, eos
+    result = pipeline.generate(openvino_genai.TokenizedInputs(openvino.Tensor(array), openvino.Tensor(np.ones_like(array))),
+                               config)
+    tokens = [int(t) for t in result.tokens[0]][:budget]
+    return next((tokens[: i + 1] for i, t in enumerate(tokens) if t in eos), tokens)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=24)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=Path("results/engine_fidelity"))
+    parser.add_argument("--peers", action="store_true", help="also llama.cpp and OpenVINO GenAI on the same file")
+    args = parser.parse_args()
+    reference = tierspec.load_model("smollm2-135m", dtype="float32", kernels="packed")
+    engines = {"engine bfloat16 (default)": tierspec.load_model("smollm2-135m", dtype="auto"),
+               "engine float32": tierspec.load_model("smollm2-135m", dtype="float32", kernels="gguf")}
+    from tierspec.models import default_model_file
+
+    gguf = default_model_file()
+    eos = set(eos_ids(reference))
+    texts = prompts(args.prompts)
+    rows: dict[str, list[dict]] = {name: [] for name in ["reference float32 (torch)", *engines]
+                                   + (["llama.cpp greedy", "OpenVINO GenAI greedy"] if args.peers else [])}
+    for index, text in enumerate(texts):
+        ids = encode_prompt(reference, text)
+        outputs = {"reference float32 (torch)": tierspec.generate(ids, target=reference, method="ar",
+                                                                  max_new_tokens=args.max_new_tokens).token_ids}
+        for name, model in engines.items():
+            outputs[name] = tierspec.generate(ids, target=model, method="ar", max_new_tokens=args.max_new_tokens).token_ids
+        if args.peers:
+            outputs["llama.cpp greedy"] = llama_cpp_greedy(gguf, ids.tolist(), args.max_new_tokens, eos)
+            outputs["OpenVINO GenAI greedy"] = openvino_greedy(gguf, ids.tolist(), args.max_new_tokens, eos)
+        base = outputs["reference float32 (torch)"]
+        for name, tokens in outputs.items():
+            parted = next((i for i, (a, b) in enumerate(zip(tokens, base)) if a != b),
+                          None if len(tokens) == len(base) else min(len(tokens), len(base)))
+            rows[name].append({"nll": target_nll(reference.model, ids, tokens), "same": tokens == base,
+                               "parted_at": parted, "tokens": len(tokens)})
+        print(f"prompt {index + 1}/{len(texts)}", file=sys.stderr, flush=True)
+    reference_nll = statistics.mean(r["nll"] for r in rows["reference float32 (torch)"])
+    lines = [f"Greedy `ar`, {len(texts)} prompts (MT-Bench first turns and GSM8K test questions), "
+             f"{args.max_new_tokens} new tokens, {torch.get_num_threads()} threads; every text scored by the float32 "
+             "de-quantised model (the file's values, torch's operators):", "",
+             "| model | mean NLL per token | vs the reference's own | same text | first token parted (median, when parted) |",
+             "|---|---|---|---|---|"]
+    for name, records in rows.items():
+        nll = statistics.mean(r["nll"] for r in records)
+        parted = [r["parted_at"] for r in records if not r["same"] and r["parted_at"] is not None]
+        lines.append(f"| {name} | {nll:.4f} | {100 * (nll / reference_nll - 1):+.2f}% | "
+                     f"{sum(r['same'] for r in records)}/{len(records)} | "
+                     f"{statistics.median(parted) if parted else '–'} |")
+    text = "\n".join(lines)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "summary.md").write_text(text + "\n")
+    (args.out / "records.json").write_text(json.dumps(rows, indent=1))
+    if getattr(llama_cpp_greedy, "model", None) is not None:
+        llama_cpp_greedy.model.close()  # before the interpreter's teardown, which its destructor trips over
+
+
+if __name__ == "__main__":
+    main()
