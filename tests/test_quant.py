@@ -34,7 +34,12 @@ def portable_loops():
         qe.force_portable(False)
 
 
+HAS_VNNI = NATIVE_AVX512  # every AVX512-BF16 CPU here also has AVX512-VNNI; the int8 path runs portably elsewhere
+
+
 def _numerics(name: str) -> quant.Numerics:
+    if name == "int8":
+        return numerics_for(torch.int8)
     if name == "bfloat16-native":
         if not NATIVE_AVX512:
             pytest.skip("this CPU has no AVX512-BF16")
@@ -44,7 +49,7 @@ def _numerics(name: str) -> quant.Numerics:
     return numerics_for(torch.float32)
 
 
-NUMERICS = ["float32", "bfloat16-emulated", "bfloat16-native"]
+NUMERICS = ["float32", "bfloat16-emulated", "bfloat16-native", "int8"]
 TYPES = ["Q4_0", "Q4_1", "Q8_0"]
 
 
@@ -68,8 +73,19 @@ def test_the_weights_are_the_files_values_bitwise(kind, numerics):
         weight.rows(torch.tensor([50]))
 
 
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """The rows as the int8 numerics use them: each block of 32 rounded to 8 bits with scale max|x| / 127."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0).clamp(-127, 127)
+    return (q * scale).reshape(x.shape)
+
+
 def _reference_product(x: torch.Tensor, weight: torch.Tensor, numerics: quant.Numerics) -> torch.Tensor:
-    rows = x.to(torch.bfloat16).float() if numerics.dtype == torch.bfloat16 else x
+    if numerics.dtype == torch.int8:
+        rows = _int8_rows(x)
+    else:
+        rows = x.to(torch.bfloat16).float() if numerics.dtype == torch.bfloat16 else x
     return (rows.double() @ weight.double().t()).float()
 
 
@@ -102,6 +118,19 @@ def test_rows_rounded_to_bfloat16_differ_from_float32_rows():
     assert torch.allclose(f32, _reference_product(x, dense, _numerics("float32")), rtol=0, atol=2e-5)
     assert torch.allclose(emulated, (torch.ones(1, 32).double() @ dense.double().t()).float(), rtol=0, atol=2e-5)
     assert not torch.equal(f32, emulated)
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI on this CPU")
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_portable_loop_equals_the_vnni_kernel_bitwise(kind):
+    # integer dot products are exact, and both take the same float steps after them
+    raw, _ = _blocks(kind, 48, 128, seed=3)
+    weight = QuantWeight(raw, getattr(quant, kind), 128, _numerics("int8"))
+    x = torch.randn(11, 128) * 3
+    vector = weight.multiply(x)
+    with portable_loops():
+        portable = weight.multiply(x)
+    assert torch.equal(vector, portable)
 
 
 @pytest.mark.skipif(not HAS_AVX2, reason="no AVX2 on this CPU")
@@ -138,7 +167,7 @@ def test_bad_blocks_are_refused():
         QuantWeight(raw[:, :-1], quant.Q4_1, 64, numerics_for(torch.float32))
     with pytest.raises(ValueError, match="not computed natively"):
         QuantWeight(raw, 12, 64, numerics_for(torch.float32))  # Q4_K
-    with pytest.raises(ModelLoadError, match="bfloat16 or float32"):
+    with pytest.raises(ModelLoadError, match="bfloat16, float32 or int8"):
         numerics_for(torch.float16)
 
 
@@ -157,7 +186,7 @@ def _model(tiny, numerics: str):
 PROMPT = torch.tensor([3, 17, 99, 4, 250, 8, 8, 41, 77, 12, 5, 190])
 
 
-@pytest.mark.parametrize("numerics", ["float32", "bfloat16-native"])
+@pytest.mark.parametrize("numerics", ["float32", "bfloat16-native", "int8"])
 def test_the_fused_model_matches_torchs_operators_on_the_same_weights(tiny, numerics):
     model, reference = _model(tiny, numerics), tiny.reference()
     assert model.model.fused
@@ -169,12 +198,13 @@ def test_the_fused_model_matches_torchs_operators_on_the_same_weights(tiny, nume
             logits = torch.cat((logits, ours.forward(step).logits))
             expected = torch.cat((expected, theirs.forward(step).logits))
     scale = expected.abs().max()
-    tolerance = 2e-5 if numerics == "float32" else 3e-2  # bfloat16 rows: 2^-9 relative per input
+    # bfloat16 rows: 2^-9 relative per input; int8 rows: 1/254 of each block's largest
+    tolerance = {"float32": 2e-5, "bfloat16-native": 3e-2, "int8": 6e-2}[numerics]
     assert (logits - expected).abs().max() <= tolerance * scale
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
 
 
-@pytest.mark.parametrize("numerics", ["float32", "bfloat16-emulated", "bfloat16-native"])
+@pytest.mark.parametrize("numerics", ["float32", "bfloat16-emulated", "bfloat16-native", "int8"])
 def test_a_tokens_logits_do_not_depend_on_its_pass(tiny, numerics):
     model = _model(tiny, numerics)
     runner = CachedModel(model)

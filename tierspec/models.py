@@ -142,7 +142,10 @@ def _load_tokenizer(folder: Path, own: bool = False):
         return None
 
 
-DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# int8: a GGUF model's rows rounded to 8 bits per block of 32 before its 4/8-bit weights multiply them
+# (``quant.numerics_for``); only the pass engine computes so.
+DTYPES = {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "int8": torch.int8}
 _API_ONLY_DTYPES = {"float64": torch.float64}  # exact reference runs in tests
 
 
@@ -287,8 +290,8 @@ def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.devic
         reasons.append("tierspec's Llama forward does not cover this architecture")
     if device.type != "cpu":
         reasons.append(f"the engine runs on the CPU, not {device.type}")
-    if dtype not in (torch.bfloat16, torch.float32):
-        reasons.append(f"the engine rounds rows to bfloat16 or keeps float32, not {str(dtype).replace('torch.', '')}")
+    if dtype not in (torch.bfloat16, torch.float32, torch.int8):
+        reasons.append(f"the engine rounds rows to bfloat16 or int8 or keeps float32, not {str(dtype).replace('torch.', '')}")
     if not engine_available():
         reasons.append("the compiled engine is missing (build it with README's install command)")
     if kernels == "gguf":
@@ -316,6 +319,9 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
                 "nor a .gguf file (tierspec never downloads weights)"
             )
         if path.is_dir():
+            if dtype == torch.int8:
+                raise ModelLoadError("--dtype int8 rounds a GGUF model's rows for its 4/8-bit blocks on the pass engine; "
+                                     f"'{spec_str}' is a Hugging Face folder: give its .gguf file, or another --dtype")
             model, tokenizer = _load_hf_folder(path, dtype, implementation)
             return _loaded(model, tokenizer, path.name, _folder_hash(path))
         if path.suffix != ".gguf":
@@ -323,6 +329,8 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
         gguf = path
         name = path.stem
     folder = gguf_cache.converted_copy(gguf)
+    if dtype == torch.int8:  # only the engine computes with 8-bit rows
+        kernels = "gguf"
     if use_gguf_kernels(gguf, folder, kernels, device, dtype, implementation):
         from .gguf_llama import load_gguf_llama
         from .quant import numerics_for

@@ -35,7 +35,7 @@ NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 _KIND = {Q4_0: 0, Q4_1: 0, Q8_0: 1}  # the engine's kinds: 4-bit (with a minimum) and 8-bit
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 BLOCK = 32
-LAYOUT_BFLOAT16_DOT, LAYOUT_FLOAT32_FMA = 0, 1
+LAYOUT_BFLOAT16_DOT, LAYOUT_FLOAT32_FMA, LAYOUT_INT8_DOT = 0, 1, 2
 
 
 class EngineMissingError(ModelLoadError):
@@ -73,6 +73,8 @@ class Numerics:
 
     @property
     def description(self) -> str:
+        if self.layout == LAYOUT_INT8_DOT:
+            return "8-bit rows per block of 32, int32 sums (AVX512-VNNI)"
         if self.layout == LAYOUT_BFLOAT16_DOT:
             return "bfloat16 rows, float32 sums (AVX512-BF16)"
         return "bfloat16 rows emulated on float32 FMAs" if self.round_rows else "float32 rows, float32 FMAs"
@@ -80,14 +82,18 @@ class Numerics:
 
 def numerics_for(dtype: torch.dtype) -> Numerics:
     """bfloat16: native dot products where the CPU has them (AVX512-BF16), else emulated;
-    float32: float32 FMAs. Other dtypes are refused (the engine's outputs are float32)."""
+    float32: float32 FMAs; int8: each block of 32 row values rounded to 8 bits with its own scale,
+    as llama.cpp rounds activations (int32 dot products on AVX512-VNNI, the same integers and the same
+    float steps in portable loops elsewhere). Other dtypes are refused (the outputs are float32)."""
     if dtype == torch.bfloat16:
         native = engine().isa() == "avx512bf16"
         return Numerics(dtype, LAYOUT_BFLOAT16_DOT if native else LAYOUT_FLOAT32_FMA, not native)
     if dtype == torch.float32:
         return Numerics(dtype, LAYOUT_FLOAT32_FMA, False)
-    raise ModelLoadError(f"GGUF kernels compute with bfloat16 or float32 rows, not {dtype}; use --dtype auto, "
-                         "bfloat16 or float32")
+    if dtype == torch.int8:
+        return Numerics(dtype, LAYOUT_INT8_DOT, False)
+    raise ModelLoadError(f"GGUF kernels compute with bfloat16, float32 or int8 rows, not {dtype}; use --dtype auto, "
+                         "bfloat16, float32 or int8")
 
 
 def engine_threads() -> int:

@@ -48,7 +48,7 @@
 /* ---- formats ------------------------------------------------------------------------------- */
 
 enum { KIND_Q4 = 0, KIND_Q8 = 1 };   /* Q4: Q4_0 and Q4_1 (w = d*q + m); Q8: Q8_0 (w = d*q) */
-enum { LAYOUT_A = 0, LAYOUT_B = 1 }; /* A: bfloat16 dot products; B: float32 FMAs */
+enum { LAYOUT_A = 0, LAYOUT_B = 1, LAYOUT_C = 2 }; /* A: bfloat16 dot products; B: float32 FMAs; C: 8-bit rows, int32 dot products */
 enum { GGUF_Q4_0 = 2, GGUF_Q4_1 = 3, GGUF_Q8_0 = 8 }; /* ggml type ids */
 
 #define TILE 16  /* output rows per tile */
@@ -142,6 +142,12 @@ static size_t gguf_block_bytes(int type) { return type == GGUF_Q8_0 ? 34 : type 
 
 /* Where q(row r of the tile, k of the block) lives in a cell, as (byte offset in the q area, shift). */
 static inline void q4_slot(int layout, int r, int k, int *byte, int *shift) {
+    if (layout == LAYOUT_C) { /* quad g = k/4: 64 values at 4r + k%4; byte p holds values p (low) and 32 + p (high) */
+        int pos = 4 * r + (k & 3);
+        *byte = 32 * (k >> 2) + (pos & 31);
+        *shift = pos >= 32 ? 4 : 0;
+        return;
+    }
     if (layout == LAYOUT_A) { /* pair p = k/2, word j = 2r + (k&1); 32-byte groups hold pairs (2g, 2g+1) */
         int p = k >> 1, j = 2 * r + (k & 1);
         *byte = 32 * (p >> 1) + j;
@@ -153,9 +159,14 @@ static inline void q4_slot(int layout, int r, int k, int *byte, int *shift) {
 }
 
 static inline int q8_slot(int layout, int r, int k) {
+    if (layout == LAYOUT_C) return 64 * (k >> 2) + 4 * r + (k & 3); /* quads of k per row */
     if (layout == LAYOUT_A) return 32 * (k >> 1) + 2 * r + (k & 1); /* pair-interleaved */
     return 16 * k + r;                                               /* per k: rows 0..15 */
 }
+
+/* A Q8 value as stored: layout C keeps q + 128 (unsigned, the operand vpdpbusd multiplies unsigned). */
+static inline uint8_t q8_store(int layout, int q) { return layout == LAYOUT_C ? (uint8_t)(q + 128) : (uint8_t)(int8_t)q; }
+static inline int q8_load(int layout, uint8_t v) { return layout == LAYOUT_C ? (int)v - 128 : (int)(int8_t)v; }
 
 /* ---- the thread pool ------------------------------------------------------------------------ */
 
@@ -317,7 +328,7 @@ static void run_parallel(task_fn fn, void *arg, int chunks, int nth) {
 
 /* ---- CPU features --------------------------------------------------------------------------- */
 
-static int cpu_avx512bf16 = 0, cpu_avx2 = 0; /* set once at import (detect_cpu) */
+static int cpu_avx512bf16 = 0, cpu_avx2 = 0, cpu_vnni = 0; /* set once at import (detect_cpu) */
 
 static void detect_cpu(void) {
 #if QE_X86 && defined(__GNUC__)
@@ -326,6 +337,7 @@ static void detect_cpu(void) {
                      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                      __builtin_cpu_supports("avx512bf16");
     cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    cpu_vnni = cpu_avx512bf16 && __builtin_cpu_supports("avx512vnni");
 #endif
 }
 
@@ -439,14 +451,74 @@ static void prepare_rows(int layout, int round_bf16, const float *x, int M, int 
     prepare_rows_portable(layout, round_bf16, x, M, K, xbuf, sums);
 }
 
+/* Layout C's rows: each block of 32 values as 8-bit integers q = round(x / s) with s = max|x| / 127
+ * (as llama.cpp rounds its activations), the scale s and the sum of q per block. Every step is an
+ * exact or correctly rounded operation, so the vector version gives the same bytes. */
+static void prepare_rows_int8_portable(const float *x, int M, int K, int8_t *xq, float *scales, int32_t *isums) {
+    int KB = K / QK;
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < KB; b++) {
+            const float *v = x + (size_t)m * K + b * QK;
+            float amax = 0.0f;
+            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
+            float scale = amax / 127.0f;
+            int32_t total = 0;
+            for (int i = 0; i < QK; i++) {
+                int q = scale > 0.0f ? (int)nearbyintf(v[i] / scale) : 0;
+                q = q > 127 ? 127 : q < -127 ? -127 : q;
+                xq[(size_t)m * K + b * QK + i] = (int8_t)q;
+                total += q;
+            }
+            scales[(size_t)m * KB + b] = scale;
+            isums[(size_t)m * KB + b] = total;
+        }
+}
+
+#if QE_X86
+AVX512_TARGET static void prepare_rows_int8_avx512(const float *x, int M, int K, int8_t *xq, float *scales, int32_t *isums) {
+    int KB = K / QK;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < KB; b++) {
+            const float *v = x + (size_t)m * K + b * QK;
+            __m512 a0 = _mm512_loadu_ps(v), a1 = _mm512_loadu_ps(v + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a0), _mm512_andnot_ps(sign, a1)));
+            float scale = amax / 127.0f;
+            __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
+            if (scale > 0.0f) {
+                __m512 sv = _mm512_set1_ps(scale);
+                q0 = _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvtps_epi32(_mm512_div_ps(a0, sv))));
+                q1 = _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvtps_epi32(_mm512_div_ps(a1, sv))));
+            }
+            _mm_storeu_si128((__m128i *)(xq + (size_t)m * K + b * QK), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(xq + (size_t)m * K + b * QK + 16), _mm512_cvtepi32_epi8(q1));
+            scales[(size_t)m * KB + b] = scale;
+            isums[(size_t)m * KB + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+}
+#endif
+
+
+static void prepare_rows_int8(const float *x, int M, int K, void *xq, float *scales, int32_t *isums) {
+#if QE_X86
+    if (!force_portable && cpu_vnni) {
+        prepare_rows_int8_avx512(x, M, K, xq, scales, isums);
+        return;
+    }
+#endif
+    prepare_rows_int8_portable(x, M, K, xq, scales, isums);
+}
+
 /* ---- matrix kernels ------------------------------------------------------------------------- */
 
 typedef struct {
     int kind, layout;
     const uint8_t *w;
     int N, K;
-    const void *x;
-    const float *sums;
+    const void *x;      /* A: uint16 bfloat16 [M, K]; B: float [M, K]; C: int8 [M, K] */
+    const float *sums;  /* A, B: block sums [M, K/32]; C: block scales [M, K/32] */
+    const int32_t *isums; /* C: block sums of the 8-bit values [M, K/32] */
     int M;
     float *out;
     int ldo;        /* out row stride (floats) */
@@ -493,12 +565,23 @@ static void tile_portable(const matmul_args *a, int t, int m0, int mt) {
                     q4_slot(a->layout, r, k, &byte, &shift);
                     v[k][r] = (q[byte] >> shift) & 0x0f;
                 } else {
-                    v[k][r] = (int8_t)q[q8_slot(a->layout, r, k)];
+                    v[k][r] = q8_load(a->layout, q[q8_slot(a->layout, r, k)]);
                 }
             }
         for (int i = 0; i < mt; i++) {
             size_t row = (size_t)(m0 + i) * a->K + (size_t)b * QK;
             float s = a->sums[(size_t)(m0 + i) * KB + b];
+            if (a->layout == LAYOUT_C) { /* the VNNI kernel's arithmetic exactly: an int32 dot, then float */
+                const int8_t *x = (const int8_t *)a->x + row;
+                int32_t isum = a->isums[(size_t)(m0 + i) * KB + b];
+                for (int r = 0; r < TILE; r++) {
+                    int32_t dot = 0;
+                    for (int k = 0; k < QK; k++) dot += v[k][r] * x[k];
+                    acc[i][r] = fmaf((float)dot, d[r] * s, acc[i][r]);
+                    if (a->kind == KIND_Q4) acc[i][r] = fmaf(mn[r], s * (float)isum, acc[i][r]);
+                }
+                continue;
+            }
             if (a->layout == LAYOUT_B) {
                 const float *x = (const float *)a->x + row;
                 for (int k = 0; k < QK; k++)
@@ -663,6 +746,90 @@ AVX512_TARGET static void tile_avx512(const matmul_args *a, int t, int m0, int m
 }
 #endif
 
+#define VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,f16c,fma")))
+#define VNNI_ROWS 8
+
+/* Layout C: 16 int32 lanes = the tile's rows; each vpdpbusd adds four k's products of unsigned
+ * 8-bit weights (a Q4 nibble 0..15, or a Q8 value + 128) with the row's signed 8-bit values. Per
+ * block: the exact int32 dot (a Q8 block's less 128 * the row's sum), then acc += dot * (d * s)
+ * (+ m * (s * sum) for Q4), in float32: what the portable loop does. */
+VNNI_TARGET static inline void tile_vnni_mt(const matmul_args *a, int t, int m0, const int mt) {
+    int KB = a->K / QK;
+    const int32_t *x = (const int32_t *)a->x; /* quads of int8 */
+    int K4 = a->K / 4;
+    __m512 acc[VNNI_ROWS];
+    __m512i even[VNNI_ROWS], odd[VNNI_ROWS];
+    for (int i = 0; i < mt; i++) acc[i] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    size_t cb = cell_bytes(a->kind);
+    for (int b = 0; b < KB; b++) {
+        const uint8_t *cell = a->w + ((size_t)t * KB + b) * cb;
+        for (size_t line = 0; line < cb; line += 64) _mm_prefetch((const char *)(cell + PREFETCH_CELLS * cb + line), _MM_HINT_T0);
+        const int32_t *xb = x + (size_t)m0 * K4 + b * (QK / 4);
+        for (int i = 0; i < mt; i++) even[i] = odd[i] = _mm512_setzero_si512();
+        if (a->kind == KIND_Q4) {
+            const uint8_t *q = cell + 64;
+            for (int g = 0; g < 8; g += 2) {
+                __m256i r0 = _mm256_loadu_si256((const __m256i *)(q + 32 * g));
+                __m256i r1 = _mm256_loadu_si256((const __m256i *)(q + 32 * g + 32));
+                __m512i w0 = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(r0), _mm256_srli_epi16(r0, 4), 1), low);
+                __m512i w1 = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(r1), _mm256_srli_epi16(r1, 4), 1), low);
+                for (int i = 0; i < mt; i++) {
+                    const int32_t *xr = xb + (size_t)i * K4 + g;
+                    even[i] = _mm512_dpbusd_epi32(even[i], w0, _mm512_set1_epi32(xr[0]));
+                    odd[i] = _mm512_dpbusd_epi32(odd[i], w1, _mm512_set1_epi32(xr[1]));
+                }
+            }
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)cell));
+            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cell + 32)));
+            for (int i = 0; i < mt; i++) {
+                float s = a->sums[(size_t)(m0 + i) * KB + b];
+                __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(even[i], odd[i]));
+                acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(s)), acc[i]);
+                acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(s * (float)a->isums[(size_t)(m0 + i) * KB + b]), acc[i]);
+            }
+        } else {
+            const uint8_t *q = cell + 32;
+            for (int g = 0; g < 8; g += 2) {
+                __m512i w0 = _mm512_loadu_si512((const void *)(q + 64 * g));
+                __m512i w1 = _mm512_loadu_si512((const void *)(q + 64 * g + 64));
+                for (int i = 0; i < mt; i++) {
+                    const int32_t *xr = xb + (size_t)i * K4 + g;
+                    even[i] = _mm512_dpbusd_epi32(even[i], w0, _mm512_set1_epi32(xr[0]));
+                    odd[i] = _mm512_dpbusd_epi32(odd[i], w1, _mm512_set1_epi32(xr[1]));
+                }
+            }
+            __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)cell));
+            for (int i = 0; i < mt; i++) {
+                float s = a->sums[(size_t)(m0 + i) * KB + b];
+                __m512i offset = _mm512_set1_epi32(128 * a->isums[(size_t)(m0 + i) * KB + b]);
+                __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(even[i], odd[i]), offset));
+                acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d, _mm512_set1_ps(s)), acc[i]);
+            }
+        }
+    }
+    float vals[TILE];
+    for (int i = 0; i < mt; i++) {
+        _mm512_storeu_ps(vals, acc[i]);
+        store_tile(a, m0 + i, t * TILE, vals);
+    }
+}
+
+VNNI_TARGET static void tile_vnni(const matmul_args *a, int t, int m0, int mt) {
+    switch (mt) {
+    case 1: tile_vnni_mt(a, t, m0, 1); break;
+    case 2: tile_vnni_mt(a, t, m0, 2); break;
+    case 3: tile_vnni_mt(a, t, m0, 3); break;
+    case 4: tile_vnni_mt(a, t, m0, 4); break;
+    case 5: tile_vnni_mt(a, t, m0, 5); break;
+    case 6: tile_vnni_mt(a, t, m0, 6); break;
+    case 7: tile_vnni_mt(a, t, m0, 7); break;
+    default: tile_vnni_mt(a, t, m0, 8); break;
+    }
+}
+
+static int use_vnni(int layout) { return QE_X86 && layout == LAYOUT_C && !force_portable && cpu_vnni; }
+
 static int use_avx512(int layout) { return QE_X86 && layout == LAYOUT_A && !force_portable && have_avx512bf16(); }
 static int use_avx2(int layout) { return QE_X86 && layout == LAYOUT_B && !force_portable && have_avx2(); }
 
@@ -673,12 +840,14 @@ static void matmul_task(void *raw, int chunk) {
     int rows_per = 8;
 #if QE_X86
     if (use_avx2(a->layout)) rows_per = 4;
+    if (use_vnni(a->layout)) rows_per = VNNI_ROWS;
 #endif
     for (int t = t0; t < t1; t++) {
         for (int m0 = 0; m0 < a->M; m0 += rows_per) {
             int mt = a->M - m0 < rows_per ? a->M - m0 : rows_per;
 #if QE_X86
             if (use_avx512(a->layout)) { tile_avx512(a, t, m0, mt); continue; }
+            if (use_vnni(a->layout)) { tile_vnni(a, t, m0, mt); continue; }
             if (use_avx2(a->layout)) { tile_avx2(a, t, m0, mt); continue; }
 #endif
             tile_portable(a, t, m0, mt);
@@ -863,7 +1032,7 @@ static void rms_norm(const float *x, const float *w, float eps, int n, float *ou
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
-static int row_bytes(int layout) { return layout == LAYOUT_A ? 2 : 4; }
+static int row_bytes(int layout) { return layout == LAYOUT_A ? 2 : layout == LAYOUT_C ? 1 : 4; }
 
 /* x [M, K] float -> the kernels' rows, then out (+)= x W^T on nth threads. */
 static void linear_body(const qweight *w, int round_bf16, const float *x, int M, float *out, int ldo, int accumulate,
@@ -879,10 +1048,13 @@ static void linear(const qweight *w, int round_bf16, const float *x, int M, floa
 static void linear_body(const qweight *w, int round_bf16, const float *x, int M, float *out, int ldo, int accumulate,
                         int nth) {
     int KB = w->K / QK;
-    char *mem = scratch_get(&scratch_rows, (size_t)M * w->K * row_bytes(w->layout) + (size_t)M * KB * 4 + 64);
+    size_t rows_bytes = ((size_t)M * w->K * row_bytes(w->layout) + 63) & ~(size_t)63;
+    char *mem = scratch_get(&scratch_rows, rows_bytes + (size_t)M * KB * 8 + 128);
     void *xbuf = mem;
-    float *sums = (float *)(mem + (((size_t)M * w->K * row_bytes(w->layout) + 63) & ~(size_t)63));
-    prepare_rows(w->layout, round_bf16, x, M, w->K, xbuf, sums);
+    float *sums = (float *)(mem + rows_bytes);
+    int32_t *isums = (int32_t *)(mem + rows_bytes + (((size_t)M * KB * 4 + 63) & ~(size_t)63));
+    if (w->layout == LAYOUT_C) prepare_rows_int8(x, M, w->K, xbuf, sums, isums);
+    else prepare_rows(w->layout, round_bf16, x, M, w->K, xbuf, sums);
     int tiles = (w->N + TILE - 1) / TILE;
     /* a small product is not worth waking the other threads for; and a product over one or two rows
      * streams weights faster than they are used, which one thread with prefetching nearly saturates
@@ -892,7 +1064,7 @@ static void linear_body(const qweight *w, int round_bf16, const float *x, int M,
     /* pieces small enough to balance threads, large enough that claiming them costs nothing */
     int per = tiles / (8 * (nth > 0 ? nth : 1));
     if (per < 1) per = 1;
-    matmul_args a = {w->kind, w->layout, w->w, w->N, w->K, xbuf, sums, M, out, ldo, accumulate, per};
+    matmul_args a = {w->kind, w->layout, w->w, w->N, w->K, xbuf, sums, isums, M, out, ldo, accumulate, per};
     run_parallel(matmul_task, &a, (tiles + per - 1) / per, nth);
 }
 
@@ -1282,7 +1454,7 @@ static void repack(int type, int layout, const uint8_t *src, int N, int K, uint8
                     cell[64 + byte] |= (uint8_t)(q[k] << shift);
                 }
             } else {
-                for (int k = 0; k < QK; k++) cell[32 + q8_slot(layout, r, k)] = (uint8_t)(int8_t)q[k];
+                for (int k = 0; k < QK; k++) cell[32 + q8_slot(layout, r, k)] = q8_store(layout, q[k]);
             }
         }
     }
@@ -1312,7 +1484,7 @@ static void dequant_rows(int kind, int layout, const uint8_t *w, int N, int K, c
                     q4_slot(layout, r, k, &byte, &shift);
                     v = (cell[64 + byte] >> shift) & 0x0f;
                 } else {
-                    v = (int8_t)cell[32 + q8_slot(layout, r, k)];
+                    v = q8_load(layout, cell[32 + q8_slot(layout, r, k)]);
                 }
                 out[(size_t)c * K + b * QK + k] = fmaf(d, (float)v, m);
             }
