@@ -84,6 +84,8 @@ def test_devices_dtypes_and_kernels_are_checked(tmp_path, tiny_target):
     with pytest.raises(ModelLoadError, match="unknown device"):
         load_model(tmp_path / "m", device="tpu")
     with pytest.raises(ModelLoadError, match="unsupported dtype"):
+        load_model(tmp_path / "m", dtype="int4")
+    with pytest.raises(ModelLoadError, match="--dtype int8 rounds a GGUF model's rows .* is a Hugging Face folder"):
         load_model(tmp_path / "m", dtype="int8")
     with pytest.raises(ModelLoadError, match="unknown kernels"):
         load_model(tmp_path / "m", kernels="fast")

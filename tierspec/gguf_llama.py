@@ -26,7 +26,7 @@ import torch
 from .errors import ModelLoadError
 from .llama import KVLayer, LlamaLM, PassLayout, ViewOnReadKVLayer, model_config, supports
 from .quant import (NATIVE_TYPES, GgufTensor, Numerics, QuantEmbedding, QuantLinear, QuantWeight, engine,
-                    engine_threads, read_gguf_tensors, unpermute_rows)
+                    engine_threads, read_gguf_tensors, unpermute_order, unpermute_rows)
 
 ATTENTION_UNIT, MLP_UNIT = 1, 2  # the engine's flags: which residual units of a layer run
 
@@ -110,9 +110,9 @@ def _projection(parts: list[tuple[GgufTensor, int | None]], in_features: int, nu
             raise ModelLoadError(f"{path}: tensor {tensor.name!r} has shape {tensor.shape}, expected [*, {in_features}]")
     types = {tensor.ggml_type for tensor, _ in parts}
     if len(types) == 1 and next(iter(types)) in NATIVE_TYPES:
-        rows = [tensor.raw_rows() if heads is None else unpermute_rows(tensor.raw_rows(), heads)
-                for tensor, heads in parts]
-        return QuantLinear(QuantWeight(torch.cat(rows), next(iter(types)), in_features, numerics))
+        blocks = [(tensor.block_rows(), None if heads is None else unpermute_order(tensor.shape[0], heads))
+                  for tensor, heads in parts]  # repacked straight from the file's mapping
+        return QuantLinear(QuantWeight(None, next(iter(types)), in_features, numerics, parts=blocks))
     weights = [tensor.dequantized() if heads is None else unpermute_rows(tensor.dequantized(), heads)
                for tensor, heads in parts]
     weight = torch.cat(weights)
@@ -121,7 +121,7 @@ def _projection(parts: list[tuple[GgufTensor, int | None]], in_features: int, nu
     return linear
 
 
-def load_gguf_llama(gguf: Path, folder: Path, numerics: Numerics) -> LlamaLM:
+def load_gguf_llama(gguf: Path, folder: Path, numerics: Numerics, parsed: tuple | None = None) -> LlamaLM:
     """The Llama model of ``gguf`` with its native-type weights kept as blocks (see the module
     doc); ``folder``: its converted copy (config.json, generation_config.json). Raises
     ModelLoadError where the file does not fit the config."""
@@ -132,7 +132,7 @@ def load_gguf_llama(gguf: Path, folder: Path, numerics: Numerics) -> LlamaLM:
     generation_file = folder / "generation_config.json"
     generation = SimpleNamespace(**json.loads(generation_file.read_text())) if generation_file.exists() else None
     settings = model_config(config)
-    tensors, fields = read_gguf_tensors(gguf)
+    tensors, fields = parsed if parsed is not None else read_gguf_tensors(gguf)  # ``parsed``: read by the caller
     if fields.get("general.architecture") != "llama":
         raise ModelLoadError(f"{gguf}: architecture {fields.get('general.architecture')!r}, not 'llama'")
     model = LlamaLM(settings, generation)
@@ -153,7 +153,7 @@ def load_gguf_llama(gguf: Path, folder: Path, numerics: Numerics) -> LlamaLM:
     embedding = _tensor(tensors, "token_embd.weight", gguf)
     head_tensor = tensors.get("output.weight")
     if embedding.native:
-        table = QuantWeight(embedding.raw_rows(), embedding.ggml_type, hidden, numerics)
+        table = QuantWeight(embedding.block_rows(), embedding.ggml_type, hidden, numerics)
         decoder.embed_tokens = QuantEmbedding(table)
     else:
         decoder.embed_tokens = torch.nn.Embedding.from_pretrained(embedding.dequantized(), freeze=True)

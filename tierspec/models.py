@@ -272,7 +272,7 @@ def apply_kernels(model: torch.nn.Module, kernels: str, device: torch.device, dt
 
 
 def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.device, dtype: torch.dtype,
-                     implementation: str) -> bool:
+                     implementation: str, parsed: list | None = None) -> bool:
     """Whether a GGUF model computes with the file's own blocks (``tierspec.gguf_llama``).
 
     ``auto``: yes where that path covers it — tierspec's Llama forward, a CPU, bfloat16 or float32
@@ -297,10 +297,14 @@ def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.devic
     if kernels == "gguf":
         if reasons:
             raise ModelLoadError(f"--kernels gguf cannot run {gguf.name}: {'; '.join(reasons)}")
+        if parsed is not None:
+            parsed.append(read_gguf_tensors(gguf))
         return True
     if reasons:
         return False
-    tensors, _ = read_gguf_tensors(gguf)
+    tensors, fields = read_gguf_tensors(gguf)
+    if parsed is not None:  # handed back for the load (``parsed``: an empty list to fill)
+        parsed.append((tensors, fields))
     matrices = [t for name, t in tensors.items() if len(t.shape) == 2 and name.endswith(".weight")]
     return bool(matrices) and all(t.ggml_type in NATIVE_TYPES for t in matrices)
 
@@ -331,11 +335,12 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
     folder = gguf_cache.converted_copy(gguf)
     if dtype == torch.int8:  # only the engine computes with 8-bit rows
         kernels = "gguf"
-    if use_gguf_kernels(gguf, folder, kernels, device, dtype, implementation):
+    parsed: list = []  # the file's tensors, read once for the check and the load
+    if use_gguf_kernels(gguf, folder, kernels, device, dtype, implementation, parsed):
         from .gguf_llama import load_gguf_llama
         from .quant import numerics_for
 
-        model = load_gguf_llama(gguf, folder, numerics_for(dtype))
+        model = load_gguf_llama(gguf, folder, numerics_for(dtype), parsed[0] if parsed else None)
         return _loaded(model, _load_tokenizer(folder, own=True), name, gguf_cache.source_hash(folder))
     try:
         model, tokenizer = _load_hf_folder(folder, dtype, implementation)

@@ -104,23 +104,37 @@ def engine_threads() -> int:
 class QuantWeight:
     """A [N, K] weight of one native GGUF type, repacked for the engine (``packed``: uint8)."""
 
-    def __init__(self, rows: torch.Tensor, ggml_type: int, in_features: int, numerics: Numerics):
-        """``rows``: the GGUF tensor's raw blocks, uint8 [N, K/32 · block bytes], row n = output n."""
+    def __init__(self, rows, ggml_type: int, in_features: int, numerics: Numerics, parts: list | None = None):
+        """``rows``: the GGUF tensor's raw blocks, uint8 [N, K/32 · block bytes] (a tensor or a numpy
+        array, e.g. a view of the file's mapping), row n = output n. ``parts`` instead: a weight
+        stacked from several tensors of one type along the output rows (q/k/v), each
+        (rows, order or None) with ``order`` [n] the source row of each output row."""
         if ggml_type not in NATIVE_TYPES:
             raise ValueError(f"ggml type {ggml_type} is not computed natively (native: {sorted(NATIVE_TYPES.values())})")
         if in_features % BLOCK:
             raise ValueError(f"{NATIVE_TYPES[ggml_type]} rows hold whole blocks of {BLOCK}, not {in_features} values")
         expected = in_features // BLOCK * _BLOCK_BYTES[ggml_type]
-        if rows.dim() != 2 or rows.dtype != torch.uint8 or rows.shape[1] != expected:
-            raise ValueError(f"{NATIVE_TYPES[ggml_type]} rows of {in_features} values take {expected} bytes each; "
-                             f"got a {rows.dtype} tensor of shape {tuple(rows.shape)}")
+        parts = parts if parts is not None else [(rows, None)]
+        sources = []
+        for part, order in parts:
+            kept, shape, address = _rows_and_address(part)
+            if len(getattr(part, "shape", ())) != 2 or shape[1] != expected:
+                raise ValueError(f"{NATIVE_TYPES[ggml_type]} rows of {in_features} values take {expected} bytes each; "
+                                 f"got rows of shape {tuple(getattr(part, 'shape', ()))}")
+            if order is not None and order.numel() and (int(order.min()) < 0 or int(order.max()) >= shape[0]):
+                raise ValueError("a row order names rows the part does not have")
+            count = shape[0] if order is None else int(order.numel())
+            sources.append((kept, address, None if order is None else order.to(torch.int64).contiguous(), count))
         qe = engine()
         self.ggml_type, self.kind = ggml_type, _KIND[ggml_type]
-        self.out_features, self.in_features = int(rows.shape[0]), in_features
+        self.out_features, self.in_features = sum(count for *_, count in sources), in_features
         self.numerics = numerics
-        rows = rows.contiguous()
         self.packed = torch.empty(qe.packed_bytes(ggml_type, self.out_features, in_features), dtype=torch.uint8)
-        qe.repack(ggml_type, numerics.layout, rows.data_ptr(), self.out_features, in_features, self.packed.data_ptr())
+        row0 = 0
+        for _kept, address, order, count in sources:
+            qe.repack(ggml_type, numerics.layout, address, None if order is None else order.data_ptr(), count,
+                      in_features, self.packed.data_ptr(), row0)
+            row0 += count
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, numerics: Numerics, ggml_type: int = Q8_0) -> "QuantWeight":
@@ -182,6 +196,23 @@ class QuantWeight:
     def dense(self) -> torch.Tensor:
         """All of W as float32 [N, K]."""
         return self.rows(torch.arange(self.out_features))
+
+
+def _rows_and_address(rows) -> tuple[object, tuple[int, int], int]:
+    """(the rows kept alive, their shape as [N, bytes], their address) for a uint8 tensor or numpy
+    array, e.g. a read-only view of a mapped file (read in place, not copied)."""
+    if isinstance(rows, torch.Tensor):
+        if rows.dtype != torch.uint8:
+            raise ValueError(f"GGUF blocks come as uint8 bytes, not {rows.dtype}")
+        rows = rows.contiguous()
+        return rows, (int(rows.shape[0]), int(rows[0].numel()) if rows.shape[0] else 0), rows.data_ptr()
+    import numpy as np
+
+    array = np.ascontiguousarray(rows)
+    if array.dtype != np.uint8:
+        raise ValueError(f"GGUF blocks come as uint8 bytes, not {array.dtype}")
+    array = array.reshape(array.shape[0], -1)
+    return array, (int(array.shape[0]), int(array.shape[1])), int(array.__array_interface__["data"][0])
 
 
 class QuantLinear(torch.nn.Module):
@@ -270,9 +301,16 @@ class GgufTensor:
 
         return torch.from_numpy(np.array(self.data, copy=True)).view(torch.uint8).reshape(self.shape[0], -1)
 
+    def block_rows(self):
+        """The blocks as a read-only numpy uint8 [N, bytes per row] view of the file's mapping."""
+        return self.data.reshape(self.shape[0], -1)
+
     def dequantized(self) -> torch.Tensor:
         """The values as float32 (any type gguf-py can de-quantise), shape [N, K] or [K]."""
         import numpy as np
+
+        if self.ggml_type == 0:  # F32 (norms): copied as they are
+            return torch.from_numpy(np.array(self.data, dtype=np.float32, copy=True)).reshape(self.shape)
         from gguf import GGMLQuantizationType, dequantize
 
         raw = np.asarray(self.data)
@@ -327,6 +365,13 @@ class _Cursor:
             item, count = self.take("<I"), self.take("<Q")
             if item in _GGUF_SCALARS:
                 self.offset += count * struct.calcsize(_GGUF_SCALARS[item])
+            elif item == _GGUF_STRING:  # a tokenizer's 49k strings: each a length and its bytes, skipped
+                buffer, offset, end = self.buffer, self.offset, len(self.buffer)
+                for _ in range(count):
+                    if offset + 8 > end:
+                        raise ModelLoadError(f"the GGUF file {self.path} is cut short in its header (truncated?)")
+                    offset += 8 + int.from_bytes(buffer[offset : offset + 8], "little")
+                self.offset = offset
             else:
                 for _ in range(count):
                     self.value(item, False)
@@ -334,13 +379,22 @@ class _Cursor:
         raise ModelLoadError(f"the GGUF file {self.path} has a header value of unknown type {kind} (damaged?)")
 
 
-def read_gguf_tensors(path: Path) -> tuple[dict[str, GgufTensor], dict[str, object]]:
-    """The tensors of a GGUF file by name (their data views of a read-only mapping of the file) and
-    its scalar and string header fields. Raises ModelLoadError for a file that is not GGUF, is cut
-    short, or whose tensors do not fit it."""
-    import numpy as np
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+# ggml's types: (values per block, bytes per block), from the format (ggml.h / gguf-py's
+# GGML_QUANT_SIZES): sizing a tensor needs no import of gguf-py (~90 ms at start-up).
+GGML_BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),
+               10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
+               16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82),
+               23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2),
+               34: (256, 54), 35: (256, 66), 39: (32, 17), 40: (64, 36), 41: (128, 18)}
 
+
+def read_gguf_tensors(path: Path) -> tuple[dict[str, GgufTensor], dict[str, object]]:
+    """The tensors of a GGUF file by name (their data views of a read-only mapping of the file, which
+    lives as long as they do) and its scalar and string header fields. Raises ModelLoadError for a
+    file that is not GGUF, is cut short, or whose tensors do not fit it."""
+    import numpy as np
+
+    path = Path(path)
     try:
         mapped = np.memmap(path, dtype=np.uint8, mode="r")
     except (OSError, ValueError) as error:
@@ -367,10 +421,9 @@ def read_gguf_tensors(path: Path) -> tuple[dict[str, GgufTensor], dict[str, obje
     base = -(-cursor.offset // alignment) * alignment
     tensors = {}
     for name, dims, kind, offset in infos:
-        try:
-            block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
-        except (ValueError, KeyError):
-            raise ModelLoadError(f"{path}: tensor {name!r} has an unknown ggml type {kind}") from None
+        if kind not in GGML_BLOCKS:
+            raise ModelLoadError(f"{path}: tensor {name!r} has an unknown ggml type {kind}")
+        block, block_bytes = GGML_BLOCKS[kind]
         count = int(np.prod(dims)) if dims else 1
         if dims[0] % block:
             raise ModelLoadError(f"{path}: tensor {name!r} rows of {dims[0]} values are not whole blocks of {block}")
@@ -387,10 +440,13 @@ def read_gguf_tensors(path: Path) -> tuple[dict[str, GgufTensor], dict[str, obje
     return tensors, fields
 
 
-def unpermute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
-    """llama.cpp's converter stores q/k projection rows interleaved for its rotary layout; this
-    puts them back in transformers' order (rows are whole: a row permutation keeps every block)."""
-    count = int(rows.shape[0])
+def unpermute_order(count: int, heads: int) -> torch.Tensor:
+    """llama.cpp's converter stores q/k projection rows interleaved for its rotary layout; the
+    source row of each row in transformers' order (rows are whole: a permutation keeps every block)."""
     half = count // heads // 2
-    order = torch.arange(count).view(heads, half, 2).transpose(1, 2).reshape(-1)
-    return rows.index_select(0, order)
+    return torch.arange(count).view(heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+def unpermute_rows(rows: torch.Tensor, heads: int) -> torch.Tensor:
+    """``rows`` [count, ...] in transformers' order (``unpermute_order``)."""
+    return rows.index_select(0, unpermute_order(int(rows.shape[0]), heads))

@@ -1433,17 +1433,21 @@ static void run_layer_batch(const layer_desc *L, const float *h_in, float *h, in
 
 /* ---- repacking and de-quantising ------------------------------------------------------------ */
 
-/* GGUF rows (each K/32 blocks of ``type``) -> ``kind``'s cells in ``layout``; rows past N are 0. */
-static void repack(int type, int layout, const uint8_t *src, int N, int K, uint8_t *dst) {
-    int kind = type == GGUF_Q8_0 ? KIND_Q8 : KIND_Q4, KB = K / QK, tiles = (N + TILE - 1) / TILE;
+/* GGUF rows (each K/32 blocks of ``type``) -> ``kind``'s cells in ``layout``, written as rows
+ * ``row0`` .. ``row0 + N - 1`` of ``dst`` (a weight stacked from parts, e.g. q/k/v, is repacked part
+ * by part, in order; each tile is cleared when its first row is written, so rows past the last one
+ * are zero); output row ``row0 + n`` is source row ``order[n]`` (NULL: n). */
+static void repack(int type, int layout, const uint8_t *src, const int64_t *order, int N, int K, uint8_t *dst, int row0) {
+    int kind = type == GGUF_Q8_0 ? KIND_Q8 : KIND_Q4, KB = K / QK;
     size_t cb = cell_bytes(kind), bb = gguf_block_bytes(type);
-    memset(dst, 0, (size_t)tiles * KB * cb);
     for (int n = 0; n < N; n++) {
-        int t = n / TILE, r = n % TILE;
+        int t = (row0 + n) / TILE, r = (row0 + n) % TILE;
+        const uint8_t *from = src + (size_t)(order ? order[n] : n) * KB * bb;
+        if (r == 0) memset(dst + (size_t)t * KB * cb, 0, (size_t)KB * cb); /* a tile is cleared at its first row */
         for (int b = 0; b < KB; b++) {
             uint16_t d, m;
             int q[QK];
-            read_gguf_block(type, src + ((size_t)n * KB + b) * bb, &d, &m, q);
+            read_gguf_block(type, from + (size_t)b * bb, &d, &m, q);
             uint8_t *cell = dst + ((size_t)t * KB + b) * cb;
             memcpy(cell + 2 * r, &d, 2);
             if (kind == KIND_Q4) {
@@ -1563,21 +1567,22 @@ static PyObject *py_packed_bytes(PyObject *self, PyObject *const *args, Py_ssize
     return PyLong_FromSize_t((size_t)((n + TILE - 1) / TILE) * (size_t)(k / QK) * cell_bytes(kind));
 }
 
-/* repack(type, layout, src, N, K, dst) */
+/* repack(type, layout, src, order or None, N, K, dst, row0): see repack() */
 static PyObject *py_repack(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
     (void)self;
-    ARGS(6);
-    long long type, layout, n, k;
-    void *src, *dst;
-    if (!as_int(args[0], &type) || !as_int(args[1], &layout) || !as_ptr(args[2], &src) || !as_int(args[3], &n) ||
-        !as_int(args[4], &k) || !as_ptr(args[5], &dst))
+    ARGS(8);
+    long long type, layout, n, k, row0;
+    void *src, *dst, *order = NULL;
+    if (!as_int(args[0], &type) || !as_int(args[1], &layout) || !as_ptr(args[2], &src) || !as_int(args[4], &n) ||
+        !as_int(args[5], &k) || !as_ptr(args[6], &dst) || !as_int(args[7], &row0))
         return NULL;
+    if (args[3] != Py_None && !as_ptr(args[3], &order)) return NULL;
     if (type != GGUF_Q4_0 && type != GGUF_Q4_1 && type != GGUF_Q8_0) {
         PyErr_Format(PyExc_ValueError, "ggml type %lld is not native here", type);
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    repack((int)type, (int)layout, src, (int)n, (int)k, dst);
+    repack((int)type, (int)layout, src, order, (int)n, (int)k, dst, (int)row0);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
