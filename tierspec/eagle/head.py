@@ -186,10 +186,16 @@ class DraftHead(torch.nn.Module):
         if HeadConfig.from_target(target.model, self.config.draft_vocab_size, self.config.feature_layers) != self.config:
             raise DraftHeadError(f"this draft head's shapes do not fit '{target.identity.name}'")
         self.target_identity = target.identity
-        weight = target.model.get_output_embeddings().weight.detach()
-        self.to(weight.device)  # the head runs beside the target (its features and embedding live there)
+        lm_head = target.model.get_output_embeddings()
+        quantised = getattr(lm_head, "qweight", None)  # a GGUF head: de-quantise only the K rows
+        if quantised is not None:
+            rows = quantised.rows(self.draft_ids.cpu())
+        else:
+            weight = lm_head.weight.detach()
+            self.to(weight.device)  # the head runs beside the target (its features and embedding live there)
+            rows = weight[self.draft_ids.to(weight.device)]
         # [K, H], a copy of K rows, in the head's own dtype (the target may run in bfloat16)
-        self.lm_rows = weight[self.draft_ids].to(self.fc.weight.dtype).contiguous()
+        self.lm_rows = rows.to(self.fc.weight.dtype).contiguous()
         # the target's embedding module, called for the rows a step needs (a GGUF model's table stays
         # quantised: its ``weight`` would be a de-quantised 113 MB copy)
         self.__dict__["embedding"] = target.model.get_input_embeddings()  # not registered: not the head's module
