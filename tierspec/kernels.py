@@ -64,7 +64,13 @@ def packing_available() -> bool:
 def native_bfloat16() -> bool:
     """Whether this CPU computes bfloat16 products natively (AVX512-BF16 or AMX), where
     bfloat16 weights halve a pass's memory traffic at no extra compute. Asked of torch's own
-    CPU feature detection (``torch.cpu``), else read from the Linux CPU flags."""
+    CPU feature detection (``torch.cpu``), else read from the Linux CPU flags.
+    ``TIERSPEC_ENGINE_ISA=avx2`` (or ``portable``) answers no, as an AVX2-only CPU would: with the
+    pass engine capped the same way, the whole package then takes an AVX2 machine's paths (tests)."""
+    import os
+
+    if os.environ.get("TIERSPEC_ENGINE_ISA") in ("avx2", "portable"):
+        return False
     for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
         check = getattr(torch.cpu, probe, None)
         try:

@@ -330,7 +330,11 @@ static void run_parallel(task_fn fn, void *arg, int chunks, int nth) {
 
 static int cpu_avx512bf16 = 0, cpu_avx2 = 0, cpu_vnni = 0; /* set once at import (detect_cpu) */
 
+/* TIERSPEC_ENGINE_ISA=avx2 or =portable (read once, at import) makes the engine use no more than
+ * that instruction set, so the AVX2 and portable paths can be tested on a newer CPU. */
 static void detect_cpu(void) {
+    const char *cap = getenv("TIERSPEC_ENGINE_ISA");
+    if (cap && strcmp(cap, "portable") == 0) return;
 #if QE_X86 && defined(__GNUC__)
     __builtin_cpu_init();
     cpu_avx512bf16 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
@@ -338,6 +342,7 @@ static void detect_cpu(void) {
                      __builtin_cpu_supports("avx512bf16");
     cpu_avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
     cpu_vnni = cpu_avx512bf16 && __builtin_cpu_supports("avx512vnni");
+    if (cap && strcmp(cap, "avx2") == 0) cpu_avx512bf16 = cpu_vnni = 0;
 #endif
 }
 
