@@ -27,6 +27,8 @@ suspended generation does not leak it into the caller's code.
 
 from __future__ import annotations
 
+import contextlib
+
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -670,6 +672,16 @@ def decode(
             return
 
 
+def _loop_threads(target: LoadedModel):
+    """A generation on the pass engine runs torch's own (small) operators on one thread and the
+    engine on the caller's thread count (``quant.torch_ops_on_one_thread``); others keep torch's."""
+    from .quant import torch_ops_on_one_thread
+
+    if getattr(target.model.get_decoder(), "engine_stack", None) is not None:
+        return torch_ops_on_one_thread()
+    return contextlib.nullcontext()
+
+
 class DecodeRun:
     """One generation, iterated step by step, with the totals every caller reads: the one place
     a generation's ``GenerationStats`` is built and its wall clock read.
@@ -683,6 +695,7 @@ class DecodeRun:
     def __init__(self, target: LoadedModel, method, prompt_ids: torch.Tensor, config: DecodeConfig,
                  seed: int | torch.Generator | None = None, inspect: Callable[[Verifiers, Drafter], None] | None = None):
         self._steps = decode(target, method, prompt_ids, config, seed, inspect)
+        self._target = target
         self.stats = GenerationStats()
         self.token_ids: list[int] = []
         self._started: float | None = None
@@ -694,7 +707,8 @@ class DecodeRun:
         if self._started is None:
             self._started = time.perf_counter()
         try:
-            step = next(self._steps)
+            with _loop_threads(self._target):
+                step = next(self._steps)
         finally:
             self.stats.wall_seconds = time.perf_counter() - self._started
         self.stats.add(step.cycle)

@@ -209,7 +209,7 @@ static inline void cpu_relax(void) {
 
 /* Spin this long for the next task before sleeping: a pass runs ~150 tasks with a few microseconds
  * of Python between layers; between passes the workers sleep. */
-#define SPIN_ROUNDS 20000
+#define SPIN_ROUNDS 2000
 
 static void claim_chunks(task_slot *task) {
     for (;;) {
