@@ -38,6 +38,7 @@ import torch
 
 from tierspec.cached_model import CachedModel
 from tierspec.models import load_model
+from tierspec.quant import threads_for
 
 WIDTHS = (1, 2, 4, 8, 16)
 # token trees of 7 and 15 nodes (with the pending token: passes of 8 and 16 rows), 4 and 8 leaves
@@ -188,17 +189,18 @@ def main() -> None:
     with torch.inference_mode():
         for round_index in range(args.rounds):
             for config, runner in runners.items():
-                for k, seconds in time_passes(runner, args.context, WIDTHS).items():
-                    whole[config][k].append(seconds)
-                for k, seconds in time_tree_passes(runner, args.context).items():
-                    trees[config][k].append(seconds)
-                if uses_engine(runner.model):
-                    for k, seconds in engine_matrix_seconds(runner, args.context, WIDTHS).items():
-                        outside[config][k].append(seconds)
-                else:
-                    with matrices_stubbed(runner.model):
-                        for k, seconds in time_passes(runner, args.context, WIDTHS).items():
+                with threads_for(runner.model):  # as a generation runs its passes (the engine: torch ops on one thread)
+                    for k, seconds in time_passes(runner, args.context, WIDTHS).items():
+                        whole[config][k].append(seconds)
+                    for k, seconds in time_tree_passes(runner, args.context).items():
+                        trees[config][k].append(seconds)
+                    if uses_engine(runner.model):
+                        for k, seconds in engine_matrix_seconds(runner, args.context, WIDTHS).items():
                             outside[config][k].append(seconds)
+                    else:
+                        with matrices_stubbed(runner.model):
+                            for k, seconds in time_passes(runner, args.context, WIDTHS).items():
+                                outside[config][k].append(seconds)
             if llamacpp is not None:
                 for k, seconds in llamacpp.time_passes(WIDTHS).items():
                     llamacpp_times[k].append(seconds)

@@ -71,6 +71,13 @@ class ForwardCosts:
 
 
 def measure_forward_costs(model: torch.nn.Module, max_tokens: int = 16, context: int = 256, repeats: int = 5) -> ForwardCosts:
+    from .quant import threads_for
+
+    with threads_for(model):  # as a generation runs its passes (quant.threads_for)
+        return _measure_forward_costs(model, max_tokens, context, repeats)
+
+
+def _measure_forward_costs(model: torch.nn.Module, max_tokens: int, context: int, repeats: int) -> ForwardCosts:
     runner = measuring_runner(model)  # an encoder–decoder model's decoder, against a source
     vocab = runner.vocab_size
     seconds = {}
@@ -244,6 +251,13 @@ def _head_input_dtype(head: torch.nn.Module) -> torch.dtype:
 
 def measure_unit_costs(model: torch.nn.Module, context: int = 256, repeats: int = 15) -> UnitCosts:
     """Interleaved medians of 1-token passes: full, no attention, no MLP, and the LM head alone."""
+    from .quant import threads_for
+
+    with threads_for(model):
+        return _measure_unit_costs(model, context, repeats)
+
+
+def _measure_unit_costs(model: torch.nn.Module, context: int, repeats: int) -> UnitCosts:
     from .routing import RoutingMask, decoder_layers
 
     layers = len(decoder_layers(model))
@@ -308,7 +322,15 @@ def _attention_calls(attends: torch.Tensor, tokens: torch.Tensor, offsets: torch
 def measure_tree_call_seconds(model: torch.nn.Module, context: int = 256, repeats: int = 7) -> float:
     """Seconds one more attention call adds to a pass: interleaved medians of a 16-token chain pass
     and a 16-token tree pass (1 pending token, 8 children of the root, 7 of them with one child:
-    8 root-to-leaf paths), their difference over the difference of their attention calls."""
+    8 root-to-leaf paths), their difference over the difference of their attention calls. (On the
+    pass engine a tree attends in no extra calls: this measures the little a tree pass still adds.)"""
+    from .quant import threads_for
+
+    with threads_for(model):
+        return _measure_tree_call_seconds(model, context, repeats)
+
+
+def _measure_tree_call_seconds(model: torch.nn.Module, context: int, repeats: int) -> float:
     from .llama import ATTENTION_ROWS
     from .tree import TokenTree, tree_pass
 

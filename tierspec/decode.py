@@ -27,7 +27,6 @@ suspended generation does not leak it into the caller's code.
 
 from __future__ import annotations
 
-import contextlib
 
 import time
 from collections import Counter
@@ -42,6 +41,7 @@ from .errors import TierspecError
 from .modifiers import LogitModifiers, chain_counts, modified_logits, token_counts, tree_counts
 from .models import LoadedModel
 from .policies import CycleOutcome, DraftPolicy
+from .quant import threads_for
 from .rules.base import VerificationRule
 from .sampling import Noise, SamplingConfig, reported_logprobs
 from .seq2seq import decoder_start, is_encoder_decoder, runner_for
@@ -672,16 +672,6 @@ def decode(
             return
 
 
-def _loop_threads(target: LoadedModel):
-    """A generation on the pass engine runs torch's own (small) operators on one thread and the
-    engine on the caller's thread count (``quant.torch_ops_on_one_thread``); others keep torch's."""
-    from .quant import torch_ops_on_one_thread
-
-    if getattr(target.model.get_decoder(), "engine_stack", None) is not None:
-        return torch_ops_on_one_thread()
-    return contextlib.nullcontext()
-
-
 class DecodeRun:
     """One generation, iterated step by step, with the totals every caller reads: the one place
     a generation's ``GenerationStats`` is built and its wall clock read.
@@ -707,7 +697,7 @@ class DecodeRun:
         if self._started is None:
             self._started = time.perf_counter()
         try:
-            with _loop_threads(self._target):
+            with threads_for(self._target.model):  # torch's small operators on one thread, on the engine
                 step = next(self._steps)
         finally:
             self.stats.wall_seconds = time.perf_counter() - self._started

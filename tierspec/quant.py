@@ -106,6 +106,19 @@ def engine_threads() -> int:
     return _ENGINE_THREADS if _ENGINE_THREADS is not None else torch.get_num_threads()
 
 
+def runs_on_engine(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s decoder runs as engine calls (a GGUF model loaded on its blocks)."""
+    get_decoder = getattr(model, "get_decoder", None)
+    return get_decoder is not None and getattr(get_decoder(), "engine_stack", None) is not None
+
+
+def threads_for(model: torch.nn.Module):
+    """The thread arrangement a model's passes and loop run under: ``torch_ops_on_one_thread`` on
+    the engine, torch's as set otherwise. Generations and pass-cost measurements both use it, so a
+    cost table measures what a generation pays."""
+    return torch_ops_on_one_thread() if runs_on_engine(model) else contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def torch_ops_on_one_thread():
     """Within the block torch's own operators run on the calling thread alone, while the engine keeps
