@@ -34,6 +34,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdio.h>
 #include <time.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -272,7 +273,22 @@ static void *worker_main(void *raw) {
     return NULL;
 }
 
+/* A child process (fork) has none of the parent's workers: it starts with an empty pool. */
+static void forget_workers_in_child(void) {
+    pool.workers = 0;
+    atomic_store(&pool.busy, 0);
+    atomic_store(&pool.active, 0);
+    atomic_store(&pool.sleepers, 0);
+    pthread_mutex_init(&pool.mutex, NULL);
+    pthread_cond_init(&pool.wake, NULL);
+}
+
 static int ensure_workers(int wanted) {
+    static int registered = 0;
+    if (!registered) {
+        pthread_atfork(NULL, NULL, forget_workers_in_child);
+        registered = 1;
+    }
     if (wanted > MAX_THREADS - 1) wanted = MAX_THREADS - 1;
     while (pool.workers < wanted) {
         pthread_attr_t attr;
@@ -998,6 +1014,10 @@ static void *scratch_get(scratch_t *s, size_t bytes) {
         size_t size = bytes + (bytes >> 2) + 4096;
         s->buf = aligned_alloc(64, (size + 63) & ~(size_t)63);
         s->size = s->buf ? size : 0;
+        if (!s->buf) { /* no Python error can be raised here (the GIL is released): say it and stop */
+            fprintf(stderr, "tierspec pass engine: out of memory for %zu bytes of scratch\n", bytes);
+            abort();
+        }
     }
     return s->buf;
 }
