@@ -326,3 +326,34 @@ def test_a_batched_pass_gives_every_sequence_its_solo_pass_bitwise(tiny):
     assert [r.layer_lengths() for r in shared] == [r.layer_lengths() for r in solo]
     with pytest.raises(ValueError, match="twice"):
         batched_pass(model, [BatchItem(shared[0], torch.tensor([1])), BatchItem(shared[0], torch.tensor([2]))])
+
+
+def test_a_forked_child_computes_with_an_empty_pool():
+    import os
+
+    raw, _ = _blocks("Q4_1", 4096, 256, seed=7)  # split across threads in the parent
+    weight = QuantWeight(raw, quant.Q4_1, 256, numerics_for(torch.float32))
+    x = torch.randn(6, 256)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected = weight.multiply(x)
+        pid = os.fork()
+        if pid == 0:  # the parent's worker threads do not exist here
+            os._exit(0 if torch.equal(weight.multiply(x), expected) else 3)
+        assert os.waitpid(pid, 0)[1] == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_torch_runs_on_one_thread_inside_a_generation_and_gets_its_threads_back():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with quant.torch_ops_on_one_thread():
+            assert torch.get_num_threads() == 1 and quant.engine_threads() == 2
+            with quant.torch_ops_on_one_thread():  # nested (a stream inside a stream's step): still the caller's
+                assert quant.engine_threads() == 2
+        assert torch.get_num_threads() == 2 and quant.engine_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
