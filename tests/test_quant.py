@@ -298,9 +298,9 @@ def test_a_file_cut_short_is_a_clear_error(tiny, tmp_path):
 
 def test_a_batched_pass_gives_every_sequence_its_solo_pass_bitwise(tiny):
     """Sequences of different lengths, new-row counts and a token tree share one pass
-    (``gguf_llama.batched_pass``): each gets exactly its own pass's logits and hidden states, and
+    (``cached_model.batched_pass``): each gets exactly its own pass's logits and hidden states, and
     its cache advances as its own pass would."""
-    from tierspec.gguf_llama import BatchItem, batched_pass
+    from tierspec.cached_model import BatchItem, batched_pass
     from tierspec.tree import TokenTree, tree_pass
 
     model = _model(tiny, "bfloat16-native" if NATIVE_AVX512 else "float32")

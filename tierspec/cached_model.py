@@ -315,3 +315,100 @@ class CachedModel:
             keys = getattr(layer, "keys", None)
             lengths.append(0 if keys is None or keys.dim() != 4 else int(keys.shape[-2]))
         return lengths
+
+
+# ---- batched passes: several sequences' new rows in one pass -----------------------------------------
+
+
+@dataclass
+class BatchItem:
+    """One sequence's part of a batched pass: its ``runner`` (a CachedModel on the shared model),
+    its new ``token_ids`` [n], the last ``logits_for`` rows to score (None: all), and for a token
+    tree its position ``offsets`` [n] and ``attends`` [n, n] (as ``CachedModel.forward`` takes them)."""
+
+    runner: object
+    token_ids: torch.Tensor
+    logits_for: int | None = None
+    offsets: torch.Tensor | None = None
+    attends: torch.Tensor | None = None
+
+
+def batched_pass(model: torch.nn.Module, items: list[BatchItem], hidden_layers: tuple[int, ...] | None = None) -> list:
+    """Every item's pass in one: the products over all rows at once (a pass of R rows costs about
+    what a pass of R rows of one sequence costs), attention per sequence over its own cache. Each
+    item's ``PassResult`` is exactly (bitwise) what its own ``runner.forward`` would give: the
+    products are row-independent and nothing of one sequence reaches another. With
+    ``hidden_layers`` (None: no hidden states) every result carries the final hidden states and
+    those layers' outputs, as ``CachedModel.forward(with_hidden=True)`` does. Each runner's cache
+    advances by its rows (the same invariant as a solo pass)."""
+    from .gguf_llama import ATTENTION_UNIT, MLP_UNIT
+    from .quant import engine, engine_threads
+
+    decoder = model.model
+    if decoder.engine_stack is None:
+        raise ValueError("batched passes run on the pass engine: every layer of the model must be fused")
+    if not items:
+        return []
+    for item in items:
+        if item.runner.model is not model:
+            raise ValueError("every sequence of a batched pass must run on the same model")
+    if len({id(item.runner) for item in items}) != len(items):
+        raise ValueError("a sequence appears twice in one batched pass")
+    first = decoder.layers[0].fused
+    rows, cos, sin, tables, attends, sequences, ids = 0, [], [], [], [], [], []
+    for item in items:
+        runner, tokens = item.runner, item.token_ids.reshape(-1)
+        n = int(tokens.shape[0])
+        if n < 1:
+            raise ValueError("every sequence of a batched pass needs at least one new token")
+        start = runner.length
+        offsets = torch.arange(n) if item.offsets is None else item.offsets.reshape(-1)
+        factors = decoder.rotary.factors((start + offsets).cpu(), torch.float32)
+        cos.append(factors[0].reshape(n, -1))
+        sin.append(factors[1].reshape(n, -1))
+        table = runner.cache.engine_table(start + n, first.kv_heads, first.head_dim)
+        tables.append(table)
+        seen = None
+        if item.attends is not None:
+            seen = item.attends.to("cpu", torch.uint8).contiguous()
+            if tuple(seen.shape) != (n, n) or bool(seen.triu(1).any()):
+                raise ValueError(f"a tree mask for {n} tokens has shape ({n}, {n}) and lets a token see earlier ones only")
+        attends.append(seen)
+        for index, layer in enumerate(runner.cache.layers):
+            if layer.length != start:
+                raise RuntimeError(f"layer {index}'s cache holds {layer.length} positions, the sequence is at {start}: "
+                                   "the caller broke the rollback invariant")
+        sequences.append((rows, n, start, table.data_ptr(), 0 if seen is None else seen.data_ptr()))
+        ids.append(tokens.cpu())
+        rows += n
+    sequence_table = torch.tensor(sequences, dtype=torch.int64)
+    cos_all, sin_all = torch.cat(cos).contiguous(), torch.cat(sin).contiguous()
+    hidden = decoder.embed_tokens(torch.cat(ids)).float().contiguous()  # [rows, H]
+    flags = bytes([ATTENTION_UNIT | MLP_UNIT] * len(decoder.layers))
+    captured: dict[int, torch.Tensor] = {}
+    stops = sorted(set(hidden_layers or ()))
+    begin = 0
+    for stop in stops + [len(decoder.layers) - 1]:
+        out = torch.empty_like(hidden)
+        engine().run_stack_batch(decoder.engine_stack.capsule, begin, stop + 1, hidden.data_ptr(), out.data_ptr(), rows,
+                                 sequence_table.data_ptr(), len(items), cos_all.data_ptr(), sin_all.data_ptr(), flags,
+                                 engine_threads())
+        hidden, begin = out, stop + 1
+        captured[stop] = hidden
+    final = decoder.norm(hidden)  # [rows, H]
+    for item, (row0, n, *_rest) in zip(items, sequences):
+        for layer in item.runner.cache.layers:
+            layer.advance(n)
+        item.runner.length += n
+    kept = [(row0, n if item.logits_for is None else item.logits_for) for item, (row0, n, *_r) in zip(items, sequences)]
+    picks = torch.cat([torch.arange(row0 + n - m, row0 + n) for (row0, n, *_r), (_, m) in zip(sequences, kept)])
+    logits = model.lm_head(final.index_select(0, picks))
+    results, at = [], 0
+    for (row0, n, *_r), (_, m) in zip(sequences, kept):
+        hidden_states = None
+        if hidden_layers is not None:
+            parts = [final[row0 : row0 + n]] + [captured[i][row0 : row0 + n] for i in hidden_layers]
+            hidden_states = torch.cat(parts, dim=-1).float()
+        results.append(PassResult(logits[at : at + m].float(), hidden_states))
+        at += m
+    return results
