@@ -31,7 +31,7 @@ def record(target) -> dict:
     from tierspec.decode import DecodeConfig, decode
     from tierspec.drafters.eagle import EagleDrafter
     from tierspec.drafters.tree import EagleTreeDrafter, TreePolicy
-    from tierspec.eagle.shipped import shipped_head
+    from tierspec.heads.shipped import shipped_head
     from tierspec.methods import Method
     from tierspec.policies import FixedLength
     from tierspec.prompting import encode_prompt

@@ -6,7 +6,7 @@ import torch
 from conftest import as_method, run_ids, tiny_llama
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tierspec.clasp import select_in_context, select_skips
+from tierspec.layerskip.clasp import select_in_context, select_skips
 from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import ModelDrafter, NoDrafter
 from tierspec.drafters.pearl import PearlDrafter
@@ -15,7 +15,7 @@ from tierspec.methods import MethodOptionError, MethodOptions, build_method
 from tierspec.cached_model import CachedModel
 from tierspec.models import load_model
 from tierspec.policies import FixedLength
-from tierspec.routing import RoutingMask, masked_copy
+from tierspec.layerskip.masks import RoutingMask, masked_copy
 from tierspec.rules import ExactRule
 from tierspec.rules.via import ViaRule
 from tierspec.sampling import SamplingConfig, logits_to_probs

@@ -5,10 +5,11 @@ import torch
 from conftest import as_method, run_ids
 
 from tierspec.cached_model import CachedModel, PassResult
-from tierspec.decode import DecodeConfig, DecodeRun, PromptError, decode
+from tierspec.decode import DecodeConfig, DecodeRun, decode
+from tierspec.errors import PromptError
 from tierspec.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, Proposal
 from tierspec.drafters.base import FeatureLog
-from tierspec.routing import RoutingMask, decoder_layers
+from tierspec.layerskip.masks import RoutingMask, decoder_layers
 
 MAX_NEW = 40
 

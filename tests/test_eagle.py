@@ -9,8 +9,8 @@ from conftest import as_method, char_tokenizer, run_ids, tiny_llama
 from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import NgramDrafter, NoDrafter
 from tierspec.drafters.eagle import EagleDrafter, HybridDrafter
-from tierspec.eagle.head import DraftHead, DraftHeadError, HeadRunner
-from tierspec.eagle.train import (
+from tierspec.heads.draft import DraftHead, DraftHeadError, HeadRunner
+from tierspec.training.draft_train import (
     Sequence,
     TrainConfig,
     chain_mask,
@@ -202,8 +202,8 @@ def test_the_shipped_file_loads_into_the_layer_and_writes_back_bitwise():
 
     from safetensors import safe_open
 
-    from tierspec.eagle.head import HeadConfig
-    from tierspec.eagle.shipped import HEADS_DIR
+    from tierspec.heads.draft import HeadConfig
+    from tierspec.heads.shipped import HEADS_DIR
 
     with safe_open(str(HEADS_DIR / "smollm2-135m.safetensors"), "pt") as handle:
         tensors = {key: handle.get_tensor(key) for key in handle.keys()}
@@ -247,7 +247,7 @@ def test_training_on_a_tiny_model_lowers_the_validation_loss(target32):
     sequences = teacher_forced_sequences(target32, 60, 24, seed=0)
     config = TrainConfig(draft_vocab_size=48, epochs=10, batch_tokens=512, lr=1e-2, warmup_steps=5, val_fraction=0.2,
                          ttt_steps=2, bf16=False, checkpoint_every=1000)
-    from tierspec.eagle.train import split_sequences, validation_loss
+    from tierspec.training.draft_train import split_sequences, validation_loss
 
     _, val = split_sequences(sequences, config.val_fraction, config.seed)
     untrained = DraftHead.for_target(target32, draft_vocabulary(split_sequences(sequences, 0.2, 0)[0], 48, 64), config.seed)
@@ -442,7 +442,7 @@ def small_training(target, tmp_path):
 
 
 def test_a_planted_checkpoint_runs_no_code_and_is_refused(target32, tmp_path):
-    from tierspec.eagle.data import DraftDataError
+    from tierspec.training.draft_data import DraftDataError
 
     sequences, config = small_training(target32, tmp_path)
     checkpoint = tmp_path / "head.safetensors.checkpoint.pt"
@@ -460,7 +460,7 @@ def test_a_planted_checkpoint_runs_no_code_and_is_refused(target32, tmp_path):
 def test_interrupted_and_resumed_training_gives_the_uninterrupted_head_exactly(target32, tmp_path, monkeypatch):
     """The noise generator's state is saved and restored (it was re-seeded on resume: another
     head), and so is the window of losses the next history entry averages."""
-    from tierspec.eagle import train as train_module
+    from tierspec.training import draft_train as train_module
 
     sequences, config = small_training(target32, tmp_path)
     whole, whole_metrics = fit_head(target32, sequences, config, tmp_path / "whole.pt", progress=False,
@@ -491,8 +491,8 @@ def test_continued_training_starts_from_the_head_and_scores_it_first(target32, t
     """``init_head``: the history's epoch 0 is the starting head's validation on the same chains;
     training continues from its weights (the starting head itself is left as it was) with its
     draft vocabulary; a checkpoint made from another starting head is not resumed."""
-    from tierspec.eagle import train as train_module
-    from tierspec.eagle.data import DraftDataError
+    from tierspec.training import draft_train as train_module
+    from tierspec.training.draft_data import DraftDataError
 
     sequences, config = small_training(target32, tmp_path)
     start, _ = fit_head(target32, sequences, config, progress=False, log=lambda message: None)
@@ -534,7 +534,7 @@ def test_a_method_needing_a_head_refuses_a_target_without_one_before_measuring_c
 def test_build_data_runs_with_the_largest_seed(tmp_path, training_data_dir):
     """Each shard's generation is seeded from the run's seed and the shard's index: for seeds
     near 2**63 that sum overflowed torch's 64-bit seed (a traceback)."""
-    from tierspec.eagle.data import DataConfig, build_data
+    from tierspec.training.draft_data import DataConfig, build_data
     from tierspec.models import wrap_model
 
     model = tiny_llama(seed=4, vocab_size=56, layers=4, sharpness=20.0, dtype=torch.float32).model

@@ -12,10 +12,10 @@ import pytest
 import torch
 from conftest import as_method, run_ids, tiny_llama
 
-from tierspec.decode import PromptError
+from tierspec.errors import PromptError
 from tierspec.drafters import NoDrafter
 from tierspec.drafters.self_spec import SelfSpeculativeDrafter
-from tierspec.routing import RoutingMask
+from tierspec.layerskip.masks import RoutingMask
 
 MASK = RoutingMask.from_units(4, "sublayer", [("mlp", 1), ("attn", 2)])
 
@@ -139,7 +139,7 @@ def test_bad_flags_get_the_flags_message(capsys, flags, message, monkeypatch, ti
 def test_a_mask_for_other_weights_says_so(tiny_target):
     from dataclasses import replace
 
-    from tierspec.routing import RoutingMaskError
+    from tierspec.layerskip.masks import RoutingMaskError
 
     made_for = replace(tiny_target.identity, name="smollm2-135m", content_hash="a" * 64)
     loaded = replace(made_for, content_hash="b" * 64)
@@ -150,7 +150,7 @@ def test_a_mask_for_other_weights_says_so(tiny_target):
 
 
 def test_one_class_judge_data_is_refused_before_any_extraction(tmp_path):
-    from tierspec.judge.data import JudgeDataError, read_judge_data
+    from tierspec.training.judge_data import JudgeDataError, read_judge_data
 
     path = tmp_path / "judge.jsonl"
     rows = [{"id": str(i), "prompt": "p", "response": "r 1 2", "mistake_offset": None, "split": s}
@@ -410,27 +410,27 @@ def test_a_seed_outside_int64_is_a_one_line_error(command, seed, shown, monkeypa
 
 
 def _write_draft_head(path: Path) -> None:
-    from tierspec.eagle.head import DraftHead
+    from tierspec.heads.draft import DraftHead
 
     target = tiny_llama(seed=5, dtype=torch.float32)
     DraftHead.for_target(target, torch.arange(8)).save(path)
 
 
 def _write_judge_head(path: Path) -> None:
-    from tierspec.judge.head import JudgeHead
+    from tierspec.heads.judge import JudgeHead
 
     JudgeHead(torch.ones(4), 0.0, torch.zeros(4), torch.ones(4), "hidden", 0.5).save(path)
 
 
 def _write_data_shard(path: Path) -> None:
-    from tierspec.eagle.data import _write_shard
+    from tierspec.training.draft_data import _write_shard
 
     sequence = {"tokens": torch.arange(5), "final": torch.zeros(5, 4), "aux": {}, "response_start": 2}
     _write_shard(path, [sequence], ["test"], "own-greedy")
 
 
 def _write_training_checkpoint(path: Path) -> None:
-    from tierspec.eagle.train import _save_checkpoint
+    from tierspec.training.draft_train import _save_checkpoint
 
     _save_checkpoint(path, {"step": 1})
 

@@ -100,7 +100,7 @@ def test_a_damaged_head_is_a_one_line_error(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from tierspec.eagle.head import DraftHead, DraftHeadError
+    from tierspec.heads.draft import DraftHead, DraftHeadError
 
     target = tiny_llama(seed=4, dtype=torch.float32)
     head = DraftHead.for_target(target, torch.arange(0, 64, 2), seed=1)

@@ -9,7 +9,7 @@ from tierspec.cached_model import PassResult
 from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import ModelDrafter, Proposal
 from tierspec.identity import ModelIdentity
-from tierspec.judge.data import (
+from tierspec.training.judge_data import (
     JudgeDataError,
     build_gsm8k_judge_data,
     clean_solution,
@@ -17,8 +17,8 @@ from tierspec.judge.data import (
     plant_error,
     token_labels,
 )
-from tierspec.judge.head import JudgeHead, JudgeHeadError
-from tierspec.judge.train import LabelledTokens, auroc, choose_threshold, matched_pairs, train_head
+from tierspec.heads.judge import JudgeHead, JudgeHeadError
+from tierspec.training.judge_train import LabelledTokens, auroc, choose_threshold, matched_pairs, train_head
 from tierspec.rules import ExactRule
 from tierspec.rules.judge import JudgeRule, judge_block
 from tierspec.sampling import SamplingConfig
@@ -219,13 +219,13 @@ def test_a_judge_that_accepts_everything_keeps_every_draft(tiny_target, tiny_dra
     ([5, 6, 7, 8, 9], [40, 41, 42, 43], False),     # somewhere else entirely
 ])
 def test_a_mismatch_is_harmless_when_the_target_rejoins_its_own_text(original, alternative, expected):
-    from tierspec.judge.mismatches import rejoins
+    from tierspec.training.judge_mismatches import rejoins
 
     assert rejoins(original, alternative, window=8, match=3) is expected
 
 
 def test_rejoining_must_happen_within_the_window():
-    from tierspec.judge.mismatches import rejoins
+    from tierspec.training.judge_mismatches import rejoins
 
     late = [40, 41, 42, 43, 44, 5, 6, 7]
     assert rejoins([5, 6, 7, 8], late, window=8, match=3)
@@ -233,7 +233,7 @@ def test_rejoining_must_happen_within_the_window():
 
 
 def test_the_operating_point_caps_harmful_acceptance_on_validation():
-    from tierspec.judge.mismatches import choose_operating_point, operating_curve
+    from tierspec.training.judge_mismatches import choose_operating_point, operating_curve
 
     harmless = [0.9, 0.8, 0.7, 0.6, 0.3]
     harmful = [0.85, 0.4, 0.2, 0.1, 0.05, 0.05, 0.05, 0.05, 0.05, 0.05]

@@ -16,7 +16,7 @@ from tierspec.decode import DecodeConfig, decode
 from tierspec.llama import LlamaLM, supports
 from tierspec.methods import MethodOptions, build_method
 from tierspec.models import ModelLoadError, load_model
-from tierspec.routing import RoutingMask, apply_mask
+from tierspec.layerskip.masks import RoutingMask, apply_mask
 from tierspec.sampling import SamplingConfig
 
 

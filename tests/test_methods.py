@@ -9,10 +9,10 @@ from conftest import as_method, char_tokenizer, run_ids, tiny_llama
 
 from tierspec.cached_model import CachedModel
 from tierspec.drafters import NgramDrafter, NoDrafter
-from tierspec.judge.head import JudgeHead
+from tierspec.heads.judge import JudgeHead
 from tierspec.methods import MethodOptions, build_method
 from tierspec.models import ModelLoadError
-from tierspec.routing import RoutingMask
+from tierspec.layerskip.masks import RoutingMask
 from tierspec.rules.via import ViaRule
 
 
@@ -112,7 +112,7 @@ def test_a_slim_vocabulary_scores_only_its_tokens(tiny_target):
 
 
 def test_via_with_the_draft_heads_vocabulary_runs_its_slim_tier(tiny_target, prompt_ids):
-    from tierspec.eagle.head import DraftHead
+    from tierspec.heads.draft import DraftHead
 
     head = DraftHead.for_target(tiny_target, torch.arange(0, 64, 2), seed=3).eval()
     mask = RoutingMask.from_units(4, "sublayer", [("mlp", 1), ("attn", 2)])

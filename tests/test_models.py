@@ -34,7 +34,7 @@ def test_hf_folder_round_trip(tmp_path, tiny_target):
     loaded = load_model(tmp_path / "m", dtype=torch.float64)
     # tierspec's Llama code fuses q/k/v and gate/up: compare by transformers' names
     from tierspec.llama import projection_weights
-    from tierspec.routing import decoder_layers
+    from tierspec.layerskip.masks import decoder_layers
 
     ours, theirs = loaded.model.state_dict(), tiny_target.model.state_dict()
     for i, (mine, original) in enumerate(zip(decoder_layers(loaded.model), decoder_layers(tiny_target.model))):

@@ -14,12 +14,12 @@ from conftest import tiny_llama
 
 from tierspec.decode import DecodeConfig, DecodeRun, TokenLogprob, token_logprobs
 from tierspec.drafters.eagle import EagleDrafter  # noqa: F401  (the head's drafter must import)
-from tierspec.eagle.head import DraftHead
+from tierspec.heads.draft import DraftHead
 from tierspec.errors import TierspecError
 from tierspec.methods import MethodOptions, build_method
 from tierspec.models import load_model
 from tierspec.modifiers import LogitModifiers, chain_counts, modified_logits, token_counts, tree_counts
-from tierspec.routing import RoutingMask
+from tierspec.layerskip.masks import RoutingMask
 from tierspec.sampling import Noise, SamplingConfig, gumbel_argmax, logits_to_probs, reported_logprobs
 
 PROMPT = torch.tensor([5, 9, 13, 5, 9, 13, 7, 21, 5, 9, 13, 7, 3, 30, 41])

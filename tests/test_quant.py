@@ -217,7 +217,7 @@ def test_a_tree_node_gets_its_chains_logits_bitwise(tiny):
 
 @pytest.mark.parametrize("units", [[("attn", 1)], [("mlp", 1)], [("layer", 1)]])
 def test_a_bypassed_unit_is_skipped_as_on_torchs_operators(tiny, units):
-    from tierspec.routing import RoutingMask
+    from tierspec.layerskip.masks import RoutingMask
 
     model, reference = _model(tiny, "float32"), tiny.reference()
     mask = RoutingMask.from_units(3, units[0][0] if units[0][0] == "layer" else "sublayer", units)

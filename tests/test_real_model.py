@@ -65,7 +65,7 @@ def test_empty_text_prompt_is_refused(smollm):
 # ---- every greedy method at its neutral (lossless) setting reproduces ar on the real model -----
 
 def _mask(smollm):
-    from tierspec.routing import RoutingMask
+    from tierspec.layerskip.masks import RoutingMask
 
     return RoutingMask.from_units(30, "sublayer", [("mlp", 10), ("attn", 15), ("mlp", 20), ("attn", 25)], model=smollm.identity)
 
@@ -136,7 +136,7 @@ def test_the_shipped_head_drafts_exactly_the_recorded_tokens(smollm):
 
 @pytest.mark.parametrize("rule", ["lossy", "judge"])
 def test_lossy_rules_run_with_the_draft_head(smollm, rule):
-    from tierspec.judge.head import JudgeHead
+    from tierspec.heads.judge import JudgeHead
     from tierspec.methods import MethodOptions
 
     head = JudgeHead(torch.zeros(578), -5.0, torch.zeros(578), torch.ones(578), "hidden+logprob", 0.5, smollm.identity)
@@ -233,8 +233,8 @@ def test_mismatch_judge_data_labels_the_draft_token(smollm, tmp_path):
     draft token's offset; a harmful record's mistake sits exactly there; splits are by prompt."""
     import json as json_module
 
-    from tierspec.eagle.shipped import shipped_head
-    from tierspec.judge.mismatches import MismatchConfig, build_mismatch_data
+    from tierspec.heads.shipped import shipped_head
+    from tierspec.training.judge_mismatches import MismatchConfig, build_mismatch_data
 
     prompts = ["Explain how a bicycle stays upright.", "Write three sentences about rain in a city."]
     info = build_mismatch_data(smollm, shipped_head(smollm), prompts, tmp_path / "m.jsonl",

@@ -9,7 +9,7 @@ from tierspec.cached_model import CachedModel
 from tierspec.drafters import NoDrafter
 from tierspec.drafters.self_spec import SelfSpeculativeDrafter
 from tierspec.identity import ModelIdentity
-from tierspec.routing import RoutingMask, RoutingMaskError, apply_mask
+from tierspec.layerskip.masks import RoutingMask, RoutingMaskError, apply_mask
 
 IDS = torch.tensor([[3, 17, 42, 8, 8, 19, 60, 1, 5, 33]])
 

@@ -9,10 +9,10 @@ from scipy.stats import chi2
 from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import ModelDrafter, NgramDrafter, NoDrafter, Proposal
 from tierspec.drafters.self_spec import SelfSpeculativeDrafter
-from tierspec.routing import RoutingMask
+from tierspec.layerskip.masks import RoutingMask
 from tierspec.rules import ExactRule
 from tierspec.rules.bild import BildRule, bild_keep
-from tierspec.rules.cascade import CascadeRule, deferral_bits, mixture
+from tierspec.rules.speculative_cascades import SpeculativeCascadeRule, deferral_bits, mixture
 from tierspec.rules.exact import acceptance_probability
 from tierspec.rules.lossy import LossyRule, lossy_acceptance
 from tierspec.rules.via import ViaRule, via_mixture
@@ -123,8 +123,8 @@ def chi_square_p(counts, probs):
     "rule, expected",
     [
         (LossyRule(0.2, 0.8), None),
-        (CascadeRule("chow", 0.5), None),  # max p = 0.6 < 0.5? no: δ = 0 → π = p
-        (CascadeRule("diff", -0.7), None),  # 0.6 < 0.4 + 0.7: δ = 1 → π = q
+        (SpeculativeCascadeRule("chow", 0.5), None),  # max p = 0.6 < 0.5? no: δ = 0 → π = p
+        (SpeculativeCascadeRule("diff", -0.7), None),  # 0.6 < 0.4 + 0.7: δ = 1 → π = q
         (ViaRule(alpha1=0.2, alpha2=0.6, max_target_lag=100), None),  # δ1 = 1 (0.6 < 0.8), δ2 = 0 (0.5 ≥ 0.4): π = q'
         (ViaRule(alpha1=0.5, alpha2=0.3, max_target_lag=100), None),  # δ1 = 0, δ2 = 1: π = q
     ],
@@ -136,7 +136,7 @@ def test_rule_sampling_matches_its_one_step_distribution(rule, expected):
         kept = torch.minimum(P, Q / 0.8)
         residual = (Q - 0.8 * P).clamp_min(0)
         expected = kept + (1 - kept.sum()) * residual / residual.sum()
-    elif isinstance(rule, CascadeRule):
+    elif isinstance(rule, SpeculativeCascadeRule):
         defer = deferral_bits(P[None], Q[None], rule.deferral, rule.alpha)
         expected = mixture(P[None], Q[None], defer)[0]
     else:
@@ -184,7 +184,7 @@ def drafters(target, other):
     "rule",
     [
         LossyRule(0.0, 1.0),
-        CascadeRule("always"),
+        SpeculativeCascadeRule("always"),
         ViaRule(0.0, 0.0, max_target_lag=20, force_full=True),
         BildRule(rollback=0.0),
     ],
@@ -226,7 +226,7 @@ def test_via_calls_the_target_where_the_slim_verifier_is_unsure(tiny_target, pro
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 @pytest.mark.parametrize("kind", ["other-model", "ngram", "self-spec"])
 @pytest.mark.parametrize(
-    "rule", [ExactRule(), LossyRule(0.3), BildRule(2.0), CascadeRule("opt", 0.2), CascadeRule("chow", 0.3), ViaRule(0.5, 0.3, 8)],
+    "rule", [ExactRule(), LossyRule(0.3), BildRule(2.0), SpeculativeCascadeRule("opt", 0.2), SpeculativeCascadeRule("chow", 0.3), ViaRule(0.5, 0.3, 8)],
     ids=["exact", "lossy", "bild", "cascade-opt", "cascade-chow", "via"],
 )
 def test_drafter_rule_matrix_runs(tiny_target, tiny_drafter, prompt_ids, kind, rule, temperature):
@@ -243,20 +243,20 @@ def test_drafter_rule_matrix_runs(tiny_target, tiny_drafter, prompt_ids, kind, r
 
 
 def test_cascade_drafter_greedy_equals_ar(tiny_target, tiny_drafter, prompt_ids):
-    from tierspec.drafters.cascade import CascadeDrafter
+    from tierspec.drafters.cs_drafting import CsDrafter
 
     reference = greedy_tokens(tiny_target, NoDrafter(), ExactRule(), prompt_ids)
     for model in (tiny_target, tiny_drafter):
         for positions in (1, 3, 5):
-            drafter = CascadeDrafter(model.model, 64, NgramDrafter(2), model_positions=positions, inner_draft=2)
+            drafter = CsDrafter(model.model, 64, NgramDrafter(2), model_positions=positions, inner_draft=2)
             assert greedy_tokens(tiny_target, drafter, ExactRule(), prompt_ids, num_draft=5) == reference
 
 
 def test_cascade_drafter_matches_its_model_greedy_drafts(tiny_target, prompt_ids):
     """With the target as the drafter model, the vertical cascade's drafts are the target's own
     greedy tokens, so every model-drafted position is accepted."""
-    from tierspec.drafters.cascade import CascadeDrafter
+    from tierspec.drafters.cs_drafting import CsDrafter
 
-    drafter = CascadeDrafter(tiny_target.model, 64, NgramDrafter(3), model_positions=4, inner_draft=3)
+    drafter = CsDrafter(tiny_target.model, 64, NgramDrafter(3), model_positions=4, inner_draft=3)
     for step in decode(tiny_target, as_method(drafter, num_draft=4), prompt_ids, DecodeConfig(max_new_tokens=30)):
         assert step.cycle.accepted == step.cycle.drafted

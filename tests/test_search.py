@@ -7,8 +7,8 @@ import pytest
 import torch
 from conftest import tiny_llama
 
-from tierspec.routing import RoutingMask
-from tierspec.search import Calibration, SearchConfig, routing_cost, search_mask, with_target_scores
+from tierspec.layerskip.masks import RoutingMask
+from tierspec.layerskip.search import Calibration, SearchConfig, routing_cost, search_mask, with_target_scores
 
 
 def direct_cost(slim, target, alpha, beta):
@@ -78,7 +78,7 @@ def test_search_resumes_from_its_checkpoint(planted, tmp_path):
     calls = []
 
     def counting(mask):
-        from tierspec.search import evaluate_mask
+        from tierspec.layerskip.search import evaluate_mask
 
         calls.append(mask)
         return evaluate_mask(model.model, calibration, mask)
@@ -121,7 +121,7 @@ def test_a_compute_budget_draws_and_swaps_within_its_cost_share():
     is reachable only as 2 MLPs + 2 attentions, and a same-kind swap keeps the share exactly."""
     import numpy as np
 
-    from tierspec.mask_proposals import ComputeBudget, neighbours, random_keep
+    from tierspec.layerskip.candidates import ComputeBudget, neighbours, random_keep
 
     budget = ComputeBudget((0.01,) * 4 + (0.05,) * 4, share=0.12, tolerance=0.005)
     rng = np.random.default_rng(0)

@@ -19,13 +19,13 @@ import tierspec
 from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import NgramDrafter
 from tierspec.drafters.eagle import EagleDrafter
-from tierspec.eagle.head import DraftHead
-from tierspec.judge.head import JudgeHead
+from tierspec.heads.draft import DraftHead
+from tierspec.heads.judge import JudgeHead
 from tierspec.methods import MethodOptions, build_method, method_names
 from tierspec.models import load_model
-from tierspec.routing import RoutingMask
+from tierspec.layerskip.masks import RoutingMask
 from tierspec.rules import ExactRule
-from tierspec.rules.cascade import CascadeRule
+from tierspec.rules.speculative_cascades import SpeculativeCascadeRule
 from tierspec.rules.lossy import LossyRule
 from tierspec.rules.via import ViaRule
 from tierspec.sampling import SamplingConfig, SeedError
@@ -207,7 +207,7 @@ def test_neutral_lossy_settings_draw_what_the_residual_rule_draws(drafter_kind, 
 
     reference = run(ExactRule("residual"))
     assert run(LossyRule(0.0, 1.0)) == reference
-    assert run(CascadeRule("always")) == reference
+    assert run(SpeculativeCascadeRule("always")) == reference
     assert run(ViaRule(0.0, 0.0, 20, force_full=True), parts["mask"]) == reference
     assert reference != run(ExactRule("coupled"))  # (the rules do differ)
 

@@ -18,11 +18,12 @@ from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import NgramDrafter
 from tierspec.methods import MethodOptions, build_method
 from tierspec.models import wrap_model
-from tierspec.routing import RoutingMask, RoutingMaskError, apply_mask
+from tierspec.layerskip.masks import RoutingMask, RoutingMaskError, apply_mask
 from tierspec.rules import ExactRule
 from tierspec.sampling import SamplingConfig, logits_to_probs
-from tierspec.routing import decoder_blocks
-from tierspec.seq2seq import Seq2SeqCachedModel, Seq2SeqError, Seq2SeqModelDrafter
+from tierspec.layerskip.masks import decoder_blocks
+from tierspec.drafters.model import Seq2SeqModelDrafter
+from tierspec.seq2seq import Seq2SeqCachedModel, Seq2SeqError
 
 
 def t5_model(seed: int, vocab_size: int = 64, layers: int = 3, decoder_layers: int = 4, hidden: int = 32,
@@ -264,7 +265,7 @@ def test_a_mask_covers_the_decoders_layers_round_trips_and_refuses_another_model
 
 
 def test_dimr_searches_a_decoder_mask_on_seq2seq_calibration(target):
-    from tierspec.search import Calibration, SearchConfig, search_mask, with_target_scores
+    from tierspec.layerskip.search import Calibration, SearchConfig, search_mask, with_target_scores
 
     reference = run_ids(target, build_method("ar", target), SOURCE, 6)
     sequences = torch.tensor([[0] + reference])

@@ -402,7 +402,7 @@ def tree_methods(target):
     from conftest import as_method
 
     from tierspec.drafters.tree import EagleTreeDrafter, HybridTreeDrafter, NgramTreeDrafter, TreePolicy
-    from tierspec.eagle.head import DraftHead
+    from tierspec.heads.draft import DraftHead
 
     def head():
         return DraftHead.for_target(target, torch.arange(target.vocab_size), seed=3).eval()
@@ -446,11 +446,11 @@ def test_a_chain_rule_refuses_a_tree_drafter_and_names_the_alternatives(own_targ
 
     from tierspec.drafters.tree import NgramTreeDrafter, TreePolicy
     from tierspec.rules import ExactRule
-    from tierspec.rules.cascade import CascadeRule
+    from tierspec.rules.speculative_cascades import SpeculativeCascadeRule
     from tierspec.rules.lossy import LossyRule
     from tierspec.rules.via import ViaRule
 
-    chain_rule = {"exact": ExactRule, "lossy": LossyRule, "cascade": CascadeRule, "via": lambda: ViaRule(0.1, 0.1, 8)}[rule]()
+    chain_rule = {"exact": ExactRule, "lossy": LossyRule, "cascade": SpeculativeCascadeRule, "via": lambda: ViaRule(0.1, 0.1, 8)}[rule]()
     method = as_method(NgramTreeDrafter(TreePolicy()), chain_rule, TreePolicy())
     with pytest.raises(TierspecError, match=rf"the rule '{chain_rule.name}' verifies chains only: a token tree needs the "
                                             r"exact tree rule .*eagle-tree and hybrid-tree, lossless\). For "

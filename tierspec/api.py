@@ -12,7 +12,8 @@ from typing import Iterator
 
 import torch
 
-from .decode import DecodeConfig, DecodeRun, GenerationStats, PromptError, TokenLogprob
+from .decode import DecodeConfig, DecodeRun, GenerationStats, TokenLogprob
+from .errors import PromptError
 from .methods import Method, MethodOptions, build_method, default_method
 from .models import DEFAULT_MODEL, LoadedModel, load_model, resolve_device, resolve_dtype
 from .prompting import encode_prompt, eos_ids

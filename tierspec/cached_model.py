@@ -23,7 +23,7 @@ import torch
 
 from .errors import ModelLoadError, TierspecError
 from .models import output_vocabulary_size
-from .routing import apply_mask, decoder_layers, model_lock
+from .layerskip.masks import apply_mask, decoder_layers, model_lock
 
 
 @dataclass
@@ -201,7 +201,7 @@ class CachedModel:
         follow it, concatenated: [n, H·(1 + len(hidden_layers))]. With a ``vocabulary`` the LM
         head scores only its rows (the others are −inf).
 
-        The pass holds the model's lock (``routing.model_lock``): a mask swaps modules of the
+        The pass holds the model's lock (``layerskip.masks.model_lock``): a mask swaps modules of the
         shared model instance, so no other pass on it may run meanwhile (two generations on one
         loaded model in two threads are serialised pass by pass, each with its own cache).
 

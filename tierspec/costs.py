@@ -244,7 +244,7 @@ def _head_input_dtype(head: torch.nn.Module) -> torch.dtype:
 
 def measure_unit_costs(model: torch.nn.Module, context: int = 256, repeats: int = 15) -> UnitCosts:
     """Interleaved medians of 1-token passes: full, no attention, no MLP, and the LM head alone."""
-    from .routing import RoutingMask, decoder_layers
+    from .layerskip.masks import RoutingMask, decoder_layers
 
     layers = len(decoder_layers(model))
     every = frozenset(range(1, layers - 1))  # the bypassable layers (first and last always run)

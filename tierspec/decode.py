@@ -36,7 +36,7 @@ import torch
 
 from .cached_model import CachedModel, PassResult
 from .drafters.base import Drafter, FeatureLog, Proposal, TargetDraftView
-from .errors import TierspecError
+from .errors import PromptError, TierspecError
 from .modifiers import LogitModifiers, chain_counts, modified_logits, token_counts, tree_counts
 from .models import LoadedModel
 from .policies import CycleOutcome, DraftPolicy
@@ -529,11 +529,6 @@ class _DraftView(TargetDraftView):
         if verifiers.runner.length > verifiers.full_length:
             verifiers.runner.rollback(verifiers.full_length)
         return verifiers.runner.replay(start, tokens, mask)
-
-
-class PromptError(TierspecError):
-    """The prompt cannot be decoded (empty, batched, ids outside the vocabulary, or longer than
-    the model's context)."""
 
 
 def check_prompt(prompt_ids, max_positions: int | None, max_new_tokens: int, vocab_size: int | None = None) -> torch.Tensor:

@@ -14,21 +14,21 @@ from typing import Callable
 
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, check_vocabularies
 from .drafters.base import streamed_weights
-from .drafters.cascade import CascadeDrafter
+from .drafters.cs_drafting import CsDrafter
 from .drafters.self_spec import SelfSpeculativeDrafter
 from .drafters.swift import SwiftDrafter
 from .errors import TierspecError
 from .models import LoadedModel
 from .policies import ConfidenceStop, CostAware, DraftPolicy, FixedLength
-from .routing import RoutingMask
+from .layerskip.masks import RoutingMask
 from .rules import ExactRule, VerificationRule
 from .rules.bild import BildRule
-from .rules.cascade import DEFERRALS, CascadeRule
+from .rules.speculative_cascades import DEFERRALS, SpeculativeCascadeRule
 from .rules.exact import SAMPLING_RULES
 from .rules.lossy import LossyRule
 from .rules.via import ViaRule
-from .seq2seq import Seq2SeqModelDrafter, check_same_family, is_encoder_decoder
-from .seq2seq import check_method as check_seq2seq_method
+from .drafters.model import Seq2SeqModelDrafter, check_same_family
+from .seq2seq import Seq2SeqError, is_encoder_decoder
 
 DRAFTER_KINDS = ("auto", "model", "ngram", "self", "eagle")
 SLIM_VOCABULARIES = ("full", "draft-head")
@@ -204,12 +204,12 @@ def _clasp(target, drafter_model, options) -> Method:
 def _pearl_drafter(name: str, target: LoadedModel, drafter_model: LoadedModel | None, mask: RoutingMask | None,
                    options: MethodOptions):
     """PEARL's drafter: the drafter model when given, else the target under ``mask`` as a second
-    module tree over the same weights (``routing.masked_copy``: it must run while the target runs).
+    module tree over the same weights (``layerskip.masks.masked_copy``: it must run while the target runs).
     ``gamma`` defaults to PEARL's speed ratio (a target pass over a draft step, taken as their
     weight bytes: docs/algorithms.md §Compute-weighted routing, a CPU pass costs what it streams)
     less one, since the thread drafts γ + 1 tokens per pass."""
     from .drafters.pearl import PearlDrafter
-    from .routing import masked_copy
+    from .layerskip.masks import masked_copy
 
     if drafter_model is not None:
         check_vocabularies(target, drafter_model)
@@ -243,8 +243,8 @@ def _via_pearl(target, drafter_model, options) -> Method:
 
 def draft_head_for(target: LoadedModel, options: MethodOptions):
     """The draft head of ``options`` (checked against the target), else the one shipped for it."""
-    from .eagle.head import DraftHeadError
-    from .eagle.shipped import shipped_head
+    from .heads.draft import DraftHeadError
+    from .heads.shipped import shipped_head
 
     if options.draft_head is not None:
         head = options.draft_head
@@ -315,7 +315,7 @@ def _bild(target, drafter_model, options) -> Method:
 def _cascade(target, drafter_model, options) -> Method:
     drafter = _drafter(target, drafter_model, options)
     policy, table = _lossy_policy(drafter, options, target)
-    return Method("cascade", drafter, CascadeRule(options.deferral, options.alpha), policy,
+    return Method("cascade", drafter, SpeculativeCascadeRule(options.deferral, options.alpha), policy,
                   "speculative cascades with a deferral rule", forward_costs=table)
 
 
@@ -323,7 +323,7 @@ def _csd(target, drafter_model, options) -> Method:
     if drafter_model is not None:
         check_vocabularies(target, drafter_model)
     model = drafter_model or target
-    drafter = CascadeDrafter(model.model, target.vocab_size, NgramDrafter(options.ngram_size),
+    drafter = CsDrafter(model.model, target.vocab_size, NgramDrafter(options.ngram_size),
                              options.csd_model_positions, options.csd_inner_draft)
     return Method("csd", drafter, ExactRule(options.sampling_rule), _fixed(options),
                   "cascade speculative drafting (vertical + horizontal cascade)")
@@ -353,7 +353,7 @@ def _via(target, drafter_model, options) -> Method:
 
 
 def _require_judge(name: str, target: LoadedModel, options: MethodOptions):
-    from .judge.head import JudgeHeadError
+    from .heads.judge import JudgeHeadError
 
     if options.judge_head is None:
         raise JudgeHeadError(f"method '{name}' needs a judge head: train one with `tierspec judge train` and pass --judge-head")
@@ -491,6 +491,22 @@ def _hybrid_tree(target, drafter_model, options) -> Method:
                   "lossless: the n-gram trie of every match merged with the draft head's token tree", forward_costs=table)
 
 
+#: Methods that run on an encoder–decoder target. The others need what such a model does not
+#: have here: a draft head (eagle, hybrid, the trees, --draft-with eagle), a judge head trained on
+#: it (judge, via-judge), or a decoder-only drafter cascade (csd).
+SEQ2SEQ_METHODS = ("ar", "sd", "adaptive-sd", "pld", "adaptive-pld", "self", "swift", "lossy", "bild", "cascade", "via")
+
+
+def check_seq2seq_method(name: str, options) -> None:
+    """Refuse a method (or drafter kind) that encoder–decoder targets do not support."""
+    if name not in SEQ2SEQ_METHODS:
+        raise Seq2SeqError(f"method '{name}' does not run on an encoder–decoder target; choose one of: "
+                           f"{', '.join(SEQ2SEQ_METHODS)}")
+    if getattr(options, "drafter_kind", "auto") == "eagle":
+        raise Seq2SeqError("--draft-with eagle needs a draft head, which encoder–decoder targets do not have here; "
+                           "use --draft-with model (with --drafter), ngram or self")
+
+
 _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], Method]] = {
     "ar": _ar,
     "sd": _sd,
@@ -525,7 +541,7 @@ DEFAULT_METHOD_WITHOUT_HEAD = "adaptive-pld"
 def default_method(target: LoadedModel, options: MethodOptions = MethodOptions()) -> str:
     """The method used when none is named: ``DEFAULT_METHOD`` if a draft head exists for
     ``target``, else ``DEFAULT_METHOD_WITHOUT_HEAD``."""
-    from .eagle.shipped import shipped_head_path
+    from .heads.shipped import shipped_head_path
 
     if options.draft_head is not None or shipped_head_path(target) is not None:
         return DEFAULT_METHOD

@@ -1,7 +1,7 @@
 """CLaSP (Chen et al. 2025): self-speculative drafting whose bypassed units are re-chosen during
 decoding from the context itself (docs/algorithms.md §CLaSP).
 
-Every ``interval`` verified tokens, before drafting, the dynamic programme of ``tierspec.clasp``
+Every ``interval`` verified tokens, before drafting, the dynamic programme of ``tierspec.layerskip.clasp``
 picks the ``round(ratio · units)`` units whose bypass keeps the last verified token's state
 closest (cosine) to the full model's, layer by layer; the new mask then drafts as a fixed mask
 does (``SelfSpeculativeDrafter``: masked passes on top of the full model's cached KV). Where
@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 
 from ..errors import TierspecError
-from ..routing import RoutingMask
+from ..layerskip.masks import RoutingMask
 from .base import always
 from .self_spec import SelfSpeculativeDrafter
 
@@ -48,7 +48,7 @@ class ClaspDrafter(SelfSpeculativeDrafter):
 
     def _select(self, context) -> bool:
         """Choose the mask anew when ``interval`` tokens were verified since the last choice."""
-        from ..clasp import select_in_context
+        from ..layerskip.clasp import select_in_context
 
         verified = self.view.length
         if verified < 1 or (self.selected_at is not None and verified - self.selected_at < self.interval):

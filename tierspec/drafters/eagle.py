@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..eagle.head import DraftHead, HeadRunner
+from ..heads.draft import DraftHead, HeadRunner
 from ..sampling import SamplingConfig
 from .base import Drafter, FeatureLog, Proposal, always, draft_autoregressively
 from .ngram import NgramDrafter

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..routing import RoutingMask
+from ..layerskip.masks import RoutingMask
 from ..sampling import SamplingConfig
 from .base import Drafter, Proposal, TargetDraftView, always, draft_autoregressively
 

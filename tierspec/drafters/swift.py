@@ -18,8 +18,8 @@ import numpy as np
 import torch
 
 from ..errors import TierspecError
-from ..mask_proposals import Evaluation, next_keep, random_keep
-from ..routing import RoutingMask
+from ..layerskip.candidates import Evaluation, next_keep, random_keep
+from ..layerskip.masks import RoutingMask
 from .base import always
 from .self_spec import SelfSpeculativeDrafter
 

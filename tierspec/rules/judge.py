@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..judge.head import JudgeHead, judge_features
+from ..heads.judge import JudgeHead, judge_features
 from ..sampling import logits_to_probs, residual_distribution
 from .base import DRAFTER, TARGET, Verdict, VerificationRule
 from .common import coin_verdicts, draft_prob_of_tokens, draft_row, draw

@@ -1,4 +1,4 @@
-"""Training the draft head (docs/algorithms.md §Draft head) on the data of ``eagle.data``.
+"""Training the draft head (docs/algorithms.md §Draft head) on the data of ``training.draft_data``.
 
 Loss per head output h at position p (the target's features f, its LM head W restricted to the
 draft vocabulary V_K):
@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from ..errors import TierspecError
 from ..models import LoadedModel
 from ..util import atomic_write
-from .data import DraftDataError, check_data_model
-from .head import DraftHead
+from .draft_data import DraftDataError, check_data_model
+from ..heads.draft import DraftHead
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     bf16: bool = True  # matmuls in bfloat16 autocast (fp32 master weights)
     # Target layers fused into the head's input (EAGLE-3); None = every layer the data stores
-    # (``eagle.data.aux_layers``: layer 1 and the middle layer).
+    # (``training.draft_data.aux_layers``: layer 1 and the middle layer).
     feature_layers: tuple[int, ...] | None = None
     seed: int = 0
 

@@ -13,7 +13,7 @@ a different way into the same text ("It's" for "It is", a comma the target write
 later); accepting it changes a few tokens, not what the answer says. Otherwise it is harmful:
 the target, given d, goes somewhere else.
 
-Written in the judge JSONL format (``judge.data``): the response is the target's text up to i,
+Written in the judge JSONL format (``training.judge_data``): the response is the target's text up to i,
 then d and the target's continuation from d; a harmful mismatch sets ``mistake_offset`` to the
 draft token's first character, a harmless one leaves it null (all its tokens are positive).
 """
@@ -30,7 +30,7 @@ from ..cached_model import CachedModel
 from ..errors import TierspecError
 from ..models import LoadedModel
 from ..util import atomic_write_text
-from .data import JudgeExample
+from .judge_data import JudgeExample
 
 
 def rejoins(original: list[int], alternative: list[int], window: int = 8, match: int = 3) -> bool:
@@ -66,7 +66,7 @@ def find_mismatches(target: LoadedModel, head, prompt_ids: torch.Tensor, config:
                     eos: set[int]) -> tuple[list[int], list[tuple[int, int]]]:
     """The target's greedy answer and the (position, draft token) pairs where the head's first
     draft, from the target's features, differs from the answer's token."""
-    from ..eagle.head import HeadRunner
+    from ..heads.draft import HeadRunner
 
     answer = _greedy(target, prompt_ids, config.answer_tokens, eos)
     sequence = torch.cat([prompt_ids, torch.tensor(answer, dtype=torch.long)])
@@ -131,7 +131,7 @@ def mismatch_prompts(count: int, data_dir: Path | None = None, seed: int = 0) ->
     """Training prompts for mismatch data: the draft head's own training mix (GSM8K train, WMT14
     and CNN/DM items Spec-Bench does not use, XSum, synthesised), never Spec-Bench, MT-Bench or
     HumanEval questions."""
-    from ..eagle.prompts import training_items
+    from .draft_prompts import training_items
 
     own, _ = training_items(data_dir, seed=seed + 101)
     rng = random.Random(seed)

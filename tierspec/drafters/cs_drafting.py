@@ -27,7 +27,7 @@ from .base import Drafter, Proposal, always
 from .ngram import NgramDrafter
 
 
-class CascadeDrafter(Drafter):
+class CsDrafter(Drafter):
     def __init__(self, model: torch.nn.Module, vocab_size: int, ngram: NgramDrafter | None = None,
                  model_positions: int = 3, inner_draft: int = 3):
         if model_positions < 1 or inner_draft < 0:

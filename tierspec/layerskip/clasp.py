@@ -30,9 +30,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .errors import TierspecError
-from .llama import slot_mask
-from .routing import RoutingMask, decoder_layers, model_lock
+from ..errors import TierspecError
+from ..llama import slot_mask
+from .masks import RoutingMask, decoder_layers, model_lock
 
 #: apply(u, states [R, H]) → states [R, H] after unit u (every row on its own).
 ApplyUnit = Callable[[int, torch.Tensor], torch.Tensor]

@@ -11,7 +11,7 @@ x_t the token at t, E the target's embedding, W_lm its LM head. At position t th
 
 ``layer`` is ``tierspec.llama``'s decoder layer (RMSNorm, rotary grouped-query attention, SwiGLU
 MLP) with the target's shapes, initialised from the target's last layer; ``norm`` is a copy of the
-target's final norm. The same layer runs in training (a batch, ``eagle.train``) and in drafting
+target's final norm. The same layer runs in training (a batch, ``training.draft_train``) and in drafting
 (``HeadRunner``, over a ``llama.KVLayer`` like every target layer's). Drafting feeds f_t from the
 target for committed positions and the head's own h for the positions after them. Tokens outside
 V_K have draft probability 0; verification stays over the full vocabulary, so the exact rule
@@ -42,7 +42,7 @@ from ..identity import ModelIdentity
 from ..kernels import FewRowLinear, few_row_linear
 from ..llama import DecoderLayer, KVLayer, PassLayout, RMSNorm, RotaryTable, has_projections, projection_weights, slot_mask
 from ..models import LoadedModel, output_vocabulary_size
-from ..routing import decoder_layers
+from ..layerskip.masks import decoder_layers
 from ..util import atomic_write, atomic_write_text
 
 HEAD_FORMAT = "tierspec-draft-head"
@@ -206,7 +206,7 @@ class DraftHead(torch.nn.Module):
                 mask: torch.Tensor, keys: int) -> torch.Tensor:
         """h [B, T, H] for inputs g [B, T, H] (target or self-fed) and x_next [B, T] at rotary
         ``positions`` [T]: W_fc [g ; E(x_next)], then the decoder layer (its keys and values
-        appended to ``cache``: drafting's ``KVLayer`` or training's ``eagle.train.StepKeys``;
+        appended to ``cache``: drafting's ``KVLayer`` or training's ``training.draft_train.StepKeys``;
         attending over the cache's first ``keys`` slots with ``mask`` [T, keys], all queries in one
         call), then the final norm."""
         with torch.no_grad():

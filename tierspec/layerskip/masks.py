@@ -24,9 +24,9 @@ from typing import Iterator
 
 import torch
 
-from .errors import TierspecError
-from .identity import ModelIdentity
-from .util import atomic_write_text
+from ..errors import TierspecError
+from ..identity import ModelIdentity
+from ..util import atomic_write_text
 
 UNITS = ("layer", "sublayer")
 MASK_FORMAT = "tierspec-routing-mask"

@@ -49,7 +49,7 @@ def mixture(draft: torch.Tensor, target: torch.Tensor, defer: torch.Tensor) -> t
     return (1 - d) * draft + d * target
 
 
-class CascadeRule(VerificationRule):
+class SpeculativeCascadeRule(VerificationRule):
     name = "cascade"
 
     def __init__(self, deferral: str = "opt", alpha: float = 0.1):

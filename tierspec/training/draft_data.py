@@ -39,7 +39,7 @@ from ..identity import ModelIdentity
 from ..models import LoadedModel, model_code
 from ..prompting import prompt_ids
 from ..util import atomic_write, atomic_write_text
-from .prompts import TrainingItem, training_items
+from .draft_prompts import TrainingItem, training_items
 
 DATA_FORMAT = "tierspec-eagle-data"
 

@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..api import encode_prompt
+from ..prompting import encode_prompt
 from ..cached_model import HiddenCapture
 from ..errors import TierspecError
 from ..models import LoadedModel
-from .data import JudgeExample, read_judge_data, token_labels
-from .head import JudgeHead, judge_features
+from .judge_data import JudgeExample, read_judge_data, token_labels
+from ..heads.judge import JudgeHead, judge_features
 
 
 @dataclass
@@ -220,7 +220,7 @@ def train_judge(target: LoadedModel, data_path: Path, kind: str = "hidden+logpro
         train_scores = head.probability(tokens.features[~is_val])
         head.threshold = choose_threshold(train_scores[tokens.labels[~is_val] == 0].tolist(), max_mistake_acceptance)
     else:
-        from .mismatches import choose_operating_point, draft_token_scores, operating_curve
+        from .judge_mismatches import choose_operating_point, draft_token_scores, operating_curve
 
         scores = head.probability(tokens.features)
         harmless, harmful = draft_token_scores(tokens, scores, "val")

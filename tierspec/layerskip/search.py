@@ -28,11 +28,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .errors import TierspecError
-from .mask_proposals import ComputeBudget, Evaluation, next_keep
-from .models import LoadedModel
-from .routing import RoutingMask, apply_mask
-from .util import atomic_write_text
+from ..errors import TierspecError
+from .candidates import ComputeBudget, Evaluation, next_keep
+from ..models import LoadedModel
+from .masks import RoutingMask, apply_mask
+from ..util import atomic_write_text
 
 OBJECTIVES = ("kl", "agreement")
 
@@ -72,7 +72,7 @@ class Calibration:
 def window_logits(model: torch.nn.Module, calibration: Calibration, mask: RoutingMask | None) -> torch.Tensor:
     """Logits [B·τ, V] predicting the window tokens, one cache-free batched pass."""
     if calibration.sources is not None:  # the decoder against each source (routing covers decoder units only)
-        from .seq2seq import window_logits as decoder_window_logits
+        from ..seq2seq import window_logits as decoder_window_logits
 
         return decoder_window_logits(model, calibration.sources, calibration.sequences, calibration.window, mask)
     with torch.inference_mode(), apply_mask(model, mask):
@@ -81,44 +81,6 @@ def window_logits(model: torch.nn.Module, calibration: Calibration, mask: Routin
         logits = model(input_ids=calibration.sequences.to(device), use_cache=False,
                        logits_to_keep=calibration.window + 1).logits
     return logits[:, :-1].reshape(-1, logits.shape[-1]).float().cpu()
-
-
-def build_calibration(
-    target: LoadedModel,
-    prompts: list[str],
-    context_tokens: int = 32,
-    window: int = 32,
-    progress: bool = True,
-) -> Calibration:
-    """Greedy-continue each prompt by ``window`` tokens with the target (the lossless ``pld``
-    method, so exactly the target's greedy text); keep the last ``context_tokens`` prompt
-    tokens + the continuation. Prompts whose continuation ends early are skipped.
-
-    An encoder–decoder target (``seq2seq``): each prompt is a source for the encoder, and its
-    row is the decoder start token + the target's greedy continuation (the routed units are the
-    decoder's)."""
-    from tqdm.auto import tqdm
-
-    from .api import generate
-    from .prompting import encode_prompt
-    from .seq2seq import decoder_start, is_encoder_decoder
-
-    seq2seq = is_encoder_decoder(target.model)
-    rows, sources = [], []
-    for text in tqdm(prompts, desc="calibration text", disable=not progress):
-        out = generate(text, target=target, method="pld", max_new_tokens=window)
-        if len(out.token_ids) < window:
-            continue
-        prompt_ids = encode_prompt(target, text)
-        if seq2seq:
-            sources.append(prompt_ids)
-            rows.append(decoder_start(target.model).tolist() + out.token_ids[:window])
-        elif len(prompt_ids) >= context_tokens:
-            rows.append(prompt_ids.tolist()[-context_tokens:] + out.token_ids[:window])
-    if not rows:
-        raise TierspecError("no calibration sequence could be built: every prompt ended before the window filled")
-    calibration = Calibration(torch.tensor(rows), window, sources=sources if seq2seq else None)
-    return with_target_scores(target.model, calibration)
 
 
 def with_target_scores(model: torch.nn.Module, calibration: Calibration) -> Calibration:
@@ -217,7 +179,7 @@ def search_mask(
     if config.ratio_by == "compute":
         # ``unit_costs`` (``costs.UnitCosts``): measured on this machine unless given (tests).
         if unit_costs is None:
-            from .costs import unit_costs as measured_unit_costs
+            from ..costs import unit_costs as measured_unit_costs
 
             unit_costs = measured_unit_costs(target)
         weights = tuple(unit_costs.unit_share(kind) for kind, _ in eligible)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from ..models import LoadedModel
 
-HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"
+HEADS_DIR = Path(__file__).resolve().parent  # the head files lie beside this module
 _LOADED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -29,7 +29,7 @@ def shipped_head_path(target: LoadedModel) -> Path | None:
 
 def shipped_head(target: LoadedModel):
     """The shipped ``DraftHead`` for ``target`` (loaded once per model instance), or None."""
-    from .head import DraftHead
+    from .draft import DraftHead
 
     cached = _LOADED.get(target.model)
     if cached is not None:
