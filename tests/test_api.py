@@ -121,7 +121,7 @@ def test_the_detokeniser_drops_a_character_cut_at_the_end(smollm):
     cut_inside = 0
     for cut in range(1, len(ids) + 1):
         detok = IncrementalDetokenizer(tokenizer)
-        text = "".join(detok.add([token], final=i == cut - 1) for i, token in enumerate(ids[:cut]))
+        text = "".join(detok.add(ids[: i + 1], final=i == cut - 1) for i in range(cut))
         whole = tokenizer.decode(ids[:cut])
         cut_inside += whole.endswith("\ufffd")
         assert text == whole.rstrip("\ufffd") and "\ufffd" not in text

@@ -7,7 +7,8 @@ from conftest import as_method, run_ids
 from tierspec.cached_model import CachedModel, PassResult
 from tierspec.decode import DecodeConfig, DecodeRun, decode
 from tierspec.errors import PromptError
-from tierspec.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, Proposal
+from tierspec.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
+from tierspec.proposal import Proposal
 from tierspec.drafters.base import FeatureLog
 from tierspec.layerskip.masks import RoutingMask, decoder_layers
 
@@ -25,10 +26,11 @@ class NeverAgreeingDrafter(Drafter):
         self.reference, self.prompt_length, self.vocab_size = reference, prompt_length, vocab_size
         self.calls = 0
 
-    def propose(self, context, num_tokens, sampling, generator, keep_drafting=None):
+    def propose(self, context, request):
         start = len(context) - self.prompt_length
-        wrong = [(self.reference[i] + 1) % self.vocab_size for i in range(start, min(start + num_tokens, len(self.reference)))]
-        return Proposal(torch.tensor(wrong, dtype=torch.long))
+        end = min(start + request.budget, len(self.reference))
+        wrong = [(self.reference[i] + 1) % self.vocab_size for i in range(start, end)]
+        return Proposal.chain(torch.tensor(wrong, dtype=torch.long))
 
 
 @pytest.fixture(scope="module")
@@ -136,8 +138,8 @@ def test_the_verifiers_own_the_committed_sequence(tiny_target, prompt_ids):
     def inspect(verifiers, drafter):
         with pytest.raises(AttributeError):
             verifiers.context = verifiers.context[:1]  # the loop commits through verifiers.commit only
-        with pytest.raises(ValueError, match="only a tree pass's"):
-            verifiers.commit([1], tree_path=[0])  # no tree pass is awaiting a verdict
+        with pytest.raises(ValueError, match="no verifier pass awaits a verdict"):
+            verifiers.commit([1], [0])  # committed already: nothing awaits
         commits.append(verifiers.context.clone())
 
     tokens = run_ids(tiny_target, as_method(NgramDrafter(3), num_draft=4), prompt_ids, 12, inspect=inspect)

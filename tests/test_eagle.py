@@ -112,7 +112,7 @@ def test_a_head_that_is_the_target_is_accepted_throughout(prompt_ids):
     keeps the output identical."""
     target = tiny_llama(seed=5, sharpness=20.0, dtype=torch.float32)
     policy = CostAware(6, cost=lambda k, source="": 46 + 7 * k)
-    hybrid = HybridDrafter(NgramDrafter(3), EagleDrafter(random_head(target)), policy)
+    hybrid = HybridDrafter(NgramDrafter(3), EagleDrafter(random_head(target)))
     reference = run_ids(target, as_method(NoDrafter()), prompt_ids, 40)
     assert run_ids(target, as_method(hybrid, policy=policy), prompt_ids, 40) == reference
 

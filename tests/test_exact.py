@@ -8,11 +8,11 @@ import torch
 from scipy.stats import chi2
 
 from tierspec.decode import DecodeConfig, decode
-from tierspec.drafters import ModelDrafter, Proposal
+from tierspec.drafters import ModelDrafter
+from tierspec.proposal import Proposal, Scores, Walk
 from tierspec.rules import ExactRule
-from tierspec.rules.common import acceptance_walk
-from tierspec.rules.exact import acceptance_probability, exact_walk
 from tierspec.sampling import Noise, SamplingConfig, logits_to_probs, residual_distribution
+from tierspec.walks import acceptance_probability, acceptance_walk, exact_walk
 
 
 def exact_one_step_distribution(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -45,15 +45,15 @@ def test_acceptance_probability_cases():
 
 
 def greedy(draft, logits):
-    return exact_walk(Proposal(torch.tensor(draft, dtype=torch.long)), logits, SamplingConfig(), None)
+    return exact_walk(Proposal.chain(torch.tensor(draft, dtype=torch.long)), logits, SamplingConfig(), None)
 
 
 def test_greedy_exact_walk_block_cases():
     logits = torch.tensor([[0, 5.0, 0], [5.0, 0, 0], [0, 0, 5.0], [0, 5.0, 0]])  # argmax 1, 0, 2, 1
-    assert greedy([1, 0, 2], logits) == (3, 1)  # accepts all, bonus argmax
-    assert greedy([1, 2, 2], logits) == (1, 0)  # rejects at 1, correction 0
-    assert greedy([0, 0, 2], logits) == (0, 1)  # rejects first
-    assert greedy([], logits[:1]) == (0, 1)  # empty draft = AR
+    assert greedy([1, 0, 2], logits) == Walk([0, 1, 2], 1)  # accepts all, bonus argmax
+    assert greedy([1, 2, 2], logits) == Walk([0], 0)  # rejects at 1, correction 0
+    assert greedy([0, 0, 2], logits) == Walk([], 1)  # rejects first
+    assert greedy([], logits[:1]) == Walk([], 1)  # empty draft = AR
 
 
 @pytest.mark.parametrize("sampling_rule", ["coupled", "residual"])
@@ -63,20 +63,20 @@ def test_sampled_exact_walk_replaces_a_token_the_target_never_draws(sampling_rul
     seen = set()
     for seed in range(20):
         noise = Noise(seed, 3).block(0)
-        accepted, token = exact_walk(Proposal(torch.tensor([0])), logits, SamplingConfig(1.0), noise, sampling_rule)
-        assert accepted == 0 and token in (1, 2)
-        seen.add(token)
+        walk = exact_walk(Proposal.chain(torch.tensor([0])), logits, SamplingConfig(1.0), noise, sampling_rule)
+        assert walk.accepted == 0 and walk.next_token in (1, 2)
+        seen.add(walk.next_token)
     assert seen == {1, 2}
 
 
 def test_acceptance_walk_keeps_in_order_and_stops_at_the_first_rejection():
     calls = []
     walk = acceptance_walk(4, torch.tensor([1.0, 1.0, 0.0, 1.0]), lambda i, passed: calls.append(i) or 7, lambda: 9, None)
-    assert walk == (2, 7) and calls == [2]  # accepts, accepts, rejects (replacement drawn there)
-    assert acceptance_walk(2, torch.tensor([1.0, 1.0]), lambda i, passed: 7, lambda: 9, None) == (2, 9)  # bonus
+    assert walk == Walk([0, 1], 7) and calls == [2]  # accepts, accepts, rejects (replacement drawn there)
+    assert acceptance_walk(2, torch.tensor([1.0, 1.0]), lambda i, passed: 7, lambda: 9, None) == Walk([0, 1], 9)  # bonus
     # a keep() override (Judge Decoding's OR) sees the coin's verdict
     assert acceptance_walk(3, torch.tensor([0.0, 0.0, 0.0]), lambda i, passed: 5, lambda: 9, None,
-                           keep=lambda i, passed: i < 2) == (2, 5)
+                           keep=lambda i, passed: i < 2) == Walk([0, 1], 5)
 
 
 def first_token_counts(target, drafter, prompt, runs: int, sampling_rule: str) -> torch.Tensor:
@@ -177,21 +177,11 @@ def test_the_coupled_walk_emits_the_targets_perturbed_argmax_whatever_was_drafte
         y = (q.log() + noise.gumbels(4)).argmax(-1)  # the target's tokens, written out
         other = [(int(y[0]) + 1) % 4, 0, 0], [int(y[0]), (int(y[1]) + 1) % 4, 0]  # rejected first / second
         for draft in ([], y[:1].tolist(), y[:3].tolist(), *other):
-            accepted, token = exact_walk(Proposal(torch.tensor(draft, dtype=torch.long)), q[: len(draft) + 1].log(),
-                                         SamplingConfig(1.0), noise, "coupled")
-            emitted = draft[:accepted] + [token]
+            walk = exact_walk(Proposal.chain(torch.tensor(draft, dtype=torch.long)), q[: len(draft) + 1].log(),
+                              SamplingConfig(1.0), noise, "coupled")
+            accepted, emitted = walk.accepted, draft[: walk.accepted] + [walk.next_token]
             assert emitted == y[: len(emitted)].tolist()  # accepts exactly the drafts equal to y
             assert accepted == len(draft) or draft[accepted] != int(y[accepted])  # rejects the first that differs
-
-
-class FixedTarget:
-    """Verifiers that serve fixed target rows (one per block position)."""
-
-    def __init__(self, rows: torch.Tensor):
-        self.rows = rows
-
-    def target_logits(self, tokens):
-        return self.rows[: len(tokens) + 1].log().float()
 
 
 @pytest.mark.parametrize("sampling_rule, lossless", [("coupled", True), ("residual", False)])
@@ -208,8 +198,9 @@ def test_a_policy_that_peeks_at_the_draft_cannot_bias_the_coupled_rule(sampling_
     for seed in range(20000):
         noise = Noise(seed, 4).block(0)
         x = noise.token(0, p)  # the drafter's draw, with the token noise as in the loop
-        proposal = Proposal(torch.tensor([x]), p[None]) if x != 0 else Proposal.empty()
-        verdict = rule.verify(FixedTarget(torch.stack([q, q])), proposal, SamplingConfig(1.0), noise)
+        proposal = Proposal.chain(torch.tensor([x]), p[None]) if x != 0 else Proposal.empty()
+        rows = torch.stack([q, q])[: len(proposal) + 1].log().float()  # the target's fixed rows
+        verdict = rule.decide(proposal, Scores(rows), SamplingConfig(1.0), noise)
         counts[x if verdict.accepted else verdict.next_token] += 1
     assert (chi_square_p_value(counts, q.double()) > 1e-3) is lossless
     if not lossless:

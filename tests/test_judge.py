@@ -5,9 +5,10 @@ import random
 import pytest
 import torch
 
-from tierspec.cached_model import PassResult
 from tierspec.decode import DecodeConfig, decode
-from tierspec.drafters import ModelDrafter, Proposal
+from tierspec.drafters import ModelDrafter
+from tierspec.proposal import Proposal, Scores
+from tierspec.rules.judge import JudgeBlock
 from tierspec.identity import ModelIdentity
 from tierspec.training.judge_data import (
     JudgeDataError,
@@ -150,15 +151,8 @@ def test_head_round_trip_and_refusal_on_another_model(tmp_path):
     ],
 )
 def test_kappa_is_the_longer_leading_run(sd, judge, expected):
-    assert judge_block(torch.tensor(sd, dtype=torch.bool), torch.tensor(judge, dtype=torch.bool)) == expected
-
-
-class StubVerifiers:
-    def __init__(self, logits, hidden):
-        self.logits, self.hidden = logits, hidden
-
-    def target_pass(self, tokens, with_hidden=False):
-        return PassResult(self.logits, self.hidden if with_hidden else None)
+    block = judge_block(torch.tensor(sd, dtype=torch.bool), torch.tensor(judge, dtype=torch.bool))
+    assert block == JudgeBlock(*expected[:2]) and block.kept == expected[2]
 
 
 def sign_head(threshold=0.5):
@@ -172,7 +166,9 @@ def greedy_block(draft, argmax, judge_signs):
     logits[torch.arange(len(draft) + 1), torch.tensor(argmax)] = 5.0
     hidden = torch.zeros(len(draft) + 1, 2)
     hidden[1:, 0] = torch.tensor(judge_signs, dtype=torch.float)  # row i+1 is draft token i's position
-    verdict = JudgeRule(sign_head()).verify(StubVerifiers(logits, hidden), Proposal(torch.tensor(draft)), SamplingConfig(), None)
+    rule = JudgeRule(sign_head())
+    assert rule.reads_hidden  # the loop's pass returns the hidden states it reads
+    verdict = rule.decide(Proposal.chain(torch.tensor(draft)), Scores(logits, hidden), SamplingConfig(), None)
     return verdict.accepted, verdict.next_token
 
 

@@ -129,4 +129,4 @@ def test_methods_built_on_one_model_share_its_forward_cost_table(tiny_target):
     read-back runs a timed spot check, is read once per model, not once per method."""
     first = build_method("adaptive-pld", tiny_target, options=MethodOptions(num_draft=2))
     second = build_method("adaptive-pld", tiny_target, options=MethodOptions(num_draft=7))
-    assert first.forward_costs is not None and first.forward_costs is second.forward_costs
+    assert first.policy.pass_costs is not None and first.policy.pass_costs is second.policy.pass_costs

@@ -3,6 +3,8 @@
 import numpy as np
 import torch
 
+from conftest import draft_request
+
 from tierspec.drafters import NgramDrafter
 from tierspec.sampling import SamplingConfig
 
@@ -33,12 +35,12 @@ def test_continuation_truncated_at_context_end():
 
 
 def test_no_match_gives_empty_proposal():
-    proposal = NgramDrafter(3).propose(torch.tensor([1, 2, 3, 4]), 4, SamplingConfig(), None)
+    proposal = NgramDrafter(3).propose(torch.tensor([1, 2, 3, 4]), draft_request(4))
     assert len(proposal) == 0 and proposal.draft_probs is None
 
 
 def test_budget_caps_the_block_and_tokens_carry_their_match_size():
-    proposal = NgramDrafter(2).propose(torch.tensor([1, 2, 3, 4, 5, 1, 2]), 2, SamplingConfig(), None)
+    proposal = NgramDrafter(2).propose(torch.tensor([1, 2, 3, 4, 5, 1, 2]), draft_request(2))
     assert proposal.tokens.tolist() == [3, 4]
     assert proposal.match_sizes == [2, 2] and proposal.source == "ngram"
     assert NgramDrafter(3).lookup(np.array([2, 7, 4, 2]), 2)[1] == 1  # fell back to a 1-gram match

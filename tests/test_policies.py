@@ -8,7 +8,8 @@ import torch
 from conftest import as_method, run_ids
 
 from tierspec.drafters import ModelDrafter, NgramDrafter, NoDrafter
-from tierspec.drafters.base import Drafter, Proposal
+from tierspec.drafters.base import Drafter
+from tierspec.proposal import Proposal, Verdict
 from tierspec.policies import (
     AcceptanceEstimate,
     ConfidenceStop,
@@ -81,16 +82,33 @@ def test_acceptance_estimate_learns_and_forgets():
 
 def test_cost_aware_learns_from_each_evaluated_position_only():
     policy = CostAware(6, cost=cost)
-    proposal = Proposal(torch.tensor([1, 2, 3, 4]), match_sizes=[3] * 4, source="ngram")
+    proposal = Proposal.chain(torch.tensor([1, 2, 3, 4]), match_sizes=[3] * 4, source="ngram")
     keys = policy.keys(proposal, 4)
     assert keys == [MatchKey("ngram", 3, False)] * 4
     # 2 accepted, the 3rd rejected, the 4th never evaluated: 2 successes, 1 failure.
-    policy.observe(CycleOutcome(keys, 2, 4, "ngram"))
+    policy.observe(CycleOutcome(proposal, proposal, Verdict.chain(2, 9, [])))
     estimate = policy.acceptance[MatchKey("ngram", 3, False)]
     assert (estimate.successes, estimate.failures) == (2.0, 1.0)
     assert policy.streak is False
-    policy.observe(CycleOutcome(policy.keys(proposal, 2), 2, 2, "ngram"))
+    two = proposal.prefix(2)
+    policy.observe(CycleOutcome(two, two, Verdict.chain(2, 9, [])))
     assert policy.streak is True
+
+
+def test_the_first_token_cut_off_is_scored_by_the_bonus_token():
+    """After a fully accepted block the target's bonus token tells whether the first drafted token
+    the policy cut would have been kept: counted for its key (here: the same match size)."""
+    policy = CostAware(6, cost=cost)
+    drafted = Proposal.chain(torch.tensor([1, 2, 3]), match_sizes=[3] * 3, source="ngram")
+    policy.observe(CycleOutcome(drafted, drafted.prefix(1), Verdict.chain(1, 2, [])))  # bonus 2 = the cut draft
+    cold = policy.acceptance[MatchKey("ngram", 3, False)]
+    assert (cold.successes, cold.failures) == (2.0, 0.0) and policy.streak  # the kept draft and the cut one
+    policy.observe(CycleOutcome(drafted, drafted.prefix(1), Verdict.chain(1, 7, [])))  # bonus 7: it would have failed
+    warm = policy.acceptance[MatchKey("ngram", 3, True)]  # the block before was accepted whole
+    assert (warm.successes, warm.failures) == (1.0, 1.0)
+    policy.observe(CycleOutcome(drafted, drafted.prefix(1), Verdict.chain(0, 7, [])))  # rejected: the cut tells nothing
+    assert (warm.successes, warm.failures) == (pytest.approx(policy.decay), pytest.approx(policy.decay + 1))
+    assert (cold.successes, cold.failures) == (2.0, 0.0) and not policy.streak
 
 
 def test_trim_only_chooses_and_observe_learns():
@@ -99,21 +117,22 @@ def test_trim_only_chooses_and_observe_learns():
     policy = CostAware(4, cost=cost)
     key = MatchKey("ngram", 3, False)
     policy._estimate(key).update(0, 10, 1.0)
-    proposal = Proposal(torch.tensor([1, 2]), match_sizes=[3, 3], source="ngram")
+    proposal = Proposal.chain(torch.tensor([1, 2]), match_sizes=[3, 3], source="ngram")
     assert policy.trim(proposal) == policy.trim(proposal) == 0  # rarely accepted: not worth a draft
     assert (policy.acceptance[key].successes, policy.acceptance[key].failures) == (0.0, 10.0)
     assert policy.source_rate("ngram") is None
-    policy.observe(CycleOutcome([], 0, 0, "ngram", cut_key=key, cut_accepted=None))
-    assert policy.acceptance[key].failures == pytest.approx(10 * policy.idle_decay)
+    # nothing verified; the target's token (9) is not the first draft (1): the cut one would have failed
+    policy.observe(CycleOutcome(proposal, proposal.prefix(0), Verdict.chain(0, 9, [])))
+    assert policy.acceptance[key].failures == pytest.approx(10 * policy.idle_decay * policy.decay + 1)
     assert policy.source_rate("ngram") == 1 / cost(0)
 
 
 def test_keys_are_typed_by_what_the_drafter_knew():
     policy = CostAware(4, cost=cost)
-    sampled = Proposal(torch.tensor([1, 2]), confidence=torch.tensor([0.97, 0.5]), source="head")
+    sampled = Proposal.chain(torch.tensor([1, 2]), confidence=torch.tensor([0.97, 0.5]), source="head")
     assert policy.keys(sampled, 2) == [ConfidenceKey("head", 5, True), ConfidenceKey("head", 2, False)]
     assert ConfidenceKey("head", 5, True).prior == pytest.approx(0.975) and MatchKey("ngram", 2, True).prior == 0.5
-    assert policy.keys(Proposal(torch.tensor([4]), source="model"), 1) == [SourceKey("model", False)]
+    assert policy.keys(Proposal.chain(torch.tensor([4]), source="model"), 1) == [SourceKey("model", False)]
 
 
 def test_keep_drafting_stops_when_no_longer_draft_can_pay():
@@ -136,7 +155,7 @@ def test_keep_drafting_scores_unseen_tokens_at_the_pooled_later_acceptance(later
 
 def test_confidence_stop_cuts_before_the_first_unsure_token():
     policy = ConfidenceStop(5, 0.5)
-    proposal = Proposal(torch.tensor([1, 2, 3]), confidence=torch.tensor([0.9, 0.4, 0.95]))
+    proposal = Proposal.chain(torch.tensor([1, 2, 3]), confidence=torch.tensor([0.9, 0.4, 0.95]))
     assert policy.trim(proposal) == 1
     assert policy.keep_drafting([0.9]) and not policy.keep_drafting([0.9, 0.4])
 
@@ -173,8 +192,8 @@ def test_cost_aware_drafts_long_where_drafts_keep_being_right(tiny_target, promp
 
 
 class Wrong(Drafter):
-    def propose(self, context, num_tokens, sampling, generator, keep_drafting=None):
-        return Proposal(torch.full((num_tokens,), 63, dtype=torch.long))
+    def propose(self, context, request):
+        return Proposal.chain(torch.full((request.budget,), 63, dtype=torch.long))
 
 
 def test_cost_aware_stops_drafting_where_drafts_are_always_wrong(tiny_target, prompt_ids):
@@ -191,7 +210,8 @@ def test_a_new_generation_starts_from_the_priors():
     serves every request; the same seed must give the same text whatever ran before)."""
     policy = CostAware(4, cost=cost)
     policy._estimate(MatchKey("ngram", 3, False)).update(4, 0, 1.0)
-    policy.observe(CycleOutcome([MatchKey("ngram", 3, False)] * 2, 2, 2, "ngram"))
+    matched = Proposal.chain(torch.tensor([1, 2]), match_sizes=[3, 3], source="ngram")
+    policy.observe(CycleOutcome(matched, matched, Verdict.chain(2, 9, [])))
     assert policy.acceptance and policy.streak and policy.source_rate("ngram") is not None
     policy.start()
     assert policy.acceptance == {} and not policy.streak and policy.source_rate("ngram") is None
@@ -211,7 +231,7 @@ def test_padded_verification_is_lossless_and_keeps_the_cache_invariant(tiny_targ
         committed = len(verifiers.context)
         assert verifiers.runner.length == committed - 1 and set(verifiers.runner.layer_lengths()) == {committed - 1}
 
-    method = as_method(NgramDrafter(3), num_draft=3, forward_costs=table)
+    method = as_method(NgramDrafter(3), num_draft=3, pass_costs=table)
     assert run_ids(tiny_target, method, prompt_ids, 60, inspect=inspect) == reference
 
 

@@ -155,7 +155,7 @@ def test_stream_pieces_join_to_the_text_across_multibyte_characters(smollm):
     ids = smollm.tokenizer(text, add_special_tokens=False)["input_ids"]
     assert len(ids) > len(text.split())  # multi-token characters are present
     detok = IncrementalDetokenizer(smollm.tokenizer)
-    pieces = [detok.add([token], final=(i == len(ids) - 1)) for i, token in enumerate(ids)]
+    pieces = [detok.add(ids[: i + 1], final=(i == len(ids) - 1)) for i in range(len(ids))]
     assert "".join(pieces) == smollm.tokenizer.decode(ids) == text
     assert not any("\ufffd" in piece for piece in pieces)
 

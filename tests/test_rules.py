@@ -6,17 +6,19 @@ import torch
 from conftest import as_method, run_ids
 from scipy.stats import chi2
 
+from tierspec.cached_model import CachedModel
 from tierspec.decode import DecodeConfig, decode
-from tierspec.drafters import ModelDrafter, NgramDrafter, NoDrafter, Proposal
+from tierspec.drafters import ModelDrafter, NgramDrafter, NoDrafter
 from tierspec.drafters.self_spec import SelfSpeculativeDrafter
 from tierspec.layerskip.masks import RoutingMask
-from tierspec.rules import ExactRule
+from tierspec.proposal import Proposal, Scores
+from tierspec.rules import ExactRule, ScoreRule
 from tierspec.rules.bild import BildRule, bild_keep
-from tierspec.rules.speculative_cascades import SpeculativeCascadeRule, deferral_bits, mixture
-from tierspec.rules.exact import acceptance_probability
 from tierspec.rules.lossy import LossyRule, lossy_acceptance
+from tierspec.rules.speculative_cascades import SpeculativeCascadeRule, deferral_bits, mixture
 from tierspec.rules.via import ViaRule, via_mixture
 from tierspec.sampling import Noise, SamplingConfig, residual_distribution
+from tierspec.walks import acceptance_probability
 
 P = torch.tensor([0.6, 0.25, 0.1, 0.05], dtype=torch.float64)  # drafter
 Q_SLIM = torch.tensor([0.3, 0.5, 0.15, 0.05], dtype=torch.float64)  # slim verifier
@@ -84,19 +86,28 @@ def test_via_one_step_distribution_is_pi(delta1, delta2):
 # ---- the rules' own sampling code, driven by fixed distributions ---------------------------------
 
 class StubVerifiers:
-    """Serves fixed target / slim distributions for a one-token block."""
+    """Verifier tiers (``rules.base.VerifierTiers``) serving fixed target / slim distributions for
+    a one-token block."""
 
     def __init__(self, target, slim=None):
         self.target_rows, self.slim_rows = target, slim
         self.target_lag = 0
         self.full_calls = 0
 
-    def target_logits(self, tokens):
+    def target(self, proposal, with_hidden=False):
         self.full_calls += 1
-        return torch.log(self.target_rows).float()
+        return Scores(torch.log(self.target_rows).float())
 
-    def slim_logits(self, tokens):
-        return torch.log(self.slim_rows).float()
+    def slim(self, proposal):
+        return Scores(torch.log(self.slim_rows).float())
+
+
+def verdict_of(rule, tiers, proposal, sampling, noise):
+    """What the loop does with a rule: hand a rule of scores the target's rows, let a tiered rule
+    call its tiers."""
+    if isinstance(rule, ScoreRule):
+        return rule.decide(proposal, tiers.target(proposal, rule.reads_hidden), sampling, noise)
+    return rule.verify(tiers, proposal, sampling, noise)
 
 
 def sampled_first_tokens(rule, p, target_rows, slim_rows=None, runs=20000, seed=0):
@@ -107,9 +118,9 @@ def sampled_first_tokens(rule, p, target_rows, slim_rows=None, runs=20000, seed=
     sampling = SamplingConfig(temperature=1.0)
     for run in range(runs):
         x = torch.multinomial(p.float(), 1, generator=generator)
-        proposal = Proposal(x, p.float()[None], torch.log(p.float())[None])
+        proposal = Proposal.chain(x, p.float()[None], torch.log(p.float())[None])
         noise = Noise(run, p.shape[-1]).block(0)
-        verdict = rule.verify(StubVerifiers(target_rows, slim_rows), proposal, sampling, noise)
+        verdict = verdict_of(rule, StubVerifiers(target_rows, slim_rows), proposal, sampling, noise)
         counts[int(x) if verdict.accepted else verdict.next_token] += 1
     return counts
 
@@ -153,8 +164,8 @@ def test_rule_sampling_matches_its_one_step_distribution(rule, expected):
 def test_via_skips_the_target_when_slim_is_confident():
     rule = ViaRule(alpha1=0.2, alpha2=0.6, max_target_lag=100)
     stub = StubVerifiers(torch.stack([Q, Q]).float(), torch.stack([Q_SLIM, Q_SLIM]).float())
-    rule.verify(stub, Proposal(torch.tensor([1]), P.float()[None], torch.log(P.float())[None]), SamplingConfig(1.0),
-                Noise(0, 4).block(0))
+    rule.verify(stub, Proposal.chain(torch.tensor([1]), P.float()[None], torch.log(P.float())[None]),
+                SamplingConfig(1.0), Noise(0, 4).block(0))
     assert stub.full_calls == 0
 
 
@@ -229,17 +240,68 @@ def test_via_calls_the_target_where_the_slim_verifier_is_unsure(tiny_target, pro
     "rule", [ExactRule(), LossyRule(0.3), BildRule(2.0), SpeculativeCascadeRule("opt", 0.2), SpeculativeCascadeRule("chow", 0.3), ViaRule(0.5, 0.3, 8)],
     ids=["exact", "lossy", "bild", "cascade-opt", "cascade-chow", "via"],
 )
-def test_drafter_rule_matrix_runs(tiny_target, tiny_drafter, prompt_ids, kind, rule, temperature):
+def test_drafter_rule_matrix_replays_every_verdict_from_fresh_passes(tiny_target, tiny_drafter, prompt_ids, kind, rule,
+                                                                      temperature):
+    """Every cycle of every (drafter, rule) pair, replayed: the rule's verdict on the cycle's
+    proposal from passes of a fresh cache (the target over the whole committed text and the drafts;
+    VIA's slim tier over the same cache state the loop had: full-model KV up to the full target's
+    length, slim KV after it) equals the loop's, the committed tokens are the verdict's, the
+    statistics count them, and the caches keep their invariant. A lossless rule also gives ar's
+    tokens for the seed."""
+    sampling, seed = SamplingConfig(temperature, top_k=40), 0
     drafter = drafters(tiny_target, tiny_drafter)[kind]()
+    mask = MASK if isinstance(rule, ViaRule) else None
+    states = []  # (committed tokens, full target's length, cache length) at the start of each cycle
 
     def inspect(verifiers, drafter):
-        assert verifiers.runner.length <= len(verifiers.context) - 1
-        assert verifiers.full_length <= verifiers.runner.length
+        assert verifiers.full_length <= verifiers.runner.length <= len(verifiers.context) - 1
+        states.append((verifiers.context.clone(), verifiers.full_length, verifiers.runner.length))
 
-    method = as_method(drafter, rule, num_draft=4, slim_mask=MASK if isinstance(rule, ViaRule) else None)
-    out = run_ids(tiny_target, method, prompt_ids, 24, SamplingConfig(temperature, top_k=40),
-                  generator=torch.Generator().manual_seed(0), inspect=inspect)
-    assert len(out) == 24 and all(0 <= t < 64 for t in out)
+    class FreshTiers:
+        """The tiers recomputed from scratch for one cycle."""
+
+        def __init__(self, context, full_length, length):
+            self.context, self.full_length, self.length = context, full_length, length
+            self.target_lag = len(context) - 1 - full_length
+            self.calls = {"target": 0, "slim": 0}
+
+        def target(self, proposal, with_hidden=False):
+            self.calls["target"] += 1
+            tokens = torch.cat([self.context, proposal.tokens])
+            return Scores(CachedModel(tiny_target.model).forward(tokens).logits[-(len(proposal) + 1):])
+
+        def slim(self, proposal):
+            self.calls["slim"] += 1
+            runner = CachedModel(tiny_target.model)
+            runner.forward(self.context[: self.full_length])
+            if self.length > self.full_length:
+                runner.forward(self.context[self.full_length : self.length], mask=mask)
+            rows = runner.forward(torch.cat([self.context[self.length :], proposal.tokens]), mask=mask).logits
+            return Scores(rows[-(len(proposal) + 1):])
+
+    states.append((prompt_ids, len(prompt_ids) - 1, len(prompt_ids) - 1))  # after the prefill
+    steps = []
+    method = as_method(drafter, rule, num_draft=4, slim_mask=mask)
+    out = run_ids(tiny_target, method, prompt_ids, 24, sampling, generator=torch.Generator().manual_seed(seed),
+                  inspect=inspect, on_step=steps.append)
+    assert len(out) == 24
+    replayed = 0
+    for step, (context, full_length, length) in zip(steps, states):
+        tiers = FreshTiers(context, full_length, length)
+        noise = None if sampling.greedy else Noise(seed, tiny_target.vocab_size).block(len(context))
+        with torch.inference_mode():
+            verdict = verdict_of(rule, tiers, step.proposal, sampling, noise)
+        assert (verdict.path, verdict.next_token) == (step.verdict.path, step.verdict.next_token)
+        emitted = step.proposal.tokens[verdict.path].tolist() + [verdict.next_token]
+        assert step.new_tokens == emitted[: len(step.new_tokens)] and step.cycle.accepted == verdict.accepted
+        assert (step.cycle.target_calls, step.cycle.slim_calls) == (tiers.calls["target"], tiers.calls["slim"])
+        assert step.cycle.drafted == len(step.proposal) and step.cycle.drafted <= 4
+        replayed += step.cycle.drafted
+    assert replayed > 0  # drafts were verified, not only plain steps
+    if rule.lossless:
+        reference = run_ids(tiny_target, as_method(NoDrafter()), prompt_ids, 24, sampling,
+                            generator=torch.Generator().manual_seed(seed))
+        assert out == reference
 
 
 def test_cascade_drafter_greedy_equals_ar(tiny_target, tiny_drafter, prompt_ids):

@@ -10,7 +10,7 @@ import json
 
 import pytest
 import torch
-from conftest import as_method, char_tokenizer, run_ids
+from conftest import as_method, char_tokenizer, draft_request, run_ids
 from test_exact import chi_square_p_value, pooled_chi_square_p_value
 from transformers import T5Config, T5ForConditionalGeneration
 
@@ -181,10 +181,10 @@ def test_prompt_lookup_drafts_from_the_source():
     drafter = NgramDrafter(3)
     drafter.set_source(torch.tensor([8, 2, 6, 4, 7, 5, 1]))
     context = torch.tensor([0, 3, 6, 4])  # decoder start, then a suffix [6, 4] that only the source holds
-    proposal = drafter.propose(context, 3, SamplingConfig(), None)
+    proposal = drafter.propose(context, draft_request(3))
     assert proposal.tokens.tolist() == [7, 5, 1] and proposal.match_sizes == [2, 2, 2]
     drafter.set_source(None)  # a decoder-only generation: the context alone
-    assert len(drafter.propose(context, 3, SamplingConfig(), None)) == 0
+    assert len(drafter.propose(context, draft_request(3))) == 0
 
 
 def test_unsupported_methods_and_mixed_families_are_refused(target, drafter):
@@ -210,7 +210,7 @@ def _first_decoder_distribution(model, prefix: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize("sampling_rule", ["coupled", "residual"])
 def test_sampling_on_the_seq2seq_path_matches_the_targets_first_token_distribution(sampling_rule):
-    from tierspec.rules.exact import acceptance_probability
+    from tierspec.walks import acceptance_probability
 
     target = tiny_t5(11, vocab_size=12, layers=2, decoder_layers=2, hidden=16, sharpness=3.0)
     drafter = tiny_t5(12, vocab_size=12, layers=1, decoder_layers=1, hidden=16, sharpness=3.0)

@@ -15,9 +15,11 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from tierspec.cached_model import CachedModel
 from tierspec.errors import TierspecError
 from tierspec.models import load_model
-from tierspec.rules.tree import TreeExactRule, child_trials, match_tree_walk, tree_walk
+from tierspec.proposal import Proposal, Scores, TreeSize, Walk
+from tierspec.rules import ExactRule
 from tierspec.sampling import Noise, SamplingConfig, logits_to_probs
 from tierspec.tree import ROOT, TokenTree, TreeError, tree_pass
+from tierspec.walks import child_trials, match_tree_walk, tree_walk
 
 # ---- the structure ----------------------------------------------------------------------------
 
@@ -34,6 +36,11 @@ def test_continuations_merge_into_a_trie():
     assert torch.equal(again.tokens, tree.tokens) and torch.equal(again.parents, tree.parents)
     chain = TokenTree.chain([7, 7, 8])
     assert chain.parents.tolist() == [ROOT, 0, 1] and chain.paths() == [[7, 7, 8]]
+    assert chain.is_chain and chain.depths.tolist() == [1, 2, 3] and chain.depth == 3 and chain.children(1) == [2]
+    built = TokenTree(torch.tensor([7, 7, 8]), torch.tensor([ROOT, 0, 1]))  # a chain built node by node is one too
+    assert built.is_chain and not tree.is_chain and not TokenTree.from_paths([[1], [2]]).is_chain
+    assert chain.prefix(2).tokens.tolist() == [7, 7] and chain.prefix(2).is_chain
+    assert tree.prefix(4).parents.tolist() == [ROOT, 0, 1, 1] and tree.prefix(9) is tree
     merged = tree.merged(TokenTree.from_paths([[1, 5, 9], [6, 2]]))
     assert merged.paths() == [[1, 2, 3], [1, 2, 4], [1, 5, 9], [6, 2]] and len(merged) == 8
 
@@ -201,6 +208,7 @@ def test_tree_passes_are_refused_on_transformers_modules():
 
 V = 6
 WALK_TREE = TokenTree.from_paths([[0, 1, 2], [0, 3], [1, 1], [4]])  # nodes 0:0 1:1 2:2 3:3 4:1 5:1 6:4
+WALK = Proposal(WALK_TREE)  # deterministic children: no draft rows
 
 
 def planted_probs(sampling: SamplingConfig, seed: int) -> torch.Tensor:
@@ -220,15 +228,16 @@ def test_greedy_walk_keeps_the_longest_path_that_agrees_with_the_argmax():
     targets = {ROOT: 0, 0: 1, 1: 2, 2: 5, 3: 5, 4: 1, 5: 5, 6: 5}  # argmax after each node
     for node, token in targets.items():
         logits[node + 1, token] = 5.0
-    assert tree_walk(WALK_TREE, logits, SamplingConfig(), None) == ([0, 1, 2], 5)  # accepts 0 → 1 → 2, bonus at a leaf
+    walk = tree_walk(WALK, logits, SamplingConfig(), None)
+    assert walk == Walk([0, 1, 2], 5)  # accepts 0 → 1 → 2, bonus at a leaf
     logits[1 + 0] = -5.0
     logits[1 + 0, 3] = 5.0  # after node 0 the target wants 3: the sibling branch
-    assert tree_walk(WALK_TREE, logits, SamplingConfig(), None) == ([0, 3], 5)
+    assert tree_walk(WALK, logits, SamplingConfig(), None) == Walk([0, 3], 5)
     logits[0] = -5.0
     logits[0, 2] = 5.0  # no child of the root carries 2: rejects at once, correction 2
-    assert tree_walk(WALK_TREE, logits, SamplingConfig(), None) == ([], 2)
+    assert tree_walk(WALK, logits, SamplingConfig(), None) == Walk([], 2)
     logits[1 + 0, 4] = 9.0
-    assert match_tree_walk(WALK_TREE, lambda node: int(logits[node + 1].argmax())) == ([], 2)
+    assert match_tree_walk(WALK_TREE, lambda node: int(logits[node + 1].argmax())) == Walk([], 2)
 
 
 SAMPLINGS = [SamplingConfig(1.0), SamplingConfig(0.6), SamplingConfig(1.3, top_k=3), SamplingConfig(0.8, top_p=0.7),
@@ -245,7 +254,8 @@ def test_the_coupled_walk_emits_the_targets_perturbed_argmax_whatever_the_tree(s
     matched = 0
     for seed in range(300):
         noise = Noise(seed, V).block(10)
-        path, token = tree_walk(WALK_TREE, logits, sampling, noise, "coupled")
+        walk = tree_walk(WALK, logits, sampling, noise, "coupled")
+        path, token = walk.path, walk.next_token
         node, expected = ROOT, []
         while True:  # plain sampling along the tree, by hand
             y = int((probs[node + 1].log() + noise.gumbel(len(expected))).argmax())
@@ -319,15 +329,10 @@ def test_the_step_law_condemns_a_rule_without_the_residual_update():
     assert torch.abs(wrong - target).sum() > 0.05
 
 
-class PlantedTarget:
-    """Verifiers serving a tree pass from a planted model: the distribution after a prefix."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def target_tree_logits(self, tree: TokenTree) -> torch.Tensor:
-        rows = [self.model(())] + [self.model(tuple(tree.tokens[tree.path_to(i)].tolist())) for i in range(len(tree))]
-        return torch.stack(rows).log()
+def planted_scores(model, tree: TokenTree) -> Scores:
+    """A tree pass's scores from a planted model: the distribution after each node's path."""
+    rows = [model(())] + [model(tuple(tree.tokens[tree.path_to(i)].tolist())) for i in range(len(tree))]
+    return Scores(torch.stack(rows).log())
 
 
 @pytest.mark.parametrize("sampling_rule", ["coupled", "residual"])
@@ -342,7 +347,7 @@ def test_a_tree_cycle_emits_the_targets_joint_distribution(sampling_rule, sample
         table[(y,)] = torch.roll(torch.tensor([0.5, 0.2, 0.1, 0.1, 0.05, 0.05]), y)
     model = lambda prefix: table.get(prefix[:1], table[()]) if prefix else table[()]  # noqa: E731
     draft = torch.tensor([0.1, 0.1, 0.4, 0.3, 0.05, 0.05])
-    rule = TreeExactRule(sampling_rule)
+    rule = ExactRule(sampling_rule)
     sampling = SamplingConfig(1.0)
     counts = torch.zeros(V * V)
     accepted = 0
@@ -358,10 +363,11 @@ def test_a_tree_cycle_emits_the_targets_joint_distribution(sampling_rule, sample
             tree = TokenTree.from_paths([[first[0], 1], [first[1], 0, 2]])
             rows = torch.nn.functional.one_hot(tree.tokens, V).float()  # deeper nodes: chosen, not drawn
             rows[tree.children(ROOT)] = draft
-            tree = TokenTree(tree.tokens, tree.parents, rows)
+            proposal = Proposal(tree, rows)
         else:
             tree = TokenTree.from_paths([[2, 1], [3, 0, 2], [0]])
-        verdict = rule.verify_tree(PlantedTarget(model), tree, sampling, noise)
+            proposal = Proposal(tree)
+        verdict = rule.decide(proposal, planted_scores(model, tree), sampling, noise)
         out = tree.tokens[verdict.path].tolist() + [verdict.next_token]
         accepted += verdict.accepted
         if len(out) == 1:
@@ -375,9 +381,9 @@ def test_a_tree_cycle_emits_the_targets_joint_distribution(sampling_rule, sample
 def test_a_sampled_walk_needs_noise_and_rows_for_every_node():
     logits = planted_logits(WALK_TREE)
     with pytest.raises(TierspecError, match="needs the block's noise"):
-        tree_walk(WALK_TREE, logits, SamplingConfig(1.0), None, "residual")
+        tree_walk(WALK, logits, SamplingConfig(1.0), None, "residual")
     with pytest.raises(TreeError, match="needs 8 rows of target logits, got 7"):
-        tree_walk(WALK_TREE, logits[:7], SamplingConfig(), None)
+        tree_walk(WALK, logits[:7], SamplingConfig(), None)
 
 
 # ---- the loop: tree methods give plain decoding's tokens ----------------------------------------
@@ -401,8 +407,9 @@ def own_target(tmp_path_factory):
 def tree_methods(target):
     from conftest import as_method
 
-    from tierspec.drafters.tree import EagleTreeDrafter, HybridTreeDrafter, NgramTreeDrafter, TreePolicy
+    from tierspec.drafters.tree import EagleTreeDrafter, HybridTreeDrafter, NgramTreeDrafter
     from tierspec.heads.draft import DraftHead
+    from tierspec.policies import TreePolicy
 
     def head():
         return DraftHead.for_target(target, torch.arange(target.vocab_size), seed=3).eval()
@@ -410,12 +417,10 @@ def tree_methods(target):
     def policy():
         return TreePolicy(max_nodes=12, max_depth=5, draft_fractions={"head": 0.05})
 
-    ngram_policy, eagle_policy, hybrid_policy = policy(), policy(), policy()
     return {
-        "ngram-tree": as_method(NgramTreeDrafter(ngram_policy), TreeExactRule(), ngram_policy),
-        "eagle-tree": as_method(EagleTreeDrafter(head(), eagle_policy), TreeExactRule(), eagle_policy),
-        "hybrid-tree": as_method(HybridTreeDrafter(NgramTreeDrafter(hybrid_policy), EagleTreeDrafter(head(), hybrid_policy)),
-                                 TreeExactRule(), hybrid_policy),
+        "ngram-tree": as_method(NgramTreeDrafter(), ExactRule(), policy()),
+        "eagle-tree": as_method(EagleTreeDrafter(head()), ExactRule(), policy()),
+        "hybrid-tree": as_method(HybridTreeDrafter(NgramTreeDrafter(), EagleTreeDrafter(head())), ExactRule(), policy()),
     }
 
 
@@ -440,20 +445,27 @@ def test_tree_methods_emit_plain_decodings_tokens_and_keep_the_cache_invariant(o
         assert max(step.cycle.drafted for step in steps) > 1, name
 
 
-@pytest.mark.parametrize("rule", ["exact", "lossy", "cascade", "via"])
+@pytest.mark.parametrize("rule", ["lossy", "bild", "cascade", "judge", "via"])
 def test_a_chain_rule_refuses_a_tree_drafter_and_names_the_alternatives(own_target, prompt_ids, rule):
     from conftest import as_method, run_ids
 
-    from tierspec.drafters.tree import NgramTreeDrafter, TreePolicy
-    from tierspec.rules import ExactRule
-    from tierspec.rules.speculative_cascades import SpeculativeCascadeRule
+    from tierspec.drafters.tree import NgramTreeDrafter
+    from tierspec.heads.judge import JudgeHead
+    from tierspec.policies import TreePolicy
+    from tierspec.proposal import Shape
+    from tierspec.rules.bild import BildRule
+    from tierspec.rules.judge import JudgeRule
     from tierspec.rules.lossy import LossyRule
+    from tierspec.rules.speculative_cascades import SpeculativeCascadeRule
     from tierspec.rules.via import ViaRule
 
-    chain_rule = {"exact": ExactRule, "lossy": LossyRule, "cascade": SpeculativeCascadeRule, "via": lambda: ViaRule(0.1, 0.1, 8)}[rule]()
-    method = as_method(NgramTreeDrafter(TreePolicy()), chain_rule, TreePolicy())
+    head = JudgeHead(torch.zeros(32), 0.0, torch.zeros(32), torch.ones(32), "hidden", 0.5)
+    chain_rule = {"lossy": LossyRule, "bild": BildRule, "cascade": SpeculativeCascadeRule,
+                  "judge": lambda: JudgeRule(head), "via": lambda: ViaRule(0.1, 0.1, 8)}[rule]()
+    assert chain_rule.accepts == {Shape.CHAIN} and ExactRule.accepts == {Shape.CHAIN, Shape.TREE}
+    method = as_method(NgramTreeDrafter(), chain_rule, TreePolicy())
     with pytest.raises(TierspecError, match=rf"the rule '{chain_rule.name}' verifies chains only: a token tree needs the "
-                                            r"exact tree rule .*eagle-tree and hybrid-tree, lossless\). For "
+                                            r"exact rule .*eagle-tree and hybrid-tree, lossless\). For "
                                             rf"'{chain_rule.name}', use a chain drafter instead \(methods eagle, hybrid, pld\)"):
         run_ids(own_target, method, prompt_ids, 5)
 
@@ -463,63 +475,66 @@ def test_a_chain_rule_refuses_a_tree_drafter_and_names_the_alternatives(own_targ
 
 def test_the_policy_keeps_the_node_count_that_maximises_expected_tokens_per_second():
     from tierspec.costs import ForwardCosts
-    from tierspec.drafters.tree import TreePolicy
+    from tierspec.policies import TreePolicy
 
     # passes of 1-3 tokens cost the same, 4 tokens twice as much; a chain of three nodes
     chain = [-1, 0, 1]
     policy = TreePolicy(max_nodes=3, forward_costs=ForwardCosts({1: 1.0, 2: 1.0, 3: 1.0, 4: 2.0}))
-    assert policy.best_size([0.9, 0.8, 0.5], chain, 0.0) == (2, 2.7)  # 1 + 2 nodes fill the cheap pass: (1 + 1.7) / 1
-    assert policy.best_size([0.9, 0.8, 0.5], chain, 0.0, pending=2)[0] == 1  # one pending token more: room for one node
-    assert policy.best_size([0.05], [-1], 1.0)[0] == 1  # a free node is worth it when it adds anything
+    assert policy.best_size([0.9, 0.8, 0.5], chain, 0.0) == TreeSize(2, 2.7)  # 1 + 2 nodes fill the cheap pass: (1 + 1.7) / 1
+    assert policy.best_size([0.9, 0.8, 0.5], chain, 0.0, pending=2).nodes == 1  # one pending token more: room for one node
+    assert policy.best_size([0.05], [-1], 1.0).nodes == 1  # a free node is worth it when it adds anything
     expensive = TreePolicy(max_nodes=3, forward_costs=ForwardCosts({1: 1.0, 2: 3.0, 3: 3.0, 4: 3.0}))
-    assert expensive.best_size([0.9, 0.6, 0.3], chain, 0.0) == (0, 1.0)  # 3× the pass for ≤ 1.8 more tokens: no tree
+    assert expensive.best_size([0.9, 0.6, 0.3], chain, 0.0) == TreeSize(0, 1.0)  # 3× the pass for ≤ 1.8 more tokens: no tree
     # nodes are taken in value order, not list order
-    assert policy.best_size([0.9, 0.5, 0.8], [-1, 0, 0], 0.0) == (2, 2.7)
+    assert policy.best_size([0.9, 0.5, 0.8], [-1, 0, 0], 0.0) == TreeSize(2, 2.7)
 
 
 def test_the_policy_charges_a_tree_one_attention_call_per_path_beyond_the_chains():
     from tierspec.costs import ForwardCosts
-    from tierspec.drafters.tree import TreePolicy
+    from tierspec.policies import TreePolicy
 
     flat = ForwardCosts({n: 1.0 for n in range(1, 9)})
     free, costly = TreePolicy(max_nodes=7, forward_costs=flat), TreePolicy(max_nodes=7, forward_costs=flat,
                                                                           path_call_seconds=0.5)
     # one pending token and four siblings: 5 rows = 2 calls as a chain, 4 paths = 4 calls (2 more)
     siblings = ([0.6, 0.5, 0.4, 0.3], [-1, -1, -1, -1])
-    assert free.best_size(*siblings, 0.0) == (4, 2.8)
+    assert free.best_size(*siblings, 0.0) == TreeSize(4, 2.8)
     assert costly.verify_tree(5, 4) == 2.0 and costly.verify_tree(5, 2) == 1.0 and costly.verify_tree(3, 3) == 2.0
     # each sibling beyond the first adds a call: 4 → 2.8 / 2.0, 2 → 2.1 / 1.5, 1 → 1.6 / 1 (best)
-    assert costly.best_size(*siblings, 0.0) == (1, 1.6)
+    assert costly.best_size(*siblings, 0.0) == TreeSize(1, 1.6)
     # the same values as a chain pay no such charge
-    assert costly.best_size([0.6, 0.5, 0.4, 0.3], [-1, 0, 1, 2], 0.0) == (4, 2.8)
+    assert costly.best_size([0.6, 0.5, 0.4, 0.3], [-1, 0, 1, 2], 0.0) == TreeSize(4, 2.8)
 
 
 def test_the_policy_learns_acceptance_of_every_node_whose_parent_was_reached():
-    from tierspec.drafters.tree import TreePolicy, TreeProposal
-    from tierspec.rules.tree import TreeVerdict
+    from tierspec.policies import CycleOutcome, TreePolicy
+    from tierspec.proposal import Verdict
 
     tree = TokenTree.from_paths([[1, 2], [1, 3], [4]])  # nodes 0:1 1:2 2:3 3:4
-    proposal = TreeProposal(tree, ["a", "b", "c", "d"], [0.5, 0.5, 0.5, 0.5])
+    proposal = Proposal(tree, keys=["a", "b", "c", "d"], priors=[0.5, 0.5, 0.5, 0.5])
     policy = TreePolicy(prior_weight=1.0)
-    policy.observe_tree(proposal, TreeVerdict([0], 9))  # took node 0; then 2 and 3 were tried and failed
+    policy.observe(CycleOutcome(proposal, proposal, Verdict([0], 9)))  # took node 0; then 2 and 3 were tried and failed
     assert policy.acceptance("a", 0.5) == pytest.approx(1.5 / 2)  # kept: (1 + 0.5·1) / (1 + 1)
     assert policy.acceptance("b", 0.5) == policy.acceptance("c", 0.5) == policy.acceptance("d", 0.5) == pytest.approx(0.25)
-    policy.observe_tree(proposal, TreeVerdict([], 9))  # rejected at the root: only 0 and 3 were tried
+    policy.observe(CycleOutcome(proposal, proposal, Verdict([], 9)))  # rejected at the root: only 0 and 3 were tried
     assert policy.acceptance("b", 0.5) == pytest.approx(0.5 / (0.98 + 1))  # not tried: its one failure only decays
     assert policy.acceptance("e", 0.3) == 0.3  # never seen: the prior
 
 
 def test_ngram_lookup_offers_every_distinct_continuation_as_a_trie():
-    from tierspec.drafters.tree import NgramTreeDrafter, TreePolicy
+    from conftest import draft_request
+
+    from tierspec.drafters.tree import NgramTreeDrafter
+    from tierspec.policies import TreePolicy
 
     context = torch.tensor([5, 6, 1, 2, 5, 6, 1, 3, 9, 5, 6, 7, 5, 6])  # 5 6 was followed by 1 2, 1 3 and 7
     from tierspec.costs import ForwardCosts
 
     flat = ForwardCosts({n: 1.0 for n in range(1, 12)})  # every node free: all are kept
-    drafter = NgramTreeDrafter(TreePolicy(max_nodes=10, forward_costs=flat), ngram_size=2)
+    drafter, policy = NgramTreeDrafter(ngram_size=2), TreePolicy(max_nodes=10, forward_costs=flat)
     found, size = drafter.continuations(context.numpy(), 2)
     assert size == 2 and [c.tolist() for c in found] == [[7, 5], [1, 3], [1, 2]]  # most recent first
-    proposal = drafter.propose_tree(context, 2, SamplingConfig(), None)
+    proposal = drafter.propose(context, draft_request(2, policy=policy))
     assert sorted(proposal.tree.paths()) == [[1, 2], [1, 3], [7, 5]]
     assert proposal.source == "ngram" and len(proposal.keys) == len(proposal.tree) == 5
 
@@ -595,7 +610,10 @@ def test_bench_summary_reports_tree_shape_and_acceptance_by_depth():
 
 def test_the_hybrid_tree_skips_the_head_when_the_ngram_trie_is_expected_to_pay_more():
     from tierspec.costs import ForwardCosts
-    from tierspec.drafters.tree import HybridTreeDrafter, NgramTreeDrafter, TreePolicy, TreeProposal
+    from conftest import draft_request
+
+    from tierspec.drafters.tree import HybridTreeDrafter, NgramTreeDrafter
+    from tierspec.policies import TreePolicy
 
     # passes of 1-8 tokens cost the same; a head step costs a whole pass
     policy = TreePolicy(max_nodes=6, forward_costs=ForwardCosts({n: 1.0 for n in range(1, 9)}),
@@ -604,28 +622,26 @@ def test_the_hybrid_tree_skips_the_head_when_the_ngram_trie_is_expected_to_pay_m
     class Head:  # a draft head's tree drafter that proposes one fixed tree of 3 steps
         feature_layers, calls = (), 0
 
-        def __init__(self):
-            self.policy = policy
-
-        def propose_tree(self, context, max_depth, sampling, noise):
+        def propose(self, context, request):
             Head.calls += 1
             tree = TokenTree.from_paths([[40, 41], [42]])
-            return TreeProposal(tree, [("head", 3, 1)] * 3, [0.5, 0.5, 0.5], drafter_calls=3, source="head",
-                                rate=(1 + 0.5 + 0.25 + 0.5) / 4.0)
+            return Proposal(tree, keys=[("head", 3, 1)] * 3, priors=[0.5, 0.5, 0.5], drafter_calls=3, source="head",
+                            rate=(1 + 0.5 + 0.25 + 0.5) / 4.0)
 
-    hybrid = HybridTreeDrafter(NgramTreeDrafter(policy, ngram_size=2), Head())
+    hybrid = HybridTreeDrafter(NgramTreeDrafter(ngram_size=2), Head())
+    request = draft_request(3, policy=policy)
     repetitive = torch.tensor([5, 6, 1, 2, 3, 5, 6, 1, 2, 3, 5, 6])  # 5 6 → 1 2 3 (twice)
-    first = hybrid.propose_tree(repetitive, 3, SamplingConfig(), None)
+    first = hybrid.propose(repetitive, request)
     assert Head.calls == 1 and first.source == "hybrid"  # the head's rate is unknown: it drafts first
     assert sorted(first.tree.paths()) == [[1, 2, 3], [40, 41], [42]]
     # the union paid 3 head steps for its head nodes: (1 + Σ values) / (1 pass + 3 steps), below the
     # trie's (1 + 0.5 + 0.25 + 0.125) / 1 pass
     assert hybrid.head_rate == pytest.approx(first.rate) and first.rate < 1.875
-    second = hybrid.propose_tree(repetitive, 3, SamplingConfig(), None)
+    second = hybrid.propose(repetitive, request)
     assert Head.calls == 1 and second.source == "ngram" and second.drafter_calls == 0  # the head did not run
     assert second.tree.paths() == [[1, 2, 3]] and second.rate == pytest.approx(1.875)
     unmatched = torch.tensor([5, 6, 1, 2, 3, 9])  # no earlier occurrence of a suffix: only the head drafts
-    third = hybrid.propose_tree(unmatched, 3, SamplingConfig(), None)
+    third = hybrid.propose(unmatched, request)
     assert Head.calls == 2 and third.source == "head"
 
 

@@ -19,12 +19,15 @@ from .drafters.self_spec import SelfSpeculativeDrafter
 from .drafters.swift import SwiftDrafter
 from .errors import TierspecError
 from .models import LoadedModel
-from .policies import ConfidenceStop, CostAware, DraftPolicy, FixedLength
+from .cached_model import SlimVocabulary
+from .costs import ForwardCosts
+from .llama import ATTENTION_ROWS
+from .policies import ConfidenceStop, CostAware, DraftPolicy, FixedLength, TreePolicy
 from .layerskip.masks import RoutingMask
 from .rules import ExactRule, VerificationRule
 from .rules.bild import BildRule
 from .rules.speculative_cascades import DEFERRALS, SpeculativeCascadeRule
-from .rules.exact import SAMPLING_RULES
+from .walks import SAMPLING_RULES
 from .rules.lossy import LossyRule
 from .rules.via import ViaRule
 from .drafters.model import Seq2SeqModelDrafter, check_same_family
@@ -124,14 +127,16 @@ class MethodOptionError(TierspecError):
 
 @dataclass
 class Method:
+    """A method for the decode loop (``decode.DecodeMethod``): its drafter, rule and policy (the
+    policy holds the pass-cost table the loop pads passes with), and VIA-SD's slim verifier."""
+
     name: str
     drafter: Drafter
     rule: VerificationRule
     policy: DraftPolicy
     description: str
     slim_mask: RoutingMask | None = None  # VIA-SD's slim verifier
-    slim_vocabulary: object | None = None  # cached_model.SlimVocabulary: the slim tier scores only these tokens
-    forward_costs: object | None = None  # costs.ForwardCosts: pad verification passes to cheap sizes
+    slim_vocabulary: SlimVocabulary | None = None  # the slim tier scores only these tokens
 
 
 def _fixed(options: MethodOptions) -> FixedLength:
@@ -281,8 +286,9 @@ def _drafter(target: LoadedModel, drafter_model: LoadedModel | None, options: Me
 
 
 def _lossy_policy(drafter: Drafter, options: MethodOptions, target: LoadedModel,
-                  stop: float | None = None) -> tuple[DraftPolicy, object | None]:
-    """The draft-length policy of a lossy rule and the forward-cost table it pads passes with.
+                  stop: float | None = None) -> DraftPolicy:
+    """The draft-length policy of a lossy rule (a cost-aware one holds the pass-cost table the
+    loop pads passes with).
 
     The trained draft head drafts with the cost-aware policy, as in ``eagle`` (it learns the
     acceptance of whatever rule verifies); a stop threshold (BiLD's fallback: part of that
@@ -290,33 +296,33 @@ def _lossy_policy(drafter: Drafter, options: MethodOptions, target: LoadedModel,
     from .drafters.eagle import EagleDrafter
 
     if stop is not None:
-        return ConfidenceStop(options.num_draft, stop), None
+        return ConfidenceStop(options.num_draft, stop)
     if isinstance(drafter, SelfSpeculativeDrafter):
-        return ConfidenceStop(options.num_draft, options.confidence_threshold), None
+        return ConfidenceStop(options.num_draft, options.confidence_threshold)
     if isinstance(drafter, EagleDrafter):
         return _cost_aware(target, options, drafter)
-    return _fixed(options), None
+    return _fixed(options)
 
 
 def _lossy(target, drafter_model, options) -> Method:
     drafter = _drafter(target, drafter_model, options)
-    policy, table = _lossy_policy(drafter, options, target)
+    policy = _lossy_policy(drafter, options, target)
     return Method("lossy", drafter, LossyRule(options.alpha, options.beta), policy,
-                  "lossy speculative decoding with tolerance (α, β)", forward_costs=table)
+                  "lossy speculative decoding with tolerance (α, β)")
 
 
 def _bild(target, drafter_model, options) -> Method:
     drafter = _drafter(target, drafter_model, options)
-    policy, table = _lossy_policy(drafter, options, target, stop=options.fallback)
+    policy = _lossy_policy(drafter, options, target, stop=options.fallback)
     return Method("bild", drafter, BildRule(options.rollback), policy,
-                  "BiLD: fallback when the drafter is unsure, rollback on unlikely tokens", forward_costs=table)
+                  "BiLD: fallback when the drafter is unsure, rollback on unlikely tokens")
 
 
 def _cascade(target, drafter_model, options) -> Method:
     drafter = _drafter(target, drafter_model, options)
-    policy, table = _lossy_policy(drafter, options, target)
+    policy = _lossy_policy(drafter, options, target)
     return Method("cascade", drafter, SpeculativeCascadeRule(options.deferral, options.alpha), policy,
-                  "speculative cascades with a deferral rule", forward_costs=table)
+                  "speculative cascades with a deferral rule")
 
 
 def _csd(target, drafter_model, options) -> Method:
@@ -346,10 +352,10 @@ def _slim_vocabulary(target: LoadedModel, options: MethodOptions):
 def _via(target, drafter_model, options) -> Method:
     mask = _require_mask("via", target, options)
     drafter = _drafter(target, drafter_model, options)
-    policy, table = _lossy_policy(drafter, options, target)
+    policy = _lossy_policy(drafter, options, target)
     return Method("via", drafter, _via_rule(options), policy,
                   "VIA-SD: drafter → slim verifier (routing mask) → full target when unsure", slim_mask=mask,
-                  slim_vocabulary=_slim_vocabulary(target, options), forward_costs=table)
+                  slim_vocabulary=_slim_vocabulary(target, options))
 
 
 def _require_judge(name: str, target: LoadedModel, options: MethodOptions):
@@ -368,20 +374,19 @@ def _judge(target, drafter_model, options) -> Method:
 
     head = _require_judge("judge", target, options)
     drafter = _drafter(target, drafter_model, options)
-    policy, table = _lossy_policy(drafter, options, target)
+    policy = _lossy_policy(drafter, options, target)
     return Method("judge", drafter, JudgeRule(head, options.judge_threshold), policy,
-                  "judge decoding: a linear head on the target's hidden states accepts correct drafts SD rejects",
-                  forward_costs=table)
+                  "judge decoding: a linear head on the target's hidden states accepts correct drafts SD rejects")
 
 
 def _via_judge(target, drafter_model, options) -> Method:
     head = _require_judge("via-judge", target, options)
     mask = _require_mask("via-judge", target, options)
     drafter = _drafter(target, drafter_model, options)
-    policy, table = _lossy_policy(drafter, options, target)
+    policy = _lossy_policy(drafter, options, target)
     return Method("via-judge", drafter, _via_rule(options, judge=head), policy,
                   "VIA-SD with the judge at the full-verifier tier", slim_mask=mask,
-                  slim_vocabulary=_slim_vocabulary(target, options), forward_costs=table)
+                  slim_vocabulary=_slim_vocabulary(target, options))
 
 
 # Forward-cost tables by model, shared by every method built on that model in this process: a
@@ -392,103 +397,105 @@ _COST_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -
 _COST_TABLES_LOCK = threading.Lock()
 
 
-def _cost_aware(target: LoadedModel, options: MethodOptions, drafter: Drafter) -> tuple[CostAware, object]:
-    """The cost-aware policy for ``drafter``: the target's measured pass costs, and each of the
-    drafter's steps costed as the weights it reads against a target pass's (docs/algorithms.md
-    §Compute-weighted routing: on a CPU a decoding pass costs about what it streams; the draft head
-    of the default model reads 6.6% of the target's weights per step, and measured 5.1% of a
-    one-token pass)."""
+def _cost_table(target: LoadedModel, max_tokens: int) -> ForwardCosts:
+    """The target's measured pass costs for 1 .. ``max_tokens`` new tokens, measured (or read from
+    the cache) once per model and size in this process; the policy built on it holds it."""
     from .costs import forward_costs
 
-    max_tokens = options.adaptive_max_draft + 1
     with _COST_TABLES_LOCK:
         tables = _COST_TABLES.setdefault(target.model, {})
         if max_tokens not in tables:
             tables[max_tokens] = forward_costs(target, max_tokens=max_tokens)
-        table = tables[max_tokens]
+        return tables[max_tokens]
+
+
+def _draft_fractions(target: LoadedModel, weights: dict[str, int]) -> dict[str, float]:
+    """Each drafting source's step costed as the weights it reads against a target pass's
+    (docs/algorithms.md §Compute-weighted routing: on a CPU a decoding pass costs about what it
+    streams)."""
     target_weights = streamed_weights(target.model)
-    fractions = {source: weights / target_weights for source, weights in drafter.draft_step_weights().items()}
-    return CostAware(options.adaptive_max_draft, forward_costs=table, draft_fractions=fractions), table
+    return {source: step / target_weights for source, step in weights.items()}
+
+
+def _cost_aware(target: LoadedModel, options: MethodOptions, drafter: Drafter) -> CostAware:
+    """The cost-aware policy for ``drafter``: the target's measured pass costs for the longest
+    draft and its pending token, and the drafter's steps costed by the weights they read."""
+    table = _cost_table(target, options.adaptive_max_draft + 1)
+    return CostAware(options.adaptive_max_draft, forward_costs=table,
+                     draft_fractions=_draft_fractions(target, drafter.draft_step_weights()))
 
 
 def _adaptive_pld(target, drafter_model, options) -> Method:
     drafter = NgramDrafter(options.ngram_size)
-    policy, table = _cost_aware(target, options, drafter)
+    policy = _cost_aware(target, options, drafter)
     return Method("adaptive-pld", drafter, ExactRule(options.sampling_rule), policy,
-                  "lossless prompt lookup with a cost-aware draft length (measured pass costs, acceptance learned online)",
-                  forward_costs=table)
+                  "lossless prompt lookup with a cost-aware draft length (measured pass costs, acceptance learned online)")
 
 
 def _adaptive_sd(target, drafter_model, options) -> Method:
     drafter = _model_drafter(target, drafter_model)
-    policy, table = _cost_aware(target, options, drafter)
+    policy = _cost_aware(target, options, drafter)
     return Method("adaptive-sd", drafter, ExactRule(options.sampling_rule), policy,
-                  "lossless speculative decoding with a drafter model and a cost-aware draft length", forward_costs=table)
+                  "lossless speculative decoding with a drafter model and a cost-aware draft length")
 
 
 def _eagle(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter
 
     drafter = EagleDrafter(draft_head_for(target, options))  # a missing head is refused before costs are measured
-    policy, table = _cost_aware(target, options, drafter)
+    policy = _cost_aware(target, options, drafter)
     return Method("eagle", drafter, ExactRule(options.sampling_rule), policy,
-                  "lossless speculative decoding with the trained draft head and a cost-aware draft length",
-                  forward_costs=table)
+                  "lossless speculative decoding with the trained draft head and a cost-aware draft length")
 
 
 def _hybrid(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter, HybridDrafter
 
     ngram, eagle = NgramDrafter(options.ngram_size), EagleDrafter(draft_head_for(target, options))
-    policy, table = _cost_aware(target, options, eagle)
-    drafter = HybridDrafter(ngram, eagle, policy)
+    policy = _cost_aware(target, options, eagle)
+    drafter = HybridDrafter(ngram, eagle)
     return Method("hybrid", drafter, ExactRule(options.sampling_rule), policy,
-                  "lossless: n-gram lookup where the context offers a match expected to pay more, the draft head otherwise",
-                  forward_costs=table)
+                  "lossless: n-gram lookup where the context offers a match expected to pay more, the draft head otherwise")
 
 
-def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int]):
-    """A tree policy (``drafters.tree.TreePolicy``) on the target's pass costs for up to 16 tokens
-    (a tree is wider than a chain): nodes per pass up to the table's size − 1."""
-    from .costs import forward_costs, tree_call_seconds
-    from .drafters.tree import TreePolicy
+#: Tokens of the widest tree pass the tree policy costs (the pending token and up to 15 nodes): a
+#: tree is wider than a chain, and 16 rows are four ``llama.ATTENTION_ROWS`` calls of a chain pass.
+TREE_PASS_TOKENS = 4 * ATTENTION_ROWS
+
+
+def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int]) -> TreePolicy:
+    """A tree policy on the target's pass costs for up to ``TREE_PASS_TOKENS`` tokens: nodes per
+    pass up to the table's size − 1 (the pending token takes a row)."""
+    from .costs import tree_call_seconds
 
     if not hasattr(target.model, "new_kv_cache"):
         raise MethodOptionError(f"token trees run on tierspec's own Llama forward only; '{target.identity.name}' runs on "
                                 f"{type(target.model).__name__} (load it with implementation='tierspec')")
-    with _COST_TABLES_LOCK:
-        tables = _COST_TABLES.setdefault(target.model, {})
-        if 16 not in tables:
-            tables[16] = forward_costs(target, max_tokens=16)
-        table = tables[16]
-    target_weights = streamed_weights(target.model)
-    fractions = {source: weights / target_weights for source, weights in drafter_weights.items()}
-    return TreePolicy(max_nodes=table.max_tokens - 1, forward_costs=table, draft_fractions=fractions,
-                      path_call_seconds=tree_call_seconds(target)), table
+    table = _cost_table(target, TREE_PASS_TOKENS)
+    return TreePolicy(max_nodes=table.max_tokens - 1, forward_costs=table,
+                      draft_fractions=_draft_fractions(target, drafter_weights),
+                      path_call_seconds=tree_call_seconds(target))
 
 
 def _eagle_tree(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter
     from .drafters.tree import EagleTreeDrafter
-    from .rules.tree import TreeExactRule
 
     head = draft_head_for(target, options)
-    policy, table = _tree_policy(target, EagleDrafter(head).draft_step_weights())
-    return Method("eagle-tree", EagleTreeDrafter(head, policy), TreeExactRule(options.sampling_rule), policy,
-                  "lossless: the draft head's dynamic token tree (EAGLE-2 style), sized by measured pass costs",
-                  forward_costs=table)
+    policy = _tree_policy(target, EagleDrafter(head).draft_step_weights())
+    return Method("eagle-tree", EagleTreeDrafter(head), ExactRule(options.sampling_rule), policy,
+                  "lossless: the draft head's dynamic token tree (EAGLE-2 style), sized by measured pass costs")
 
 
 def _hybrid_tree(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter
     from .drafters.tree import EagleTreeDrafter, HybridTreeDrafter, NgramTreeDrafter
-    from .rules.tree import TreeExactRule
 
     head = draft_head_for(target, options)
-    policy, table = _tree_policy(target, EagleDrafter(head).draft_step_weights())
-    drafter = HybridTreeDrafter(NgramTreeDrafter(policy, options.ngram_size), EagleTreeDrafter(head, policy))
-    return Method("hybrid-tree", drafter, TreeExactRule(options.sampling_rule), policy,
-                  "lossless: the n-gram trie of every match merged with the draft head's token tree", forward_costs=table)
+    policy = _tree_policy(target, EagleDrafter(head).draft_step_weights())
+    drafter = HybridTreeDrafter(NgramTreeDrafter(options.ngram_size), EagleTreeDrafter(head))
+    return Method("hybrid-tree", drafter, ExactRule(options.sampling_rule), policy,
+                  "lossless: the n-gram trie of every match merged with the draft head's token tree")
 
 
 #: Methods that run on an encoder–decoder target. The others need what such a model does not

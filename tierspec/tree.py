@@ -33,16 +33,13 @@ class TreeError(TierspecError):
 @dataclass(frozen=True, eq=False)
 class TokenTree:
     """tokens [m] int64 and parents [m] int64 (see the module docstring); ``depths`` [m] derived.
-
-    ``draft_probs`` [m, V] (optional, for multi-draft verification): row i is the distribution
-    node i's token was drawn from before its earlier siblings were removed — the drafter's q after
-    the parent for siblings sampled without replacement (in node order), one-hot for a node chosen
-    deterministically; None: every node chosen deterministically (a head's top-k, n-gram matches)."""
+    The structure only: what a drafter knew about each node travels beside it
+    (``proposal.Proposal``)."""
 
     tokens: torch.Tensor
     parents: torch.Tensor
-    draft_probs: torch.Tensor | None = None
     depths: torch.Tensor = field(init=False, repr=False, compare=False)
+    is_chain: bool = field(init=False, repr=False, compare=False)  # node i's parent is i − 1 for every i
 
     def __post_init__(self) -> None:
         tokens = torch.as_tensor(self.tokens, dtype=torch.long).reshape(-1)
@@ -58,11 +55,10 @@ class TokenTree:
                 raise TreeError(f"node {i} repeats token {token} among the children of {parent}: merge siblings (a trie)")
             seen.add((parent, token))
             depths[i] = 1 if parent == ROOT else depths[parent] + 1
-        if self.draft_probs is not None and self.draft_probs.shape[0] != len(tokens):
-            raise TreeError(f"draft_probs has {self.draft_probs.shape[0]} rows for {len(tokens)} nodes")
         object.__setattr__(self, "tokens", tokens)
         object.__setattr__(self, "parents", parents)
         object.__setattr__(self, "depths", depths)
+        object.__setattr__(self, "is_chain", bool(torch.equal(parents, torch.arange(-1, len(parents) - 1))))
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -70,7 +66,17 @@ class TokenTree:
     @property
     def depth(self) -> int:
         """The longest path (0 for an empty tree)."""
+        if self.is_chain:
+            return len(self)
         return int(self.depths.max()) if len(self) else 0
+
+    def prefix(self, count: int) -> "TokenTree":
+        """The first ``count`` nodes: a tree, since every node's parent comes before it."""
+        if count >= len(self):
+            return self
+        if self.is_chain:
+            return TokenTree.chain(self.tokens[:count])
+        return TokenTree(self.tokens[:count], self.parents[:count])
 
     # -- construction --------------------------------------------------------------------------
     @staticmethod
@@ -78,10 +84,16 @@ class TokenTree:
         return TokenTree(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
 
     @staticmethod
-    def chain(tokens: Sequence[int] | torch.Tensor, draft_probs: torch.Tensor | None = None) -> "TokenTree":
-        """k drafts one after another: node i's parent is node i − 1."""
+    def chain(tokens: Sequence[int] | torch.Tensor) -> "TokenTree":
+        """k drafts one after another: node i's parent is node i − 1. A chain breaks none of the
+        rules above by construction, so it is built without the node-by-node checks (the decode
+        loop makes one per cycle)."""
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        return TokenTree(tokens, torch.arange(len(tokens)) - 1, draft_probs)
+        tree = object.__new__(TokenTree)
+        for name, value in (("tokens", tokens), ("parents", torch.arange(-1, len(tokens) - 1)),
+                            ("depths", torch.arange(1, len(tokens) + 1)), ("is_chain", True)):
+            object.__setattr__(tree, name, value)
+        return tree
 
     @staticmethod
     def from_paths(paths: Iterable[Sequence[int]]) -> "TokenTree":
@@ -102,13 +114,14 @@ class TokenTree:
         return TokenTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
     def merged(self, other: "TokenTree") -> "TokenTree":
-        """This tree and ``other`` as one trie (this one's nodes first, in their order; draft
-        distributions are dropped: the merged children of a node no longer share one)."""
+        """This tree and ``other`` as one trie (this one's nodes first, in their order)."""
         return TokenTree.from_paths([*self.paths(), *other.paths()])
 
     # -- reading ---------------------------------------------------------------------------------
     def children(self, node: int = ROOT) -> list[int]:
         """The children of ``node`` (ROOT: the depth-1 nodes), in node order."""
+        if self.is_chain:
+            return [node + 1] if node + 1 < len(self) else []
         return (self.parents == node).nonzero().flatten().tolist()
 
     def path_to(self, node: int) -> list[int]:

@@ -15,7 +15,6 @@ import time
 
 from ..errors import TierspecError
 from ..layerskip.masks import RoutingMask
-from .base import always
 from .self_spec import SelfSpeculativeDrafter
 
 
@@ -61,8 +60,8 @@ class ClaspDrafter(SelfSpeculativeDrafter):
         self.selections += 1
         return True
 
-    def propose(self, context, num_tokens, sampling, noise, keep_drafting=always):
-        selected = num_tokens > 0 and self._select(context)
-        proposal = super().propose(context, num_tokens, sampling, noise, keep_drafting)
+    def propose(self, context, request):
+        selected = request.budget > 0 and self._select(context)
+        proposal = super().propose(context, request)
         proposal.drafter_calls += int(selected)  # a selection is one wide pass of drafter work
         return proposal

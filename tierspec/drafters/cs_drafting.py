@@ -21,9 +21,10 @@ import torch
 
 from ..cached_model import CachedModel
 from ..errors import TierspecError
-from ..rules.exact import exact_walk
+from ..proposal import DraftRequest
 from ..sampling import logits_to_probs, one_hot
-from .base import Drafter, Proposal, always
+from ..walks import exact_walk
+from .base import Drafter, Proposal
 from .ngram import NgramDrafter
 
 
@@ -44,7 +45,8 @@ class CsDrafter(Drafter):
             self.runner.forward(prompt_ids[:-1], logits_for=1)
             self._prefill_calls = 1
 
-    def propose(self, context, num_tokens, sampling, noise, keep_drafting=always) -> Proposal:
+    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+        num_tokens, sampling, noise = request.budget, request.sampling, request.noise
         calls, self._prefill_calls = self._prefill_calls, 0
         if num_tokens <= 0:
             return Proposal.empty(calls)
@@ -61,7 +63,8 @@ class CsDrafter(Drafter):
             calls += 1
             probs = logits_to_probs(logits, sampling)
             inner = None if noise is None else noise.shifted(len(tokens))  # the guesses start at draft i = len(tokens)
-            kept, nxt = exact_walk(Proposal(guess), logits, sampling, inner, "coupled")
+            walk = exact_walk(Proposal.chain(guess), logits, sampling, inner, "coupled")
+            kept, nxt = walk.accepted, walk.next_token
             tokens.extend(guess[:kept].tolist() + [nxt])
             rows.extend(probs[: kept + 1])
             # The model has processed the pending tokens and the kept guesses, not ``nxt``.
@@ -75,7 +78,7 @@ class CsDrafter(Drafter):
             for token in tail.tolist():
                 tokens.append(token)
                 rows.append(one_hot(token, self.vocab_size))
-        return Proposal(torch.tensor(tokens, dtype=torch.long), torch.stack(rows), drafter_calls=calls, source="csd")
+        return Proposal.chain(torch.tensor(tokens, dtype=torch.long), torch.stack(rows), drafter_calls=calls, source="csd")
 
     def commit(self, committed_length: int) -> None:
         self.runner.rollback(min(self.runner.length, committed_length - 1))

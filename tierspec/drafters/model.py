@@ -10,9 +10,9 @@ import torch
 
 from ..cached_model import CachedModel
 from ..errors import TierspecError
-from ..sampling import SamplingConfig
+from ..proposal import DraftRequest
 from ..seq2seq import Seq2SeqCachedModel, Seq2SeqError, is_encoder_decoder
-from .base import Drafter, Proposal, always, draft_autoregressively, streamed_weights
+from .base import Drafter, Proposal, draft_autoregressively, streamed_weights
 
 
 class DrafterMismatchError(TierspecError):
@@ -58,16 +58,16 @@ class ModelDrafter(Drafter):
             self.runner.forward(prompt_ids[:-1], logits_for=1)
             self._prefill_calls = 1
 
-    def propose(self, context, num_tokens, sampling: SamplingConfig, noise, keep_drafting=always) -> Proposal:
+    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
         calls, self._prefill_calls = self._prefill_calls, 0
-        if num_tokens <= 0:
+        if request.budget <= 0:
             return Proposal.empty(calls)
         pending = context[self.runner.length :]  # committed tokens this drafter has not seen
 
         def next_logits(tokens: torch.Tensor) -> torch.Tensor:
             return self.runner.forward(tokens, logits_for=1).logits[-1, : self.vocab_size]
 
-        proposal = draft_autoregressively(next_logits, pending, num_tokens, sampling, noise, keep_drafting)
+        proposal = draft_autoregressively(next_logits, pending, request)
         proposal.drafter_calls += calls
         return proposal
 

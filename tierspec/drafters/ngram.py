@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 from ..errors import TierspecError
-from .base import Drafter, Proposal, always
+from ..proposal import DraftRequest, Proposal
+from .base import Drafter
 
 
 class NgramDrafter(Drafter):
@@ -44,10 +45,10 @@ class NgramDrafter(Drafter):
                 return context[start : start + num_tokens], n
         return context[:0], 0
 
-    def propose(self, context, num_tokens, sampling, noise, keep_drafting=always) -> Proposal:
-        if num_tokens <= 0:
+    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+        if request.budget <= 0:
             return Proposal.empty(source="ngram")
         # Source first, then the output: the output's own matches are the most recent and win.
         text = context.numpy() if self.source is None else np.concatenate([self.source, context.numpy()])
-        found, size = self.lookup(text, num_tokens)
-        return Proposal(torch.from_numpy(found.copy()).long(), match_sizes=[size] * len(found), source="ngram")
+        found, size = self.lookup(text, request.budget)
+        return Proposal.chain(torch.from_numpy(found.copy()).long(), match_sizes=[size] * len(found), source="ngram")

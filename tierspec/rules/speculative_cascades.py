@@ -18,10 +18,10 @@ from __future__ import annotations
 import torch
 
 from ..errors import TierspecError
-from ..sampling import logits_to_probs, residual_distribution, temperature_one_probs
-from .base import DRAFTER, TARGET, Verdict, VerificationRule
-from .common import acceptance_walk, draft_rows
-from .exact import acceptance_probability
+from ..proposal import DRAFTER, TARGET, Proposal, Scores, Verdict
+from ..sampling import BlockNoise, SamplingConfig, logits_to_probs, residual_distribution, temperature_one_probs
+from ..walks import acceptance_probability, acceptance_walk, draft_rows
+from .base import ScoreRule
 
 DEFERRALS = ("chow", "diff", "opt", "always")
 
@@ -49,7 +49,7 @@ def mixture(draft: torch.Tensor, target: torch.Tensor, defer: torch.Tensor) -> t
     return (1 - d) * draft + d * target
 
 
-class SpeculativeCascadeRule(VerificationRule):
+class SpeculativeCascadeRule(ScoreRule):
     name = "cascade"
 
     def __init__(self, deferral: str = "opt", alpha: float = 0.1):
@@ -57,11 +57,11 @@ class SpeculativeCascadeRule(VerificationRule):
             raise TierspecError(f"unknown deferral rule '{deferral}'; choose one of: {', '.join(DEFERRALS)}")
         self.deferral, self.alpha = deferral, alpha
 
-    def verify(self, verifiers, proposal, sampling, noise) -> Verdict:
-        logits = verifiers.target_logits(proposal.tokens)  # [k+1, V]
+    def decide(self, proposal: Proposal, scores: Scores, sampling: SamplingConfig, noise: BlockNoise | None) -> Verdict:
+        logits = scores.logits  # [k+1, V]
         k = len(proposal)
         vocab = logits.shape[-1]
-        draft_t1 = None if proposal.draft_logits is None else temperature_one_probs(proposal.draft_logits[:, :vocab])
+        draft_t1 = None if proposal.logits is None else temperature_one_probs(proposal.draft_logits[:, :vocab])
         defer = deferral_bits(draft_t1, temperature_one_probs(logits[:k]), self.deferral, self.alpha)
         # In greedy mode both are one-hot rows (the sampling distribution at temperature 0), so
         # the walk keeps x iff the selected tier's argmax is x.
@@ -70,6 +70,6 @@ class SpeculativeCascadeRule(VerificationRule):
         pi = mixture(p, q[:k], defer)
         rows = torch.arange(k)
         accept = acceptance_probability(p[rows, proposal.tokens], pi[rows, proposal.tokens])
-        accepted, token = acceptance_walk(k, accept, lambda i, passed: residual_distribution(pi[i], p[i]), lambda: q[k], noise)
-        deciders = [DRAFTER if not defer[i] else TARGET for i in range(accepted)] + [TARGET]
-        return Verdict(accepted, token, deciders)
+        walk = acceptance_walk(k, accept, lambda i, passed: residual_distribution(pi[i], p[i]), lambda: q[k], noise)
+        deciders = [DRAFTER if not defer[i] else TARGET for i in range(walk.accepted)] + [TARGET]
+        return Verdict(walk.path, walk.next_token, deciders)
