@@ -37,6 +37,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
+import numpy as np
 import torch
 
 from .cached_model import CachedModel, PassResult
@@ -270,8 +271,10 @@ class CommittedTokens:
     can reach; ``context`` is a view (committed tokens never change, so a view stays right)."""
 
     def __init__(self, prompt_ids: torch.Tensor, positions: int):
-        self._ids = torch.empty(max(positions, len(prompt_ids)), dtype=torch.long)
-        self._ids[: len(prompt_ids)] = prompt_ids
+        # numpy owns the buffer (a short list of ints is written into it cheaply), torch views it
+        self._buffer = np.empty(max(positions, len(prompt_ids)), dtype=np.int64)
+        self._buffer[: len(prompt_ids)] = prompt_ids.cpu().numpy()
+        self._ids = torch.from_numpy(self._buffer)
         self.length = self.prompt_length = len(prompt_ids)
 
     def __len__(self) -> int:
@@ -290,7 +293,7 @@ class CommittedTokens:
         """Generated tokens ``start .. end`` (Python slice bounds over the generated tokens only)."""
         begin = self.prompt_length
         stop = self.length if end is None else begin + min(end, self.generated_count)
-        return self._ids[begin + start : stop].tolist() if begin + start < stop else []
+        return self._buffer[begin + start : stop].tolist() if begin + start < stop else []
 
     @property
     def generated_view(self) -> GeneratedTokens:
@@ -299,9 +302,9 @@ class CommittedTokens:
 
     def extend(self, tokens: list[int]) -> None:
         end = self.length + len(tokens)
-        if end > self._ids.shape[0]:
-            raise ValueError(f"{end} committed tokens do not fit the {self._ids.shape[0]} positions reserved")
-        self._ids[self.length : end] = torch.tensor(tokens, dtype=torch.long)
+        if end > self._buffer.shape[0]:
+            raise ValueError(f"{end} committed tokens do not fit the {self._buffer.shape[0]} positions reserved")
+        self._buffer[self.length : end] = tokens
         self.length = end
 
 
@@ -393,6 +396,7 @@ class Verifiers:
         self.slim_mask = slim_mask
         self.slim_vocabulary = slim_vocabulary
         self.pass_costs = pass_costs
+        self._pads: dict[int, int] = {}  # rows added to an n-token pass, by n
         self.feature_layers = tuple(feature_layers)  # decoder layers recorded beside f (a fused draft head)
         self.hidden_size = int(target.identity.hidden_size)
         self.features = FeatureLog(positions, self.hidden_size * (1 + len(self.feature_layers))) if record_features else None
@@ -540,7 +544,12 @@ class Verifiers:
 
     def _pad_count(self, n: int) -> int:
         """Rows to add to an n-token pass (a one-token pass is never padded)."""
-        return self.pass_costs.padded_size(n) - n if self.pass_costs is not None and n > 1 else 0
+        if self.pass_costs is None or n < 2:
+            return 0
+        pad = self._pads.get(n)
+        if pad is None:
+            pad = self._pads[n] = self.pass_costs.padded_size(n) - n
+        return pad
 
     # -- commit and rollback --------------------------------------------------------------------
     def commit(self, new_tokens: list[int], path: list[int]) -> int:

@@ -279,12 +279,19 @@ class CostModel:
 
     forward_costs: ForwardCosts | None = None
     draft_fractions: dict[str, float] = field(default_factory=dict)
+    # verify(n) by n, filled as asked: a policy asks for the same few sizes many times a cycle
+    _verify: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def verify(self, tokens: int) -> float:
-        if self.forward_costs is not None:
-            return self.forward_costs.cost(tokens)
-        first, per_token = UNMEASURED_PASS
-        return first + per_token * (tokens - 1)
+        seconds = self._verify.get(tokens)
+        if seconds is None:
+            if self.forward_costs is not None:
+                seconds = self.forward_costs.cost(tokens)
+            else:
+                first, per_token = UNMEASURED_PASS
+                seconds = first + per_token * (tokens - 1)
+            self._verify[tokens] = seconds
+        return seconds
 
     def draft_step(self, source: str) -> float:
         return self.draft_fractions.get(source, 0.0) * self.verify(1)
@@ -320,6 +327,7 @@ class CostAware(DraftPolicy):
         self.acceptance: dict[AcceptanceKey, AcceptanceEstimate] = {}
         self.streak = False  # was the last verified block accepted whole?
         self.rates: dict[str, float] = {}  # per source: running expected tokens/s of its verified blocks
+        self._keyed: tuple[Proposal, list[AcceptanceKey]] | None = None  # the last proposal keyed, its keys
 
     def _estimate(self, key: AcceptanceKey) -> AcceptanceEstimate:
         estimate = self.acceptance.get(key)
@@ -328,12 +336,20 @@ class CostAware(DraftPolicy):
         return estimate
 
     def keys(self, proposal, count: int) -> list[AcceptanceKey]:
+        # The same proposal is keyed by the hybrid's choice, the trim and the verdict, with the
+        # streak unchanged in between: its keys are made once (forgotten when a verdict moves it).
+        made = self._keyed
+        if made is not None and made[0] is proposal and len(made[1]) >= count:
+            return made[1][:count]
         source = proposal.source
         if proposal.match_sizes is not None:
-            return [MatchKey(source, size, self.streak) for size in proposal.match_sizes[:count]]
-        if proposal.confidence is not None:
-            return [self.confidence_key(source, float(c), i) for i, c in enumerate(proposal.confidence[:count])]
-        return [SourceKey(source, self.streak)] * count
+            keys = [MatchKey(source, size, self.streak) for size in proposal.match_sizes[:count]]
+        elif proposal.confidence is not None:
+            keys = [self.confidence_key(source, c, i) for i, c in enumerate(proposal.confidence[:count].tolist())]
+        else:
+            keys = [SourceKey(source, self.streak)] * count
+        self._keyed = (proposal, keys)
+        return keys
 
     @staticmethod
     def confidence_key(source: str, confidence: float, position: int) -> ConfidenceKey:
@@ -432,6 +448,7 @@ class CostAware(DraftPolicy):
             self._estimate(key).update(successes, failures, self.decay)
         if k:
             self.streak = accepted == k
+        self._keyed = None
 
     @property
     def pass_costs(self) -> ForwardCosts | None:

@@ -90,7 +90,7 @@ class Proposal:
     @staticmethod
     def empty(drafter_calls: int = 0, source: str = "") -> "Proposal":
         """Nothing drafted: the cycle is one plain decoding step."""
-        return Proposal(TokenTree.chain(torch.empty(0, dtype=torch.long)), drafter_calls=drafter_calls, source=source)
+        return Proposal(_NO_DRAFTS, drafter_calls=drafter_calls, source=source)
 
     def __len__(self) -> int:
         return len(self.tree)
@@ -135,6 +135,9 @@ class Proposal:
         return Proposal(self.tree.prefix(count), cut(self.probs), cut(self.logits), self.vocabulary, self.vocab_size,
                         cut(self.confidence), cut(self.match_sizes), cut(self.keys), cut(self.priors),
                         self.drafter_calls, self.source, self.rate)
+
+
+_NO_DRAFTS = TokenTree.chain(torch.empty(0, dtype=torch.long))  # immutable: one for every empty proposal
 
 
 @dataclass

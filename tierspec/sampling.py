@@ -94,6 +94,23 @@ def reported_logprobs(logits: torch.Tensor, config: SamplingConfig) -> torch.Ten
     return sampling_logits(logits, config).log_softmax(-1)
 
 
+def argmax_token(row: torch.Tensor) -> int:
+    """The index of the largest of ``row`` [V] (the first of equal maxima, as ``torch.argmax``).
+    A float CPU row is read through numpy, whose argmax is vectorised where torch's CPU argmax
+    is a scalar loop (the greedy loop takes one per verified row and per draft; BENCHMARKS.md,
+    the decode loop's own time)."""
+    return row_argmax(row[None])(0)
+
+
+def row_argmax(logits: torch.Tensor):
+    """``i → argmax_token(logits[i])`` for rows [r, V], each taken when asked (a walk that stops
+    early reads fewer rows), the rows of a float CPU tensor viewed through numpy once."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
+        rows = logits.detach().numpy()
+        return lambda i: int(rows[i].argmax())
+    return lambda i: int(logits[i].argmax())
+
+
 def temperature_one_probs(logits: torch.Tensor) -> torch.Tensor:
     """Plain softmax, used for confidence and deferral bits, which are taken at T = 1
     (docs/algorithms.md §Verification rules)."""

@@ -16,7 +16,7 @@ of its path, bitwise in every dtype (``tierspec.llama.tree_attention_plan`` says
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
@@ -25,25 +25,21 @@ from .errors import TierspecError
 
 ROOT = -1  # the parent of depth-1 nodes: the last committed position
 
-
 class TreeError(TierspecError):
     """A token tree that breaks the rules above (a parent after its child, repeated siblings)."""
 
 
-@dataclass(frozen=True, eq=False)
 class TokenTree:
     """tokens [m] int64 and parents [m] int64 (see the module docstring); ``depths`` [m] derived.
     The structure only: what a drafter knew about each node travels beside it
-    (``proposal.Proposal``)."""
+    (``proposal.Proposal``). Immutable once made (nothing may write into its tensors); compared by
+    identity. ``is_chain``: node i's parent is i − 1 for every i."""
 
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    depths: torch.Tensor = field(init=False, repr=False, compare=False)
-    is_chain: bool = field(init=False, repr=False, compare=False)  # node i's parent is i − 1 for every i
+    __slots__ = ("tokens", "_parents", "_depths", "is_chain")
 
-    def __post_init__(self) -> None:
-        tokens = torch.as_tensor(self.tokens, dtype=torch.long).reshape(-1)
-        parents = torch.as_tensor(self.parents, dtype=torch.long).reshape(-1)
+    def __init__(self, tokens: torch.Tensor | Sequence[int], parents: torch.Tensor | Sequence[int]):
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        parents = torch.as_tensor(parents, dtype=torch.long).reshape(-1)
         if tokens.shape != parents.shape:
             raise TreeError(f"a tree needs one parent per token: {len(tokens)} tokens, {len(parents)} parents")
         depths = torch.empty_like(parents)
@@ -55,10 +51,25 @@ class TokenTree:
                 raise TreeError(f"node {i} repeats token {token} among the children of {parent}: merge siblings (a trie)")
             seen.add((parent, token))
             depths[i] = 1 if parent == ROOT else depths[parent] + 1
-        object.__setattr__(self, "tokens", tokens)
-        object.__setattr__(self, "parents", parents)
-        object.__setattr__(self, "depths", depths)
-        object.__setattr__(self, "is_chain", bool(torch.equal(parents, torch.arange(-1, len(parents) - 1))))
+        self.tokens, self._parents, self._depths = tokens, parents, depths
+        self.is_chain = bool(torch.equal(parents, torch.arange(-1, len(parents) - 1)))
+
+    def __repr__(self) -> str:
+        return f"TokenTree(tokens={self.tokens.tolist()}, parents={self.parents.tolist()})"
+
+    @property
+    def parents(self) -> torch.Tensor:
+        """[m] int64: node i's parent (ROOT, or an earlier node)."""
+        if self._parents is None:  # a chain made by ``chain``: its structure is made only if read
+            self._parents = torch.arange(-1, len(self) - 1)
+        return self._parents
+
+    @property
+    def depths(self) -> torch.Tensor:
+        """[m] int64: node i's depth (1 below the root)."""
+        if self._depths is None:
+            self._depths = torch.arange(1, len(self) + 1)
+        return self._depths
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -86,13 +97,13 @@ class TokenTree:
     @staticmethod
     def chain(tokens: Sequence[int] | torch.Tensor) -> "TokenTree":
         """k drafts one after another: node i's parent is node i − 1. A chain breaks none of the
-        rules above by construction, so it is built without the node-by-node checks (the decode
-        loop makes one per cycle)."""
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        rules above by construction, so it is built without the node-by-node checks, and its
+        parents and depths only when read (the decode loop makes one per cycle and reads neither)."""
         tree = object.__new__(TokenTree)
-        for name, value in (("tokens", tokens), ("parents", torch.arange(-1, len(tokens) - 1)),
-                            ("depths", torch.arange(1, len(tokens) + 1)), ("is_chain", True)):
-            object.__setattr__(tree, name, value)
+        tree.tokens = tokens if isinstance(tokens, torch.Tensor) and tokens.dtype == torch.long and tokens.dim() == 1 \
+            else torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        tree._parents = tree._depths = None
+        tree.is_chain = True
         return tree
 
     @staticmethod

@@ -45,8 +45,8 @@ import torch
 
 from .errors import TierspecError
 from .proposal import Proposal, Walk
-from .sampling import (ACCEPT, RESIDUAL, BlockNoise, SamplingConfig, gumbel_argmax, logits_to_probs, one_hot,
-                       one_hot_rows, residual_distribution, temperature_one_probs)
+from .sampling import (ACCEPT, RESIDUAL, BlockNoise, SamplingConfig, gumbel_argmax, logits_to_probs, one_hot, one_hot_rows,
+                       residual_distribution, row_argmax, temperature_one_probs)
 from .tree import ROOT, TokenTree, TreeError
 
 #: A distribution [V] to draw from, or a token id when the draw is deterministic (greedy).
@@ -172,6 +172,17 @@ def check_sampling_rule(sampling_rule: str) -> str:
     return sampling_rule
 
 
+def greedy_walk(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> Walk:
+    """``match_walk`` against argmax q, each row's argmax taken only when the walk reaches it
+    (drafts [k], target logits [k+1, V]): a block rejected early reads one row, not k + 1."""
+    drafts, argmax = draft_tokens.tolist(), row_argmax(target_logits)
+    for i, draft in enumerate(drafts):
+        token = argmax(i)
+        if token != draft:
+            return Walk.chain(i, token)
+    return Walk.chain(len(drafts), argmax(len(drafts)))
+
+
 def match_walk(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Walk:
     """Keep drafts while they equal the target's tokens; then the target's token: drafts [k],
     target tokens [k+1]. Greedy mode (argmax) and the coupled rule (perturbed argmax) are this
@@ -195,7 +206,7 @@ def exact_walk(proposal: Proposal, target_logits: torch.Tensor, sampling: Sampli
     tokens = proposal.tokens
     k = len(tokens)
     if sampling.greedy:
-        return match_walk(tokens, target_logits.argmax(-1))
+        return greedy_walk(tokens, target_logits)
     q = logits_to_probs(target_logits, sampling)  # [k+1, V]
     if check_sampling_rule(sampling_rule) == "coupled":
         if noise is None:
@@ -296,7 +307,8 @@ def tree_walk(proposal: Proposal, target_logits: torch.Tensor, sampling: Samplin
     if target_logits.shape[0] != len(tree) + 1:
         raise TreeError(f"a tree of {len(tree)} nodes needs {len(tree) + 1} rows of target logits, got {target_logits.shape[0]}")
     if sampling.greedy:
-        return match_tree_walk(tree, lambda node: target_logits[_row(node)].argmax())
+        argmax = row_argmax(target_logits)
+        return match_tree_walk(tree, lambda node: argmax(_row(node)))
     if noise is None:
         raise VerificationError("sampled verification needs the block's noise (sampling.BlockNoise); got None")
     if check_sampling_rule(sampling_rule) == "coupled":

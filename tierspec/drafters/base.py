@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from ..proposal import DraftRequest, Proposal, Shape
-from ..sampling import gumbel_argmax, logits_to_probs
+from ..sampling import argmax_token, gumbel_argmax, logits_to_probs, one_hot_rows
 
 
 class DraftEverything:
@@ -195,23 +195,25 @@ def draft_autoregressively(
     ``vocab_size``, with probability 0 elsewhere, only if a rule reads them).
     """
     sampling, noise, policy = request.sampling, request.noise, request.policy
-    tokens, probs, logits_rows, confidences = [], [], [], []
+    tokens, choices, probs, logits_rows, confidences = [], [], [], [], []
     calls = 0
     for _ in range(request.budget):
         logits = next_logits(pending)
         calls += 1
         if not torch.isfinite(logits).all():
             break
-        step_probs = logits_to_probs(logits, sampling)
-        if sampling.greedy:
-            choice = int(logits.argmax())
-        elif vocabulary is None:
-            choice = noise.token(len(tokens), step_probs)
+        if sampling.greedy:  # the distribution is the one-hot of the argmax: made once for the block below
+            choice = argmax_token(logits)
         else:
-            choice = int(gumbel_argmax(step_probs, noise.gumbel(len(tokens))[vocabulary]))
+            step_probs = logits_to_probs(logits, sampling)
+            probs.append(step_probs)
+            if vocabulary is None:
+                choice = noise.token(len(tokens), step_probs)
+            else:
+                choice = int(gumbel_argmax(step_probs, noise.gumbel(len(tokens))[vocabulary]))
         token = choice if vocabulary is None else int(vocabulary[choice])
         tokens.append(token)
-        probs.append(step_probs)
+        choices.append(choice)
         logits_rows.append(logits)
         confidences.append(float(logits.float().softmax(-1).max()))
         pending = torch.tensor([token])
@@ -219,5 +221,6 @@ def draft_autoregressively(
             break
     if not tokens:
         return Proposal.empty(calls, source)
-    return Proposal.chain(torch.tensor(tokens), torch.stack(probs), torch.stack(logits_rows), torch.tensor(confidences),
+    rows = one_hot_rows(torch.tensor(choices), logits_rows[0].shape[-1]) if sampling.greedy else torch.stack(probs)
+    return Proposal.chain(torch.tensor(tokens), rows, torch.stack(logits_rows), torch.tensor(confidences),
                           drafter_calls=calls, source=source, vocabulary=vocabulary, vocab_size=vocab_size)

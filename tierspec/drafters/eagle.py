@@ -107,6 +107,7 @@ class HybridDrafter(Drafter):
         self.feature_layers = eagle.feature_layers
 
     def start(self, prompt_ids, features=None, target_view=None) -> None:
+        self.ngram.start(prompt_ids, features, target_view)
         self.eagle.start(prompt_ids, features, target_view)
 
     def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:

@@ -22,7 +22,7 @@ from ..sampling import logits_to_probs
 from ..tree import ROOT, TokenTree
 from .base import Drafter
 from .eagle import EagleDrafter
-from .ngram import NgramDrafter
+from .ngram import NgramDrafter, suffix_matches
 
 
 @dataclass(frozen=True)
@@ -194,8 +194,7 @@ class NgramTreeDrafter(Drafter):
         """Up to ``max_matches`` continuations [≤ depth] of the longest suffix that occurs earlier."""
         lookup, n_ctx = self.lookup, len(context)
         for n in range(min(lookup.ngram_size, n_ctx - 1), lookup.min_ngram_size - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(context[: n_ctx - 1], n)
-            hits = np.flatnonzero((windows == context[n_ctx - n :]).all(axis=1))[::-1][: self.max_matches]
+            hits = suffix_matches(context, n)[::-1][: self.max_matches]
             if hits.size:
                 return [context[h + n : h + n + depth] for h in hits.tolist()], n
         return [], 0
