@@ -10,7 +10,8 @@ so both run on the same machine state, interleaved prompt by prompt (the order a
 their own copy of the default model. Both use one pass-cost table (this checkout's, measured
 once and cached), so both choose the same draft lengths and emit the same tokens (checked).
 
-What is timed, per cycle, greedy: each step's own time with the model passes taken out —
+What is timed, per cycle, greedy (the median over the runs): each step's own time with the model
+passes taken out —
 
     noise     the block's keyed noise (``Noise.block``; nothing in greedy mode)
     propose   the drafter (its model steps — the draft head's — are not the loop's)
@@ -154,14 +155,14 @@ class Version:
 
 
 def loop_rows(versions: list[Version], names: list[str], prompts: list, tokens: int, repeats: int) -> dict:
-    """Per method and version: ms per cycle of each step (mean over prompts and repeats)."""
+    """Per method and version: ms per cycle of each step, the median over the runs (prompts ×
+    repeats; a median, since a shared machine stalls now and then)."""
     built = {(v.label, name): v.method(name) for v in versions for name in names}
     ids = {v.label: [v.prompting.encode_prompt(v.target, p.text) for p in prompts] for v in versions}
     for v in versions:  # warm-up: the first generation of a process pays one-off costs
         for name in names:
             v.run(built[(v.label, name)], ids[v.label][0], 8)
-    sums = {key: defaultdict(float) for key in built}
-    cycles = defaultdict(int)
+    runs = defaultdict(list)  # (version, method) → [{step: ms per cycle}]
     outputs: dict = {}
     for repeat in range(repeats):
         for index in range(len(prompts)):
@@ -170,20 +171,18 @@ def loop_rows(versions: list[Version], names: list[str], prompts: list, tokens: 
                 for v in order:
                     out, count, seconds, steps = v.run(built[(v.label, name)], ids[v.label][index], tokens)
                     outputs.setdefault((name, index), {})[v.label] = (out, count)
-                    for step, value in steps.items():
-                        sums[(v.label, name)][step] += value
-                    sums[(v.label, name)]["wall"] += seconds
-                    cycles[(v.label, name)] += count
+                    row = {step: 1000 * steps.get(step, 0.0) / count for step in STEPS + MODEL}
+                    row["loop"] = sum(row[step] for step in STEPS)
+                    row["cycle"] = 1000 * seconds / count
+                    row["cycles"] = count
+                    runs[(v.label, name)].append(row)
     for (name, index), got in outputs.items():
         if len({tuple(out) for out, _ in got.values()}) != 1:
             raise SystemExit(f"{name}, prompt {index}: the versions emitted different tokens {sorted(got)}")
     rows = {}
-    for (label, name), total in sums.items():
-        n = cycles[(label, name)]
-        row = {step: 1000 * total.get(step, 0.0) / n for step in STEPS + MODEL}
-        row["loop"] = sum(row[step] for step in STEPS)
-        row["cycle"] = 1000 * total["wall"] / n
-        row["cycles"] = n
+    for (label, name), per_run in runs.items():
+        row = {step: statistics.median(r[step] for r in per_run) for step in STEPS + ("loop",) + MODEL + ("cycle",)}
+        row["cycles"] = sum(r["cycles"] for r in per_run)
         rows.setdefault(name, {})[label] = row
     return rows
 

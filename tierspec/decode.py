@@ -289,6 +289,10 @@ class CommittedTokens:
     def generated_count(self) -> int:
         return self.length - self.prompt_length
 
+    def pending(self, start: int) -> torch.Tensor:
+        """Committed tokens ``start ..`` [n − start] (a view): what a pass from ``start`` runs first."""
+        return self._ids[start : self.length]
+
     def generated(self, start: int = 0, end: int | None = None) -> list[int]:
         """Generated tokens ``start .. end`` (Python slice bounds over the generated tokens only)."""
         begin = self.prompt_length
@@ -491,22 +495,19 @@ class Verifiers:
         after the committed tokens until ``commit`` keeps the accepted path's."""
         self._full_model_kv_only()  # slim-only KV is recomputed in this pass
         start = self.full_length
-        pending = self.context[start:]
+        pending = self.committed.pending(start)
         tree = proposal.tree
         rows, m = len(pending), len(tree)
         pad = self._pad_count(rows + m)
         if tree.is_chain:
-            tokens = torch.cat([pending, tree.tokens])
-            if pad:
-                tokens = torch.cat([tokens, tokens[-1:].expand(pad)])
-            result = self._forward(tokens, logits_for=m + 1 + pad, with_hidden=with_hidden)
+            result = self._forward(_chain_rows(pending, tree.tokens, pad), logits_for=m + 1 + pad, with_hidden=with_hidden)
         else:
             layout = tree_pass(pending, tree, pad)
             result = self._forward(layout.tokens, logits_for=m + 1 + pad, with_hidden=with_hidden,
                                    offsets=layout.offsets, attends=layout.attends)
         self.target_calls += 1
         self.full_length = self.runner.length
-        logits = self._node_rows(result.logits[: m + 1], tree)
+        logits = self._node_rows(result.logits[: m + 1] if pad else result.logits, tree)
         recorded = result.hidden[: rows + m] if self.features is not None else None
         self._pass = PassRecord(start, rows, m, tree.is_chain, recorded, logits)
         hidden = result.hidden[rows - 1 : rows + m, : self.hidden_size] if with_hidden else None
@@ -520,13 +521,11 @@ class Verifiers:
         if not proposal.is_chain:
             raise ValueError("the slim verifier scores chains only (VIA-SD verifies one chain of drafts)")
         start = self.runner.length
-        pending = self.context[start:]
+        pending = self.committed.pending(start)
         rows, k = len(pending), len(proposal)
         pad = self._pad_count(rows + k)
-        tokens = torch.cat([pending, proposal.tokens])
-        if pad:
-            tokens = torch.cat([tokens, tokens[-1:].expand(pad)])
-        result = self._forward(tokens, logits_for=k + 1 + pad, mask=self.slim_mask, vocabulary=self.slim_vocabulary)
+        result = self._forward(_chain_rows(pending, proposal.tokens, pad), logits_for=k + 1 + pad, mask=self.slim_mask,
+                               vocabulary=self.slim_vocabulary)
         self.slim_calls += 1
         # the slim model's features, until a full pass rewrites them
         self._pass = PassRecord(start, rows, k, True, result.hidden[: rows + k] if self.features is not None else None)
@@ -597,6 +596,17 @@ class Verifiers:
 
     def draft_view(self) -> TargetDraftView:
         return _DraftView(self)
+
+
+def _chain_rows(pending: torch.Tensor, drafts: torch.Tensor, pad: int) -> torch.Tensor:
+    """The tokens of a chain pass: the pending committed tokens, the drafts, and ``pad`` copies
+    of the last (padding rows: their outputs are dropped, their KV rolled back)."""
+    if not len(drafts) and not pad:
+        return pending
+    parts = [pending, drafts] if len(drafts) else [pending]
+    if pad:
+        parts.append((drafts if len(drafts) else pending)[-1:].expand(pad))
+    return torch.cat(parts)
 
 
 class _DraftView(TargetDraftView):

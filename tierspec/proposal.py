@@ -50,9 +50,10 @@ class Proposal:
 
     probs:         [m, K] the distribution each node's token was drawn from (after the sampling
                    transforms; for siblings drawn without replacement: before the earlier siblings
-                   were removed), or None for a drafter without one (n-gram lookup), which the
-                   rules treat as one-hot. ``vocabulary`` [K] names the target ids of its columns
-                   (a draft head's reduced vocabulary); None: the columns are the target's ids.
+                   were removed), or None where it is the one-hot of the node's token: a drafter
+                   without a distribution (n-gram lookup), and every drafter in greedy mode, whose
+                   distribution is the one-hot of its argmax. ``vocabulary`` [K] names the target
+                   ids of its columns (a draft head's reduced vocabulary); None: the target's ids.
     logits:        [m, K] raw logits where the drafter has them (deferral bits read them at
                    temperature 1), else None; columns as ``probs``.
     confidence:    [m] top probability at temperature 1 of each node's distribution, or None.

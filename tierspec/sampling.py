@@ -19,6 +19,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .errors import TierspecError
@@ -99,14 +100,23 @@ def argmax_token(row: torch.Tensor) -> int:
     A float CPU row is read through numpy, whose argmax is vectorised where torch's CPU argmax
     is a scalar loop (the greedy loop takes one per verified row and per draft; BENCHMARKS.md,
     the decode loop's own time)."""
-    return row_argmax(row[None])(0)
+    if row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64) and not row.requires_grad:
+        return int(row.numpy().argmax())
+    return int(row.argmax())
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether no entry is NaN or ±inf (a float CPU tensor checked through numpy, as ``argmax_token``)."""
+    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) and not values.requires_grad:
+        return bool(np.isfinite(values.numpy()).all())
+    return bool(torch.isfinite(values).all())
 
 
 def row_argmax(logits: torch.Tensor):
     """``i → argmax_token(logits[i])`` for rows [r, V], each taken when asked (a walk that stops
     early reads fewer rows), the rows of a float CPU tensor viewed through numpy once."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64):
-        rows = logits.detach().numpy()
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
+        rows = logits.numpy()
         return lambda i: int(rows[i].argmax())
     return lambda i: int(logits[i].argmax())
 

@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from ..proposal import DraftRequest, Proposal, Shape
-from ..sampling import argmax_token, gumbel_argmax, logits_to_probs, one_hot_rows
+from ..sampling import all_finite, argmax_token, gumbel_argmax, logits_to_probs
 
 
 class DraftEverything:
@@ -195,14 +195,14 @@ def draft_autoregressively(
     ``vocab_size``, with probability 0 elsewhere, only if a rule reads them).
     """
     sampling, noise, policy = request.sampling, request.noise, request.policy
-    tokens, choices, probs, logits_rows, confidences = [], [], [], [], []
+    tokens, probs, logits_rows, confidences = [], [], [], []
     calls = 0
     for _ in range(request.budget):
         logits = next_logits(pending)
         calls += 1
-        if not torch.isfinite(logits).all():
+        if not all_finite(logits):
             break
-        if sampling.greedy:  # the distribution is the one-hot of the argmax: made once for the block below
+        if sampling.greedy:  # the distribution is the one-hot of the argmax (left implicit below)
             choice = argmax_token(logits)
         else:
             step_probs = logits_to_probs(logits, sampling)
@@ -213,7 +213,6 @@ def draft_autoregressively(
                 choice = int(gumbel_argmax(step_probs, noise.gumbel(len(tokens))[vocabulary]))
         token = choice if vocabulary is None else int(vocabulary[choice])
         tokens.append(token)
-        choices.append(choice)
         logits_rows.append(logits)
         confidences.append(float(logits.float().softmax(-1).max()))
         pending = torch.tensor([token])
@@ -221,6 +220,8 @@ def draft_autoregressively(
             break
     if not tokens:
         return Proposal.empty(calls, source)
-    rows = one_hot_rows(torch.tensor(choices), logits_rows[0].shape[-1]) if sampling.greedy else torch.stack(probs)
+    # Greedy: each token's distribution is its one-hot, which is what every rule reads for rows
+    # left out (``walks.draft_rows``), so none are made.
+    rows = None if sampling.greedy else torch.stack(probs)
     return Proposal.chain(torch.tensor(tokens), rows, torch.stack(logits_rows), torch.tensor(confidences),
                           drafter_calls=calls, source=source, vocabulary=vocabulary, vocab_size=vocab_size)
