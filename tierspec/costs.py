@@ -1,9 +1,7 @@
 """Forward-pass cost per number of new tokens, measured once per model and machine.
 
-On a CPU the cost of a target pass is not linear in the number of tokens it scores: measured
-on the default model (2 cores, 300 cached tokens) a pass over 1 / 2 / 3 / 4 / 8 new tokens
-took about 57 / 92 / 116 / 88 / 80 ms with ``nn.Linear``'s kernels (2–3 rows slower than
-4–8), and 35 / 35 / 45 / 45 / 67 ms with tierspec's few-row linears (``kernels``). Two
+On a CPU the cost of a target pass is not linear in the number of tokens it scores: a pass over
+2–3 new tokens can cost more than one over 4–8 (BENCHMARKS.md has the measured tables). Two
 things follow:
 
 * a verification of n tokens can be *padded* to the cheapest size n' ≥ n (the extra rows are

@@ -40,12 +40,13 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 import torch
 
-from .cached_model import CachedModel, PassResult
+from .cached_model import CachedModel, PassResult, SlimVocabulary
+from .costs import ForwardCosts
 from .drafters.base import Drafter, FeatureLog, TargetDraftView
 from .errors import PromptError, TierspecError
 from .layerskip.masks import RoutingMask
-from .modifiers import LogitModifiers, chain_counts, modified_logits, token_counts, tree_counts
 from .models import LoadedModel
+from .modifiers import LogitModifiers, chain_counts, modified_logits, token_counts, tree_counts
 from .policies import CycleOutcome, DraftPolicy
 from .proposal import DraftRequest, Proposal, Scores, Shape, Verdict, walk_reached
 from .rules.base import ScoreRule, VerificationRule
@@ -356,7 +357,7 @@ class DecodeMethod(Protocol):
     rule: VerificationRule
     policy: DraftPolicy
     slim_mask: RoutingMask | None  # VIA-SD's slim verifier: the target under this mask
-    slim_vocabulary: object | None  # cached_model.SlimVocabulary (below: the slim tier scores only its tokens)
+    slim_vocabulary: SlimVocabulary | None  # the slim tier scores only these tokens
 
 
 class Verifiers:
@@ -381,9 +382,9 @@ class Verifiers:
     """
 
     def __init__(self, target: LoadedModel, positions: int, slim_mask: RoutingMask | None = None,
-                 pass_costs=None, record_features: bool = False, feature_layers: tuple[int, ...] = (),
-                 slim_vocabulary=None, source: torch.Tensor | None = None,
-                 modifiers: LogitModifiers = LogitModifiers()):
+                 pass_costs: ForwardCosts | None = None, record_features: bool = False,
+                 feature_layers: tuple[int, ...] = (), slim_vocabulary: SlimVocabulary | None = None,
+                 source: torch.Tensor | None = None, modifiers: LogitModifiers = LogitModifiers()):
         """``positions``: every position this generation's passes can reach (the prompt, the
         token budget and a last pass's draft and padding); the KV buffer, the committed sequence
         and the feature log are allocated for them once. ``pass_costs`` (a ``costs.ForwardCosts``,

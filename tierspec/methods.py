@@ -7,31 +7,31 @@ builds its flags from these fields (``cli``), and the bench parses method specs 
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
+from .cached_model import SlimVocabulary
+from .costs import ForwardCosts
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, check_vocabularies
 from .drafters.base import streamed_weights
 from .drafters.cs_drafting import CsDrafter
+from .drafters.model import Seq2SeqModelDrafter, check_same_family
 from .drafters.self_spec import SelfSpeculativeDrafter
 from .drafters.swift import SwiftDrafter
 from .errors import TierspecError
-from .models import LoadedModel
-from .cached_model import SlimVocabulary
-from .costs import ForwardCosts
-from .llama import ATTENTION_ROWS
-from .policies import ConfidenceStop, CostAware, DraftPolicy, FixedLength, TreePolicy
+from .heads.draft import DraftHead
+from .heads.judge import JudgeHead
 from .layerskip.masks import RoutingMask
+from .llama import ATTENTION_ROWS
+from .models import LoadedModel
+from .policies import ConfidenceStop, CostAware, DraftPolicy, FixedLength, TreePolicy
 from .rules import ExactRule, VerificationRule
 from .rules.bild import BildRule
-from .rules.speculative_cascades import DEFERRALS, SpeculativeCascadeRule
-from .walks import SAMPLING_RULES
 from .rules.lossy import LossyRule
+from .rules.speculative_cascades import DEFERRALS, SpeculativeCascadeRule
 from .rules.via import ViaRule
-from .drafters.model import Seq2SeqModelDrafter, check_same_family
 from .seq2seq import Seq2SeqError, is_encoder_decoder
+from .walks import SAMPLING_RULES
 
 DRAFTER_KINDS = ("auto", "model", "ngram", "self", "eagle")
 SLIM_VOCABULARIES = ("full", "draft-head")
@@ -62,7 +62,7 @@ class MethodOptions:
     drafter_kind: str = _option("auto", "drafter of lossy/bild/cascade/via/judge: auto = --drafter model if given, "
                                 "else n-gram lookup; eagle = the trained draft head", flag="--draft-with", choices=DRAFTER_KINDS)
     draft_mask: RoutingMask | None = _option(None, "routing mask of the self-speculative drafter (--draft-with self)", kind="mask")
-    draft_head: object | None = _option(None, "draft head (.safetensors) from `tierspec drafter train` (eagle, hybrid, "
+    draft_head: DraftHead | None = _option(None, "draft head (.safetensors) from `tierspec drafter train` (eagle, hybrid, "
                                         "--draft-with eagle); default: the head shipped for the target", kind="draft_head")
     alpha: float = _option(0.1, "lossy tolerance α; cascade deferral α")
     beta: float | None = _option(None, "lossy residual β (default 1 − α)")
@@ -75,7 +75,7 @@ class MethodOptions:
     csd_model_positions: int = _option(3, "CS Drafting: positions drafted by the drafter model (horizontal cascade)")
     csd_inner_draft: int = _option(3, "CS Drafting: n-gram guesses the drafter model reviews per pass")
     adaptive_max_draft: int = _option(10, "adaptive-*, eagle, hybrid: the longest draft considered")
-    judge_head: object | None = _option(None, "judge head (.safetensors) from `tierspec judge train` (judge, via-judge)",
+    judge_head: JudgeHead | None = _option(None, "judge head (.safetensors) from `tierspec judge train` (judge, via-judge)",
                                         kind="judge_head")
     judge_threshold: float | None = _option(None, "judge accepts when sigmoid ≥ δ (default: the head's)")
     sampling_rule: str = _option("coupled", "lossless methods at temperature > 0: coupled = the target's token at each "
@@ -335,17 +335,20 @@ def _csd(target, drafter_model, options) -> Method:
                   "cascade speculative drafting (vertical + horizontal cascade)")
 
 
-def _via_rule(options: MethodOptions, judge=None) -> ViaRule:
-    lag = options.max_target_lag if options.max_target_lag is not None else 4 * max(options.num_draft, 1)
+#: VIA-SD's default lag cap in blocks of γ drafts (docs/DESIGN.md §3.6: 4γ): the full target
+#: catches up at least every few blocks the slim tier commits.
+TARGET_LAG_BLOCKS = 4
+
+
+def _via_rule(options: MethodOptions, judge: JudgeHead | None = None) -> ViaRule:
+    lag = options.max_target_lag if options.max_target_lag is not None else TARGET_LAG_BLOCKS * max(options.num_draft, 1)
     return ViaRule(options.alpha1, options.alpha2, lag, judge=judge, judge_threshold=options.judge_threshold)
 
 
-def _slim_vocabulary(target: LoadedModel, options: MethodOptions):
+def _slim_vocabulary(target: LoadedModel, options: MethodOptions) -> SlimVocabulary | None:
     """The slim tier's vocabulary (None: all tokens); ``draft-head``: the draft head's K tokens."""
     if options.slim_vocabulary == "full":
         return None
-    from .cached_model import SlimVocabulary
-
     return SlimVocabulary(target.model, draft_head_for(target, options).draft_ids)
 
 
@@ -389,24 +392,13 @@ def _via_judge(target, drafter_model, options) -> Method:
                   slim_vocabulary=_slim_vocabulary(target, options))
 
 
-# Forward-cost tables by model, shared by every method built on that model in this process: a
-# table depends on the model alone, and reading it back from disk includes a timed spot check
-# (a fraction of a second) that a server building methods for new request settings would
-# otherwise pay for each one.
-_COST_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {max_tokens: table}
-_COST_TABLES_LOCK = threading.Lock()
-
-
 def _cost_table(target: LoadedModel, max_tokens: int) -> ForwardCosts:
-    """The target's measured pass costs for 1 .. ``max_tokens`` new tokens, measured (or read from
-    the cache) once per model and size in this process; the policy built on it holds it."""
+    """The target's measured pass costs for 1 .. ``max_tokens`` new tokens: ``costs.forward_costs``
+    measures (or reads and spot-checks) a table once per process and returns that one table to
+    every later caller, so every method built on a model shares it; the policy built on it holds it."""
     from .costs import forward_costs
 
-    with _COST_TABLES_LOCK:
-        tables = _COST_TABLES.setdefault(target.model, {})
-        if max_tokens not in tables:
-            tables[max_tokens] = forward_costs(target, max_tokens=max_tokens)
-        return tables[max_tokens]
+    return forward_costs(target, max_tokens=max_tokens)
 
 
 def _draft_fractions(target: LoadedModel, weights: dict[str, int]) -> dict[str, float]:

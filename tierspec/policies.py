@@ -54,6 +54,25 @@ class DraftPolicyError(TierspecError):
 # Coarse on purpose: each bin × first/later is learned on its own, and a generation is short.
 CONFIDENCE_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.95, 1.01)
 
+#: The prior acceptance of a token whose drafter gave no confidence (an n-gram copy, a drafter
+#: without a distribution): even odds until the verdicts say otherwise.
+EVEN_ODDS = 0.5
+#: The weight of a key's prior, in verdicts: two verdicts outweigh it (a chain key is seen about
+#: once a cycle, so the estimate follows the text within a few cycles).
+CHAIN_PRIOR_WEIGHT = 2.0
+#: A chain key's evidence is multiplied by this after every verdict: a memory of about ten blocks.
+CHAIN_DECAY = 0.9
+#: A key the policy chose not to draft drifts back to its prior by this factor per cycle, so a
+#: context written off early is tried again.
+IDLE_DECAY = 0.99
+#: The largest tree (nodes per pass, depth) when the method does not size it from the pass-cost
+#: table: one row fewer than four ``llama.ATTENTION_ROWS`` calls, and a depth no draft head
+#: sustains at the default model's acceptance.
+TREE_NODES, TREE_DEPTH = 4 * ATTENTION_ROWS - 1, 8
+#: A tree tries many keys per cycle, so each key's evidence lasts longer (about fifty cycles) and
+#: its prior weighs more verdicts than a chain key's.
+TREE_DECAY, TREE_PRIOR_WEIGHT = 0.98, 4.0
+
 
 def confidence_bin(confidence: float) -> int:
     return max(i for i, edge in enumerate(CONFIDENCE_BINS[:-1]) if confidence >= edge)
@@ -69,7 +88,7 @@ class MatchKey:
     match_size: int
     streak: bool
 
-    prior = 0.5
+    prior = EVEN_ODDS
 
 
 @dataclass(frozen=True)
@@ -100,7 +119,7 @@ class SourceKey:
     source: str
     streak: bool
 
-    prior = 0.5
+    prior = EVEN_ODDS
 
 
 AcceptanceKey = MatchKey | ConfidenceKey | SourceKey
@@ -234,8 +253,8 @@ class AcceptanceEstimate:
     """P(a drafted token is accepted | the tokens before it were) for one context key: decayed
     success/failure counts with a Beta prior of mean ``prior`` and weight ``prior_weight``."""
 
-    prior: float = 0.5
-    prior_weight: float = 2.0
+    prior: float = EVEN_ODDS
+    prior_weight: float = CHAIN_PRIOR_WEIGHT
     successes: float = 0.0
     failures: float = 0.0
 
@@ -253,8 +272,8 @@ class AcceptanceEstimate:
 
 
 #: (seconds of a one-token pass, seconds per further token) of a pass when no table was measured:
-#: the default model's early measurement on this project's 2-core machine (docs/DESIGN.md §6,
-#: verify(k) ≈ 46 + 7k ms). Only tests and tables-less policies use it.
+#: the straight line docs/algorithms.md §Draft-length policies starts from (the default model's
+#: early measurement). Only tests and table-less policies use it.
 UNMEASURED_PASS = (0.046, 0.007)
 
 #: Weight of a source's earlier blocks in its running expected rate (``CostAware.rates``): about
@@ -314,8 +333,9 @@ class CostAware(DraftPolicy):
     chooses; everything is learned in ``observe``.
     """
 
-    def __init__(self, max_draft: int = 10, forward_costs=None, cost=None, decay: float = 0.9,
-                 idle_decay: float = 0.99, draft_fractions: dict[str, float] | None = None):
+    def __init__(self, max_draft: int = 10, forward_costs: ForwardCosts | None = None, cost=None,
+                 decay: float = CHAIN_DECAY, idle_decay: float = IDLE_DECAY,
+                 draft_fractions: dict[str, float] | None = None):
         """``cost``: a function (k, source) → seconds instead of the ``CostModel`` of
         ``forward_costs`` and ``draft_fractions`` (tests)."""
         self.max_draft = _check_length("max_draft", max_draft)
@@ -471,9 +491,9 @@ class TreePolicy(DraftPolicy):
     tree) for the N that maximises (1 + Σ values) / (pass cost of P + N tokens + drafting cost);
     the drafters grow trees with ``acceptance`` and stop growing them with ``best_size``."""
 
-    def __init__(self, max_nodes: int = 15, max_depth: int = 8, forward_costs: ForwardCosts | None = None,
-                 draft_fractions: dict[str, float] | None = None, decay: float = 0.98, prior_weight: float = 4.0,
-                 path_call_seconds: float = 0.0):
+    def __init__(self, max_nodes: int = TREE_NODES, max_depth: int = TREE_DEPTH, forward_costs: ForwardCosts | None = None,
+                 draft_fractions: dict[str, float] | None = None, decay: float = TREE_DECAY,
+                 prior_weight: float = TREE_PRIOR_WEIGHT, path_call_seconds: float = 0.0):
         """``max_nodes``, ``max_depth``: the largest tree (nodes per pass, depth); ``methods`` takes
         the nodes from the pass-cost table's size. ``decay``: the weight of a key's evidence after
         each verdict (a long memory: a tree tries many keys per cycle). ``prior_weight``: the

@@ -26,8 +26,8 @@ import torch
 
 from .cached_model import CachedModel, HiddenCapture, PassResult, SlimVocabulary, _growing_layer_class
 from .errors import TierspecError
-from .models import output_vocabulary_size
 from .layerskip.masks import RoutingMask, apply_decoder_mask, decoder_blocks, model_lock
+from .models import output_vocabulary_size
 
 
 class Seq2SeqError(TierspecError):

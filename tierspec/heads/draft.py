@@ -40,9 +40,9 @@ import torch.nn.functional as F
 from ..errors import TierspecError
 from ..identity import ModelIdentity
 from ..kernels import FewRowLinear, few_row_linear
+from ..layerskip.masks import decoder_layers
 from ..llama import DecoderLayer, KVLayer, PassLayout, RMSNorm, RotaryTable, has_projections, projection_weights, slot_mask
 from ..models import LoadedModel, output_vocabulary_size
-from ..layerskip.masks import decoder_layers
 from ..util import atomic_write, atomic_write_text
 
 HEAD_FORMAT = "tierspec-draft-head"

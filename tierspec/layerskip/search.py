@@ -29,10 +29,10 @@ import numpy as np
 import torch
 
 from ..errors import TierspecError
-from .candidates import ComputeBudget, Evaluation, next_keep
 from ..models import LoadedModel
-from .masks import RoutingMask, apply_mask
 from ..util import atomic_write_text
+from .candidates import ComputeBudget, Evaluation, next_keep
+from .masks import RoutingMask, apply_mask
 
 OBJECTIVES = ("kl", "agreement")
 

@@ -41,10 +41,10 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import TierspecError
+from ..heads.draft import DraftHead
 from ..models import LoadedModel
 from ..util import atomic_write
 from .draft_data import DraftDataError, check_data_model
-from ..heads.draft import DraftHead
 
 
 @dataclass(frozen=True)

@@ -21,12 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..prompting import encode_prompt
 from ..cached_model import HiddenCapture
 from ..errors import TierspecError
-from ..models import LoadedModel
-from .judge_data import JudgeExample, read_judge_data, token_labels
 from ..heads.judge import JudgeHead, judge_features
+from ..models import LoadedModel
+from ..prompting import encode_prompt
+from .judge_data import JudgeExample, read_judge_data, token_labels
 
 
 @dataclass
