@@ -7,7 +7,7 @@ drafted tokens (and the tree's parents). ``tests/data/shipped_head_drafts.json``
 returns for the head shipped now (the first head continued on new data, issue 20); the first
 head's record, made on the code before the head's layer became ``tierspec.llama``'s decoder layer
 (commit ad3fa31), was matched exactly by the new layer before the head was replaced.
-``tests/test_real_model.py`` checks the shipped head still drafts exactly the recorded tokens.
+``tests/methods/test_real_model.py`` checks the shipped head still drafts exactly the recorded tokens.
 
 Regenerate only on purpose (a new head or a deliberate change of its drafts):
 ``python tests/shipped_head_drafts.py``.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 REFERENCE = re.compile(r"docs/(algorithms|metrics)\.md[`]?\s+§([A-Z][\w-]*(?: [\w-]+)*)")
 
 

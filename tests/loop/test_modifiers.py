@@ -103,7 +103,7 @@ def test_token_logprobs_record_the_token_and_its_alternatives():
 
 @pytest.fixture(scope="module", autouse=True)
 def pinned_pass_costs():
-    """One pass-cost table for the cost-aware methods (as tests/test_seed.py pins it)."""
+    """One pass-cost table for the cost-aware methods (as tests/loop/test_seed.py pins it)."""
     from tierspec import costs
 
     def table(target, max_tokens=16, refresh=False):

@@ -26,7 +26,7 @@ MODEL = "smollm2-135m"
 QUESTION = "Name three primary colours."
 # A completion the model goes on with for thousands of tokens (no end-of-sequence in sight).
 ENDLESS = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:

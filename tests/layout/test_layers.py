@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parents[1] / "tierspec"
+PACKAGE = Path(__file__).resolve().parents[2] / "tierspec"
 
 #: Top first. A module belongs to the layer of the longest name that prefixes it, so
 #: ``tierspec.layerskip.masks`` (a mask applied in a pass: the pass engine's business) sits below
@@ -40,7 +40,7 @@ def layer_of(module: str) -> int:
             if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best):
                 best, index = prefix, i
     if index is None:
-        raise KeyError(f"{module} is in no layer: add it to LAYERS (tests/test_layers.py) and README's Layout")
+        raise KeyError(f"{module} is in no layer: add it to LAYERS (tests/layout/test_layers.py) and README's Layout")
     return index
 
 
@@ -111,3 +111,34 @@ def test_the_check_catches_a_planted_import_up():
     assert violations("from .rules import ExactRule\n", "tierspec.methods") == []  # down is fine
     assert violations("import tierspec.methods\n", "tierspec.policies") == [
         "tierspec.policies:1 imports tierspec.methods (methods, above drafters and policies)"]
+
+
+# ---- the tests mirror the layers ----------------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parents[1]
+#: Where the tests of each layer live (tests/<folder>/test_*.py; helpers and conftest stay at the top).
+TEST_FOLDERS = {"faces": "faces", "jobs": "jobs", "methods": "methods", "loop": "the loop", "rules": "rules",
+                "drafters": "drafters and policies", "heads": "heads and layer skipping",
+                "layerskip": "heads and layer skipping", "models": "models and engines", "pure": "pure pieces",
+                "layout": None}  # layout: the package and the documents as a whole
+
+
+def test_tests_are_grouped_by_layer_and_every_group_runs_something():
+    """Every test module sits in a layer's folder, and each folder holds a test the default run
+    (``-m 'not slow'``) collects, so running any folder (or the suite) never collects nothing."""
+    layer_names = {name for name, _ in LAYERS}
+    assert {layer for layer in TEST_FOLDERS.values() if layer} <= layer_names
+    modules = sorted(TESTS.rglob("test_*.py"))
+    assert modules and all(m.parent.parent == TESTS and m.parent.name in TEST_FOLDERS for m in modules), \
+        [str(m.relative_to(TESTS)) for m in modules if m.parent.parent != TESTS or m.parent.name not in TEST_FOLDERS]
+    assert len({m.name for m in modules}) == len(modules)  # pytest's import mode needs distinct basenames
+    for folder in TEST_FOLDERS:
+        runnable = 0
+        for module in (TESTS / folder).glob("test_*.py"):
+            tree = ast.parse(module.read_text())
+            slow_module = "pytestmark" in module.read_text() and "slow" in module.read_text().split("pytestmark", 1)[1][:80]
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and not slow_module:
+                    marks = [ast.unparse(d) for d in node.decorator_list]
+                    runnable += not any("mark.slow" in mark for mark in marks)
+        assert runnable, f"tests/{folder} has no test the default run collects"

@@ -299,8 +299,8 @@ def test_a_second_run_into_a_busy_folder_is_refused_and_a_killed_runs_lock_is_no
     out = tmp_path / "out"
     config = BenchConfig(target="tiny", methods=("ar", "pld"), per_category=1, max_new_tokens=6, data_dir=str(data_dir),
                          compute_nll=False)
-    script = _HOLDER.format(tests=str(Path(__file__).parent), data=str(data_dir), out=str(out))
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)}
+    script = _HOLDER.format(tests=str(Path(__file__).parents[1]), data=str(data_dir), out=str(out))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
     holder = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env=env)
     try:

@@ -201,7 +201,7 @@ def test_pearl_tokens_have_the_targets_joint_distribution():
     drafts and kept blocks, made before the pass): 5000 generations with a thread handing over
     each block take minutes on a busy machine, and that the thread changes no draft is
     ``test_pearl_same_seed_same_text_whatever_the_timing``'s check."""
-    from test_exact import pooled_chi_square_p_value
+    from distributions import pooled_chi_square_p_value
 
     target = tiny_llama(seed=11, vocab_size=5, layers=2, hidden=16, sharpness=4.0)
     drafter = tiny_llama(seed=12, vocab_size=5, layers=1, hidden=16, sharpness=4.0)

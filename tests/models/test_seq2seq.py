@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from conftest import as_method, char_tokenizer, draft_request, run_ids
-from test_exact import chi_square_p_value, pooled_chi_square_p_value
+from distributions import chi_square_p_value, pooled_chi_square_p_value
 from transformers import T5Config, T5ForConditionalGeneration
 
 from tierspec.decode import DecodeConfig, decode

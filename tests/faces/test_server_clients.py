@@ -24,7 +24,7 @@ from tierspec.server import Engine, serving_in_background
 pytestmark = pytest.mark.real_model
 
 MODEL = "smollm2-135m"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 #: A lossless method's logprob and ar's for one token come from passes of different sizes, whose
 #: float32 logits differ by up to 5e-5 on this model (README, "Same seed, same text").
 LOGPROB_TOLERANCE = 2e-4

@@ -1,5 +1,5 @@
 """The faults issue 33's probe found, each reproduced (the server's own are in
-tests/test_server_clients.py): a second signal during teardown, a cache folder without its
+tests/faces/test_server_clients.py): a second signal during teardown, a cache folder without its
 marker, a closed stdout pipe, full disks, arguments checked only after loading, float16 on a CPU,
 progress bars in logs, multi-line errors, and two drafter jobs in one folder."""
 
@@ -19,7 +19,7 @@ from tierspec import cli
 from tierspec.errors import ModelLoadError, TierspecError
 from tierspec.util import WriteError, atomic_write_text, exclusive_lock
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT)}
 
 

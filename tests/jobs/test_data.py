@@ -10,7 +10,7 @@ from tierspec.data import DATASETS, PACKAGED_DATA, DataError, default_data_dir, 
 
 COUNTS = {"spec_bench": 480, "gsm8k": 1000, "humaneval": 164, "mt_bench": 80, "cnn_dailymail": 200, "xsum": 240,
           "wmt14": 2500}
-SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
+SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 
 def test_packaged_data_is_the_default_from_any_folder(tmp_path, monkeypatch):

@@ -214,7 +214,7 @@ def test_neutral_lossy_settings_draw_what_the_residual_rule_draws(drafter_kind, 
 
 # ---- across processes: the command line ----------------------------------------------------------
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

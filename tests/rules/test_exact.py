@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from scipy.stats import chi2
+from distributions import chi_square_p_value, pooled_chi_square_p_value
 
 from tierspec.decode import DecodeConfig, decode
 from tierspec.drafters import ModelDrafter
@@ -92,23 +92,6 @@ def first_token_counts(target, drafter, prompt, runs: int, sampling_rule: str) -
         steps = decode(target, method, prompt, config, seed)
         counts[next(steps).new_tokens[0]] += 1
     return counts
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    expected = probs * counts.sum()
-    keep = expected > 0
-    if (counts[~keep] > 0).any():
-        return 0.0
-    stat = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
-    return float(chi2.sf(stat, int(keep.sum()) - 1))
-
-
-def pooled_chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor, least: float = 5.0) -> float:
-    """``chi_square_p_value`` with the cells expecting fewer than ``least`` samples pooled into one
-    (the test needs a few expected samples per cell)."""
-    big = probs * counts.sum() >= least
-    return chi_square_p_value(torch.cat([counts[big], counts[~big].sum()[None]]),
-                              torch.cat([probs[big], probs[~big].sum()[None]]))
 
 
 @pytest.mark.parametrize("sampling_rule", ["coupled", "residual"])
