@@ -172,7 +172,7 @@ def test_measured_unit_costs_are_cached_and_checked(tmp_path, monkeypatch):
     # the spot check is pinned: timing a shared machine would make the test flaky, not stronger
     monkeypatch.setattr(costs, "spot_check", lambda model: now["full"])
     first = costs.unit_costs(model)
-    assert first.full > 0 and first.attention >= 0 and first.mlp >= 0 and first.lm_head > 0
+    assert first.full > 0 and first.lm_head > 0  # what the units contribute: the planted test below
     path = next(tmp_path.glob("unit-costs-*.json"))
     new_process()
     assert costs.unit_costs(model) == first and len(measured) == 1  # read back, not re-measured
@@ -183,3 +183,45 @@ def test_measured_unit_costs_are_cached_and_checked(tmp_path, monkeypatch):
     new_process()
     remeasured = costs.unit_costs(model)
     assert len(measured) == 3 and json.loads(path.read_text())["costs"]["full"] == remeasured.full
+
+
+def test_unit_costs_are_the_differences_of_planted_pass_times(monkeypatch):
+    """The per-unit costs are differences of timed 1-token passes: with a clock that planted passes
+    advance (a full pass 10 ms, each bypassed attention sub-layer 0.5 ms less, each MLP 1 ms less,
+    the LM head 2 ms), the measurement gives back exactly the planted costs; a pass that bypassing
+    made slower (a noisy machine) counts as a unit that costs nothing, never a negative cost."""
+    from tierspec import costs
+
+    model = tiny_llama(seed=5, layers=6)
+    planted = {"full": 0.010, "attention": 0.0005, "mlp": 0.001, "lm_head": 0.002}
+    clock = [0.0]
+
+    class PlantedRunner:
+        vocab_size, device = 64, torch.device("cpu")
+
+        def forward(self, tokens, logits_for=None, mask=None):
+            if mask is not None:
+                clock[0] -= len(mask.skip_attention) * planted["attention"] + len(mask.skip_mlp) * planted["mlp"]
+            clock[0] += planted["full"]
+
+        def rollback(self, length):
+            pass
+
+    class PlantedTime:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+    monkeypatch.setattr(costs, "measuring_runner", lambda m: PlantedRunner())
+    monkeypatch.setattr(costs, "time", PlantedTime)
+    hook = model.model.get_output_embeddings().register_forward_hook(
+        lambda *args: clock.__setitem__(0, clock[0] + planted["lm_head"]))
+    try:
+        measured = costs.measure_unit_costs(model.model, context=8, repeats=3)
+        assert measured.full == pytest.approx(0.010) and measured.lm_head == pytest.approx(0.002)
+        assert measured.attention == pytest.approx(0.0005) and measured.mlp == pytest.approx(0.001)
+        assert measured.unit_share("layer") == pytest.approx(0.15)  # (0.5 + 1) ms of a 10 ms pass
+        planted["mlp"] = -0.001  # bypassing the MLPs made the pass slower
+        assert costs.measure_unit_costs(model.model, context=8, repeats=3).mlp == 0.0
+    finally:
+        hook.remove()

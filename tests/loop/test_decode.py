@@ -242,3 +242,26 @@ class TestBadInput:
 
         assert main(["generate", "hi", "--method", "warp"]) == 2
         assert "unknown method 'warp'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_chain_runs_as_the_plain_causal_pass_it_always_was(tiny_target, prompt_ids, padded):
+    """The one verifier pass runs a chain of drafts exactly as a causal pass over the pending token
+    and the drafts (no tree positions or masks), padded as the cost table says: bitwise the
+    logits of that pass, row by node."""
+    from tierspec.costs import ForwardCosts
+    from tierspec.decode import Verifiers
+    from tierspec.proposal import Proposal
+
+    table = ForwardCosts({1: 1.0, 2: 3.0, 3: 3.0, 4: 3.0, 5: 3.0, 6: 2.0}) if padded else None  # 2-5 rows → 6
+    drafts = torch.tensor([7, 11, 13])
+    with torch.inference_mode():
+        verifiers = Verifiers(tiny_target, 64, pass_costs=table)
+        verifiers.prefill(prompt_ids)
+        scores = verifiers.target(Proposal.chain(drafts))
+        runner = CachedModel(tiny_target.model)
+        runner.forward(prompt_ids[:-1], logits_for=1)
+        rows = torch.cat([prompt_ids[-1:], drafts] + ([drafts[-1:].expand(2)] if padded else []))
+        reference = runner.forward(rows, logits_for=len(rows)).logits[:4]
+    assert torch.equal(scores.logits, reference) and scores.hidden is None
+    assert verifiers.runner.length == runner.length == len(prompt_ids) - 1 + len(rows)
