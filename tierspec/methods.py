@@ -496,12 +496,12 @@ def _hybrid_tree(target, drafter_model, options) -> Method:
 SEQ2SEQ_METHODS = ("ar", "sd", "adaptive-sd", "pld", "adaptive-pld", "self", "swift", "lossy", "bild", "cascade", "via")
 
 
-def check_seq2seq_method(name: str, options) -> None:
+def check_seq2seq_method(name: str, options: MethodOptions) -> None:
     """Refuse a method (or drafter kind) that encoder–decoder targets do not support."""
     if name not in SEQ2SEQ_METHODS:
         raise Seq2SeqError(f"method '{name}' does not run on an encoder–decoder target; choose one of: "
                            f"{', '.join(SEQ2SEQ_METHODS)}")
-    if getattr(options, "drafter_kind", "auto") == "eagle":
+    if options.drafter_kind == "eagle":
         raise Seq2SeqError("--draft-with eagle needs a draft head, which encoder–decoder targets do not have here; "
                            "use --draft-with model (with --drafter), ngram or self")
 
