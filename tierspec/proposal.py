@@ -78,7 +78,7 @@ class Proposal:
     drafter_calls: int = 0
     source: str = ""
     rate: float = 0.0
-    _wide: dict = field(default_factory=dict, repr=False, compare=False)  # rows widened to V, made once
+    _wide: dict | None = field(default=None, repr=False, compare=False)  # rows widened to V, made once
 
     @staticmethod
     def chain(tokens: torch.Tensor, probs: torch.Tensor | None = None, logits: torch.Tensor | None = None,
@@ -108,6 +108,8 @@ class Proposal:
     def _widened(self, name: str, rows: torch.Tensor | None, fill: float) -> torch.Tensor | None:
         if rows is None or self.vocabulary is None:
             return rows
+        if self._wide is None:
+            self._wide = {}
         if name not in self._wide:
             wide = torch.full((rows.shape[0], self.vocab_size), fill, dtype=rows.dtype)
             wide[:, self.vocabulary] = rows

@@ -106,10 +106,22 @@ def argmax_token(row: torch.Tensor) -> int:
 
 
 def all_finite(values: torch.Tensor) -> bool:
-    """Whether no entry is NaN or ±inf (a float CPU tensor checked through numpy, as ``argmax_token``)."""
+    """Whether no entry is NaN or ±inf: a float CPU tensor's smallest and largest entries (numpy's
+    min and max carry a NaN through; no boolean copy is made), else ``torch.isfinite``."""
     if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) and not values.requires_grad:
-        return bool(np.isfinite(values.numpy()).all())
+        array = values.numpy()
+        return bool(np.isfinite(array.min()) and np.isfinite(array.max()))
     return bool(torch.isfinite(values).all())
+
+
+def finite_argmax(row: torch.Tensor) -> int | None:
+    """``argmax_token(row)`` when every entry of ``row`` [V] is finite, else None — one read for
+    both on a float CPU row (the argmax lands on a NaN or +inf if there is one; the min on −inf)."""
+    if row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64) and not row.requires_grad:
+        array = row.numpy()
+        index = int(array.argmax())
+        return index if np.isfinite(array[index]) and np.isfinite(array.min()) else None
+    return argmax_token(row) if all_finite(row) else None
 
 
 def row_argmax(logits: torch.Tensor):

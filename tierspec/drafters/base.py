@@ -15,7 +15,7 @@ from typing import ClassVar
 import torch
 
 from ..proposal import DraftRequest, Proposal, Shape
-from ..sampling import all_finite, argmax_token, gumbel_argmax, logits_to_probs
+from ..sampling import all_finite, finite_argmax, gumbel_argmax, logits_to_probs
 
 
 class DraftEverything:
@@ -200,10 +200,12 @@ def draft_autoregressively(
     for _ in range(request.budget):
         logits = next_logits(pending)
         calls += 1
-        if not all_finite(logits):
-            break
         if sampling.greedy:  # the distribution is the one-hot of the argmax (left implicit below)
-            choice = argmax_token(logits)
+            choice = finite_argmax(logits)
+            if choice is None:
+                break
+        elif not all_finite(logits):
+            break
         else:
             step_probs = logits_to_probs(logits, sampling)
             probs.append(step_probs)

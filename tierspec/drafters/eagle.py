@@ -33,6 +33,7 @@ class EagleDrafter(Drafter):
         self.runner = HeadRunner(head)
         self.vocab_size = head.config.vocab_size
         self._draft_ids = head.draft_ids.cpu()  # [K] target ids of the head's vocabulary
+        self._input_dtype = head.fc.weight.dtype  # the features are cast to it
         self.features: FeatureLog | None = None  # the generation's, owned by the loop's verifiers
         self._last_output: torch.Tensor | None = None
 
@@ -52,7 +53,9 @@ class EagleDrafter(Drafter):
             if start == end == pending_position and self._last_output is not None:
                 return self._last_output
             return None
-        values = self.features.read(start, end).to(self.head.fc.weight.dtype)
+        values = self.features.read(start, end)
+        if values.dtype != self._input_dtype:
+            values = values.to(self._input_dtype)
         h = self.runner.extend(values, context[start + 1 : end + 1], from_target=True)
         self._last_output = h[-1:]
         return self._last_output
