@@ -280,6 +280,8 @@ class CachedModel:
         """
         if length > self.length:
             raise ValueError(f"cannot roll back to {length}: the cache holds only {self.length} positions")
+        if length == self.length:  # no layer holds more than ``length``: nothing to trim
+            return
         for layer in self.cache.layers:
             if hasattr(layer, "trim"):
                 layer.trim(length)

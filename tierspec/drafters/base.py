@@ -12,6 +12,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from ..proposal import DraftRequest, Proposal, Shape
@@ -196,6 +197,8 @@ def draft_autoregressively(
     """
     sampling, noise, policy = request.sampling, request.noise, request.policy
     tokens, probs, logits_rows, confidences = [], [], [], []
+    fed = np.empty(max(request.budget, 1), dtype=np.int64)  # each draft is fed back as a one-token view of this
+    feeds = torch.from_numpy(fed)
     calls = 0
     for _ in range(request.budget):
         logits = next_logits(pending)
@@ -217,7 +220,8 @@ def draft_autoregressively(
         tokens.append(token)
         logits_rows.append(logits)
         confidences.append(float(logits.float().softmax(-1).max()))
-        pending = torch.tensor([token])
+        fed[len(tokens) - 1] = token
+        pending = feeds[len(tokens) - 1 : len(tokens)]
         if not policy.keep_drafting(confidences, source):
             break
     if not tokens:
