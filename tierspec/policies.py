@@ -348,6 +348,7 @@ class CostAware(DraftPolicy):
         self.streak = False  # was the last verified block accepted whole?
         self.rates: dict[str, float] = {}  # per source: running expected tokens/s of its verified blocks
         self._keyed: tuple[Proposal, list[AcceptanceKey]] | None = None  # the last proposal keyed, its keys
+        self._pooled: dict[str, tuple[float, float]] = {}  # per source: later-position evidence, until a verdict
 
     def _estimate(self, key: AcceptanceKey) -> AcceptanceEstimate:
         estimate = self.acceptance.get(key)
@@ -389,11 +390,15 @@ class CostAware(DraftPolicy):
     def unseen_later_acceptance(self, source: str, fallback: float) -> float:
         """P(accept) of a later-position token of ``source`` whose confidence is not known yet:
         the pooled evidence of all its later-position confidence keys (``fallback`` without any)."""
-        successes = failures = 0.0
-        for key, estimate in self.acceptance.items():
-            if isinstance(key, ConfidenceKey) and key.source == source and not key.first:
-                successes += estimate.successes
-                failures += estimate.failures
+        pooled = self._pooled.get(source)
+        if pooled is None:  # the estimates change only with a verdict: pooled once per cycle
+            successes = failures = 0.0
+            for key, estimate in self.acceptance.items():
+                if isinstance(key, ConfidenceKey) and key.source == source and not key.first:
+                    successes += estimate.successes
+                    failures += estimate.failures
+            pooled = self._pooled[source] = (successes, failures)
+        successes, failures = pooled
         if successes + failures < 1.0:
             return fallback
         return successes / (successes + failures)
@@ -469,6 +474,7 @@ class CostAware(DraftPolicy):
         if k:
             self.streak = accepted == k
         self._keyed = None
+        self._pooled.clear()
 
     @property
     def pass_costs(self) -> ForwardCosts | None:

@@ -70,10 +70,11 @@ class NgramDrafter(Drafter):
         is indexed afresh."""
         offset = 0 if self.source is None else len(self.source)
         known = len(self._text) - offset
-        tail = context[max(known - 1, 0) :].tolist()  # the last indexed token, then the new ones
-        if known > len(context) or (known > 0 and tail[0] != self._text[-1]):
+        ids = context.numpy()
+        tail = ids[max(known - 1, 0) :].tolist()  # the last indexed token, then the new ones
+        if known > len(ids) or (known > 0 and tail[0] != self._text[-1]):
             self._forget()
-            known, tail = 0, context.tolist()
+            known, tail = 0, ids.tolist()
         for token in tail[1:] if known > 0 else tail:
             self._at.setdefault(token, []).append(len(self._text))
             self._text.append(token)
@@ -109,4 +110,6 @@ class NgramDrafter(Drafter):
             return Proposal.empty(source="ngram")
         # Source first, then the output: the output's own matches are the most recent and win.
         found, size = self._latest_match(self._indexed(context), request.budget)
+        if not found:
+            return Proposal.empty(source="ngram")
         return Proposal.chain(torch.tensor(found, dtype=torch.long), match_sizes=[size] * len(found), source="ngram")
