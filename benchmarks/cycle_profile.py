@@ -74,8 +74,8 @@ def main() -> None:
     torch.set_num_threads(2)
     target = load_model("smollm2-135m")
     eagle = build_method("eagle", target)
-    table = eagle.forward_costs
-    methods = {0: build_method("ar", target), **{k: replace(eagle, policy=FixedLength(k)) for k in (1, 2, 3, 4)}}
+    table = eagle.policy.pass_costs
+    methods = {0: build_method("ar", target), **{k: replace(eagle, policy=FixedLength(k, table)) for k in (1, 2, 3, 4)}}
     totals = {k: GenerationStats() for k in methods}
     for prompt in PROMPTS:
         ids = encode_prompt(target, prompt, True)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 from tierspec.data import calibration_prompts
 from tierspec.models import load_model
-from tierspec.search import SearchConfig, build_calibration, search_mask
+from tierspec.layerskip.search import SearchConfig, search_mask
+from tierspec.training.calibration import build_calibration
 from tierspec.util import atomic_write_text
 
 

@@ -38,8 +38,8 @@ def bench(methods: list[str], out: str, temperature: float, per_category: int, m
 def step_costs(repeats: int = 200) -> dict:
     """Median seconds of one draft step (a head pass over one position + its draft-vocabulary
     logits) and of a cached 1-token target pass, at a 300-token context, alone on the machine."""
-    from tierspec.eagle.head import HeadRunner
-    from tierspec.eagle.shipped import shipped_head
+    from tierspec.heads.draft import HeadRunner
+    from tierspec.heads.shipped import shipped_head
     from tierspec.cached_model import CachedModel
     from tierspec.models import load_model
 

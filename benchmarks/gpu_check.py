@@ -37,7 +37,7 @@ from tierspec.errors import TierspecError
 from tierspec.methods import MethodOptions, build_method, method_names
 from tierspec.models import DEFAULT_MODEL, load_model
 from tierspec.prompting import encode_prompt, eos_ids
-from tierspec.routing import RoutingMask
+from tierspec.layerskip.masks import RoutingMask
 from tierspec.util import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -30,7 +30,7 @@ import torch
 
 from tierspec.cached_model import CachedModel
 from tierspec.data import load_prompts, select
-from tierspec.eagle.head import HeadRunner
+from tierspec.heads.draft import HeadRunner
 from tierspec.methods import MethodOptions, draft_head_for
 from tierspec.models import load_model
 from tierspec.prompting import encode_prompt

@@ -38,7 +38,7 @@ import torch
 
 from tierspec.cached_model import CachedModel
 from tierspec.models import load_model
-from tierspec.quant import threads_for
+from tierspec.engine import threads_for
 
 WIDTHS = (1, 2, 4, 8, 16)
 # token trees of 7 and 15 nodes (with the pending token: passes of 8 and 16 rows), 4 and 8 leaves
@@ -141,7 +141,7 @@ class LlamaCppPasses:
 
 def engine_matrix_seconds(runner: CachedModel, context: int, widths, repeats: int = 3) -> dict[int, float]:
     """Per width, the median seconds a pass spent outside the engine's matrix products."""
-    from tierspec.quant import engine
+    from tierspec.engine import engine
 
     out = {}
     vocab = runner.vocab_size

@@ -50,11 +50,11 @@ class LastTokenBound(CostAware):
 def variants(target):
     yield "ar", lambda: build_method("ar", target)
     base = build_method("eagle", target)
-    table = base.forward_costs
+    table = base.policy.pass_costs
     yield "cost-aware", lambda: replace(base, policy=CostAware(10, forward_costs=table))
     yield "cost-aware-last-bound", lambda: replace(base, policy=LastTokenBound(10, forward_costs=table))
     for k in (1, 2, 3, 4):
-        yield f"fixed-{k}", lambda k=k: replace(base, policy=FixedLength(k))
+        yield f"fixed-{k}", lambda k=k: replace(base, policy=FixedLength(k, table))
 
 
 def main() -> None:

@@ -33,11 +33,10 @@ from tierspec.decode import DecodeConfig, DecodeRun
 from tierspec.methods import build_method
 from tierspec.models import load_model
 from tierspec.prompting import encode_prompt, eos_ids
+from tierspec.proposal import Verdict
 from tierspec.rules import ExactRule
-from tierspec.rules.base import DRAFTER, TARGET, Verdict
-from tierspec.rules.common import draft_prob_of_tokens
-from tierspec.rules.exact import acceptance_probability, exact_walk
 from tierspec.sampling import SamplingConfig, logits_to_probs
+from tierspec.walks import acceptance_probability, draft_prob_of_tokens
 from tierspec.util import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,15 +50,14 @@ class ScoredCoupledRule(ExactRule):
         super().__init__("coupled")
         self.cycles: list[tuple[str, int, int, list[float]]] = []
 
-    def verify(self, verifiers, proposal, sampling, noise) -> Verdict:
-        logits = verifiers.target_logits(proposal.tokens)  # [k+1, V]
-        accepted, token = exact_walk(proposal, logits, sampling, noise, "coupled")
+    def decide(self, proposal, scores, sampling, noise) -> Verdict:
+        verdict = super().decide(proposal, scores, sampling, noise)
         k = len(proposal)
         if k:
-            q = logits_to_probs(logits[:k], sampling)
+            q = logits_to_probs(scores.logits[:k], sampling)  # [k, V]
             keep = acceptance_probability(draft_prob_of_tokens(proposal), q[torch.arange(k), proposal.tokens])
-            self.cycles.append((proposal.source, k, accepted, torch.cumprod(keep.double(), 0).tolist()))
-        return Verdict(accepted, token, [DRAFTER] * accepted + [TARGET])
+            self.cycles.append((proposal.source, k, verdict.accepted, torch.cumprod(keep.double(), 0).tolist()))
+        return verdict
 
 
 def run(target, method, prompt_ids, config, seed) -> tuple[list[int], float, int]:

@@ -12,7 +12,7 @@ import torch
 
 from tierspec.cached_model import CachedModel
 from tierspec.models import load_model
-from tierspec.routing import RoutingMask
+from tierspec.layerskip.masks import RoutingMask
 
 t = load_model("smollm2-135m")
 runner = CachedModel(t.model)

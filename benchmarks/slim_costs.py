@@ -24,8 +24,8 @@ import torch
 
 from tierspec import load_model
 from tierspec.cached_model import CachedModel, SlimVocabulary
-from tierspec.eagle.shipped import shipped_head
-from tierspec.routing import RoutingMask, decoder_layers
+from tierspec.heads.shipped import shipped_head
+from tierspec.layerskip.masks import RoutingMask, decoder_layers
 from tierspec.util import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]

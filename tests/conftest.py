@@ -108,14 +108,24 @@ def prompt_ids():
     return torch.tensor([5, 9, 13, 5, 9, 13, 7, 21, 5, 9, 13, 7, 3, 30, 41])
 
 
-def as_method(drafter, rule=None, policy=None, num_draft: int = 5, slim_mask=None, forward_costs=None):
-    """A (drafter, policy, rule) method for the decode loop; FixedLength(num_draft) by default."""
+def as_method(drafter, rule=None, policy=None, num_draft: int = 5, slim_mask=None, pass_costs=None):
+    """A (drafter, policy, rule) method for the decode loop; FixedLength(num_draft) by default
+    (padding its passes by ``pass_costs`` when given)."""
     from tierspec.methods import Method
     from tierspec.policies import FixedLength
     from tierspec.rules import ExactRule
 
-    return Method("test", drafter, rule or ExactRule(), policy or FixedLength(num_draft), "test method",
-                  slim_mask, forward_costs)
+    return Method("test", drafter, rule or ExactRule(), policy or FixedLength(num_draft, pass_costs), "test method",
+                  slim_mask)
+
+
+def draft_request(budget: int, sampling=None, noise=None, policy=None):
+    """What the loop asks a drafter for: ``budget`` drafts (greedy, no early stop by default)."""
+    from tierspec.drafters.base import DraftEverything
+    from tierspec.proposal import DraftRequest
+    from tierspec.sampling import SamplingConfig
+
+    return DraftRequest(budget, sampling or SamplingConfig(), noise, policy or DraftEverything())
 
 
 def run_ids(target, method, prompt, max_new: int = 40, sampling=None, eos=(), generator=None, inspect=None, on_step=None):

@@ -7,7 +7,7 @@ drafted tokens (and the tree's parents). ``tests/data/shipped_head_drafts.json``
 returns for the head shipped now (the first head continued on new data, issue 20); the first
 head's record, made on the code before the head's layer became ``tierspec.llama``'s decoder layer
 (commit ad3fa31), was matched exactly by the new layer before the head was replaced.
-``tests/test_real_model.py`` checks the shipped head still drafts exactly the recorded tokens.
+``tests/methods/test_real_model.py`` checks the shipped head still drafts exactly the recorded tokens.
 
 Regenerate only on purpose (a new head or a deliberate change of its drafts):
 ``python tests/shipped_head_drafts.py``.
@@ -30,13 +30,12 @@ MAX_NEW_TOKENS = 40
 def record(target) -> dict:
     from tierspec.decode import DecodeConfig, decode
     from tierspec.drafters.eagle import EagleDrafter
-    from tierspec.drafters.tree import EagleTreeDrafter, TreePolicy
-    from tierspec.eagle.shipped import shipped_head
+    from tierspec.drafters.tree import EagleTreeDrafter
+    from tierspec.heads.shipped import shipped_head
     from tierspec.methods import Method
-    from tierspec.policies import FixedLength
+    from tierspec.policies import FixedLength, TreePolicy
     from tierspec.prompting import encode_prompt
     from tierspec.rules.exact import ExactRule
-    from tierspec.rules.tree import TreeExactRule
     from tierspec.sampling import SamplingConfig
 
     head = shipped_head(target)
@@ -45,32 +44,18 @@ def record(target) -> dict:
         config = DecodeConfig(max_new_tokens=MAX_NEW_TOKENS, sampling=SamplingConfig(temperature=temperature))
         for shape in ("chain", "tree"):
             if shape == "chain":
-                drafter = EagleDrafter(head)
-                method = Method("eagle", drafter, ExactRule(), FixedLength(5), "reference")
-                original = drafter.propose
-
-                def propose(*args, _original=original, **kwargs):
-                    proposal = _original(*args, **kwargs)
-                    drafts.append(proposal.tokens.tolist())
-                    return proposal
-
-                drafter.propose = propose
+                method = Method("eagle", EagleDrafter(head), ExactRule(), FixedLength(5), "reference")
             else:
                 policy = TreePolicy(max_nodes=15, forward_costs=None, draft_fractions={"head": 0.02})
-                drafter = EagleTreeDrafter(head, policy)
-                method = Method("eagle-tree", drafter, TreeExactRule(), policy, "reference")
-                original_tree = drafter.propose_tree
-
-                def propose_tree(*args, _original=original_tree, **kwargs):
-                    proposal = _original(*args, **kwargs)
-                    drafts.append([proposal.tree.tokens.tolist(), proposal.tree.parents.tolist()])
-                    return proposal
-
-                drafter.propose_tree = propose_tree
+                method = Method("eagle-tree", EagleTreeDrafter(head), ExactRule(), policy, "reference")
             for index, prompt in enumerate(PROMPTS):
                 drafts: list = []
-                emitted = [token for step in decode(target, method, encode_prompt(target, prompt), config, seed)
-                           for token in step.new_tokens]
+                emitted = []
+                for step in decode(target, method, encode_prompt(target, prompt), config, seed):
+                    # both policies verify everything drafted: the step's proposal is the drafter's
+                    tree = step.proposal.tree
+                    drafts.append(tree.tokens.tolist() if shape == "chain" else [tree.tokens.tolist(), tree.parents.tolist()])
+                    emitted += step.new_tokens
                 runs[f"{shape}/T={temperature:g}/prompt{index}"] = {"drafts": drafts, "emitted": emitted}
     return runs
 

@@ -8,7 +8,8 @@ Methods are (drafter, verification rule) pairs run by one decode loop (``tierspe
 
 from .api import Generation, TextStream, generate, shared_model, stream
 from .cached_model import CachedModel
-from .decode import DecodeConfig, DecodeRun, GenerationStats, PromptError, decode
+from .decode import DecodeConfig, DecodeRun, GenerationStats, decode
+from .errors import PromptError
 from .methods import DEFAULT_METHOD, MethodOptions, UnknownMethodError, build_method, default_method, method_names
 from .models import DEFAULT_MODEL, LoadedModel, ModelLoadError, load_model, wrap_model
 from .sampling import SamplingConfig

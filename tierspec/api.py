@@ -8,11 +8,12 @@ import os
 import threading
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
-from .decode import DecodeConfig, DecodeRun, GenerationStats, PromptError, TokenLogprob
+from .decode import DecodeConfig, DecodeRun, GenerationStats, TokenLogprob
+from .errors import PromptError
 from .methods import Method, MethodOptions, build_method, default_method
 from .models import DEFAULT_MODEL, LoadedModel, load_model, resolve_device, resolve_dtype
 from .prompting import encode_prompt, eos_ids
@@ -83,7 +84,7 @@ def _as_model(model: LoadedModel | str | os.PathLike | None) -> LoadedModel | No
 
 
 class IncrementalDetokenizer:
-    """Text of a growing token list without re-decoding all of it each step.
+    """Text of a growing token sequence without re-decoding all of it each step.
 
     Each step decodes only the tokens since the previous step's read point plus the tokens of
     the step before (``prefix``), whose text is known: the new piece is the difference. The
@@ -92,29 +93,27 @@ class IncrementalDetokenizer:
     arrives: a trailing U+FFFD is held back until then, and at the end of the generation (text
     cut by the token budget inside a character) dropped rather than shown. (A U+FFFD the model
     really wrote as the very last character is dropped too: the decoded text cannot tell them
-    apart.)
+    apart.) The tokens are read, never kept: the generation's committed sequence holds them.
     """
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.tokens: list[int] = []
         self.prefix = 0  # first token of the decoded window
         self.read = 0  # tokens whose text has been emitted
 
-    def _text(self, start: int, end: int) -> str:
-        return self.tokenizer.decode(self.tokens[start:end], skip_special_tokens=True)
-
-    def add(self, new_tokens: list[int], final: bool = False) -> str:
-        self.tokens.extend(new_tokens)
-        known = self._text(self.prefix, self.read)
-        window = self._text(self.prefix, len(self.tokens))
+    def add(self, tokens: Sequence[int], final: bool = False) -> str:
+        """The new text after ``tokens``, every token generated so far (a list, or the run's
+        ``decode.GeneratedTokens``: only the window is read)."""
+        end = len(tokens)
+        known = self.tokenizer.decode(tokens[self.prefix : self.read], skip_special_tokens=True)
+        window = self.tokenizer.decode(tokens[self.prefix : end], skip_special_tokens=True)
         if final:
             window = window.rstrip("\ufffd")
         elif window.endswith("\ufffd"):
             return ""
         if len(window) <= len(known):
             return ""
-        self.prefix, self.read = self.read, len(self.tokens)
+        self.prefix, self.read = self.read, end
         return window[len(known):]
 
 
@@ -156,7 +155,7 @@ class TextStream:
                 self.prompt_logprobs = step.prompt_logprobs
             if self._detok is None:
                 continue
-            piece = self._detok.add(step.new_tokens, final=step.finished)
+            piece = self._detok.add(step.committed.generated_view, final=step.finished)
             if piece:
                 self.text += piece
                 yield piece

@@ -23,7 +23,7 @@ import torch
 
 from .errors import ModelLoadError, TierspecError
 from .models import output_vocabulary_size
-from .routing import apply_mask, decoder_layers, model_lock
+from .layerskip.masks import apply_mask, decoder_layers, model_lock
 
 
 @dataclass
@@ -201,7 +201,7 @@ class CachedModel:
         follow it, concatenated: [n, H·(1 + len(hidden_layers))]. With a ``vocabulary`` the LM
         head scores only its rows (the others are −inf).
 
-        The pass holds the model's lock (``routing.model_lock``): a mask swaps modules of the
+        The pass holds the model's lock (``layerskip.masks.model_lock``): a mask swaps modules of the
         shared model instance, so no other pass on it may run meanwhile (two generations on one
         loaded model in two threads are serialised pass by pass, each with its own cache).
 
@@ -280,6 +280,8 @@ class CachedModel:
         """
         if length > self.length:
             raise ValueError(f"cannot roll back to {length}: the cache holds only {self.length} positions")
+        if length == self.length:  # no layer holds more than ``length``: nothing to trim
+            return
         for layer in self.cache.layers:
             if hasattr(layer, "trim"):
                 layer.trim(length)
@@ -342,7 +344,7 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem], hidden_layers: 
     those layers' outputs, as ``CachedModel.forward(with_hidden=True)`` does. Each runner's cache
     advances by its rows (the same invariant as a solo pass)."""
     from .gguf_llama import ATTENTION_UNIT, MLP_UNIT
-    from .quant import engine, engine_threads
+    from .engine import engine, engine_threads
 
     decoder = model.model
     if decoder.engine_stack is None:

@@ -113,7 +113,7 @@ def _check_model_flags(args) -> None:
 def _check_generation_budget(max_new_tokens: int, target_spec: str) -> None:
     """--max-new-tokens against 1 and, where the model's config can be read without loading the
     model, its context: refused before the model loads (and before any cost table is measured)."""
-    from .decode import PromptError
+    from .errors import PromptError
 
     if max_new_tokens < 1:
         raise PromptError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -168,7 +168,7 @@ def _add_method_options(parser) -> None:
 def method_options(args, target):
     """MethodOptions from parsed flags; masks and heads are loaded and checked against ``target``."""
     from .methods import MethodOptions, option_fields
-    from .routing import RoutingMask
+    from .layerskip.masks import RoutingMask
 
     values = {}
     for option in option_fields():
@@ -177,11 +177,11 @@ def method_options(args, target):
         if value is not None and kind == "mask":
             value = RoutingMask.load(value, target.identity)
         elif value is not None and kind == "judge_head":
-            from .judge.head import JudgeHead
+            from .heads.judge import JudgeHead
 
             value = JudgeHead.load(value, target.identity)
         elif value is not None and kind == "draft_head":
-            from .eagle.head import DraftHead
+            from .heads.draft import DraftHead
 
             value = DraftHead.load(value, target)
         values[option.name] = value
@@ -244,7 +244,8 @@ def _run_route(args) -> int:
     from pathlib import Path
 
     from .data import calibration_prompts
-    from .search import SearchConfig, build_calibration, search_mask
+    from .layerskip.search import SearchConfig, search_mask
+    from .training.calibration import build_calibration
 
     config = SearchConfig(
         ratio=args.ratio, ratio_by=args.ratio_by, unit=args.unit, budget=args.budget, bo_every=args.bo_every, patience=args.patience,
@@ -254,7 +255,7 @@ def _run_route(args) -> int:
     if args.calibration_file:
         prompts = _read_calibration_file(args.calibration_file)
     else:
-        from .seq2seq import calibration_prompts as task_calibration_prompts
+        from .data import task_calibration_prompts
         from .seq2seq import is_encoder_decoder
 
         sample = task_calibration_prompts if is_encoder_decoder(target.model) else calibration_prompts  # T5's task format
@@ -289,7 +290,7 @@ def read_prompt(argument: str | None) -> str:
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as error:
-        from .decode import PromptError
+        from .errors import PromptError
 
         raise PromptError(f"the prompt on stdin is not valid UTF-8 (byte {error.start}); give UTF-8 input") from None
 
@@ -307,7 +308,7 @@ def _run_generate(args) -> int:
     _check_generation_budget(args.max_new_tokens, args.target)
     prompt = read_prompt(args.prompt)
     if not prompt.strip():
-        from .decode import PromptError
+        from .errors import PromptError
 
         raise PromptError("the prompt is empty: give some text")
     target = _load(args, args.target)
@@ -532,7 +533,7 @@ def _run_judge_build(args) -> int:
     from pathlib import Path
 
     from .data import default_data_dir
-    from .judge.data import build_gsm8k_judge_data
+    from .training.judge_data import build_gsm8k_judge_data
 
     root = Path(args.data_dir) if args.data_dir else default_data_dir()
     errors = tuple(e.strip() for e in args.errors.split(",") if e.strip())
@@ -545,7 +546,7 @@ def _run_judge_build(args) -> int:
 def _run_judge_train(args) -> int:
     from pathlib import Path
 
-    from .judge.train import train_judge
+    from .training.judge_train import train_judge
 
     target = _load(args, args.target)
     head, metrics = train_judge(target, Path(args.data), args.features, not args.no_progress, args.max_mistake_acceptance,
@@ -558,13 +559,13 @@ def _run_judge_train(args) -> int:
 def _run_judge_mismatches(args) -> int:
     from pathlib import Path
 
-    from .judge.mismatches import MismatchConfig, build_mismatch_data, mismatch_prompts
+    from .training.judge_mismatches import MismatchConfig, build_mismatch_data, mismatch_prompts
     from .methods import MethodOptions, draft_head_for
 
     target = _load(args, args.target)
     options = MethodOptions()
     if args.draft_head:
-        from .eagle.head import DraftHead
+        from .heads.draft import DraftHead
 
         options = MethodOptions(draft_head=DraftHead.load(args.draft_head, target))
     head = draft_head_for(target, options)
@@ -579,9 +580,9 @@ def _run_judge_mismatches(args) -> int:
 def _run_judge_eval(args) -> int:
     from pathlib import Path
 
-    from .judge.data import read_judge_data
-    from .judge.head import JudgeHead
-    from .judge.train import evaluate_head, extract
+    from .training.judge_data import read_judge_data
+    from .heads.judge import JudgeHead
+    from .training.judge_train import evaluate_head, extract
 
     target = _load(args, args.target)
     head = JudgeHead.load(args.head, target.identity)
@@ -631,7 +632,7 @@ def _add_drafter(sub) -> None:
     _add_model_flags(train)
     train.add_argument("--data", required=True, help="folder written by `tierspec drafter build-data`")
     train.add_argument("--out", required=True, help="head .safetensors (metadata goes beside it as .json)")
-    from .eagle.train import TrainConfig
+    from .training.draft_train import TrainConfig
 
     defaults = TrainConfig()
     train.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab_size,
@@ -659,7 +660,7 @@ def _add_drafter(sub) -> None:
 def _run_drafter_build(args) -> int:
     from pathlib import Path
 
-    from .eagle.data import DataConfig, build_data
+    from .training.draft_data import DataConfig, build_data
     from .util import exclusive_lock
 
     config = DataConfig(own_prompts=args.own_prompts, reference_items=args.reference_items,
@@ -688,7 +689,7 @@ def _run_drafter_build(args) -> int:
 def _run_drafter_train(args) -> int:
     from pathlib import Path
 
-    from .eagle.train import TrainConfig
+    from .training.draft_train import TrainConfig
     from .util import exclusive_lock
 
     layers = None if args.feature_layers is None else tuple(int(i) for i in args.feature_layers.split(",") if i.strip())
@@ -704,7 +705,7 @@ def _run_drafter_train(args) -> int:
 def _train_into(args, config, out) -> int:
     from pathlib import Path
 
-    from .eagle.train import train_head
+    from .training.draft_train import train_head
 
     target = _load(args, args.target)
     init_head, continued = _starting_head(args.init_head, target)
@@ -728,8 +729,8 @@ def _starting_head(spec: str | None, target):
     import hashlib
     from pathlib import Path
 
-    from .eagle.head import DraftHead, DraftHeadError
-    from .eagle.shipped import shipped_head_path
+    from .heads.draft import DraftHead, DraftHeadError
+    from .heads.shipped import shipped_head_path
 
     path = shipped_head_path(target) if spec == "shipped" else Path(spec)
     if path is None:

@@ -1,9 +1,7 @@
 """Forward-pass cost per number of new tokens, measured once per model and machine.
 
-On a CPU the cost of a target pass is not linear in the number of tokens it scores: measured
-on the default model (2 cores, 300 cached tokens) a pass over 1 / 2 / 3 / 4 / 8 new tokens
-took about 57 / 92 / 116 / 88 / 80 ms with ``nn.Linear``'s kernels (2–3 rows slower than
-4–8), and 35 / 35 / 45 / 45 / 67 ms with tierspec's few-row linears (``kernels``). Two
+On a CPU the cost of a target pass is not linear in the number of tokens it scores: a pass over
+2–3 new tokens can cost more than one over 4–8 (BENCHMARKS.md has the measured tables). Two
 things follow:
 
 * a verification of n tokens can be *padded* to the cheapest size n' ≥ n (the extra rows are
@@ -71,7 +69,7 @@ class ForwardCosts:
 
 
 def measure_forward_costs(model: torch.nn.Module, max_tokens: int = 16, context: int = 256, repeats: int = 5) -> ForwardCosts:
-    from .quant import threads_for
+    from .engine import threads_for
 
     with threads_for(model):  # as a generation runs its passes (quant.threads_for)
         return _measure_forward_costs(model, max_tokens, context, repeats)
@@ -251,14 +249,14 @@ def _head_input_dtype(head: torch.nn.Module) -> torch.dtype:
 
 def measure_unit_costs(model: torch.nn.Module, context: int = 256, repeats: int = 15) -> UnitCosts:
     """Interleaved medians of 1-token passes: full, no attention, no MLP, and the LM head alone."""
-    from .quant import threads_for
+    from .engine import threads_for
 
     with threads_for(model):
         return _measure_unit_costs(model, context, repeats)
 
 
 def _measure_unit_costs(model: torch.nn.Module, context: int, repeats: int) -> UnitCosts:
-    from .routing import RoutingMask, decoder_layers
+    from .layerskip.masks import RoutingMask, decoder_layers
 
     layers = len(decoder_layers(model))
     every = frozenset(range(1, layers - 1))  # the bypassable layers (first and last always run)
@@ -324,7 +322,7 @@ def measure_tree_call_seconds(model: torch.nn.Module, context: int = 256, repeat
     and a 16-token tree pass (1 pending token, 8 children of the root, 7 of them with one child:
     8 root-to-leaf paths), their difference over the difference of their attention calls. (On the
     pass engine a tree attends in no extra calls: this measures the little a tree pass still adds.)"""
-    from .quant import threads_for
+    from .engine import threads_for
 
     with threads_for(model):
         return _measure_tree_call_seconds(model, context, repeats)

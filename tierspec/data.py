@@ -171,3 +171,49 @@ def calibration_prompts(count: int, data_dir: Path | None = None, seed: int = 0)
         pool = pools[i % len(pools)]
         texts.append(pool[rng.randrange(len(pool))].text)
     return texts
+
+
+# -- encoder–decoder targets: prompts in T5's task format ------------------------------------
+
+#: The datasets ``tierspec bench`` runs an encoder–decoder target on, with T5's task prefixes:
+#: summarisation and English→German translation (the VIA-SD paper's Table 3 setting).
+TASK_DATASETS = ("xsum", "cnn_dailymail", "wmt14")
+
+
+def task_prompts(dataset: str, data_dir: Path | None = None):
+    """The prompts of ``dataset`` in T5's task format, with the ids ``data.load_prompts`` gives
+    them: ``summarize: <document>`` (XSum, CNN/DailyMail) and ``translate English to German:
+    <English>`` (WMT14, with the German side as reference: T5's supervised mixture translates
+    from English, and the paper's setting is En–De)."""
+    if dataset not in TASK_DATASETS:
+        raise DataError(f"an encoder–decoder target runs the bench on {', '.join(TASK_DATASETS)}, not on '{dataset}' "
+                           "(its prompts are not in a T5 task format)")
+    root = Path(data_dir) if data_dir else default_data_dir()
+    if dataset == "xsum":
+        return [Prompt(f"xsum/{r['id']}", "summarization", f"summarize: {r['document'].strip()}", r["summary"])
+                for r in read_jsonl(root / "xsum" / "test.jsonl")]
+    if dataset == "cnn_dailymail":
+        return [Prompt(r["id"], "summarization", f"summarize: {r['article'].strip()}", r["highlights"],
+                       {"in_spec_bench": r.get("in_spec_bench", False)})
+                for r in read_jsonl(root / "cnn_dailymail" / "test.jsonl")]
+    return [Prompt(f"wmt14/{r['id']}", "translation", f"translate English to German: {r['en'].strip()}", r["de"],
+                   {"in_spec_bench": r.get("in_spec_bench", False)})
+            for r in read_jsonl(root / "wmt14" / "newstest2014_deen.jsonl")]
+
+
+def as_task_prompts(prompts: list, dataset: str, data_dir: Path | None = None) -> list:
+    """The selected ``prompts`` (from ``data.load_prompts``) in T5's task format, same ids and order."""
+    by_id = {p.id: p for p in task_prompts(dataset, data_dir)}
+    return [by_id[p.id] for p in prompts]
+
+
+def task_calibration_prompts(count: int, data_dir: Path | None = None, seed: int = 0) -> list[str]:
+    """``data.calibration_prompts`` for an encoder–decoder target: a seeded mix of XSum,
+    CNN/DailyMail and WMT14 prompts in T5's task format, leaving out, as that function does, the
+    CNN/DM and WMT14 items Spec-Bench uses (XSum has no such mark: its items may also be bench
+    prompts)."""
+    import random
+
+    pools = [[p for p in task_prompts(dataset, data_dir) if not p.extra.get("in_spec_bench")] for dataset in TASK_DATASETS]
+    rng = random.Random(seed)
+    return [pools[i % len(pools)][rng.randrange(len(pools[i % len(pools)]))].text for i in range(count)]

@@ -1,18 +1,23 @@
 """The one decode loop (docs/algorithms.md §The decode loop). Every method is a drafter, a
 draft-length policy and a verification rule passed in. Who owns what: ``Verifiers`` the target's
-cache, its passes and padding, the committed sequence and the feature log; the drafter its own
-state; ``DecodeRun`` a generation's ``GenerationStats`` and wall clock.
+cache, its passes and padding, the committed sequence (``CommittedTokens``, the one copy) and the
+feature log; the drafter its own state; the method the policy; ``DecodeRun`` a generation's
+``GenerationStats`` and wall clock.
 
-    verifiers.prefill(prompt)                       # the target's cache (and the drafter's)
-    while not done:
-        proposal = drafter.propose(ctx, budget)     # tokens [k], draft_probs [k, V] or None
-        proposal = proposal[: policy.trim(...)]     # the draft-length policy decides k
-        verdict  = rule.verify(verifiers, proposal) # runs whichever tiers the rule needs
-        ctx = verifiers.commit(tokens)              # accepted prefix + 1 correction/bonus token;
-                                                    # every cache rolled back to the committed length
-        drafter.commit(len(ctx))
-        policy.observe(per-position acceptance)
-        yield the new tokens and the cycle's statistics
+One cycle, for a chain of drafts and a token tree alike (a chain is a tree of one path):
+
+    block    = noise.block(len(context))              # the keyed noise of the cycle's positions
+    drafted  = drafter.propose(context, request)      # a Proposal: a token tree + per-node rows
+    proposal = drafted.prefix(policy.trim(drafted))   # the policy decides how many nodes to verify
+    scores   = verifiers.target(proposal)             # one pass over pending tokens + every node
+    verdict  = rule.decide(proposal, scores, ...)     # the accepted path and the next token
+                                                      # (VIA-SD: rule.verify drives its tiers)
+    verifiers.commit(path tokens + next token, path)  # the path's KV kept, every cache rolled back
+    drafter.commit(len(context)); policy.observe(...) # each rolls back / learns
+    yield the new tokens and the cycle's statistics
+
+The steps are the phases a batch of sequences would share (issue 31): drafting, one pass, a verdict
+per sequence from its own rows (the rules are functions of tensors), a commit per sequence.
 
 Randomness: one ``sampling.Noise`` per generation, keyed by (seed, position, purpose); each
 cycle hands its block's view to the drafter and the rule. Nothing else a cycle decides reads the
@@ -31,20 +36,25 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
+import numpy as np
 import torch
 
-from .cached_model import CachedModel, PassResult
-from .drafters.base import Drafter, FeatureLog, Proposal, TargetDraftView
-from .errors import TierspecError
-from .modifiers import LogitModifiers, chain_counts, modified_logits, token_counts, tree_counts
+from .cached_model import CachedModel, PassResult, SlimVocabulary
+from .costs import ForwardCosts
+from .drafters.base import Drafter, FeatureLog, TargetDraftView
+from .errors import PromptError, TierspecError
+from .layerskip.masks import RoutingMask
 from .models import LoadedModel
+from .modifiers import LogitModifiers, chain_counts, modified_logits, token_counts, tree_counts
 from .policies import CycleOutcome, DraftPolicy
-from .quant import threads_for
-from .rules.base import VerificationRule
-from .sampling import Noise, SamplingConfig, reported_logprobs
+from .proposal import DraftRequest, Proposal, Scores, Shape, Verdict, walk_reached
+from .engine import threads_for
+from .rules.base import ScoreRule, VerificationRule
+from .sampling import BlockNoise, Noise, SamplingConfig, reported_logprobs
 from .seq2seq import decoder_start, is_encoder_decoder, runner_for
+from .tree import TokenTree, tree_pass
 
 
 #: Most alternatives a token's log-probability record lists (OpenAI's ``top_logprobs`` limit).
@@ -257,68 +267,165 @@ class GenerationStats:
         }
 
 
+class CommittedTokens:
+    """The committed sequence of one generation — the prompt, then every generated token — held
+    once: the verifiers extend it at each commit; drafters read ``context``, the run its
+    ``generated`` tokens, the text stream its pieces. Allocated for every position the generation
+    can reach; ``context`` is a view (committed tokens never change, so a view stays right)."""
+
+    def __init__(self, prompt_ids: torch.Tensor, positions: int):
+        # numpy owns the buffer (a short list of ints is written into it cheaply), torch views it
+        self._buffer = np.empty(max(positions, len(prompt_ids)), dtype=np.int64)
+        self._buffer[: len(prompt_ids)] = prompt_ids.cpu().numpy()
+        self._ids = torch.from_numpy(self._buffer)
+        self.length = self.prompt_length = len(prompt_ids)
+
+    def __len__(self) -> int:
+        return self.length
+
+    @property
+    def context(self) -> torch.Tensor:
+        """The committed sequence [n] int64 (a view)."""
+        return self._ids[: self.length]
+
+    @property
+    def generated_count(self) -> int:
+        return self.length - self.prompt_length
+
+    def pending(self, start: int) -> torch.Tensor:
+        """Committed tokens ``start ..`` [n − start] (a view): what a pass from ``start`` runs first."""
+        return self._ids[start : self.length]
+
+    def generated(self, start: int = 0, end: int | None = None) -> list[int]:
+        """Generated tokens ``start .. end`` (Python slice bounds over the generated tokens only)."""
+        begin = self.prompt_length
+        stop = self.length if end is None else begin + min(end, self.generated_count)
+        return self._buffer[begin + start : stop].tolist() if begin + start < stop else []
+
+    @property
+    def generated_view(self) -> GeneratedTokens:
+        """The generated tokens as a read-only sequence (slices are read from here, not copied)."""
+        return GeneratedTokens(self)
+
+    def extend(self, tokens: list[int]) -> None:
+        end = self.length + len(tokens)
+        if end > self._buffer.shape[0]:
+            raise ValueError(f"{end} committed tokens do not fit the {self._buffer.shape[0]} positions reserved")
+        self._buffer[self.length : end] = tokens
+        self.length = end
+
+
+class GeneratedTokens:
+    """A read-only view of a generation's generated tokens: ``len`` and slices (lists of ids)."""
+
+    def __init__(self, committed: CommittedTokens):
+        self._committed = committed
+
+    def __len__(self) -> int:
+        return self._committed.generated_count
+
+    def __getitem__(self, index: slice) -> list[int]:
+        if not isinstance(index, slice) or index.step not in (None, 1):
+            raise TypeError("read generated tokens by contiguous slices")
+        start, stop, _ = index.indices(len(self))
+        return self._committed.generated(start, stop)
+
+
+@dataclass
+class PassRecord:
+    """What the cycle's last verifier pass leaves for the commit to settle. The pass wrote cache
+    positions from ``start``: first ``pending`` committed tokens, then the proposal's ``nodes`` in
+    node order; a chain's nodes sit at their own positions already, a tree's accepted path is
+    moved there at the commit (``CachedModel.compact``).
+
+    hidden: [pending + m, W] the rows' features, when the feature log records them
+    scored:  [1 + m, V] the full target's logits of the proposal (modifiers applied), which the
+             committed tokens' log-probabilities are read from; None after a slim pass
+    """
+
+    start: int
+    pending: int
+    nodes: int
+    chain: bool
+    hidden: torch.Tensor | None = None
+    scored: torch.Tensor | None = None
+
+
+class DecodeMethod(Protocol):
+    """What the loop reads of a method (``methods.Method``): its parts and verifier settings."""
+
+    name: str
+    drafter: Drafter
+    rule: VerificationRule
+    policy: DraftPolicy
+    slim_mask: RoutingMask | None  # VIA-SD's slim verifier: the target under this mask
+    slim_vocabulary: SlimVocabulary | None  # the slim tier scores only these tokens
+
+
 class Verifiers:
     """The verifier tiers of one generation and everything they own: the target's cache and
-    passes, the padding of each pass, the committed sequence, rollback, and the feature log.
+    passes, the padding of each pass, the committed sequence, rollback, and the feature log. The
+    loop runs ``target`` (the one verifier pass) for a rule that is a function of its scores; a
+    ``TieredRule`` (VIA-SD) calls ``slim`` and ``target`` itself (``rules.base.VerifierTiers``).
 
-    ``context`` is the committed sequence; only ``prefill`` and ``commit`` change it (the loop
-    calls ``commit`` with each cycle's tokens). The full target runs on ``runner`` (a
-    CachedModel); a rule with a slim verifier (VIA-SD) gets it as the same model and cache under
-    ``slim_mask`` (no second model in memory).
+    The committed sequence is ``committed`` (``context`` its tokens); only ``prefill`` and
+    ``commit`` change it. The full target runs on ``runner`` (a CachedModel); a rule with a slim
+    verifier (VIA-SD) gets it as the same model and cache under ``slim_mask`` (no second model in
+    memory).
 
     Cache bookkeeping: every layer holds full-model KV for the first ``full_length`` positions;
     the kept layers of the slim mask may hold slim KV beyond that, up to ``runner.length``, for
     committed tokens that only the slim verifier has processed (the full target lags,
-    docs/algorithms.md §VIA-SD). A full pass first drops that slim KV and re-processes those
-    tokens in one go.
+    docs/algorithms.md §VIA-SD). A full pass, and every drafter's use of the cache, first drops
+    that slim KV (``_full_model_kv_only``, the one rollback guard) and re-processes those tokens.
 
-    With ``record_features`` every pass writes the LM head's inputs f_t of the positions it ran
-    into ``features`` (a ``FeatureLog``, the one copy a draft head reads; no extra pass).
+    With ``record_features`` every pass's LM-head inputs f_t reach ``features`` (a
+    ``FeatureLog``, the one copy a draft head reads; no extra pass) for the positions it commits.
     """
 
-    def __init__(self, target: LoadedModel, positions: int, slim_mask=None, forward_costs=None,
-                 record_features: bool = False, feature_layers: tuple[int, ...] = (), slim_vocabulary=None,
-                 source=None, modifiers: LogitModifiers = LogitModifiers()):
+    def __init__(self, target: LoadedModel, positions: int, slim_mask: RoutingMask | None = None,
+                 pass_costs: ForwardCosts | None = None, record_features: bool = False,
+                 feature_layers: tuple[int, ...] = (), slim_vocabulary: SlimVocabulary | None = None,
+                 source: torch.Tensor | None = None, modifiers: LogitModifiers = LogitModifiers()):
         """``positions``: every position this generation's passes can reach (the prompt, the
-        token budget and a last pass's draft and padding); the KV buffer and the feature log
-        are allocated for them once. ``forward_costs`` (a ``costs.ForwardCosts``): pad each pass
-        to the cheapest measured size at least as long (extra rows repeat the last token; their
-        outputs are dropped and their KV rolled back with the rest of the uncommitted block).
-        ``slim_vocabulary`` (a ``cached_model.SlimVocabulary``): the slim tier scores only
-        those tokens. ``source`` [S]: an encoder–decoder target's encoder input (``seq2seq``);
-        the cache is then its decoder's. ``modifiers``: applied to every row of every pass the
-        rules read (target and slim), each row with the counts of the generated text before it."""
+        token budget and a last pass's draft and padding); the KV buffer, the committed sequence
+        and the feature log are allocated for them once. ``pass_costs`` (a ``costs.ForwardCosts``,
+        the policy's): pad each pass to the cheapest measured size at least as long (extra rows
+        repeat the last token; their outputs are dropped and their KV rolled back with the rest
+        of the uncommitted block). ``slim_vocabulary`` (a ``cached_model.SlimVocabulary``): the
+        slim tier scores only those tokens. ``source`` [S]: an encoder–decoder target's encoder
+        input (``seq2seq``); the cache is then its decoder's. ``modifiers``: applied to every row
+        of every pass the rules read (target and slim), each row with the counts of the
+        generated text before it."""
         self.runner = runner_for(target.model, source)
         self.runner.reserve(positions)  # a longer pass than foreseen still grows the KV buffer
+        self.positions = positions
         self.slim_mask = slim_mask
         self.slim_vocabulary = slim_vocabulary
-        self.forward_costs = forward_costs
+        self.pass_costs = pass_costs
+        self._pads: dict[int, int] = {}  # rows added to an n-token pass, by n
         self.feature_layers = tuple(feature_layers)  # decoder layers recorded beside f (a fused draft head)
         self.hidden_size = int(target.identity.hidden_size)
         self.features = FeatureLog(positions, self.hidden_size * (1 + len(self.feature_layers))) if record_features else None
-        self._context = torch.empty(0, dtype=torch.long)
+        self.committed = CommittedTokens(torch.empty(0, dtype=torch.long), positions)
         self.full_length = 0
         self.target_calls = 0
         self.slim_calls = 0
         self.pass_seconds = 0.0  # time in verifier passes (``_forward``): where a cycle's time goes
-        self._tree_pass = None  # (start, pending tokens, their and the nodes' features) of a tree pass awaiting its path
+        self._pass: PassRecord | None = None  # the cycle's last verifier pass, until its commit
         self.modifiers = modifiers if modifiers.active else None
-        self._generated_from = 0  # the first position that counts for the penalties (after the prompt)
         self._generated_counts: torch.Tensor | None = None  # c [V] of the committed generated tokens
         self._bias: torch.Tensor | None = None  # b [V]
-        # The target's logits rows of the last full pass (modifiers applied) and the position the
-        # first of them predicts: what the logprobs of the tokens committed after it are read from.
-        self._scored: tuple[int, torch.Tensor] | None = None
 
     @property
     def context(self) -> torch.Tensor:
         """The committed sequence [n] (read-only: ``commit`` extends it)."""
-        return self._context
+        return self.committed.context
 
     @property
     def target_lag(self) -> int:
         """Committed tokens (before the pending last one) the full target has not processed."""
-        return len(self._context) - 1 - self.full_length
+        return len(self.committed) - 1 - self.full_length
 
     # -- passes ------------------------------------------------------------------------------
     def _forward(self, tokens: torch.Tensor, logits_for: int, with_hidden: bool = False, **kwargs) -> PassResult:
@@ -331,9 +438,11 @@ class Verifiers:
         self.pass_seconds += time.perf_counter() - started
         return result
 
-    def _record(self, start: int, hidden: torch.Tensor | None) -> None:
-        if self.features is not None:
-            self.features.write(start, hidden)
+    def _full_model_kv_only(self) -> None:
+        """Drop the slim KV past ``full_length`` (the one rollback guard: a full pass recomputes
+        those positions, a drafter reads full-model KV only)."""
+        if self.runner.length > self.full_length:
+            self.runner.rollback(self.full_length)
 
     def _modified(self, logits: torch.Tensor, counts: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """``logits`` [r, V] under the modifiers; ``counts(prior [V])`` gives each row's counts [r, V]."""
@@ -341,9 +450,16 @@ class Verifiers:
             return logits
         vocab_size = logits.shape[-1]
         if self._generated_counts is None or self._generated_counts.shape[0] != vocab_size:
-            self._generated_counts = token_counts(self._context[self._generated_from:], vocab_size)
+            self._generated_counts = token_counts(torch.tensor(self.committed.generated()), vocab_size)
             self._bias = self.modifiers.bias_vector(vocab_size) if self.modifiers.logit_bias else None
         return modified_logits(logits, counts(self._generated_counts), self.modifiers, self._bias)
+
+    def _node_rows(self, logits: torch.Tensor, tree: TokenTree) -> torch.Tensor:
+        """A pass's rows [1 + m, V] by node under the modifiers: row 1 + i with the counts of the
+        generated text and node i's path."""
+        if tree.is_chain:
+            return self._modified(logits, lambda prior: chain_counts(prior, tree.tokens))
+        return self._modified(logits, lambda prior: tree_counts(prior, tree.tokens, tree.parents))
 
     def prefill(self, prompt_ids: torch.Tensor, score: bool = False) -> torch.Tensor | None:
         """Commit the prompt. The target processes all but its last token, which is fed with the
@@ -352,8 +468,7 @@ class Verifiers:
         ``score``: return the logits [n−1, V] (modifiers applied) of the same pass's rows, row j
         before prompt token j+1 (the first token has none): what ``echo`` reports. Long prompts
         run in chunks of ``SCORED_PREFILL_CHUNK`` tokens then, so the rows' memory stays bounded."""
-        self._context = prompt_ids.clone()
-        self._generated_from = len(prompt_ids)
+        self.committed = CommittedTokens(prompt_ids, self.positions)
         rows = []
         if len(prompt_ids) > 1:
             pending = prompt_ids[:-1]
@@ -361,7 +476,8 @@ class Verifiers:
             for start in range(0, len(pending), step):
                 chunk = pending[start : start + step]
                 result = self._forward(chunk, logits_for=len(chunk) if score else 1)
-                self._record(start, result.hidden)
+                if self.features is not None:
+                    self.features.write(start, result.hidden)
                 if score:
                     rows.append(self._modified(result.logits, lambda prior: prior.expand(len(chunk), -1)))
         self.full_length = self.runner.length
@@ -371,132 +487,129 @@ class Verifiers:
             return None
         return torch.cat(rows) if rows else torch.empty(0, 0)
 
-    def target_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
-        """``target_pass(draft_tokens).logits``: what most rules need."""
-        return self.target_pass(draft_tokens).logits
+    def target(self, proposal: Proposal, with_hidden: bool = False) -> Scores:
+        """One full-target pass over the pending committed tokens and every node of ``proposal``:
+        its ``Scores`` (logits [1 + m, V], row 0 after the last committed token, row 1 + i after
+        node i; ``with_hidden``: the final hidden states [1 + m, H] of the same rows).
 
-    def target_pass(self, draft_tokens: torch.Tensor, with_hidden: bool = False) -> PassResult:
-        """One full-target pass over the pending committed tokens and ``draft_tokens`` [k]:
-        logits [k+1, V] (row i scores draft token i, row k gives the bonus token) and, with
-        ``with_hidden``, the final hidden states [k+1, H] of the same rows (row i ≥ 1 is the
-        state at draft token i's own position: what a judge head reads).
-        """
-        if self.runner.length > self.full_length:
-            self.runner.rollback(self.full_length)  # drop slim-only KV; recomputed in this pass
+        A chain runs as a plain causal pass (the drafts at their own positions); any other tree
+        as a tree pass (``tree.tree_pass``: node i at position n − 1 + depth_i, attending to its
+        ancestors; its logits equal a chain pass of its path). The nodes' KV stays in the cache
+        after the committed tokens until ``commit`` keeps the accepted path's."""
+        self._full_model_kv_only()  # slim-only KV is recomputed in this pass
         start = self.full_length
-        k = int(draft_tokens.shape[0])
-        tokens, pad = self._padded(torch.cat([self._context[start:], draft_tokens]))
-        result = self._forward(tokens, logits_for=k + 1 + pad, with_hidden=with_hidden)
+        pending = self.committed.pending(start)
+        tree = proposal.tree
+        rows, m = len(pending), len(tree)
+        pad = self._pad_count(rows + m)
+        if tree.is_chain:
+            result = self._forward(_chain_rows(pending, tree.tokens, pad), logits_for=m + 1 + pad, with_hidden=with_hidden)
+        else:
+            layout = tree_pass(pending, tree, pad)
+            result = self._forward(layout.tokens, logits_for=m + 1 + pad, with_hidden=with_hidden,
+                                   offsets=layout.offsets, attends=layout.attends)
         self.target_calls += 1
         self.full_length = self.runner.length
-        real = len(tokens) - pad
-        if self.features is not None:
-            self._record(start, result.hidden[:real])
-        hidden = result.hidden[real - (k + 1) : real, : self.hidden_size] if with_hidden else None
-        logits = self._modified(result.logits[: k + 1], lambda prior: chain_counts(prior, draft_tokens))
-        self._scored = (len(self._context), logits)  # row 0 predicts the token after the committed text
-        return PassResult(logits, hidden)
+        logits = self._node_rows(result.logits[: m + 1] if pad else result.logits, tree)
+        recorded = result.hidden[: rows + m] if self.features is not None else None
+        self._pass = PassRecord(start, rows, m, tree.is_chain, recorded, logits)
+        hidden = result.hidden[rows - 1 : rows + m, : self.hidden_size] if with_hidden else None
+        return Scores(logits, hidden)
 
-    def target_tree_logits(self, tree) -> torch.Tensor:
-        """Full-target logits [1 + m, V] of a token tree (``tree.TokenTree``, docs/algorithms.md
-        §Token trees) in one pass: row 0 after the last committed token (the root), row 1 + i
-        after node i. The nodes' KV stays in the cache after the committed tokens until
-        ``commit`` keeps the accepted path's."""
-        from .tree import tree_pass
-
-        if self.runner.length > self.full_length:
-            self.runner.rollback(self.full_length)
-        start = self.full_length
-        pending = self._context[start:]
-        m = len(tree)
-        layout = tree_pass(pending, tree, self._pad_count(len(pending) + m))
-        result = self._forward(layout.tokens, logits_for=m + 1 + layout.padding, offsets=layout.offsets,
-                               attends=layout.attends)
-        self.target_calls += 1
-        hidden = result.hidden[: layout.pending + m] if self.features is not None else None
-        self._tree_pass = (start, layout.pending, hidden)
-        logits = self._modified(result.logits[: m + 1], lambda prior: tree_counts(prior, tree.tokens, tree.parents))
-        self._scored = (len(self._context), logits)  # rows by node: ``scored_rows`` follows the path
-        return logits
-
-    def slim_logits(self, draft_tokens: torch.Tensor) -> torch.Tensor:
-        """Slim-verifier logits [k+1, V] (the target under ``slim_mask``), same layout."""
+    def slim(self, proposal: Proposal) -> Scores:
+        """The slim verifier's rows [k + 1, V] for a chain ``proposal`` (the target under
+        ``slim_mask``, on top of whatever the cache holds), laid out as ``target``'s."""
         if self.slim_mask is None:
             raise ValueError("this generation has no slim verifier (no routing mask was given)")
+        if not proposal.is_chain:
+            raise ValueError("the slim verifier scores chains only (VIA-SD verifies one chain of drafts)")
         start = self.runner.length
-        k = int(draft_tokens.shape[0])
-        tokens, pad = self._padded(torch.cat([self._context[start:], draft_tokens]))
-        result = self._forward(tokens, logits_for=k + 1 + pad, mask=self.slim_mask, vocabulary=self.slim_vocabulary)
+        pending = self.committed.pending(start)
+        rows, k = len(pending), len(proposal)
+        pad = self._pad_count(rows + k)
+        result = self._forward(_chain_rows(pending, proposal.tokens, pad), logits_for=k + 1 + pad, mask=self.slim_mask,
+                               vocabulary=self.slim_vocabulary)
         self.slim_calls += 1
-        if self.features is not None:  # the slim model's features, until a full pass rewrites them
-            self._record(start, result.hidden[: len(tokens) - pad])
-        return self._modified(result.logits[: k + 1], lambda prior: chain_counts(prior, draft_tokens))
+        # the slim model's features, until a full pass rewrites them
+        self._pass = PassRecord(start, rows, k, True, result.hidden[: rows + k] if self.features is not None else None)
+        return Scores(self._node_rows(result.logits[: k + 1], proposal.tree))
 
-    def scored_rows(self, new_tokens: list[int], tree_path: list[int] | None = None) -> torch.Tensor:
+    def scored_rows(self, new_tokens: list[int], path: list[int]) -> torch.Tensor:
         """The target's logits rows [len(new_tokens), V] that scored ``new_tokens`` (to be committed
-        next; after a tree pass, along the accepted ``tree_path``), from the last full pass: the
-        logprobs come from the rows the rule verified against, with no pass of their own."""
-        if self._scored is None or self._scored[0] != len(self._context):
+        next, along the accepted ``path``), from this cycle's full pass: the logprobs come from the
+        rows the rule verified against, with no pass of their own."""
+        scored = None if self._pass is None else self._pass.scored
+        if scored is None:
             raise TierspecError("log-probabilities need the target's scores of every emitted token; "
                                 "this cycle committed tokens no target pass scored")
-        first, logits = self._scored
-        if tree_path is not None:
-            return logits[torch.tensor([0] + [1 + node for node in tree_path[: len(new_tokens) - 1]], dtype=torch.long)]
-        rows = logits[: len(new_tokens)]
-        if rows.shape[0] < len(new_tokens):
-            raise TierspecError("log-probabilities need the target's scores of every emitted token; "
-                                "this cycle committed tokens no target pass scored")
-        return rows
+        return scored[torch.tensor([0] + [1 + node for node in path[: len(new_tokens) - 1]], dtype=torch.long)]
 
     def _pad_count(self, n: int) -> int:
         """Rows to add to an n-token pass (a one-token pass is never padded)."""
-        return self.forward_costs.padded_size(n) - n if self.forward_costs is not None and n > 1 else 0
-
-    def _padded(self, tokens: torch.Tensor) -> tuple[torch.Tensor, int]:
-        pad = self._pad_count(len(tokens))
-        return (torch.cat([tokens, tokens[-1:].expand(pad)]), pad) if pad else (tokens, 0)
+        if self.pass_costs is None or n < 2:
+            return 0
+        pad = self._pads.get(n)
+        if pad is None:
+            pad = self._pads[n] = self.pass_costs.padded_size(n) - n
+        return pad
 
     # -- commit and rollback --------------------------------------------------------------------
-    def commit(self, new_tokens: list[int], tree_path: list[int] | None = None) -> torch.Tensor:
-        """Append a cycle's ``new_tokens`` to the committed sequence and roll every cache back to
-        the committed tokens it has processed; returns the new committed sequence.
-
-        After a tree pass, ``tree_path`` (the accepted nodes, root first) says whose KV and
-        features to keep as the positions after the committed tokens (``CachedModel.compact``)
-        before the rollback.
+    def commit(self, new_tokens: list[int], path: list[int]) -> int:
+        """Append a cycle's ``new_tokens`` to the committed sequence, keep the KV and features of
+        the accepted ``path`` (the proposal's nodes, depth 1 first) as the positions after the
+        committed tokens, and roll every cache back to the committed tokens it has processed;
+        returns the new committed length.
 
         Invariant afterwards: full_length ≤ runner.length ≤ committed − 1, every layer holds KV
         for exactly the positions the model has processed, and the feature log's committed
         rows are those positions' features."""
-        if (self._tree_pass is None) != (tree_path is None):
-            raise ValueError("a tree pass's verdict is committed with its path, and only a tree pass's")
-        if tree_path is not None:
-            self._keep_tree_path(tree_path)
-        self._context = torch.cat([self._context, torch.tensor(new_tokens, dtype=torch.long)])
+        record, self._pass = self._pass, None
+        if record is None:
+            raise ValueError("no verifier pass awaits a verdict: each cycle's pass is committed once")
+        if len(path) > record.nodes or (path and max(path) >= record.nodes) or len(new_tokens) > len(path) + 1:
+            raise ValueError(f"a verdict on {record.nodes} nodes commits a path of them and one token more; "
+                             f"got path {path} and {len(new_tokens)} tokens")
+        self._keep_path(record, path)
+        self.committed.extend(new_tokens)
         if self._generated_counts is not None:
             self._generated_counts = self._generated_counts + token_counts(torch.tensor(new_tokens, dtype=torch.long),
                                                                            self._generated_counts.shape[0])
-        keep = len(self._context) - 1  # the last committed token is fed with the next draft
+        keep = len(self.committed) - 1  # the last committed token is fed with the next draft
         self.runner.rollback(min(self.runner.length, keep))
         self.full_length = min(self.full_length, keep)
         if self.features is not None:
             self.features.commit(self.runner.length)
-        self._scored = None  # its rows scored this cycle's tokens only
-        return self._context
+        return len(self.committed)
 
-    def _keep_tree_path(self, path: list[int]) -> None:
-        start, pending, hidden = self._tree_pass
-        committed = start + pending
-        self.runner.compact(committed, committed + torch.tensor(path, dtype=torch.long))
-        self.full_length = self.runner.length
-        if hidden is not None:
-            self._record(start, hidden[:pending])
-            if path:
-                self._record(committed, hidden[pending + torch.tensor(path)])
-        self._tree_pass = None
+    def _keep_path(self, record: PassRecord, path: list[int]) -> None:
+        """The accepted path's KV and features at the positions after the committed tokens: a
+        chain's are there already; a tree's are moved there and the other nodes dropped."""
+        committed = record.start + record.pending  # where depth 1 goes
+        if not record.chain:
+            self.runner.compact(committed, committed + torch.tensor(path, dtype=torch.long))
+            self.full_length = min(self.full_length, self.runner.length)
+        if record.hidden is None:
+            return
+        if record.chain:
+            self.features.write(record.start, record.hidden[: record.pending + len(path)])
+            return
+        self.features.write(record.start, record.hidden[: record.pending])
+        if path:
+            self.features.write(committed, record.hidden[record.pending + torch.tensor(path, dtype=torch.long)])
 
     def draft_view(self) -> TargetDraftView:
         return _DraftView(self)
+
+
+def _chain_rows(pending: torch.Tensor, drafts: torch.Tensor, pad: int) -> torch.Tensor:
+    """The tokens of a chain pass: the pending committed tokens, the drafts, and ``pad`` copies
+    of the last (padding rows: their outputs are dropped, their KV rolled back)."""
+    if not len(drafts) and not pad:
+        return pending
+    parts = [pending, drafts] if len(drafts) else [pending]
+    if pad:
+        parts.append((drafts if len(drafts) else pending)[-1:].expand(pad))
+    return torch.cat(parts)
 
 
 class _DraftView(TargetDraftView):
@@ -504,38 +617,30 @@ class _DraftView(TargetDraftView):
 
     def __init__(self, verifiers: Verifiers):
         self.verifiers = verifiers
+        self._drafting = False  # masked positions appended since the last discard
 
     @property
     def length(self) -> int:
         return self.verifiers.full_length
 
     def forward(self, tokens: torch.Tensor, mask) -> torch.Tensor:
-        verifiers = self.verifiers
-        if verifiers.runner.length > verifiers.full_length and not getattr(self, "_drafting", False):
-            verifiers.runner.rollback(verifiers.full_length)  # draft on full-model KV only
-        self._drafting = True
-        return verifiers.runner.forward(tokens, logits_for=1, mask=mask).logits[-1]
+        if not self._drafting:
+            self.verifiers._full_model_kv_only()  # draft on full-model KV only
+            self._drafting = True
+        return self.verifiers.runner.forward(tokens, logits_for=1, mask=mask).logits[-1]
 
     def discard(self) -> None:
         self._drafting = False
-        self.verifiers.runner.rollback(min(self.verifiers.runner.length, self.verifiers.full_length))
+        verifiers = self.verifiers
+        verifiers.runner.rollback(min(verifiers.runner.length, verifiers.full_length))
 
     def full_model_cache(self) -> CachedModel:
-        verifiers = self.verifiers
-        if verifiers.runner.length > verifiers.full_length:
-            verifiers.runner.rollback(verifiers.full_length)
-        return verifiers.runner
+        self.verifiers._full_model_kv_only()
+        return self.verifiers.runner
 
     def replay_window(self, start: int, tokens: torch.Tensor, mask) -> torch.Tensor:
-        verifiers = self.verifiers
-        if verifiers.runner.length > verifiers.full_length:
-            verifiers.runner.rollback(verifiers.full_length)
-        return verifiers.runner.replay(start, tokens, mask)
-
-
-class PromptError(TierspecError):
-    """The prompt cannot be decoded (empty, batched, ids outside the vocabulary, or longer than
-    the model's context)."""
+        self.verifiers._full_model_kv_only()
+        return self.verifiers.runner.replay(start, tokens, mask)
 
 
 def check_prompt(prompt_ids, max_positions: int | None, max_new_tokens: int, vocab_size: int | None = None) -> torch.Tensor:
@@ -584,21 +689,25 @@ def score_prompt(target: LoadedModel, prompt_ids: torch.Tensor, config: DecodeCo
 
 @dataclass
 class Step:
-    """What the loop yields after each commit. With ``DecodeConfig.logprobs``: ``logprobs``, one
-    record per new token; the first step also carries ``prompt_logprobs`` with
-    ``DecodeConfig.score_prompt`` (None for the first prompt token, which nothing scores)."""
+    """What the loop yields after each commit: the cycle's new tokens, statistics, the proposal it
+    verified and the verdict. With ``DecodeConfig.logprobs``: ``logprobs``, one record per new
+    token; the first step also carries ``prompt_logprobs`` with ``DecodeConfig.score_prompt``
+    (None for the first prompt token, which nothing scores)."""
 
     new_tokens: list[int]
     cycle: CycleStats
     finished: bool
     logprobs: list[TokenLogprob] | None = None
     prompt_logprobs: list[TokenLogprob] | None = None
+    committed: CommittedTokens | None = None  # the generation's committed sequence (read it, never change it)
+    proposal: Proposal | None = None  # what this cycle verified
+    verdict: Verdict | None = None
 
 
-def check_logprobs_method(method, config: DecodeConfig) -> None:
+def check_logprobs_method(method: DecodeMethod, config: DecodeConfig) -> None:
     """Refuse log-probabilities where tokens are committed that no target pass scored: VIA-SD's
     slim tier commits tokens before the full target sees them."""
-    if config.logprobs is not None and getattr(method, "slim_mask", None) is not None:
+    if config.logprobs is not None and method.slim_mask is not None:
         raise TierspecError(f"method '{method.name}' cannot report log-probabilities: its slim verifier commits "
                             "tokens the full target has not scored; use a method without a slim tier (e.g. hybrid, "
                             "eagle, pld, ar)")
@@ -611,9 +720,49 @@ def prompt_records(prompt_ids: torch.Tensor, rows: torch.Tensor, config: DecodeC
     return [first] + token_logprobs(rows, prompt_ids[1:].tolist(), config.sampling, config.logprobs)
 
 
+def check_shapes(drafter: Drafter, rule: VerificationRule) -> None:
+    """Refuse a drafter whose proposals the rule cannot verify (``VerificationRule.accepts``).
+    Only the exact rule verifies token trees (greedy, coupled, multi-draft residual;
+    docs/algorithms.md §Token trees). The lossy rules (lossy, cascade, judge, VIA and via-judge)
+    are defined over one chain of drafts: the lossy and cascade tests compare a draft with the
+    target's distribution at its position, the judge head scores the drafts of a chain one by
+    one, and VIA's slim verifier runs ahead of a lagging full target on one committed chain; none
+    is built over a tree yet, so trees stay lossless-only and the lossy rules keep chain drafters."""
+    if drafter.proposes not in rule.accepts:
+        raise TierspecError(f"the rule '{rule.name}' verifies chains only: a token tree needs the exact rule "
+                            "(rules.exact.ExactRule, the methods eagle-tree and hybrid-tree, lossless). "
+                            f"For '{rule.name}', use a chain drafter instead (methods eagle, hybrid, pld).")
+
+
+def reach(prompt_length: int, config: DecodeConfig, policy: DraftPolicy) -> int:
+    """Every position a generation can reach: the prompt, the token budget, and the last
+    verification pass's rows past the committed tokens — its draft rows, or the padded size of a
+    pass when that is larger (a pass starts at most at the committed length)."""
+    table = policy.pass_costs
+    return prompt_length + config.max_new_tokens + max(policy.max_rows, 0 if table is None else table.max_tokens)
+
+
+@dataclass
+class _Sequence:
+    """One generation's state across cycles (a batch of generations would hold one each)."""
+
+    verifiers: Verifiers
+    drafter: Drafter
+    rule: VerificationRule
+    policy: DraftPolicy
+    config: DecodeConfig
+    eos: frozenset[int]
+    noise: Noise
+    tree_stats: bool  # the drafter proposes trees: each cycle reports its tree's shape
+
+    @property
+    def committed(self) -> CommittedTokens:
+        return self.verifiers.committed
+
+
 def decode(
     target: LoadedModel,
-    method,
+    method: DecodeMethod,
     prompt_ids: torch.Tensor,
     config: DecodeConfig,
     seed: int | torch.Generator | None = None,
@@ -626,10 +775,8 @@ def decode(
     stands for the seed it was seeded with; None draws a fresh one). ``inspect(verifiers,
     drafter)`` is called after every commit (tests check the cache invariant with it).
     """
-    drafter: Drafter = method.drafter
-    rule: VerificationRule = method.rule
-    policy: DraftPolicy = method.policy
-    check_tree_rule(drafter, rule)
+    drafter, rule, policy = method.drafter, method.rule, method.policy
+    check_shapes(drafter, rule)
     check_logprobs_method(method, config)
     max_positions = getattr(target.model.config, "max_position_embeddings", None)
     prompt_ids = check_prompt(prompt_ids, max_positions, config.max_new_tokens, target.vocab_size)
@@ -640,17 +787,13 @@ def decode(
                                 "log-probabilities to report (echo)")
         source, prompt_ids = prompt_ids, decoder_start(target.model)
     drafter.set_source(source)
-    # Every position this generation can reach: the prompt, the budget, and the last verification
-    # pass's draft and padding past the budget.
-    positions = len(prompt_ids) + config.max_new_tokens + 64
-    verifiers = Verifiers(target, positions, slim_mask=method.slim_mask, forward_costs=method.forward_costs,
-                          record_features=drafter.needs_target_features,
-                          feature_layers=getattr(drafter, "feature_layers", ()),
-                          slim_vocabulary=getattr(method, "slim_vocabulary", None), source=source,
+    verifiers = Verifiers(target, reach(len(prompt_ids), config, policy), slim_mask=method.slim_mask,
+                          pass_costs=policy.pass_costs, record_features=drafter.needs_target_features,
+                          feature_layers=drafter.feature_layers, slim_vocabulary=method.slim_vocabulary, source=source,
                           modifiers=config.modifiers)
     config.modifiers.check_vocabulary(target.vocab_size)
-    eos = set(config.eos_token_ids)
-    noise = Noise(seed, target.vocab_size)
+    sequence = _Sequence(verifiers, drafter, rule, policy, config, frozenset(config.eos_token_ids),
+                         Noise(seed, target.vocab_size), drafter.proposes is Shape.TREE)
 
     with torch.inference_mode():
         prompt_rows = verifiers.prefill(prompt_ids, score=config.score_prompt)
@@ -658,13 +801,10 @@ def decode(
         del prompt_rows
         drafter.start(prompt_ids, verifiers.features, verifiers.draft_view() if drafter.uses_target_cache else None)
         policy.start()
-    emitted_total = 0
-    cycle = _tree_cycle if getattr(drafter, "proposes_trees", False) else _cycle
-    while emitted_total < config.max_new_tokens:
+    while sequence.committed.generated_count < config.max_new_tokens:
         with torch.inference_mode():
-            step = cycle(verifiers, drafter, rule, policy, config, emitted_total, eos, noise)
+            step = _cycle(sequence)
         step.prompt_logprobs, prompt_logprobs = prompt_logprobs, None
-        emitted_total += len(step.new_tokens)
         if inspect is not None:
             inspect(verifiers, drafter)
         yield step
@@ -672,23 +812,104 @@ def decode(
             return
 
 
+def _cycle(sequence: _Sequence) -> Step:
+    """One draft–verify–commit cycle (module docstring), for a chain and a tree alike."""
+    started = time.perf_counter()
+    verifiers, drafter, rule, policy, config = (sequence.verifiers, sequence.drafter, sequence.rule, sequence.policy,
+                                                sequence.config)
+    context = verifiers.context
+    target_calls, slim_calls, pass_seconds = verifiers.target_calls, verifiers.slim_calls, verifiers.pass_seconds
+    # Never draft past the budget: the cycle emits at most (drafts on the path) + 1 tokens.
+    budget = max(0, min(policy.max_draft, config.max_new_tokens - sequence.committed.generated_count - 1))
+    # Draft token i (a node at depth i + 1) and the token after the drafts sit at position len(context) + i.
+    block = None if config.sampling.greedy else sequence.noise.block(len(context))
+    drafted = drafter.propose(context, DraftRequest(budget, config.sampling, block, policy))
+    proposal = drafted.prefix(policy.trim(drafted))
+    if proposal.tree.depth > budget:
+        raise TierspecError(f"{type(drafter).__name__} drafted {proposal.tree.depth} tokens deep for a budget of {budget}")
+    drafted_at = time.perf_counter()
+    verdict = _verdict(verifiers, rule, proposal, config.sampling, block)
+
+    # Commit: accepted path + the correction/bonus token, cut at EOS and the budget.
+    tokens = proposal.tokens.tolist()
+    emitted = [tokens[node] for node in verdict.path] + [verdict.next_token]
+    new_tokens, finished, records = _commit(sequence, emitted, verdict.path)
+    policy.observe(CycleOutcome(drafted, proposal, verdict))
+    ended = time.perf_counter()
+    cycle = CycleStats(
+        drafted=len(proposal),
+        # A node is evaluated when its parent was reached: the accepted path's nodes and the child
+        # tried below its end (the cycle's rejection; a chain's first rejected draft).
+        evaluated=verdict.accepted + int(walk_reached(proposal.tree, verdict.path)),
+        accepted=verdict.accepted,
+        emitted=len(new_tokens),
+        target_calls=verifiers.target_calls - target_calls,
+        slim_calls=verifiers.slim_calls - slim_calls,
+        drafter_calls=proposal.drafter_calls,
+        seconds=ended - started,
+        draft_seconds=drafted_at - started,
+        pass_seconds=verifiers.pass_seconds - pass_seconds,
+        deciders=verdict.deciders[: len(new_tokens)],
+        tree_depth=proposal.tree.depth if sequence.tree_stats else None,
+    )
+    return Step(new_tokens, cycle, finished, records, committed=sequence.committed, proposal=proposal, verdict=verdict)
+
+
+def _verdict(verifiers: Verifiers, rule: VerificationRule, proposal: Proposal, sampling: SamplingConfig,
+             block: BlockNoise | None) -> Verdict:
+    """The rule's verdict: the loop runs the one target pass for a rule of its scores; a tiered
+    rule (VIA-SD) runs the passes it needs itself."""
+    if isinstance(rule, ScoreRule):
+        return rule.decide(proposal, verifiers.target(proposal, with_hidden=rule.reads_hidden), sampling, block)
+    return rule.verify(verifiers, proposal, sampling, block)
+
+
+def _commit(sequence: _Sequence, new_tokens: list[int], path: list[int]) -> tuple[list[int], bool, list[TokenLogprob] | None]:
+    """Commit a cycle's tokens (the accepted path's + the correction/bonus token), cut after an
+    EOS and at the token budget: the verifiers extend the committed sequence and roll their caches
+    back, the drafter rolls its state back to the new length. Returns (the tokens committed,
+    whether generation is finished, their logprob records when the config asks for them)."""
+    config, verifiers = sequence.config, sequence.verifiers
+    finished = False
+    for i, token in enumerate(new_tokens):
+        if token in sequence.eos:
+            new_tokens = new_tokens[: i + 1]
+            finished = True
+            break
+    new_tokens = new_tokens[: config.max_new_tokens - sequence.committed.generated_count]
+    records = None
+    if config.logprobs is not None:
+        records = token_logprobs(verifiers.scored_rows(new_tokens, path), new_tokens, config.sampling, config.logprobs)
+    committed = verifiers.commit(new_tokens, path)
+    sequence.noise.forget_before(committed)
+    finished = finished or sequence.committed.generated_count >= config.max_new_tokens
+    sequence.drafter.commit(committed)
+    return new_tokens, finished, records
+
+
 class DecodeRun:
     """One generation, iterated step by step, with the totals every caller reads: the one place
     a generation's ``GenerationStats`` is built and its wall clock read.
 
     Iterating runs ``decode`` (same arguments) and yields its ``Step``s; meanwhile each cycle is
-    added to ``stats`` and the committed tokens to ``token_ids``. ``stats.wall_seconds`` runs from
-    the first step asked for (the prefill is in it) to the latest step handed out, or to the end
-    of the generation once it is exhausted (docs/metrics.md §Generation statistics). ``finish()``
-    runs it to the end; ``close()`` stops it early."""
+    added to ``stats``; ``token_ids`` reads the generated tokens from the generation's committed
+    sequence. ``stats.wall_seconds`` runs from the first step asked for (the prefill is in it) to
+    the latest step handed out, or to the end of the generation once it is exhausted
+    (docs/metrics.md §Generation statistics). ``finish()`` runs it to the end; ``close()`` stops it
+    early."""
 
-    def __init__(self, target: LoadedModel, method, prompt_ids: torch.Tensor, config: DecodeConfig,
+    def __init__(self, target: LoadedModel, method: DecodeMethod, prompt_ids: torch.Tensor, config: DecodeConfig,
                  seed: int | torch.Generator | None = None, inspect: Callable[[Verifiers, Drafter], None] | None = None):
         self._steps = decode(target, method, prompt_ids, config, seed, inspect)
         self._target = target
         self.stats = GenerationStats()
-        self.token_ids: list[int] = []
+        self.committed: CommittedTokens | None = None  # the generation's, from its first step
         self._started: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens generated so far."""
+        return [] if self.committed is None else self.committed.generated()
 
     def __iter__(self) -> DecodeRun:
         return self
@@ -702,7 +923,7 @@ class DecodeRun:
         finally:
             self.stats.wall_seconds = time.perf_counter() - self._started
         self.stats.add(step.cycle)
-        self.token_ids.extend(step.new_tokens)
+        self.committed = step.committed
         return step
 
     def finish(self) -> DecodeRun:
@@ -714,124 +935,3 @@ class DecodeRun:
     def close(self) -> None:
         """Stop the generation (a suspended one holds the target's cache until closed)."""
         self._steps.close()
-
-
-def check_tree_rule(drafter: Drafter, rule) -> None:
-    """Refuse a tree drafter with a rule that verifies chains only. Only the exact rule has a tree
-    version (``rules.tree.TreeExactRule``: greedy, coupled, multi-draft residual; docs/algorithms.md §Token trees). The
-    lossy rules (lossy, cascade, judge, VIA and via-judge) are defined over one chain of drafts: the
-    lossy and cascade tests compare a draft with the target's distribution at its position, the
-    judge head scores the drafts of a chain one by one, and VIA's slim verifier runs ahead of a
-    lagging full target on one committed chain; none is built over a tree yet, so trees stay
-    lossless-only and the lossy rules keep chain drafters."""
-    if getattr(drafter, "proposes_trees", False) and not getattr(rule, "accepts_trees", False):
-        raise TierspecError(f"the rule '{rule.name}' verifies chains only: a token tree needs the exact tree rule "
-                            "(rules.tree.TreeExactRule, the methods eagle-tree and hybrid-tree, lossless). "
-                            f"For '{rule.name}', use a chain drafter instead (methods eagle, hybrid, pld).")
-
-
-def _cycle(verifiers: Verifiers, drafter: Drafter, rule: VerificationRule, policy: DraftPolicy,
-           config: DecodeConfig, emitted_total: int, eos: set[int], noise: Noise) -> Step:
-    started = time.perf_counter()
-    context = verifiers.context
-    target_calls, slim_calls, pass_seconds = verifiers.target_calls, verifiers.slim_calls, verifiers.pass_seconds
-    remaining = config.max_new_tokens - emitted_total
-    # Never draft past the budget: the cycle emits at most k + 1 tokens.
-    budget = max(0, min(policy.max_draft, remaining - 1))
-    # Draft token i and the token after the drafts sit at position len(context) + i.
-    block = None if config.sampling.greedy else noise.block(len(context))
-    drafted: Proposal = drafter.propose(context, budget, config.sampling, block, policy.keep_drafting)
-    proposal = drafted.prefix(min(policy.trim(drafted), budget))
-    drafted_at = time.perf_counter()
-    verdict = rule.verify(verifiers, proposal, config.sampling, block)
-
-    # Commit: accepted prefix + the correction/bonus token, cut at EOS and the budget.
-    emitted = proposal.tokens[: verdict.accepted].tolist() + [verdict.next_token]
-    new_tokens, finished, records = _commit(emitted, verifiers, drafter, config, emitted_total, eos, noise)
-
-    k = len(proposal)
-    ended = time.perf_counter()
-    cut_key = cut_accepted = None
-    if len(drafted) > k and verdict.accepted == k:  # the bonus token tells whether the cut one would have passed
-        cut_key = policy.keys(drafted, k + 1)[k]
-        cut_accepted = verdict.next_token == int(drafted.tokens[k])
-    policy.observe(CycleOutcome(policy.keys(proposal, k), verdict.accepted, k, proposal.source, cut_key, cut_accepted))
-    cycle = CycleStats(
-        drafted=k,
-        evaluated=verdict.accepted + (1 if verdict.accepted < k else 0),
-        accepted=verdict.accepted,
-        emitted=len(new_tokens),
-        target_calls=verifiers.target_calls - target_calls,
-        slim_calls=verifiers.slim_calls - slim_calls,
-        drafter_calls=proposal.drafter_calls,
-        seconds=ended - started,
-        draft_seconds=drafted_at - started,
-        pass_seconds=verifiers.pass_seconds - pass_seconds,
-        deciders=verdict.deciders[: len(new_tokens)],
-    )
-    return Step(new_tokens, cycle, finished, records)
-
-
-def _commit(new_tokens: list[int], verifiers: Verifiers, drafter: Drafter, config: DecodeConfig, emitted_total: int,
-            eos: set[int], noise: Noise, tree_path: list[int] | None = None
-            ) -> tuple[list[int], bool, list[TokenLogprob] | None]:
-    """Commit a cycle's tokens (accepted drafts + the correction/bonus token; after a tree pass,
-    ``tree_path`` the accepted nodes), cut after an EOS and at the token budget: the verifiers
-    extend the committed sequence and roll their caches back, the drafter rolls its state back
-    to the new length. Returns (the tokens committed, whether generation is finished, their
-    logprob records when the config asks for them)."""
-    finished = False
-    for i, token in enumerate(new_tokens):
-        if token in eos:
-            new_tokens = new_tokens[: i + 1]
-            finished = True
-            break
-    new_tokens = new_tokens[: config.max_new_tokens - emitted_total]
-    records = None
-    if config.logprobs is not None:
-        records = token_logprobs(verifiers.scored_rows(new_tokens, tree_path), new_tokens, config.sampling, config.logprobs)
-    committed = len(verifiers.commit(new_tokens, tree_path))
-    noise.forget_before(committed)
-    finished = finished or emitted_total + len(new_tokens) >= config.max_new_tokens
-    drafter.commit(committed)
-    return new_tokens, finished, records
-
-
-def _tree_cycle(verifiers: Verifiers, drafter: Drafter, rule, policy: DraftPolicy, config: DecodeConfig,
-                emitted_total: int, eos: set[int], noise: Noise) -> Step:
-    """``_cycle`` for a tree drafter (docs/algorithms.md §Token trees): the drafter proposes a token tree no deeper than
-    the tokens left allow, the rule walks it after one target pass, the loop keeps the accepted
-    path's KV and commits path + next token. ``policy.observe_tree`` sees every verdict."""
-    started = time.perf_counter()
-    context = verifiers.context
-    target_calls, pass_seconds = verifiers.target_calls, verifiers.pass_seconds
-    remaining = config.max_new_tokens - emitted_total
-    block = None if config.sampling.greedy else noise.block(len(context))
-    proposal = drafter.propose_tree(context, max(0, remaining - 1), config.sampling, block)
-    drafted_at = time.perf_counter()
-    tree = proposal.tree
-    verdict = rule.verify_tree(verifiers, tree, config.sampling, block)
-
-    emitted = tree.tokens[verdict.path].tolist() + [verdict.next_token]
-    new_tokens, finished, records = _commit(emitted, verifiers, drafter, config, emitted_total, eos, noise, verdict.path)
-    if hasattr(policy, "observe_tree"):
-        policy.observe_tree(proposal, verdict)
-    ended = time.perf_counter()
-    # A node is evaluated when its parent was reached: the accepted path's nodes and the children
-    # tried below its end (at most one counts as "the rejection" of the cycle, as for a chain).
-    stopped_early = bool(tree.children(verdict.path[-1] if verdict.path else -1))
-    cycle = CycleStats(
-        drafted=len(tree),
-        evaluated=verdict.accepted + int(stopped_early),
-        accepted=verdict.accepted,
-        emitted=len(new_tokens),
-        target_calls=verifiers.target_calls - target_calls,
-        slim_calls=0,
-        drafter_calls=proposal.drafter_calls,
-        seconds=ended - started,
-        draft_seconds=drafted_at - started,
-        pass_seconds=verifiers.pass_seconds - pass_seconds,
-        deciders=verdict.deciders[: len(new_tokens)],
-        tree_depth=tree.depth,
-    )
-    return Step(new_tokens, cycle, finished, records)

@@ -14,3 +14,8 @@ class TierspecError(ValueError):
 
 class ModelLoadError(TierspecError):
     """A model spec could not be resolved or loaded; the message says what to do."""
+
+
+class PromptError(TierspecError):
+    """The prompt cannot be decoded (empty, batched, ids outside the vocabulary, or longer than
+    the model's context), or a generation setting is out of range."""

@@ -57,7 +57,7 @@ class FusedLayer:
             config.intermediate_size)
 
     def __deepcopy__(self, memo) -> "FusedLayer":
-        return self  # stateless over shared weights: a model's masked copy (routing.masked_copy) shares it
+        return self  # stateless over shared weights: a model's masked copy (layerskip.masks.masked_copy) shares it
 
     def run(self, hidden: torch.Tensor, layout: PassLayout, cache: KVLayer, units: int) -> torch.Tensor:
         """hidden [1, n, H] float32 → the layer's output [1, n, H] (a new tensor: hooks may keep the

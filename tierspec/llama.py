@@ -79,7 +79,7 @@ ATTENTION_ROWS = 4
 class KVLayer:
     """One layer's keys and values [b, kv_heads, T, d] in a position-indexed buffer: a pass writes
     its new positions in place, a rollback only moves ``length`` (nothing is copied or freed).
-    The target's layers (``KVCache``), the draft head's layer (``eagle.head.HeadRunner``) and
+    The target's layers (``KVCache``), the draft head's layer (``heads.draft.HeadRunner``) and
     transformers models' layers (``cached_model.CachedModel``) all keep their KV in it.
 
     The buffer holds ``reserve``'s positions (the decode loop reserves prompt + budget), allocated
@@ -529,7 +529,7 @@ class MLP(torch.nn.Module):
 class DecoderLayer(torch.nn.Module):
     """A Llama decoder layer over the residual stream h [1, n, H] (float32, or the model's dtype
     if wider). A routing mask swaps ``self_attn`` or ``mlp`` for a stand-in marked ``bypassed``
-    (``routing.apply_mask``): that block, and the norm in front of it, are skipped.
+    (``layerskip.masks.apply_mask``): that block, and the norm in front of it, are skipped.
 
     The layer's own parts are run through ``forward`` rather than called as modules: a module
     call costs a few µs of Python, and a pass makes ~270 of them (hooks on the layer and on the
@@ -648,7 +648,7 @@ class Decoder(torch.nn.Module):
     def _engine_forward(self, hidden: torch.Tensor, layout: PassLayout, cache: KVCache) -> torch.Tensor:
         """The layers as engine calls: runs of layers without forward hooks in one call each, a
         hooked layer (hidden-state capture) as a module call, so its hooks see its output."""
-        from .quant import engine, engine_threads
+        from .engine import engine, engine_threads
 
         layers = self.layers
         if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:

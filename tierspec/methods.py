@@ -7,28 +7,31 @@ builds its flags from these fields (``cli``), and the bench parses method specs 
 
 from __future__ import annotations
 
-import threading
-import weakref
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
+from .cached_model import SlimVocabulary
+from .costs import ForwardCosts
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, check_vocabularies
 from .drafters.base import streamed_weights
-from .drafters.cascade import CascadeDrafter
+from .drafters.cs_drafting import CsDrafter
+from .drafters.model import Seq2SeqModelDrafter, check_same_family
 from .drafters.self_spec import SelfSpeculativeDrafter
 from .drafters.swift import SwiftDrafter
 from .errors import TierspecError
+from .heads.draft import DraftHead
+from .heads.judge import JudgeHead
+from .layerskip.masks import RoutingMask
+from .llama import ATTENTION_ROWS
 from .models import LoadedModel
-from .policies import ConfidenceStop, CostAware, DraftPolicy, FixedLength
-from .routing import RoutingMask
+from .policies import ConfidenceStop, CostAware, DraftPolicy, FixedLength, TreePolicy
 from .rules import ExactRule, VerificationRule
 from .rules.bild import BildRule
-from .rules.cascade import DEFERRALS, CascadeRule
-from .rules.exact import SAMPLING_RULES
 from .rules.lossy import LossyRule
+from .rules.speculative_cascades import DEFERRALS, SpeculativeCascadeRule
 from .rules.via import ViaRule
-from .seq2seq import Seq2SeqModelDrafter, check_same_family, is_encoder_decoder
-from .seq2seq import check_method as check_seq2seq_method
+from .seq2seq import Seq2SeqError, is_encoder_decoder
+from .walks import SAMPLING_RULES
 
 DRAFTER_KINDS = ("auto", "model", "ngram", "self", "eagle")
 SLIM_VOCABULARIES = ("full", "draft-head")
@@ -59,7 +62,7 @@ class MethodOptions:
     drafter_kind: str = _option("auto", "drafter of lossy/bild/cascade/via/judge: auto = --drafter model if given, "
                                 "else n-gram lookup; eagle = the trained draft head", flag="--draft-with", choices=DRAFTER_KINDS)
     draft_mask: RoutingMask | None = _option(None, "routing mask of the self-speculative drafter (--draft-with self)", kind="mask")
-    draft_head: object | None = _option(None, "draft head (.safetensors) from `tierspec drafter train` (eagle, hybrid, "
+    draft_head: DraftHead | None = _option(None, "draft head (.safetensors) from `tierspec drafter train` (eagle, hybrid, "
                                         "--draft-with eagle); default: the head shipped for the target", kind="draft_head")
     alpha: float = _option(0.1, "lossy tolerance α; cascade deferral α")
     beta: float | None = _option(None, "lossy residual β (default 1 − α)")
@@ -72,7 +75,7 @@ class MethodOptions:
     csd_model_positions: int = _option(3, "CS Drafting: positions drafted by the drafter model (horizontal cascade)")
     csd_inner_draft: int = _option(3, "CS Drafting: n-gram guesses the drafter model reviews per pass")
     adaptive_max_draft: int = _option(10, "adaptive-*, eagle, hybrid: the longest draft considered")
-    judge_head: object | None = _option(None, "judge head (.safetensors) from `tierspec judge train` (judge, via-judge)",
+    judge_head: JudgeHead | None = _option(None, "judge head (.safetensors) from `tierspec judge train` (judge, via-judge)",
                                         kind="judge_head")
     judge_threshold: float | None = _option(None, "judge accepts when sigmoid ≥ δ (default: the head's)")
     sampling_rule: str = _option("coupled", "lossless methods at temperature > 0: coupled = the target's token at each "
@@ -124,14 +127,16 @@ class MethodOptionError(TierspecError):
 
 @dataclass
 class Method:
+    """A method for the decode loop (``decode.DecodeMethod``): its drafter, rule and policy (the
+    policy holds the pass-cost table the loop pads passes with), and VIA-SD's slim verifier."""
+
     name: str
     drafter: Drafter
     rule: VerificationRule
     policy: DraftPolicy
     description: str
     slim_mask: RoutingMask | None = None  # VIA-SD's slim verifier
-    slim_vocabulary: object | None = None  # cached_model.SlimVocabulary: the slim tier scores only these tokens
-    forward_costs: object | None = None  # costs.ForwardCosts: pad verification passes to cheap sizes
+    slim_vocabulary: SlimVocabulary | None = None  # the slim tier scores only these tokens
 
 
 def _fixed(options: MethodOptions) -> FixedLength:
@@ -204,12 +209,12 @@ def _clasp(target, drafter_model, options) -> Method:
 def _pearl_drafter(name: str, target: LoadedModel, drafter_model: LoadedModel | None, mask: RoutingMask | None,
                    options: MethodOptions):
     """PEARL's drafter: the drafter model when given, else the target under ``mask`` as a second
-    module tree over the same weights (``routing.masked_copy``: it must run while the target runs).
+    module tree over the same weights (``layerskip.masks.masked_copy``: it must run while the target runs).
     ``gamma`` defaults to PEARL's speed ratio (a target pass over a draft step, taken as their
     weight bytes: docs/algorithms.md §Compute-weighted routing, a CPU pass costs what it streams)
     less one, since the thread drafts γ + 1 tokens per pass."""
     from .drafters.pearl import PearlDrafter
-    from .routing import masked_copy
+    from .layerskip.masks import masked_copy
 
     if drafter_model is not None:
         check_vocabularies(target, drafter_model)
@@ -243,8 +248,8 @@ def _via_pearl(target, drafter_model, options) -> Method:
 
 def draft_head_for(target: LoadedModel, options: MethodOptions):
     """The draft head of ``options`` (checked against the target), else the one shipped for it."""
-    from .eagle.head import DraftHeadError
-    from .eagle.shipped import shipped_head
+    from .heads.draft import DraftHeadError
+    from .heads.shipped import shipped_head
 
     if options.draft_head is not None:
         head = options.draft_head
@@ -281,8 +286,9 @@ def _drafter(target: LoadedModel, drafter_model: LoadedModel | None, options: Me
 
 
 def _lossy_policy(drafter: Drafter, options: MethodOptions, target: LoadedModel,
-                  stop: float | None = None) -> tuple[DraftPolicy, object | None]:
-    """The draft-length policy of a lossy rule and the forward-cost table it pads passes with.
+                  stop: float | None = None) -> DraftPolicy:
+    """The draft-length policy of a lossy rule (a cost-aware one holds the pass-cost table the
+    loop pads passes with).
 
     The trained draft head drafts with the cost-aware policy, as in ``eagle`` (it learns the
     acceptance of whatever rule verifies); a stop threshold (BiLD's fallback: part of that
@@ -290,70 +296,73 @@ def _lossy_policy(drafter: Drafter, options: MethodOptions, target: LoadedModel,
     from .drafters.eagle import EagleDrafter
 
     if stop is not None:
-        return ConfidenceStop(options.num_draft, stop), None
+        return ConfidenceStop(options.num_draft, stop)
     if isinstance(drafter, SelfSpeculativeDrafter):
-        return ConfidenceStop(options.num_draft, options.confidence_threshold), None
+        return ConfidenceStop(options.num_draft, options.confidence_threshold)
     if isinstance(drafter, EagleDrafter):
         return _cost_aware(target, options, drafter)
-    return _fixed(options), None
+    return _fixed(options)
 
 
 def _lossy(target, drafter_model, options) -> Method:
     drafter = _drafter(target, drafter_model, options)
-    policy, table = _lossy_policy(drafter, options, target)
+    policy = _lossy_policy(drafter, options, target)
     return Method("lossy", drafter, LossyRule(options.alpha, options.beta), policy,
-                  "lossy speculative decoding with tolerance (α, β)", forward_costs=table)
+                  "lossy speculative decoding with tolerance (α, β)")
 
 
 def _bild(target, drafter_model, options) -> Method:
     drafter = _drafter(target, drafter_model, options)
-    policy, table = _lossy_policy(drafter, options, target, stop=options.fallback)
+    policy = _lossy_policy(drafter, options, target, stop=options.fallback)
     return Method("bild", drafter, BildRule(options.rollback), policy,
-                  "BiLD: fallback when the drafter is unsure, rollback on unlikely tokens", forward_costs=table)
+                  "BiLD: fallback when the drafter is unsure, rollback on unlikely tokens")
 
 
 def _cascade(target, drafter_model, options) -> Method:
     drafter = _drafter(target, drafter_model, options)
-    policy, table = _lossy_policy(drafter, options, target)
-    return Method("cascade", drafter, CascadeRule(options.deferral, options.alpha), policy,
-                  "speculative cascades with a deferral rule", forward_costs=table)
+    policy = _lossy_policy(drafter, options, target)
+    return Method("cascade", drafter, SpeculativeCascadeRule(options.deferral, options.alpha), policy,
+                  "speculative cascades with a deferral rule")
 
 
 def _csd(target, drafter_model, options) -> Method:
     if drafter_model is not None:
         check_vocabularies(target, drafter_model)
     model = drafter_model or target
-    drafter = CascadeDrafter(model.model, target.vocab_size, NgramDrafter(options.ngram_size),
+    drafter = CsDrafter(model.model, target.vocab_size, NgramDrafter(options.ngram_size),
                              options.csd_model_positions, options.csd_inner_draft)
     return Method("csd", drafter, ExactRule(options.sampling_rule), _fixed(options),
                   "cascade speculative drafting (vertical + horizontal cascade)")
 
 
-def _via_rule(options: MethodOptions, judge=None) -> ViaRule:
-    lag = options.max_target_lag if options.max_target_lag is not None else 4 * max(options.num_draft, 1)
+#: VIA-SD's default lag cap in blocks of γ drafts (docs/DESIGN.md §3.6: 4γ): the full target
+#: catches up at least every few blocks the slim tier commits.
+TARGET_LAG_BLOCKS = 4
+
+
+def _via_rule(options: MethodOptions, judge: JudgeHead | None = None) -> ViaRule:
+    lag = options.max_target_lag if options.max_target_lag is not None else TARGET_LAG_BLOCKS * max(options.num_draft, 1)
     return ViaRule(options.alpha1, options.alpha2, lag, judge=judge, judge_threshold=options.judge_threshold)
 
 
-def _slim_vocabulary(target: LoadedModel, options: MethodOptions):
+def _slim_vocabulary(target: LoadedModel, options: MethodOptions) -> SlimVocabulary | None:
     """The slim tier's vocabulary (None: all tokens); ``draft-head``: the draft head's K tokens."""
     if options.slim_vocabulary == "full":
         return None
-    from .cached_model import SlimVocabulary
-
     return SlimVocabulary(target.model, draft_head_for(target, options).draft_ids)
 
 
 def _via(target, drafter_model, options) -> Method:
     mask = _require_mask("via", target, options)
     drafter = _drafter(target, drafter_model, options)
-    policy, table = _lossy_policy(drafter, options, target)
+    policy = _lossy_policy(drafter, options, target)
     return Method("via", drafter, _via_rule(options), policy,
                   "VIA-SD: drafter → slim verifier (routing mask) → full target when unsure", slim_mask=mask,
-                  slim_vocabulary=_slim_vocabulary(target, options), forward_costs=table)
+                  slim_vocabulary=_slim_vocabulary(target, options))
 
 
 def _require_judge(name: str, target: LoadedModel, options: MethodOptions):
-    from .judge.head import JudgeHeadError
+    from .heads.judge import JudgeHeadError
 
     if options.judge_head is None:
         raise JudgeHeadError(f"method '{name}' needs a judge head: train one with `tierspec judge train` and pass --judge-head")
@@ -368,127 +377,133 @@ def _judge(target, drafter_model, options) -> Method:
 
     head = _require_judge("judge", target, options)
     drafter = _drafter(target, drafter_model, options)
-    policy, table = _lossy_policy(drafter, options, target)
+    policy = _lossy_policy(drafter, options, target)
     return Method("judge", drafter, JudgeRule(head, options.judge_threshold), policy,
-                  "judge decoding: a linear head on the target's hidden states accepts correct drafts SD rejects",
-                  forward_costs=table)
+                  "judge decoding: a linear head on the target's hidden states accepts correct drafts SD rejects")
 
 
 def _via_judge(target, drafter_model, options) -> Method:
     head = _require_judge("via-judge", target, options)
     mask = _require_mask("via-judge", target, options)
     drafter = _drafter(target, drafter_model, options)
-    policy, table = _lossy_policy(drafter, options, target)
+    policy = _lossy_policy(drafter, options, target)
     return Method("via-judge", drafter, _via_rule(options, judge=head), policy,
                   "VIA-SD with the judge at the full-verifier tier", slim_mask=mask,
-                  slim_vocabulary=_slim_vocabulary(target, options), forward_costs=table)
+                  slim_vocabulary=_slim_vocabulary(target, options))
 
 
-# Forward-cost tables by model, shared by every method built on that model in this process: a
-# table depends on the model alone, and reading it back from disk includes a timed spot check
-# (a fraction of a second) that a server building methods for new request settings would
-# otherwise pay for each one.
-_COST_TABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {max_tokens: table}
-_COST_TABLES_LOCK = threading.Lock()
-
-
-def _cost_aware(target: LoadedModel, options: MethodOptions, drafter: Drafter) -> tuple[CostAware, object]:
-    """The cost-aware policy for ``drafter``: the target's measured pass costs, and each of the
-    drafter's steps costed as the weights it reads against a target pass's (docs/algorithms.md
-    §Compute-weighted routing: on a CPU a decoding pass costs about what it streams; the draft head
-    of the default model reads 6.6% of the target's weights per step, and measured 5.1% of a
-    one-token pass)."""
+def _cost_table(target: LoadedModel, max_tokens: int) -> ForwardCosts:
+    """The target's measured pass costs for 1 .. ``max_tokens`` new tokens: ``costs.forward_costs``
+    measures (or reads and spot-checks) a table once per process and returns that one table to
+    every later caller, so every method built on a model shares it; the policy built on it holds it."""
     from .costs import forward_costs
 
-    max_tokens = options.adaptive_max_draft + 1
-    with _COST_TABLES_LOCK:
-        tables = _COST_TABLES.setdefault(target.model, {})
-        if max_tokens not in tables:
-            tables[max_tokens] = forward_costs(target, max_tokens=max_tokens)
-        table = tables[max_tokens]
+    return forward_costs(target, max_tokens=max_tokens)
+
+
+def _draft_fractions(target: LoadedModel, weights: dict[str, int]) -> dict[str, float]:
+    """Each drafting source's step costed as the weights it reads against a target pass's
+    (docs/algorithms.md §Compute-weighted routing: on a CPU a decoding pass costs about what it
+    streams)."""
     target_weights = streamed_weights(target.model)
-    fractions = {source: weights / target_weights for source, weights in drafter.draft_step_weights().items()}
-    return CostAware(options.adaptive_max_draft, forward_costs=table, draft_fractions=fractions), table
+    return {source: step / target_weights for source, step in weights.items()}
+
+
+def _cost_aware(target: LoadedModel, options: MethodOptions, drafter: Drafter) -> CostAware:
+    """The cost-aware policy for ``drafter``: the target's measured pass costs for the longest
+    draft and its pending token, and the drafter's steps costed by the weights they read."""
+    table = _cost_table(target, options.adaptive_max_draft + 1)
+    return CostAware(options.adaptive_max_draft, forward_costs=table,
+                     draft_fractions=_draft_fractions(target, drafter.draft_step_weights()))
 
 
 def _adaptive_pld(target, drafter_model, options) -> Method:
     drafter = NgramDrafter(options.ngram_size)
-    policy, table = _cost_aware(target, options, drafter)
+    policy = _cost_aware(target, options, drafter)
     return Method("adaptive-pld", drafter, ExactRule(options.sampling_rule), policy,
-                  "lossless prompt lookup with a cost-aware draft length (measured pass costs, acceptance learned online)",
-                  forward_costs=table)
+                  "lossless prompt lookup with a cost-aware draft length (measured pass costs, acceptance learned online)")
 
 
 def _adaptive_sd(target, drafter_model, options) -> Method:
     drafter = _model_drafter(target, drafter_model)
-    policy, table = _cost_aware(target, options, drafter)
+    policy = _cost_aware(target, options, drafter)
     return Method("adaptive-sd", drafter, ExactRule(options.sampling_rule), policy,
-                  "lossless speculative decoding with a drafter model and a cost-aware draft length", forward_costs=table)
+                  "lossless speculative decoding with a drafter model and a cost-aware draft length")
 
 
 def _eagle(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter
 
     drafter = EagleDrafter(draft_head_for(target, options))  # a missing head is refused before costs are measured
-    policy, table = _cost_aware(target, options, drafter)
+    policy = _cost_aware(target, options, drafter)
     return Method("eagle", drafter, ExactRule(options.sampling_rule), policy,
-                  "lossless speculative decoding with the trained draft head and a cost-aware draft length",
-                  forward_costs=table)
+                  "lossless speculative decoding with the trained draft head and a cost-aware draft length")
 
 
 def _hybrid(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter, HybridDrafter
 
     ngram, eagle = NgramDrafter(options.ngram_size), EagleDrafter(draft_head_for(target, options))
-    policy, table = _cost_aware(target, options, eagle)
-    drafter = HybridDrafter(ngram, eagle, policy)
+    policy = _cost_aware(target, options, eagle)
+    drafter = HybridDrafter(ngram, eagle)
     return Method("hybrid", drafter, ExactRule(options.sampling_rule), policy,
-                  "lossless: n-gram lookup where the context offers a match expected to pay more, the draft head otherwise",
-                  forward_costs=table)
+                  "lossless: n-gram lookup where the context offers a match expected to pay more, the draft head otherwise")
 
 
-def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int]):
-    """A tree policy (``drafters.tree.TreePolicy``) on the target's pass costs for up to 16 tokens
-    (a tree is wider than a chain): nodes per pass up to the table's size − 1."""
-    from .costs import forward_costs, tree_call_seconds
-    from .drafters.tree import TreePolicy
+#: Tokens of the widest tree pass the tree policy costs (the pending token and up to 15 nodes): a
+#: tree is wider than a chain, and 16 rows are four ``llama.ATTENTION_ROWS`` calls of a chain pass.
+TREE_PASS_TOKENS = 4 * ATTENTION_ROWS
+
+
+def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int]) -> TreePolicy:
+    """A tree policy on the target's pass costs for up to ``TREE_PASS_TOKENS`` tokens: nodes per
+    pass up to the table's size − 1 (the pending token takes a row)."""
+    from .costs import tree_call_seconds
 
     if not hasattr(target.model, "new_kv_cache"):
         raise MethodOptionError(f"token trees run on tierspec's own Llama forward only; '{target.identity.name}' runs on "
                                 f"{type(target.model).__name__} (load it with implementation='tierspec')")
-    with _COST_TABLES_LOCK:
-        tables = _COST_TABLES.setdefault(target.model, {})
-        if 16 not in tables:
-            tables[16] = forward_costs(target, max_tokens=16)
-        table = tables[16]
-    target_weights = streamed_weights(target.model)
-    fractions = {source: weights / target_weights for source, weights in drafter_weights.items()}
-    return TreePolicy(max_nodes=table.max_tokens - 1, forward_costs=table, draft_fractions=fractions,
-                      path_call_seconds=tree_call_seconds(target)), table
+    table = _cost_table(target, TREE_PASS_TOKENS)
+    return TreePolicy(max_nodes=table.max_tokens - 1, forward_costs=table,
+                      draft_fractions=_draft_fractions(target, drafter_weights),
+                      path_call_seconds=tree_call_seconds(target))
 
 
 def _eagle_tree(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter
     from .drafters.tree import EagleTreeDrafter
-    from .rules.tree import TreeExactRule
 
     head = draft_head_for(target, options)
-    policy, table = _tree_policy(target, EagleDrafter(head).draft_step_weights())
-    return Method("eagle-tree", EagleTreeDrafter(head, policy), TreeExactRule(options.sampling_rule), policy,
-                  "lossless: the draft head's dynamic token tree (EAGLE-2 style), sized by measured pass costs",
-                  forward_costs=table)
+    policy = _tree_policy(target, EagleDrafter(head).draft_step_weights())
+    return Method("eagle-tree", EagleTreeDrafter(head), ExactRule(options.sampling_rule), policy,
+                  "lossless: the draft head's dynamic token tree (EAGLE-2 style), sized by measured pass costs")
 
 
 def _hybrid_tree(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter
     from .drafters.tree import EagleTreeDrafter, HybridTreeDrafter, NgramTreeDrafter
-    from .rules.tree import TreeExactRule
 
     head = draft_head_for(target, options)
-    policy, table = _tree_policy(target, EagleDrafter(head).draft_step_weights())
-    drafter = HybridTreeDrafter(NgramTreeDrafter(policy, options.ngram_size), EagleTreeDrafter(head, policy))
-    return Method("hybrid-tree", drafter, TreeExactRule(options.sampling_rule), policy,
-                  "lossless: the n-gram trie of every match merged with the draft head's token tree", forward_costs=table)
+    policy = _tree_policy(target, EagleDrafter(head).draft_step_weights())
+    drafter = HybridTreeDrafter(NgramTreeDrafter(options.ngram_size), EagleTreeDrafter(head))
+    return Method("hybrid-tree", drafter, ExactRule(options.sampling_rule), policy,
+                  "lossless: the n-gram trie of every match merged with the draft head's token tree")
+
+
+#: Methods that run on an encoder–decoder target. The others need what such a model does not
+#: have here: a draft head (eagle, hybrid, the trees, --draft-with eagle), a judge head trained on
+#: it (judge, via-judge), or a decoder-only drafter cascade (csd).
+SEQ2SEQ_METHODS = ("ar", "sd", "adaptive-sd", "pld", "adaptive-pld", "self", "swift", "lossy", "bild", "cascade", "via")
+
+
+def check_seq2seq_method(name: str, options: MethodOptions) -> None:
+    """Refuse a method (or drafter kind) that encoder–decoder targets do not support."""
+    if name not in SEQ2SEQ_METHODS:
+        raise Seq2SeqError(f"method '{name}' does not run on an encoder–decoder target; choose one of: "
+                           f"{', '.join(SEQ2SEQ_METHODS)}")
+    if options.drafter_kind == "eagle":
+        raise Seq2SeqError("--draft-with eagle needs a draft head, which encoder–decoder targets do not have here; "
+                           "use --draft-with model (with --drafter), ngram or self")
 
 
 _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], Method]] = {
@@ -525,7 +540,7 @@ DEFAULT_METHOD_WITHOUT_HEAD = "adaptive-pld"
 def default_method(target: LoadedModel, options: MethodOptions = MethodOptions()) -> str:
     """The method used when none is named: ``DEFAULT_METHOD`` if a draft head exists for
     ``target``, else ``DEFAULT_METHOD_WITHOUT_HEAD``."""
-    from .eagle.shipped import shipped_head_path
+    from .heads.shipped import shipped_head_path
 
     if options.draft_head is not None or shipped_head_path(target) is not None:
         return DEFAULT_METHOD

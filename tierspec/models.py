@@ -393,7 +393,7 @@ def identity_of(model: torch.nn.Module, name: str = "", content_hash: str = "") 
 def _routed_layer_count(model: torch.nn.Module) -> int:
     """Layers a routing mask covers: the decoder's (an encoder–decoder model's encoder is never routed)."""
     if getattr(model.config, "is_encoder_decoder", False):
-        blocks = getattr(model.get_decoder(), "block", None)  # T5-style (``routing.decoder_blocks``)
+        blocks = getattr(model.get_decoder(), "block", None)  # T5-style (``layerskip.masks.decoder_blocks``)
         return len(blocks) if blocks is not None else int(model.config.num_decoder_layers)
     return int(model.config.num_hidden_layers)
 

@@ -1,12 +1,14 @@
 """Draft-length policies: how many drafted tokens each cycle sends to verification.
 
 A policy is passed into the decode loop beside the drafter (docs/algorithms.md §The decode loop);
-drafters only propose. Per cycle the loop
+the method owns it, drafters only read it (``proposal.PolicyView``). Per cycle the loop
 
-1. gives the drafter ``policy.max_draft`` as its budget (capped by the tokens left) and
-   ``policy.keep_drafting`` as the callback a drafting model asks after each token,
-2. cuts the proposal to ``policy.trim(proposal)`` tokens,
-3. after verification reports the outcome (``observe``): per drafted position whether it was
+1. gives the drafter ``policy.max_draft`` as its budget (capped by the tokens left) and the
+   policy itself to ask (``keep_drafting`` after each token a drafting model drafts; a tree
+   drafter reads the node acceptance and the best tree size, ``TreeView``),
+2. cuts the proposal to ``policy.trim(proposal)`` nodes,
+3. after verification reports the cycle (``observe(CycleOutcome)``: what was drafted, what was
+   verified, the verdict), from which the policy learns per drafted node whether it was
    accepted, rejected or never evaluated.
 
 No policy reads the clock or keeps what it learned from one generation to the next (``start``
@@ -24,6 +26,11 @@ Policies:
   step (a fixed fraction of a pass), and acceptance probabilities learned online from every
   verdict of the generation (per position, keyed by what the drafter knew: the n-gram match
   size, or the draft confidence).
+* ``TreePolicy(max_nodes, max_depth, ...)``: sizes token trees the same way (the tree drafters
+  grow them by its estimates, it keeps the best nodes), learning per node key.
+
+The pass-cost table a policy costs passes with (``pass_costs``) is the one the loop pads each
+verification pass with: the policy holds it, measured and cached once per model (``methods``).
 """
 
 from __future__ import annotations
@@ -31,7 +38,13 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Hashable
+
+from .costs import ForwardCosts
 from .errors import TierspecError
+from .llama import ATTENTION_ROWS
+from .proposal import Proposal, TreeSize, Verdict
+from .tree import ROOT
 
 
 class DraftPolicyError(TierspecError):
@@ -40,6 +53,25 @@ class DraftPolicyError(TierspecError):
 
 # Coarse on purpose: each bin × first/later is learned on its own, and a generation is short.
 CONFIDENCE_BINS = (0.0, 0.2, 0.4, 0.6, 0.8, 0.95, 1.01)
+
+#: The prior acceptance of a token whose drafter gave no confidence (an n-gram copy, a drafter
+#: without a distribution): even odds until the verdicts say otherwise.
+EVEN_ODDS = 0.5
+#: The weight of a key's prior, in verdicts: two verdicts outweigh it (a chain key is seen about
+#: once a cycle, so the estimate follows the text within a few cycles).
+CHAIN_PRIOR_WEIGHT = 2.0
+#: A chain key's evidence is multiplied by this after every verdict: a memory of about ten blocks.
+CHAIN_DECAY = 0.9
+#: A key the policy chose not to draft drifts back to its prior by this factor per cycle, so a
+#: context written off early is tried again.
+IDLE_DECAY = 0.99
+#: The largest tree (nodes per pass, depth) when the method does not size it from the pass-cost
+#: table: one row fewer than four ``llama.ATTENTION_ROWS`` calls, and a depth no draft head
+#: sustains at the default model's acceptance.
+TREE_NODES, TREE_DEPTH = 4 * ATTENTION_ROWS - 1, 8
+#: A tree tries many keys per cycle, so each key's evidence lasts longer (about fifty cycles) and
+#: its prior weighs more verdicts than a chain key's.
+TREE_DECAY, TREE_PRIOR_WEIGHT = 0.98, 4.0
 
 
 def confidence_bin(confidence: float) -> int:
@@ -56,7 +88,7 @@ class MatchKey:
     match_size: int
     streak: bool
 
-    prior = 0.5
+    prior = EVEN_ODDS
 
 
 @dataclass(frozen=True)
@@ -87,32 +119,41 @@ class SourceKey:
     source: str
     streak: bool
 
-    prior = 0.5
+    prior = EVEN_ODDS
 
 
 AcceptanceKey = MatchKey | ConfidenceKey | SourceKey
 
 
-@dataclass
+@dataclass(frozen=True)
 class CycleOutcome:
-    """What the loop tells a policy after each verdict."""
+    """What the loop tells a policy after each verdict: the drafter's whole proposal
+    (``drafted``), the part of it the policy let through to verification (``verified``, its
+    first nodes) and the rule's ``verdict`` on that part."""
 
-    keys: list[AcceptanceKey | None]  # per drafted token: the acceptance context the policy used
-    accepted: int  # leading drafted tokens kept
-    drafted: int
-    source: str = ""  # which drafter proposed (a hybrid drafter has several)
-    # The first drafted token the policy cut off, when the verdict tells whether it would have
-    # been accepted: after a fully accepted block, the target's bonus token is its verdict (exact
-    # in greedy mode; in sampling mode "bonus == token" is a conservative stand-in). Without it a
-    # policy that stops drafting a kind of token would never learn that it should not have.
-    cut_key: AcceptanceKey | None = None
-    cut_accepted: bool | None = None
+    drafted: Proposal
+    verified: Proposal
+    verdict: Verdict
 
 
 class DraftPolicy:
-    """Base class: a fixed budget, no early stop, no trimming."""
+    """Base class: a fixed budget, no early stop, no trimming, nothing learned.
+
+    ``max_draft``: the most drafts on a path (a chain's length, a tree's depth). ``max_rows``:
+    the most draft rows one verification pass carries (a chain: ``max_draft``; a tree: its
+    nodes), which with the padding bounds the positions a generation can reach."""
 
     max_draft: int = 0
+
+    @property
+    def max_rows(self) -> int:
+        return self.max_draft
+
+    @property
+    def pass_costs(self) -> ForwardCosts | None:
+        """The target's measured pass-cost table this policy costs passes with, which the loop
+        pads verification passes to the cheapest size by (None: passes are not padded)."""
+        return None
 
     def start(self) -> None:
         """A new generation begins: forget what earlier generations taught (a server's method
@@ -137,6 +178,11 @@ class DraftPolicy:
         """Learn from a verdict."""
 
 
+#: A tie in expected tokens per second within this relative margin goes to the shorter draft
+#: (floating-point noise must not buy a longer, costlier pass).
+RATE_TIE = 1e-9
+
+
 def _check_length(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise DraftPolicyError(f"{name} must be an integer >= 0, got {value!r}")
@@ -144,10 +190,16 @@ def _check_length(name: str, value: int) -> int:
 
 
 class FixedLength(DraftPolicy):
-    """Draft γ tokens every cycle (0 = plain decoding)."""
+    """Draft γ tokens every cycle (0 = plain decoding). ``pass_costs``: a measured pass-cost table
+    to pad verification passes to the cheapest size by (None: unpadded passes)."""
 
-    def __init__(self, num_draft: int):
+    def __init__(self, num_draft: int, pass_costs: ForwardCosts | None = None):
         self.max_draft = _check_length("num_draft", num_draft)
+        self._pass_costs = pass_costs
+
+    @property
+    def pass_costs(self) -> ForwardCosts | None:
+        return self._pass_costs
 
 
 class ConfidenceStop(DraftPolicy):
@@ -191,7 +243,7 @@ def best_length(reach: list[float], cost) -> int:
     best_k, best_rate = 0, emitted[0] / cost(0)
     for k in range(1, len(emitted)):
         rate = emitted[k] / cost(k)
-        if rate > best_rate * (1 + 1e-9):
+        if rate > best_rate * (1 + RATE_TIE):
             best_k, best_rate = k, rate
     return best_k
 
@@ -201,8 +253,8 @@ class AcceptanceEstimate:
     """P(a drafted token is accepted | the tokens before it were) for one context key: decayed
     success/failure counts with a Beta prior of mean ``prior`` and weight ``prior_weight``."""
 
-    prior: float = 0.5
-    prior_weight: float = 2.0
+    prior: float = EVEN_ODDS
+    prior_weight: float = CHAIN_PRIOR_WEIGHT
     successes: float = 0.0
     failures: float = 0.0
 
@@ -219,6 +271,16 @@ class AcceptanceEstimate:
         self.failures *= factor
 
 
+#: (seconds of a one-token pass, seconds per further token) of a pass when no table was measured:
+#: the straight line docs/algorithms.md §Draft-length policies starts from (the default model's
+#: early measurement). Only tests and table-less policies use it.
+UNMEASURED_PASS = (0.046, 0.007)
+
+#: Weight of a source's earlier blocks in its running expected rate (``CostAware.rates``): about
+#: the last five blocks count.
+RATE_MEMORY = 0.8
+
+
 @dataclass(frozen=True)
 class CostModel:
     """Seconds of a cycle that drafts k tokens from drafter ``source``:
@@ -226,21 +288,29 @@ class CostModel:
         cost(k) = verify(k + 1) + k · draft_fractions[source] · verify(1)
 
     ``verify(n)``: the measured forward cost of the target over n tokens (``costs.ForwardCosts``,
-    measured once per model and machine and cached; without a table, the straight line 46 + 7n ms of
-    docs/algorithms.md §Draft-length policies). ``draft_fractions``: a draft step of each drafter in
+    measured once per model and machine and cached; without a table, the straight line
+    ``UNMEASURED_PASS`` of docs/algorithms.md §Draft-length policies). ``draft_fractions``: a draft step of each drafter in
     units of a one-token target pass (``methods`` derives it from the weights a step reads against
     the target's: a decoding pass on a CPU costs about what it streams; n-gram lookup is free).
     Nothing here is learned from the clock: a stall of a shared machine would otherwise choose the
     next draft lengths, and a seed would no longer fix them.
     """
 
-    forward_costs: object | None = None
+    forward_costs: ForwardCosts | None = None
     draft_fractions: dict[str, float] = field(default_factory=dict)
+    # verify(n) by n, filled as asked: a policy asks for the same few sizes many times a cycle
+    _verify: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def verify(self, tokens: int) -> float:
-        if self.forward_costs is not None:
-            return self.forward_costs.cost(tokens)
-        return 0.046 + 0.007 * (tokens - 1)
+        seconds = self._verify.get(tokens)
+        if seconds is None:
+            if self.forward_costs is not None:
+                seconds = self.forward_costs.cost(tokens)
+            else:
+                first, per_token = UNMEASURED_PASS
+                seconds = first + per_token * (tokens - 1)
+            self._verify[tokens] = seconds
+        return seconds
 
     def draft_step(self, source: str) -> float:
         return self.draft_fractions.get(source, 0.0) * self.verify(1)
@@ -263,8 +333,9 @@ class CostAware(DraftPolicy):
     chooses; everything is learned in ``observe``.
     """
 
-    def __init__(self, max_draft: int = 10, forward_costs=None, cost=None, decay: float = 0.9,
-                 idle_decay: float = 0.99, draft_fractions: dict[str, float] | None = None):
+    def __init__(self, max_draft: int = 10, forward_costs: ForwardCosts | None = None, cost=None,
+                 decay: float = CHAIN_DECAY, idle_decay: float = IDLE_DECAY,
+                 draft_fractions: dict[str, float] | None = None):
         """``cost``: a function (k, source) → seconds instead of the ``CostModel`` of
         ``forward_costs`` and ``draft_fractions`` (tests)."""
         self.max_draft = _check_length("max_draft", max_draft)
@@ -276,6 +347,8 @@ class CostAware(DraftPolicy):
         self.acceptance: dict[AcceptanceKey, AcceptanceEstimate] = {}
         self.streak = False  # was the last verified block accepted whole?
         self.rates: dict[str, float] = {}  # per source: running expected tokens/s of its verified blocks
+        self._keyed: tuple[Proposal, list[AcceptanceKey]] | None = None  # the last proposal keyed, its keys
+        self._pooled: dict[str, tuple[float, float]] = {}  # per source: later-position evidence, until a verdict
 
     def _estimate(self, key: AcceptanceKey) -> AcceptanceEstimate:
         estimate = self.acceptance.get(key)
@@ -284,12 +357,20 @@ class CostAware(DraftPolicy):
         return estimate
 
     def keys(self, proposal, count: int) -> list[AcceptanceKey]:
+        # The same proposal is keyed by the hybrid's choice, the trim and the verdict, with the
+        # streak unchanged in between: its keys are made once (forgotten when a verdict moves it).
+        made = self._keyed
+        if made is not None and made[0] is proposal and len(made[1]) >= count:
+            return made[1][:count]
         source = proposal.source
         if proposal.match_sizes is not None:
-            return [MatchKey(source, size, self.streak) for size in proposal.match_sizes[:count]]
-        if proposal.confidence is not None:
-            return [self.confidence_key(source, float(c), i) for i, c in enumerate(proposal.confidence[:count])]
-        return [SourceKey(source, self.streak)] * count
+            keys = [MatchKey(source, size, self.streak) for size in proposal.match_sizes[:count]]
+        elif proposal.confidence is not None:
+            keys = [self.confidence_key(source, c, i) for i, c in enumerate(proposal.confidence[:count].tolist())]
+        else:
+            keys = [SourceKey(source, self.streak)] * count
+        self._keyed = (proposal, keys)
+        return keys
 
     @staticmethod
     def confidence_key(source: str, confidence: float, position: int) -> ConfidenceKey:
@@ -309,11 +390,15 @@ class CostAware(DraftPolicy):
     def unseen_later_acceptance(self, source: str, fallback: float) -> float:
         """P(accept) of a later-position token of ``source`` whose confidence is not known yet:
         the pooled evidence of all its later-position confidence keys (``fallback`` without any)."""
-        successes = failures = 0.0
-        for key, estimate in self.acceptance.items():
-            if isinstance(key, ConfidenceKey) and key.source == source and not key.first:
-                successes += estimate.successes
-                failures += estimate.failures
+        pooled = self._pooled.get(source)
+        if pooled is None:  # the estimates change only with a verdict: pooled once per cycle
+            successes = failures = 0.0
+            for key, estimate in self.acceptance.items():
+                if isinstance(key, ConfidenceKey) and key.source == source and not key.first:
+                    successes += estimate.successes
+                    failures += estimate.failures
+            pooled = self._pooled[source] = (successes, failures)
+        successes, failures = pooled
         if successes + failures < 1.0:
             return fallback
         return successes / (successes + failures)
@@ -358,22 +443,146 @@ class CostAware(DraftPolicy):
         return best_length(self._reach(self.keys(proposal, count)), self._cost(proposal.source))
 
     def observe(self, outcome: CycleOutcome) -> None:
-        if not outcome.drafted and outcome.cut_key is None:
+        verified, verdict = outcome.verified, outcome.verdict
+        k, accepted = len(verified), verdict.accepted
+        # The keys the trim saw (the streak has not moved since), one past the cut: after a fully
+        # accepted block the target's bonus token tells whether the first token the policy cut
+        # off would have been accepted (exact in greedy mode; in sampling mode "bonus == token" is
+        # a conservative stand-in). Without it a policy that stops drafting a kind of token would
+        # never learn that it should not have.
+        keys = self.keys(outcome.drafted, min(len(outcome.drafted), k + 1))
+        cut = len(keys) > k and accepted == k
+        cut_key = keys[k] if cut else None
+        keys = keys[:k]
+        if not k and cut_key is None:
             return  # nothing was drafted: nothing to learn
         # The block's expected rate, from the estimates it was chosen with (before this verdict).
-        rate = expected_emitted(self._reach(outcome.keys))[outcome.drafted] / self.cost(outcome.drafted, outcome.source)
-        previous = self.rates.get(outcome.source)
-        self.rates[outcome.source] = rate if previous is None else 0.8 * previous + 0.2 * rate
-        if not outcome.drafted:  # drafted, but none was worth verifying: let the first key drift back
-            self._estimate(outcome.cut_key).shrink(self.idle_decay)
+        rate = expected_emitted(self._reach(keys))[k] / self.cost(k, verified.source)
+        previous = self.rates.get(verified.source)
+        self.rates[verified.source] = rate if previous is None else RATE_MEMORY * previous + (1 - RATE_MEMORY) * rate
+        if not k:  # drafted, but none was worth verifying: let the first key drift back
+            self._estimate(cut_key).shrink(self.idle_decay)
         # Positions up to and including the first rejection were evaluated; later ones were not.
         # Each key's evidence decays once per block (a memory of about ten blocks).
         counts: dict[AcceptanceKey, list[int]] = defaultdict(lambda: [0, 0])
-        for i, key in enumerate(outcome.keys[: outcome.accepted + 1]):
-            counts[key][0 if i < outcome.accepted else 1] += 1
-        if outcome.cut_key is not None and outcome.cut_accepted is not None:
-            counts[outcome.cut_key][0 if outcome.cut_accepted else 1] += 1
+        for i, key in enumerate(keys[: accepted + 1]):
+            counts[key][0 if i < accepted else 1] += 1
+        if cut:
+            counts[cut_key][0 if verdict.next_token == int(outcome.drafted.tokens[k]) else 1] += 1
         for key, (successes, failures) in counts.items():
             self._estimate(key).update(successes, failures, self.decay)
-        if outcome.drafted:
-            self.streak = outcome.accepted == outcome.drafted
+        if k:
+            self.streak = accepted == k
+        self._keyed = None
+        self._pooled.clear()
+
+    @property
+    def pass_costs(self) -> ForwardCosts | None:
+        return self.cost.forward_costs if isinstance(self.cost, CostModel) else None
+
+
+# ---- token trees ------------------------------------------------------------------------------
+
+
+class TreePolicy(DraftPolicy):
+    """Sizes token trees (docs/algorithms.md §Token trees): acceptance per node key learned from
+    the verdicts of this generation (decayed counts with the drafter's prior), costs from the
+    target's measured pass-cost table and a draft step's share of a pass (``CostModel``).
+    Nothing read from the clock (a seed fixes the trees).
+
+    Every node carries a key (what the drafter knew: the head's probability bin, the n-gram match
+    size) and its prior. A node's *value* is the product of the estimates along its path,
+    P(the walk reaches and keeps it); the expected tokens a tree emits are 1 + Σ values. The
+    policy keeps the N best nodes (a parent's value is never below its child's, so they form a
+    tree) for the N that maximises (1 + Σ values) / (pass cost of P + N tokens + drafting cost);
+    the drafters grow trees with ``acceptance`` and stop growing them with ``best_size``."""
+
+    def __init__(self, max_nodes: int = TREE_NODES, max_depth: int = TREE_DEPTH, forward_costs: ForwardCosts | None = None,
+                 draft_fractions: dict[str, float] | None = None, decay: float = TREE_DECAY,
+                 prior_weight: float = TREE_PRIOR_WEIGHT, path_call_seconds: float = 0.0):
+        """``max_nodes``, ``max_depth``: the largest tree (nodes per pass, depth); ``methods`` takes
+        the nodes from the pass-cost table's size. ``decay``: the weight of a key's evidence after
+        each verdict (a long memory: a tree tries many keys per cycle). ``prior_weight``: the
+        prior's weight in verdicts. ``path_call_seconds``: what one more attention call costs a
+        pass (every layer), measured by ``costs.tree_call_seconds``: a tree pass on the non-fused
+        path attends once per root-to-leaf path (``llama.tree_attention_plan``), so a bushy tree
+        costs more than a chain of as many tokens."""
+        self.max_draft = self.max_depth = _check_length("max_depth", max_depth)
+        self.max_nodes = _check_length("max_nodes", max_nodes)
+        self.cost = CostModel(forward_costs, dict(draft_fractions or {}))
+        self.path_call_seconds = path_call_seconds
+        self.decay = decay
+        self.prior_weight = prior_weight
+        self.start()
+
+    def start(self) -> None:
+        self.estimates: dict[Hashable, AcceptanceEstimate] = {}
+
+    @property
+    def max_rows(self) -> int:
+        return self.max_nodes
+
+    @property
+    def pass_costs(self) -> ForwardCosts | None:
+        return self.cost.forward_costs
+
+    def acceptance(self, key: Hashable, prior: float) -> float:
+        estimate = self.estimates.get(key)
+        return prior if estimate is None else estimate.probability
+
+    def draft_step(self, source: str) -> float:
+        return self.cost.draft_step(source)
+
+    def verify_tree(self, rows: int, leaves: int) -> float:
+        """Seconds of a tree pass over ``rows`` tokens (pending + nodes) with ``leaves`` root-to-leaf
+        paths: the chain pass of as many rows (whose attention runs in ceil(rows / ATTENTION_ROWS)
+        calls) plus one call for each path beyond that (each path is at least one call)."""
+        extra_calls = max(0, leaves - -(-rows // ATTENTION_ROWS))
+        return self.cost.verify(rows) + extra_calls * self.path_call_seconds
+
+    def best_size(self, values: list[float], parents: list[int], draft_seconds: float, pending: int = 1) -> TreeSize:
+        """The tree of the N best nodes (``values`` and ``parents`` in node order, ranked as
+        ``ranked_nodes`` ranks them) that maximises (1 + Σ values) / (draft_seconds +
+        ``verify_tree``(pending + N, its leaves))."""
+        best_n, best_rate, emitted = 0, 1.0 / (draft_seconds + self.cost.verify(pending)), 1.0
+        has_child: set[int] = set()
+        leaves = 0
+        for n, node in enumerate(ranked_nodes(values, parents)[: self.max_nodes], start=1):
+            emitted += values[node]
+            parent = parents[node]
+            leaves += 0 if parent != ROOT and parent not in has_child else 1
+            has_child.add(parent)
+            rate = emitted / (draft_seconds + self.verify_tree(pending + n, leaves))
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        return TreeSize(best_n, best_rate)
+
+    def observe(self, outcome: CycleOutcome) -> None:
+        """Every node whose parent the walk reached was tried: kept iff it is on the path."""
+        proposal, path = outcome.verified, outcome.verdict.path
+        if proposal.keys is None:
+            return  # a drafter that keys no nodes (a chain drafter under a tree policy) teaches nothing
+        tree = proposal.tree
+        reached = {ROOT, *path}
+        kept = set(path)
+        for estimate in self.estimates.values():
+            estimate.update(0, 0, self.decay)
+        for node, (key, prior) in enumerate(zip(proposal.keys, proposal.priors)):
+            if int(tree.parents[node]) in reached:
+                estimate = self.estimates.setdefault(key, AcceptanceEstimate(prior, self.prior_weight))
+                estimate.update(int(node in kept), int(node not in kept), 1.0)
+
+
+def node_depths(parents: list[int]) -> list[int]:
+    """The depth of each node (1 below the root) of a tree given by its ``parents`` in node order."""
+    depth: list[int] = []
+    for parent in parents:
+        depth.append(1 if parent == ROOT else depth[parent] + 1)
+    return depth
+
+
+def ranked_nodes(values: list[float], parents: list[int]) -> list[int]:
+    """Nodes by value, largest first (ties: shallower, then earlier): a parent's value is never
+    below its child's, so every prefix of the ranking is a tree."""
+    depth = node_depths(parents)
+    return sorted(range(len(values)), key=lambda i: (-values[i], depth[i], i))

@@ -6,7 +6,7 @@ import re
 
 import torch
 
-from .decode import PromptError
+from .errors import PromptError
 from .models import LoadedModel
 
 

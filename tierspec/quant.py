@@ -28,6 +28,8 @@ from pathlib import Path
 
 import torch
 
+from .engine import (EngineMissingError, engine, engine_available, engine_threads, runs_on_engine,  # noqa: F401
+                     threads_for, torch_ops_on_one_thread)
 from .errors import ModelLoadError
 
 # ggml type ids (ggml.h) of the natively computed block types
@@ -37,29 +39,6 @@ _KIND = {Q4_0: 0, Q4_1: 0, Q8_0: 1}  # the engine's kinds: 4-bit (with a minimum
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 BLOCK = 32
 LAYOUT_BFLOAT16_DOT, LAYOUT_FLOAT32_FMA, LAYOUT_INT8_DOT = 0, 1, 2
-
-
-class EngineMissingError(ModelLoadError):
-    """tierspec's compiled pass engine is not importable (a source checkout not built)."""
-
-
-@functools.lru_cache(maxsize=None)
-def engine():
-    """The compiled engine module ``tierspec._qengine``, or a one-line error saying how to build it."""
-    try:
-        from . import _qengine
-    except ImportError as error:
-        raise EngineMissingError(f"tierspec's compiled pass engine is missing ({error}); build it with README's "
-                                 "install command (pip install -e '.[test,llamacpp]')") from None
-    return _qengine
-
-
-def engine_available() -> bool:
-    try:
-        engine()
-    except EngineMissingError:
-        return False
-    return True
 
 
 @dataclass(frozen=True)
@@ -95,48 +74,6 @@ def numerics_for(dtype: torch.dtype) -> Numerics:
         return Numerics(dtype, LAYOUT_INT8_DOT, False)
     raise ModelLoadError(f"GGUF kernels compute with bfloat16, float32 or int8 rows, not {dtype}; use --dtype auto, "
                          "bfloat16, float32 or int8")
-
-
-_ENGINE_THREADS: int | None = None  # set by ``torch_ops_on_one_thread`` while a generation runs
-
-
-def engine_threads() -> int:
-    """Threads the engine runs on: torch's intra-op count as the caller set it (the user's thread
-    budget), also while ``torch_ops_on_one_thread`` has torch's own operators on one."""
-    return _ENGINE_THREADS if _ENGINE_THREADS is not None else torch.get_num_threads()
-
-
-def runs_on_engine(model: torch.nn.Module) -> bool:
-    """Whether ``model``'s decoder runs as engine calls (a GGUF model loaded on its blocks)."""
-    get_decoder = getattr(model, "get_decoder", None)
-    return get_decoder is not None and getattr(get_decoder(), "engine_stack", None) is not None
-
-
-def threads_for(model: torch.nn.Module):
-    """The thread arrangement a model's passes and loop run under: ``torch_ops_on_one_thread`` on
-    the engine, torch's as set otherwise. Generations and pass-cost measurements both use it, so a
-    cost table measures what a generation pays."""
-    return torch_ops_on_one_thread() if runs_on_engine(model) else contextlib.nullcontext()
-
-
-@contextlib.contextmanager
-def torch_ops_on_one_thread():
-    """Within the block torch's own operators run on the calling thread alone, while the engine keeps
-    the caller's thread count. Why: the decode loop's torch operators are small (rows of logits, a
-    norm), and torch's intra-op pool splits a 49,152-wide row across threads that meet at a barrier:
-    on a busy machine (another process on the other core) an 8x8 ``triu`` measured 7.8 ms with two
-    threads and 4 µs with one, where the engine's own pool shares its work without waiting for a
-    thread the OS has not scheduled. The previous setting is restored on leaving (also between the
-    steps a stream hands out), so code around a generation keeps its threads."""
-    global _ENGINE_THREADS
-    previous, outer = torch.get_num_threads(), _ENGINE_THREADS
-    _ENGINE_THREADS = outer if outer is not None else previous
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-        _ENGINE_THREADS = outer
 
 
 class QuantWeight:
@@ -203,7 +140,7 @@ class QuantWeight:
         return chosen
 
     def __deepcopy__(self, memo) -> "QuantWeight":
-        return self  # immutable once packed: copies of a model (routing.masked_copy) share it
+        return self  # immutable once packed: copies of a model (layerskip.masks.masked_copy) share it
 
     @property
     def nbytes(self) -> int:

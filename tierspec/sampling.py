@@ -19,6 +19,7 @@ import hashlib
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .errors import TierspecError
@@ -92,6 +93,44 @@ def reported_logprobs(logits: torch.Tensor, config: SamplingConfig) -> torch.Ten
     if config.greedy:
         return logits.float().log_softmax(-1)
     return sampling_logits(logits, config).log_softmax(-1)
+
+
+def argmax_token(row: torch.Tensor) -> int:
+    """The index of the largest of ``row`` [V] (the first of equal maxima, as ``torch.argmax``).
+    A float CPU row is read through numpy, whose argmax is vectorised where torch's CPU argmax
+    is a scalar loop (the greedy loop takes one per verified row and per draft; BENCHMARKS.md,
+    the decode loop's own time)."""
+    if row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64) and not row.requires_grad:
+        return int(row.numpy().argmax())
+    return int(row.argmax())
+
+
+def all_finite(values: torch.Tensor) -> bool:
+    """Whether no entry is NaN or ±inf: a float CPU tensor's smallest and largest entries (numpy's
+    min and max carry a NaN through; no boolean copy is made), else ``torch.isfinite``."""
+    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) and not values.requires_grad:
+        array = values.numpy()
+        return bool(np.isfinite(array.min()) and np.isfinite(array.max()))
+    return bool(torch.isfinite(values).all())
+
+
+def finite_argmax(row: torch.Tensor) -> int | None:
+    """``argmax_token(row)`` when every entry of ``row`` [V] is finite, else None — one read for
+    both on a float CPU row (the argmax lands on a NaN or +inf if there is one; the min on −inf)."""
+    if row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64) and not row.requires_grad:
+        array = row.numpy()
+        index = int(array.argmax())
+        return index if np.isfinite(array[index]) and np.isfinite(array.min()) else None
+    return argmax_token(row) if all_finite(row) else None
+
+
+def row_argmax(logits: torch.Tensor):
+    """``i → argmax_token(logits[i])`` for rows [r, V], each taken when asked (a walk that stops
+    early reads fewer rows), the rows of a float CPU tensor viewed through numpy once."""
+    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
+        rows = logits.numpy()
+        return lambda i: int(rows[i].argmax())
+    return lambda i: int(logits[i].argmax())
 
 
 def temperature_one_probs(logits: torch.Tensor) -> torch.Tensor:

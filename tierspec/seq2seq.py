@@ -22,15 +22,12 @@ model); the cross-attention is kept in sub-layer masks; ``mlp`` is the feed-forw
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from .cached_model import CachedModel, HiddenCapture, PassResult, SlimVocabulary, _growing_layer_class
-from .drafters.model import DrafterMismatchError, ModelDrafter
 from .errors import TierspecError
+from .layerskip.masks import RoutingMask, apply_decoder_mask, decoder_blocks, model_lock
 from .models import output_vocabulary_size
-from .routing import RoutingMask, apply_decoder_mask, decoder_blocks, model_lock
 
 
 class Seq2SeqError(TierspecError):
@@ -167,53 +164,6 @@ def measuring_runner(model: torch.nn.Module, source_tokens: int = 256) -> Cached
     return Seq2SeqCachedModel(model, torch.arange(source_tokens) % output_vocabulary_size(model))
 
 
-# -- drafters --------------------------------------------------------------------------------
-
-
-class Seq2SeqModelDrafter(ModelDrafter):
-    """A small encoder–decoder model of the target's family drafting the decoder sequence: its
-    own encoder runs once on the source (``set_source``), its decoder caches roll back as any
-    drafter model's (``ModelDrafter``'s loop over them is unchanged)."""
-
-    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None):
-        super().__init__(model, vocab_size)
-        self.runner = Seq2SeqCachedModel(model)
-
-    def set_source(self, source_ids: torch.Tensor | None) -> None:
-        if source_ids is None:
-            raise Seq2SeqError("an encoder–decoder drafter drafts for an encoder–decoder target only")
-        self.runner.encode(source_ids)
-
-
-def check_same_family(target, drafter) -> None:
-    """Refuse a drafter model of the other kind (encoder–decoder vs decoder-only): a drafter
-    reads the same context as the target, and the two kinds do not."""
-    if is_encoder_decoder(target.model) != is_encoder_decoder(drafter.model):
-        kinds = {True: "an encoder–decoder", False: "a decoder-only"}
-        raise DrafterMismatchError(
-            f"drafter '{drafter.identity.name}' is {kinds[is_encoder_decoder(drafter.model)]} model and target "
-            f"'{target.identity.name}' is {kinds[is_encoder_decoder(target.model)]} one; use a drafter of the "
-            "target's kind (for T5: a smaller T5 with the same vocabulary)")
-
-
-# -- methods ---------------------------------------------------------------------------------
-
-#: Methods that run on an encoder–decoder target. The others need what such a model does not
-#: have here: a draft head (eagle, hybrid, the trees, --draft-with eagle), a judge head trained on
-#: it (judge, via-judge), or a decoder-only drafter cascade (csd).
-METHODS = ("ar", "sd", "adaptive-sd", "pld", "adaptive-pld", "self", "swift", "lossy", "bild", "cascade", "via")
-
-
-def check_method(name: str, options) -> None:
-    """Refuse a method (or drafter kind) that encoder–decoder targets do not support."""
-    if name not in METHODS:
-        raise Seq2SeqError(f"method '{name}' does not run on an encoder–decoder target; choose one of: "
-                           f"{', '.join(METHODS)}")
-    if getattr(options, "drafter_kind", "auto") == "eagle":
-        raise Seq2SeqError("--draft-with eagle needs a draft head, which encoder–decoder targets do not have here; "
-                           "use --draft-with model (with --drafter), ngram or self")
-
-
 # -- DIMR calibration ------------------------------------------------------------------------
 
 
@@ -237,51 +187,3 @@ def window_logits(model: torch.nn.Module, sources: list[torch.Tensor], sequences
             logits = runner.forward(sequence, logits_for=window + 1, mask=mask).logits
             rows.append(logits[:-1])
     return torch.cat(rows)
-
-
-# -- bench prompts in T5's task format -------------------------------------------------------
-
-#: The datasets ``tierspec bench`` runs an encoder–decoder target on, with T5's task prefixes:
-#: summarisation and English→German translation (the VIA-SD paper's Table 3 setting).
-DATASETS = ("xsum", "cnn_dailymail", "wmt14")
-
-
-def task_prompts(dataset: str, data_dir: Path | None = None):
-    """The prompts of ``dataset`` in T5's task format, with the ids ``data.load_prompts`` gives
-    them: ``summarize: <document>`` (XSum, CNN/DailyMail) and ``translate English to German:
-    <English>`` (WMT14, with the German side as reference: T5's supervised mixture translates
-    from English, and the paper's setting is En–De)."""
-    from .data import Prompt, default_data_dir, read_jsonl
-
-    if dataset not in DATASETS:
-        raise Seq2SeqError(f"an encoder–decoder target runs the bench on {', '.join(DATASETS)}, not on '{dataset}' "
-                           "(its prompts are not in a T5 task format)")
-    root = Path(data_dir) if data_dir else default_data_dir()
-    if dataset == "xsum":
-        return [Prompt(f"xsum/{r['id']}", "summarization", f"summarize: {r['document'].strip()}", r["summary"])
-                for r in read_jsonl(root / "xsum" / "test.jsonl")]
-    if dataset == "cnn_dailymail":
-        return [Prompt(r["id"], "summarization", f"summarize: {r['article'].strip()}", r["highlights"],
-                       {"in_spec_bench": r.get("in_spec_bench", False)})
-                for r in read_jsonl(root / "cnn_dailymail" / "test.jsonl")]
-    return [Prompt(f"wmt14/{r['id']}", "translation", f"translate English to German: {r['en'].strip()}", r["de"],
-                   {"in_spec_bench": r.get("in_spec_bench", False)})
-            for r in read_jsonl(root / "wmt14" / "newstest2014_deen.jsonl")]
-
-
-def as_task_prompts(prompts: list, dataset: str, data_dir: Path | None = None) -> list:
-    """The selected ``prompts`` (from ``data.load_prompts``) in T5's task format, same ids and order."""
-    by_id = {p.id: p for p in task_prompts(dataset, data_dir)}
-    return [by_id[p.id] for p in prompts]
-
-
-def calibration_prompts(count: int, data_dir: Path | None = None, seed: int = 0) -> list[str]:
-    """``data.calibration_prompts`` for an encoder–decoder target: a seeded mix of XSum,
-    CNN/DailyMail and WMT14 prompts in T5's task format, leaving out, as that function does, the
-    CNN/DM and WMT14 items Spec-Bench uses (XSum has no such mark: its items may also be bench
-    prompts)."""
-    import random
-
-    pools = [[p for p in task_prompts(dataset, data_dir) if not p.extra.get("in_spec_bench")] for dataset in DATASETS]
-    rng = random.Random(seed)
-    return [pools[i % len(pools)][rng.randrange(len(pools[i % len(pools)]))].text for i in range(count)]

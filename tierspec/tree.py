@@ -16,7 +16,7 @@ of its path, bitwise in every dtype (``tierspec.llama.tree_attention_plan`` says
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 import torch
@@ -25,28 +25,21 @@ from .errors import TierspecError
 
 ROOT = -1  # the parent of depth-1 nodes: the last committed position
 
-
 class TreeError(TierspecError):
     """A token tree that breaks the rules above (a parent after its child, repeated siblings)."""
 
 
-@dataclass(frozen=True, eq=False)
 class TokenTree:
     """tokens [m] int64 and parents [m] int64 (see the module docstring); ``depths`` [m] derived.
+    The structure only: what a drafter knew about each node travels beside it
+    (``proposal.Proposal``). Immutable once made (nothing may write into its tensors); compared by
+    identity. ``is_chain``: node i's parent is i − 1 for every i."""
 
-    ``draft_probs`` [m, V] (optional, for multi-draft verification): row i is the distribution
-    node i's token was drawn from before its earlier siblings were removed — the drafter's q after
-    the parent for siblings sampled without replacement (in node order), one-hot for a node chosen
-    deterministically; None: every node chosen deterministically (a head's top-k, n-gram matches)."""
+    __slots__ = ("tokens", "_parents", "_depths", "is_chain")
 
-    tokens: torch.Tensor
-    parents: torch.Tensor
-    draft_probs: torch.Tensor | None = None
-    depths: torch.Tensor = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        tokens = torch.as_tensor(self.tokens, dtype=torch.long).reshape(-1)
-        parents = torch.as_tensor(self.parents, dtype=torch.long).reshape(-1)
+    def __init__(self, tokens: torch.Tensor | Sequence[int], parents: torch.Tensor | Sequence[int]):
+        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        parents = torch.as_tensor(parents, dtype=torch.long).reshape(-1)
         if tokens.shape != parents.shape:
             raise TreeError(f"a tree needs one parent per token: {len(tokens)} tokens, {len(parents)} parents")
         depths = torch.empty_like(parents)
@@ -58,11 +51,25 @@ class TokenTree:
                 raise TreeError(f"node {i} repeats token {token} among the children of {parent}: merge siblings (a trie)")
             seen.add((parent, token))
             depths[i] = 1 if parent == ROOT else depths[parent] + 1
-        if self.draft_probs is not None and self.draft_probs.shape[0] != len(tokens):
-            raise TreeError(f"draft_probs has {self.draft_probs.shape[0]} rows for {len(tokens)} nodes")
-        object.__setattr__(self, "tokens", tokens)
-        object.__setattr__(self, "parents", parents)
-        object.__setattr__(self, "depths", depths)
+        self.tokens, self._parents, self._depths = tokens, parents, depths
+        self.is_chain = bool(torch.equal(parents, torch.arange(-1, len(parents) - 1)))
+
+    def __repr__(self) -> str:
+        return f"TokenTree(tokens={self.tokens.tolist()}, parents={self.parents.tolist()})"
+
+    @property
+    def parents(self) -> torch.Tensor:
+        """[m] int64: node i's parent (ROOT, or an earlier node)."""
+        if self._parents is None:  # a chain made by ``chain``: its structure is made only if read
+            self._parents = torch.arange(-1, len(self) - 1)
+        return self._parents
+
+    @property
+    def depths(self) -> torch.Tensor:
+        """[m] int64: node i's depth (1 below the root)."""
+        if self._depths is None:
+            self._depths = torch.arange(1, len(self) + 1)
+        return self._depths
 
     def __len__(self) -> int:
         return int(self.tokens.shape[0])
@@ -70,7 +77,17 @@ class TokenTree:
     @property
     def depth(self) -> int:
         """The longest path (0 for an empty tree)."""
+        if self.is_chain:
+            return len(self)
         return int(self.depths.max()) if len(self) else 0
+
+    def prefix(self, count: int) -> "TokenTree":
+        """The first ``count`` nodes: a tree, since every node's parent comes before it."""
+        if count >= len(self):
+            return self
+        if self.is_chain:
+            return TokenTree.chain(self.tokens[:count])
+        return TokenTree(self.tokens[:count], self.parents[:count])
 
     # -- construction --------------------------------------------------------------------------
     @staticmethod
@@ -78,10 +95,16 @@ class TokenTree:
         return TokenTree(torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long))
 
     @staticmethod
-    def chain(tokens: Sequence[int] | torch.Tensor, draft_probs: torch.Tensor | None = None) -> "TokenTree":
-        """k drafts one after another: node i's parent is node i − 1."""
-        tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
-        return TokenTree(tokens, torch.arange(len(tokens)) - 1, draft_probs)
+    def chain(tokens: Sequence[int] | torch.Tensor) -> "TokenTree":
+        """k drafts one after another: node i's parent is node i − 1. A chain breaks none of the
+        rules above by construction, so it is built without the node-by-node checks, and its
+        parents and depths only when read (the decode loop makes one per cycle and reads neither)."""
+        tree = object.__new__(TokenTree)
+        tree.tokens = tokens if isinstance(tokens, torch.Tensor) and tokens.dtype == torch.long and tokens.dim() == 1 \
+            else torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        tree._parents = tree._depths = None
+        tree.is_chain = True
+        return tree
 
     @staticmethod
     def from_paths(paths: Iterable[Sequence[int]]) -> "TokenTree":
@@ -102,13 +125,14 @@ class TokenTree:
         return TokenTree(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long))
 
     def merged(self, other: "TokenTree") -> "TokenTree":
-        """This tree and ``other`` as one trie (this one's nodes first, in their order; draft
-        distributions are dropped: the merged children of a node no longer share one)."""
+        """This tree and ``other`` as one trie (this one's nodes first, in their order)."""
         return TokenTree.from_paths([*self.paths(), *other.paths()])
 
     # -- reading ---------------------------------------------------------------------------------
     def children(self, node: int = ROOT) -> list[int]:
         """The children of ``node`` (ROOT: the depth-1 nodes), in node order."""
+        if self.is_chain:
+            return [node + 1] if node + 1 < len(self) else []
         return (self.parents == node).nonzero().flatten().tolist()
 
     def path_to(self, node: int) -> list[int]:

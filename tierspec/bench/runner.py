@@ -38,9 +38,10 @@ from ..errors import TierspecError
 from ..methods import MethodOptions, build_method, method_names, option_fields
 from ..models import LoadedModel, load_model, model_code, resolve_dtype
 from ..prompting import encode_prompt, eos_ids
-from ..routing import RoutingMask, model_lock
+from ..layerskip.masks import RoutingMask, model_lock
 from ..sampling import SamplingConfig
-from ..seq2seq import as_task_prompts, is_encoder_decoder
+from ..data import as_task_prompts
+from ..seq2seq import is_encoder_decoder
 from ..util import atomic_write_text, exclusive_lock, write_error
 from .sandbox import check_code_execution_allowed, network_isolation
 from . import metrics
@@ -252,11 +253,11 @@ def _convert(spec: str, key: str, value: str, target: LoadedModel):
     if kind == "mask":
         return RoutingMask.load(value, target.identity)
     if kind == "judge_head":
-        from ..judge.head import JudgeHead
+        from ..heads.judge import JudgeHead
 
         return JudgeHead.load(value, target.identity)
     if kind == "draft_head":
-        from ..eagle.head import DraftHead
+        from ..heads.draft import DraftHead
 
         return DraftHead.load(value, target)
     return _number(spec, key, value, _OPTION_KINDS[key])

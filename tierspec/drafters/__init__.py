@@ -1,6 +1,6 @@
 """Drafters: each proposes a block of tokens for the verification rule to check."""
 
-from .base import Drafter, NoDrafter, Proposal
+from .base import Drafter, NoDrafter
 from .model import DrafterMismatchError, ModelDrafter, check_vocabularies
 from .ngram import NgramDrafter
 
@@ -10,6 +10,5 @@ __all__ = [
     "ModelDrafter",
     "NgramDrafter",
     "NoDrafter",
-    "Proposal",
     "check_vocabularies",
 ]

@@ -1,5 +1,5 @@
-"""What every drafter gives the decode loop: a block of proposed tokens and, when it has one,
-the distribution each was drawn from.
+"""What every drafter is to the decode loop: it proposes a token tree (a chain of drafts for most)
+and, when it has one, the distribution each token was drawn from (``proposal.Proposal``).
 
 Drafters keep only their own state (their own KV cache, a lookup table, a draft head's cache).
 What they need from the target comes through the loop, owned by the loop's verifiers: the
@@ -9,66 +9,22 @@ self-speculative drafting, a ``TargetDraftView`` onto the target's cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from abc import ABC, abstractmethod
+from typing import ClassVar
 
+import numpy as np
 import torch
 
-from ..sampling import BlockNoise, SamplingConfig, gumbel_argmax, logits_to_probs
-
-#: Asked by a drafting model after each drafted token with the top probability (temperature 1)
-#: of every token drafted so far and its source name: draft another one?
-#: (``policies.DraftPolicy.keep_drafting``)
-KeepDrafting = Callable[[list[float], str], bool]
+from ..proposal import DraftRequest, Proposal, Shape
+from ..sampling import all_finite, finite_argmax, gumbel_argmax, logits_to_probs
 
 
-def always(confidences: list[float], source: str = "") -> bool:
-    return True
+class DraftEverything:
+    """A ``PolicyView`` that never stops a drafting model early (a drafter drafting for itself,
+    outside a method's policy: PEARL's thread until cancelled, tests)."""
 
-
-@dataclass
-class Proposal:
-    """A drafted block.
-
-    tokens:        [k] int64, the drafted token ids (k may be 0: plain decoding this cycle).
-    draft_probs:   [k, V] the distribution each token was drawn from (after the sampling
-                   transforms), or None for a drafter with no distribution (n-gram lookup),
-                   which rules treat as one-hot.
-    draft_logits:  [k, V] raw logits when the drafter has them (rules whose deferral bits are
-                   taken at temperature 1 need them), else None.
-    confidence:    [k] top probability at temperature 1 of each token's distribution, or None.
-    match_sizes:   per token, the size of the n-gram whose continuation it copied (n-gram lookup),
-                   for a draft-length policy's acceptance estimates; None for other drafters.
-    drafter_calls: forward passes of a drafting model spent on this proposal.
-    source:        which drafter proposed ("ngram", "model", "self", "head", …): a policy
-                   keeps costs and acceptance apart per source.
-    """
-
-    tokens: torch.Tensor
-    draft_probs: torch.Tensor | None = None
-    draft_logits: torch.Tensor | None = None
-    confidence: torch.Tensor | None = None
-    match_sizes: list[int] | None = None
-    drafter_calls: int = 0
-    source: str = ""
-
-    def __len__(self) -> int:
-        return int(self.tokens.shape[0])
-
-    def prefix(self, count: int) -> "Proposal":
-        """The first ``count`` tokens with everything known about them (a policy's trim)."""
-        if count >= len(self):
-            return self
-
-        def cut(x):
-            return None if x is None else x[:count]
-
-        return Proposal(self.tokens[:count], cut(self.draft_probs), cut(self.draft_logits), cut(self.confidence),
-                        cut(self.match_sizes), self.drafter_calls, self.source)
-
-    @staticmethod
-    def empty(drafter_calls: int = 0, source: str = "") -> "Proposal":
-        return Proposal(torch.empty(0, dtype=torch.long), drafter_calls=drafter_calls, source=source)
+    def keep_drafting(self, confidences: list[float], source: str = "") -> bool:
+        return True
 
 
 class FeatureLog:
@@ -112,37 +68,39 @@ class FeatureLog:
         return self._rows[start:end]
 
 
-class TargetDraftView:
+class TargetDraftView(ABC):
     """What a self-speculative drafter may do with the target's cache (owned by the loop's
     verifiers): run masked passes on top of the committed full-model KV, then discard them."""
 
+    @abstractmethod
     def forward(self, tokens: torch.Tensor, mask) -> torch.Tensor:
         """Logits [V] after ``tokens`` under ``mask``, appended to the draft's scratch KV."""
-        raise NotImplementedError
 
+    @abstractmethod
     def discard(self) -> None:
         """Drop every position the draft appended (the cache is as the last commit left it)."""
-        raise NotImplementedError
 
     @property
+    @abstractmethod
     def length(self) -> int:
         """Committed positions the target's cache holds (the draft starts after them)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def replay_window(self, start: int, tokens: torch.Tensor, mask) -> torch.Tensor:
         """Logits [n, V] of committed ``tokens`` re-run at positions start.. under ``mask``,
         reading the full-model KV before ``start``; the cache is restored afterwards (SWIFT)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def full_model_cache(self):
         """The target's ``CachedModel`` holding the full model's KV of the first ``length``
         committed positions only (KV a slim pass added beyond them is dropped), for a drafter
         that reads it in place and leaves it as it found it (CLaSP's layer selection)."""
-        raise NotImplementedError
 
 
 class Drafter:
-    """Base class: proposes up to ``num_tokens`` tokens continuing the committed ``context``.
+    """Base class: proposes a token tree continuing the committed ``context`` — a chain of at most
+    ``request.budget`` drafts for a chain drafter (``proposes`` = ``Shape.CHAIN``), a tree no deeper
+    than that for a tree drafter.
 
     A drafter that samples draws draft token i with the block's token noise (``noise.token(i,
     probs)``, or ``gumbel_argmax`` against ``noise.gumbel(i)``), the noise the target's own token at
@@ -154,8 +112,10 @@ class Drafter:
     are committed) and, for drafters with ``uses_target_cache``, a ``TargetDraftView``; then per
     cycle ``propose`` and, after the verdict is committed, ``commit`` with the new committed
     length (the drafter rolls its own state back to it, docs/algorithms.md §The decode loop).
+    A drafter never holds the method's policy: it reads it through ``request.policy``.
     """
 
+    proposes: ClassVar[Shape] = Shape.CHAIN
     needs_target_features = False
     feature_layers: tuple[int, ...] = ()  # decoder layers whose outputs the drafter reads beside f
     uses_target_cache = False
@@ -170,14 +130,7 @@ class Drafter:
         a decoder-only target. Drafters that read the source (an encoder–decoder drafter model,
         prompt lookup) keep it; the others have nothing to do with it."""
 
-    def propose(
-        self,
-        context: torch.Tensor,
-        num_tokens: int,
-        sampling: SamplingConfig,
-        noise: BlockNoise | None,
-        keep_drafting: KeepDrafting = always,
-    ) -> Proposal:
+    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
         raise NotImplementedError
 
     def commit(self, committed_length: int) -> None:
@@ -217,63 +170,64 @@ class NoDrafter(Drafter):
     """Proposes nothing: with any rule the loop then emits one target token per cycle,
     i.e. plain autoregressive decoding."""
 
-    def propose(self, context, num_tokens, sampling, noise, keep_drafting=always) -> Proposal:
+    def propose(self, context, request) -> Proposal:
         return Proposal.empty()
 
 
 def draft_autoregressively(
     next_logits,
     pending: torch.Tensor,
-    num_tokens: int,
-    sampling: SamplingConfig,
-    noise: BlockNoise | None,
-    keep_drafting: KeepDrafting = always,
+    request: DraftRequest,
     source: str = "model",
     vocabulary: torch.Tensor | None = None,
     vocab_size: int = 0,
 ) -> Proposal:
-    """Draft up to ``num_tokens`` tokens one at a time.
+    """Draft up to ``request.budget`` tokens one at a time.
 
     ``next_logits(tokens)`` feeds ``tokens`` [n] to the drafting model and returns the logits
-    [V] after the last of them. After each token ``keep_drafting`` (the policy) decides whether
-    to draft another; the policy may still cut the block afterwards. Logits that are not all
-    finite (a drafting model whose forward pass overflowed) give no distribution to draw from:
-    the draft ends before them, and the target decides.
+    [V] after the last of them. After each token the policy (``request.policy``) decides whether to
+    draft another; it may still cut the block afterwards.
+    Logits that are not all finite (a drafting model whose forward pass overflowed) give no
+    distribution to draw from: the draft ends before them, and the target decides.
 
     ``vocabulary`` [K] (target ids; a draft head's reduced vocabulary): ``next_logits`` scores
     only these tokens, a sampled draft reads their entries of the position's token noise, and
-    the proposal's rows are widened to ``vocab_size`` with probability 0 (logit −inf) elsewhere.
+    the proposal's rows stay over the K tokens (``Proposal.draft_probs`` widens them to
+    ``vocab_size``, with probability 0 elsewhere, only if a rule reads them).
     """
+    sampling, noise, policy = request.sampling, request.noise, request.policy
     tokens, probs, logits_rows, confidences = [], [], [], []
+    fed = np.empty(max(request.budget, 1), dtype=np.int64)  # each draft is fed back as a one-token view of this
+    feeds = torch.from_numpy(fed)
     calls = 0
-    for _ in range(num_tokens):
+    for _ in range(request.budget):
         logits = next_logits(pending)
         calls += 1
-        if not torch.isfinite(logits).all():
+        if sampling.greedy:  # the distribution is the one-hot of the argmax (left implicit below)
+            choice = finite_argmax(logits)
+            if choice is None:
+                break
+        elif not all_finite(logits):
             break
-        step_probs = logits_to_probs(logits, sampling)
-        if sampling.greedy:
-            choice = int(logits.argmax())
-        elif vocabulary is None:
-            choice = noise.token(len(tokens), step_probs)
         else:
-            choice = int(gumbel_argmax(step_probs, noise.gumbel(len(tokens))[vocabulary]))
+            step_probs = logits_to_probs(logits, sampling)
+            probs.append(step_probs)
+            if vocabulary is None:
+                choice = noise.token(len(tokens), step_probs)
+            else:
+                choice = int(gumbel_argmax(step_probs, noise.gumbel(len(tokens))[vocabulary]))
         token = choice if vocabulary is None else int(vocabulary[choice])
         tokens.append(token)
-        probs.append(step_probs)
         logits_rows.append(logits)
         confidences.append(float(logits.float().softmax(-1).max()))
-        pending = torch.tensor([token])
-        if not keep_drafting(confidences, source):
+        fed[len(tokens) - 1] = token
+        pending = feeds[len(tokens) - 1 : len(tokens)]
+        if not policy.keep_drafting(confidences, source):
             break
     if not tokens:
         return Proposal.empty(calls, source)
-    draft_probs, draft_logits = torch.stack(probs), torch.stack(logits_rows)
-    if vocabulary is not None:
-        wide_probs = torch.zeros(len(tokens), vocab_size, dtype=draft_probs.dtype)
-        wide_logits = torch.full((len(tokens), vocab_size), float("-inf"), dtype=draft_logits.dtype)
-        wide_probs[:, vocabulary] = draft_probs
-        wide_logits[:, vocabulary] = draft_logits
-        draft_probs, draft_logits = wide_probs, wide_logits
-    return Proposal(torch.tensor(tokens), draft_probs, draft_logits, torch.tensor(confidences),
-                    drafter_calls=calls, source=source)
+    # Greedy: each token's distribution is its one-hot, which is what every rule reads for rows
+    # left out (``walks.draft_rows``), so none are made.
+    rows = None if sampling.greedy else torch.stack(probs)
+    return Proposal.chain(torch.tensor(tokens), rows, torch.stack(logits_rows), torch.tensor(confidences),
+                          drafter_calls=calls, source=source, vocabulary=vocabulary, vocab_size=vocab_size)

@@ -1,7 +1,7 @@
 """CLaSP (Chen et al. 2025): self-speculative drafting whose bypassed units are re-chosen during
 decoding from the context itself (docs/algorithms.md §CLaSP).
 
-Every ``interval`` verified tokens, before drafting, the dynamic programme of ``tierspec.clasp``
+Every ``interval`` verified tokens, before drafting, the dynamic programme of ``tierspec.layerskip.clasp``
 picks the ``round(ratio · units)`` units whose bypass keeps the last verified token's state
 closest (cosine) to the full model's, layer by layer; the new mask then drafts as a fixed mask
 does (``SelfSpeculativeDrafter``: masked passes on top of the full model's cached KV). Where
@@ -14,8 +14,7 @@ from __future__ import annotations
 import time
 
 from ..errors import TierspecError
-from ..routing import RoutingMask
-from .base import always
+from ..layerskip.masks import RoutingMask
 from .self_spec import SelfSpeculativeDrafter
 
 
@@ -48,7 +47,7 @@ class ClaspDrafter(SelfSpeculativeDrafter):
 
     def _select(self, context) -> bool:
         """Choose the mask anew when ``interval`` tokens were verified since the last choice."""
-        from ..clasp import select_in_context
+        from ..layerskip.clasp import select_in_context
 
         verified = self.view.length
         if verified < 1 or (self.selected_at is not None and verified - self.selected_at < self.interval):
@@ -61,8 +60,8 @@ class ClaspDrafter(SelfSpeculativeDrafter):
         self.selections += 1
         return True
 
-    def propose(self, context, num_tokens, sampling, noise, keep_drafting=always):
-        selected = num_tokens > 0 and self._select(context)
-        proposal = super().propose(context, num_tokens, sampling, noise, keep_drafting)
+    def propose(self, context, request):
+        selected = request.budget > 0 and self._select(context)
+        proposal = super().propose(context, request)
         proposal.drafter_calls += int(selected)  # a selection is one wide pass of drafter work
         return proposal

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import torch
 
-from ..eagle.head import DraftHead, HeadRunner
-from ..sampling import SamplingConfig
-from .base import Drafter, FeatureLog, Proposal, always, draft_autoregressively
+from ..heads.draft import DraftHead, HeadRunner
+from ..proposal import DraftRequest, RateView
+from .base import Drafter, FeatureLog, Proposal, draft_autoregressively
 from .ngram import NgramDrafter
 
 
@@ -32,6 +32,8 @@ class EagleDrafter(Drafter):
         self.feature_layers = head.config.feature_layers
         self.runner = HeadRunner(head)
         self.vocab_size = head.config.vocab_size
+        self._draft_ids = head.draft_ids.cpu()  # [K] target ids of the head's vocabulary
+        self._input_dtype = head.fc.weight.dtype  # the features are cast to it
         self.features: FeatureLog | None = None  # the generation's, owned by the loop's verifiers
         self._last_output: torch.Tensor | None = None
 
@@ -51,13 +53,15 @@ class EagleDrafter(Drafter):
             if start == end == pending_position and self._last_output is not None:
                 return self._last_output
             return None
-        values = self.features.read(start, end).to(self.head.fc.weight.dtype)
+        values = self.features.read(start, end)
+        if values.dtype != self._input_dtype:
+            values = values.to(self._input_dtype)
         h = self.runner.extend(values, context[start + 1 : end + 1], from_target=True)
         self._last_output = h[-1:]
         return self._last_output
 
-    def propose(self, context, num_tokens, sampling: SamplingConfig, noise, keep_drafting=always) -> Proposal:
-        if num_tokens <= 0:
+    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+        if request.budget <= 0:
             return Proposal.empty()
         h = self._catch_up(context)
         if h is None:
@@ -73,8 +77,8 @@ class EagleDrafter(Drafter):
             return self.runner.logits(h)[0]
 
         try:
-            return draft_autoregressively(next_logits, torch.empty(0, dtype=torch.long), num_tokens, sampling, noise,
-                                          keep_drafting, "head", self.head.draft_ids.cpu(), self.vocab_size)
+            return draft_autoregressively(next_logits, torch.empty(0, dtype=torch.long), request, "head", self._draft_ids,
+                                          self.vocab_size)
         finally:
             self.runner.rollback(committed)  # drafted positions are recomputed from real features
 
@@ -98,27 +102,30 @@ class HybridDrafter(Drafter):
     otherwise: each cycle compares the expected emitted tokens per second of the n-gram
     candidate (from the policy's acceptance estimates for its match size and the measured
     verification costs) with the draft head's (the policy's running estimate for head drafts,
-    which also pay the head's steps). Both stay lossless under the exact rule."""
+    which also pay the head's steps), both read through the request's ``RateView`` (the method's
+    ``policies.CostAware``). Both stay lossless under the exact rule."""
 
     needs_target_features = True
 
-    def __init__(self, ngram: NgramDrafter, eagle: EagleDrafter, policy):
-        self.ngram, self.eagle, self.policy = ngram, eagle, policy
+    def __init__(self, ngram: NgramDrafter, eagle: EagleDrafter):
+        self.ngram, self.eagle = ngram, eagle
         self.feature_layers = eagle.feature_layers
 
     def start(self, prompt_ids, features=None, target_view=None) -> None:
+        self.ngram.start(prompt_ids, features, target_view)
         self.eagle.start(prompt_ids, features, target_view)
 
-    def propose(self, context, num_tokens, sampling, noise, keep_drafting=always) -> Proposal:
-        if num_tokens <= 0:
+    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+        if request.budget <= 0:
             return Proposal.empty()
-        candidate = self.ngram.propose(context, num_tokens, sampling, noise)
-        head_rate = self.policy.source_rate("head")  # None until the head has drafted: try it first
-        if len(candidate) and head_rate is not None and self.policy.expected_rate(candidate) > head_rate:
+        rates: RateView = request.policy  # methods pairs this drafter with a CostAware policy
+        candidate = self.ngram.propose(context, request)
+        head_rate = rates.source_rate("head")  # None until the head has drafted: try it first
+        if len(candidate) and head_rate is not None and rates.expected_rate(candidate) > head_rate:
             # Keep the head's cache current even on n-gram cycles (its catch-up is cheap).
             self.eagle._catch_up(context)
             return candidate
-        return self.eagle.propose(context, num_tokens, sampling, noise, keep_drafting)
+        return self.eagle.propose(context, request)
 
     def commit(self, committed_length: int) -> None:
         self.eagle.commit(committed_length)

@@ -10,8 +10,9 @@ import torch
 
 from ..cached_model import CachedModel
 from ..errors import TierspecError
-from ..sampling import SamplingConfig
-from .base import Drafter, Proposal, always, draft_autoregressively, streamed_weights
+from ..proposal import DraftRequest
+from ..seq2seq import Seq2SeqCachedModel, Seq2SeqError, is_encoder_decoder
+from .base import Drafter, Proposal, draft_autoregressively, streamed_weights
 
 
 class DrafterMismatchError(TierspecError):
@@ -57,16 +58,16 @@ class ModelDrafter(Drafter):
             self.runner.forward(prompt_ids[:-1], logits_for=1)
             self._prefill_calls = 1
 
-    def propose(self, context, num_tokens, sampling: SamplingConfig, noise, keep_drafting=always) -> Proposal:
+    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
         calls, self._prefill_calls = self._prefill_calls, 0
-        if num_tokens <= 0:
+        if request.budget <= 0:
             return Proposal.empty(calls)
         pending = context[self.runner.length :]  # committed tokens this drafter has not seen
 
         def next_logits(tokens: torch.Tensor) -> torch.Tensor:
             return self.runner.forward(tokens, logits_for=1).logits[-1, : self.vocab_size]
 
-        proposal = draft_autoregressively(next_logits, pending, num_tokens, sampling, noise, keep_drafting)
+        proposal = draft_autoregressively(next_logits, pending, request)
         proposal.drafter_calls += calls
         return proposal
 
@@ -75,3 +76,32 @@ class ModelDrafter(Drafter):
 
     def draft_step_weights(self) -> dict[str, int]:
         return {"model": streamed_weights(self.runner.model)}
+
+
+# -- encoder–decoder drafters (``seq2seq``) ---------------------------------------------------
+
+
+class Seq2SeqModelDrafter(ModelDrafter):
+    """A small encoder–decoder model of the target's family drafting the decoder sequence: its
+    own encoder runs once on the source (``set_source``), its decoder caches roll back as any
+    drafter model's (``ModelDrafter``'s loop over them is unchanged)."""
+
+    def __init__(self, model: torch.nn.Module, vocab_size: int | None = None):
+        super().__init__(model, vocab_size)
+        self.runner = Seq2SeqCachedModel(model)
+
+    def set_source(self, source_ids: torch.Tensor | None) -> None:
+        if source_ids is None:
+            raise Seq2SeqError("an encoder–decoder drafter drafts for an encoder–decoder target only")
+        self.runner.encode(source_ids)
+
+
+def check_same_family(target, drafter) -> None:
+    """Refuse a drafter model of the other kind (encoder–decoder vs decoder-only): a drafter
+    reads the same context as the target, and the two kinds do not."""
+    if is_encoder_decoder(target.model) != is_encoder_decoder(drafter.model):
+        kinds = {True: "an encoder–decoder", False: "a decoder-only"}
+        raise DrafterMismatchError(
+            f"drafter '{drafter.identity.name}' is {kinds[is_encoder_decoder(drafter.model)]} model and target "
+            f"'{target.identity.name}' is {kinds[is_encoder_decoder(target.model)]} one; use a drafter of the "
+            "target's kind (for T5: a smaller T5 with the same vocabulary)")

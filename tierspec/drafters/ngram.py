@@ -8,7 +8,27 @@ import numpy as np
 import torch
 
 from ..errors import TierspecError
-from .base import Drafter, Proposal, always
+from ..proposal import DraftRequest, Proposal
+from .base import Drafter
+
+
+def suffix_matches(context: np.ndarray, n: int) -> np.ndarray:
+    """The starts s (ascending) of every earlier occurrence of ``context``'s last ``n`` tokens:
+    context[s : s + n] equals them and s + n ≤ len(context) − 1 (the suffix itself excluded).
+
+    Candidates are the positions holding the last token, then filtered one token further back at
+    a time: a few small array operations however long the context, where comparing every window
+    of n tokens costs a pass over the whole context per n."""
+    length = len(context)
+    if n < 1 or length < n + 1:
+        return context[:0].astype(np.int64)
+    ends = np.flatnonzero(context[: length - 1] == context[length - 1])  # where a match would end
+    ends = ends[ends >= n - 1]
+    for back in range(1, n):
+        if not ends.size:
+            break
+        ends = ends[context[ends - back] == context[length - 1 - back]]
+    return ends - (n - 1)
 
 
 class NgramDrafter(Drafter):
@@ -24,30 +44,72 @@ class NgramDrafter(Drafter):
         self.ngram_size = ngram_size
         self.min_ngram_size = min_ngram_size
         self.source: np.ndarray | None = None  # an encoder–decoder generation's source tokens
+        self._forget()
+
+    def _forget(self) -> None:
+        # The text searched (the source, then the committed tokens) and where each token occurs in
+        # it, ascending: grown by the tokens committed since the last proposal, so a proposal reads
+        # the few earlier places its last token stood instead of the whole context.
+        self._text: list[int] = [] if self.source is None else self.source.tolist()
+        self._at: dict[int, list[int]] = {}
+        for position, token in enumerate(self._text):
+            self._at.setdefault(token, []).append(position)
+
+    def start(self, prompt_ids, features=None, target_view=None) -> None:
+        self._forget()
 
     def set_source(self, source_ids: torch.Tensor | None) -> None:
         """Search the source too (encoder–decoder models): summaries and translations copy from
         it, and it is not part of the decoder's context."""
         self.source = None if source_ids is None else source_ids.numpy()
+        self._forget()
+
+    def _indexed(self, context: torch.Tensor) -> list[int]:
+        """The searched text for ``context`` (the committed tokens), its index brought up to it. A
+        context that does not extend the indexed one (a new generation begun without ``start``)
+        is indexed afresh."""
+        offset = 0 if self.source is None else len(self.source)
+        known = len(self._text) - offset
+        ids = context.numpy()
+        tail = ids[max(known - 1, 0) :].tolist()  # the last indexed token, then the new ones
+        if known > len(ids) or (known > 0 and tail[0] != self._text[-1]):
+            self._forget()
+            known, tail = 0, ids.tolist()
+        for token in tail[1:] if known > 0 else tail:
+            self._at.setdefault(token, []).append(len(self._text))
+            self._text.append(token)
+        return self._text
+
+    def _latest_match(self, text: list[int], num_tokens: int) -> tuple[list[int], int]:
+        """``lookup`` on the indexed ``text``: candidates are the earlier places of its last token."""
+        length = len(text)
+        ends = self._at.get(text[-1], []) if text else []
+        for n in range(min(self.ngram_size, length - 1), self.min_ngram_size - 1, -1):
+            for end in reversed(ends):
+                if end > length - 2:  # the suffix itself
+                    continue
+                if end < n - 1:  # ascending: every earlier place is too close to the start
+                    break
+                if all(text[end - back] == text[length - 1 - back] for back in range(1, n)):
+                    return text[end + 1 : end + 1 + num_tokens], n
+        return [], 0
 
     def lookup(self, context: np.ndarray, num_tokens: int) -> tuple[np.ndarray, int]:
         """(the continuation [≤ num_tokens] of the latest earlier match of a suffix of
         ``context``, the match's n-gram size; 0 when nothing matched)."""
         n_ctx = len(context)
         for n in range(min(self.ngram_size, n_ctx - 1), self.min_ngram_size - 1, -1):
-            suffix = context[n_ctx - n :]
-            # Windows that start at 0 .. n_ctx - n - 1 (excluding the suffix itself).
-            windows = np.lib.stride_tricks.sliding_window_view(context[: n_ctx - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            hits = suffix_matches(context, n)
             if hits.size:
                 start = int(hits[-1]) + n
                 return context[start : start + num_tokens], n
         return context[:0], 0
 
-    def propose(self, context, num_tokens, sampling, noise, keep_drafting=always) -> Proposal:
-        if num_tokens <= 0:
+    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+        if request.budget <= 0:
             return Proposal.empty(source="ngram")
         # Source first, then the output: the output's own matches are the most recent and win.
-        text = context.numpy() if self.source is None else np.concatenate([self.source, context.numpy()])
-        found, size = self.lookup(text, num_tokens)
-        return Proposal(torch.from_numpy(found.copy()).long(), match_sizes=[size] * len(found), source="ngram")
+        found, size = self._latest_match(self._indexed(context), request.budget)
+        if not found:
+            return Proposal.empty(source="ngram")
+        return Proposal.chain(torch.tensor(found, dtype=torch.long), match_sizes=[size] * len(found), source="ngram")

@@ -34,31 +34,43 @@ import time
 import torch
 
 from ..errors import TierspecError
+from ..proposal import DraftRequest
 from ..sampling import Noise
-from .base import Drafter, Proposal, always
+from .base import Drafter, Proposal
 
 
 def joined(first: Proposal, second: Proposal) -> Proposal:
-    """``first``'s drafts followed by ``second``'s (drafts of one drafter, same fields present)."""
+    """``first``'s drafts followed by ``second``'s (chains of one drafter, same fields present)."""
     if not len(first):
         return second
 
     def cat(a, b):
         return None if a is None or b is None else torch.cat([a, b])
 
-    return Proposal(torch.cat([first.tokens, second.tokens]), cat(first.draft_probs, second.draft_probs),
-                    cat(first.draft_logits, second.draft_logits), cat(first.confidence, second.confidence), None,
-                    first.drafter_calls + second.drafter_calls, first.source or second.source)
+    return Proposal.chain(torch.cat([first.tokens, second.tokens]), cat(first.probs, second.probs),
+                          cat(first.logits, second.logits), cat(first.confidence, second.confidence), None,
+                          first.drafter_calls + second.drafter_calls, first.source or second.source,
+                          first.vocabulary, first.vocab_size)
 
 
 def suffix(proposal: Proposal, start: int) -> Proposal:
-    """Drafts ``start`` .. of ``proposal`` (no drafter calls: they were counted when made)."""
+    """Drafts ``start`` .. of the chain ``proposal`` (no drafter calls: they were counted when made)."""
 
     def cut(x):
         return None if x is None else x[start:]
 
-    return Proposal(proposal.tokens[start:], cut(proposal.draft_probs), cut(proposal.draft_logits),
-                    cut(proposal.confidence), None, 0, proposal.source)
+    return Proposal.chain(proposal.tokens[start:], cut(proposal.probs), cut(proposal.logits), cut(proposal.confidence),
+                          None, 0, proposal.source, proposal.vocabulary, proposal.vocab_size)
+
+
+class _UntilCancelled:
+    """The background thread's ``PolicyView``: draft on until the loop cancels the thread."""
+
+    def __init__(self, cancel: threading.Event):
+        self.cancel = cancel
+
+    def keep_drafting(self, confidences: list[float], source: str = "") -> bool:
+        return not self.cancel.is_set()
 
 
 class PearlDrafter(Drafter):
@@ -101,8 +113,8 @@ class PearlDrafter(Drafter):
                     torch.set_num_threads(self.threads)
                 block = None if noise is None else noise.block(len(sequence))
                 with torch.inference_mode():
-                    self._result = self.inner.propose(sequence, self.gamma + 1, sampling, block,
-                                                      lambda confidences, source: not self._cancel.is_set())
+                    request = DraftRequest(self.gamma + 1, sampling, block, _UntilCancelled(self._cancel))
+                    self._result = self.inner.propose(sequence, request)
             except BaseException as error:  # re-raised in the loop's thread by _join
                 self._error = error
 
@@ -162,7 +174,8 @@ class PearlDrafter(Drafter):
             return None
         return suffix(self.drafts, length - self.drafts_start)
 
-    def propose(self, context, num_tokens, sampling, noise, keep_drafting=always) -> Proposal:
+    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+        num_tokens, sampling, noise = request.budget, request.sampling, request.noise
         self._join()
         length = len(context)
         ahead = self._agreed(context)
@@ -178,7 +191,7 @@ class PearlDrafter(Drafter):
             self.kept_ahead += 1
             proposal = ahead.prefix(num_tokens)
         else:  # pre-verify: one token now, checked by the target while the thread drafts on
-            proposal = self.inner.propose(self.sequence, 1, sampling, noise, keep_drafting)
+            proposal = self.inner.propose(self.sequence, DraftRequest(1, sampling, noise, request.policy))
             self.sequence, self.drafts = torch.cat([self.sequence, proposal.tokens]), suffix(proposal, 0)
         # Draft ahead only if tokens remain after this block (the budget is the tokens left − 1).
         if len(proposal) and len(proposal) < num_tokens:

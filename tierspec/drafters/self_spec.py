@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..routing import RoutingMask
-from ..sampling import SamplingConfig
-from .base import Drafter, Proposal, TargetDraftView, always, draft_autoregressively
+from ..layerskip.masks import RoutingMask
+from ..proposal import DraftRequest
+from .base import Drafter, Proposal, TargetDraftView, draft_autoregressively
 
 
 class SelfSpeculativeDrafter(Drafter):
@@ -31,8 +31,8 @@ class SelfSpeculativeDrafter(Drafter):
             raise ValueError("a self-speculative drafter needs the loop's view of the target cache")
         self.view = target_view
 
-    def propose(self, context, num_tokens, sampling: SamplingConfig, noise, keep_drafting=always) -> Proposal:
-        if num_tokens <= 0:
+    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+        if request.budget <= 0:
             return Proposal.empty()
         pending = context[self.view.length :]
 
@@ -40,6 +40,6 @@ class SelfSpeculativeDrafter(Drafter):
             return self.view.forward(tokens, self.mask)
 
         try:
-            return draft_autoregressively(next_logits, pending, num_tokens, sampling, noise, keep_drafting, "self")
+            return draft_autoregressively(next_logits, pending, request, "self")
         finally:
             self.view.discard()

@@ -18,9 +18,8 @@ import numpy as np
 import torch
 
 from ..errors import TierspecError
-from ..mask_proposals import Evaluation, next_keep, random_keep
-from ..routing import RoutingMask
-from .base import always
+from ..layerskip.candidates import Evaluation, next_keep, random_keep
+from ..layerskip.masks import RoutingMask
 from .self_spec import SelfSpeculativeDrafter
 
 
@@ -89,13 +88,13 @@ class SwiftDrafter(SelfSpeculativeDrafter):
         if len(self.history) >= self.max_opt_iter or self.since_best >= self.max_tolerance_iter or self.best.agreement >= self.max_score:
             self.optimising = False
 
-    def propose(self, context, num_tokens, sampling, noise, keep_drafting=always):
+    def propose(self, context, request):
         calls = 0
         if self.optimising and self.cycle % self.opt_interval == 0:
             before = self.optimisation_calls
             self._optimise(context)
             calls = self.optimisation_calls - before  # an optimisation pass is drafter work too
         self.cycle += 1
-        proposal = super().propose(context, num_tokens, sampling, noise, keep_drafting)
+        proposal = super().propose(context, request)
         proposal.drafter_calls += calls
         return proposal

@@ -1,144 +1,90 @@
-"""Tree drafters (docs/algorithms.md §Token trees): the draft head growing a tree by cumulative probability (the
-dynamic tree of EAGLE-2), n-gram lookup offering every distinct continuation of its matches as a
-trie, and the hybrid of both; and the policy that sizes a tree from the measured pass costs.
-
-Every node carries the policy's estimate of P(node accepted | its parent was): a *key* (what the
-drafter knew: the head's probability bin, the n-gram match size) whose acceptance the policy
-learns from every verdict, starting from a prior. A node's *value* is the product of the
-estimates along its path, P(the walk reaches and keeps it); the expected tokens a tree emits are
-1 + Σ values. The policy keeps the N best nodes (a parent's value is never below its child's, so
-they form a tree) for the N that maximises (1 + Σ values) / (pass cost of P + N tokens + drafting
-cost), and the head expands one more depth only while that rate is expected to improve.
+"""Tree drafters (docs/algorithms.md §Token trees): the draft head growing a tree by cumulative
+probability (the dynamic tree of EAGLE-2), n-gram lookup offering every distinct continuation of
+its matches as a trie, and the hybrid of both. They grow and cut their trees by what the method's
+``policies.TreePolicy`` estimates (read through ``proposal.TreeView``): each node carries a key,
+whose acceptance the policy learns from every verdict, and a prior; a node's value is the product
+of the estimates along its path, and the policy keeps the nodes that maximise expected tokens per
+second (``TreePolicy.best_size``).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Hashable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ..policies import CONFIDENCE_BINS, AcceptanceEstimate, CostModel, DraftPolicy
-from ..sampling import SamplingConfig, logits_to_probs
 from ..llama import ATTENTION_ROWS
+from ..policies import confidence_bin, node_depths, ranked_nodes
+from ..proposal import DraftRequest, Proposal, Shape, TreeView
+from ..sampling import logits_to_probs
 from ..tree import ROOT, TokenTree
 from .base import Drafter
 from .eagle import EagleDrafter
-from .ngram import NgramDrafter
+from .ngram import NgramDrafter, suffix_matches
 
 
-@dataclass
-class TreeProposal:
-    """A drafted tree with, per node, the policy's acceptance key and its prior (see the module
-    docstring), the drafter's model steps, and who drafted."""
+@dataclass(frozen=True)
+class HeadNodeKey:
+    """The acceptance key of a node the draft head proposed: the bin of its head probability
+    (``policies.CONFIDENCE_BINS``) and whether it hangs below the root (a head's first token and
+    its later ones are accepted at different rates at the same probability, as
+    ``policies.ConfidenceKey`` says for chains)."""
 
-    tree: TokenTree
-    keys: list[Hashable] = field(default_factory=list)
-    priors: list[float] = field(default_factory=list)
-    drafter_calls: int = 0
-    source: str = ""
-    rate: float = 0.0  # the policy's expected emitted tokens per second for this tree (``best_size``)
-
-    @staticmethod
-    def empty(source: str = "") -> "TreeProposal":
-        return TreeProposal(TokenTree.empty(), source=source)
+    probability_bin: int
+    first: bool
 
 
-class TreePolicy(DraftPolicy):
-    """Sizes trees: acceptance per node key learned from the verdicts of this generation (decayed
-    counts with the drafter's prior), costs from the target's measured pass-cost table and a draft
-    step's share of a pass (``CostModel``). Nothing read from the clock (a seed fixes the trees)."""
+@dataclass(frozen=True)
+class NgramNodeKey:
+    """The acceptance key of a node of the n-gram trie: the matched n-gram's size, the node's
+    depth class (depths ≥ ``NGRAM_DEPTH_CLASSES`` share one) and the share of the parent's
+    continuations that run through it (rounded to ``SHARE_DECIMALS``)."""
 
-    def __init__(self, max_nodes: int = 15, max_depth: int = 8, forward_costs=None, draft_fractions=None,
-                 decay: float = 0.98, prior_weight: float = 4.0, path_call_seconds: float = 0.0):
-        """``path_call_seconds``: what one more attention call costs a pass (every layer), measured by
-        ``costs.tree_call_seconds``: a tree pass attends once per root-to-leaf path (``llama.
-        tree_attention_plan``), so a bushy tree costs more than a chain of as many tokens."""
-        self.max_draft = max_depth
-        self.max_nodes = max_nodes
-        self.max_depth = max_depth
-        self.cost = CostModel(forward_costs, dict(draft_fractions or {}))
-        self.path_call_seconds = path_call_seconds
-        self.decay = decay
-        self.prior_weight = prior_weight
-        self.start()
-
-    def start(self) -> None:
-        self.estimates: dict[Hashable, AcceptanceEstimate] = {}
-
-    def acceptance(self, key: Hashable, prior: float) -> float:
-        estimate = self.estimates.get(key)
-        return prior if estimate is None else estimate.probability
-
-    def verify_tree(self, rows: int, leaves: int) -> float:
-        """Seconds of a tree pass over ``rows`` tokens (pending + nodes) with ``leaves`` root-to-leaf
-        paths: the chain pass of as many rows (whose attention runs in ceil(rows / ATTENTION_ROWS)
-        calls) plus one call for each path beyond that (each path is at least one call)."""
-        extra_calls = max(0, leaves - -(-rows // ATTENTION_ROWS))
-        return self.cost.verify(rows) + extra_calls * self.path_call_seconds
-
-    def best_size(self, values: list[float], parents: list[int], draft_seconds: float,
-                  pending: int = 1) -> tuple[int, float]:
-        """(N, expected emitted tokens per second) for the tree of the N best nodes (``values`` and
-        ``parents`` in node order, ranked as ``_select`` ranks them): (1 + Σ values) / (draft_seconds +
-        ``verify_tree``(pending + N, its leaves))."""
-        best_n, best_rate, emitted = 0, 1.0 / (draft_seconds + self.cost.verify(pending)), 1.0
-        has_child: set[int] = set()
-        leaves = 0
-        for n, node in enumerate(_ranked(values, parents)[: self.max_nodes], start=1):
-            emitted += values[node]
-            parent = parents[node]
-            leaves += 0 if parent != ROOT and parent not in has_child else 1
-            has_child.add(parent)
-            rate = emitted / (draft_seconds + self.verify_tree(pending + n, leaves))
-            if rate > best_rate:
-                best_n, best_rate = n, rate
-        return best_n, best_rate
-
-    def observe_tree(self, proposal: TreeProposal, verdict) -> None:
-        """Every node whose parent the walk reached was tried: kept iff it is on the path."""
-        tree = proposal.tree
-        reached = {ROOT, *verdict.path}
-        kept = set(verdict.path)
-        for estimate in self.estimates.values():
-            estimate.update(0, 0, self.decay)
-        for node, (key, prior) in enumerate(zip(proposal.keys, proposal.priors)):
-            if int(tree.parents[node]) in reached:
-                estimate = self.estimates.setdefault(key, AcceptanceEstimate(prior, self.prior_weight))
-                estimate.update(int(node in kept), int(node not in kept), 1.0)
+    match_size: int
+    depth_class: int
+    share: float
 
 
-def _depths(parents: list[int]) -> list[int]:
-    depth: list[int] = []
-    for parent in parents:
-        depth.append(1 if parent == ROOT else depth[parent] + 1)
-    return depth
+#: N-gram nodes at depth 3 and deeper share one key: past the first few copied tokens a
+#: continuation holds or breaks about alike, and each key needs verdicts to learn from.
+NGRAM_DEPTH_CLASSES = 3
+#: Shares of continuations are learned in tenths: finer classes would each see too few verdicts.
+SHARE_DECIMALS = 1
+#: The prior acceptance of an n-gram node all its parent's continuations run through (scaled by
+#: its share): ``policies.MatchKey``'s prior, an n-gram copy right about half the time.
+NGRAM_PRIOR = 0.5
+#: The head probability a child not scored yet is valued at when the head weighs expanding one
+#: more depth: the middle of the range (its own probability is known only once the head runs).
+UNSCORED_CHILD_PROBABILITY = 0.5
+#: EAGLE-2's expansion: the ``BRANCHING`` likeliest tokens after each expanded node become
+#: candidates, and the ``BEAM`` best candidates of a depth are expanded in one head pass. A beam
+#: of ``llama.ATTENTION_ROWS`` keeps each head pass at one attention call; as many candidates per
+#: node as nodes per beam lets one strong node fill the whole beam.
+BEAM = ATTENTION_ROWS
+BRANCHING = BEAM
+#: Most earlier occurrences of a suffix the n-gram trie takes continuations from (most recent first).
+MAX_MATCHES = 8
 
 
-def _ranked(values: list[float], parents: list[int]) -> list[int]:
-    """Nodes by value, largest first (ties: shallower, then earlier): a parent's value is never
-    below its child's, so every prefix of the ranking is a tree."""
-    depth = _depths(parents)
-    return sorted(range(len(values)), key=lambda i: (-values[i], depth[i], i))
-
-
-def _select(tokens: list[int], parents: list[int], values: list[float], keys: list, priors: list[float],
-            count: int, drafter_calls: int, source: str, rate: float = 0.0) -> TreeProposal:
-    """The ``count`` nodes of highest value (ties: shallower first), re-indexed parents first."""
-    depth = _depths(parents)
-    order = _ranked(values, parents)[:count]
+def select_nodes(tokens: list[int], parents: list[int], values: list[float], keys: list, priors: list[float],
+                 count: int, drafter_calls: int, source: str, rate: float = 0.0) -> Proposal:
+    """The ``count`` nodes of highest value (ties: shallower first) as a proposal, re-indexed
+    parents first."""
+    depth = node_depths(parents)
+    order = ranked_nodes(values, parents)[:count]
     chosen = set(order)
     order = [i for i in sorted(order, key=lambda i: (depth[i], i)) if parents[i] == ROOT or parents[i] in chosen]
     index = {old: new for new, old in enumerate(order)}
     tree = TokenTree(torch.tensor([tokens[i] for i in order], dtype=torch.long),
                      torch.tensor([ROOT if parents[i] == ROOT else index[parents[i]] for i in order], dtype=torch.long))
-    return TreeProposal(tree, [keys[i] for i in order], [priors[i] for i in order], drafter_calls, source, rate)
+    return Proposal(tree, keys=[keys[i] for i in order], priors=[priors[i] for i in order], drafter_calls=drafter_calls,
+                    source=source, rate=rate)
 
 
-def probability_bin(probability: float) -> int:
-    return next(i for i, edge in enumerate(CONFIDENCE_BINS[1:]) if probability < edge)
+def empty_tree(source: str) -> Proposal:
+    return Proposal(TokenTree.empty(), keys=[], priors=[], source=source)
 
 
 class EagleTreeDrafter(EagleDrafter):
@@ -151,25 +97,25 @@ class EagleTreeDrafter(EagleDrafter):
     probability perturbed with the position's token noise (the target's own draw under the
     coupled rule is argmax(log q + g)), so the tree follows the sampled text."""
 
-    proposes_trees = True
+    proposes = Shape.TREE
 
-    def __init__(self, head, policy: TreePolicy, branching: int = 4, beam: int = 4):
+    def __init__(self, head, branching: int = BRANCHING, beam: int = BEAM):
         super().__init__(head)
-        self.policy = policy
         self.branching = branching
         self.beam = beam
 
-    def propose_tree(self, context: torch.Tensor, max_depth: int, sampling: SamplingConfig, noise) -> TreeProposal:
-        policy = self.policy
-        max_depth = min(max_depth, policy.max_depth)
+    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+        policy: TreeView = request.policy  # methods pairs tree drafters with a TreePolicy
+        sampling, noise = request.sampling, request.noise
+        max_depth = min(request.budget, policy.max_depth)
         if max_depth <= 0:
-            return TreeProposal.empty("head")
+            return empty_tree("head")
         h = self._catch_up(context)
         if h is None:
-            return TreeProposal.empty("head")
-        runner, ids = self.runner, self.head.draft_ids.cpu()
+            return empty_tree("head")
+        runner, ids = self.runner, self._draft_ids
         committed = runner.length  # the head's cache: committed positions 0 .. committed − 1
-        step = policy.cost.draft_step("head")
+        step = policy.draft_step("head")
         tokens, parents, values, keys, priors = [], [], [], [], []
         slot_of: dict[int, int] = {}  # node → its slot in the head's cache
         frontier, frontier_h = [ROOT], h  # expanded nodes of the last depth and their outputs [f, H]
@@ -190,7 +136,7 @@ class EagleTreeDrafter(EagleDrafter):
                         probability = float(probs[row, choice])
                         if probability <= 0.0 or not math.isfinite(probability):
                             continue
-                        key = ("head", probability_bin(probability), min(depth, 2))
+                        key = HeadNodeKey(confidence_bin(probability), depth == 1)
                         new.append(len(tokens))
                         tokens.append(int(ids[choice]))
                         parents.append(parent)
@@ -201,10 +147,11 @@ class EagleTreeDrafter(EagleDrafter):
                     break
                 expand = sorted(new, key=lambda i: -values[i])[: self.beam]
                 # Expand only while the best child of each expanded node is expected to pay for the step.
-                _, rate_now = policy.best_size(values, parents, calls * step)
-                typical = policy.acceptance(("head", probability_bin(0.5), 2), 0.5)
-                _, rate_deeper = policy.best_size(values + [values[i] * typical for i in expand], parents + expand,
-                                                  (calls + 1) * step)
+                rate_now = policy.best_size(values, parents, calls * step).rate
+                typical = policy.acceptance(HeadNodeKey(confidence_bin(UNSCORED_CHILD_PROBABILITY), False),
+                                            UNSCORED_CHILD_PROBABILITY)
+                rate_deeper = policy.best_size(values + [values[i] * typical for i in expand], parents + expand,
+                                               (calls + 1) * step).rate
                 if rate_deeper <= rate_now:
                     break
                 # one head pass over the expanded nodes: each sees the committed slots, its ancestors and itself
@@ -227,8 +174,8 @@ class EagleTreeDrafter(EagleDrafter):
                 calls += 1
         finally:
             runner.rollback(committed)
-        count, rate = policy.best_size(values, parents, calls * step)
-        return _select(tokens, parents, values, keys, priors, count, calls, "head", rate)
+        size = policy.best_size(values, parents, calls * step)
+        return select_nodes(tokens, parents, values, keys, priors, size.nodes, calls, "head", size.rate)
 
 
 class NgramTreeDrafter(Drafter):
@@ -237,10 +184,9 @@ class NgramTreeDrafter(Drafter):
     continuation; the continuations merge into a trie. A node's key is (match size, depth, how
     many occurrences continue through it), learned by the policy."""
 
-    proposes_trees = True
+    proposes = Shape.TREE
 
-    def __init__(self, policy: TreePolicy, ngram_size: int = 3, min_ngram_size: int = 1, max_matches: int = 8):
-        self.policy = policy
+    def __init__(self, ngram_size: int = 3, min_ngram_size: int = 1, max_matches: int = MAX_MATCHES):
         self.lookup = NgramDrafter(ngram_size, min_ngram_size)
         self.max_matches = max_matches
 
@@ -248,16 +194,16 @@ class NgramTreeDrafter(Drafter):
         """Up to ``max_matches`` continuations [≤ depth] of the longest suffix that occurs earlier."""
         lookup, n_ctx = self.lookup, len(context)
         for n in range(min(lookup.ngram_size, n_ctx - 1), lookup.min_ngram_size - 1, -1):
-            windows = np.lib.stride_tricks.sliding_window_view(context[: n_ctx - 1], n)
-            hits = np.flatnonzero((windows == context[n_ctx - n :]).all(axis=1))[::-1][: self.max_matches]
+            hits = suffix_matches(context, n)[::-1][: self.max_matches]
             if hits.size:
                 return [context[h + n : h + n + depth] for h in hits.tolist()], n
         return [], 0
 
-    def propose_tree(self, context: torch.Tensor, max_depth: int, sampling: SamplingConfig, noise) -> TreeProposal:
-        max_depth = min(max_depth, self.policy.max_depth)
+    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+        policy: TreeView = request.policy  # methods pairs tree drafters with a TreePolicy
+        max_depth = min(request.budget, policy.max_depth)
         if max_depth <= 0:
-            return TreeProposal.empty("ngram")
+            return empty_tree("ngram")
         found, size = self.continuations(context.numpy(), max_depth)
         tokens, parents, support = [], [], []
         index: dict[tuple[int, int], int] = {}
@@ -276,13 +222,13 @@ class NgramTreeDrafter(Drafter):
         for node, parent in enumerate(parents):
             depths.append(1 if parent == ROOT else depths[parent] + 1)
             share = support[node] / (len(found) if parent == ROOT else support[parent])
-            key = ("ngram", size, min(depths[-1], 3), round(share, 1))
-            prior = 0.5 * share
+            key = NgramNodeKey(size, min(depths[-1], NGRAM_DEPTH_CLASSES), round(share, SHARE_DECIMALS))
+            prior = NGRAM_PRIOR * share
             keys.append(key)
             priors.append(prior)
-            values.append((1.0 if parent == ROOT else values[parent]) * self.policy.acceptance(key, prior))
-        count, rate = self.policy.best_size(values, parents, 0.0)
-        return _select(tokens, parents, values, keys, priors, count, 0, "ngram", rate)
+            values.append((1.0 if parent == ROOT else values[parent]) * policy.acceptance(key, prior))
+        tree_size = policy.best_size(values, parents, 0.0)
+        return select_nodes(tokens, parents, values, keys, priors, tree_size.nodes, 0, "ngram", tree_size.rate)
 
 
 class HybridTreeDrafter(Drafter):
@@ -294,13 +240,12 @@ class HybridTreeDrafter(Drafter):
     time); otherwise the union is proposed: the n-gram nodes first, then the head's, the policy
     keeping the best nodes of the union by value."""
 
-    proposes_trees = True
+    proposes = Shape.TREE
+    needs_target_features = True
 
     def __init__(self, ngram: NgramTreeDrafter, eagle: EagleTreeDrafter):
         self.ngram, self.eagle = ngram, eagle
-        self.needs_target_features = True
         self.feature_layers = eagle.feature_layers
-        self.policy = eagle.policy
         self.head_rate: float | None = None
 
     def start(self, prompt_ids, features=None, target_view=None) -> None:
@@ -313,11 +258,12 @@ class HybridTreeDrafter(Drafter):
     def draft_step_weights(self) -> dict[str, int]:
         return self.eagle.draft_step_weights()
 
-    def propose_tree(self, context, max_depth, sampling, noise) -> TreeProposal:
-        ngram = self.ngram.propose_tree(context, max_depth, sampling, noise)
+    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+        policy: TreeView = request.policy  # methods pairs tree drafters with a TreePolicy
+        ngram = self.ngram.propose(context, request)
         if len(ngram.tree) and self.head_rate is not None and ngram.rate > self.head_rate:
             return ngram
-        head = self.eagle.propose_tree(context, max_depth, sampling, noise)
+        head = self.eagle.propose(context, request)
         self.head_rate = head.rate
         if not len(ngram.tree):
             return head
@@ -342,7 +288,7 @@ class HybridTreeDrafter(Drafter):
                 local[node] = merged
         values = []
         for node, parent in enumerate(parents):
-            values.append((1.0 if parent == ROOT else values[parent]) * self.policy.acceptance(keys[node], priors[node]))
-        count, rate = self.policy.best_size(values, parents, head.drafter_calls * self.policy.cost.draft_step("head"))
-        self.head_rate = rate
-        return _select(tokens, parents, values, keys, priors, count, head.drafter_calls, "hybrid", rate)
+            values.append((1.0 if parent == ROOT else values[parent]) * policy.acceptance(keys[node], priors[node]))
+        size = policy.best_size(values, parents, head.drafter_calls * policy.draft_step("head"))
+        self.head_rate = size.rate
+        return select_nodes(tokens, parents, values, keys, priors, size.nodes, head.drafter_calls, "hybrid", size.rate)

@@ -1,53 +1,73 @@
-"""What a verification rule returns, and the base class every rule implements."""
+"""What a verification rule is: the shapes it verifies, and how it meets the verifier passes.
+
+Most rules are functions of tensors (``ScoreRule``): the loop runs the one verifier pass over the
+proposal and hands the rule its rows (``proposal.Scores``: logits, and hidden states where the
+rule declares it reads them); the rule returns a ``Verdict`` and runs nothing. A rule that needs
+passes of its own — VIA-SD's slim tier before the full target, and the full target only when the
+walk gets where the slim tier is unsure — is a ``TieredRule`` and drives them through
+``VerifierTiers``, the typed interface the loop's verifiers offer it.
+
+Every random number a rule uses comes from ``noise``, the block's keyed noise (draft token i and
+the token after the drafts sit at block positions i; None in greedy mode, where a rule draws
+nothing), so a rule's verdict is a function of the distributions, the drafts and the seed. Rules
+never commit anything: the loop does.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from abc import ABC, abstractmethod
+from typing import ClassVar, Protocol
 
-from ..drafters.base import Proposal
+from ..proposal import Proposal, Scores, Shape, Verdict
 from ..sampling import BlockNoise, SamplingConfig
 
-# Which tier decided an emitted token (per-tier statistics, docs/metrics.md §Tiers).
-DRAFTER = "drafter"  # a draft token kept
-SLIM = "slim"  # a token regenerated (or bonus) from the slim verifier / lower-tier mixture
-TARGET = "target"  # a token decided with the full target's distribution
 
+class VerificationRule(ABC):
+    """Base class: ``name``; ``accepts``, the proposal shapes the rule verifies (the loop refuses
+    a drafter proposing another shape before it starts); ``lossless``, whether the rule's output is
+    exactly the target's."""
 
-@dataclass
-class Verdict:
-    """The outcome of verifying one block.
-
-    accepted:   number of leading draft tokens kept (0 .. k)
-    next_token: the token emitted after them: a correction when a draft token was rejected,
-                a bonus token when the whole block was accepted
-    deciders:   for each emitted token (accepted + 1), the tier that decided it
-    """
-
-    accepted: int
-    next_token: int
-    deciders: list[str] = field(default_factory=list)
-
-
-class VerificationRule:
-    """Decides which drafted tokens to keep. Rules call the verifiers they need through
-    ``verifiers`` (the loop owns the models and caches) and never commit anything themselves.
-
-    Every random number a rule uses comes from ``noise``, the block's keyed noise (draft token i
-    and the token after the drafts sit at block positions i; None in greedy mode, where a rule
-    draws nothing), so a rule's verdict is a function of the distributions, the drafts and the
-    seed."""
-
-    name = "rule"
-
-    def verify(
-        self,
-        verifiers,
-        proposal: Proposal,
-        sampling: SamplingConfig,
-        noise: BlockNoise | None,
-    ) -> Verdict:
-        raise NotImplementedError
+    name: ClassVar[str] = "rule"
+    accepts: ClassVar[frozenset[Shape]] = frozenset({Shape.CHAIN})
 
     @property
     def lossless(self) -> bool:
         return False
+
+
+class ScoreRule(VerificationRule):
+    """A rule that is a function of the target's scores of the proposal. ``reads_hidden``: the
+    pass also returns the rows' final hidden states (``Scores.hidden``)."""
+
+    reads_hidden: ClassVar[bool] = False
+
+    @abstractmethod
+    def decide(self, proposal: Proposal, scores: Scores, sampling: SamplingConfig, noise: BlockNoise | None) -> Verdict:
+        """The verdict on ``proposal`` from the target's ``scores`` of it (rows by node)."""
+
+
+class VerifierTiers(Protocol):
+    """The passes a ``TieredRule`` may ask of the loop's verifiers, each over the committed tokens
+    the tier has not run yet and the proposal (a chain), all on the one target cache."""
+
+    @property
+    def target_lag(self) -> int:
+        """Committed tokens (before the pending last one) the full target has not processed."""
+        ...
+
+    def slim(self, proposal: Proposal) -> Scores:
+        """The slim verifier's rows (the target under the method's routing mask)."""
+        ...
+
+    def target(self, proposal: Proposal, with_hidden: bool = False) -> Scores:
+        """The full target's rows (and hidden states ``with_hidden``); it catches up first."""
+        ...
+
+
+class TieredRule(VerificationRule):
+    """A rule that runs the verifier tiers it needs itself (VIA-SD)."""
+
+    @abstractmethod
+    def verify(self, tiers: VerifierTiers, proposal: Proposal, sampling: SamplingConfig,
+               noise: BlockNoise | None) -> Verdict:
+        """The verdict on ``proposal``, calling whichever of ``tiers``' passes it needs."""

@@ -14,9 +14,10 @@ import math
 import torch
 
 from ..errors import TierspecError
-from ..sampling import logits_to_probs, temperature_one_probs
-from .base import DRAFTER, TARGET, Verdict, VerificationRule
-from .common import acceptance_walk
+from ..proposal import DRAFTER, TARGET, Proposal, Scores, Verdict
+from ..sampling import BlockNoise, SamplingConfig, logits_to_probs, temperature_one_probs
+from ..walks import acceptance_walk
+from .base import ScoreRule
 
 
 def bild_keep(target_prob_of_draft: torch.Tensor, rollback: float) -> torch.Tensor:
@@ -24,7 +25,7 @@ def bild_keep(target_prob_of_draft: torch.Tensor, rollback: float) -> torch.Tens
     return target_prob_of_draft >= math.exp(-rollback)
 
 
-class BildRule(VerificationRule):
+class BildRule(ScoreRule):
     name = "bild"
 
     def __init__(self, rollback: float = 3.0):
@@ -32,12 +33,12 @@ class BildRule(VerificationRule):
             raise TierspecError(f"rollback must be >= 0 nats, got {rollback}")
         self.rollback = rollback
 
-    def verify(self, verifiers, proposal, sampling, noise) -> Verdict:
-        logits = verifiers.target_logits(proposal.tokens)  # [k+1, V]
+    def decide(self, proposal: Proposal, scores: Scores, sampling: SamplingConfig, noise: BlockNoise | None) -> Verdict:
+        logits = scores.logits  # [k+1, V]
         k = len(proposal)
         q = logits_to_probs(logits, sampling)  # one-hot rows of argmax q in greedy mode
         # The rollback test reads q at temperature 1 in greedy mode, where q itself is one-hot.
         tested = temperature_one_probs(logits) if sampling.greedy else q
         keep = bild_keep(tested[torch.arange(k), proposal.tokens], self.rollback).float()
-        accepted, token = acceptance_walk(k, keep, lambda i, passed: q[i], lambda: q[k], noise)
-        return Verdict(accepted, token, [DRAFTER] * accepted + [TARGET])
+        walk = acceptance_walk(k, keep, lambda i, passed: q[i], lambda: q[k], noise)
+        return Verdict(walk.path, walk.next_token, [DRAFTER] * walk.accepted + [TARGET])

@@ -14,9 +14,10 @@ import math
 import torch
 
 from ..errors import TierspecError
-from ..sampling import logits_to_probs, residual_distribution, temperature_one_probs
-from .base import DRAFTER, TARGET, Verdict, VerificationRule
-from .common import acceptance_walk, draft_prob_of_tokens, draft_row
+from ..proposal import DRAFTER, TARGET, Proposal, Scores, Verdict
+from ..sampling import BlockNoise, SamplingConfig, logits_to_probs, residual_distribution, temperature_one_probs
+from ..walks import acceptance_walk, draft_prob_of_tokens, draft_row
+from .base import ScoreRule
 
 
 def lossy_acceptance(draft_prob: torch.Tensor, target_prob: torch.Tensor, alpha: float) -> torch.Tensor:
@@ -24,7 +25,7 @@ def lossy_acceptance(draft_prob: torch.Tensor, target_prob: torch.Tensor, alpha:
     return torch.clamp(target_prob / ((1.0 - alpha) * draft_prob), max=1.0)
 
 
-class LossyRule(VerificationRule):
+class LossyRule(ScoreRule):
     name = "lossy"
 
     def __init__(self, alpha: float = 0.1, beta: float | None = None):
@@ -35,8 +36,8 @@ class LossyRule(VerificationRule):
             raise TierspecError(f"beta must be in (0, 1], got {beta}")
         self.alpha, self.beta = alpha, beta
 
-    def verify(self, verifiers, proposal, sampling, noise) -> Verdict:
-        logits = verifiers.target_logits(proposal.tokens)  # [k+1, V]
+    def decide(self, proposal: Proposal, scores: Scores, sampling: SamplingConfig, noise: BlockNoise | None) -> Verdict:
+        logits = scores.logits  # [k+1, V]
         tokens = proposal.tokens
         k = len(proposal)
         q = logits_to_probs(logits, sampling)  # [k+1, V]; one-hot rows of argmax q in greedy mode
@@ -46,10 +47,10 @@ class LossyRule(VerificationRule):
         else:
             accept = lossy_acceptance(draft_prob_of_tokens(proposal), q[torch.arange(k), tokens], self.alpha)
         # Greedy mode: a rejected x is not argmax q, so the residual of one-hot rows is argmax q.
-        accepted, token = acceptance_walk(
+        walk = acceptance_walk(
             k, accept, lambda i, passed: residual_distribution(q[i], draft_row(proposal, i, q.shape[-1]), self.beta),
             lambda: q[k], noise)
-        return Verdict(accepted, token, [DRAFTER] * accepted + [TARGET])
+        return Verdict(walk.path, walk.next_token, [DRAFTER] * walk.accepted + [TARGET])
 
     @property
     def lossless(self) -> bool:

@@ -31,11 +31,11 @@ import math
 import torch
 
 from ..errors import TierspecError
-from ..sampling import logits_to_probs, residual_distribution, temperature_one_probs
-from .base import DRAFTER, SLIM, TARGET, Verdict, VerificationRule
-from .common import acceptance_walk, draft_confidence, draft_rows
-from .exact import acceptance_probability
-from .judge import JUDGE, judge_accepts
+from ..proposal import DRAFTER, JUDGE, SLIM, TARGET, Proposal, Verdict
+from ..sampling import BlockNoise, SamplingConfig, logits_to_probs, residual_distribution, temperature_one_probs
+from ..walks import acceptance_probability, acceptance_walk, draft_confidence, draft_rows
+from .base import TieredRule, VerifierTiers
+from .judge import judge_accepts
 
 
 def via_gates(draft_confidence: torch.Tensor | None, slim_t1: torch.Tensor, alpha1: float, alpha2: float, k: int):
@@ -58,8 +58,9 @@ class FullPass:
     token the target has not processed plus the block. With a judge head, the same pass's hidden
     states give the judge's verdicts."""
 
-    def __init__(self, verifiers, tokens: torch.Tensor, sampling, judge=None, judge_threshold: float | None = None):
-        self.verifiers, self.tokens, self.sampling = verifiers, tokens, sampling
+    def __init__(self, tiers: VerifierTiers, proposal: Proposal, sampling: SamplingConfig, judge=None,
+                 judge_threshold: float | None = None):
+        self.tiers, self.proposal, self.sampling = tiers, proposal, sampling
         self.judge, self.judge_threshold = judge, judge_threshold
         self._probs: torch.Tensor | None = None  # q [k+1, V] once run
         self._judge_ok: torch.Tensor | None = None  # J [k] once run with a judge
@@ -67,13 +68,11 @@ class FullPass:
     def probs(self) -> torch.Tensor:
         """q [k+1, V] under the sampling settings (runs the pass the first time)."""
         if self._probs is None:
-            if self.judge is None:
-                logits = self.verifiers.target_logits(self.tokens)
-            else:
-                result = self.verifiers.target_pass(self.tokens, with_hidden=True)
-                logits, hidden = result.logits, result.hidden
-                self._judge_ok = judge_accepts(self.judge, self.judge_threshold, hidden, logits, self.tokens)
-            self._probs = logits_to_probs(logits, self.sampling)
+            scores = self.tiers.target(self.proposal, with_hidden=self.judge is not None)
+            if self.judge is not None:
+                self._judge_ok = judge_accepts(self.judge, self.judge_threshold, scores.hidden, scores.logits,
+                                               self.proposal.tokens)
+            self._probs = logits_to_probs(scores.logits, self.sampling)
         return self._probs
 
     def judge_accepts(self, i: int) -> bool:
@@ -82,7 +81,7 @@ class FullPass:
         return self._judge_ok is not None and bool(self._judge_ok[i])
 
 
-class ViaRule(VerificationRule):
+class ViaRule(TieredRule):
     name = "via"
 
     def __init__(self, alpha1: float, alpha2: float, max_target_lag: int, force_full: bool = False,
@@ -100,17 +99,18 @@ class ViaRule(VerificationRule):
         self.judge = judge
         self.judge_threshold = None if judge is None else (judge.threshold if judge_threshold is None else judge_threshold)
 
-    def verify(self, verifiers, proposal, sampling, noise) -> Verdict:
+    def verify(self, tiers: VerifierTiers, proposal: Proposal, sampling: SamplingConfig,
+               noise: BlockNoise | None) -> Verdict:
         k = len(proposal)
         tokens = proposal.tokens
-        slim_logits = verifiers.slim_logits(tokens)  # [k+1, V]
+        slim_logits = tiers.slim(proposal).logits  # [k+1, V]
         vocab = slim_logits.shape[-1]
         delta1, delta2 = via_gates(draft_confidence(proposal), temperature_one_probs(slim_logits), self.alpha1, self.alpha2, k)
         if self.force_full:
             delta2 = torch.ones_like(delta2)
         p = draft_rows(proposal, vocab)  # [k, V]; one-hot rows in greedy mode
         slim = logits_to_probs(slim_logits, sampling)  # [k+1, V]
-        full = FullPass(verifiers, tokens, sampling, self.judge, self.judge_threshold)
+        full = FullPass(tiers, proposal, sampling, self.judge, self.judge_threshold)
         deciders: list[str] = []
 
         def pi(i: int) -> torch.Tensor:
@@ -132,12 +132,11 @@ class ViaRule(VerificationRule):
 
         # The cycle commits up to k+1 tokens: run the full pass now (the target catches up) if they
         # could push the lag past the cap.
-        if verifiers.target_lag + k + 1 > self.max_target_lag:
+        if tiers.target_lag + k + 1 > self.max_target_lag:
             full.probs()
         accept = lambda i: acceptance_probability(p[i, tokens[i]], pi(i)[tokens[i]])  # noqa: E731
-        accepted, token = acceptance_walk(k, accept, lambda i, passed: residual_distribution(pi(i), p[i]),
-                                          lambda: pi(k), noise, keep)
-        return Verdict(accepted, token, deciders + [tier(accepted)])
+        walk = acceptance_walk(k, accept, lambda i, passed: residual_distribution(pi(i), p[i]), lambda: pi(k), noise, keep)
+        return Verdict(walk.path, walk.next_token, deciders + [tier(walk.accepted)])
 
     @property
     def lossless(self) -> bool:

@@ -1,0 +1,81 @@
+"""Prompt lookup on planted contexts."""
+
+import numpy as np
+import torch
+
+from conftest import draft_request
+
+from tierspec.drafters import NgramDrafter
+from tierspec.sampling import SamplingConfig
+
+
+def lookup(context, k, **kwargs):
+    return NgramDrafter(**kwargs).lookup(np.array(context), k)[0].tolist()
+
+
+def test_longest_suffix_match_continues():
+    assert lookup([1, 2, 3, 9, 8, 7, 1, 2, 3], 3) == [9, 8, 7]
+
+
+def test_most_recent_match_wins():
+    assert lookup([1, 2, 5, 1, 2, 6, 0, 1, 2], 1, ngram_size=2) == [6]
+
+
+def test_falls_back_to_shorter_ngrams():
+    # [4, 2] never occurred before, [2] did (followed by 7)
+    assert lookup([2, 7, 4, 2], 2, ngram_size=2) == [7, 4]
+
+
+def test_min_ngram_size_blocks_short_matches():
+    assert lookup([2, 7, 4, 2], 2, ngram_size=2, min_ngram_size=2) == []
+
+
+def test_continuation_truncated_at_context_end():
+    assert lookup([1, 2, 1, 2], 5, ngram_size=2) == [1, 2]
+
+
+def test_no_match_gives_empty_proposal():
+    proposal = NgramDrafter(3).propose(torch.tensor([1, 2, 3, 4]), draft_request(4))
+    assert len(proposal) == 0 and proposal.draft_probs is None
+
+
+def test_budget_caps_the_block_and_tokens_carry_their_match_size():
+    proposal = NgramDrafter(2).propose(torch.tensor([1, 2, 3, 4, 5, 1, 2]), draft_request(2))
+    assert proposal.tokens.tolist() == [3, 4]
+    assert proposal.match_sizes == [2, 2] and proposal.source == "ngram"
+    assert NgramDrafter(3).lookup(np.array([2, 7, 4, 2]), 2)[1] == 1  # fell back to a 1-gram match
+
+
+def brute_force_lookup(text: list[int], num_tokens: int, ngram_size: int, min_ngram_size: int):
+    """Prompt lookup written out: for n from the longest, the latest earlier window equal to the
+    last n tokens, and what followed it."""
+    for n in range(min(ngram_size, len(text) - 1), min_ngram_size - 1, -1):
+        for start in range(len(text) - 1 - n, -1, -1):
+            if text[start : start + n] == text[len(text) - n :]:
+                return text[start + n : start + n + num_tokens], n
+    return [], 0
+
+
+def test_the_indexed_lookup_equals_the_written_out_one_as_the_text_grows():
+    """The drafter indexes the committed text as it grows (and the source, and a context that does
+    not extend the last one: a new generation): every proposal equals a search of the whole text."""
+    from tierspec.drafters.ngram import suffix_matches
+
+    rng = np.random.default_rng(1)
+    for trial in range(300):
+        drafter = NgramDrafter(int(rng.integers(1, 5)))
+        drafter.min_ngram_size = int(rng.integers(1, drafter.ngram_size + 1))
+        source = None
+        if trial % 3 == 0:
+            source = torch.tensor(rng.integers(0, 4, int(rng.integers(1, 10))))
+            drafter.set_source(source)
+        sequence = rng.integers(0, int(rng.integers(1, 5)), 50).tolist()
+        for length in list(range(int(rng.integers(1, 6)), 50, int(rng.integers(1, 4)))) + [7]:  # 7: starts over
+            budget = int(rng.integers(0, 6))
+            proposal = drafter.propose(torch.tensor(sequence[:length]), draft_request(budget))
+            text = ([] if source is None else source.tolist()) + sequence[:length]
+            found, size = brute_force_lookup(text, budget, drafter.ngram_size, drafter.min_ngram_size) if budget else ([], 0)
+            assert proposal.tokens.tolist() == found and (not found or proposal.match_sizes == [size] * len(found))
+            for n in range(1, 5):  # the array search the trie and CS Drafting use agrees too
+                expected = [s for s in range(len(text) - n) if text[s : s + n] == text[len(text) - n :]]
+                assert suffix_matches(np.array(text), n).tolist() == expected

@@ -1,0 +1,281 @@
+"""Draft-length policies: the choice rule on hand-computed cases, the cost model, the acceptance
+estimates learned from per-position verdicts, and losslessness of every policy."""
+
+import json
+
+import pytest
+import torch
+from conftest import as_method, run_ids
+
+from tierspec.drafters import ModelDrafter, NgramDrafter, NoDrafter
+from tierspec.drafters.base import Drafter
+from tierspec.proposal import Proposal, Verdict
+from tierspec.policies import (
+    AcceptanceEstimate,
+    ConfidenceStop,
+    CostAware,
+    CostModel,
+    ConfidenceKey,
+    CycleOutcome,
+    DraftPolicyError,
+    FixedLength,
+    MatchKey,
+    SourceKey,
+    best_length,
+    expected_emitted,
+)
+
+
+def cost(k, source=""):  # a straight-line verification cost, ms (docs/algorithms.md §Draft-length policies)
+    return 46 + 7 * k
+
+
+def test_expected_emitted_adds_the_reach_of_each_position():
+    assert expected_emitted([]) == [1.0]
+    assert expected_emitted([0.5, 0.25]) == [1.0, 1.5, 1.75]
+
+
+@pytest.mark.parametrize("alpha, expected", [(0.1, 0), (0.3, 1), (0.6, 2), (0.8, 5), (0.95, 10)])
+def test_best_length_under_the_design_cost_model(alpha, expected):
+    reach = [alpha ** (i + 1) for i in range(10)]  # geometric acceptance
+    # brute force over the same objective, written out: E(k) = Σ_{i=0..k} α^i
+    rates = [sum(alpha**i for i in range(k + 1)) / cost(k) for k in range(11)]
+    assert best_length(reach, cost) == rates.index(max(rates)) == expected
+
+
+def test_best_length_uses_per_position_acceptance():
+    # A high first-token acceptance and a collapse after it: one draft, not a long block.
+    assert best_length([0.9, 0.9 * 0.05, 0.9 * 0.05**2], cost) == 1
+
+
+def test_cost_model_costs_draft_steps_as_fractions_of_a_one_token_pass():
+    from tierspec.costs import ForwardCosts
+
+    table = ForwardCosts({1: 0.030, 2: 0.031, 3: 0.040, 4: 0.041, 5: 0.045, 6: 0.060})
+    model = CostModel(table, {"head": 0.05, "model": 1.0})
+    assert model(4, "head") == pytest.approx(0.045 + 4 * 0.05 * 0.030)
+    assert model(4, "model") == pytest.approx(0.045 + 4 * 0.030)  # a drafter as large as the target
+    assert model(4, "ngram") == pytest.approx(0.045)  # lookup is free
+    assert CostModel()(2) == pytest.approx(0.046 + 0.007 * 2)  # no table: the straight line
+
+
+def test_the_cost_aware_policy_has_nothing_to_learn_from_the_clock():
+    """The loop reports verdicts, not timings: a stall of a shared machine cannot choose the
+    next draft lengths (a seed fixes them)."""
+    from dataclasses import fields
+
+    assert not {"draft_seconds", "verify_seconds"} & {f.name for f in fields(CycleOutcome)}
+    policy = CostAware(6, draft_fractions={"head": 0.05})
+    assert policy.cost(3, "head") == CostModel(None, {"head": 0.05})(3, "head")
+
+
+def test_acceptance_estimate_learns_and_forgets():
+    estimate = AcceptanceEstimate(prior=0.5)
+    assert estimate.probability == 0.5
+    for _ in range(10):
+        estimate.update(4, 0, decay=1.0)
+    assert estimate.probability > 0.95
+    for _ in range(200):
+        estimate.shrink(0.95)
+    assert abs(estimate.probability - 0.5) < 0.05  # back to the prior
+
+
+def test_cost_aware_learns_from_each_evaluated_position_only():
+    policy = CostAware(6, cost=cost)
+    proposal = Proposal.chain(torch.tensor([1, 2, 3, 4]), match_sizes=[3] * 4, source="ngram")
+    keys = policy.keys(proposal, 4)
+    assert keys == [MatchKey("ngram", 3, False)] * 4
+    # 2 accepted, the 3rd rejected, the 4th never evaluated: 2 successes, 1 failure.
+    policy.observe(CycleOutcome(proposal, proposal, Verdict.chain(2, 9, [])))
+    estimate = policy.acceptance[MatchKey("ngram", 3, False)]
+    assert (estimate.successes, estimate.failures) == (2.0, 1.0)
+    assert policy.streak is False
+    two = proposal.prefix(2)
+    policy.observe(CycleOutcome(two, two, Verdict.chain(2, 9, [])))
+    assert policy.streak is True
+
+
+def test_the_first_token_cut_off_is_scored_by_the_bonus_token():
+    """After a fully accepted block the target's bonus token tells whether the first drafted token
+    the policy cut would have been kept: counted for its key (here: the same match size)."""
+    policy = CostAware(6, cost=cost)
+    drafted = Proposal.chain(torch.tensor([1, 2, 3]), match_sizes=[3] * 3, source="ngram")
+    policy.observe(CycleOutcome(drafted, drafted.prefix(1), Verdict.chain(1, 2, [])))  # bonus 2 = the cut draft
+    cold = policy.acceptance[MatchKey("ngram", 3, False)]
+    assert (cold.successes, cold.failures) == (2.0, 0.0) and policy.streak  # the kept draft and the cut one
+    policy.observe(CycleOutcome(drafted, drafted.prefix(1), Verdict.chain(1, 7, [])))  # bonus 7: it would have failed
+    warm = policy.acceptance[MatchKey("ngram", 3, True)]  # the block before was accepted whole
+    assert (warm.successes, warm.failures) == (1.0, 1.0)
+    policy.observe(CycleOutcome(drafted, drafted.prefix(1), Verdict.chain(0, 7, [])))  # rejected: the cut tells nothing
+    assert (warm.successes, warm.failures) == (pytest.approx(policy.decay), pytest.approx(policy.decay + 1))
+    assert (cold.successes, cold.failures) == (2.0, 0.0) and not policy.streak
+
+
+def test_trim_only_chooses_and_observe_learns():
+    """The choice of a length changes nothing the policy believes; the verdict does: the block's
+    expected rate, and a first key the policy chose not to verify drifting back to its prior."""
+    policy = CostAware(4, cost=cost)
+    key = MatchKey("ngram", 3, False)
+    policy._estimate(key).update(0, 10, 1.0)
+    proposal = Proposal.chain(torch.tensor([1, 2]), match_sizes=[3, 3], source="ngram")
+    assert policy.trim(proposal) == policy.trim(proposal) == 0  # rarely accepted: not worth a draft
+    assert (policy.acceptance[key].successes, policy.acceptance[key].failures) == (0.0, 10.0)
+    assert policy.source_rate("ngram") is None
+    # nothing verified; the target's token (9) is not the first draft (1): the cut one would have failed
+    policy.observe(CycleOutcome(proposal, proposal.prefix(0), Verdict.chain(0, 9, [])))
+    assert policy.acceptance[key].failures == pytest.approx(10 * policy.idle_decay * policy.decay + 1)
+    assert policy.source_rate("ngram") == 1 / cost(0)
+
+
+def test_keys_are_typed_by_what_the_drafter_knew():
+    policy = CostAware(4, cost=cost)
+    sampled = Proposal.chain(torch.tensor([1, 2]), confidence=torch.tensor([0.97, 0.5]), source="head")
+    assert policy.keys(sampled, 2) == [ConfidenceKey("head", 5, True), ConfidenceKey("head", 2, False)]
+    assert ConfidenceKey("head", 5, True).prior == pytest.approx(0.975) and MatchKey("ngram", 2, True).prior == 0.5
+    assert policy.keys(Proposal.chain(torch.tensor([4]), source="model"), 1) == [SourceKey("model", False)]
+
+
+def test_keep_drafting_stops_when_no_longer_draft_can_pay():
+    policy = CostAware(8, cost=cost)
+    assert policy.keep_drafting([0.999, 0.999], "head")  # confident: longer drafts pay
+    assert not policy.keep_drafting([0.999, 0.02], "head")  # the chain is all but dead
+    assert not policy.keep_drafting([0.999] * 8, "head")  # the cap
+
+
+@pytest.mark.parametrize("later_successes, later_failures, keeps", [(9, 1, True), (1, 9, False)])
+def test_keep_drafting_scores_unseen_tokens_at_the_pooled_later_acceptance(later_successes, later_failures, keeps):
+    """After a first token at confidence 0.5, a second pays (under 46 + 7k ms) only if later
+    tokens are accepted with probability > 0.396; the evidence of later positions decides,
+    whatever the bin those tokens fell in."""
+    policy = CostAware(8, cost=cost)
+    policy._estimate(ConfidenceKey("head", 5, False)).update(later_successes, later_failures, 1.0)
+    assert policy.keep_drafting([0.5], "head") is keeps
+    assert policy.keep_drafting([0.5], "other-source")  # no later evidence: the first token's 0.5 stands in
+
+
+def test_confidence_stop_cuts_before_the_first_unsure_token():
+    policy = ConfidenceStop(5, 0.5)
+    proposal = Proposal.chain(torch.tensor([1, 2, 3]), confidence=torch.tensor([0.9, 0.4, 0.95]))
+    assert policy.trim(proposal) == 1
+    assert policy.keep_drafting([0.9]) and not policy.keep_drafting([0.9, 0.4])
+
+
+@pytest.mark.parametrize("bad", [-2, 1.5, True])
+def test_policies_refuse_bad_lengths(bad):
+    with pytest.raises(DraftPolicyError):
+        FixedLength(bad)
+    with pytest.raises(DraftPolicyError):
+        CostAware(bad)
+
+
+def test_cost_aware_pld_is_lossless(tiny_target, prompt_ids):
+    reference = run_ids(tiny_target, as_method(NoDrafter()), prompt_ids, 60)
+    method = as_method(NgramDrafter(3), policy=CostAware(8))
+    for _ in range(3):
+        assert run_ids(tiny_target, method, prompt_ids, 60) == reference
+
+
+def test_cost_aware_drafts_long_where_drafts_keep_being_right(tiny_target, prompt_ids):
+    """The target drafting for itself is always right: the draft length grows to the cap
+    (under the straight-line cost model: timing a shared test machine would test the machine)."""
+    lengths, caps, emitted = [], [], [0]
+
+    def on_step(step):
+        assert step.cycle.accepted == step.cycle.drafted
+        lengths.append(step.cycle.drafted)
+        caps.append(min(6, 200 - emitted[0] - 1))  # the loop never drafts past the token budget
+        emitted[0] += step.cycle.emitted
+
+    run_ids(tiny_target, as_method(ModelDrafter(tiny_target.model), policy=CostAware(6, cost=cost)), prompt_ids, 200,
+            on_step=on_step)
+    assert lengths[-8:] == caps[-8:] and lengths[0] < 6  # learned, from priors that start lower
+
+
+class Wrong(Drafter):
+    def propose(self, context, request):
+        return Proposal.chain(torch.full((request.budget,), 63, dtype=torch.long))
+
+
+def test_cost_aware_stops_drafting_where_drafts_are_always_wrong(tiny_target, prompt_ids):
+    """A drafter whose proposals are always rejected ends up drafting nothing but a rare
+    one-token probe (estimates drift back toward the prior while idle, by design)."""
+    lengths = []
+    run_ids(tiny_target, as_method(Wrong(), policy=CostAware(6, cost=cost)), prompt_ids, 60,
+            on_step=lambda step: lengths.append(step.cycle.drafted))
+    assert sum(lengths[-20:]) <= 2 and max(lengths[-20:]) <= 1
+
+
+def test_a_new_generation_starts_from_the_priors():
+    """What one generation taught must not choose the next one's drafts (a server's method
+    serves every request; the same seed must give the same text whatever ran before)."""
+    policy = CostAware(4, cost=cost)
+    policy._estimate(MatchKey("ngram", 3, False)).update(4, 0, 1.0)
+    matched = Proposal.chain(torch.tensor([1, 2]), match_sizes=[3, 3], source="ngram")
+    policy.observe(CycleOutcome(matched, matched, Verdict.chain(2, 9, [])))
+    assert policy.acceptance and policy.streak and policy.source_rate("ngram") is not None
+    policy.start()
+    assert policy.acceptance == {} and not policy.streak and policy.source_rate("ngram") is None
+
+
+def test_padded_verification_is_lossless_and_keeps_the_cache_invariant(tiny_target, prompt_ids):
+    """Passes padded to a cheaper size (here 2–5 tokens → 6; on the default model 2–3 → 4+)
+    give the same greedy text, and the padding never survives a commit."""
+    from tierspec.costs import ForwardCosts
+
+    table = ForwardCosts({1: 0.057, 2: 0.092, 3: 0.116, 4: 0.088, 5: 0.090, 6: 0.085})
+    assert [table.padded_size(n) for n in range(1, 8)] == [1, 6, 6, 6, 6, 6, 7]  # 6 rows are the cheapest
+    assert table.cost(2) == 0.085 and table.cost(7) > table.cost(6)
+    reference = run_ids(tiny_target, as_method(NoDrafter()), prompt_ids, 60)
+
+    def inspect(verifiers, drafter):
+        committed = len(verifiers.context)
+        assert verifiers.runner.length == committed - 1 and set(verifiers.runner.layer_lengths()) == {committed - 1}
+
+    method = as_method(NgramDrafter(3), num_draft=3, pass_costs=table)
+    assert run_ids(tiny_target, method, prompt_ids, 60, inspect=inspect) == reference
+
+
+def test_forward_cost_table_is_measured_once_and_cached(tiny_target, tmp_path, monkeypatch):
+    from tierspec import costs
+
+    monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs, "_MEASURED", {})
+    measured, tables = [], []
+    real = costs.measure_forward_costs
+
+    def measure(model, max_tokens, **kwargs):
+        measured.append(max_tokens)
+        tables.append(real(model, max_tokens, context=8, repeats=1))
+        return tables[-1]
+
+    def new_process():
+        monkeypatch.setattr(costs, "_MEASURED", {})
+
+    monkeypatch.setattr(costs, "measure_forward_costs", measure)
+    # The spot check is pinned to the last measurement and nothing below compares a time with a
+    # number: timing a shared machine would make the test flaky, not stronger (issue 22, item 10).
+    monkeypatch.setattr(costs, "spot_check", lambda model: tables[-1].seconds[1])
+    first = costs.forward_costs(tiny_target, max_tokens=4)
+    assert costs.forward_costs(tiny_target, max_tokens=4) is first  # once per process
+    new_process()
+    second = costs.forward_costs(tiny_target, max_tokens=4)
+    assert measured == [4] and first.seconds == second.seconds and sorted(first.seconds) == [1, 2, 3, 4]
+    table = next(tmp_path.glob("forward-costs-*.json"))
+    # a damaged cache file is measured again rather than trusted ...
+    table.write_text("{broken")
+    new_process()
+    costs.forward_costs(tiny_target, max_tokens=4)
+    assert measured == [4, 4]
+    # ... and so is valid JSON of the wrong shape
+    table.write_text(json.dumps({"seconds": {"1": "fast"}}))
+    new_process()
+    costs.forward_costs(tiny_target, max_tokens=4)
+    assert measured == [4, 4, 4]
+    # a table measured on a busy machine (a 1-token pass 10x slower than now) is re-measured
+    data = json.loads(table.read_text())
+    data["seconds"] = {n: 10 * v + 0.5 for n, v in data["seconds"].items()}
+    table.write_text(json.dumps(data))
+    new_process()
+    refreshed = costs.forward_costs(tiny_target, max_tokens=4)
+    assert measured == [4, 4, 4, 4] and refreshed is tables[-1]
+    assert {int(n): v for n, v in json.loads(table.read_text())["seconds"].items()} == refreshed.seconds  # kept

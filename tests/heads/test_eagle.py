@@ -1,0 +1,522 @@
+"""The trained draft head (docs/algorithms.md §Draft head): the unrolled training forward equals
+drafting, the drafter is lossless (greedy and sampled, over a reduced vocabulary), files are
+checked, and training on a tiny model lowers the validation loss."""
+
+import pytest
+import torch
+from conftest import as_method, char_tokenizer, run_ids, tiny_llama
+
+from tierspec.decode import DecodeConfig, decode
+from tierspec.drafters import NgramDrafter, NoDrafter
+from tierspec.drafters.eagle import EagleDrafter, HybridDrafter
+from tierspec.heads.draft import DraftHead, DraftHeadError, HeadRunner
+from tierspec.training.draft_train import (
+    Sequence,
+    TrainConfig,
+    chain_mask,
+    collate,
+    draft_vocabulary,
+    fit_head,
+    unrolled_forward,
+    validate,
+    vocabulary_coverage,
+)
+from tierspec.policies import CostAware
+from tierspec.sampling import SamplingConfig
+
+
+@pytest.fixture(scope="module")
+def target32():
+    return tiny_llama(seed=5, sharpness=20.0, dtype=torch.float32)
+
+
+def random_head(target, vocab=None, seed=3):
+    draft_ids = torch.arange(target.vocab_size) if vocab is None else vocab
+    return DraftHead.for_target(target, draft_ids, seed=seed).eval()
+
+
+def test_chain_mask_on_a_hand_built_case():
+    # step 3, position 4: step-1 keys ≤ 2 (the chain's origin), the step-2 key at 3, itself (step 3) at 4
+    mask = chain_mask(6, 3)
+    assert mask[4, :6].tolist() == [True, True, True, False, False, False]
+    assert mask[4, 6:12].tolist() == [False, False, False, True, False, False]
+    assert mask[4, 12:].tolist() == [False, False, False, False, True, False]
+    assert chain_mask(4, 1).tolist() == torch.ones(4, 4).tril().bool().tolist()  # step 1: causal
+
+
+def test_unrolled_training_forward_equals_incremental_drafting(target32):
+    """Step j of the unrolled forward at position p is exactly what drafting computes for draft
+    j of the chain that starts at p − j + 1 when drafts 1..j−1 were the text's tokens."""
+    head = random_head(target32)
+    torch.manual_seed(0)
+    T = 12
+    features, tokens = torch.randn(T, 32), torch.randint(0, 64, (T,))
+    batch = collate([Sequence(tokens, features.half(), 2, "own-greedy")])
+    f = batch["features"][0]
+    with torch.no_grad():
+        outputs = unrolled_forward(head, batch, 3)
+        for origin in range(T - 4):
+            runner = HeadRunner(head)
+            h = runner.extend(f[: origin + 1], tokens[1 : origin + 2])[-1:]
+            assert torch.allclose(h[0], outputs[0][0, origin], atol=1e-5)
+            for j in (2, 3):
+                p = origin + j - 1
+                h = runner.extend(h, tokens[p + 1 : p + 2])
+                assert torch.allclose(h[0], outputs[j - 1][0, p], atol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [None, "half"])
+@pytest.mark.parametrize("policy", ["fixed", "cost-aware"])
+def test_eagle_greedy_equals_ar(target32, prompt_ids, vocab, policy):
+    ids = None if vocab is None else torch.arange(0, 64, 2)  # tokens outside V_K are never drafted
+    drafter = EagleDrafter(random_head(target32, ids))
+    reference = run_ids(target32, as_method(NoDrafter()), prompt_ids, 40)
+    chosen = CostAware(6, cost=lambda k, source="": 46 + 7 * k) if policy == "cost-aware" else None
+    seen = []
+
+    def inspect(verifiers, d):
+        # the head holds exactly the committed positions the target has features for
+        assert d.runner.length <= len(verifiers.context) - 1
+        seen.append(d.runner.length)
+
+    assert run_ids(target32, as_method(drafter, policy=chosen, num_draft=4), prompt_ids, 40, inspect=inspect) == reference
+    assert len(seen) > 2
+
+
+def test_the_head_reads_the_loops_one_feature_log(target32, prompt_ids):
+    """The draft head keeps no copy of the target's features: it reads the log the verifiers
+    write, whose rows are allocated once for the generation."""
+    drafter = EagleDrafter(random_head(target32))
+    rows = []
+
+    def inspect(verifiers, d):
+        assert d.features is verifiers.features and d.features.length == verifiers.runner.length
+        rows.append(verifiers.features._rows.data_ptr())
+
+    run_ids(target32, as_method(drafter, num_draft=4), prompt_ids, 40, inspect=inspect)
+    assert len(rows) > 2 and len(set(rows)) == 1
+
+
+def test_eagle_after_a_one_token_prompt_equals_ar(target32):
+    """A one-token prompt leaves the prefill nothing to process: the head starts from no features
+    (a server's completion of "Hello" hit this)."""
+    one = torch.tensor([5])
+    reference = run_ids(target32, as_method(NoDrafter()), one, 20)
+    assert run_ids(target32, as_method(EagleDrafter(random_head(target32)), num_draft=3), one, 20) == reference
+
+
+def test_a_head_that_is_the_target_is_accepted_throughout(prompt_ids):
+    """A planted perfect head: for a 1-layer target whose last layer the head copies, with W_fc
+    passing the feature through, drafts are not the target's — so instead check the converse:
+    a drafter fed the target's own greedy tokens (hybrid's n-gram side on a repeating prompt)
+    keeps the output identical."""
+    target = tiny_llama(seed=5, sharpness=20.0, dtype=torch.float32)
+    policy = CostAware(6, cost=lambda k, source="": 46 + 7 * k)
+    hybrid = HybridDrafter(NgramDrafter(3), EagleDrafter(random_head(target)))
+    reference = run_ids(target, as_method(NoDrafter()), prompt_ids, 40)
+    assert run_ids(target, as_method(hybrid, policy=policy), prompt_ids, 40) == reference
+
+
+def test_sampled_eagle_first_token_matches_the_target(prompt_ids):
+    """Exactness with the reduced vocabulary: the first emitted token is distributed as q even
+    though the drafter puts no mass outside V_K (chi-square against the exact q)."""
+    from scipy.stats import chi2
+
+    target = tiny_llama(seed=11, vocab_size=12, layers=2, hidden=16, sharpness=10.0, dtype=torch.float32)
+    head = random_head(target, torch.tensor([0, 2, 3, 5, 7, 8]))
+    prompt = torch.tensor([1, 2, 3, 4])
+    with torch.inference_mode():
+        q = target.model(prompt[None]).logits[0, -1].double().softmax(-1)
+    counts = torch.zeros(12)
+    method = as_method(EagleDrafter(head), num_draft=2)
+    config = DecodeConfig(max_new_tokens=2, sampling=SamplingConfig(1.0))
+    for seed in range(1500):
+        counts[next(decode(target, method, prompt, config, seed)).new_tokens[0]] += 1
+    expected = q * counts.sum()
+    stat = float(((counts - expected) ** 2 / expected).sum())
+    assert chi2.sf(stat, 11) > 1e-3
+    # the same counts condemn the drafter's own distribution (it differs from q)
+    assert counts[[1, 4, 6, 9, 10, 11]].sum() > 0  # tokens outside V_K still appear (residual)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(0.7, top_k=10), SamplingConfig(1.0, top_p=0.8)])
+def test_eagle_samples_with_top_k_and_top_p(target32, prompt_ids, sampling):
+    out = run_ids(target32, as_method(EagleDrafter(random_head(target32)), num_draft=3), prompt_ids, 30, sampling,
+                  generator=torch.Generator().manual_seed(0))
+    assert len(out) == 30
+
+
+def test_vocabulary_map_round_trips_and_files_are_checked(target32, tmp_path):
+    ids = torch.tensor([0, 3, 5, 9, 40, 63])
+    head = random_head(target32, ids)
+    path = tmp_path / "head.safetensors"
+    head.save(path, {"note": "test"}, dtype=torch.float32)
+    loaded = DraftHead.load(path, target32)
+    assert loaded.draft_ids.tolist() == ids.tolist()
+    assert torch.equal(loaded.lm_rows, target32.model.get_output_embeddings().weight[ids])
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(tensor, loaded.state_dict()[name]), name
+    # another model (same shapes, other weights' hash) is refused
+    other = tiny_llama(seed=6, sharpness=20.0, dtype=torch.float32)
+    other.identity.__dict__  # frozen dataclass: build a differing identity instead
+    from dataclasses import replace
+
+    other.identity = replace(target32.identity, name="other", content_hash="ab" * 32)
+    loaded.target_identity = replace(target32.identity, content_hash="cd" * 32)
+    with pytest.raises(DraftHeadError, match="trained for"):
+        loaded.attach(other)
+    # damaged files
+    path.write_bytes(path.read_bytes()[:100])
+    with pytest.raises(DraftHeadError, match="damaged"):
+        DraftHead.load(path, target32)
+    with pytest.raises(DraftHeadError, match="does not exist"):
+        DraftHead.load(tmp_path / "missing.safetensors", target32)
+
+
+FILE_WEIGHTS = {"fc.weight", "fc.bias", "q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight",
+                "gate_proj.weight", "up_proj.weight", "down_proj.weight", "input_norm", "post_attention_norm",
+                "final_norm", "draft_ids"}
+
+
+def test_a_saved_head_names_its_weights_as_the_shipped_file_does(target32, tmp_path):
+    """The head's layer is ``llama``'s (q/k/v and gate/up fused), but its file keeps the names
+    heads have always been saved with, so the shipped head and heads users trained still load."""
+    from safetensors import safe_open
+
+    head = DraftHead.for_target(target32, torch.arange(64), seed=3, feature_layers=(1,))
+    path = tmp_path / "head.safetensors"
+    head.save(path, dtype=torch.float32)
+    with safe_open(str(path), "pt") as handle:
+        saved = {key: handle.get_tensor(key) for key in handle.keys()}
+    assert set(saved) == FILE_WEIGHTS | {"aux_proj.weight"}
+    layer = target32.model.model.layers[-1]  # copied from the target's last layer, by name
+    assert torch.equal(saved["k_proj.weight"], layer.self_attn.k_proj.weight)
+    assert torch.equal(saved["up_proj.weight"], layer.mlp.up_proj.weight)
+    assert torch.equal(saved["post_attention_norm"], layer.post_attention_layernorm.weight)
+
+
+def test_the_shipped_file_loads_into_the_layer_and_writes_back_bitwise():
+    """The shipped head's tensors, read into the module and written out under the file's names
+    again, are exactly the file's (no weight renamed, reshaped, dropped or left over)."""
+    import json
+
+    from safetensors import safe_open
+
+    from tierspec.heads.draft import HeadConfig
+    from tierspec.heads.shipped import HEADS_DIR
+
+    with safe_open(str(HEADS_DIR / "smollm2-135m.safetensors"), "pt") as handle:
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+        config = HeadConfig(**json.loads(handle.metadata()["info"])["config"])
+    assert set(tensors) == FILE_WEIGHTS | {"aux_proj.weight"}
+    head = DraftHead(config, tensors["draft_ids"]).to(torch.bfloat16)
+    head.load_state_dict(head.from_file_names(tensors), strict=True)
+    written = head.to_file_names()
+    assert written.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert torch.equal(written[name], tensor), name
+
+
+def test_a_head_for_another_shape_is_refused(target32, tmp_path):
+    head = random_head(target32)
+    path = tmp_path / "head.safetensors"
+    head.save(path)
+    wider = tiny_llama(seed=5, hidden=48, sharpness=20.0, dtype=torch.float32)
+    with pytest.raises(DraftHeadError):
+        DraftHead.load(path, wider)
+
+
+def teacher_forced_sequences(target, count, length, seed):
+    """Greedy continuations of random prompts by the tiny target, with its features."""
+    from tierspec.cached_model import CachedModel
+
+    generator = torch.Generator().manual_seed(seed)
+    sequences = []
+    for _ in range(count):
+        prompt = torch.randint(0, 64, (6,), generator=generator)
+        method = as_method(NoDrafter())
+        answer = run_ids(target, method, prompt, length)
+        tokens = torch.cat([prompt, torch.tensor(answer)])
+        with torch.inference_mode():
+            hidden = CachedModel(target.model).forward(tokens, with_hidden=True).hidden
+        sequences.append(Sequence(tokens[:-1], hidden[:-1].half(), 6, "own-greedy"))
+    return sequences
+
+
+def test_training_on_a_tiny_model_lowers_the_validation_loss(target32):
+    sequences = teacher_forced_sequences(target32, 60, 24, seed=0)
+    config = TrainConfig(draft_vocab_size=48, epochs=10, batch_tokens=512, lr=1e-2, warmup_steps=5, val_fraction=0.2,
+                         ttt_steps=2, bf16=False, checkpoint_every=1000)
+    from tierspec.training.draft_train import split_sequences, validation_loss
+
+    _, val = split_sequences(sequences, config.val_fraction, config.seed)
+    untrained = DraftHead.for_target(target32, draft_vocabulary(split_sequences(sequences, 0.2, 0)[0], 48, 64), config.seed)
+    before = validation_loss(untrained, val, config)
+    accepted_before = validate(untrained, val, 3)["acceptance_by_position"][0]
+    head, metrics = fit_head(target32, sequences, config, progress=False, log=lambda message: None)
+    after = metrics["history"][-1]
+    assert after["val_loss"] < 0.7 * before
+    assert after["acceptance_by_position"][0] > accepted_before + 0.2
+    ids = draft_vocabulary(sequences, 48, 64)
+    assert len(ids) == 48 and vocabulary_coverage(sequences, ids, 64) > 0.9
+
+
+def test_validation_counts_acceptance_given_earlier_acceptance(target32):
+    """A head whose drafts are always right (planted via its output) has acceptance 1 at every
+    position; validate() reads the chains' real next tokens."""
+    sequences = teacher_forced_sequences(target32, 4, 16, seed=1)
+    head = random_head(target32)
+    metrics = validate(head, sequences, 3)
+    assert metrics["chains"] > 0 and all(0.0 <= a <= 1.0 for a in metrics["acceptance_by_position"])
+    assert 1.0 <= metrics["tau_fixed_draft"] <= 4.0
+
+
+def test_a_head_reading_several_target_layers_drafts_as_it_trains(target32, prompt_ids):
+    """With fused layers (EAGLE-3), the unrolled forward still equals incremental drafting, the
+    loop hands the drafter f and the layers' outputs, and greedy output equals ar."""
+    head = DraftHead.for_target(target32, torch.arange(64), seed=3, feature_layers=(1, 2)).eval()
+    with torch.no_grad():
+        head.aux_proj.weight.normal_(0, 0.1)  # a trained head's correction, planted
+    assert head.config.feature_width == 96
+    torch.manual_seed(0)
+    T = 10
+    features, tokens = torch.randn(T, 96), torch.randint(0, 64, (T,))
+    batch = collate([Sequence(tokens, features.half(), 2, "own-greedy")])
+    with torch.no_grad():
+        outputs = unrolled_forward(head, batch, 2)
+        runner = HeadRunner(head)
+        h = runner.extend(batch["features"][0, :4], tokens[1:5], from_target=True)[-1:]
+        assert torch.allclose(h[0], outputs[0][0, 3], atol=1e-5)
+        h = runner.extend(h, tokens[5:6])
+        assert torch.allclose(h[0], outputs[1][0, 4], atol=1e-5)
+    reference = run_ids(target32, as_method(NoDrafter()), prompt_ids, 30)
+    seen = []
+
+    class Watching(EagleDrafter):
+        def _catch_up(self, context):  # the width of the features the head reads from the loop's log
+            if self.features.length > self.runner.length:
+                seen.append(self.features.read(self.runner.length, self.features.length).shape[-1])
+            return super()._catch_up(context)
+
+    assert run_ids(target32, as_method(Watching(head), num_draft=3), prompt_ids, 30) == reference
+    assert seen and set(seen) == {96}
+
+
+def test_drafter_commands_build_data_train_and_generate_on_a_tiny_model(tmp_path, training_data_dir, capsys):
+    """`tierspec drafter build-data` → `tierspec drafter train` → `tierspec generate --method eagle`,
+    end to end on a tiny model folder; a rerun of build-data resumes (nothing left to do); the
+    head is refused for another model."""
+    import json
+
+    from tierspec.cli import main
+
+    model = tiny_llama(seed=4, vocab_size=56, layers=4, sharpness=20.0, dtype=torch.float32).model
+    folder = tmp_path / "tiny"
+    model.save_pretrained(folder)
+    char_tokenizer().save_pretrained(folder)
+    data = tmp_path / "draft-data"
+    build = ["drafter", "build-data", "--target", str(folder), "--out", str(data), "--own-prompts", "8",
+             "--reference-items", "6", "--batch-size", "4", "--max-new-tokens", "12", "--max-prompt-tokens", "120",
+             "--data-dir", str(training_data_dir), "--no-progress"]
+    assert main(build) == 0, capsys.readouterr().err
+    manifest = json.loads((data / "manifest.json").read_text())
+    assert manifest["shards_done"] == manifest["shards_planned"] > 0 and manifest["answer_tokens"] > 0
+    shards = sorted(p.name for p in data.glob("shard-*.safetensors"))
+    assert main(build) == 0  # resumes: every shard is done, nothing is rewritten
+    assert sorted(p.name for p in data.glob("shard-*.safetensors")) == shards
+    head_path = tmp_path / "head.safetensors"
+    assert main(["drafter", "train", "--target", str(folder), "--data", str(data), "--out", str(head_path),
+                 "--epochs", "1", "--batch-tokens", "256", "--draft-vocab", "40", "--no-progress"]) == 0
+    info = json.loads(head_path.with_suffix(".json").read_text())
+    assert info["format"] == "tierspec-draft-head" and info["config"]["draft_vocab_size"] == 40
+    assert info["config"]["feature_layers"] == [1, 2]  # the layers build-data stored for 4 layers
+    # continued training: the starting head's vocabulary (not --draft-vocab) and a record of it
+    import hashlib
+
+    continued = tmp_path / "continued.safetensors"
+    assert main(["drafter", "train", "--target", str(folder), "--data", str(data), "--out", str(continued),
+                 "--epochs", "1", "--batch-tokens", "256", "--draft-vocab", "30", "--init-head", str(head_path),
+                 "--no-progress"]) == 0
+    more = json.loads(continued.with_suffix(".json").read_text())
+    assert more["draft_vocab_sha256"] == info["draft_vocab_sha256"] and more["config"] == info["config"]
+    assert more["continued_from"]["sha256"] == hashlib.sha256(head_path.read_bytes()).hexdigest()
+    assert more["continued_from"]["path"] == str(head_path)  # as given on the command line
+    assert [entry["epoch"] for entry in more["training"]["history"]] == [0.0, 1.0]
+    assert main(["drafter", "train", "--target", str(folder), "--data", str(data), "--out", str(continued),
+                 "--init-head", str(head_path), "--feature-layers", "1"]) == 2
+    assert "fuses target layers [1, 2]" in capsys.readouterr().err
+    capsys.readouterr()
+    assert main(["generate", "tom has 3 apples", "--target", str(folder), "--method", "eagle", "--draft-head",
+                 str(head_path), "--max-new-tokens", "10", "--no-chat-template", "--stats"]) == 0
+    stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+    assert stats["method"] == "eagle" and stats["emitted"] == 10
+    other = tmp_path / "other"
+    tiny_llama(seed=9, vocab_size=56, layers=4, sharpness=20.0, dtype=torch.float32).model.save_pretrained(other)
+    char_tokenizer().save_pretrained(other)
+    assert main(["generate", "hi", "--target", str(other), "--method", "eagle", "--draft-head", str(head_path)]) == 2
+    assert "trained for" in capsys.readouterr().err
+
+
+# ---- a head whose forward pass overflows (issue 23, finding 8) ------------------------------------
+
+def overflowing_head(target):
+    """Finite weights (|w| ≤ 1e25) whose MLP overflows to inf, and the final norm to NaN: every
+    output of the head is NaN, though every weight passes a finiteness check."""
+    head = random_head(target)
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            getattr(head.layer.mlp, name).weight.mul_(1e25)
+    assert all(torch.isfinite(p).all() for p in head.parameters())
+    return head
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_head_whose_outputs_overflow_drafts_nothing_and_the_output_is_the_targets(target32, prompt_ids, temperature):
+    """Once loaded (the load check is the other guard), such a head made generation crash: an
+    empty max() over confidence bins at temperature 0, inf/NaN probabilities at 1. A draft
+    distribution that is not finite ends the draft: the target decides every token."""
+    sampling = SamplingConfig(temperature)
+    reference = run_ids(target32, as_method(NoDrafter()), prompt_ids, 20, sampling, generator=torch.Generator().manual_seed(0))
+    drafter = EagleDrafter(overflowing_head(target32))
+    proposals = []
+
+    def watch(step):
+        proposals.append(step.cycle.drafted)
+
+    for policy in (None, CostAware(6)):
+        out = run_ids(target32, as_method(drafter, policy=policy, num_draft=4), prompt_ids, 20, sampling,
+                      generator=torch.Generator().manual_seed(0), on_step=watch)
+        assert out == reference
+    assert proposals and set(proposals) == {0}
+
+
+def test_a_head_whose_outputs_overflow_is_refused_at_load(target32, tmp_path):
+    path = tmp_path / "huge.safetensors"
+    overflowing_head(target32).save(path, dtype=torch.float32)
+    with pytest.raises(DraftHeadError, match="huge.safetensors gives non-finite outputs on the target's features"):
+        DraftHead.load(path, target32)
+
+
+# ---- training checkpoints (issue 23, findings 6 and 12) -------------------------------------------
+
+class Planted:
+    """Unpickling this runs ``Path.touch(marker)``: what a planted checkpoint could run instead."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        from pathlib import Path
+
+        return Path.touch, (Path(self.marker),)
+
+
+def small_training(target, tmp_path):
+    sequences = teacher_forced_sequences(target, 24, 14, seed=2)
+    config = TrainConfig(draft_vocab_size=40, epochs=2, batch_tokens=64, lr=1e-2, warmup_steps=2, val_fraction=0.2,
+                         ttt_steps=2, bf16=False, checkpoint_every=3, max_val_sequences=4)
+    return sequences, config
+
+
+def test_a_planted_checkpoint_runs_no_code_and_is_refused(target32, tmp_path):
+    from tierspec.training.draft_data import DraftDataError
+
+    sequences, config = small_training(target32, tmp_path)
+    checkpoint = tmp_path / "head.safetensors.checkpoint.pt"
+    marker = tmp_path / "code-ran"
+    torch.save({"fingerprint": Planted(str(marker)), "step": 1}, checkpoint)
+    with pytest.raises(DraftDataError, match="is not a training checkpoint tierspec can read"):
+        fit_head(target32, sequences, config, checkpoint, progress=False, log=lambda message: None)
+    assert not marker.exists()
+    # a readable file that is not a checkpoint of this training: refused before anything is used
+    torch.save({"step": "three"}, checkpoint)
+    with pytest.raises(DraftDataError, match="made with other settings or data"):
+        fit_head(target32, sequences, config, checkpoint, progress=False, log=lambda message: None)
+
+
+def test_interrupted_and_resumed_training_gives_the_uninterrupted_head_exactly(target32, tmp_path, monkeypatch):
+    """The noise generator's state is saved and restored (it was re-seeded on resume: another
+    head), and so is the window of losses the next history entry averages."""
+    from tierspec.training import draft_train as train_module
+
+    sequences, config = small_training(target32, tmp_path)
+    whole, whole_metrics = fit_head(target32, sequences, config, tmp_path / "whole.pt", progress=False,
+                                    log=lambda message: None)
+    save = train_module._save_checkpoint
+    saves = []
+
+    def interrupted(path, state):
+        save(path, state)
+        saves.append(state["step"])
+        if len(saves) == 1:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "_save_checkpoint", interrupted)
+    checkpoint = tmp_path / "parted.pt"
+    with pytest.raises(KeyboardInterrupt):
+        fit_head(target32, sequences, config, checkpoint, progress=False, log=lambda message: None)
+    steps_per_epoch = len(train_module._epoch_order(train_module.split_sequences(sequences, 0.2, 0)[0], config, 0))
+    assert saves[0] % steps_per_epoch != 0  # interrupted inside an epoch, not at its end
+    resumed, resumed_metrics = fit_head(target32, sequences, config, checkpoint, progress=False, log=lambda message: None)
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(tensor, resumed.state_dict()[name]), name
+    without_time = lambda history: [{k: v for k, v in entry.items() if k != "seconds"} for entry in history]  # noqa: E731
+    assert without_time(resumed_metrics["history"]) == without_time(whole_metrics["history"])
+
+
+def test_continued_training_starts_from_the_head_and_scores_it_first(target32, tmp_path):
+    """``init_head``: the history's epoch 0 is the starting head's validation on the same chains;
+    training continues from its weights (the starting head itself is left as it was) with its
+    draft vocabulary; a checkpoint made from another starting head is not resumed."""
+    from tierspec.training import draft_train as train_module
+    from tierspec.training.draft_data import DraftDataError
+
+    sequences, config = small_training(target32, tmp_path)
+    start, _ = fit_head(target32, sequences, config, progress=False, log=lambda message: None)
+    before = {name: tensor.clone() for name, tensor in start.state_dict().items()}
+    more = teacher_forced_sequences(target32, 24, 14, seed=7)
+    wider = train_module.replace(config, draft_vocab_size=50)  # ignored: the head's vocabulary stays
+    checkpoint = tmp_path / "continued.pt"
+    head, metrics = fit_head(target32, more, wider, checkpoint, progress=False, log=lambda message: None,
+                             init_head=start)
+    _, val = train_module.split_sequences(more, config.val_fraction, config.seed)
+    first = metrics["history"][0]
+    assert first["epoch"] == 0.0 and first["step"] == 0
+    assert {k: first[k] for k in ("acceptance_by_position", "tau_fixed_draft", "chains")} == validate(start, val[:4], config.val_steps)
+    assert torch.equal(head.draft_ids, start.draft_ids) and metrics["draft_vocab_size"] == 40
+    assert all(torch.equal(before[name], tensor) for name, tensor in start.state_dict().items())
+    assert any(not torch.equal(before[name], tensor) for name, tensor in head.state_dict().items()
+               if name != "draft_ids")
+    # the same settings and data continued from another head: the checkpoint is refused
+    assert checkpoint.exists()  # (fit_head leaves it; the command deletes it once the head is saved)
+    other = random_head(target32, vocab=start.draft_ids, seed=11)
+    with pytest.raises(DraftDataError, match="other settings or data"):
+        fit_head(target32, more, wider, checkpoint, progress=False, log=lambda message: None, init_head=other)
+
+
+@pytest.mark.parametrize("name", ["eagle", "hybrid", "lossy"])
+def test_a_method_needing_a_head_refuses_a_target_without_one_before_measuring_costs(name, target32, monkeypatch):
+    """Measuring the cost table takes seconds on a real model: the missing head is reported first."""
+    from tierspec import costs
+    from tierspec.methods import MethodOptions, build_method
+
+    measured = []
+    monkeypatch.setattr(costs, "measure_forward_costs", lambda *a, **k: measured.append(1))
+    monkeypatch.setattr(costs, "_MEASURED", {}, raising=False)
+    with pytest.raises(DraftHeadError, match="no draft head is shipped"):
+        build_method(name, target32, None, MethodOptions(drafter_kind="eagle"))
+    assert measured == []
+
+
+def test_build_data_runs_with_the_largest_seed(tmp_path, training_data_dir):
+    """Each shard's generation is seeded from the run's seed and the shard's index: for seeds
+    near 2**63 that sum overflowed torch's 64-bit seed (a traceback)."""
+    from tierspec.training.draft_data import DataConfig, build_data
+    from tierspec.models import wrap_model
+
+    model = tiny_llama(seed=4, vocab_size=56, layers=4, sharpness=20.0, dtype=torch.float32).model
+    target = wrap_model(model, char_tokenizer(), name="tiny-char")
+    config = DataConfig(own_prompts=4, reference_items=0, batch_size=2, max_new_tokens=4, max_prompt_tokens=120,
+                        seed=2**63 - 1)
+    build_data(target, tmp_path / "data", config, training_data_dir, progress=False, max_shards=1)
+    assert len(list((tmp_path / "data").glob("shard-*.safetensors"))) == 1

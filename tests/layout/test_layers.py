@@ -1,0 +1,144 @@
+"""The package reads top-down: every module imports only modules of its own layer or of the layers
+below it (README, Layout; STYLE.md, "A layout that shows the architecture"). Every import
+statement counts, module-level or inside a function: a lazy import up is still an import up."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "tierspec"
+
+#: Top first. A module belongs to the layer of the longest name that prefixes it, so
+#: ``tierspec.layerskip.masks`` (a mask applied in a pass: the pass engine's business) sits below
+#: the rest of ``tierspec.layerskip`` (mask search, CLaSP's selection), which drives models.
+LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("faces", ("tierspec", "tierspec.cli", "tierspec.api", "tierspec.server")),
+    ("jobs", ("tierspec.bench", "tierspec.training", "tierspec.data", "tierspec.cluster")),
+    ("methods", ("tierspec.methods",)),
+    ("the loop", ("tierspec.decode",)),
+    ("rules", ("tierspec.rules",)),
+    ("drafters and policies", ("tierspec.drafters", "tierspec.policies")),
+    ("records", ("tierspec.proposal", "tierspec.walks")),
+    ("heads and layer skipping", ("tierspec.heads", "tierspec.layerskip")),
+    ("models and engines", ("tierspec.cached_model", "tierspec.costs", "tierspec.seq2seq", "tierspec.models",
+                            "tierspec.prompting", "tierspec.layerskip.masks", "tierspec.kernels", "tierspec.quant",
+                            "tierspec.gguf_llama", "tierspec.gguf_cache")),
+    ("forward passes", ("tierspec.llama", "tierspec.tokenizer", "tierspec.engine", "tierspec._qengine")),
+    ("pure pieces", ("tierspec.sampling", "tierspec.tree", "tierspec.modifiers", "tierspec.errors", "tierspec.util",
+                     "tierspec.identity")),
+)
+
+
+def layer_of(module: str) -> int:
+    """The index (0 = top) of the layer ``module`` belongs to."""
+    best, index = "", None
+    for i, (_, prefixes) in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > len(best):
+                best, index = prefix, i
+    if index is None:
+        raise KeyError(f"{module} is in no layer: add it to LAYERS (tests/layout/test_layers.py) and README's Layout")
+    return index
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def is_module(name: str) -> bool:
+    """Whether ``name`` is a module or package of tierspec (a compiled extension included)."""
+    path = PACKAGE.parent / Path(*name.split("."))
+    return path.is_dir() or any(path.parent.glob(path.name + ".*py")) or any(path.parent.glob(path.name + ".*.so"))
+
+
+def imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
+    """(line, absolute module) of every tierspec module ``source`` imports; ``from .x import y``
+    counts as ``x.y`` when y is a module, else ``x`` (both are tried against the layers)."""
+    found = []
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == "tierspec"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = base[: len(base) - node.level + 1]
+                name = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                name = node.module or ""
+            if name.split(".")[0] != "tierspec":
+                continue
+            for alias in node.names:
+                candidate = f"{name}.{alias.name}"
+                found.append((node.lineno, candidate if is_module(candidate) else name))
+    return found
+
+
+def violations(source: str, module: str, is_package: bool = False) -> list[str]:
+    """Each import of ``source`` (the text of ``module``) that reaches up to a higher layer."""
+    own = layer_of(module)
+    return [f"{module}:{line} imports {target} ({LAYERS[layer_of(target)][0]}, above {LAYERS[own][0]})"
+            for line, target in imports(source, module, is_package) if layer_of(target) < own]
+
+
+def modules() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def test_every_module_has_a_layer():
+    assert len(modules()) > 60
+    for path in modules():
+        layer_of(module_name(path))
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_no_module_imports_from_a_layer_above_its_own(path):
+    assert violations(path.read_text(), module_name(path), path.name == "__init__.py") == []
+
+
+def test_the_check_catches_a_planted_import_up():
+    # a rule reaching up to the loop, a lazy import inside a function, and a relative import from a package
+    assert violations("from ..decode import Verifiers\n", "tierspec.rules.exact") == [
+        "tierspec.rules.exact:1 imports tierspec.decode (the loop, above rules)"]
+    assert violations("def f():\n    from ..api import generate\n", "tierspec.training.calibration") == [
+        "tierspec.training.calibration:2 imports tierspec.api (faces, above jobs)"]
+    assert violations("from . import decode\n", "tierspec.cached_model") == [
+        "tierspec.cached_model:1 imports tierspec.decode (the loop, above models and engines)"]
+    assert violations("from ..cached_model import CachedModel\n", "tierspec.layerskip.masks") == []  # same layer
+    assert violations("from .rules import ExactRule\n", "tierspec.methods") == []  # down is fine
+    assert violations("import tierspec.methods\n", "tierspec.policies") == [
+        "tierspec.policies:1 imports tierspec.methods (methods, above drafters and policies)"]
+
+
+# ---- the tests mirror the layers ----------------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parents[1]
+#: Where the tests of each layer live (tests/<folder>/test_*.py; helpers and conftest stay at the top).
+TEST_FOLDERS = {"faces": "faces", "jobs": "jobs", "methods": "methods", "loop": "the loop", "rules": "rules",
+                "drafters": "drafters and policies", "heads": "heads and layer skipping",
+                "layerskip": "heads and layer skipping", "models": "models and engines", "pure": "pure pieces",
+                "layout": None}  # layout: the package and the documents as a whole
+
+
+def test_tests_are_grouped_by_layer_and_every_group_runs_something():
+    """Every test module sits in a layer's folder, and each folder holds a test the default run
+    (``-m 'not slow'``) collects, so running any folder (or the suite) never collects nothing."""
+    layer_names = {name for name, _ in LAYERS}
+    assert {layer for layer in TEST_FOLDERS.values() if layer} <= layer_names
+    modules = sorted(TESTS.rglob("test_*.py"))
+    assert modules and all(m.parent.parent == TESTS and m.parent.name in TEST_FOLDERS for m in modules), \
+        [str(m.relative_to(TESTS)) for m in modules if m.parent.parent != TESTS or m.parent.name not in TEST_FOLDERS]
+    assert len({m.name for m in modules}) == len(modules)  # pytest's import mode needs distinct basenames
+    for folder in TEST_FOLDERS:
+        runnable = 0
+        for module in (TESTS / folder).glob("test_*.py"):
+            tree = ast.parse(module.read_text())
+            slow_module = "pytestmark" in module.read_text() and "slow" in module.read_text().split("pytestmark", 1)[1][:80]
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef) and node.name.startswith("test_") and not slow_module:
+                    marks = [ast.unparse(d) for d in node.decorator_list]
+                    runnable += not any("mark.slow" in mark for mark in marks)
+        assert runnable, f"tests/{folder} has no test the default run collects"

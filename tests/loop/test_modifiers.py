@@ -1,0 +1,275 @@
+"""Sampling modifiers (presence / frequency penalty, logit bias) and log-probabilities under
+speculation (issue 33, items 1 and 2; docs/DESIGN.md §9).
+
+The penalty math is checked on hand-built rows; plain decoding (``ar``) under the modifiers
+against a reference that recomputes the whole sequence with transformers at every step and
+counts the generated tokens in Python; every lossless method against ``ar`` (greedy and seeded
+at temperature 1), tokens exactly and logprobs to ``LOGPROB_TOLERANCE``."""
+
+import importlib
+
+import pytest
+import torch
+from conftest import tiny_llama
+
+from tierspec.decode import DecodeConfig, DecodeRun, TokenLogprob, token_logprobs
+from tierspec.drafters.eagle import EagleDrafter  # noqa: F401  (the head's drafter must import)
+from tierspec.heads.draft import DraftHead
+from tierspec.errors import TierspecError
+from tierspec.methods import MethodOptions, build_method
+from tierspec.models import load_model
+from tierspec.modifiers import LogitModifiers, chain_counts, modified_logits, token_counts, tree_counts
+from tierspec.layerskip.masks import RoutingMask
+from tierspec.sampling import Noise, SamplingConfig, gumbel_argmax, logits_to_probs, reported_logprobs
+
+PROMPT = torch.tensor([5, 9, 13, 5, 9, 13, 7, 21, 5, 9, 13, 7, 3, 30, 41])
+MODIFIERS = LogitModifiers(presence_penalty=0.6, frequency_penalty=0.9, logit_bias=((5, 2.5), (9, -3.0), (13, 1.0)))
+#: A lossless method's logprob and ar's for the same token are read from passes of different
+#: sizes, whose float32 logits differ in the last bits (README, "Same seed, same text").
+LOGPROB_TOLERANCE = 1e-4
+GREEDY, SAMPLED = SamplingConfig(), SamplingConfig(1.0)
+
+
+# ---- the pure functions -----------------------------------------------------------------------
+
+
+def test_token_counts_count_each_id():
+    assert token_counts(torch.tensor([2, 0, 2, 2]), 4).tolist() == [1.0, 0.0, 3.0, 0.0]
+
+
+def test_chain_counts_row_i_adds_the_drafts_before_it():
+    prior = torch.tensor([0.0, 1.0, 0.0, 0.0])  # token 1 generated once already
+    counts = chain_counts(prior, torch.tensor([2, 1, 2]))
+    assert counts.tolist() == [[0, 1, 0, 0],   # after the committed text
+                               [0, 1, 1, 0],   # + draft 1 (token 2)
+                               [0, 2, 1, 0],   # + draft 2 (token 1)
+                               [0, 2, 2, 0]]   # + draft 3 (token 2): the bonus row
+
+
+def test_tree_counts_follow_each_nodes_path():
+    # root → node 0 (token 3) → node 2 (token 3); root → node 1 (token 1)
+    counts = tree_counts(torch.zeros(4), torch.tensor([3, 1, 3]), torch.tensor([-1, -1, 0]))
+    assert counts.tolist() == [[0, 0, 0, 0], [0, 0, 0, 1], [0, 1, 0, 0], [0, 0, 0, 2]]
+
+
+def test_modified_logits_subtract_the_penalties_and_add_the_bias():
+    logits = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 3.0]])
+    counts = torch.tensor([[0.0, 0.0, 2.0], [1.0, 0.0, 0.0]])
+    modifiers = LogitModifiers(presence_penalty=0.5, frequency_penalty=0.25, logit_bias=((1, -1.0),))
+    out = modified_logits(logits, counts, modifiers)
+    # token 2 seen twice: 3 − 0.25·2 − 0.5 = 2.0; token 1 biased: 2 − 1 = 1.0
+    assert out.tolist() == [[1.0, 1.0, 2.0], [0.25, 1.0, 3.0]]
+
+
+def test_a_penalty_turns_greedy_away_from_a_repeated_token():
+    logits = torch.tensor([[2.0, 1.9]])
+    assert modified_logits(logits, torch.tensor([[1.0, 0.0]]), LogitModifiers(frequency_penalty=0.2)).argmax() == 1  # rejects 0
+    assert modified_logits(logits, torch.tensor([[1.0, 0.0]]), LogitModifiers(frequency_penalty=0.05)).argmax() == 0  # keeps 0
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"presence_penalty": 2.5}, "presence_penalty must be a number in"),
+    ({"frequency_penalty": -3}, "frequency_penalty must be a number in"),
+    ({"logit_bias": ((1, 101.0),)}, "the bias of token 1 must be in"),
+    ({"logit_bias": ((-1, 1.0),)}, "token ids are integers >= 0"),
+    ({"logit_bias": ((1, 1.0), (1, 2.0))}, "token id 1 is given twice"),
+])
+def test_modifiers_out_of_range_are_refused(kwargs, message):
+    with pytest.raises(TierspecError, match=message):
+        LogitModifiers(**kwargs)
+
+
+def test_all_zero_modifiers_are_inactive():
+    assert not LogitModifiers(logit_bias=((3, 0.0),)).active and LogitModifiers(presence_penalty=0.1).active
+
+
+def test_reported_logprobs_are_after_temperature_and_model_logprobs_when_greedy():
+    logits = torch.tensor([[0.0, 1.0, 3.0]])
+    assert torch.allclose(reported_logprobs(logits, GREEDY), logits.log_softmax(-1))
+    assert torch.allclose(reported_logprobs(logits, SamplingConfig(0.5)), (logits / 0.5).log_softmax(-1))
+    top1 = reported_logprobs(logits, SamplingConfig(1.0, top_k=1))
+    assert top1[0, 2] == 0.0 and top1[0, :2].tolist() == [float("-inf")] * 2  # outside top-k: −inf
+
+
+def test_token_logprobs_record_the_token_and_its_alternatives():
+    logits = torch.tensor([[0.0, 2.0, 1.0]]).log_softmax(-1)
+    (record,) = token_logprobs(logits, [2], GREEDY, top=2)
+    assert record.token == 2 and record.logprob == pytest.approx(float(logits[0, 2]))
+    assert [token for token, _ in record.top] == [1, 2]
+
+
+# ---- the loop: ar against a reference, every lossless method against ar -----------------------
+
+
+@pytest.fixture(scope="module", autouse=True)
+def pinned_pass_costs():
+    """One pass-cost table for the cost-aware methods (as tests/loop/test_seed.py pins it)."""
+    from tierspec import costs
+
+    def table(target, max_tokens=16, refresh=False):
+        return costs.ForwardCosts({n: 0.030 + 0.002 * (n - 1) for n in range(1, max_tokens + 1)})
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(costs, "forward_costs", table)
+        yield
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(seed=21, sharpness=6.0, dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def own_target(target, tmp_path_factory):
+    """The same weights on tierspec's own Llama forward (token trees and CLaSP run there only)."""
+    folder = tmp_path_factory.mktemp("modifiers-own") / "m"
+    target.model.save_pretrained(folder)
+    return load_model(folder, dtype="float32", implementation="tierspec")
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return tiny_llama(seed=22, layers=1, sharpness=6.0, dtype=torch.float32)
+
+
+def options_for(name: str, target) -> MethodOptions:
+    values = {"num_draft": 4, "adaptive_max_draft": 6,
+              "draft_head": DraftHead.for_target(target, torch.arange(0, 64, 2), seed=3).eval()}
+    if name == "self":
+        values["mask"] = RoutingMask.from_units(4, "sublayer", [("mlp", 1), ("attn", 2)])
+    return MethodOptions(**values)
+
+
+def run(target, method, sampling, seed, modifiers=MODIFIERS, max_new=40, logprobs=3, score_prompt=False):
+    config = DecodeConfig(max_new_tokens=max_new, sampling=sampling, modifiers=modifiers, logprobs=logprobs,
+                          score_prompt=score_prompt)
+    generation = DecodeRun(target, method, PROMPT, config, seed)
+    steps = list(generation)
+    records = [record for step in steps for record in step.logprobs] if logprobs is not None else None
+    return generation.token_ids, records, steps
+
+
+def reference_tokens(target, sampling, seed, modifiers=MODIFIERS, max_new=40):
+    """Plain decoding recomputed from scratch: the whole sequence through transformers at every
+    step, the modifiers applied with counts taken in Python, the token drawn with the seed's
+    noise at its position (an exact draw from the modified distribution)."""
+    ids = PROMPT.tolist()
+    noise = Noise(seed, target.vocab_size)
+    bias = dict(modifiers.logit_bias)
+    generated: list[int] = []
+    rows = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = target.model(torch.tensor([ids])).logits[0, -1].double()
+            for token in range(logits.shape[0]):
+                count = generated.count(token)
+                logits[token] += bias.get(token, 0.0) - modifiers.frequency_penalty * count \
+                    - modifiers.presence_penalty * (count > 0)
+            rows.append(logits)
+            if sampling.greedy:
+                token = int(logits.argmax())
+            else:
+                token = int(gumbel_argmax(logits_to_probs(logits, sampling), noise.gumbel(len(ids))))
+            ids.append(token)
+            generated.append(token)
+    return generated, torch.stack(rows)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "t1"])
+def test_ar_under_the_modifiers_is_the_recomputed_reference(target, sampling):
+    ar = build_method("ar", target)
+    for seed in range(3):
+        expected, rows = reference_tokens(target, sampling, seed)
+        tokens, records, _ = run(target, ar, sampling, seed)
+        assert tokens == expected
+        assert tokens != run(target, ar, sampling, seed, modifiers=LogitModifiers(), logprobs=None)[0]  # they bite
+        reported = reported_logprobs(rows, sampling)
+        for record, row, token in zip(records, reported, tokens):
+            assert record.logprob == pytest.approx(float(row[token]), abs=LOGPROB_TOLERANCE)
+            assert [t for t, _ in record.top] == row.topk(3).indices.tolist()
+
+
+LOSSLESS = ["sd", "pld", "adaptive-pld", "adaptive-sd", "eagle", "hybrid", "self", "swift", "csd", "pearl",
+            "eagle-tree", "hybrid-tree", "clasp"]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SAMPLED], ids=["greedy", "t1"])
+@pytest.mark.parametrize("name", LOSSLESS)
+def test_every_lossless_method_stays_ars_under_the_modifiers_with_ars_logprobs(name, sampling, target, own_target,
+                                                                                drafter):
+    """The rule verifies each drafted position against the modified target (its counts include
+    the drafts before it): the tokens are ar's exactly, the logprobs ar's to the tolerance, and
+    drafts were verified on the way (kept ones and rejected ones)."""
+    model = own_target if name.endswith("-tree") or name == "clasp" else target
+    ar = build_method("ar", model)
+    method = build_method(name, model, drafter, options_for(name, model))
+    drafted = kept = 0
+    for seed in range(3):
+        expected, expected_records, _ = run(model, ar, sampling, seed)
+        tokens, records, steps = run(model, method, sampling, seed)
+        assert tokens == expected
+        assert len(records) == len(tokens)
+        for record, reference in zip(records, expected_records):
+            assert record.token == reference.token
+            assert record.logprob == pytest.approx(reference.logprob, abs=LOGPROB_TOLERANCE)
+            assert [t for t, _ in record.top] == [t for t, _ in reference.top]
+        drafted += sum(step.cycle.drafted for step in steps)
+        kept += sum(step.cycle.accepted for step in steps)
+    # Drafts were verified and some rejected (the cost-aware and confidence-stopped drafters may
+    # give up drafting on a random tiny model whose drafts the penalties keep rejecting).
+    if name not in ("self", "swift", "clasp", "adaptive-sd", "eagle"):
+        assert drafted > kept
+    if name in ("sd", "csd", "pearl") or (name.endswith("-tree") and not sampling.greedy):
+        assert kept > 0  # and some kept: their rows' counts included the drafts before them
+
+
+def test_the_target_drafting_for_itself_without_the_modifiers_is_corrected_to_ars_text(target):
+    """A drafter that ignores the modifiers (the target drafting for itself) proposes the
+    unmodified text: the rule keeps what the modified target agrees with and corrects the rest."""
+    ar = build_method("ar", target)
+    sd = build_method("sd", target, target, MethodOptions(num_draft=4))
+    for sampling in (GREEDY, SAMPLED):
+        tokens, _, steps = run(target, sd, sampling, 1)
+        assert tokens == run(target, ar, sampling, 1)[0]
+        kept, drafted = sum(s.cycle.accepted for s in steps), sum(s.cycle.drafted for s in steps)
+        assert 0 < kept < drafted
+
+
+def test_echo_scores_the_prompt_with_the_prefill(target):
+    """The prompt's records come from the prefill's rows: token 0 has none, token j the target's
+    log-probability after tokens 0..j−1 (only the bias applies: nothing is generated yet)."""
+    _, _, steps = run(target, build_method("ar", target), GREEDY, 0, score_prompt=True, logprobs=2)
+    records = steps[0].prompt_logprobs
+    assert records[0] == TokenLogprob(int(PROMPT[0]), None) and len(records) == len(PROMPT)
+    assert all(step.prompt_logprobs is None for step in steps[1:])
+    with torch.no_grad():
+        logits = target.model(PROMPT[None]).logits[0, :-1].double()
+    logits[:, 5] += 2.5
+    logits[:, 9] -= 3.0
+    logits[:, 13] += 1.0
+    expected = logits.log_softmax(-1)
+    for j, record in enumerate(records[1:], start=1):
+        assert isinstance(record, TokenLogprob) and record.token == int(PROMPT[j])
+        assert record.logprob == pytest.approx(float(expected[j - 1, PROMPT[j]]), abs=LOGPROB_TOLERANCE)
+
+
+def test_a_long_echoed_prompt_is_scored_in_chunks_with_the_same_values(target, monkeypatch):
+    decode_module = importlib.import_module("tierspec.decode")  # (tierspec.decode is also the function)
+    ar = build_method("ar", target)
+    whole = run(target, ar, GREEDY, 0, score_prompt=True, max_new=2)[2][0].prompt_logprobs
+    monkeypatch.setattr(decode_module, "SCORED_PREFILL_CHUNK", 4)
+    chunked = run(target, ar, GREEDY, 0, score_prompt=True, max_new=2)[2][0].prompt_logprobs
+    assert [r.token for r in chunked[1:]] == [r.token for r in whole[1:]]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(chunked[1:], whole[1:])) < LOGPROB_TOLERANCE
+
+
+def test_logprobs_are_refused_where_a_slim_tier_commits_unscored_tokens(target):
+    mask = RoutingMask.from_units(4, "sublayer", [("mlp", 1), ("attn", 2)])
+    method = build_method("via", target, options=MethodOptions(mask=mask))
+    with pytest.raises(TierspecError, match="cannot report log-probabilities: its slim verifier"):
+        run(target, method, GREEDY, 0)
+
+
+def test_a_bias_outside_the_vocabulary_is_refused(target):
+    with pytest.raises(TierspecError, match="token id 64 is outside the model's vocabulary"):
+        run(target, build_method("ar", target), GREEDY, 0, modifiers=LogitModifiers(logit_bias=((64, 1.0),)))

@@ -1,0 +1,359 @@
+"""The pass engine (tierspec/csrc/qengine.c through tierspec.quant and tierspec.gguf_llama): the
+file's weights exactly, products against a float64 reference, row independence bitwise, the
+portable loop equal to the AVX2 kernel bitwise, the fused layer against torch's operators, token
+trees equal to chains, routing masks, rollback and bad files."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize, quantize
+
+from gguf_models import write_tiny_gguf
+from tierspec import quant
+from tierspec.cached_model import CachedModel, HiddenCapture
+from tierspec.errors import ModelLoadError
+from tierspec.gguf_llama import load_gguf_llama
+from tierspec.quant import QuantWeight, numerics_for
+
+qe = quant.engine()
+NATIVE_AVX512 = qe.isa() == "avx512bf16"
+HAS_AVX2 = qe.isa() in ("avx512bf16", "avx2")
+
+
+@contextlib.contextmanager
+def portable_loops():
+    qe.force_portable(True)
+    try:
+        yield
+    finally:
+        qe.force_portable(False)
+
+
+HAS_VNNI = NATIVE_AVX512  # every AVX512-BF16 CPU here also has AVX512-VNNI; the int8 path runs portably elsewhere
+
+
+def _numerics(name: str) -> quant.Numerics:
+    if name == "int8":
+        return numerics_for(torch.int8)
+    if name == "bfloat16-native":
+        if not NATIVE_AVX512:
+            pytest.skip("this CPU has no AVX512-BF16")
+        return numerics_for(torch.bfloat16)
+    if name == "bfloat16-emulated":
+        return quant.Numerics(torch.bfloat16, quant.LAYOUT_FLOAT32_FMA, True)
+    return numerics_for(torch.float32)
+
+
+NUMERICS = ["float32", "bfloat16-emulated", "bfloat16-native", "int8"]
+TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def _blocks(kind: str, rows: int, width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rows quantised by gguf-py, and gguf-py's own de-quantisation of them (float32)."""
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((rows, width)).astype(np.float32)
+    values[0, :32] = 0.0  # an all-zero block (scale 0)
+    data = quantize(values, GGMLQuantizationType[kind])
+    return torch.from_numpy(data.copy()), torch.from_numpy(dequantize(data, GGMLQuantizationType[kind]).copy())
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_weights_are_the_files_values_bitwise(kind, numerics):
+    raw, reference = _blocks(kind, 50, 96)  # 50 rows: four tiles, the last one partly padding
+    weight = QuantWeight(raw, getattr(quant, kind), 96, _numerics(numerics))
+    assert torch.equal(weight.dense(), reference)
+    assert torch.equal(weight.rows(torch.tensor([49, 0, 17, 17])), reference[[49, 0, 17, 17]])
+    with pytest.raises(IndexError):
+        weight.rows(torch.tensor([50]))
+
+
+def _int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """The rows as the int8 numerics use them: each block of 32 rounded to 8 bits with scale max|x| / 127."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, torch.round(blocks / torch.where(scale > 0, scale, 1)), 0).clamp(-127, 127)
+    return (q * scale).reshape(x.shape)
+
+
+def _reference_product(x: torch.Tensor, weight: torch.Tensor, numerics: quant.Numerics) -> torch.Tensor:
+    if numerics.dtype == torch.int8:
+        rows = _int8_rows(x)
+    else:
+        rows = x.to(torch.bfloat16).float() if numerics.dtype == torch.bfloat16 else x
+    return (rows.double() @ weight.double().t()).float()
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+@pytest.mark.parametrize("kind", TYPES)
+def test_products_match_a_float64_reference_and_rows_are_independent(kind, numerics):
+    raw, dense = _blocks(kind, 40, 160, seed=1)
+    setting = _numerics(numerics)
+    weight = QuantWeight(raw, getattr(quant, kind), 160, setting)
+    torch.manual_seed(0)
+    x = torch.randn(21, 160)
+    out = weight.multiply(x)
+    expected = _reference_product(x, dense, setting)
+    # float32 sums of 160 products: a few ulps of the largest terms
+    assert (out - expected).abs().max() <= 1e-5 * expected.abs().max() * 10
+    for start, stop in ((0, 1), (5, 6), (3, 7), (0, 16), (4, 21), (20, 21)):
+        assert torch.equal(weight.multiply(x[start:stop].contiguous()), out[start:stop]), (start, stop)
+    accumulated = torch.ones(21, 40)
+    weight.multiply(x, accumulated, accumulate=True)
+    assert torch.equal(accumulated, 1 + out)
+
+
+def test_rows_rounded_to_bfloat16_differ_from_float32_rows():
+    # a planted row whose bfloat16 rounding matters: the numerics are not silently float32
+    raw, dense = _blocks("Q4_1", 16, 32, seed=2)
+    x = torch.full((1, 32), 1.0 + 2 ** -10)
+    f32 = QuantWeight(raw, quant.Q4_1, 32, _numerics("float32")).multiply(x)
+    emulated = QuantWeight(raw, quant.Q4_1, 32, _numerics("bfloat16-emulated")).multiply(x)
+    # sums of 32 terms of magnitude ~1 in float32: ~1e-6 absolute
+    assert torch.allclose(f32, _reference_product(x, dense, _numerics("float32")), rtol=0, atol=2e-5)
+    assert torch.allclose(emulated, (torch.ones(1, 32).double() @ dense.double().t()).float(), rtol=0, atol=2e-5)
+    assert not torch.equal(f32, emulated)
+
+
+@pytest.mark.skipif(not HAS_VNNI, reason="no AVX512-VNNI on this CPU")
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_portable_loop_equals_the_vnni_kernel_bitwise(kind):
+    # integer dot products are exact, and both take the same float steps after them
+    raw, _ = _blocks(kind, 48, 128, seed=3)
+    weight = QuantWeight(raw, getattr(quant, kind), 128, _numerics("int8"))
+    x = torch.randn(11, 128) * 3
+    vector = weight.multiply(x)
+    with portable_loops():
+        portable = weight.multiply(x)
+    assert torch.equal(vector, portable)
+
+
+@pytest.mark.skipif(not HAS_AVX2, reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_portable_loop_equals_the_avx2_kernel_bitwise(kind):
+    raw, _ = _blocks(kind, 48, 128, seed=3)
+    weight = QuantWeight(raw, getattr(quant, kind), 128, _numerics("float32"))
+    x = torch.randn(9, 128)
+    vector = weight.multiply(x)
+    with portable_loops():
+        assert qe.isa() == "portable"
+        portable = weight.multiply(x)
+    assert torch.equal(vector, portable)
+
+
+def test_results_do_not_depend_on_the_thread_count():
+    raw, _ = _blocks("Q4_1", 4096, 256, seed=4)  # large enough to be split across threads
+    weight = QuantWeight(raw, quant.Q4_1, 256, numerics_for(torch.bfloat16))
+    x = torch.randn(7, 256)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        alone = weight.multiply(x)
+        torch.set_num_threads(2)
+        shared = weight.multiply(x)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(alone, shared)
+
+
+def test_bad_blocks_are_refused():
+    raw, _ = _blocks("Q4_1", 16, 64)
+    with pytest.raises(ValueError, match="take 40 bytes"):
+        QuantWeight(raw[:, :-1], quant.Q4_1, 64, numerics_for(torch.float32))
+    with pytest.raises(ValueError, match="not computed natively"):
+        QuantWeight(raw, 12, 64, numerics_for(torch.float32))  # Q4_K
+    with pytest.raises(ModelLoadError, match="bfloat16, float32 or int8"):
+        numerics_for(torch.float16)
+
+
+# ---- the fused model against torch's operators ------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf"), seed=5)
+
+
+def _model(tiny, numerics: str):
+    return load_gguf_llama(tiny.gguf, tiny.folder, _numerics(numerics))
+
+
+PROMPT = torch.tensor([3, 17, 99, 4, 250, 8, 8, 41, 77, 12, 5, 190])
+
+
+@pytest.mark.parametrize("numerics", ["float32", "bfloat16-native", "int8"])
+def test_the_fused_model_matches_torchs_operators_on_the_same_weights(tiny, numerics):
+    model, reference = _model(tiny, numerics), tiny.reference()
+    assert model.model.fused
+    with torch.inference_mode():
+        ours, theirs = CachedModel(model), CachedModel(reference)
+        logits, expected = ours.forward(PROMPT).logits, theirs.forward(PROMPT).logits
+        for token in (7, 200, 31):  # cached one-token passes
+            step = torch.tensor([token])
+            logits = torch.cat((logits, ours.forward(step).logits))
+            expected = torch.cat((expected, theirs.forward(step).logits))
+    scale = expected.abs().max()
+    # bfloat16 rows: 2^-9 relative per input; int8 rows: 1/254 of each block's largest
+    tolerance = {"float32": 2e-5, "bfloat16-native": 3e-2, "int8": 6e-2}[numerics]
+    assert (logits - expected).abs().max() <= tolerance * scale
+    assert torch.equal(logits.argmax(-1), expected.argmax(-1))
+
+
+@pytest.mark.parametrize("numerics", ["float32", "bfloat16-emulated", "bfloat16-native", "int8"])
+def test_a_tokens_logits_do_not_depend_on_its_pass(tiny, numerics):
+    model = _model(tiny, numerics)
+    runner = CachedModel(model)
+    with torch.inference_mode():
+        whole = runner.forward(PROMPT).logits
+        runner.rollback(0)
+        pieces = torch.cat([runner.forward(PROMPT[i : i + 1]).logits for i in range(len(PROMPT))])
+        runner.rollback(4)
+        middle = runner.forward(PROMPT[4:9]).logits
+    assert torch.equal(whole, pieces)
+    assert torch.equal(middle, whole[4:9])
+
+
+def test_a_tree_node_gets_its_chains_logits_bitwise(tiny):
+    from tierspec.tree import TokenTree, tree_pass
+
+    model = _model(tiny, "bfloat16-native" if NATIVE_AVX512 else "float32")
+    runner = CachedModel(model)
+    paths = [[11, 12, 13], [11, 40], [60, 61, 62, 63], [11, 12, 99]]
+    tree = TokenTree.from_paths(paths)
+
+    def node_row(prefix):  # the pass row of the node reached by ``prefix`` (after the one pending row)
+        node = -1
+        for token in prefix:
+            node = next(i for i in range(len(tree)) if int(tree.parents[i]) == node and int(tree.tokens[i]) == token)
+        return 1 + node
+
+    with torch.inference_mode():
+        runner.forward(PROMPT)
+        layout = tree_pass(torch.tensor([5]), tree)
+        tree_logits = runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends).logits
+        runner.rollback(len(PROMPT))
+        for path in paths:
+            chain = runner.forward(torch.tensor([5] + path)).logits
+            runner.rollback(len(PROMPT))
+            rows = [node_row(path[: depth + 1]) for depth in range(len(path))]
+            assert torch.equal(tree_logits[rows], chain[1:])
+            assert torch.equal(tree_logits[0], chain[0])
+
+
+@pytest.mark.parametrize("units", [[("attn", 1)], [("mlp", 1)], [("layer", 1)]])
+def test_a_bypassed_unit_is_skipped_as_on_torchs_operators(tiny, units):
+    from tierspec.layerskip.masks import RoutingMask
+
+    model, reference = _model(tiny, "float32"), tiny.reference()
+    mask = RoutingMask.from_units(3, units[0][0] if units[0][0] == "layer" else "sublayer", units)
+    with torch.inference_mode():
+        ours = CachedModel(model).forward(PROMPT, mask=mask).logits
+        theirs = CachedModel(reference).forward(PROMPT, mask=mask).logits
+        full = CachedModel(model).forward(PROMPT).logits
+    assert (ours - theirs).abs().max() <= 2e-5 * theirs.abs().max()
+    assert (ours - full).abs().max() > 1e-3  # the mask changed something
+
+
+def test_hidden_states_and_rollback(tiny):
+    model, reference = _model(tiny, "float32"), tiny.reference()
+    with torch.inference_mode():
+        ours = CachedModel(model).forward(PROMPT, with_hidden=True, hidden_layers=(1,)).hidden
+        theirs = CachedModel(reference).forward(PROMPT, with_hidden=True, hidden_layers=(1,)).hidden
+        assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+        runner = CachedModel(model)
+        runner.forward(PROMPT)
+        runner.rollback(5)
+        assert runner.layer_lengths() == [5, 5, 5]
+        again = runner.forward(PROMPT[5:]).logits
+        assert torch.equal(again, CachedModel(model).forward(PROMPT).logits[5:])
+        with pytest.raises(RuntimeError, match="rollback invariant"):
+            runner.cache.layers[0].trim(2)
+            runner.forward(PROMPT[:1])
+
+
+def test_an_untied_head_and_a_q4_0_file(tmp_path):
+    tiny = write_tiny_gguf(tmp_path, seed=6, layer_type="Q4_0", head_type="Q4_1", tied=False, vocab=250)
+    model, reference = _model(tiny, "float32"), tiny.reference()
+    with torch.inference_mode():
+        ours, theirs = CachedModel(model).forward(PROMPT[PROMPT < 250]).logits, \
+            CachedModel(reference).forward(PROMPT[PROMPT < 250]).logits
+    assert ours.shape[-1] == 250
+    assert (ours - theirs).abs().max() <= 2e-5 * theirs.abs().max()
+
+
+def test_a_file_cut_short_is_a_clear_error(tiny, tmp_path):
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(tiny.gguf.read_bytes()[: tiny.gguf.stat().st_size // 2])
+    with pytest.raises(ModelLoadError, match="past the end of the file|cut short"):
+        load_gguf_llama(cut, tiny.folder, numerics_for(torch.float32))
+    (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(100))
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        load_gguf_llama(tmp_path / "not.gguf", tiny.folder, numerics_for(torch.float32))
+
+
+def test_a_batched_pass_gives_every_sequence_its_solo_pass_bitwise(tiny):
+    """Sequences of different lengths, new-row counts and a token tree share one pass
+    (``cached_model.batched_pass``): each gets exactly its own pass's logits and hidden states, and
+    its cache advances as its own pass would."""
+    from tierspec.cached_model import BatchItem, batched_pass
+    from tierspec.tree import TokenTree, tree_pass
+
+    model = _model(tiny, "bfloat16-native" if NATIVE_AVX512 else "float32")
+    prompts = [PROMPT, PROMPT[:5], torch.tensor([9, 9, 9, 9, 9, 9, 9, 9, 9])]
+    solo = [CachedModel(model) for _ in prompts]
+    shared = [CachedModel(model) for _ in prompts]
+    layout = tree_pass(torch.tensor([4]), TokenTree.from_paths([[5, 6], [5, 7], [8]]))
+    with torch.inference_mode():
+        expected = [runner.forward(p).logits for runner, p in zip(solo, prompts)]
+        got = batched_pass(model, [BatchItem(runner, p) for runner, p in zip(shared, prompts)])
+        assert all(torch.equal(g.logits, e) for g, e in zip(got, expected))
+        steps = [BatchItem(shared[0], torch.tensor([3, 1, 4]), logits_for=2),
+                 BatchItem(shared[1], layout.tokens, offsets=layout.offsets, attends=layout.attends),
+                 BatchItem(shared[2], torch.tensor([7]))]
+        expected = [solo[0].forward(torch.tensor([3, 1, 4]), logits_for=2, with_hidden=True, hidden_layers=(1,)),
+                    solo[1].forward(layout.tokens, offsets=layout.offsets, attends=layout.attends, with_hidden=True,
+                                    hidden_layers=(1,)),
+                    solo[2].forward(torch.tensor([7]), with_hidden=True, hidden_layers=(1,))]
+        got = batched_pass(model, steps, hidden_layers=(1,))
+    for g, e in zip(got, expected):
+        assert torch.equal(g.logits, e.logits) and torch.equal(g.hidden, e.hidden)
+    assert [r.length for r in shared] == [r.length for r in solo]
+    assert [r.layer_lengths() for r in shared] == [r.layer_lengths() for r in solo]
+    with pytest.raises(ValueError, match="twice"):
+        batched_pass(model, [BatchItem(shared[0], torch.tensor([1])), BatchItem(shared[0], torch.tensor([2]))])
+
+
+def test_a_forked_child_computes_with_an_empty_pool():
+    import os
+
+    raw, _ = _blocks("Q4_1", 4096, 256, seed=7)  # split across threads in the parent
+    weight = QuantWeight(raw, quant.Q4_1, 256, numerics_for(torch.float32))
+    x = torch.randn(6, 256)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        expected = weight.multiply(x)
+        pid = os.fork()
+        if pid == 0:  # the parent's worker threads do not exist here
+            os._exit(0 if torch.equal(weight.multiply(x), expected) else 3)
+        assert os.waitpid(pid, 0)[1] == 0
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_torch_runs_on_one_thread_inside_a_generation_and_gets_its_threads_back():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        with quant.torch_ops_on_one_thread():
+            assert torch.get_num_threads() == 1 and quant.engine_threads() == 2
+            with quant.torch_ops_on_one_thread():  # nested (a stream inside a stream's step): still the caller's
+                assert quant.engine_threads() == 2
+        assert torch.get_num_threads() == 2 and quant.engine_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
