@@ -674,7 +674,7 @@ def _run_drafter_build(args) -> int:
     out = Path(args.out)
     with exclusive_lock(out / ".build-data.lock", f"the data folder {out}", "tierspec drafter build-data"):
         if cluster is not None:
-            from .eagle.data import build_data_on_cluster
+            from .training.draft_data import build_data_on_cluster
 
             loading = (args.dtype, args.device, args.kernels, implementation)
             manifest = build_data_on_cluster(args.target, loading, out, cluster, config, data_dir,

@@ -270,7 +270,7 @@ class PassLayout:
     batch, e.g. the mask search) use one causal ``mask`` [n, n] (None for n = 1) and ``keys`` = 0.
     A token-tree pass has ``groups`` instead of ``mask`` (``TreeAttention``). The draft head's
     passes are cached passes too: its token trees bring their own ``slot_mask``, and its unrolled
-    training (``eagle.train``) a mask over every earlier step's keys with all rows in one call."""
+    training (``training.draft_train``) a mask over every earlier step's keys with all rows in one call."""
 
     cos: torch.Tensor
     signed_sin: torch.Tensor
@@ -447,7 +447,7 @@ class Attention(torch.nn.Module):
     def forward(self, x: torch.Tensor, layout: PassLayout, cache: KVLayer | None) -> torch.Tensor:
         """x [b, n, H] (normalised) → the attention output [b, n, H]; appends this pass's KV to
         ``cache`` (the target's cached passes have b = 1; a batch runs uncached, e.g. the mask
-        search, or over the draft head's training cache, ``eagle.train.StepKeys``).
+        search, or over the draft head's training cache, ``training.draft_train.StepKeys``).
         Attention runs in the layout's dtype (float32 for a bfloat16 model: see KEY_BLOCK)."""
         b, n = x.shape[0], x.shape[1]
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
