@@ -8,6 +8,15 @@ generates one request at a time (a queue), so with more clients than one the lat
 queueing: the comparison between methods is like for like. Stops by itself.
 
     python benchmarks/serve_load.py [--requests 16] [--clients 2] [--max-tokens 64]
+    python benchmarks/serve_load.py --concurrency 1,2,4,8 [--requests-per-client 2] [--max-tokens 128] [--peers]
+
+The second form (batching, issue 31) runs one batching server (``--max-batch`` the largest
+concurrency) and, for each client count, that many concurrent clients sending their requests back
+to back (greedy, then seeded at temperature 1: request i has seed i): total tokens per second,
+median and p99 latency, whether every reply equals the same request's reply with one client (its
+solo text), and replies lost (no finish reason); ``--peers`` adds OpenVINO GenAI's
+ContinuousBatchingPipeline on the same GGUF, fed as many prompts at a time. Writes
+results/batch_load.json.
 
 Start-up (before the load test, in fresh processes, the model and its cost table already
 cached): ``python -c "import tierspec"`` (median of 5) and ``tierspec generate "Hi"
@@ -146,8 +155,146 @@ alone takes {start['import_transformers_llama']['median_s']} s here (median of 3
 """
 
 
+# ---- batching: 1 / 2 / 4 / 8 clients against one batching server (issue 31) ---------------------------
+
+
+def load_prompts_for_load(count: int) -> list[str]:
+    """MT-Bench first turns (nothing here was tuned on them), as many as asked, cycled."""
+    from tierspec.data import load_prompts
+
+    texts = [p.text for p in load_prompts("mt_bench")]
+    return [texts[i % len(texts)] for i in range(count)]
+
+
+def chat(client: openai.OpenAI, prompt: str, max_tokens: int, seed: int | None, temperature: float) -> dict:
+    started = time.perf_counter()
+    reply = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
+                                           max_tokens=max_tokens, temperature=temperature, seed=seed)
+    choice = reply.choices[0]
+    return {"latency": time.perf_counter() - started, "text": choice.message.content,
+            "finish_reason": choice.finish_reason, "tokens": reply.usage.completion_tokens}
+
+
+def load_round(port: int, prompts: list[str], clients: int, max_tokens: int, temperature: float) -> dict:
+    """``clients`` concurrent clients, each sending its share of ``prompts`` back to back (request
+    i seeded with i); every reply, its latency, the wall time."""
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        replies = list(pool.map(lambda i: chat(client, prompts[i], max_tokens, i, temperature), range(len(prompts))))
+    return {"wall": time.perf_counter() - started, "replies": replies}
+
+
+def openvino_batch_round(prompts_ids: list[list[int]], clients: int, max_tokens: int, lookup: bool) -> dict | None:
+    """OpenVINO GenAI's ContinuousBatchingPipeline on the same GGUF, fed ``clients`` prompts at a
+    time (its own batching), the same budget; None where it cannot run here (the reason printed)."""
+    try:
+        import numpy as np
+        import openvino
+        import openvino_genai as genai
+    except ImportError as error:
+        print(f"OpenVINO peer skipped: {error}", file=sys.stderr)
+        return None
+    from tierspec.models import default_model_file
+
+    import torch
+
+    try:
+        scheduler = genai.SchedulerConfig()
+        scheduler.cache_size = 1
+        properties = {"INFERENCE_NUM_THREADS": torch.get_num_threads()}
+        if lookup:
+            properties["prompt_lookup"] = True
+        pipe = genai.ContinuousBatchingPipeline(str(default_model_file()), scheduler, "CPU", properties)
+    except RuntimeError as error:
+        print(f"OpenVINO ContinuousBatchingPipeline failed: {str(error).splitlines()[0]}", file=sys.stderr)
+        return None
+    config = genai.GenerationConfig()
+    config.max_new_tokens, config.do_sample = max_tokens, False
+    if lookup:
+        config.num_assistant_tokens, config.max_ngram_size = 5, 3
+    warm = genai.GenerationConfig()
+    warm.max_new_tokens, warm.do_sample = 8, False
+    if lookup:
+        warm.num_assistant_tokens, warm.max_ngram_size = 5, 3
+    pipe.generate([openvino.Tensor(np.asarray([prompts_ids[0]], dtype=np.int64))], [warm])  # compiles for this CPU
+    tokens = 0
+    started = time.perf_counter()
+    for at in range(0, len(prompts_ids), clients):
+        group = prompts_ids[at : at + clients]
+        inputs = [openvino.Tensor(np.asarray([ids], dtype=np.int64)) for ids in group]
+        results = pipe.generate(inputs, [config] * len(group))
+        tokens += sum(len(r.m_generation_ids[0]) for r in results)
+    return {"wall": time.perf_counter() - started, "tokens": tokens}
+
+
+def batching(args) -> None:
+    """Total tokens/s and latency at each concurrency against one batching server, every reply
+    checked against the same request's solo reply, beside OpenVINO's continuous batching."""
+    import torch
+
+    from tierspec.prompting import encode_prompt
+
+    target = load_model("smollm2-135m", dtype="auto")
+    concurrency = [int(c) for c in args.concurrency.split(",")]
+    rows, checks = [], []
+    engine = Engine(target, max_queue=64, max_batch=max(concurrency))
+    with serving_in_background(engine) as port:
+        warm = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
+        chat(warm, "Hi", 8, None, 0.0)  # builds the method and its cost table
+        for temperature in (0.0, 1.0):
+            # every request's solo text: the largest round's requests, one client, one at a time
+            everything = load_prompts_for_load(max(concurrency) * args.requests_per_client)
+            solo = [r["text"] for r in load_round(port, everything, 1, args.max_tokens, temperature)["replies"]]
+            for clients in concurrency:
+                prompts = load_prompts_for_load(clients * args.requests_per_client)
+                done = load_round(port, prompts, clients, args.max_tokens, temperature)
+                same = all(r["text"] == solo[i] for i, r in enumerate(done["replies"]))
+                lost = sum(1 for r in done["replies"] if r["finish_reason"] not in ("stop", "length"))
+                tokens = sum(r["tokens"] for r in done["replies"])
+                latencies = [r["latency"] for r in done["replies"]]
+                rows.append({"engine": "tierspec serve", "temperature": temperature, "clients": clients,
+                             "requests": len(prompts), "tokens_per_s": round(tokens / done["wall"], 1),
+                             "latency_p50_s": round(statistics.median(latencies), 3),
+                             "latency_p99_s": round(percentile(latencies, 0.99), 3),
+                             "same_as_solo": same, "lost": lost})
+                checks.append(same and lost == 0)
+                print(json.dumps(rows[-1]), flush=True)
+    if args.peers:
+        for lookup in (False, True):
+            for clients in concurrency:
+                prompts = load_prompts_for_load(clients * args.requests_per_client)
+                ids = [encode_prompt(target, p).tolist() for p in prompts]
+                done = openvino_batch_round(ids, clients, args.max_tokens, lookup)
+                if done is None:
+                    break
+                rows.append({"engine": "OpenVINO ContinuousBatchingPipeline" + (" + prompt lookup" if lookup else ""),
+                             "temperature": 0.0, "clients": clients, "requests": len(prompts),
+                             "tokens_per_s": round(done["tokens"] / done["wall"], 1)})
+                print(json.dumps(rows[-1]), flush=True)
+    lines = [f"`python benchmarks/serve_load.py --concurrency {args.concurrency} --requests-per-client "
+             f"{args.requests_per_client} --max-tokens {args.max_tokens}{' --peers' if args.peers else ''}`, "
+             f"{torch.get_num_threads()} threads, MT-Bench first turns:", "",
+             "| engine | temperature | clients | requests | total tok/s | vs 1 client | p50 latency s | p99 latency s | "
+             "every text its solo text | lost |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        one = next(r for r in rows if r["engine"] == row["engine"] and r["temperature"] == row["temperature"]
+                   and r["clients"] == concurrency[0])
+        lines.append(f"| {row['engine']} | {row['temperature']:g} | {row['clients']} | {row['requests']} | "
+                     f"{row['tokens_per_s']} | {row['tokens_per_s'] / one['tokens_per_s']:.2f}× | "
+                     f"{row.get('latency_p50_s', '–')} | {row.get('latency_p99_s', '–')} | "
+                     f"{row.get('same_as_solo', '–')} | {row.get('lost', '–')} |")
+    table = "\n".join(lines)
+    print(table)
+    atomic_write_text(args.out, json.dumps({"rows": rows, "table": table, "all_checks_hold": all(checks)}, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--concurrency", default=None,
+                        help="batching mode: comma-separated client counts against one batching server, e.g. 1,2,4,8")
+    parser.add_argument("--requests-per-client", type=int, default=2)
+    parser.add_argument("--peers", action="store_true", help="batching mode: also OpenVINO's continuous batching")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -155,6 +302,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("results/serve_load.json"))
     parser.add_argument("--report", type=Path, default=Path("results/serving-report.md"))
     args = parser.parse_args()
+    if args.concurrency:
+        if args.out == Path("results/serve_load.json"):
+            args.out = Path("results/batch_load.json")
+        batching(args)
+        return
     if args.requests < 1 or args.clients < 1:
         parser.error("--requests and --clients must be >= 1")
     start = startup()

@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .decode import DecodeConfig, DecodeRun, GenerationStats, TokenLogprob
-from .errors import PromptError
+from .errors import PromptError, TierspecError
 from .methods import Method, MethodOptions, build_method, default_method
 from .models import DEFAULT_MODEL, LoadedModel, load_model, resolve_device, resolve_dtype
 from .prompting import encode_prompt, eos_ids
@@ -232,8 +232,14 @@ def stream(
     return stream_method(target, built, prompt_ids, config, seed)
 
 
+def _is_batch(prompt) -> bool:
+    """A list of prompts (texts, or token-id lists / tensors), not one prompt given as token ids."""
+    return (isinstance(prompt, (list, tuple)) and len(prompt) > 0
+            and all(isinstance(p, (str, list, tuple, torch.Tensor)) for p in prompt))
+
+
 def generate(
-    prompt: str | list[int] | torch.Tensor,
+    prompt: str | list[int] | torch.Tensor | list[str] | list[list[int]],
     *,
     target: LoadedModel | str = DEFAULT_MODEL,
     method: str | None = None,
@@ -248,10 +254,77 @@ def generate(
     options: MethodOptions = MethodOptions(),
 ) -> Generation:
     """Generate after ``prompt`` and return the whole ``Generation`` (text, token ids, stats).
-    The arguments are ``stream``'s (see there); the text is the streamed pieces joined."""
+    The arguments are ``stream``'s (see there); the text is the streamed pieces joined.
+
+    A list of prompts (texts, or token-id lists) returns a list of ``Generation``s, in order: on a
+    model on the pass engine they run together, several per pass (``batch.BatchDecoder``, up to
+    ``MAX_BATCH`` at once), and each is exactly what ``generate`` of that prompt alone gives (with
+    the same ``seed``); elsewhere one after another."""
+    if _is_batch(prompt):
+        return generate_batch(list(prompt), target=target, method=method, drafter=drafter, num_draft=num_draft,
+                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                              seed=seed, chat_template=chat_template, options=options)
     text_stream = stream(prompt, target=target, method=method, drafter=drafter, num_draft=num_draft,
                          max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                          chat_template=chat_template, options=options)
     for _ in text_stream:
         pass
     return Generation(text_stream.text, text_stream.token_ids, text_stream.stats)
+
+
+MAX_BATCH = 8  # generations ``generate`` runs at once for a list of prompts (the server's default too)
+
+
+def generate_batch(prompts: list, *, target: LoadedModel | str = DEFAULT_MODEL, method: str | None = None,
+                   drafter: LoadedModel | str | None = None, num_draft: int | None = None, max_new_tokens: int = 128,
+                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+                   chat_template: bool = True, options: MethodOptions = MethodOptions(),
+                   max_batch: int = MAX_BATCH) -> list[Generation]:
+    """``generate`` of every prompt, several per pass (see ``generate``); a prompt's result is its
+    solo result. Each generation gets its own method (drafter and policy state are per generation)."""
+    from .batch import BatchDecoder, check_batchable
+    from .engine import runs_on_engine
+
+    target = _as_model(target)
+    drafter = _as_model(drafter)
+    if num_draft is not None and num_draft != options.num_draft:
+        options = replace(options, num_draft=num_draft)
+    check_seed(seed)
+    name = method or default_method(target, options)
+    sampling = SamplingConfig(temperature, top_k, top_p)
+    config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_ids(target))
+    encoded = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            check_text(prompt)
+        encoded.append(encode_prompt(target, prompt, chat_template))
+    first = build_method(name, target, drafter, options)
+    batchable = runs_on_engine(target.model)
+    if batchable:
+        try:
+            check_batchable(first)
+        except TierspecError:
+            batchable = False
+    if not batchable:  # one after another, as ``generate`` would
+        out = []
+        for prompt_ids in encoded:
+            text_stream = stream_method(target, build_method(name, target, drafter, options), prompt_ids, config, seed)
+            for _ in text_stream:
+                pass
+            out.append(Generation(text_stream.text, text_stream.token_ids, text_stream.stats))
+        return out
+    batch = BatchDecoder(target, max_batch=max(1, min(max_batch, len(encoded))))
+    runs, waiting = {}, list(range(len(encoded)))
+    methods = {0: first}
+    while waiting or len(batch):
+        while waiting and len(batch) < batch.max_batch:
+            index = waiting.pop(0)
+            built = methods.pop(index, None) or build_method(name, target, drafter, options)
+            runs[index] = batch.add(index, built, encoded[index], config, seed)
+        batch.step()
+    out = []
+    for index in range(len(encoded)):
+        run = runs[index]
+        text = IncrementalDetokenizer(target.tokenizer).add(run.token_ids, final=True) if target.tokenizer else ""
+        out.append(Generation(text, run.token_ids, run.stats))
+    return out

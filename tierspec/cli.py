@@ -354,7 +354,13 @@ def _add_serve(sub) -> None:
     _add_model_flags(parser)
     parser.add_argument("--drafter", default=None, help="drafter model for sd (default: the target drafts for itself)")
     parser.add_argument("--max-queue", type=int, default=8,
-                        help="requests that may wait behind the running one; more are answered 503 (default 8)")
+                        help="requests that may wait behind the running ones; more are answered 503 (default 8)")
+    parser.add_argument("--max-batch", type=int, default=None,
+                        help="generations run at once, one batched pass per cycle, each request still getting exactly "
+                        "its solo text (default 8 for a model on the pass engine, else 1: one at a time)")
+    parser.add_argument("--max-rows", type=int, default=None,
+                        help="at most this many rows per batched pass: drafts are cut to fit, every generation keeps "
+                        "its one row (default: no limit but what pays)")
     parser.add_argument("--max-request-bytes", type=int, default=None,
                         help="larger request bodies are answered 413 (default 1 MiB: a whole 8192-token prompt is "
                         "about 40 KB)")
@@ -377,6 +383,10 @@ def _run_serve(args) -> int:
     _check_model_flags(args)
     if not 0 < args.port < 65536:
         raise TierspecError(f"--port must be in 1..65535, got {args.port}")
+    if args.max_batch is not None and args.max_batch < 1:
+        raise TierspecError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_rows is not None and args.max_rows < (args.max_batch or 1):
+        raise TierspecError(f"--max-rows must be at least --max-batch (every generation needs its row), got {args.max_rows}")
     max_request_bytes = DEFAULT_MAX_REQUEST_BYTES if args.max_request_bytes is None else args.max_request_bytes
     if max_request_bytes < 1:
         raise TierspecError(f"--max-request-bytes must be >= 1, got {max_request_bytes}")
@@ -387,7 +397,11 @@ def _run_serve(args) -> int:
     try:
         target = _load(args, args.target)
         drafter = _load(args, args.drafter) if args.drafter else None
-        engine = Engine(target, args.method, drafter, method_options(args, target), max_queue=args.max_queue)
+        from .engine import runs_on_engine
+
+        max_batch = args.max_batch if args.max_batch is not None else (8 if runs_on_engine(target.model) else 1)
+        engine = Engine(target, args.method, drafter, method_options(args, target), max_queue=args.max_queue,
+                        max_batch=max_batch, max_rows=args.max_rows)
         engine.method(engine.default_method, None)  # build (and measure costs for) the default method before the first request
         serve(engine, sock, args.log_level, max_request_bytes, body_timeout)
     finally:

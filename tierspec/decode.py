@@ -351,6 +351,24 @@ class PassRecord:
     scored: torch.Tensor | None = None
 
 
+@dataclass
+class TargetRequest:
+    """A full-target pass before it runs (``Verifiers.target_request``): the ``tokens`` [n] (the
+    ``pending`` committed tokens, the nodes, ``pad`` padding rows) written from cache position
+    ``start``, the last ``logits_for`` rows scored, a tree's ``offsets``/``attends`` (None for a
+    chain), and whether the rule reads the rows' hidden states."""
+
+    proposal: Proposal
+    start: int
+    pending: int
+    pad: int
+    tokens: torch.Tensor
+    logits_for: int
+    offsets: torch.Tensor | None
+    attends: torch.Tensor | None
+    with_hidden: bool
+
+
 class DecodeMethod(Protocol):
     """What the loop reads of a method (``methods.Method``): its parts and verifier settings."""
 
@@ -496,24 +514,43 @@ class Verifiers:
         as a tree pass (``tree.tree_pass``: node i at position n − 1 + depth_i, attending to its
         ancestors; its logits equal a chain pass of its path). The nodes' KV stays in the cache
         after the committed tokens until ``commit`` keeps the accepted path's."""
+        request = self.target_request(proposal, with_hidden)
+        started = time.perf_counter()
+        result = self.runner.forward(request.tokens, logits_for=request.logits_for,
+                                     with_hidden=request.with_hidden or self.features is not None,
+                                     hidden_layers=self.feature_layers if self.features is not None else (),
+                                     offsets=request.offsets, attends=request.attends)
+        self.pass_seconds += time.perf_counter() - started
+        return self.target_scores(request, result)
+
+    def target_request(self, proposal: Proposal, with_hidden: bool = False, pad: bool = True) -> "TargetRequest":
+        """The rows of ``target``'s pass for ``proposal``, before it runs (a batch runs many at once:
+        ``batch.BatchDecoder``); ``pad=False``: no padding to a cheaper size (a batch pays by its total
+        rows)."""
         self._full_model_kv_only()  # slim-only KV is recomputed in this pass
         start = self.full_length
         pending = self.committed.pending(start)
         tree = proposal.tree
         rows, m = len(pending), len(tree)
-        pad = self._pad_count(rows + m)
+        extra = self._pad_count(rows + m) if pad else 0
         if tree.is_chain:
-            result = self._forward(_chain_rows(pending, tree.tokens, pad), logits_for=m + 1 + pad, with_hidden=with_hidden)
-        else:
-            layout = tree_pass(pending, tree, pad)
-            result = self._forward(layout.tokens, logits_for=m + 1 + pad, with_hidden=with_hidden,
-                                   offsets=layout.offsets, attends=layout.attends)
+            return TargetRequest(proposal, start, rows, extra, _chain_rows(pending, tree.tokens, extra), m + 1 + extra,
+                                 None, None, with_hidden)
+        layout = tree_pass(pending, tree, extra)
+        return TargetRequest(proposal, start, rows, extra, layout.tokens, m + 1 + extra, layout.offsets, layout.attends,
+                             with_hidden)
+
+    def target_scores(self, request: "TargetRequest", result: PassResult) -> Scores:
+        """``target``'s ``Scores`` from the ``PassResult`` of ``request``'s pass (run solo or in a
+        batch); records the pass for ``commit``."""
+        tree = request.proposal.tree
+        rows, m = request.pending, len(tree)
         self.target_calls += 1
         self.full_length = self.runner.length
-        logits = self._node_rows(result.logits[: m + 1] if pad else result.logits, tree)
+        logits = self._node_rows(result.logits[: m + 1] if request.pad else result.logits, tree)
         recorded = result.hidden[: rows + m] if self.features is not None else None
-        self._pass = PassRecord(start, rows, m, tree.is_chain, recorded, logits)
-        hidden = result.hidden[rows - 1 : rows + m, : self.hidden_size] if with_hidden else None
+        self._pass = PassRecord(request.start, rows, m, tree.is_chain, recorded, logits)
+        hidden = result.hidden[rows - 1 : rows + m, : self.hidden_size] if request.with_hidden else None
         return Scores(logits, hidden)
 
     def slim(self, proposal: Proposal) -> Scores:
@@ -775,6 +812,22 @@ def decode(
     stands for the seed it was seeded with; None draws a fresh one). ``inspect(verifiers,
     drafter)`` is called after every commit (tests check the cache invariant with it).
     """
+    sequence, prompt_logprobs = start_sequence(target, method, prompt_ids, config, seed)
+    while sequence.committed.generated_count < config.max_new_tokens:
+        with torch.inference_mode():
+            step = _cycle(sequence)
+        step.prompt_logprobs, prompt_logprobs = prompt_logprobs, None
+        if inspect is not None:
+            inspect(sequence.verifiers, sequence.drafter)
+        yield step
+        if step.finished:
+            return
+
+
+def start_sequence(target: LoadedModel, method: DecodeMethod, prompt_ids: torch.Tensor, config: DecodeConfig,
+                   seed: int | torch.Generator | None = None) -> tuple[_Sequence, list[TokenLogprob] | None]:
+    """A generation set up to its first cycle: checked, its verifiers made, the prompt prefilled,
+    the drafter and policy started. Returns it and the prompt's logprob records (``echo``)."""
     drafter, rule, policy = method.drafter, method.rule, method.policy
     check_shapes(drafter, rule)
     check_logprobs_method(method, config)
@@ -801,40 +854,59 @@ def decode(
         del prompt_rows
         drafter.start(prompt_ids, verifiers.features, verifiers.draft_view() if drafter.uses_target_cache else None)
         policy.start()
-    while sequence.committed.generated_count < config.max_new_tokens:
-        with torch.inference_mode():
-            step = _cycle(sequence)
-        step.prompt_logprobs, prompt_logprobs = prompt_logprobs, None
-        if inspect is not None:
-            inspect(verifiers, drafter)
-        yield step
-        if step.finished:
-            return
+    return sequence, prompt_logprobs
 
 
 def _cycle(sequence: _Sequence) -> Step:
     """One draft–verify–commit cycle (module docstring), for a chain and a tree alike."""
+    drafted = _propose(sequence)
+    verdict = _verdict(sequence.verifiers, sequence.rule, drafted.proposal, sequence.config.sampling, drafted.block)
+    return _conclude(sequence, drafted, verdict)
+
+
+@dataclass
+class _Drafted:
+    """A cycle's first half (``_propose``): the drafter's proposal, the policy's cut of it, the
+    block's noise and the counters and clock the cycle's statistics start from."""
+
+    drafted: Proposal
+    proposal: Proposal
+    block: BlockNoise | None
+    started: float
+    drafted_at: float
+    target_calls: int
+    slim_calls: int
+    pass_seconds: float
+
+
+def _propose(sequence: _Sequence, budget: int | None = None) -> _Drafted:
+    """Draft and trim: the proposal this cycle verifies. ``budget``: at most that many drafts
+    (a batch's policy may allow fewer than the sequence's own)."""
     started = time.perf_counter()
-    verifiers, drafter, rule, policy, config = (sequence.verifiers, sequence.drafter, sequence.rule, sequence.policy,
-                                                sequence.config)
+    verifiers, drafter, policy, config = sequence.verifiers, sequence.drafter, sequence.policy, sequence.config
     context = verifiers.context
-    target_calls, slim_calls, pass_seconds = verifiers.target_calls, verifiers.slim_calls, verifiers.pass_seconds
     # Never draft past the budget: the cycle emits at most (drafts on the path) + 1 tokens.
-    budget = max(0, min(policy.max_draft, config.max_new_tokens - sequence.committed.generated_count - 1))
+    limit = max(0, min(policy.max_draft, config.max_new_tokens - sequence.committed.generated_count - 1))
+    if budget is not None:
+        limit = min(limit, budget)
     # Draft token i (a node at depth i + 1) and the token after the drafts sit at position len(context) + i.
     block = None if config.sampling.greedy else sequence.noise.block(len(context))
-    drafted = drafter.propose(context, DraftRequest(budget, config.sampling, block, policy))
+    drafted = drafter.propose(context, DraftRequest(limit, config.sampling, block, policy))
     proposal = drafted.prefix(policy.trim(drafted))
-    if proposal.tree.depth > budget:
-        raise TierspecError(f"{type(drafter).__name__} drafted {proposal.tree.depth} tokens deep for a budget of {budget}")
-    drafted_at = time.perf_counter()
-    verdict = _verdict(verifiers, rule, proposal, config.sampling, block)
+    if proposal.tree.depth > limit:
+        raise TierspecError(f"{type(drafter).__name__} drafted {proposal.tree.depth} tokens deep for a budget of {limit}")
+    return _Drafted(drafted, proposal, block, started, time.perf_counter(), verifiers.target_calls, verifiers.slim_calls,
+                    verifiers.pass_seconds)
 
-    # Commit: accepted path + the correction/bonus token, cut at EOS and the budget.
+
+def _conclude(sequence: _Sequence, drafted: _Drafted, verdict: Verdict) -> Step:
+    """Commit the verdict and report the cycle: the accepted path + the correction/bonus token,
+    cut at EOS and the budget; the policy learns from it."""
+    verifiers, policy, proposal = sequence.verifiers, sequence.policy, drafted.proposal
     tokens = proposal.tokens.tolist()
     emitted = [tokens[node] for node in verdict.path] + [verdict.next_token]
     new_tokens, finished, records = _commit(sequence, emitted, verdict.path)
-    policy.observe(CycleOutcome(drafted, proposal, verdict))
+    policy.observe(CycleOutcome(drafted.drafted, proposal, verdict))
     ended = time.perf_counter()
     cycle = CycleStats(
         drafted=len(proposal),
@@ -843,12 +915,12 @@ def _cycle(sequence: _Sequence) -> Step:
         evaluated=verdict.accepted + int(walk_reached(proposal.tree, verdict.path)),
         accepted=verdict.accepted,
         emitted=len(new_tokens),
-        target_calls=verifiers.target_calls - target_calls,
-        slim_calls=verifiers.slim_calls - slim_calls,
+        target_calls=verifiers.target_calls - drafted.target_calls,
+        slim_calls=verifiers.slim_calls - drafted.slim_calls,
         drafter_calls=proposal.drafter_calls,
-        seconds=ended - started,
-        draft_seconds=drafted_at - started,
-        pass_seconds=verifiers.pass_seconds - pass_seconds,
+        seconds=ended - drafted.started,
+        draft_seconds=drafted.drafted_at - drafted.started,
+        pass_seconds=verifiers.pass_seconds - drafted.pass_seconds,
         deciders=verdict.deciders[: len(new_tokens)],
         tree_depth=proposal.tree.depth if sequence.tree_stats else None,
     )

@@ -425,6 +425,12 @@ class CostAware(DraftPolicy):
                 return True
         return False
 
+    def reach(self, proposal) -> list[float]:
+        """P(drafts 0..j of ``proposal`` all accepted), j = 0 .. len − 1 (at most ``max_draft``), by
+        the acceptance learned so far: what a batch weighs a proposal's drafts by (``batch``)."""
+        count = min(len(proposal), self.max_draft)
+        return self._reach(self.keys(proposal, count)) if count else []
+
     def expected_rate(self, proposal) -> float:
         """The best expected emitted tokens per second over the lengths of ``proposal``."""
         count = min(len(proposal), self.max_draft)

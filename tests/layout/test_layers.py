@@ -18,7 +18,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("faces", ("tierspec", "tierspec.cli", "tierspec.api", "tierspec.server")),
     ("jobs", ("tierspec.bench", "tierspec.training", "tierspec.data", "tierspec.cluster")),
     ("methods", ("tierspec.methods",)),
-    ("the loop", ("tierspec.decode",)),
+    ("the loop", ("tierspec.decode", "tierspec.batch")),
     ("rules", ("tierspec.rules",)),
     ("drafters and policies", ("tierspec.drafters", "tierspec.policies")),
     ("records", ("tierspec.proposal", "tierspec.walks")),

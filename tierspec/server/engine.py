@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ..api import stream_method
+from ..api import IncrementalDetokenizer, check_seed, stream_method
+from ..batch import BatchDecoder, BatchError, check_batchable
 from ..decode import DecodeConfig, GenerationStats, TokenLogprob, score_prompt
 from ..errors import TierspecError
 from ..methods import Method, MethodOptions, build_method, check_method_name, default_method
@@ -120,6 +121,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled_by: str | None = None  # CLIENT_LEFT or SHUTDOWN; set once, under the engine's lock
+    pending: list = field(default_factory=list)  # in a batch: choices not started yet (no room)
+    done: list = field(default_factory=list)  # in a batch: the ChoiceDone events sent so far
 
     def send(self, event: Event) -> None:
         """Deliver ``event`` to the handler (from any thread)."""
@@ -170,8 +173,13 @@ class Engine:
     """
 
     def __init__(self, target: LoadedModel, method: str | None = None, drafter: LoadedModel | None = None,
-                 options: MethodOptions = MethodOptions(), max_queue: int = 8, max_methods: int = 4):
-        """``method``: requests' default (None: ``methods.default_method(target)``)."""
+                 options: MethodOptions = MethodOptions(), max_queue: int = 8, max_methods: int = 4,
+                 max_batch: int = 1, max_rows: int | None = None):
+        """``method``: requests' default (None: ``methods.default_method(target)``). ``max_batch``
+        > 1 (a model on the pass engine): up to that many generations run at once, one batched
+        pass per cycle (``batch.BatchDecoder``; every request still gets exactly its solo text),
+        at most ``max_rows`` rows per pass; requests whose method cannot be batched (lossy rules,
+        VIA-SD) run alone between batch cycles."""
         method = method or default_method(target, options)
         check_method_name(method)
         if target.tokenizer is None:
@@ -193,6 +201,21 @@ class Engine:
         self._stopping = False
         self._counts = {"completed": 0, "cancelled": 0, "withdrawn": 0, "interrupted": 0, "failed": 0, "refused": 0,
                         "invalid": 0}
+        if max_batch < 1:
+            raise TierspecError(f"max_batch must be >= 1, got {max_batch}")
+        if max_rows is not None and max_rows < max_batch:
+            raise TierspecError(f"max_rows ({max_rows}) must leave every generation of a full batch its row "
+                                f"(at least max_batch = {max_batch})")
+        self.max_batch, self.max_rows = max_batch, max_rows
+        self._batch: BatchDecoder | None = None
+        self._batched: list[_Live] = []  # the generations in the batch
+        self._batched_jobs: list[Job] = []  # their jobs, in admission order
+        self._wake = threading.Condition(self._lock)
+        self._loop_thread: threading.Thread | None = None
+        if max_batch > 1:
+            self._batch = BatchDecoder(target, max_batch=max_batch, max_rows=max_rows)  # refuses a model off the engine
+            self._loop_thread = threading.Thread(target=self._batch_loop, name="tierspec-batch", daemon=True)
+            self._loop_thread.start()
 
     def health(self) -> dict:
         """Status and counts: ``cancelled`` / ``withdrawn``: the client left during / before its
@@ -200,9 +223,13 @@ class Engine:
         ``invalid``: answered 400 (a request the server cannot serve as asked, e.g. a method this
         model cannot build); ``failed``: the server's own errors (500)."""
         with self._lock:
+            running = len(self._batched_jobs) if self._batch is not None else 0
+            running += int(self._running is not None)
             return {"status": "stopping" if self._stopping else "ok", "model": self.model_name,
-                    "method": self.default_method, "running": int(self._running is not None),
+                    "method": self.default_method, "running": running,
                     "waiting": len(self._waiting), "max_queue": self.max_queue,
+                    "batch": {"max_batch": self.max_batch, "max_rows": self.max_rows,
+                              "generations": len(self._batched), "requests": len(self._batched_jobs)},
                     "methods_cached": len(self._methods), **self._counts}
 
     def method(self, name: str, num_draft: int | None) -> Method:
@@ -228,11 +255,15 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise shutting_down()
-            if len(self._waiting) + (self._running is not None) >= 1 + self.max_queue:
+            running = (self._running is not None) + len(self._batched_jobs)
+            if len(self._waiting) + running >= max(1, self.max_batch) + self.max_queue:
                 self._counts["refused"] += 1
                 raise ApiError(503, f"the server is busy ({self.max_queue} requests already waiting); retry shortly",
                                kind="server_busy", headers={"Retry-After": "1"})
             self._waiting.append(job)
+            if self._batch is not None:
+                self._wake.notify()
+                return
         self._worker.submit(self._run, job)
 
     def cancel(self, job: Job, reason: str) -> None:
@@ -253,18 +284,148 @@ class Engine:
 
     def stop(self) -> None:
         """Shut down: refuse new requests, turn the waiting ones away with 503, stop the
-        running one at its next cycle (its client still gets a well-formed ending)."""
+        running ones at their next cycle (their clients still get a well-formed ending)."""
         with self._lock:
             self._stopping = True
             for job in list(self._waiting):
                 self._cancel(job, SHUTDOWN)
             if self._running is not None:
                 self._cancel(self._running, SHUTDOWN)
+            for job in self._batched_jobs:
+                self._cancel(job, SHUTDOWN)
+            self._wake.notify()
 
     def close(self) -> None:
         """``stop``, then wait for the worker to finish."""
         self.stop()
         self._worker.shutdown(wait=True)
+        if self._loop_thread is not None:
+            self._loop_thread.join()
+
+    # ---- the batch: several requests' generations in one pass per cycle ------------------------------
+
+    def _batch_loop(self) -> None:
+        """The batch's worker: admit waiting jobs while there is room, run one cycle for every
+        generation in the batch, hand each its text, finish the jobs whose choices are done. A job
+        whose method cannot be batched runs alone, between cycles."""
+        while True:
+            with self._lock:
+                while not self._waiting and not self._batched and not self._stopping:
+                    self._wake.wait()
+                if self._stopping and not self._waiting and not self._batched:
+                    return
+                admitted = self._admit()
+            for job in admitted:
+                self._start_job(job)
+            try:
+                self._batch_cycle()
+            except Exception as error:  # a bug: every job in the batch answers 500, the loop goes on
+                log.exception("batched generation failed")
+                failure = Failed(ApiError(500, f"internal error: {type(error).__name__}: {error}", kind="server_error"))
+                for job in list(self._batched_jobs):
+                    self._end_job(job, "failed", failure)
+
+    def _admit(self) -> list[Job]:
+        """Waiting jobs that join the batch now (under the lock): while it has room for one more
+        generation; a job's choices beyond the room wait inside it for places."""
+        admitted = []
+        room = self.max_batch - len(self._batched)
+        while self._waiting and room > 0:
+            job = self._waiting.pop(0)
+            if job.cancelled_by is not None:
+                continue
+            admitted.append(job)
+            self._batched_jobs.append(job)
+            room -= len(job.choices)
+        return admitted
+
+    def _start_job(self, job: Job) -> None:
+        """Build the job's generations and put them in the batch (or run it alone, unbatchable)."""
+        try:
+            probe = self.method(job.method, job.num_draft)
+            check_batchable(probe)
+        except BatchError:  # lossy or tiered: alone, with the one-at-a-time path
+            with self._lock:
+                self._batched_jobs.remove(job)
+                self._waiting.insert(0, job)
+                self._running = None
+            self._run(job)
+            return
+        except TierspecError as error:
+            self._end_job(job, "invalid", Failed(ApiError(400, str(error), "method")))
+            return
+        job.send(Started())
+        job.pending = list(job.choices)
+        job.done = []
+        self._fill(job)
+
+    def _fill(self, job: Job) -> None:
+        """Start the job's pending choices while the batch has room (score-only ones at once)."""
+        while job.pending and len(self._batched) < self.max_batch and job.cancelled_by is None:
+            choice = job.pending.pop(0)
+            if choice.score_only:
+                records = tuple(score_prompt(self.target, choice.prompt_ids, choice.config)) if choice.config.score_prompt else ()
+                job.send(TextPiece(choice.echo_text or "", choice.index, records, echo=True))
+                job.done.append(ChoiceDone(choice.index, "length", GenerationStats(), 0))
+                job.send(job.done[-1])
+                continue
+            try:
+                check_seed(choice.seed)
+                method = build_method(job.method, self.target, self.drafter,
+                                      self.options if job.num_draft is None else replace(self.options, num_draft=job.num_draft))
+                run = self._batch.add((id(job), choice.index), method, choice.prompt_ids, choice.config, choice.seed)
+            except TierspecError as error:
+                self._end_job(job, "invalid", Failed(ApiError(400, str(error), "method")))
+                return
+            self._batched.append(_Live(job, choice, run, self.target.tokenizer, job.stops))
+        if not job.pending and not any(live.job is job for live in self._batched):
+            self._finish_job(job)
+
+    def _batch_cycle(self) -> None:
+        """One cycle of the batch: every generation's new text to its job; finished choices done;
+        cancelled jobs out."""
+        for job in list(self._batched_jobs):
+            if job.cancelled_by is not None:
+                self._drop(job)
+        if not self._batched:
+            return
+        steps = self._batch.step()
+        for run, step in steps:
+            live = next(live for live in self._batched if live.run is run)
+            if live.feed(step, self.eos):
+                self._batched.remove(live)
+                self._batch.cancel(run.key)  # a stop sequence ends it before the batch would
+                live.job.done.append(live.done())
+                live.job.send(live.job.done[-1])
+                self._fill(live.job)
+
+    def _drop(self, job: Job) -> None:
+        """Take a cancelled job's generations out and end it as ``_generate_all`` would."""
+        for live in [live for live in self._batched if live.job is job]:
+            self._batched.remove(live)
+            self._batch.cancel(live.run.key)
+            if job.cancelled_by == SHUTDOWN:
+                job.done.append(live.done("length"))
+                job.send(job.done[-1])
+        job.pending = []
+        if job.cancelled_by == CLIENT_LEFT:
+            self._end_job(job, "cancelled", None)
+        else:
+            self._end_job(job, "interrupted", Finished(tuple(sorted(job.done, key=lambda c: c.index)), job.method, True))
+
+    def _finish_job(self, job: Job) -> None:
+        self._end_job(job, "completed", Finished(tuple(sorted(job.done, key=lambda c: c.index)), job.method))
+
+    def _end_job(self, job: Job, outcome: str, last) -> None:
+        with self._lock:
+            if job in self._batched_jobs:
+                self._batched_jobs.remove(job)
+            self._counts[outcome] += 1
+        for live in [live for live in self._batched if live.job is job]:
+            self._batched.remove(live)
+            self._batch.cancel(live.run.key)
+        if last is not None:
+            job.send(last)
 
     def _run(self, job: Job) -> None:
         """The worker: build the method, generate, send Started, TextPiece…, Finished (or Failed).
@@ -360,6 +521,54 @@ class Engine:
                 job.send(TextPiece(tail, index, rest))
             finish = "stop" if token_ids and token_ids[-1] in self.eos else "length"
         return ChoiceDone(index, finish, text_stream.stats, len(token_ids))
+
+
+class _Live:
+    """One generation in the batch, with what ``Engine._generate`` keeps for a solo one: its text
+    so far (an incremental detokeniser), its stop sequences, its logprob records and echo."""
+
+    def __init__(self, job: Job, choice: Choice, run, tokenizer, stops: list[str]):
+        self.job, self.choice, self.run = job, choice, run
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.stops = StopMatcher(stops)
+        self.records = TokenRecords(tokenizer) if choice.config.logprobs is not None else None
+        self.logprobs: list[TokenLogprob] = []
+        self.echo_pending = choice.echo_text is not None
+        self.sent = 0
+        self.finish: str | None = None
+
+    def feed(self, step, eos: set[int]) -> bool:
+        """Send ``step``'s new text; True when the generation is over (done or at a stop sequence)."""
+        job, index = self.job, self.choice.index
+        if step.logprobs is not None:
+            self.logprobs.extend(step.logprobs)
+        if self.echo_pending:
+            job.send(TextPiece(self.choice.echo_text, index, tuple(step.prompt_logprobs or ()), echo=True))
+            self.echo_pending = False
+        piece = self.detok.add(step.committed.generated_view, final=step.finished)
+        text, stopped = self.stops.feed(piece) if piece else ("", False)
+        self.sent += len(text)
+        if self.records is not None:
+            self.records.add(self.logprobs)
+        if text:
+            job.send(TextPiece(text, index, self.records.release(self.sent) if self.records is not None else ()))
+        if stopped:
+            self.finish = "stop"
+            return True
+        if step.finished:
+            if self.records is not None:
+                self.records.add(self.logprobs)
+            tail = self.stops.flush()
+            rest = self.records.release(None) if self.records is not None else ()
+            if tail or rest:
+                job.send(TextPiece(tail, index, rest))
+            token_ids = self.run.token_ids
+            self.finish = "stop" if token_ids and token_ids[-1] in eos else "length"
+            return True
+        return False
+
+    def done(self, finish: str | None = None) -> ChoiceDone:
+        return ChoiceDone(self.choice.index, finish or self.finish or "length", self.run.stats, len(self.run.token_ids))
 
 
 class TokenRecords:
