@@ -18,7 +18,11 @@ EMOJI_PROMPT = "Write a short happy message with lots of emojis."  # the model a
 
 def test_generate_and_stream_declare_the_same_parameters():
     generate, stream = inspect.signature(tierspec.generate), inspect.signature(tierspec.stream)
-    assert list(generate.parameters.values()) == list(stream.parameters.values())
+    # the same parameters after the prompt; generate also takes a list of prompts (a batch)
+    assert list(generate.parameters.values())[1:] == list(stream.parameters.values())[1:]
+    assert list(generate.parameters)[0] == list(stream.parameters)[0] == "prompt"
+    one, many = stream.parameters["prompt"].annotation, generate.parameters["prompt"].annotation
+    assert set(one.split(" | ")) < set(many.split(" | ")) and "list[str]" in many
     assert all(p.kind is not p.VAR_KEYWORD for p in generate.parameters.values())  # nothing hidden in **kwargs
     shown = pydoc.render_doc(tierspec.generate)
     for name in ("target", "method", "num_draft", "max_new_tokens", "temperature", "top_k", "top_p", "seed"):

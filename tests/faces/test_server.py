@@ -480,9 +480,10 @@ def wait_serving(process: subprocess.Popen, port: int) -> None:
 
 def test_sigterm_ends_every_open_request_well_and_exits_0():
     """Issue 23 finding 10: SIGTERM cut the running stream without a final chunk or [DONE],
-    closed a queued client's connection with no response, and exited by the signal."""
+    closed a queued client's connection with no response, and exited by the signal. A batch of
+    one (``--max-batch 1``) so that the two later requests wait in the queue."""
     port = free_port()
-    process = serve_process(port, "--max-queue", "2", "--max-request-bytes", "30000")
+    process = serve_process(port, "--max-queue", "2", "--max-batch", "1", "--max-request-bytes", "30000")
     try:
         wait_serving(process, port)
         status, _, body = post(port, "/v1/completions", {"model": MODEL, "prompt": "word " * 7000})
