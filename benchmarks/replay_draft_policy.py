@@ -24,9 +24,9 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-from tierspec.drafters.adaptive import CostAwareDrafter
-
-from tierspec.api import encode_prompt
+from tierspec.policies import CostAware, CycleOutcome
+from tierspec.prompting import encode_prompt
+from tierspec.proposal import Proposal, Verdict
 from tierspec.bench.runner import read_records
 from tierspec.costs import forward_costs
 from tierspec.data import load_prompts
@@ -50,9 +50,9 @@ class Fixed:
         pass
 
     def propose(self, context: np.ndarray, cap: int, truth: np.ndarray) -> np.ndarray:
-        return self.ngram.lookup(context, min(self.k, cap))
+        return self.ngram.lookup(context, min(self.k, cap))[0]
 
-    def observe(self, drafted, accepted, seconds):
+    def observe(self, accepted, next_token):
         pass
 
 
@@ -66,28 +66,35 @@ class Oracle:
         pass
 
     def propose(self, context, cap, truth):
-        found = self.ngram.lookup(context, cap)
+        found = self.ngram.lookup(context, cap)[0]
         return found[: common_prefix(found, truth)]
 
-    def observe(self, drafted, accepted, seconds):
+    def observe(self, accepted, next_token):
         pass
 
 
 class Adaptive:
-    """tierspec's CostAwareDrafter, driven with a fixed cost function."""
+    """tierspec's cost-aware draft-length policy (``policies.CostAware``) over n-gram lookup,
+    driven with a fixed cost function instead of the measured table's cost model."""
 
-    def __init__(self, cost, max_draft: int = 10, ngram_size: int = 3, **options):
-        self.drafter = CostAwareDrafter(NgramDrafter(ngram_size), max_draft, cost=cost, **options)
+    def __init__(self, cost, max_draft: int = 10, ngram_size: int = 3):
+        self.ngram = NgramDrafter(ngram_size)
+        self.policy = CostAware(max_draft, cost=lambda k, source="": cost(k))
+        self.drafted = self.verified = None
 
     def start(self, prompt_ids):
-        self.drafter.start(torch.as_tensor(prompt_ids), None)
+        self.policy.start()
 
     def propose(self, context, cap, truth):
-        proposal = self.drafter.propose(torch.from_numpy(context), cap, None, None)
-        return proposal.tokens.numpy()
+        found, size = self.ngram.lookup(context, min(cap, self.policy.max_draft))
+        self.drafted = (Proposal.chain(torch.from_numpy(found.copy()), match_sizes=[size] * len(found), source="ngram")
+                        if len(found) else Proposal.empty(source="ngram"))
+        self.verified = self.drafted.prefix(self.policy.trim(self.drafted))
+        return found[: len(self.verified)]
 
-    def observe(self, drafted, accepted, seconds):
-        self.drafter.observe(SimpleNamespace(drafted=drafted, accepted=accepted, seconds=seconds))
+    def observe(self, accepted, next_token):
+        verdict = Verdict.chain(accepted, next_token, [])
+        self.policy.observe(CycleOutcome(self.drafted, self.verified, verdict))
 
 
 def replay(policy, prompt_ids: np.ndarray, output: np.ndarray, cost) -> tuple[float, int, int]:
@@ -105,7 +112,7 @@ def replay(policy, prompt_ids: np.ndarray, output: np.ndarray, cost) -> tuple[fl
         seconds += spent
         cycles += 1
         drafted_total += len(draft)
-        policy.observe(len(draft), accepted, spent)
+        policy.observe(accepted, int(truth[accepted]) if accepted < len(truth) else -1)
         position += accepted + 1
     return seconds, cycles, drafted_total
 
