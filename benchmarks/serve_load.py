@@ -10,8 +10,8 @@ queueing: the comparison between methods is like for like. Stops by itself.
     python benchmarks/serve_load.py [--requests 16] [--clients 2] [--max-tokens 64]
     python benchmarks/serve_load.py --concurrency 1,2,4,8 [--requests-per-client 2] [--max-tokens 128] [--peers]
 
-The second form (batching, issue 31) runs one batching server (``--max-batch`` the largest
-concurrency) and, for each client count, that many concurrent clients sending their requests back
+The second form (batching, issue 31) runs one batching server (``tierspec serve`` in a process of its
+own, as deployed, ``--max-batch`` the largest concurrency) and, for each client count, that many concurrent clients sending their requests back
 to back (greedy, then seeded at temperature 1: request i has seed i): total tokens per second,
 median and p99 latency, whether every reply equals the same request's reply with one client (its
 solo text), and replies lost (no finish reason); ``--peers`` adds OpenVINO GenAI's
@@ -29,8 +29,10 @@ Writes results/serve_load.json and results/serving-report.md (quoted in BENCHMAR
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -228,6 +230,41 @@ def openvino_batch_round(prompts_ids: list[list[int]], clients: int, max_tokens:
     return {"wall": time.perf_counter() - started, "tokens": tokens}
 
 
+@contextlib.contextmanager
+def serving_process(max_batch: int):
+    """``tierspec serve`` as deployed: a process of its own on a free loopback port (so the load
+    generator's client threads do not share the server's interpreter), stopped by SIGTERM."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cli = shutil.which("tierspec") or "tierspec"
+    process = subprocess.Popen([cli, "serve", "--port", str(port), "--max-batch", str(max_batch), "--max-queue", "64",
+                                "--log-level", "warning"], stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 300
+        while True:
+            if process.poll() is not None:
+                raise SystemExit(f"tierspec serve exited {process.returncode}: {process.stderr.read().decode()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as response:
+                    if response.status == 200:
+                        break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit("tierspec serve did not come up within 300 s")
+                time.sleep(0.5)
+        yield port
+    finally:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+
+
 def batching(args) -> None:
     """Total tokens/s and latency at each concurrency against one batching server, every reply
     checked against the same request's solo reply, beside OpenVINO's continuous batching."""
@@ -238,8 +275,7 @@ def batching(args) -> None:
     target = load_model("smollm2-135m", dtype="auto")
     concurrency = [int(c) for c in args.concurrency.split(",")]
     rows, checks = [], []
-    engine = Engine(target, max_queue=64, max_batch=max(concurrency))
-    with serving_in_background(engine) as port:
+    with serving_process(max(concurrency)) as port:
         warm = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
         chat(warm, "Hi", 8, None, 0.0)  # builds the method and its cost table
         for temperature in (0.0, 1.0):
