@@ -3,7 +3,8 @@
 ``BatchDecoder`` runs several generations on one loaded model at once. Each keeps everything a
 generation alone keeps — its method's drafter, policy and rule, its seed's noise, its cache, its
 committed tokens and statistics (``decode._Sequence``) — and every cycle does, for all of them:
-draft (each with its own drafter), cut the drafts to what pays for the batch (``batch_budgets``),
+draft (each with its own drafter and policy, which costs its drafts as the batch's passes:
+``policies.CostModel.verify``), cut the drafts to what pays for the batch (``batch_lengths``),
 run **one** target pass over every sequence's new rows (``cached_model.batched_pass``: the products
 over all rows at once, each sequence's attention over its own cache), then verify and commit each.
 Generations join between cycles (the prompt's prefill is a pass of its own) and leave when done or
@@ -154,8 +155,10 @@ class BatchDecoder:
         if not self.runs:
             return []
         runs = list(self.runs.values())
+        for run in runs:  # each policy costs its drafts as this batch's passes (policies.CostModel.verify)
+            run.sequence.policy.share_passes(len(runs))
         with threads_for(self.target.model), torch.inference_mode():
-            drafted = [_propose(run.sequence) for run in runs]  # each as alone: its own drafter and policy
+            drafted = [_propose(run.sequence) for run in runs]  # each with its own drafter and policy
             proposals = [d.proposal for d in drafted]
             lengths = batch_lengths(proposals, [_reach(run, p) for run, p in zip(runs, proposals)],
                                     self._pass_seconds(runs))

@@ -174,6 +174,10 @@ class DraftPolicy:
         for a policy that learns nothing."""
         return [None] * count
 
+    def share_passes(self, sequences: int) -> None:
+        """The next cycles' passes are shared by ``sequences`` generations (continuous batching):
+        a policy that costs passes costs them as that batch's (``CostModel.verify``); 1 = alone."""
+
     def observe(self, outcome: CycleOutcome) -> None:
         """Learn from a verdict."""
 
@@ -298,22 +302,49 @@ class CostModel:
 
     forward_costs: ForwardCosts | None = None
     draft_fractions: dict[str, float] = field(default_factory=dict)
+    #: sequences sharing every pass (continuous batching, ``batch``): see ``verify``
+    sequences: int = 1
     # verify(n) by n, filled as asked: a policy asks for the same few sizes many times a cycle
     _verify: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
+    def _pass(self, tokens: int) -> float:
+        """The measured cost of one pass over ``tokens`` rows."""
+        if self.forward_costs is not None:
+            return self.forward_costs.cost(tokens)
+        first, per_token = UNMEASURED_PASS
+        return first + per_token * (tokens - 1)
+
     def verify(self, tokens: int) -> float:
+        """A generation's cost of verifying ``tokens`` rows (its pending token and its drafts).
+        Alone, the pass itself. In a batch of B sequences (one row each at least), its share of
+        the batch's base pass plus what its extra rows add to that pass:
+
+            verify_B(n) = pass(B) / B + pass(B + n − 1) − pass(B)
+
+        (verify_1 = pass), so that each generation's draft length maximises its own tokens per
+        second of the batch's time: a draft that pays alone may not pay in a batch, where a row
+        is cheap but a draft step (``draft_step``, the drafter's own time) is not shared."""
         seconds = self._verify.get(tokens)
         if seconds is None:
-            if self.forward_costs is not None:
-                seconds = self.forward_costs.cost(tokens)
+            batch = self.sequences
+            if batch == 1:
+                seconds = self._pass(tokens)
             else:
-                first, per_token = UNMEASURED_PASS
-                seconds = first + per_token * (tokens - 1)
+                base = self._pass(batch)
+                seconds = base / batch + self._pass(batch + tokens - 1) - base
             self._verify[tokens] = seconds
         return seconds
 
     def draft_step(self, source: str) -> float:
-        return self.draft_fractions.get(source, 0.0) * self.verify(1)
+        """A draft step of ``source``: its fraction of a one-token pass alone (a drafter's steps
+        run one sequence at a time, in a batch too)."""
+        return self.draft_fractions.get(source, 0.0) * self._pass(1)
+
+    def in_batch(self, sequences: int) -> "CostModel":
+        """This model for a generation that shares each pass with ``sequences`` − 1 others."""
+        if sequences == self.sequences:
+            return self
+        return CostModel(self.forward_costs, self.draft_fractions, sequences)
 
     def __call__(self, k: int, source: str = "") -> float:
         return self.verify(k + 1) + k * self.draft_step(source)
@@ -486,6 +517,10 @@ class CostAware(DraftPolicy):
     def pass_costs(self) -> ForwardCosts | None:
         return self.cost.forward_costs if isinstance(self.cost, CostModel) else None
 
+    def share_passes(self, sequences: int) -> None:
+        if isinstance(self.cost, CostModel):  # a cost function of a test's stays as given
+            self.cost = self.cost.in_batch(sequences)
+
 
 # ---- token trees ------------------------------------------------------------------------------
 
@@ -531,6 +566,9 @@ class TreePolicy(DraftPolicy):
     @property
     def pass_costs(self) -> ForwardCosts | None:
         return self.cost.forward_costs
+
+    def share_passes(self, sequences: int) -> None:
+        self.cost = self.cost.in_batch(sequences)
 
     def acceptance(self, key: Hashable, prior: float) -> float:
         estimate = self.estimates.get(key)

@@ -104,3 +104,32 @@ def test_batch_lengths_take_the_drafts_that_pay():
     # the best next draft first: the second proposal's 0.8 before the first's 0.3
     assert batch_lengths([P([1, 2]), P([1])], [[0.9, 0.3], [0.8]], lambda rows: 1.0 + 0.2 * rows) == [1, 1]
     assert batch_lengths([P([1, 2])], [None], steep) == [2]  # no learned acceptance: as drafted
+
+
+def test_a_policy_in_a_batch_costs_its_drafts_as_the_batch_passes():
+    """``CostModel.verify`` in a batch of B: the share pass(B) / B of the base pass plus what the
+    generation's extra rows add; a draft step keeps its own cost. So a head draft that pays alone
+    (a row costs 0.8 of a one-token pass there) stops paying in a batch of 8, where the row is cheap
+    but the generation's share of the pass is too; free n-gram drafts still pay, fewer of them."""
+    from tierspec.costs import ForwardCosts
+    from tierspec.policies import CostAware, CostModel
+    from tierspec.proposal import Proposal
+
+    # ms: one row 4, then +0.4 per row (flat passes: 8 rows cost 6.8)
+    table = ForwardCosts({n: (4.0 + 0.4 * (n - 1)) / 1000 for n in range(1, 17)})
+    alone = CostModel(table, {"head": 0.25})
+    assert alone.in_batch(1) is alone and alone.verify(3) == table.cost(3)
+    shared = alone.in_batch(8)
+    assert shared.verify(1) == pytest.approx(table.cost(8) / 8)
+    assert shared.verify(3) == pytest.approx(table.cost(8) / 8 + table.cost(10) - table.cost(8))
+    assert shared.draft_step("head") == alone.draft_step("head") == pytest.approx(0.25 * table.cost(1))
+
+    head = Proposal.chain(torch.tensor([5, 6]), confidence=torch.tensor([0.7, 0.7]), source="head")
+    ngram = Proposal.chain(torch.tensor([5, 6]), match_sizes=[3, 3], source="ngram")
+    policy = CostAware(8, table, draft_fractions={"head": 0.25})
+    assert policy.trim(head) == 2 and policy.trim(ngram) == 2
+    policy.share_passes(8)
+    # the head drafts nothing; free drafts shrink (a row now adds half of the generation's share)
+    assert policy.trim(head) == 0 and policy.trim(ngram) == 1
+    policy.share_passes(1)  # alone again: as before
+    assert policy.trim(head) == 2
