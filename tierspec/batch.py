@@ -113,9 +113,11 @@ class BatchDecoder:
     prefilled at once), then ``step`` runs one cycle for every active one and returns their
     ``Step``s; finished generations leave the batch by themselves, ``cancel`` removes one early.
     ``max_batch``: generations at once (``add`` refuses more); ``max_rows``: at most that many
-    rows per pass (drafts are cut to fit; every generation keeps at least its one row)."""
+    rows per pass (drafts are cut to fit; every generation keeps at least its one row);
+    ``shared_costs``: each policy costs its drafts as the batch's passes (False: as if alone)."""
 
-    def __init__(self, target: LoadedModel, max_batch: int = 8, max_rows: int | None = None):
+    def __init__(self, target: LoadedModel, max_batch: int = 8, max_rows: int | None = None,
+                 shared_costs: bool = True):
         if not runs_on_engine(target.model):
             raise BatchError("batched generation runs on the pass engine: load a GGUF model on its blocks "
                              "(--kernels gguf, the default for the default model)")
@@ -124,7 +126,14 @@ class BatchDecoder:
         self.target = target
         self.max_batch = max_batch
         self.max_rows = max_rows
+        self.shared_costs = shared_costs  # False: policies cost drafts as if alone (for comparison)
         self.runs: dict[Hashable, BatchedRun] = {}
+        #: where the batch's cycles went (wall seconds): drafting (every generation's drafter and
+        #: policy, and the batch's cut), the batched target pass, deciding and committing
+        self.seconds = {"draft": 0.0, "pass": 0.0, "verify": 0.0}
+        self.cycles = 0
+        self.rows = 0  # rows of all batched passes
+        self.sequences = 0  # generations over all cycles (mean batch = sequences / cycles)
 
     def __len__(self) -> int:
         return len(self.runs)
@@ -156,8 +165,9 @@ class BatchDecoder:
             return []
         runs = list(self.runs.values())
         for run in runs:  # each policy costs its drafts as this batch's passes (policies.CostModel.verify)
-            run.sequence.policy.share_passes(len(runs))
+            run.sequence.policy.share_passes(len(runs) if self.shared_costs else 1)
         with threads_for(self.target.model), torch.inference_mode():
+            began = time.perf_counter()
             drafted = [_propose(run.sequence) for run in runs]  # each with its own drafter and policy
             proposals = [d.proposal for d in drafted]
             lengths = batch_lengths(proposals, [_reach(run, p) for run, p in zip(runs, proposals)],
@@ -178,6 +188,11 @@ class BatchDecoder:
             started = time.perf_counter()
             results = batched_pass(self.target.model, items, tuple(feature_layers) if needs_hidden else None)
             seconds = time.perf_counter() - started
+            self.seconds["draft"] += started - began
+            self.seconds["pass"] += seconds
+            self.cycles += 1
+            self.sequences += len(runs)
+            self.rows += sum(len(item.token_ids) for item in items)
             out = []
             for run, d, request, result in zip(runs, drafted, requests, results):
                 verifiers = run.sequence.verifiers
@@ -193,6 +208,7 @@ class BatchDecoder:
                     step.finished = run.finished = True
                     self.runs.pop(run.key, None)
                 out.append((run, step))
+            self.seconds["verify"] += time.perf_counter() - started - seconds
         return out
 
     def _pass_seconds(self, runs: list[BatchedRun]):

@@ -2,6 +2,18 @@
 ``tierspec._qengine``) and the threads it runs on: the lowest layer the engine's users share
 (``tierspec.llama`` runs decoder layers through it; ``tierspec.quant`` builds weights for it).
 docs/algorithms.md §The pass engine says what it computes.
+
+Why a compiled extension of the project's own and not a maintained engine: every maintained path
+was measured on the same cached passes first (``benchmarks/engine_candidates.py``; the table is in
+BENCHMARKS.md, "The pass engine"): torch's int4/int8 weight packs on tierspec's forward,
+torch.compile/inductor (defaults, freezing, cpp_wrapper, dynamic shapes, max-autotune, over the int4
+pack), AOTInductor packages and OpenVINO's CPU plugin (f32, bf16, nncf int8/int4). None reached
+llama.cpp's one-token pass (the nearest, inductor over the int4 pack, cost 1.6× the engine's at one
+token and 1.8× at sixteen); none computes with exactly the file's values; and the compiled graphs
+are not row-independent (a token's logits moved by 0.3 to 1.3 with the rows beside it, which would
+break the batch's and the seed's guarantees), need a graph per routing mask and start in 37–130 s
+from their caches. The engine is the fastest at every width, bitwise row-independent, keeps routing
+masks, any layer's hidden states and token trees, and starts in 1.5 s.
 """
 
 from __future__ import annotations

@@ -99,3 +99,44 @@ def test_a_table_the_load_disturbed_is_used_but_not_cached(planted, tiny_target,
     planted["table"] = 0.01
     assert costs.forward_costs(tiny_target, max_tokens=4).seconds[1] == 0.01
     assert len(planted["files"]()) == 1 and planted["measured"] == 2
+
+
+def test_a_draft_step_is_measured_once_against_the_pass_and_cached(planted, tiny_target, monkeypatch):
+    """``draft_step_fraction``: the step's median time over the target's 1-token pass, measured
+    once per process and kept per drafter; a new process reuses the file (one spot check), another
+    drafter is measured apart. The step's clock is planted: it advances 2 ms per step."""
+    clock = {"now": 0.0, "steps": 0}
+
+    def step():
+        clock["steps"] += 1
+        clock["now"] += 0.002
+
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock["now"])
+    assert costs.draft_step_fraction(tiny_target, "a planted drafter", {"id": 1}, step) == pytest.approx(0.2)
+    measured_steps = clock["steps"]
+    assert measured_steps == 16  # a warm-up and 15 timed steps
+    assert costs.draft_step_fraction(tiny_target, "a planted drafter", {"id": 1}, step) == pytest.approx(0.2)
+    planted["new_process"]()
+    assert costs.draft_step_fraction(tiny_target, "a planted drafter", {"id": 1}, step) == pytest.approx(0.2)
+    assert clock["steps"] == measured_steps  # the cached file, not a new measurement
+    costs.draft_step_fraction(tiny_target, "another drafter", {"id": 2}, step)
+    assert clock["steps"] == 2 * measured_steps
+
+
+def test_the_head_policies_charge_the_measured_head_step(monkeypatch, tiny_target, tmp_path):
+    """The cost-aware and tree policies of the head's methods charge a head draft what
+    ``heads.draft.step_fraction`` measured (planted here), not its bytes."""
+    import torch
+
+    import tierspec.heads.draft as draft
+    from tierspec.methods import MethodOptions, build_method
+    from tierspec.models import load_model
+
+    monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(draft, "step_fraction", lambda target, head: 0.37)
+    tiny_target.model.save_pretrained(tmp_path / "m")
+    own = load_model(tmp_path / "m", dtype="float32", implementation="tierspec")  # token trees run there
+    head = draft.DraftHead.for_target(own, torch.arange(0, 64, 2), seed=1).eval()
+    options = MethodOptions(draft_head=head)
+    for name in ("eagle", "hybrid", "eagle-tree", "hybrid-tree"):
+        assert build_method(name, own, None, options).policy.cost.draft_fractions == {"head": 0.37}, name

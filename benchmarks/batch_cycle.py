@@ -1,0 +1,103 @@
+"""Where a batch's time goes: continuous batching in process (no server), by batch size.
+
+    python benchmarks/batch_cycle.py [--sizes 1,2,4,8] [--methods hybrid,ar,adaptive-pld]
+                                     [--prompts 16] [--max-new-tokens 128] [--out results/batch_cycle.json]
+
+For each method and batch size B, the same ``--prompts`` MT-Bench first turns (greedy) run through one
+``BatchDecoder`` with at most B generations at a time (a finished one's place taken by the next
+prompt, as the server does); reported: total tokens per second, the mean batch, rows per pass and
+tokens emitted per cycle, and each cycle's wall time split into drafting (every generation's drafter
+and policy, and the batch's cut), the batched target pass, and verifying and committing — so that a
+ratio to B = 1 can be read in calls and costs per token. Every generation's tokens are checked
+against its B = 1 tokens (the batch's invariance). The methods are interleaved size by size.
+``--alone-costs`` adds each speculative method with its policies costing drafts as if alone
+(``BatchDecoder(shared_costs=False)``: only the batch's own cut), for comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from tierspec import load_model
+from tierspec.batch import BatchDecoder
+from tierspec.data import load_prompts
+from tierspec.decode import DecodeConfig
+from tierspec.methods import MethodOptions, build_method
+from tierspec.prompting import encode_prompt, eos_ids
+from tierspec.sampling import SamplingConfig
+from tierspec.util import atomic_write_text
+
+
+def run_batch(target, method: str, prompts, size: int, max_new_tokens: int, shared_costs: bool = True) -> dict:
+    config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(0.0, 0, 1.0),
+                          eos_token_ids=eos_ids(target))
+    batch = BatchDecoder(target, max_batch=size, shared_costs=shared_costs)
+    runs, waiting = {}, list(range(len(prompts)))
+    started = time.perf_counter()
+    while waiting or len(batch):
+        while waiting and len(batch) < size:
+            index = waiting.pop(0)
+            runs[index] = batch.add(index, build_method(method, target, None, MethodOptions()), prompts[index], config)
+        batch.step()
+    wall = time.perf_counter() - started
+    tokens = sum(len(run.token_ids) for run in runs.values())
+    cycles = max(batch.cycles, 1)
+    return {"method": method + ("" if shared_costs else " (policies cost alone)"), "batch": size, "wall_s": round(wall, 3), "tokens": tokens,
+            "tokens_per_s": round(tokens / wall, 1), "cycles": batch.cycles,
+            "mean_batch": round(batch.sequences / cycles, 2), "rows_per_pass": round(batch.rows / cycles, 2),
+            "tokens_per_cycle": round(tokens / cycles, 2),
+            "ms_per_cycle": {k: round(v * 1000 / cycles, 3) for k, v in batch.seconds.items()},
+            "prefill_and_rest_ms_per_cycle": round((wall - sum(batch.seconds.values())) * 1000 / cycles, 3),
+            "token_ids": [runs[i].token_ids for i in range(len(prompts))]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1,2,4,8")
+    parser.add_argument("--methods", default="hybrid,ar,adaptive-pld")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--alone-costs", action="store_true",
+                        help="also each method with its policies costing drafts as if alone (the batch's cut only)")
+    parser.add_argument("--out", type=Path, default=Path("results/batch_cycle.json"))
+    args = parser.parse_args()
+
+    target = load_model("smollm2-135m", dtype="auto")
+    texts = [p.text for p in load_prompts("mt_bench")]
+    prompts = [encode_prompt(target, texts[i % len(texts)]) for i in range(args.prompts)]
+    sizes = [int(s) for s in args.sizes.split(",")]
+    methods = args.methods.split(",")
+    for method in methods:  # builds each method once (cost tables, the head) before any timing
+        run_batch(target, method, prompts[:1], 1, 8)
+    rows, solo = [], {}
+    variants = [(m, True) for m in methods] + ([(m, False) for m in methods if m != "ar"] if args.alone_costs else [])
+    for size in sizes:
+        for method, shared in variants:
+            row = run_batch(target, method, prompts, size, args.max_new_tokens, shared)
+            ids = row.pop("token_ids")
+            solo.setdefault(method, ids)  # every variant's tokens against the method's B = 1 tokens
+            row["every_text_its_solo_text"] = ids == solo[method]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    lines = [f"`python benchmarks/batch_cycle.py --sizes {args.sizes} --methods {args.methods} --prompts {args.prompts} "
+             f"--max-new-tokens {args.max_new_tokens}{' --alone-costs' if args.alone_costs else ''}` (greedy, MT-Bench "
+             "first turns):", "",
+             "| method | B | tok/s | vs B=1 | mean batch | rows/pass | tokens/cycle | ms/cycle: draft | pass | verify | "
+             "prefill+rest | solo text |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        one = next(r for r in rows if r["method"] == row["method"] and r["batch"] == sizes[0])
+        ms = row["ms_per_cycle"]
+        lines.append(f"| `{row['method']}` | {row['batch']} | {row['tokens_per_s']} | "
+                     f"{row['tokens_per_s'] / one['tokens_per_s']:.2f}× | {row['mean_batch']} | {row['rows_per_pass']} | "
+                     f"{row['tokens_per_cycle']} | {ms['draft']} | {ms['pass']} | {ms['verify']} | "
+                     f"{row['prefill_and_rest_ms_per_cycle']} | {row['every_text_its_solo_text']} |")
+    table = "\n".join(lines)
+    print(table)
+    atomic_write_text(args.out, json.dumps({"rows": rows, "table": table}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
