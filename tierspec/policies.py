@@ -473,6 +473,16 @@ class CostAware(DraftPolicy):
         """The running expected tokens per second of ``source``'s recent blocks (None: none yet)."""
         return self.rates.get(source)
 
+    def plain_rate(self) -> float:
+        """Tokens per second of a cycle that drafts nothing."""
+        return 1.0 / self.cost(0, "")
+
+    def draft_step_fraction(self, source: str) -> float:
+        """A draft step of ``source`` in units of a one-token pass (0 for a cost function of a test's)."""
+        if not isinstance(self.cost, CostModel):
+            return 0.0
+        return self.cost.draft_step(source) / self.cost.verify(1)
+
     def trim(self, proposal) -> int:
         count = min(len(proposal), self.max_draft)
         if count == 0:

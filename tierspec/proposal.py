@@ -226,6 +226,14 @@ class RateView(PolicyView, Protocol):
         """The running expected tokens per second of ``source``'s recent blocks (None: none yet)."""
         ...
 
+    def plain_rate(self) -> float:
+        """Tokens per second of a cycle that drafts nothing (one token per one-token pass)."""
+        ...
+
+    def draft_step_fraction(self, source: str) -> float:
+        """A draft step of ``source`` in units of a one-token pass."""
+        ...
+
 
 @dataclass(frozen=True)
 class TreeSize:

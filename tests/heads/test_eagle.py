@@ -117,6 +117,43 @@ def test_a_head_that_is_the_target_is_accepted_throughout(prompt_ids):
     assert run_ids(target, as_method(hybrid, policy=policy), prompt_ids, 40) == reference
 
 
+@pytest.mark.parametrize("head_rate, runs", [(None, "always"), (1.2, "always"), (1.05, "every ninth")])
+def test_the_hybrid_leaves_a_head_that_does_not_pay_idle_and_tries_it_again(target32, head_rate, runs):
+    """Planted rates: drafting nothing pays 1 token per unit time and a head step costs 0.1 of a
+    pass. A head whose learned rate (1.05) does not beat that by one head step is left idle (no
+    head call, not even its catch-up) for ``HEAD_RETRY_CYCLES`` cycles, then tried again; a head
+    that pays (1.2), or one not tried yet, runs every cycle."""
+    from tierspec.drafters.eagle import HEAD_RETRY_CYCLES
+    from tierspec.proposal import DraftRequest, Proposal
+
+    class Rates:
+        def source_rate(self, source):
+            return head_rate
+
+        def plain_rate(self):
+            return 1.0
+
+        def draft_step_fraction(self, source):
+            return 0.1
+
+        def expected_rate(self, proposal):
+            return 0.0
+
+    eagle = EagleDrafter(random_head(target32))
+    calls = []
+    eagle.propose = lambda context, request: calls.append(len(context)) or Proposal.empty(source="head")
+    hybrid = HybridDrafter(NgramDrafter(3), eagle)
+    context = torch.arange(40, 60)  # no repeated n-gram: lookup finds nothing
+    hybrid.start(context[:10])
+    request = DraftRequest(budget=4, sampling=SamplingConfig(0.0), noise=None, policy=Rates())
+    ran = [bool(hybrid.propose(context, request) is not None and calls and calls.pop()) for _ in range(2 * HEAD_RETRY_CYCLES + 2)]
+    if runs == "always":
+        assert all(ran)
+    else:
+        period = HEAD_RETRY_CYCLES + 1
+        assert ran == [i % period == HEAD_RETRY_CYCLES for i in range(len(ran))]
+
+
 def test_sampled_eagle_first_token_matches_the_target(prompt_ids):
     """Exactness with the reduced vocabulary: the first emitted token is distributed as q even
     though the drafter puts no mass outside V_K (chi-square against the exact q)."""

@@ -97,23 +97,38 @@ class EagleDrafter(Drafter):
             self.runner.rollback(committed_length - 1)
 
 
+#: Cycles the hybrid drafts without the head once the head stopped paying (below), before it
+#: tries the head again: counted, not timed, so that a seed fixes which cycles try it.
+HEAD_RETRY_CYCLES = 8
+
+
 class HybridDrafter(Drafter):
     """N-gram lookup where the context offers a match expected to pay more, the draft head
     otherwise: each cycle compares the expected emitted tokens per second of the n-gram
     candidate (from the policy's acceptance estimates for its match size and the measured
     verification costs) with the draft head's (the policy's running estimate for head drafts,
     which also pay the head's steps), both read through the request's ``RateView`` (the method's
-    ``policies.CostAware``). Both stay lossless under the exact rule."""
+    ``policies.CostAware``). Both stay lossless under the exact rule.
+
+    The head also costs a fixed amount each cycle it runs (its catch-up on the newly committed
+    positions and its first draft's logits, about one head step), which the head's rate does not
+    charge: a cycle's drafts are chosen after it is spent. So where the head's rate is no better
+    than drafting nothing by more than one head step (``RateView.plain_rate`` and
+    ``draft_step_fraction``: at temperature 1 on a cheap pass the head's drafts stop paying), the
+    hybrid leaves the head idle — n-gram lookup or no draft, the head's catch-up deferred to the
+    next cycle it runs, in one call — and tries it again after ``HEAD_RETRY_CYCLES`` cycles."""
 
     needs_target_features = True
 
     def __init__(self, ngram: NgramDrafter, eagle: EagleDrafter):
         self.ngram, self.eagle = ngram, eagle
         self.feature_layers = eagle.feature_layers
+        self._idle = 0  # cycles since the head last ran while it did not pay
 
     def start(self, prompt_ids, features=None, target_view=None) -> None:
         self.ngram.start(prompt_ids, features, target_view)
         self.eagle.start(prompt_ids, features, target_view)
+        self._idle = 0
 
     def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
         if request.budget <= 0:
@@ -122,9 +137,12 @@ class HybridDrafter(Drafter):
         candidate = self.ngram.propose(context, request)
         head_rate = rates.source_rate("head")  # None until the head has drafted: try it first
         if len(candidate) and head_rate is not None and rates.expected_rate(candidate) > head_rate:
-            # Keep the head's cache current even on n-gram cycles (its catch-up is cheap).
-            self.eagle._catch_up(context)
-            return candidate
+            return candidate  # the head catches up when it next runs
+        if head_rate is not None and self._idle < HEAD_RETRY_CYCLES:
+            if head_rate <= rates.plain_rate() * (1.0 + rates.draft_step_fraction("head")):
+                self._idle += 1
+                return candidate  # the n-gram candidate (possibly empty): the head is not worth its cycle
+        self._idle = 0
         return self.eagle.propose(context, request)
 
     def commit(self, committed_length: int) -> None:
