@@ -35,15 +35,10 @@ def run_batch(target, method: str, prompts, size: int, max_new_tokens: int, shar
     config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(0.0, 0, 1.0),
                           eos_token_ids=eos_ids(target))
     batch = BatchDecoder(target, max_batch=size, shared_costs=shared_costs)
-    runs, waiting = {}, list(range(len(prompts)))
     started = time.perf_counter()
-    while waiting or len(batch):
-        while waiting and len(batch) < size:
-            index = waiting.pop(0)
-            runs[index] = batch.add(index, build_method(method, target, None, MethodOptions()), prompts[index], config)
-        batch.step()
+    runs = batch.run_all(prompts, lambda: build_method(method, target, None, MethodOptions()), config)
     wall = time.perf_counter() - started
-    tokens = sum(len(run.token_ids) for run in runs.values())
+    tokens = sum(len(run.token_ids) for run in runs)
     cycles = max(batch.cycles, 1)
     return {"method": method + ("" if shared_costs else " (policies cost alone)"), "batch": size, "wall_s": round(wall, 3), "tokens": tokens,
             "tokens_per_s": round(tokens / wall, 1), "cycles": batch.cycles,
@@ -51,7 +46,7 @@ def run_batch(target, method: str, prompts, size: int, max_new_tokens: int, shar
             "tokens_per_cycle": round(tokens / cycles, 2),
             "ms_per_cycle": {k: round(v * 1000 / cycles, 3) for k, v in batch.seconds.items()},
             "prefill_and_rest_ms_per_cycle": round((wall - sum(batch.seconds.values())) * 1000 / cycles, 3),
-            "token_ids": [runs[i].token_ids for i in range(len(prompts))]}
+            "token_ids": [run.token_ids for run in runs]}
 
 
 def main() -> None:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch

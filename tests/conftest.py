@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -163,3 +165,32 @@ def training_data_dir(tmp_path):
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text("\n".join(json.dumps(r) for r in records))
     return root
+
+
+def write_spec_bench(folder: Path, texts: dict[str, list[str]]) -> Path:
+    """A Spec-Bench question file under ``folder`` with ``texts`` per category (question ids 1, 2, …
+    in order); returns ``folder``, the ``data_dir`` to pass."""
+    (folder / "spec_bench").mkdir(parents=True, exist_ok=True)
+    rows, number = [], 0
+    for category, items in texts.items():
+        for text in items:
+            number += 1
+            rows.append({"question_id": number, "category": category, "turns": [text]})
+    (folder / "spec_bench" / "question.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def pinned_pass_costs():
+    """One pass-cost table for the cost-aware methods a test module builds (measuring it on a tiny
+    model under a busy test run could make drafting never pay, and checks that drafts were verified
+    would then depend on the machine). A module uses it with
+    ``pytestmark = pytest.mark.usefixtures("pinned_pass_costs")``."""
+    from tierspec import costs
+
+    def table(target, max_tokens=16, refresh=False):
+        return costs.ForwardCosts({n: 0.030 + 0.002 * (n - 1) for n in range(1, max_tokens + 1)})
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(costs, "forward_costs", table)
+        yield

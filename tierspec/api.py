@@ -307,24 +307,15 @@ def generate_batch(prompts: list, *, target: LoadedModel | str = DEFAULT_MODEL, 
             batchable = False
     if not batchable:  # one after another, as ``generate`` would
         out = []
-        for prompt_ids in encoded:
-            text_stream = stream_method(target, build_method(name, target, drafter, options), prompt_ids, config, seed)
+        for index, prompt_ids in enumerate(encoded):
+            built = first if index == 0 else build_method(name, target, drafter, options)
+            text_stream = stream_method(target, built, prompt_ids, config, seed)
             for _ in text_stream:
                 pass
             out.append(Generation(text_stream.text, text_stream.token_ids, text_stream.stats))
         return out
-    batch = BatchDecoder(target, max_batch=max(1, min(max_batch, len(encoded))))
-    runs, waiting = {}, list(range(len(encoded)))
-    methods = {0: first}
-    while waiting or len(batch):
-        while waiting and len(batch) < batch.max_batch:
-            index = waiting.pop(0)
-            built = methods.pop(index, None) or build_method(name, target, drafter, options)
-            runs[index] = batch.add(index, built, encoded[index], config, seed)
-        batch.step()
-    out = []
-    for index in range(len(encoded)):
-        run = runs[index]
-        text = IncrementalDetokenizer(target.tokenizer).add(run.token_ids, final=True) if target.tokenizer else ""
-        out.append(Generation(text, run.token_ids, run.stats))
-    return out
+    built = iter([first])  # the first generation's method is the one checked above
+    runs = BatchDecoder(target, max_batch=max(1, min(max_batch, len(encoded)))).run_all(
+        encoded, lambda: next(built, None) or build_method(name, target, drafter, options), config, seed)
+    return [Generation(IncrementalDetokenizer(target.tokenizer).add(run.token_ids, final=True) if target.tokenizer
+                       else "", run.token_ids, run.stats) for run in runs]

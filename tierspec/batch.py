@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
 import torch
 
@@ -154,6 +154,19 @@ class BatchDecoder:
         run = self.runs[key] = BatchedRun(key, sequence, prompt_logprobs)
         return run
 
+    def run_all(self, prompts: list[torch.Tensor], method: Callable[[], DecodeMethod], config: DecodeConfig,
+                seed: int | None = None) -> list[BatchedRun]:
+        """Every prompt generated to its end, at most ``max_batch`` at a time, a finished
+        generation's place taken by the next prompt (as the server admits requests); ``method()``
+        builds each generation's method (its drafter and policy state are its own). The runs in
+        prompt order."""
+        runs: list[BatchedRun] = []
+        while len(runs) < len(prompts) or len(self):
+            while len(runs) < len(prompts) and len(self) < self.max_batch:
+                runs.append(self.add(len(runs), method(), prompts[len(runs)], config, seed))
+            self.step()
+        return runs
+
     def cancel(self, key: Hashable) -> None:
         """Drop a generation (its cache goes with it)."""
         self.runs.pop(key, None)
@@ -213,17 +226,10 @@ class BatchDecoder:
 
     def _pass_seconds(self, runs: list[BatchedRun]):
         """The cost of a pass by rows: the first run's policy's measured table (one target, one
-        machine), extended linearly past its end; a constant where no run measured one."""
+        machine; ``ForwardCosts.cost`` extends it linearly past its end); a nearly flat line where
+        no run measured one."""
         table = next((run.sequence.policy.pass_costs for run in runs if run.sequence.policy.pass_costs is not None), None)
-        if table is None:
-            return lambda rows: 1.0 + 0.01 * rows
-        top = table.max_tokens
-        step = (table.cost(top) - table.cost(max(1, top - 1))) or table.cost(top) / top
-
-        def cost(rows: int) -> float:
-            return table.cost(rows) if rows <= top else table.cost(top) + (rows - top) * step
-
-        return cost
+        return (lambda rows: 1.0 + 0.01 * rows) if table is None else table.cost
 
 
 def _fit_rows(budgets: list[int], max_rows: int) -> list[int]:

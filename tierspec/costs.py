@@ -215,50 +215,6 @@ def _read_or_measure(target: LoadedModel, prefix: str, what: str, key: str, read
     return measured
 
 
-# ---- a drafter's step against the target's pass ------------------------------------------------
-
-
-def _read_step(path: Path) -> dict | None:
-    try:
-        data = json.loads(path.read_text())
-        measured = {"step_seconds": float(data["step_seconds"]), "pass_seconds": float(data["pass_seconds"])}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    if not all(math.isfinite(v) and 0 < v < 60 for v in measured.values()):
-        return None
-    return measured
-
-
-def draft_step_fraction(target: LoadedModel, what: str, drafter_key: dict, step, repeats: int = 15) -> float:
-    """One draft step of a drafter in units of the target's cached 1-token pass, measured on this
-    machine: ``step()`` runs one step (the drafter's own work for one more draft), timed ``repeats``
-    times (median) and followed by the target's 1-token pass (``spot_check``), both under the
-    threads a generation uses. Cached as the pass-cost table is (``_cached_measurement``: once per
-    process, kept per model, machine and threads, and ``drafter_key``: which drafter), so a seed
-    sees the same cost model run after run on a machine.
-
-    Why measured and not counted in bytes: a small drafter's step on a CPU costs its dispatch
-    (a dozen small operators, two engine calls) more than the weights it streams — the shipped
-    draft head's step reads a tenth of the target's bytes but took about a quarter of a target pass
-    on the engine — and a policy that costs it by its bytes drafts with the head where n-gram
-    lookup or no draft would have paid more."""
-    from .engine import threads_for
-
-    def measure() -> dict:
-        with threads_for(target.model), torch.inference_mode():
-            step()  # the first call of a shape warms its kernels
-            samples = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                step()
-                samples.append(time.perf_counter() - started)
-        return {"step_seconds": statistics.median(samples), "pass_seconds": spot_check(target.model)}
-
-    measured = _cached_measurement(target, "draft-step", f"the draft step of {what}", {"drafter": drafter_key},
-                                   _read_step, measure, lambda m: m, lambda m: m["pass_seconds"], False)
-    return measured["step_seconds"] / measured["pass_seconds"]
-
-
 # ---- per-unit costs: what bypassing an attention or MLP sub-layer saves ----------------------
 
 

@@ -879,22 +879,19 @@ class _Drafted:
     pass_seconds: float
 
 
-def _propose(sequence: _Sequence, budget: int | None = None) -> _Drafted:
-    """Draft and trim: the proposal this cycle verifies. ``budget``: at most that many drafts
-    (a batch's policy may allow fewer than the sequence's own)."""
+def _propose(sequence: _Sequence) -> _Drafted:
+    """Draft and trim: the proposal this cycle verifies."""
     started = time.perf_counter()
     verifiers, drafter, policy, config = sequence.verifiers, sequence.drafter, sequence.policy, sequence.config
     context = verifiers.context
     # Never draft past the budget: the cycle emits at most (drafts on the path) + 1 tokens.
-    limit = max(0, min(policy.max_draft, config.max_new_tokens - sequence.committed.generated_count - 1))
-    if budget is not None:
-        limit = min(limit, budget)
+    budget = max(0, min(policy.max_draft, config.max_new_tokens - sequence.committed.generated_count - 1))
     # Draft token i (a node at depth i + 1) and the token after the drafts sit at position len(context) + i.
     block = None if config.sampling.greedy else sequence.noise.block(len(context))
-    drafted = drafter.propose(context, DraftRequest(limit, config.sampling, block, policy))
+    drafted = drafter.propose(context, DraftRequest(budget, config.sampling, block, policy))
     proposal = drafted.prefix(policy.trim(drafted))
-    if proposal.tree.depth > limit:
-        raise TierspecError(f"{type(drafter).__name__} drafted {proposal.tree.depth} tokens deep for a budget of {limit}")
+    if proposal.tree.depth > budget:
+        raise TierspecError(f"{type(drafter).__name__} drafted {proposal.tree.depth} tokens deep for a budget of {budget}")
     return _Drafted(drafted, proposal, block, started, time.perf_counter(), verifiers.target_calls, verifiers.slim_calls,
                     verifiers.pass_seconds)
 

@@ -401,19 +401,12 @@ def _cost_table(target: LoadedModel, max_tokens: int) -> ForwardCosts:
     return forward_costs(target, max_tokens=max_tokens)
 
 
-def _draft_fractions(target: LoadedModel, drafter: Drafter) -> dict[str, float]:
-    """Each drafting source's step in units of a target pass: a draft head's measured on this
-    machine (``heads.draft.step_fraction``: its dispatch, not its bytes, dominates it), any other
-    drafter's costed as the weights it reads against a target pass's (docs/algorithms.md
-    §Compute-weighted routing: on a CPU a decoding pass costs about what it streams)."""
-    from .heads.draft import DraftHead, step_fraction
-
+def _draft_fractions(target: LoadedModel, weights: dict[str, int]) -> dict[str, float]:
+    """Each drafting source's step costed as the weights it reads against a target pass's
+    (docs/algorithms.md §Compute-weighted routing: on a CPU a decoding pass costs about what it
+    streams)."""
     target_weights = streamed_weights(target.model)
-    fractions = {source: step / target_weights for source, step in drafter.draft_step_weights().items()}
-    head = getattr(drafter, "head", None)
-    if "head" in fractions and isinstance(head, DraftHead):
-        fractions["head"] = step_fraction(target, head)
-    return fractions
+    return {source: step / target_weights for source, step in weights.items()}
 
 
 def _cost_aware(target: LoadedModel, options: MethodOptions, drafter: Drafter) -> CostAware:
@@ -421,7 +414,7 @@ def _cost_aware(target: LoadedModel, options: MethodOptions, drafter: Drafter) -
     draft and its pending token, and the drafter's steps costed by the weights they read."""
     table = _cost_table(target, options.adaptive_max_draft + 1)
     return CostAware(options.adaptive_max_draft, forward_costs=table,
-                     draft_fractions=_draft_fractions(target, drafter))
+                     draft_fractions=_draft_fractions(target, drafter.draft_step_weights()))
 
 
 def _adaptive_pld(target, drafter_model, options) -> Method:
@@ -462,7 +455,7 @@ def _hybrid(target, drafter_model, options) -> Method:
 TREE_PASS_TOKENS = 4 * ATTENTION_ROWS
 
 
-def _tree_policy(target: LoadedModel, drafter: Drafter) -> TreePolicy:
+def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int]) -> TreePolicy:
     """A tree policy on the target's pass costs for up to ``TREE_PASS_TOKENS`` tokens: nodes per
     pass up to the table's size − 1 (the pending token takes a row)."""
     from .costs import tree_call_seconds
@@ -472,7 +465,7 @@ def _tree_policy(target: LoadedModel, drafter: Drafter) -> TreePolicy:
                                 f"{type(target.model).__name__} (load it with implementation='tierspec')")
     table = _cost_table(target, TREE_PASS_TOKENS)
     return TreePolicy(max_nodes=table.max_tokens - 1, forward_costs=table,
-                      draft_fractions=_draft_fractions(target, drafter),
+                      draft_fractions=_draft_fractions(target, drafter_weights),
                       path_call_seconds=tree_call_seconds(target))
 
 
@@ -481,7 +474,7 @@ def _eagle_tree(target, drafter_model, options) -> Method:
     from .drafters.tree import EagleTreeDrafter
 
     head = draft_head_for(target, options)
-    policy = _tree_policy(target, EagleDrafter(head))
+    policy = _tree_policy(target, EagleDrafter(head).draft_step_weights())
     return Method("eagle-tree", EagleTreeDrafter(head), ExactRule(options.sampling_rule), policy,
                   "lossless: the draft head's dynamic token tree (EAGLE-2 style), sized by measured pass costs")
 
@@ -491,7 +484,7 @@ def _hybrid_tree(target, drafter_model, options) -> Method:
     from .drafters.tree import EagleTreeDrafter, HybridTreeDrafter, NgramTreeDrafter
 
     head = draft_head_for(target, options)
-    policy = _tree_policy(target, EagleDrafter(head))
+    policy = _tree_policy(target, EagleDrafter(head).draft_step_weights())
     drafter = HybridTreeDrafter(NgramTreeDrafter(options.ngram_size), EagleTreeDrafter(head))
     return Method("hybrid-tree", drafter, ExactRule(options.sampling_rule), policy,
                   "lossless: the n-gram trie of every match merged with the draft head's token tree")

@@ -533,3 +533,48 @@ def test_serve_on_a_port_in_use_is_a_one_line_error():
     assert process.returncode == 2
     assert log.startswith("tierspec: error:") and "in use" in log and "\n" not in log, log
     assert "stopped" not in log
+
+
+def test_a_batching_server_gives_every_request_its_solo_reply(smollm):
+    """Issue 31 through the official client: four requests at once on a server batching up to four
+    generations (the default method, greedy and seeded; a stop sequence; logprobs, streamed and
+    not) get exactly the replies the same requests get one at a time from a server of batch one."""
+    requests = [
+        ("chat", {"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 24, "temperature": 0}),
+        ("chat", {"messages": [{"role": "user", "content": "Write a haiku about rain."}], "max_tokens": 24,
+                  "temperature": 1.0, "seed": 3}),
+        ("completion", {"prompt": ENDLESS, "max_tokens": 24, "temperature": 0, "stop": [" 15"], "logprobs": 2}),
+        ("stream", {"messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 20, "temperature": 0,
+                    "logprobs": True, "top_logprobs": 2}),
+    ]
+
+    def reply(client, kind, body):
+        if kind == "completion":
+            choice = client.completions.create(model=MODEL, **body).choices[0]
+            return choice.text, choice.finish_reason, choice.logprobs.tokens, choice.logprobs.token_logprobs
+        if kind == "chat":
+            choice = client.chat.completions.create(model=MODEL, **body).choices[0]
+            return choice.message.content, choice.finish_reason
+        text, finish, logprobs = "", None, []
+        for chunk in client.chat.completions.create(model=MODEL, stream=True, **body):
+            if chunk.choices:
+                text += chunk.choices[0].delta.content or ""
+                finish = chunk.choices[0].finish_reason or finish
+                if chunk.choices[0].logprobs is not None:
+                    logprobs += [(e.token, e.logprob) for e in chunk.choices[0].logprobs.content or ()]
+        return text, finish, logprobs
+
+    alone = Engine(smollm, max_queue=4)
+    with serving_in_background(alone) as port:
+        solo = [reply(openai_client(port), kind, body) for kind, body in requests]
+    batched = Engine(smollm, max_queue=4, max_batch=4)
+    with serving_in_background(batched) as port:
+        client = openai_client(port)
+        with ThreadPoolExecutor(len(requests)) as pool:
+            together = list(pool.map(lambda r: reply(client, *r), requests))
+        assert batched.health()["completed"] == len(requests)
+        batch = batched._batch  # the requests shared passes: more than one generation per cycle on average
+        assert batch.sequences > batch.cycles
+    assert together == solo
+    assert solo[2][1] == "stop" and not solo[2][0].endswith(" 15")  # the stop sequence cut it
+    assert solo[3][2] and solo[3][1] == "length"

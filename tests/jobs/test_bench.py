@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import char_tokenizer, tiny_llama
+from conftest import char_tokenizer, tiny_llama, write_spec_bench
 
 from tierspec.bench import metrics
 from tierspec.bench.runner import BenchConfig, BenchError, parse_spec, read_records, run_bench
@@ -97,14 +97,8 @@ def tiny_text_model():
 
 @pytest.fixture
 def data_dir(tmp_path):
-    folder = tmp_path / "data" / "spec_bench"
-    folder.mkdir(parents=True)
-    rows = [
-        {"question_id": 1, "category": "qa", "turns": ["what is the capital of france?"]},
-        {"question_id": 2, "category": "translation", "turns": ["translate: der hund ist gross."]},
-    ]
-    (folder / "question.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return tmp_path / "data"
+    return write_spec_bench(tmp_path / "data", {"qa": ["what is the capital of france?"],
+                                                "translation": ["translate: der hund ist gross."]})
 
 
 def test_runner_end_to_end_and_resume(tmp_path, tiny_text_model, data_dir):

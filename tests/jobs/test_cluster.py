@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import char_tokenizer, tiny_llama
+from conftest import char_tokenizer, tiny_llama, write_spec_bench
 
 from tierspec.bench.runner import BenchConfig, BenchError, read_records, run_bench
 from tierspec.cluster import LOCAL, ClusterConfig, ClusterError
@@ -66,18 +66,6 @@ def models(tmp_path_factory):
         model.save_pretrained(root / name)
         char_tokenizer().save_pretrained(root / name)
     return root
-
-
-def write_spec_bench(folder: Path, texts: dict[str, list[str]]) -> Path:
-    """A Spec-Bench question file with ``texts`` per category."""
-    (folder / "spec_bench").mkdir(parents=True, exist_ok=True)
-    rows, number = [], 0
-    for category, items in texts.items():
-        for text in items:
-            number += 1
-            rows.append({"question_id": number, "category": category, "turns": [text]})
-    (folder / "spec_bench" / "question.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return folder
 
 
 @pytest.fixture(scope="module")

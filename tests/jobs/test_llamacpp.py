@@ -4,7 +4,7 @@ cycles, their errors, and on the real default model that they are wired to llama
 import json
 
 import pytest
-from conftest import char_tokenizer, tiny_llama
+from conftest import char_tokenizer, tiny_llama, write_spec_bench
 
 from tierspec.bench.llamacpp import LLAMACPP_EXTRA, lookup_stats
 from tierspec.bench.runner import BenchConfig, run_bench
@@ -44,15 +44,9 @@ class TestLookupStats:
 
 @pytest.fixture
 def data_dir(tmp_path):
-    folder = tmp_path / "data" / "spec_bench"
-    folder.mkdir(parents=True)
-    rows = [
-        {"question_id": 1, "category": "qa", "turns": ["What is the capital of France? Answer in one sentence."]},
-        {"question_id": 2, "category": "rewrite", "turns": [
-            "Copy this list exactly, then add one more fruit: apple, banana, cherry, apple, banana, cherry."]},
-    ]
-    (folder / "question.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return tmp_path / "data"
+    return write_spec_bench(tmp_path / "data", {
+        "qa": ["What is the capital of France? Answer in one sentence."],
+        "rewrite": ["Copy this list exactly, then add one more fruit: apple, banana, cherry, apple, banana, cherry."]})
 
 
 def test_a_missing_extra_is_one_line_naming_it(tmp_path, data_dir, monkeypatch):

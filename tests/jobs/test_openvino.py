@@ -4,7 +4,7 @@ method specs, and on the real default model that they are wired to OpenVINO righ
 import json
 
 import pytest
-from conftest import char_tokenizer, tiny_llama
+from conftest import char_tokenizer, tiny_llama, write_spec_bench
 
 from tierspec.bench.openvino import OPENVINO_EXTRA
 from tierspec.bench.runner import BenchConfig, parse_spec, run_bench
@@ -22,15 +22,9 @@ def _import_genai():
 
 @pytest.fixture
 def data_dir(tmp_path):
-    folder = tmp_path / "data" / "spec_bench"
-    folder.mkdir(parents=True)
-    rows = [
-        {"question_id": 1, "category": "qa", "turns": ["What is the capital of France? Answer in one sentence."]},
-        {"question_id": 2, "category": "rewrite", "turns": [
-            "Copy this list exactly, then add one more fruit: apple, banana, cherry, apple, banana, cherry."]},
-    ]
-    (folder / "question.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
-    return tmp_path / "data"
+    return write_spec_bench(tmp_path / "data", {
+        "qa": ["What is the capital of France? Answer in one sentence."],
+        "rewrite": ["Copy this list exactly, then add one more fruit: apple, banana, cherry, apple, banana, cherry."]})
 
 
 def test_specs_take_the_lookup_parameters_only():

@@ -101,17 +101,7 @@ def test_token_logprobs_record_the_token_and_its_alternatives():
 # ---- the loop: ar against a reference, every lossless method against ar -----------------------
 
 
-@pytest.fixture(scope="module", autouse=True)
-def pinned_pass_costs():
-    """One pass-cost table for the cost-aware methods (as tests/loop/test_seed.py pins it)."""
-    from tierspec import costs
-
-    def table(target, max_tokens=16, refresh=False):
-        return costs.ForwardCosts({n: 0.030 + 0.002 * (n - 1) for n in range(1, max_tokens + 1)})
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(costs, "forward_costs", table)
-        yield
+pytestmark = pytest.mark.usefixtures("pinned_pass_costs")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -34,19 +34,7 @@ PROMPT = torch.tensor([5, 9, 13, 5, 9, 13, 7, 21, 5, 9, 13, 7, 3, 30, 41])
 OTHER_PROMPT = torch.tensor([2, 60, 2, 60, 2, 60, 11, 12, 13, 2, 60, 2, 44])
 
 
-@pytest.fixture(scope="module", autouse=True)
-def pinned_pass_costs():
-    """One pass-cost table for the cost-aware methods built in this process (measuring it on a
-    tiny model under a busy test run could make drafting never pay, and the checks that drafts
-    were verified would then depend on the machine)."""
-    from tierspec import costs
-
-    def table(target, max_tokens=16, refresh=False):
-        return costs.ForwardCosts({n: 0.030 + 0.002 * (n - 1) for n in range(1, max_tokens + 1)})
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(costs, "forward_costs", table)
-        yield
+pytestmark = pytest.mark.usefixtures("pinned_pass_costs")  # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import char_tokenizer
+from conftest import char_tokenizer, write_spec_bench
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from tierspec.api import generate
@@ -177,10 +177,7 @@ def test_the_bench_runs_hf_peers_on_a_transformers_twin(tmp_path):
     from tierspec.bench.runner import BenchConfig, read_records, run_bench
 
     folder = _save_tiny(tmp_path / "m")
-    data = tmp_path / "data"
-    (data / "spec_bench").mkdir(parents=True)
-    rows = [{"question_id": i, "category": "qa", "turns": [f"what is {i} plus {i}?"]} for i in range(2)]
-    (data / "spec_bench" / "question.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    data = write_spec_bench(tmp_path / "data", {"qa": [f"what is {i} plus {i}?" for i in range(2)]})
     config = BenchConfig(target=str(folder), methods=("ar", "hf-greedy"), per_category=2, max_new_tokens=12,
                          data_dir=str(data), compute_nll=False)
     run_bench(config, tmp_path / "out", progress=False)

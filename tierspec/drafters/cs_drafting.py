@@ -19,31 +19,26 @@ from __future__ import annotations
 
 import torch
 
-from ..cached_model import CachedModel
 from ..errors import TierspecError
 from ..proposal import DraftRequest
 from ..sampling import logits_to_probs, one_hot
 from ..walks import exact_walk
-from .base import Drafter, Proposal
+from .base import Proposal
+from .model import ModelDrafter
 from .ngram import NgramDrafter
 
 
-class CsDrafter(Drafter):
+class CsDrafter(ModelDrafter):
+    """A ``ModelDrafter`` (its cache, prefill and rollback) whose model drafts through the two
+    cascades above."""
+
     def __init__(self, model: torch.nn.Module, vocab_size: int, ngram: NgramDrafter | None = None,
                  model_positions: int = 3, inner_draft: int = 3):
         if model_positions < 1 or inner_draft < 0:
             raise TierspecError("model_positions must be >= 1 and inner_draft >= 0")
-        self.runner = CachedModel(model)
-        self.vocab_size = vocab_size
+        super().__init__(model, vocab_size)
         self.ngram = ngram or NgramDrafter(3)
         self.model_positions, self.inner_draft = model_positions, inner_draft
-
-    def start(self, prompt_ids, features=None, target_view=None) -> None:
-        self.runner.reset()
-        self._prefill_calls = 0
-        if len(prompt_ids) > 1:
-            self.runner.forward(prompt_ids[:-1], logits_for=1)
-            self._prefill_calls = 1
 
     def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
         num_tokens, sampling, noise = request.budget, request.sampling, request.noise
@@ -80,5 +75,3 @@ class CsDrafter(Drafter):
                 rows.append(one_hot(token, self.vocab_size))
         return Proposal.chain(torch.tensor(tokens, dtype=torch.long), torch.stack(rows), drafter_calls=calls, source="csd")
 
-    def commit(self, committed_length: int) -> None:
-        self.runner.rollback(min(self.runner.length, committed_length - 1))

@@ -59,27 +59,6 @@ FILE_NAMES = {
 }
 
 
-def step_fraction(target: LoadedModel, head: "DraftHead", context: int = 256) -> float:
-    """One self-fed draft step of ``head`` beside ``target`` (a layer step over one more position
-    after ``context`` of them, and its draft-vocabulary logits) in units of the target's 1-token
-    pass, measured on this machine and cached (``costs.draft_step_fraction``): what a cost-aware
-    policy charges a head draft."""
-    from ..costs import draft_step_fraction
-
-    runner = HeadRunner(head)
-    width = head.config.feature_width
-    h = runner.extend(torch.zeros(context, width), torch.zeros(context, dtype=torch.long), from_target=True)[-1:]
-    base, token = runner.length, torch.zeros(1, dtype=torch.long)
-
-    def step() -> None:
-        runner.logits(runner.extend(h, token))
-        runner.rollback(base)
-
-    fingerprint = hashlib.sha256(head.fc.weight.detach().float().cpu().numpy().tobytes()).hexdigest()[:16]
-    key = {"config": asdict(head.config), "fc": fingerprint, "engine": head.engine is not None}
-    return draft_step_fraction(target, "the draft head", key, step)
-
-
 def one_line(error: Exception) -> str:
     """An error's message on one line (the command line prints a user error as one line)."""
     return " ".join(str(error).split())

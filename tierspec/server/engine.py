@@ -364,9 +364,7 @@ class Engine:
         while job.pending and len(self._batched) < self.max_batch and job.cancelled_by is None:
             choice = job.pending.pop(0)
             if choice.score_only:
-                records = tuple(score_prompt(self.target, choice.prompt_ids, choice.config)) if choice.config.score_prompt else ()
-                job.send(TextPiece(choice.echo_text or "", choice.index, records, echo=True))
-                job.done.append(ChoiceDone(choice.index, "length", GenerationStats(), 0))
+                job.done.append(self._score_only(job, choice))
                 job.send(job.done[-1])
                 continue
             try:
@@ -377,7 +375,7 @@ class Engine:
             except TierspecError as error:
                 self._end_job(job, "invalid", Failed(ApiError(400, str(error), "method")))
                 return
-            self._batched.append(_Live(job, choice, run, self.target.tokenizer, job.stops))
+            self._batched.append(_Live(job, choice, run, self.target.tokenizer))
         if not job.pending and not any(live.job is job for live in self._batched):
             self._finish_job(job)
 
@@ -473,97 +471,99 @@ class Engine:
         return "interrupted" if interrupted else "completed", Finished(tuple(done), job.method, interrupted)
 
     def _generate(self, job: Job, choice: Choice, method: Method) -> ChoiceDone:
-        """One generation, cut at stop sequences, stopped at the next cycle once cancelled. With
-        logprobs, each piece carries the records of the tokens whose text it completes (a token's
-        text starts at the sum of the texts before it); a stop sequence drops the records of the
-        tokens after the cut."""
-        index, config = choice.index, choice.config
+        """One generation, cut at stop sequences (what its client is sent: ``ChoiceText``), stopped
+        at the next cycle once cancelled."""
         if choice.score_only:
-            records = tuple(score_prompt(self.target, choice.prompt_ids, config)) if config.score_prompt else ()
-            job.send(TextPiece(choice.echo_text or "", index, records, echo=True))
-            return ChoiceDone(index, "length", GenerationStats(), 0)
-        text_stream = stream_method(self.target, method, choice.prompt_ids, config, choice.seed)
-        echo_pending = choice.echo_text is not None
-
-        def send_echo() -> None:  # the prompt first, scored by the generation's own prefill
-            nonlocal echo_pending
-            if echo_pending:
-                job.send(TextPiece(choice.echo_text, index, tuple(text_stream.prompt_logprobs or ()), echo=True))
-                echo_pending = False
-
-        stops = StopMatcher(job.stops)
-        records = TokenRecords(self.target.tokenizer) if config.logprobs is not None else None
-        finish, sent = None, 0  # characters sent
+            return self._score_only(job, choice)
+        text_stream = stream_method(self.target, method, choice.prompt_ids, choice.config, choice.seed)
+        out = ChoiceText(job, choice, self.target.tokenizer)
+        finish = None
         try:
             for piece in text_stream:
-                send_echo()
-                text, stopped = stops.feed(piece)
-                sent += len(text)
-                if records is not None:
-                    records.add(text_stream.logprobs)
-                if text:
-                    job.send(TextPiece(text, index, records.release(sent) if records is not None else ()))
-                if stopped:
+                out.echo(text_stream.prompt_logprobs)
+                if out.feed(piece, text_stream.logprobs):
                     finish = "stop"
                     break
                 if job.cancelled_by is not None:
                     break
         finally:
             text_stream.close()
-        token_ids = text_stream.token_ids
-        send_echo()
+        out.echo(text_stream.prompt_logprobs)
         if finish is None:
-            if records is not None:
-                records.add(text_stream.logprobs)
-            tail = stops.flush()
-            rest = records.release(None) if records is not None else ()
-            if tail or rest:
-                job.send(TextPiece(tail, index, rest))
-            finish = "stop" if token_ids and token_ids[-1] in self.eos else "length"
-        return ChoiceDone(index, finish, text_stream.stats, len(token_ids))
+            finish = out.end(text_stream.logprobs, text_stream.token_ids, self.eos)
+        return ChoiceDone(choice.index, finish, text_stream.stats, len(text_stream.token_ids))
+
+    def _score_only(self, job: Job, choice: Choice) -> ChoiceDone:
+        """A choice that generates nothing (``echo`` with no budget): the prompt's text and, if
+        asked, its scores from one prefill."""
+        config = choice.config
+        records = tuple(score_prompt(self.target, choice.prompt_ids, config)) if config.score_prompt else ()
+        job.send(TextPiece(choice.echo_text or "", choice.index, records, echo=True))
+        return ChoiceDone(choice.index, "length", GenerationStats(), 0)
+
+
+class ChoiceText:
+    """What a choice's client is sent as its tokens are committed, alone (``Engine._generate``) or in
+    a batch (``_Live``): the echoed prompt first, then each piece of text cut at the stop sequences;
+    with logprobs, each piece carries the records of the tokens whose text it completes (a token's
+    text starts at the sum of the texts before it), and a stop sequence drops the records of the
+    tokens after the cut."""
+
+    def __init__(self, job: Job, choice: Choice, tokenizer):
+        self.job, self.index = job, choice.index
+        self.echo_text = choice.echo_text  # None once sent (or when there is none)
+        self.stops = StopMatcher(job.stops)
+        self.records = TokenRecords(tokenizer) if choice.config.logprobs is not None else None
+        self.sent = 0  # characters sent
+
+    def echo(self, prompt_logprobs) -> None:
+        """The prompt's text once, scored by the generation's own prefill."""
+        if self.echo_text is not None:
+            self.job.send(TextPiece(self.echo_text, self.index, tuple(prompt_logprobs or ()), echo=True))
+            self.echo_text = None
+
+    def feed(self, piece: str, logprobs: list[TokenLogprob]) -> bool:
+        """Send ``piece`` (``logprobs``: every record of the generation so far); True at a stop sequence."""
+        text, stopped = self.stops.feed(piece) if piece else ("", False)
+        self.sent += len(text)
+        if self.records is not None:
+            self.records.add(logprobs)
+        if text:
+            self.job.send(TextPiece(text, self.index, self.records.release(self.sent) if self.records is not None else ()))
+        return stopped
+
+    def end(self, logprobs: list[TokenLogprob], token_ids: list[int], eos: set[int]) -> str:
+        """The generation ended without a stop sequence: the held-back text and records; the finish reason."""
+        if self.records is not None:
+            self.records.add(logprobs)
+        tail = self.stops.flush()
+        rest = self.records.release(None) if self.records is not None else ()
+        if tail or rest:
+            self.job.send(TextPiece(tail, self.index, rest))
+        return "stop" if token_ids and token_ids[-1] in eos else "length"
 
 
 class _Live:
-    """One generation in the batch, with what ``Engine._generate`` keeps for a solo one: its text
-    so far (an incremental detokeniser), its stop sequences, its logprob records and echo."""
+    """One generation in the batch: its run, its text so far (an incremental detokeniser) and what
+    its client is sent (``ChoiceText``), as ``Engine._generate`` keeps them for a solo one."""
 
-    def __init__(self, job: Job, choice: Choice, run, tokenizer, stops: list[str]):
+    def __init__(self, job: Job, choice: Choice, run, tokenizer):
         self.job, self.choice, self.run = job, choice, run
         self.detok = IncrementalDetokenizer(tokenizer)
-        self.stops = StopMatcher(stops)
-        self.records = TokenRecords(tokenizer) if choice.config.logprobs is not None else None
+        self.out = ChoiceText(job, choice, tokenizer)
         self.logprobs: list[TokenLogprob] = []
-        self.echo_pending = choice.echo_text is not None
-        self.sent = 0
         self.finish: str | None = None
 
     def feed(self, step, eos: set[int]) -> bool:
         """Send ``step``'s new text; True when the generation is over (done or at a stop sequence)."""
-        job, index = self.job, self.choice.index
         if step.logprobs is not None:
             self.logprobs.extend(step.logprobs)
-        if self.echo_pending:
-            job.send(TextPiece(self.choice.echo_text, index, tuple(step.prompt_logprobs or ()), echo=True))
-            self.echo_pending = False
-        piece = self.detok.add(step.committed.generated_view, final=step.finished)
-        text, stopped = self.stops.feed(piece) if piece else ("", False)
-        self.sent += len(text)
-        if self.records is not None:
-            self.records.add(self.logprobs)
-        if text:
-            job.send(TextPiece(text, index, self.records.release(self.sent) if self.records is not None else ()))
-        if stopped:
+        self.out.echo(step.prompt_logprobs)
+        if self.out.feed(self.detok.add(step.committed.generated_view, final=step.finished), self.logprobs):
             self.finish = "stop"
             return True
         if step.finished:
-            if self.records is not None:
-                self.records.add(self.logprobs)
-            tail = self.stops.flush()
-            rest = self.records.release(None) if self.records is not None else ()
-            if tail or rest:
-                job.send(TextPiece(tail, index, rest))
-            token_ids = self.run.token_ids
-            self.finish = "stop" if token_ids and token_ids[-1] in eos else "length"
+            self.finish = self.out.end(self.logprobs, self.run.token_ids, eos)
             return True
         return False
 
