@@ -78,18 +78,20 @@ def constrained_ar(model, prompt: list[int], compiled, max_new: int, eos: set[in
 
 @torch.no_grad()
 def constrained_greedy_cached(model, prompt: list[int], compiled, max_new: int, eos: set[int]) -> list[int]:
-    """Constrained greedy decoding of a transformers causal LM with its own KV cache (for the
-    real model, where rerunning the whole text each step is too slow): the same plain loop as
-    ``constrained_ar``."""
+    """Constrained greedy decoding of a loaded model through ``CachedModel`` (one pass per
+    token, its KV cache kept: the real model is too slow to rerun whole): the same plain loop
+    as ``constrained_ar``, outside tierspec's decode loop."""
+    from tierspec.cached_model import CachedModel
+
+    cached = CachedModel(model)
     state = compiled.new_state()
     out: list[int] = []
-    result = model(torch.tensor([prompt]), use_cache=True)
+    logits = cached.forward(torch.tensor(prompt), logits_for=1).logits[-1]
     for _ in range(max_new):
-        logits = result.logits[0, -1].float()
         token = int(torch.where(state.allowed(), logits, torch.tensor(float("-inf"))).argmax())
         assert state.advance([token]) == 1
         out.append(token)
         if token in eos:
             break
-        result = model(torch.tensor([[token]]), past_key_values=result.past_key_values, use_cache=True)
+        logits = cached.forward(torch.tensor([token]), logits_for=1).logits[-1]
     return out

@@ -72,20 +72,17 @@ def test_constrained_greedy_on_the_real_model_always_validates(tasks):
     """One task of each shape, greedy under its schema's grammar with a plain cached loop: each
     output parses and validates (the bench's validity column at 100%)."""
     from grammar_fixtures import constrained_greedy_cached
-    from transformers import AutoModelForCausalLM
 
     import tierspec
     from tierspec.prompting import encode_messages
 
     target = tierspec.load_model("smollm2-135m")
-    folder = next(iter({p for p in [getattr(target.tokenizer, "folder", None)] if p is not None}))
-    model = AutoModelForCausalLM.from_pretrained(folder).eval()
     eos = {target.tokenizer.eos_token_id}
     for shape in SHAPES:
         task = next(t for t in tasks if t.shape == shape)
         compiled = compile_grammar(GrammarSpec.json_schema(task.schema), target.tokenizer, target.vocab_size, eos)
         prompt = encode_messages(target, [{"role": "user", "content": task.prompt}]).tolist()
-        out = constrained_greedy_cached(model, prompt, compiled, 400, eos)
+        out = constrained_greedy_cached(target.model, prompt, compiled, 400, eos)
         text = target.tokenizer.decode(out, skip_special_tokens=True)
         assert out[-1] in eos, f"{task.id}: no end within 400 tokens: {text!r}"
         result = check_output(task.schema, text)
