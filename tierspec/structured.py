@@ -304,6 +304,26 @@ def tool_call_grammar(config: ToolConfig) -> GrammarSpec | None:
     return GrammarSpec.lark(f"start: {block}\n{calls}\n")
 
 
+def reply_grammar(response: ResponseFormat, config: ToolConfig) -> GrammarSpec | None:
+    """The grammar of a reply under both ``response_format`` and the tools (None: free text).
+    With ``tool_choice`` auto and a JSON format, the reply is an answer in that format or a call
+    block; with required or a named function the format does not apply (the reply is calls)."""
+    if not config.active:
+        return response.grammar
+    if response.grammar is None or config.choice.mode != "auto":
+        return tool_call_grammar(config)
+    if response.kind not in ("json_object", "json_schema"):
+        raise StructuredError(f"response_format {response.kind!r} cannot be combined with tools; use json_schema "
+                              "or json_object, or tool_choice \"required\"", "response_format")
+    schema = {"type": "object"} if response.kind == "json_object" else json.loads(response.grammar.source)
+    if not isinstance(schema, dict):
+        raise StructuredError("with tools, the response schema must be an object schema", "response_format")
+    answer = {"x-guidance": JSON_OPTIONS, **schema}
+    block = f'"{CALL_OPEN}" calls "{CALL_CLOSE}"'
+    return GrammarSpec.lark(f"start: answer | {block}\nanswer: %json {json.dumps(answer, ensure_ascii=False)}\n"
+                            f"calls: %json {json.dumps(_calls_schema(config), ensure_ascii=False)}\n")
+
+
 # -- reading a reply back ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ToolCall:
