@@ -1,4 +1,4 @@
-"""A tiny byte-level BPE tokenizer (the default model's kind of tokenizer, 263 ids) and a plain
+"""A tiny byte-level BPE tokenizer (the default model's kind of tokenizer, 265 ids) and a plain
 constrained decoding loop, shared by the grammar tests."""
 
 from __future__ import annotations

@@ -305,15 +305,15 @@ class GrammarState:
         """Take ``tokens`` in order, stopping before the first the grammar refuses; the number
         taken. An end token is taken when the text before it is complete, and ends the state."""
         taken = 0
-        for start, token in _runs(tokens, self._eos):
+        for run, end_token in _runs(tokens, self._eos):
             if self._ended:
                 break
-            if token is None:  # a run of ordinary tokens
-                count = self._matcher.try_consume_tokens(start)
+            if end_token is None:  # a run of ordinary tokens
+                count = self._matcher.try_consume_tokens(run)
                 self._check()
                 self._taken += count
                 taken += count
-                if count < len(start):
+                if count < len(run):
                     break
             else:
                 if not self._matcher.is_accepting():

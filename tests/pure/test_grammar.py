@@ -341,3 +341,45 @@ def test_constrained_decoding_on_a_random_model_always_validates(tok, byte_model
     value = json.loads(tok.decode(out[:-1]))
     jsonschema.validate(value, schema)
     assert tok.decode(out[:-1]) == json.dumps(value, ensure_ascii=False)  # the layout is json.dumps's
+
+
+# -- the vocabulary -----------------------------------------------------------------------------------------------
+def test_a_wider_model_vocabulary_forbids_the_ids_past_the_tokenizer(tok):
+    compiled = compile_grammar(GrammarSpec.regex("[ab]"), tok, len(tok) + 37, [EOS])
+    allowed = compiled.new_state().allowed()
+    assert allowed.shape == (len(tok) + 37,) and not allowed[len(tok):].any()
+    assert set(torch.nonzero(allowed).flatten().tolist()) == {tok.token("a"), tok.token("b")}
+
+
+def test_the_engine_tokenizer_is_built_once_per_tokenizer(tok):
+    from tierspec.grammar import engine_tokenizer
+
+    assert engine_tokenizer(tok, len(tok), [EOS]) is engine_tokenizer(tok, len(tok), [EOS])
+    assert engine_tokenizer(tok, len(tok) + 1, [EOS]) is not engine_tokenizer(tok, len(tok), [EOS])
+    with pytest.raises(GrammarError, match="end-of-sequence ids \\[999\\] are outside the vocabulary of 265"):
+        engine_tokenizer(tok, len(tok), [999])
+    with pytest.raises(GrammarError, match="needs the model's end-of-sequence token"):
+        engine_tokenizer(tok, len(tok), [])
+
+
+@pytest.mark.real_model
+def test_forced_keys_on_the_default_models_vocabulary():
+    """SmolLM2's 49,152 tokens: the keys of a fixed schema are forced, each the only token
+    its step allows; the free value is not."""
+    from tierspec.gguf_cache import converted_copy
+    from tierspec.models import default_model_file
+    from tierspec.tokenizer import FastTokenizer
+
+    real = FastTokenizer(converted_copy(default_model_file()))
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    state = compile_grammar(GrammarSpec.json_schema(schema), real, len(real), [real.eos_token_id]).new_state()
+    assert [real.decode([t]) for t in state.forced()] == ['{"', "name", '":']
+    for token in state.forced():
+        assert allowed_ids(state) == {token}
+        state.advance([token])
+    assert state.forced() == [] and len(allowed_ids(state)) > 2  # the string may start many ways
+    state.advance(real.encode(' "Bob",', add_special_tokens=False))
+    assert [real.decode([t]) for t in state.forced()] == [' "', "age", '":']
+    state.advance(state.forced() + real.encode(" 7}", add_special_tokens=False))
+    assert state.forced() == [real.eos_token_id] and state.advance([real.eos_token_id]) == 1
