@@ -287,7 +287,7 @@ class GrammarState:
     def valid_prefix(self, tokens: Sequence[int]) -> int:
         """How many of ``tokens`` the grammar takes from here (the state is unchanged): a draft
         is cut there before the pass."""
-        tokens = [int(token) for token in tokens]
+        tokens = self._token_ids(tokens)
         if self._ended:
             return 0
         cut = next((i for i, token in enumerate(tokens) if token in self._eos), len(tokens))
@@ -300,12 +300,21 @@ class GrammarState:
             count += int(complete)
         return count
 
+    def _token_ids(self, tokens: Sequence[int]) -> list[int]:
+        """``tokens`` as ints, each checked against the vocabulary (an id outside it would put
+        the engine in an error state it never leaves)."""
+        ids = [int(token) for token in tokens]
+        bad = next((token for token in ids if not 0 <= token < self.compiled.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary (0 .. {self.compiled.vocab_size - 1})")
+        return ids
+
     # -- moving -------------------------------------------------------------------------------------------
     def advance(self, tokens: Sequence[int]) -> int:
         """Take ``tokens`` in order, stopping before the first the grammar refuses; the number
         taken. An end token is taken when the text before it is complete, and ends the state."""
         taken = 0
-        for run, end_token in _runs(tokens, self._eos):
+        for run, end_token in _runs(self._token_ids(tokens), self._eos):
             if self._ended:
                 break
             if end_token is None:  # a run of ordinary tokens
@@ -334,6 +343,8 @@ class GrammarState:
             self._taken -= count
 
     def _rollback_engine(self, count: int) -> None:
+        if count == 0:  # llguidance answers False to a rollback of nothing
+            return
         if not self._matcher.rollback(count):
             self._check()
             raise GrammarError(f"the grammar engine could not roll back {count} tokens")
@@ -429,11 +440,10 @@ class GrammarState:
         return unpack_masks(words, self.compiled.vocab_size), torch.tensor(valid, dtype=torch.bool)
 
 
-def _runs(tokens: Sequence[int], eos: frozenset):
+def _runs(tokens: list[int], eos: frozenset):
     """``tokens`` as runs: (list of ordinary tokens, None) and (None, end token) in order."""
     run: list[int] = []
     for token in tokens:
-        token = int(token)
         if token in eos:
             if run:
                 yield run, None

@@ -172,6 +172,17 @@ def test_the_end_token_only_when_complete_and_rollback_across_it(tok):
     assert flat.advance(text[-1:] + [EOS]) == 2
 
 
+def test_ids_outside_the_vocabulary_are_refused_and_change_nothing(tok):
+    state = compiled_for(tok, GrammarSpec.regex("[ab]+")).new_state()
+    state.advance([tok.token("a")])
+    for bad in (len(tok), -1):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary \\(0 .. {len(tok) - 1}\\)"):
+            state.advance([tok.token("b"), bad])
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            state.valid_prefix([bad])
+    assert state.position == 1 and state.advance([tok.token("b"), EOS]) == 2
+
+
 def test_rollback_refuses_more_than_taken(tok):
     state = compiled_for(tok, GrammarSpec.json_schema(FLAT)).new_state()
     state.advance(tok.encode('{"a'))
