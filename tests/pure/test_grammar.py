@@ -1,0 +1,396 @@
+"""The grammar state (tierspec/grammar.py): planted masks checked by hand, advance and rollback
+exact against a token-by-token walk, forced tokens, the end token, batched and tree masks, and
+constrained greedy / sampled decoding whose every output parses and validates."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jsonschema
+import numpy as np
+import pytest
+import torch
+from conftest import tiny_llama
+from grammar_fixtures import EOS, ByteTokenizer, allowed_ids, constrained_ar
+
+from tierspec.grammar import (
+    GrammarError,
+    GrammarSpec,
+    compile_grammar,
+    draft_masks,
+    mask_logits,
+    unpack_masks,
+)
+
+FLAT = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "boolean"}},
+        "required": ["a", "b"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return ByteTokenizer()
+
+
+def compiled_for(tok, spec):
+    return compile_grammar(spec, tok, len(tok), [EOS])
+
+
+def walk(tok, state, rng: random.Random, steps: int) -> list[int]:
+    """A random path the grammar allows (the state is left at its end)."""
+    taken = []
+    for _ in range(steps):
+        choices = sorted(allowed_ids(state) - {EOS})
+        if not choices:
+            break
+        token = rng.choice(choices)
+        assert state.advance([token]) == 1
+        taken.append(token)
+    return taken
+
+
+# -- planted masks ------------------------------------------------------------------------------------------
+def test_flat_schema_masks_by_hand(tok):
+    state = compiled_for(tok, GrammarSpec.json_schema(FLAT)).new_state()
+    digits = {tok.token(d) for d in "0123456789"}
+    expected_before = [  # the allowed set before each token of '{"a": 12, "b": true}'
+        ('{"', {tok.token('{"')}),  # forced: '{' alone is refused (the merge is the canonical token)
+        ("a", {tok.token("a")}),
+        ('":', {tok.token('":')}),
+        (" ", {tok.token(" ")}),
+        ("1", digits | {tok.token("-")}),
+        ("2", digits | {tok.token(",")}),  # after "1": more digits, or the next key
+        (",", digits | {tok.token(",")}),
+        (' "', {tok.token(' "')}),
+        ("b", {tok.token("b")}),
+        ('":', {tok.token('":')}),
+        (" ", {tok.token(" ")}),
+        ("true", {tok.token(t) for t in ("f", "t", "tr", "tru", "true")}),
+        ("}", {tok.token("}")}),
+    ]
+    assert [tok.decode([t]) for t in tok.encode('{"a": 12, "b": true}')] == [text for text, _ in expected_before]
+    for text, allowed in expected_before:
+        assert allowed_ids(state) == allowed, text
+        assert not state.accepting()
+        assert state.advance([tok.token(text)]) == 1
+    assert allowed_ids(state) == {EOS}  # complete: only the end
+    assert state.accepting() and state.finished()
+
+
+def test_enum_allows_each_value_and_nothing_else(tok):
+    state = compiled_for(tok, GrammarSpec.json_schema({"enum": ["red", "green", 7]})).new_state()
+    assert allowed_ids(state) == {tok.token('"'), tok.token("7")}
+    state.advance([tok.token('"')])
+    assert allowed_ids(state) == {tok.token("r"), tok.token("g")}
+    state.advance(tok.encode("gre"))
+    assert allowed_ids(state) == {tok.token("e")}
+
+
+def test_regex_and_lark(tok):
+    state = compiled_for(tok, GrammarSpec.regex(r"[0-9]{2}-(ab|cd)")).new_state()
+    assert state.advance(tok.encode("12-c")) == 4
+    assert allowed_ids(state) == {tok.token("d")}
+    state.advance([tok.token("d")])
+    assert allowed_ids(state) == {EOS}
+    lark = compiled_for(tok, GrammarSpec.lark('start: "yes" | "no" | "n/a"')).new_state()
+    assert allowed_ids(lark) == {tok.token("y"), tok.token("n")}
+    lark.advance([tok.token("n")])
+    assert allowed_ids(lark) == {tok.token("o"), tok.token("/")}
+
+
+def test_json_object_mode_takes_any_object_and_only_objects(tok):
+    compiled = compiled_for(tok, GrammarSpec.json_object())
+    text = json.dumps({"x": [1, 2.5, None, {"y": "z"}], "t": True})
+    state = compiled.new_state()
+    assert state.advance(tok.encode(text)) == len(tok.encode(text)) and state.accepting()
+    assert compiled.new_state().advance(tok.encode("[1]")) == 0
+
+
+# -- advance / rollback exactness ------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", range(4))
+def test_advance_equals_token_by_token_and_rollback_reproduces_masks(tok, seed):
+    rng = random.Random(seed)
+    compiled = compiled_for(tok, GrammarSpec.json_object())
+    stepwise = compiled.new_state()
+    masks, forced, accepting = [], [], []
+    path = []
+    for _ in range(40):
+        masks.append(stepwise.allowed())
+        forced.append(stepwise.forced())
+        accepting.append(stepwise.accepting())
+        step = walk(tok, stepwise, rng, 1)
+        if not step:
+            break
+        path += step
+    chunked = compiled.new_state()
+    at = 0
+    while at < len(path):  # the same path in random chunks
+        size = rng.randint(1, 6)
+        assert chunked.advance(path[at:at + size]) == len(path[at:at + size])
+        at += size
+    assert torch.equal(chunked.allowed(), stepwise.allowed())
+    assert chunked.position == stepwise.position == len(path)
+    for _ in range(12):  # roll back to random points, compare, and come forward again
+        back = rng.randint(0, chunked.position)
+        chunked.rollback(back)
+        point = chunked.position
+        assert torch.equal(chunked.allowed(), masks[point])
+        assert chunked.forced() == forced[point] and chunked.accepting() == accepting[point]
+        assert chunked.advance(path[point:]) == len(path) - point
+        assert torch.equal(chunked.allowed(), stepwise.allowed())
+
+
+def test_advance_stops_before_a_refused_token_and_stays_usable(tok):
+    state = compiled_for(tok, GrammarSpec.json_schema(FLAT)).new_state()
+    good = tok.encode('{"a": 1')
+    before = None
+    assert state.valid_prefix(good + [tok.token("x")] + good) == len(good)
+    assert state.position == 0  # valid_prefix changes nothing
+    taken = state.advance(good + [tok.token("x")] + tok.encode(", "))
+    assert taken == len(good) and state.position == len(good)
+    before = state.allowed()
+    assert state.advance([tok.token("x")]) == 0
+    assert torch.equal(state.allowed(), before)
+    assert state.advance(tok.encode(', "b": false}')) == len(tok.encode(', "b": false}'))
+
+
+def test_the_end_token_only_when_complete_and_rollback_across_it(tok):
+    state = compiled_for(tok, GrammarSpec.regex("[0-9]+")).new_state()
+    assert state.advance([EOS]) == 0  # empty text is not complete
+    assert state.advance(tok.encode("12") + [EOS, tok.token("3")]) == 3  # stops after the end
+    assert state.ended and state.position == 3 and allowed_ids(state) == {EOS}
+    state.rollback(1)
+    assert not state.ended and allowed_ids(state) == {EOS} | {tok.token(d) for d in "0123456789"}
+    # a finished grammar (nothing but the end may follow): end, roll back, the masks are as before
+    flat = compiled_for(tok, GrammarSpec.json_schema(FLAT)).new_state()
+    text = tok.encode('{"a": 1, "b": true}')
+    flat.advance(text)
+    assert allowed_ids(flat) == {EOS} and flat.forced() == [EOS]
+    assert flat.advance([EOS]) == 1
+    flat.rollback(2)
+    assert allowed_ids(flat) == {tok.token("}")}
+    assert flat.advance(text[-1:] + [EOS]) == 2
+
+
+def test_ids_outside_the_vocabulary_are_refused_and_change_nothing(tok):
+    state = compiled_for(tok, GrammarSpec.regex("[ab]+")).new_state()
+    state.advance([tok.token("a")])
+    for bad in (len(tok), -1):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside the vocabulary \\(0 .. {len(tok) - 1}\\)"):
+            state.advance([tok.token("b"), bad])
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            state.valid_prefix([bad])
+    assert state.position == 1 and state.advance([tok.token("b"), EOS]) == 2
+
+
+def test_rollback_refuses_more_than_taken(tok):
+    state = compiled_for(tok, GrammarSpec.json_schema(FLAT)).new_state()
+    state.advance(tok.encode('{"a'))
+    with pytest.raises(ValueError, match="cannot roll back 3 tokens: the state has taken 2"):
+        state.rollback(3)
+    assert state.position == 2 and allowed_ids(state) == {tok.token('":')}
+
+
+# -- forced tokens ---------------------------------------------------------------------------------------------
+def forced_run_is_certain(tok, state) -> list[int]:
+    """Check that each of ``state.forced()`` is the only token allowed at its step; returns them
+    (the state is left where it was)."""
+    forced = state.forced()
+    position = state.position
+    for token in forced:
+        assert allowed_ids(state) == {token}
+        assert state.advance([token]) == 1
+    state.rollback(state.position - position)
+    return forced
+
+
+def test_forced_tokens_of_fixed_keys_are_each_the_only_one_allowed(tok):
+    schema = {"type": "object", "properties": {"kind": {"const": "cat"}, "n": {"type": "integer"}},
+              "required": ["kind", "n"], "additionalProperties": False}
+    state = compiled_for(tok, GrammarSpec.json_schema(schema)).new_state()
+    forced = forced_run_is_certain(tok, state)
+    assert tok.decode(forced) == '{"kind": "cat", "n": ' == tok.decode(state.fast_forward())
+    assert state.forced(limit=2) == forced[:2] and state.position == 0
+    state.advance(forced)
+    assert forced_run_is_certain(tok, state) == []  # the number is free
+    state.advance(tok.encode("4"))
+    assert forced_run_is_certain(tok, state) == []  # more digits may come
+    state.advance([tok.token("}")])
+    assert state.forced() == [EOS] and state.fast_forward() == []
+    state.advance([EOS])
+    assert state.forced() == [] and state.fast_forward() == []
+
+
+def test_forced_stops_where_the_forced_bytes_have_two_tokenisations(tok):
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"],
+              "additionalProperties": False}
+    state = compiled_for(tok, GrammarSpec.json_schema(schema)).new_state()
+    # After '{"name":' the bytes ' "' are forced, but ' "' and ' ' + '"' both spell them (the
+    # string after them is free): the engine's fast-forward stops there, and so does forced.
+    assert tok.decode(forced_run_is_certain(tok, state)) == '{"name":'
+    state.advance(state.forced())
+    assert allowed_ids(state) == {tok.token(" "), tok.token(' "')}
+    assert state.forced() == []
+
+
+# -- batched and tree masks -----------------------------------------------------------------------------
+def test_draft_masks_of_several_sequences_equal_one_by_one(tok):
+    compiled = compiled_for(tok, GrammarSpec.json_schema(FLAT))
+    text = tok.encode('{"a": 12, "b": true}')
+    states, drafts = [], []
+    for cut, draft in ((0, text[:4]), (4, text[4:7]), (7, text[7:9] + [tok.token("x")] + text[9:11]),
+                       (len(text) - 1, [text[-1], EOS, tok.token("1")]), (len(text), [])):
+        state = compiled.new_state()
+        state.advance(text[:cut])
+        states.append(state)
+        drafts.append(draft)
+    masks = draft_masks(states, drafts)
+    assert masks.valid == (4, 3, 2, 2, 0)
+    for i, (state, draft) in enumerate(zip(states, drafts)):
+        rows = masks.rows(i)
+        assert rows.shape == (len(draft) + 1, len(tok))
+        position = state.position
+        for j in range(masks.valid[i] + 1):
+            assert torch.equal(rows[j], state.allowed()), (i, j)
+            if j < masks.valid[i]:
+                assert state.advance([draft[j]]) == 1
+        state.rollback(state.position - position)
+        assert not rows[masks.valid[i] + 1:].any()  # the refused draft's later rows: nothing
+
+
+def test_tree_masks_equal_each_path_walked_alone(tok):
+    state = compiled_for(tok, GrammarSpec.json_schema(FLAT)).new_state()
+    state.advance(tok.encode('{"a": '))
+    t = tok.token
+    #            0        1        2        3        4        5         6        7
+    tokens = [t("1"), t("-"), t("x"), t("2"), t(","), t("3"), t(' "'), t("}")]
+    parents = [-1, -1, -1, 0, 0, 1, 4, 3]  # breadth-first: node 7 ("}") under node 3 is refused
+    allowed, valid = state.tree_allowed(tokens, parents)
+    assert valid.tolist() == [True, True, False, True, True, True, True, False]
+    assert torch.equal(allowed[0], state.allowed())
+    for node in range(len(tokens)):
+        path, at = [], node
+        while at >= 0:
+            path.insert(0, tokens[at])
+            at = parents[at]
+        alone = state.copy()
+        if valid[node]:
+            assert alone.advance(path) == len(path)
+            assert torch.equal(allowed[1 + node], alone.allowed()), node
+        else:
+            assert alone.advance(path) < len(path) and not allowed[1 + node].any()
+    assert state.position == 4  # unchanged
+
+
+# -- masks applied to logits ------------------------------------------------------------------------------
+def test_unpack_and_mask_logits():
+    rng = np.random.default_rng(0)
+    bits = rng.random((3, 70)) < 0.3  # 70: not a multiple of 32
+    words = np.packbits(np.pad(bits, ((0, 0), (0, 26))), axis=1, bitorder="little").view(np.int32)
+    assert words.shape == (3, 3)
+    allowed = unpack_masks(words, 70)
+    assert allowed.tolist() == bits.tolist()
+    logits = torch.randn(3, 70)
+    masked = mask_logits(logits, allowed)
+    assert torch.equal(masked[allowed], logits[allowed]) and torch.isneginf(masked[~allowed]).all()
+
+
+# -- errors -------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("spec, message", [
+    (lambda: GrammarSpec.json_schema({"type": "array", "uniqueItems": True}),
+     "the JSON schema uses keywords tierspec cannot enforce: uniqueItems"),
+    (lambda: GrammarSpec.json_schema({"type": "integer", "if": {"minimum": 1}, "then": {"maximum": 3}}),
+     "cannot enforce: if, then"),
+    (lambda: GrammarSpec.json_schema({"type": "strin"}), "invalid JSON schema: Invalid type: strin"),
+    (lambda: GrammarSpec.json_schema({"$ref": "#/$defs/none"}), "invalid JSON schema: Pointer '/$defs/none' does not exist"),
+    (lambda: GrammarSpec.json_schema("{not json"), "the JSON schema is not valid JSON"),
+    (lambda: GrammarSpec.json_schema([1]), "a JSON schema is an object"),
+    (lambda: GrammarSpec.regex("[0-9"), "invalid regular expression"),
+    (lambda: GrammarSpec.lark("start: missing_rule"), "invalid Lark grammar"),
+])
+def test_unsupported_or_invalid_grammars_are_named(tok, spec, message):
+    with pytest.raises(GrammarError, match=message.replace("$", r"\$").replace("(", r"\(")):
+        compiled_for(tok, spec())
+
+
+def test_a_schemas_own_options_cannot_turn_off_enforcement(tok):
+    # llguidance reads options from "x-guidance"; tierspec's overrides win, so "lenient" (ignore
+    # unimplemented keywords) cannot make an unenforced keyword pass silently.
+    with pytest.raises(GrammarError, match="uniqueItems"):
+        compiled_for(tok, GrammarSpec.json_schema({"type": "array", "uniqueItems": True, "x-guidance": {"lenient": True}}))
+
+
+# -- constrained decoding on a tiny random model: every output parses and validates ------------------------
+SCHEMAS = [
+    FLAT,
+    {"type": "object", "properties": {
+        "title": {"type": "string", "maxLength": 8},
+        "people": {"type": "array", "maxItems": 2, "items": {
+            "type": "object", "properties": {"name": {"type": "string", "maxLength": 5},
+                                             "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+            "required": ["name", "age"], "additionalProperties": False}}},
+     "required": ["title", "people"], "additionalProperties": False},
+    {"type": "object", "properties": {"mood": {"enum": ["happy", "sad", "neutral"]},
+                                      "score": {"type": "integer", "minimum": -5, "maximum": 5},
+                                      "note": {"type": ["string", "null"], "maxLength": 4}},
+     "required": ["mood", "score"], "additionalProperties": False},
+]
+
+
+@pytest.fixture(scope="module")
+def byte_model(tok):
+    return tiny_llama(seed=3, vocab_size=len(tok), layers=2, hidden=32, sharpness=8.0)
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["flat", "nested", "enum-bounds"])
+@pytest.mark.parametrize("seed", [None, 0, 1])
+def test_constrained_decoding_on_a_random_model_always_validates(tok, byte_model, schema, seed):
+    compiled = compiled_for(tok, GrammarSpec.json_schema(schema))
+    generator = None if seed is None else torch.Generator().manual_seed(seed)
+    out = constrained_ar(byte_model.model, tok.encode("json: "), compiled, 200, {EOS}, generator)
+    assert out[-1] == EOS, "the grammar ended within 200 tokens"
+    value = json.loads(tok.decode(out[:-1]))
+    jsonschema.validate(value, schema)
+    assert tok.decode(out[:-1]) == json.dumps(value, ensure_ascii=False)  # the layout is json.dumps's
+
+
+# -- the vocabulary -----------------------------------------------------------------------------------------------
+def test_a_wider_model_vocabulary_forbids_the_ids_past_the_tokenizer(tok):
+    compiled = compile_grammar(GrammarSpec.regex("[ab]"), tok, len(tok) + 37, [EOS])
+    allowed = compiled.new_state().allowed()
+    assert allowed.shape == (len(tok) + 37,) and not allowed[len(tok):].any()
+    assert set(torch.nonzero(allowed).flatten().tolist()) == {tok.token("a"), tok.token("b")}
+
+
+def test_the_engine_tokenizer_is_built_once_per_tokenizer(tok):
+    from tierspec.grammar import engine_tokenizer
+
+    assert engine_tokenizer(tok, len(tok), [EOS]) is engine_tokenizer(tok, len(tok), [EOS])
+    assert engine_tokenizer(tok, len(tok) + 1, [EOS]) is not engine_tokenizer(tok, len(tok), [EOS])
+    with pytest.raises(GrammarError, match="end-of-sequence ids \\[999\\] are outside the vocabulary of 265"):
+        engine_tokenizer(tok, len(tok), [999])
+    with pytest.raises(GrammarError, match="needs the model's end-of-sequence token"):
+        engine_tokenizer(tok, len(tok), [])
+
+
+@pytest.mark.real_model
+def test_forced_keys_on_the_default_models_vocabulary():
+    """SmolLM2's 49,152 tokens: the keys of a fixed schema are forced, each the only token
+    its step allows; the free value is not."""
+    from tierspec.gguf_cache import converted_copy
+    from tierspec.models import default_model_file
+    from tierspec.tokenizer import FastTokenizer
+
+    real = FastTokenizer(converted_copy(default_model_file()))
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}
+    state = compile_grammar(GrammarSpec.json_schema(schema), real, len(real), [real.eos_token_id]).new_state()
+    assert [real.decode([t]) for t in state.forced()] == ['{"', "name", '":']
+    for token in state.forced():
+        assert allowed_ids(state) == {token}
+        state.advance([token])
+    assert state.forced() == [] and len(allowed_ids(state)) > 2  # the string may start many ways
+    state.advance(real.encode(' "Bob",', add_special_tokens=False))
+    assert [real.decode([t]) for t in state.forced()] == [' "', "age", '":']
+    state.advance(state.forced() + real.encode(" 7}", add_special_tokens=False))
+    assert state.forced() == [real.eos_token_id] and state.advance([real.eos_token_id]) == 1

@@ -1,0 +1,54 @@
+"""A request's ``response_format``, ``tools``, ``tool_choice`` and ``parallel_tool_calls`` →
+what the engine constrains the reply to, checked and compiled while the request is parsed, so
+that an unsupported schema or a bad tool is a 400 naming the field before any work starts.
+
+Phase 2 of issue 39 wires this into ``parsing.prepare`` (the request models keep the raw JSON of
+these fields) and the engine (the compiled grammar rides on each choice; ``tools`` rewrite the
+messages with ``structured.with_tools`` and the reply is read back with ``parse_tool_reply``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..grammar import CompiledGrammar, GrammarError, compile_grammar
+from ..structured import ResponseFormat, StructuredError, ToolConfig, parse_response_format, parse_tools, reply_grammar
+from .engine import ApiError
+
+
+@dataclass(frozen=True)
+class StructuredRequest:
+    """What one request asks of its reply's form: the parsed ``response_format`` and tools, and
+    the compiled grammar every choice's state starts from (None: unconstrained)."""
+
+    response: ResponseFormat
+    tools: ToolConfig
+    grammar: CompiledGrammar | None
+
+    @property
+    def constrained(self) -> bool:
+        return self.grammar is not None
+
+
+def structured_request(fields: dict, tokenizer, vocab_size: int, eos_token_ids, chat: bool) -> StructuredRequest:
+    """``fields``: the request body's ``response_format``, ``tools``, ``tool_choice`` and
+    ``parallel_tool_calls`` (absent = not given), as JSON values. ``chat``: the chat endpoint
+    (tools are refused elsewhere). An ``ApiError`` 400 naming the field on any fault."""
+    try:
+        response = parse_response_format(fields.get("response_format"))
+        if not chat and any(fields.get(name) is not None for name in ("tools", "tool_choice", "parallel_tool_calls")):
+            name = next(name for name in ("tools", "tool_choice", "parallel_tool_calls") if fields.get(name) is not None)
+            raise StructuredError(f"{name} is for /v1/chat/completions: a completion has no tool calls", name)
+        tools = parse_tools(fields.get("tools"), fields.get("tool_choice"), fields.get("parallel_tool_calls"))
+        spec = reply_grammar(response, tools)
+    except StructuredError as error:
+        raise ApiError(400, str(error), error.param) from None
+    except GrammarError as error:  # a grammar field that is not a string, say
+        raise ApiError(400, str(error), "response_format") from None
+    if spec is None:
+        return StructuredRequest(response, tools, None)
+    try:
+        compiled = compile_grammar(spec, tokenizer, vocab_size, eos_token_ids)
+    except GrammarError as error:
+        raise ApiError(400, str(error), "tools" if tools.active else "response_format") from None
+    return StructuredRequest(response, tools, compiled)
