@@ -95,19 +95,22 @@ def tokenizer_copy(gguf: Path, fields: dict) -> Path:
         print(f"tierspec: the tokenizer copy of {gguf.name} in {folder} is damaged ({problem}); writing it again",
               file=sys.stderr)
         _remove_folder(folder)
-    quiet_transformers()
-    from transformers import AutoTokenizer
-
     folder.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=folder.parent))
     try:
+        tokenizer = None  # a file without a tokenizer (a test's) gives a model of token ids, as such a folder does
+        if "tokenizer.ggml.model" in fields:
+            quiet_transformers()
+            from transformers import AutoTokenizer
+
+            try:
+                with progress_bars_only_on_a_terminal("reading the GGUF file's tokenizer once"):
+                    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            except Exception as error:  # transformers raises many types for a tokenizer it cannot convert
+                raise ModelLoadError(f"cannot read the tokenizer of GGUF file {gguf}: {error}") from error
         try:
-            with progress_bars_only_on_a_terminal("reading the GGUF file's tokenizer once"):
-                tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        except Exception as error:  # transformers raises many types for a tokenizer it cannot convert
-            raise ModelLoadError(f"cannot read the tokenizer of GGUF file {gguf}: {error}") from error
-        try:
-            tokenizer.save_pretrained(staging)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
             (staging / "generation_config.json").write_text(json.dumps(generation_settings(fields), indent=2))
             file_mode = default_file_mode()
             for item in staging.iterdir():

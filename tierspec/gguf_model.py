@@ -74,9 +74,13 @@ def refuse_if_too_large(gguf: Path, tensors: dict[str, GgufTensor], numerics: Nu
     available = available_memory()
     if kept + dequantised > available:
         raise NotEnoughMemory(
-            f"{gguf.name} needs about {(kept + dequantised) / 1e9:.1f} GB of memory ({kept / 1e9:.1f} GB of blocks kept, "
-            f"{dequantised / 1e9:.1f} GB de-quantised to {str(dtype).replace('torch.', '')}), and this machine has "
-            f"{available / 1e9:.1f} GB available")
+            f"{gguf.name} needs about {_size(kept + dequantised)} of memory ({_size(kept)} of blocks kept, "
+            f"{_size(dequantised)} de-quantised to {str(dtype).replace('torch.', '')}), and this machine has "
+            f"{_size(available)} available")
+
+
+def _size(count: int) -> str:
+    return f"{count / 1e9:.1f} GB" if count >= 1e9 else f"{count / 1e6:.1f} MB"
 
 
 class _Weights:

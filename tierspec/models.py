@@ -359,7 +359,10 @@ def _load_gguf_architecture(gguf: Path, name: str, dtype: torch.dtype, implement
 
     if implementation == "transformers":
         return None
-    tensors, fields = read_gguf_tensors(gguf)
+    try:
+        tensors, fields = read_gguf_tensors(gguf)
+    except ModelLoadError:
+        return None  # the converted copy's reader says what is wrong with the file
     parsed.append((tensors, fields))
     try:
         arch = read_architecture(fields, tensors)
