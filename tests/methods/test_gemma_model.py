@@ -74,7 +74,7 @@ def test_lossless_and_neutral_methods_match_ar_greedy(gemma, ar_output, method, 
 def test_lossless_methods_match_ar_seeded(gemma, method):
     from tierspec.methods import MethodOptions
 
-    options = MethodOptions(mask=_mask(gemma), confidence_threshold=0.0) if method == "self" else MethodOptions()
+    options = MethodOptions(mask=_mask(gemma), confidence_threshold=0.0)  # self and pearl draft with the mask
     ar = tierspec.generate(PROMPTS[1], target=gemma, method="ar", max_new_tokens=32, temperature=1.0, seed=11)
     out = tierspec.generate(PROMPTS[1], target=gemma, method=method, max_new_tokens=32, temperature=1.0, seed=11,
                             options=options)
