@@ -2,7 +2,7 @@
 transformers' float32 model of exactly their de-quantised weights: the reference for
 tierspec.architectures, tierspec.gguf_model and the generalised tierspec.llama modules.
 
-Matrices of every block type: Q4_0, Q4_1, Q8_0, F16 and BF16 quantised by gguf-py; Q4_K, Q5_K and
+Matrices of every block type: Q4_0, Q4_1, Q5_0, Q8_0, F16 and BF16 quantised by gguf-py; Q4_K, Q5_K and
 Q6_K (which gguf-py cannot quantise) as random valid blocks — random bytes with finite fp16 scales
 sized so the weights are about 1/sqrt(K) — whose values are what gguf-py's ``dequantize`` makes of
 them. Shapes are whole 256-value super-blocks (hidden 256, heads × head_dim 256, intermediate 512).
@@ -19,7 +19,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
 
-BLOCK_TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
+BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
 ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3"]
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 256, 4, 2, 64, 512, 256

@@ -2,7 +2,7 @@
 reads what it is; ``tierspec.llama``'s modules compute it).
 
 Weights of a type the pass engine multiplies natively stay the file's blocks (``quant.QuantLinear``,
-repacked once); others are de-quantised once at load into float weights (packed for oneDNN later,
+repacked once; Q5_0 blocks as Q8_0 blocks of the same values); others are de-quantised once at load into float weights (packed for oneDNN later,
 as any). A model whose layers need nothing the engine's layer lacks (Llama, with any rotary
 scaling: the engine reads the pass's cos/sin table as given) runs each layer as one engine call
 (``gguf_llama.FusedLayer``); the others run their layers on torch's operators around the engine's
@@ -25,11 +25,13 @@ import torch
 from .architectures import Architecture, read_architecture
 from .errors import ModelLoadError
 from .llama import ArchDecoder, LlamaLM, RotaryTable, ScaledEmbedding, ViewOnReadKVLayer
-from .quant import NATIVE_TYPES, GgufTensor, Numerics, QuantEmbedding, QuantLinear, QuantWeight, unpermute_order
+from .quant import (NATIVE_TYPES, Q8_0, GgufTensor, Numerics, QuantEmbedding, QuantLinear, QuantWeight,
+                    unpermute_order)
 
 # de-quantised weights that stay float32 whatever the layers' dtype: norms, biases, the LM head and
 # the embedding table (tierspec.llama keeps the residual stream and the logits in float32)
 _WIDE = torch.float32
+Q5_0 = 6  # ggml's type id: re-encoded exactly as Q8_0 for the engine (``q8_0_rows_of_q5_0``)
 
 
 class NotEnoughMemory(ModelLoadError):
@@ -52,13 +54,15 @@ def available_memory() -> int:
 
 def memory_needed(tensors: dict[str, GgufTensor], numerics: Numerics | None, dtype: torch.dtype) -> tuple[int, int]:
     """(bytes of blocks kept, bytes of de-quantised weights) the model of ``tensors`` takes once
-    loaded: native blocks repacked at about their size (``numerics`` None: nothing is kept as
-    blocks), other matrices at ``dtype``'s size per value, vectors and the embedding in float32."""
+    loaded: native blocks repacked at about their size (Q5_0 as Q8_0; ``numerics`` None: nothing is
+    kept as blocks), other matrices at ``dtype``'s size per value, vectors and the embedding in float32."""
     kept = dequantised = 0
     for name, tensor in tensors.items():
         values = tensor.shape[0] * (tensor.shape[1] if len(tensor.shape) == 2 else 1)
         if numerics is not None and tensor.ggml_type in NATIVE_TYPES and len(tensor.shape) == 2:
             kept += int(tensor.data.nbytes)
+        elif numerics is not None and tensor.ggml_type == Q5_0 and len(tensor.shape) == 2:
+            kept += values // 32 * 34  # as exact Q8_0 blocks (``q8_0_rows_of_q5_0``)
         elif len(tensor.shape) == 2 and name.startswith("blk."):
             dequantised += values * dtype.itemsize
         else:
@@ -106,16 +110,47 @@ class _Weights:
         return name in self.tensors
 
 
+def q8_0_rows_of_q5_0(tensor: GgufTensor):
+    """A Q5_0 tensor's blocks re-encoded as Q8_0 blocks of exactly the same values: a Q5_0 value is
+    d·(q − 16) with q of 5 bits and d the block's fp16 scale, a Q8_0 value d·q8 with q8 of 8 bits,
+    so each block keeps its d and q8 = q − 16 (read back from gguf-py's de-quantised values, which
+    are exact: a small integer times an fp16 scale). uint8 [N, K/32 · 34]; 1.55× the Q5_0 bytes, for
+    the engine's Q8_0 kernel (K-quant mixes use Q5_0 where rows are not whole super-blocks: 81 of
+    Gemma 3 270M's 127 matrices), where the other way is 4 bytes a weight de-quantised."""
+    import numpy as np
+
+    rows = tensor.shape[0]
+    raw = np.asarray(tensor.block_rows()).reshape(-1, 22)  # Q5_0 block: fp16 d, 4 bytes of fifth bits, 16 of nibbles
+    scales = raw[:, :2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+    values = tensor.dequantized().numpy().reshape(-1, 32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        levels = np.where(scales == 0, 0, np.rint(values / scales)).astype(np.int8)
+    out = np.empty((raw.shape[0], 34), dtype=np.uint8)
+    out[:, :2] = raw[:, :2]
+    out[:, 2:] = levels.view(np.uint8)
+    return out.reshape(rows, -1)
+
+
+def _engine_rows(tensor: GgufTensor) -> tuple[int, object] | None:
+    """(native type, blocks) the engine can multiply ``tensor`` with exactly, or None."""
+    if tensor.ggml_type in NATIVE_TYPES:
+        return tensor.ggml_type, tensor.block_rows()  # straight from the file's mapping
+    if tensor.ggml_type == Q5_0 and Q8_0 in NATIVE_TYPES:
+        return Q8_0, q8_0_rows_of_q5_0(tensor)
+    return None
+
+
 def _projection(parts: list[tuple[GgufTensor, int | None]], in_features: int, numerics: Numerics | None,
                 dtype: torch.dtype) -> torch.nn.Module:
     """One projection stacked from GGUF tensors along the output rows (each with the head count
-    whose llama.cpp q/k row order to undo, or None): the file's blocks (``QuantLinear``) when they
-    share one native type and ``numerics`` is given, else the de-quantised weights in ``dtype``."""
-    types = {tensor.ggml_type for tensor, _ in parts}
-    if numerics is not None and len(types) == 1 and next(iter(types)) in NATIVE_TYPES:
-        blocks = [(tensor.block_rows(), None if heads is None else unpermute_order(tensor.shape[0], heads))
-                  for tensor, heads in parts]  # repacked straight from the file's mapping
-        return QuantLinear(QuantWeight(None, next(iter(types)), in_features, numerics, parts=blocks))
+    whose llama.cpp q/k row order to undo, or None): blocks the engine multiplies (``QuantLinear``:
+    the file's, or Q5_0's exact Q8_0 copies) when ``numerics`` is given and every part has them in
+    one type, else the de-quantised weights in ``dtype``."""
+    engine_rows = [_engine_rows(tensor) for tensor, _ in parts] if numerics is not None else [None]
+    if all(rows is not None for rows in engine_rows) and len({kind for kind, _ in engine_rows}) == 1:
+        blocks = [(rows, None if heads is None else unpermute_order(tensor.shape[0], heads))
+                  for (_, rows), (tensor, heads) in zip(engine_rows, parts)]
+        return QuantLinear(QuantWeight(None, engine_rows[0][0], in_features, numerics, parts=blocks))
     weights = []
     for tensor, heads in parts:
         values = tensor.dequantized()

@@ -22,6 +22,7 @@ PROMPT = torch.tensor([3, 17, 99, 4, 250, 8, 8, 41, 77, 12, 5, 190, 33, 2, 91, 1
 # float32 everywhere; torch's operators agree with transformers' to float32 rounding (measured ≤ 1e-6 of
 # the largest logit); the engine's fused layer sums in its own order (measured 2.6e-5)
 TOLERANCE = {"torch": 1e-5, "engine": 1e-4}
+ENGINE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # Q5_0 as exact Q8_0 blocks (gguf_model.q8_0_rows_of_q5_0)
 
 
 def _build(tiny, numerics=True, dtype=torch.float32):
@@ -73,7 +74,7 @@ def test_logits_and_greedy_tokens_match_transformers(files, arch, block_type):
     tiny = files(arch, block_type)
     ours, reference = _build(tiny), tiny.reference()
     on_engine = ours.model.engine_stack is not None
-    assert on_engine == (arch == "llama3" and block_type in ("Q4_0", "Q4_1", "Q8_0"))
+    assert on_engine == (arch == "llama3" and block_type in ENGINE_TYPES)
     with torch.inference_mode():
         runner = CachedModel(ours)
         logits = runner.forward(PROMPT).logits
@@ -101,8 +102,7 @@ def test_the_weights_are_gguf_pys_dequantised_values_exactly(files, block_type, 
                                   np.concatenate([stored["blk.1.ffn_gate.weight"], stored["blk.1.ffn_up.weight"]]))
     np.testing.assert_array_equal(layer.mlp.down_proj.weight.detach().numpy(), stored["blk.1.ffn_down.weight"])
     np.testing.assert_array_equal(model.model.embed_tokens.weight.detach().numpy(), stored["token_embd.weight"])
-    native = block_type in ("Q4_0", "Q4_1", "Q8_0")
-    assert isinstance(layer.mlp.down_proj, QuantLinear) == (numerics and native)
+    assert isinstance(layer.mlp.down_proj, QuantLinear) == (numerics and block_type in ENGINE_TYPES)
 
 
 def test_llama_rows_are_put_back_in_transformers_order(files):
