@@ -357,6 +357,8 @@ def main(argv: list[str] | None = None) -> int:
             entry = measure_file(path, bandwidth, threads, args)
             if "passes" in entry:
                 entry["predicted_seconds_per_token"] = predictions(entry["tierspec"], calls)
+            if "llama.cpp" in entry:  # the papers' methods on a target whose passes cost llama.cpp's (no slim pass there)
+                entry["llama.cpp_floor_multiple"] = entry["llama.cpp"]["passes"][1] / entry["floor_seconds"]
             report["files"][path.name] = entry
             print(json.dumps({path.name: entry}, default=str), file=sys.stderr, flush=True)
             (args.out / "scale.json").write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -376,23 +378,30 @@ def measure_file(path: Path, bandwidth: float, threads: int, args) -> dict:
     entry: dict = {"weight_bytes": weight_bytes, "floor_seconds": floor}
     try:
         model = tierspec_model(path)
-    except ModelLoadError as error:
-        entry["refused"] = str(error)
+        entry["engine"] = model.model.engine_stack is not None
+    except ModelLoadError as error:  # too large for the memory: refused before loading, llama.cpp still timed
+        model, entry["refused"] = None, str(error)
         print(f"tierspec: {error}", file=sys.stderr)
-        return entry
-    entry["engine"] = model.model.engine_stack is not None
     llama = None if args.no_llamacpp else LlamaCppPasses(path, threads)
     runs: dict = {"tierspec": [], "llama.cpp": []}
     for _ in range(args.rounds):  # interleaved: a busy spell hits both alike
-        runs["tierspec"].append(measure_tierspec(model, 1))
+        if model is not None:
+            runs["tierspec"].append(measure_tierspec(model, 1))
         if llama is not None:
             runs["llama.cpp"].append(llama.measure(1))
-    entry["tierspec"] = _medians(runs["tierspec"])
+    if model is not None:
+        entry["tierspec"] = _medians(runs["tierspec"])
+        entry["passes"] = True
     if llama is not None:
         entry["llama.cpp"] = _medians(runs["llama.cpp"])
-    entry["passes"] = True
     del model, llama
     return entry
+
+
+def _break_even(ratio: float | None) -> str:
+    if ratio is None:
+        return "n/a"
+    return f"{ratio:.2f}" if ratio > 0 else "never (its full passes alone cost more than plain SD's)"
 
 
 def _medians(runs: list[dict]):
@@ -411,8 +420,7 @@ def markdown(report: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, entry in report["files"].items():
         if "refused" in entry:
-            lines.append(f"| {name} | — | refused: {entry['refused']} |" + " |" * 10)
-            continue
+            lines.append(f"| {name} | tierspec | refused: {entry['refused']} |" + " |" * 10)
         for who in ("tierspec", "llama.cpp"):
             if who not in entry:
                 continue
@@ -427,7 +435,7 @@ def markdown(report: dict) -> str:
     for name, entry in report["files"].items():
         if "predicted_seconds_per_token" in entry:
             parts = ", ".join(f"{label} {value * 1e3:.1f}" if "break even" not in label else
-                              f"{label} {'n/a' if value is None else f'{value:.2f}'}"
+                              f"{label} {_break_even(value)}"
                               for label, value in entry["predicted_seconds_per_token"].items())
             lines.append(f"- {name}: {parts}")
     return "\n".join(lines) + "\n"
