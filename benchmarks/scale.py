@@ -336,6 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--no-llamacpp", action="store_true")
     parser.add_argument("--write-only", action="store_true", help="write the files and stop")
+    parser.add_argument("--files", default="", help="also time these GGUF files (real models, e.g. a known model's name)")
     parser.add_argument("--out", type=Path, default=Path("results/scale"))
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
@@ -346,7 +347,14 @@ def main(argv: list[str] | None = None) -> int:
               "read_bandwidth_gb_s": None if bandwidth is None else round(bandwidth / 1e9, 2),
               "default_model_calls_per_token": calls, "files": {}}
     args.out.mkdir(parents=True, exist_ok=True)
-    for name in args.models.split(","):
+    for spec in filter(None, args.files.split(",")):
+        from tierspec.model_files import KNOWN_MODELS, known_model_file
+
+        path = known_model_file(spec) if spec in KNOWN_MODELS else Path(spec)
+        entry = measure_file(path, bandwidth, threads, args)
+        report["files"][path.name] = entry
+        print(json.dumps({path.name: entry}, default=str), file=sys.stderr, flush=True)
+    for name in filter(None, args.models.split(",")):
         for mix in args.mixes.split(","):
             started = time.perf_counter()
             path = write_file(name, mix)
