@@ -168,8 +168,8 @@ def _validate_header(gguf: Path, arch: Architecture, tensors: dict[str, GgufTens
     and type and the tensor set and shapes against the architecture's metadata; call it here once it
     lands. Until then each tensor's shape is checked where it is read (``_Weights.get``) and
     ``quant.read_gguf_tensors`` has checked that every tensor lies inside the file."""
-    unknown = sorted(name for name in tensors if name.startswith("blk.")
-                     and not 0 <= int(name.split(".")[1]) < arch.num_layers)
+    unknown = sorted(name for name in tensors if name.startswith("blk.") and not (
+        name.split(".")[1].isdigit() and int(name.split(".")[1]) < arch.num_layers))
     if unknown:
         raise ModelLoadError(f"{gguf}: tensor {unknown[0]!r} belongs to a layer past the {arch.num_layers} "
                              "the header declares")
@@ -220,7 +220,29 @@ def build_gguf_model(gguf: Path, tensors: dict[str, GgufTensor], fields: dict, n
             model.kv_layer_class = ViewOnReadKVLayer
     elif numerics is not None and not quiet:
         print(arch.engine_note(), file=sys.stderr)
+    if not quiet:
+        note = dequantised_note(gguf, tensors, numerics, dtype)
+        if note:
+            print(note, file=sys.stderr)
     return model.eval()
+
+
+def dequantised_note(gguf: Path, tensors: dict[str, GgufTensor], numerics: Numerics | None,
+                     dtype: torch.dtype) -> str | None:
+    """One line naming the matrix types de-quantised at load (None: every matrix kept as blocks)."""
+    from collections import Counter
+
+    from gguf import GGMLQuantizationType
+
+    matrices = [t for t in tensors.values() if len(t.shape) == 2]
+    kept = {Q5_0, *NATIVE_TYPES} if numerics is not None else set()
+    counts = Counter(GGMLQuantizationType(t.ggml_type).name for t in matrices if t.ggml_type not in kept)
+    if not counts:
+        return None
+    listed = ", ".join(f"{count} {name}" for name, count in sorted(counts.items()))
+    return (f"tierspec: {gguf.name}: {sum(counts.values())} of {len(matrices)} matrices de-quantised at load to "
+            f"{str(dtype).replace('torch.', '')} ({listed}): the engine multiplies "
+            f"{', '.join(sorted(NATIVE_TYPES.values()))} (and Q5_0 as Q8_0) blocks only")
 
 
 def _load_layer(layer, weights: _Weights, p: str, arch: Architecture, numerics: Numerics | None,

@@ -271,3 +271,15 @@ def test_a_tensor_of_the_wrong_shape_is_a_clear_error(files, tmp_path):
     with pytest.raises(models.ModelLoadError, match=r"tensor 'blk.0.ffn_gate.weight' has shape \[512, 256\], "
                                                     r"its architecture implies \[256, 256\]"):
         build_gguf_model(tiny.gguf, tensors, fields, numerics_for(torch.float32), torch.float32, quiet=True)
+
+
+def test_the_load_names_the_types_it_dequantises(files):
+    from tierspec.gguf_model import dequantised_note
+
+    tiny = files("llama3", "Q4_K")
+    tensors, _ = read_gguf_tensors(tiny.gguf)
+    assert dequantised_note(tiny.gguf, tensors, numerics_for(torch.float32), torch.float32) == (
+        "tierspec: llama3-Q4_K.gguf: 22 of 22 matrices de-quantised at load to float32 (22 Q4_K): the engine "
+        "multiplies Q4_0, Q4_1, Q8_0 (and Q5_0 as Q8_0) blocks only")
+    assert dequantised_note(files("llama3", "Q5_0").gguf, read_gguf_tensors(files("llama3", "Q5_0").gguf)[0],
+                            numerics_for(torch.float32), torch.float32) is None
