@@ -23,7 +23,7 @@ def _add_generate(sub) -> None:
         help=f"decoding method: {', '.join(method_names())} (default: {DEFAULT_METHOD}, the fastest lossless one, where "
         f"a draft head exists for the target; else {DEFAULT_METHOD_WITHOUT_HEAD})",
     )
-    parser.add_argument("--target", default=DEFAULT_MODEL, help="target model: HF folder, .gguf file or smollm2-135m")
+    parser.add_argument("--target", default=DEFAULT_MODEL, help="target model: HF folder, .gguf file, smollm2-135m or gemma3-270m")
     _add_model_flags(parser)
     parser.add_argument("--drafter", default=None, help="drafter model for sd (default: the target drafts for itself)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -350,7 +350,7 @@ def _add_serve(sub) -> None:
     parser.add_argument("--method", default=None,
                         help=f"default method of requests that name none (default: {DEFAULT_METHOD} where a draft head "
                         f"exists for the target, else {DEFAULT_METHOD_WITHOUT_HEAD})")
-    parser.add_argument("--target", default=DEFAULT_MODEL, help="model to serve: HF folder, .gguf file or smollm2-135m")
+    parser.add_argument("--target", default=DEFAULT_MODEL, help="model to serve: HF folder, .gguf file, smollm2-135m or gemma3-270m")
     _add_model_flags(parser)
     parser.add_argument("--drafter", default=None, help="drafter model for sd (default: the target drafts for itself)")
     parser.add_argument("--max-queue", type=int, default=8,

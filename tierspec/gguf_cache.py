@@ -80,6 +80,70 @@ def reconvert(gguf: Path, reason: str) -> Path:
     return folder
 
 
+def tokenizer_copy(gguf: Path, fields: dict) -> Path:
+    """The folder of ``gguf``'s tokenizer copy: its tokenizer (with the chat template, where the file
+    has one) and generation settings, no weights — for the models tierspec builds from the GGUF file
+    itself (``tierspec.gguf_model``), which need no de-quantised copy (an 8B file's would take 32 GB).
+    ``fields``: the file's header (``quant.read_gguf_tensors``). Written once, atomically, checked
+    like a converted copy; its own folder, so no reader of converted copies mistakes it for one."""
+    base = gguf_cache_dir(gguf)
+    folder = base.with_name(base.name + "-tokenizer")
+    problem = converted_copy_problem(folder)
+    if problem is None:
+        return folder
+    if folder.exists():
+        print(f"tierspec: the tokenizer copy of {gguf.name} in {folder} is damaged ({problem}); writing it again",
+              file=sys.stderr)
+        _remove_folder(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=folder.parent))
+    try:
+        tokenizer = None  # a file without a tokenizer (a test's) gives a model of token ids, as such a folder does
+        if "tokenizer.ggml.model" in fields:
+            quiet_transformers()
+            from transformers import AutoTokenizer
+
+            try:
+                with progress_bars_only_on_a_terminal("reading the GGUF file's tokenizer once"):
+                    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+            except Exception as error:  # transformers raises many types for a tokenizer it cannot convert
+                raise ModelLoadError(f"cannot read the tokenizer of GGUF file {gguf}: {error}") from error
+        try:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+            (staging / "generation_config.json").write_text(json.dumps(generation_settings(fields), indent=2))
+            file_mode = default_file_mode()
+            for item in staging.iterdir():
+                os.chmod(item, file_mode)
+            os.chmod(staging, file_mode | ((file_mode & 0o444) >> 2))
+            write_conversion_marker(staging, gguf, sha256_file(gguf))
+        except OSError as error:
+            raise ModelLoadError(f"cannot write the tokenizer copy of {gguf.name} to {folder.parent}: {error.strerror}; "
+                                 "free space there or set TIERSPEC_CACHE to another folder") from None
+        try:
+            os.replace(staging, folder)
+        except OSError:
+            if not (folder / CONVERTED_MARKER).exists():  # else another process finished it first
+                raise
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return folder
+
+
+def generation_settings(fields: dict) -> dict:
+    """generation_config.json's ids from a GGUF header: bos, pad and the end-of-generation ids (the
+    end-of-sequence token and, where the file names them, the end-of-turn and end-of-message tokens
+    that llama.cpp also stops at)."""
+    ends = [fields[key] for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id",
+                                    "tokenizer.ggml.eom_token_id") if isinstance(fields.get(key), int)]
+    settings = {"eos_token_id": sorted(set(ends)) if len(set(ends)) > 1 else (ends[0] if ends else None)}
+    for key, name in (("tokenizer.ggml.bos_token_id", "bos_token_id"), ("tokenizer.ggml.padding_token_id", "pad_token_id")):
+        if isinstance(fields.get(key), int):
+            settings[name] = fields[key]
+    return {name: value for name, value in settings.items() if value is not None}
+
+
 def source_hash(folder: Path) -> str:
     """The sha256 of the GGUF file a converted ``folder`` was made from (the model's identity)."""
     return json.loads((folder / CONVERTED_MARKER).read_text())["sha256"]
@@ -140,7 +204,7 @@ def convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
 
 
 @contextlib.contextmanager
-def progress_bars_only_on_a_terminal():
+def progress_bars_only_on_a_terminal(what: str = "converting the GGUF file once (de-quantising; about 20 s on 2 cores)"):
     """transformers' GGUF reader draws a tqdm bar per tensor group (30-46 lines of it in a log):
     on a terminal it shows the slow conversion moving; anywhere else (a log, a pipe, CI) the bars
     are dropped, with one line saying what runs instead. Errors are raised, not printed, so none
@@ -148,7 +212,7 @@ def progress_bars_only_on_a_terminal():
     if sys.stderr.isatty():
         yield
         return
-    print("tierspec: converting the GGUF file once (de-quantising; about 20 s on 2 cores)", file=sys.stderr, flush=True)
+    print(f"tierspec: {what}", file=sys.stderr, flush=True)
     with contextlib.redirect_stderr(io.StringIO()):
         yield
 

@@ -18,6 +18,7 @@ positions, no biases. Anything else is loaded through transformers (``supports``
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -281,22 +282,31 @@ class PassLayout:
     rows_per_call: int = ATTENTION_ROWS
     fused: bool = False  # the layers run as engine calls (``gguf_llama.FusedLayer``): no mask or plan built
     attends: torch.Tensor | None = None  # fused tree passes: uint8 [n, n], new token i sees new token j
+    # Layers of different kinds (``ArchDecoder``: their own rotary tables or sliding windows) read
+    # the layout of their (rotary kind, window) key from here; None: every layer reads this one.
+    variants: "dict[tuple[str, int | None], PassLayout] | None" = None
 
 
 def slot_mask(start: int, n: int, dtype: torch.dtype, device: torch.device, sees: torch.Tensor | None = None,
-              row_multiple: int = ATTENTION_ROWS) -> tuple[torch.Tensor, int]:
+              row_multiple: int = ATTENTION_ROWS, window: int | None = None) -> tuple[torch.Tensor, int]:
     """The attention mask [r, keys] of a cached pass of n new tokens written at slots start ..
     start + n − 1, and ``keys``: start + n rounded up to whole ``KEY_BLOCK``s. Query i sees slots
     0 .. start + i, or the slots ``sees`` [n, start + n] (bool) marks (the draft head's token
     trees); r is n rounded up to ``row_multiple``, the padding queries seeing what the last one
     does. Additive (0 / −inf): a boolean mask is converted on every call, which doubled the
-    attention's time here (127 vs 67 µs for 4 queries over 512 keys)."""
+    attention's time here (127 vs 67 µs for 4 queries over 512 keys). A sliding ``window`` (chain
+    passes: slot = position) also hides from query i the slots start + i − window and before."""
     keys = -(-(start + n) // KEY_BLOCK) * KEY_BLOCK
     rows = -(-n // row_multiple) * row_multiple
     if sees is None:
         last = torch.arange(start, start + rows, device=device).clamp_(max=start + n - 1).unsqueeze(1)
-        blocked = torch.arange(keys, device=device) > last  # [rows, keys]
+        slots = torch.arange(keys, device=device)
+        blocked = slots > last  # [rows, keys]
+        if window is not None:
+            blocked |= slots <= last - window
     else:
+        if window is not None:
+            raise ValueError("a slot mask with both ``sees`` and a sliding window is not defined")
         if tuple(sees.shape) != (n, start + n):
             raise ValueError(f"a slot mask for {n} tokens after {start} has shape ({n}, {start + n}), "
                              f"got {tuple(sees.shape)}")
@@ -311,9 +321,17 @@ class RotaryTable(torch.nn.Module):
     once for positions 0 .. P − 1 and again, longer, when a pass reaches past P (P in whole
     ``KEY_BLOCK``s). The decoder and the draft head each keep one."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, linear: float = 1.0,
+                 frequency_factors: tuple[float, ...] | None = None):
+        """``head_dim``: the rotated dimensions (all of a head's, or the first ``rotary_dims`` of a
+        partial rotation); ``linear`` divides the positions (linear rope scaling) and
+        ``frequency_factors`` [head_dim / 2] each frequency (Llama 3's scaling, as GGUF files store it)."""
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        if linear != 1.0:
+            inv_freq = inv_freq / linear
+        if frequency_factors is not None:
+            inv_freq = inv_freq / torch.tensor(frequency_factors, dtype=torch.float32)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._table: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -375,13 +393,15 @@ class TreeAttention:
 
 
 def tree_attention_plan(attends: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor, start: int, keys: int,
-                        dtype: torch.dtype, device: torch.device) -> TreeAttention:
+                        dtype: torch.dtype, device: torch.device, window: int | None = None) -> TreeAttention:
     """The attention groups of a pass whose new token i sees new token j iff attends[i, j] (j ≤ i).
     Row i's *view* is the new tokens it sees, in pass order; a chain pass of exactly those tokens
     puts them at slots start .. start + len(view) − 1, and so does the group row i is queried in.
     Rows with the same token, position and view compute the same outputs: only the first is
     queried. Groups: the longest views, each also serving the rows whose view is a prefix of its
-    own (a node's ancestors; the pending tokens), which join a group with room in its last call."""
+    own (a node's ancestors; the pending tokens), which join a group with room in its last call.
+    A sliding ``window`` hides from each row the slots ``window`` or more before its own (a group
+    puts every key of a path at the slot of its position)."""
     n = int(attends.shape[0])
     seen = attends.to("cpu", torch.bool)
     if bool(seen.triu(1).any()):
@@ -423,6 +443,8 @@ def tree_attention_plan(attends: torch.Tensor, tokens: torch.Tensor, positions: 
         lengths = torch.tensor([len(views[i]) for i in rows], device=device)
         mask = torch.zeros(len(rows), keys, dtype=dtype, device=device)
         mask.masked_fill_(slots >= (start + lengths).unsqueeze(1), float("-inf"))
+        if window is not None:
+            mask.masked_fill_(slots <= (start + lengths - 1 - window).unsqueeze(1), float("-inf"))
         groups.append(AttentionGroup(torch.tensor(rows, dtype=torch.long, device=device), mask, real, first, moved))
     copies = None
     if copy_rows:
@@ -449,6 +471,11 @@ class Attention(torch.nn.Module):
         ``cache`` (the target's cached passes have b = 1; a batch runs uncached, e.g. the mask
         search, or over the draft head's training cache, ``training.draft_train.StepKeys``).
         Attention runs in the layout's dtype (float32 for a bfloat16 model: see KEY_BLOCK)."""
+        q, k, v = self.project(x, layout)
+        return self.attend(x, q, k, v, layout, cache)
+
+    def project(self, x: torch.Tensor, layout: PassLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [b, n, H] → q [b, heads, n, D], k and v [b, kv_heads, n, D], q and k rotated."""
         b, n = x.shape[0], x.shape[1]
         heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         qkv = self.qkv_proj.forward(x).view(b, n, heads + 2 * kv_heads, d).to(layout.cos.dtype)
@@ -456,9 +483,20 @@ class Attention(torch.nn.Module):
         q = rotated[:, :, :heads].transpose(1, 2)  # [b, heads, n, D]
         k = rotated[:, :, heads:].transpose(1, 2)  # [b, kv_heads, n, D]
         v = qkv[:, :, heads + kv_heads :].transpose(1, 2)
+        return q, k, v
+
+    # softmax(q·kᵀ·scale + mask)·v; ``ArchAttention`` swaps in its scale and soft-capping
+    kernel = staticmethod(F.scaled_dot_product_attention)
+
+    def attend(self, x: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PassLayout,
+               cache: KVLayer | None) -> torch.Tensor:
+        """The attention of q over the cached keys and this pass's k, v, through ``o_proj`` [b, n, H]."""
+        b, n = x.shape[0], x.shape[1]
+        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
         gqa = kv_heads != heads
+        attention = self.kernel
         if cache is None:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=layout.mask, enable_gqa=gqa)
+            out = attention(q, k, v, attn_mask=layout.mask, enable_gqa=gqa)
         else:
             if cache.length != layout.start:
                 raise RuntimeError(f"a layer's cache holds {cache.length} positions, the pass starts at {layout.start}: "
@@ -466,21 +504,22 @@ class Attention(torch.nn.Module):
             cache.update(k, v)
             keys, values = cache.window(layout.keys)
             if layout.tree is not None:
-                out = tree_attention(q, k, v, keys, values, layout.start, layout.tree, gqa)
+                out = tree_attention(q, k, v, keys, values, layout.start, layout.tree, gqa, attention)
                 return self.o_proj.forward(out.transpose(1, 2).reshape(b, n, heads * d).to(x.dtype))
             rows, per_call = layout.mask.shape[0], layout.rows_per_call
             if rows > n:  # pad the queries to whole calls with copies of the last one
                 q = torch.cat((q, q[:, :, -1:].expand(b, heads, rows - n, d)), dim=2)
-            out = torch.cat([F.scaled_dot_product_attention(q[:, :, i : i + per_call], keys, values,
-                                                            attn_mask=layout.mask[i : i + per_call], enable_gqa=gqa)
+            out = torch.cat([attention(q[:, :, i : i + per_call], keys, values,
+                                       attn_mask=layout.mask[i : i + per_call], enable_gqa=gqa)
                              for i in range(0, rows, per_call)], dim=2)[:, :, :n] if rows > per_call else \
-                F.scaled_dot_product_attention(q, keys, values, attn_mask=layout.mask, enable_gqa=gqa)[:, :, :n]
+                attention(q, keys, values, attn_mask=layout.mask, enable_gqa=gqa)[:, :, :n]
         # Back to the projections' dtype (the input's): a bfloat16 o_proj takes bfloat16 rows.
         return self.o_proj.forward(out.transpose(1, 2).reshape(b, n, heads * d).to(x.dtype))
 
 
 def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                   start: int, plan: TreeAttention, gqa: bool) -> torch.Tensor:
+                   start: int, plan: TreeAttention, gqa: bool,
+                   attention=F.scaled_dot_product_attention) -> torch.Tensor:
     """A tree pass's attention [1, heads, n, D] by ``plan`` (see ``tree_attention_plan``): q [1, heads,
     n, D] and this pass's k, v [1, kv_heads, n, D], already written at slots start .. of the cache
     window ``keys``/``values`` (views of the buffer), which each group rearranges and which is put
@@ -492,8 +531,8 @@ def tree_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keys: torc
             keys[:, :, start + group.first : end] = k.index_select(2, group.moved)
             values[:, :, start + group.first : end] = v.index_select(2, group.moved)
         queries = q.index_select(2, group.rows)
-        result = torch.cat([F.scaled_dot_product_attention(queries[:, :, i : i + ATTENTION_ROWS], keys, values,
-                                                           attn_mask=group.mask[i : i + ATTENTION_ROWS], enable_gqa=gqa)
+        result = torch.cat([attention(queries[:, :, i : i + ATTENTION_ROWS], keys, values,
+                                      attn_mask=group.mask[i : i + ATTENTION_ROWS], enable_gqa=gqa)
                             for i in range(0, int(group.rows.shape[0]), ATTENTION_ROWS)], dim=2)
         out.index_copy_(2, group.rows[: group.real], result[:, :, : group.real])
     if plan.restore is not None:
@@ -691,11 +730,13 @@ class LlamaLM(torch.nn.Module):
 
     base_model_prefix = "model"
 
-    def __init__(self, config: SimpleNamespace, generation_config: SimpleNamespace | None = None):
+    def __init__(self, config: SimpleNamespace, generation_config: SimpleNamespace | None = None,
+                 decoder: "Decoder | None" = None):
+        """``decoder``: another architecture's decoder (``ArchDecoder``); default: Llama's."""
         super().__init__()
         self.config = config
         self.generation_config = generation_config or SimpleNamespace()
-        self.model = Decoder(config)
+        self.model = decoder if decoder is not None else Decoder(config)
         self.lm_head = _Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -735,6 +776,202 @@ class LlamaLM(torch.nn.Module):
         if logits_to_keep:
             hidden = hidden[:, -logits_to_keep:]
         return CausalLMOutput(self.lm_head(hidden))
+
+
+# ---- architectures beyond plain Llama (``tierspec.architectures``) ------------------------------------
+#
+# Qwen2/2.5, Qwen3, Gemma 3, Mistral with a sliding window and Phi-3 run on the same modules with the
+# features their ``Architecture`` names. The layers keep Llama's shape (a fused q/k/v projection, a
+# fused gate/up projection, two residual units), so routing masks, hidden-state hooks, rollback and
+# token trees work as on Llama; what differs is inside a unit (biases, q/k norms, the activation,
+# Gemma's norms around each unit) or in the pass's layout (a rotary table and a mask per layer kind).
+
+
+def softcapped_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, attn_mask: torch.Tensor | None = None,
+                         enable_gqa: bool = False, *, scale: float, cap: float) -> torch.Tensor:
+    """softmax(cap·tanh(q·kᵀ·scale / cap) + mask)·v (Gemma 2's soft-capped scores): q [b, heads, r, D],
+    keys/values [b, kv_heads, T, D]; ``attn_mask`` [r, T], additive or boolean (True: attends)."""
+    if enable_gqa:
+        repeat = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(repeat, dim=1), values.repeat_interleave(repeat, dim=1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / cap) * cap
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+    return torch.matmul(torch.softmax(scores, dim=-1), values)
+
+
+class ArchAttention(Attention):
+    """``Attention`` with an architecture's features: a bias on the q/k/v outputs (Qwen2), an RMSNorm
+    over each head's q and k before the rotation (Qwen3, Gemma 3), a rotation of the first
+    ``rotary_dims`` dimensions only, another scale (Gemma's query_pre_attn_scalar) and soft-capped
+    scores. A sliding window is the layout's mask (``ArchDecoder.layout``)."""
+
+    def __init__(self, config: SimpleNamespace, arch):
+        super().__init__(config)
+        width = (self.heads + 2 * self.kv_heads) * self.head_dim
+        self.qkv_bias = torch.nn.Parameter(torch.zeros(width), requires_grad=False) if arch.qkv_bias else None
+        if arch.qk_norm:  # transformers' names (q_norm, k_norm)
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_dims = arch.rotary_dims
+        scale = arch.attention_scale
+        if arch.attention_softcap is not None:
+            self.kernel = functools.partial(softcapped_attention, scale=scale or self.head_dim ** -0.5,
+                                            cap=float(arch.attention_softcap))
+        elif scale is not None:
+            self.kernel = functools.partial(F.scaled_dot_product_attention, scale=scale)
+
+    def project(self, x: torch.Tensor, layout: PassLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        b, n = x.shape[0], x.shape[1]
+        heads, kv_heads, d = self.heads, self.kv_heads, self.head_dim
+        qkv = self.qkv_proj.forward(x)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias.to(qkv.dtype)
+        qkv = qkv.view(b, n, heads + 2 * kv_heads, d).to(layout.cos.dtype)
+        q, k, v = qkv[:, :, :heads], qkv[:, :, heads : heads + kv_heads], qkv[:, :, heads + kv_heads :]
+        if self.q_norm is not None:
+            q, k = self.q_norm.forward(q), self.k_norm.forward(k)
+        qk = torch.cat((q, k), dim=2)  # [b, n, heads + kv_heads, D]
+        if self.rotary_dims == d:
+            qk = rotate(qk, layout.cos, layout.signed_sin)
+        else:  # the first rotary_dims dimensions rotate (rotate-half within them), the rest pass
+            r = self.rotary_dims
+            qk = torch.cat((rotate(qk[..., :r], layout.cos, layout.signed_sin), qk[..., r:]), dim=-1)
+        return qk[:, :, :heads].transpose(1, 2), qk[:, :, heads:].transpose(1, 2), v.transpose(1, 2)
+
+
+class GeluMLP(MLP):
+    """The gated MLP with GELU (tanh approximation) on the gate: Gemma's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj.forward(x)
+        gate = F.gelu(gate_up[..., : self.intermediate], approximate="tanh")
+        return self.down_proj.forward(gate * gate_up[..., self.intermediate :])
+
+
+class ArchDecoderLayer(DecoderLayer):
+    """A decoder layer of an ``Architecture``: ``ArchAttention``, SiLU or GELU MLP, and with
+    ``post_norms`` Gemma's four norms (transformers' names: ``input_layernorm`` before attention,
+    ``post_attention_layernorm`` on its output, ``pre_feedforward_layernorm`` and
+    ``post_feedforward_layernorm`` around the MLP); otherwise Llama's two. A bypassed unit skips its
+    norms with it. ``layout_key`` picks the layer's layout among the pass's ``variants``."""
+
+    def __init__(self, config: SimpleNamespace, arch, index: int):
+        torch.nn.Module.__init__(self)  # registered in transformers' order
+        self.self_attn = ArchAttention(config, arch)
+        self.mlp = GeluMLP(config) if arch.activation == "gelu_tanh" else MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_norms = arch.post_norms
+        if arch.post_norms:
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layout_key = (arch.layer_kinds[index], arch.windows[index])
+
+    def attention_block(self, hidden_states: torch.Tensor, layout: PassLayout, cache: KVLayer | None) -> torch.Tensor:
+        if layout.variants is not None:
+            layout = layout.variants[self.layout_key]
+        if layout.fused:
+            return self.fused.run(hidden_states, layout, cache, 1)
+        out = self.self_attn.forward(self.input_layernorm.forward(hidden_states), layout, cache)
+        if self.post_norms:
+            out = self.post_attention_layernorm.forward(out.to(hidden_states.dtype))
+        return hidden_states + out
+
+    def mlp_block(self, hidden_states: torch.Tensor, layout: PassLayout | None = None) -> torch.Tensor:
+        if layout is not None and layout.fused:
+            return self.fused.run(hidden_states, layout, None, 2)
+        if not self.post_norms:
+            return hidden_states + self.mlp.forward(self.post_attention_layernorm.forward(hidden_states))
+        out = self.mlp.forward(self.pre_feedforward_layernorm.forward(hidden_states))
+        return hidden_states + self.post_feedforward_layernorm.forward(out.to(hidden_states.dtype))
+
+
+class ScaledEmbedding(torch.nn.Module):
+    """An embedding whose rows are multiplied by ``scale`` (Gemma: sqrt(hidden), as transformers'
+    Gemma3TextScaledWordEmbedding multiplies in float32); ``inner``'s table is shared, unscaled, with
+    a tied LM head."""
+
+    def __init__(self, inner: torch.nn.Module, scale: float):
+        super().__init__()
+        self.inner = inner
+        self.register_buffer("scale", torch.tensor(scale, dtype=torch.float32), persistent=False)
+        self.num_embeddings, self.embedding_dim = inner.num_embeddings, inner.embedding_dim
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.inner(ids)
+        return rows * self.scale.to(rows.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.inner.weight
+
+    @property
+    def qweight(self):
+        """The quantised table of a GGUF model (``quant.QuantEmbedding``), else None."""
+        return getattr(self.inner, "qweight", None)
+
+
+class ArchDecoder(Decoder):
+    """``Decoder`` for an ``Architecture`` whose layers are ``ArchDecoderLayer``s: a rotary table per
+    layer kind, and each pass's layout made once per (kind, window) key in use."""
+
+    def __init__(self, config: SimpleNamespace, arch):
+        torch.nn.Module.__init__(self)
+        self.embed_tokens = _Embedding(config.vocab_size, config.hidden_size)
+        self.layers = torch.nn.ModuleList(ArchDecoderLayer(config, arch, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotaries = torch.nn.ModuleDict({kind: RotaryTable(arch.rotary_dims, r.theta, r.linear, r.frequency_factors)
+                                             for kind, r in arch.rotaries.items()})
+        self.rotary = self.rotaries[arch.layer_kinds[0]]  # the first layer's (read by the engine's batched pass)
+        self.layout_keys = sorted(set(zip(arch.layer_kinds, arch.windows)), key=str)
+        self.residual_dtype = torch.float32
+
+    def layout(self, position_ids: torch.Tensor, start: int, cached: bool, attends: torch.Tensor | None = None,
+               tokens: torch.Tensor | None = None) -> PassLayout:
+        """As ``Decoder.layout``, for every (rotary kind, window) key; the first is the layout itself,
+        all of them its ``variants`` (None with one key)."""
+        if cached and self.fused:
+            return super().layout(position_ids, start, cached, attends, tokens)
+        n = int(position_ids.shape[0])
+        if attends is not None and (not cached or tuple(attends.shape) != (n, n)):
+            raise ValueError(f"a tree mask needs a cached pass and shape ({n}, {n}), got {tuple(attends.shape)}"
+                             + ("" if cached else " on an uncached pass"))
+        device, dtype = position_ids.device, self.residual_dtype
+        masks: dict = {}
+        layouts = {}
+        for kind, window in self.layout_keys:
+            cos, sin = self.rotaries[kind].factors(position_ids, dtype)
+            if window not in masks:
+                masks[window] = self._mask(position_ids, start, cached, attends, tokens, window)
+            mask, keys, plan = masks[window]
+            layouts[(kind, window)] = PassLayout(cos, sin, mask, start, keys, plan)
+        first = layouts[self.layout_keys[0]]
+        if len(layouts) > 1:
+            first.variants = layouts
+        return first
+
+    def _mask(self, position_ids: torch.Tensor, start: int, cached: bool, attends: torch.Tensor | None,
+              tokens: torch.Tensor | None, window: int | None) -> tuple[torch.Tensor | None, int, "TreeAttention | None"]:
+        """(mask, keys, tree plan) of a pass for layers with sliding ``window`` (None: global)."""
+        n, device, dtype = int(position_ids.shape[0]), position_ids.device, self.residual_dtype
+        if not cached:  # query i sees keys i − window + 1 .. i (boolean: True attends)
+            if n == 1:
+                return None, 0, None
+            mask = torch.ones(n, n, dtype=torch.bool, device=device).tril()
+            if window is not None:
+                mask &= ~torch.ones(n, n, dtype=torch.bool, device=device).tril(-window)
+            return mask, 0, None
+        if attends is not None:
+            keys = -(-(start + n) // KEY_BLOCK) * KEY_BLOCK
+            plan = tree_attention_plan(attends, tokens.to("cpu"), position_ids.to("cpu"), start, keys, dtype, device,
+                                       window)
+            return None, keys, plan
+        mask, keys = slot_mask(start, n, dtype, device, window=window)
+        return mask, keys, None
 
 
 def fuse_projections(state: dict[str, torch.Tensor], config: SimpleNamespace) -> dict[str, torch.Tensor]:

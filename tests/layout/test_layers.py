@@ -25,8 +25,9 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("heads and layer skipping", ("tierspec.heads", "tierspec.layerskip")),
     ("models and engines", ("tierspec.cached_model", "tierspec.costs", "tierspec.seq2seq", "tierspec.models",
                             "tierspec.prompting", "tierspec.layerskip.masks", "tierspec.kernels", "tierspec.quant",
-                            "tierspec.gguf_llama", "tierspec.gguf_cache")),
-    ("forward passes", ("tierspec.llama", "tierspec.tokenizer", "tierspec.engine", "tierspec._qengine")),
+                            "tierspec.gguf_llama", "tierspec.gguf_cache", "tierspec.gguf_model", "tierspec.model_files")),
+    ("forward passes", ("tierspec.llama", "tierspec.architectures", "tierspec.tokenizer", "tierspec.engine",
+                        "tierspec._qengine")),
     ("pure pieces", ("tierspec.sampling", "tierspec.tree", "tierspec.modifiers", "tierspec.errors", "tierspec.util",
                      "tierspec.identity", "tierspec.grammar", "tierspec.structured")),
 )

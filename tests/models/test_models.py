@@ -15,7 +15,7 @@ def test_missing_default_model_names_the_install_command(monkeypatch):
 
 
 def test_unknown_spec_is_a_clear_error(tmp_path):
-    with pytest.raises(ModelLoadError, match="neither 'smollm2-135m', an existing Hugging Face model folder"):
+    with pytest.raises(ModelLoadError, match="neither a known model .smollm2-135m, gemma3-270m., an existing Hugging Face model folder"):
         load_model(tmp_path / "nope")
 
 

@@ -29,6 +29,7 @@ import torch
 
 from ..decode import CycleStats, GenerationStats
 from ..errors import TierspecError
+from ..model_files import KNOWN_MODELS, known_model_file
 from ..models import DEFAULT_MODEL, LoadedModel, default_model_file
 from .outcome import Outcome
 
@@ -55,9 +56,11 @@ def import_llama_cpp(peer: str):
 
 
 def gguf_file(target_spec: str, peer: str, engine: str = "llama.cpp") -> Path:
-    """The GGUF file the target was loaded from: the default model's, or a ``.gguf`` path."""
+    """The GGUF file the target was loaded from: a known model's (``model_files``), or a ``.gguf`` path."""
     if str(target_spec) == DEFAULT_MODEL:
         return default_model_file()
+    if str(target_spec) in KNOWN_MODELS:
+        return known_model_file(str(target_spec))
     path = Path(str(target_spec)).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return path

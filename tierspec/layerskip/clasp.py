@@ -112,6 +112,11 @@ def select_in_context(runner, position: int, token: int, unit: str, budget: int)
         if rows not in layouts:
             device = decoder.rotary.inv_freq.device
             causal = decoder.layout(torch.full((rows,), position, device=device), position, cached=True)
+            keys = getattr(decoder, "layout_keys", [(None, None)])  # an ArchDecoder's (rotary kind, window) pairs
+            if len(keys) > 1 or keys[0][1] is not None:  # the siblings' mask below has no window and one table
+                raise TierspecError(f"CLaSP's selection runs on models whose layers share one attention layout; "
+                                    f"this {model.config.model_type} model's layers have sliding windows or rotary "
+                                    "tables of their own")
             if causal.fused:  # the engine takes who-sees-whom among the new rows directly
                 layouts[rows] = dataclasses.replace(causal, attends=torch.eye(rows, dtype=torch.uint8))
                 return layouts[rows]

@@ -1,0 +1,285 @@
+"""Every covered architecture × block type, read from tiny random GGUF files (tests/arch_models.py)
+and run by tierspec's own forward, against transformers' float32 modules on the de-quantised
+weights: logits within a stated tolerance and the same greedy tokens; the de-quantised values
+equal to gguf-py's exactly; routing masks, rollback, hidden states, token trees and the row
+contract on each architecture; what is not covered said in one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from arch_models import ARCHS, BLOCK_TYPES, WINDOW, write_arch_gguf
+from tierspec import models
+from tierspec.architectures import UnsupportedArchitecture, read_architecture
+from tierspec.cached_model import CachedModel
+from tierspec.gguf_model import NotEnoughMemory, build_gguf_model
+from tierspec.quant import QuantLinear, numerics_for, read_gguf_tensors
+
+# 20 tokens: past the sliding window (8) of the mistral and gemma3 files
+PROMPT = torch.tensor([3, 17, 99, 4, 250, 8, 8, 41, 77, 12, 5, 190, 33, 2, 91, 14, 60, 61, 7, 100])
+# float32 everywhere; torch's operators agree with transformers' to float32 rounding (measured ≤ 1e-6 of
+# the largest logit); the engine's fused layer sums in its own order (measured 2.6e-5)
+TOLERANCE = {"torch": 1e-5, "engine": 1e-4}
+ENGINE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # Q5_0 as exact Q8_0 blocks (gguf_model.q8_0_rows_of_q5_0)
+
+
+def _build(tiny, numerics=True, dtype=torch.float32):
+    tensors, fields = read_gguf_tensors(tiny.gguf)
+    return build_gguf_model(tiny.gguf, tensors, fields, numerics_for(torch.float32) if numerics else None, dtype,
+                            quiet=True)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("arch-gguf")
+    cache = {}
+
+    def get(arch: str, block_type: str):
+        if (arch, block_type) not in cache:
+            cache[(arch, block_type)] = write_arch_gguf(folder, arch, block_type, seed=ARCHS.index(arch))
+        return cache[(arch, block_type)]
+
+    return get
+
+
+EXPECTED_FEATURES = {
+    "llama3": [], "mistral": ["sliding_window"], "qwen2": ["qkv_bias"], "qwen3": ["qk_norm"],
+    "gemma3": ["qk_norm", "post_norms", "gelu_tanh", "sliding_window", "layer_rope", "embedding_scale"],
+    "phi3": ["partial_rotary"],
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_architecture_is_read_from_the_header_and_tensor_names(files, arch):
+    tensors, fields = read_gguf_tensors(files(arch, "Q8_0").gguf)
+    found = read_architecture(fields, tensors)
+    assert found.features == EXPECTED_FEATURES[arch]
+    assert found.engine_gaps() == [f for f in EXPECTED_FEATURES[arch] if f != "embedding_scale"]
+    if arch == "gemma3":  # every sixth layer global, with the file's base and scaling; the others local
+        assert found.windows == (WINDOW,) * 5 + (None,)
+        assert found.layer_kinds == ("local",) * 5 + ("global",)
+        assert found.rotaries["local"].theta == 10000.0 and found.rotaries["global"].linear == 2.0
+        assert found.attention_scale == pytest.approx(64 ** -0.5) and found.embedding_scale == pytest.approx(16.0)
+    if arch == "llama3":
+        assert found.rotaries["global"].frequency_factors is not None and found.permuted_qk
+    if arch == "phi3":
+        assert found.fused_qkv and found.fused_gate_up and found.rotary_dims == 32 and not found.tied_embeddings
+
+
+@pytest.mark.parametrize("block_type", BLOCK_TYPES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_logits_and_greedy_tokens_match_transformers(files, arch, block_type):
+    tiny = files(arch, block_type)
+    ours, reference = _build(tiny), tiny.reference()
+    on_engine = ours.model.engine_stack is not None
+    assert on_engine == (arch == "llama3" and block_type in ENGINE_TYPES)
+    with torch.inference_mode():
+        runner = CachedModel(ours)
+        logits = runner.forward(PROMPT).logits
+        tokens = []
+        for _ in range(6):  # cached one-token passes, greedy
+            tokens.append(int(logits[-1].argmax()))
+            logits = torch.cat((logits, runner.forward(torch.tensor(tokens[-1:])).logits))
+        sequence = torch.cat((PROMPT, torch.tensor(tokens))).unsqueeze(0)
+        expected = reference(sequence).logits[0]  # every row of the prompt and the greedy tokens
+    scale = expected.abs().max()
+    assert (logits - expected).abs().max() <= TOLERANCE["engine" if on_engine else "torch"] * scale
+    assert logits[len(PROMPT) - 1 :].argmax(-1).tolist() == expected[len(PROMPT) - 1 :].argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("block_type", BLOCK_TYPES)
+@pytest.mark.parametrize("numerics", [True, False])
+def test_the_weights_are_gguf_pys_dequantised_values_exactly(files, block_type, numerics):
+    tiny = files("qwen3", block_type)  # no row permutation: each projection is its tensors stacked
+    model = _build(tiny, numerics)
+    layer = model.model.layers[1]
+    stored = tiny.stored
+    np.testing.assert_array_equal(layer.self_attn.qkv_proj.weight.detach().numpy(),
+                                  np.concatenate([stored[f"blk.1.attn_{p}.weight"] for p in "qkv"]))
+    np.testing.assert_array_equal(layer.mlp.gate_up_proj.weight.detach().numpy(),
+                                  np.concatenate([stored["blk.1.ffn_gate.weight"], stored["blk.1.ffn_up.weight"]]))
+    np.testing.assert_array_equal(layer.mlp.down_proj.weight.detach().numpy(), stored["blk.1.ffn_down.weight"])
+    np.testing.assert_array_equal(model.model.embed_tokens.weight.detach().numpy(), stored["token_embd.weight"])
+    assert isinstance(layer.mlp.down_proj, QuantLinear) == (numerics and block_type in ENGINE_TYPES)
+
+
+def test_llama_rows_are_put_back_in_transformers_order(files):
+    tiny = files("llama3", "Q4_K")
+    model = _build(tiny)
+    reference = tiny.reference_weights
+    q, k, v = model.model.layers[0].self_attn.qkv_proj.weight.detach().split([256, 128, 128])
+    assert torch.equal(q, reference["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(k, reference["model.layers.0.self_attn.k_proj.weight"])
+    assert not torch.equal(q, torch.from_numpy(tiny.stored["blk.0.attn_q.weight"]))  # the file's order differs
+
+
+def _loaded(tiny):
+    """The model as ``load_model`` gives it (routing, packed kernels), float32."""
+    return models.load_model(tiny.gguf, dtype=torch.float32).model
+
+
+@pytest.fixture(scope="module", params=[(a, b) for a in ARCHS for b in ("Q8_0", "Q4_K")], ids=lambda p: "-".join(p))
+def loaded(request, files, tmp_path_factory):
+    import os
+
+    previous = os.environ.get("TIERSPEC_CACHE")
+    os.environ["TIERSPEC_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    try:
+        tiny = files(*request.param)
+        yield tiny, _loaded(tiny)
+    finally:
+        if previous is None:
+            os.environ.pop("TIERSPEC_CACHE")
+        else:
+            os.environ["TIERSPEC_CACHE"] = previous
+
+
+def test_a_tokens_logits_do_not_depend_on_its_pass(loaded):
+    _, model = loaded
+    runner = CachedModel(model)
+    with torch.inference_mode():
+        whole = runner.forward(PROMPT).logits
+        runner.rollback(0)
+        pieces = torch.cat([runner.forward(PROMPT[i : i + 1]).logits for i in range(len(PROMPT))])
+        runner.rollback(9)
+        middle = runner.forward(PROMPT[9:14]).logits
+    assert torch.equal(whole, pieces)
+    assert torch.equal(middle, whole[9:14])
+
+
+def test_rollback_and_hidden_states(loaded):
+    tiny, model = loaded
+    reference = tiny.reference()
+    with torch.inference_mode():
+        ours = CachedModel(model).forward(PROMPT, with_hidden=True, hidden_layers=(1,)).hidden
+        theirs = CachedModel(reference).forward(PROMPT, with_hidden=True, hidden_layers=(1,)).hidden
+        assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+        runner = CachedModel(model)
+        runner.forward(PROMPT)
+        runner.rollback(11)
+        assert set(runner.layer_lengths()) == {11}
+        again = runner.forward(PROMPT[11:]).logits
+        assert torch.equal(again, CachedModel(model).forward(PROMPT).logits[11:])
+
+
+@pytest.mark.parametrize("units", [[("attn", 1)], [("mlp", 1)], [("layer", 1)]])
+def test_a_bypassed_unit_is_skipped_as_on_transformers(loaded, units):
+    from tierspec.layerskip.masks import RoutingMask
+
+    tiny, model = loaded
+    reference = tiny.reference()
+    mask = RoutingMask.from_units(tiny.layers, "layer" if units[0][0] == "layer" else "sublayer", units)
+    with torch.inference_mode():
+        ours = CachedModel(model).forward(PROMPT, mask=mask).logits
+        theirs = CachedModel(reference).forward(PROMPT, mask=mask).logits
+        full = CachedModel(model).forward(PROMPT).logits
+    assert (ours - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+    assert (ours - full).abs().max() > 1e-3  # the mask changed something
+
+
+def test_a_tree_node_gets_its_chains_logits_bitwise(loaded):
+    from tierspec.tree import TokenTree, tree_pass
+
+    _, model = loaded
+    runner = CachedModel(model)
+    paths = [[11, 12, 13], [11, 40], [60, 61, 62, 63], [11, 12, 99]]
+    tree = TokenTree.from_paths(paths)
+
+    def node_row(prefix):  # the pass row of the node reached by ``prefix`` (after the one pending row)
+        node = -1
+        for token in prefix:
+            node = next(i for i in range(len(tree)) if int(tree.parents[i]) == node and int(tree.tokens[i]) == token)
+        return 1 + node
+
+    with torch.inference_mode():
+        runner.forward(PROMPT)  # past the sliding window: the tree's rows see windows of their own position
+        layout = tree_pass(torch.tensor([5]), tree)
+        tree_logits = runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends).logits
+        runner.rollback(len(PROMPT))
+        for path in paths:
+            chain = runner.forward(torch.tensor([5] + path)).logits
+            runner.rollback(len(PROMPT))
+            rows = [node_row(path[: depth + 1]) for depth in range(len(path))]
+            assert torch.equal(tree_logits[rows], chain[1:])
+            assert torch.equal(tree_logits[0], chain[0])
+
+
+def test_an_uncached_batch_equals_cached_passes(loaded):
+    """The mask search runs uncached batches: each row's causal (and windowed) mask as in a cached pass."""
+    _, model = loaded
+    with torch.inference_mode():
+        batch = model(PROMPT.repeat(2, 1), use_cache=False).logits
+        cached = CachedModel(model).forward(PROMPT).logits
+    assert (batch[1] - cached).abs().max() <= 1e-5 * cached.abs().max()
+
+
+def test_an_uncovered_architecture_goes_to_transformers_with_a_note(files, tmp_path, capsys):
+    from gguf import GGUFWriter
+
+    path = tmp_path / "falcon.gguf"
+    writer = GGUFWriter(str(path), "falcon")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 32), dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    tensors, fields = read_gguf_tensors(path)
+    with pytest.raises(UnsupportedArchitecture, match="architecture 'falcon' is not one of tierspec's"):
+        read_architecture(fields, tensors)
+    parsed: list = []
+    assert models._load_gguf_architecture(path, "falcon", torch.float32, "auto", "auto", torch.device("cpu"),
+                                          parsed) is None
+    note = capsys.readouterr().err.strip()
+    assert note == ("tierspec: falcon.gguf runs on transformers' modules, not tierspec's forward or the pass engine: "
+                    "architecture 'falcon' is not one of tierspec's (llama, qwen2, qwen3, gemma3, phi3)")
+    assert parsed  # the header read is handed on, not read again
+    with pytest.raises(models.ImplementationError, match="--implementation tierspec cannot run falcon.gguf"):
+        models._load_gguf_architecture(path, "falcon", torch.float32, "tierspec", "auto", torch.device("cpu"), [])
+
+
+def test_the_load_says_why_the_engine_is_not_used(files, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path / "cache"))
+    loaded = models.load_model(files("gemma3", "Q8_0").gguf, dtype=torch.float32)
+    assert type(loaded.model.model).__name__ == "ArchDecoder" and loaded.tokenizer is None
+    assert ("tierspec: gemma3 layers run on torch's operators, not the pass engine: the engine's layer lacks "
+            "qk_norm, post_norms, gelu_tanh, sliding_window, layer_rope (docs/models.md)") in capsys.readouterr().err
+
+
+def test_a_model_larger_than_the_memory_is_refused_before_loading(files, monkeypatch):
+    from tierspec import gguf_model
+
+    tiny = files("qwen2", "Q4_K")
+    monkeypatch.setattr(gguf_model, "available_memory", lambda: 1_000_000)
+    tensors, fields = read_gguf_tensors(tiny.gguf)
+    with pytest.raises(NotEnoughMemory) as error:
+        build_gguf_model(tiny.gguf, tensors, fields, numerics_for(torch.float32), torch.float32, quiet=True)
+    message = str(error.value)
+    assert "\n" not in message
+    # Q4_K matrices de-quantised to float32: 3 layers of 589,824 weights, the 65,536-value table and
+    # 3,328 norm and bias values, 4 bytes each: 7.35 MB
+    assert message == ("qwen2-Q4_K.gguf needs about 7.4 MB of memory (0.0 MB of blocks kept, 7.4 MB de-quantised "
+                       "to float32), and this machine has 1.0 MB available")
+
+
+def test_a_tensor_of_the_wrong_shape_is_a_clear_error(files, tmp_path):
+    tiny = files("qwen3", "Q8_0")
+    tensors, fields = read_gguf_tensors(tiny.gguf)
+    fields = dict(fields, **{"qwen3.feed_forward_length": 256})
+    with pytest.raises(models.ModelLoadError, match=r"tensor 'blk.0.ffn_gate.weight' has shape \[512, 256\], "
+                                                    r"its architecture implies \[256, 256\]"):
+        build_gguf_model(tiny.gguf, tensors, fields, numerics_for(torch.float32), torch.float32, quiet=True)
+
+
+def test_the_load_names_the_types_it_dequantises(files):
+    from tierspec.gguf_model import dequantised_note
+
+    tiny = files("llama3", "Q4_K")
+    tensors, _ = read_gguf_tensors(tiny.gguf)
+    assert dequantised_note(tiny.gguf, tensors, numerics_for(torch.float32), torch.float32) == (
+        "tierspec: llama3-Q4_K.gguf: 22 of 22 matrices de-quantised at load to float32 (22 Q4_K): the engine "
+        "multiplies Q4_0, Q4_1, Q8_0 (and Q5_0 as Q8_0) blocks only")
+    assert dequantised_note(files("llama3", "Q5_0").gguf, read_gguf_tensors(files("llama3", "Q5_0").gguf)[0],
+                            numerics_for(torch.float32), torch.float32) is None
