@@ -21,6 +21,7 @@ import torch
 
 from . import gguf_cache
 from .errors import ModelLoadError
+from .gguf_check import check_gguf
 from .identity import ModelIdentity
 from .kernels import KERNELS
 from .util import cache_root, quiet_transformers
@@ -224,7 +225,8 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
     loaded by hand is computed as stored. The CLI, ``tierspec.generate``/``stream``, the server
     and the bench default to ``auto``.
 
-    GGUF files (the default model is one) are de-quantised once into a cached float32
+    GGUF files (the default model is one) are checked first (``gguf_check``: a damaged file is a
+    ``GgufFileError`` naming the damage), then de-quantised once into a cached float32
     safetensors folder; later loads read the cache (in the dtype asked for).
     """
     device = resolve_device(device)
@@ -272,13 +274,14 @@ def apply_kernels(model: torch.nn.Module, kernels: str, device: torch.device, dt
 
 
 def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.device, dtype: torch.dtype,
-                     implementation: str, parsed: list | None = None) -> bool:
+                     implementation: str, parsed: list | None = None, header=None) -> bool:
     """Whether a GGUF model computes with the file's own blocks (``tierspec.gguf_llama``).
 
     ``auto``: yes where that path covers it — tierspec's Llama forward, a CPU, bfloat16 or float32
     rows, the compiled engine present — and every projection and the LM head are of a native type
     (Q4_0, Q4_1, Q8_0; others would run de-quantised, as the converted copy does). ``gguf`` asks
-    for it and refuses what it cannot do; the other kernels keep the converted copy."""
+    for it and refuses what it cannot do; the other kernels keep the converted copy. ``header``:
+    the file's checked ``gguf_check.GgufHeader`` (read again where None)."""
     from .quant import NATIVE_TYPES, engine_available, read_gguf_tensors
 
     if kernels not in ("auto", "gguf"):
@@ -298,11 +301,11 @@ def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.devic
         if reasons:
             raise ModelLoadError(f"--kernels gguf cannot run {gguf.name}: {'; '.join(reasons)}")
         if parsed is not None:
-            parsed.append(read_gguf_tensors(gguf))
+            parsed.append(read_gguf_tensors(gguf, header))
         return True
     if reasons:
         return False
-    tensors, fields = read_gguf_tensors(gguf)
+    tensors, fields = read_gguf_tensors(gguf, header)
     if parsed is not None:  # handed back for the load (``parsed``: an empty list to fill)
         parsed.append((tensors, fields))
     matrices = [t for name, t in tensors.items() if len(t.shape) == 2 and name.endswith(".weight")]
@@ -332,11 +335,13 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
             raise ModelLoadError(f"'{path}' is a file but not a .gguf file")
         gguf = path
         name = path.stem
-    folder = gguf_cache.converted_copy(gguf)
+    # Checked before any work (conversion, repacking): a damaged file is refused in one line.
+    header = check_gguf(gguf)
+    folder = gguf_cache.converted_copy(gguf, header)
     if dtype == torch.int8:  # only the engine computes with 8-bit rows
         kernels = "gguf"
     parsed: list = []  # the file's tensors, read once for the check and the load
-    if use_gguf_kernels(gguf, folder, kernels, device, dtype, implementation, parsed):
+    if use_gguf_kernels(gguf, folder, kernels, device, dtype, implementation, parsed, header):
         from .gguf_llama import load_gguf_llama
         from .quant import numerics_for
 
