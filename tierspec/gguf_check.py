@@ -320,6 +320,8 @@ def _read_header(buffer, path: Path) -> GgufHeader:
     for index in range(tensor_count):
         name = reader.text(f"tensor #{index}'s name", limit=MAX_NAME_BYTES)
         subject = f"tensor {name!r}"
+        if not name:
+            reader.fail(f"tensor #{index}'s name", "an empty name", f"a name of 1 to {MAX_NAME_BYTES} bytes")
         if name in names:
             reader.fail(subject, "a name used twice", "each tensor named once")
         names.add(name)
@@ -362,7 +364,8 @@ def _check_layout(header: GgufHeader) -> None:
         return f"{t.type_name} {list(t.dims)} ({t.nbytes} bytes at offset {t.offset})"
 
     expected_start, previous = header.data_offset, None
-    for tensor in sorted(header.tensors.values(), key=lambda t: (t.offset, t.nbytes)):
+    order = {name: i for i, name in enumerate(header.tensors)}  # at one offset, the header's first comes first
+    for tensor in sorted(header.tensors.values(), key=lambda t: (t.offset, order[t.name])):
         subject = f"tensor {tensor.name!r}"
         if tensor.offset + tensor.nbytes > size:
             raise GgufFileError(path, subject, f"{describe(tensor)} reaches past the end of the file at {size}",
@@ -396,7 +399,7 @@ def _check_finite(header: GgufHeader, buffer) -> None:
     for tensor in header.tensors.values():
         if len(tensor.dims) != 1 or tensor.ggml_type not in _FLOAT_TYPES or tensor.nbytes > _FINITE_CHECK_BYTES:
             continue
-        raw = np.frombuffer(buffer, dtype=np.uint8, count=tensor.nbytes, offset=tensor.offset)
+        raw = np.frombuffer(bytes(buffer[tensor.offset:tensor.offset + tensor.nbytes]), dtype=np.uint8)  # a copy: the map closes
         if tensor.ggml_type == 30:  # bfloat16: the high half of a float32
             values = (raw.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
         else:

@@ -29,6 +29,7 @@ import torch
 
 from ..decode import CycleStats, GenerationStats
 from ..errors import TierspecError
+from ..gguf_check import check_gguf
 from ..models import DEFAULT_MODEL, LoadedModel, default_model_file
 from .outcome import Outcome
 
@@ -75,22 +76,18 @@ class GgufFacts:
 
 @lru_cache(maxsize=8)
 def gguf_facts(path: Path) -> GgufFacts:
-    """Read from the header with the ``gguf`` package (a tierspec dependency); no tensor data."""
+    """Read from the checked header (``gguf_check``: a damaged file is refused here, before the
+    peer's runtime reads it); no tensor data."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
-
-    def field(name: str):
-        value = reader.fields.get(name)
-        return None if value is None else value.contents()
-
-    file_type = field("general.file_type")
+    header = check_gguf(path)
+    file_type = header.fields.get("general.file_type")
     try:
         quantization = gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
     except (TypeError, ValueError):  # no or an unknown file type: name the commonest tensor type
-        quantization = Counter(t.tensor_type.name for t in reader.tensors).most_common(1)[0][0]
-    length = field(f"{field('general.architecture')}.context_length")
-    return GgufFacts(quantization, int(length) if length is not None else None)
+        quantization = Counter(t.type_name for t in header.tensors.values()).most_common(1)[0][0]
+    length = header.fields.get(f"{header.architecture}.context_length")
+    return GgufFacts(quantization, int(length) if isinstance(length, int) else None)
 
 
 class _RecordingLookup:
