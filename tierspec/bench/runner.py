@@ -43,7 +43,7 @@ from ..sampling import SamplingConfig
 from ..data import as_task_prompts
 from ..seq2seq import is_encoder_decoder
 from ..util import atomic_write_text, exclusive_lock, write_error
-from .sandbox import check_code_execution_allowed, network_isolation
+from .sandbox import check_code_execution_allowed, check_isolation
 from . import metrics
 from .llamacpp import LLAMACPP_PARAMETERS, LLAMACPP_PEERS, LlamaCppPeer
 from .openvino import OPENVINO_PARAMETERS, OPENVINO_PEERS, OpenVinoPeer
@@ -100,6 +100,8 @@ class BenchConfig:
     # Fidelity (exact match, ROUGE-L) is measured against `ar`'s output of the same run; a path to
     # another run's records.jsonl (e.g. a greedy run, for a temperature-1 run) uses its `ar` instead.
     fidelity_reference: str | None = None
+    # HumanEval's code runs isolated (bench.sandbox); False is the user's explicit opt-out (--no-sandbox).
+    code_sandbox: bool = True
 
     def __post_init__(self) -> None:
         if not self.methods:
@@ -428,12 +430,13 @@ class PeakRSS:
 
 # ---- the run --------------------------------------------------------------------------------------
 
-def _task_quality(prompt: Prompt, text: str, dataset: str) -> dict:
+def _task_quality(prompt: Prompt, text: str, dataset: str, code_sandbox: bool = True) -> dict:
     if dataset == "gsm8k" and prompt.reference:
         return {"gsm8k_exact_match": metrics.gsm8k_exact_match(text, prompt.reference)}
     if dataset == "humaneval":
         program = metrics.extract_code(text, prompt.extra["prompt"], prompt.extra["entry_point"])
-        return {"humaneval_pass@1": float(metrics.humaneval_pass(program, prompt.extra["test"], prompt.extra["entry_point"]))}
+        passed = metrics.humaneval_pass(program, prompt.extra["test"], prompt.extra["entry_point"], sandbox=code_sandbox)
+        return {"humaneval_pass@1": float(passed)}
     if dataset in ("cnn_dailymail", "xsum") and prompt.reference:
         return {"rouge_l": metrics.rouge_l(text, prompt.reference)}
     if dataset == "mt_bench" and prompt.reference:
@@ -455,7 +458,7 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
     ``TIERSPEC_ALLOW_CODE_EXECUTION=1``."""
     if config.dataset == "humaneval" and generate:
         check_code_execution_allowed(allow_code_execution)
-        network_isolation()  # no isolation, no run: said before any generation
+        check_isolation(config.code_sandbox)  # no isolation (and no opt-out), no run: said before any generation
     if out.exists() and not out.is_dir():
         raise BenchError(f"--out {out} is a file; give a folder (a new one, or one a bench run made)")
     cluster = cluster if generate else None
@@ -617,7 +620,7 @@ class BenchWorker:
                 "text": text,
                 **(_stats_fields(outcome.stats) if outcome.stats else {}),
                 **outcome.record_fields,
-                **_task_quality(prompt, text, config.dataset),
+                **_task_quality(prompt, text, config.dataset, config.code_sandbox),
                 "worker": self.machine,
             }
             if on_cuda:  # the GPU's own peak (the process's RSS says little there)
