@@ -7,6 +7,7 @@ import json
 import sys
 
 from .methods import DEFAULT_METHOD, DEFAULT_METHOD_WITHOUT_HEAD, method_names
+from .limits import check_num_draft
 from .models import DEFAULT_MODEL
 
 
@@ -103,11 +104,12 @@ def _load(args, spec, implementation: str | None = None):
 
 
 def _check_model_flags(args) -> None:
-    """--dtype with --device, refused before anything loads (float16 on a CPU)."""
+    """--dtype with --device (float16 on a CPU) and --num-draft's bound, refused before anything loads."""
     from .models import check_dtype_for_device, resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     check_dtype_for_device(resolve_dtype(args.dtype, device), device)
+    check_num_draft(getattr(args, "num_draft", None), "--num-draft")
 
 
 def _check_generation_budget(max_new_tokens: int, target_spec: str) -> None:
@@ -474,6 +476,7 @@ def _run_bench(args) -> int:
     per_category = args.per_category
     if per_category is None and args.limit is None:
         per_category = 5 if args.dataset in ("spec_bench", "mt_bench") else None
+    check_num_draft(args.num_draft, "--num-draft")
     config = BenchConfig(
         target=args.target, dtype=args.dtype, device=args.device, kernels=args.kernels,
         implementation=args.implementation, methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), dataset=args.dataset,

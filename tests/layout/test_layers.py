@@ -28,7 +28,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
                             "tierspec.gguf_llama", "tierspec.gguf_cache")),
     ("forward passes", ("tierspec.llama", "tierspec.tokenizer", "tierspec.engine", "tierspec._qengine")),
     ("pure pieces", ("tierspec.sampling", "tierspec.tree", "tierspec.modifiers", "tierspec.errors", "tierspec.util",
-                     "tierspec.identity", "tierspec.gguf_check")),
+                     "tierspec.identity", "tierspec.gguf_check", "tierspec.limits")),
 )
 
 
