@@ -493,6 +493,16 @@ def _integer(header: GgufHeader, key: str, default: int | None = None, least: in
     return int(value)
 
 
+def _positive_float(header: GgufHeader, key: str, low: float, high: float) -> None:
+    """A float the forward pass divides or exponentiates by (rope base, norm epsilon), where given:
+    finite, in (low, high) — a NaN or 0 there makes every logit NaN and the text blank."""
+    if key not in header.fields:
+        return
+    value = header.fields[key]
+    if header.field_types.get(key) not in (6, 12) or not (math.isfinite(value) and low < value < high):
+        _fail_key(header, key, value, f"a finite number in ({low:g}, {high:g})")
+
+
 def _per_block(header: GgufHeader, key: str, blocks: int, default: int | None = None, least: int = 1) -> tuple[int, ...]:
     """A size given once for every block, or as an array of one value per block (llama.cpp
     accepts both)."""
@@ -531,6 +541,9 @@ def model_sizes(header: GgufHeader, architecture: str) -> ModelSizes:
     rope_dims = _integer(header, f"{a}.rope.dimension_count", default=key_length)
     if rope_dims > key_length or rope_dims % 2:
         _fail_key(header, f"{a}.rope.dimension_count", rope_dims, f"an even number ≤ the head size {key_length}")
+    _integer(header, f"{a}.context_length", least=1, most=1 << 24)
+    for key, low, high in ((f"{a}.rope.freq_base", 0.0, math.inf), (f"{a}.attention.layer_norm_rms_epsilon", 0.0, 1.0)):
+        _positive_float(header, key, low, high)
     vocabulary = _vocabulary(header, a)
     return ModelSizes(blocks, embedding, feed_forward, heads, kv_heads, key_length, value_length, rope_dims,
                       vocabulary, experts)

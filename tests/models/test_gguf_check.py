@@ -238,6 +238,9 @@ MESSAGES = {
     "kv_heads_3": "metadata 'llama.attention.head_count_kv': 3 KV heads beside 4 query heads (block 0); expected a "
                   "divisor of the head count",
     "block_count_float": "metadata 'llama.block_count': 30.0; expected an integer",
+    "context_length_0": "metadata 'llama.context_length': 0; expected an integer from 1 to 16777216",
+    "rms_epsilon_nan": "metadata 'llama.attention.layer_norm_rms_epsilon': nan; expected a finite number in (0, 1)",
+    "rope_base_0": "metadata 'llama.rope.freq_base': 0.0; expected a finite number in (0, inf)",
     "eos_outside": "metadata 'tokenizer.ggml.eos_token_id': 64; expected an integer from 0 to 63",
     "vocab_size_key": "metadata 'llama.vocab_size': 65; expected the token list's length 64 (tokenizer.ggml.tokens)",
     "nan_norm": "tensor 'blk.1.ffn_norm.weight': 1 non-finite values (the first, nan, at index 7); expected finite "
@@ -399,6 +402,9 @@ def damage_cases():
     yield "block_count_float", patch((lambda s: value_at(s, "llama.block_count") - 4, "<I", 6),
                                      (lambda s: value_at(s, "llama.block_count"), "<f", 30.0)), fixed("block_count_float")
     yield "eos_outside", meta("tokenizer.ggml.eos_token_id", "<I", 64), fixed("eos_outside")
+    yield "context_length_0", meta("llama.context_length", "<I", 0), fixed("context_length_0")
+    yield "rms_epsilon_nan", meta("llama.attention.layer_norm_rms_epsilon", "<f", float("nan")), fixed("rms_epsilon_nan")
+    yield "rope_base_0", written(metadata=lambda w: w.add_rope_freq_base(0.0)), fixed("rope_base_0")
     yield "vocab_size_key", written(metadata=lambda w: w.add_vocab_size(65)), fixed("vocab_size_key")
     yield "nan_norm", written(nan_norm=True), fixed("nan_norm")
     yield "missing_tensor", written(drop=("blk.1.ffn_norm.weight",)), fixed("missing_tensor")
@@ -534,7 +540,7 @@ def test_the_corpus_covers_the_issue(sound):
             "embedding_q8_0_to_q4_1", "truncated_data", "truncated_header", "huge_string_length", "huge_array_count",
             "bad_magic", "version_4", "unknown_ggml_type", "misaligned_offset", "duplicate_name", "shape_overflow",
             "missing_tensor", "embedding_length_changed", "vocabulary_mismatch", "nan_norm", "alignment_0"} <= names
-    assert len(names) == len(CASES) >= 45
+    assert len(names) == len(CASES) >= 50
 
 
 # ---- the default model's file ---------------------------------------------------------------------------
