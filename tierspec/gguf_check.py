@@ -203,8 +203,8 @@ class _Reader:
     def take(self, fmt: str, subject: str):
         size = struct.calcsize(fmt)
         if size > self.left():
-            self.fail(subject, f"the file ends at byte {self.size}, inside it (byte {self.offset})",
-                      f"{size} more bytes (the file is cut short)")
+            self.fail(subject, f"the file ends at byte {self.size}",
+                      f"{size} bytes at byte {self.offset} (the file is cut short)")
         value = struct.unpack_from(fmt, self.buffer, self.offset)[0]
         self.offset += size
         return value
@@ -363,13 +363,14 @@ def _check_layout(header: GgufHeader) -> None:
     def describe(t: GgufTensorInfo) -> str:
         return f"{t.type_name} {list(t.dims)} ({t.nbytes} bytes at offset {t.offset})"
 
+    for tensor in header.tensors.values():
+        if tensor.offset + tensor.nbytes > size:
+            raise GgufFileError(path, f"tensor {tensor.name!r}", f"{describe(tensor)} reaches past the end of the file "
+                                f"at {size}", "its data inside the file (the file is cut short?)")
     expected_start, previous = header.data_offset, None
     order = {name: i for i, name in enumerate(header.tensors)}  # at one offset, the header's first comes first
     for tensor in sorted(header.tensors.values(), key=lambda t: (t.offset, order[t.name])):
         subject = f"tensor {tensor.name!r}"
-        if tensor.offset + tensor.nbytes > size:
-            raise GgufFileError(path, subject, f"{describe(tensor)} reaches past the end of the file at {size}",
-                                "its data inside the file (the file is cut short?)")
         if tensor.offset < expected_start:
             assert previous is not None
             raise GgufFileError(path, subject, f"{describe(tensor)} overlaps tensor {previous.name!r}, "

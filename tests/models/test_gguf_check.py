@@ -340,8 +340,7 @@ def damage_cases():
 
     def header_cut_message(path, sound):
         at = tensor_at(sound, up)["type"] + 2
-        return (f"tensor '{up}': the file ends at byte {at}, inside it (byte {at - 2}); expected 4 more bytes (the file "
-                "is cut short)")
+        return f"tensor '{up}': the file ends at byte {at}; expected 4 bytes at byte {at - 2} (the file is cut short)"
     yield "truncated_header", cut(lambda s: tensor_at(s, up)["type"] + 2), header_cut_message
 
     # Counts and lengths bounded before anything is allocated.
