@@ -88,6 +88,8 @@ def test_a_python_error_in_a_peer_fails_that_generation_only():
 def test_death_reasons():
     assert death_reason("p", -signal.SIGKILL, "generating") == "p's worker process died with SIGKILL (Killed) while generating"
     assert death_reason("p", 3, "generating") == "p's worker process ended (exit status 3) while generating"
+    assert death_reason("ov-greedy", -signal.SIGILL, "generating") == \
+        "ov-greedy's worker process died with SIGILL (Illegal instruction) while generating"  # no llama.cpp mend
 
 
 def test_a_bench_with_crashing_peers_completes_and_says_why(tmp_path, data_dir, monkeypatch, capsys):

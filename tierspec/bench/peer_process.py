@@ -35,7 +35,7 @@ from .outcome import Outcome
 GENERATION_TIMEOUT_SECONDS = 1800.0
 # How long a worker may take to load its model (OpenVINO compiles it for this CPU then).
 START_TIMEOUT_SECONDS = 600.0
-# What a SIGILL in a peer means and how to mend it (README's install builds llama.cpp so).
+# What a SIGILL in a llama.cpp peer means and how to mend it (README's install builds llama.cpp so).
 SIGILL_HINT = ("the library executed an instruction this CPU (or its VM) does not run — a build for another CPU, or "
                "llama.cpp's AMX code on a VM that hides AMX; rebuild it without AMX: CMAKE_ARGS=\"-DCMAKE_C_FLAGS="
                "'-mno-amx-tile -mno-amx-int8 -mno-amx-bf16' -DCMAKE_CXX_FLAGS='-mno-amx-tile -mno-amx-int8 "
@@ -63,7 +63,7 @@ def death_reason(name: str, exitcode: int | None, doing: str) -> str:
         except ValueError:
             label = f"signal {number}"
         reason = f"{name}'s worker process died with {label} while {doing}"
-        if number == signal.SIGILL:
+        if number == signal.SIGILL and name.startswith("llamacpp"):
             reason += f": {SIGILL_HINT}"
         return reason
     return f"{name}'s worker process ended (exit status {exitcode}) while {doing}"
