@@ -308,9 +308,13 @@ class _PidsCgroup:
         if parent is None:
             raise CodeExecutionRefused("no pids cgroup can be made here to limit a root caller's sandbox")
         self.path = parent / f"tierspec-sandbox-{uuid.uuid4().hex[:12]}"
-        self.path.mkdir()
-        # bwrap's two processes come on top of the program's own
-        (self.path / "pids.max").write_text(str(processes + 2))
+        try:
+            self.path.mkdir()
+            # bwrap's two processes come on top of the program's own
+            (self.path / "pids.max").write_text(str(processes + 2))
+        except OSError as error:
+            raise CodeExecutionRefused(f"cannot make the pids cgroup {self.path} that limits a root caller's sandbox "
+                                       f"({error.strerror or error})") from None
         self.procs = str(self.path / "cgroup.procs")
 
     def enter(self) -> None:  # in the child, before exec: only os calls
