@@ -50,6 +50,8 @@ def write_tiny_gguf(folder: Path, seed: int = 0, layers: int = 3, hidden: int = 
     writer.add_head_count_kv(kv_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list([f"<t{i}>" for i in range(vocab)])  # the vocabulary gguf_check compares with
     reference: dict[str, torch.Tensor] = {}
 
     def add(name: str, hf_name: str, weight: np.ndarray, kind, permute_heads: int | None = None):

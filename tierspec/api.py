@@ -14,6 +14,7 @@ import torch
 
 from .decode import DecodeConfig, DecodeRun, GenerationStats, TokenLogprob
 from .errors import PromptError, TierspecError
+from .limits import check_num_draft
 from .methods import Method, MethodOptions, build_method, default_method
 from .models import DEFAULT_MODEL, LoadedModel, load_model, resolve_device, resolve_dtype
 from .prompting import encode_prompt, eos_ids
@@ -219,6 +220,7 @@ def stream(
     ``top_k`` 0 and ``top_p`` 1 keep every token. ``seed`` (int64): the same seed gives the
     same text (README, "Same seed, same text"); None draws a fresh one.
     """
+    check_num_draft(num_draft)  # before any model is loaded
     target = _as_model(target)
     drafter = _as_model(drafter)
     if num_draft is not None and num_draft != options.num_draft:
@@ -285,6 +287,7 @@ def generate_batch(prompts: list, *, target: LoadedModel | str = DEFAULT_MODEL, 
     from .batch import BatchDecoder, check_batchable
     from .engine import runs_on_engine
 
+    check_num_draft(num_draft)  # before any model is loaded
     target = _as_model(target)
     drafter = _as_model(drafter)
     if num_draft is not None and num_draft != options.num_draft:

@@ -7,6 +7,7 @@ import json
 import sys
 
 from .methods import DEFAULT_METHOD, DEFAULT_METHOD_WITHOUT_HEAD, method_names
+from .limits import check_num_draft
 from .models import DEFAULT_MODEL
 
 
@@ -103,11 +104,12 @@ def _load(args, spec, implementation: str | None = None):
 
 
 def _check_model_flags(args) -> None:
-    """--dtype with --device, refused before anything loads (float16 on a CPU)."""
+    """--dtype with --device (float16 on a CPU) and --num-draft's bound, refused before anything loads."""
     from .models import check_dtype_for_device, resolve_device, resolve_dtype
 
     device = resolve_device(args.device)
     check_dtype_for_device(resolve_dtype(args.dtype, device), device)
+    check_num_draft(getattr(args, "num_draft", None), "--num-draft")
 
 
 def _check_generation_budget(max_new_tokens: int, target_spec: str) -> None:
@@ -432,9 +434,14 @@ def _add_bench(sub) -> None:
     parser.add_argument("--dataset", default="spec_bench",
                         help="spec_bench, gsm8k, humaneval, mt_bench, cnn_dailymail, xsum, wmt14")
     parser.add_argument("--allow-code-execution", action="store_true",
-                        help="humaneval: run the code the model writes (sandboxed: no network, time, memory, file-size "
-                        "and process limits, a scratch folder) to score pass@1; refused without this flag or "
+                        help="humaneval: run the code the model writes (sandboxed with bubblewrap: its own PID, mount "
+                        "and network namespaces, a read-only view of the system, time, memory, file-size and process "
+                        "limits, a scratch folder) to score pass@1; refused without this flag or "
                         "TIERSPEC_ALLOW_CODE_EXECUTION=1")
+    parser.add_argument("--no-sandbox", action="store_true",
+                        help="humaneval: run the model's code WITHOUT isolation (only time, memory, file-size and "
+                        "process limits) where bubblewrap cannot isolate it; it can then read and write your files "
+                        "and signal your processes: only on a machine you do not mind losing (or TIERSPEC_NO_SANDBOX=1)")
     parser.add_argument("--data-dir", default=None, help="data folder (default: the copy shipped in the package, or $TIERSPEC_DATA)")
     parser.add_argument("--per-category", type=int, default=None, help="prompts per category (seeded sample)")
     parser.add_argument("--limit", type=int, default=None, help="at most this many prompts")
@@ -469,6 +476,7 @@ def _run_bench(args) -> int:
     per_category = args.per_category
     if per_category is None and args.limit is None:
         per_category = 5 if args.dataset in ("spec_bench", "mt_bench") else None
+    check_num_draft(args.num_draft, "--num-draft")
     config = BenchConfig(
         target=args.target, dtype=args.dtype, device=args.device, kernels=args.kernels,
         implementation=args.implementation, methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()), dataset=args.dataset,
@@ -476,7 +484,7 @@ def _run_bench(args) -> int:
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
         num_draft=args.num_draft, repeats=args.repeats, seed=args.seed, drafter=args.drafter, data_dir=args.data_dir,
         mask=args.mask, hf_pld_tokens=args.hf_pld_tokens, hf_early_exit_layer=args.hf_early_exit_layer,
-        compute_nll=not args.no_nll, fidelity_reference=args.fidelity_reference,
+        compute_nll=not args.no_nll, fidelity_reference=args.fidelity_reference, code_sandbox=not args.no_sandbox,
     )
     summary = run_bench(config, Path(args.out), progress=not args.no_progress, generate=not args.summarize_only,
                         cluster=_cluster(args), allow_code_execution=args.allow_code_execution)

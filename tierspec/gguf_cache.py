@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from .errors import ModelLoadError
+from .gguf_check import check_gguf
 from .util import cache_root, default_file_mode, quiet_transformers
 
 CONVERTED_MARKER = "tierspec-source.json"
@@ -44,9 +45,10 @@ def gguf_cache_dir(gguf: Path) -> Path:
     return cache_root() / f"{gguf.stem}-{key}"
 
 
-def converted_copy(gguf: Path) -> Path:
+def converted_copy(gguf: Path, header=None) -> Path:
     """The folder of ``gguf``'s converted copy, converting it first when it is missing or
-    damaged (a damaged one with a message)."""
+    damaged (a damaged one with a message). ``header``: the file's ``gguf_check.GgufHeader``
+    where the caller checked it already (a conversion checks the file first otherwise)."""
     folder = gguf_cache_dir(gguf)
     problem = converted_copy_problem(folder)
     if problem is not None and folder.exists():
@@ -57,7 +59,7 @@ def converted_copy(gguf: Path) -> Path:
               file=sys.stderr)
         _remove_folder(folder)
     if problem is not None:
-        convert_gguf(gguf, folder, torch.float32)
+        convert_gguf(gguf, folder, torch.float32, header)
     return folder
 
 
@@ -149,8 +151,12 @@ def source_hash(folder: Path) -> str:
     return json.loads((folder / CONVERTED_MARKER).read_text())["sha256"]
 
 
-def convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
-    """De-quantise ``gguf`` once and write a safetensors folder to ``dest`` atomically."""
+def convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype, header=None) -> None:
+    """De-quantise ``gguf`` once and write a safetensors folder to ``dest`` atomically. The file is
+    checked first (``gguf_check``; skipped where ``header`` says it was): transformers' reader
+    would convert a damaged file into a model that writes blank text, or never finish."""
+    if header is None:
+        check_gguf(gguf)
     from safetensors import SafetensorError
     from safetensors.torch import save_file
 
@@ -166,7 +172,8 @@ def convert_gguf(gguf: Path, dest: Path, dtype: torch.dtype) -> None:
                 tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
                 model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
         except Exception as error:  # transformers raises many types for a bad GGUF file
-            raise ModelLoadError(f"cannot read GGUF file {gguf}: {error}") from error
+            first = next(iter(str(error).strip().splitlines()), type(error).__name__)
+            raise ModelLoadError(f"cannot read GGUF file {gguf}: {first}") from error
         tied = bool(getattr(model.config, "tie_word_embeddings", False))
         # safetensors refuses aliased tensors; a tied LM head is rebuilt from the embedding.
         state = {

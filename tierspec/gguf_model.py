@@ -162,12 +162,10 @@ def _projection(parts: list[tuple[GgufTensor, int | None]], in_features: int, nu
 
 
 def _validate_header(gguf: Path, arch: Architecture, tensors: dict[str, GgufTensor]) -> None:
-    """The header checks made before any weight is read.
-
-    VALIDATOR CALL SITE (issue 40): ``tierspec/gguf_check.py`` checks every tensor's region, size
-    and type and the tensor set and shapes against the architecture's metadata; call it here once it
-    lands. Until then each tensor's shape is checked where it is read (``_Weights.get``) and
-    ``quant.read_gguf_tensors`` has checked that every tensor lies inside the file."""
+    """The architecture's own check before any weight is read: no layer's tensor past the declared
+    count. ``tierspec.gguf_check`` (run by ``quant.read_gguf_tensors`` on every load) has already
+    checked every tensor's region, size and type and the tensor set and shapes against the
+    metadata; each tensor's shape is checked again where it is read (``_Weights.get``)."""
     unknown = sorted(name for name in tensors if name.startswith("blk.") and not (
         name.split(".")[1].isdigit() and int(name.split(".")[1]) < arch.num_layers))
     if unknown:

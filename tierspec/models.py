@@ -21,6 +21,7 @@ import torch
 
 from . import gguf_cache
 from .errors import ModelLoadError
+from .gguf_check import check_gguf
 from .identity import ModelIdentity
 from .kernels import KERNELS
 from .model_files import DEFAULT_MODEL, KNOWN_MODELS, known_model_file
@@ -211,9 +212,11 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
     loaded by hand is computed as stored. The CLI, ``tierspec.generate``/``stream``, the server
     and the bench default to ``auto``.
 
-    GGUF files (the known models are) of an architecture tierspec covers (``tierspec.architectures``)
-    are built from the file itself (``tierspec.gguf_model``; plain Llama files of the engine's block
-    types by ``tierspec.gguf_llama``), their tokenizer read once into a cached copy; others are
+    GGUF files (the known models are) are checked first (``gguf_check``: a damaged file is a
+    ``GgufFileError`` naming the damage, before any conversion or repacking). Those of an
+    architecture tierspec covers (``tierspec.architectures``) are built from the file itself
+    (``tierspec.gguf_model``; plain Llama files of the engine's block types by
+    ``tierspec.gguf_llama``), their tokenizer read once into a cached copy; others are
     de-quantised once into a cached float32 safetensors folder that transformers' modules load.
     """
     device = resolve_device(device)
@@ -261,13 +264,14 @@ def apply_kernels(model: torch.nn.Module, kernels: str, device: torch.device, dt
 
 
 def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.device, dtype: torch.dtype,
-                     implementation: str, parsed: list | None = None) -> bool:
+                     implementation: str, parsed: list | None = None, header=None) -> bool:
     """Whether a GGUF model computes with the file's own blocks (``tierspec.gguf_llama``).
 
     ``auto``: yes where that path covers it — tierspec's Llama forward, a CPU, bfloat16 or float32
     rows, the compiled engine present — and every projection and the LM head are of a native type
     (Q4_0, Q4_1, Q8_0; others would run de-quantised, as the converted copy does). ``gguf`` asks
-    for it and refuses what it cannot do; the other kernels keep the converted copy."""
+    for it and refuses what it cannot do; the other kernels keep the converted copy. ``header``:
+    the file's checked ``gguf_check.GgufHeader`` (read again where None)."""
     from .quant import NATIVE_TYPES, engine_available, read_gguf_tensors
 
     if kernels not in ("auto", "gguf"):
@@ -287,14 +291,14 @@ def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.devic
         if reasons:
             raise ModelLoadError(f"--kernels gguf cannot run {gguf.name}: {'; '.join(reasons)}")
         if parsed is not None and not parsed:
-            parsed.append(read_gguf_tensors(gguf))
+            parsed.append(read_gguf_tensors(gguf, header))
         return True
     if reasons:
         return False
     if parsed:  # read already by the caller
         tensors, fields = parsed[0]
     else:
-        tensors, fields = read_gguf_tensors(gguf)
+        tensors, fields = read_gguf_tensors(gguf, header)
         if parsed is not None:  # handed back for the load (``parsed``: an empty list to fill)
             parsed.append((tensors, fields))
     matrices = [t for name, t in tensors.items() if len(t.shape) == 2 and name.endswith(".weight")]
@@ -324,14 +328,16 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
             raise ModelLoadError(f"'{path}' is a file but not a .gguf file")
         gguf = path
         name = path.stem
+    # Checked before any work (conversion, repacking): a damaged file is refused in one line.
+    header = check_gguf(gguf)
     if dtype == torch.int8:  # only the engine computes with 8-bit rows
         kernels = "gguf"
     parsed: list = []  # the file's tensors, read once for the checks and the load
-    built = _load_gguf_architecture(gguf, name, dtype, implementation, kernels, device, parsed)
+    built = _load_gguf_architecture(gguf, name, dtype, implementation, kernels, device, parsed, header)
     if built is not None:
         return built
-    folder = gguf_cache.converted_copy(gguf)
-    if use_gguf_kernels(gguf, folder, kernels, device, dtype, implementation, parsed):
+    folder = gguf_cache.converted_copy(gguf, header)
+    if use_gguf_kernels(gguf, folder, kernels, device, dtype, implementation, parsed, header):
         from .gguf_llama import load_gguf_llama
         from .quant import numerics_for
 
@@ -348,21 +354,19 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
 
 
 def _load_gguf_architecture(gguf: Path, name: str, dtype: torch.dtype, implementation: str, kernels: str,
-                            device: torch.device, parsed: list) -> LoadedModel | None:
+                            device: torch.device, parsed: list, header) -> LoadedModel | None:
     """The model of ``gguf`` built from the file by ``tierspec.gguf_model``, or None where the older
     paths load it: a plain Llama file whose every matrix is of an engine type (``gguf_llama``, from
     the converted copy's config), ``implementation="transformers"``, or an architecture tierspec does
     not cover (transformers' modules on the converted copy, after a one-line note of why). The
-    file's header read here is handed back in ``parsed`` (an empty list to fill) for those paths."""
+    file's tensors read here (from ``header``, its checked ``gguf_check.GgufHeader``) are handed back
+    in ``parsed`` (an empty list to fill) for those paths."""
     from .architectures import UnsupportedArchitecture, read_architecture
     from .quant import NATIVE_TYPES, engine_available, numerics_for, read_gguf_tensors
 
     if implementation == "transformers":
         return None
-    try:
-        tensors, fields = read_gguf_tensors(gguf)
-    except ModelLoadError:
-        return None  # the converted copy's reader says what is wrong with the file
+    tensors, fields = read_gguf_tensors(gguf, header)
     parsed.append((tensors, fields))
     try:
         arch = read_architecture(fields, tensors)

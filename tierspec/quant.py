@@ -295,124 +295,32 @@ class GgufTensor:
         return torch.from_numpy(np.array(values, dtype=np.float32, copy=True)).reshape(self.shape)
 
 
-_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-class _Cursor:
-    """Reads little-endian GGUF header values from a mapped file (gguf-py's reader parses every
-    field into Python objects, 2 s for the default model's tokenizer lists: too slow to start)."""
-
-    def __init__(self, buffer, path: Path):
-        self.buffer, self.offset, self.path = buffer, 0, path
-
-    def take(self, fmt: str):
-        import struct
-
-        size = struct.calcsize(fmt)
-        if self.offset + size > len(self.buffer):
-            raise ModelLoadError(f"the GGUF file {self.path} is cut short in its header (truncated?)")
-        value = struct.unpack_from(fmt, self.buffer, self.offset)[0]
-        self.offset += size
-        return value
-
-    def string(self) -> str:
-        length = self.take("<Q")
-        if self.offset + length > len(self.buffer):
-            raise ModelLoadError(f"the GGUF file {self.path} is cut short in its header (truncated?)")
-        text = bytes(self.buffer[self.offset : self.offset + length]).decode("utf-8", "replace")
-        self.offset += length
-        return text
-
-    def value(self, kind: int, keep: bool):
-        """A field value (None where not ``keep``: arrays and strings skipped without decoding)."""
-        import struct
-
-        if kind in _GGUF_SCALARS:
-            return self.take(_GGUF_SCALARS[kind])
-        if kind == _GGUF_STRING:
-            if keep:
-                return self.string()
-            length = self.take("<Q")
-            self.offset += length
-            return None
-        if kind == _GGUF_ARRAY:
-            item, count = self.take("<I"), self.take("<Q")
-            if item in _GGUF_SCALARS:
-                self.offset += count * struct.calcsize(_GGUF_SCALARS[item])
-            elif item == _GGUF_STRING:  # a tokenizer's 49k strings: each a length and its bytes, skipped
-                buffer, offset, end = self.buffer, self.offset, len(self.buffer)
-                for _ in range(count):
-                    if offset + 8 > end:
-                        raise ModelLoadError(f"the GGUF file {self.path} is cut short in its header (truncated?)")
-                    offset += 8 + int.from_bytes(buffer[offset : offset + 8], "little")
-                self.offset = offset
-            else:
-                for _ in range(count):
-                    self.value(item, False)
-            return None
-        raise ModelLoadError(f"the GGUF file {self.path} has a header value of unknown type {kind} (damaged?)")
-
-
-# ggml's types: (values per block, bytes per block), from the format (ggml.h / gguf-py's
-# GGML_QUANT_SIZES): sizing a tensor needs no import of gguf-py (~90 ms at start-up).
-GGML_BLOCKS = {0: (1, 4), 1: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 7: (32, 24), 8: (32, 34), 9: (32, 40),
-               10: (256, 84), 11: (256, 110), 12: (256, 144), 13: (256, 176), 14: (256, 210), 15: (256, 292),
-               16: (256, 66), 17: (256, 74), 18: (256, 98), 19: (256, 50), 20: (32, 18), 21: (256, 110), 22: (256, 82),
-               23: (256, 136), 24: (1, 1), 25: (1, 2), 26: (1, 4), 27: (1, 8), 28: (1, 8), 29: (256, 56), 30: (1, 2),
-               34: (256, 54), 35: (256, 66), 39: (32, 17), 40: (64, 36), 41: (128, 18)}
-
-
-def read_gguf_tensors(path: Path) -> tuple[dict[str, GgufTensor], dict[str, object]]:
+def read_gguf_tensors(path: Path, header=None) -> tuple[dict[str, GgufTensor], dict[str, object]]:
     """The tensors of a GGUF file by name (their data views of a read-only mapping of the file, which
-    lives as long as they do) and its scalar and string header fields. Raises ModelLoadError for a
-    file that is not GGUF, is cut short, or whose tensors do not fit it."""
+    lives as long as they do) and its scalar and string header fields. ``header``: the file's
+    ``gguf_check.GgufHeader`` where the caller checked it already; else it is checked here. Every
+    view lies inside the file and inside its own tensor's bytes (``gguf_check`` refused any file
+    where one would not), so no repacking reads past a tensor. Raises ``gguf_check.GgufFileError``."""
     import numpy as np
 
+    from .gguf_check import check_gguf
+
     path = Path(path)
+    if header is None:
+        header = check_gguf(path)
     try:
         mapped = np.memmap(path, dtype=np.uint8, mode="r")
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"cannot read the GGUF file {path}: {error}") from None
-    cursor = _Cursor(memoryview(mapped), path)
-    if len(mapped) < 24 or bytes(mapped[:4]) != b"GGUF":
-        raise ModelLoadError(f"{path} is not a GGUF file (no GGUF magic)")
-    cursor.offset = 4
-    version, tensor_count, field_count = cursor.take("<I"), cursor.take("<Q"), cursor.take("<Q")
-    if version < 2:
-        raise ModelLoadError(f"{path}: GGUF version {version} is not supported (2 or later)")
-    fields: dict[str, object] = {}
-    for _ in range(field_count):
-        name, kind = cursor.string(), cursor.take("<I")
-        value = cursor.value(kind, keep=True)
-        if value is not None:
-            fields[name] = value
-    infos = []
-    for _ in range(tensor_count):
-        name = cursor.string()
-        dims = [cursor.take("<Q") for _ in range(cursor.take("<I"))]
-        infos.append((name, dims, cursor.take("<I"), cursor.take("<Q")))
-    alignment = int(fields.get("general.alignment", 32))
-    base = -(-cursor.offset // alignment) * alignment
+    if len(mapped) != header.file_size:
+        raise ModelLoadError(f"{path} changed while it was read ({header.file_size} bytes, now {len(mapped)})")
     tensors = {}
-    for name, dims, kind, offset in infos:
-        if kind not in GGML_BLOCKS:
-            raise ModelLoadError(f"{path}: tensor {name!r} has an unknown ggml type {kind}")
-        block, block_bytes = GGML_BLOCKS[kind]
-        count = int(np.prod(dims)) if dims else 1
-        if dims[0] % block:
-            raise ModelLoadError(f"{path}: tensor {name!r} rows of {dims[0]} values are not whole blocks of {block}")
-        nbytes = count // block * block_bytes
-        start = base + offset
-        if start + nbytes > len(mapped):
-            raise ModelLoadError(f"{path}: tensor {name!r} reaches past the end of the file (truncated?)")
-        rows = count // dims[0]
-        shape = (rows, dims[0]) if len(dims) >= 2 else (dims[0],)
-        data = mapped[start : start + nbytes]
-        if kind == 0:  # F32
+    for name, info in header.tensors.items():
+        data = mapped[info.offset : info.offset + info.nbytes]
+        if info.ggml_type == 0:  # F32
             data = data.view(np.float32)
-        tensors[name] = GgufTensor(name, kind, shape, data)
-    return tensors, fields
+        tensors[name] = GgufTensor(name, info.ggml_type, info.shape, data)
+    return tensors, header.scalars()
 
 
 def unpermute_order(count: int, heads: int) -> torch.Tensor:

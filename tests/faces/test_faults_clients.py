@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import char_tokenizer, tiny_llama
+from gguf_models import write_tiny_gguf
 
 from tierspec import cli
 from tierspec.errors import ModelLoadError, TierspecError
@@ -166,7 +167,7 @@ def fake_gguf(tmp_path, monkeypatch):
 
     monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path / "cache"))
     gguf = tmp_path / "tiny.gguf"
-    gguf.write_bytes(b"GGUF fake")
+    gguf.write_bytes(write_tiny_gguf(tmp_path / "written").gguf.read_bytes())  # a sound file: checked before converting
     model = tiny_llama(seed=5, dtype=torch.float32).model
     tokenizer = char_tokenizer()
 

@@ -262,6 +262,9 @@ def test_stop_matcher_holds_back_only_possible_starts(pieces, stops, expected, s
     ({"max_tokens": "5"}, "max_tokens"),  # was coerced to 5
     ({"max_tokens": True}, "max_tokens"),  # was taken as 1
     ({"extra_body": {"num_draft": 2.5}}, "num_draft"),
+    ({"extra_body": {"num_draft": 10 ** 6}}, "num_draft"),  # was accepted (issue 40)
+    ({"stream_options": {"include_usage": True}}, "stream_options"),  # without stream: OpenAI answers 400
+    ({"extra_body": {"top_k": 10 ** 6}}, "top_k"),
 ])
 def test_bad_requests_get_400_with_an_openai_error_body(client, request_kwargs, param):
     kwargs = {"model": MODEL, "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 4, **request_kwargs}

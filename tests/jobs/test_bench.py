@@ -344,7 +344,8 @@ def test_duplicate_records_are_counted_once_with_a_warning(tmp_path, tiny_text_m
     (["--per-category", "0"], "per_category must be an integer >= 1, got 0"),
     (["--repeats", "0"], "repeats must be an integer >= 1, got 0"),
     (["--max-new-tokens", "0"], "max_new_tokens must be an integer >= 1, got 0"),
-    (["--num-draft", "-1"], "num_draft must be an integer >= 0, got -1"),
+    (["--num-draft", "-1"], "--num-draft must be an integer from 0 to 64 (tokens drafted per cycle), got -1"),
+    (["--num-draft", "1000000"], "--num-draft must be an integer from 0 to 64 (tokens drafted per cycle), got 1000000"),
 ])
 def test_bad_bench_flags_are_one_line_errors(flags, message, tmp_path, tiny_text_model, data_dir, monkeypatch, capsys):
     from tierspec import cli

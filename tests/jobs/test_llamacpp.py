@@ -143,12 +143,14 @@ def test_sampling_follows_the_run_s_seed(tmp_path):
     import torch
 
     import tierspec
-    from tierspec.bench.llamacpp import LlamaCppPeer
+    from tierspec.bench.peer_process import PeerProcess, PeerSpec
+    from tierspec.bench.runner import PEER_FACTORIES
     from tierspec.prompting import encode_prompt, eos_ids
 
     target = tierspec.load_model("smollm2-135m")
-    peer = LlamaCppPeer("llamacpp-lookup", {}, "smollm2-135m", target, eos_ids(target), temperature=1.0, top_k=0,
-                        top_p=1.0, seed=0)
+    spec = PeerSpec(PEER_FACTORIES["llamacpp-lookup"], "llamacpp-lookup", {}, "smollm2-135m", target.vocab_size,
+                    tuple(eos_ids(target)), temperature=1.0, top_k=0, top_p=1.0, threads=torch.get_num_threads())
+    peer = PeerProcess(spec, "cpu", run_seed=0)  # in its worker process, as the bench runs it
     prompt = encode_prompt(target, "Write a short poem about the sea.")
     runs = [peer.run(prompt, 24, torch.Generator().manual_seed(seed)).token_ids for seed in (1, 1, 2)]
     peer.close()

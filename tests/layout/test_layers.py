@@ -29,7 +29,8 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("forward passes", ("tierspec.llama", "tierspec.architectures", "tierspec.tokenizer", "tierspec.engine",
                         "tierspec._qengine")),
     ("pure pieces", ("tierspec.sampling", "tierspec.tree", "tierspec.modifiers", "tierspec.errors", "tierspec.util",
-                     "tierspec.identity", "tierspec.grammar", "tierspec.structured")),
+                     "tierspec.identity", "tierspec.grammar", "tierspec.structured",
+                     "tierspec.gguf_check", "tierspec.limits")),
 )
 
 

@@ -25,12 +25,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-import torch
-
 from ..decode import CycleStats, GenerationStats
 from ..errors import TierspecError
+from ..gguf_check import check_gguf
 from ..model_files import KNOWN_MODELS, known_model_file
-from ..models import DEFAULT_MODEL, LoadedModel, default_model_file
+from ..models import DEFAULT_MODEL, default_model_file
 from .outcome import Outcome
 
 LLAMACPP_PEERS = ("llamacpp-greedy", "llamacpp-lookup")
@@ -64,8 +63,8 @@ def gguf_file(target_spec: str, peer: str, engine: str = "llama.cpp") -> Path:
     path = Path(str(target_spec)).expanduser()
     if path.suffix == ".gguf" and path.is_file():
         return path
-    raise LlamaCppPeerError(f"{peer} runs {engine} on the target's GGUF file: the target must be '{DEFAULT_MODEL}' "
-                            f"or a .gguf file, not '{target_spec}'")
+    raise LlamaCppPeerError(f"{peer} runs {engine} on the target's GGUF file: the target must be a known model "
+                            f"({', '.join(KNOWN_MODELS)}) or a .gguf file, not '{target_spec}'")
 
 
 @dataclass(frozen=True)
@@ -78,22 +77,18 @@ class GgufFacts:
 
 @lru_cache(maxsize=8)
 def gguf_facts(path: Path) -> GgufFacts:
-    """Read from the header with the ``gguf`` package (a tierspec dependency); no tensor data."""
+    """Read from the checked header (``gguf_check``: a damaged file is refused here, before the
+    peer's runtime reads it); no tensor data."""
     import gguf
 
-    reader = gguf.GGUFReader(path)
-
-    def field(name: str):
-        value = reader.fields.get(name)
-        return None if value is None else value.contents()
-
-    file_type = field("general.file_type")
+    header = check_gguf(path)
+    file_type = header.fields.get("general.file_type")
     try:
         quantization = gguf.LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
     except (TypeError, ValueError):  # no or an unknown file type: name the commonest tensor type
-        quantization = Counter(t.tensor_type.name for t in reader.tensors).most_common(1)[0][0]
-    length = field(f"{field('general.architecture')}.context_length")
-    return GgufFacts(quantization, int(length) if length is not None else None)
+        quantization = Counter(t.type_name for t in header.tensors.values()).most_common(1)[0][0]
+    length = header.fields.get(f"{header.architecture}.context_length")
+    return GgufFacts(quantization, int(length) if isinstance(length, int) else None)
 
 
 class _RecordingLookup:
@@ -140,33 +135,50 @@ def lookup_stats(tokens: list[int], cycle_of: list[int], proposals: list[list[in
     return stats
 
 
+def peer_settings(name: str, params: dict[str, str], known: dict[str, int], error) -> dict[str, int]:
+    """A peer spec's integer parameters (``known``: their defaults), refused in one line."""
+    unknown = set(params) - set(known)
+    if unknown:
+        raise error(f"method spec '{name}': unknown parameter(s) {sorted(unknown)}; known: {sorted(known)}")
+    try:
+        settings = {key: int(params.get(key, default)) for key, default in known.items()}
+    except ValueError as err:
+        raise error(f"method spec '{name}': {err}") from None
+    if any(value < 1 for value in settings.values()):
+        raise error(f"method spec '{name}': {' and '.join(sorted(settings))} must be at least 1")
+    return settings
+
+
 class LlamaCppPeer:
     """One ``llamacpp-*`` peer of a bench run: the model is loaded once and reused for every prompt.
+    It runs in a worker process of its own (``peer_process.PeerProcess``): a crash of llama.cpp
+    is that peer's failure, not the run's.
 
     The context is sized to what the prompts need (grown, outside the clock, when a longer prompt
     comes): llama-cpp-python keeps logits for every position of its context when drafting, so a
     context of the model's full trained length would cost gigabytes for nothing.
     """
 
-    def __init__(self, name: str, params: dict[str, str], target_spec: str, target: LoadedModel, eos: tuple[int, ...],
-                 temperature: float, top_k: int, top_p: float, seed: int):
+    @staticmethod
+    def check(name: str, params: dict[str, str], target_spec: str, device: str) -> None:
+        """What can be refused before a worker starts: the package, the parameters, the device,
+        the target's GGUF file (checked: ``gguf_check``)."""
+        import_llama_cpp(name)
+        peer_settings(name, params, LLAMACPP_PARAMETERS[name], LlamaCppPeerError)
+        if device != "cpu":
+            raise LlamaCppPeerError(f"{name} runs llama.cpp's CPU build beside tierspec's methods: bench with --device cpu")
+        gguf_facts(gguf_file(target_spec, name))
+
+    def __init__(self, name: str, params: dict[str, str], target_spec: str, vocab_size: int, eos: tuple[int, ...],
+                 temperature: float, top_k: int, top_p: float, threads: int):
         self.name = name
         self.llama_cpp = import_llama_cpp(name)
-        if target.device.type != "cpu":
-            raise LlamaCppPeerError(f"{name} runs llama.cpp's CPU build beside tierspec's methods: bench with --device cpu")
-        known = LLAMACPP_PARAMETERS[name]
-        unknown = set(params) - set(known)
-        if unknown:
-            raise LlamaCppPeerError(f"method spec '{name}': unknown parameter(s) {sorted(unknown)}; known: {sorted(known)}")
-        try:
-            settings = {key: int(params.get(key, default)) for key, default in known.items()}
-        except ValueError as error:
-            raise LlamaCppPeerError(f"method spec '{name}': {error}") from None
+        settings = peer_settings(name, params, LLAMACPP_PARAMETERS[name], LlamaCppPeerError)
         self.path = gguf_file(target_spec, name)
         self.facts = gguf_facts(self.path)
         self.eos = set(eos)
-        self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
-        self.threads = torch.get_num_threads()  # tierspec's methods compute with torch's threads
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.threads = threads  # tierspec's methods compute with torch's threads: the caller passes their count
         self.lookup = None
         if settings:
             from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -177,9 +189,9 @@ class LlamaCppPeer:
         self.llama = None
         self.context = 0
         self._load(1024)
-        if self.llama.n_vocab() != target.vocab_size:
+        if self.llama.n_vocab() != vocab_size:
             raise LlamaCppPeerError(f"{name}: llama.cpp reads {self.llama.n_vocab()} tokens from {self.path.name}, "
-                                    f"the target has {target.vocab_size}; is the target loaded from another file?")
+                                    f"the target has {vocab_size}; is the target loaded from another file?")
         self.record_fields = {
             "engine": f"llama-cpp-python {self.llama_cpp.__version__}, {self.facts.quantization} weights, "
                       f"{self.threads} threads",
@@ -208,15 +220,16 @@ class LlamaCppPeer:
         if positions > self.context:
             self._load(max(positions, 2 * self.context))
 
-    def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None):
-        """Generate after ``prompt_ids`` [n]: up to ``max_new_tokens`` tokens, the first end-of-
-        sequence id included (as tierspec's decode loop does). Returns the bench's ``Outcome``."""
+    def run(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None) -> Outcome:
+        """Generate after ``prompt_ids``: up to ``max_new_tokens`` tokens, the first end-of-sequence
+        id included (as tierspec's decode loop does), sampling with the prompt's ``seed`` (None:
+        greedy; ``peer_process.prompt_seed``). Returns the bench's ``Outcome``."""
         ids = [int(t) for t in prompt_ids]
         self._fit(len(ids), max_new_tokens)
         llama = self.llama
         greedy = self.temperature == 0
-        if not greedy:  # the prompt's seed, drawn as the hf-* peers draw theirs
-            llama.set_seed(self.seed if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator)))
+        if not greedy:
+            llama.set_seed(int(seed))
         if self.lookup is not None:
             self.lookup.clear()
         sampler = dict(temp=0.0) if greedy else dict(temp=self.temperature, top_k=self.top_k, top_p=self.top_p)

@@ -59,14 +59,15 @@ def extract_code(generated: str, prompt: str, entry_point: str) -> str:
     return prompt + chosen
 
 
-def humaneval_pass(program: str, test: str, entry_point: str, timeout: float = 10.0) -> bool:
+def humaneval_pass(program: str, test: str, entry_point: str, timeout: float = 10.0, sandbox: bool = True) -> bool:
     """Run ``program`` + HumanEval ``test`` + ``check(entry_point)`` in the sandbox
-    (``bench.sandbox.run_sandboxed``: no network, time, memory, file-size and process limits, a
-    scratch folder); the caller has checked that the user allows it."""
+    (``bench.sandbox.run_sandboxed``: its own PID, mount and network namespaces, a read-only view of
+    the system, time, memory, file-size and process limits, a scratch folder; ``sandbox=False``:
+    the user's opt-out, limits only); the caller has checked that the user allows it."""
     from .sandbox import Limits, run_sandboxed
 
     source = f"{program}\n\n{test}\n\ncheck({entry_point})\n"
-    return run_sandboxed(source, Limits(wall_seconds=timeout, cpu_seconds=max(1, int(timeout)))).passed
+    return run_sandboxed(source, Limits(wall_seconds=timeout, cpu_seconds=max(1, int(timeout))), sandbox).passed
 
 
 def target_nll(model: torch.nn.Module, prompt_ids: torch.Tensor, generated_ids: list[int]) -> float:

@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from ..errors import TierspecError
-from ..models import LoadedModel
-from .llamacpp import gguf_facts, gguf_file
+from .llamacpp import peer_settings, gguf_facts, gguf_file
 from .outcome import Outcome
 
 OPENVINO_PEERS = ("ov-greedy", "ov-lookup")
@@ -49,29 +46,30 @@ def import_openvino_genai(peer: str):
 
 class OpenVinoPeer:
     """One ``ov-*`` peer of a bench run: the pipeline is built once (OpenVINO compiles the model
-    for this CPU then) and reused for every prompt; each prompt starts from an empty cache."""
+    for this CPU then) and reused for every prompt; each prompt starts from an empty cache. It runs
+    in a worker process of its own (``peer_process.PeerProcess``): a crash of OpenVINO is that
+    peer's failure, not the run's."""
 
-    def __init__(self, name: str, params: dict[str, str], target_spec: str, target: LoadedModel, eos: tuple[int, ...],
-                 temperature: float, top_k: int, top_p: float, seed: int):
+    @staticmethod
+    def check(name: str, params: dict[str, str], target_spec: str, device: str) -> None:
+        """What can be refused before a worker starts: the package, the parameters, the device,
+        the target's GGUF file (checked: ``gguf_check``)."""
+        import_openvino_genai(name)
+        peer_settings(name, params, OPENVINO_PARAMETERS[name], OpenVinoPeerError)
+        if device != "cpu":
+            raise OpenVinoPeerError(f"{name} runs OpenVINO's CPU plugin beside tierspec's methods: bench with --device cpu")
+        gguf_facts(gguf_file(target_spec, name, engine="OpenVINO GenAI"))
+
+    def __init__(self, name: str, params: dict[str, str], target_spec: str, vocab_size: int, eos: tuple[int, ...],
+                 temperature: float, top_k: int, top_p: float, threads: int):
         self.name = name
         genai = self.genai = import_openvino_genai(name)
-        if target.device.type != "cpu":
-            raise OpenVinoPeerError(f"{name} runs OpenVINO's CPU plugin beside tierspec's methods: bench with --device cpu")
-        known = OPENVINO_PARAMETERS[name]
-        unknown = set(params) - set(known)
-        if unknown:
-            raise OpenVinoPeerError(f"method spec '{name}': unknown parameter(s) {sorted(unknown)}; known: {sorted(known)}")
-        try:
-            settings = {key: int(params.get(key, default)) for key, default in known.items()}
-        except ValueError as error:
-            raise OpenVinoPeerError(f"method spec '{name}': {error}") from None
-        if any(value < 1 for value in settings.values()):
-            raise OpenVinoPeerError(f"method spec '{name}': tokens and ngram must be at least 1")
+        settings = peer_settings(name, params, OPENVINO_PARAMETERS[name], OpenVinoPeerError)
         self.path = gguf_file(target_spec, name, engine="OpenVINO GenAI")
         self.facts = gguf_facts(self.path)
         self.eos = set(eos)
-        self.temperature, self.top_k, self.top_p, self.seed = temperature, top_k, top_p, seed
-        self.threads = torch.get_num_threads()
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.threads = threads
         self.settings = settings
         options = {"INFERENCE_NUM_THREADS": self.threads}
         try:
@@ -87,32 +85,33 @@ class OpenVinoPeer:
             "weights": self.facts.quantization,
         }
 
-    def _config(self, max_new_tokens: int, generator: torch.Generator | None):
+    def _config(self, max_new_tokens: int, seed: int | None):
         config = self.genai.GenerationConfig()
         config.max_new_tokens = max_new_tokens
         config.stop_token_ids = set(self.eos)
         if self.temperature == 0:
             config.do_sample = False
-        else:  # the prompt's seed, drawn as the other peers draw theirs
+        else:  # the prompt's seed (peer_process.prompt_seed)
             config.do_sample = True
             config.temperature = self.temperature
             config.top_k = self.top_k if self.top_k > 0 else 0
             config.top_p = self.top_p
-            config.rng_seed = self.seed if generator is None else int(torch.randint(0, 2**31 - 1, (1,), generator=generator))
+            config.rng_seed = int(seed)
         if self.settings:
             config.num_assistant_tokens = self.settings["tokens"]
             config.max_ngram_size = self.settings["ngram"]
         return config
 
-    def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None) -> Outcome:
-        """Generate after ``prompt_ids`` [n]: up to ``max_new_tokens`` tokens, the first end-of-
-        sequence id included (as tierspec's decode loop does). Returns the bench's ``Outcome``."""
+    def run(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None) -> Outcome:
+        """Generate after ``prompt_ids``: up to ``max_new_tokens`` tokens, the first end-of-sequence
+        id included (as tierspec's decode loop does), sampling with the prompt's ``seed`` (None:
+        greedy). Returns the bench's ``Outcome``."""
         import numpy as np
         import openvino
 
         ids = np.asarray([[int(t) for t in prompt_ids]], dtype=np.int64)
         inputs = self.genai.TokenizedInputs(openvino.Tensor(ids), openvino.Tensor(np.ones_like(ids)))
-        config = self._config(max_new_tokens, generator)
+        config = self._config(max_new_tokens, seed)
         started = time.perf_counter()
         result = self.pipeline.generate(inputs, config)
         seconds = time.perf_counter() - started

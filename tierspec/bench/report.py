@@ -113,6 +113,22 @@ def unique_records(records: list[dict]) -> list[dict]:
     return unique
 
 
+def failed_records(records: list[dict]) -> dict[str, dict]:
+    """The generations a peer could not give (error records: its worker died, hung or raised), by
+    method: how many prompts and each distinct reason. A generation that a rerun then made is not
+    counted (its error record is superseded)."""
+    made = {(r["method"], r["prompt_id"], r["repeat"]) for r in records if "error" not in r}
+    failures: dict[str, dict] = {}
+    for record in records:
+        key = (record["method"], record["prompt_id"], record["repeat"])
+        if "error" in record and key not in made:
+            entry = failures.setdefault(record["method"], {"prompts": 0, "reasons": []})
+            entry["prompts"] += 1
+            if record["error"] not in entry["reasons"]:
+                entry["reasons"].append(record["error"])
+    return failures
+
+
 def machine_label(worker: dict | None) -> str:
     """The machine a record was made on, as far as its numbers depend on it: CPU model, torch
     threads, device ("unrecorded" for records made before records named their worker)."""
@@ -152,7 +168,8 @@ def summarize(records: list[dict], config, references: dict, fidelity_reference:
     once: ``unique_records``. ``workers``: who made the records (where they say); ``machines``,
     where records come from more than one machine (``machine_label``): each method's overall
     summary on each, against `ar` on the same machine."""
-    unique = unique_records(records)
+    failures = failed_records(records)
+    unique = unique_records([r for r in records if "error" not in r])
     by_method = _by_method(unique)
     baseline = {(r["prompt_id"], r["repeat"]): r for r in by_method.get("ar", [])}
     fidelity_baseline = fidelity_reference if fidelity_reference is not None else baseline
@@ -168,6 +185,8 @@ def summarize(records: list[dict], config, references: dict, fidelity_reference:
     from dataclasses import asdict
 
     summary = {"config": asdict(config), "methods": methods}
+    if failures:
+        summary["failures"] = failures
     workers: dict[str, dict] = {}
     for record in unique:
         if record.get("worker"):
@@ -225,6 +244,9 @@ def markdown_table(summary: dict) -> str:
     if "ar" in methods:
         counts = ", ".join(f"{c} {methods['ar']['categories'][c]['n_prompts']}" for c in categories if c in methods["ar"]["categories"])
         lines += [f"Prompts measured per category: {counts} ({methods['ar']['overall']['n_prompts']} in all).", ""]
+    for name, failure in summary.get("failures", {}).items():
+        lines += [f"**`{name}` failed on {failure['prompts']} prompt(s)** (no records; a rerun tries them again): "
+                  + "; ".join(failure["reasons"]), ""]
     check = summary.get("baseline_check")
     if check:
         flag = "" if check["ar_at_least_as_fast_as_hf_greedy"] else " **⚠ hf-greedy is faster than ar: speed-ups vs ar are inflated; see 'vs best plain'.**"

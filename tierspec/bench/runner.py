@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 import weakref
 import zlib
@@ -43,10 +44,12 @@ from ..sampling import SamplingConfig
 from ..data import as_task_prompts
 from ..seq2seq import is_encoder_decoder
 from ..util import atomic_write_text, exclusive_lock, write_error
-from .sandbox import check_code_execution_allowed, network_isolation
+from .sandbox import check_code_execution_allowed, check_isolation
 from . import metrics
-from .llamacpp import LLAMACPP_PARAMETERS, LLAMACPP_PEERS, LlamaCppPeer
-from .openvino import OPENVINO_PARAMETERS, OPENVINO_PEERS, OpenVinoPeer
+from .llamacpp import LLAMACPP_PARAMETERS, LLAMACPP_PEERS
+from .openvino import OPENVINO_PARAMETERS, OPENVINO_PEERS
+from .peer_process import PeerFailed, PeerProcess, PeerSpec
+from .memory import PeakRSS
 from .outcome import Outcome
 
 HF_PEERS_ON_OUR_KERNELS = ("hf-greedy", "hf-assisted", "hf-pld", "hf-early-exit")
@@ -56,6 +59,9 @@ HF_PEERS_ON_OUR_KERNELS = ("hf-greedy", "hf-assisted", "hf-pld", "hf-early-exit"
 STOCK_SUFFIX = "-stock"
 HF_PEERS = HF_PEERS_ON_OUR_KERNELS + tuple(name + STOCK_SUFFIX for name in HF_PEERS_ON_OUR_KERNELS)
 BASELINE = "ar"
+# The peers that run in worker processes of their own (``peer_process``): name → the peer class.
+PEER_FACTORIES = {**{name: "tierspec.bench.llamacpp:LlamaCppPeer" for name in LLAMACPP_PEERS},
+                  **{name: "tierspec.bench.openvino:OpenVinoPeer" for name in OPENVINO_PEERS}}
 _STOCK_COPIES: "weakref.WeakKeyDictionary[torch.nn.Module, torch.nn.Module]" = weakref.WeakKeyDictionary()
 
 
@@ -100,6 +106,8 @@ class BenchConfig:
     # Fidelity (exact match, ROUGE-L) is measured against `ar`'s output of the same run; a path to
     # another run's records.jsonl (e.g. a greedy run, for a temperature-1 run) uses its `ar` instead.
     fidelity_reference: str | None = None
+    # HumanEval's code runs isolated (bench.sandbox); False is the user's explicit opt-out (--no-sandbox).
+    code_sandbox: bool = True
 
     def __post_init__(self) -> None:
         if not self.methods:
@@ -267,7 +275,8 @@ class MethodRunner:
     """Runs one method spec on prompt ids; built once, reused for every prompt. The spec names
     one of four engines: a tierspec method (``TierspecMethod``), transformers' own ``generate``
     (``TransformersPeer``, the ``hf-*`` names), llama.cpp (``LlamaCppPeer``, ``llamacpp-*``) or
-    OpenVINO GenAI (``OpenVinoPeer``, ``ov-*``);
+    OpenVINO GenAI (``OpenVinoPeer``, ``ov-*``), the last two each in a worker process of its own
+    (``peer_process.PeerProcess``: a crash there is that peer's ``PeerFailed``, not the run's);
     each has ``run(prompt_ids, max_new_tokens, generator) → Outcome``."""
 
     def __init__(self, spec: str, target: LoadedModel, drafter: LoadedModel | None, config: BenchConfig,
@@ -279,12 +288,10 @@ class MethodRunner:
         eos = eos_ids(target)
         sampling = SamplingConfig(config.temperature, config.top_k, config.top_p)
         params.pop("dtype", None)  # the caller passed the target loaded in that dtype
-        if self.name in LLAMACPP_PEERS:
-            self.engine = LlamaCppPeer(self.name, params, config.target, target, eos, config.temperature, config.top_k,
-                                       config.top_p, config.seed)
-        elif self.name in OPENVINO_PEERS:
-            self.engine = OpenVinoPeer(self.name, params, config.target, target, eos, config.temperature, config.top_k,
-                                       config.top_p, config.seed)
+        if self.name in PEER_FACTORIES:
+            spec = PeerSpec(PEER_FACTORIES[self.name], self.name, params, config.target, target.vocab_size,
+                            tuple(sorted(eos)), config.temperature, config.top_k, config.top_p, torch.get_num_threads())
+            self.engine = PeerProcess(spec, target.device.type, config.seed)
         elif self.name in HF_PEERS:
             hf_target, hf_drafter = hf_models or (target, drafter)
             self.engine = TransformersPeer(spec, params, hf_target, hf_drafter, config, eos, sampling)
@@ -385,55 +392,15 @@ def _on_transformers(loaded: LoadedModel | None, spec: str | None, config: Bench
     return twin
 
 
-# ---- memory ---------------------------------------------------------------------------------------
-
-class PeakRSS:
-    """Peak resident memory (MiB) of this process during the block, from the kernel's
-    high-water mark (VmHWM), which writing "5" to /proc/self/clear_refs resets to the current
-    size before the block. No sampling thread competes with the timed generation. Where the
-    reset is not allowed, the larger of the sizes before and after the block (a lower bound;
-    ``exact`` is then False)."""
-
-    def __init__(self):
-        self.peak = 0.0
-        self.exact = False
-
-    @staticmethod
-    def _status(field: str) -> float:
-        with open("/proc/self/status") as handle:
-            for line in handle:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) / 1024  # kB → MiB
-        raise OSError(f"{field} missing from /proc/self/status")
-
-    def __enter__(self):
-        try:
-            with open("/proc/self/clear_refs", "w") as handle:
-                handle.write("5")
-            self.exact = True
-        except OSError:
-            self.exact = False
-        try:
-            self.before = self._status("VmRSS")
-        except OSError:
-            self.before = 0.0
-        return self
-
-    def __exit__(self, *exc):
-        try:
-            self.peak = self._status("VmHWM") if self.exact else max(self.before, self._status("VmRSS"))
-        except OSError:
-            self.peak = self.before
-
-
 # ---- the run --------------------------------------------------------------------------------------
 
-def _task_quality(prompt: Prompt, text: str, dataset: str) -> dict:
+def _task_quality(prompt: Prompt, text: str, dataset: str, code_sandbox: bool = True) -> dict:
     if dataset == "gsm8k" and prompt.reference:
         return {"gsm8k_exact_match": metrics.gsm8k_exact_match(text, prompt.reference)}
     if dataset == "humaneval":
         program = metrics.extract_code(text, prompt.extra["prompt"], prompt.extra["entry_point"])
-        return {"humaneval_pass@1": float(metrics.humaneval_pass(program, prompt.extra["test"], prompt.extra["entry_point"]))}
+        passed = metrics.humaneval_pass(program, prompt.extra["test"], prompt.extra["entry_point"], sandbox=code_sandbox)
+        return {"humaneval_pass@1": float(passed)}
     if dataset in ("cnn_dailymail", "xsum") and prompt.reference:
         return {"rouge_l": metrics.rouge_l(text, prompt.reference)}
     if dataset == "mt_bench" and prompt.reference:
@@ -455,7 +422,7 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
     ``TIERSPEC_ALLOW_CODE_EXECUTION=1``."""
     if config.dataset == "humaneval" and generate:
         check_code_execution_allowed(allow_code_execution)
-        network_isolation()  # no isolation, no run: said before any generation
+        check_isolation(config.code_sandbox)  # no isolation (and no opt-out), no run: said before any generation
     if out.exists() and not out.is_dir():
         raise BenchError(f"--out {out} is a file; give a folder (a new one, or one a bench run made)")
     cluster = cluster if generate else None
@@ -591,7 +558,10 @@ class BenchWorker:
         if not self.warmed_up:
             # Warm-up: first calls pay for allocator growth, thread pools and lazy imports.
             for runner in self.runners.values():
-                runner.run(prompt_ids, 8, torch.Generator().manual_seed(0))
+                try:
+                    runner.run(prompt_ids, 8, torch.Generator().manual_seed(0))
+                except PeerFailed:
+                    pass  # a peer whose worker died: its records say why (below)
             self.warmed_up = True
         for spec in unit.methods:
             # Reduced to torch's 64-bit seed range (the same seed as before for every seed below ~1.8e13).
@@ -601,8 +571,13 @@ class BenchWorker:
             if on_cuda:
                 torch.cuda.synchronize(target.device)
                 torch.cuda.reset_peak_memory_stats(target.device)
-            with PeakRSS() as memory:
-                outcome = self.runners[spec].run(prompt_ids, config.max_new_tokens, generator)
+            try:
+                with PeakRSS() as memory:
+                    outcome = self.runners[spec].run(prompt_ids, config.max_new_tokens, generator)
+            except PeerFailed as error:  # the peer's worker died, hung or raised: this record says so
+                yield {"method": spec, "prompt_id": prompt.id, "category": prompt.category, "repeat": unit.repeat,
+                       "error": str(error), "worker": self.machine}
+                continue
             text = target.tokenizer.decode(outcome.token_ids, skip_special_tokens=True) if target.tokenizer else ""
             record = {
                 "method": spec,
@@ -617,7 +592,7 @@ class BenchWorker:
                 "text": text,
                 **(_stats_fields(outcome.stats) if outcome.stats else {}),
                 **outcome.record_fields,
-                **_task_quality(prompt, text, config.dataset),
+                **_task_quality(prompt, text, config.dataset, config.code_sandbox),
                 "worker": self.machine,
             }
             if on_cuda:  # the GPU's own peak (the process's RSS says little there)
@@ -693,6 +668,9 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
     references = {p.id: p.reference for p in prompts}
     summary = summarize(records, config, references, fidelity_reference=reference)
     write_report(summary, records, out)
+    for name, failure in summary.get("failures", {}).items():  # the run went on; say loudly what is missing
+        print(f"tierspec: warning: {name} failed on {failure['prompts']} prompt(s) (see summary.md; a rerun tries "
+              f"them again): {failure['reasons'][0]}", file=sys.stderr)
     if generate:
         _report_failures(out, failures)
     return summary
@@ -723,7 +701,8 @@ def _generate(config: BenchConfig, out: Path, prompts: list[Prompt], progress: b
     records_path = out / "records.jsonl"
     if generate:
         _drop_cut_tail(records_path)
-    done = {(r["method"], r["prompt_id"], r["repeat"]) for r in read_records(records_path)}
+    # Error records (a peer that failed) are tried again by a rerun.
+    done = {(r["method"], r["prompt_id"], r["repeat"]) for r in read_records(records_path) if "error" not in r}
     atomic_write_text(out / "config.json", json.dumps(asdict(config), indent=2))
     units = bench_units(prompts, list(config.methods), config.repeats, done) if generate else []
     bar = tqdm(total=sum(len(unit.methods) for unit in units), desc="bench", disable=not progress)

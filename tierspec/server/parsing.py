@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ..api import SEED_RANGE
 from ..decode import MAX_TOP_LOGPROBS, DecodeConfig
 from ..errors import TierspecError
+from ..limits import MAX_LOGIT_BIAS_ENTRIES, MAX_NUM_DRAFT
 from ..methods import check_method_name
 from ..models import LoadedModel
 from ..modifiers import BIAS_RANGE, PENALTY_RANGE, LogitModifiers
@@ -78,12 +79,14 @@ class GenerationRequest(BaseModel):
     tool_choice: str | dict | None = None
     # tierspec's own fields
     method: str | None = None
-    top_k: int = Field(default=0, ge=0)
-    num_draft: int | None = Field(default=None, ge=0)
+    top_k: int = Field(default=0, ge=0)  # at most the vocabulary: checked in ``prepare``
+    num_draft: int | None = Field(default=None, ge=0, le=MAX_NUM_DRAFT)
 
     @field_validator("logit_bias")
     @classmethod
     def _bias_by_token_id(cls, value):
+        if value is not None and len(value) > MAX_LOGIT_BIAS_ENTRIES:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(value)}")
         for key, bias in (value or {}).items():
             if not key.isdigit():
                 raise ValueError(f"keys are token ids (strings of digits), got '{key}'")
@@ -335,6 +338,11 @@ def prepare(engine: Engine, request_model: type[GenerationRequest], raw: bytes,
     """The request in ``raw`` and its job: parsed, validated, tokenised and checked against the
     model's context. CPU work (a large prompt takes seconds): run it off the event loop."""
     body = _parse(request_model, raw)
+    if body.stream_options is not None and not body.stream:  # OpenAI's answer, word for word
+        raise ApiError(400, "The 'stream_options' parameter is only allowed when 'stream' is enabled.", "stream_options")
+    if body.top_k > engine.target.vocab_size:
+        raise ApiError(400, f"top_k: at most the vocabulary size {engine.target.vocab_size} (0: no top-k), got "
+                       f"{body.top_k}", "top_k")
     if body.model is not None and body.model != engine.model_name:
         raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{engine.model_name}'",
                        "model", kind="not_found_error")
