@@ -52,7 +52,9 @@ class _SharedModels:
         # A path is keyed by the file it names, a dtype or device by what it resolves to, so that
         # "bfloat16" and torch.bfloat16, or "model" and "./model", share one load.
         name = str(Path(spec).resolve()) if Path(spec).exists() else str(spec)
-        key = (name, resolve_dtype(dtype, device), resolve_device(device), kernels, implementation)
+        # "auto" keeps its own key: on the pass engine it is the engine's numerics, not a torch dtype's
+        auto = isinstance(dtype, str) and dtype == "auto"
+        key = (name, "auto" if auto else resolve_dtype(dtype, device), resolve_device(device), kernels, implementation)
         with self._lock:
             entry = self._entries.setdefault(key, _SharedEntry())
         with entry.lock:

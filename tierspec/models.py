@@ -206,8 +206,10 @@ def resolve_device(device: str | torch.device) -> torch.device:
 def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str = torch.float32,
                device: str | torch.device = "cpu", kernels: str = "auto", implementation: str = "auto") -> LoadedModel:
     """Load a causal LM from a Hugging Face folder, a ``.gguf`` file, or ``"smollm2-135m"``,
-    with its weights in ``dtype`` (float32, bfloat16 or float16, or ``auto``: ``fastest_dtype``;
-    logits are returned in float32 whatever the weights) on ``device`` (``auto``, ``cpu``, ``cuda``, ``mps``).
+    with its weights in ``dtype`` (float32, bfloat16 or float16, or ``auto``: ``fastest_dtype``, and
+    for a GGUF model on the pass engine the engine's default numerics for this CPU,
+    ``quant.default_numerics``; logits are returned in float32 whatever the weights) on ``device``
+    (``auto``, ``cpu``, ``cuda``, ``mps``).
 
     ``kernels``: ``packed`` packs every linear layer's weight once for oneDNN (a pass over 1-16
     new tokens then costs about what one token costs; float32 and bfloat16, the latter emulated
@@ -228,6 +230,7 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
     safetensors folder; later loads read the cache (in the dtype asked for).
     """
     device = resolve_device(device)
+    engine_default = isinstance(dtype, str) and dtype == "auto"  # a GGUF model on the engine: its default numerics
     dtype = resolve_dtype(dtype, device)
     check_dtype_for_device(dtype, device)
     if kernels not in KERNELS:
@@ -235,7 +238,7 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
     if implementation not in IMPLEMENTATIONS:
         raise ModelLoadError(f"unknown implementation {implementation!r}; choose one of: {', '.join(IMPLEMENTATIONS)}")
     try:
-        loaded = _load_model(spec, dtype, implementation, kernels, device)
+        loaded = _load_model(spec, dtype, implementation, kernels, device, engine_default)
     except OSError as error:  # a file or folder that cannot be read or written: say which
         where = error.filename or ""
         hint = "; set TIERSPEC_CACHE to a folder this process can write" if str(where).startswith(str(cache_root())) else ""
@@ -310,7 +313,9 @@ def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.devic
 
 
 def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str, kernels: str = "auto",
-                device: torch.device = torch.device("cpu")) -> LoadedModel:
+                device: torch.device = torch.device("cpu"), engine_default: bool = False) -> LoadedModel:
+    """``engine_default``: the dtype was ``auto``; a GGUF model on the pass engine then computes with
+    the engine's default numerics for this CPU (``quant.default_numerics``)."""
     spec_str = str(spec)
     if spec_str == DEFAULT_MODEL:
         gguf = default_model_file()
@@ -338,9 +343,10 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
     parsed: list = []  # the file's tensors, read once for the check and the load
     if use_gguf_kernels(gguf, folder, kernels, device, dtype, implementation, parsed):
         from .gguf_llama import load_gguf_llama
-        from .quant import numerics_for
+        from .quant import default_numerics, numerics_for
 
-        model = load_gguf_llama(gguf, folder, numerics_for(dtype), parsed[0] if parsed else None)
+        numerics = default_numerics() if engine_default else numerics_for(dtype)
+        model = load_gguf_llama(gguf, folder, numerics, parsed[0] if parsed else None)
         return _loaded(model, _load_tokenizer(folder, own=True), name, gguf_cache.source_hash(folder))
     try:
         model, tokenizer = _load_hf_folder(folder, dtype, implementation)

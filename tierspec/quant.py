@@ -38,13 +38,17 @@ NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 BLOCK = 32
 LAYOUT_BFLOAT16_DOT, LAYOUT_FLOAT32_FMA, LAYOUT_INT8_DOT = 0, 1, 2
+# The engine's kernels' generation: bumped when a kernel's speed or order of sums changes, so that a
+# cached pass-cost table of older kernels is not read (``kernel_key``). 2: tierspec/csrc split by
+# role, float32 rows in 16 lanes and four chains, int8 rows on VNNI without AVX512-BF16, AMX.
+ENGINE_KERNELS = 2
 
 
 @dataclass(frozen=True)
 class Numerics:
     """How a quantised layer's products round: ``layout`` (the engine's kernels: bfloat16 dot
-    products, or float32 FMAs) and ``round_rows`` (float32 FMAs on rows rounded to bfloat16
-    values: bfloat16 emulated). ``dtype`` is what the user asked for."""
+    products, float32 FMAs or int8 dot products) and ``round_rows`` (float32 FMAs on rows rounded to
+    bfloat16 values: bfloat16 emulated). ``dtype`` is what the user asked for (or ``auto`` chose)."""
 
     dtype: torch.dtype
     layout: int
@@ -52,11 +56,39 @@ class Numerics:
 
     @property
     def description(self) -> str:
+        """What the products compute and on which kernel path here (``kernel_key``)."""
         if self.layout == LAYOUT_INT8_DOT:
-            return "8-bit rows per block of 32, int32 sums (AVX512-VNNI)"
-        if self.layout == LAYOUT_BFLOAT16_DOT:
-            return "bfloat16 rows, float32 sums (AVX512-BF16)"
-        return "bfloat16 rows emulated on float32 FMAs" if self.round_rows else "float32 rows, float32 FMAs"
+            what = "8-bit rows per block of 32, int32 sums"
+        elif self.layout == LAYOUT_BFLOAT16_DOT:
+            what = "bfloat16 rows, float32 sums"
+        else:
+            what = "bfloat16 rows emulated on float32 FMAs" if self.round_rows else "float32 rows, float32 FMAs"
+        return f"{what} ({kernel_key(self).rsplit(':', 1)[1]} kernels)"
+
+
+def default_numerics() -> Numerics:
+    """What ``--dtype auto`` computes with on the engine, by the kernels this CPU has (chosen by
+    measured pass costs and text fidelity: results/engine_many_rows/, docs/engine.md §Kernel paths):
+
+    - int8 rows wherever the engine has int8 dot products (AVX512-VNNI, AMX): an int8 dot
+      instruction does twice the multiply-adds of a bfloat16 one (``vpdpbusd`` 64, ``vdpbf16ps`` 32;
+      ``tdpbsud`` 16·16·64, ``tdpbf16ps`` 16·16·32) on half the row bytes, and its text stays within
+      the fidelity target (NLL of greedy ``ar`` under the float32 model, measured in the same table
+      as bfloat16's);
+    - float32 rows elsewhere (AVX2 or portable): without int8 or bfloat16 dot products, rounding
+      the rows would cost time and fidelity and buy nothing."""
+    if probe()["paths"]["int8"] in ("avx512vnni", "amx"):
+        return numerics_for(torch.int8)
+    return numerics_for(torch.float32)
+
+
+def kernel_key(numerics: Numerics) -> str:
+    """Which kernels a weight of ``numerics`` runs on here (its layout, row rounding and the path
+    of that layout's kernel, and the engine's kernel generation), for caches whose contents depend
+    on them: the pass-cost table (``costs``) is re-measured when any of it changes."""
+    path = probe()["paths"][{LAYOUT_BFLOAT16_DOT: "bfloat16", LAYOUT_FLOAT32_FMA: "float32",
+                             LAYOUT_INT8_DOT: "int8"}[numerics.layout]]
+    return f"engine-{ENGINE_KERNELS}:layout{numerics.layout}{'-rounded' if numerics.round_rows else ''}:{path}"
 
 
 def numerics_for(dtype: torch.dtype) -> Numerics:

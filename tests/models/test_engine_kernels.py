@@ -310,3 +310,35 @@ def test_bad_calls_are_refused_before_anything_runs(tiny):
         engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 4, 0, small[:1])], cos, cos,
                          bytes([3, 3, 3]))
     assert torch.equal(hidden, torch.zeros(4, 64)) and torch.equal(keys, torch.zeros(2, 2, 16))  # nothing ran
+
+
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+def test_every_paths_layers_match_the_reference_path(tiny, path):
+    """The vector norm, exp and attention of a path (each summing over its lanes) against the plain-C
+    reference's, through the same layers: float32 logits within a few ulps of their scale, and the
+    same greedy tokens."""
+    model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(torch.float32))
+    with torch.inference_mode():
+        with kernels("portable"):
+            reference = CachedModel(model).forward(LONG_PROMPT[:70]).logits
+        with kernels(path):
+            got = CachedModel(model).forward(LONG_PROMPT[:70]).logits
+    assert (got - reference).abs().max() <= 1e-5 * reference.abs().max()
+    assert torch.equal(got.argmax(-1), reference.argmax(-1))
+
+
+def test_the_cost_tables_key_names_the_numerics_and_the_kernel_path(tiny):
+    """A cached pass-cost table is keyed by the engine's numerics and the path their kernels take
+    here, so a new kernel (or a capped path) never reads an old table."""
+    from tierspec.costs import _linear_kind
+
+    keys = {}
+    for dtype in (torch.int8, torch.float32):
+        model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(dtype))
+        keys[dtype] = _linear_kind(model)
+        with kernels("portable"):
+            keys[dtype, "portable"] = _linear_kind(model)
+    assert keys[torch.int8] != keys[torch.float32] and keys[torch.int8, "portable"] != keys[torch.float32, "portable"]
+    for dtype, name in ((torch.int8, "int8"), (torch.float32, "float32")):
+        assert keys[dtype].endswith(":" + engine.probe()["paths"][name])
+        assert keys[dtype, "portable"].endswith(":portable")
