@@ -172,6 +172,22 @@ def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device = "cpu") 
     raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
 
 
+def auto_dtype(spec: str | os.PathLike, device: str | torch.device = "cpu") -> torch.dtype:
+    """What ``auto`` loads ``spec`` in: for a GGUF file (or the default model) computed on the CPU by
+    the pass engine, the dtype of the engine's default numerics for this CPU
+    (``quant.default_numerics``: int8 rows where the CPU has int8 dot products); else
+    ``fastest_dtype``. Read from the name alone (no file is opened)."""
+    from .quant import engine_available
+
+    device = resolve_device(device)
+    gguf = str(spec) == DEFAULT_MODEL or Path(str(spec)).suffix == ".gguf"
+    if gguf and device.type == "cpu" and engine_available():
+        from .quant import default_numerics
+
+        return default_numerics().dtype
+    return fastest_dtype(device)
+
+
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
