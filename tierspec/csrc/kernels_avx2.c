@@ -6,6 +6,7 @@
 #if QE_X86
 #include <immintrin.h>
 #include <math.h>
+#include <string.h>
 
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
@@ -138,27 +139,47 @@ AVX2_TARGET static void rms_norm_avx2(const float *x, const float *w, float eps,
         _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), r), _mm256_loadu_ps(w + i)));
 }
 
+/* Lane j: the sum of v[j]'s 8 lanes by halving (i + (i+4), then + (i+2), + (i+1): the order of a
+ * single vector's reduction here), for 8 vectors at once. */
+AVX2_TARGET static inline __m256 sum_lanes8(const __m256 v[8]) {
+    __m256 w[4], x[2];
+    for (int p = 0; p < 4; p++) /* low half: v[2p]'s lanes i + (i+4), high half: v[2p+1]'s */
+        w[p] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x20), _mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x31));
+    for (int r = 0; r < 2; r++) /* half c: vectors 4r + c (lanes 0-1) and 4r + 2 + c (lanes 2-3) */
+        x[r] = _mm256_add_ps(_mm256_shuffle_ps(w[2 * r], w[2 * r + 1], 0x44), _mm256_shuffle_ps(w[2 * r], w[2 * r + 1], 0xEE));
+    __m256 z = _mm256_add_ps(_mm256_shuffle_ps(x[0], x[1], 0x88), _mm256_shuffle_ps(x[0], x[1], 0xDD)); /* lane 4c + e: vector 2e + c */
+    return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 /* attend_ref's computation vectorised over the head dimension, its width a compile-time constant
  * (D = 32, 64 or 128) so that the query and the sums stay in registers. Per key one dot product
- * reduced in a fixed order; the weighted sum of values over the logical order in two interleaved
+ * reduced in a fixed order (8 keys at a time, each reduced as alone); the weighted sum of values over the logical order in two interleaved
  * sums (even and odd keys: two independent FMA chains), added at the end. */
 AVX2_TARGET static inline void attend_head_avx2(const attention_view *a, const float *q, float *out, int head, float *scores,
                                                const int *slots, int count, const int chunks) {
     int D = 8 * chunks, g = head / (a->heads / a->kv_heads);
     q += (size_t)head * D;
     const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
-    float scale = 1.0f / sqrtf((float)D), top = -INFINITY;
-    for (int l = 0; l < count; l++) {
-        const float *k = K + (size_t)slots[l] * D;
-        __m256 s = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
-        for (int c = 1; c < chunks; c++) s = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), s);
-        __m128 r = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
-        r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-        r = _mm_add_ss(r, _mm_movehdup_ps(r));
-        float v = _mm_cvtss_f32(r) * scale;
-        scores[l] = v;
-        top = v > top ? v : top;
+    __m256 scale = _mm256_set1_ps(1.0f / sqrtf((float)D)), best = _mm256_set1_ps(-INFINITY);
+    for (int l0 = 0; l0 < count; l0 += 8) { /* 8 keys' dot products, reduced together */
+        int n = count - l0 < 8 ? count - l0 : 8;
+        __m256 s[8];
+        for (int j = 0; j < n; j++) {
+            const float *k = K + (size_t)slots[l0 + j] * D;
+            s[j] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+            for (int c = 1; c < chunks; c++) s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), s[j]);
+        }
+        for (int j = n; j < 8; j++) s[j] = _mm256_setzero_ps();
+        __m256 v = _mm256_mul_ps(sum_lanes8(s), scale);
+        __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, v);
+        memcpy(scores + l0, lanes, (size_t)n * 4);
+        best = _mm256_max_ps(best, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, valid));
     }
+    float top_lanes[8], top = -INFINITY;
+    _mm256_storeu_ps(top_lanes, best);
+    for (int j = 0; j < 8; j++) top = top_lanes[j] > top ? top_lanes[j] : top;
     for (int l = 0; l < count; l++) scores[l] -= top;
     exp_inplace_avx2(scores, count);
     float total = sum_in_order(scores, count);
