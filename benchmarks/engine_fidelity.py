@@ -74,10 +74,13 @@ def main() -> None:
     parser.add_argument("--peers", action="store_true", help="also llama.cpp and OpenVINO GenAI on the same file")
     args = parser.parse_args()
     reference = tierspec.load_model("smollm2-135m", dtype="float32", kernels="packed")
-    default = tierspec.load_model("smollm2-135m", dtype="auto")
-    engines = {f"engine default (--dtype auto: {default.model.model.embed_tokens.qweight.numerics.description})": default}
-    for dtype in ("int8", "bfloat16", "float32"):
-        engines[f"engine {dtype}"] = tierspec.load_model("smollm2-135m", dtype=dtype, kernels="gguf")
+    default = tierspec.load_model("smollm2-135m", dtype="auto").model.model.embed_tokens.qweight.numerics
+    engines = {}
+    for dtype in ("int8", "bfloat16", "float32"):  # the default is one of them: its row says so
+        model = tierspec.load_model("smollm2-135m", dtype=dtype, kernels="gguf")
+        numerics = model.model.model.embed_tokens.qweight.numerics
+        engines[f"engine {dtype}" + (" (the default here)" if numerics == default else "")
+                + f": {numerics.description}"] = model
     from tierspec.models import default_model_file
 
     gguf = default_model_file()
