@@ -1,20 +1,27 @@
-"""Builds tierspec's pass engine (tierspec/csrc/qengine.c) as the extension ``tierspec._qengine``.
+"""Builds tierspec's pass engine (tierspec/csrc/*.c) as the extension ``tierspec._qengine``.
 
-Everything else about the package is declared in pyproject.toml. The C file needs only the Python
-headers and a C11 compiler (gcc or clang); its x86 kernels are compiled for AVX2 and AVX512-BF16
-with function attributes and chosen at run time, so one build serves every x86-64 CPU (others run
-its portable loops). ``-ffp-contract=off``: the compiler must not fuse a*b+c where the code does not
-ask for it, or the portable loops would stop matching the vector ones bit for bit.
+Everything else about the package is declared in pyproject.toml. The C files need only the Python
+headers and a C11 compiler (gcc or clang). Each x86 kernel file compiles its functions for its own
+instruction set with function attributes (AVX2, AVX-512, AVX512-VNNI, AVX512-BF16, AMX), and the
+engine picks among them at run time from the CPU's features, so one build serves every x86-64 CPU
+(others run the portable loops). ``-ffp-contract=off``: the compiler must not fuse a*b+c where the
+code does not ask for it, or the portable loops would stop matching the vector ones bit for bit.
 """
 
+from pathlib import Path
+
 from setuptools import Extension, setup
+
+SOURCES = sorted(str(path) for path in Path("tierspec/csrc").glob("*.c"))
 
 setup(
     ext_modules=[
         Extension(
             "tierspec._qengine",
-            sources=["tierspec/csrc/qengine.c"],
-            extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-pthread", "-Wall"],
+            sources=SOURCES,
+            depends=sorted(str(path) for path in Path("tierspec/csrc").glob("*.h")),
+            extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-pthread", "-Wall", "-Wextra",
+                                "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
             extra_link_args=["-pthread"],
         )
     ]

@@ -16,7 +16,7 @@ from .decode import DecodeConfig, DecodeRun, GenerationStats, TokenLogprob
 from .errors import PromptError, TierspecError
 from .limits import check_num_draft
 from .methods import Method, MethodOptions, build_method, default_method
-from .models import DEFAULT_MODEL, LoadedModel, load_model, resolve_device, resolve_dtype
+from .models import DEFAULT_MODEL, LoadedModel, auto_dtype, load_model, resolve_device, resolve_dtype
 from .prompting import encode_prompt, eos_ids
 from .sampling import SamplingConfig
 
@@ -53,7 +53,8 @@ class _SharedModels:
         # A path is keyed by the file it names, a dtype or device by what it resolves to, so that
         # "bfloat16" and torch.bfloat16, or "model" and "./model", share one load.
         name = str(Path(spec).resolve()) if Path(spec).exists() else str(spec)
-        key = (name, resolve_dtype(dtype, device), resolve_device(device), kernels, implementation)
+        key = (name, auto_dtype(spec, device) if isinstance(dtype, str) and dtype == "auto" else resolve_dtype(dtype, device),
+               resolve_device(device), kernels, implementation)
         with self._lock:
             entry = self._entries.setdefault(key, _SharedEntry())
         with entry.lock:

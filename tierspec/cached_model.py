@@ -344,7 +344,7 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem], hidden_layers: 
     those layers' outputs, as ``CachedModel.forward(with_hidden=True)`` does. Each runner's cache
     advances by its rows (the same invariant as a solo pass)."""
     from .gguf_llama import ATTENTION_UNIT, MLP_UNIT
-    from .engine import engine, engine_threads
+    from .engine import Segment, run_stack
 
     decoder = model.model
     if decoder.engine_stack is None:
@@ -357,7 +357,7 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem], hidden_layers: 
     if len({id(item.runner) for item in items}) != len(items):
         raise ValueError("a sequence appears twice in one batched pass")
     first = decoder.layers[0].fused
-    rows, cos, sin, tables, attends, sequences, ids = 0, [], [], [], [], [], []
+    rows, cos, sin, sequences, ids = 0, [], [], [], []
     for item in items:
         runner, tokens = item.runner, item.token_ids.reshape(-1)
         n = int(tokens.shape[0])
@@ -369,21 +369,18 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem], hidden_layers: 
         cos.append(factors[0].reshape(n, -1))
         sin.append(factors[1].reshape(n, -1))
         table = runner.cache.engine_table(start + n, first.kv_heads, first.head_dim)
-        tables.append(table)
         seen = None
         if item.attends is not None:
             seen = item.attends.to("cpu", torch.uint8).contiguous()
             if tuple(seen.shape) != (n, n) or bool(seen.triu(1).any()):
                 raise ValueError(f"a tree mask for {n} tokens has shape ({n}, {n}) and lets a token see earlier ones only")
-        attends.append(seen)
         for index, layer in enumerate(runner.cache.layers):
             if layer.length != start:
                 raise RuntimeError(f"layer {index}'s cache holds {layer.length} positions, the sequence is at {start}: "
                                    "the caller broke the rollback invariant")
-        sequences.append((rows, n, start, table.data_ptr(), 0 if seen is None else seen.data_ptr()))
+        sequences.append(Segment(rows, n, start, table, seen))
         ids.append(tokens.cpu())
         rows += n
-    sequence_table = torch.tensor(sequences, dtype=torch.int64)
     cos_all, sin_all = torch.cat(cos).contiguous(), torch.cat(sin).contiguous()
     hidden = decoder.embed_tokens(torch.cat(ids)).float().contiguous()  # [rows, H]
     flags = bytes([ATTENTION_UNIT | MLP_UNIT] * len(decoder.layers))
@@ -392,9 +389,7 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem], hidden_layers: 
     begin = 0
     for stop in stops + [len(decoder.layers) - 1]:
         out = torch.empty_like(hidden)
-        engine().run_stack_batch(decoder.engine_stack.capsule, begin, stop + 1, hidden.data_ptr(), out.data_ptr(), rows,
-                                 sequence_table.data_ptr(), len(items), cos_all.data_ptr(), sin_all.data_ptr(), flags,
-                                 engine_threads())
+        run_stack(decoder.engine_stack.capsule, hidden, out, sequences, cos_all, sin_all, flags, begin, stop + 1)
         hidden, begin = out, stop + 1
         captured[stop] = hidden
     final = decoder.norm(hidden)  # [rows, H]

@@ -97,13 +97,18 @@ def _measure_forward_costs(model: torch.nn.Module, max_tokens: int, context: int
 
 def _linear_kind(model: torch.nn.Module) -> str:
     """Which linear kernels and weight dtype the model runs (the table depends on both: see
-    ``kernels``)."""
+    ``kernels``); for the pass engine, its numerics and the kernel path they take on this CPU
+    (``quant.kernel_key``), so a new kernel never reads an old table."""
     from .kernels import FewRowLinear, PackedLinear
     from .quant import QuantLinear
 
+    from .quant import kernel_key
+
+    quantised = next((m for m in model.modules() if isinstance(m, QuantLinear)), None)
+    if quantised is not None:  # the engine: its numerics and the kernel path they run on here
+        return f"gguf:{kernel_key(quantised.qweight.numerics)}"
     kinds = {type(m) for m in model.modules()}
-    kind = ("gguf-v1" if QuantLinear in kinds else "packed-v1" if PackedLinear in kinds
-            else "few-row-v2" if FewRowLinear in kinds else "linear")
+    kind = "packed-v1" if PackedLinear in kinds else "few-row-v2" if FewRowLinear in kinds else "linear"
     return f"{kind}:{str(getattr(model, 'dtype', '')).replace('torch.', '')}"
 
 

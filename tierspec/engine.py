@@ -1,7 +1,12 @@
-"""The binding to tierspec's compiled pass engine (``tierspec/csrc/qengine.c``, the extension
+"""The binding to tierspec's compiled pass engine (``tierspec/csrc``, the extension
 ``tierspec._qengine``) and the threads it runs on: the lowest layer the engine's users share
 (``tierspec.llama`` runs decoder layers through it; ``tierspec.quant`` builds weights for it).
-docs/algorithms.md §The pass engine says what it computes.
+docs/engine.md says what it computes, on which kernel paths, and how the CPU is probed.
+
+The Python-level API: ``engine()`` (the module: weights, layers and stacks as capsules, calls with
+named arguments), ``run_stack`` (a pass over a range of a stack's layers for a list of ``Segment``
+sequences, torch tensors checked here), ``kernel_path`` / ``probe`` / ``kernel_report`` (which kernels
+run here and why), and the thread arrangement (``engine_threads``, ``torch_ops_on_one_thread``).
 
 Why a compiled extension of the project's own and not a maintained engine: every maintained path
 was measured on the same cached passes first (``benchmarks/engine_candidates.py``; the table is in
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import NamedTuple
 
 import torch
 
@@ -30,14 +36,21 @@ class EngineMissingError(ModelLoadError):
     """tierspec's compiled pass engine is not importable (a source checkout not built)."""
 
 
+class EngineSettingError(ModelLoadError):
+    """The engine's environment setting is wrong (an unknown ``TIERSPEC_ENGINE_ISA``)."""
+
+
 @functools.lru_cache(maxsize=None)
 def engine():
-    """The compiled engine module ``tierspec._qengine``, or a one-line error saying how to build it."""
+    """The compiled engine module ``tierspec._qengine``, or a one-line error saying how to build it
+    (or what is wrong with ``TIERSPEC_ENGINE_ISA``, which the engine reads at import)."""
     try:
         from . import _qengine
     except ImportError as error:
         raise EngineMissingError(f"tierspec's compiled pass engine is missing ({error}); build it with README's "
                                  "install command (pip install -e '.[test,llamacpp]')") from None
+    except ValueError as error:  # the engine refused TIERSPEC_ENGINE_ISA
+        raise EngineSettingError(str(error)) from None
     return _qengine
 
 
@@ -47,6 +60,86 @@ def engine_available() -> bool:
     except EngineMissingError:
         return False
     return True
+
+
+def kernel_path() -> str:
+    """The kernel path the engine uses: portable, avx2, avx512, avx512vnni, avx512bf16 or amx."""
+    return engine().isa()
+
+
+def probe() -> dict:
+    """What the engine found at import: ``isa`` (the path in use), ``best`` (the most this CPU and
+    OS run), ``cap`` (``TIERSPEC_ENGINE_ISA`` or None), ``features`` (CPUID's and the OS's flags),
+    ``amx`` and ``amx_reason`` (why AMX is not used: not listed, not granted by Linux, or its probe
+    child killed by a tile instruction), and ``paths``: the path each kernel takes per numerics."""
+    return engine().probe()
+
+
+def kernel_report() -> str:
+    """One line for ``--stats`` and ``/health``: the path in use, the numerics' kernels and AMX's
+    state, e.g. "engine kernels avx512vnni (int8 rows: avx512vnni, float32 rows: avx512, bfloat16
+    rows: portable); AMX not used: this CPU's CPUID lists no AMX (tiles with BF16 and INT8)"."""
+    found = probe()
+    paths = found["paths"]
+    text = (f"engine kernels {found['isa']} (int8 rows: {paths['int8']}, float32 rows: {paths['float32']}, "
+            f"bfloat16 rows: {paths['bfloat16']})")
+    if found["cap"] is not None:
+        text += f", capped by TIERSPEC_ENGINE_ISA={found['cap']}"
+    return text + ("; AMX in use" if found["amx"] else f"; AMX not used: {found['amx_reason']}")
+
+
+class Segment(NamedTuple):
+    """One sequence's rows of an engine pass: ``rows`` new rows (from row ``first_row`` of the
+    pass) written at cache slots ``start ..``; ``kv_table`` int64 [layers, 3]: each layer's key and
+    value buffer addresses and capacity (``llama.KVCache.engine_table``); ``attends`` uint8 (None: a
+    chain): [rows, rows] among the new rows, or [rows, start + rows] over every slot when
+    ``every_slot`` (the draft head's token trees)."""
+
+    first_row: int
+    rows: int
+    start: int
+    kv_table: torch.Tensor
+    attends: torch.Tensor | None = None
+    every_slot: bool = False
+
+
+def run_stack(stack, hidden: torch.Tensor, out: torch.Tensor, segments: list[Segment], cos: torch.Tensor,
+              sin: torch.Tensor, flags: bytes, first: int = 0, last: int | None = None,
+              threads: int | None = None) -> None:
+    """Layers ``first .. last - 1`` of ``stack`` (a ``make_stack`` capsule) over the pass's rows:
+    ``hidden`` and ``out`` float32 [rows, H] contiguous (out: the last layer's output), ``cos`` and
+    ``sin`` float32 [rows, D] (x·cos + roll(x, D/2)·sin rotates each row by its position), ``flags``
+    one byte per layer of the stack (1 attention, 2 MLP, 0 skipped). A solo pass is one segment; a
+    batch's sequences share the products and each attends over its own cache. Bad shapes are a
+    ValueError before anything runs."""
+    rows = int(hidden.shape[-2])
+    for name, tensor in (("hidden", hidden), ("out", out), ("cos", cos), ("sin", sin)):
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError(f"the engine reads {name} as contiguous float32 on the CPU")
+    if out.shape != hidden.shape or hidden.numel() != rows * int(hidden.shape[-1]):
+        raise ValueError(f"hidden {tuple(hidden.shape)} and out {tuple(out.shape)} must be the same [rows, H]")
+    if cos.numel() != sin.numel() or cos.numel() % rows:
+        raise ValueError(f"cos and sin hold one row of factors per pass row ({rows}), not {tuple(cos.shape)}")
+    last = len(flags) if last is None else last
+    table = []
+    for segment in segments:
+        kv = segment.kv_table
+        if kv.dtype != torch.int64 or kv.dim() != 2 or kv.shape[1] != 3 or not kv.is_contiguous() or kv.shape[0] < last:
+            raise ValueError(f"a segment's KV table is int64 [layers, 3] contiguous, a row for each of the stack's "
+                             f"first {last} layers, not {tuple(kv.shape)}")
+        attends = 0
+        if segment.attends is not None:
+            mask, keys = segment.attends, segment.start + segment.rows if segment.every_slot else segment.rows
+            if mask.dtype != torch.uint8 or not mask.is_contiguous() or tuple(mask.shape) != (segment.rows, keys):
+                raise ValueError(f"a segment's attends is uint8 [{segment.rows}, {keys}] contiguous, "
+                                 f"not {tuple(mask.shape)}")
+            attends = mask.data_ptr()
+        table.append((segment.first_row, segment.rows, segment.start, kv.data_ptr(), attends, int(segment.every_slot)))
+    described = torch.tensor(table, dtype=torch.int64)
+    engine().run_stack(stack=stack, first=first, last=last, hidden=hidden.data_ptr(),
+                       out=out.data_ptr(), rows=rows, cos=cos.data_ptr(), sin=sin.data_ptr(),
+                       segments=described.data_ptr(), count=len(table), flags=flags,
+                       threads=engine_threads() if threads is None else threads)
 
 
 _ENGINE_THREADS: int | None = None  # set by ``torch_ops_on_one_thread`` while a generation runs

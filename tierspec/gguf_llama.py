@@ -24,15 +24,17 @@ import torch
 
 from .errors import ModelLoadError
 from .llama import KVLayer, LlamaLM, PassLayout, ViewOnReadKVLayer, model_config, supports
-from .quant import (NATIVE_TYPES, GgufTensor, Numerics, QuantEmbedding, QuantLinear, QuantWeight, engine,
-                    engine_threads, read_gguf_tensors, unpermute_order, unpermute_rows)
+from .engine import Segment, engine, run_stack
+from .quant import (NATIVE_TYPES, GgufTensor, Numerics, QuantEmbedding, QuantLinear, QuantWeight, read_gguf_tensors,
+                    unpermute_order, unpermute_rows)
 
 ATTENTION_UNIT, MLP_UNIT = 1, 2  # the engine's flags: which residual units of a layer run
+EVERY_SLOT = 4  # FusedLayer.run: the pass's attends lists every slot a row sees
 
 
 class FusedLayer:
-    """A decoder layer's engine description (weights, norms, shapes) and its call. Holds references
-    to the tensors whose addresses the engine keeps."""
+    """A decoder layer's engine description (its products' engine weights, copies of its norms, its
+    shapes: the engine keeps what it reads alive) and its call."""
 
     def __init__(self, layer, config: SimpleNamespace):
         attention, mlp = layer.self_attn, layer.mlp
@@ -43,40 +45,39 @@ class FusedLayer:
         if len(numerics) != 1:
             raise ValueError("a fused layer's projections must share their numerics")
         self.numerics: Numerics = numerics.pop()
-        self._keep = (parts, layer.input_layernorm.weight, layer.post_attention_layernorm.weight)
-        args = []
-        for part in parts:
-            w = part.qweight
-            args += [w.kind, w.packed.data_ptr(), w.out_features, w.in_features]
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.hidden = config.hidden_size
-        self.capsule = engine().make_layer(
-            self.numerics.layout, int(self.numerics.round_rows), *args,
-            layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
-            float(config.rms_norm_eps), self.hidden, self.heads, self.kv_heads, self.head_dim,
-            config.intermediate_size)
+        qkv, o, gate_up, down = (part.qweight.handle for part in parts)
+        norms = [norm.weight.detach().float().contiguous().numpy() for norm in
+                 (layer.input_layernorm, layer.post_attention_layernorm)]  # copied by the engine
+        self.capsule = engine().make_layer(qkv=qkv, o=o, gate_up=gate_up, down=down, norm_in=norms[0],
+                                           norm_post=norms[1], eps=float(config.rms_norm_eps), hidden=self.hidden,
+                                           heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                           inter=config.intermediate_size)
+        self.stack = engine().make_stack((self.capsule,))  # the layer alone, for ``run``
 
     def __deepcopy__(self, memo) -> "FusedLayer":
         return self  # stateless over shared weights: a model's masked copy (layerskip.masks.masked_copy) shares it
 
     def run(self, hidden: torch.Tensor, layout: PassLayout, cache: KVLayer, units: int) -> torch.Tensor:
         """hidden [1, n, H] float32 → the layer's output [1, n, H] (a new tensor: hooks may keep the
-        input), this pass's keys/values written at slots ``layout.start ..`` of ``cache``."""
+        input), this pass's keys/values written at slots ``layout.start ..`` of ``cache``. ``units``:
+        ATTENTION_UNIT | MLP_UNIT, and EVERY_SLOT when ``layout.attends`` [n, start + n] lists the
+        slots each row sees (the draft head's trees) rather than [n, n] among the new rows."""
         n = int(hidden.shape[1])
         if units & ATTENTION_UNIT and cache.length != layout.start:
             raise RuntimeError(f"a layer's cache holds {cache.length} positions, the pass starts at {layout.start}: "
                                "the caller broke the rollback invariant")
         source = hidden if hidden.is_contiguous() and hidden.dtype == torch.float32 else hidden.float().contiguous()
         out = torch.empty_like(source)
-        attends = layout.attends
         if units & ATTENTION_UNIT:
             keys, values = cache.slots(layout.start + n, self.kv_heads, self.head_dim)
-            kv = (keys.data_ptr(), values.data_ptr(), int(keys.shape[-2]))
+            table = torch.tensor([[keys.data_ptr(), values.data_ptr(), int(keys.shape[-2])]], dtype=torch.int64)
         else:  # the MLP unit alone reads no cache
-            kv = (0, 0, layout.start + n)
-        engine().run_layer(self.capsule, source.data_ptr(), out.data_ptr(), n, layout.start, *kv,
-                           layout.cos.data_ptr(), layout.signed_sin.data_ptr(),
-                           None if attends is None else attends.data_ptr(), units, engine_threads())
+            table = torch.zeros(1, 3, dtype=torch.int64)
+        segment = Segment(0, n, layout.start, table, layout.attends, bool(units & EVERY_SLOT))
+        run_stack(self.stack, source.view(n, -1), out.view(n, -1), [segment], layout.cos.reshape(n, -1),
+                  layout.signed_sin.reshape(n, -1), bytes([units & (ATTENTION_UNIT | MLP_UNIT)]))
         if units & ATTENTION_UNIT:
             cache.advance(n)
         return out

@@ -687,7 +687,7 @@ class Decoder(torch.nn.Module):
     def _engine_forward(self, hidden: torch.Tensor, layout: PassLayout, cache: KVCache) -> torch.Tensor:
         """The layers as engine calls: runs of layers without forward hooks in one call each, a
         hooked layer (hidden-state capture) as a module call, so its hooks see its output."""
-        from .engine import engine, engine_threads
+        from .engine import Segment, run_stack
 
         layers = self.layers
         if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
@@ -699,8 +699,8 @@ class Decoder(torch.nn.Module):
         n = int(hidden.shape[1])
         table = cache.engine_table(layout.start + n, first.kv_heads, first.head_dim)
         hidden = hidden.contiguous()
-        attends = None if layout.attends is None else layout.attends.data_ptr()
-        threads = engine_threads()
+        segments = [Segment(0, n, layout.start, table, layout.attends)]
+        cos, sin = layout.cos.reshape(n, -1), layout.signed_sin.reshape(n, -1)
         i = 0
         while i < len(layers):
             if i in hooked:
@@ -715,9 +715,7 @@ class Decoder(torch.nn.Module):
                     raise RuntimeError(f"layer {k}'s cache holds {cache.layers[k].length} positions, the pass starts "
                                        f"at {layout.start}: the caller broke the rollback invariant")
             out = torch.empty_like(hidden)
-            engine().run_stack(self.engine_stack.capsule, i, j, hidden.data_ptr(), out.data_ptr(), n, layout.start,
-                               table.data_ptr(), layout.cos.data_ptr(), layout.signed_sin.data_ptr(), attends, flags,
-                               threads)
+            run_stack(self.engine_stack.capsule, hidden.view(n, -1), out.view(n, -1), segments, cos, sin, flags, i, j)
             for k in range(i, j):
                 if flags[k] & 1:
                     cache.layers[k].advance(n)

@@ -159,6 +159,22 @@ def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device = "cpu") 
     raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
 
 
+def auto_dtype(spec: str | os.PathLike, device: str | torch.device = "cpu") -> torch.dtype:
+    """What ``auto`` loads ``spec`` in: for a GGUF file (or the default model) computed on the CPU by
+    the pass engine, the dtype of the engine's default numerics for this CPU
+    (``quant.default_numerics``: int8 rows where the CPU has int8 dot products); else
+    ``fastest_dtype``. Read from the name alone (no file is opened)."""
+    from .quant import engine_available
+
+    device = resolve_device(device)
+    gguf = str(spec) in KNOWN_MODELS or Path(str(spec)).suffix == ".gguf"
+    if gguf and device.type == "cpu" and engine_available():
+        from .quant import default_numerics
+
+        return default_numerics().dtype
+    return fastest_dtype(device)
+
+
 DEVICES = ("auto", "cpu", "cuda", "mps")
 
 
@@ -194,8 +210,10 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
                device: str | torch.device = "cpu", kernels: str = "auto", implementation: str = "auto") -> LoadedModel:
     """Load a causal LM from a Hugging Face folder, a ``.gguf`` file, or a known model's name
     (``model_files.KNOWN_MODELS``: ``"smollm2-135m"``, ``"gemma3-270m"``),
-    with its weights in ``dtype`` (float32, bfloat16 or float16, or ``auto``: ``fastest_dtype``;
-    logits are returned in float32 whatever the weights) on ``device`` (``auto``, ``cpu``, ``cuda``, ``mps``).
+    with its weights in ``dtype`` (float32, bfloat16 or float16, or ``auto``: ``fastest_dtype``, and
+    for a GGUF model on the pass engine the engine's default numerics for this CPU,
+    ``quant.default_numerics``; logits are returned in float32 whatever the weights) on ``device``
+    (``auto``, ``cpu``, ``cuda``, ``mps``).
 
     ``kernels``: ``packed`` packs every linear layer's weight once for oneDNN (a pass over 1-16
     new tokens then costs about what one token costs; float32 and bfloat16, the latter emulated
@@ -220,6 +238,7 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
     de-quantised once into a cached float32 safetensors folder that transformers' modules load.
     """
     device = resolve_device(device)
+    engine_default = isinstance(dtype, str) and dtype == "auto"  # a GGUF model on the engine: its default numerics
     dtype = resolve_dtype(dtype, device)
     check_dtype_for_device(dtype, device)
     if kernels not in KERNELS:
@@ -227,7 +246,7 @@ def load_model(spec: str | os.PathLike = DEFAULT_MODEL, dtype: torch.dtype | str
     if implementation not in IMPLEMENTATIONS:
         raise ModelLoadError(f"unknown implementation {implementation!r}; choose one of: {', '.join(IMPLEMENTATIONS)}")
     try:
-        loaded = _load_model(spec, dtype, implementation, kernels, device)
+        loaded = _load_model(spec, dtype, implementation, kernels, device, engine_default)
     except OSError as error:  # a file or folder that cannot be read or written: say which
         where = error.filename or ""
         hint = "; set TIERSPEC_CACHE to a folder this process can write" if str(where).startswith(str(cache_root())) else ""
@@ -306,7 +325,9 @@ def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.devic
 
 
 def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str, kernels: str = "auto",
-                device: torch.device = torch.device("cpu")) -> LoadedModel:
+                device: torch.device = torch.device("cpu"), engine_default: bool = False) -> LoadedModel:
+    """``engine_default``: the dtype was ``auto``; a GGUF model on the pass engine then computes with
+    the engine's default numerics for this CPU (``quant.default_numerics``)."""
     spec_str = str(spec)
     if spec_str in KNOWN_MODELS:
         gguf = known_model_file(spec_str)
@@ -333,15 +354,16 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
     if dtype == torch.int8:  # only the engine computes with 8-bit rows
         kernels = "gguf"
     parsed: list = []  # the file's tensors, read once for the checks and the load
-    built = _load_gguf_architecture(gguf, name, dtype, implementation, kernels, device, parsed, header)
+    built = _load_gguf_architecture(gguf, name, dtype, implementation, kernels, device, parsed, header, engine_default)
     if built is not None:
         return built
     folder = gguf_cache.converted_copy(gguf, header)
     if use_gguf_kernels(gguf, folder, kernels, device, dtype, implementation, parsed, header):
         from .gguf_llama import load_gguf_llama
-        from .quant import numerics_for
+        from .quant import default_numerics, numerics_for
 
-        model = load_gguf_llama(gguf, folder, numerics_for(dtype), parsed[0] if parsed else None)
+        numerics = default_numerics() if engine_default else numerics_for(dtype)
+        model = load_gguf_llama(gguf, folder, numerics, parsed[0] if parsed else None)
         return _loaded(model, _load_tokenizer(folder, own=True), name, gguf_cache.source_hash(folder))
     try:
         model, tokenizer = _load_hf_folder(folder, dtype, implementation)
@@ -354,15 +376,15 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
 
 
 def _load_gguf_architecture(gguf: Path, name: str, dtype: torch.dtype, implementation: str, kernels: str,
-                            device: torch.device, parsed: list, header) -> LoadedModel | None:
+                            device: torch.device, parsed: list, header, engine_default: bool = False) -> LoadedModel | None:
     """The model of ``gguf`` built from the file by ``tierspec.gguf_model``, or None where the older
     paths load it: a plain Llama file whose every matrix is of an engine type (``gguf_llama``, from
     the converted copy's config), ``implementation="transformers"``, or an architecture tierspec does
     not cover (transformers' modules on the converted copy, after a one-line note of why). The
     file's tensors read here (from ``header``, its checked ``gguf_check.GgufHeader``) are handed back
-    in ``parsed`` (an empty list to fill) for those paths."""
+    in ``parsed`` (an empty list to fill) for those paths. ``engine_default``: as ``_load_model``'s."""
     from .architectures import UnsupportedArchitecture, read_architecture
-    from .quant import NATIVE_TYPES, engine_available, numerics_for, read_gguf_tensors
+    from .quant import NATIVE_TYPES, default_numerics, engine_available, numerics_for, read_gguf_tensors
 
     if implementation == "transformers":
         return None
@@ -395,7 +417,7 @@ def _load_gguf_architecture(gguf: Path, name: str, dtype: torch.dtype, implement
         engine_reasons.append("the compiled engine is missing (build it with README's install command)")
     if engine_reasons and kernels == "gguf":
         raise ModelLoadError(f"--kernels gguf cannot run {gguf.name}: {'; '.join(engine_reasons)}")
-    numerics = None if engine_reasons else numerics_for(dtype)
+    numerics = None if engine_reasons else (default_numerics() if engine_default else numerics_for(dtype))
     folder = gguf_cache.tokenizer_copy(gguf, fields)
     from .gguf_model import load_gguf_model
 

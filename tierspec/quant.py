@@ -5,7 +5,7 @@ block's fp16 scale d and minimum m (w = d·q + m), Q4_0 as w = d·(q − 8), Q8_
 a scale (w = d·q). De-quantising them into bfloat16 copies (what tierspec did before) streams 3.4×
 the file's bytes per pass and rounds the weights again (d·q + m does not fit bfloat16's 8-bit
 significand). Here the blocks are kept, repacked once at load into the layout of tierspec's pass
-engine (``tierspec/csrc/qengine.c``: tiles of 16 output rows, the same values), and every product
+engine (``tierspec/csrc``: tiles of 16 output rows, the same values), and every product
 de-quantises a weight tile once for all the rows of its pass, so a pass over 1–16 new tokens costs
 about what one costs.
 
@@ -28,24 +28,27 @@ from pathlib import Path
 
 import torch
 
-from .engine import (EngineMissingError, engine, engine_available, engine_threads, runs_on_engine,  # noqa: F401
-                     threads_for, torch_ops_on_one_thread)
+from .engine import (EngineMissingError, engine, engine_available, engine_threads, probe,  # noqa: F401
+                     runs_on_engine, threads_for, torch_ops_on_one_thread)
 from .errors import ModelLoadError
 
 # ggml type ids (ggml.h) of the natively computed block types
 Q4_0, Q4_1, Q8_0 = 2, 3, 8
 NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
-_KIND = {Q4_0: 0, Q4_1: 0, Q8_0: 1}  # the engine's kinds: 4-bit (with a minimum) and 8-bit
 _BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
 BLOCK = 32
 LAYOUT_BFLOAT16_DOT, LAYOUT_FLOAT32_FMA, LAYOUT_INT8_DOT = 0, 1, 2
+# The engine's kernels' generation: bumped when a kernel's speed or order of sums changes, so that a
+# cached pass-cost table of older kernels is not read (``kernel_key``). 2: tierspec/csrc split by
+# role, float32 rows in 16 lanes and four chains, int8 rows on VNNI without AVX512-BF16, AMX.
+ENGINE_KERNELS = 2
 
 
 @dataclass(frozen=True)
 class Numerics:
     """How a quantised layer's products round: ``layout`` (the engine's kernels: bfloat16 dot
-    products, or float32 FMAs) and ``round_rows`` (float32 FMAs on rows rounded to bfloat16
-    values: bfloat16 emulated). ``dtype`` is what the user asked for."""
+    products, float32 FMAs or int8 dot products) and ``round_rows`` (float32 FMAs on rows rounded to
+    bfloat16 values: bfloat16 emulated). ``dtype`` is what the user asked for (or ``auto`` chose)."""
 
     dtype: torch.dtype
     layout: int
@@ -53,11 +56,39 @@ class Numerics:
 
     @property
     def description(self) -> str:
+        """What the products compute and on which kernel path here (``kernel_key``)."""
         if self.layout == LAYOUT_INT8_DOT:
-            return "8-bit rows per block of 32, int32 sums (AVX512-VNNI)"
-        if self.layout == LAYOUT_BFLOAT16_DOT:
-            return "bfloat16 rows, float32 sums (AVX512-BF16)"
-        return "bfloat16 rows emulated on float32 FMAs" if self.round_rows else "float32 rows, float32 FMAs"
+            what = "8-bit rows per block of 32, int32 sums"
+        elif self.layout == LAYOUT_BFLOAT16_DOT:
+            what = "bfloat16 rows, float32 sums"
+        else:
+            what = "bfloat16 rows emulated on float32 FMAs" if self.round_rows else "float32 rows, float32 FMAs"
+        return f"{what} ({kernel_key(self).rsplit(':', 1)[1]} kernels)"
+
+
+def default_numerics() -> Numerics:
+    """What ``--dtype auto`` computes with on the engine, by the kernels this CPU has (chosen by
+    measured pass costs and text fidelity: results/engine_many_rows/, docs/engine.md §Kernel paths):
+
+    - int8 rows wherever the engine has int8 dot products (AVX512-VNNI, AMX): an int8 dot
+      instruction does twice the multiply-adds of a bfloat16 one (``vpdpbusd`` 64, ``vdpbf16ps`` 32;
+      ``tdpbsud`` 16·16·64, ``tdpbf16ps`` 16·16·32) on half the row bytes, and its text stays within
+      the fidelity target (NLL of greedy ``ar`` under the float32 model, measured in the same table
+      as bfloat16's);
+    - float32 rows elsewhere (AVX2 or portable): without int8 or bfloat16 dot products, rounding
+      the rows would cost time and fidelity and buy nothing."""
+    if probe()["paths"]["int8"] in ("avx512vnni", "amx"):
+        return numerics_for(torch.int8)
+    return numerics_for(torch.float32)
+
+
+def kernel_key(numerics: Numerics) -> str:
+    """Which kernels a weight of ``numerics`` runs on here (its layout, row rounding and the path
+    of that layout's kernel, and the engine's kernel generation), for caches whose contents depend
+    on them: the pass-cost table (``costs``) is re-measured when any of it changes."""
+    path = probe()["paths"][{LAYOUT_BFLOAT16_DOT: "bfloat16", LAYOUT_FLOAT32_FMA: "float32",
+                             LAYOUT_INT8_DOT: "int8"}[numerics.layout]]
+    return f"engine-{ENGINE_KERNELS}:layout{numerics.layout}{'-rounded' if numerics.round_rows else ''}:{path}"
 
 
 def numerics_for(dtype: torch.dtype) -> Numerics:
@@ -66,7 +97,7 @@ def numerics_for(dtype: torch.dtype) -> Numerics:
     as llama.cpp rounds activations (int32 dot products on AVX512-VNNI, the same integers and the same
     float steps in portable loops elsewhere). Other dtypes are refused (the outputs are float32)."""
     if dtype == torch.bfloat16:
-        native = engine().isa() == "avx512bf16"
+        native = probe()["paths"]["bfloat16"] in ("avx512bf16", "amx")
         return Numerics(dtype, LAYOUT_BFLOAT16_DOT if native else LAYOUT_FLOAT32_FMA, not native)
     if dtype == torch.float32:
         return Numerics(dtype, LAYOUT_FLOAT32_FMA, False)
@@ -77,7 +108,8 @@ def numerics_for(dtype: torch.dtype) -> Numerics:
 
 
 class QuantWeight:
-    """A [N, K] weight of one native GGUF type, repacked for the engine (``packed``: uint8)."""
+    """A [N, K] weight of one native GGUF type, repacked for the engine (``handle``: the engine's
+    weight, which owns its cells)."""
 
     def __init__(self, rows, ggml_type: int, in_features: int, numerics: Numerics, parts: list | None = None):
         """``rows``: the GGUF tensor's raw blocks, uint8 [N, K/32 · block bytes] (a tensor or a numpy
@@ -100,15 +132,15 @@ class QuantWeight:
                 raise ValueError("a row order names rows the part does not have")
             count = shape[0] if order is None else int(order.numel())
             sources.append((kept, address, None if order is None else order.to(torch.int64).contiguous(), count))
-        qe = engine()
-        self.ggml_type, self.kind = ggml_type, _KIND[ggml_type]
+        self.ggml_type = ggml_type
         self.out_features, self.in_features = sum(count for *_, count in sources), in_features
         self.numerics = numerics
-        self.packed = torch.empty(qe.packed_bytes(ggml_type, self.out_features, in_features), dtype=torch.uint8)
+        self.handle = engine().new_weight(ggml_type=ggml_type, layout=numerics.layout, round_rows=numerics.round_rows,
+                                          out_features=self.out_features, in_features=in_features)
         row0 = 0
         for _kept, address, order, count in sources:
-            qe.repack(ggml_type, numerics.layout, address, None if order is None else order.data_ptr(), count,
-                      in_features, self.packed.data_ptr(), row0)
+            engine().repack(weight=self.handle, blocks=address, rows=count,
+                            order=None if order is None else order.data_ptr(), row0=row0)
             row0 += count
 
     @classmethod
@@ -129,14 +161,10 @@ class QuantWeight:
         indices = indices.reshape(-1).to(torch.int64).contiguous()
         if indices.numel() == 0 or int(indices.min()) < 0 or int(indices.max()) >= self.out_features:
             raise IndexError(f"row indices must lie in 0..{self.out_features - 1}")
-        qe = engine()
         chosen = object.__new__(QuantWeight)
-        chosen.ggml_type, chosen.kind, chosen.numerics = self.ggml_type, self.kind, self.numerics
+        chosen.ggml_type, chosen.numerics = self.ggml_type, self.numerics
         chosen.out_features, chosen.in_features = int(indices.numel()), self.in_features
-        chosen.packed = torch.empty(qe.packed_bytes(self.ggml_type, chosen.out_features, self.in_features),
-                                    dtype=torch.uint8)
-        qe.gather_rows(self.kind, self.numerics.layout, self.packed.data_ptr(), self.in_features, indices.data_ptr(),
-                       chosen.out_features, chosen.packed.data_ptr())
+        chosen.handle = engine().gather_rows(weight=self.handle, indices=indices.data_ptr(), count=chosen.out_features)
         return chosen
 
     def __deepcopy__(self, memo) -> "QuantWeight":
@@ -145,17 +173,21 @@ class QuantWeight:
     @property
     def nbytes(self) -> int:
         """Bytes a pass streams for this weight."""
-        return int(self.packed.numel())
+        return int(engine().weight_bytes(self.handle))
 
     def multiply(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
         """x [M, K] float32 contiguous → x·Wᵀ [M, N] float32 (into ``out``, or added to it)."""
         rows = int(x.shape[0])
         if out is None:
             out = torch.empty(rows, self.out_features, dtype=torch.float32)
+        if x.dtype != torch.float32 or not x.is_contiguous() or tuple(x.shape) != (rows, self.in_features):
+            raise ValueError(f"the engine multiplies float32 contiguous rows [M, {self.in_features}], not "
+                             f"{x.dtype} {tuple(x.shape)}")
+        if out.dtype != torch.float32 or out.shape[0] != rows or out.shape[1] != self.out_features or out.stride(1) != 1:
+            raise ValueError(f"the product's output is float32 [{rows}, {self.out_features}] with contiguous rows")
         if rows:
-            engine().matmul(self.kind, self.numerics.layout, self.packed.data_ptr(), self.out_features,
-                            self.in_features, int(self.numerics.round_rows), x.data_ptr(), rows, out.data_ptr(),
-                            int(out.stride(0)), int(accumulate), engine_threads())
+            engine().matmul(weight=self.handle, x=x.data_ptr(), rows=rows, out=out.data_ptr(), out_stride=int(out.stride(0)),
+                            accumulate=accumulate, threads=engine_threads())
         return out
 
     def rows(self, indices: torch.Tensor) -> torch.Tensor:
@@ -164,8 +196,8 @@ class QuantWeight:
         if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.out_features):
             raise IndexError(f"row index out of range 0..{self.out_features - 1}")
         out = torch.empty(int(indices.numel()), self.in_features, dtype=torch.float32)
-        engine().dequant_rows(self.kind, self.numerics.layout, self.packed.data_ptr(), self.out_features,
-                              self.in_features, indices.data_ptr(), int(indices.numel()), out.data_ptr())
+        engine().dequant_rows(weight=self.handle, indices=indices.data_ptr(), count=int(indices.numel()),
+                              out=out.data_ptr())
         return out
 
     def dense(self) -> torch.Tensor:

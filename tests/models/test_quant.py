@@ -1,4 +1,4 @@
-"""The pass engine (tierspec/csrc/qengine.c through tierspec.quant and tierspec.gguf_llama): the
+"""The pass engine (tierspec/csrc through tierspec.quant and tierspec.gguf_llama): the
 file's weights exactly, products against a float64 reference, row independence bitwise, the
 portable loop equal to the AVX2 kernel bitwise, the fused layer against torch's operators, token
 trees equal to chains, routing masks, rollback and bad files."""
@@ -21,20 +21,21 @@ from tierspec.gguf_llama import load_gguf_llama
 from tierspec.quant import QuantWeight, numerics_for
 
 qe = quant.engine()
-NATIVE_AVX512 = qe.isa() == "avx512bf16"
-HAS_AVX2 = qe.isa() in ("avx512bf16", "avx2")
+NATIVE_AVX512 = quant.probe()["paths"]["bfloat16"] != "portable"
+HAS_AVX2 = "avx2" in qe.isas()
 
 
 @contextlib.contextmanager
 def portable_loops():
-    qe.force_portable(True)
+    before = qe.isa()
+    qe.select_isa("portable")
     try:
         yield
     finally:
-        qe.force_portable(False)
+        qe.select_isa(before)
 
 
-HAS_VNNI = NATIVE_AVX512  # every AVX512-BF16 CPU here also has AVX512-VNNI; the int8 path runs portably elsewhere
+HAS_VNNI = "avx512vnni" in qe.isas()
 
 
 def _numerics(name: str) -> quant.Numerics:

@@ -1,0 +1,344 @@
+"""The engine's kernel paths (tierspec/csrc, docs/engine.md): every vector and tile kernel this CPU
+runs against the plain-C reference (bitwise for float32 and int8 rows, a stated tolerance for
+bfloat16 dot products), the AMX kernels over emulated tiles here and over real ones on an AMX
+machine, the row contract on every path (a token's logits alone = inside passes of 2-64 rows, tree
+nodes = chains, 1/2/3 threads), chunked prefill = unchunked, the strict ISA cap and the probe."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from gguf_models import write_tiny_gguf
+from tierspec import engine, quant
+from tierspec.cached_model import CachedModel
+from tierspec.gguf_llama import load_gguf_llama
+from tierspec.quant import QuantWeight, numerics_for
+
+qe = engine.engine()
+PATHS = qe.isas()  # the paths this process may select, portable first
+VECTOR_PATHS = [path for path in PATHS if path != "portable"]
+HAS_AVX512 = "avx512" in PATHS
+NATIVE_BF16 = "avx512bf16" in PATHS
+AMX_REASON = engine.probe()["amx_reason"] or "AMX is in use"
+
+
+@contextlib.contextmanager
+def kernels(path: str):
+    """The kernels of ``path`` ("amx-emulated": the AMX kernels over emulated tiles) within the block."""
+    before = qe.isa()
+    if path == "amx-emulated":
+        qe.select_isa(before)
+        qe.emulate_amx()
+    else:
+        qe.select_isa(path)
+    try:
+        yield
+    finally:
+        qe.select_isa(before)
+
+
+def _blocks(kind: str, rows: int, width: int, seed: int) -> torch.Tensor:
+    rng = np.random.default_rng(seed)
+    values = rng.standard_normal((rows, width)).astype(np.float32)
+    values[0, :32] = 0.0  # an all-zero block
+    return torch.from_numpy(quantize(values, GGMLQuantizationType[kind]).copy())
+
+
+def _rows(count: int, width: int, seed: int) -> torch.Tensor:
+    x = torch.randn(count, width, generator=torch.Generator().manual_seed(seed)) * 2
+    x[0, :32] = 0.0  # a zero block of rows (int8 scale 0)
+    return x
+
+
+TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+ROW_COUNTS = [1, 2, 3, 5, 7, 16, 17, 40]
+
+
+def _emulated_available():
+    if not HAS_AVX512:
+        pytest.skip("the emulated AMX kernels' other steps are AVX-512; this CPU has no avx512 path")
+
+
+@pytest.mark.parametrize("path", VECTOR_PATHS + ["amx-emulated"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8, "bfloat16-emulated"])
+@pytest.mark.parametrize("kind", TYPES)
+def test_every_path_equals_the_reference_bitwise_for_float32_and_int8_rows(path, dtype, kind):
+    if path == "amx-emulated":
+        _emulated_available()
+    numerics = quant.Numerics(torch.bfloat16, quant.LAYOUT_FLOAT32_FMA, True) if dtype == "bfloat16-emulated" \
+        else numerics_for(dtype)
+    weight = QuantWeight(_blocks(kind, 72, 160, seed=1), getattr(quant, kind), 160, numerics)  # 4.5 tiles
+    x = _rows(max(ROW_COUNTS), 160, seed=2)
+    with kernels("portable"):
+        reference = weight.multiply(x)
+    with kernels(path):
+        for count in ROW_COUNTS:
+            assert torch.equal(weight.multiply(x[:count].contiguous()), reference[:count]), count
+        assert torch.equal(weight.multiply(x[5:6].contiguous()), reference[5:6])
+
+
+def _summed_terms(kind: str, raw: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+    """[N, K]: the magnitude each weight brings to the bfloat16 kernels' sums. Q4 kernels sum
+    d·(128 + q_k)·x_k and add (m − 128 d)·Σx (docs/algorithms.md §The pass engine), so a Q4 weight
+    brings |128 d + w − m| + |m − 128 d| (d·(128 + q) = 128 d + w − m); a Q8 weight |w|."""
+    if kind == "Q8_0":
+        return dense.abs()
+    blocks = raw.numpy().reshape(raw.shape[0], -1, 18 if kind == "Q4_0" else 20)
+    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).astype(np.float32))  # [N, K/32, 1]
+    m = -8 * d if kind == "Q4_0" else torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).astype(np.float32))
+    w = dense.reshape(d.shape[0], d.shape[1], 32)
+    return ((128 * d + w - m).abs() + (m - 128 * d).abs()).reshape(dense.shape)
+
+
+@pytest.mark.parametrize("path", (["avx512bf16"] if NATIVE_BF16 else []) + ["amx-emulated"]
+                         + (["amx"] if "amx" in PATHS else []))
+@pytest.mark.parametrize("kind", TYPES)
+def test_bfloat16_dot_products_match_the_reference_within_their_rounding(path, kind):
+    """bfloat16 dot products sum pairs of k in the instruction's order: each output within 4 float32
+    ulps of the magnitude of the terms it sums (``_summed_terms``) of the reference's, which sums
+    them in order."""
+    if path == "amx-emulated":
+        _emulated_available()
+    numerics = quant.Numerics(torch.bfloat16, quant.LAYOUT_BFLOAT16_DOT, False)
+    raw = _blocks(kind, 72, 160, seed=3)
+    weight = QuantWeight(raw, getattr(quant, kind), 160, numerics)
+    x = _rows(40, 160, seed=4)
+    with kernels("portable"):
+        reference = weight.multiply(x)
+    rounded = x.to(torch.bfloat16).float()
+    magnitude = (rounded.abs().double() @ _summed_terms(kind, raw, weight.dense()).double().t()).float()
+    with kernels(path):
+        for count in ROW_COUNTS:
+            got = weight.multiply(x[:count].contiguous())
+            assert ((got - reference[:count]).abs() <= 4 * 2 ** -23 * magnitude[:count] + 1e-30).all(), count
+            # the row contract: a row's result does not depend on the rows beside it
+            assert torch.equal(weight.multiply(x[count - 1 : count].contiguous()), got[-1:])
+
+
+@pytest.mark.skipif("amx" not in PATHS, reason=f"no AMX here: {AMX_REASON}")
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_amx_int8_tiles_equal_the_reference_bitwise(kind):
+    weight = QuantWeight(_blocks(kind, 72, 160, seed=5), getattr(quant, kind), 160, numerics_for(torch.int8))
+    x = _rows(40, 160, seed=6)
+    with kernels("portable"):
+        reference = weight.multiply(x)
+    with kernels("amx"):
+        for count in ROW_COUNTS:
+            assert torch.equal(weight.multiply(x[:count].contiguous()), reference[:count]), count
+
+
+def test_the_emulated_tiles_compute_what_the_instructions_define():
+    """The AMX kernels' reference (their tile math in plain C) against products computed here: an int8
+    weight's tile products equal the reference kernel's exactly, whatever the row count."""
+    _emulated_available()
+    weight = QuantWeight(_blocks("Q8_0", 16, 32, seed=7), quant.Q8_0, 32, numerics_for(torch.int8))
+    x = _rows(16, 32, seed=8)
+    with kernels("portable"):
+        reference = weight.multiply(x)
+    with kernels("amx-emulated"):
+        assert engine.probe()["paths"]["int8"] == "amx"
+        assert torch.equal(weight.multiply(x), reference)
+
+
+def test_the_native_block_types_are_the_packages():
+    assert {t: name for t, (name, _, _) in qe.block_types().items()} == quant.NATIVE_TYPES
+    assert {t: size for t, (_, _, size) in qe.block_types().items()} == {t: quant.GGML_BLOCKS[t][1]
+                                                                         for t in quant.NATIVE_TYPES}
+
+
+# ---- the row contract on every path, through the fused model -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf-kernels"), seed=11)
+
+
+LONG_PROMPT = (torch.arange(150) * 37 + 5) % 256  # longer than a chunk of a long pass (PASS_ROWS rows)
+CONTRACT_NUMERICS = [torch.float32, torch.int8] + ([torch.bfloat16] if NATIVE_BF16 else [])
+
+
+def _threads(count: int):
+    @contextlib.contextmanager
+    def arranged():
+        before = torch.get_num_threads()
+        torch.set_num_threads(count)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+    return arranged()
+
+
+@pytest.mark.parametrize("path", PATHS + ("amx-emulated",))
+@pytest.mark.parametrize("dtype", CONTRACT_NUMERICS)
+def test_a_tokens_logits_do_not_depend_on_its_pass_or_the_threads_on_every_path(tiny, path, dtype):
+    if path == "amx-emulated":
+        _emulated_available()
+    model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(dtype))
+    runner = CachedModel(model)
+    prompt = LONG_PROMPT[:80]
+    with torch.inference_mode(), kernels(path):
+        with _threads(2):
+            whole = runner.forward(prompt).logits  # one pass of 80 rows: two chunks
+            runner.rollback(0)
+            alone = torch.cat([runner.forward(prompt[i : i + 1]).logits for i in range(16)])
+        assert torch.equal(alone, whole[:16])
+        for width in (2, 3, 8, 64):
+            for threads in (1, 3):
+                with _threads(threads):
+                    runner.rollback(7)
+                    inside = runner.forward(prompt[7 : 7 + width]).logits
+                assert torch.equal(inside, whole[7 : 7 + width]), (width, threads)
+
+
+@pytest.mark.parametrize("path", PATHS + ("amx-emulated",))
+def test_a_tree_node_gets_its_chains_logits_on_every_path(tiny, path):
+    from tierspec.tree import TokenTree, tree_pass
+
+    if path == "amx-emulated":
+        _emulated_available()
+    model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(torch.int8))
+    runner = CachedModel(model)
+    paths = [[11, 12, 13], [11, 40], [60, 61, 62, 63]]
+    tree = TokenTree.from_paths(paths)
+    with torch.inference_mode(), kernels(path):
+        runner.forward(LONG_PROMPT[:20])
+        layout = tree_pass(torch.tensor([5]), tree)
+        tree_logits = runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends).logits
+        runner.rollback(20)
+        for branch in paths:
+            chain = runner.forward(torch.tensor([5] + branch)).logits
+            runner.rollback(20)
+            rows = []
+            node = -1
+            for token in branch:
+                node = next(i for i in range(len(tree)) if int(tree.parents[i]) == node and int(tree.tokens[i]) == token)
+                rows.append(1 + node)
+            assert torch.equal(tree_logits[rows], chain[1:])
+
+
+@pytest.mark.parametrize("dtype", CONTRACT_NUMERICS)
+def test_a_long_pass_in_chunks_equals_one_row_at_a_time(tiny, dtype):
+    """A prefill longer than the engine's chunk (its rows run through all layers chunk by chunk)
+    gives every token exactly its one-row pass's logits and hidden states."""
+    model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(dtype))
+    runner = CachedModel(model)
+    with torch.inference_mode():
+        whole = runner.forward(LONG_PROMPT, with_hidden=True, hidden_layers=(1,))
+        runner.rollback(0)
+        steps = [runner.forward(LONG_PROMPT[i : i + 1], with_hidden=True, hidden_layers=(1,)) for i in range(len(LONG_PROMPT))]
+    assert torch.equal(torch.cat([s.logits for s in steps]), whole.logits)
+    assert torch.equal(torch.cat([s.hidden for s in steps]), whole.hidden)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_fused_model_matches_torchs_operators_on_every_path(tiny, path):
+    """Norms, attention and exp of every path (their own orders of sums) within float32 rounding."""
+    model, reference = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(torch.float32)), tiny.reference()
+    with torch.inference_mode(), kernels(path):
+        ours = CachedModel(model).forward(LONG_PROMPT[:40]).logits
+    theirs = CachedModel(reference).forward(LONG_PROMPT[:40]).logits
+    assert (ours - theirs).abs().max() <= 2e-5 * theirs.abs().max()
+
+
+# ---- the cap, the probe and bad calls ---------------------------------------------------------------
+
+
+def _engine_in_a_child(isa: str) -> subprocess.CompletedProcess:
+    code = "from tierspec import engine; print(engine.kernel_path()); print(engine.kernel_report())"
+    env = {**os.environ, "TIERSPEC_ENGINE_ISA": isa}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_an_unknown_isa_cap_is_refused_at_import_with_the_valid_ones():
+    done = _engine_in_a_child("avx3")
+    assert done.returncode != 0
+    assert "TIERSPEC_ENGINE_ISA=avx3 is not a kernel path; use one of: portable avx2 avx512 avx512vnni avx512bf16 amx" \
+        in done.stderr
+
+
+@pytest.mark.parametrize("isa", ["portable", "avx2"])
+def test_a_cap_holds_the_engine_at_or_below_it(isa):
+    done = _engine_in_a_child(isa)
+    assert done.returncode == 0, done.stderr
+    path, report = done.stdout.splitlines()
+    assert path == isa or (isa == "avx2" and path == "portable" and "avx2" not in PATHS)
+    assert f"capped by TIERSPEC_ENGINE_ISA={isa}" in report and "AMX not used: not probed" in report
+
+
+def test_the_probe_reports_what_the_kernels_do():
+    found = engine.probe()
+    assert found["isa"] == qe.isa() == PATHS[-1]
+    assert found["amx"] == ("amx" in PATHS)
+    assert found["amx"] or found["amx_reason"]
+    if found["features"]["avx512vnni"] and found["features"]["os_zmm"] and found["cap"] in (None, "amx", "avx512bf16",
+                                                                                             "avx512vnni"):
+        assert found["paths"]["int8"] in ("avx512vnni", "amx")  # VNNI without AVX512-BF16 counts
+    assert engine.kernel_report().startswith(f"engine kernels {found['isa']} (")
+    with pytest.raises(ValueError, match="not one this process runs"):
+        qe.select_isa("avx9000")
+
+
+def test_bad_calls_are_refused_before_anything_runs(tiny):
+    weight = QuantWeight(_blocks("Q4_1", 32, 64, seed=9), quant.Q4_1, 64, numerics_for(torch.float32))
+    with pytest.raises(ValueError, match="float32 contiguous rows"):
+        weight.multiply(torch.randn(3, 32))
+    with pytest.raises(IndexError):
+        weight.rows(torch.tensor([32]))
+    with pytest.raises(IndexError):
+        weight.select(torch.tensor([-1]))
+    model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(torch.float32))
+    stack = model.model.engine_stack.capsule
+    hidden, cos = torch.zeros(4, 64), torch.ones(4, 16)
+    keys, values = torch.zeros(2, 2, 16), torch.zeros(2, 2, 16)  # [kv_heads, 2 slots, D]: a pass of 4 needs 4
+    small = torch.tensor([[keys.data_ptr(), values.data_ptr(), 2]] * 3)
+    with pytest.raises(ValueError, match="holds 2 slots, the pass needs 4"):
+        engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 4, 0, small)], cos, cos, bytes([3, 3, 3]))
+    with pytest.raises(ValueError, match="cover"):
+        engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 1, 0, small)], cos, cos, bytes([3, 3, 3]))
+    with pytest.raises(ValueError, match="a row for each"):
+        engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 4, 0, small[:1])], cos, cos,
+                         bytes([3, 3, 3]))
+    assert torch.equal(hidden, torch.zeros(4, 64)) and torch.equal(keys, torch.zeros(2, 2, 16))  # nothing ran
+
+
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+def test_every_paths_layers_match_the_reference_path(tiny, path):
+    """The vector norm, exp and attention of a path (each summing over its lanes) against the plain-C
+    reference's, through the same layers: float32 logits within a few ulps of their scale, and the
+    same greedy tokens."""
+    model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(torch.float32))
+    with torch.inference_mode():
+        with kernels("portable"):
+            reference = CachedModel(model).forward(LONG_PROMPT[:70]).logits
+        with kernels(path):
+            got = CachedModel(model).forward(LONG_PROMPT[:70]).logits
+    assert (got - reference).abs().max() <= 1e-5 * reference.abs().max()
+    assert torch.equal(got.argmax(-1), reference.argmax(-1))
+
+
+def test_the_cost_tables_key_names_the_numerics_and_the_kernel_path(tiny):
+    """A cached pass-cost table is keyed by the engine's numerics and the path their kernels take
+    here, so a new kernel (or a capped path) never reads an old table."""
+    from tierspec.costs import _linear_kind
+
+    keys = {}
+    for dtype in (torch.int8, torch.float32):
+        model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(dtype))
+        keys[dtype] = _linear_kind(model)
+        with kernels("portable"):
+            keys[dtype, "portable"] = _linear_kind(model)
+    assert keys[torch.int8] != keys[torch.float32] and keys[torch.int8, "portable"] != keys[torch.float32, "portable"]
+    for dtype, name in ((torch.int8, "int8"), (torch.float32, "float32")):
+        assert keys[dtype].endswith(":" + engine.probe()["paths"][name])
+        assert keys[dtype, "portable"].endswith(":portable")

@@ -1,0 +1,513 @@
+/* The Python module ``tierspec._qengine``: weights, layers and stacks as capsules that own (or keep
+ * alive) what the engine reads, and calls with named arguments (tierspec/engine.py wraps them for
+ * torch tensors). Buffers are passed as addresses; every count, index and shape the C side can check
+ * is checked here, before the GIL is released, with a one-line ValueError. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "engine.h"
+
+#define WEIGHT_CAPSULE "tierspec.weight"
+#define LAYER_CAPSULE "tierspec.layer"
+#define STACK_CAPSULE "tierspec.stack"
+
+static void *address(PyObject *value, const char *name) { /* an int address, or NULL with an error set */
+    void *p = PyLong_AsVoidPtr(value);
+    if (p == NULL && !PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "%s is a null address", name);
+    return p;
+}
+
+/* ---- weights ---------------------------------------------------------------------------------- */
+
+static void weight_free(PyObject *capsule) {
+    packed_weight *w = PyCapsule_GetPointer(capsule, WEIGHT_CAPSULE);
+    if (!w) return;
+    free(w->cells);
+    free(w);
+}
+
+static packed_weight *weight_of(PyObject *capsule) { return PyCapsule_GetPointer(capsule, WEIGHT_CAPSULE); }
+
+static PyObject *new_weight_capsule(int ggml_type, int kind, int layout, int round_rows, int N, int K) {
+    packed_weight *w = calloc(1, sizeof *w);
+    if (!w) return PyErr_NoMemory();
+    *w = (packed_weight){ggml_type, kind, layout, round_rows, N, K, NULL, packed_bytes(kind, N, K)};
+    w->cells = aligned_alloc(64, (w->bytes + 63) & ~(size_t)63);
+    if (!w->cells) {
+        free(w);
+        return PyErr_NoMemory();
+    }
+    memset(w->cells, 0, w->bytes);
+    PyObject *capsule = PyCapsule_New(w, WEIGHT_CAPSULE, weight_free);
+    if (!capsule) {
+        free(w->cells);
+        free(w);
+    }
+    return capsule;
+}
+
+static PyObject *py_new_weight(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"ggml_type", "layout", "round_rows", "out_features", "in_features", NULL};
+    int type, layout, round_rows, N, K;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "iipii", names, &type, &layout, &round_rows, &N, &K)) return NULL;
+    const block_type *bt = find_block_type(type);
+    if (!bt) return PyErr_Format(PyExc_ValueError, "ggml type %d is not computed natively", type);
+    if (layout < 0 || layout >= LAYOUTS) return PyErr_Format(PyExc_ValueError, "layout %d is not one of 0..%d", layout, LAYOUTS - 1);
+    if (N < 1 || K < QK || K % QK) return PyErr_Format(PyExc_ValueError, "a weight needs rows of whole blocks of %d, not [%d, %d]", QK, N, K);
+    return new_weight_capsule(type, bt->kind, layout, round_rows && layout == LAYOUT_F32, N, K);
+}
+
+static PyObject *py_weight_bytes(PyObject *self, PyObject *capsule) {
+    (void)self;
+    packed_weight *w = weight_of(capsule);
+    return w ? PyLong_FromSize_t(w->bytes) : NULL;
+}
+
+static PyObject *py_repack(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"weight", "blocks", "rows", "order", "row0", NULL};
+    PyObject *capsule, *blocks, *order = Py_None;
+    int rows, row0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOiOi", names, &capsule, &blocks, &rows, &order, &row0)) return NULL;
+    packed_weight *w = weight_of(capsule);
+    if (!w) return NULL;
+    const uint8_t *src = address(blocks, "blocks");
+    if (!src) return NULL;
+    const int64_t *rank = NULL;
+    if (order != Py_None && !(rank = address(order, "order"))) return NULL;
+    if (rows < 0 || row0 < 0 || row0 + rows > w->N)
+        return PyErr_Format(PyExc_ValueError, "rows %d .. %d are outside the weight's %d rows", row0, row0 + rows - 1, w->N);
+    Py_BEGIN_ALLOW_THREADS
+    repack(w, find_block_type(w->ggml_type), src, rank, rows, row0);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static int check_rows(const packed_weight *w, const int64_t *rows, int count) {
+    for (int i = 0; i < count; i++)
+        if (rows[i] < 0 || rows[i] >= w->N) {
+            PyErr_Format(PyExc_IndexError, "row index %lld is outside 0..%d", (long long)rows[i], w->N - 1);
+            return 0;
+        }
+    return 1;
+}
+
+static PyObject *py_dequant_rows(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"weight", "indices", "count", "out", NULL};
+    PyObject *capsule, *indices, *target;
+    int count;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOiO", names, &capsule, &indices, &count, &target)) return NULL;
+    packed_weight *w = weight_of(capsule);
+    if (!w) return NULL;
+    if (count <= 0) Py_RETURN_NONE;
+    const int64_t *rows = address(indices, "indices");
+    float *out = rows ? address(target, "out") : NULL;
+    if (!out || !check_rows(w, rows, count)) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    dequant_rows(w, rows, count, out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_gather_rows(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"weight", "indices", "count", NULL};
+    PyObject *capsule, *indices;
+    int count;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOi", names, &capsule, &indices, &count)) return NULL;
+    packed_weight *w = weight_of(capsule);
+    if (!w) return NULL;
+    if (count < 1) return PyErr_Format(PyExc_ValueError, "a gathered weight needs one row at least");
+    const int64_t *rows = address(indices, "indices");
+    if (!rows || !check_rows(w, rows, count)) return NULL;
+    PyObject *out = new_weight_capsule(w->ggml_type, w->kind, w->layout, w->round_rows, count, w->K);
+    if (!out) return NULL;
+    packed_weight *dst = weight_of(out);
+    Py_BEGIN_ALLOW_THREADS
+    gather_rows(w, rows, count, dst);
+    Py_END_ALLOW_THREADS
+    return out;
+}
+
+static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"weight", "x", "rows", "out", "out_stride", "accumulate", "threads", NULL};
+    PyObject *capsule, *xo, *outo;
+    int rows, ldo, accumulate, threads;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOiOipi", names, &capsule, &xo, &rows, &outo, &ldo, &accumulate, &threads))
+        return NULL;
+    packed_weight *w = weight_of(capsule);
+    if (!w) return NULL;
+    if (rows <= 0) Py_RETURN_NONE;
+    const float *x = address(xo, "x");
+    float *out = x ? address(outo, "out") : NULL;
+    if (!out) return NULL;
+    if (ldo < w->N) return PyErr_Format(PyExc_ValueError, "an output stride of %d cannot hold %d outputs a row", ldo, w->N);
+    Py_BEGIN_ALLOW_THREADS
+    unsigned csr = flush_denormals();
+    linear(w, x, rows, out, ldo, accumulate, threads);
+    restore_denormals(csr);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* ---- layers and stacks ------------------------------------------------------------------------ */
+
+typedef struct {
+    layer_desc desc;
+    PyObject *weights[4]; /* the capsules desc's products point into */
+} layer_object;
+
+static void layer_free(PyObject *capsule) {
+    layer_object *L = PyCapsule_GetPointer(capsule, LAYER_CAPSULE);
+    if (!L) return;
+    for (int i = 0; i < 4; i++) Py_XDECREF(L->weights[i]);
+    free(L->desc.norm_in);
+    free(L->desc.norm_post);
+    free(L);
+}
+
+static float *copy_norm(PyObject *source, int hidden, const char *name) {
+    Py_buffer view;
+    if (PyObject_GetBuffer(source, &view, PyBUF_C_CONTIGUOUS) != 0) return NULL;
+    float *out = NULL;
+    if (view.len != (Py_ssize_t)hidden * 4) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, not %d float32 values", name, view.len, hidden);
+    } else if ((out = malloc((size_t)hidden * 4))) {
+        memcpy(out, view.buf, (size_t)hidden * 4);
+    } else {
+        PyErr_NoMemory();
+    }
+    PyBuffer_Release(&view);
+    return out;
+}
+
+static int check_product(const packed_weight *w, const char *name, int N, int K, const packed_weight *first) {
+    if (w->N != N || w->K != K) {
+        PyErr_Format(PyExc_ValueError, "the layer's %s is [%d, %d], its shapes say [%d, %d]", name, w->N, w->K, N, K);
+        return 0;
+    }
+    if (w->layout != first->layout || w->round_rows != first->round_rows) {
+        PyErr_Format(PyExc_ValueError, "the layer's products must share their numerics (%s does not)", name);
+        return 0;
+    }
+    return 1;
+}
+
+static PyObject *py_make_layer(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"qkv", "o", "gate_up", "down", "norm_in", "norm_post", "eps",
+                            "hidden", "heads", "kv_heads", "head_dim", "inter", NULL};
+    PyObject *caps[4], *norm_in, *norm_post;
+    double eps;
+    int hidden, heads, kv_heads, head_dim, inter;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOdiiiii", names, &caps[0], &caps[1], &caps[2], &caps[3], &norm_in,
+                                     &norm_post, &eps, &hidden, &heads, &kv_heads, &head_dim, &inter))
+        return NULL;
+    packed_weight *w[4];
+    for (int i = 0; i < 4; i++)
+        if (!(w[i] = weight_of(caps[i]))) return NULL;
+    if (hidden < 1 || heads < 1 || kv_heads < 1 || heads % kv_heads || head_dim < 2 || head_dim % 2 || head_dim > 512 || inter < 1)
+        return PyErr_Format(PyExc_ValueError, "a layer of %d heads over %d kv heads of width %d (even, at most 512) does not fit",
+                            heads, kv_heads, head_dim);
+    if (!check_product(w[0], "qkv", (heads + 2 * kv_heads) * head_dim, hidden, w[0]) ||
+        !check_product(w[1], "o", hidden, heads * head_dim, w[0]) || !check_product(w[2], "gate_up", 2 * inter, hidden, w[0]) ||
+        !check_product(w[3], "down", hidden, inter, w[0]))
+        return NULL;
+    layer_object *L = calloc(1, sizeof *L);
+    if (!L) return PyErr_NoMemory();
+    L->desc = (layer_desc){w[0], w[1], w[2], w[3], NULL, NULL, (float)eps, hidden, heads, kv_heads, head_dim, inter};
+    if (!(L->desc.norm_in = copy_norm(norm_in, hidden, "norm_in")) ||
+        !(L->desc.norm_post = copy_norm(norm_post, hidden, "norm_post"))) {
+        free(L->desc.norm_in);
+        free(L);
+        return NULL;
+    }
+    for (int i = 0; i < 4; i++) {
+        Py_INCREF(caps[i]);
+        L->weights[i] = caps[i];
+    }
+    PyObject *capsule = PyCapsule_New(L, LAYER_CAPSULE, layer_free);
+    if (!capsule) {
+        for (int i = 0; i < 4; i++) Py_DECREF(caps[i]);
+        free(L->desc.norm_in);
+        free(L->desc.norm_post);
+        free(L);
+    }
+    return capsule;
+}
+
+typedef struct {
+    int count;
+    const layer_desc **layers;
+    PyObject *keep; /* the tuple of layer capsules */
+} stack_object;
+
+static void stack_free(PyObject *capsule) {
+    stack_object *S = PyCapsule_GetPointer(capsule, STACK_CAPSULE);
+    if (!S) return;
+    Py_XDECREF(S->keep);
+    free(S->layers);
+    free(S);
+}
+
+static PyObject *py_make_stack(PyObject *self, PyObject *layers) {
+    (void)self;
+    if (!PyTuple_Check(layers) || PyTuple_GET_SIZE(layers) < 1) {
+        PyErr_SetString(PyExc_TypeError, "make_stack takes a tuple of one layer or more");
+        return NULL;
+    }
+    Py_ssize_t count = PyTuple_GET_SIZE(layers);
+    stack_object *S = calloc(1, sizeof *S);
+    if (!S || !(S->layers = calloc((size_t)count, sizeof(layer_desc *)))) {
+        free(S);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        layer_object *L = PyCapsule_GetPointer(PyTuple_GET_ITEM(layers, i), LAYER_CAPSULE);
+        if (!L) {
+            free(S->layers);
+            free(S);
+            return NULL;
+        }
+        S->layers[i] = &L->desc;
+        if (L->desc.hidden != S->layers[0]->hidden) {
+            free(S->layers);
+            free(S);
+            return PyErr_Format(PyExc_ValueError, "a stack's layers share one hidden width");
+        }
+    }
+    S->count = (int)count;
+    Py_INCREF(layers);
+    S->keep = layers;
+    return PyCapsule_New(S, STACK_CAPSULE, stack_free);
+}
+
+/* The columns of run_stack's segment table, one row per sequence (int64). */
+enum { SEG_FIRST_ROW, SEG_ROWS, SEG_START, SEG_KV, SEG_ATTENDS, SEG_EVERY_SLOT, SEG_COLUMNS };
+
+static PyObject *py_run_stack(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"stack", "first", "last", "hidden", "out", "rows", "cos", "sin", "segments", "count",
+                            "flags", "threads", NULL};
+    PyObject *capsule, *hin_o, *hout_o, *cos_o, *sin_o, *seg_o;
+    int first, last, rows, count, threads;
+    const char *flag_bytes;
+    Py_ssize_t flag_count;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OiiOOiOOOiy#i", names, &capsule, &first, &last, &hin_o, &hout_o, &rows,
+                                     &cos_o, &sin_o, &seg_o, &count, &flag_bytes, &flag_count, &threads))
+        return NULL;
+    stack_object *S = PyCapsule_GetPointer(capsule, STACK_CAPSULE);
+    if (!S) return NULL;
+    if (flag_count != S->count) return PyErr_Format(PyExc_ValueError, "flags must be %d bytes, one per layer of the stack", S->count);
+    if (first < 0 || last > S->count || first > last) return PyErr_Format(PyExc_ValueError, "layers %d .. %d are outside the stack", first, last);
+    if (rows < 1 || count < 1 || count > rows) return PyErr_Format(PyExc_ValueError, "a pass of %d rows in %d sequences", rows, count);
+    const float *h_in = address(hin_o, "hidden");
+    float *h_out = h_in ? address(hout_o, "out") : NULL;
+    const float *cos = h_out ? address(cos_o, "cos") : NULL;
+    const float *sin = cos ? address(sin_o, "sin") : NULL;
+    const int64_t *table = sin ? address(seg_o, "segments") : NULL;
+    if (!table) return NULL;
+    const uint8_t *flags = (const uint8_t *)flag_bytes;
+    for (int l = 0; l < S->count; l++)
+        if (flags[l] & ~(UNIT_ATTENTION | UNIT_MLP)) return PyErr_Format(PyExc_ValueError, "layer %d's flags %d name no unit", l, flags[l]);
+    segment_desc *segments = malloc(sizeof(segment_desc) * (size_t)count);
+    int *segment_of = malloc(sizeof(int) * (size_t)rows);
+    if (!segments || !segment_of) {
+        free(segments);
+        free(segment_of);
+        return PyErr_NoMemory();
+    }
+    int64_t covered = 0;
+    for (int i = 0; i < count; i++) {
+        const int64_t *row = table + (size_t)SEG_COLUMNS * i;
+        const char *problem = NULL;
+        if (row[SEG_FIRST_ROW] != covered || row[SEG_ROWS] < 1 || covered + row[SEG_ROWS] > rows)
+            problem = "the sequences must cover the pass's rows in order, one row at least each";
+        else if (row[SEG_START] < 0 || row[SEG_KV] == 0)
+            problem = "a sequence needs a start of 0 or more and a KV table";
+        else if (row[SEG_EVERY_SLOT] && !row[SEG_ATTENDS])
+            problem = "a mask over every slot needs its attends";
+        if (!problem) {
+            const int64_t *kv = (const int64_t *)(intptr_t)row[SEG_KV];
+            for (int l = first; l < last && !problem; l++)
+                if ((flags[l] & UNIT_ATTENTION) && (kv[3 * l] == 0 || kv[3 * l + 1] == 0 || row[SEG_START] + row[SEG_ROWS] > kv[3 * l + 2])) {
+                    PyErr_Format(PyExc_ValueError, "sequence %d's cache of layer %d holds %lld slots, the pass needs %lld", i, l,
+                                 (long long)kv[3 * l + 2], (long long)(row[SEG_START] + row[SEG_ROWS]));
+                    problem = "";
+                }
+        }
+        if (problem) {
+            if (*problem) PyErr_SetString(PyExc_ValueError, problem);
+            free(segments);
+            free(segment_of);
+            return NULL;
+        }
+        segments[i] = (segment_desc){(int)row[SEG_FIRST_ROW], (int)row[SEG_ROWS], (int)row[SEG_START],
+                                     (const int64_t *)(intptr_t)row[SEG_KV], (const uint8_t *)(intptr_t)row[SEG_ATTENDS],
+                                     (int)row[SEG_EVERY_SLOT]};
+        for (int r = segments[i].row0; r < segments[i].row0 + segments[i].n; r++) segment_of[r] = i;
+        covered += row[SEG_ROWS];
+    }
+    if (covered != rows) {
+        free(segments);
+        free(segment_of);
+        return PyErr_Format(PyExc_ValueError, "the sequences cover %lld of the pass's %d rows", (long long)covered, rows);
+    }
+    pass_desc pass = {S->layers, first, last, flags, h_in, h_out, rows, cos, sin, segments, count, segment_of, threads};
+    Py_BEGIN_ALLOW_THREADS
+    int64_t started = profiling ? now_ns() : 0;
+    unsigned csr = flush_denormals();
+    run_pass(&pass);
+    restore_denormals(csr);
+    if (profiling) {
+        profile_ns[0] += now_ns() - started;
+        profile_ns[3] += last - first;
+    }
+    Py_END_ALLOW_THREADS
+    free(segments);
+    free(segment_of);
+    Py_RETURN_NONE;
+}
+
+/* ---- the CPU, kernel paths and profiles ------------------------------------------------------- */
+
+static PyObject *py_isa(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyUnicode_FromString(isa_names[cpu.level]);
+}
+
+static PyObject *py_isas(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    int top = cpu.best < cpu.cap ? cpu.best : cpu.cap;
+    PyObject *out = PyTuple_New(top + 1);
+    for (int i = 0; out && i <= top; i++) PyTuple_SET_ITEM(out, i, PyUnicode_FromString(isa_names[i]));
+    return out;
+}
+
+static PyObject *py_select_isa(PyObject *self, PyObject *name) {
+    (void)self;
+    const char *text = PyUnicode_AsUTF8(name);
+    if (!text) return NULL;
+    int level = isa_by_name(text), top = cpu.best < cpu.cap ? cpu.best : cpu.cap;
+    if (level < 0 || level > top)
+        return PyErr_Format(PyExc_ValueError, "kernel path %R is not one this process runs (it runs portable .. %s)", name,
+                            isa_names[top]);
+    select_kernels(level);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_emulate_amx(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    if (!install_emulated_amx(&kernels)) return PyErr_Format(PyExc_ValueError, "the emulated AMX kernels need the avx512 path");
+    Py_RETURN_NONE;
+}
+
+static int set_item(PyObject *dict, const char *key, PyObject *value) {
+    if (!value) return -1;
+    int failed = PyDict_SetItemString(dict, key, value);
+    Py_DECREF(value);
+    return failed;
+}
+
+/* probe() -> the CPU's features, the OS's state, the AMX probe's result and the path each kernel
+ * takes now. */
+static PyObject *py_probe(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    PyObject *out = PyDict_New(), *features = PyDict_New(), *paths = PyDict_New();
+    if (!out || !features || !paths) goto fail;
+    const struct { const char *name; int value; } listed[] = {
+        {"avx2", cpu.avx2}, {"fma", cpu.fma}, {"f16c", cpu.f16c}, {"avx512f", cpu.avx512f}, {"avx512bw", cpu.avx512bw},
+        {"avx512vl", cpu.avx512vl}, {"avx512dq", cpu.avx512dq}, {"avx512vnni", cpu.avx512vnni},
+        {"avx512bf16", cpu.avx512bf16}, {"amx_tile", cpu.amx_tile}, {"amx_bf16", cpu.amx_bf16}, {"amx_int8", cpu.amx_int8},
+        {"os_ymm", cpu.os_ymm}, {"os_zmm", cpu.os_zmm}, {"os_tiles", cpu.os_tiles}};
+    for (size_t i = 0; i < sizeof listed / sizeof listed[0]; i++)
+        if (set_item(features, listed[i].name, PyBool_FromLong(listed[i].value))) goto fail;
+    static const char *layout_names[LAYOUTS] = {"bfloat16", "float32", "int8"};
+    for (int layout = 0; layout < LAYOUTS; layout++)
+        if (set_item(paths, layout_names[layout], PyUnicode_FromString(isa_names[kernels.tile[layout][KIND_Q4].isa]))) goto fail;
+    static const char *op_names[6] = {"rows_float32", "rows_bfloat16", "rows_int8", "exp", "rms_norm", "attention"};
+    for (int op = 0; op < 6; op++)
+        if (set_item(paths, op_names[op], PyUnicode_FromString(isa_names[kernels.isa[op]]))) goto fail;
+    if (set_item(out, "isa", PyUnicode_FromString(isa_names[cpu.level])) ||
+        set_item(out, "best", PyUnicode_FromString(isa_names[cpu.best])) ||
+        set_item(out, "cap", cpu.cap_set ? PyUnicode_FromString(isa_names[cpu.cap]) : Py_NewRef(Py_None)) ||
+        set_item(out, "amx", PyBool_FromLong(cpu.amx)) ||
+        set_item(out, "amx_reason", PyUnicode_FromString(cpu.amx_reason)) ||
+        PyDict_SetItemString(out, "features", features) || PyDict_SetItemString(out, "paths", paths))
+        goto fail;
+    Py_DECREF(features);
+    Py_DECREF(paths);
+    return out;
+fail:
+    Py_XDECREF(out);
+    Py_XDECREF(features);
+    Py_XDECREF(paths);
+    return NULL;
+}
+
+static PyObject *py_block_types(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    PyObject *out = PyDict_New();
+    for (int i = 0; out && i < block_type_count; i++) {
+        PyObject *key = PyLong_FromLong(block_types[i].ggml_type);
+        PyObject *value = Py_BuildValue("(sii)", block_types[i].name, QK, block_types[i].block_bytes);
+        if (!key || !value || PyDict_SetItem(out, key, value)) {
+            Py_XDECREF(key);
+            Py_XDECREF(value);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(key);
+        Py_DECREF(value);
+    }
+    return out;
+}
+
+/* profile(on) -> (stack seconds, matrix seconds, attention seconds, layer runs) since the last call */
+static PyObject *py_profile(PyObject *self, PyObject *arg) {
+    (void)self;
+    PyObject *out = Py_BuildValue("(dddL)", profile_ns[0] * 1e-9, profile_ns[1] * 1e-9, profile_ns[2] * 1e-9,
+                                  (long long)profile_ns[3]);
+    memset(profile_ns, 0, sizeof profile_ns);
+    profiling = PyObject_IsTrue(arg);
+    return out;
+}
+
+#define KW(name, doc) {#name, (PyCFunction)(void (*)(void))py_##name, METH_VARARGS | METH_KEYWORDS, doc}
+static PyMethodDef methods[] = {
+    KW(new_weight, "new_weight(ggml_type, layout, round_rows, out_features, in_features): an empty repacked weight."),
+    {"weight_bytes", py_weight_bytes, METH_O, "Bytes of a repacked weight (what a product streams)."},
+    KW(repack, "repack(weight, blocks, rows, order, row0): GGUF rows (addresses) into rows row0.. of a weight."),
+    KW(dequant_rows, "dequant_rows(weight, indices, count, out): rows of a weight as float32."),
+    KW(gather_rows, "gather_rows(weight, indices, count): those rows as a new weight."),
+    KW(matmul, "matmul(weight, x, rows, out, out_stride, accumulate, threads): out (+)= x W^T."),
+    KW(make_layer, "make_layer(qkv, o, gate_up, down, norm_in, norm_post, eps, hidden, heads, kv_heads, head_dim, inter)."),
+    {"make_stack", py_make_stack, METH_O, "make_stack(layers): a decoder's layers for run_stack."},
+    KW(run_stack, "run_stack(stack, first, last, hidden, out, rows, cos, sin, segments, count, flags, threads)."),
+    {"isa", py_isa, METH_NOARGS, "The kernel path in use: portable, avx2, avx512, avx512vnni, avx512bf16 or amx."},
+    {"isas", py_isas, METH_NOARGS, "The kernel paths this process may select (portable .. the best allowed)."},
+    {"select_isa", py_select_isa, METH_O, "Use the kernels of a lower path (tests; between passes only)."},
+    {"emulate_amx", py_emulate_amx, METH_NOARGS,
+     "Tests: the AMX kernels over emulated tile instructions, until the next select_isa."},
+    {"probe", py_probe, METH_NOARGS, "The CPU's features, the AMX probe's result and each kernel's path."},
+    {"block_types", py_block_types, METH_NOARGS, "The natively computed ggml types: {id: (name, values, bytes)}."},
+    {"profile", py_profile, METH_O, "Time spent in stack calls, their products and attention (and switch it on/off)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_qengine", "tierspec's pass engine (tierspec/csrc).", -1, methods};
+
+PyMODINIT_FUNC PyInit__qengine(void) {
+    char error[300];
+    if (cpu_init(error, sizeof error) != 0) {
+        PyErr_SetString(PyExc_ValueError, error);
+        return NULL;
+    }
+    return PyModule_Create(&module);
+}

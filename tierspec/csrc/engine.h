@@ -1,0 +1,244 @@
+/* tierspec's pass engine: what its files share. docs/engine.md says what each path computes.
+ *
+ *   blocks.h, blocks.c   GGUF block formats, the engine's cells, repacking
+ *   cpu.c                the CPU's features, read once; the TIERSPEC_ENGINE_ISA cap; the AMX probe
+ *   threads.c            the thread pool
+ *   kernels_ref.c        the plain-C reference of every kernel (also the portable path)
+ *   kernels_avx2.c, kernels_avx512.c, kernels_vnni.c, kernels_avx512bf16.c, kernels_amx.c
+ *                        the vector and tile kernels, each file compiled for its ISA by target attributes
+ *   matmul.c             products: rows prepared once, tiles shared among threads
+ *   layer.c              the decoder layer over a pass's rows (one runner for solo and batched passes)
+ *   binding.c            the Python module
+ *
+ * Two properties the decode loop relies on, kept by construction (the row contract):
+ *  - Every output element is computed by one thread in an order fixed by the weights' shape and the
+ *    CPU's kernel path, never by the number of rows in the pass or by which thread runs it, so a
+ *    token's results do not depend on the other rows of its pass.
+ *  - Attention walks each query's visible keys in logical order (the cached context, then the new
+ *    tokens it sees, in pass order), whatever slots they sit in, so a token-tree node gets exactly
+ *    the result of a chain pass of its path.
+ */
+#ifndef TIERSPEC_ENGINE_H
+#define TIERSPEC_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "blocks.h"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define QE_X86 1
+#else
+#define QE_X86 0
+#endif
+
+/* ---- the CPU (cpu.c) ------------------------------------------------------------------------- */
+
+/* Kernel paths, each needing every feature of the ones below it. */
+enum {
+    ISA_PORTABLE = 0, /* plain C */
+    ISA_AVX2,         /* AVX2 + FMA + F16C, the OS saving YMM state */
+    ISA_AVX512,       /* AVX-512 F/BW/VL/DQ, the OS saving ZMM and mask state */
+    ISA_AVX512VNNI,   /* + AVX512-VNNI (vpdpbusd) */
+    ISA_AVX512BF16,   /* + AVX512-BF16 (vdpbf16ps) */
+    ISA_AMX,          /* + AMX tiles (BF16 and INT8), granted by the OS and probed */
+    ISAS
+};
+extern const char *const isa_names[ISAS];
+
+typedef struct {
+    /* what CPUID lists */
+    int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq, avx512vnni, avx512bf16, amx_tile, amx_bf16, amx_int8;
+    /* what the OS saves on a context switch (XCR0 read by xgetbv) */
+    int os_ymm, os_zmm, os_tiles;
+    int amx;                /* the tile state granted (arch_prctl) and a tile product run in a forked child */
+    char amx_reason[200];   /* why AMX is not used ("" when it is) */
+    int best;               /* the highest path this CPU and OS run */
+    int cap;                /* TIERSPEC_ENGINE_ISA's path (ISA_AMX when unset) */
+    int cap_set;            /* whether TIERSPEC_ENGINE_ISA was set */
+    int level;              /* the path in use: min(best, cap); tests may lower it (select_isa) */
+} cpu_features;
+
+extern cpu_features cpu;
+
+/* Reads the CPU once (at import). Returns 0, or -1 with ``error`` saying what is wrong with
+ * TIERSPEC_ENGINE_ISA (an unknown value is refused, never ignored). */
+int cpu_init(char *error, size_t size);
+int isa_by_name(const char *name); /* -1: unknown */
+
+/* ---- threads (threads.c) ---------------------------------------------------------------------- */
+
+typedef void (*task_fn)(void *arg, int chunk);
+/* fn(arg, c) for c in 0..chunks-1 on up to ``threads`` threads, the caller among them. */
+void run_parallel(task_fn fn, void *arg, int chunks, int threads);
+unsigned flush_denormals(void);
+void restore_denormals(unsigned previous);
+
+/* ---- kernels ---------------------------------------------------------------------------------- */
+
+/* A product's operands as the tile kernels read them. */
+typedef struct {
+    const packed_weight *w;
+    const void *x;        /* rows as the layout takes them: bf16 [M, K], float [M, K] or int8 [M, K] */
+    const float *sums;    /* BF16, F32: each row's block sums [M, K/32]; INT8: block scales [M, K/32] */
+    const int32_t *isums; /* INT8: block sums of the 8-bit values [M, K/32] */
+    int M;
+    float *out;
+    int ldo;        /* out's row stride (floats) */
+    int accumulate; /* out += result instead of out = result */
+} matmul_args;
+
+/* Outputs of tile t (16 output rows) for rows m0 .. m0 + mt - 1 (mt <= the kernel's ``rows``). */
+typedef void (*tile_fn)(const matmul_args *a, int t, int m0, int mt);
+
+typedef struct {
+    tile_fn run;
+    int rows;  /* the most rows one call takes */
+    int isa;   /* the path it belongs to */
+    /* row groups of fewer than few_below rows take ``few`` instead: only a kernel that gives the same
+     * bits (the int8 products: integer dot products are exact in any order) */
+    tile_fn few;
+    int few_below;
+    void (*enter)(void), (*leave)(void); /* around a thread's run of tiles (AMX: the tile configuration) */
+} tile_kernel;
+
+/* One sequence's cache and mask in a layer, as its rows' attention reads them. */
+typedef struct {
+    int heads, kv_heads, head_dim;
+    const float *keys, *values; /* [kv_heads, cap, D] */
+    int cap, start, n;          /* n new rows at slots start .. start + n - 1 */
+    const uint8_t *attends;     /* NULL: a chain; [n, n] among the new rows; [n, start + n] when every_slot */
+    int every_slot;
+} attention_view;
+
+/* The slots a query row sees, in logical order: the cached context, then the new tokens it sees. */
+int visible_slots(const attention_view *a, int row, int *slots);
+
+typedef struct {
+    tile_kernel tile[LAYOUTS][KINDS];
+    /* rows for LAYOUT_F32 (rounded to bfloat16 values when round_bf16) and LAYOUT_BF16, with each
+     * row's block sums; rows for LAYOUT_INT8: 8 bits per value, a scale and a sum per block */
+    void (*prepare_f32)(int round_bf16, const float *x, int M, int K, float *xbuf, float *sums);
+    void (*prepare_bf16)(const float *x, int M, int K, uint16_t *xbuf, float *sums);
+    void (*prepare_int8)(const float *x, int M, int K, int8_t *xq, float *scales, int32_t *isums);
+    void (*exp_inplace)(float *v, int count);
+    void (*rms_norm)(const float *x, const float *w, float eps, int n, float *out);
+    /* one head of one query row (q [heads * D] rotated, out [heads * D]) over its visible ``slots``;
+     * returns 0 where it has no kernel for the head width (then the reference runs) */
+    int (*attend)(const attention_view *a, const float *q, float *out, int head, float *scores, const int *slots,
+                  int count);
+    int isa[6]; /* which path serves each of the six functions above (reports) */
+} kernel_set;
+
+enum { OP_PREPARE_F32, OP_PREPARE_BF16, OP_PREPARE_INT8, OP_EXP, OP_RMS_NORM, OP_ATTEND };
+
+/* The kernels in use, composed by select_kernels from every path up to cpu.level. */
+extern kernel_set kernels;
+void select_kernels(int level);
+
+/* Each path's installer overwrites the entries it provides. */
+void install_portable(kernel_set *k);
+void install_avx2(kernel_set *k);
+void install_avx512(kernel_set *k);
+void install_vnni(kernel_set *k);
+void install_avx512bf16(kernel_set *k);
+void install_amx(kernel_set *k);
+int install_emulated_amx(kernel_set *k); /* tests: the AMX kernels over emulated tiles; 0 without AVX-512 */
+int amx_selftest(void);                  /* a tile product of known numbers (the probe's child) */
+
+/* The reference kernels (kernels_ref.c), also called by the vector paths for head widths or tails
+ * they do not cover. */
+float exp_ref(float x);
+void exp_inplace_ref(float *v, int count);
+float sum_in_order(const float *v, int count);
+int attend_ref(const attention_view *a, const float *q, float *out, int head, float *scores, const int *slots,
+               int count);
+void tile_ref(const matmul_args *a, int t, int m0, int mt);
+
+/* Tile outputs written (or added) to out for row m of the pass, tile t. */
+static inline void store_tile(const matmul_args *a, int m, int t, const float *vals) {
+    float *dst = a->out + (size_t)m * a->ldo + (size_t)t * TILE;
+    int count = a->w->N - t * TILE < TILE ? a->w->N - t * TILE : TILE;
+    if (a->accumulate)
+        for (int i = 0; i < count; i++) dst[i] += vals[i];
+    else
+        for (int i = 0; i < count; i++) dst[i] = vals[i];
+}
+
+/* exp(x) by Cephes' polynomial after a range reduction by ln 2 (~1 ulp), x clamped above at 88.376
+ * and 0 below -87.336 (where the result would be subnormal): every path does the same operations,
+ * so every element gets the same value whichever path or lane computes it. */
+#define EXP_HI 88.3762626647949f
+#define EXP_LO -87.3365447504f
+#define EXP_C0 1.9875691500e-4f
+#define EXP_C1 1.3981999507e-3f
+#define EXP_C2 8.3334519073e-3f
+#define EXP_C3 4.1665795894e-2f
+#define EXP_C4 1.6666665459e-1f
+#define EXP_C5 5.0000001201e-1f
+#define LOG2E 1.44269504088896341f
+#define LN2_HI -0.693359375f
+#define LN2_LO 2.12194440e-4f
+
+/* How far ahead (in cells, ~15 KB) the kernels ask for weights: measured best of 2-96 (Zen 5). */
+#define PREFETCH_CELLS 48
+
+/* ---- products (matmul.c) ---------------------------------------------------------------------- */
+
+/* out (+)= x W^T for x [M, K] float32 on ``threads`` threads. */
+void linear(const packed_weight *w, const float *x, int M, float *out, int ldo, int accumulate, int threads);
+
+/* ---- layers (layer.c) ------------------------------------------------------------------------ */
+
+/* A Llama decoder layer: its four products (q/k/v stacked, o, gate/up stacked, down), its norms
+ * (owned copies, [hidden]) and shapes. */
+typedef struct {
+    const packed_weight *qkv, *o, *gate_up, *down;
+    float *norm_in, *norm_post;
+    float eps;
+    int hidden, heads, kv_heads, head_dim, inter;
+} layer_desc;
+
+/* One sequence's rows of a pass: rows row0 .. row0 + n - 1, written at its cache slots start ..
+ * start + n - 1; kv [stack layers, 3]: each layer's key and value buffers ([kv_heads, cap, D]
+ * float32) and capacity cap. */
+typedef struct {
+    int row0, n, start;
+    const int64_t *kv;
+    const uint8_t *attends; /* NULL: a chain; [n, n]; [n, start + n] when every_slot */
+    int every_slot;
+} segment_desc;
+
+enum { UNIT_ATTENTION = 1, UNIT_MLP = 2 }; /* a layer's flags: which residual units run */
+
+/* A pass: layers first .. last - 1 of ``layers`` over ``rows`` rows of ``count`` sequences. A solo
+ * pass is a batch of one sequence. */
+typedef struct {
+    const layer_desc *const *layers;
+    int first, last;
+    const uint8_t *flags; /* per layer of the stack: UNIT_ATTENTION | UNIT_MLP, 0: skipped */
+    const float *h_in;    /* [rows, H] */
+    float *h_out;         /* [rows, H]: the last layer's output */
+    int rows;
+    const float *cos, *sin; /* [rows, D]: x*cos + roll(x, D/2)*sin rotates by each row's position */
+    const segment_desc *segments;
+    int count;
+    const int *segment_of; /* [rows] */
+    int threads;
+} pass_desc;
+
+void run_pass(const pass_desc *p);
+
+/* ---- scratch and profiles --------------------------------------------------------------------- */
+
+typedef struct {
+    void *buf;
+    size_t size;
+} scratch_t;
+void *scratch_get(scratch_t *s, size_t bytes);
+
+extern int profiling;
+extern int64_t profile_ns[4]; /* whole stack calls, matrix products, attention, layer runs */
+int64_t now_ns(void);
+
+#endif

@@ -1,0 +1,241 @@
+/* The AVX-512 path (F/BW/VL/DQ): float32 rows (LAYOUT_F32) in 16 lanes = a whole tile, the 8-bit
+ * row preparation of LAYOUT_INT8, exp, the RMS norm and attention. Its products and the 8-bit rows
+ * take the reference's order exactly (kernels_ref.c): the same bits; its norm and attention sum over
+ * 16 lanes (their own order). */
+#include "engine.h"
+
+#if QE_X86
+#include <immintrin.h>
+#include <math.h>
+
+#define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
+
+/* LAYOUT_F32 in the reference's order: four running sums per output (by k mod 4), each of the 16
+ * lanes one output row of the tile. Four chains per row keep a one-row product off the FMA's
+ * latency (4 cycles); 6 rows of x at once (24 sums in registers) use each weight vector 6 times. */
+#define F32_ROWS 6
+AVX512_TARGET static inline void tile_f32_avx512_rows(const matmul_args *a, int t, int m0, const int mt) {
+    const packed_weight *w = a->w;
+    int KB = w->K / QK;
+    const float *x = (const float *)a->x;
+    __m512 p[F32_ROWS][4];
+    for (int i = 0; i < mt; i++) p[i][0] = p[i][1] = p[i][2] = p[i][3] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi32(0x0f);
+    size_t cb = cell_bytes(w->kind);
+    for (int b = 0; b < KB; b++) {
+        const uint8_t *cell = cell_at(w, t, b);
+        for (size_t line = 0; line < cb; line += 64) _mm_prefetch((const char *)(cell + PREFETCH_CELLS * cb + line), _MM_HINT_T0);
+        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)cell));
+        const float *xb = x + (size_t)m0 * w->K + b * QK;
+        for (int k = 0; k < QK; k += 4) {
+            __m512 wk[4];
+            if (w->kind == KIND_Q4) { /* 16 bytes per pair of k: row r's k low, k + 1 high */
+                const uint8_t *q = ((const cell_q4 *)cell)->q + 8 * k;
+                __m512i r01 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
+                __m512i r23 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
+                wk[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(r01, low)));
+                wk[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(r01, 4)));
+                wk[2] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(r23, low)));
+                wk[3] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(r23, 4)));
+            } else { /* 16 bytes per k */
+                const uint8_t *q = ((const cell_q8 *)cell)->q + 16 * k;
+                for (int j = 0; j < 4; j++)
+                    wk[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * j)))));
+            }
+            for (int i = 0; i < mt; i++) {
+                const float *xr = xb + (size_t)i * w->K + k;
+                for (int j = 0; j < 4; j++) p[i][j] = _mm512_fmadd_ps(wk[j], _mm512_set1_ps(xr[j]), p[i][j]);
+            }
+        }
+        if (w->kind == KIND_Q4) {
+            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cell + 32)));
+            for (int i = 0; i < mt; i++) p[i][0] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->sums[(size_t)(m0 + i) * KB + b]), p[i][0]);
+        }
+    }
+    float vals[TILE];
+    for (int i = 0; i < mt; i++) {
+        _mm512_storeu_ps(vals, _mm512_add_ps(_mm512_add_ps(p[i][0], p[i][1]), _mm512_add_ps(p[i][2], p[i][3])));
+        store_tile(a, m0 + i, t, vals);
+    }
+}
+
+AVX512_TARGET static void tile_f32_avx512(const matmul_args *a, int t, int m0, int mt) {
+    switch (mt) {
+    case 1: tile_f32_avx512_rows(a, t, m0, 1); break;
+    case 2: tile_f32_avx512_rows(a, t, m0, 2); break;
+    case 3: tile_f32_avx512_rows(a, t, m0, 3); break;
+    case 4: tile_f32_avx512_rows(a, t, m0, 4); break;
+    case 5: tile_f32_avx512_rows(a, t, m0, 5); break;
+    default: tile_f32_avx512_rows(a, t, m0, 6); break;
+    }
+}
+
+/* LAYOUT_INT8's rows: prepare_int8_ref's steps (max, a correctly rounded division, rounding to
+ * nearest even, clamping), 16 lanes at a time: the same bytes. */
+AVX512_TARGET static void prepare_int8_avx512(const float *x, int M, int K, int8_t *xq, float *scales, int32_t *isums) {
+    int KB = K / QK;
+    const __m512 sign = _mm512_set1_ps(-0.0f);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < KB; b++) {
+            const float *v = x + (size_t)m * K + b * QK;
+            __m512 a0 = _mm512_loadu_ps(v), a1 = _mm512_loadu_ps(v + 16);
+            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, a0), _mm512_andnot_ps(sign, a1)));
+            float scale = amax / 127.0f;
+            __m512i q0 = _mm512_setzero_si512(), q1 = _mm512_setzero_si512();
+            if (scale > 0.0f) {
+                __m512 sv = _mm512_set1_ps(scale);
+                q0 = _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvtps_epi32(_mm512_div_ps(a0, sv))));
+                q1 = _mm512_max_epi32(lo, _mm512_min_epi32(hi, _mm512_cvtps_epi32(_mm512_div_ps(a1, sv))));
+            }
+            _mm_storeu_si128((__m128i *)(xq + (size_t)m * K + b * QK), _mm512_cvtepi32_epi8(q0));
+            _mm_storeu_si128((__m128i *)(xq + (size_t)m * K + b * QK + 16), _mm512_cvtepi32_epi8(q1));
+            scales[(size_t)m * KB + b] = scale;
+            isums[(size_t)m * KB + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        }
+}
+
+/* exp16: exp_ref's operations on 16 lanes */
+AVX512_TARGET static inline __m512 exp16(__m512 x) {
+    __mmask16 zero = _mm512_cmp_ps_mask(x, _mm512_set1_ps(EXP_LO), _CMP_LT_OQ);
+    x = _mm512_min_ps(x, _mm512_set1_ps(EXP_HI));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(LOG2E)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
+    __m512 p = _mm512_set1_ps(EXP_C0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_C5));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~zero, p, _mm512_castsi512_ps(e));
+}
+
+AVX512_TARGET static void exp_inplace_avx512(float *v, int count) {
+    int i = 0;
+    for (; i + 16 <= count; i += 16) _mm512_storeu_ps(v + i, exp16(_mm512_loadu_ps(v + i)));
+    if (i < count) {
+        __mmask16 tail = (__mmask16)((1u << (count - i)) - 1);
+        _mm512_mask_storeu_ps(v + i, tail, exp16(_mm512_maskz_loadu_ps(tail, v + i)));
+    }
+}
+
+/* The sum of squares in 16 lanes, reduced in a fixed order (widths of 16s; others: a scalar loop). */
+AVX512_TARGET static void rms_norm_avx512(const float *x, const float *w, float eps, int n, float *out) {
+    if (n % 16) {
+        float ss = 0.0f;
+        for (int i = 0; i < n; i++) ss = fmaf(x[i], x[i], ss);
+        float r = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+        return;
+    }
+    __m512 ss = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 16) ss = _mm512_fmadd_ps(_mm512_loadu_ps(x + i), _mm512_loadu_ps(x + i), ss);
+    __m512 r = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(ss) / (float)n + eps));
+    for (int i = 0; i < n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), r), _mm512_loadu_ps(w + i)));
+}
+
+/* Lane j: the sum of v[j]'s 16 lanes by halving (i + (i+8), then + (i+4), + (i+2), + (i+1): the
+ * order _mm512_reduce_add_ps takes), for 16 vectors at once: 15 shuffle pairs and adds instead of
+ * 16 reductions of 8 steps each. */
+AVX512_TARGET static inline __m512 sum_lanes16(const __m512 v[16]) {
+    __m512 w[8], x[4], y[2];
+    for (int p = 0; p < 8; p++) /* quarters 0-1: v[2p]'s lanes i + (i+8), quarters 2-3: v[2p+1]'s */
+        w[p] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0x44), _mm512_shuffle_f32x4(v[2 * p], v[2 * p + 1], 0xEE));
+    for (int r = 0; r < 4; r++) /* quarter c: vector 4r + c's lanes (i + (i+8)) + (i+4 ...) */
+        x[r] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * r], w[2 * r + 1], 0x88), _mm512_shuffle_f32x4(w[2 * r], w[2 * r + 1], 0xDD));
+    for (int s = 0; s < 2; s++) /* quarter c: vectors 8s + c (lanes 0-1) and 8s + 4 + c (lanes 2-3) */
+        y[s] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * s], x[2 * s + 1], 0x44), _mm512_shuffle_ps(x[2 * s], x[2 * s + 1], 0xEE));
+    __m512 z = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD)); /* lane 4c + e: vector 4e + c */
+    const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(order, z);
+}
+
+/* attend_ref's computation vectorised over the head dimension (D = 32, 64 or 128, a compile-time
+ * constant so that the query and the sums stay in registers). Per key one dot product reduced in a
+ * fixed order (16 keys at a time, each reduced as alone); exp and its sum 16 scores at a time in
+ * logical order; the weighted sum of values in
+ * two interleaved sums (even and odd keys), added at the end. */
+AVX512_TARGET static inline void attend_head_avx512(const attention_view *a, const float *q, float *out, int head, float *scores,
+                                                   const int *slots, int count, const int chunks) {
+    int D = 16 * chunks, g = head / (a->heads / a->kv_heads);
+    q += (size_t)head * D;
+    const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
+    __m512 scale = _mm512_set1_ps(1.0f / sqrtf((float)D)), best = _mm512_set1_ps(-INFINITY);
+    __m512 qv[8];
+    for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
+    for (int l0 = 0; l0 < count; l0 += 16) { /* 16 keys' dot products, reduced together */
+        int n = count - l0 < 16 ? count - l0 : 16;
+        __m512 s[16];
+        for (int j = 0; j < n; j++) {
+            const float *k = K + (size_t)slots[l0 + j] * D;
+            s[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+            for (int c = 1; c < chunks; c++) s[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), s[j]);
+        }
+        for (int j = n; j < 16; j++) s[j] = _mm512_setzero_ps();
+        __mmask16 valid = (__mmask16)((1u << n) - 1);
+        __m512 v = _mm512_mul_ps(sum_lanes16(s), scale);
+        _mm512_mask_storeu_ps(scores + l0, valid, v);
+        best = _mm512_mask_max_ps(best, valid, best, v);
+    }
+    float top = _mm512_reduce_max_ps(best);
+    __m512 shift = _mm512_set1_ps(top), sums = _mm512_setzero_ps();
+    int l16 = 0;
+    for (; l16 + 16 <= count; l16 += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(scores + l16), shift));
+        _mm512_storeu_ps(scores + l16, e);
+        sums = _mm512_add_ps(sums, e);
+    }
+    if (l16 < count) {
+        __mmask16 tail = (__mmask16)((1u << (count - l16)) - 1);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, scores + l16), shift));
+        _mm512_mask_storeu_ps(scores + l16, tail, e);
+        sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(tail, e));
+    }
+    float total = _mm512_reduce_add_ps(sums);
+    __m512 even[8], odd[8];
+    for (int c = 0; c < chunks; c++) even[c] = odd[c] = _mm512_setzero_ps();
+    int l = 0;
+    for (; l + 1 < count; l += 2) {
+        const float *v0 = V + (size_t)slots[l] * D, *v1 = V + (size_t)slots[l + 1] * D;
+        __m512 p0 = _mm512_set1_ps(scores[l]), p1 = _mm512_set1_ps(scores[l + 1]);
+        for (int c = 0; c < chunks; c++) {
+            even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+            odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), odd[c]);
+        }
+    }
+    if (l < count) {
+        const float *v0 = V + (size_t)slots[l] * D;
+        __m512 p0 = _mm512_set1_ps(scores[l]);
+        for (int c = 0; c < chunks; c++) even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+    }
+    __m512 inv = _mm512_set1_ps(1.0f / total);
+    out += (size_t)head * D;
+    for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), inv));
+}
+
+AVX512_TARGET static int attend_avx512(const attention_view *a, const float *q, float *out, int head, float *scores,
+                                       const int *slots, int count) {
+    switch (a->head_dim) {
+    case 32: attend_head_avx512(a, q, out, head, scores, slots, count, 2); return 1;
+    case 64: attend_head_avx512(a, q, out, head, scores, slots, count, 4); return 1;
+    case 128: attend_head_avx512(a, q, out, head, scores, slots, count, 8); return 1;
+    default: return 0;
+    }
+}
+
+void install_avx512(kernel_set *k) {
+    for (int kind = 0; kind < KINDS; kind++) k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx512, F32_ROWS, ISA_AVX512};
+    k->prepare_int8 = prepare_int8_avx512;
+    k->exp_inplace = exp_inplace_avx512;
+    k->rms_norm = rms_norm_avx512;
+    k->attend = attend_avx512;
+    k->isa[OP_PREPARE_INT8] = k->isa[OP_EXP] = k->isa[OP_RMS_NORM] = k->isa[OP_ATTEND] = ISA_AVX512;
+}
+
+#else
+void install_avx512(kernel_set *k) { (void)k; }
+#endif

@@ -1,0 +1,266 @@
+/* The plain-C reference of every kernel, and the portable path (any CPU). The vector and tile paths
+ * are tested against these (tests/models/test_engine_kernels.py): bitwise where they sum in the same
+ * order (float32 rows, int8 rows, exp), within a stated tolerance where they do not (bfloat16 dot
+ * products, whose vector and tile instructions sum pairs in their own order; norms and attention,
+ * whose vector paths sum over lanes).
+ *
+ * Products, per output row r of a tile and block b (w = d*q + m, x the row as prepared):
+ *  - LAYOUT_F32:  P_(k mod 4) += (d*q_k) * x_k for k = 0..31 in order (d*q is exact in float32),
+ *                 then P_0 += m * sum_k x_k (Q4); the output (P_0 + P_1) + (P_2 + P_3);
+ *  - LAYOUT_BF16: dot = sum_k q_k * x_k (x rounded to bfloat16, q exact in it, float32 sums), then
+ *                 acc += dot * d, acc += m * sum_k x_k (Q4);
+ *  - LAYOUT_INT8: dot = sum_k q_k * x8_k exactly in int32 (x8 = round(x / s), s = max|x| / 127 per
+ *                 block), then acc += dot * (d*s), acc += m * (s * sum_k x8_k) (Q4). */
+#include <math.h>
+
+#include "engine.h"
+
+/* Block sums in a fixed order: 8 lanes (element i of the block in lane i % 8, summed in order of i),
+ * then the lanes pairwise ((0+4)+(2+6)) + ((1+5)+(3+7)) — what the AVX2 code does, so they agree bitwise. */
+static float block_sum(const float *v) {
+    float lane[8];
+    for (int j = 0; j < 8; j++) lane[j] = v[j];
+    for (int i = 8; i < QK; i += 8)
+        for (int j = 0; j < 8; j++) lane[j] += v[i + j];
+    for (int j = 0; j < 4; j++) lane[j] += lane[j + 4];
+    lane[0] += lane[2];
+    lane[1] += lane[3];
+    return lane[0] + lane[1];
+}
+
+static void prepare_f32_ref(int round_bf16, const float *x, int M, int K, float *xbuf, float *sums) {
+    int KB = K / QK;
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < KB; b++) {
+            float *out = xbuf + (size_t)m * K + b * QK;
+            for (int i = 0; i < QK; i++) {
+                float v = x[(size_t)m * K + b * QK + i];
+                out[i] = round_bf16 ? bf16_to_float(float_to_bf16(v)) : v;
+            }
+            sums[(size_t)m * KB + b] = block_sum(out);
+        }
+}
+
+static void prepare_bf16_ref(const float *x, int M, int K, uint16_t *xbuf, float *sums) {
+    int KB = K / QK;
+    float block[QK];
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < KB; b++) {
+            for (int i = 0; i < QK; i++) {
+                uint16_t h = float_to_bf16(x[(size_t)m * K + b * QK + i]);
+                xbuf[(size_t)m * K + b * QK + i] = h;
+                block[i] = bf16_to_float(h);
+            }
+            sums[(size_t)m * KB + b] = block_sum(block);
+        }
+}
+
+/* Each block of 32 values as 8-bit integers q = round(x / s) with s = max|x| / 127 (as llama.cpp
+ * rounds its activations), the scale s and the sum of q per block. Every step is exact or correctly
+ * rounded, so the vector version gives the same bytes. */
+static void prepare_int8_ref(const float *x, int M, int K, int8_t *xq, float *scales, int32_t *isums) {
+    int KB = K / QK;
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < KB; b++) {
+            const float *v = x + (size_t)m * K + b * QK;
+            float amax = 0.0f;
+            for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(v[i]));
+            float scale = amax / 127.0f;
+            int32_t total = 0;
+            for (int i = 0; i < QK; i++) {
+                int q = scale > 0.0f ? (int)nearbyintf(v[i] / scale) : 0;
+                q = q > 127 ? 127 : q < -127 ? -127 : q;
+                xq[(size_t)m * K + b * QK + i] = (int8_t)q;
+                total += q;
+            }
+            scales[(size_t)m * KB + b] = scale;
+            isums[(size_t)m * KB + b] = total;
+        }
+}
+
+#define REF_ROWS 8
+
+/* The values and scales of tile t's cell b: d[r], m[r] (0 for Q8) and v[k][r]. */
+static void read_cell(const packed_weight *w, int t, int b, float d[TILE], float mn[TILE], int v[QK][TILE]) {
+    const uint8_t *cell = cell_at(w, t, b);
+    for (int r = 0; r < TILE; r++) {
+        if (w->kind == KIND_Q4) {
+            const cell_q4 *c = (const cell_q4 *)cell;
+            d[r] = fp16_to_float(c->d[r]);
+            mn[r] = fp16_to_float(c->m[r]);
+            for (int k = 0; k < QK; k++) {
+                int byte, shift;
+                q4_slot(w->layout, r, k, &byte, &shift);
+                v[k][r] = (c->q[byte] >> shift) & 0x0f;
+            }
+        } else {
+            const cell_q8 *c = (const cell_q8 *)cell;
+            d[r] = fp16_to_float(c->d[r]);
+            mn[r] = 0.0f;
+            for (int k = 0; k < QK; k++) v[k][r] = q8_load(w->layout, c->q[q8_slot(w->layout, r, k)]);
+        }
+    }
+}
+
+/* LAYOUT_F32: four running sums per output, P_j over the inputs k = j (mod 4) of every block in
+ * order, P_0 also taking each block's m * sum x after the block; the output is (P_0 + P_1) +
+ * (P_2 + P_3). Four independent chains per row, so a one-row product is not bound by the FMA's
+ * latency. */
+static void tile_f32_ref(const matmul_args *a, int t, int m0, int mt) {
+    const packed_weight *w = a->w;
+    int KB = w->K / QK;
+    float p[REF_ROWS][TILE][4] = {{{0}}};
+    for (int b = 0; b < KB; b++) {
+        float d[TILE], mn[TILE];
+        int v[QK][TILE];
+        read_cell(w, t, b, d, mn, v);
+        for (int i = 0; i < mt; i++) {
+            const float *x = (const float *)a->x + (size_t)(m0 + i) * w->K + (size_t)b * QK;
+            float s = a->sums[(size_t)(m0 + i) * KB + b];
+            for (int r = 0; r < TILE; r++) {
+                for (int k = 0; k < QK; k++) p[i][r][k & 3] = fmaf(d[r] * (float)v[k][r], x[k], p[i][r][k & 3]);
+                if (w->kind == KIND_Q4) p[i][r][0] = fmaf(mn[r], s, p[i][r][0]);
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++) {
+        float vals[TILE];
+        for (int r = 0; r < TILE; r++) vals[r] = (p[i][r][0] + p[i][r][1]) + (p[i][r][2] + p[i][r][3]);
+        store_tile(a, m0 + i, t, vals);
+    }
+}
+
+/* LAYOUT_BF16 and LAYOUT_INT8: per block a dot product, then scaled into one running sum. */
+static void tile_dot_ref(const matmul_args *a, int t, int m0, int mt) {
+    const packed_weight *w = a->w;
+    int KB = w->K / QK;
+    float acc[REF_ROWS][TILE] = {{0}};
+    for (int b = 0; b < KB; b++) {
+        float d[TILE], mn[TILE];
+        int v[QK][TILE];
+        read_cell(w, t, b, d, mn, v);
+        for (int i = 0; i < mt; i++) {
+            size_t row = (size_t)(m0 + i) * w->K + (size_t)b * QK;
+            float s = a->sums[(size_t)(m0 + i) * KB + b];
+            for (int r = 0; r < TILE; r++) {
+                if (w->layout == LAYOUT_INT8) {
+                    const int8_t *x = (const int8_t *)a->x + row;
+                    int32_t dot = 0;
+                    for (int k = 0; k < QK; k++) dot += v[k][r] * x[k];
+                    acc[i][r] = fmaf((float)dot, d[r] * s, acc[i][r]);
+                    if (w->kind == KIND_Q4) acc[i][r] = fmaf(mn[r], s * (float)a->isums[(size_t)(m0 + i) * KB + b], acc[i][r]);
+                } else {
+                    const uint16_t *x = (const uint16_t *)a->x + row;
+                    float dot = 0.0f;
+                    for (int k = 0; k < QK; k++) dot = fmaf((float)v[k][r], bf16_to_float(x[k]), dot);
+                    acc[i][r] = fmaf(dot, d[r], acc[i][r]);
+                    if (w->kind == KIND_Q4) acc[i][r] = fmaf(mn[r], s, acc[i][r]);
+                }
+            }
+        }
+    }
+    for (int i = 0; i < mt; i++) store_tile(a, m0 + i, t, acc[i]);
+}
+
+void tile_ref(const matmul_args *a, int t, int m0, int mt) {
+    if (a->w->layout == LAYOUT_F32) tile_f32_ref(a, t, m0, mt);
+    else tile_dot_ref(a, t, m0, mt);
+}
+
+float exp_ref(float x) {
+    if (x < EXP_LO) return 0.0f;
+    if (x > EXP_HI) x = EXP_HI;
+    float n = nearbyintf(x * LOG2E);
+    float r = fmaf(n, LN2_HI, x);
+    r = fmaf(n, LN2_LO, r);
+    float p = EXP_C0;
+    p = fmaf(p, r, EXP_C1);
+    p = fmaf(p, r, EXP_C2);
+    p = fmaf(p, r, EXP_C3);
+    p = fmaf(p, r, EXP_C4);
+    p = fmaf(p, r, EXP_C5);
+    p = fmaf(p, r * r, r + 1.0f);
+    uint32_t bits = (uint32_t)((int)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+void exp_inplace_ref(float *v, int count) {
+    for (int i = 0; i < count; i++) v[i] = exp_ref(v[i]);
+}
+
+/* A sum in a fixed order (the values in logical order): 16 running lanes, then the lanes pairwise. */
+float sum_in_order(const float *v, int count) {
+    float lanes[16] = {0};
+    int i = 0;
+    for (; i + 16 <= count; i += 16)
+        for (int j = 0; j < 16; j++) lanes[j] += v[i + j];
+    for (int j = 0; i < count; i++, j++) lanes[j] += v[i];
+    for (int width = 8; width >= 1; width /= 2)
+        for (int j = 0; j < width; j++) lanes[j] += lanes[j + width];
+    return lanes[0];
+}
+
+/* x / rms(x) * w over one row (float32). */
+static void rms_norm_ref(const float *x, const float *w, float eps, int n, float *out) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss = fmaf(x[i], x[i], ss);
+    float r = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
+}
+
+int visible_slots(const attention_view *a, int row, int *slots) {
+    int count = 0;
+    if (a->every_slot) { /* attends: [n, start + n] over every slot (the draft head's token trees) */
+        for (int s = 0; s < a->start + a->n; s++)
+            if (a->attends[(size_t)row * (a->start + a->n) + s]) slots[count++] = s;
+        return count;
+    }
+    for (int s = 0; s < a->start; s++) slots[count++] = s;
+    for (int j = 0; j <= row; j++)
+        if (a->attends == NULL || a->attends[(size_t)row * a->n + j]) slots[count++] = a->start + j;
+    return count;
+}
+
+/* One query's attention over its visible keys ``slots`` [count], in logical order: scores, their
+ * softmax, the weighted sum of values (``scores`` [count] is the caller's scratch). */
+int attend_ref(const attention_view *a, const float *q, float *out, int head, float *scores, const int *slots, int count) {
+    int D = a->head_dim, g = head / (a->heads / a->kv_heads);
+    q += (size_t)head * D;
+    const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
+    float scale = 1.0f / sqrtf((float)D), best = -INFINITY;
+    for (int l = 0; l < count; l++) {
+        const float *k = K + (size_t)slots[l] * D;
+        float s = 0.0f;
+        for (int i = 0; i < D; i++) s = fmaf(q[i], k[i], s);
+        s *= scale;
+        scores[l] = s;
+        if (s > best) best = s;
+    }
+    for (int l = 0; l < count; l++) scores[l] -= best;
+    exp_inplace_ref(scores, count);
+    float total = sum_in_order(scores, count);
+    out += (size_t)head * D;
+    for (int i = 0; i < D; i++) out[i] = 0.0f;
+    for (int l = 0; l < count; l++) {
+        const float *v = V + (size_t)slots[l] * D;
+        float p = scores[l];
+        for (int i = 0; i < D; i++) out[i] = fmaf(p, v[i], out[i]);
+    }
+    float inv = 1.0f / total;
+    for (int i = 0; i < D; i++) out[i] *= inv;
+    return 1;
+}
+
+void install_portable(kernel_set *k) {
+    for (int layout = 0; layout < LAYOUTS; layout++)
+        for (int kind = 0; kind < KINDS; kind++) k->tile[layout][kind] = (tile_kernel){tile_ref, REF_ROWS, ISA_PORTABLE};
+    k->prepare_f32 = prepare_f32_ref;
+    k->prepare_bf16 = prepare_bf16_ref;
+    k->prepare_int8 = prepare_int8_ref;
+    k->exp_inplace = exp_inplace_ref;
+    k->rms_norm = rms_norm_ref;
+    k->attend = attend_ref;
+    for (int op = 0; op < 6; op++) k->isa[op] = ISA_PORTABLE;
+}
