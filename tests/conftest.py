@@ -117,8 +117,8 @@ def as_method(drafter, rule=None, policy=None, num_draft: int = 5, slim_mask=Non
     from tierspec.policies import FixedLength
     from tierspec.rules import ExactRule
 
-    return Method("test", drafter, rule or ExactRule(), policy or FixedLength(num_draft, pass_costs), "test method",
-                  slim_mask)
+    return Method.of("test", drafter, rule or ExactRule(), policy or FixedLength(num_draft, pass_costs), "test method",
+                     slim_mask)
 
 
 def draft_request(budget: int, sampling=None, noise=None, policy=None):

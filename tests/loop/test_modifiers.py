@@ -16,7 +16,7 @@ from tierspec.decode import DecodeConfig, DecodeRun, TokenLogprob, token_logprob
 from tierspec.drafters.eagle import EagleDrafter  # noqa: F401  (the head's drafter must import)
 from tierspec.heads.draft import DraftHead
 from tierspec.errors import TierspecError
-from tierspec.methods import MethodOptions, build_method
+from tierspec.methods import WITHOUT_NUM_DRAFT, MethodOptions, build_method
 from tierspec.models import load_model
 from tierspec.modifiers import LogitModifiers, chain_counts, modified_logits, token_counts, tree_counts
 from tierspec.layerskip.masks import RoutingMask
@@ -123,7 +123,7 @@ def drafter():
 
 
 def options_for(name: str, target) -> MethodOptions:
-    values = {"num_draft": 4, "adaptive_max_draft": 6,
+    values = {"num_draft": None if name in WITHOUT_NUM_DRAFT else 4,
               "draft_head": DraftHead.for_target(target, torch.arange(0, 64, 2), seed=3).eval()}
     if name == "self":
         values["mask"] = RoutingMask.from_units(4, "sublayer", [("mlp", 1), ("attn", 2)])
@@ -244,10 +244,10 @@ def test_echo_scores_the_prompt_with_the_prefill(target):
 
 
 def test_a_long_echoed_prompt_is_scored_in_chunks_with_the_same_values(target, monkeypatch):
-    decode_module = importlib.import_module("tierspec.decode")  # (tierspec.decode is also the function)
+    verifiers_module = importlib.import_module("tierspec.verifiers")
     ar = build_method("ar", target)
     whole = run(target, ar, GREEDY, 0, score_prompt=True, max_new=2)[2][0].prompt_logprobs
-    monkeypatch.setattr(decode_module, "SCORED_PREFILL_CHUNK", 4)
+    monkeypatch.setattr(verifiers_module, "SCORED_PREFILL_CHUNK", 4)
     chunked = run(target, ar, GREEDY, 0, score_prompt=True, max_new=2)[2][0].prompt_logprobs
     assert [r.token for r in chunked[1:]] == [r.token for r in whole[1:]]
     assert max(abs(a.logprob - b.logprob) for a, b in zip(chunked[1:], whole[1:])) < LOGPROB_TOLERANCE

@@ -21,7 +21,7 @@ from tierspec.drafters import NgramDrafter
 from tierspec.drafters.eagle import EagleDrafter
 from tierspec.heads.draft import DraftHead
 from tierspec.heads.judge import JudgeHead
-from tierspec.methods import MethodOptions, build_method, method_names
+from tierspec.methods import WITHOUT_NUM_DRAFT, MethodOptions, build_method, method_names
 from tierspec.models import load_model
 from tierspec.layerskip.masks import RoutingMask
 from tierspec.rules import ExactRule
@@ -72,7 +72,7 @@ def parts(target):
 def options_for(name: str, parts: dict, **extra) -> MethodOptions:
     """Every method's needs: masks for self/via, heads for eagle/hybrid/judge; the lossy rules
     draft with the trained head (the cost-aware policy), as the issue's runs did."""
-    values = {"num_draft": 4, "adaptive_max_draft": 6, "draft_head": parts["draft_head"]}
+    values = {"num_draft": None if name in WITHOUT_NUM_DRAFT else 4, "draft_head": parts["draft_head"]}
     if name in ("self", "via", "via-judge", "via-pearl"):
         values["mask"] = parts["mask"]
     if name in ("judge", "via-judge"):
