@@ -44,7 +44,7 @@ import openai
 
 from tierspec import load_model
 from tierspec.methods import DEFAULT_METHOD
-from tierspec.server import Engine, serving_in_background
+from tierspec.server import Scheduler, serving_in_background
 from tierspec.util import atomic_write_text
 
 # Written for this script; not from any evaluation set.
@@ -347,7 +347,7 @@ def main() -> None:
         parser.error("--requests and --clients must be >= 1")
     start = startup()
     print(json.dumps(start), flush=True)
-    engine = Engine(load_model("smollm2-135m"), max_queue=max(8, args.clients))
+    engine = Scheduler(load_model("smollm2-135m"), max_queue=max(8, args.clients))
     with serving_in_background(engine) as port:
         rows = [run_method(port, method.strip(), args.requests, args.clients, args.max_tokens)
                 for method in args.methods.split(",") if method.strip()]

@@ -375,7 +375,7 @@ def _add_serve(sub) -> None:
 def _run_serve(args) -> int:
     from .errors import TierspecError
     from .methods import check_method_name
-    from .server import DEFAULT_MAX_REQUEST_BYTES, Engine, listen, serve
+    from .server import DEFAULT_MAX_REQUEST_BYTES, Scheduler, listen, serve
     from .server.app import DEFAULT_BODY_TIMEOUT
 
     if args.method is not None:
@@ -400,10 +400,10 @@ def _run_serve(args) -> int:
         from .engine import runs_on_engine
 
         max_batch = args.max_batch if args.max_batch is not None else (8 if runs_on_engine(target.model) else 1)
-        engine = Engine(target, args.method, drafter, method_options(args, target), max_queue=args.max_queue,
-                        max_batch=max_batch, max_rows=args.max_rows)
-        engine.method(engine.default_method, None)  # build (and measure costs for) the default method before the first request
-        serve(engine, sock, args.log_level, max_request_bytes, body_timeout)
+        scheduler = Scheduler(target, args.method, drafter, method_options(args, target), max_queue=args.max_queue,
+                              max_batch=max_batch, max_rows=args.max_rows)
+        scheduler.method(scheduler.default_method)  # build (and measure costs for) the default method before the first request
+        serve(scheduler, sock, args.log_level, max_request_bytes, body_timeout)
     finally:
         sock.close()
     import signal
@@ -442,7 +442,9 @@ def _add_bench(sub) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--num-draft", type=int, default=5)
+    parser.add_argument("--num-draft", type=int, default=None,
+                        help="the largest draft of every method that takes one (default: each method's own; "
+                        "a spec's num_draft=N wins)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mask", default=None, help="default routing mask for self/via specs that name none")

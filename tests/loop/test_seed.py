@@ -274,9 +274,9 @@ def test_server_requests_with_a_seed_give_one_text_whatever_ran_before():
     requests have run, and the lossless methods give ar's."""
     import openai
 
-    from tierspec.server import Engine, serving_in_background
+    from tierspec.server import Scheduler, serving_in_background
 
-    engine = Engine(tierspec.load_model("smollm2-135m"), max_queue=4)
+    engine = Scheduler(tierspec.load_model("smollm2-135m"), max_queue=4)
     messages = [{"role": "user", "content": "Write a short story about a robot learning to paint."}]
     with serving_in_background(engine) as port:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)

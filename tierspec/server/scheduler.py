@@ -1,9 +1,9 @@
-"""The engine behind the server: one loaded model, one request at a time from a bounded queue,
-on a worker thread that tells each request's handler what happens through typed events
-(``Started``, then per choice ``TextPiece``… and ``ChoiceDone``, then ``Finished`` or
-``Failed``). A request's choices (its prompts × ``n``) are generated one after another. Nothing
-here knows HTTP beyond ``ApiError``, the status and OpenAI error body an event or a refusal
-carries."""
+"""The server's scheduler: one loaded model, requests from a bounded queue, and **one executor** — a
+worker thread running ``batch.BatchDecoder``'s cycles over every generation admitted (up to
+``max_batch`` at once; requests' choices join and leave between cycles). It tells each request's
+handler what happens through typed events (``Started``, then per choice ``TextPiece``… and
+``ChoiceDone``, then ``Finished`` or ``Failed``). Nothing here knows HTTP beyond ``ApiError``, the
+status and OpenAI error body an event or a refusal carries."""
 
 from __future__ import annotations
 
@@ -11,14 +11,13 @@ import asyncio
 import logging
 import threading
 from collections import OrderedDict
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from ..api import IncrementalDetokenizer, check_seed, stream_method
-from ..batch import BatchDecoder, BatchError, check_batchable
-from ..decode import DecodeConfig, GenerationStats, TokenLogprob, score_prompt
+from ..api import IncrementalDetokenizer, check_seed
+from ..batch import BatchDecoder
+from ..decode import DecodeConfig, GenerationStats, Sequence, Step, TokenLogprob, score_prompt
 from ..errors import TierspecError
 from ..methods import Method, MethodOptions, build_method, check_method_name, default_method
 from ..models import LoadedModel
@@ -116,13 +115,13 @@ class Job:
 
     choices: list[Choice]
     method: str
-    num_draft: int | None
     stops: list[str]
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled_by: str | None = None  # CLIENT_LEFT or SHUTDOWN; set once, under the engine's lock
-    pending: list = field(default_factory=list)  # in a batch: choices not started yet (no room)
-    done: list = field(default_factory=list)  # in a batch: the ChoiceDone events sent so far
+    cancelled_by: str | None = None  # CLIENT_LEFT or SHUTDOWN; set once, under the scheduler's lock
+    pending: list[Choice] = field(default_factory=list)  # choices not started yet (no room in the batch)
+    done: list[ChoiceDone] = field(default_factory=list)  # the ChoiceDone events sent so far
+    started: bool = False  # Started was sent
 
     def send(self, event: Event) -> None:
         """Deliver ``event`` to the handler (from any thread)."""
@@ -157,29 +156,28 @@ class StopMatcher:
         return text
 
 
-# ---- the engine: one model, one generation at a time ---------------------------------------------
+# ---- the scheduler: one model, one executor ------------------------------------------------------
 
 
-class Engine:
-    """Runs generations one at a time on one loaded model, from a bounded queue.
+class Scheduler:
+    """Runs requests' generations on one loaded model, from a bounded queue, on one worker thread
+    (see the module doc).
 
-    Admission is decided here (running + waiting ≤ 1 + ``max_queue``) so that a full server
-    answers at once instead of piling requests up. Built methods are kept for the last
-    ``max_methods`` (name, num_draft) pairs a request asked for: a client sending ever new
-    values cannot grow the server's memory, and what a method shares with others (the model,
-    the draft head, the forward-cost table) is built once whatever the value. A request's seed
-    seeds its own generation (``api.stream_method``, as the library does): the engine keeps no
-    random state of its own.
+    Admission is decided here (running + waiting ≤ ``max_batch`` + ``max_queue``) so that a full
+    server answers at once instead of piling requests up. Built methods are kept for the last
+    ``max_methods`` names a request asked for (each built once: its heads and pass-cost table are
+    shared by every generation, which makes its own drafter and policy, with the request's
+    ``num_draft``). A request's seed seeds its own generation, as the library's does: the scheduler
+    keeps no random state of its own.
     """
 
     def __init__(self, target: LoadedModel, method: str | None = None, drafter: LoadedModel | None = None,
                  options: MethodOptions = MethodOptions(), max_queue: int = 8, max_methods: int = 4,
                  max_batch: int = 1, max_rows: int | None = None):
-        """``method``: requests' default (None: ``methods.default_method(target)``). ``max_batch``
-        > 1 (a model on the pass engine): up to that many generations run at once, one batched
-        pass per cycle (``batch.BatchDecoder``; every request still gets exactly its solo text),
-        at most ``max_rows`` rows per pass; requests whose method cannot be batched (lossy rules,
-        VIA-SD) run alone between batch cycles."""
+        """``method``: requests' default (None: ``methods.default_method(target)``). ``max_batch``:
+        generations at once (``batch.BatchDecoder``: on the pass engine one batched pass per cycle;
+        every request still gets exactly its solo text), at most ``max_rows`` rows per pass (a joining
+        prompt is prefilled in the rows left); 1: one generation at a time."""
         method = method or default_method(target, options)
         check_method_name(method)
         if target.tokenizer is None:
@@ -193,29 +191,19 @@ class Engine:
         self.max_queue, self.max_methods = max_queue, max_methods
         self.eos = eos_ids(target)
         self.context = getattr(target.model.config, "max_position_embeddings", None)
-        self._methods: OrderedDict[tuple[str, int | None], Method] = OrderedDict()  # least recently used first
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tierspec-generate")
+        self.batch = BatchDecoder(target, max_batch=max_batch, max_rows=max_rows)  # checks max_batch, max_rows
+        self.max_batch, self.max_rows = max_batch, max_rows
+        self._methods: OrderedDict[str, Method] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # guards the fields below
+        self._wake = threading.Condition(self._lock)
         self._waiting: list[Job] = []
-        self._running: Job | None = None
+        self._jobs: list[Job] = []  # admitted, in admission order
+        self._live: dict[tuple[int, int], _Live] = {}  # the generations in the batch, by their key
         self._stopping = False
         self._counts = {"completed": 0, "cancelled": 0, "withdrawn": 0, "interrupted": 0, "failed": 0, "refused": 0,
                         "invalid": 0}
-        if max_batch < 1:
-            raise TierspecError(f"max_batch must be >= 1, got {max_batch}")
-        if max_rows is not None and max_rows < max_batch:
-            raise TierspecError(f"max_rows ({max_rows}) must leave every generation of a full batch its row "
-                                f"(at least max_batch = {max_batch})")
-        self.max_batch, self.max_rows = max_batch, max_rows
-        self._batch: BatchDecoder | None = None
-        self._batched: list[_Live] = []  # the generations in the batch
-        self._batched_jobs: list[Job] = []  # their jobs, in admission order
-        self._wake = threading.Condition(self._lock)
-        self._loop_thread: threading.Thread | None = None
-        if max_batch > 1:
-            self._batch = BatchDecoder(target, max_batch=max_batch, max_rows=max_rows)  # refuses a model off the engine
-            self._loop_thread = threading.Thread(target=self._batch_loop, name="tierspec-batch", daemon=True)
-            self._loop_thread.start()
+        self._worker = threading.Thread(target=self._loop, name="tierspec-generate", daemon=True)
+        self._worker.start()
 
     def health(self) -> dict:
         """Status and counts: ``cancelled`` / ``withdrawn``: the client left during / before its
@@ -223,24 +211,20 @@ class Engine:
         ``invalid``: answered 400 (a request the server cannot serve as asked, e.g. a method this
         model cannot build); ``failed``: the server's own errors (500)."""
         with self._lock:
-            running = len(self._batched_jobs) if self._batch is not None else 0
-            running += int(self._running is not None)
             return {"status": "stopping" if self._stopping else "ok", "model": self.model_name,
-                    "method": self.default_method, "running": running,
+                    "method": self.default_method, "running": len(self._jobs),
                     "waiting": len(self._waiting), "max_queue": self.max_queue,
                     "batch": {"max_batch": self.max_batch, "max_rows": self.max_rows,
-                              "generations": len(self._batched), "requests": len(self._batched_jobs)},
+                              "generations": len(self._live), "requests": len(self._jobs)},
                     "methods_cached": len(self._methods), **self._counts}
 
-    def method(self, name: str, num_draft: int | None) -> Method:
+    def method(self, name: str) -> Method:
         """The built method, from the cache when it was used lately (call it on the worker
         thread, or before serving starts)."""
-        key = (name, num_draft)
-        method = self._methods.pop(key, None)
+        method = self._methods.pop(name, None)
         if method is None:
-            options = self.options if num_draft is None else replace(self.options, num_draft=num_draft)
-            method = build_method(name, self.target, self.drafter, options)
-        self._methods[key] = method
+            method = build_method(name, self.target, self.drafter, self.options)
+        self._methods[name] = method
         while len(self._methods) > self.max_methods:
             self._methods.popitem(last=False)
         return method
@@ -255,20 +239,16 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise shutting_down()
-            running = (self._running is not None) + len(self._batched_jobs)
-            if len(self._waiting) + running >= max(1, self.max_batch) + self.max_queue:
+            if len(self._waiting) + len(self._jobs) >= self.max_batch + self.max_queue:
                 self._counts["refused"] += 1
                 raise ApiError(503, f"the server is busy ({self.max_queue} requests already waiting); retry shortly",
                                kind="server_busy", headers={"Retry-After": "1"})
             self._waiting.append(job)
-            if self._batch is not None:
-                self._wake.notify()
-                return
-        self._worker.submit(self._run, job)
+            self._wake.notify()
 
     def cancel(self, job: Job, reason: str) -> None:
-        """End ``job`` for ``reason``: a waiting job leaves the queue at once (the worker skips
-        it), the running one stops at its next cycle."""
+        """End ``job`` for ``reason``: a waiting job leaves the queue at once, a running one stops
+        at its next cycle."""
         with self._lock:
             self._cancel(job, reason)
 
@@ -281,127 +261,121 @@ class Engine:
             self._counts["withdrawn" if reason == CLIENT_LEFT else "interrupted"] += 1
             if reason == SHUTDOWN:
                 job.send(Failed(shutting_down()))
+        self._wake.notify()
 
     def stop(self) -> None:
         """Shut down: refuse new requests, turn the waiting ones away with 503, stop the
         running ones at their next cycle (their clients still get a well-formed ending)."""
         with self._lock:
             self._stopping = True
-            for job in list(self._waiting):
-                self._cancel(job, SHUTDOWN)
-            if self._running is not None:
-                self._cancel(self._running, SHUTDOWN)
-            for job in self._batched_jobs:
+            for job in list(self._waiting) + list(self._jobs):
                 self._cancel(job, SHUTDOWN)
             self._wake.notify()
 
     def close(self) -> None:
         """``stop``, then wait for the worker to finish."""
         self.stop()
-        self._worker.shutdown(wait=True)
-        if self._loop_thread is not None:
-            self._loop_thread.join()
+        self._worker.join()
 
-    # ---- the batch: several requests' generations in one pass per cycle ------------------------------
+    # ---- the executor ----------------------------------------------------------------------------
 
-    def _batch_loop(self) -> None:
-        """The batch's worker: admit waiting jobs while there is room, run one cycle for every
-        generation in the batch, hand each its text, finish the jobs whose choices are done. A job
-        whose method cannot be batched runs alone, between cycles."""
+    def _loop(self) -> None:
+        """The worker: admit waiting jobs while the batch has room, run one cycle for every
+        generation, hand each its text, finish the jobs whose choices are done."""
         while True:
             with self._lock:
-                while not self._waiting and not self._batched and not self._stopping:
+                while not self._waiting and not self._jobs and not self._stopping:
                     self._wake.wait()
-                if self._stopping and not self._waiting and not self._batched:
+                if self._stopping and not self._waiting and not self._jobs:
                     return
                 admitted = self._admit()
-            for job in admitted:
-                self._start_job(job)
             try:
-                self._batch_cycle()
-            except Exception as error:  # a bug: every job in the batch answers 500, the loop goes on
-                log.exception("batched generation failed")
+                for job in admitted:
+                    self._start_job(job)
+                self._cycle()
+            except Exception as error:  # a bug: every running job answers 500, the loop goes on
+                log.exception("generation failed")
                 failure = Failed(ApiError(500, f"internal error: {type(error).__name__}: {error}", kind="server_error"))
-                for job in list(self._batched_jobs):
+                for job in list(self._jobs):
                     self._end_job(job, "failed", failure)
 
     def _admit(self) -> list[Job]:
-        """Waiting jobs that join the batch now (under the lock): while it has room for one more
-        generation; a job's choices beyond the room wait inside it for places."""
+        """Waiting jobs that are admitted now (under the lock): while the batch has room for one
+        more generation; a job's choices beyond the room wait inside it for places."""
         admitted = []
-        room = self.max_batch - len(self._batched)
+        room = self.max_batch - sum(len(job.pending) for job in self._jobs) - len(self._live)
         while self._waiting and room > 0:
             job = self._waiting.pop(0)
-            if job.cancelled_by is not None:
-                continue
             admitted.append(job)
-            self._batched_jobs.append(job)
+            self._jobs.append(job)
             room -= len(job.choices)
         return admitted
 
     def _start_job(self, job: Job) -> None:
-        """Build the job's generations and put them in the batch (or run it alone, unbatchable)."""
+        """Build the job's method (a 400 when this model cannot) and start its choices."""
         try:
-            probe = self.method(job.method, job.num_draft)
-            check_batchable(probe)
-        except BatchError:  # lossy or tiered: alone, with the one-at-a-time path
-            with self._lock:
-                self._batched_jobs.remove(job)
-                self._waiting.insert(0, job)
-                self._running = None
-            self._run(job)
-            return
-        except TierspecError as error:
+            method = self.method(job.method)
+        except TierspecError as error:  # the method cannot be built for this model with these options
             self._end_job(job, "invalid", Failed(ApiError(400, str(error), "method")))
             return
-        job.send(Started())
         job.pending = list(job.choices)
-        job.done = []
-        self._fill(job)
+        self._fill(job, method)
 
-    def _fill(self, job: Job) -> None:
-        """Start the job's pending choices while the batch has room (score-only ones at once)."""
-        while job.pending and len(self._batched) < self.max_batch and job.cancelled_by is None:
+    def _fill(self, job: Job, method: Method | None = None) -> None:
+        """Start the job's pending choices while the batch has room (score-only ones at once); the
+        job's ``Started`` goes out with its first choice, so a choice the method refuses (a 400)
+        still answers with its own status when it is the first."""
+        while job.pending and len(self.batch) < self.max_batch and job.cancelled_by is None:
             choice = job.pending.pop(0)
             if choice.score_only:
-                job.done.append(self._score_only(job, choice))
-                job.send(job.done[-1])
+                done = self._score_only(job, choice)
+            else:
+                try:
+                    check_seed(choice.seed)
+                    sequence = self.batch.add((id(job), choice.index), method or self.method(job.method),
+                                              choice.prompt_ids, choice.config, choice.seed)
+                except TierspecError as error:
+                    self._end_job(job, "invalid", Failed(ApiError(400, str(error), "method")))
+                    return
+                self._started(job)
+                self._live[sequence.key] = _Live(job, choice, sequence, self.target.tokenizer)
                 continue
-            try:
-                check_seed(choice.seed)
-                method = build_method(job.method, self.target, self.drafter,
-                                      self.options if job.num_draft is None else replace(self.options, num_draft=job.num_draft))
-                run = self._batch.add((id(job), choice.index), method, choice.prompt_ids, choice.config, choice.seed)
-            except TierspecError as error:
-                self._end_job(job, "invalid", Failed(ApiError(400, str(error), "method")))
-                return
-            self._batched.append(_Live(job, choice, run, self.target.tokenizer))
-        if not job.pending and not any(live.job is job for live in self._batched):
+            self._started(job)
+            job.done.append(done)
+            job.send(done)
+        if not job.pending and not any(live.job is job for live in self._live.values()):
             self._finish_job(job)
 
-    def _batch_cycle(self) -> None:
-        """One cycle of the batch: every generation's new text to its job; finished choices done;
-        cancelled jobs out."""
-        for job in list(self._batched_jobs):
+    def _started(self, job: Job) -> None:
+        if not job.started:
+            job.started = True
+            job.send(Started())
+
+    def _cycle(self) -> None:
+        """One cycle of every generation: each one's new text to its job; finished choices done;
+        cancelled jobs out; waiting choices of running jobs into the places freed."""
+        for job in list(self._jobs):
             if job.cancelled_by is not None:
                 self._drop(job)
-        if not self._batched:
+        if not self._live:
             return
-        steps = self._batch.step()
-        for run, step in steps:
-            live = next(live for live in self._batched if live.run is run)
+        for sequence, step in self.batch.step():
+            live = self._live[sequence.key]
             if live.feed(step, self.eos):
-                self._batched.remove(live)
-                self._batch.cancel(run.key)  # a stop sequence ends it before the batch would
+                del self._live[sequence.key]
+                self.batch.cancel(sequence.key)  # a stop sequence ends it before the batch would
                 live.job.done.append(live.done())
                 live.job.send(live.job.done[-1])
-                self._fill(live.job)
+        for job in list(self._jobs):
+            if job.cancelled_by is None and job in self._jobs:
+                self._fill(job)
 
     def _drop(self, job: Job) -> None:
-        """Take a cancelled job's generations out and end it as ``_generate_all`` would."""
-        for live in [live for live in self._batched if live.job is job]:
-            self._batched.remove(live)
-            self._batch.cancel(live.run.key)
+        """Take a cancelled job's generations out and end it: nothing more for a client that left,
+        a well-formed ending (its choices so far, interrupted) for a shutdown."""
+        for live in [live for live in self._live.values() if live.job is job]:
+            del self._live[live.sequence.key]
+            self.batch.cancel(live.sequence.key)
             if job.cancelled_by == SHUTDOWN:
                 job.done.append(live.done("length"))
                 job.send(job.done[-1])
@@ -414,84 +388,18 @@ class Engine:
     def _finish_job(self, job: Job) -> None:
         self._end_job(job, "completed", Finished(tuple(sorted(job.done, key=lambda c: c.index)), job.method))
 
-    def _end_job(self, job: Job, outcome: str, last) -> None:
+    def _end_job(self, job: Job, outcome: str, last: Event | None) -> None:
+        """``job`` leaves the scheduler with ``outcome`` counted; then its last event goes out (so a
+        client that sends its next request as soon as it has its answer finds the room free)."""
+        for live in [live for live in self._live.values() if live.job is job]:
+            del self._live[live.sequence.key]
+            self.batch.cancel(live.sequence.key)
         with self._lock:
-            if job in self._batched_jobs:
-                self._batched_jobs.remove(job)
+            if job in self._jobs:
+                self._jobs.remove(job)
             self._counts[outcome] += 1
-        for live in [live for live in self._batched if live.job is job]:
-            self._batched.remove(live)
-            self._batch.cancel(live.run.key)
         if last is not None:
             job.send(last)
-
-    def _run(self, job: Job) -> None:
-        """The worker: build the method, generate, send Started, TextPiece…, Finished (or Failed).
-        The last event goes out after the job has left the engine, so a client that sends its
-        next request as soon as it has its answer finds the server free."""
-        with self._lock:
-            if job not in self._waiting:  # withdrawn or turned away while it waited: already answered
-                return
-            self._waiting.remove(job)
-            self._running = job
-        outcome, last = "failed", None
-        try:
-            try:
-                method = self.method(job.method, job.num_draft)
-            except TierspecError as error:  # the method cannot be built for this model with these options
-                outcome, last = "invalid", Failed(ApiError(400, str(error), "method"))
-            else:
-                job.send(Started())
-                outcome, last = self._generate_all(job, method)
-        except Exception as error:  # a bug: the handler answers 500, the log keeps the traceback, the worker goes on
-            log.exception("generation failed")
-            last = Failed(ApiError(500, f"internal error: {type(error).__name__}: {error}", kind="server_error"))
-        finally:
-            with self._lock:
-                self._running = None
-                self._counts[outcome] += 1
-            if last is not None:
-                job.send(last)
-
-    def _generate_all(self, job: Job, method: Method) -> tuple[str, Finished | Failed | None]:
-        """Every choice of ``job`` in order: its outcome and its last event (None when its client
-        has left)."""
-        done = []
-        for choice in job.choices:
-            try:
-                done.append(self._generate(job, choice, method))
-            except TierspecError as error:  # e.g. logprobs from a method with a slim tier
-                return "invalid", Failed(ApiError(400, str(error), "method"))
-            job.send(done[-1])
-            if job.cancelled_by is not None:
-                break
-        if job.cancelled_by == CLIENT_LEFT:
-            return "cancelled", None
-        interrupted = job.cancelled_by == SHUTDOWN
-        return "interrupted" if interrupted else "completed", Finished(tuple(done), job.method, interrupted)
-
-    def _generate(self, job: Job, choice: Choice, method: Method) -> ChoiceDone:
-        """One generation, cut at stop sequences (what its client is sent: ``ChoiceText``), stopped
-        at the next cycle once cancelled."""
-        if choice.score_only:
-            return self._score_only(job, choice)
-        text_stream = stream_method(self.target, method, choice.prompt_ids, choice.config, choice.seed)
-        out = ChoiceText(job, choice, self.target.tokenizer)
-        finish = None
-        try:
-            for piece in text_stream:
-                out.echo(text_stream.prompt_logprobs)
-                if out.feed(piece, text_stream.logprobs):
-                    finish = "stop"
-                    break
-                if job.cancelled_by is not None:
-                    break
-        finally:
-            text_stream.close()
-        out.echo(text_stream.prompt_logprobs)
-        if finish is None:
-            finish = out.end(text_stream.logprobs, text_stream.token_ids, self.eos)
-        return ChoiceDone(choice.index, finish, text_stream.stats, len(text_stream.token_ids))
 
     def _score_only(self, job: Job, choice: Choice) -> ChoiceDone:
         """A choice that generates nothing (``echo`` with no budget): the prompt's text and, if
@@ -503,8 +411,7 @@ class Engine:
 
 
 class ChoiceText:
-    """What a choice's client is sent as its tokens are committed, alone (``Engine._generate``) or in
-    a batch (``_Live``): the echoed prompt first, then each piece of text cut at the stop sequences;
+    """What a choice's client is sent as its tokens are committed (``_Live``): the echoed prompt first, then each piece of text cut at the stop sequences;
     with logprobs, each piece carries the records of the tokens whose text it completes (a token's
     text starts at the sum of the texts before it), and a stop sequence drops the records of the
     tokens after the cut."""
@@ -544,17 +451,17 @@ class ChoiceText:
 
 
 class _Live:
-    """One generation in the batch: its run, its text so far (an incremental detokeniser) and what
-    its client is sent (``ChoiceText``), as ``Engine._generate`` keeps them for a solo one."""
+    """One generation in the batch: its sequence, its text so far (an incremental detokeniser) and
+    what its client is sent (``ChoiceText``)."""
 
-    def __init__(self, job: Job, choice: Choice, run, tokenizer):
-        self.job, self.choice, self.run = job, choice, run
+    def __init__(self, job: Job, choice: Choice, sequence: Sequence, tokenizer):
+        self.job, self.choice, self.sequence = job, choice, sequence
         self.detok = IncrementalDetokenizer(tokenizer)
         self.out = ChoiceText(job, choice, tokenizer)
         self.logprobs: list[TokenLogprob] = []
         self.finish: str | None = None
 
-    def feed(self, step, eos: set[int]) -> bool:
+    def feed(self, step: Step, eos: set[int]) -> bool:
         """Send ``step``'s new text; True when the generation is over (done or at a stop sequence)."""
         if step.logprobs is not None:
             self.logprobs.extend(step.logprobs)
@@ -563,12 +470,13 @@ class _Live:
             self.finish = "stop"
             return True
         if step.finished:
-            self.finish = self.out.end(self.logprobs, self.run.token_ids, eos)
+            self.finish = self.out.end(self.logprobs, self.sequence.token_ids, eos)
             return True
         return False
 
     def done(self, finish: str | None = None) -> ChoiceDone:
-        return ChoiceDone(self.choice.index, finish or self.finish or "length", self.run.stats, len(self.run.token_ids))
+        sequence = self.sequence
+        return ChoiceDone(self.choice.index, finish or self.finish or "length", sequence.stats, len(sequence.token_ids))
 
 
 class TokenRecords:
