@@ -761,16 +761,18 @@ def _commit(sequence: Sequence, new_tokens: list[int], path: list[int]) -> tuple
             finished = True
             break
     new_tokens = new_tokens[: config.max_new_tokens - sequence.committed.generated_count]
+    if sequence.constraint is not None:
+        taken = sequence.constraint.advance(new_tokens)
+        if taken < len(new_tokens):  # the walk went past the constraint's end: nothing may follow it
+            if not sequence.constraint.finished():
+                raise ConstraintError(f"the constraint refused committed token {new_tokens[taken]} (its mask allowed it)")
+            new_tokens = new_tokens[:taken]
+        finished = finished or sequence.constraint.finished()
     records = None
     if config.logprobs is not None:
         records = token_logprobs(verifiers.scored_rows(new_tokens, path), new_tokens, config.sampling, config.logprobs)
     committed = verifiers.commit(new_tokens, path)
     sequence.noise.forget_before(committed)
-    if sequence.constraint is not None:
-        taken = sequence.constraint.advance(new_tokens)
-        if taken != len(new_tokens):
-            raise ConstraintError(f"the constraint refused committed token {new_tokens[taken]} (its mask allowed it)")
-        finished = finished or sequence.constraint.finished()
     finished = finished or sequence.committed.generated_count >= config.max_new_tokens
     sequence.drafter.commit(committed)
     return new_tokens, finished, records
@@ -856,13 +858,16 @@ def decode(
     yield from decode_sequence(target, open_sequence(target, method, prompt_ids, config, seed), inspect)
 
 
-def decode_sequence(target: LoadedModel, sequence: Sequence,
-                    inspect: Callable[[Verifiers, Drafter], None] | None = None) -> Iterator[Step]:
-    """The steps of an opened ``sequence`` (``open_sequence``), one cycle of its own each."""
+def decode_sequence(target: LoadedModel, sequence: Sequence, inspect: Callable[[Verifiers, Drafter], None] | None = None,
+                    times: CycleTimes | None = None) -> Iterator[Step]:
+    """The steps of an opened ``sequence`` (``open_sequence``), one cycle of its own each (their
+    phases added to ``times`` when given)."""
     passes = pass_backend(target.model)
     while not sequence.finished and sequence.tokens_left > 0:
         with torch.inference_mode():
-            ((_, step),), _ = cycle([sequence], passes)
+            ((_, step),), spent = cycle([sequence], passes)
+        if times is not None:
+            times.add(spent)
         if inspect is not None:
             inspect(sequence.verifiers, sequence.drafter)
         yield step
@@ -877,7 +882,8 @@ class DecodeRun:
     sequence. ``stats.wall_seconds`` runs from the first step asked for (the prefill is in it) to
     the latest step handed out, or to the end of the generation once it is exhausted
     (docs/metrics.md §Generation statistics). ``finish()`` runs it to the end; ``close()`` stops it
-    early. ``sequence``: the generation's ``Sequence`` once its first step was asked for."""
+    early. ``sequence``: the generation's ``Sequence`` once its first step was asked for; ``times``:
+    where its cycles' time went (``CycleTimes``)."""
 
     def __init__(self, target: LoadedModel, method: DecodeMethod, prompt_ids: torch.Tensor, config: DecodeConfig,
                  seed: int | torch.Generator | None = None, inspect: Callable[[Verifiers, Drafter], None] | None = None):
@@ -886,6 +892,7 @@ class DecodeRun:
         self._steps: Iterator[Step] | None = None
         self.sequence: Sequence | None = None
         self.stats = GenerationStats()
+        self.times = CycleTimes()
         self.committed: CommittedTokens | None = None  # the generation's, from its first step
         self._started: float | None = None
 
@@ -904,7 +911,7 @@ class DecodeRun:
             with threads_for(self._target.model):  # torch's small operators on one thread, on the engine
                 if self._steps is None:
                     self.sequence = open_sequence(self._target, self._method, self._prompt_ids, self._config, self._seed)
-                    self._steps = decode_sequence(self._target, self.sequence, self._inspect)
+                    self._steps = decode_sequence(self._target, self.sequence, self._inspect, self.times)
                 step = next(self._steps)
         finally:
             self.stats.wall_seconds = time.perf_counter() - self._started

@@ -503,8 +503,8 @@ def _cost_aware(target: LoadedModel, options: MethodOptions, drafter: Drafter) -
     for the method's longest draft and its pending token (measured now; a generation that drafts
     longer costs the table's line past its end), and the drafter's steps costed by the weights they
     read."""
-    longest = _draft_count(None, options, ADAPTIVE_DRAFT)
-    table = _cost_table(target, longest + 1)
+    # one table for every method on the target (measured once however the methods' drafts are sized)
+    table = _cost_table(target, max(_draft_count(None, options, ADAPTIVE_DRAFT), ADAPTIVE_DRAFT) + 1)
     fractions = _draft_fractions(target, drafter.draft_step_weights())
     return lambda n: CostAware(_draft_count(n, options, ADAPTIVE_DRAFT), forward_costs=table, draft_fractions=fractions)
 
@@ -665,14 +665,56 @@ def check_method_name(name: str) -> None:
         raise UnknownMethodError(f"unknown method '{name}'; choose one of: {', '.join(method_names())}")
 
 
+class _Reads:
+    """An object seen through, recording which of its attributes are read (``build_method``: an
+    option no part of a method reads, or a drafter model it never touches, would change nothing)."""
+
+    __slots__ = ("_seen", "read")
+
+    def __init__(self, seen):
+        object.__setattr__(self, "_seen", seen)
+        object.__setattr__(self, "read", set())
+
+    def __getattr__(self, name: str):
+        self.read.add(name)
+        return getattr(self._seen, name)
+
+
+def _flag(name: str) -> str:
+    option = next(f for f in fields(MethodOptions) if f.name == name)
+    return option.metadata.get("flag") or "--" + name.replace("_", "-")
+
+
 def build_method(
     name: str,
     target: LoadedModel,
     drafter: LoadedModel | None = None,
     options: MethodOptions = MethodOptions(),
+    strict: bool = True,
 ) -> Method:
-    """The method called ``name``; a drafter model is checked against the target."""
+    """The method called ``name``; a drafter model is checked against the target.
+
+    ``strict``: refuse what the method would not use — an option given a value other than its
+    default that no part of the method reads, or a drafter model it never drafts with (each would
+    otherwise change nothing, silently). A server builds with ``strict=False``: its options are
+    meant for whichever method a request names."""
     check_method_name(name)
     if is_encoder_decoder(target.model):
         check_seq2seq_method(name, options)
-    return _BUILDERS[name](target, drafter, options)
+    if not strict:
+        return _BUILDERS[name](target, drafter, options)
+    seen_options, seen_drafter = _Reads(options), None if drafter is None else _Reads(drafter)
+    method = _BUILDERS[name](target, seen_drafter, seen_options)
+    method.generation()  # what a generation reads counts too
+    unread = [f.name for f in fields(MethodOptions)
+              if getattr(options, f.name) != f.default and f.name not in seen_options.read]
+    if unread:
+        given = ", ".join(f"{option} ({_flag(option)})" for option in unread)
+        raise MethodOptionError(f"method '{name}' does not use {given}: {'it' if len(unread) == 1 else 'they'} would "
+                                "change nothing; leave it out or choose a method that uses it (tierspec generate --help "
+                                "says which)")
+    if seen_drafter is not None and not seen_drafter.read:
+        raise MethodOptionError(f"method '{name}' drafts without a drafter model: the drafter '{drafter.identity.name}' "
+                                "would change nothing; use sd, adaptive-sd, csd, pearl or a lossy rule's "
+                                "--draft-with model")
+    return method

@@ -46,9 +46,9 @@ PROMPTS = [torch.tensor([5, 9, 13, 5, 9, 13, 7, 21, 5, 9, 13]), torch.tensor([40
 BUDGETS = [20, 7, 15, 25, 1, 12]
 
 
-def _method(target, name: str, head=None, **options):
-    return build_method(name, target, None, MethodOptions(num_draft=None if name == "ar" else 4, draft_head=head,
-                                                          **options))
+def _method(target, name: str, head=None):
+    return build_method(name, target, None, MethodOptions(num_draft=None if name == "ar" else 4,
+                                                          draft_head=head if name in ("eagle", "hybrid") else None))
 
 
 def _solo(target, method, temperature: float, prompts=PROMPTS, budgets=BUDGETS) -> list[list[int]]:

@@ -192,7 +192,7 @@ def test_every_lossless_method_stays_ars_under_the_modifiers_with_ars_logprobs(n
     drafts were verified on the way (kept ones and rejected ones)."""
     model = own_target if name.endswith("-tree") or name == "clasp" else target
     ar = build_method("ar", model)
-    method = build_method(name, model, drafter, options_for(name, model))
+    method = build_method(name, model, drafter, options_for(name, model), strict=False)  # a superset of parts
     drafted = kept = 0
     for seed in range(3):
         expected, expected_records, _ = run(model, ar, sampling, seed)

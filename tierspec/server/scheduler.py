@@ -223,7 +223,8 @@ class Scheduler:
         thread, or before serving starts)."""
         method = self._methods.pop(name, None)
         if method is None:
-            method = build_method(name, self.target, self.drafter, self.options)
+            # not strict: the server's options serve whichever method a request names
+            method = build_method(name, self.target, self.drafter, self.options, strict=False)
         self._methods[name] = method
         while len(self._methods) > self.max_methods:
             self._methods.popitem(last=False)
