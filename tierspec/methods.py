@@ -7,7 +7,7 @@ builds its flags from these fields (``cli``), and the bench parses method specs 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
 from .cached_model import SlimVocabulary
@@ -701,8 +701,8 @@ def build_method(
     check_method_name(name)
     if is_encoder_decoder(target.model):
         check_seq2seq_method(name, options)
-    if not strict:
-        return _BUILDERS[name](target, drafter, options)
+    if not strict:  # the pooled num_draft sizes the methods that take one
+        return _BUILDERS[name](target, drafter, options if takes_num_draft(name) else replace(options, num_draft=None))
     seen_options, seen_drafter = _Reads(options), None if drafter is None else _Reads(drafter)
     method = _BUILDERS[name](target, seen_drafter, seen_options)
     method.generation()  # what a generation reads counts too

@@ -219,6 +219,20 @@ def test_request_overrides_the_method(client):
     assert plain.choices[0].message.content == default.choices[0].message.content  # both lossless, greedy
 
 
+def test_a_requests_num_draft_sizes_the_default_methods_drafts(client):
+    """Issue 37: the default (cost-aware) method ignored num_draft. A request's num_draft is the
+    longest draft its generation may verify; the text stays the lossless text; ar refuses one."""
+    messages = [{"role": "user", "content": QUESTION}]
+    replies = {n: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
+                                                 extra_body={"num_draft": n}) for n in (1, 8)}
+    lengths = {n: len(reply.usage.model_dump()["acceptance_by_position"]) for n, reply in replies.items()}
+    assert lengths[1] <= 1 < lengths[8] <= 8
+    assert replies[1].choices[0].message.content == replies[8].choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="takes no num_draft"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                       extra_body={"method": "ar", "num_draft": 2})
+
+
 def test_stop_sequence_cuts_the_text(client):
     full = client.completions.create(model=MODEL, prompt="Count: one, two, three,", max_tokens=16, temperature=0)
     text = full.choices[0].text
