@@ -24,8 +24,9 @@ import torch
 
 from .errors import ModelLoadError
 from .llama import KVLayer, LlamaLM, PassLayout, ViewOnReadKVLayer, model_config, supports
-from .quant import (NATIVE_TYPES, GgufTensor, Numerics, QuantEmbedding, QuantLinear, QuantWeight, engine,
-                    engine_threads, read_gguf_tensors, unpermute_order, unpermute_rows)
+from .engine import engine, engine_threads
+from .quant import (NATIVE_TYPES, GgufTensor, Numerics, QuantEmbedding, QuantLinear, QuantWeight, read_gguf_tensors,
+                    unpermute_order, unpermute_rows)
 
 ATTENTION_UNIT, MLP_UNIT = 1, 2  # the engine's flags: which residual units of a layer run
 

@@ -279,7 +279,8 @@ def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.devic
     rows, the compiled engine present — and every projection and the LM head are of a native type
     (Q4_0, Q4_1, Q8_0; others would run de-quantised, as the converted copy does). ``gguf`` asks
     for it and refuses what it cannot do; the other kernels keep the converted copy."""
-    from .quant import NATIVE_TYPES, engine_available, read_gguf_tensors
+    from .engine import engine_available
+    from .quant import NATIVE_TYPES, read_gguf_tensors
 
     if kernels not in ("auto", "gguf"):
         return False
