@@ -15,7 +15,7 @@ Every generation's tokens are exactly its solo tokens, whatever else shares the 
 it joined: a row's logits are bitwise those of its solo pass (row-independent products, attention
 per sequence, tested), the noise is keyed by the generation's seed and position, and a lossless
 rule's emitted token at each position is the target's own whatever was drafted — so the draft
-lengths the batch chooses change the speed, not the text. docs/algorithms.md §Batched passes says
+lengths the batch chooses change the speed, not the text. docs/algorithms.md §Batched generation says
 why the engine's rows are independent.
 """
 

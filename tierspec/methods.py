@@ -647,6 +647,18 @@ def default_method(target: LoadedModel, options: MethodOptions = MethodOptions()
 WITHOUT_NUM_DRAFT = ("ar", "pearl", "via-pearl")
 
 
+#: Methods that draft with a drafter model when one is given (the lossy rules' by --draft-with
+#: model or auto: ``drafts_with_model``).
+DRAFTER_MODEL_METHODS = ("sd", "adaptive-sd", "csd", "pearl", "via-pearl")
+LOSSY_RULE_METHODS = ("lossy", "bild", "cascade", "via", "judge", "via-judge")
+
+
+def drafts_with_model(name: str, options: MethodOptions = MethodOptions()) -> bool:
+    """Whether method ``name`` with ``options`` drafts with a drafter model it is given (the others
+    refuse one: ``build_method``)."""
+    return name in DRAFTER_MODEL_METHODS or (name in LOSSY_RULE_METHODS and options.drafter_kind in ("auto", "model"))
+
+
 def takes_num_draft(name: str) -> bool:
     """Whether method ``name`` takes a num_draft (the others refuse one: ``WITHOUT_NUM_DRAFT``)."""
     return name not in WITHOUT_NUM_DRAFT

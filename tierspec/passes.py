@@ -13,7 +13,7 @@ and hands them to the model's ``PassBackend`` at once:
 Either gives each request exactly (bitwise) the ``PassResult`` its cache's own ``forward`` gives:
 the engine's products are row-independent and nothing of one sequence reaches another's rows,
 which is what lets a generation's text not depend on what shares its pass (docs/algorithms.md
-§Batched passes).
+§Batched generation).
 """
 
 from __future__ import annotations

@@ -232,3 +232,22 @@ def test_rules_that_could_break_the_constraint_refuse_it(target):
     lossy = build_method("lossy", target, None, MethodOptions(drafter_kind="ngram"))
     with pytest.raises(TierspecError, match="cannot decode under a constraint"):
         run(target, lossy, SamplingConfig(), 0, planted_automaton())
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_constrained_generations_in_a_batch_keep_their_solo_text(target, temperature):
+    """Several constrained generations (and an unconstrained one) in one cycle: their masks are filled
+    into one buffer, their chains decided together; each text is its solo text."""
+    from tierspec.batch import BatchDecoder
+
+    method = build_method("pld", target, None, MethodOptions(num_draft=4))
+    prompts = [PROMPT, PROMPT[3:], PROMPT[:9]]
+    configs = [DecodeConfig(max_new_tokens=30, sampling=SamplingConfig(temperature), constraint=automaton)
+               for automaton in (planted_automaton(), planted_automaton(20), None)]
+    alone = [DecodeRun(target, method, p, c, seed=i).finish().token_ids for i, (p, c) in enumerate(zip(prompts, configs))]
+    batch = BatchDecoder(target, max_batch=3)
+    runs = [batch.add(i, method, p, c, seed=i) for i, (p, c) in enumerate(zip(prompts, configs))]
+    while len(batch):
+        batch.step()
+    assert [run.token_ids for run in runs] == alone
+    assert planted_automaton(20).accepts(runs[1].token_ids) and runs[1].finished

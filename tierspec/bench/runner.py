@@ -35,7 +35,7 @@ from ..cluster import ClusterConfig, MachineInfo, UnitFailure
 from ..data import Prompt, load_prompts, select
 from ..decode import DecodeConfig, DecodeRun, GenerationStats
 from ..errors import TierspecError
-from ..methods import MethodOptions, build_method, method_names, option_fields, takes_num_draft
+from ..methods import MethodOptions, build_method, drafts_with_model, method_names, option_fields, takes_num_draft
 from ..models import LoadedModel, load_model, model_code, resolve_dtype
 from ..prompting import encode_prompt, eos_ids
 from ..layerskip.masks import RoutingMask, model_lock
@@ -308,7 +308,8 @@ class TierspecMethod:
         if config.mask and "mask" not in params and name in ("self", "via", "pearl", "via-pearl"):
             params["mask"] = config.mask
         options = replace(MethodOptions(num_draft=num_draft), **{k: _convert(spec, k, v, target) for k, v in params.items()})
-        self.method = build_method(name, target, drafter, options)
+        # the run's drafter model serves the methods that draft with one
+        self.method = build_method(name, target, drafter if drafts_with_model(name, options) else None, options)
 
     def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None) -> Outcome:
         config = DecodeConfig(max_new_tokens, self.sampling, self.eos)
