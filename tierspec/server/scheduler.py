@@ -209,13 +209,18 @@ class Scheduler:
         """Status and counts: ``cancelled`` / ``withdrawn``: the client left during / before its
         generation; ``interrupted``: stopped or turned away by a shutdown; ``refused``: queue full;
         ``invalid``: answered 400 (a request the server cannot serve as asked, e.g. a method this
-        model cannot build); ``failed``: the server's own errors (500)."""
+        model cannot build); ``failed``: the server's own errors (500). ``cycles``: where the
+        executor's cycles went since the start (``decode.CycleTimes``)."""
+        times = self.batch.times
         with self._lock:
             return {"status": "stopping" if self._stopping else "ok", "model": self.model_name,
                     "method": self.default_method, "running": len(self._jobs),
                     "waiting": len(self._waiting), "max_queue": self.max_queue,
                     "batch": {"max_batch": self.max_batch, "max_rows": self.max_rows,
                               "generations": len(self._live), "requests": len(self._jobs)},
+                    # since the start: cycles, the generations and rows they carried, seconds by phase
+                    "cycles": {"cycles": times.cycles, "sequences": times.sequences, "rows": times.rows,
+                               "seconds": {k: round(v, 6) for k, v in times.to_dict().items()}},
                     "methods_cached": len(self._methods), **self._counts}
 
     def method(self, name: str) -> Method:
