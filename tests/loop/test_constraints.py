@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import as_method, tiny_llama
+from conftest import as_method, shared_fixture, tiny_llama
 
 from tierspec.constraints import ConstraintError, MaskBuffer, constrain
 from tierspec.decode import DecodeConfig, DecodeRun, decode
@@ -17,7 +17,6 @@ from tierspec.drafters import Drafter, NgramDrafter
 from tierspec.errors import TierspecError
 from tierspec.heads.draft import DraftHead
 from tierspec.methods import MethodOptions, build_method
-from tierspec.models import load_model
 from tierspec.proposal import Proposal
 from tierspec.sampling import SamplingConfig
 from tierspec.tree import TokenTree
@@ -103,18 +102,6 @@ def planted_automaton(length: int = 36) -> TokenAutomaton:
     return TokenAutomaton(edges)
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_llama(seed=21, sharpness=6.0, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def own_target(target, tmp_path_factory):
-    folder = tmp_path_factory.mktemp("constraints-own") / "m"
-    target.model.save_pretrained(folder)
-    return load_model(folder, dtype="float32", implementation="tierspec")
-
-
 def run(target, method, sampling, seed, automaton, max_new=40) -> tuple[list[int], list]:
     steps = list(decode(target, method, PROMPT, DecodeConfig(max_new_tokens=max_new, sampling=sampling,
                                                               constraint=automaton), seed))
@@ -122,6 +109,10 @@ def run(target, method, sampling, seed, automaton, max_new=40) -> tuple[list[int
 
 
 LOSSLESS = ["ar", "sd", "pld", "adaptive-pld", "eagle", "hybrid", "self", "csd", "eagle-tree", "hybrid-tree"]
+
+
+target = shared_fixture("target", "sampling_target")
+own_target = shared_fixture("own_target", "sampling_own_target")
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "t=1"])

@@ -10,14 +10,13 @@ import importlib
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import shared_fixture
 
 from tierspec.decode import DecodeConfig, DecodeRun, TokenLogprob, token_logprobs
 from tierspec.drafters.eagle import EagleDrafter  # noqa: F401  (the head's drafter must import)
 from tierspec.heads.draft import DraftHead
 from tierspec.errors import TierspecError
 from tierspec.methods import WITHOUT_NUM_DRAFT, MethodOptions, build_method
-from tierspec.models import load_model
 from tierspec.modifiers import LogitModifiers, chain_counts, modified_logits, token_counts, tree_counts
 from tierspec.layerskip.masks import RoutingMask
 from tierspec.sampling import Noise, SamplingConfig, gumbel_argmax, logits_to_probs, reported_logprobs
@@ -104,22 +103,9 @@ def test_token_logprobs_record_the_token_and_its_alternatives():
 pytestmark = pytest.mark.usefixtures("pinned_pass_costs")  # tests/conftest.py
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_llama(seed=21, sharpness=6.0, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def own_target(target, tmp_path_factory):
-    """The same weights on tierspec's own Llama forward (token trees and CLaSP run there only)."""
-    folder = tmp_path_factory.mktemp("modifiers-own") / "m"
-    target.model.save_pretrained(folder)
-    return load_model(folder, dtype="float32", implementation="tierspec")
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    return tiny_llama(seed=22, layers=1, sharpness=6.0, dtype=torch.float32)
+target = shared_fixture("target", "sampling_target")
+own_target = shared_fixture("own_target", "sampling_own_target")
+drafter = shared_fixture("drafter", "sampling_drafter")
 
 
 def options_for(name: str, target) -> MethodOptions:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import as_method, char_tokenizer, tiny_llama
+from conftest import as_method, char_tokenizer, shared_fixture, tiny_llama
 
 import tierspec
 from tierspec.decode import DecodeConfig, decode
@@ -37,25 +37,9 @@ OTHER_PROMPT = torch.tensor([2, 60, 2, 60, 2, 60, 11, 12, 13, 2, 60, 2, 44])
 pytestmark = pytest.mark.usefixtures("pinned_pass_costs")  # tests/conftest.py
 
 
-@pytest.fixture(scope="module")
-def target():
-    # float32 like the real model; sharpness 6 keeps sampling at temperature 1 far from greedy
-    return tiny_llama(seed=21, sharpness=6.0, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def own_target(target, tmp_path_factory):
-    """The same weights on tierspec's own Llama forward: what CLaSP and token trees run on."""
-    folder = tmp_path_factory.mktemp("seed-own") / "m"
-    target.model.save_pretrained(folder)
-    return load_model(folder, dtype="float32", implementation="tierspec")
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    """A drafter model of its own for sd, adaptive-sd and csd (the target drafting for itself
-    always agrees; and a drafter as costly as the target never pays for the cost-aware policy)."""
-    return tiny_llama(seed=22, layers=1, sharpness=6.0, dtype=torch.float32)
+target = shared_fixture("target", "sampling_target")
+own_target = shared_fixture("own_target", "sampling_own_target")
+drafter = shared_fixture("drafter", "sampling_drafter")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from conftest import tiny_llama
+from conftest import shared_fixture, tiny_llama
 
 import tierspec
 from tierspec.decode import DecodeConfig, DecodeRun
@@ -27,18 +27,8 @@ MASK = RoutingMask.from_units(4, "sublayer", [("mlp", 1), ("attn", 2)])
 PROMPT = torch.tensor([5, 9, 13, 5, 9, 13, 7, 21, 5, 9, 13, 7, 3, 30, 41])
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_llama(seed=21, sharpness=6.0, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def own_target(target, tmp_path_factory):
-    from tierspec.models import load_model
-
-    folder = tmp_path_factory.mktemp("options-own") / "m"
-    target.model.save_pretrained(folder)
-    return load_model(folder, dtype="float32", implementation="tierspec")
+target = shared_fixture("target", "sampling_target")
+own_target = shared_fixture("own_target", "sampling_own_target")
 
 
 @pytest.fixture(scope="module")
