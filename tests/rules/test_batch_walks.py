@@ -25,7 +25,8 @@ def planted_batch(vocab: int, drafts_per_sequence: list[int], seed: int):
         logits = torch.randn(k + 1, vocab, generator=generator) * 3
         sampling = SAMPLINGS[index % len(SAMPLINGS)]
         noise = None if sampling.greedy else Noise(seed * 100 + index, vocab).block(40 + index)
-        own = target_row_tokens(ChainBatch(torch.zeros(k, dtype=torch.long), [k], logits, [sampling], [noise]))
+        own = torch.from_numpy(target_row_tokens(ChainBatch(torch.zeros(k, dtype=torch.long), [k], logits, [sampling],
+                                                            [noise])))
         agree = [k, 0, k // 2, 1][index % 4]  # drafts 0 .. agree − 1 are the target's own tokens
         drafts = own[:k].clone()
         drafts[agree:] = (drafts[agree:] + 1) % vocab
