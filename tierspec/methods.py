@@ -1,8 +1,13 @@
-"""Methods by name: each is a drafter, a draft-length policy and a verification rule for the one
-decode loop, plus the verifier settings it needs (a slim verifier's mask, padded passes).
+"""Methods by name. A built ``Method`` is immutable and shared by every generation that runs it: what
+it loads or measures (draft heads, masks, the pass-cost table) is made when it is built, and each
+generation gets its own drafter, draft-length policy and rule from it (``Method.generation``, sized
+by that generation's ``num_draft``), plus the verifier settings the method needs (a slim verifier's
+mask and vocabulary).
 
 Every method parameter and its default is declared once, in ``MethodOptions``; the command line
-builds its flags from these fields (``cli``), and the bench parses method specs against them.
+builds its flags from these fields (``cli``), and the bench parses method specs against them. A
+parameter no part of the chosen method reads is refused (``build_method``'s ``strict``), so no flag
+is ever silently ignored.
 """
 
 from __future__ import annotations
