@@ -7,8 +7,8 @@ For each method and batch size B, the same ``--prompts`` MT-Bench first turns (g
 ``BatchDecoder`` with at most B generations at a time (a finished one's place taken by the next
 prompt, as the server does); reported: total tokens per second, the mean batch, rows per pass and
 tokens emitted per cycle, and each cycle's wall time split into drafting (every generation's drafter
-and policy, and the batch's cut), the batched target pass, and verifying and committing — so that a
-ratio to B = 1 can be read in calls and costs per token. Every generation's tokens are checked
+and policy, the draft head's steps, the batch's cut), the batched target pass, verifying and
+committing (``decode.CycleTimes``) — so that a ratio to B = 1 can be read in calls and costs per token. Every generation's tokens are checked
 against its B = 1 tokens (the batch's invariance). The methods are interleaved size by size.
 ``--alone-costs`` adds each speculative method with its policies costing drafts as if alone
 (``BatchDecoder(shared_costs=False)``: only the batch's own cut), for comparison.
@@ -36,16 +36,18 @@ def run_batch(target, method: str, prompts, size: int, max_new_tokens: int, shar
                           eos_token_ids=eos_ids(target))
     batch = BatchDecoder(target, max_batch=size, shared_costs=shared_costs)
     started = time.perf_counter()
-    runs = batch.run_all(prompts, lambda: build_method(method, target, None, MethodOptions()), config)
+    runs = batch.run_all(prompts, build_method(method, target, None, MethodOptions()), config)
     wall = time.perf_counter() - started
     tokens = sum(len(run.token_ids) for run in runs)
-    cycles = max(batch.cycles, 1)
-    return {"method": method + ("" if shared_costs else " (policies cost alone)"), "batch": size, "wall_s": round(wall, 3), "tokens": tokens,
-            "tokens_per_s": round(tokens / wall, 1), "cycles": batch.cycles,
-            "mean_batch": round(batch.sequences / cycles, 2), "rows_per_pass": round(batch.rows / cycles, 2),
+    times = batch.times
+    cycles = max(times.cycles, 1)
+    seconds = times.to_dict()
+    return {"method": method + ("" if shared_costs else " (policies cost alone)"), "batch": size, "wall_s": round(wall, 3),
+            "tokens": tokens, "tokens_per_s": round(tokens / wall, 1), "cycles": times.cycles,
+            "mean_batch": round(times.sequences / cycles, 2), "rows_per_pass": round(times.rows / cycles, 2),
             "tokens_per_cycle": round(tokens / cycles, 2),
-            "ms_per_cycle": {k: round(v * 1000 / cycles, 3) for k, v in batch.seconds.items()},
-            "prefill_and_rest_ms_per_cycle": round((wall - sum(batch.seconds.values())) * 1000 / cycles, 3),
+            "ms_per_cycle": {k: round(v * 1000 / cycles, 3) for k, v in seconds.items()},
+            "rest_ms_per_cycle": round((wall - sum(seconds.values())) * 1000 / cycles, 3),
             "token_ids": [run.token_ids for run in runs]}
 
 
@@ -57,7 +59,7 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--alone-costs", action="store_true",
                         help="also each method with its policies costing drafts as if alone (the batch's cut only)")
-    parser.add_argument("--out", type=Path, default=Path("results/batch_cycle.json"))
+    parser.add_argument("--out", type=Path, default=Path("results/cycle/batch_cycle.json"))
     args = parser.parse_args()
 
     target = load_model("smollm2-135m", dtype="auto")
@@ -81,14 +83,14 @@ def main() -> None:
              f"--max-new-tokens {args.max_new_tokens}{' --alone-costs' if args.alone_costs else ''}` (greedy, MT-Bench "
              "first turns):", "",
              "| method | B | tok/s | vs B=1 | mean batch | rows/pass | tokens/cycle | ms/cycle: draft | pass | verify | "
-             "prefill+rest | solo text |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "commit | rest | solo text |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         one = next(r for r in rows if r["method"] == row["method"] and r["batch"] == sizes[0])
         ms = row["ms_per_cycle"]
         lines.append(f"| `{row['method']}` | {row['batch']} | {row['tokens_per_s']} | "
                      f"{row['tokens_per_s'] / one['tokens_per_s']:.2f}× | {row['mean_batch']} | {row['rows_per_pass']} | "
-                     f"{row['tokens_per_cycle']} | {ms['draft']} | {ms['pass']} | {ms['verify']} | "
-                     f"{row['prefill_and_rest_ms_per_cycle']} | {row['every_text_its_solo_text']} |")
+                     f"{row['tokens_per_cycle']} | {ms['draft']} | {ms['pass']} | {ms['verify']} | {ms['commit']} | "
+                     f"{row['rest_ms_per_cycle']} | {row['every_text_its_solo_text']} |")
     table = "\n".join(lines)
     print(table)
     atomic_write_text(args.out, json.dumps({"rows": rows, "table": table}, indent=2))

@@ -14,9 +14,10 @@ The second form (batching, issue 31) runs one batching server (``tierspec serve`
 own, as deployed, ``--max-batch`` the largest concurrency) and, for each client count, that many concurrent clients sending their requests back
 to back (greedy, then seeded at temperature 1: request i has seed i): total tokens per second,
 median and p99 latency, whether every reply equals the same request's reply with one client (its
-solo text), and replies lost (no finish reason); ``--peers`` adds OpenVINO GenAI's
-ContinuousBatchingPipeline on the same GGUF, fed as many prompts at a time. Writes
-results/batch_load.json.
+solo text), replies lost (no finish reason), and where the server's cycles went (``/health``'s
+cycle times: draft, pass, verify, commit per cycle, and the time outside the pass against one
+client's); ``--peers`` adds OpenVINO GenAI's ContinuousBatchingPipeline on the same GGUF, fed as
+many prompts at a time. Writes results/batch_load.json.
 
 Start-up (before the load test, in fresh processes, the model and its cost table already
 cached): ``python -c "import tierspec"`` (median of 5) and ``tierspec generate "Hi"
@@ -44,7 +45,7 @@ import openai
 
 from tierspec import load_model
 from tierspec.methods import DEFAULT_METHOD
-from tierspec.server import Engine, serving_in_background
+from tierspec.server import Scheduler, serving_in_background
 from tierspec.util import atomic_write_text
 
 # Written for this script; not from any evaluation set.
@@ -177,14 +178,34 @@ def chat(client: openai.OpenAI, prompt: str, max_tokens: int, seed: int | None, 
             "finish_reason": choice.finish_reason, "tokens": reply.usage.completion_tokens}
 
 
+def cycle_times(port: int) -> dict:
+    """The server's cycles so far (``/health``: cycles, generations, rows, seconds by phase)."""
+    import urllib.request
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=10) as response:
+        return json.loads(response.read())["cycles"]
+
+
+def per_cycle(before: dict, after: dict) -> dict:
+    """What the cycles between two ``cycle_times`` spent, per cycle: ms by phase (draft includes
+    the draft head's steps; outside = everything but the pass), mean generations and rows."""
+    cycles = max(after["cycles"] - before["cycles"], 1)
+    ms = {k: 1000 * (after["seconds"][k] - before["seconds"][k]) / cycles for k in after["seconds"]}
+    ms["outside"] = ms["draft"] + ms["verify"] + ms["commit"]
+    return {"cycles": cycles, "mean_batch": round((after["sequences"] - before["sequences"]) / cycles, 2),
+            "rows_per_pass": round((after["rows"] - before["rows"]) / cycles, 2),
+            "ms_per_cycle": {k: round(v, 3) for k, v in ms.items()}}
+
+
 def load_round(port: int, prompts: list[str], clients: int, max_tokens: int, temperature: float) -> dict:
     """``clients`` concurrent clients, each sending its share of ``prompts`` back to back (request
-    i seeded with i); every reply, its latency, the wall time."""
+    i seeded with i); every reply, its latency, the wall time, and where the server's cycles went."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
+    before = cycle_times(port)
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         replies = list(pool.map(lambda i: chat(client, prompts[i], max_tokens, i, temperature), range(len(prompts))))
-    return {"wall": time.perf_counter() - started, "replies": replies}
+    return {"wall": time.perf_counter() - started, "replies": replies, "cycles": per_cycle(before, cycle_times(port))}
 
 
 def openvino_batch_round(prompts_ids: list[list[int]], clients: int, max_tokens: int, lookup: bool) -> dict | None:
@@ -293,7 +314,7 @@ def batching(args) -> None:
                              "requests": len(prompts), "tokens_per_s": round(tokens / done["wall"], 1),
                              "latency_p50_s": round(statistics.median(latencies), 3),
                              "latency_p99_s": round(percentile(latencies, 0.99), 3),
-                             "same_as_solo": same, "lost": lost})
+                             "same_as_solo": same, "lost": lost, **done["cycles"]})
                 checks.append(same and lost == 0)
                 print(json.dumps(rows[-1]), flush=True)
     if args.peers:
@@ -320,6 +341,19 @@ def batching(args) -> None:
                      f"{row['tokens_per_s']} | {row['tokens_per_s'] / one['tokens_per_s']:.2f}× | "
                      f"{row.get('latency_p50_s', '–')} | {row.get('latency_p99_s', '–')} | "
                      f"{row.get('same_as_solo', '–')} | {row.get('lost', '–')} |")
+    lines += ["", "Where tierspec's cycles went, ms per cycle (draft: every generation's drafter and policy, the "
+              "draft head's steps included; outside: all but the pass):", "",
+              "| temperature | clients | mean batch | rows/pass | draft | pass | verify | commit | outside | outside vs 1 "
+              "client |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        if "ms_per_cycle" not in row:
+            continue
+        ms = row["ms_per_cycle"]
+        one = next(r for r in rows if "ms_per_cycle" in r and r["temperature"] == row["temperature"]
+                   and r["clients"] == concurrency[0])["ms_per_cycle"]
+        lines.append(f"| {row['temperature']:g} | {row['clients']} | {row['mean_batch']} | {row['rows_per_pass']} | "
+                     f"{ms['draft']} | {ms['pass']} | {ms['verify']} | {ms['commit']} | {ms['outside']} | "
+                     f"{ms['outside'] / one['outside']:.2f}× |")
     table = "\n".join(lines)
     print(table)
     atomic_write_text(args.out, json.dumps({"rows": rows, "table": table, "all_checks_hold": all(checks)}, indent=2))
@@ -347,8 +381,8 @@ def main() -> None:
         parser.error("--requests and --clients must be >= 1")
     start = startup()
     print(json.dumps(start), flush=True)
-    engine = Engine(load_model("smollm2-135m"), max_queue=max(8, args.clients))
-    with serving_in_background(engine) as port:
+    scheduler = Scheduler(load_model("smollm2-135m"), max_queue=max(8, args.clients))
+    with serving_in_background(scheduler) as port:
         rows = [run_method(port, method.strip(), args.requests, args.clients, args.max_tokens)
                 for method in args.methods.split(",") if method.strip()]
     base = next((r for r in rows if r["method"] == "ar"), None)

@@ -104,6 +104,35 @@ def tiny_drafter():
     return tiny_llama(seed=2, layers=2, sharpness=20.0)
 
 
+def shared_fixture(name: str, source: str):
+    """A module's fixture ``name`` that is the session fixture ``source`` (``target =
+    shared_fixture("target", "sampling_target")``: one model for every module that samples)."""
+    return pytest.fixture(scope="module", name=name)(lambda request: request.getfixturevalue(source))
+
+
+@pytest.fixture(scope="session")
+def sampling_target():
+    """float32 like the real model; sharpness 6 keeps sampling at temperature 1 far from greedy."""
+    return tiny_llama(seed=21, sharpness=6.0, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def sampling_own_target(sampling_target, tmp_path_factory):
+    """The same weights on tierspec's own Llama forward: what CLaSP and token trees run on."""
+    from tierspec.models import load_model
+
+    folder = tmp_path_factory.mktemp("sampling-own") / "m"
+    sampling_target.model.save_pretrained(folder)
+    return load_model(folder, dtype="float32", implementation="tierspec")
+
+
+@pytest.fixture(scope="session")
+def sampling_drafter():
+    """A drafter model of its own for sd, adaptive-sd and csd beside ``sampling_target`` (the target
+    drafting for itself always agrees; a drafter as costly as the target never pays)."""
+    return tiny_llama(seed=22, layers=1, sharpness=6.0, dtype=torch.float32)
+
+
 @pytest.fixture(scope="session")
 def prompt_ids():
     # Repetitive, so that prompt lookup finds matches.
@@ -117,8 +146,8 @@ def as_method(drafter, rule=None, policy=None, num_draft: int = 5, slim_mask=Non
     from tierspec.policies import FixedLength
     from tierspec.rules import ExactRule
 
-    return Method("test", drafter, rule or ExactRule(), policy or FixedLength(num_draft, pass_costs), "test method",
-                  slim_mask)
+    return Method.of("test", drafter, rule or ExactRule(), policy or FixedLength(num_draft, pass_costs), "test method",
+                     slim_mask)
 
 
 def draft_request(budget: int, sampling=None, noise=None, policy=None):

@@ -44,10 +44,10 @@ def record(target) -> dict:
         config = DecodeConfig(max_new_tokens=MAX_NEW_TOKENS, sampling=SamplingConfig(temperature=temperature))
         for shape in ("chain", "tree"):
             if shape == "chain":
-                method = Method("eagle", EagleDrafter(head), ExactRule(), FixedLength(5), "reference")
+                method = Method.of("eagle", EagleDrafter(head), ExactRule(), FixedLength(5), "reference")
             else:
                 policy = TreePolicy(max_nodes=15, forward_costs=None, draft_fractions={"head": 0.02})
-                method = Method("eagle-tree", EagleTreeDrafter(head), ExactRule(), policy, "reference")
+                method = Method.of("eagle-tree", EagleTreeDrafter(head), ExactRule(), policy, "reference")
             for index, prompt in enumerate(PROMPTS):
                 drafts: list = []
                 emitted = []

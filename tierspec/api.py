@@ -4,23 +4,25 @@ process (``shared_model``) and reused by every later call, like a pipeline."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Iterator, Sequence
 
 import torch
 
 from .decode import DecodeConfig, DecodeRun, GenerationStats, TokenLogprob
-from .errors import PromptError, TierspecError
+from .engine import threads_for
+from .errors import PromptError
 from .limits import check_num_draft
 from .methods import Method, MethodOptions, build_method, default_method
 from .models import DEFAULT_MODEL, LoadedModel, auto_dtype, load_model, resolve_device, resolve_dtype
 from .prompting import encode_prompt, eos_ids
 from .sampling import SamplingConfig
 
-__all__ = ["Generation", "TextStream", "generate", "shared_model", "stream", "stream_method"]
+__all__ = ["Generation", "GenerationSettings", "TextStream", "generate", "shared_model", "stream", "stream_method"]
 
 SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)  # int64, as OpenAI's ``seed``; torch's generator takes any of them
 
@@ -187,52 +189,96 @@ def check_seed(seed: int | None) -> None:
 
 def stream_method(target: LoadedModel, method: Method, prompt_ids: torch.Tensor, config: DecodeConfig,
                   seed: int | None) -> TextStream:
-    """The generation of a built ``method`` after ``prompt_ids`` [n]. ``stream`` and the server
-    both start generations here, so a seed means one thing in both: it seeds this generation's
-    draws and nothing else."""
+    """The generation of a built ``method`` after ``prompt_ids`` [n]: ``stream`` starts its
+    generations here, so a seed means one thing everywhere: it seeds this generation's draws and
+    nothing else."""
     check_seed(seed)
     return TextStream(DecodeRun(target, method, prompt_ids, config, seed), target)
 
 
-def stream(
-    prompt: str | list[int] | torch.Tensor,
-    *,
-    target: LoadedModel | str = DEFAULT_MODEL,
-    method: str | None = None,
-    drafter: LoadedModel | str | None = None,
-    num_draft: int | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int | None = None,
-    chat_template: bool = True,
-    options: MethodOptions = MethodOptions(),
-) -> TextStream:
-    """Generate after ``prompt``, returning the text piece by piece as the loop commits tokens
-    (a ``TextStream``: iterate it or call ``next``; its ``stats`` and ``token_ids`` fill as it
-    runs).
+# ---- the keyword arguments of ``stream`` and ``generate``, declared once ----------------------------
 
-    ``prompt``: text (through the chat template unless ``chat_template=False``) or token ids.
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What ``stream`` and ``generate`` take after the prompt (keyword arguments of both; this
+    declaration is their signature).
+
     ``target``, ``drafter``: a loaded model, or a name or path loaded once per process
     (``shared_model``). ``method``: None = ``methods.default_method(target)`` (the hybrid where a
-    draft head exists for the target, else adaptive-pld). ``num_draft`` overrides
-    ``options.num_draft`` (γ of the fixed-length methods). ``temperature`` 0 is greedy;
-    ``top_k`` 0 and ``top_p`` 1 keep every token. ``seed`` (int64): the same seed gives the
-    same text (README, "Same seed, same text"); None draws a fresh one.
-    """
-    check_num_draft(num_draft)  # before any model is loaded
-    target = _as_model(target)
-    drafter = _as_model(drafter)
-    if num_draft is not None and num_draft != options.num_draft:
-        options = replace(options, num_draft=num_draft)
-    sampling = SamplingConfig(temperature, top_k, top_p)
-    if isinstance(prompt, str):
-        check_text(prompt)
-    built = build_method(method or default_method(target, options), target, drafter, options)
-    prompt_ids = encode_prompt(target, prompt, chat_template)
-    config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_ids(target))
-    return stream_method(target, built, prompt_ids, config, seed)
+    draft head exists for the target, else adaptive-pld). ``num_draft``: the generation's largest
+    draft (γ of the fixed-length methods, the longest draft a cost-aware one may choose, the deepest
+    tree; refused by ``ar`` and PEARL; None: the method's own, ``options.num_draft``).
+    ``max_new_tokens``: at most that many tokens. ``temperature`` 0 is greedy; ``top_k`` 0 and
+    ``top_p`` 1 keep every token. ``seed`` (int64): the same seed gives the same text (README,
+    "Same seed, same text"); None draws a fresh one. ``chat_template``: text prompts go through the
+    model's chat template (False: fed as raw text). ``options``: the method's parameters
+    (``methods.MethodOptions``)."""
+
+    target: LoadedModel | str = DEFAULT_MODEL
+    method: str | None = None
+    drafter: LoadedModel | str | None = None
+    num_draft: int | None = None
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    chat_template: bool = True
+    options: MethodOptions = MethodOptions()
+
+
+def _takes_settings(function):
+    """``function(prompt, **settings)`` shown (``inspect.signature``, ``help``) with the prompt and
+    ``GenerationSettings``' fields as its keyword-only parameters, and refusing any other keyword
+    as a call to a function of that signature would."""
+    prompt = inspect.signature(function).parameters["prompt"]
+    keywords = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                for f in fields(GenerationSettings)]
+    function.__signature__ = inspect.Signature([prompt, *keywords],
+                                               return_annotation=inspect.signature(function).return_annotation)
+    return function
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A call's settings resolved once: the models loaded, the method built, the run-time config."""
+
+    target: LoadedModel
+    method: Method
+    config: DecodeConfig
+    seed: int | None
+    chat_template: bool
+
+    def prompt_ids(self, prompt: str | list[int] | torch.Tensor) -> torch.Tensor:
+        if isinstance(prompt, str):
+            check_text(prompt)
+        return encode_prompt(self.target, prompt, self.chat_template)
+
+
+def _prepare(settings: dict) -> _Prepared:
+    """``settings`` (``GenerationSettings``' fields, a call's keywords) checked and resolved."""
+    given = GenerationSettings(**settings)  # an unknown keyword is a TypeError naming it
+    check_num_draft(given.num_draft)  # before any model is loaded
+    check_seed(given.seed)
+    sampling = SamplingConfig(given.temperature, given.top_k, given.top_p)
+    target, drafter = _as_model(given.target), _as_model(given.drafter)
+    config = DecodeConfig(max_new_tokens=given.max_new_tokens, sampling=sampling, eos_token_ids=eos_ids(target),
+                          num_draft=given.num_draft)
+    method = build_method(given.method or default_method(target, given.options), target, drafter, given.options)
+    method.generation(config.num_draft)  # a num_draft the method refuses is refused now, not at the first token
+    return _Prepared(target, method, config, given.seed, given.chat_template)
+
+
+@_takes_settings
+def stream(prompt: str | list[int] | torch.Tensor, **settings) -> TextStream:
+    """Generate after ``prompt``, returning the text piece by piece as the loop commits tokens
+    (a ``TextStream``: iterate it or call ``next``; its ``stats`` and ``token_ids`` fill as it
+    runs). ``prompt``: text (through the chat template unless ``chat_template=False``) or token
+    ids. The keyword arguments are ``GenerationSettings``' (see there)."""
+    prepared = _prepare(settings)
+    return stream_method(prepared.target, prepared.method, prepared.prompt_ids(prompt), prepared.config,
+                         prepared.seed)
 
 
 def _is_batch(prompt) -> bool:
@@ -241,85 +287,34 @@ def _is_batch(prompt) -> bool:
             and all(isinstance(p, (str, list, tuple, torch.Tensor)) for p in prompt))
 
 
-def generate(
-    prompt: str | list[int] | torch.Tensor | list[str] | list[list[int]],
-    *,
-    target: LoadedModel | str = DEFAULT_MODEL,
-    method: str | None = None,
-    drafter: LoadedModel | str | None = None,
-    num_draft: int | None = None,
-    max_new_tokens: int = 128,
-    temperature: float = 0.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
-    seed: int | None = None,
-    chat_template: bool = True,
-    options: MethodOptions = MethodOptions(),
-) -> Generation:
+MAX_BATCH = 8  # generations ``generate`` runs at once for a list of prompts on the pass engine (the server's default too)
+
+
+@_takes_settings
+def generate(prompt: str | list[int] | torch.Tensor | list[str] | list[list[int]],
+             **settings) -> Generation | list[Generation]:
     """Generate after ``prompt`` and return the whole ``Generation`` (text, token ids, stats).
-    The arguments are ``stream``'s (see there); the text is the streamed pieces joined.
+    The keyword arguments are ``stream``'s (``GenerationSettings``); the text is the streamed
+    pieces joined.
 
-    A list of prompts (texts, or token-id lists) returns a list of ``Generation``s, in order: on a
-    model on the pass engine they run together, several per pass (``batch.BatchDecoder``, up to
-    ``MAX_BATCH`` at once), and each is exactly what ``generate`` of that prompt alone gives (with
-    the same ``seed``); elsewhere one after another."""
-    if _is_batch(prompt):
-        return generate_batch(list(prompt), target=target, method=method, drafter=drafter, num_draft=num_draft,
-                              max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                              seed=seed, chat_template=chat_template, options=options)
-    text_stream = stream(prompt, target=target, method=method, drafter=drafter, num_draft=num_draft,
-                         max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                         chat_template=chat_template, options=options)
-    for _ in text_stream:
-        pass
-    return Generation(text_stream.text, text_stream.token_ids, text_stream.stats)
-
-
-MAX_BATCH = 8  # generations ``generate`` runs at once for a list of prompts (the server's default too)
-
-
-def generate_batch(prompts: list, *, target: LoadedModel | str = DEFAULT_MODEL, method: str | None = None,
-                   drafter: LoadedModel | str | None = None, num_draft: int | None = None, max_new_tokens: int = 128,
-                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
-                   chat_template: bool = True, options: MethodOptions = MethodOptions(),
-                   max_batch: int = MAX_BATCH) -> list[Generation]:
-    """``generate`` of every prompt, several per pass (see ``generate``); a prompt's result is its
-    solo result. Each generation gets its own method (drafter and policy state are per generation)."""
-    from .batch import BatchDecoder, check_batchable
+    A list of prompts (texts, or token-id lists) returns a list of ``Generation``s, in order, run
+    by the one executor a server runs (``batch.BatchDecoder``): on a model on the pass engine
+    several per pass (up to ``MAX_BATCH`` at once), elsewhere one after another; each is exactly
+    what ``generate`` of that prompt alone gives (with the same ``seed``)."""
+    prepared = _prepare(settings)
+    if not _is_batch(prompt):
+        text_stream = stream_method(prepared.target, prepared.method, prepared.prompt_ids(prompt), prepared.config,
+                                    prepared.seed)
+        for _ in text_stream:
+            pass
+        return Generation(text_stream.text, text_stream.token_ids, text_stream.stats)
+    from .batch import BatchDecoder
     from .engine import runs_on_engine
 
-    check_num_draft(num_draft)  # before any model is loaded
-    target = _as_model(target)
-    drafter = _as_model(drafter)
-    if num_draft is not None and num_draft != options.num_draft:
-        options = replace(options, num_draft=num_draft)
-    check_seed(seed)
-    name = method or default_method(target, options)
-    sampling = SamplingConfig(temperature, top_k, top_p)
-    config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=sampling, eos_token_ids=eos_ids(target))
-    encoded = []
-    for prompt in prompts:
-        if isinstance(prompt, str):
-            check_text(prompt)
-        encoded.append(encode_prompt(target, prompt, chat_template))
-    first = build_method(name, target, drafter, options)
-    batchable = runs_on_engine(target.model)
-    if batchable:
-        try:
-            check_batchable(first)
-        except TierspecError:
-            batchable = False
-    if not batchable:  # one after another, as ``generate`` would
-        out = []
-        for index, prompt_ids in enumerate(encoded):
-            built = first if index == 0 else build_method(name, target, drafter, options)
-            text_stream = stream_method(target, built, prompt_ids, config, seed)
-            for _ in text_stream:
-                pass
-            out.append(Generation(text_stream.text, text_stream.token_ids, text_stream.stats))
-        return out
-    built = iter([first])  # the first generation's method is the one checked above
-    runs = BatchDecoder(target, max_batch=max(1, min(max_batch, len(encoded)))).run_all(
-        encoded, lambda: next(built, None) or build_method(name, target, drafter, options), config, seed)
-    return [Generation(IncrementalDetokenizer(target.tokenizer).add(run.token_ids, final=True) if target.tokenizer
-                       else "", run.token_ids, run.stats) for run in runs]
+    target = prepared.target
+    encoded = [prepared.prompt_ids(p) for p in prompt]
+    width = min(MAX_BATCH, len(encoded)) if runs_on_engine(target.model) else 1
+    with threads_for(target.model):
+        done = BatchDecoder(target, max_batch=width).run_all(encoded, prepared.method, prepared.config, prepared.seed)
+    return [Generation(IncrementalDetokenizer(target.tokenizer).add(s.token_ids, final=True) if target.tokenizer
+                       else "", s.token_ids, s.stats) for s in done]

@@ -328,14 +328,30 @@ class BatchItem:
     its new ``token_ids`` [n], the last ``logits_for`` rows to score (None: all), and for a token
     tree its position ``offsets`` [n] and ``attends`` [n, n] (as ``CachedModel.forward`` takes them)."""
 
-    runner: object
+    runner: CachedModel
     token_ids: torch.Tensor
     logits_for: int | None = None
     offsets: torch.Tensor | None = None
     attends: torch.Tensor | None = None
 
 
-def batched_pass(model: torch.nn.Module, items: list[BatchItem], hidden_layers: tuple[int, ...] | None = None) -> list:
+def run_stack_rows(stack, begin: int, end: int, hidden: torch.Tensor, segments: list, cos: torch.Tensor,
+                   sin: torch.Tensor, flags: bytes) -> torch.Tensor:
+    """Layers ``begin .. end − 1`` of an engine ``stack`` (its capsule) over the rows ``hidden``
+    [R, H] (float32, contiguous) of several sequences, each over its own cache: ``segments`` one
+    ``engine.Segment`` per sequence (its first row, rows, cache start, KV table, tree mask);
+    ``cos``, ``sin`` [R, d/2] the rows' rotary factors; ``flags`` one byte per layer (which units
+    run). Returns the output rows [R, H]. The target's batched pass and the draft head's batched
+    step both come here."""
+    from .engine import run_stack
+
+    out = torch.empty_like(hidden)
+    run_stack(stack, hidden, out, segments, cos, sin, flags, begin, end)
+    return out
+
+
+def batched_pass(model: torch.nn.Module, items: list[BatchItem],
+                 hidden_layers: tuple[int, ...] | None = None) -> list[PassResult]:
     """Every item's pass in one: the products over all rows at once (a pass of R rows costs about
     what a pass of R rows of one sequence costs), attention per sequence over its own cache. Each
     item's ``PassResult`` is exactly (bitwise) what its own ``runner.forward`` would give: the
@@ -344,7 +360,7 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem], hidden_layers: 
     those layers' outputs, as ``CachedModel.forward(with_hidden=True)`` does. Each runner's cache
     advances by its rows (the same invariant as a solo pass)."""
     from .gguf_llama import ATTENTION_UNIT, MLP_UNIT
-    from .engine import Segment, run_stack
+    from .engine import Segment
 
     decoder = model.model
     if decoder.engine_stack is None:
@@ -388,9 +404,8 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem], hidden_layers: 
     stops = sorted(set(hidden_layers or ()))
     begin = 0
     for stop in stops + [len(decoder.layers) - 1]:
-        out = torch.empty_like(hidden)
-        run_stack(decoder.engine_stack.capsule, hidden, out, sequences, cos_all, sin_all, flags, begin, stop + 1)
-        hidden, begin = out, stop + 1
+        hidden, begin = run_stack_rows(decoder.engine_stack.capsule, begin, stop + 1, hidden, sequences, cos_all,
+                                       sin_all, flags), stop + 1
         captured[stop] = hidden
     final = decoder.norm(hidden)  # [rows, H]
     for item, (row0, n, *_rest) in zip(items, sequences):

@@ -346,8 +346,9 @@ def _add_serve(sub) -> None:
     parser = sub.add_parser(
         "serve",
         help="an OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /v1/models, /health)",
-        description="Serve one model over OpenAI's HTTP API, one generation at a time from a bounded queue. A request "
-        "may override the method with an extra body field 'method'; 'usage' carries the speculative statistics.",
+        description="Serve one model over OpenAI's HTTP API: requests from a bounded queue, their generations run "
+        "together by one executor (--max-batch). A request may override the method with an extra body field 'method' "
+        "and size its drafts with 'num_draft'; 'usage' carries the speculative statistics.",
     )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     parser.add_argument("--port", type=int, default=8000)
@@ -379,7 +380,7 @@ def _add_serve(sub) -> None:
 def _run_serve(args) -> int:
     from .errors import TierspecError
     from .methods import check_method_name
-    from .server import DEFAULT_MAX_REQUEST_BYTES, Engine, listen, serve
+    from .server import DEFAULT_MAX_REQUEST_BYTES, Scheduler, listen, serve
     from .server.app import DEFAULT_BODY_TIMEOUT
 
     if args.method is not None:
@@ -404,10 +405,11 @@ def _run_serve(args) -> int:
         from .engine import runs_on_engine
 
         max_batch = args.max_batch if args.max_batch is not None else (8 if runs_on_engine(target.model) else 1)
-        engine = Engine(target, args.method, drafter, method_options(args, target), max_queue=args.max_queue,
-                        max_batch=max_batch, max_rows=args.max_rows)
-        engine.method(engine.default_method, None)  # build (and measure costs for) the default method before the first request
-        serve(engine, sock, args.log_level, max_request_bytes, body_timeout)
+        scheduler = Scheduler(target, args.method, drafter, method_options(args, target), max_queue=args.max_queue,
+                              max_batch=max_batch, max_rows=args.max_rows)
+        scheduler.method(scheduler.default_method)  # build (and measure costs for) the default method before the first request
+        _note_unused_options(scheduler)
+        serve(scheduler, sock, args.log_level, max_request_bytes, body_timeout)
     finally:
         sock.close()
     import signal
@@ -418,6 +420,17 @@ def _run_serve(args) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     return 0
+
+
+def _note_unused_options(scheduler) -> None:
+    """One line on stderr when the server's method options include some its default method does not
+    use: they serve only requests naming a method that does (a server's options are pooled)."""
+    from .methods import MethodOptionError, build_method
+
+    try:
+        build_method(scheduler.default_method, scheduler.target, scheduler.drafter, scheduler.options)
+    except MethodOptionError as error:
+        print(f"tierspec serve: note: {error} — it applies to requests naming a method that uses it", file=sys.stderr)
 
 
 def _add_bench(sub) -> None:
@@ -451,7 +464,9 @@ def _add_bench(sub) -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--num-draft", type=int, default=5)
+    parser.add_argument("--num-draft", type=int, default=None,
+                        help="the largest draft of every method that takes one (default: each method's own; "
+                        "a spec's num_draft=N wins)")
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--mask", default=None, help="default routing mask for self/via specs that name none")

@@ -71,7 +71,7 @@ class ForwardCosts:
 def measure_forward_costs(model: torch.nn.Module, max_tokens: int = 16, context: int = 256, repeats: int = 5) -> ForwardCosts:
     from .engine import threads_for
 
-    with threads_for(model):  # as a generation runs its passes (quant.threads_for)
+    with threads_for(model):  # as a generation runs its passes (engine.threads_for)
         return _measure_forward_costs(model, max_tokens, context, repeats)
 
 

@@ -1,28 +1,31 @@
-"""The one decode loop (docs/algorithms.md §The decode loop). Every method is a drafter, a
-draft-length policy and a verification rule passed in. Who owns what: ``Verifiers`` the target's
-cache, its passes and padding, the committed sequence (``CommittedTokens``, the one copy) and the
-feature log; the drafter its own state; the method the policy; ``DecodeRun`` a generation's
-``GenerationStats`` and wall clock.
+"""The one decode loop (docs/algorithms.md §The decode loop): one cycle over a list of sequences.
+A single generation is a cycle over a list of one; a batch of generations (``batch``, the server)
+is the same cycle over many. Every method is a drafter, a draft-length policy and a verification
+rule (``GenerationParts``, made per generation by the method) passed in.
 
-One cycle, for a chain of drafts and a token tree alike (a chain is a tree of one path):
+One cycle (``cycle``), for chains of drafts and token trees alike (a chain is a tree of one path):
 
-    block    = noise.block(len(context))              # the keyed noise of the cycle's positions
-    drafted  = drafter.propose(context, request)      # a Proposal: a token tree + per-node rows
-    proposal = drafted.prefix(policy.trim(drafted))   # the policy decides how many nodes to verify
-    scores   = verifiers.target(proposal)             # one pass over pending tokens + every node
-    verdict  = rule.decide(proposal, scores, ...)     # the accepted path and the next token
-                                                      # (VIA-SD: rule.verify drives its tiers)
-    verifiers.commit(path tokens + next token, path)  # the path's KV kept, every cache rolled back
-    drafter.commit(len(context)); policy.observe(...) # each rolls back / learns
-    yield the new tokens and the cycle's statistics
+    propose   every sequence's drafter proposes (the draft head's steps of all of them together:
+              ``drafters.base.propose_all``) and its policy trims the proposal
+    lengths   a batch cuts the drafts to what pays for the batch's pass (``batch_lengths``), within
+              the row budget; a constraint cuts forbidden drafts and adds forced ones (``constraints``)
+    pass      **one** pass over every sequence's new rows (``passes.PassBackend``), prompts that are
+              still prefilling taking the rows left over in chunks
+    decide    every sequence's verdict from its own rows: the chains verified by the target's own
+              tokens (greedy, the coupled rule) in one step (``walks.chain_batch_walks``), the others
+              by their rule
+    commit    every sequence commits its accepted path and next token (cut at EOS and the budget),
+              its caches roll back, its drafter and policy learn; a ``Step`` per sequence
 
-The steps are the phases a batch of sequences would share (issue 31): drafting, one pass, a verdict
-per sequence from its own rows (the rules are functions of tensors), a commit per sequence.
+A tiered rule (VIA-SD) drives passes of its own: its sequence cycles alone (``_tiered_cycle``).
 
-Randomness: one ``sampling.Noise`` per generation, keyed by (seed, position, purpose); each
-cycle hands its block's view to the drafter and the rule. Nothing else a cycle decides reads the
-clock or carries over from another generation (the policies start afresh), so a seed fixes the
-tokens (README: "Same seed, same text").
+Who owns what: a ``Sequence`` its ``Verifiers`` (the target's cache, the committed tokens, the
+feature log), its drafter and policy, its noise, constraint state and statistics; ``cycle`` owns
+nothing across calls. Randomness: one ``sampling.Noise`` per generation, keyed by (seed, position,
+purpose); nothing else a cycle decides reads the clock or carries over from another generation
+(the policies start afresh), so a seed fixes the tokens (README: "Same seed, same text"). A lossless
+rule's emitted token at each position is the target's own whatever was drafted, and a row's logits
+are bitwise those of its solo pass, so what shares a cycle changes the speed, not the text.
 
 Streaming is iterating over ``decode``; ``DecodeRun`` adds up the statistics as it iterates, and
 ``tierspec.api`` (``generate``, ``stream``), the bench and the benchmarks run generations through it.
@@ -32,36 +35,42 @@ suspended generation does not leak it into the caller's code.
 
 from __future__ import annotations
 
-
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Hashable, Iterator, Protocol
 
-import numpy as np
 import torch
 
-from .cached_model import CachedModel, PassResult, SlimVocabulary
-from .costs import ForwardCosts
-from .drafters.base import Drafter, FeatureLog, TargetDraftView
+from .cached_model import SlimVocabulary
+from .constraints import Constraint, ConstraintError, ConstraintState, MaskBuffer, constrain
+from .drafters.base import Drafter, propose_all
+from .engine import threads_for
 from .errors import PromptError, TierspecError
 from .layerskip.masks import RoutingMask
+from .limits import check_num_draft
 from .models import LoadedModel
-from .modifiers import LogitModifiers, chain_counts, modified_logits, token_counts, tree_counts
-from .policies import CycleOutcome, DraftPolicy
+from .modifiers import LogitModifiers
+from .passes import PassBackend, PassRequest, pass_backend
+from .policies import CostAware, CycleOutcome, DraftPolicy
 from .proposal import DraftRequest, Proposal, Scores, Shape, Verdict, walk_reached
-from .engine import threads_for
 from .rules.base import ScoreRule, VerificationRule
 from .sampling import BlockNoise, Noise, SamplingConfig, reported_logprobs
-from .seq2seq import decoder_start, is_encoder_decoder, runner_for
-from .tree import TokenTree, tree_pass
+from .seq2seq import decoder_start, is_encoder_decoder
+from .verifiers import CommittedTokens, GeneratedTokens, TargetPass, Verifiers
+from .walks import ChainBatch, chain_batch_walks
 
+__all__ = ["CommittedTokens", "CycleStats", "CycleTimes", "DecodeConfig", "DecodeRun", "GeneratedTokens",
+           "GenerationParts", "GenerationStats", "Sequence", "Step", "TokenLogprob", "cycle", "decode", "open_sequence"]
 
 #: Most alternatives a token's log-probability record lists (OpenAI's ``top_logprobs`` limit).
 MAX_TOP_LOGPROBS = 20
-#: Prompt tokens per pass of a prefill that returns its logits (``echo``): 512 rows of the default
-#: model's 49,152-token vocabulary are 100 MB of float32.
-SCORED_PREFILL_CHUNK = 512
+#: Prompt tokens a cycle prefills beside sequences that decode, when the caller sets no row budget:
+#: a joining prompt then costs the others a pass of about this many more rows per cycle.
+PREFILL_CHUNK = 64
+#: Tokens a constraint may force after a cycle's drafts when the caller sets no row budget (each is a
+#: row of the pass, certain to be kept).
+FORCED_PER_CYCLE = 16
 
 
 @dataclass(frozen=True)
@@ -72,7 +81,10 @@ class DecodeConfig:
     ``logprobs``: None, or record each emitted token's log-probability under the target with the
     ``logprobs`` most likely alternatives (0 .. MAX_TOP_LOGPROBS), read from the verification pass
     that scored the token (``sampling.reported_logprobs``). ``score_prompt``: also record the
-    prompt tokens' (from the prefill; needs ``logprobs``)."""
+    prompt tokens' (from the prefill; needs ``logprobs``). ``num_draft``: this generation's largest
+    draft (the method's γ, or the longest draft its policy may choose; None: the method's own,
+    ``methods.Method.generation``). ``constraint``: a stateful modifier the text must obey (a
+    grammar: ``constraints.Constraint``), each generation moving its own state."""
 
     max_new_tokens: int = 128
     sampling: SamplingConfig = SamplingConfig()
@@ -80,6 +92,8 @@ class DecodeConfig:
     modifiers: LogitModifiers = LogitModifiers()
     logprobs: int | None = None
     score_prompt: bool = False
+    num_draft: int | None = None
+    constraint: Constraint | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
@@ -89,6 +103,7 @@ class DecodeConfig:
             raise PromptError(f"logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}] or None, got {self.logprobs!r}")
         if self.score_prompt and self.logprobs is None:
             raise PromptError("score_prompt records log-probabilities: give logprobs too")
+        check_num_draft(self.num_draft)
 
 
 @dataclass(frozen=True)
@@ -267,417 +282,648 @@ class GenerationStats:
         }
 
 
-class CommittedTokens:
-    """The committed sequence of one generation — the prompt, then every generated token — held
-    once: the verifiers extend it at each commit; drafters read ``context``, the run its
-    ``generated`` tokens, the text stream its pieces. Allocated for every position the generation
-    can reach; ``context`` is a view (committed tokens never change, so a view stays right)."""
 
-    def __init__(self, prompt_ids: torch.Tensor, positions: int):
-        # numpy owns the buffer (a short list of ints is written into it cheaply), torch views it
-        self._buffer = np.empty(max(positions, len(prompt_ids)), dtype=np.int64)
-        self._buffer[: len(prompt_ids)] = prompt_ids.cpu().numpy()
-        self._ids = torch.from_numpy(self._buffer)
-        self.length = self.prompt_length = len(prompt_ids)
+@dataclass(frozen=True)
+class GenerationParts:
+    """What one generation runs with, made for it by its method (``methods.Method.generation``):
+    a drafter and a policy of its own (they keep per-generation state) and the rule."""
 
-    def __len__(self) -> int:
-        return self.length
-
-    @property
-    def context(self) -> torch.Tensor:
-        """The committed sequence [n] int64 (a view)."""
-        return self._ids[: self.length]
-
-    @property
-    def generated_count(self) -> int:
-        return self.length - self.prompt_length
-
-    def pending(self, start: int) -> torch.Tensor:
-        """Committed tokens ``start ..`` [n − start] (a view): what a pass from ``start`` runs first."""
-        return self._ids[start : self.length]
-
-    def generated(self, start: int = 0, end: int | None = None) -> list[int]:
-        """Generated tokens ``start .. end`` (Python slice bounds over the generated tokens only)."""
-        begin = self.prompt_length
-        stop = self.length if end is None else begin + min(end, self.generated_count)
-        return self._buffer[begin + start : stop].tolist() if begin + start < stop else []
-
-    @property
-    def generated_view(self) -> GeneratedTokens:
-        """The generated tokens as a read-only sequence (slices are read from here, not copied)."""
-        return GeneratedTokens(self)
-
-    def extend(self, tokens: list[int]) -> None:
-        end = self.length + len(tokens)
-        if end > self._buffer.shape[0]:
-            raise ValueError(f"{end} committed tokens do not fit the {self._buffer.shape[0]} positions reserved")
-        self._buffer[self.length : end] = tokens
-        self.length = end
-
-
-class GeneratedTokens:
-    """A read-only view of a generation's generated tokens: ``len`` and slices (lists of ids)."""
-
-    def __init__(self, committed: CommittedTokens):
-        self._committed = committed
-
-    def __len__(self) -> int:
-        return self._committed.generated_count
-
-    def __getitem__(self, index: slice) -> list[int]:
-        if not isinstance(index, slice) or index.step not in (None, 1):
-            raise TypeError("read generated tokens by contiguous slices")
-        start, stop, _ = index.indices(len(self))
-        return self._committed.generated(start, stop)
-
-
-@dataclass
-class PassRecord:
-    """What the cycle's last verifier pass leaves for the commit to settle. The pass wrote cache
-    positions from ``start``: first ``pending`` committed tokens, then the proposal's ``nodes`` in
-    node order; a chain's nodes sit at their own positions already, a tree's accepted path is
-    moved there at the commit (``CachedModel.compact``).
-
-    hidden: [pending + m, W] the rows' features, when the feature log records them
-    scored:  [1 + m, V] the full target's logits of the proposal (modifiers applied), which the
-             committed tokens' log-probabilities are read from; None after a slim pass
-    """
-
-    start: int
-    pending: int
-    nodes: int
-    chain: bool
-    hidden: torch.Tensor | None = None
-    scored: torch.Tensor | None = None
-
-
-@dataclass
-class TargetRequest:
-    """A full-target pass before it runs (``Verifiers.target_request``): the ``tokens`` [n] (the
-    ``pending`` committed tokens, the nodes, ``pad`` padding rows) written from cache position
-    ``start``, the last ``logits_for`` rows scored, a tree's ``offsets``/``attends`` (None for a
-    chain), and whether the rule reads the rows' hidden states."""
-
-    proposal: Proposal
-    start: int
-    pending: int
-    pad: int
-    tokens: torch.Tensor
-    logits_for: int
-    offsets: torch.Tensor | None
-    attends: torch.Tensor | None
-    with_hidden: bool
+    drafter: Drafter
+    policy: DraftPolicy
+    rule: VerificationRule
 
 
 class DecodeMethod(Protocol):
-    """What the loop reads of a method (``methods.Method``): its parts and verifier settings."""
+    """What the loop reads of a method (``methods.Method``): its name, the verifier settings it
+    needs, and the parts it makes for each generation."""
 
     name: str
-    drafter: Drafter
-    rule: VerificationRule
-    policy: DraftPolicy
     slim_mask: RoutingMask | None  # VIA-SD's slim verifier: the target under this mask
     slim_vocabulary: SlimVocabulary | None  # the slim tier scores only these tokens
 
-
-class Verifiers:
-    """The verifier tiers of one generation and everything they own: the target's cache and
-    passes, the padding of each pass, the committed sequence, rollback, and the feature log. The
-    loop runs ``target`` (the one verifier pass) for a rule that is a function of its scores; a
-    ``TieredRule`` (VIA-SD) calls ``slim`` and ``target`` itself (``rules.base.VerifierTiers``).
-
-    The committed sequence is ``committed`` (``context`` its tokens); only ``prefill`` and
-    ``commit`` change it. The full target runs on ``runner`` (a CachedModel); a rule with a slim
-    verifier (VIA-SD) gets it as the same model and cache under ``slim_mask`` (no second model in
-    memory).
-
-    Cache bookkeeping: every layer holds full-model KV for the first ``full_length`` positions;
-    the kept layers of the slim mask may hold slim KV beyond that, up to ``runner.length``, for
-    committed tokens that only the slim verifier has processed (the full target lags,
-    docs/algorithms.md §VIA-SD). A full pass, and every drafter's use of the cache, first drops
-    that slim KV (``_full_model_kv_only``, the one rollback guard) and re-processes those tokens.
-
-    With ``record_features`` every pass's LM-head inputs f_t reach ``features`` (a
-    ``FeatureLog``, the one copy a draft head reads; no extra pass) for the positions it commits.
-    """
-
-    def __init__(self, target: LoadedModel, positions: int, slim_mask: RoutingMask | None = None,
-                 pass_costs: ForwardCosts | None = None, record_features: bool = False,
-                 feature_layers: tuple[int, ...] = (), slim_vocabulary: SlimVocabulary | None = None,
-                 source: torch.Tensor | None = None, modifiers: LogitModifiers = LogitModifiers()):
-        """``positions``: every position this generation's passes can reach (the prompt, the
-        token budget and a last pass's draft and padding); the KV buffer, the committed sequence
-        and the feature log are allocated for them once. ``pass_costs`` (a ``costs.ForwardCosts``,
-        the policy's): pad each pass to the cheapest measured size at least as long (extra rows
-        repeat the last token; their outputs are dropped and their KV rolled back with the rest
-        of the uncommitted block). ``slim_vocabulary`` (a ``cached_model.SlimVocabulary``): the
-        slim tier scores only those tokens. ``source`` [S]: an encoder–decoder target's encoder
-        input (``seq2seq``); the cache is then its decoder's. ``modifiers``: applied to every row
-        of every pass the rules read (target and slim), each row with the counts of the
-        generated text before it."""
-        self.runner = runner_for(target.model, source)
-        self.runner.reserve(positions)  # a longer pass than foreseen still grows the KV buffer
-        self.positions = positions
-        self.slim_mask = slim_mask
-        self.slim_vocabulary = slim_vocabulary
-        self.pass_costs = pass_costs
-        self._pads: dict[int, int] = {}  # rows added to an n-token pass, by n
-        self.feature_layers = tuple(feature_layers)  # decoder layers recorded beside f (a fused draft head)
-        self.hidden_size = int(target.identity.hidden_size)
-        self.features = FeatureLog(positions, self.hidden_size * (1 + len(self.feature_layers))) if record_features else None
-        self.committed = CommittedTokens(torch.empty(0, dtype=torch.long), positions)
-        self.full_length = 0
-        self.target_calls = 0
-        self.slim_calls = 0
-        self.pass_seconds = 0.0  # time in verifier passes (``_forward``): where a cycle's time goes
-        self._pass: PassRecord | None = None  # the cycle's last verifier pass, until its commit
-        self.modifiers = modifiers if modifiers.active else None
-        self._generated_counts: torch.Tensor | None = None  # c [V] of the committed generated tokens
-        self._bias: torch.Tensor | None = None  # b [V]
-
-    @property
-    def context(self) -> torch.Tensor:
-        """The committed sequence [n] (read-only: ``commit`` extends it)."""
-        return self.committed.context
-
-    @property
-    def target_lag(self) -> int:
-        """Committed tokens (before the pending last one) the full target has not processed."""
-        return len(self.committed) - 1 - self.full_length
-
-    # -- passes ------------------------------------------------------------------------------
-    def _forward(self, tokens: torch.Tensor, logits_for: int, with_hidden: bool = False, **kwargs) -> PassResult:
-        """A pass on the target's cache, with the hidden states the feature log needs (and
-        those asked for)."""
-        recording = self.features is not None
-        started = time.perf_counter()
-        result = self.runner.forward(tokens, logits_for=logits_for, with_hidden=with_hidden or recording,
-                                     hidden_layers=self.feature_layers if recording else (), **kwargs)
-        self.pass_seconds += time.perf_counter() - started
-        return result
-
-    def _full_model_kv_only(self) -> None:
-        """Drop the slim KV past ``full_length`` (the one rollback guard: a full pass recomputes
-        those positions, a drafter reads full-model KV only)."""
-        if self.runner.length > self.full_length:
-            self.runner.rollback(self.full_length)
-
-    def _modified(self, logits: torch.Tensor, counts: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``logits`` [r, V] under the modifiers; ``counts(prior [V])`` gives each row's counts [r, V]."""
-        if self.modifiers is None:
-            return logits
-        vocab_size = logits.shape[-1]
-        if self._generated_counts is None or self._generated_counts.shape[0] != vocab_size:
-            self._generated_counts = token_counts(torch.tensor(self.committed.generated()), vocab_size)
-            self._bias = self.modifiers.bias_vector(vocab_size) if self.modifiers.logit_bias else None
-        return modified_logits(logits, counts(self._generated_counts), self.modifiers, self._bias)
-
-    def _node_rows(self, logits: torch.Tensor, tree: TokenTree) -> torch.Tensor:
-        """A pass's rows [1 + m, V] by node under the modifiers: row 1 + i with the counts of the
-        generated text and node i's path."""
-        if tree.is_chain:
-            return self._modified(logits, lambda prior: chain_counts(prior, tree.tokens))
-        return self._modified(logits, lambda prior: tree_counts(prior, tree.tokens, tree.parents))
-
-    def prefill(self, prompt_ids: torch.Tensor, score: bool = False) -> torch.Tensor | None:
-        """Commit the prompt. The target processes all but its last token, which is fed with the
-        first draft (so every verification pass is "pending committed tokens + draft").
-
-        ``score``: return the logits [n−1, V] (modifiers applied) of the same pass's rows, row j
-        before prompt token j+1 (the first token has none): what ``echo`` reports. Long prompts
-        run in chunks of ``SCORED_PREFILL_CHUNK`` tokens then, so the rows' memory stays bounded."""
-        self.committed = CommittedTokens(prompt_ids, self.positions)
-        rows = []
-        if len(prompt_ids) > 1:
-            pending = prompt_ids[:-1]
-            step = SCORED_PREFILL_CHUNK if score else len(pending)
-            for start in range(0, len(pending), step):
-                chunk = pending[start : start + step]
-                result = self._forward(chunk, logits_for=len(chunk) if score else 1)
-                if self.features is not None:
-                    self.features.write(start, result.hidden)
-                if score:
-                    rows.append(self._modified(result.logits, lambda prior: prior.expand(len(chunk), -1)))
-        self.full_length = self.runner.length
-        if self.features is not None:
-            self.features.commit(self.full_length)
-        if not score:
-            return None
-        return torch.cat(rows) if rows else torch.empty(0, 0)
-
-    def target(self, proposal: Proposal, with_hidden: bool = False) -> Scores:
-        """One full-target pass over the pending committed tokens and every node of ``proposal``:
-        its ``Scores`` (logits [1 + m, V], row 0 after the last committed token, row 1 + i after
-        node i; ``with_hidden``: the final hidden states [1 + m, H] of the same rows).
-
-        A chain runs as a plain causal pass (the drafts at their own positions); any other tree
-        as a tree pass (``tree.tree_pass``: node i at position n − 1 + depth_i, attending to its
-        ancestors; its logits equal a chain pass of its path). The nodes' KV stays in the cache
-        after the committed tokens until ``commit`` keeps the accepted path's."""
-        request = self.target_request(proposal, with_hidden)
-        started = time.perf_counter()
-        result = self.runner.forward(request.tokens, logits_for=request.logits_for,
-                                     with_hidden=request.with_hidden or self.features is not None,
-                                     hidden_layers=self.feature_layers if self.features is not None else (),
-                                     offsets=request.offsets, attends=request.attends)
-        self.pass_seconds += time.perf_counter() - started
-        return self.target_scores(request, result)
-
-    def target_request(self, proposal: Proposal, with_hidden: bool = False, pad: bool = True) -> "TargetRequest":
-        """The rows of ``target``'s pass for ``proposal``, before it runs (a batch runs many at once:
-        ``batch.BatchDecoder``); ``pad=False``: no padding to a cheaper size (a batch pays by its total
-        rows)."""
-        self._full_model_kv_only()  # slim-only KV is recomputed in this pass
-        start = self.full_length
-        pending = self.committed.pending(start)
-        tree = proposal.tree
-        rows, m = len(pending), len(tree)
-        extra = self._pad_count(rows + m) if pad else 0
-        if tree.is_chain:
-            return TargetRequest(proposal, start, rows, extra, _chain_rows(pending, tree.tokens, extra), m + 1 + extra,
-                                 None, None, with_hidden)
-        layout = tree_pass(pending, tree, extra)
-        return TargetRequest(proposal, start, rows, extra, layout.tokens, m + 1 + extra, layout.offsets, layout.attends,
-                             with_hidden)
-
-    def target_scores(self, request: "TargetRequest", result: PassResult) -> Scores:
-        """``target``'s ``Scores`` from the ``PassResult`` of ``request``'s pass (run solo or in a
-        batch); records the pass for ``commit``."""
-        tree = request.proposal.tree
-        rows, m = request.pending, len(tree)
-        self.target_calls += 1
-        self.full_length = self.runner.length
-        logits = self._node_rows(result.logits[: m + 1] if request.pad else result.logits, tree)
-        recorded = result.hidden[: rows + m] if self.features is not None else None
-        self._pass = PassRecord(request.start, rows, m, tree.is_chain, recorded, logits)
-        hidden = result.hidden[rows - 1 : rows + m, : self.hidden_size] if request.with_hidden else None
-        return Scores(logits, hidden)
-
-    def slim(self, proposal: Proposal) -> Scores:
-        """The slim verifier's rows [k + 1, V] for a chain ``proposal`` (the target under
-        ``slim_mask``, on top of whatever the cache holds), laid out as ``target``'s."""
-        if self.slim_mask is None:
-            raise ValueError("this generation has no slim verifier (no routing mask was given)")
-        if not proposal.is_chain:
-            raise ValueError("the slim verifier scores chains only (VIA-SD verifies one chain of drafts)")
-        start = self.runner.length
-        pending = self.committed.pending(start)
-        rows, k = len(pending), len(proposal)
-        pad = self._pad_count(rows + k)
-        result = self._forward(_chain_rows(pending, proposal.tokens, pad), logits_for=k + 1 + pad, mask=self.slim_mask,
-                               vocabulary=self.slim_vocabulary)
-        self.slim_calls += 1
-        # the slim model's features, until a full pass rewrites them
-        self._pass = PassRecord(start, rows, k, True, result.hidden[: rows + k] if self.features is not None else None)
-        return Scores(self._node_rows(result.logits[: k + 1], proposal.tree))
-
-    def scored_rows(self, new_tokens: list[int], path: list[int]) -> torch.Tensor:
-        """The target's logits rows [len(new_tokens), V] that scored ``new_tokens`` (to be committed
-        next, along the accepted ``path``), from this cycle's full pass: the logprobs come from the
-        rows the rule verified against, with no pass of their own."""
-        scored = None if self._pass is None else self._pass.scored
-        if scored is None:
-            raise TierspecError("log-probabilities need the target's scores of every emitted token; "
-                                "this cycle committed tokens no target pass scored")
-        return scored[torch.tensor([0] + [1 + node for node in path[: len(new_tokens) - 1]], dtype=torch.long)]
-
-    def _pad_count(self, n: int) -> int:
-        """Rows to add to an n-token pass (a one-token pass is never padded)."""
-        if self.pass_costs is None or n < 2:
-            return 0
-        pad = self._pads.get(n)
-        if pad is None:
-            pad = self._pads[n] = self.pass_costs.padded_size(n) - n
-        return pad
-
-    # -- commit and rollback --------------------------------------------------------------------
-    def commit(self, new_tokens: list[int], path: list[int]) -> int:
-        """Append a cycle's ``new_tokens`` to the committed sequence, keep the KV and features of
-        the accepted ``path`` (the proposal's nodes, depth 1 first) as the positions after the
-        committed tokens, and roll every cache back to the committed tokens it has processed;
-        returns the new committed length.
-
-        Invariant afterwards: full_length ≤ runner.length ≤ committed − 1, every layer holds KV
-        for exactly the positions the model has processed, and the feature log's committed
-        rows are those positions' features."""
-        record, self._pass = self._pass, None
-        if record is None:
-            raise ValueError("no verifier pass awaits a verdict: each cycle's pass is committed once")
-        if len(path) > record.nodes or (path and max(path) >= record.nodes) or len(new_tokens) > len(path) + 1:
-            raise ValueError(f"a verdict on {record.nodes} nodes commits a path of them and one token more; "
-                             f"got path {path} and {len(new_tokens)} tokens")
-        self._keep_path(record, path)
-        self.committed.extend(new_tokens)
-        if self._generated_counts is not None:
-            self._generated_counts = self._generated_counts + token_counts(torch.tensor(new_tokens, dtype=torch.long),
-                                                                           self._generated_counts.shape[0])
-        keep = len(self.committed) - 1  # the last committed token is fed with the next draft
-        self.runner.rollback(min(self.runner.length, keep))
-        self.full_length = min(self.full_length, keep)
-        if self.features is not None:
-            self.features.commit(self.runner.length)
-        return len(self.committed)
-
-    def _keep_path(self, record: PassRecord, path: list[int]) -> None:
-        """The accepted path's KV and features at the positions after the committed tokens: a
-        chain's are there already; a tree's are moved there and the other nodes dropped."""
-        committed = record.start + record.pending  # where depth 1 goes
-        if not record.chain:
-            self.runner.compact(committed, committed + torch.tensor(path, dtype=torch.long))
-            self.full_length = min(self.full_length, self.runner.length)
-        if record.hidden is None:
-            return
-        if record.chain:
-            self.features.write(record.start, record.hidden[: record.pending + len(path)])
-            return
-        self.features.write(record.start, record.hidden[: record.pending])
-        if path:
-            self.features.write(committed, record.hidden[record.pending + torch.tensor(path, dtype=torch.long)])
-
-    def draft_view(self) -> TargetDraftView:
-        return _DraftView(self)
+    def generation(self, num_draft: int | None = None) -> GenerationParts:
+        ...
 
 
-def _chain_rows(pending: torch.Tensor, drafts: torch.Tensor, pad: int) -> torch.Tensor:
-    """The tokens of a chain pass: the pending committed tokens, the drafts, and ``pad`` copies
-    of the last (padding rows: their outputs are dropped, their KV rolled back)."""
-    if not len(drafts) and not pad:
-        return pending
-    parts = [pending, drafts] if len(drafts) else [pending]
-    if pad:
-        parts.append((drafts if len(drafts) else pending)[-1:].expand(pad))
-    return torch.cat(parts)
+@dataclass
+class Step:
+    """What the loop yields after each commit: the cycle's new tokens, statistics, the proposal it
+    verified and the verdict. With ``DecodeConfig.logprobs``: ``logprobs``, one record per new
+    token; the first step also carries ``prompt_logprobs`` with ``DecodeConfig.score_prompt``
+    (None for the first prompt token, which nothing scores)."""
+
+    new_tokens: list[int]
+    cycle: CycleStats
+    finished: bool
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
+    committed: CommittedTokens | None = None  # the generation's committed sequence (read it, never change it)
+    proposal: Proposal | None = None  # what this cycle verified
+    verdict: Verdict | None = None
 
 
-class _DraftView(TargetDraftView):
-    """A self-drafter's access to the target cache: masked passes on top of full-model KV."""
+def check_logprobs_method(method: DecodeMethod, config: DecodeConfig) -> None:
+    """Refuse log-probabilities where tokens are committed that no target pass scored: VIA-SD's
+    slim tier commits tokens before the full target sees them."""
+    if config.logprobs is not None and method.slim_mask is not None:
+        raise TierspecError(f"method '{method.name}' cannot report log-probabilities: its slim verifier commits "
+                            "tokens the full target has not scored; use a method without a slim tier (e.g. hybrid, "
+                            "eagle, pld, ar)")
 
-    def __init__(self, verifiers: Verifiers):
+
+def check_constraint_method(method: DecodeMethod, rule: VerificationRule, config: DecodeConfig) -> None:
+    """Refuse a constraint where a rule could emit what the constraint forbids: only the exact
+    rule verifies against the masked target alone (a lossy rule mixes in the drafter's unmasked
+    distribution; VIA-SD's slim tier commits tokens before the full target scores them)."""
+    if config.constraint is not None and not (isinstance(rule, ScoreRule) and rule.lossless):
+        raise TierspecError(f"method '{method.name}' cannot decode under a constraint (a grammar): its rule "
+                            f"'{rule.name}' may emit tokens outside the constrained target's distribution; use a "
+                            "lossless method (hybrid, eagle, pld, ar, …)")
+
+
+def prompt_records(prompt_ids: torch.Tensor, rows: torch.Tensor, config: DecodeConfig) -> list[TokenLogprob]:
+    """The echo records of ``prompt_ids`` [n] from the prefill's ``rows`` [n−1, V] (the first
+    token's logprob is None)."""
+    first = TokenLogprob(int(prompt_ids[0]), None)
+    return [first] + token_logprobs(rows, prompt_ids[1:].tolist(), config.sampling, config.logprobs)
+
+
+def check_shapes(drafter: Drafter, rule: VerificationRule) -> None:
+    """Refuse a drafter whose proposals the rule cannot verify (``VerificationRule.accepts``).
+    Only the exact rule verifies token trees (greedy, coupled, multi-draft residual;
+    docs/algorithms.md §Token trees). The lossy rules (lossy, cascade, judge, VIA and via-judge)
+    are defined over one chain of drafts: the lossy and cascade tests compare a draft with the
+    target's distribution at its position, the judge head scores the drafts of a chain one by
+    one, and VIA's slim verifier runs ahead of a lagging full target on one committed chain; none
+    is built over a tree yet, so trees stay lossless-only and the lossy rules keep chain drafters."""
+    if drafter.proposes not in rule.accepts:
+        raise TierspecError(f"the rule '{rule.name}' verifies chains only: a token tree needs the exact rule "
+                            "(rules.exact.ExactRule, the methods eagle-tree and hybrid-tree, lossless). "
+                            f"For '{rule.name}', use a chain drafter instead (methods eagle, hybrid, pld).")
+
+
+def reach(prompt_length: int, config: DecodeConfig, policy: DraftPolicy) -> int:
+    """Every position a generation can reach: the prompt, the token budget, and the last
+    verification pass's rows past the committed tokens — its draft rows, or the padded size of a
+    pass when that is larger (a pass starts at most at the committed length)."""
+    table = policy.pass_costs
+    return prompt_length + config.max_new_tokens + max(policy.max_rows, 0 if table is None else table.max_tokens)
+
+
+class Sequence:
+    """One generation in the cycle: its ``verifiers`` (the target's cache, its committed tokens and
+    feature log), its ``drafter``, ``policy`` and ``rule``, its run-time ``config``, its ``noise``
+    (the seed), its ``constraint`` state (None: unconstrained) and its statistics. ``key`` names it
+    to whoever runs several (a batch, the server). Made by ``open_sequence``; it decodes once its
+    prompt is prefilled (``ready``) and until it is ``finished``."""
+
+    def __init__(self, key: Hashable, verifiers: Verifiers, parts: GenerationParts, config: DecodeConfig, noise: Noise,
+                 prompt_ids: torch.Tensor, constraint: ConstraintState | None):
+        self.key = key
         self.verifiers = verifiers
-        self._drafting = False  # masked positions appended since the last discard
+        self.drafter, self.policy, self.rule = parts.drafter, parts.policy, parts.rule
+        self.config = config
+        self.eos = frozenset(config.eos_token_ids)
+        self.noise = noise
+        self.constraint = constraint
+        self.stats = GenerationStats()
+        self.prompt_logprobs: list[TokenLogprob] | None = None
+        self.finished = False
+        self.started = time.perf_counter()
+        self.tree_stats = self.drafter.proposes is Shape.TREE  # each cycle reports its tree's shape
+        self._prompt_ids = prompt_ids
+        self.ready = False  # the prompt is prefilled and the drafter and policy started
 
     @property
-    def length(self) -> int:
-        return self.verifiers.full_length
+    def committed(self) -> CommittedTokens:
+        return self.verifiers.committed
 
-    def forward(self, tokens: torch.Tensor, mask) -> torch.Tensor:
-        if not self._drafting:
-            self.verifiers._full_model_kv_only()  # draft on full-model KV only
-            self._drafting = True
-        return self.verifiers.runner.forward(tokens, logits_for=1, mask=mask).logits[-1]
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens generated so far."""
+        return self.committed.generated()
 
-    def discard(self) -> None:
-        self._drafting = False
+    @property
+    def tokens_left(self) -> int:
+        return self.config.max_new_tokens - self.committed.generated_count
+
+    @property
+    def scored(self) -> bool:
+        """The rule is a function of one pass's scores (it joins the cycle's pass); else it drives
+        passes of its own (VIA-SD's tiers)."""
+        return isinstance(self.rule, ScoreRule)
+
+    @property
+    def batchable(self) -> bool:
+        """The sequence keeps its solo text whatever shares its cycles: its rule is lossless and a
+        function of the cycle's pass (the lossy rules' text depends on the drafts, which a batch
+        sizes by what else runs; a tiered rule runs passes of its own)."""
+        return self.scored and self.rule.lossless
+
+    def _begin_decoding(self) -> None:
+        """The prompt is prefilled: its records kept (``echo``), the drafter and policy started."""
         verifiers = self.verifiers
-        verifiers.runner.rollback(min(verifiers.runner.length, verifiers.full_length))
+        rows = verifiers.prompt_rows()
+        if rows is not None:
+            self.prompt_logprobs = prompt_records(self._prompt_ids, rows, self.config)
+        self.drafter.start(self._prompt_ids, verifiers.features,
+                           verifiers.draft_view() if self.drafter.uses_target_cache else None)
+        self.policy.start()
+        self.ready = True
 
-    def full_model_cache(self) -> CachedModel:
-        self.verifiers._full_model_kv_only()
-        return self.verifiers.runner
 
-    def replay_window(self, start: int, tokens: torch.Tensor, mask) -> torch.Tensor:
-        self.verifiers._full_model_kv_only()
-        return self.verifiers.runner.replay(start, tokens, mask)
+def open_sequence(target: LoadedModel, method: DecodeMethod, prompt_ids: torch.Tensor, config: DecodeConfig,
+                  seed: int | torch.Generator | None = None, key: Hashable = None, prefill: bool = True) -> Sequence:
+    """A generation set up for its first cycle: checked, its parts made by ``method`` (with the
+    config's ``num_draft``), its verifiers made. ``prefill``: its prompt prefilled now in a pass of
+    its own (else the cycles prefill it in chunks beside other sequences' rows)."""
+    parts = method.generation(config.num_draft)
+    drafter, rule, policy = parts.drafter, parts.rule, parts.policy
+    check_shapes(drafter, rule)
+    check_logprobs_method(method, config)
+    check_constraint_method(method, rule, config)
+    max_positions = getattr(target.model.config, "max_position_embeddings", None)
+    prompt_ids = check_prompt(prompt_ids, max_positions, config.max_new_tokens, target.vocab_size)
+    source = None
+    if is_encoder_decoder(target.model):  # the prompt is the encoder's; the loop decodes the decoder's sequence
+        if config.score_prompt:
+            raise TierspecError("an encoder-decoder model reads the prompt with its encoder: there are no prompt "
+                                "log-probabilities to report (echo)")
+        source, prompt_ids = prompt_ids, decoder_start(target.model)
+    config.modifiers.check_vocabulary(target.vocab_size)
+    drafter.set_source(source)
+    verifiers = Verifiers(target, reach(len(prompt_ids), config, policy), slim_mask=method.slim_mask,
+                          pass_costs=policy.pass_costs, record_features=drafter.needs_target_features,
+                          feature_layers=drafter.feature_layers, slim_vocabulary=method.slim_vocabulary, source=source,
+                          modifiers=config.modifiers)
+    constraint = None if config.constraint is None else config.constraint.start()
+    sequence = Sequence(key, verifiers, parts, config, Noise(seed, target.vocab_size), prompt_ids, constraint)
+    verifiers.begin_prefill(prompt_ids, score=config.score_prompt)
+    if prefill:
+        with torch.inference_mode():
+            verifiers.run_prefill()
+    if not verifiers.prefilling:
+        with torch.inference_mode():
+            sequence._begin_decoding()
+    return sequence
+
+
+# ---- the cycle -------------------------------------------------------------------------------------
+
+
+@dataclass
+class CycleTimes:
+    """Where cycles' wall time went (seconds, added up over cycles): drafting (every drafter and
+    policy, the batch's cut, the constraint), the pass, deciding (the rules), committing (the
+    commit, the policies learning, the statistics); ``rows`` the passes' rows."""
+
+    draft: float = 0.0
+    passes: float = 0.0
+    verify: float = 0.0
+    commit: float = 0.0
+    rows: int = 0
+    cycles: int = 0
+    sequences: int = 0  # sequences over all cycles (mean batch = sequences / cycles)
+
+    def add(self, other: "CycleTimes") -> None:
+        for name in ("draft", "passes", "verify", "commit", "rows", "cycles", "sequences"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def to_dict(self) -> dict:
+        return {"draft": self.draft, "pass": self.passes, "verify": self.verify, "commit": self.commit}
+
+
+@dataclass
+class _Drafted:
+    """A sequence's proposal on its way through the cycle: what its drafter proposed, what the
+    cycle verifies, the block's noise, and the counters the cycle's statistics start from."""
+
+    sequence: Sequence
+    drafted: Proposal
+    proposal: Proposal
+    block: BlockNoise | None
+    target_calls: int
+    slim_calls: int
+    pass_seconds: float
+    masks: torch.Tensor | None = None
+
+
+def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None = None,
+          shared_costs: bool = True) -> tuple[list[tuple[Sequence, Step]], CycleTimes]:
+    """One draft–verify–commit cycle for every sequence that is not finished (module docstring):
+    the ready ones decode, the others prefill in chunks from the rows left. ``max_rows``: at most
+    that many rows in the pass (drafts are cut to fit, every decoding sequence keeps its one row;
+    None: a prefill takes ``PREFILL_CHUNK`` rows beside others, its whole prompt alone).
+    ``shared_costs``: a batch's policies cost drafts as the batch's passes (False: as if alone).
+    Returns a ``Step`` per decoding sequence and where the cycle's time went."""
+    times = CycleTimes(cycles=1)
+    began = time.perf_counter()
+    live = [s for s in sequences if not s.finished]
+    out = [(s, _tiered_cycle(s)) for s in live if s.ready and not s.scored]
+    decoding = [s for s in live if s.ready and s.scored]
+    prefilling = [s for s in live if not s.ready]
+    batch = len(decoding) + len(prefilling) > 1 and passes.shares_passes
+    for sequence in decoding:  # each policy costs its drafts as this cycle's passes (policies.CostModel.verify)
+        sequence.policy.share_passes(len(decoding) if batch and shared_costs and sequence.batchable else 1)
+    drafted = _propose(decoding)
+    if batch:
+        _cut_to_the_batch(drafted, passes, max_rows)
+    if any(d.sequence.constraint is not None for d in drafted):
+        _constrain(drafted, max_rows)
+    requests: list[PassRequest] = []
+    target_passes: list[TargetPass] = []
+    alone = len(drafted) + len(prefilling) == 1  # a lone pass is padded to the cheapest measured size
+    for d in drafted:
+        target_pass = d.sequence.verifiers.target_request(d.proposal, with_hidden=d.sequence.rule.reads_hidden,
+                                                          pad=alone, masks=d.masks)
+        target_passes.append(target_pass)
+        requests.append(target_pass.request)
+    chunks = _prefill_chunks(prefilling, max_rows, sum(r.rows for r in requests), bool(drafted))
+    requests += [chunk.request for _, chunk in chunks]
+    drafted_at = time.perf_counter()
+    times.draft = drafted_at - began
+    if requests:
+        results = passes.run(requests)
+        passed_at = time.perf_counter()
+        times.passes = passed_at - drafted_at
+        times.rows = sum(r.rows for r in requests)
+        share = times.passes / len(requests)
+        for (sequence, chunk), result in zip(chunks, results[len(drafted):]):
+            sequence.verifiers.pass_seconds += share
+            sequence.verifiers.prefill_result(chunk, result)
+            if not sequence.verifiers.prefilling:
+                sequence._begin_decoding()
+        scores = []
+        for d, target_pass, result in zip(drafted, target_passes, results):
+            d.sequence.verifiers.pass_seconds += share
+            scores.append(d.sequence.verifiers.target_scores(target_pass, result))
+        verdicts = _decide(drafted, scores)
+        decided_at = time.perf_counter()
+        times.verify = decided_at - passed_at
+        per_sequence = (decided_at - began) / max(len(drafted), 1)
+        for d, verdict in zip(drafted, verdicts):
+            out.append((d.sequence, _conclude(d, verdict, times.draft / len(drafted), per_sequence)))
+        times.commit = time.perf_counter() - decided_at
+    times.sequences = len(out) + len(chunks)
+    return out, times
+
+
+def _propose(decoding: list[Sequence]) -> list[_Drafted]:
+    """Every ready sequence's proposal, trimmed by its policy (the draft head's steps of all of
+    them together: ``drafters.base.propose_all``)."""
+    requests, blocks = [], []
+    for sequence in decoding:
+        context = sequence.verifiers.context
+        # Never draft past the budget: the cycle emits at most (drafts on the path) + 1 tokens.
+        budget = max(0, min(sequence.policy.max_draft, sequence.tokens_left - 1))
+        # Draft token i (a node at depth i + 1) and the token after the drafts sit at position len(context) + i.
+        block = None if sequence.config.sampling.greedy else sequence.noise.block(len(context))
+        blocks.append(block)
+        requests.append(DraftRequest(budget, sequence.config.sampling, block, sequence.policy))
+    proposals = propose_all([s.drafter for s in decoding], [s.verifiers.context for s in decoding], requests)
+    drafted = []
+    for sequence, request, block, proposal in zip(decoding, requests, blocks, proposals):
+        verified = proposal.prefix(sequence.policy.trim(proposal))
+        if verified.tree.depth > request.budget:
+            raise TierspecError(f"{type(sequence.drafter).__name__} drafted {verified.tree.depth} tokens deep for a "
+                                f"budget of {request.budget}")
+        verifiers = sequence.verifiers
+        drafted.append(_Drafted(sequence, proposal, verified, block, verifiers.target_calls, verifiers.slim_calls,
+                                verifiers.pass_seconds))
+    return drafted
+
+
+def _cut_to_the_batch(drafted: list[_Drafted], passes: PassBackend, max_rows: int | None) -> None:
+    """Cut the batchable sequences' chains to what pays for the batch's pass (``batch_lengths``),
+    then every proposal to the row budget (largest first). A sequence that keeps its solo text
+    only with its own drafts (a lossy rule) keeps them."""
+    proposals = [d.proposal for d in drafted]
+    reaches = [_reach(d.sequence, d.proposal) if d.sequence.batchable else None for d in drafted]
+    lengths = batch_lengths(proposals, reaches, _pass_seconds(drafted))
+    if max_rows is not None:
+        lengths = _fit_rows(lengths, max_rows)
+    for d, length in zip(drafted, lengths):
+        if length < len(d.proposal):
+            d.proposal = d.proposal.prefix(length)
+
+
+def _constrain(drafted: list[_Drafted], max_rows: int | None) -> None:
+    """Every constrained proposal under its sequence's state (``constraints.constrain``): forbidden
+    drafts cut, forced tokens added after a chain (within the token budget and the rows left, at
+    most ``FORCED_PER_CYCLE`` without a row budget), the masks of all their rows filled into one
+    buffer."""
+    constrained = [d for d in drafted if d.sequence.constraint is not None]
+    spare = None if max_rows is None else max(max_rows - sum(1 + len(d.proposal) for d in drafted), 0)
+    rooms = []
+    for d in constrained:
+        room = len(d.proposal)
+        if d.proposal.is_chain:
+            more = FORCED_PER_CYCLE if spare is None else spare
+            room = max(room, min(d.sequence.tokens_left - 1, room + more))
+            if spare is not None:
+                spare -= room - len(d.proposal)
+        rooms.append(room)
+    buffer = MaskBuffer(sum(1 + room for room in rooms), constrained[0].sequence.verifiers.runner.vocab_size)
+    for d, room in zip(constrained, rooms):
+        result = constrain(d.sequence.constraint, d.proposal, room, buffer)
+        d.proposal, d.masks = result.proposal, result.masks
+
+
+def _prefill_chunks(prefilling: list[Sequence], max_rows: int | None, used: int, others: bool):
+    """The prompt chunks this cycle's pass takes, first come first: the rows ``max_rows`` leaves
+    after the decoding sequences' (at least one row each prompt; without a budget
+    ``PREFILL_CHUNK`` beside decoding sequences, the whole prompt when nothing else runs)."""
+    chunks = []
+    for sequence in prefilling:
+        if max_rows is not None:
+            rows = max(1, max_rows - used)
+        else:
+            rows = PREFILL_CHUNK if others or chunks else None
+        chunk = sequence.verifiers.prefill_request(rows)
+        chunks.append((sequence, chunk))
+        used += chunk.request.rows
+    return chunks
+
+
+def _decide(drafted: list[_Drafted], scores: list[Scores]) -> list[Verdict]:
+    """Every sequence's verdict: the chains decided by the target's own tokens all at once
+    (``walks.chain_batch_walks``), every other proposal by its rule."""
+    verdicts: list[Verdict | None] = [None] * len(drafted)
+    matched = [i for i, d in enumerate(drafted)
+               if d.sequence.rule.walks_by_target_tokens(d.proposal, d.sequence.config.sampling)]
+    if matched:
+        batch = ChainBatch(torch.cat([drafted[i].proposal.tokens for i in matched]) if len(matched) > 1
+                           else drafted[matched[0]].proposal.tokens,
+                           [len(drafted[i].proposal) for i in matched],
+                           rows_together([scores[i].logits for i in matched]),
+                           [drafted[i].sequence.config.sampling for i in matched], [drafted[i].block for i in matched])
+        for i, walk in zip(matched, chain_batch_walks(batch)):
+            verdicts[i] = drafted[i].sequence.rule.verdict(walk)
+    for i, d in enumerate(drafted):
+        if verdicts[i] is None:
+            verdicts[i] = d.sequence.rule.decide(d.proposal, scores[i], d.sequence.config.sampling, d.block)
+    return verdicts
+
+
+def rows_together(parts: list[torch.Tensor]) -> torch.Tensor:
+    """``parts`` (rows [r_i, V] each) as one tensor [Σ r_i, V]: a view when they lie one after
+    another in one buffer (a batched pass's logits), else copied together."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    offset, storage = first.storage_offset(), first.untyped_storage().data_ptr()
+    for part in parts:
+        if not part.is_contiguous() or part.dtype != first.dtype or part.storage_offset() != offset \
+                or part.untyped_storage().data_ptr() != storage or part.shape[1:] != first.shape[1:]:
+            return torch.cat(parts)
+        offset += part.numel()
+    return first.as_strided((sum(int(p.shape[0]) for p in parts), *first.shape[1:]), first.stride())
+
+
+def _conclude(d: _Drafted, verdict: Verdict, draft_seconds: float, seconds: float) -> Step:
+    """Commit the verdict and report the cycle: the accepted path + the correction/bonus token,
+    cut at EOS and the budget; the policy learns from the drafter's part of it."""
+    sequence, proposal = d.sequence, d.proposal
+    verifiers, policy = sequence.verifiers, sequence.policy
+    tokens = proposal.tokens.tolist()
+    emitted = [tokens[node] for node in verdict.path] + [verdict.next_token]
+    new_tokens, finished, records = _commit(sequence, emitted, verdict.path)
+    policy.observe(_policy_outcome(d.drafted, proposal, verdict))
+    cycle_stats = CycleStats(
+        drafted=len(proposal),
+        # A node is evaluated when its parent was reached: the accepted path's nodes and the child
+        # tried below its end (the cycle's rejection; a chain's first rejected draft).
+        evaluated=verdict.accepted + int(walk_reached(proposal.tree, verdict.path)),
+        accepted=verdict.accepted,
+        emitted=len(new_tokens),
+        target_calls=verifiers.target_calls - d.target_calls,
+        slim_calls=verifiers.slim_calls - d.slim_calls,
+        drafter_calls=proposal.drafter_calls,
+        seconds=seconds,
+        draft_seconds=draft_seconds,
+        pass_seconds=verifiers.pass_seconds - d.pass_seconds,
+        deciders=verdict.deciders[: len(new_tokens)],
+        tree_depth=proposal.tree.depth if sequence.tree_stats else None,
+    )
+    return _step(sequence, Step(new_tokens, cycle_stats, finished, records, committed=sequence.committed,
+                                proposal=proposal, verdict=verdict))
+
+
+def _policy_outcome(drafted: Proposal, verified: Proposal, verdict: Verdict) -> CycleOutcome:
+    """What the policy learns from: the drafter's own nodes and the verdict on them (a
+    constraint's forced nodes after them are certain, not the drafter's)."""
+    if not verified.forced:
+        return CycleOutcome(drafted, verified, verdict)
+    own = verified.without_forced
+    k = len(own)
+    if verdict.accepted <= k:
+        return CycleOutcome(drafted, own, verdict)
+    path = verdict.path[:k]
+    return CycleOutcome(drafted, own, Verdict(path, int(verified.tokens[verdict.path[k]]), verdict.deciders[: k + 1]))
+
+
+def _step(sequence: Sequence, step: Step) -> Step:
+    """``step`` with the sequence's statistics brought up to it (and its echo records, once)."""
+    step.prompt_logprobs, sequence.prompt_logprobs = sequence.prompt_logprobs, None
+    sequence.stats.add(step.cycle)
+    sequence.stats.wall_seconds = time.perf_counter() - sequence.started
+    if step.finished:
+        sequence.finished = True
+    return step
+
+
+def _tiered_cycle(sequence: Sequence) -> Step:
+    """The cycle of a sequence whose rule drives the verifier passes itself (VIA-SD's tiers): its
+    proposal, the rule's passes and verdict, its commit — alone."""
+    began = time.perf_counter()
+    sequence.policy.share_passes(1)
+    (d,) = _propose([sequence])
+    drafted_at = time.perf_counter()
+    verdict = sequence.rule.verify(sequence.verifiers, d.proposal, sequence.config.sampling, d.block)
+    return _conclude(d, verdict, drafted_at - began, time.perf_counter() - began)
+
+
+def _commit(sequence: Sequence, new_tokens: list[int], path: list[int]) -> tuple[list[int], bool, list[TokenLogprob] | None]:
+    """Commit a cycle's tokens (the accepted path's + the correction/bonus token), cut after an
+    EOS and at the token budget: the verifiers extend the committed sequence and roll their caches
+    back, the drafter rolls its state back to the new length, the constraint advances. Returns (the
+    tokens committed, whether generation is finished, their logprob records when the config asks)."""
+    config, verifiers = sequence.config, sequence.verifiers
+    finished = False
+    for i, token in enumerate(new_tokens):
+        if token in sequence.eos:
+            new_tokens = new_tokens[: i + 1]
+            finished = True
+            break
+    new_tokens = new_tokens[: config.max_new_tokens - sequence.committed.generated_count]
+    if sequence.constraint is not None:
+        taken = sequence.constraint.advance(new_tokens)
+        if taken < len(new_tokens):  # the walk went past the constraint's end: nothing may follow it
+            if not sequence.constraint.finished():
+                raise ConstraintError(f"the constraint refused committed token {new_tokens[taken]} (its mask allowed it)")
+            new_tokens = new_tokens[:taken]
+        finished = finished or sequence.constraint.finished()
+    records = None
+    if config.logprobs is not None:
+        records = token_logprobs(verifiers.scored_rows(new_tokens, path), new_tokens, config.sampling, config.logprobs)
+    committed = verifiers.commit(new_tokens, path)
+    sequence.noise.forget_before(committed)
+    finished = finished or sequence.committed.generated_count >= config.max_new_tokens
+    sequence.drafter.commit(committed)
+    return new_tokens, finished, records
+
+
+# ---- a batch's draft lengths ---------------------------------------------------------------------
+
+
+def batch_lengths(proposals: list[Proposal], reaches: list[list[float] | None], pass_seconds) -> list[int]:
+    """How many of each proposal's drafts the batch verifies this cycle: the lengths that maximise
+    the batch's expected emitted tokens per second, from ``pass_seconds(rows)`` (the measured cost
+    of a pass of that many rows) and each proposal's chance of reaching each of its drafts (its
+    policy's learned acceptance, ``reaches[i][j]``: P(drafts 0..j all accepted); None: keep it whole).
+
+    Greedy on marginal value: start every proposal at no draft (its one row), then repeatedly take
+    the next draft of the proposal whose next draft adds the most expected tokens, while that raises
+    the batch's expected tokens per second. A longer batch makes every row dearer, so drafts shrink
+    as it grows; when a draft no longer pays, none is verified."""
+    lengths = [len(p) if reach is None else 0 for p, reach in zip(proposals, reaches)]
+    rows = len(proposals) + sum(lengths)
+    expected = float(len(proposals)) + sum(len(p) for p, reach in zip(proposals, reaches) if reach is None)
+    rate = expected / pass_seconds(rows)
+    while True:
+        best, gain = None, 0.0
+        for index, reach in enumerate(reaches):
+            if reach is not None and lengths[index] < len(reach) and reach[lengths[index]] > gain:
+                best, gain = index, reach[lengths[index]]
+        if best is None:
+            return lengths
+        candidate = (expected + gain) / pass_seconds(rows + 1)
+        if candidate <= rate:
+            return lengths
+        lengths[best] += 1
+        rows, expected, rate = rows + 1, expected + gain, candidate
+
+
+def _reach(sequence: Sequence, proposal: Proposal) -> list[float] | None:
+    """P(the first j + 1 drafts all accepted) for each draft of a chain ``proposal``, by the
+    sequence's policy (None: a tree, or a policy that learns no acceptance — the proposal stays
+    as drafted)."""
+    policy = sequence.policy
+    if not isinstance(policy, CostAware) or not proposal.is_chain or len(proposal) == 0:
+        return None
+    return policy.reach(proposal)
+
+
+def _pass_seconds(drafted: list[_Drafted]) -> Callable[[int], float]:
+    """The cost of a pass by rows: the first sequence's policy's measured table (one target, one
+    machine; ``ForwardCosts.cost`` extends it linearly past its end); a nearly flat line where no
+    policy measured one."""
+    table = next((d.sequence.policy.pass_costs for d in drafted if d.sequence.policy.pass_costs is not None), None)
+    return (lambda rows: 1.0 + 0.01 * rows) if table is None else table.cost
+
+
+def _fit_rows(budgets: list[int], max_rows: int) -> list[int]:
+    """Draft counts cut, largest first, until every sequence's rows (one + its drafts) fit ``max_rows``."""
+    budgets = list(budgets)
+    while len(budgets) + sum(budgets) > max_rows and any(budgets):
+        largest = max(range(len(budgets)), key=lambda i: budgets[i])
+        budgets[largest] -= 1
+    return budgets
+
+
+# ---- one generation --------------------------------------------------------------------------------
+
+
+def decode(
+    target: LoadedModel,
+    method: DecodeMethod,
+    prompt_ids: torch.Tensor,
+    config: DecodeConfig,
+    seed: int | torch.Generator | None = None,
+    inspect: Callable[[Verifiers, Drafter], None] | None = None,
+) -> Iterator[Step]:
+    """Generate after ``prompt_ids`` [n] with ``method`` (a ``methods.Method``: it makes the
+    generation's drafter, policy and rule), yielding a ``Step`` per cycle: the cycle over a batch
+    of one.
+
+    ``seed`` keys every random draw (``sampling.seed_of``: an integer; a ``torch.Generator``
+    stands for the seed it was seeded with; None draws a fresh one). ``inspect(verifiers,
+    drafter)`` is called after every commit (tests check the cache invariant with it).
+    """
+    yield from decode_sequence(target, open_sequence(target, method, prompt_ids, config, seed), inspect)
+
+
+def decode_sequence(target: LoadedModel, sequence: Sequence, inspect: Callable[[Verifiers, Drafter], None] | None = None,
+                    times: CycleTimes | None = None) -> Iterator[Step]:
+    """The steps of an opened ``sequence`` (``open_sequence``), one cycle of its own each (their
+    phases added to ``times`` when given)."""
+    passes = pass_backend(target.model)
+    while not sequence.finished and sequence.tokens_left > 0:
+        with torch.inference_mode():
+            ((_, step),), spent = cycle([sequence], passes)
+        if times is not None:
+            times.add(spent)
+        if inspect is not None:
+            inspect(sequence.verifiers, sequence.drafter)
+        yield step
+
+
+class DecodeRun:
+    """One generation, iterated step by step, with the totals every caller reads: the one place
+    a generation's ``GenerationStats`` is built and its wall clock read.
+
+    Iterating runs ``decode`` (same arguments) and yields its ``Step``s; meanwhile each cycle is
+    added to ``stats``; ``token_ids`` reads the generated tokens from the generation's committed
+    sequence. ``stats.wall_seconds`` runs from the first step asked for (the prefill is in it) to
+    the latest step handed out, or to the end of the generation once it is exhausted
+    (docs/metrics.md §Generation statistics). ``finish()`` runs it to the end; ``close()`` stops it
+    early. ``sequence``: the generation's ``Sequence`` once its first step was asked for; ``times``:
+    where its cycles' time went (``CycleTimes``)."""
+
+    def __init__(self, target: LoadedModel, method: DecodeMethod, prompt_ids: torch.Tensor, config: DecodeConfig,
+                 seed: int | torch.Generator | None = None, inspect: Callable[[Verifiers, Drafter], None] | None = None):
+        self._target, self._method, self._prompt_ids, self._config, self._seed = target, method, prompt_ids, config, seed
+        self._inspect = inspect
+        self._steps: Iterator[Step] | None = None
+        self.sequence: Sequence | None = None
+        self.stats = GenerationStats()
+        self.times = CycleTimes()
+        self.committed: CommittedTokens | None = None  # the generation's, from its first step
+        self._started: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens generated so far."""
+        return [] if self.committed is None else self.committed.generated()
+
+    def __iter__(self) -> DecodeRun:
+        return self
+
+    def __next__(self) -> Step:
+        if self._started is None:
+            self._started = time.perf_counter()
+        try:
+            with threads_for(self._target.model):  # torch's small operators on one thread, on the engine
+                if self._steps is None:
+                    self.sequence = open_sequence(self._target, self._method, self._prompt_ids, self._config, self._seed)
+                    self._steps = decode_sequence(self._target, self.sequence, self._inspect, self.times)
+                step = next(self._steps)
+        finally:
+            self.stats.wall_seconds = time.perf_counter() - self._started
+        self.stats.add(step.cycle)
+        self.committed = step.committed
+        return step
+
+    def finish(self) -> DecodeRun:
+        """Run the generation to its end; returns this run (``token_ids`` and ``stats`` complete)."""
+        for _ in self:
+            pass
+        return self
+
+    def close(self) -> None:
+        """Stop the generation (a suspended one holds the target's cache until closed)."""
+        if self._steps is not None:
+            self._steps.close()
 
 
 def check_prompt(prompt_ids, max_positions: int | None, max_new_tokens: int, vocab_size: int | None = None) -> torch.Tensor:
@@ -710,6 +956,7 @@ def check_prompt(prompt_ids, max_positions: int | None, max_new_tokens: int, voc
     return prompt_ids
 
 
+
 def score_prompt(target: LoadedModel, prompt_ids: torch.Tensor, config: DecodeConfig) -> list[TokenLogprob]:
     """The prompt's logprob records (``echo`` with nothing to generate): one prefill, no decoding."""
     if is_encoder_decoder(target.model):
@@ -722,285 +969,3 @@ def score_prompt(target: LoadedModel, prompt_ids: torch.Tensor, config: DecodeCo
     with torch.inference_mode():
         rows = verifiers.prefill(prompt_ids, score=True)
         return prompt_records(prompt_ids, rows, config)
-
-
-@dataclass
-class Step:
-    """What the loop yields after each commit: the cycle's new tokens, statistics, the proposal it
-    verified and the verdict. With ``DecodeConfig.logprobs``: ``logprobs``, one record per new
-    token; the first step also carries ``prompt_logprobs`` with ``DecodeConfig.score_prompt``
-    (None for the first prompt token, which nothing scores)."""
-
-    new_tokens: list[int]
-    cycle: CycleStats
-    finished: bool
-    logprobs: list[TokenLogprob] | None = None
-    prompt_logprobs: list[TokenLogprob] | None = None
-    committed: CommittedTokens | None = None  # the generation's committed sequence (read it, never change it)
-    proposal: Proposal | None = None  # what this cycle verified
-    verdict: Verdict | None = None
-
-
-def check_logprobs_method(method: DecodeMethod, config: DecodeConfig) -> None:
-    """Refuse log-probabilities where tokens are committed that no target pass scored: VIA-SD's
-    slim tier commits tokens before the full target sees them."""
-    if config.logprobs is not None and method.slim_mask is not None:
-        raise TierspecError(f"method '{method.name}' cannot report log-probabilities: its slim verifier commits "
-                            "tokens the full target has not scored; use a method without a slim tier (e.g. hybrid, "
-                            "eagle, pld, ar)")
-
-
-def prompt_records(prompt_ids: torch.Tensor, rows: torch.Tensor, config: DecodeConfig) -> list[TokenLogprob]:
-    """The echo records of ``prompt_ids`` [n] from the prefill's ``rows`` [n−1, V] (the first
-    token's logprob is None)."""
-    first = TokenLogprob(int(prompt_ids[0]), None)
-    return [first] + token_logprobs(rows, prompt_ids[1:].tolist(), config.sampling, config.logprobs)
-
-
-def check_shapes(drafter: Drafter, rule: VerificationRule) -> None:
-    """Refuse a drafter whose proposals the rule cannot verify (``VerificationRule.accepts``).
-    Only the exact rule verifies token trees (greedy, coupled, multi-draft residual;
-    docs/algorithms.md §Token trees). The lossy rules (lossy, cascade, judge, VIA and via-judge)
-    are defined over one chain of drafts: the lossy and cascade tests compare a draft with the
-    target's distribution at its position, the judge head scores the drafts of a chain one by
-    one, and VIA's slim verifier runs ahead of a lagging full target on one committed chain; none
-    is built over a tree yet, so trees stay lossless-only and the lossy rules keep chain drafters."""
-    if drafter.proposes not in rule.accepts:
-        raise TierspecError(f"the rule '{rule.name}' verifies chains only: a token tree needs the exact rule "
-                            "(rules.exact.ExactRule, the methods eagle-tree and hybrid-tree, lossless). "
-                            f"For '{rule.name}', use a chain drafter instead (methods eagle, hybrid, pld).")
-
-
-def reach(prompt_length: int, config: DecodeConfig, policy: DraftPolicy) -> int:
-    """Every position a generation can reach: the prompt, the token budget, and the last
-    verification pass's rows past the committed tokens — its draft rows, or the padded size of a
-    pass when that is larger (a pass starts at most at the committed length)."""
-    table = policy.pass_costs
-    return prompt_length + config.max_new_tokens + max(policy.max_rows, 0 if table is None else table.max_tokens)
-
-
-@dataclass
-class _Sequence:
-    """One generation's state across cycles (a batch of generations would hold one each)."""
-
-    verifiers: Verifiers
-    drafter: Drafter
-    rule: VerificationRule
-    policy: DraftPolicy
-    config: DecodeConfig
-    eos: frozenset[int]
-    noise: Noise
-    tree_stats: bool  # the drafter proposes trees: each cycle reports its tree's shape
-
-    @property
-    def committed(self) -> CommittedTokens:
-        return self.verifiers.committed
-
-
-def decode(
-    target: LoadedModel,
-    method: DecodeMethod,
-    prompt_ids: torch.Tensor,
-    config: DecodeConfig,
-    seed: int | torch.Generator | None = None,
-    inspect: Callable[[Verifiers, Drafter], None] | None = None,
-) -> Iterator[Step]:
-    """Generate after ``prompt_ids`` [n] with ``method`` (a ``methods.Method``: drafter, policy,
-    rule, and the verifier settings it needs), yielding a ``Step`` per cycle.
-
-    ``seed`` keys every random draw (``sampling.seed_of``: an integer; a ``torch.Generator``
-    stands for the seed it was seeded with; None draws a fresh one). ``inspect(verifiers,
-    drafter)`` is called after every commit (tests check the cache invariant with it).
-    """
-    sequence, prompt_logprobs = start_sequence(target, method, prompt_ids, config, seed)
-    while sequence.committed.generated_count < config.max_new_tokens:
-        with torch.inference_mode():
-            step = _cycle(sequence)
-        step.prompt_logprobs, prompt_logprobs = prompt_logprobs, None
-        if inspect is not None:
-            inspect(sequence.verifiers, sequence.drafter)
-        yield step
-        if step.finished:
-            return
-
-
-def start_sequence(target: LoadedModel, method: DecodeMethod, prompt_ids: torch.Tensor, config: DecodeConfig,
-                   seed: int | torch.Generator | None = None) -> tuple[_Sequence, list[TokenLogprob] | None]:
-    """A generation set up to its first cycle: checked, its verifiers made, the prompt prefilled,
-    the drafter and policy started. Returns it and the prompt's logprob records (``echo``)."""
-    drafter, rule, policy = method.drafter, method.rule, method.policy
-    check_shapes(drafter, rule)
-    check_logprobs_method(method, config)
-    max_positions = getattr(target.model.config, "max_position_embeddings", None)
-    prompt_ids = check_prompt(prompt_ids, max_positions, config.max_new_tokens, target.vocab_size)
-    source = None
-    if is_encoder_decoder(target.model):  # the prompt is the encoder's; the loop decodes the decoder's sequence
-        if config.score_prompt:
-            raise TierspecError("an encoder-decoder model reads the prompt with its encoder: there are no prompt "
-                                "log-probabilities to report (echo)")
-        source, prompt_ids = prompt_ids, decoder_start(target.model)
-    drafter.set_source(source)
-    verifiers = Verifiers(target, reach(len(prompt_ids), config, policy), slim_mask=method.slim_mask,
-                          pass_costs=policy.pass_costs, record_features=drafter.needs_target_features,
-                          feature_layers=drafter.feature_layers, slim_vocabulary=method.slim_vocabulary, source=source,
-                          modifiers=config.modifiers)
-    config.modifiers.check_vocabulary(target.vocab_size)
-    sequence = _Sequence(verifiers, drafter, rule, policy, config, frozenset(config.eos_token_ids),
-                         Noise(seed, target.vocab_size), drafter.proposes is Shape.TREE)
-
-    with torch.inference_mode():
-        prompt_rows = verifiers.prefill(prompt_ids, score=config.score_prompt)
-        prompt_logprobs = None if prompt_rows is None else prompt_records(prompt_ids, prompt_rows, config)
-        del prompt_rows
-        drafter.start(prompt_ids, verifiers.features, verifiers.draft_view() if drafter.uses_target_cache else None)
-        policy.start()
-    return sequence, prompt_logprobs
-
-
-def _cycle(sequence: _Sequence) -> Step:
-    """One draft–verify–commit cycle (module docstring), for a chain and a tree alike."""
-    drafted = _propose(sequence)
-    verdict = _verdict(sequence.verifiers, sequence.rule, drafted.proposal, sequence.config.sampling, drafted.block)
-    return _conclude(sequence, drafted, verdict)
-
-
-@dataclass
-class _Drafted:
-    """A cycle's first half (``_propose``): the drafter's proposal, the policy's cut of it, the
-    block's noise and the counters and clock the cycle's statistics start from."""
-
-    drafted: Proposal
-    proposal: Proposal
-    block: BlockNoise | None
-    started: float
-    drafted_at: float
-    target_calls: int
-    slim_calls: int
-    pass_seconds: float
-
-
-def _propose(sequence: _Sequence) -> _Drafted:
-    """Draft and trim: the proposal this cycle verifies."""
-    started = time.perf_counter()
-    verifiers, drafter, policy, config = sequence.verifiers, sequence.drafter, sequence.policy, sequence.config
-    context = verifiers.context
-    # Never draft past the budget: the cycle emits at most (drafts on the path) + 1 tokens.
-    budget = max(0, min(policy.max_draft, config.max_new_tokens - sequence.committed.generated_count - 1))
-    # Draft token i (a node at depth i + 1) and the token after the drafts sit at position len(context) + i.
-    block = None if config.sampling.greedy else sequence.noise.block(len(context))
-    drafted = drafter.propose(context, DraftRequest(budget, config.sampling, block, policy))
-    proposal = drafted.prefix(policy.trim(drafted))
-    if proposal.tree.depth > budget:
-        raise TierspecError(f"{type(drafter).__name__} drafted {proposal.tree.depth} tokens deep for a budget of {budget}")
-    return _Drafted(drafted, proposal, block, started, time.perf_counter(), verifiers.target_calls, verifiers.slim_calls,
-                    verifiers.pass_seconds)
-
-
-def _conclude(sequence: _Sequence, drafted: _Drafted, verdict: Verdict) -> Step:
-    """Commit the verdict and report the cycle: the accepted path + the correction/bonus token,
-    cut at EOS and the budget; the policy learns from it."""
-    verifiers, policy, proposal = sequence.verifiers, sequence.policy, drafted.proposal
-    tokens = proposal.tokens.tolist()
-    emitted = [tokens[node] for node in verdict.path] + [verdict.next_token]
-    new_tokens, finished, records = _commit(sequence, emitted, verdict.path)
-    policy.observe(CycleOutcome(drafted.drafted, proposal, verdict))
-    ended = time.perf_counter()
-    cycle = CycleStats(
-        drafted=len(proposal),
-        # A node is evaluated when its parent was reached: the accepted path's nodes and the child
-        # tried below its end (the cycle's rejection; a chain's first rejected draft).
-        evaluated=verdict.accepted + int(walk_reached(proposal.tree, verdict.path)),
-        accepted=verdict.accepted,
-        emitted=len(new_tokens),
-        target_calls=verifiers.target_calls - drafted.target_calls,
-        slim_calls=verifiers.slim_calls - drafted.slim_calls,
-        drafter_calls=proposal.drafter_calls,
-        seconds=ended - drafted.started,
-        draft_seconds=drafted.drafted_at - drafted.started,
-        pass_seconds=verifiers.pass_seconds - drafted.pass_seconds,
-        deciders=verdict.deciders[: len(new_tokens)],
-        tree_depth=proposal.tree.depth if sequence.tree_stats else None,
-    )
-    return Step(new_tokens, cycle, finished, records, committed=sequence.committed, proposal=proposal, verdict=verdict)
-
-
-def _verdict(verifiers: Verifiers, rule: VerificationRule, proposal: Proposal, sampling: SamplingConfig,
-             block: BlockNoise | None) -> Verdict:
-    """The rule's verdict: the loop runs the one target pass for a rule of its scores; a tiered
-    rule (VIA-SD) runs the passes it needs itself."""
-    if isinstance(rule, ScoreRule):
-        return rule.decide(proposal, verifiers.target(proposal, with_hidden=rule.reads_hidden), sampling, block)
-    return rule.verify(verifiers, proposal, sampling, block)
-
-
-def _commit(sequence: _Sequence, new_tokens: list[int], path: list[int]) -> tuple[list[int], bool, list[TokenLogprob] | None]:
-    """Commit a cycle's tokens (the accepted path's + the correction/bonus token), cut after an
-    EOS and at the token budget: the verifiers extend the committed sequence and roll their caches
-    back, the drafter rolls its state back to the new length. Returns (the tokens committed,
-    whether generation is finished, their logprob records when the config asks for them)."""
-    config, verifiers = sequence.config, sequence.verifiers
-    finished = False
-    for i, token in enumerate(new_tokens):
-        if token in sequence.eos:
-            new_tokens = new_tokens[: i + 1]
-            finished = True
-            break
-    new_tokens = new_tokens[: config.max_new_tokens - sequence.committed.generated_count]
-    records = None
-    if config.logprobs is not None:
-        records = token_logprobs(verifiers.scored_rows(new_tokens, path), new_tokens, config.sampling, config.logprobs)
-    committed = verifiers.commit(new_tokens, path)
-    sequence.noise.forget_before(committed)
-    finished = finished or sequence.committed.generated_count >= config.max_new_tokens
-    sequence.drafter.commit(committed)
-    return new_tokens, finished, records
-
-
-class DecodeRun:
-    """One generation, iterated step by step, with the totals every caller reads: the one place
-    a generation's ``GenerationStats`` is built and its wall clock read.
-
-    Iterating runs ``decode`` (same arguments) and yields its ``Step``s; meanwhile each cycle is
-    added to ``stats``; ``token_ids`` reads the generated tokens from the generation's committed
-    sequence. ``stats.wall_seconds`` runs from the first step asked for (the prefill is in it) to
-    the latest step handed out, or to the end of the generation once it is exhausted
-    (docs/metrics.md §Generation statistics). ``finish()`` runs it to the end; ``close()`` stops it
-    early."""
-
-    def __init__(self, target: LoadedModel, method: DecodeMethod, prompt_ids: torch.Tensor, config: DecodeConfig,
-                 seed: int | torch.Generator | None = None, inspect: Callable[[Verifiers, Drafter], None] | None = None):
-        self._steps = decode(target, method, prompt_ids, config, seed, inspect)
-        self._target = target
-        self.stats = GenerationStats()
-        self.committed: CommittedTokens | None = None  # the generation's, from its first step
-        self._started: float | None = None
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The tokens generated so far."""
-        return [] if self.committed is None else self.committed.generated()
-
-    def __iter__(self) -> DecodeRun:
-        return self
-
-    def __next__(self) -> Step:
-        if self._started is None:
-            self._started = time.perf_counter()
-        try:
-            with threads_for(self._target.model):  # torch's small operators on one thread, on the engine
-                step = next(self._steps)
-        finally:
-            self.stats.wall_seconds = time.perf_counter() - self._started
-        self.stats.add(step.cycle)
-        self.committed = step.committed
-        return step
-
-    def finish(self) -> DecodeRun:
-        """Run the generation to its end; returns this run (``token_ids`` and ``stats`` complete)."""
-        for _ in self:
-            pass
-        return self
-
-    def close(self) -> None:
-        """Stop the generation (a suspended one holds the target's cache until closed)."""
-        self._steps.close()

@@ -1,17 +1,24 @@
-"""Methods by name: each is a drafter, a draft-length policy and a verification rule for the one
-decode loop, plus the verifier settings it needs (a slim verifier's mask, padded passes).
+"""Methods by name. A built ``Method`` is immutable and shared by every generation that runs it: what
+it loads or measures (draft heads, masks, the pass-cost table) is made when it is built, and each
+generation gets its own drafter, draft-length policy and rule from it (``Method.generation``, sized
+by that generation's ``num_draft``), plus the verifier settings the method needs (a slim verifier's
+mask and vocabulary).
 
 Every method parameter and its default is declared once, in ``MethodOptions``; the command line
-builds its flags from these fields (``cli``), and the bench parses method specs against them.
+builds its flags from these fields (``cli``), and the bench parses method specs against them. A
+parameter no part of the chosen method reads is refused (``build_method``'s ``strict``), so no flag
+is ever silently ignored.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 
 from .cached_model import SlimVocabulary
 from .costs import ForwardCosts
+from .decode import GenerationParts
+from .limits import MAX_NUM_DRAFT
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, check_vocabularies
 from .drafters.base import streamed_weights
 from .drafters.cs_drafting import CsDrafter
@@ -24,7 +31,7 @@ from .heads.judge import JudgeHead
 from .layerskip.masks import RoutingMask
 from .llama import ATTENTION_ROWS
 from .models import LoadedModel
-from .policies import ConfidenceStop, CostAware, DraftPolicy, FixedLength, TreePolicy
+from .policies import TREE_DEPTH, ConfidenceStop, CostAware, DraftPolicy, FixedLength, TreePolicy
 from .rules import ExactRule, VerificationRule
 from .rules.bild import BildRule
 from .rules.lossy import LossyRule
@@ -47,7 +54,10 @@ def _option(default, help: str, flag: str | None = None, choices=None, kind: str
 class MethodOptions:
     """Method parameters that are not sampling settings (every one is a CLI flag)."""
 
-    num_draft: int = _option(5, "γ: tokens drafted per cycle by the fixed-length methods")
+    num_draft: int | None = _option(None, "the largest draft: γ of the fixed-length methods (default 5), the longest "
+                                    "draft the cost-aware ones may choose (adaptive-*, eagle, hybrid; default 10), the "
+                                    "deepest tree (eagle-tree, hybrid-tree; default 8); refused by ar and PEARL "
+                                    "(--pearl-gamma)")
     ngram_size: int = _option(3, "prompt lookup: longest n-gram matched")
     mask: RoutingMask | None = _option(None, "routing mask JSON from `tierspec route` (self; via's slim verifier)", kind="mask")
     confidence_threshold: float = _option(0.8, "self/swift drafters: stop drafting below this top probability")
@@ -74,7 +84,6 @@ class MethodOptions:
     max_target_lag: int | None = _option(None, "VIA-SD: most tokens the full target may lag (default 4γ)")
     csd_model_positions: int = _option(3, "CS Drafting: positions drafted by the drafter model (horizontal cascade)")
     csd_inner_draft: int = _option(3, "CS Drafting: n-gram guesses the drafter model reviews per pass")
-    adaptive_max_draft: int = _option(10, "adaptive-*, eagle, hybrid: the longest draft considered")
     judge_head: JudgeHead | None = _option(None, "judge head (.safetensors) from `tierspec judge train` (judge, via-judge)",
                                         kind="judge_head")
     judge_threshold: float | None = _option(None, "judge accepts when sigmoid ≥ δ (default: the head's)")
@@ -88,12 +97,12 @@ class MethodOptions:
                                    "distribution is renormalised over those tokens)", choices=SLIM_VOCABULARIES)
 
     def __post_init__(self) -> None:
-        for name in ("num_draft", "ngram_size", "csd_model_positions", "csd_inner_draft", "adaptive_max_draft",
-                     "clasp_interval"):
+        check_num_draft(self.num_draft)
+        for name in ("ngram_size", "csd_model_positions", "csd_inner_draft", "clasp_interval"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < (1 if name != "num_draft" and name != "csd_inner_draft" else 0):
-                raise MethodOptionError(f"{name} must be an integer >= {0 if name in ('num_draft', 'csd_inner_draft') else 1}, "
-                                        f"got {value!r}")
+            least = 0 if name == "csd_inner_draft" else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise MethodOptionError(f"{name} must be an integer >= {least}, got {value!r}")
         if self.max_target_lag is not None and self.max_target_lag < 0:
             raise MethodOptionError(f"max_target_lag must be >= 0, got {self.max_target_lag}")
         if self.slim_vocabulary not in SLIM_VOCABULARIES:
@@ -116,6 +125,13 @@ class MethodOptions:
                 raise MethodOptionError(f"{name} must be in [0, 1], got {value}")
 
 
+def check_num_draft(num_draft: int | None) -> None:
+    if num_draft is not None and (isinstance(num_draft, bool) or not isinstance(num_draft, int)
+                                  or not 0 <= num_draft <= MAX_NUM_DRAFT):
+        raise MethodOptionError(f"num_draft must be an integer from 0 to {MAX_NUM_DRAFT} (tokens drafted per cycle), "
+                                f"got {num_draft!r}")
+
+
 def option_fields():
     """The fields of MethodOptions with their CLI metadata (for the CLI and the bench)."""
     return fields(MethodOptions)
@@ -125,48 +141,106 @@ class MethodOptionError(TierspecError):
     """A method parameter out of range."""
 
 
-@dataclass
+#: The largest draft of each kind of method when neither the generation nor the options name one
+#: (a tree's: ``policies.TREE_DEPTH``).
+FIXED_DRAFT = 5  # γ of the fixed-length and confidence-stopped methods (docs/DESIGN.md §1)
+ADAPTIVE_DRAFT = 10  # the longest draft a cost-aware policy considers
+
+
+@dataclass(frozen=True)
 class Method:
-    """A method for the decode loop (``decode.DecodeMethod``): its drafter, rule and policy (the
-    policy holds the pass-cost table the loop pads passes with), and VIA-SD's slim verifier."""
+    """A method for the decode loop (``decode.DecodeMethod``): immutable, built once and shared by
+    every generation — its heads, pass-cost tables and masks are made when it is built — and the
+    maker of each generation's own parts (``generation``: a fresh drafter and policy, the rule).
+
+    ``rule``: the rule at the method's own settings (what a caller checks before generating: is it
+    lossless, does it drive passes of its own). ``slim_mask``, ``slim_vocabulary``: VIA-SD's slim
+    verifier."""
 
     name: str
-    drafter: Drafter
-    rule: VerificationRule
-    policy: DraftPolicy
     description: str
-    slim_mask: RoutingMask | None = None  # VIA-SD's slim verifier
-    slim_vocabulary: SlimVocabulary | None = None  # the slim tier scores only these tokens
+    rule: VerificationRule
+    make: Callable[[int | None], GenerationParts]
+    slim_mask: RoutingMask | None = None
+    slim_vocabulary: SlimVocabulary | None = None
+
+    def generation(self, num_draft: int | None = None) -> GenerationParts:
+        """A generation's parts: a new drafter and policy (they keep its state), drafting at most
+        ``num_draft`` tokens (None: the method's own; ``MethodOptions.num_draft`` says per method)."""
+        check_num_draft(num_draft)
+        return self.make(num_draft)
+
+    @staticmethod
+    def of(name: str, drafter: Drafter, rule: VerificationRule, policy: DraftPolicy, description: str = "",
+           slim_mask: RoutingMask | None = None, slim_vocabulary: SlimVocabulary | None = None) -> "Method":
+        """A method whose every generation runs on these very objects (a test or a probe holds
+        them; each generation starts them afresh, one generation at a time). It takes no
+        ``num_draft`` of its own: the policy is the one given."""
+
+        def make(num_draft: int | None) -> GenerationParts:
+            if num_draft is not None:
+                raise MethodOptionError(f"method '{name}' runs with the policy it was given: num_draft does not apply")
+            return GenerationParts(drafter, policy, rule)
+
+        return Method(name, description, rule, make, slim_mask, slim_vocabulary)
 
 
-def _fixed(options: MethodOptions) -> FixedLength:
-    return FixedLength(options.num_draft)
+def _method(name: str, description: str, rule: VerificationRule, parts: Callable[[int | None], tuple[Drafter, DraftPolicy]],
+            slim_mask: RoutingMask | None = None, slim_vocabulary: SlimVocabulary | None = None) -> Method:
+    """A built method: ``parts(num_draft)`` makes a generation's drafter and policy."""
+    return Method(name, description, rule, lambda num_draft: GenerationParts(*parts(num_draft), rule), slim_mask,
+                  slim_vocabulary)
+
+
+def _draft_count(num_draft: int | None, options: MethodOptions, default: int) -> int:
+    """The generation's largest draft: its own, else the options', else the method kind's ``default``."""
+    if num_draft is not None:
+        return num_draft
+    return default if options.num_draft is None else options.num_draft
+
+
+def _refuse_num_draft(name: str, options: MethodOptions, why: str) -> Callable[[int | None], None]:
+    """For a method that takes no num_draft: refuses the options' now and a generation's when it
+    starts, with ``why``."""
+    def check(num_draft: int | None) -> None:
+        if num_draft:
+            raise MethodOptionError(f"method '{name}' takes no num_draft: {why}")
+
+    check(options.num_draft)
+    return check
 
 
 def _ar(target, drafter_model, options) -> Method:
-    return Method("ar", NoDrafter(), ExactRule(options.sampling_rule), FixedLength(0),
-                  "plain autoregressive decoding")
+    refuse = _refuse_num_draft("ar", options, "plain decoding drafts nothing")
+
+    def parts(num_draft):
+        refuse(num_draft)
+        return NoDrafter(), FixedLength(0)
+
+    return _method("ar", "plain autoregressive decoding", ExactRule(options.sampling_rule), parts)
 
 
-def _model_drafter(target: LoadedModel, drafter_model: LoadedModel | None) -> ModelDrafter:
+def _model_drafter(target: LoadedModel, drafter_model: LoadedModel | None) -> Callable[[], ModelDrafter]:
+    """A maker of the drafter model's drafters (each with its own cache), checked now."""
     if drafter_model is None:
         # The target drafting for itself always agrees: slow, but needs no second model.
         drafter_model = target
     check_vocabularies(target, drafter_model)
     if is_encoder_decoder(target.model) or is_encoder_decoder(drafter_model.model):
         check_same_family(target, drafter_model)
-        return Seq2SeqModelDrafter(drafter_model.model, target.vocab_size)
-    return ModelDrafter(drafter_model.model, target.vocab_size)
+        return lambda: Seq2SeqModelDrafter(drafter_model.model, target.vocab_size)
+    return lambda: ModelDrafter(drafter_model.model, target.vocab_size)
 
 
 def _sd(target, drafter_model, options) -> Method:
-    return Method("sd", _model_drafter(target, drafter_model), ExactRule(options.sampling_rule), _fixed(options),
-                  "lossless speculative decoding with a drafter model")
+    make = _model_drafter(target, drafter_model)
+    return _method("sd", "lossless speculative decoding with a drafter model", ExactRule(options.sampling_rule),
+                   lambda n: (make(), FixedLength(_draft_count(n, options, FIXED_DRAFT))))
 
 
 def _pld(target, drafter_model, options) -> Method:
-    return Method("pld", NgramDrafter(options.ngram_size), ExactRule(options.sampling_rule), _fixed(options),
-                  "lossless prompt-lookup (n-gram) decoding")
+    return _method("pld", "lossless prompt-lookup (n-gram) decoding", ExactRule(options.sampling_rule),
+                   lambda n: (NgramDrafter(options.ngram_size), FixedLength(_draft_count(n, options, FIXED_DRAFT))))
 
 
 class MissingMaskError(TierspecError):
@@ -183,67 +257,80 @@ def _require_mask(name: str, target: LoadedModel, options: MethodOptions) -> Rou
     return options.mask
 
 
+def _confidence_stop(num_draft: int | None, options: MethodOptions, threshold: float | None = None) -> ConfidenceStop:
+    return ConfidenceStop(_draft_count(num_draft, options, FIXED_DRAFT),
+                          options.confidence_threshold if threshold is None else threshold)
+
+
 def _self(target, drafter_model, options) -> Method:
     mask = _require_mask("self", target, options)
-    return Method("self", SelfSpeculativeDrafter(mask), ExactRule(options.sampling_rule),
-                  ConfidenceStop(options.num_draft, options.confidence_threshold),
-                  "lossless self-speculative decoding: the target drafts with a routing mask applied")
+    return _method("self", "lossless self-speculative decoding: the target drafts with a routing mask applied",
+                   ExactRule(options.sampling_rule), lambda n: (SelfSpeculativeDrafter(mask), _confidence_stop(n, options)))
 
 
 def _swift(target, drafter_model, options) -> Method:
-    drafter = SwiftDrafter(target.identity.num_layers, options.swift_ratio, "sublayer")
-    return Method("swift", drafter, ExactRule(options.sampling_rule),
-                  ConfidenceStop(options.num_draft, options.confidence_threshold),
-                  "SWIFT: self-speculative decoding with the mask optimised on the fly")
+    layers = target.identity.num_layers
+    return _method("swift", "SWIFT: self-speculative decoding with the mask optimised on the fly",
+                   ExactRule(options.sampling_rule),
+                   lambda n: (SwiftDrafter(layers, options.swift_ratio, "sublayer"), _confidence_stop(n, options)))
 
 
 def _clasp(target, drafter_model, options) -> Method:
     from .drafters.clasp import ClaspDrafter
 
-    drafter = ClaspDrafter(target.identity.num_layers, options.clasp_ratio, "sublayer", options.clasp_interval)
-    return Method("clasp", drafter, ExactRule(options.sampling_rule),
-                  ConfidenceStop(options.num_draft, options.confidence_threshold),
-                  "CLaSP: self-speculative decoding with the skipped sub-layers re-chosen in context by dynamic programming")
+    layers = target.identity.num_layers
+    return _method("clasp", "CLaSP: self-speculative decoding with the skipped sub-layers re-chosen in context by "
+                   "dynamic programming", ExactRule(options.sampling_rule),
+                   lambda n: (ClaspDrafter(layers, options.clasp_ratio, "sublayer", options.clasp_interval),
+                              _confidence_stop(n, options)))
 
 
 def _pearl_drafter(name: str, target: LoadedModel, drafter_model: LoadedModel | None, mask: RoutingMask | None,
-                   options: MethodOptions):
-    """PEARL's drafter: the drafter model when given, else the target under ``mask`` as a second
-    module tree over the same weights (``layerskip.masks.masked_copy``: it must run while the target runs).
-    ``gamma`` defaults to PEARL's speed ratio (a target pass over a draft step, taken as their
-    weight bytes: docs/algorithms.md §Compute-weighted routing, a CPU pass costs what it streams)
-    less one, since the thread drafts γ + 1 tokens per pass."""
+                   options: MethodOptions) -> Callable[[int | None], tuple[Drafter, DraftPolicy]]:
+    """A maker of PEARL's drafters: around the drafter model when given, else the target under
+    ``mask`` as a second module tree over the same weights (``layerskip.masks.masked_copy``: it
+    must run while the target runs; made once, shared by the generations, each drafting with a
+    cache of its own). ``gamma`` defaults to PEARL's speed ratio (a target pass over a draft step,
+    taken as their weight bytes: docs/algorithms.md §Compute-weighted routing, a CPU pass costs
+    what it streams) less one, since the thread drafts γ + 1 tokens per pass. PEARL's block length
+    is ``pearl_gamma``: it takes no num_draft."""
     from .drafters.pearl import PearlDrafter
     from .layerskip.masks import masked_copy
 
+    refuse = _refuse_num_draft(name, options, "PEARL's block length adapts by itself up to --pearl-gamma")
     if drafter_model is not None:
         check_vocabularies(target, drafter_model)
-        inner = ModelDrafter(drafter_model.model, target.vocab_size)
+        model = drafter_model.model
     else:
         if mask is None:
             raise MissingMaskError(f"method '{name}' drafts with a drafter model (--drafter) or with the target under a "
                                    "routing mask: pass --draft-mask mask.json (from `tierspec route`)"
                                    + ("" if name == "via-pearl" else " or --mask mask.json"))
         mask.check_model(target.identity)
-        inner = ModelDrafter(masked_copy(target.model, mask), target.vocab_size)
+        model = masked_copy(target.model, mask)
     gamma = options.pearl_gamma
     if gamma is None:  # the thread drafts γ + 1 steps per target pass (PearlDrafter)
-        gamma = max(1, round(streamed_weights(target.model) / streamed_weights(inner.runner.model)) - 1)
-    return PearlDrafter(inner, gamma, options.pearl_threads), FixedLength(gamma + 1)
+        gamma = max(1, round(streamed_weights(target.model) / streamed_weights(model)) - 1)
+
+    def parts(num_draft):
+        refuse(num_draft)
+        return PearlDrafter(ModelDrafter(model, target.vocab_size), gamma, options.pearl_threads), FixedLength(gamma + 1)
+
+    return parts
 
 
 def _pearl(target, drafter_model, options) -> Method:
-    drafter, policy = _pearl_drafter("pearl", target, drafter_model, options.draft_mask or options.mask, options)
-    return Method("pearl", drafter, ExactRule(options.sampling_rule), policy,
-                  "PEARL: lossless; the drafter drafts the next block while the target verifies this one")
+    parts = _pearl_drafter("pearl", target, drafter_model, options.draft_mask or options.mask, options)
+    return _method("pearl", "PEARL: lossless; the drafter drafts the next block while the target verifies this one",
+                   ExactRule(options.sampling_rule), parts)
 
 
 def _via_pearl(target, drafter_model, options) -> Method:
     mask = _require_mask("via-pearl", target, options)
-    drafter, policy = _pearl_drafter("via-pearl", target, drafter_model, options.draft_mask, options)
-    return Method("via-pearl", drafter, _via_rule(options), policy,
-                  "VIA-SD + PEARL: PEARL's parallel drafting, verified by the slim verifier and the full target when unsure",
-                  slim_mask=mask, slim_vocabulary=_slim_vocabulary(target, options))
+    parts = _pearl_drafter("via-pearl", target, drafter_model, options.draft_mask, options)
+    return _method("via-pearl", "VIA-SD + PEARL: PEARL's parallel drafting, verified by the slim verifier and the full "
+                   "target when unsure", _via_rule(options, None), parts, slim_mask=mask,
+                   slim_vocabulary=_slim_vocabulary(target, options))
 
 
 def draft_head_for(target: LoadedModel, options: MethodOptions):
@@ -265,74 +352,76 @@ def draft_head_for(target: LoadedModel, options: MethodOptions):
     return head
 
 
-def _drafter(target: LoadedModel, drafter_model: LoadedModel | None, options: MethodOptions) -> Drafter:
-    """The drafter a lossy rule runs with (``options.drafter_kind``)."""
+def _drafter(target: LoadedModel, drafter_model: LoadedModel | None, options: MethodOptions) -> Callable[[], Drafter]:
+    """A maker of the drafters a lossy rule runs with (``options.drafter_kind``), checked now."""
     kind = options.drafter_kind
     if kind == "auto":
         kind = "model" if drafter_model is not None else "ngram"
     if kind == "ngram":
-        return NgramDrafter(options.ngram_size)
+        return lambda: NgramDrafter(options.ngram_size)
     if kind == "eagle":
         from .drafters.eagle import EagleDrafter
 
-        return EagleDrafter(draft_head_for(target, options))
+        head = draft_head_for(target, options)
+        return lambda: EagleDrafter(head)
     if kind == "self":
         mask = options.draft_mask
         if mask is None:
             raise MissingMaskError("a self-speculative drafter needs a routing mask: pass --draft-mask mask.json")
         mask.check_model(target.identity)
-        return SelfSpeculativeDrafter(mask)
+        return lambda: SelfSpeculativeDrafter(mask)
     return _model_drafter(target, drafter_model)
 
 
-def _lossy_policy(drafter: Drafter, options: MethodOptions, target: LoadedModel,
-                  stop: float | None = None) -> DraftPolicy:
-    """The draft-length policy of a lossy rule (a cost-aware one holds the pass-cost table the
-    loop pads passes with).
+def _lossy_parts(make_drafter: Callable[[], Drafter], options: MethodOptions, target: LoadedModel,
+                 stop: float | None = None) -> Callable[[int | None], tuple[Drafter, DraftPolicy]]:
+    """A lossy rule's parts: its drafter and draft-length policy (a cost-aware one holds the
+    pass-cost table the loop pads passes with).
 
     The trained draft head drafts with the cost-aware policy, as in ``eagle`` (it learns the
     acceptance of whatever rule verifies); a stop threshold (BiLD's fallback: part of that
     method) or a self-drafter stops below a confidence; other drafters draft γ tokens."""
     from .drafters.eagle import EagleDrafter
 
-    if stop is not None:
-        return ConfidenceStop(options.num_draft, stop)
-    if isinstance(drafter, SelfSpeculativeDrafter):
-        return ConfidenceStop(options.num_draft, options.confidence_threshold)
-    if isinstance(drafter, EagleDrafter):
-        return _cost_aware(target, options, drafter)
-    return _fixed(options)
+    probe = make_drafter()
+    if isinstance(probe, EagleDrafter):
+        cost_aware = _cost_aware(target, options, probe)
+        return lambda n: (make_drafter(), cost_aware(n))
+    if stop is not None or isinstance(probe, SelfSpeculativeDrafter):
+        return lambda n: (make_drafter(), _confidence_stop(n, options, stop))
+    return lambda n: (make_drafter(), FixedLength(_draft_count(n, options, FIXED_DRAFT)))
 
 
 def _lossy(target, drafter_model, options) -> Method:
-    drafter = _drafter(target, drafter_model, options)
-    policy = _lossy_policy(drafter, options, target)
-    return Method("lossy", drafter, LossyRule(options.alpha, options.beta), policy,
-                  "lossy speculative decoding with tolerance (α, β)")
+    parts = _lossy_parts(_drafter(target, drafter_model, options), options, target)
+    return _method("lossy", "lossy speculative decoding with tolerance (α, β)", LossyRule(options.alpha, options.beta),
+                   parts)
 
 
 def _bild(target, drafter_model, options) -> Method:
-    drafter = _drafter(target, drafter_model, options)
-    policy = _lossy_policy(drafter, options, target, stop=options.fallback)
-    return Method("bild", drafter, BildRule(options.rollback), policy,
-                  "BiLD: fallback when the drafter is unsure, rollback on unlikely tokens")
+    parts = _lossy_parts(_drafter(target, drafter_model, options), options, target, stop=options.fallback)
+    return _method("bild", "BiLD: fallback when the drafter is unsure, rollback on unlikely tokens",
+                   BildRule(options.rollback), parts)
 
 
 def _cascade(target, drafter_model, options) -> Method:
-    drafter = _drafter(target, drafter_model, options)
-    policy = _lossy_policy(drafter, options, target)
-    return Method("cascade", drafter, SpeculativeCascadeRule(options.deferral, options.alpha), policy,
-                  "speculative cascades with a deferral rule")
+    parts = _lossy_parts(_drafter(target, drafter_model, options), options, target)
+    return _method("cascade", "speculative cascades with a deferral rule",
+                   SpeculativeCascadeRule(options.deferral, options.alpha), parts)
 
 
 def _csd(target, drafter_model, options) -> Method:
     if drafter_model is not None:
         check_vocabularies(target, drafter_model)
     model = drafter_model or target
-    drafter = CsDrafter(model.model, target.vocab_size, NgramDrafter(options.ngram_size),
-                             options.csd_model_positions, options.csd_inner_draft)
-    return Method("csd", drafter, ExactRule(options.sampling_rule), _fixed(options),
-                  "cascade speculative drafting (vertical + horizontal cascade)")
+
+    def parts(n):
+        drafter = CsDrafter(model.model, target.vocab_size, NgramDrafter(options.ngram_size),
+                            options.csd_model_positions, options.csd_inner_draft)
+        return drafter, FixedLength(_draft_count(n, options, FIXED_DRAFT))
+
+    return _method("csd", "cascade speculative drafting (vertical + horizontal cascade)", ExactRule(options.sampling_rule),
+                   parts)
 
 
 #: VIA-SD's default lag cap in blocks of γ drafts (docs/DESIGN.md §3.6: 4γ): the full target
@@ -340,9 +429,21 @@ def _csd(target, drafter_model, options) -> Method:
 TARGET_LAG_BLOCKS = 4
 
 
-def _via_rule(options: MethodOptions, judge: JudgeHead | None = None) -> ViaRule:
-    lag = options.max_target_lag if options.max_target_lag is not None else TARGET_LAG_BLOCKS * max(options.num_draft, 1)
+def _via_rule(options: MethodOptions, num_draft: int | None, judge: JudgeHead | None = None) -> ViaRule:
+    """VIA-SD's rule; its lag cap defaults to ``TARGET_LAG_BLOCKS`` blocks of the generation's γ."""
+    gamma = _draft_count(num_draft, options, FIXED_DRAFT)
+    lag = options.max_target_lag if options.max_target_lag is not None else TARGET_LAG_BLOCKS * max(gamma, 1)
     return ViaRule(options.alpha1, options.alpha2, lag, judge=judge, judge_threshold=options.judge_threshold)
+
+
+def _tiered(name: str, description: str, options: MethodOptions, parts, judge: JudgeHead | None, mask: RoutingMask,
+            slim_vocabulary: SlimVocabulary | None) -> Method:
+    """A VIA-SD method: its rule's lag follows each generation's γ."""
+    def make(num_draft):
+        drafter, policy = parts(num_draft)
+        return GenerationParts(drafter, policy, _via_rule(options, num_draft, judge))
+
+    return Method(name, description, _via_rule(options, None, judge), make, mask, slim_vocabulary)
 
 
 def _slim_vocabulary(target: LoadedModel, options: MethodOptions) -> SlimVocabulary | None:
@@ -354,11 +455,9 @@ def _slim_vocabulary(target: LoadedModel, options: MethodOptions) -> SlimVocabul
 
 def _via(target, drafter_model, options) -> Method:
     mask = _require_mask("via", target, options)
-    drafter = _drafter(target, drafter_model, options)
-    policy = _lossy_policy(drafter, options, target)
-    return Method("via", drafter, _via_rule(options), policy,
-                  "VIA-SD: drafter → slim verifier (routing mask) → full target when unsure", slim_mask=mask,
-                  slim_vocabulary=_slim_vocabulary(target, options))
+    parts = _lossy_parts(_drafter(target, drafter_model, options), options, target)
+    return _tiered("via", "VIA-SD: drafter → slim verifier (routing mask) → full target when unsure", options, parts,
+                   None, mask, _slim_vocabulary(target, options))
 
 
 def _require_judge(name: str, target: LoadedModel, options: MethodOptions):
@@ -376,20 +475,17 @@ def _judge(target, drafter_model, options) -> Method:
     from .rules.judge import JudgeRule
 
     head = _require_judge("judge", target, options)
-    drafter = _drafter(target, drafter_model, options)
-    policy = _lossy_policy(drafter, options, target)
-    return Method("judge", drafter, JudgeRule(head, options.judge_threshold), policy,
-                  "judge decoding: a linear head on the target's hidden states accepts correct drafts SD rejects")
+    parts = _lossy_parts(_drafter(target, drafter_model, options), options, target)
+    return _method("judge", "judge decoding: a linear head on the target's hidden states accepts correct drafts SD "
+                   "rejects", JudgeRule(head, options.judge_threshold), parts)
 
 
 def _via_judge(target, drafter_model, options) -> Method:
     head = _require_judge("via-judge", target, options)
     mask = _require_mask("via-judge", target, options)
-    drafter = _drafter(target, drafter_model, options)
-    policy = _lossy_policy(drafter, options, target)
-    return Method("via-judge", drafter, _via_rule(options, judge=head), policy,
-                  "VIA-SD with the judge at the full-verifier tier", slim_mask=mask,
-                  slim_vocabulary=_slim_vocabulary(target, options))
+    parts = _lossy_parts(_drafter(target, drafter_model, options), options, target)
+    return _tiered("via-judge", "VIA-SD with the judge at the full-verifier tier", options, parts, head, mask,
+                   _slim_vocabulary(target, options))
 
 
 def _cost_table(target: LoadedModel, max_tokens: int) -> ForwardCosts:
@@ -409,45 +505,48 @@ def _draft_fractions(target: LoadedModel, weights: dict[str, int]) -> dict[str, 
     return {source: step / target_weights for source, step in weights.items()}
 
 
-def _cost_aware(target: LoadedModel, options: MethodOptions, drafter: Drafter) -> CostAware:
-    """The cost-aware policy for ``drafter``: the target's measured pass costs for the longest
-    draft and its pending token, and the drafter's steps costed by the weights they read."""
-    table = _cost_table(target, options.adaptive_max_draft + 1)
-    return CostAware(options.adaptive_max_draft, forward_costs=table,
-                     draft_fractions=_draft_fractions(target, drafter.draft_step_weights()))
+def _cost_aware(target: LoadedModel, options: MethodOptions, drafter: Drafter) -> Callable[[int | None], CostAware]:
+    """A maker of the cost-aware policy for ``drafter``'s kind: the target's measured pass costs
+    for the method's longest draft and its pending token (measured now; a generation that drafts
+    longer costs the table's line past its end), and the drafter's steps costed by the weights they
+    read."""
+    # one table for every method on the target (measured once however the methods' drafts are sized)
+    table = _cost_table(target, max(_draft_count(None, options, ADAPTIVE_DRAFT), ADAPTIVE_DRAFT) + 1)
+    fractions = _draft_fractions(target, drafter.draft_step_weights())
+    return lambda n: CostAware(_draft_count(n, options, ADAPTIVE_DRAFT), forward_costs=table, draft_fractions=fractions)
 
 
 def _adaptive_pld(target, drafter_model, options) -> Method:
-    drafter = NgramDrafter(options.ngram_size)
-    policy = _cost_aware(target, options, drafter)
-    return Method("adaptive-pld", drafter, ExactRule(options.sampling_rule), policy,
-                  "lossless prompt lookup with a cost-aware draft length (measured pass costs, acceptance learned online)")
+    policy = _cost_aware(target, options, NgramDrafter(options.ngram_size))
+    return _method("adaptive-pld", "lossless prompt lookup with a cost-aware draft length (measured pass costs, "
+                   "acceptance learned online)", ExactRule(options.sampling_rule),
+                   lambda n: (NgramDrafter(options.ngram_size), policy(n)))
 
 
 def _adaptive_sd(target, drafter_model, options) -> Method:
-    drafter = _model_drafter(target, drafter_model)
-    policy = _cost_aware(target, options, drafter)
-    return Method("adaptive-sd", drafter, ExactRule(options.sampling_rule), policy,
-                  "lossless speculative decoding with a drafter model and a cost-aware draft length")
+    make = _model_drafter(target, drafter_model)
+    policy = _cost_aware(target, options, make())
+    return _method("adaptive-sd", "lossless speculative decoding with a drafter model and a cost-aware draft length",
+                   ExactRule(options.sampling_rule), lambda n: (make(), policy(n)))
 
 
 def _eagle(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter
 
-    drafter = EagleDrafter(draft_head_for(target, options))  # a missing head is refused before costs are measured
-    policy = _cost_aware(target, options, drafter)
-    return Method("eagle", drafter, ExactRule(options.sampling_rule), policy,
-                  "lossless speculative decoding with the trained draft head and a cost-aware draft length")
+    head = draft_head_for(target, options)  # a missing head is refused before costs are measured
+    policy = _cost_aware(target, options, EagleDrafter(head))
+    return _method("eagle", "lossless speculative decoding with the trained draft head and a cost-aware draft length",
+                   ExactRule(options.sampling_rule), lambda n: (EagleDrafter(head), policy(n)))
 
 
 def _hybrid(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter, HybridDrafter
 
-    ngram, eagle = NgramDrafter(options.ngram_size), EagleDrafter(draft_head_for(target, options))
-    policy = _cost_aware(target, options, eagle)
-    drafter = HybridDrafter(ngram, eagle)
-    return Method("hybrid", drafter, ExactRule(options.sampling_rule), policy,
-                  "lossless: n-gram lookup where the context offers a match expected to pay more, the draft head otherwise")
+    head = draft_head_for(target, options)
+    policy = _cost_aware(target, options, EagleDrafter(head))
+    return _method("hybrid", "lossless: n-gram lookup where the context offers a match expected to pay more, the draft "
+                   "head otherwise", ExactRule(options.sampling_rule),
+                   lambda n: (HybridDrafter(NgramDrafter(options.ngram_size), EagleDrafter(head)), policy(n)))
 
 
 #: Tokens of the widest tree pass the tree policy costs (the pending token and up to 15 nodes): a
@@ -455,18 +554,21 @@ def _hybrid(target, drafter_model, options) -> Method:
 TREE_PASS_TOKENS = 4 * ATTENTION_ROWS
 
 
-def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int]) -> TreePolicy:
-    """A tree policy on the target's pass costs for up to ``TREE_PASS_TOKENS`` tokens: nodes per
-    pass up to the table's size − 1 (the pending token takes a row)."""
+def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int], options: MethodOptions
+                 ) -> Callable[[int | None], TreePolicy]:
+    """A maker of tree policies on the target's pass costs for up to ``TREE_PASS_TOKENS`` tokens:
+    nodes per pass up to the table's size − 1 (the pending token takes a row), as deep as the
+    generation's num_draft (default ``TREE_DEPTH``)."""
     from .costs import tree_call_seconds
 
     if not hasattr(target.model, "new_kv_cache"):
         raise MethodOptionError(f"token trees run on tierspec's own Llama forward only; '{target.identity.name}' runs on "
                                 f"{type(target.model).__name__} (load it with implementation='tierspec')")
     table = _cost_table(target, TREE_PASS_TOKENS)
-    return TreePolicy(max_nodes=table.max_tokens - 1, forward_costs=table,
-                      draft_fractions=_draft_fractions(target, drafter_weights),
-                      path_call_seconds=tree_call_seconds(target))
+    fractions = _draft_fractions(target, drafter_weights)
+    call = tree_call_seconds(target)
+    return lambda n: TreePolicy(max_nodes=table.max_tokens - 1, max_depth=_draft_count(n, options, TREE_DEPTH),
+                                forward_costs=table, draft_fractions=fractions, path_call_seconds=call)
 
 
 def _eagle_tree(target, drafter_model, options) -> Method:
@@ -474,9 +576,9 @@ def _eagle_tree(target, drafter_model, options) -> Method:
     from .drafters.tree import EagleTreeDrafter
 
     head = draft_head_for(target, options)
-    policy = _tree_policy(target, EagleDrafter(head).draft_step_weights())
-    return Method("eagle-tree", EagleTreeDrafter(head), ExactRule(options.sampling_rule), policy,
-                  "lossless: the draft head's dynamic token tree (EAGLE-2 style), sized by measured pass costs")
+    policy = _tree_policy(target, EagleDrafter(head).draft_step_weights(), options)
+    return _method("eagle-tree", "lossless: the draft head's dynamic token tree (EAGLE-2 style), sized by measured pass "
+                   "costs", ExactRule(options.sampling_rule), lambda n: (EagleTreeDrafter(head), policy(n)))
 
 
 def _hybrid_tree(target, drafter_model, options) -> Method:
@@ -484,10 +586,10 @@ def _hybrid_tree(target, drafter_model, options) -> Method:
     from .drafters.tree import EagleTreeDrafter, HybridTreeDrafter, NgramTreeDrafter
 
     head = draft_head_for(target, options)
-    policy = _tree_policy(target, EagleDrafter(head).draft_step_weights())
-    drafter = HybridTreeDrafter(NgramTreeDrafter(options.ngram_size), EagleTreeDrafter(head))
-    return Method("hybrid-tree", drafter, ExactRule(options.sampling_rule), policy,
-                  "lossless: the n-gram trie of every match merged with the draft head's token tree")
+    policy = _tree_policy(target, EagleDrafter(head).draft_step_weights(), options)
+    return _method("hybrid-tree", "lossless: the n-gram trie of every match merged with the draft head's token tree",
+                   ExactRule(options.sampling_rule),
+                   lambda n: (HybridTreeDrafter(NgramTreeDrafter(options.ngram_size), EagleTreeDrafter(head)), policy(n)))
 
 
 #: Methods that run on an encoder–decoder target. The others need what such a model does not
@@ -547,6 +649,28 @@ def default_method(target: LoadedModel, options: MethodOptions = MethodOptions()
     return DEFAULT_METHOD_WITHOUT_HEAD
 
 
+#: Methods whose drafts no num_draft sizes: plain decoding drafts nothing, PEARL's block length
+#: adapts by itself up to ``pearl_gamma``. They refuse one.
+WITHOUT_NUM_DRAFT = ("ar", "pearl", "via-pearl")
+
+
+#: Methods that draft with a drafter model when one is given (the lossy rules' by --draft-with
+#: model or auto: ``drafts_with_model``).
+DRAFTER_MODEL_METHODS = ("sd", "adaptive-sd", "csd", "pearl", "via-pearl")
+LOSSY_RULE_METHODS = ("lossy", "bild", "cascade", "via", "judge", "via-judge")
+
+
+def drafts_with_model(name: str, options: MethodOptions = MethodOptions()) -> bool:
+    """Whether method ``name`` with ``options`` drafts with a drafter model it is given (the others
+    refuse one: ``build_method``)."""
+    return name in DRAFTER_MODEL_METHODS or (name in LOSSY_RULE_METHODS and options.drafter_kind in ("auto", "model"))
+
+
+def takes_num_draft(name: str) -> bool:
+    """Whether method ``name`` takes a num_draft (the others refuse one: ``WITHOUT_NUM_DRAFT``)."""
+    return name not in WITHOUT_NUM_DRAFT
+
+
 def method_names() -> list[str]:
     return list(_BUILDERS)
 
@@ -560,14 +684,56 @@ def check_method_name(name: str) -> None:
         raise UnknownMethodError(f"unknown method '{name}'; choose one of: {', '.join(method_names())}")
 
 
+class _Reads:
+    """An object seen through, recording which of its attributes are read (``build_method``: an
+    option no part of a method reads, or a drafter model it never touches, would change nothing)."""
+
+    __slots__ = ("_seen", "read")
+
+    def __init__(self, seen):
+        object.__setattr__(self, "_seen", seen)
+        object.__setattr__(self, "read", set())
+
+    def __getattr__(self, name: str):
+        self.read.add(name)
+        return getattr(self._seen, name)
+
+
+def _flag(name: str) -> str:
+    option = next(f for f in fields(MethodOptions) if f.name == name)
+    return option.metadata.get("flag") or "--" + name.replace("_", "-")
+
+
 def build_method(
     name: str,
     target: LoadedModel,
     drafter: LoadedModel | None = None,
     options: MethodOptions = MethodOptions(),
+    strict: bool = True,
 ) -> Method:
-    """The method called ``name``; a drafter model is checked against the target."""
+    """The method called ``name``; a drafter model is checked against the target.
+
+    ``strict``: refuse what the method would not use — an option given a value other than its
+    default that no part of the method reads, or a drafter model it never drafts with (each would
+    otherwise change nothing, silently). A server builds with ``strict=False``: its options are
+    meant for whichever method a request names."""
     check_method_name(name)
     if is_encoder_decoder(target.model):
         check_seq2seq_method(name, options)
-    return _BUILDERS[name](target, drafter, options)
+    if not strict:  # the pooled num_draft sizes the methods that take one
+        return _BUILDERS[name](target, drafter, options if takes_num_draft(name) else replace(options, num_draft=None))
+    seen_options, seen_drafter = _Reads(options), None if drafter is None else _Reads(drafter)
+    method = _BUILDERS[name](target, seen_drafter, seen_options)
+    method.generation()  # what a generation reads counts too
+    unread = [f.name for f in fields(MethodOptions)
+              if getattr(options, f.name) != f.default and f.name not in seen_options.read]
+    if unread:
+        given = ", ".join(f"{option} ({_flag(option)})" for option in unread)
+        raise MethodOptionError(f"method '{name}' does not use {given}: {'it' if len(unread) == 1 else 'they'} would "
+                                "change nothing; leave it out or choose a method that uses it (tierspec generate --help "
+                                "says which)")
+    if seen_drafter is not None and not seen_drafter.read:
+        raise MethodOptionError(f"method '{name}' drafts without a drafter model: the drafter '{drafter.identity.name}' "
+                                "would change nothing; use sd, adaptive-sd, csd, pearl or a lossy rule's "
+                                "--draft-with model")
+    return method

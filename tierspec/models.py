@@ -291,7 +291,8 @@ def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.devic
     (Q4_0, Q4_1, Q8_0; others would run de-quantised, as the converted copy does). ``gguf`` asks
     for it and refuses what it cannot do; the other kernels keep the converted copy. ``header``:
     the file's checked ``gguf_check.GgufHeader`` (read again where None)."""
-    from .quant import NATIVE_TYPES, engine_available, read_gguf_tensors
+    from .engine import engine_available
+    from .quant import NATIVE_TYPES, read_gguf_tensors
 
     if kernels not in ("auto", "gguf"):
         return False

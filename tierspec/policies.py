@@ -35,6 +35,7 @@ verification pass with: the policy holds it, measured and cached once per model 
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -75,7 +76,8 @@ TREE_DECAY, TREE_PRIOR_WEIGHT = 0.98, 4.0
 
 
 def confidence_bin(confidence: float) -> int:
-    return max(i for i, edge in enumerate(CONFIDENCE_BINS[:-1]) if confidence >= edge)
+    """The bin of ``confidence`` in [0, 1]: the last edge of ``CONFIDENCE_BINS`` at or below it."""
+    return bisect.bisect_right(CONFIDENCE_BINS, confidence, hi=len(CONFIDENCE_BINS) - 1) - 1
 
 
 @dataclass(frozen=True)
@@ -304,8 +306,10 @@ class CostModel:
     draft_fractions: dict[str, float] = field(default_factory=dict)
     #: sequences sharing every pass (continuous batching, ``batch``): see ``verify``
     sequences: int = 1
-    # verify(n) by n, filled as asked: a policy asks for the same few sizes many times a cycle
+    # verify(n) by n and the cycle's cost by (k, source), filled as asked: a policy asks for the same
+    # few sizes many times a cycle, and nothing they depend on changes
     _verify: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _cycle: dict[tuple[int, str], float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _pass(self, tokens: int) -> float:
         """The measured cost of one pass over ``tokens`` rows."""
@@ -347,7 +351,10 @@ class CostModel:
         return CostModel(self.forward_costs, self.draft_fractions, sequences)
 
     def __call__(self, k: int, source: str = "") -> float:
-        return self.verify(k + 1) + k * self.draft_step(source)
+        seconds = self._cycle.get((k, source))
+        if seconds is None:
+            seconds = self._cycle[(k, source)] = self.verify(k + 1) + k * self.draft_step(source)
+        return seconds
 
 
 class CostAware(DraftPolicy):

@@ -64,6 +64,9 @@ class Proposal:
     source:        who drafted ("ngram", "model", "self", "head", …): a policy keeps costs and
                    acceptance apart per source.
     rate:          the policy's expected emitted tokens per second for this tree (tree drafters).
+    forced:        how many of the last nodes (a chain's) a constraint forced (``constraints``): they
+                   cost no draft step and are accepted with certainty; the drafter's own nodes are
+                   the ``len − forced`` before them.
     """
 
     tree: TokenTree
@@ -78,6 +81,7 @@ class Proposal:
     drafter_calls: int = 0
     source: str = ""
     rate: float = 0.0
+    forced: int = 0
     _wide: dict | None = field(default=None, repr=False, compare=False)  # rows widened to V, made once
 
     @staticmethod
@@ -137,7 +141,12 @@ class Proposal:
 
         return Proposal(self.tree.prefix(count), cut(self.probs), cut(self.logits), self.vocabulary, self.vocab_size,
                         cut(self.confidence), cut(self.match_sizes), cut(self.keys), cut(self.priors),
-                        self.drafter_calls, self.source, self.rate)
+                        self.drafter_calls, self.source, self.rate, max(0, self.forced - (len(self) - count)))
+
+    @property
+    def without_forced(self) -> "Proposal":
+        """The drafter's own nodes (without the constraint's forced ones after them)."""
+        return self.prefix(len(self) - self.forced) if self.forced else self
 
 
 _NO_DRAFTS = TokenTree.chain(torch.empty(0, dtype=torch.long))  # immutable: one for every empty proposal

@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-from .engine import (EngineMissingError, engine, engine_available, engine_threads, probe,  # noqa: F401
-                     runs_on_engine, threads_for, torch_ops_on_one_thread)
+from .engine import engine, engine_threads, probe
 from .errors import ModelLoadError
 
 # ggml type ids (ggml.h) of the natively computed block types

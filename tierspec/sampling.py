@@ -68,7 +68,8 @@ def sampling_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     logits = logits.float()
     if config.greedy:
         raise SamplingError("greedy decoding (temperature 0) samples from no distribution; see reported_logprobs")
-    logits = logits / config.temperature
+    if config.temperature != 1.0:  # x / 1 is x, bit for bit: no copy to make
+        logits = logits / config.temperature
     if config.top_k and config.top_k < logits.shape[-1]:
         kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -240,6 +241,8 @@ class BlockNoise:
         """[count, V]: the token noise of block positions 0 .. count − 1."""
         if count == 0:
             return torch.empty(0, self.noise.vocab_size)
+        if count == 1:
+            return self.gumbel(0)[None]  # a view: the one row as it is
         return torch.stack([self.gumbel(i) for i in range(count)])
 
     def token(self, i: int, probs: torch.Tensor) -> int:

@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from .errors import TierspecError
@@ -216,6 +217,102 @@ def exact_walk(proposal: Proposal, target_logits: torch.Tensor, sampling: Sampli
     accept = acceptance_probability(draft_prob_of_tokens(proposal), q[torch.arange(k), tokens])
     return acceptance_walk(k, accept, lambda i, passed: residual_distribution(q[i], draft_row(proposal, i, vocab)),
                            lambda: q[k], noise)
+
+
+# ---- many chains at once ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChainBatch:
+    """Chains of several sequences verified in one step, as flat tensors (after vLLM v1's
+    ``SpecDecodeMetadata``): ``draft_tokens`` [T] every sequence's drafts one after another,
+    ``num_drafts`` [B] how many are each sequence's, ``target_logits`` [T + B, V] each sequence's
+    k_i + 1 rows in turn (row j of a sequence after its draft j − 1: ``Scores``' layout), and per
+    sequence its ``samplings`` and, sampled, its block's keyed noise (None in greedy mode)."""
+
+    draft_tokens: torch.Tensor
+    num_drafts: list[int]
+    target_logits: torch.Tensor
+    samplings: list[SamplingConfig]
+    noises: list[BlockNoise | None]
+
+
+def target_row_tokens(batch: ChainBatch) -> np.ndarray:
+    """The target's own token after every row [T + B] (int64): the argmax in greedy mode, the
+    coupled rule's perturbed argmax argmax(log q + g) with the row's position noise otherwise, q
+    under its sequence's temperature, top-k and top-p. Rows of one mode and one sampling config are
+    taken in one operation each; every row's token is bitwise the one its sequence alone gets
+    (``greedy_walk`` / ``coupled_target_tokens``: row-wise operations in both, the first of equal
+    maxima)."""
+    logits = batch.target_logits
+    groups: dict[SamplingConfig, list[tuple[int, int, int]]] = {}  # config → (sequence, first row, rows)
+    row = 0
+    for index, (k, sampling) in enumerate(zip(batch.num_drafts, batch.samplings)):
+        groups.setdefault(sampling, []).append((index, row, k + 1))
+        row += k + 1
+    if len(groups) == 1:  # one setting for the whole batch: its rows are the logits as they are
+        ((sampling, members),) = groups.items()
+        return _row_argmax(logits if sampling.greedy else _perturbed(logits, sampling, batch.noises, members))
+    tokens = np.empty(row, dtype=np.int64)
+    for sampling, members in groups.items():
+        rows = _rows(logits, members)
+        chosen = _row_argmax(rows if sampling.greedy else _perturbed(rows, sampling, batch.noises, members))
+        at = 0
+        for _, first, count in members:
+            tokens[first : first + count] = chosen[at : at + count]
+            at += count
+    return tokens
+
+
+def _perturbed(rows: torch.Tensor, sampling: SamplingConfig, noises: list[BlockNoise | None],
+               members: list[tuple[int, int, int]]) -> torch.Tensor:
+    """log q + g for ``rows`` [r, V] under ``sampling``, each row with its position's token noise:
+    what ``gumbel_argmax`` maximises."""
+    noise = [_needs(noises[index]).gumbels(count) for index, _, count in members]
+    return logits_to_probs(rows, sampling).log() + (noise[0] if len(noise) == 1 else torch.cat(noise))
+
+
+def _row_argmax(rows: torch.Tensor) -> np.ndarray:
+    """The first maximum of every row of ``rows`` [r, V] (numpy's argmax where it can read them:
+    vectorised, where torch's CPU argmax is a scalar loop)."""
+    if rows.device.type == "cpu" and rows.dtype in (torch.float32, torch.float64) and not rows.requires_grad:
+        return rows.numpy().argmax(axis=1)
+    return rows.argmax(-1).cpu().numpy()
+
+
+def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
+    """Every sequence's walk along its chain by the target's own tokens (``match_walk``: greedy and
+    the coupled rule), all decided at once: the drafts equal to their rows' tokens are compared in
+    one operation, and each sequence keeps its drafts up to its first mismatch."""
+    target = target_row_tokens(batch)
+    if len(batch.num_drafts) == 1:  # a batch of one: its drafts against its rows, as they come
+        drafts, own = batch.draft_tokens.tolist(), target.tolist()
+        accepted = next((i for i, (draft, token) in enumerate(zip(drafts, own)) if draft != token), len(drafts))
+        return [Walk.chain(accepted, own[accepted])]
+    counts = np.asarray(batch.num_drafts, dtype=np.int64)
+    draft_start = np.concatenate([[0], np.cumsum(counts)[:-1]])  # [B] each sequence's first draft
+    row_start = draft_start + np.arange(len(counts))  # [B] its first row (k_i + 1 rows each)
+    drafts = batch.draft_tokens.numpy()
+    # draft j of sequence i is checked by row row_start[i] + j: the row index of every draft [T]
+    checked_row = np.repeat(row_start - draft_start, counts) + np.arange(len(drafts))
+    mismatches = np.flatnonzero(drafts != target[checked_row])
+    ends = draft_start + counts
+    first = ends  # each sequence's first mismatching draft (its end when none)
+    if len(mismatches):
+        at = np.searchsorted(mismatches, draft_start)
+        nearest = mismatches[np.minimum(at, len(mismatches) - 1)]
+        first = np.minimum(np.where(at < len(mismatches), nearest, ends), ends)
+    accepted = first - draft_start
+    return [Walk.chain(int(a), int(target[r + a])) for a, r in zip(accepted, row_start)]
+
+
+def _rows(logits: torch.Tensor, members: list[tuple[int, int, int]]) -> torch.Tensor:
+    """The rows of ``members`` (sequence, first row, rows) of ``logits``: a view when they are one
+    run of consecutive rows, else gathered."""
+    first, last = members[0][1], members[-1][1] + members[-1][2]
+    if sum(count for _, _, count in members) == last - first:
+        return logits[first:last]
+    return torch.cat([logits[row : row + count] for _, row, count in members])
 
 
 # ---- the tree walk ------------------------------------------------------------------------------

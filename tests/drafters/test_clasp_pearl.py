@@ -123,11 +123,15 @@ def test_clasp_greedy_equals_ar_and_keeps_the_cache_invariant(tmp_path_factory):
     reference = run_ids(target, as_method(NoDrafter()), PROMPT, 40)
     method = build_method("clasp", target, options=MethodOptions(clasp_interval=2, confidence_threshold=0.0, num_draft=3))
 
+    drafters = set()
+
     def inspect(verifiers, drafter):
         assert verifiers.runner.layer_lengths() == [len(verifiers.context) - 1] * 4
+        drafters.add(drafter)
 
     assert run_ids(target, method, PROMPT, 40, inspect=inspect) == reference
-    assert method.drafter.selections > 3 and not method.drafter.mask.empty
+    (drafter,) = drafters  # the generation's own
+    assert drafter.selections > 3 and not drafter.mask.empty
 
 
 def test_clasp_refuses_a_model_on_transformers_modules(tiny_target):
@@ -160,9 +164,11 @@ MASK = RoutingMask.from_units(4, "sublayer", [("mlp", 1)])
 def test_pearl_greedy_equals_ar(tiny_target, gamma, threads):
     reference = run_ids(tiny_target, as_method(NoDrafter()), PROMPT, 50)
     method = build_method("pearl", tiny_target, options=MethodOptions(mask=MASK, pearl_gamma=gamma, pearl_threads=threads))
-    steps = []
-    assert run_ids(tiny_target, method, PROMPT, 50, on_step=steps.append) == reference
-    assert method.drafter.kept_ahead > 3  # blocks drafted during the previous pass were used
+    steps, drafters = [], set()
+    assert run_ids(tiny_target, method, PROMPT, 50, on_step=steps.append,
+                   inspect=lambda verifiers, drafter: drafters.add(drafter)) == reference
+    (drafter,) = drafters  # the generation's own
+    assert drafter.kept_ahead > 3  # blocks drafted during the previous pass were used
     assert max(step.cycle.accepted for step in steps) == gamma
 
 
@@ -219,8 +225,8 @@ def test_pearl_tokens_have_the_targets_joint_distribution():
         second = q(base + [a])
         for b in range(5):
             joint[a * 25 + b * 5: a * 25 + b * 5 + 5] = first[a] * second[b] * q(base + [a, b])
-    method = as_method(PearlDrafter(ModelDrafter(drafter.model), gamma=2, threads=0), ExactRule("residual"),
-                       FixedLength(3))
+    pearl = PearlDrafter(ModelDrafter(drafter.model), gamma=2, threads=0)
+    method = as_method(pearl, ExactRule("residual"), FixedLength(3))
     counts = torch.zeros(125)
     ahead = 0
     for seed in range(5000):
@@ -228,7 +234,7 @@ def test_pearl_tokens_have_the_targets_joint_distribution():
         for step in decode(target, method, prompt, DecodeConfig(max_new_tokens=4, sampling=sampling), seed):
             out.extend(step.new_tokens)
         counts[out[0] * 25 + out[1] * 5 + out[2]] += 1
-        ahead += method.drafter.kept_ahead
+        ahead += pearl.kept_ahead
     assert ahead > 500  # post-verified blocks were part of the runs
     assert pooled_chi_square_p_value(counts, joint) > 1e-3
 

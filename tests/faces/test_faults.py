@@ -127,6 +127,7 @@ def test_a_suspended_stream_leaves_the_callers_autograd_alone(prompt_ids):
     (["--top-k", "-3"], "top_k must be an integer >= 0"),
     (["--method", "pld", "--num-draft", "-2"], "--num-draft must be an integer from 0 to 64"),
     (["--method", "adaptive-pld", "--num-draft", "1000000"], "--num-draft must be an integer from 0 to 64"),
+    (["--method", "ar", "--num-draft", "3"], "method 'ar' takes no num_draft"),
 ])
 def test_bad_flags_get_the_flags_message(capsys, flags, message, monkeypatch, tiny_target):
     from tierspec import cli

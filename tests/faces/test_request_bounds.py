@@ -10,7 +10,7 @@ import pytest
 from tierspec import cli
 from tierspec.errors import PromptError
 from tierspec.limits import MAX_LOGIT_BIAS_ENTRIES, MAX_NUM_DRAFT, check_num_draft
-from tierspec.server.engine import ApiError
+from tierspec.server.scheduler import ApiError
 from tierspec.server.parsing import ChatRequest, CompletionRequest, prepare
 
 ENGINE = SimpleNamespace(model_name="tiny", default_method="ar", target=SimpleNamespace(vocab_size=64, tokenizer=None),

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 import tierspec
-from tierspec.server import Engine, StopMatcher, serving_in_background
+from tierspec.server import Scheduler, StopMatcher, serving_in_background
 
 pytestmark = pytest.mark.real_model
 
@@ -44,7 +44,7 @@ def smollm():
 def server(smollm):
     """A server on 127.0.0.1 with no waiting room (max_queue 0), so a second request while one
     runs is refused; its default method is the package default."""
-    engine = Engine(smollm, max_queue=0)
+    engine = Scheduler(smollm, max_queue=0)
     with serving_in_background(engine) as port:
         yield engine, port
 
@@ -52,7 +52,7 @@ def server(smollm):
 @pytest.fixture(scope="module")
 def queued_server(smollm):
     """A server whose requests may wait (max_queue 2), plain decoding by default."""
-    engine = Engine(smollm, method="ar", max_queue=2)
+    engine = Scheduler(smollm, method="ar", max_queue=2)
     with serving_in_background(engine) as port:
         yield engine, port
 
@@ -219,6 +219,20 @@ def test_request_overrides_the_method(client):
     assert plain.choices[0].message.content == default.choices[0].message.content  # both lossless, greedy
 
 
+def test_a_requests_num_draft_sizes_the_default_methods_drafts(client):
+    """Issue 37: the default (cost-aware) method ignored num_draft. A request's num_draft is the
+    longest draft its generation may verify; the text stays the lossless text; ar refuses one."""
+    messages = [{"role": "user", "content": QUESTION}]
+    replies = {n: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
+                                                 extra_body={"num_draft": n}) for n in (1, 8)}
+    lengths = {n: len(reply.usage.model_dump()["acceptance_by_position"]) for n, reply in replies.items()}
+    assert lengths[1] <= 1 < lengths[8] <= 8
+    assert replies[1].choices[0].message.content == replies[8].choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="takes no num_draft"):
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0,
+                                       extra_body={"method": "ar", "num_draft": 2})
+
+
 def test_stop_sequence_cuts_the_text(client):
     full = client.completions.create(model=MODEL, prompt="Count: one, two, three,", max_tokens=16, temperature=0)
     text = full.choices[0].text
@@ -316,7 +330,7 @@ def test_a_prompt_longer_than_the_context_gets_400_before_generating(client, ser
 # ---- size limit; no CPU work on the event loop -----------------------------------------------------
 
 def test_a_body_over_the_size_limit_gets_413_with_an_openai_error_body(smollm):
-    engine = Engine(smollm, method="ar", max_queue=0)
+    engine = Scheduler(smollm, method="ar", max_queue=0)
     with serving_in_background(engine, max_request_bytes=20_000) as port:
         with pytest.raises(openai.APIStatusError) as caught:
             openai_client(port).completions.create(model=MODEL, prompt="word " * 5000, max_tokens=1)
@@ -358,7 +372,7 @@ def test_health_answers_while_a_large_prompt_is_tokenised(smollm):
     tokenizer stands for those seconds, so the prompt itself stays short (with a 4,000-token prompt
     the reply did not come within the client's 60 s timeout on a 2-core AVX2 machine, one thread)."""
     tokenizer = GatedTokenizer(smollm.tokenizer)
-    engine = Engine(dataclasses.replace(smollm, tokenizer=tokenizer), method="ar", max_queue=0)
+    engine = Scheduler(dataclasses.replace(smollm, tokenizer=tokenizer), method="ar", max_queue=0)
     with serving_in_background(engine) as port, ThreadPoolExecutor(1) as pool:
         big = pool.submit(post, port, "/v1/completions", {"model": MODEL, "prompt": "word " * 300, "max_tokens": 1})
         try:
@@ -433,15 +447,18 @@ def test_back_to_back_requests_find_the_server_free(client):
         assert reply.usage.completion_tokens == 1
 
 
-def test_the_method_cache_stays_bounded_over_many_num_draft_values(client, server):
-    """Issue 23 finding 4: a method was built and kept for every num_draft a client sent."""
+def test_one_method_serves_every_num_draft(client, server):
+    """Issue 23 finding 4 (a method built and kept for every num_draft a client sent) and issue 37
+    (a second, identical method per num_draft): a method is built once per name; each request's
+    num_draft sizes its own generation's policy."""
     engine, port = server
-    for value in range(1, 11):
+    before = get(port, "/health")[1]["methods_cached"]
+    for value in range(0, 11):
         reply = client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0,
                                           extra_body={"method": "hybrid", "num_draft": value})
         assert reply.usage.completion_tokens == 2
     status, health = get(port, "/health")
-    assert 1 <= health["methods_cached"] <= engine.max_methods < 10
+    assert health["methods_cached"] <= before + 1
 
 
 # ---- text cut inside a character -------------------------------------------------------------------
@@ -515,7 +532,7 @@ def test_sigterm_ends_every_open_request_well_and_exits_0():
 
 
 def test_a_shutdown_answers_a_running_non_streaming_request_503(smollm):
-    engine = Engine(smollm, method="ar", max_queue=0)
+    engine = Scheduler(smollm, method="ar", max_queue=0)
     with ThreadPoolExecutor(1) as pool:
         with serving_in_background(engine) as port:
             running = pool.submit(post, port, "/v1/completions", endless(stream=False), timeout=120)
@@ -567,17 +584,17 @@ def test_a_batching_server_gives_every_request_its_solo_reply(smollm):
                     logprobs += [(e.token, e.logprob) for e in chunk.choices[0].logprobs.content or ()]
         return text, finish, logprobs
 
-    alone = Engine(smollm, max_queue=4)
+    alone = Scheduler(smollm, max_queue=4)
     with serving_in_background(alone) as port:
         solo = [reply(openai_client(port), kind, body) for kind, body in requests]
-    batched = Engine(smollm, max_queue=4, max_batch=4)
+    batched = Scheduler(smollm, max_queue=4, max_batch=4)
     with serving_in_background(batched) as port:
         client = openai_client(port)
         with ThreadPoolExecutor(len(requests)) as pool:
             together = list(pool.map(lambda r: reply(client, *r), requests))
         assert batched.health()["completed"] == len(requests)
-        batch = batched._batch  # the requests shared passes: more than one generation per cycle on average
-        assert batch.sequences > batch.cycles
+        times = batched.batch.times  # the requests shared passes: more than one generation per cycle on average
+        assert times.sequences > times.cycles
     assert together == solo
     assert solo[2][1] == "stop" and not solo[2][0].endswith(" 15")  # the stop sequence cut it
     assert solo[3][2] and solo[3][1] == "length"

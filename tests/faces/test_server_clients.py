@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import tierspec
-from tierspec.server import Engine, serving_in_background
+from tierspec.server import Scheduler, serving_in_background
 
 pytestmark = pytest.mark.real_model
 
@@ -37,7 +37,7 @@ def smollm():
 
 @pytest.fixture(scope="module")
 def server(smollm):
-    engine = Engine(smollm, method="hybrid", max_queue=4)
+    engine = Scheduler(smollm, method="hybrid", max_queue=4)
     with serving_in_background(engine, body_timeout=1.0) as port:
         yield engine, port
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from grammar_fixtures import EOS, ByteTokenizer
 
-from tierspec.server.engine import ApiError
+from tierspec.server.scheduler import ApiError
 from tierspec.server.structured import structured_request
 
 TOOL = {"type": "function", "function": {"name": "lookup", "parameters": {

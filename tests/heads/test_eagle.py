@@ -141,7 +141,12 @@ def test_the_hybrid_leaves_a_head_that_does_not_pay_idle_and_tries_it_again(targ
 
     eagle = EagleDrafter(random_head(target32))
     calls = []
-    eagle.propose = lambda context, request: calls.append(1) or Proposal.empty(source="head")
+    def drafting(context, request):  # the head's steps: none, an empty block
+        calls.append(1)
+        yield from ()
+        return Proposal.empty(source="head")
+
+    eagle.drafting = drafting
     hybrid = HybridDrafter(NgramDrafter(3), eagle)
     context = torch.arange(40, 60)  # no repeated n-gram: lookup finds nothing
     hybrid.start(context[:10])

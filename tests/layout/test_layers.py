@@ -12,20 +12,27 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[2] / "tierspec"
 
 #: Top first. A module belongs to the layer of the longest name that prefixes it, so
-#: ``tierspec.layerskip.masks`` (a mask applied in a pass: the pass engine's business) sits below
-#: the rest of ``tierspec.layerskip`` (mask search, CLaSP's selection), which drives models.
+#: ``tierspec.layerskip.search`` (the mask search, a job over the runtime) sits above
+#: ``tierspec.layerskip.clasp`` (CLaSP's in-context selection, a drafter's runtime), which sits above
+#: ``tierspec.layerskip.masks`` (a mask applied in a pass). Each floor is a real layer: every module of
+#: it imports some module of the floor right below it or lower, and none of any floor above.
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("faces", ("tierspec", "tierspec.cli", "tierspec.api", "tierspec.server")),
-    ("jobs", ("tierspec.bench", "tierspec.training", "tierspec.data", "tierspec.cluster")),
+    ("jobs", ("tierspec.bench", "tierspec.training", "tierspec.data", "tierspec.cluster", "tierspec.layerskip.search")),
     ("methods", ("tierspec.methods",)),
-    ("the loop", ("tierspec.decode", "tierspec.batch")),
+    ("the loop", ("tierspec.decode", "tierspec.batch", "tierspec.verifiers")),
     ("rules", ("tierspec.rules",)),
     ("drafters and policies", ("tierspec.drafters", "tierspec.policies")),
-    ("records", ("tierspec.proposal", "tierspec.walks")),
-    ("heads and layer skipping", ("tierspec.heads", "tierspec.layerskip")),
-    ("models and engines", ("tierspec.cached_model", "tierspec.costs", "tierspec.seq2seq", "tierspec.models",
-                            "tierspec.prompting", "tierspec.layerskip.masks", "tierspec.kernels", "tierspec.quant",
-                            "tierspec.gguf_llama", "tierspec.gguf_cache", "tierspec.gguf_model", "tierspec.model_files")),
+    ("records", ("tierspec.proposal", "tierspec.walks", "tierspec.constraints")),
+    ("heads and in-context layer selection", ("tierspec.heads", "tierspec.layerskip")),
+    ("pass-cost tables", ("tierspec.costs",)),
+    ("the pass backend", ("tierspec.passes",)),
+    ("encoder-decoder models", ("tierspec.seq2seq",)),
+    ("cached models", ("tierspec.cached_model",)),
+    ("loading models", ("tierspec.models", "tierspec.prompting", "tierspec.gguf_cache",
+                        "tierspec.model_files")),
+    ("models on the engine", ("tierspec.gguf_llama", "tierspec.gguf_model", "tierspec.kernels", "tierspec.quant")),
+    ("routing masks", ("tierspec.layerskip.masks",)),
     ("forward passes", ("tierspec.llama", "tierspec.architectures", "tierspec.tokenizer", "tierspec.engine",
                         "tierspec._qengine")),
     ("pure pieces", ("tierspec.sampling", "tierspec.tree", "tierspec.modifiers", "tierspec.errors", "tierspec.util",
@@ -108,28 +115,46 @@ def test_the_check_catches_a_planted_import_up():
     assert violations("def f():\n    from ..api import generate\n", "tierspec.training.calibration") == [
         "tierspec.training.calibration:2 imports tierspec.api (faces, above jobs)"]
     assert violations("from . import decode\n", "tierspec.cached_model") == [
-        "tierspec.cached_model:1 imports tierspec.decode (the loop, above models and engines)"]
-    assert violations("from ..cached_model import CachedModel\n", "tierspec.layerskip.masks") == []  # same layer
+        "tierspec.cached_model:1 imports tierspec.decode (the loop, above cached models)"]
+    assert violations("from ..cached_model import CachedModel\n", "tierspec.layerskip.masks") == [
+        "tierspec.layerskip.masks:1 imports tierspec.cached_model (cached models, above routing masks)"]
+    assert violations("from ..costs import unit_costs\n", "tierspec.layerskip.search") == []  # a job over the runtime
+    assert violations("from .search import search_mask\n", "tierspec.layerskip.clasp") == [
+        "tierspec.layerskip.clasp:1 imports tierspec.layerskip.search (jobs, above heads and in-context layer selection)"]
     assert violations("from .rules import ExactRule\n", "tierspec.methods") == []  # down is fine
     assert violations("import tierspec.methods\n", "tierspec.policies") == [
         "tierspec.policies:1 imports tierspec.methods (methods, above drafters and policies)"]
+
+
+def test_the_runtime_pieces_have_floors_of_their_own_in_the_order_they_import():
+    """A job over the runtime sits above it (the mask search above the costs and masks it uses); the
+    pass-cost tables, encoder-decoder models, cached models and routing masks are floors of their
+    own, each above what it imports (a coarser floor would let an import between them pass)."""
+    order = [layer_of(m) for m in ("tierspec.layerskip.search", "tierspec.costs", "tierspec.seq2seq",
+                                    "tierspec.cached_model", "tierspec.layerskip.masks")]
+    assert order == sorted(order) and len(set(order)) == len(order)
+    assert layer_of("tierspec.layerskip.search") < layer_of("tierspec.layerskip.clasp") < layer_of("tierspec.layerskip.masks")
+    assert layer_of("tierspec.decode") < layer_of("tierspec.passes") < layer_of("tierspec.cached_model")
 
 
 # ---- the tests mirror the layers ----------------------------------------------------------------
 
 TESTS = Path(__file__).resolve().parents[1]
 #: Where the tests of each layer live (tests/<folder>/test_*.py; helpers and conftest stay at the top).
-TEST_FOLDERS = {"faces": "faces", "jobs": "jobs", "methods": "methods", "loop": "the loop", "rules": "rules",
-                "drafters": "drafters and policies", "heads": "heads and layer skipping",
-                "layerskip": "heads and layer skipping", "models": "models and engines", "pure": "pure pieces",
-                "layout": None}  # layout: the package and the documents as a whole
+TEST_FOLDERS = {"faces": ("faces",), "jobs": ("jobs",), "methods": ("methods",), "loop": ("the loop", "records"),
+                "rules": ("rules",), "drafters": ("drafters and policies",),
+                "heads": ("heads and in-context layer selection",),
+                "layerskip": ("jobs", "heads and in-context layer selection", "routing masks"),
+                "models": ("pass-cost tables", "the pass backend", "encoder-decoder models", "cached models",
+                           "loading models", "models on the engine", "forward passes"),
+                "pure": ("pure pieces",), "layout": ()}  # layout: the package and the documents as a whole
 
 
 def test_tests_are_grouped_by_layer_and_every_group_runs_something():
     """Every test module sits in a layer's folder, and each folder holds a test the default run
     (``-m 'not slow'``) collects, so running any folder (or the suite) never collects nothing."""
     layer_names = {name for name, _ in LAYERS}
-    assert {layer for layer in TEST_FOLDERS.values() if layer} <= layer_names
+    assert {layer for layers in TEST_FOLDERS.values() for layer in layers} == layer_names  # every floor is tested
     modules = sorted(TESTS.rglob("test_*.py"))
     assert modules and all(m.parent.parent == TESTS and m.parent.name in TEST_FOLDERS for m in modules), \
         [str(m.relative_to(TESTS)) for m in modules if m.parent.parent != TESTS or m.parent.name not in TEST_FOLDERS]

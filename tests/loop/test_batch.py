@@ -1,6 +1,8 @@
-"""Continuous batching (``tierspec.batch``): every generation's tokens equal its solo tokens
-whatever shares the batch and whenever it joined, greedy and seeded; the batch's draft lengths;
-what a batch refuses."""
+"""Continuous batching (``tierspec.batch``: the one cycle over many sequences): every generation's
+tokens equal its solo tokens whatever shares the batch and whenever it joined, greedy and seeded,
+prompts prefilled in chunks inside the cycles; methods that cannot share a pass run alone in the
+same executor; the batch's draft lengths; the draft head's steps of several sequences in one
+engine pass; the vectorised decisions against one sequence at a time."""
 
 from __future__ import annotations
 
@@ -8,66 +10,116 @@ import pytest
 import torch
 
 from gguf_models import write_tiny_gguf
-from tierspec.batch import BatchDecoder, BatchError, batch_lengths
-from tierspec.decode import DecodeConfig, DecodeRun
+from tierspec.batch import BatchDecoder, BatchError
+from tierspec.decode import DecodeConfig, DecodeRun, batch_lengths
 from tierspec.gguf_llama import load_gguf_llama
 from tierspec.methods import MethodOptions, build_method
 from tierspec.models import wrap_model
 from tierspec.quant import numerics_for
 from tierspec.sampling import SamplingConfig
 
+pytestmark = pytest.mark.usefixtures("pinned_pass_costs")  # tests/conftest.py
+
 
 @pytest.fixture(scope="module")
 def target(tmp_path_factory):
-    tiny = write_tiny_gguf(tmp_path_factory.mktemp("batch-gguf"), seed=11, sharpness=12.0)
+    # two heads of 32 dimensions: widths the draft head's engine step takes (``heads.engine_head``)
+    tiny = write_tiny_gguf(tmp_path_factory.mktemp("batch-gguf"), seed=11, heads=2, kv_heads=1, sharpness=12.0)
     dtype = torch.bfloat16 if numerics_for(torch.bfloat16).layout == 0 else torch.float32
     return wrap_model(load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(dtype)), name="tiny-gguf")
 
 
-# repetitive prompts, so that n-gram lookup drafts (and is sometimes right)
+@pytest.fixture(scope="module")
+def head(target):
+    from tierspec.heads.draft import DraftHead
+
+    head = DraftHead.for_target(target, torch.arange(0, 256, 2), seed=5).eval()
+    assert head.engine is not None  # drafting on the engine: the batched head steps are exercised
+    return head
+
+
+# repetitive prompts, so that n-gram lookup drafts (and is sometimes right); the last is long enough to
+# be prefilled in several chunks beside the others
 PROMPTS = [torch.tensor([5, 9, 13, 5, 9, 13, 7, 21, 5, 9, 13]), torch.tensor([40, 41, 42, 40, 41, 42, 40]),
            torch.tensor([100, 7, 200, 7, 100, 7]), torch.tensor([3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3]),
-           torch.tensor([250, 1, 250, 1, 250])]
-BUDGETS = [20, 7, 15, 25, 1]
+           torch.tensor([250, 1, 250, 1, 250]), (torch.arange(150) * 37 + 11) % 256]
+BUDGETS = [20, 7, 15, 25, 1, 12]
 
 
-def _method(target, name: str):
-    return build_method(name, target, None, MethodOptions(num_draft=4))
+def _method(target, name: str, head=None):
+    return build_method(name, target, None, MethodOptions(num_draft=None if name == "ar" else 4,
+                                                          draft_head=head if name in ("eagle", "hybrid") else None))
 
 
-def _solo(target, name: str, temperature: float) -> list[list[int]]:
+def _solo(target, method, temperature: float, prompts=PROMPTS, budgets=BUDGETS) -> list[list[int]]:
     out = []
-    for i, (prompt, budget) in enumerate(zip(PROMPTS, BUDGETS)):
+    for i, (prompt, budget) in enumerate(zip(prompts, budgets)):
         config = DecodeConfig(max_new_tokens=budget, sampling=SamplingConfig(temperature=temperature))
-        out.append(DecodeRun(target, _method(target, name), prompt, config, seed=1000 + i).finish().token_ids)
+        out.append(DecodeRun(target, method, prompt, config, seed=1000 + i).finish().token_ids)
     return out
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-@pytest.mark.parametrize("name", ["ar", "pld", "adaptive-pld"])
-@pytest.mark.parametrize("joins", [[0, 0, 0, 0, 0], [0, 1, 1, 3, 5], [2, 0, 4, 1, 0]])
-def test_every_generation_gets_its_solo_tokens(target, name, temperature, joins):
-    """``joins[i]``: the cycle generation i joins at (planted interleavings: all at once, one by
-    one, out of order); the budgets differ, so generations also leave at different cycles."""
-    expected = _solo(target, name, temperature)
-    batch = BatchDecoder(target, max_batch=len(PROMPTS))
+def _batched(target, method, temperature: float, joins, max_rows=None, prompts=PROMPTS, budgets=BUDGETS):
+    """``joins[i]``: the cycle generation i joins at."""
+    batch = BatchDecoder(target, max_batch=len(prompts), max_rows=max_rows)
     runs, cycle = {}, 0
-    while len(runs) < len(PROMPTS) or len(batch):
+    while len(runs) < len(prompts) or len(batch):
         for i, join in enumerate(joins):
             if join == cycle and i not in runs:
-                config = DecodeConfig(max_new_tokens=BUDGETS[i], sampling=SamplingConfig(temperature=temperature))
-                runs[i] = batch.add(i, _method(target, name), PROMPTS[i], config, seed=1000 + i)
+                config = DecodeConfig(max_new_tokens=budgets[i], sampling=SamplingConfig(temperature=temperature))
+                runs[i] = batch.add(i, method, prompts[i], config, seed=1000 + i)
         batch.step()
         cycle += 1
-    assert [runs[i].token_ids for i in range(len(PROMPTS))] == expected
-    assert all(run.finished for run in runs.values()) and all(run.stats.emitted == len(run.token_ids) for run in runs.values())
+    return [runs[i] for i in range(len(prompts))], batch
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("name", ["ar", "pld", "adaptive-pld", "eagle", "hybrid"])
+@pytest.mark.parametrize("joins", [[0, 0, 0, 0, 0, 0], [0, 1, 1, 3, 5, 2], [2, 0, 4, 1, 0, 0]])
+def test_every_generation_gets_its_solo_tokens(target, head, name, temperature, joins):
+    """Planted interleavings (all at once, one by one, out of order); the budgets differ, so
+    generations also leave at different cycles; the long prompt is prefilled in chunks beside
+    the others' decoding."""
+    method = _method(target, name, head)
+    expected = _solo(target, method, temperature)
+    runs, batch = _batched(target, method, temperature, joins)
+    assert [run.token_ids for run in runs] == expected
+    assert all(run.finished for run in runs) and all(run.stats.emitted == len(run.token_ids) for run in runs)
+    assert batch.times.rows > batch.times.cycles  # passes carried several sequences' rows
+
+
+def test_a_row_budget_cuts_drafts_and_prefill_chunks_not_the_text(target, head):
+    method = _method(target, "hybrid", head)
+    expected = _solo(target, method, 0.0)
+    runs, batch = _batched(target, method, 0.0, [0, 0, 0, 0, 0, 0], max_rows=8)
+    assert [run.token_ids for run in runs] == expected
+    assert batch.times.rows <= 8 * batch.times.cycles
+
+
+def test_a_long_prompt_joining_is_prefilled_in_chunks_while_the_others_decode(target):
+    """The 150-token prompt joins a decoding generation: the cycles that prefill it still give the
+    other its next tokens (one per cycle here, ``ar``), so the other is not stalled for the prompt."""
+    method = _method(target, "ar")
+    batch = BatchDecoder(target, max_batch=2, max_rows=40)
+    first = batch.add("first", method, PROMPTS[0], DecodeConfig(max_new_tokens=20))
+    batch.step()
+    batch.add("long", method, PROMPTS[5], DecodeConfig(max_new_tokens=4))
+    stepped = []
+    while not batch.sequences["long"].ready:
+        stepped.append([s.key for s, _ in batch.step()])
+    assert len(stepped) >= 3 and all(keys == ["first"] for keys in stepped)  # 149 rows in chunks of ≤ 39
+    while len(batch):
+        batch.step()
+    assert first.token_ids == _solo(target, method, 0.0, PROMPTS[:1], [20])[0]
 
 
 def test_a_cancelled_generation_leaves_the_others_as_they_were(target):
-    expected = _solo(target, "pld", 0.0)
+    method = _method(target, "pld")
+    expected = _solo(target, method, 0.0)
     batch = BatchDecoder(target, max_batch=3)
-    runs = {i: batch.add(i, _method(target, "pld"), PROMPTS[i], DecodeConfig(max_new_tokens=BUDGETS[i]), seed=1000 + i)
+    runs = {i: batch.add(i, method, PROMPTS[i], DecodeConfig(max_new_tokens=BUDGETS[i]), seed=1000 + i)
             for i in (0, 1, 3)}
+    batch.step()
     batch.step()
     batch.cancel(1)
     while len(batch):
@@ -76,11 +128,24 @@ def test_a_cancelled_generation_leaves_the_others_as_they_were(target):
     assert not runs[1].finished
 
 
-def test_the_batch_refuses_what_would_not_keep_its_solo_text(target):
-    batch = BatchDecoder(target, max_batch=1)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_method_that_cannot_share_a_pass_runs_alone_beside_the_batch_with_its_solo_text(target, temperature):
+    """A lossy rule's text depends on its drafts, which a batch would size by what else runs: in
+    the batch's executor it cycles alone, beside batched lossless generations."""
+    lossy = build_method("lossy", target, None, MethodOptions(drafter_kind="ngram", num_draft=3))
+    ar = _method(target, "ar")
+    config = DecodeConfig(max_new_tokens=15, sampling=SamplingConfig(temperature=temperature))
+    alone = [DecodeRun(target, m, PROMPTS[i], config, seed=7).finish().token_ids for i, m in enumerate((lossy, ar, ar))]
+    batch = BatchDecoder(target, max_batch=3)
+    runs = [batch.add(i, m, PROMPTS[i], config, seed=7) for i, m in enumerate((lossy, ar, ar))]
+    while len(batch):
+        batch.step()
+    assert [run.token_ids for run in runs] == alone
+
+
+def test_the_batch_refuses_what_it_cannot_take(target):
     config = DecodeConfig(max_new_tokens=4)
-    with pytest.raises(BatchError, match="lossy"):
-        batch.add("a", build_method("lossy", target, None, MethodOptions(drafter_kind="ngram")), PROMPTS[0], config)
+    batch = BatchDecoder(target, max_batch=1)
     batch.add("a", _method(target, "ar"), PROMPTS[0], config)
     with pytest.raises(BatchError, match="full"):
         batch.add("b", _method(target, "ar"), PROMPTS[1], config)
@@ -88,18 +153,58 @@ def test_the_batch_refuses_what_would_not_keep_its_solo_text(target):
     wider.add("a", _method(target, "ar"), PROMPTS[0], config)
     with pytest.raises(BatchError, match="already running"):
         wider.add("a", _method(target, "ar"), PROMPTS[1], config)
+    with pytest.raises(BatchError, match="max_rows"):
+        BatchDecoder(target, max_batch=4, max_rows=3)
+    with pytest.raises(BatchError, match="max_batch"):
+        BatchDecoder(target, max_batch=0)
+
+
+def test_the_head_steps_of_several_sequences_in_one_engine_pass_are_each_ones_own(target, head):
+    """``heads.draft.run_head_steps`` over several runners (catch-ups of different lengths, self-fed
+    steps, a score-only step) gives each exactly what its own ``HeadRunner.step`` gives."""
+    from tierspec.cached_model import CachedModel
+    from tierspec.heads.draft import HeadRunner, HeadStep, run_head_steps
+
+    features = []
+    for prompt in PROMPTS[:3]:
+        features.append(CachedModel(target.model).forward(prompt, with_hidden=True).hidden)
+    with torch.inference_mode():
+        solo, shared = [HeadRunner(head) for _ in range(3)], [HeadRunner(head) for _ in range(3)]
+
+        def steps(runners, last):
+            return [HeadStep(runners[0], features[0][:-1], PROMPTS[0][1:], from_target=True),
+                    HeadStep(runners[1], features[1][:4], PROMPTS[1][1:5], from_target=True),
+                    HeadStep(runners[2], None, last=last)]
+
+        last = torch.randn(1, head.config.hidden_size)
+        expected = [runner.step(step) for runner, step in zip(solo, steps(solo, last))]
+        got = run_head_steps(steps(shared, last))
+        for e, g in zip(expected, got):
+            assert torch.equal(e.last, g.last) and torch.equal(e.logits, g.logits)
+        # self-fed steps on the outputs just made
+        expected = [solo[i].step(HeadStep(solo[i], expected[i].last, torch.tensor([i + 3]))) for i in range(2)]
+        got = run_head_steps([HeadStep(shared[i], got[i].last, torch.tensor([i + 3])) for i in range(2)])
+    for e, g in zip(expected, got):
+        assert torch.equal(e.last, g.last) and torch.equal(e.logits, g.logits)
+    assert [r.length for r in solo] == [r.length for r in shared]
 
 
 def test_batch_lengths_take_the_drafts_that_pay():
     class P(list):  # a proposal of n drafts
         pass
 
-    flat = lambda rows: 1.0  # noqa: E731  — rows cost nothing: every draft with any chance pays
+    def flat(rows):  # rows cost nothing: every draft with any chance pays
+        return 1.0
+
+    def steep(rows):  # each row costs a whole token: no draft pays
+        return float(rows)
+
+    def affine(rows):  # a pass of r rows costs 1 + 0.25 (r - 1)
+        return 1.0 + 0.25 * (rows - 1)
+
     assert batch_lengths([P([1, 2, 3]), P([1, 2])], [[0.9, 0.5, 0.1], [0.8, 0.01]], flat) == [3, 2]
-    steep = lambda rows: float(rows)  # noqa: E731  — each row costs a whole token: no draft pays
     assert batch_lengths([P([1, 2, 3]), P([1])], [[0.9, 0.8, 0.7], [0.95]], steep) == [0, 0]
-    # a pass of r rows costs 1 + 0.25 (r - 1): drafts worth more than 0.25 of a token... while the rate rises
-    affine = lambda rows: 1.0 + 0.25 * (rows - 1)  # noqa: E731
+    # drafts worth more than 0.25 of a token... while the rate rises
     assert batch_lengths([P([1, 2, 3])], [[0.9, 0.6, 0.2]], affine) == [2]
     # the best next draft first: the second proposal's 0.8 before the first's 0.3
     assert batch_lengths([P([1, 2]), P([1])], [[0.9, 0.3], [0.8]], lambda rows: 1.0 + 0.2 * rows) == [1, 1]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import as_method, char_tokenizer, tiny_llama
+from conftest import as_method, char_tokenizer, shared_fixture, tiny_llama
 
 import tierspec
 from tierspec.decode import DecodeConfig, decode
@@ -21,7 +21,7 @@ from tierspec.drafters import NgramDrafter
 from tierspec.drafters.eagle import EagleDrafter
 from tierspec.heads.draft import DraftHead
 from tierspec.heads.judge import JudgeHead
-from tierspec.methods import MethodOptions, build_method, method_names
+from tierspec.methods import WITHOUT_NUM_DRAFT, MethodOptions, build_method, method_names
 from tierspec.models import load_model
 from tierspec.layerskip.masks import RoutingMask
 from tierspec.rules import ExactRule
@@ -37,25 +37,9 @@ OTHER_PROMPT = torch.tensor([2, 60, 2, 60, 2, 60, 11, 12, 13, 2, 60, 2, 44])
 pytestmark = pytest.mark.usefixtures("pinned_pass_costs")  # tests/conftest.py
 
 
-@pytest.fixture(scope="module")
-def target():
-    # float32 like the real model; sharpness 6 keeps sampling at temperature 1 far from greedy
-    return tiny_llama(seed=21, sharpness=6.0, dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def own_target(target, tmp_path_factory):
-    """The same weights on tierspec's own Llama forward: what CLaSP and token trees run on."""
-    folder = tmp_path_factory.mktemp("seed-own") / "m"
-    target.model.save_pretrained(folder)
-    return load_model(folder, dtype="float32", implementation="tierspec")
-
-
-@pytest.fixture(scope="module")
-def drafter():
-    """A drafter model of its own for sd, adaptive-sd and csd (the target drafting for itself
-    always agrees; and a drafter as costly as the target never pays for the cost-aware policy)."""
-    return tiny_llama(seed=22, layers=1, sharpness=6.0, dtype=torch.float32)
+target = shared_fixture("target", "sampling_target")
+own_target = shared_fixture("own_target", "sampling_own_target")
+drafter = shared_fixture("drafter", "sampling_drafter")
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +56,7 @@ def parts(target):
 def options_for(name: str, parts: dict, **extra) -> MethodOptions:
     """Every method's needs: masks for self/via, heads for eagle/hybrid/judge; the lossy rules
     draft with the trained head (the cost-aware policy), as the issue's runs did."""
-    values = {"num_draft": 4, "adaptive_max_draft": 6, "draft_head": parts["draft_head"]}
+    values = {"num_draft": None if name in WITHOUT_NUM_DRAFT else 4, "draft_head": parts["draft_head"]}
     if name in ("self", "via", "via-judge", "via-pearl"):
         values["mask"] = parts["mask"]
     if name in ("judge", "via-judge"):
@@ -112,7 +96,7 @@ def test_a_seed_fixes_the_text_whatever_ran_before_and_whatever_the_clock_says(n
     if name.endswith("-tree") or name == "clasp":  # these run on tierspec's own Llama forward only
         target = request.getfixturevalue("own_target")
         parts = {**parts, "draft_head": DraftHead.for_target(target, torch.arange(0, 64, 2), seed=3).eval()}
-    method = build_method(name, target, drafter, options_for(name, parts))
+    method = build_method(name, target, drafter, options_for(name, parts), strict=False)  # a superset of parts
     first = tokens(target, method, PROMPT, seed=7)
     tokens(target, method, OTHER_PROMPT, seed=3)
     monkeypatch.setattr(importlib.import_module("tierspec.decode"), "time", LurchingClock())
@@ -124,7 +108,7 @@ LOSSLESS = ["sd", "pld", "adaptive-pld", "adaptive-sd", "eagle", "hybrid", "self
 
 @pytest.mark.parametrize("name", LOSSLESS)
 def test_the_seed_fixes_the_text_under_the_residual_rule_too(name, target, drafter, parts, monkeypatch):
-    method = build_method(name, target, drafter, options_for(name, parts, sampling_rule="residual"))
+    method = build_method(name, target, drafter, options_for(name, parts, sampling_rule="residual"), strict=False)
     first = tokens(target, method, PROMPT, seed=7)
     tokens(target, method, OTHER_PROMPT, seed=3)
     monkeypatch.setattr(importlib.import_module("tierspec.decode"), "time", LurchingClock())
@@ -151,7 +135,7 @@ def test_every_lossless_method_samples_ars_text_for_a_seed(name, sampling, targe
     """Under the coupled rule the token at each position is the target's perturbed argmax for
     (seed, position), whatever was drafted: exactly plain decoding's, as in greedy mode."""
     ar = build_method("ar", target)
-    method = build_method(name, target, drafter, options_for(name, parts))
+    method = build_method(name, target, drafter, options_for(name, parts), strict=False)  # a superset of parts
     drafted = kept = 0
     for seed in range(6):
         reference = tokens(target, ar, PROMPT, seed, sampling)
@@ -274,9 +258,9 @@ def test_server_requests_with_a_seed_give_one_text_whatever_ran_before():
     requests have run, and the lossless methods give ar's."""
     import openai
 
-    from tierspec.server import Engine, serving_in_background
+    from tierspec.server import Scheduler, serving_in_background
 
-    engine = Engine(tierspec.load_model("smollm2-135m"), max_queue=4)
+    engine = Scheduler(tierspec.load_model("smollm2-135m"), max_queue=4)
     messages = [{"role": "user", "content": "Write a short story about a robot learning to paint."}]
     with serving_in_background(engine) as port:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)

@@ -38,11 +38,15 @@ def test_swift_greedy_equals_ar_and_keeps_the_cache_invariant(tiny_target, promp
     reference = run_ids(tiny_target, as_method(NoDrafter()), prompt_ids, 40)
     method = build_method("swift", tiny_target, options=MethodOptions(num_draft=3, confidence_threshold=0.0))
 
+    drafters = set()
+
     def inspect(verifiers, drafter):
         assert verifiers.runner.layer_lengths() == [len(verifiers.context) - 1] * 4
+        drafters.add(drafter)
 
     assert run_ids(tiny_target, method, prompt_ids, 40, inspect=inspect) == reference
-    assert method.drafter.optimisation_calls > 0 and len(method.drafter.history) > 0
+    (drafter,) = drafters  # the generation's own
+    assert drafter.optimisation_calls > 0 and len(drafter.history) > 0
 
 
 def test_via_judge_with_a_judge_that_never_accepts_and_full_verification_equals_ar(tiny_target, prompt_ids):
@@ -125,8 +129,9 @@ def test_via_with_the_draft_heads_vocabulary_runs_its_slim_tier(tiny_target, pro
 
 
 def test_methods_built_on_one_model_share_its_forward_cost_table(tiny_target):
-    """A server builds a method for each num_draft a client sends; the forward-cost table, whose
-    read-back runs a timed spot check, is read once per model, not once per method."""
+    """The forward-cost table, whose read-back runs a timed spot check, is read once per model, not
+    once per method or generation, whatever their num_draft."""
     first = build_method("adaptive-pld", tiny_target, options=MethodOptions(num_draft=2))
     second = build_method("adaptive-pld", tiny_target, options=MethodOptions(num_draft=7))
-    assert first.policy.pass_costs is not None and first.policy.pass_costs is second.policy.pass_costs
+    tables = {id(m.generation(n).policy.pass_costs) for m in (first, second) for n in (None, 1, 9)}
+    assert len(tables) == 1 and first.generation().policy.pass_costs is not None

@@ -14,14 +14,14 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
 from gguf_models import write_tiny_gguf
-from tierspec import quant
+from tierspec import engine, quant
 from tierspec.cached_model import CachedModel, HiddenCapture
 from tierspec.errors import ModelLoadError
 from tierspec.gguf_llama import load_gguf_llama
 from tierspec.quant import QuantWeight, numerics_for
 
-qe = quant.engine()
-NATIVE_AVX512 = quant.probe()["paths"]["bfloat16"] != "portable"
+qe = engine.engine()
+NATIVE_AVX512 = engine.probe()["paths"]["bfloat16"] != "portable"
 HAS_AVX2 = "avx2" in qe.isas()
 
 
@@ -351,10 +351,10 @@ def test_torch_runs_on_one_thread_inside_a_generation_and_gets_its_threads_back(
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        with quant.torch_ops_on_one_thread():
-            assert torch.get_num_threads() == 1 and quant.engine_threads() == 2
-            with quant.torch_ops_on_one_thread():  # nested (a stream inside a stream's step): still the caller's
-                assert quant.engine_threads() == 2
-        assert torch.get_num_threads() == 2 and quant.engine_threads() == 2
+        with engine.torch_ops_on_one_thread():
+            assert torch.get_num_threads() == 1 and engine.engine_threads() == 2
+            with engine.torch_ops_on_one_thread():  # nested (a stream inside a stream's step): still the caller's
+                assert engine.engine_threads() == 2
+        assert torch.get_num_threads() == 2 and engine.engine_threads() == 2
     finally:
         torch.set_num_threads(threads)

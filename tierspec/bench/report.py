@@ -237,7 +237,9 @@ def markdown_table(summary: dict) -> str:
     config = summary["config"]
     lines = [
         f"Target `{config['target']}`, dataset `{config['dataset']}`, {config['max_new_tokens']} new tokens, "
-        f"temperature {config['temperature']}, γ = {config['num_draft']}, repeats {config['repeats']}. "
+        f"temperature {config['temperature']}, "
+        f"γ = {config['num_draft'] if config.get('num_draft') is not None else 'each method’s own'}, "
+        f"repeats {config['repeats']}. "
         "Speed-up = mean per-prompt tokens/s ÷ that of `ar` on the same prompts, same run.",
         "",
     ]

@@ -36,7 +36,7 @@ from ..cluster import ClusterConfig, MachineInfo, UnitFailure
 from ..data import Prompt, load_prompts, select
 from ..decode import DecodeConfig, DecodeRun, GenerationStats
 from ..errors import TierspecError
-from ..methods import MethodOptions, build_method, method_names, option_fields
+from ..methods import MethodOptions, build_method, drafts_with_model, method_names, option_fields, takes_num_draft
 from ..models import LoadedModel, load_model, model_code, resolve_dtype
 from ..prompting import encode_prompt, eos_ids
 from ..layerskip.masks import RoutingMask, model_lock
@@ -94,7 +94,7 @@ class BenchConfig:
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
-    num_draft: int = 5
+    num_draft: int | None = None  # every method's own (methods.MethodOptions.num_draft)
     repeats: int = 1
     seed: int = 0
     drafter: str | None = None
@@ -115,7 +115,7 @@ class BenchConfig:
         least = {"limit": 1, "per_category": 1, "repeats": 1, "max_new_tokens": 1, "num_draft": 0}
         for name, minimum in least.items():
             value = getattr(self, name)
-            if value is None and name in ("limit", "per_category"):
+            if value is None and name in ("limit", "per_category", "num_draft"):
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 raise BenchError(f"{name} must be an integer >= {minimum}, got {value!r}")
@@ -309,11 +309,14 @@ class TierspecMethod:
                  eos: set[int], sampling: SamplingConfig):
         self.target, self.eos, self.sampling = target, eos, sampling
         name = parse_spec(spec)[0]
-        num_draft = _number(spec, "num_draft", params.pop("num_draft"), "int") if "num_draft" in params else config.num_draft
+        # the run's num_draft sizes the methods that take one (ar and PEARL refuse any)
+        num_draft = _number(spec, "num_draft", params.pop("num_draft"), "int") if "num_draft" in params else \
+            config.num_draft if takes_num_draft(name) else None
         if config.mask and "mask" not in params and name in ("self", "via", "pearl", "via-pearl"):
             params["mask"] = config.mask
         options = replace(MethodOptions(num_draft=num_draft), **{k: _convert(spec, k, v, target) for k, v in params.items()})
-        self.method = build_method(name, target, drafter, options)
+        # the run's drafter model serves the methods that draft with one
+        self.method = build_method(name, target, drafter if drafts_with_model(name, options) else None, options)
 
     def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None) -> Outcome:
         config = DecodeConfig(max_new_tokens, self.sampling, self.eos)

@@ -10,11 +10,12 @@ self-speculative drafting, a ``TargetDraftView`` onto the target's cache.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import ClassVar
+from typing import Callable, ClassVar, Generator
 
 import numpy as np
 import torch
 
+from ..heads.draft import HeadOutput, HeadStep, run_head_steps
 from ..proposal import DraftRequest, Proposal, Shape
 from ..sampling import all_finite, finite_argmax, gumbel_argmax, logits_to_probs
 
@@ -116,6 +117,8 @@ class Drafter:
     """
 
     proposes: ClassVar[Shape] = Shape.CHAIN
+    #: the drafter drafts in head steps (``drafting``), which a cycle runs for every such sequence at once
+    drafts_in_head_steps: ClassVar[bool] = False
     needs_target_features = False
     feature_layers: tuple[int, ...] = ()  # decoder layers whose outputs the drafter reads beside f
     uses_target_cache = False
@@ -133,6 +136,11 @@ class Drafter:
     def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
         raise NotImplementedError
 
+    def drafting(self, context: torch.Tensor, request: DraftRequest) -> Generator[HeadStep, HeadOutput, Proposal]:
+        """``propose`` as the draft head's steps (``drafts_in_head_steps`` drafters): yields each
+        ``heads.draft.HeadStep``, is sent its ``HeadOutput``, returns the proposal."""
+        raise NotImplementedError(f"{type(self).__name__} does not draft in head steps")
+
     def commit(self, committed_length: int) -> None:
         pass
 
@@ -141,6 +149,33 @@ class Drafter:
         costs a step against a target pass by them); none for a drafter whose steps are free
         (n-gram lookup)."""
         return {}
+
+
+def propose_all(drafters: list[Drafter], contexts: list[torch.Tensor], requests: list[DraftRequest]) -> list[Proposal]:
+    """Every drafter's proposal for its sequence (in order), the draft head's steps of all the
+    drafters that draft in head steps run together, depth by depth (``heads.draft.run_head_steps``:
+    one engine pass for all of them); the others propose alone. Each proposal is the one its
+    drafter's ``propose`` gives."""
+    proposals: list[Proposal | None] = [None] * len(drafters)
+    waiting: dict[int, tuple[Generator, HeadStep]] = {}
+    for i, (drafter, context, request) in enumerate(zip(drafters, contexts, requests)):
+        if not drafter.drafts_in_head_steps:
+            proposals[i] = drafter.propose(context, request)
+            continue
+        steps = drafter.drafting(context, request)
+        try:
+            waiting[i] = (steps, next(steps))
+        except StopIteration as done:
+            proposals[i] = done.value
+    while waiting:
+        asked = list(waiting.items())
+        for (i, (steps, _)), output in zip(asked, run_head_steps([step for _, (_, step) in asked])):
+            try:
+                waiting[i] = (steps, steps.send(output))
+            except StopIteration as done:
+                proposals[i] = done.value
+                del waiting[i]
+    return proposals
 
 
 def streamed_weights(model: torch.nn.Module) -> int:
@@ -174,34 +209,37 @@ class NoDrafter(Drafter):
         return Proposal.empty()
 
 
-def draft_autoregressively(
-    next_logits,
+#: What a drafter that drafts in steps (``Drafter.drafting``) yields to whoever drives it, and what
+#: it is sent back: the tokens to feed next (the pending committed tokens, then each draft) and the
+#: drafting model's logits [V] after the last of them.
+DraftSteps = Generator[torch.Tensor, torch.Tensor, Proposal]
+
+
+def drafting_autoregressively(
     pending: torch.Tensor,
     request: DraftRequest,
     source: str = "model",
     vocabulary: torch.Tensor | None = None,
     vocab_size: int = 0,
-) -> Proposal:
-    """Draft up to ``request.budget`` tokens one at a time.
+) -> DraftSteps:
+    """Draft up to ``request.budget`` tokens one at a time, as steps: each step yields the tokens
+    to feed the drafting model (``pending`` [n] first, then each draft as it is drawn) and is sent
+    the logits [V] after the last of them; the generator returns the ``Proposal``. After each token
+    the policy (``request.policy``) decides whether to draft another; it may still cut the block
+    afterwards. Logits that are not all finite (a drafting model whose forward pass overflowed)
+    give no distribution to draw from: the draft ends before them, and the target decides.
 
-    ``next_logits(tokens)`` feeds ``tokens`` [n] to the drafting model and returns the logits
-    [V] after the last of them. After each token the policy (``request.policy``) decides whether to
-    draft another; it may still cut the block afterwards.
-    Logits that are not all finite (a drafting model whose forward pass overflowed) give no
-    distribution to draw from: the draft ends before them, and the target decides.
-
-    ``vocabulary`` [K] (target ids; a draft head's reduced vocabulary): ``next_logits`` scores
-    only these tokens, a sampled draft reads their entries of the position's token noise, and
-    the proposal's rows stay over the K tokens (``Proposal.draft_probs`` widens them to
-    ``vocab_size``, with probability 0 elsewhere, only if a rule reads them).
-    """
+    ``vocabulary`` [K] (target ids; a draft head's reduced vocabulary): the logits score only
+    these tokens, a sampled draft reads their entries of the position's token noise, and the
+    proposal's rows stay over the K tokens (``Proposal.draft_probs`` widens them to
+    ``vocab_size``, with probability 0 elsewhere, only if a rule reads them)."""
     sampling, noise, policy = request.sampling, request.noise, request.policy
     tokens, probs, logits_rows, confidences = [], [], [], []
     fed = np.empty(max(request.budget, 1), dtype=np.int64)  # each draft is fed back as a one-token view of this
     feeds = torch.from_numpy(fed)
     calls = 0
     for _ in range(request.budget):
-        logits = next_logits(pending)
+        logits = yield pending
         calls += 1
         if sampling.greedy:  # the distribution is the one-hot of the argmax (left implicit below)
             choice = finite_argmax(logits)
@@ -231,3 +269,21 @@ def draft_autoregressively(
     rows = None if sampling.greedy else torch.stack(probs)
     return Proposal.chain(torch.tensor(tokens), rows, torch.stack(logits_rows), torch.tensor(confidences),
                           drafter_calls=calls, source=source, vocabulary=vocabulary, vocab_size=vocab_size)
+
+
+def run_steps(steps: Generator, step: Callable):
+    """Drive a generator of steps alone: each value it yields is answered with ``step(value)``;
+    returns what the generator returns."""
+    try:
+        asked = next(steps)
+        while True:
+            asked = steps.send(step(asked))
+    except StopIteration as done:
+        return done.value
+
+
+def draft_autoregressively(next_logits, pending: torch.Tensor, request: DraftRequest, source: str = "model",
+                           vocabulary: torch.Tensor | None = None, vocab_size: int = 0) -> Proposal:
+    """``drafting_autoregressively`` with ``next_logits(tokens)`` answering each step: it feeds
+    ``tokens`` [n] to the drafting model and returns the logits [V] after the last of them."""
+    return run_steps(drafting_autoregressively(pending, request, source, vocabulary, vocab_size), next_logits)

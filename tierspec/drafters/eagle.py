@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from ..heads.draft import DraftHead, HeadRunner
+from typing import Generator
+
+from ..heads.draft import DraftHead, HeadOutput, HeadRunner, HeadStep
 from ..proposal import DraftRequest, RateView
-from .base import Drafter, FeatureLog, Proposal, draft_autoregressively
+from .base import Drafter, FeatureLog, Proposal, drafting_autoregressively, run_steps
 from .ngram import NgramDrafter
+
+_NO_TOKENS = torch.empty(0, dtype=torch.long)  # the first draft feeds nothing: its logits are the catch-up's
 
 
 class EagleDrafter(Drafter):
@@ -26,6 +30,7 @@ class EagleDrafter(Drafter):
     distributions are over the full vocabulary with p(v) = 0 outside V_K."""
 
     needs_target_features = True
+    drafts_in_head_steps = True
 
     def __init__(self, head: DraftHead):
         self.head = head
@@ -42,45 +47,57 @@ class EagleDrafter(Drafter):
         self.features = features
         self._last_output = None
 
-    def _catch_up(self, context: torch.Tensor) -> torch.Tensor | None:
-        """Feed every committed position the head has not seen (its feature read from the log);
-        return the head's output at the last one (≈ the pending token's feature), or None when
-        the head cannot draft yet."""
+    def _catch_up(self, context: torch.Tensor) -> HeadStep | None:
+        """The first step of a block: feed every committed position the head has not seen (its
+        feature read from the log) and score the last (≈ the pending token's feature); with none
+        new, score the head's last output again. None when the head cannot draft yet."""
         start = self.runner.length
         end = 0 if self.features is None else self.features.length
         pending_position = len(context) - 1  # the last committed token, not yet run by the target
         if end != pending_position or start >= end:
             if start == end == pending_position and self._last_output is not None:
-                return self._last_output
+                return HeadStep(self.runner, None, last=self._last_output)
             return None
         values = self.features.read(start, end)
         if values.dtype != self._input_dtype:
             values = values.to(self._input_dtype)
-        h = self.runner.extend(values, context[start + 1 : end + 1], from_target=True)
-        self._last_output = h[-1:]
-        return self._last_output
+        return HeadStep(self.runner, values, context[start + 1 : end + 1], from_target=True)
 
-    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+    def _caught_up(self, context: torch.Tensor) -> torch.Tensor | None:
+        """The catch-up alone (``_catch_up``'s positions fed, no logits): the head's output at the
+        last committed position [1, H], or None when the head cannot draft yet (a tree drafter
+        scores its outputs itself)."""
+        step = self._catch_up(context)
+        if step is not None and step.inputs is not None:
+            self._last_output = self.runner.extend(step.inputs, step.next_tokens, from_target=True)[-1:]
+        return None if step is None else self._last_output
+
+    def drafting(self, context: torch.Tensor, request: DraftRequest) -> Generator[HeadStep, HeadOutput, Proposal]:
+        """The block as head steps (``heads.draft.HeadStep``, answered by whoever drives it: alone
+        by ``propose``, beside other sequences' by the cycle): the catch-up and the first draft's
+        logits in one step, then one step per further draft on the head's own output. The drafted
+        positions are dropped from the head's cache at the end (recomputed from real features)."""
         if request.budget <= 0:
             return Proposal.empty()
-        h = self._catch_up(context)
-        if h is None:
+        step = self._catch_up(context)
+        if step is None:
             return Proposal.empty(source="head")
+        out = yield step
+        self._last_output = out.last
         committed = self.runner.length
-
-        def next_logits(tokens: torch.Tensor) -> torch.Tensor:
-            """Logits [K] after feeding ``tokens``: none at the first draft (the catch-up's output
-            predicts it), then each draft token with the head's own output as its input."""
-            nonlocal h
-            if len(tokens):
-                h = self.runner.extend(h, tokens)
-            return self.runner.logits(h)[0]
-
+        drafting = drafting_autoregressively(_NO_TOKENS, request, "head", self._draft_ids, self.vocab_size)
         try:
-            return draft_autoregressively(next_logits, torch.empty(0, dtype=torch.long), request, "head", self._draft_ids,
-                                          self.vocab_size)
+            next(drafting)  # the first draft's logits are the catch-up's
+            while True:
+                tokens = drafting.send(out.logits)
+                out = yield HeadStep(self.runner, out.last, tokens)
+        except StopIteration as done:
+            return done.value
         finally:
-            self.runner.rollback(committed)  # drafted positions are recomputed from real features
+            self.runner.rollback(committed)
+
+    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+        return run_steps(self.drafting(context, request), self.runner.step)
 
     def draft_step_weights(self) -> dict[str, int]:
         # A self-fed step runs W_fc, the decoder layer and the K LM-head rows (aux_proj reads only
@@ -119,6 +136,7 @@ class HybridDrafter(Drafter):
     next cycle it runs, in one call — and tries it again after ``HEAD_RETRY_CYCLES`` cycles."""
 
     needs_target_features = True
+    drafts_in_head_steps = True
 
     def __init__(self, ngram: NgramDrafter, eagle: EagleDrafter):
         self.ngram, self.eagle = ngram, eagle
@@ -130,7 +148,9 @@ class HybridDrafter(Drafter):
         self.eagle.start(prompt_ids, features, target_view)
         self._idle = 0
 
-    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+    def drafting(self, context: torch.Tensor, request: DraftRequest) -> Generator[HeadStep, HeadOutput, Proposal]:
+        """The cycle's choice (class docstring): the n-gram candidate at once, or the head's block
+        in steps (``EagleDrafter.drafting``)."""
         if request.budget <= 0:
             return Proposal.empty()
         rates: RateView = request.policy  # methods pairs this drafter with a CostAware policy
@@ -143,7 +163,10 @@ class HybridDrafter(Drafter):
                 self._idle += 1
                 return candidate  # the n-gram candidate (possibly empty): the head is not worth its cycle
         self._idle = 0
-        return self.eagle.propose(context, request)
+        return (yield from self.eagle.drafting(context, request))
+
+    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+        return run_steps(self.drafting(context, request), self.eagle.runner.step)
 
     def commit(self, committed_length: int) -> None:
         self.eagle.commit(committed_length)

@@ -98,6 +98,7 @@ class EagleTreeDrafter(EagleDrafter):
     coupled rule is argmax(log q + g)), so the tree follows the sampled text."""
 
     proposes = Shape.TREE
+    drafts_in_head_steps = False  # a tree's head passes attend along its paths: each sequence drafts its own
 
     def __init__(self, head, branching: int = BRANCHING, beam: int = BEAM):
         super().__init__(head)
@@ -110,7 +111,7 @@ class EagleTreeDrafter(EagleDrafter):
         max_depth = min(request.budget, policy.max_depth)
         if max_depth <= 0:
             return empty_tree("head")
-        h = self._catch_up(context)
+        h = self._caught_up(context)
         if h is None:
             return empty_tree("head")
         runner, ids = self.runner, self._draft_ids

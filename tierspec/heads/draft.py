@@ -332,6 +332,88 @@ class DraftHead(torch.nn.Module):
         return True
 
 
+@dataclass(frozen=True)
+class HeadStep:
+    """One drafting step a drafter asks of its head (``drafters.eagle.EagleDrafter.drafting``):
+    append positions to ``runner``'s cache — ``inputs`` [n, ·] (the target's features when
+    ``from_target``, else the head's own outputs h) with the next tokens ``next_tokens`` [n] —
+    and score the last of them; with no ``inputs`` (None), score the head output ``last`` [1, H]
+    as it is. Several sequences' steps run together (``run_head_steps``)."""
+
+    runner: "HeadRunner"
+    inputs: torch.Tensor | None
+    next_tokens: torch.Tensor | None = None
+    from_target: bool = False
+    last: torch.Tensor | None = None
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.inputs is None else int(self.inputs.shape[0])
+
+
+@dataclass(frozen=True)
+class HeadOutput:
+    """A step's result: the head's output at its last position ``last`` [1, H] and the draft
+    vocabulary's logits after it [K] (float32, CPU)."""
+
+    last: torch.Tensor
+    logits: torch.Tensor
+
+
+def run_head_steps(steps: list[HeadStep]) -> list[HeadOutput]:
+    """Every step's ``HeadOutput``, in order. The steps of one head on the pass engine run as one
+    engine pass (``EngineHead``'s products over all their rows at once, each sequence's attention
+    over its own cache, every row's logits in one product: ``_engine_steps``); a lone step, or a
+    head off the engine, runs as its runner's own ``step``."""
+    if len(steps) > 1 and all(step.runner.head is steps[0].runner.head for step in steps) \
+            and steps[0].runner.head.engine is not None:
+        return _engine_steps(steps)
+    return [step.runner.step(step) for step in steps]
+
+
+def _engine_steps(steps: list[HeadStep]) -> list[HeadOutput]:
+    """``run_head_steps`` for several steps of one engine head: what each ``HeadRunner.step``
+    computes, bitwise (the engine's products are row-independent; each sequence attends over its
+    own cache), in three calls for them all: W_fc, the layer, the LM-head rows."""
+    from ..cached_model import run_stack_rows
+    from ..engine import Segment
+
+    head = steps[0].runner.head
+    engine, config = head.engine, head.config
+    lasts: dict[int, torch.Tensor] = {i: step.last for i, step in enumerate(steps) if step.inputs is None}
+    extending = [(i, step) for i, step in enumerate(steps) if step.inputs is not None]
+    if extending:
+        inputs = torch.cat([engine.target_input(step.inputs) if step.from_target else step.inputs.float()
+                            for _, step in extending])
+        tokens = torch.cat([step.next_tokens.cpu() for _, step in extending])
+        with torch.no_grad():
+            embedded = head.embedding(tokens).float()
+        x = engine.fc(torch.cat((inputs, embedded), dim=-1))  # [R, H]
+        if engine.fc_bias is not None:
+            x = x + engine.fc_bias
+        rows, positions, tables, kept = [], [], [], []
+        first = 0
+        for _, step in extending:
+            cache, n = step.runner.cache, step.rows
+            start = cache.length
+            keys, values = cache.slots(start + n, config.num_kv_heads, config.head_dim)
+            table = torch.tensor([[keys.data_ptr(), values.data_ptr(), int(keys.shape[-2])]], dtype=torch.int64)
+            tables.append(table)  # [1, 3]: the head's one layer (kept alive until the call returns)
+            rows.append(Segment(first, n, start, table))
+            positions.append(torch.arange(start, start + n))
+            kept.append((first, n))
+            first += n
+        cos, sin = head.rotary.factors(torch.cat(positions), torch.float32)  # [R, 1, d] each
+        out = run_stack_rows(engine.stack, 0, 1, x.contiguous(), rows,
+                             cos.reshape(first, -1).contiguous(), sin.reshape(first, -1).contiguous(), bytes([3]))
+        h = head.norm(out)  # [R, H]
+        for (i, step), (row, n) in zip(extending, kept):
+            step.runner.cache.advance(n)
+            lasts[i] = h[row + n - 1 : row + n]
+    logits = engine.logits(torch.cat([lasts[i] for i in range(len(steps))]))  # [B, K]
+    return [HeadOutput(lasts[i], logits[i]) for i in range(len(steps))]
+
+
 class HeadRunner:
     """Runs a ``DraftHead`` incrementally at inference: ``extend`` appends positions (real or
     predicted features) to its cache and returns their outputs h; ``rollback`` drops positions.
@@ -381,6 +463,12 @@ class HeadRunner:
             positions = torch.arange(start, start + n, device=device)
         mask, keys = slot_mask(start, n, inputs.dtype, device, attends, row_multiple=1)
         return head(inputs[None], next_tokens[None], positions.to(device), self.cache, mask, keys)[0]
+
+    def step(self, step: HeadStep) -> HeadOutput:
+        """``step`` alone: ``extend`` by its inputs (if any), then the logits after the last output."""
+        last = step.last if step.inputs is None else \
+            self.extend(step.inputs, step.next_tokens, from_target=step.from_target)[-1:]
+        return HeadOutput(last, self.logits(last)[0])
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [n, K] (float32, on the CPU where the loop samples) for head

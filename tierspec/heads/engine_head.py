@@ -42,7 +42,7 @@ class EngineHead:
     ``DraftHead.forward`` does for a batch of one, ``logits`` what ``HeadRunner.logits`` does."""
 
     def __init__(self, head, target_head: QuantWeight):
-        from ..gguf_llama import FusedLayer
+        from ..gguf_llama import EngineStack, FusedLayer
 
         numerics = target_head.numerics
         self.head = head
@@ -65,6 +65,8 @@ class EngineHead:
         self.layer = FusedLayer(self._parts, SimpleNamespace(
             num_attention_heads=config.num_heads, num_key_value_heads=config.num_kv_heads, head_dim=config.head_dim,
             hidden_size=config.hidden_size, intermediate_size=config.intermediate_size, rms_norm_eps=config.rms_norm_eps))
+        # the layer as a stack of one: several sequences' steps in one batched call (heads.draft.run_head_steps)
+        self.stack = EngineStack([SimpleNamespace(fused=self.layer)]).capsule
         self.rows = target_head.select(head.draft_ids.cpu())
 
     @property

@@ -18,7 +18,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import ClassVar, Protocol
 
-from ..proposal import Proposal, Scores, Shape, Verdict
+from ..proposal import Proposal, Scores, Shape, Verdict, Walk
 from ..sampling import BlockNoise, SamplingConfig
 
 
@@ -44,6 +44,16 @@ class ScoreRule(VerificationRule):
     @abstractmethod
     def decide(self, proposal: Proposal, scores: Scores, sampling: SamplingConfig, noise: BlockNoise | None) -> Verdict:
         """The verdict on ``proposal`` from the target's ``scores`` of it (rows by node)."""
+
+    def walks_by_target_tokens(self, proposal: Proposal, sampling: SamplingConfig) -> bool:
+        """Whether the verdict on ``proposal`` is the walk that keeps drafts while they equal the
+        target's own tokens (``walks.match_walk``), so a cycle may decide it beside other
+        sequences' in one step (``walks.chain_batch_walks``) and hand it to ``verdict``."""
+        return False
+
+    def verdict(self, walk: Walk) -> Verdict:
+        """The verdict of a walk decided by the target's own tokens (``walks_by_target_tokens``)."""
+        raise NotImplementedError(f"the rule '{self.name}' does not decide by the target's tokens")
 
 
 class VerifierTiers(Protocol):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
-from ..proposal import DRAFTER, TARGET, Proposal, Scores, Shape, Verdict
+from ..proposal import DRAFTER, TARGET, Proposal, Scores, Shape, Verdict, Walk
 from ..sampling import BlockNoise, SamplingConfig
 from ..walks import check_sampling_rule, exact_walk
 from .base import ScoreRule
@@ -47,7 +47,12 @@ class ExactRule(ScoreRule):
         self.sampling_rule = check_sampling_rule(sampling_rule)
 
     def decide(self, proposal: Proposal, scores: Scores, sampling: SamplingConfig, noise: BlockNoise | None) -> Verdict:
-        walk = exact_walk(proposal, scores.logits, sampling, noise, self.sampling_rule)
+        return self.verdict(exact_walk(proposal, scores.logits, sampling, noise, self.sampling_rule))
+
+    def walks_by_target_tokens(self, proposal: Proposal, sampling: SamplingConfig) -> bool:
+        return proposal.is_chain and (sampling.greedy or self.sampling_rule == "coupled")
+
+    def verdict(self, walk: Walk) -> Verdict:
         return Verdict(walk.path, walk.next_token, [DRAFTER] * walk.accepted + [TARGET])
 
     @property

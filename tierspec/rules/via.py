@@ -134,7 +134,9 @@ class ViaRule(TieredRule):
         # could push the lag past the cap.
         if tiers.target_lag + k + 1 > self.max_target_lag:
             full.probs()
-        accept = lambda i: acceptance_probability(p[i, tokens[i]], pi(i)[tokens[i]])  # noqa: E731
+        def accept(i: int) -> torch.Tensor:
+            return acceptance_probability(p[i, tokens[i]], pi(i)[tokens[i]])
+
         walk = acceptance_walk(k, accept, lambda i, passed: residual_distribution(pi(i), p[i]), lambda: pi(k), noise, keep)
         return Verdict(walk.path, walk.next_token, deciders + [tier(walk.accepted)])
 

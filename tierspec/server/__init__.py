@@ -10,20 +10,21 @@ How a request flows, one module per step:
 
     app.py      handler (event loop)   read the body (≤ max_request_bytes, else 413)
     parsing.py  prepare (a thread)     parse the JSON, validate strictly, tokenise, check the context
-    engine.py   Engine.submit          queue the job, or 503 when the queue is full
-                the worker thread      one generation at a time; typed events back to the
-                                       handler: Started, TextPiece…, Finished | Failed
+    scheduler.py  Scheduler.submit     queue the job, or 503 when the queue is full
+                the worker thread      one executor: the batch's cycles over every admitted
+                                       generation; typed events back to the handler: Started,
+                                       TextPiece…, ChoiceDone…, Finished | Failed
     app.py      the endpoint's format  one JSON response, or one SSE chunk per event
 
 A client that leaves cancels its request: a waiting one leaves the queue at once, a running
 one stops at its next cycle. On shutdown (SIGTERM, SIGINT) the server stops accepting, turns
-waiting requests away with 503 and stops the running one at its next cycle with a
+waiting requests away with 503 and stops the running ones at their next cycle with a
 well-formed ending. Every error answers with OpenAI's body,
 ``{"error": {"message", "type", "param", "code"}}``.
 """
 
 from .app import DEFAULT_MAX_REQUEST_BYTES, create_app, listen, serve, serving_in_background
-from .engine import ApiError, Engine, StopMatcher
+from .scheduler import ApiError, Scheduler, StopMatcher
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ApiError", "Engine", "StopMatcher", "create_app", "listen", "serve",
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ApiError", "Scheduler", "StopMatcher", "create_app", "listen", "serve",
            "serving_in_background"]

@@ -1,4 +1,4 @@
-"""The HTTP side of ``tierspec serve``: module-level handlers over the ``Engine`` (kept on the
+"""The HTTP side of ``tierspec serve``: module-level handlers over the ``Scheduler`` (kept on the
 application's state), one response format per endpoint, and running the server under uvicorn."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..decode import GenerationStats
 from ..errors import TierspecError
-from .engine import CLIENT_LEFT, ApiError, ChoiceDone, Engine, Failed, Finished, Job, TextPiece, shutting_down
+from .scheduler import CLIENT_LEFT, ApiError, ChoiceDone, Failed, Finished, Job, Scheduler, TextPiece, shutting_down
 from .parsing import ChatRequest, CompletionRequest, GenerationRequest, prepare
 
 #: Bodies above this many bytes get 413 (``--max-request-bytes``). A prompt filling a whole
@@ -234,41 +234,41 @@ class Reply:
 # ---- handlers ------------------------------------------------------------------------------------
 
 
-def _engine(request: Request) -> Engine:
-    return request.app.state.engine
+def _scheduler(request: Request) -> Scheduler:
+    return request.app.state.scheduler
 
 
 async def health(request: Request) -> JSONResponse:
-    return JSONResponse(_engine(request).health())
+    return JSONResponse(_scheduler(request).health())
 
 
-def _model_card(engine: Engine) -> dict:
-    return {"id": engine.model_name, "object": "model", "created": 0, "owned_by": "tierspec"}
+def _model_card(scheduler: Scheduler) -> dict:
+    return {"id": scheduler.model_name, "object": "model", "created": 0, "owned_by": "tierspec"}
 
 
 async def models(request: Request) -> JSONResponse:
-    return JSONResponse({"object": "list", "data": [_model_card(_engine(request))]})
+    return JSONResponse({"object": "list", "data": [_model_card(_scheduler(request))]})
 
 
 async def model(request: Request) -> JSONResponse:
     """``GET /v1/models/{id}`` (``models.retrieve``): the served model, else 404."""
-    engine, name = _engine(request), request.path_params["model"]
-    if name != engine.model_name:
-        raise ApiError(404, f"model '{name}' is not served here; this server serves '{engine.model_name}'", "model",
+    scheduler, name = _scheduler(request), request.path_params["model"]
+    if name != scheduler.model_name:
+        raise ApiError(404, f"model '{name}' is not served here; this server serves '{scheduler.model_name}'", "model",
                        kind="not_found_error")
-    return JSONResponse(_model_card(engine))
+    return JSONResponse(_model_card(scheduler))
 
 
 async def tokenizer_info(request: Request) -> JSONResponse:
     """``GET /tokenizer_info`` (vLLM's): what a client tokenising through the server needs (lm-eval's
     ``remote`` tokenizer backend finds it and then needs no tokenizer of its own)."""
-    engine = _engine(request)
-    tokenizer = engine.target.tokenizer
+    scheduler = _scheduler(request)
+    tokenizer = scheduler.target.tokenizer
     return JSONResponse({"eos_token": getattr(tokenizer, "eos_token", None),
                          "bos_token": getattr(tokenizer, "bos_token", None),
                          "pad_token": getattr(tokenizer, "pad_token", None),
                          "chat_template": getattr(tokenizer, "chat_template", None),
-                         "model_max_length": engine.context})
+                         "model_max_length": scheduler.context})
 
 
 class _TokenizeRequest(BaseModel):
@@ -296,24 +296,24 @@ def _small_body(raw: bytes, request_model: type[BaseModel]) -> BaseModel:
 async def tokenize(request: Request) -> JSONResponse:
     """``POST /tokenize`` (vLLM's): ``{"prompt", "add_special_tokens"}`` → ``{"tokens", "count",
     "max_model_len"}`` with the served model's tokenizer (no chat template)."""
-    engine = _engine(request)
+    scheduler = _scheduler(request)
     body = _small_body(await _read_body(request, request.app.state.max_request_bytes, request.app.state.body_timeout),
                        _TokenizeRequest)
-    tokens = (await run_in_threadpool(engine.target.tokenizer, body.prompt,
+    tokens = (await run_in_threadpool(scheduler.target.tokenizer, body.prompt,
                                       add_special_tokens=body.add_special_tokens))["input_ids"]
-    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": engine.context})
+    return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": scheduler.context})
 
 
 async def detokenize(request: Request) -> JSONResponse:
     """``POST /detokenize`` (vLLM's): ``{"tokens"}`` → ``{"prompt"}``."""
-    engine = _engine(request)
+    scheduler = _scheduler(request)
     body = _small_body(await _read_body(request, request.app.state.max_request_bytes, request.app.state.body_timeout),
                        _DetokenizeRequest)
-    vocab_size = engine.target.vocab_size
+    vocab_size = scheduler.target.vocab_size
     bad = [token for token in body.tokens if not 0 <= token < vocab_size]
     if bad:
         raise ApiError(400, f"token id {bad[0]} is outside the model's vocabulary (0 .. {vocab_size - 1})", "tokens")
-    return JSONResponse({"prompt": engine.target.tokenizer.decode(body.tokens)})
+    return JSONResponse({"prompt": scheduler.target.tokenizer.decode(body.tokens)})
 
 
 async def completions(request: Request):
@@ -328,27 +328,27 @@ async def _answer(request: Request, endpoint: Endpoint):
     """Prepare the request off the event loop, queue it, and answer in ``endpoint``'s format:
     one JSON response, or server-sent events once the generation has started (until then an
     error still gets its own status)."""
-    engine = _engine(request)
+    scheduler = _scheduler(request)
     raw = await _read_body(request, request.app.state.max_request_bytes, request.app.state.body_timeout)
     async with request.app.state.preparing:
         try:
-            body, job = await run_in_threadpool(prepare, engine, endpoint.request_model, raw,
+            body, job = await run_in_threadpool(prepare, scheduler, endpoint.request_model, raw,
                                                 asyncio.get_running_loop())
         except ApiError as error:
             if error.status == 400:
-                engine.count_invalid()
+                scheduler.count_invalid()
             raise
-    engine.submit(job)
+    scheduler.submit(job)
     prompt_tokens = sum(len(ids) for ids in {c.prompt: c.prompt_ids for c in job.choices}.values())
-    reply = Reply(endpoint, engine.model_name, prompt_tokens, body.include_usage, request.app.state.token_texts,
+    reply = Reply(endpoint, scheduler.model_name, prompt_tokens, body.include_usage, request.app.state.token_texts,
                   body.logprobs_count() is not None)
-    async with _cancelled_if_the_client_leaves(request, engine, job):
+    async with _cancelled_if_the_client_leaves(request, scheduler, job):
         event = await job.events.get()
         if isinstance(event, Failed):
             raise event.error
         if not body.stream:
             return JSONResponse(await _whole(job, reply))
-    return StreamingResponse(_chunks(job, engine, reply, [c.index for c in job.choices]),
+    return StreamingResponse(_chunks(job, scheduler, reply, [c.index for c in job.choices]),
                              media_type="text/event-stream")
 
 
@@ -383,14 +383,14 @@ async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
 
 
 @contextlib.asynccontextmanager
-async def _cancelled_if_the_client_leaves(request: Request, engine: Engine, job: Job):
+async def _cancelled_if_the_client_leaves(request: Request, scheduler: Scheduler, job: Job):
     """While the handler waits on ``job``, a disconnect cancels it, and a Failed(499) event lets
     the handler return at once (nobody reads its answer)."""
 
     async def watch():
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        engine.cancel(job, CLIENT_LEFT)
+        scheduler.cancel(job, CLIENT_LEFT)
         job.events.put_nowait(Failed(ApiError(499, "the client disconnected")))
 
     watcher = asyncio.create_task(watch())
@@ -415,7 +415,7 @@ async def _whole(job: Job, reply: Reply) -> dict:
                 return reply.whole(done)
 
 
-async def _chunks(job: Job, engine: Engine, reply: Reply, indices: list[int]):
+async def _chunks(job: Job, scheduler: Scheduler, reply: Reply, indices: list[int]):
     """The server-sent events of a started job, always ending with ``data: [DONE]``; a client
     that goes away (the response task is cancelled) cancels the job. A choice's last chunk
     carries its ``finish_reason``; a shutdown ends the choices not yet done with "length"."""
@@ -448,7 +448,7 @@ async def _chunks(job: Job, engine: Engine, reply: Reply, indices: list[int]):
         yield "data: [DONE]\n\n"
     finally:
         if not ended:
-            engine.cancel(job, CLIENT_LEFT)
+            scheduler.cancel(job, CLIENT_LEFT)
 
 
 def _json_error(error: ApiError) -> JSONResponse:
@@ -469,9 +469,9 @@ async def _internal_error(request: Request, error: Exception) -> JSONResponse:
     return _json_error(ApiError(500, f"internal error: {type(error).__name__}", kind="server_error"))
 
 
-def create_app(engine: Engine, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+def create_app(scheduler: Scheduler, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                body_timeout: float = DEFAULT_BODY_TIMEOUT) -> Starlette:
-    """The ASGI application serving ``engine`` (uvicorn runs it: ``serve``)."""
+    """The ASGI application serving ``scheduler`` (uvicorn runs it: ``serve``)."""
     if max_request_bytes < 1:
         raise TierspecError(f"max_request_bytes must be >= 1, got {max_request_bytes}")
     if not body_timeout > 0:
@@ -485,9 +485,9 @@ def create_app(engine: Engine, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTE
                 Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"])],
         exception_handlers={ApiError: _api_error, HTTPException: _http_error, Exception: _internal_error},
     )
-    app.state.engine, app.state.max_request_bytes, app.state.body_timeout = engine, max_request_bytes, body_timeout
+    app.state.scheduler, app.state.max_request_bytes, app.state.body_timeout = scheduler, max_request_bytes, body_timeout
     app.state.preparing = asyncio.Semaphore(PREPARING_AT_ONCE)
-    app.state.token_texts = TokenTexts(engine.target.tokenizer)
+    app.state.token_texts = TokenTexts(scheduler.target.tokenizer)
     return app
 
 
@@ -526,16 +526,16 @@ class _JsonErrorsH11Protocol(H11Protocol):
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server around an engine: on shutdown it stops the engine's requests before
+    """uvicorn's server around a scheduler: on shutdown it stops the scheduler's requests before
     waiting for their connections, and the signal that stopped it is recorded instead of
     re-raised (a server that ended every request well exits 0)."""
 
-    def __init__(self, engine: Engine, log_level: str, max_request_bytes: int,
+    def __init__(self, scheduler: Scheduler, log_level: str, max_request_bytes: int,
                  body_timeout: float = DEFAULT_BODY_TIMEOUT):
-        # The graceful-shutdown timeout is a backstop only: the engine ends every request within a cycle.
-        super().__init__(uvicorn.Config(create_app(engine, max_request_bytes, body_timeout), log_level=log_level,
+        # The graceful-shutdown timeout is a backstop only: the scheduler ends every request within a cycle.
+        super().__init__(uvicorn.Config(create_app(scheduler, max_request_bytes, body_timeout), log_level=log_level,
                                         lifespan="off", timeout_graceful_shutdown=30, http=_JsonErrorsH11Protocol))
-        self.engine = engine
+        self.scheduler = scheduler
         self.stopped_by: str | None = None
 
     def handle_exit(self, sig: int, frame) -> None:
@@ -546,22 +546,22 @@ class _Server(uvicorn.Server):
             self.should_exit = True
 
     async def shutdown(self, sockets=None) -> None:
-        self.engine.stop()
+        self.scheduler.stop()
         await super().shutdown(sockets)
 
 
-def serve(engine: Engine, sock: socket.socket, log_level: str = "info",
+def serve(scheduler: Scheduler, sock: socket.socket, log_level: str = "info",
           max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, body_timeout: float = DEFAULT_BODY_TIMEOUT) -> None:
-    """Serve ``engine`` on ``sock`` (from ``listen``) until SIGINT or SIGTERM; then every open
+    """Serve ``scheduler`` on ``sock`` (from ``listen``) until SIGINT or SIGTERM; then every open
     request gets a well-formed ending (see the module's docstring), a line on stderr says how
     the server stopped and what became of its requests, and this returns.
 
     The server's own signal handler stays installed after uvicorn restores the handlers it found
-    (they are the server's too, set here first): a second SIGTERM during the teardown (the engine
+    (they are the server's too, set here first): a second SIGTERM during the teardown (the scheduler
     closing, the closing line) is one more request to stop, not the default action that killed
     the process with 143. (``tierspec serve`` ignores signals once this returns: the interpreter
     resets Python handlers to the default as it exits.)"""
-    server = _Server(engine, log_level, max_request_bytes, body_timeout)
+    server = _Server(scheduler, log_level, max_request_bytes, body_timeout)
     main_thread = threading.current_thread() is threading.main_thread()
     if main_thread:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -569,9 +569,9 @@ def serve(engine: Engine, sock: socket.socket, log_level: str = "info",
     try:
         server.run(sockets=[sock])
     finally:
-        engine.close()
+        scheduler.close()
     if server.started:
-        counts = engine.health()
+        counts = scheduler.health()
         how = f"stopped on {server.stopped_by}" if server.stopped_by else "stopped"
         print(f"tierspec serve: {how}; requests: {counts['completed']} completed, {counts['interrupted']} ended by the "
               f"shutdown, {counts['cancelled']} cancelled and {counts['withdrawn']} withdrawn by their clients, "
@@ -580,15 +580,15 @@ def serve(engine: Engine, sock: socket.socket, log_level: str = "info",
 
 
 @contextlib.contextmanager
-def serving_in_background(engine: Engine, host: str = "127.0.0.1", log_level: str = "warning",
+def serving_in_background(scheduler: Scheduler, host: str = "127.0.0.1", log_level: str = "warning",
                           start_timeout: float = 30.0, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
                           body_timeout: float = DEFAULT_BODY_TIMEOUT) -> Iterator[int]:
-    """Serve ``engine`` from a background thread of this process on a free port of ``host``
+    """Serve ``scheduler`` from a background thread of this process on a free port of ``host``
     (tests, the load benchmark); yields the port, and on exit shuts the server down as a
-    signal would and closes the engine."""
+    signal would and closes the scheduler."""
     sock = listen(host, 0)
     port = sock.getsockname()[1]
-    server = _Server(engine, log_level, max_request_bytes, body_timeout)
+    server = _Server(scheduler, log_level, max_request_bytes, body_timeout)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout
@@ -602,4 +602,4 @@ def serving_in_background(engine: Engine, host: str = "127.0.0.1", log_level: st
     finally:
         server.should_exit = True
         thread.join(timeout=60)
-        engine.close()
+        scheduler.close()

@@ -1,4 +1,4 @@
-"""A request body → a job for the engine: strict request models (a wrong type is refused, never
+"""A request body → a job for the scheduler: strict request models (a wrong type is refused, never
 coerced; unknown fields are refused), JSON parsing, tokenisation and the context check. All of
 it is CPU work: the handlers run ``prepare`` on a thread, off the event loop."""
 
@@ -21,7 +21,7 @@ from ..models import LoadedModel
 from ..modifiers import BIAS_RANGE, PENALTY_RANGE, LogitModifiers
 from ..prompting import encode_messages, encode_prompt
 from ..sampling import SamplingConfig
-from .engine import ApiError, Choice, Engine, Job
+from .scheduler import ApiError, Choice, Job, Scheduler
 
 #: Most choices one request may ask for (prompts × ``n``): each is a generation of its own.
 MAX_CHOICES = 128
@@ -333,7 +333,7 @@ def choice_seed(seed: int | None, index: int) -> int | None:
     return int.from_bytes(digest, "little", signed=True)
 
 
-def prepare(engine: Engine, request_model: type[GenerationRequest], raw: bytes,
+def prepare(engine: Scheduler, request_model: type[GenerationRequest], raw: bytes,
             loop: asyncio.AbstractEventLoop) -> tuple[GenerationRequest, Job]:
     """The request in ``raw`` and its job: parsed, validated, tokenised and checked against the
     model's context. CPU work (a large prompt takes seconds): run it off the event loop."""
@@ -382,8 +382,12 @@ def prepare(engine: Engine, request_model: type[GenerationRequest], raw: bytes,
         if room is not None and max_tokens > room:
             raise ApiError(400, f"max_tokens {max_tokens} + the {len(prompt_ids)} tokens of {where} exceed the "
                            f"model's context of {engine.context}", "max_tokens")
-        config = DecodeConfig(max_new_tokens=max(1, max_tokens), sampling=sampling, eos_token_ids=engine.eos,
-                              modifiers=modifiers, logprobs=logprobs, score_prompt=score_prompt)
+        try:
+            config = DecodeConfig(max_new_tokens=max(1, max_tokens), sampling=sampling, eos_token_ids=engine.eos,
+                                  modifiers=modifiers, logprobs=logprobs, score_prompt=score_prompt,
+                                  num_draft=body.num_draft)
+        except TierspecError as error:
+            raise ApiError(400, str(error), "num_draft" if "num_draft" in str(error) else None) from None
         echo_text = None
         if getattr(body, "echo", False):
             prompt = body.prompts()[p]
@@ -391,4 +395,4 @@ def prepare(engine: Engine, request_model: type[GenerationRequest], raw: bytes,
         for i in range(body.n):
             choices.append(Choice(p * body.n + i, p, prompt_ids, choice_seed(seed, i), config,
                                   score_only=max_tokens == 0, echo_text=echo_text))
-    return body, Job(choices, method, body.num_draft, body.stop or [], loop)
+    return body, Job(choices, method, body.stop or [], loop)

@@ -1,9 +1,9 @@
 """A request's ``response_format``, ``tools``, ``tool_choice`` and ``parallel_tool_calls`` →
-what the engine constrains the reply to, checked and compiled while the request is parsed, so
+what the scheduler constrains the reply to, checked and compiled while the request is parsed, so
 that an unsupported schema or a bad tool is a 400 naming the field before any work starts.
 
 Phase 2 of issue 39 wires this into ``parsing.prepare`` (the request models keep the raw JSON of
-these fields) and the engine (the compiled grammar rides on each choice; ``tools`` rewrite the
+these fields) and the scheduler (the compiled grammar rides on each choice; ``tools`` rewrite the
 messages with ``structured.with_tools`` and the reply is read back with ``parse_tool_reply``).
 """
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from ..grammar import CompiledGrammar, GrammarError, compile_grammar
 from ..structured import ResponseFormat, StructuredError, ToolConfig, parse_response_format, parse_tools, reply_grammar
-from .engine import ApiError
+from .scheduler import ApiError
 
 
 @dataclass(frozen=True)

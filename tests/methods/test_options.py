@@ -1,0 +1,197 @@
+"""Every option honoured or refused (issue 37, item 3).
+
+For every method option: a method that uses it shows its value in the parts a generation runs
+with, and a method that does not use it refuses it (with a drafter model too). ``num_draft``, the
+option the default method used to ignore, sizes the cost-aware methods' drafts through the API,
+the command line and the server alike, and is refused by the methods it cannot size."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+from conftest import shared_fixture, tiny_llama
+
+import tierspec
+from tierspec.decode import DecodeConfig, DecodeRun
+from tierspec.heads.draft import DraftHead
+from tierspec.heads.judge import JudgeHead
+from tierspec.layerskip.masks import RoutingMask
+from tierspec.methods import MethodOptionError, MethodOptions, build_method, option_fields
+
+pytestmark = pytest.mark.usefixtures("pinned_pass_costs")  # tests/conftest.py
+
+MASK = RoutingMask.from_units(4, "sublayer", [("mlp", 1), ("attn", 2)])
+PROMPT = torch.tensor([5, 9, 13, 5, 9, 13, 7, 21, 5, 9, 13, 7, 3, 30, 41])
+
+
+target = shared_fixture("target", "sampling_target")
+own_target = shared_fixture("own_target", "sampling_own_target")
+
+
+@pytest.fixture(scope="module")
+def heads(target):
+    hidden = target.identity.hidden_size
+    judge = JudgeHead(torch.randn(hidden, generator=torch.Generator().manual_seed(1)), 0.0, torch.zeros(hidden),
+                      torch.ones(hidden), "hidden", 0.5, target.identity)
+    return {"draft": DraftHead.for_target(target, torch.arange(0, 64, 2), seed=3).eval(), "judge": judge}
+
+
+def _parts(method):
+    parts = method.generation()
+    return parts.drafter, parts.policy, parts.rule
+
+
+#: Per option: (a method that uses it, the value, the other options it needs, what a generation's
+#: parts show of the value). Every option of ``MethodOptions`` has a row.
+USES = {
+    "num_draft": ("adaptive-pld", 3, {}, lambda d, p, r: p.max_draft == 3),
+    "ngram_size": ("pld", 2, {}, lambda d, p, r: d.ngram_size == 2),
+    "mask": ("self", MASK, {}, lambda d, p, r: d.mask is MASK),
+    "confidence_threshold": ("self", 0.5, {"mask": MASK}, lambda d, p, r: p.threshold == 0.5),
+    "swift_ratio": ("swift", 0.3, {}, lambda d, p, r: d.ratio == 0.3),
+    "clasp_ratio": ("clasp", 0.3, {}, lambda d, p, r: d.ratio == 0.3),
+    "clasp_interval": ("clasp", 4, {}, lambda d, p, r: d.interval == 4),
+    "pearl_gamma": ("pearl", 2, {"mask": MASK}, lambda d, p, r: d.gamma == 2 and p.max_draft == 3),
+    "pearl_threads": ("pearl", 0, {"mask": MASK}, lambda d, p, r: d.threads == 0),
+    "drafter_kind": ("lossy", "self", {"draft_mask": MASK}, lambda d, p, r: type(d).__name__ == "SelfSpeculativeDrafter"),
+    "draft_mask": ("lossy", MASK, {"drafter_kind": "self"}, lambda d, p, r: d.mask is MASK),
+    "draft_head": ("eagle", "draft", {}, lambda d, p, r: d.head is not None),
+    "alpha": ("lossy", 0.2, {}, lambda d, p, r: r.alpha == 0.2),
+    "beta": ("lossy", 0.5, {}, lambda d, p, r: r.beta == 0.5),
+    "fallback": ("bild", 0.5, {}, lambda d, p, r: p.threshold == 0.5),
+    "rollback": ("bild", 2.0, {}, lambda d, p, r: r.rollback == 2.0),
+    "deferral": ("cascade", "chow", {}, lambda d, p, r: r.deferral == "chow"),
+    "alpha1": ("via", 0.4, {"mask": MASK}, lambda d, p, r: r.alpha1 == 0.4),
+    "alpha2": ("via", 0.4, {"mask": MASK}, lambda d, p, r: r.alpha2 == 0.4),
+    "max_target_lag": ("via", 3, {"mask": MASK}, lambda d, p, r: r.max_target_lag == 3),
+    "csd_model_positions": ("csd", 2, {}, lambda d, p, r: d.model_positions == 2),
+    "csd_inner_draft": ("csd", 2, {}, lambda d, p, r: d.inner_draft == 2),
+    "judge_head": ("judge", "judge", {}, lambda d, p, r: r.head is not None),
+    "judge_threshold": ("judge", 0.3, {"judge_head": "judge"}, lambda d, p, r: r.threshold == 0.3),
+    "sampling_rule": ("pld", "residual", {}, lambda d, p, r: r.sampling_rule == "residual"),
+    "slim_vocabulary": ("via", "draft-head", {"mask": MASK, "draft_head": "draft"}, lambda d, p, r: True),
+}
+
+
+def test_every_option_has_a_row():
+    assert set(USES) == {option.name for option in option_fields()}
+
+
+def _options(heads, **values) -> MethodOptions:
+    named = {"draft": heads["draft"], "judge": heads["judge"]}
+    return MethodOptions(**{k: named.get(v, v) if isinstance(v, str) else v for k, v in values.items()})
+
+
+@pytest.mark.parametrize("option", list(USES))
+def test_an_option_shows_in_the_parts_of_a_method_that_uses_it(option, target, own_target, heads):
+    name, value, needs, shows = USES[option]
+    model = own_target if name == "clasp" else target
+    method = build_method(name, model, None, _options(heads, **{**needs, option: value}))
+    assert shows(*_parts(method))
+    if option == "slim_vocabulary":
+        assert method.slim_vocabulary is not None
+
+
+@pytest.mark.parametrize("option", list(USES))
+def test_a_method_that_does_not_use_an_option_refuses_it(option, target, heads):
+    _, value, _, _ = USES[option]
+    # pld uses num_draft, ngram_size and sampling_rule: ar uses neither of the first two, a lossy rule no sampling rule
+    other = {"num_draft": "ar", "sampling_rule": "lossy", "ngram_size": "ar"}.get(option, "pld")
+    with pytest.raises(MethodOptionError, match=f"does not use {option}|takes no num_draft"):
+        build_method(other, target, None, _options(heads, **{option: value}))
+    build_method(other, target, None, _options(heads, **{option: value}), strict=False)  # a server's pooled options
+
+
+def test_a_drafter_model_a_method_never_drafts_with_is_refused(target):
+    drafter = tiny_llama(seed=22, layers=1, sharpness=6.0, dtype=torch.float32)
+    for name in ("pld", "ar", "adaptive-pld"):
+        with pytest.raises(MethodOptionError, match="drafts without a drafter model"):
+            build_method(name, target, drafter)
+    for name in ("sd", "adaptive-sd", "csd"):
+        build_method(name, target, drafter)
+    build_method("lossy", target, drafter)  # auto: the drafter model
+    with pytest.raises(MethodOptionError, match="drafts without a drafter model"):
+        build_method("lossy", target, drafter, MethodOptions(drafter_kind="ngram"))
+
+
+# ---- num_draft on every face ------------------------------------------------------------------------
+
+
+def _longest_drafts(target, method, num_draft, temperature=0.0) -> int:
+    config = DecodeConfig(max_new_tokens=40, sampling=tierspec.SamplingConfig(temperature), num_draft=num_draft)
+    return max(len(step.proposal) for step in DecodeRun(target, method, PROMPT, config, seed=3))
+
+
+@pytest.mark.parametrize("name", ["hybrid", "eagle", "adaptive-pld", "pld", "sd", "self", "eagle-tree"])
+def test_num_draft_sizes_each_generation_of_one_method(name, target, own_target, heads):
+    """One method object, generations with num_draft 1 and 6: the drafts follow each (the issue's
+    finding: --num-draft 1 and 8 drafted the same tokens with hybrid)."""
+    model = own_target if name.endswith("-tree") else target
+    options = {"draft_head": DraftHead.for_target(model, torch.arange(0, 64, 2), seed=3).eval()} \
+        if name in ("hybrid", "eagle", "eagle-tree") else {}
+    if name == "self":
+        options.update(mask=MASK, confidence_threshold=0.0)
+    drafter = tiny_llama(seed=22, layers=1, sharpness=6.0, dtype=torch.float32) if name == "sd" else None
+    method = build_method(name, model, drafter, MethodOptions(**options))
+    short, long = _longest_drafts(model, method, 1), _longest_drafts(model, method, 6)
+    if name.endswith("-tree"):  # a tree's num_draft is its depth
+        config = DecodeConfig(max_new_tokens=40, num_draft=1)
+        assert max(s.proposal.tree.depth for s in DecodeRun(model, method, PROMPT, config)) <= 1
+    else:
+        assert short <= 1
+    assert long <= 6 and method.generation(6).policy.max_draft == 6
+    if name not in ("eagle", "eagle-tree"):  # an untrained head's drafts need not pay for its policy
+        assert long > 1
+    assert _longest_drafts(model, method, 0) == 0  # num_draft 0: plain decoding
+
+
+@pytest.mark.parametrize("name", ["ar", "pearl"])
+def test_num_draft_is_refused_where_it_cannot_size_the_drafts(name, target):
+    method = build_method(name, target, None, MethodOptions(mask=MASK) if name == "pearl" else MethodOptions())
+    with pytest.raises(MethodOptionError, match="takes no num_draft"):
+        _longest_drafts(target, method, 3)
+    with pytest.raises(MethodOptionError, match="takes no num_draft"):
+        build_method(name, target, None, MethodOptions(num_draft=3, **({"mask": MASK} if name == "pearl" else {})))
+
+
+def test_the_api_honours_num_draft(target):
+    """``generate(num_draft=...)`` sizes the default cost-aware method's drafts."""
+    drafted = {}
+    for num_draft in (1, 6):
+        out = tierspec.generate(PROMPT.tolist(), target=target, method="adaptive-pld", num_draft=num_draft,
+                                max_new_tokens=40)
+        drafted[num_draft] = len(out.stats.acceptance_by_position())
+    assert drafted[1] <= 1 < drafted[6] <= 6
+    with pytest.raises(MethodOptionError, match="takes no num_draft"):
+        tierspec.generate(PROMPT.tolist(), target=target, method="ar", num_draft=2, max_new_tokens=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'num_drafts'"):
+        tierspec.generate(PROMPT.tolist(), target=target, method="pld", num_drafts=2)
+
+
+def test_generate_and_stream_take_the_one_declaration_of_their_settings():
+    import inspect
+
+    from tierspec.api import GenerationSettings
+
+    declared = [field.name for field in dataclasses.fields(GenerationSettings)]
+    for function in (tierspec.generate, tierspec.stream):
+        assert list(inspect.signature(function).parameters)[1:] == declared
+
+
+def test_the_command_line_honours_num_draft(monkeypatch, capsys, target):
+    from conftest import char_tokenizer
+
+    from tierspec import cli
+
+    speaking = dataclasses.replace(target, tokenizer=char_tokenizer())
+    monkeypatch.setattr("tierspec.models.load_model", lambda spec, *a, **k: speaking)
+    lengths = {}
+    for num_draft in ("1", "6"):
+        assert cli.main(["generate", "abcabcabcabcabcabc", "--method", "adaptive-pld", "--num-draft", num_draft,
+                         "--max-new-tokens", "40", "--stats", "--no-chat-template"]) == 0
+        stats = json.loads(capsys.readouterr().err.strip().splitlines()[-1])
+        lengths[num_draft] = len(stats["acceptance_by_position"])
+    assert lengths["1"] <= 1 < lengths["6"]

@@ -1,0 +1,64 @@
+"""The chains of a whole batch decided in one step (``walks.chain_batch_walks``, flat tensors in
+the manner of vLLM v1's rejection sampler) give bitwise the walks each sequence gets alone
+(``walks.exact_walk``): planted batches of mixed draft lengths, greedy and sampled sequences,
+temperatures, top-k and top-p, drafts that are all right, all wrong or right up to a point."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tierspec.proposal import Proposal
+from tierspec.sampling import Noise, SamplingConfig
+from tierspec.walks import ChainBatch, chain_batch_walks, exact_walk, target_row_tokens
+
+SAMPLINGS = [SamplingConfig(), SamplingConfig(1.0), SamplingConfig(0.7, top_k=5), SamplingConfig(1.3, top_p=0.8),
+             SamplingConfig(1.0)]
+
+
+def planted_batch(vocab: int, drafts_per_sequence: list[int], seed: int):
+    """Per sequence: logits [k + 1, V], its sampling, its block noise, and drafts planted to agree
+    with the target's own tokens up to a chosen point (all, none, or some)."""
+    generator = torch.Generator().manual_seed(seed)
+    sequences = []
+    for index, k in enumerate(drafts_per_sequence):
+        logits = torch.randn(k + 1, vocab, generator=generator) * 3
+        sampling = SAMPLINGS[index % len(SAMPLINGS)]
+        noise = None if sampling.greedy else Noise(seed * 100 + index, vocab).block(40 + index)
+        own = torch.from_numpy(target_row_tokens(ChainBatch(torch.zeros(k, dtype=torch.long), [k], logits, [sampling],
+                                                            [noise])))
+        agree = [k, 0, k // 2, 1][index % 4]  # drafts 0 .. agree − 1 are the target's own tokens
+        drafts = own[:k].clone()
+        drafts[agree:] = (drafts[agree:] + 1) % vocab
+        sequences.append((Proposal.chain(drafts), logits, sampling, noise))
+    return sequences
+
+
+@pytest.mark.parametrize("vocab", [64, 61, 49152])  # 61: rows whose length is not a multiple of any vector width
+@pytest.mark.parametrize("drafts_per_sequence", [[3], [0, 0, 0], [4, 0, 2, 7, 1], [5, 5, 5, 5, 5, 5, 5, 5]])
+def test_a_batch_decided_at_once_is_each_sequence_decided_alone(vocab, drafts_per_sequence):
+    sequences = planted_batch(vocab, drafts_per_sequence, seed=len(drafts_per_sequence) + vocab)
+    batch = ChainBatch(torch.cat([p.tokens for p, _, _, _ in sequences]), [len(p) for p, _, _, _ in sequences],
+                       torch.cat([logits for _, logits, _, _ in sequences]), [s for _, _, s, _ in sequences],
+                       [n for _, _, _, n in sequences])
+    together = chain_batch_walks(batch)
+    alone = [exact_walk(p, logits, sampling, noise) for p, logits, sampling, noise in sequences]
+    assert [(w.path, w.next_token) for w in together] == [(w.path, w.next_token) for w in alone]
+    # the planted agreement shows: all kept, none, half, one
+    for index, (walk, k) in enumerate(zip(together, drafts_per_sequence)):
+        assert walk.accepted == [k, 0, k // 2, 1][index % 4] or k == 0 and walk.accepted == 0
+
+
+def test_the_target_tokens_of_every_row_are_each_rows_own():
+    """One argmax over all greedy rows, one softmax and perturbed argmax per sampling setting: each
+    row's token is the one its sequence's rows alone give."""
+    sequences = planted_batch(128, [2, 3, 0, 4, 1, 2], seed=9)
+    batch = ChainBatch(torch.cat([p.tokens for p, _, _, _ in sequences]), [len(p) for p, _, _, _ in sequences],
+                       torch.cat([logits for _, logits, _, _ in sequences]), [s for _, _, s, _ in sequences],
+                       [n for _, _, _, n in sequences])
+    tokens = target_row_tokens(batch).tolist()
+    at = 0
+    for proposal, logits, sampling, noise in sequences:
+        alone = target_row_tokens(ChainBatch(proposal.tokens, [len(proposal)], logits, [sampling], [noise])).tolist()
+        assert tokens[at : at + len(proposal) + 1] == alone
+        at += len(proposal) + 1

@@ -1,0 +1,214 @@
+"""Stateful sampling modifiers (a grammar, a regex, a JSON schema) under speculation
+(docs/algorithms.md §Constrained decoding; docs/DESIGN.md §12).
+
+A ``Constraint`` is the compiled thing (immutable, shared by every generation that uses it); each
+generation ``start``s its own ``ConstraintState``, which a token sequence moves through. At a verified
+position the target's distribution is masked to the tokens the state reached by the tokens before
+that position allows (−∞ logits elsewhere), exactly the distribution constrained plain decoding
+samples from there; so every lossless rule stays exact with respect to constrained ``ar``.
+
+Per cycle the loop, through the functions here:
+
+1. walks the state along the proposal (each chain draft, each tree path): the mask after the root
+   and after every node is read on the way (``allowed``), a draft the state forbids is cut with
+   everything below it, and the state is rolled back to the committed tokens afterwards;
+2. where the state allows exactly one continuation (``forced``), appends those tokens to a chain
+   as free drafts: they cost no draft step and are accepted with probability 1 (the masked target
+   puts all its mass on them), which ``Proposal.forced`` tells the policies and the batch;
+3. after the verdict, advances the state by the committed tokens (``advance`` must take them all:
+   they were drawn from masked rows) and ends the generation when it is ``finished``.
+
+The masks of every row of every sequence of a pass are filled into one buffer (``MaskBuffer``),
+one row per call of ``allowed``, so a grammar library's batched mask fill can serve a whole pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Protocol, Sequence
+
+import torch
+
+from .errors import TierspecError
+from .proposal import Proposal
+from .tree import ROOT, TokenTree
+
+
+class ConstraintError(TierspecError):
+    """A constraint state that broke its contract (it refused a token its own mask allowed)."""
+
+
+class ConstraintState(Protocol):
+    """One generation's position in a constraint (a grammar's matcher state), moved by tokens.
+
+    ``allowed(out_mask)``: write into ``out_mask`` (bool [V], every entry) which tokens may come
+    next. ``advance(tokens)``: take ``tokens`` in order, stopping at the first one the state
+    forbids; returns how many it took. ``rollback(count)``: undo the last ``count`` tokens taken
+    (at least as many as one cycle's drafts and commits). ``forced()``: the tokens that must come
+    next whatever the model says (the only continuation, possibly several tokens; empty when more
+    than one token is allowed). ``finished()``: the constraint is complete and nothing more may
+    be generated."""
+
+    def allowed(self, out_mask: torch.Tensor) -> None:
+        ...
+
+    def advance(self, tokens: Sequence[int]) -> int:
+        ...
+
+    def rollback(self, count: int) -> None:
+        ...
+
+    def forced(self) -> list[int]:
+        ...
+
+    def finished(self) -> bool:
+        ...
+
+
+class Constraint(Protocol):
+    """A compiled constraint: each generation starts its own state from it."""
+
+    def start(self) -> ConstraintState:
+        ...
+
+
+class MaskBuffer:
+    """The constraint masks of a cycle's pass: one bool row [V] per verified row of every
+    constrained sequence, in one buffer. ``take(count)`` reserves the next ``count`` rows."""
+
+    def __init__(self, rows: int, vocab_size: int):
+        self.rows = torch.ones(max(rows, 0), vocab_size, dtype=torch.bool)
+        self._used = 0
+
+    def take(self, count: int) -> torch.Tensor:
+        if self._used + count > self.rows.shape[0]:
+            raise ValueError(f"the mask buffer holds {self.rows.shape[0]} rows; {self._used + count} were asked for")
+        view = self.rows[self._used : self._used + count]
+        self._used += count
+        return view
+
+
+@dataclass(frozen=True)
+class ConstrainedProposal:
+    """A proposal cut and extended under a constraint, and the masks [1 + m, V] of its rows
+    (row 0 after the committed tokens, row 1 + i after node i)."""
+
+    proposal: Proposal
+    masks: torch.Tensor
+
+
+def constrain(state: ConstraintState, proposal: Proposal, room: int, buffer: MaskBuffer) -> ConstrainedProposal:
+    """``proposal`` under ``state`` (at the committed tokens; left there afterwards): every node
+    the state forbids cut with its subtree, and for a chain the state's forced tokens appended
+    as free drafts, at most ``room`` nodes in all (the rows and the token budget the cycle has
+    left). The masks are written into rows of ``buffer``."""
+    if proposal.is_chain:
+        return _constrain_chain(state, proposal, room, buffer)
+    return _constrain_tree(state, proposal, buffer)
+
+
+def _constrain_chain(state: ConstraintState, proposal: Proposal, room: int, buffer: MaskBuffer) -> ConstrainedProposal:
+    drafts = proposal.tokens.tolist()[:room]
+    masks = buffer.take(1 + room)
+    state.allowed(masks[0])
+    kept = 0
+    for token in drafts:  # advance one token at a time: each row's mask is the state before it
+        if not masks[kept, token] or state.advance([token]) != 1:
+            break
+        kept += 1
+        state.allowed(masks[kept])
+    forced: list[int] = []
+    while kept + len(forced) < room:
+        more = state.forced()[: room - kept - len(forced)]
+        if not more:
+            break
+        for token in more:
+            if not masks[kept + len(forced), token] or state.advance([token]) != 1:
+                raise ConstraintError(f"the constraint forced token {token} and then refused it")
+            forced.append(token)
+            state.allowed(masks[kept + len(forced)])
+    state.rollback(kept + len(forced))
+    cut = proposal.prefix(kept)
+    return ConstrainedProposal(with_forced(cut, forced), masks[: 1 + kept + len(forced)])
+
+
+def _constrain_tree(state: ConstraintState, proposal: Proposal, buffer: MaskBuffer) -> ConstrainedProposal:
+    """A tree: each node's mask is the state along its path; a forbidden node goes with its
+    subtree (no forced tokens: a tree's paths branch, the forced ones would join one of them)."""
+    tree = proposal.tree
+    m = len(tree)
+    masks = buffer.take(1 + m)
+    state.allowed(masks[0])
+    keep = [False] * m
+    path: list[int] = []  # the kept nodes the state has advanced through, depth 1 first
+    tokens = tree.tokens.tolist()
+    for node, parent in enumerate(tree.parents.tolist()):  # a parent comes before its children
+        if parent != ROOT and not keep[parent]:
+            continue  # below a cut node
+        # move the state from the current path to the parent's: back to their common part, then down
+        target = [] if parent == ROOT else tree.path_to(parent)
+        common = 0
+        while common < min(len(path), len(target)) and path[common] == target[common]:
+            common += 1
+        state.rollback(len(path) - common)
+        del path[common:]
+        for ancestor in target[common:]:
+            if state.advance([tokens[ancestor]]) != 1:
+                raise ConstraintError(f"the constraint refused token {tokens[ancestor]} it took before")
+            path.append(ancestor)
+        row = 0 if parent == ROOT else 1 + parent
+        if masks[row, tokens[node]] and state.advance([tokens[node]]) == 1:
+            keep[node] = True
+            path.append(node)
+            state.allowed(masks[1 + node])
+    state.rollback(len(path))
+    if all(keep):
+        return ConstrainedProposal(proposal, masks)
+    kept = [i for i in range(m) if keep[i]]
+    order = torch.tensor([0] + [1 + i for i in kept], dtype=torch.long)
+    return ConstrainedProposal(select_nodes(proposal, kept), masks[order])
+
+
+def select_nodes(proposal: Proposal, nodes: list[int]) -> Proposal:
+    """The proposal of the given ``nodes`` (increasing, closed under parents), re-indexed in order."""
+    index = {old: new for new, old in enumerate(nodes)}
+    tree = proposal.tree
+    parents = [ROOT if int(tree.parents[i]) == ROOT else index[int(tree.parents[i])] for i in nodes]
+    picked = torch.tensor(nodes, dtype=torch.long)
+
+    def rows(x):
+        return None if x is None else x[picked]
+
+    def items(x):
+        return None if x is None else [x[i] for i in nodes]
+
+    return replace(proposal, tree=TokenTree(tree.tokens[picked], torch.tensor(parents, dtype=torch.long)),
+                   probs=rows(proposal.probs), logits=rows(proposal.logits), confidence=rows(proposal.confidence),
+                   match_sizes=items(proposal.match_sizes), keys=items(proposal.keys), priors=items(proposal.priors),
+                   forced=0, _wide=None)
+
+
+def with_forced(proposal: Proposal, forced: list[int]) -> Proposal:
+    """A chain ``proposal`` followed by ``forced`` tokens, each drafted with certainty: its row of
+    draft probabilities the one-hot of its token (over the target's vocabulary: a reduced draft
+    vocabulary need not hold it), its confidence 1. ``Proposal.forced`` counts them."""
+    if not forced:
+        return proposal
+    extra = torch.tensor(forced, dtype=torch.long)
+    f = len(forced)
+    probs = logits = None
+    if proposal.probs is not None or proposal.logits is not None:
+        width = proposal.vocab_size if proposal.vocabulary is not None else int(
+            (proposal.probs if proposal.probs is not None else proposal.logits).shape[-1])
+        if proposal.probs is not None:
+            probs = torch.cat([proposal.draft_probs[:, :width],
+                               torch.nn.functional.one_hot(extra, width).to(proposal.probs.dtype)])
+        if proposal.logits is not None:
+            certain = torch.full((f, width), float("-inf"), dtype=proposal.logits.dtype)
+            certain[torch.arange(f), extra] = 0.0
+            logits = torch.cat([proposal.draft_logits[:, :width], certain])
+    confidence = None if proposal.confidence is None else torch.cat([proposal.confidence, torch.ones(f)])
+    match_sizes = None if proposal.match_sizes is None else proposal.match_sizes + [0] * f
+    chain = Proposal.chain(torch.cat([proposal.tokens, extra]), probs, logits, confidence, match_sizes,
+                           proposal.drafter_calls, proposal.source)
+    return replace(chain, forced=f)

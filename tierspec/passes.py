@@ -1,0 +1,118 @@
+"""The pass backend: how a cycle's verifier passes run, one interface for a batch of one and many.
+
+A cycle of the decode loop gathers one ``PassRequest`` per sequence (its new rows on its own cache)
+and hands them to the model's ``PassBackend`` at once:
+
+* ``EnginePasses`` (a model on the pass engine): every request's rows in **one** pass — the
+  products over all rows at once, each sequence's attention over its own cache
+  (``cached_model.batched_pass``); a lone request runs as its cache's own pass.
+* ``SequentialPasses`` (transformers models, encoder–decoder models, tierspec's torch forward): each
+  request as its cache's own pass, one after another. VIA-SD's tiered rule drives passes of its own
+  through its verifiers, which run the same way.
+
+Either gives each request exactly (bitwise) the ``PassResult`` its cache's own ``forward`` gives:
+the engine's products are row-independent and nothing of one sequence reaches another's rows,
+which is what lets a generation's text not depend on what shares its pass (docs/algorithms.md
+§Batched generation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import torch
+
+from .cached_model import BatchItem, CachedModel, PassResult, batched_pass
+
+
+@dataclass(frozen=True)
+class PassRequest:
+    """One sequence's part of a cycle's pass: ``tokens`` [n] run on ``runner``'s cache from its
+    length, the last ``logits_for`` rows scored; a token tree's position ``offsets`` [n] and
+    ``attends`` [n, n] (None for a chain); ``hidden_layers``: None for no hidden states, else the
+    final hidden states [n, H] followed by those decoder layers' outputs
+    (``CachedModel.forward(with_hidden=True, hidden_layers=...)``)."""
+
+    runner: CachedModel
+    tokens: torch.Tensor
+    logits_for: int
+    offsets: torch.Tensor | None = None
+    attends: torch.Tensor | None = None
+    hidden_layers: tuple[int, ...] | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+class PassBackend(Protocol):
+    """Runs a cycle's requests (each on its own cache) and returns their results in order.
+    ``shares_passes``: whether several requests share one pass's products (then a pass's cost
+    is paid once by them all, and a batch sizes drafts by the rows it adds)."""
+
+    shares_passes: bool
+
+    def run(self, requests: Sequence[PassRequest]) -> list[PassResult]:
+        ...
+
+
+def _solo(request: PassRequest) -> PassResult:
+    """``request`` as its cache's own pass."""
+    return request.runner.forward(request.tokens, logits_for=request.logits_for,
+                                  with_hidden=request.hidden_layers is not None,
+                                  hidden_layers=request.hidden_layers or (), offsets=request.offsets,
+                                  attends=request.attends)
+
+
+class SequentialPasses:
+    """Each request as its cache's own pass, one after another."""
+
+    shares_passes = False
+
+    def run(self, requests: Sequence[PassRequest]) -> list[PassResult]:
+        return [_solo(request) for request in requests]
+
+
+class EnginePasses:
+    """Every request of a cycle in one pass on the engine (``cached_model.batched_pass``); a lone
+    request runs as its cache's own pass, which gives the same result and keeps what a solo pass
+    offers beyond a batched one (forward hooks, routing masks)."""
+
+    shares_passes = True
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def run(self, requests: Sequence[PassRequest]) -> list[PassResult]:
+        if len(requests) == 1:
+            return [_solo(requests[0])]
+        wanted = [r.hidden_layers for r in requests if r.hidden_layers is not None]
+        captured = tuple(sorted({layer for layers in wanted for layer in layers})) if wanted else None
+        items = [BatchItem(r.runner, r.tokens, r.logits_for, r.offsets, r.attends) for r in requests]
+        results = batched_pass(self.model, items, captured)
+        hidden_size = int(self.model.config.hidden_size)
+        return [_own_hidden(result, captured, request.hidden_layers, hidden_size)
+                for result, request in zip(results, requests)]
+
+
+def _own_hidden(result: PassResult, captured: tuple[int, ...] | None, wanted: tuple[int, ...] | None,
+                hidden_size: int) -> PassResult:
+    """A batched pass's result with the hidden-state blocks one request asked for (the final
+    states, then its layers in its own order), as its solo pass returns them."""
+    if wanted is None:
+        return PassResult(result.logits, None)
+    if result.hidden is None or tuple(wanted) == captured:
+        return result
+    blocks = [result.hidden[:, :hidden_size]]
+    for layer in wanted:
+        at = 1 + captured.index(layer)
+        blocks.append(result.hidden[:, at * hidden_size : (at + 1) * hidden_size])
+    return PassResult(result.logits, torch.cat(blocks, dim=-1))
+
+
+def pass_backend(model: torch.nn.Module) -> PassBackend:
+    """The backend ``model``'s cycles run their passes on."""
+    from .engine import runs_on_engine
+
+    return EnginePasses(model) if runs_on_engine(model) else SequentialPasses()
