@@ -164,7 +164,7 @@ def auto_dtype(spec: str | os.PathLike, device: str | torch.device = "cpu") -> t
     the pass engine, the dtype of the engine's default numerics for this CPU
     (``quant.default_numerics``: int8 rows where the CPU has int8 dot products); else
     ``fastest_dtype``. Read from the name alone (no file is opened)."""
-    from .quant import engine_available
+    from .engine import engine_available
 
     device = resolve_device(device)
     gguf = str(spec) in KNOWN_MODELS or Path(str(spec)).suffix == ".gguf"
@@ -385,7 +385,8 @@ def _load_gguf_architecture(gguf: Path, name: str, dtype: torch.dtype, implement
     file's tensors read here (from ``header``, its checked ``gguf_check.GgufHeader``) are handed back
     in ``parsed`` (an empty list to fill) for those paths. ``engine_default``: as ``_load_model``'s."""
     from .architectures import UnsupportedArchitecture, read_architecture
-    from .quant import NATIVE_TYPES, default_numerics, engine_available, numerics_for, read_gguf_tensors
+    from .engine import engine_available
+    from .quant import NATIVE_TYPES, default_numerics, numerics_for, read_gguf_tensors
 
     if implementation == "transformers":
         return None

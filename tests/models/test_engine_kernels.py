@@ -21,6 +21,7 @@ from gguf_models import write_tiny_gguf
 from tierspec import engine, quant
 from tierspec.cached_model import CachedModel
 from tierspec.gguf_llama import load_gguf_llama
+from tierspec.gguf_check import ggml_type_sizes
 from tierspec.quant import QuantWeight, numerics_for
 
 qe = engine.engine()
@@ -151,8 +152,8 @@ def test_the_emulated_tiles_compute_what_the_instructions_define():
 
 def test_the_native_block_types_are_the_packages():
     assert {t: name for t, (name, _, _) in qe.block_types().items()} == quant.NATIVE_TYPES
-    assert {t: size for t, (_, _, size) in qe.block_types().items()} == {t: quant.GGML_BLOCKS[t][1]
-                                                                         for t in quant.NATIVE_TYPES}
+    sizes = ggml_type_sizes()
+    assert {t: size for t, (_, _, size) in qe.block_types().items()} == {t: sizes[t][1] for t in quant.NATIVE_TYPES}
 
 
 # ---- the row contract on every path, through the fused model -----------------------------------------
