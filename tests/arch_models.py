@@ -110,6 +110,7 @@ def write_arch_gguf(folder: Path, arch: str, block_type: str, seed: int = 0, sha
     kind = GGMLQuantizationType[block_type]
     writer = GGUFWriter(str(path), gguf_arch)
     writer.add_name({"mistral": "tiny mistral"}.get(arch, f"tiny {arch}"))
+    writer.add_token_list([f"<t{i}>" for i in range(VOCAB)])  # the vocabulary gguf_check compares with (no tokenizer model: a model of token ids)
     writer.add_block_count(layers)
     writer.add_context_length(512)
     writer.add_embedding_length(HIDDEN)

@@ -377,7 +377,7 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
 
 
 def _load_gguf_architecture(gguf: Path, name: str, dtype: torch.dtype, implementation: str, kernels: str,
-                            device: torch.device, parsed: list, header, engine_default: bool = False) -> LoadedModel | None:
+                            device: torch.device, parsed: list, header=None, engine_default: bool = False) -> LoadedModel | None:
     """The model of ``gguf`` built from the file by ``tierspec.gguf_model``, or None where the older
     paths load it: a plain Llama file whose every matrix is of an engine type (``gguf_llama``, from
     the converted copy's config), ``implementation="transformers"``, or an architecture tierspec does

@@ -68,7 +68,7 @@ def test_a_target_without_a_gguf_file_is_refused(tmp_path, data_dir):
     config = BenchConfig(target="tiny", methods=("llamacpp-lookup",), per_category=1, max_new_tokens=4,
                          data_dir=str(data_dir))
     with pytest.raises(TierspecError, match="llamacpp-lookup runs llama.cpp on the target's GGUF file: the target must "
-                                            "be 'smollm2-135m' or a .gguf file, not 'tiny'"):
+                                            r"be a known model \(smollm2-135m, gemma3-270m\) or a .gguf file, not 'tiny'"):
         run_bench(config, tmp_path / "out", progress=False, target=target)
 
 
