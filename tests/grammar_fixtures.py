@@ -36,8 +36,8 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text).ids
 
-    def decode(self, ids) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=True)
+    def decode(self, ids, skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
     def token(self, text: str) -> int:
         """The id of the one token that is ``text``."""

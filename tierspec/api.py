@@ -13,7 +13,7 @@ from typing import Iterator, Sequence
 
 import torch
 
-from .decode import DecodeConfig, DecodeRun, GenerationStats, TokenLogprob
+from .decode import DecodeConfig, DecodeRun, GenerationStats, TokenLogprob, check_constraint_method
 from .engine import threads_for
 from .errors import PromptError
 from .limits import check_num_draft
@@ -213,7 +213,12 @@ class GenerationSettings:
     ``top_p`` 1 keep every token. ``seed`` (int64): the same seed gives the same text (README,
     "Same seed, same text"); None draws a fresh one. ``chat_template``: text prompts go through the
     model's chat template (False: fed as raw text). ``options``: the method's parameters
-    (``methods.MethodOptions``)."""
+    (``methods.MethodOptions``).
+
+    Structured output (docs/structured.md), at most one of: ``json_schema`` (a JSON schema, as a
+    dict or JSON text: the text is JSON valid against it), ``json_object`` (any JSON object),
+    ``regex`` (the text matches it whole), ``grammar`` (a Lark grammar, llguidance's dialect).
+    Every lossless method's constrained text is constrained ``ar``'s; a lossy method is refused."""
 
     target: LoadedModel | str = DEFAULT_MODEL
     method: str | None = None
@@ -226,6 +231,43 @@ class GenerationSettings:
     seed: int | None = None
     chat_template: bool = True
     options: MethodOptions = MethodOptions()
+    json_schema: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+
+
+def grammar_spec(json_schema=None, json_object: bool = False, regex: str | None = None, grammar: str | None = None):
+    """The ``grammar.GrammarSpec`` of the structured-output settings (None: unconstrained);
+    more than one given is a ``PromptError``."""
+    from .grammar import GrammarSpec
+
+    given = [name for name, value in (("json_schema", json_schema), ("json_object", json_object), ("regex", regex),
+                                      ("grammar", grammar)) if value is not None and value is not False]
+    if len(given) > 1:
+        raise PromptError(f"give at most one of json_schema, json_object, regex and grammar (got {', '.join(given)})")
+    if json_object not in (True, False):
+        raise PromptError(f"json_object is True or False, got {json_object!r}")
+    if json_schema is not None:
+        return GrammarSpec.json_schema(json_schema)
+    if json_object:
+        return GrammarSpec.json_object()
+    if regex is not None:
+        return GrammarSpec.regex(regex)
+    if grammar is not None:
+        return GrammarSpec.lark(grammar)
+    return None
+
+
+def compiled_constraint(target: LoadedModel, spec):
+    """``spec`` (a ``GrammarSpec`` or None) compiled for ``target``'s tokenizer and vocabulary."""
+    if spec is None:
+        return None
+    from .grammar import GrammarError, compile_grammar
+
+    if target.tokenizer is None:
+        raise GrammarError("structured output needs the model's tokenizer (this model has none)")
+    return compile_grammar(spec, target.tokenizer, target.vocab_size, eos_ids(target))
 
 
 def _takes_settings(function):
@@ -262,11 +304,13 @@ def _prepare(settings: dict) -> _Prepared:
     check_num_draft(given.num_draft)  # before any model is loaded
     check_seed(given.seed)
     sampling = SamplingConfig(given.temperature, given.top_k, given.top_p)
+    spec = grammar_spec(given.json_schema, given.json_object, given.regex, given.grammar)  # before any model is loaded
     target, drafter = _as_model(given.target), _as_model(given.drafter)
     config = DecodeConfig(max_new_tokens=given.max_new_tokens, sampling=sampling, eos_token_ids=eos_ids(target),
-                          num_draft=given.num_draft)
+                          num_draft=given.num_draft, constraint=compiled_constraint(target, spec))
     method = build_method(given.method or default_method(target, given.options), target, drafter, given.options)
-    method.generation(config.num_draft)  # a num_draft the method refuses is refused now, not at the first token
+    parts = method.generation(config.num_draft)  # a num_draft the method refuses is refused now, not at the first token
+    check_constraint_method(method, parts.rule, config)  # and a lossy method under a grammar
     return _Prepared(target, method, config, given.seed, given.chat_template)
 
 

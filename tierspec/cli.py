@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from .methods import DEFAULT_METHOD, DEFAULT_METHOD_WITHOUT_HEAD, method_names
 from .limits import check_num_draft
@@ -35,9 +36,38 @@ def _add_generate(sub) -> None:
                         help="fixes the sampled text: the same seed, prompt, method and settings give the same text "
                         "(README: Same seed, same text); default: a fresh seed")
     parser.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    structured = parser.add_argument_group("structured output (at most one; a lossless method keeps ar's text)")
+    structured.add_argument("--json-schema", default=None, metavar="FILE|JSON",
+                            help="the text is JSON valid against this schema (a file, or the schema as JSON text)")
+    structured.add_argument("--json", action="store_true", help="the text is a JSON object")
+    structured.add_argument("--regex", default=None, help="the text matches this regular expression whole")
+    structured.add_argument("--grammar", default=None, metavar="FILE", help="the text follows this Lark grammar")
     _add_method_options(parser)
     parser.add_argument("--stats", action="store_true", help="print statistics as one JSON line on stderr")
     parser.set_defaults(run=_run_generate)
+
+
+def _structured_flags(args) -> dict:
+    """--json-schema / --json / --regex / --grammar as ``generate``'s keywords, the spec checked
+    (before any model is loaded: a bad schema is a one-line error)."""
+    from .api import grammar_spec
+    from .errors import PromptError
+
+    schema = args.json_schema
+    if schema is not None:
+        path = Path(schema)
+        if not schema.lstrip().startswith(("{", "[", "true", "false")):
+            if not path.is_file():
+                raise PromptError(f"--json-schema: {schema} is neither a file nor a JSON schema")
+            schema = path.read_text(encoding="utf-8")
+    grammar = None
+    if args.grammar is not None:
+        if not Path(args.grammar).is_file():
+            raise PromptError(f"--grammar: no such file {args.grammar}")
+        grammar = Path(args.grammar).read_text(encoding="utf-8")
+    given = {"json_schema": schema, "json_object": args.json, "regex": args.regex, "grammar": grammar}
+    grammar_spec(**given)
+    return given
 
 
 def _add_model_flags(parser) -> None:
@@ -310,6 +340,7 @@ def _run_generate(args) -> int:
     SamplingConfig(args.temperature, args.top_k, args.top_p)
     _check_model_flags(args)
     _check_generation_budget(args.max_new_tokens, args.target)
+    structured = _structured_flags(args)
     prompt = read_prompt(args.prompt)
     if not prompt.strip():
         from .errors import PromptError
@@ -331,6 +362,7 @@ def _run_generate(args) -> int:
         seed=args.seed,
         chat_template=not args.no_chat_template,
         options=options,
+        **structured,
     )
     for piece in text_stream:
         sys.stdout.write(piece)

@@ -47,7 +47,11 @@ class ConstraintState(Protocol):
     (at least as many as one cycle's drafts and commits). ``forced()``: the tokens that must come
     next whatever the model says (the only continuation, possibly several tokens; empty when more
     than one token is allowed). ``finished()``: the constraint is complete and nothing more may
-    be generated."""
+    be generated.
+
+    A state class may also give ``chain_masks(states, chains, out)`` (a static method): fill
+    ``out[i]`` (bool [1 + len(chains[i]), V]) with ``states[i]``'s masks along ``chains[i]`` (each
+    chain one the state takes), all together; the states are left where they were."""
 
     def allowed(self, out_mask: torch.Tensor) -> None:
         ...
@@ -102,34 +106,70 @@ def constrain(state: ConstraintState, proposal: Proposal, room: int, buffer: Mas
     the state forbids cut with its subtree, and for a chain the state's forced tokens appended
     as free drafts, at most ``room`` nodes in all (the rows and the token budget the cycle has
     left). The masks are written into rows of ``buffer``."""
-    if proposal.is_chain:
-        return _constrain_chain(state, proposal, room, buffer)
-    return _constrain_tree(state, proposal, buffer)
+    return constrain_all([state], [proposal], [room], buffer)[0]
 
 
-def _constrain_chain(state: ConstraintState, proposal: Proposal, room: int, buffer: MaskBuffer) -> ConstrainedProposal:
+def constrain_all(states: Sequence[ConstraintState], proposals: Sequence[Proposal], rooms: Sequence[int],
+                  buffer: MaskBuffer) -> list[ConstrainedProposal]:
+    """Every ``proposals[i]`` under ``states[i]`` (``constrain``), the masks of all the chains'
+    rows filled together where the states' class can (``chain_masks``: a grammar library's
+    parallel mask fill over every position of every sequence), else row by row."""
+    results: list[ConstrainedProposal | None] = [None] * len(states)
+    chains: dict[type, list[int]] = {}
+    cuts: dict[int, tuple[Proposal, list[int]]] = {}
+    for i, (state, proposal, room) in enumerate(zip(states, proposals, rooms)):
+        if not proposal.is_chain:
+            results[i] = _constrain_tree(state, proposal, buffer)
+            continue
+        cuts[i] = _chain_tokens(state, proposal, room)
+        chains.setdefault(type(state), []).append(i)
+    for kind, members in chains.items():
+        together = getattr(kind, "chain_masks", None)
+        tokens = [cuts[i][0].tokens.tolist() + cuts[i][1] for i in members]
+        views = [buffer.take(1 + len(chain)) for chain in tokens]
+        if together is not None:
+            together([states[i] for i in members], tokens, views)
+        else:
+            for i, chain, masks in zip(members, tokens, views):
+                _masks_along(states[i], chain, masks)
+        for i, chain, masks in zip(members, tokens, views):
+            cut, forced = cuts[i]
+            for row, token in enumerate(chain):
+                if not masks[row, token]:
+                    raise ConstraintError(f"the constraint took token {token} its own mask forbids")
+            results[i] = ConstrainedProposal(with_forced(cut, forced), masks)
+    return results
+
+
+def _chain_tokens(state: ConstraintState, proposal: Proposal, room: int) -> tuple[Proposal, list[int]]:
+    """A chain's drafts up to the first the state refuses (at most ``room``), and the forced
+    tokens after them (all within ``room``); the state is left where it was."""
     drafts = proposal.tokens.tolist()[:room]
-    masks = buffer.take(1 + room)
-    state.allowed(masks[0])
-    kept = 0
-    for token in drafts:  # advance one token at a time: each row's mask is the state before it
-        if not masks[kept, token] or state.advance([token]) != 1:
-            break
-        kept += 1
-        state.allowed(masks[kept])
+    kept = state.advance(drafts) if drafts else 0  # advance stops before the first refused token
     forced: list[int] = []
     while kept + len(forced) < room:
         more = state.forced()[: room - kept - len(forced)]
         if not more:
             break
-        for token in more:
-            if not masks[kept + len(forced), token] or state.advance([token]) != 1:
-                raise ConstraintError(f"the constraint forced token {token} and then refused it")
-            forced.append(token)
-            state.allowed(masks[kept + len(forced)])
+        taken = state.advance(more)
+        forced += more[:taken]
+        if taken < len(more):
+            state.rollback(kept + len(forced))
+            raise ConstraintError(f"the constraint forced token {more[taken]} and then refused it")
     state.rollback(kept + len(forced))
-    cut = proposal.prefix(kept)
-    return ConstrainedProposal(with_forced(cut, forced), masks[: 1 + kept + len(forced)])
+    return proposal.prefix(kept), forced
+
+
+def _masks_along(state: ConstraintState, chain: list[int], masks: torch.Tensor) -> None:
+    """Row j of ``masks`` [1 + k, V]: what ``state`` allows after ``chain[:j]``, one token at a
+    time (the state is left where it was)."""
+    state.allowed(masks[0])
+    for j, token in enumerate(chain):
+        if state.advance([token]) != 1:
+            state.rollback(j)
+            raise ConstraintError(f"the constraint refused token {token} it took before")
+        state.allowed(masks[1 + j])
+    state.rollback(len(chain))
 
 
 def _constrain_tree(state: ConstraintState, proposal: Proposal, buffer: MaskBuffer) -> ConstrainedProposal:

@@ -43,7 +43,7 @@ from typing import Callable, Hashable, Iterator, Protocol
 import torch
 
 from .cached_model import SlimVocabulary
-from .constraints import Constraint, ConstraintError, ConstraintState, MaskBuffer, constrain
+from .constraints import Constraint, ConstraintError, ConstraintState, MaskBuffer, constrain_all
 from .drafters.base import Drafter, propose_all
 from .engine import threads_for
 from .errors import PromptError, TierspecError
@@ -611,7 +611,7 @@ def _constrain(drafted: list[_Drafted], max_rows: int | None) -> None:
     """Every constrained proposal under its sequence's state (``constraints.constrain``): forbidden
     drafts cut, forced tokens added after a chain (within the token budget and the rows left, at
     most ``FORCED_PER_CYCLE`` without a row budget), the masks of all their rows filled into one
-    buffer."""
+    buffer (a grammar's chains in one parallel call: ``constraints.constrain_all``)."""
     constrained = [d for d in drafted if d.sequence.constraint is not None]
     spare = None if max_rows is None else max(max_rows - sum(1 + len(d.proposal) for d in drafted), 0)
     rooms = []
@@ -624,8 +624,9 @@ def _constrain(drafted: list[_Drafted], max_rows: int | None) -> None:
                 spare -= room - len(d.proposal)
         rooms.append(room)
     buffer = MaskBuffer(sum(1 + room for room in rooms), constrained[0].sequence.verifiers.runner.vocab_size)
-    for d, room in zip(constrained, rooms):
-        result = constrain(d.sequence.constraint, d.proposal, room, buffer)
+    results = constrain_all([d.sequence.constraint for d in constrained], [d.proposal for d in constrained], rooms,
+                            buffer)
+    for d, result in zip(constrained, results):
         d.proposal, d.masks = result.proposal, result.masks
 
 

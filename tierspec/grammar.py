@@ -189,6 +189,10 @@ class CompiledGrammar:
     def new_state(self) -> GrammarState:
         return GrammarState(self, self._initial.deep_copy())
 
+    def start(self) -> GrammarState:
+        """A new state: the decode loop's ``constraints.Constraint``."""
+        return self.new_state()
+
 
 def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> CompiledGrammar:
     """Compile ``spec`` for a model with ``tokenizer``, ``vocab_size`` output logits and end
@@ -251,9 +255,16 @@ class GrammarState:
         """Whether the text so far is complete: the end may come now."""
         return self._ended or self._matcher.is_accepting()
 
-    def finished(self) -> bool:
+    def stopped(self) -> bool:
         """Whether nothing but the end may follow (or the end was taken)."""
         return self._ended or self._matcher.is_stopped()
+
+    def finished(self) -> bool:
+        """Whether the end token was taken: nothing more may be generated (the decode loop's
+        ``ConstraintState.finished``). A ``stopped`` grammar is not finished: its end token is
+        still to come (forced, a free draft where the model has one end token), so every method's
+        text ends the same way, with it."""
+        return self._ended
 
     @property
     def ended(self) -> bool:
@@ -402,6 +413,17 @@ class GrammarState:
         return certain
 
     # -- masks along a draft or a tree --------------------------------------------------------------
+    @staticmethod
+    def chain_masks(states: Sequence[GrammarState], chains: Sequence[Sequence[int]], out: Sequence[torch.Tensor]) -> None:
+        """``out[i]`` (bool [1 + len(chains[i]), V]) ← ``states[i]``'s masks along ``chains[i]``, every
+        row of every sequence in one parallel call (``draft_masks``): the decode loop's batched
+        ``constraints.ConstraintState.chain_masks``. Each chain must be one its state takes."""
+        masks = draft_masks(states, chains)
+        for i, (chain, rows) in enumerate(zip(chains, out)):
+            if masks.valid[i] != len(chain):
+                raise GrammarError(f"the grammar refuses token {chain[masks.valid[i]]} of a chain it was to take")
+            rows.copy_(masks.rows(i))
+
     def tree_allowed(self, tokens: Sequence[int], parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """The masks of a tree pass (``tree.TokenTree``'s tokens [m] and parents [m], −1 = the
         root, a parent before its children): (allowed bool [1+m, V], valid bool [m]). Row 0 is
@@ -521,7 +543,7 @@ def draft_masks(states: Sequence[GrammarState], drafts: Sequence[Sequence[int]])
             _set_bits(words[offset + count], state._eos)
         if ordinary:
             jobs.append((state._matcher, offset, ordinary))
-        elif count == 0:  # llguidance's batch call takes no empty draft
+        else:  # llguidance's batch call takes no empty draft (nor a lone end token)
             state.bitmask(words[offset])
     if jobs:
         from llguidance.numpy import fill_next_token_bitmask_par_with_draft_tokens

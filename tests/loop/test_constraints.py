@@ -204,7 +204,7 @@ def test_constrain_masks_each_row_by_the_state_before_it_and_cuts_a_tree():
     assert [row.nonzero().flatten().tolist() for row in cut.masks] == [[1, 2], [3], [4, 5], [6], []]
     assert state.path == [0]
     with pytest.raises(ValueError, match="mask buffer"):
-        constrain(state, Proposal.chain(torch.tensor([1])), room=20, buffer=MaskBuffer(4, 8))
+        constrain(state, Proposal.chain(torch.tensor([1])), room=20, buffer=MaskBuffer(3, 8))  # 1 3 6: 4 rows
 
 
 class LyingState(AutomatonState):
