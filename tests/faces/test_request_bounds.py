@@ -64,7 +64,7 @@ def test_fields_at_their_bounds_are_accepted():
                         json.dumps({**BASE, "num_draft": MAX_NUM_DRAFT, "top_k": 64, "n": 16, "logprobs": 20,
                                     "stream": True, "stream_options": {"include_usage": True}}).encode(),
                         asyncio.new_event_loop())
-    assert job.num_draft == MAX_NUM_DRAFT and len(job.choices) == 16 and body.include_usage
+    assert [c.config.num_draft for c in job.choices] == [MAX_NUM_DRAFT] * 16 and body.include_usage
 
 
 def test_the_python_api_and_the_cli_take_the_same_bound(capsys):

@@ -51,7 +51,9 @@ def test_a_target_without_a_gguf_file_is_refused(tmp_path, data_dir):
     _import_genai()
     target = wrap_model(tiny_llama(4, vocab_size=56).model, char_tokenizer(), name="tiny-char")
     config = BenchConfig(target="tiny", methods=("ov-lookup",), per_category=1, max_new_tokens=4, data_dir=str(data_dir))
-    with pytest.raises(TierspecError, match="ov-lookup runs OpenVINO GenAI on the target's GGUF file: the target must be 'smollm2-135m'"):
+    with pytest.raises(TierspecError, match=r"ov-lookup runs OpenVINO GenAI on the target's GGUF file: the target "
+                                            r"must be a known model \(smollm2-135m, gemma3-270m\) or a \.gguf file, "
+                                            r"not 'tiny'"):
         run_bench(config, tmp_path / "out", progress=False, target=target)
 
 

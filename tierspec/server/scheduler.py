@@ -334,6 +334,7 @@ class Scheduler:
         while job.pending and len(self.batch) < self.max_batch and job.cancelled_by is None:
             choice = job.pending.pop(0)
             if choice.score_only:
+                self._started(job)  # before the echoed text: a handler reads nothing ahead of Started
                 done = self._score_only(job, choice)
             else:
                 try:
@@ -346,7 +347,6 @@ class Scheduler:
                 self._started(job)
                 self._live[sequence.key] = _Live(job, choice, sequence, self.target.tokenizer)
                 continue
-            self._started(job)
             job.done.append(done)
             job.send(done)
         if not job.pending and not any(live.job is job for live in self._live.values()):
