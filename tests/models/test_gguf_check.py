@@ -285,6 +285,13 @@ def damage_cases():
     up = "blk.0.ffn_up.weight"
     yield "block_count_0", meta("llama.block_count", "<I", 0), fixed("block_count_0")
     yield "block_count_1000", meta("llama.block_count", "<I", 1000), fixed("block_count_1000")
+    def block_count_off_by_one(count):
+        return lambda path, sound: (
+            f"metadata 'llama.block_count': {count}, but the file holds the tensors of {BLOCKS} blocks (blk.0 to "
+            f"blk.{BLOCKS - 1}); expected the number of blocks whose tensors the file holds ({BLOCKS}, with every "
+            "block from blk.0)")
+    yield "block_count_minus_1", meta("llama.block_count", "<I", BLOCKS - 1), block_count_off_by_one(BLOCKS - 1)
+    yield "block_count_plus_1", meta("llama.block_count", "<I", BLOCKS + 1), block_count_off_by_one(BLOCKS + 1)
     yield "missing_block", written(blocks=3, drop=tuple(n for n in _all_names(3) if n.startswith("blk.1."))), \
         fixed("missing_block")
 
@@ -402,6 +409,19 @@ def damage_cases():
                                      (lambda s: value_at(s, "llama.block_count"), "<f", 30.0)), fixed("block_count_float")
     yield "eos_outside", meta("tokenizer.ggml.eos_token_id", "<I", 64), fixed("eos_outside")
     yield "context_length_0", meta("llama.context_length", "<I", 0), fixed("context_length_0")
+    # a context of 2^31 would have the rotary tables and the cache sized from it
+    yield "context_length_huge", meta("llama.context_length", "<I", 2**31), \
+        lambda path, sound: "metadata 'llama.context_length': 2147483648; expected an integer from 1 to 16777216"
+    yield "vocab_size_0", written(metadata=lambda w: w.add_vocab_size(0)), \
+        lambda path, sound: "metadata 'llama.vocab_size': 0; expected an integer from 1 to 2147483648"
+
+    def three_dims_message(path, sound):
+        # the third dimension is read from the type and the offset's low half, the type from the offset's high
+        # half, the offset from the next tensor info's name length: caught as a misaligned offset
+        reader = GGUFReader(sound)
+        after = reader.tensors[[t.name for t in reader.tensors].index(up) + 1].name
+        return f"tensor '{up}': data offset {len(after)}; expected a multiple of the alignment 32"
+    yield "n_dims_2_to_3", info(up, "n_dims", "<I", 3), three_dims_message
     yield "rms_epsilon_nan", meta("llama.attention.layer_norm_rms_epsilon", "<f", float("nan")), fixed("rms_epsilon_nan")
     yield "rope_base_0", written(metadata=lambda w: w.add_rope_freq_base(0.0)), fixed("rope_base_0")
     yield "vocab_size_key", written(metadata=lambda w: w.add_vocab_size(65)), fixed("vocab_size_key")
