@@ -625,7 +625,7 @@ _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], 
     "via-pearl": _via_pearl,
 }
 
-#: The fastest lossless method measured (BENCHMARKS.md: the draft-head report): the default
+#: The fastest lossless method measured (BENCHMARKS.md; earlier runs in docs/history.md): the default
 #: wherever a draft head exists for the target (shipped, or given as ``draft_head``).
 DEFAULT_METHOD = "hybrid"
 #: The default for a target without a draft head (the hybrid needs one): the fastest n-gram method.

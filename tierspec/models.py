@@ -140,7 +140,7 @@ def fastest_dtype(device: torch.device) -> torch.dtype:
     """What ``auto`` means: bfloat16 on a CPU that computes bfloat16 products natively and where
     torch packs them for oneDNN (half the bytes per pass; layers in bfloat16, the residual
     stream, attention and logits in float32 — see ``tierspec.llama``; measured quality in
-    BENCHMARKS.md), float32 elsewhere (GPUs included, where nothing here has been measured)."""
+    docs/history.md), float32 elsewhere (GPUs included, where nothing here has been measured)."""
     from .kernels import native_bfloat16, packing_available
 
     return torch.bfloat16 if device.type == "cpu" and packing_available() and native_bfloat16() else torch.float32
