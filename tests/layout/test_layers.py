@@ -44,7 +44,7 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("routing masks", ("tierspec.layerskip.masks",)),
     ("forward passes", ("tierspec.llama", "tierspec.architectures")),
     ("the engine's binding", ("tierspec.engine", "tierspec._qengine")),
-    ("pure pieces", ("tierspec.sampling", "tierspec.tree", "tierspec.modifiers", "tierspec.errors", "tierspec.util",
+    ("pure pieces", ("tierspec.sampling", "tierspec._keyed_noise", "tierspec.tree", "tierspec.modifiers", "tierspec.errors", "tierspec.util",
                      "tierspec.identity", "tierspec.grammar", "tierspec.structured",
                      "tierspec.gguf_check", "tierspec.limits", "tierspec.tokenizer",
                      "tierspec.layerskip.candidates", "tierspec.bench.memory")),
