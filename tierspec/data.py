@@ -2,7 +2,9 @@
 and licences in ``SOURCES.md`` there) and the task prompt templates.
 
 Every record becomes a ``Prompt``: the text fed to the chat template, its category, and the
-reference the task metric needs (a final number, a summary, a translation, HumanEval tests).
+reference the task metric needs (a final number, a summary, a translation, HumanEval tests; for
+the JSON-extraction set, ``bench.json_extract``, the gold fields as JSON text, and the schema the
+text is constrained to in ``extra["schema"]``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from pathlib import Path
 
 from .errors import TierspecError
 
-DATASETS = ("spec_bench", "gsm8k", "humaneval", "mt_bench", "cnn_dailymail", "xsum", "wmt14")
+DATASETS = ("spec_bench", "gsm8k", "humaneval", "mt_bench", "cnn_dailymail", "xsum", "wmt14", "json_extract")
+#: Datasets whose prompts carry a JSON schema (``Prompt.extra["schema"]``) the text is constrained to.
+CONSTRAINED_DATASETS = ("json_extract",)
 
 # Spec-Bench lists its MT-bench part under the 8 MT-bench sub-categories; it has 6 tasks.
 _MT_BENCH_SUBCATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -118,6 +122,12 @@ def load_prompts(dataset: str, data_dir: Path | None = None, split: str = "test"
             )
             for r in rows
         ]
+    if dataset == "json_extract":
+        from .bench.json_extract import load_tasks
+
+        return [Prompt(f"json_extract/{task.id}", task.shape, task.prompt,
+                       None if task.reference is None else json.dumps(task.reference), {"schema": task.schema})
+                for task in load_tasks(root)]
     if dataset == "cnn_dailymail":
         rows = read_jsonl(root / "cnn_dailymail" / "test.jsonl")
         return [

@@ -336,10 +336,16 @@ def check_logprobs_method(method: DecodeMethod, config: DecodeConfig) -> None:
 
 
 def check_constraint_method(method: DecodeMethod, rule: VerificationRule, config: DecodeConfig) -> None:
-    """Refuse a constraint where a rule could emit what the constraint forbids: only the exact
-    rule verifies against the masked target alone (a lossy rule mixes in the drafter's unmasked
+    """Refuse a constraint where a rule could emit what the constraint forbids (``check_constrainable``)."""
+    if config.constraint is not None:
+        check_constrainable(method, rule)
+
+
+def check_constrainable(method: DecodeMethod, rule: VerificationRule) -> None:
+    """Refuse a method whose rule could emit what a constraint forbids: only the exact rule
+    verifies against the masked target alone (a lossy rule mixes in the drafter's unmasked
     distribution; VIA-SD's slim tier commits tokens before the full target scores them)."""
-    if config.constraint is not None and not (isinstance(rule, ScoreRule) and rule.lossless):
+    if not (isinstance(rule, ScoreRule) and rule.lossless):
         raise TierspecError(f"method '{method.name}' cannot decode under a constraint (a grammar): its rule "
                             f"'{rule.name}' may emit tokens outside the constrained target's distribution; use a "
                             "lossless method (hybrid, eagle, pld, ar, …)")
