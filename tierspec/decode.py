@@ -604,7 +604,7 @@ def _propose(decoding: list[Sequence]) -> list[_Drafted]:
     proposals = propose_all([s.drafter for s in decoding], [s.verifiers.context for s in decoding], requests)
     drafted = []
     for sequence, request, block, proposal in zip(decoding, requests, blocks, proposals):
-        verified = proposal.prefix(sequence.policy.trim(proposal))
+        verified = proposal.prefix(sequence.policy.trim(proposal, _forced_runs(sequence, proposal)))
         if verified.tree.depth > request.budget:
             raise TierspecError(f"{type(sequence.drafter).__name__} drafted {verified.tree.depth} tokens deep for a "
                                 f"budget of {request.budget}")
@@ -612,6 +612,30 @@ def _propose(decoding: list[Sequence]) -> list[_Drafted]:
         drafted.append(_Drafted(sequence, proposal, verified, block, verifiers.target_calls, verifiers.slim_calls,
                                 verifiers.pass_seconds, sequence.grammar_seconds))
     return drafted
+
+
+def _forced_runs(sequence: Sequence, proposal: Proposal) -> list[int] | None:
+    """For the policy's trim, under a constraint and for a chain of drafts: entry j is how many
+    forced tokens the constraint would append after the first j drafts (at most what
+    ``_constrain`` appends without a row budget), for j up to the drafts it takes; None
+    otherwise. The state is left at the committed tokens."""
+    state = sequence.constraint
+    if state is None or not proposal.is_chain or not len(proposal):
+        return None
+    began = time.perf_counter()
+    limit = min(len(proposal), sequence.policy.max_draft)
+
+    def run(drafts: int) -> int:
+        return len(state.forced()[: max(0, min(FORCED_PER_CYCLE, sequence.tokens_left - 1 - drafts))])
+
+    runs = [run(0)]
+    for token in proposal.tokens[:limit].tolist():
+        if state.advance([token]) != 1:
+            break
+        runs.append(run(len(runs)))
+    state.rollback(len(runs) - 1)
+    sequence.grammar_seconds += time.perf_counter() - began
+    return runs
 
 
 def _forced_next(sequence: Sequence) -> bool:

@@ -150,6 +150,43 @@ def test_a_forced_root_skips_the_drafter_and_the_grammars_time_is_its_own(tok, t
     assert run_stats.stats.grammar_seconds == 0.0  # unconstrained: no grammar time
 
 
+def test_the_cost_aware_trim_is_told_the_forced_run_after_each_draft_length(tok, target, grammars, monkeypatch):
+    """``CostAware.trim`` gets, for every draft length the grammar takes, the forced run that
+    would follow it: checked against a fresh state walked over the committed tokens and drafts."""
+    from tierspec.decode import FORCED_PER_CYCLE
+    from tierspec.policies import CostAware
+
+    seen, generated = [], []
+    original = CostAware.trim
+
+    def recording(self, proposal, forced_after=None):
+        seen.append((list(generated), proposal.tokens.tolist(), forced_after))
+        return original(self, proposal, forced_after)
+
+    monkeypatch.setattr(CostAware, "trim", recording)
+    # free words, each followed by a forced " ok ": the n-gram drafts run from a word into its forced tail
+    words = compile_grammar(GrammarSpec.regex(r"((cat|cow|dog) ok ){2,6}end"), tok, target.vocab_size, [EOS])
+    max_new = 60
+    config = DecodeConfig(max_new_tokens=max_new, sampling=SamplingConfig(temperature=1.0), eos_token_ids=(EOS,),
+                          constraint=words)
+    method = build_method("adaptive-pld", target, None, MethodOptions())
+    for step in decode(target, method, torch.tensor(tok.encode("cat ok dog ok cow ok cat ok dog ok cow ok ")), config, 7):
+        generated.extend(step.new_tokens)
+    assert generated[-1] == EOS and tok.decode(generated[:-1]).endswith(" ok end")
+    told = [entry for entry in seen if entry[1]]
+    assert told and any(sum(runs[1:]) for _, _, runs in told)  # some draft led into a forced run
+    for before, drafts, runs in told:
+        state = words.new_state()
+        assert state.advance(before) == len(before)
+        expected = []
+        for j in range(len(drafts) + 1):
+            room = max(0, min(FORCED_PER_CYCLE, max_new - len(before) - 1 - j))
+            expected.append(len(state.forced()[:room]))
+            if j == len(drafts) or state.advance([drafts[j]]) != 1:
+                break
+        assert runs == expected
+
+
 def test_a_batchs_chain_masks_come_from_one_parallel_call(tok, target, grammars, monkeypatch):
     """Three constrained generations (and an unconstrained one) in one batch keep their solo text;
     each cycle fills the masks of all the grammar chains in one ``chain_masks`` call."""
