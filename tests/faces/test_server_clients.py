@@ -524,7 +524,7 @@ def test_parse_reads_a_strict_tools_arguments_into_its_model(client):
 def test_tool_choice_auto_and_none_whole_and_streamed(client):
     """``auto``: the reply is either text or calls, whole and streamed alike; ``none``: the tools
     change nothing (the same text as without them)."""
-    kwargs = {"model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER, TIME], "max_tokens": 40, "temperature": 0}
+    kwargs = {"model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER, TIME], "max_tokens": 24, "temperature": 0}
     auto = client.chat.completions.create(**kwargs, tool_choice="auto")
     message = auto.choices[0].message
     if message.tool_calls:

@@ -225,6 +225,8 @@ class FunctionCall(BaseModel):
             parsed = json.loads(value)
         except ValueError as error:
             raise ValueError(f"arguments must be JSON text of an object: {error}") from None
+        except RecursionError:
+            raise ValueError("arguments must be JSON text of an object: nested too deeply") from None
         if not isinstance(parsed, dict):
             raise ValueError("arguments must be JSON text of an object")
         return value
