@@ -21,6 +21,8 @@ from .errors import TierspecError
 DATASETS = ("spec_bench", "gsm8k", "humaneval", "mt_bench", "cnn_dailymail", "xsum", "wmt14", "json_extract")
 #: Datasets whose prompts carry a JSON schema (``Prompt.extra["schema"]``) the text is constrained to.
 CONSTRAINED_DATASETS = ("json_extract",)
+#: The JSON-extraction set's tasks (``bench.json_extract`` builds them and checks outputs).
+JSON_EXTRACT_FILE = Path("json_extract") / "tasks.jsonl.gz"
 
 # Spec-Bench lists its MT-bench part under the 8 MT-bench sub-categories; it has 6 tasks.
 _MT_BENCH_SUBCATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -123,11 +125,13 @@ def load_prompts(dataset: str, data_dir: Path | None = None, split: str = "test"
             for r in rows
         ]
     if dataset == "json_extract":
-        from .bench.json_extract import load_tasks
-
-        return [Prompt(f"json_extract/{task.id}", task.shape, task.prompt,
-                       None if task.reference is None else json.dumps(task.reference), {"schema": task.schema})
-                for task in load_tasks(root)]
+        rows = read_jsonl(root / JSON_EXTRACT_FILE)
+        try:
+            return [Prompt(f"json_extract/{r['id']}", r["shape"], r["prompt"],
+                           None if r.get("reference") is None else json.dumps(r["reference"]), {"schema": r["schema"]})
+                    for r in rows]
+        except (KeyError, TypeError) as error:
+            raise DataError(f"{JSON_EXTRACT_FILE} has a malformed task: {error}") from error
     if dataset == "cnn_dailymail":
         rows = read_jsonl(root / "cnn_dailymail" / "test.jsonl")
         return [
