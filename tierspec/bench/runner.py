@@ -572,12 +572,12 @@ class BenchWorker:
         ``data.CONSTRAINED_DATASETS``; compiled once per schema), else None."""
         if self.config.dataset not in CONSTRAINED_DATASETS:
             return None
-        from ..api import compiled_constraint
-        from ..grammar import GrammarSpec
+        from ..grammar import GrammarSpec, compile_grammar
 
         spec = GrammarSpec.json_schema(prompt.extra["schema"])
         if spec.source not in self._grammars:
-            self._grammars[spec.source] = compiled_constraint(self.target, spec)
+            target = self.target
+            self._grammars[spec.source] = compile_grammar(spec, target.tokenizer, target.vocab_size, eos_ids(target))
         return self._grammars[spec.source]
 
     def run(self, unit: BenchUnit) -> list[dict]:
