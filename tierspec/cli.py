@@ -479,7 +479,8 @@ def _add_bench(sub) -> None:
     parser.add_argument("--methods", default="ar,hf-greedy,sd,pld,hf-pld",
                         help="comma-separated method specs, e.g. ar,pld,via:alpha2=0.5:mask=m.json,hf-assisted")
     parser.add_argument("--dataset", default="spec_bench",
-                        help="spec_bench, gsm8k, humaneval, mt_bench, cnn_dailymail, xsum, wmt14")
+                        help="spec_bench, gsm8k, humaneval, mt_bench, cnn_dailymail, xsum, wmt14, json_extract (each text "
+                        "constrained to its task's JSON schema: tierspec's lossless methods only; a validity column)")
     parser.add_argument("--allow-code-execution", action="store_true",
                         help="humaneval: run the code the model writes (sandboxed with bubblewrap: its own PID, mount "
                         "and network namespaces, a read-only view of the system, time, memory, file-size and process "
