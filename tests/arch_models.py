@@ -71,6 +71,26 @@ def _random_k_blocks(kind: GGMLQuantizationType, rows: int, width: int, scale: f
     return raw.reshape(rows, blocks * size)
 
 
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def k_blocks(kind: str, rows: int, width: int, seed: int, extremes: bool = True) -> np.ndarray:
+    """uint8 [rows, bytes per row] of random valid ``kind`` (a K-quant) super-blocks, weights about
+    ±1; with ``extremes``, the first block of rows 0-3 (where there are as many) planted with extreme
+    fp16 scales (d and dmin): the largest finite (65504), the smallest subnormal (2^-24), zero, and
+    negative (-1)."""
+    kind_id = GGMLQuantizationType[kind]
+    raw = _random_k_blocks(kind_id, rows, width, 1.0, np.random.default_rng(seed))
+    size = GGML_QUANT_SIZES[kind_id][1]
+    at = (208,) if kind == "Q6_K" else (0, 2)
+    if extremes:
+        for row, bits in zip(range(rows), (0x7BFF, 0x0001, 0x0000, 0xBC00)):
+            for offset in at:
+                raw[row, offset : offset + 2] = np.array([bits], dtype=np.uint16).view(np.uint8)
+    assert raw.shape[1] == width // 256 * size
+    return raw
+
+
 def q4_k_m_type(name: str, layers: int, tied: bool) -> str:
     """The type llama.cpp's Q4_K_M gives matrix ``name`` (benchmarks/scale.py: ``tensor_layout``):
     Q6_K for attn_v and ffn_down in the first and last eighth of the layers and every third between,
