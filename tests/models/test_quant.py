@@ -123,6 +123,21 @@ def test_products_match_a_float64_reference_and_rows_are_independent(kind, numer
     assert torch.equal(accumulated, 1 + out)
 
 
+@pytest.mark.parametrize("numerics", NUMERICS)
+@pytest.mark.parametrize("kind", TYPES)
+def test_selected_rows_are_a_weight_of_their_own(kind, numerics):
+    """``select`` (a draft vocabulary's rows of the LM head, a Q4_K_M file's Q6_K): the same values,
+    and products bitwise the full weight's columns."""
+    width = _width(kind, 96)
+    raw, reference = _blocks(kind, 50, width, seed=6)
+    weight = QuantWeight(raw, getattr(quant, kind), width, _numerics(numerics))
+    chosen = torch.tensor([49, 0, 17, 33, 16, 2])
+    selected = weight.select(chosen)
+    assert torch.equal(selected.dense(), reference[chosen])
+    x = torch.randn(5, width)
+    assert torch.equal(selected.multiply(x), weight.multiply(x)[:, chosen])
+
+
 def test_rows_rounded_to_bfloat16_differ_from_float32_rows():
     # a planted row whose bfloat16 rounding matters: the numerics are not silently float32
     raw, dense = _blocks("Q4_1", 16, 32, seed=2)

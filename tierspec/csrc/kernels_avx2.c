@@ -70,7 +70,8 @@ AVX2_TARGET static inline void avx2_block_scales(const int kind, const uint8_t *
     }
 }
 
-/* Bit s of each lane moved to bit 4 + b (a value's high part beside its nibble): masks ``keep``. */
+/* Each lane shifted so that its bit s lands at bit ``to`` (a value's high bits beside its nibble),
+ * then only the bits ``keep`` kept. */
 AVX2_TARGET static inline __m256i avx2_bit_to(__m256i v, int s, int to, int keep) {
     __m256i moved = s <= to ? _mm256_slli_epi32(v, to - s) : _mm256_srli_epi32(v, s - to);
     return _mm256_and_si256(moved, _mm256_set1_epi32(keep));
