@@ -77,8 +77,8 @@ AVX2_TARGET static inline __m256i avx2_bit_to(__m256i v, int s, int to, int keep
     return _mm256_and_si256(moved, _mm256_set1_epi32(keep));
 }
 
-/* LAYOUT_F32: the integers a kind multiplies (blocks.h's product_value) for inputs k .. k + 3 of
- * sub-block j (k a multiple of 4) and rows 8h .. 8h + 7, one vector per input. */
+/* LAYOUT_F32: the stored integers (blocks.h's stored_value: Q6_K's u = q + 32) for inputs k .. k + 3
+ * of sub-block j (k a multiple of 4) and rows 8h .. 8h + 7, one vector per input. */
 AVX2_TARGET static inline void avx2_f32_values(const int kind, const uint8_t *cell, int j, int k, int h, __m256i v[4]) {
     const __m256i low = _mm256_set1_epi32(0x0f);
     const uint8_t *q;
@@ -105,11 +105,10 @@ AVX2_TARGET static inline void avx2_f32_values(const int kind, const uint8_t *ce
         const uint8_t *hi = ((const cell_q5k *)cell)->hi[j] + 16 * (k / 8) + 8 * h;
         __m256i bits = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)hi));
         for (int i = 0; i < 4; i++) v[i] = _mm256_or_si256(v[i], avx2_bit_to(bits, k % 8 + i, 4, 0x10));
-    } else if (kind == KIND_Q6K) { /* bits 2i, 2i + 1 of byte 16*(k/4) + r are k + i's high two; less 32 */
+    } else if (kind == KIND_Q6K) { /* bits 2i, 2i + 1 of byte 16*(k/4) + r are k + i's high two (u, not yet less 32) */
         const uint8_t *hi = ((const cell_q6k *)cell)->hi[j] + 16 * (k / 4) + 8 * h;
         __m256i bits = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)hi));
-        for (int i = 0; i < 4; i++)
-            v[i] = _mm256_sub_epi32(_mm256_or_si256(v[i], avx2_bit_to(bits, 2 * i, 4, 0x30)), _mm256_set1_epi32(32));
+        for (int i = 0; i < 4; i++) v[i] = _mm256_or_si256(v[i], avx2_bit_to(bits, 2 * i, 4, 0x30));
     }
 }
 
@@ -140,7 +139,11 @@ AVX2_TARGET static inline void tile_f32_avx2_rows(const matmul_args *a, int t, i
                 __m256i v[4];
                 __m256 wk[4];
                 avx2_f32_values(kind, cell, j, k, h, v);
-                for (int i = 0; i < 4; i++) wk[i] = _mm256_mul_ps(d[k / 16], _mm256_cvtepi32_ps(v[i]));
+                if (kind == KIND_Q6K) /* d*u - 32d = d*(u - 32) exactly (both exact, their difference too) */
+                    for (int i = 0; i < 4; i++)
+                        wk[i] = _mm256_fmsub_ps(d[k / 16], _mm256_cvtepi32_ps(v[i]), _mm256_mul_ps(d[k / 16], _mm256_set1_ps(32.0f)));
+                else
+                    for (int i = 0; i < 4; i++) wk[i] = _mm256_mul_ps(d[k / 16], _mm256_cvtepi32_ps(v[i]));
                 for (int i = 0; i < mt; i++) {
                     const float *xr = xb + (size_t)i * w->K + k;
                     for (int e = 0; e < 4; e++) p[i][e] = _mm256_fmadd_ps(wk[e], _mm256_broadcast_ss(xr + e), p[i][e]);

@@ -12,8 +12,8 @@
 
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
 
-/* LAYOUT_F32: the integers a kind multiplies (blocks.h's product_value) for inputs k .. k + 3 of
- * sub-block j (k a multiple of 4) and the tile's 16 rows, one vector per input. */
+/* LAYOUT_F32: the stored integers (blocks.h's stored_value: Q6_K's u = q + 32) for inputs k .. k + 3
+ * of sub-block j (k a multiple of 4) and the tile's 16 rows, one vector per input. */
 AVX512_TARGET static inline void avx512_f32_values(const int kind, const uint8_t *cell, int j, int k, __m512i v[4]) {
     const __m512i low = _mm512_set1_epi32(0x0f);
     const uint8_t *q;
@@ -43,11 +43,11 @@ AVX512_TARGET static inline void avx512_f32_values(const int kind, const uint8_t
             __m512i moved = s <= 4 ? _mm512_slli_epi32(bits, 4 - s) : _mm512_srli_epi32(bits, s - 4);
             v[i] = _mm512_or_si512(v[i], _mm512_and_si512(moved, _mm512_set1_epi32(0x10)));
         }
-    } else if (kind == KIND_Q6K) { /* bits 2i, 2i + 1 of byte 16*(k/4) + r are k + i's high two; less 32 */
+    } else if (kind == KIND_Q6K) { /* bits 2i, 2i + 1 of byte 16*(k/4) + r are k + i's high two (u, not yet less 32) */
         __m512i bits = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(((const cell_q6k *)cell)->hi[j] + 16 * (k / 4))));
         for (int i = 0; i < 4; i++) {
             __m512i moved = 2 * i <= 4 ? _mm512_slli_epi32(bits, 4 - 2 * i) : _mm512_srli_epi32(bits, 2 * i - 4);
-            v[i] = _mm512_sub_epi32(_mm512_or_si512(v[i], _mm512_and_si512(moved, _mm512_set1_epi32(0x30))), _mm512_set1_epi32(32));
+            v[i] = _mm512_or_si512(v[i], _mm512_and_si512(moved, _mm512_set1_epi32(0x30)));
         }
     }
 }
@@ -76,7 +76,11 @@ AVX512_TARGET static inline void tile_f32_avx512_rows(const matmul_args *a, int 
             __m512i v[4];
             __m512 wk[4];
             avx512_f32_values(kind, cell, j, k, v);
-            for (int e = 0; e < 4; e++) wk[e] = _mm512_mul_ps(d[k / 16], _mm512_cvtepi32_ps(v[e]));
+            if (kind == KIND_Q6K) /* d*u - 32d = d*(u - 32) exactly (both exact, their difference too) */
+                for (int e = 0; e < 4; e++)
+                    wk[e] = _mm512_fmsub_ps(d[k / 16], _mm512_cvtepi32_ps(v[e]), _mm512_mul_ps(d[k / 16], _mm512_set1_ps(32.0f)));
+            else
+                for (int e = 0; e < 4; e++) wk[e] = _mm512_mul_ps(d[k / 16], _mm512_cvtepi32_ps(v[e]));
             for (int i = 0; i < mt; i++) {
                 const float *xr = xb + (size_t)i * w->K + k;
                 for (int e = 0; e < 4; e++) p[i][e] = _mm512_fmadd_ps(wk[e], _mm512_set1_ps(xr[e]), p[i][e]);
