@@ -40,6 +40,10 @@ static inline __m512bh _mm512_cvtne2ps_pbh(__m512 hi, __m512 lo) { float a[16], 
 #undef _mm256_fmadd_ps
 static inline __m512 _mm512_fmadd_ps(__m512 a, __m512 b, __m512 c) { float x[16], y[16], z[16]; _mm512_storeu_ps(x, a); _mm512_storeu_ps(y, b); _mm512_storeu_ps(z, c); for (int i = 0; i < 16; i++) z[i] = fmaf(x[i], y[i], z[i]); return _mm512_loadu_ps(z); }
 static inline __m256 _mm256_fmadd_ps(__m256 a, __m256 b, __m256 c) { float x[8], y[8], z[8]; _mm256_storeu_ps(x, a); _mm256_storeu_ps(y, b); _mm256_storeu_ps(z, c); for (int i = 0; i < 8; i++) z[i] = fmaf(x[i], y[i], z[i]); return _mm256_loadu_ps(z); }
+#undef _mm512_fmsub_ps
+#undef _mm256_fmsub_ps
+static inline __m512 _mm512_fmsub_ps(__m512 a, __m512 b, __m512 c) { float x[16], y[16], z[16]; _mm512_storeu_ps(x, a); _mm512_storeu_ps(y, b); _mm512_storeu_ps(z, c); for (int i = 0; i < 16; i++) z[i] = fmaf(x[i], y[i], -z[i]); return _mm512_loadu_ps(z); }
+static inline __m256 _mm256_fmsub_ps(__m256 a, __m256 b, __m256 c) { float x[8], y[8], z[8]; _mm256_storeu_ps(x, a); _mm256_storeu_ps(y, b); _mm256_storeu_ps(z, c); for (int i = 0; i < 8; i++) z[i] = fmaf(x[i], y[i], -z[i]); return _mm256_loadu_ps(z); }
 /* masked stores touch only the lanes asked for (SIMDe's write all 16) */
 #undef _mm512_mask_storeu_ps
 static inline void _mm512_mask_storeu_ps(void *p, __mmask16 k, __m512 a) { float v[16]; _mm512_storeu_ps(v, a); for (int i = 0; i < 16; i++) if (k >> i & 1) ((float *)p)[i] = v[i]; }
