@@ -233,6 +233,16 @@ def test_bad_blocks_are_refused():
         QuantWeight(raw, 6, 64, numerics_for(torch.float32))  # Q5_0 (the loader re-encodes it as Q8_0)
     with pytest.raises(ValueError, match="whole blocks of 256"):
         QuantWeight(raw, quant.Q4_K, 64, numerics_for(torch.float32))
+    k_raw, _ = _blocks("Q4_K", 16, 256)
+    alternating = [(k_raw, None, quant.Q4_K), (raw[:, :20], None, quant.Q4_1)] * 3  # 6 runs of one type
+    with pytest.raises(ValueError, match="at most 4 runs of one type, not 6"):
+        QuantWeight(None, quant.Q4_K, 256, numerics_for(torch.float32), parts=alternating)
+    with pytest.raises(ValueError, match="Q4_1 rows of 256 values take 160 bytes each"):
+        QuantWeight(None, quant.Q4_K, 256, numerics_for(torch.float32), parts=alternating[:2])
+    wide = QuantWeight(k_raw, quant.Q4_K, 256, numerics_for(torch.float32))
+    narrow = QuantWeight(raw, quant.Q4_1, 64, numerics_for(torch.float32))
+    with pytest.raises(ValueError, match="part 1's inputs \\(64, layout 1\\) differ from the first part's \\(256"):
+        engine.engine().stack_weights((wide.handle, narrow.handle))
     with pytest.raises(ModelLoadError, match="bfloat16, float32 or int8"):
         numerics_for(torch.float16)
 
