@@ -14,7 +14,7 @@
  * multiplies inputs 16h .. 16h + 15 (d[0] = d[1] but for Q6_K), *mn the term per unit of the block's
  * input sum (the kinds with a minimum; left alone otherwise). Sub-block j of a K-quant cell:
  * D = d*sc and mn = -(dmin*m), exact. */
-AVX512_BASE_TARGET static inline void avx512_block_scales(const int kind, const uint8_t *cell, int j, __m512 d[2], __m512 *mn) {
+AVX512_BASE_TARGET static KERNEL_INLINE void avx512_block_scales(const int kind, const uint8_t *cell, int j, __m512 d[2], __m512 *mn) {
     switch (kind) {
     case KIND_Q4:
         d[0] = d[1] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const cell_q4 *)cell)->d));
@@ -45,7 +45,7 @@ AVX512_BASE_TARGET static inline void avx512_block_scales(const int kind, const 
 
 /* The low-nibble area of sub-block j of a cell of a nibble kind (Q4, Q4_K, Q5_K, Q6_K), and its
  * high-bit plane (NULL for Q4, Q4_K). */
-static inline const uint8_t *nibbles_of(int kind, const uint8_t *cell, int j, const uint8_t **hi) {
+static KERNEL_INLINE const uint8_t *nibbles_of(int kind, const uint8_t *cell, int j, const uint8_t **hi) {
     switch (kind) {
     case KIND_Q4: *hi = NULL; return ((const cell_q4 *)cell)->q;
     case KIND_Q4K: *hi = NULL; return ((const cell_q4k *)cell)->q[j];
@@ -57,7 +57,7 @@ static inline const uint8_t *nibbles_of(int kind, const uint8_t *cell, int j, co
 
 /* LAYOUT_INT8: quad g's 64 stored values (position 4r + k%4) with their high bits from the plane
  * (hi_slot: a 64-bit mask per bit), ``nib`` holding the low four bits. */
-AVX512_BASE_TARGET static inline __m512i avx512_int8_high(const int bits, const uint8_t *hi, int g, __m512i nib) {
+AVX512_BASE_TARGET static KERNEL_INLINE __m512i avx512_int8_high(const int bits, const uint8_t *hi, int g, __m512i nib) {
     for (int b = 0; b < bits; b++) {
         uint64_t mask;
         memcpy(&mask, hi + 8 * (bits * g + b), 8);
@@ -68,7 +68,7 @@ AVX512_BASE_TARGET static inline __m512i avx512_int8_high(const int bits, const 
 
 /* LAYOUT_BF16: pair p's 32 stored values as 16-bit words (position 2r + k%2) with their high bits
  * from the plane (hi_slot: a 32-bit mask per bit), ``nib`` holding the low four bits. */
-AVX512_BASE_TARGET static inline __m512i avx512_bf16_high(const int bits, const uint8_t *hi, int p, __m512i nib) {
+AVX512_BASE_TARGET static KERNEL_INLINE __m512i avx512_bf16_high(const int bits, const uint8_t *hi, int p, __m512i nib) {
     for (int b = 0; b < bits; b++) {
         uint32_t mask;
         memcpy(&mask, hi + 4 * (bits * p + b), 4);

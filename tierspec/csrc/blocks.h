@@ -142,7 +142,11 @@ static_assert(offsetof(cell_q4k, q) == offsetof(cell_q5k, q), "Q4_K and Q5_K cel
 /* A cell kind the code does not know: a bug, never a wrong answer (each switch over kinds ends here). */
 #define UNKNOWN_KIND() __builtin_trap()
 
-static inline size_t cell_bytes(int kind) {
+/* The kernels' helpers and row loops, each specialised per cell kind and row count at its call: forced
+ * inline, or the compiler keeps one copy taking the kind at run time (measured: it did, for 15 copies). */
+#define KERNEL_INLINE inline __attribute__((always_inline))
+
+static KERNEL_INLINE size_t cell_bytes(int kind) {
     switch (kind) {
     case KIND_Q4: return sizeof(cell_q4);
     case KIND_Q8: return sizeof(cell_q8);
@@ -154,7 +158,7 @@ static inline size_t cell_bytes(int kind) {
 }
 
 /* Blocks of 32 inputs per cell: 1, or the 8 sub-blocks of a K-quant's super-block. */
-static inline int cell_blocks(int kind) {
+static KERNEL_INLINE int cell_blocks(int kind) {
     switch (kind) {
     case KIND_Q4: case KIND_Q8: return 1;
     case KIND_Q4K: case KIND_Q5K: case KIND_Q6K: return QK_K / QK;
@@ -163,7 +167,7 @@ static inline int cell_blocks(int kind) {
 }
 
 /* Bits of each value kept beside its low nibble (hi_slot's planes): Q5_K 1, Q6_K 2, others 0. */
-static inline int high_bits(int kind) {
+static KERNEL_INLINE int high_bits(int kind) {
     switch (kind) {
     case KIND_Q4: case KIND_Q8: case KIND_Q4K: return 0;
     case KIND_Q5K: return 1;
@@ -311,12 +315,12 @@ typedef struct packed_weight {
 } packed_weight;
 
 /* Tile ``tile``'s cell ``cell`` (inputs cell * 32 * cell_blocks ..). */
-static inline const uint8_t *cell_at(const packed_weight *w, int tile, int cell) {
+static KERNEL_INLINE const uint8_t *cell_at(const packed_weight *w, int tile, int cell) {
     return w->cells + ((size_t)tile * (w->K / (QK * cell_blocks(w->kind))) + cell) * cell_bytes(w->kind);
 }
 
 /* The cell holding block b (32 inputs) of tile t, and b's sub-block within it. */
-static inline const uint8_t *block_cell(const packed_weight *w, int tile, int b, int *sub) {
+static KERNEL_INLINE const uint8_t *block_cell(const packed_weight *w, int tile, int b, int *sub) {
     int per = cell_blocks(w->kind);
     *sub = b % per;
     return cell_at(w, tile, b / per);
@@ -355,7 +359,7 @@ static inline void block_scales(int kind, const uint8_t *cell, int r, int j, flo
 }
 
 /* Whether a kind's products add mn * (the block's input sum). */
-static inline int has_minimum(int kind) {
+static KERNEL_INLINE int has_minimum(int kind) {
     switch (kind) {
     case KIND_Q4: case KIND_Q4K: case KIND_Q5K: return 1;
     case KIND_Q8: case KIND_Q6K: return 0;

@@ -41,7 +41,7 @@ AVX2_TARGET static void prepare_f32_avx2(int round_bf16, const float *x, int M, 
  * block_scales, 8 lanes): d[hh] multiplies inputs 16hh .. 16hh + 15 (d[0] = d[1] but for Q6_K), *mn
  * the term per unit of the block's input sum (kinds with a minimum; left alone otherwise). Every
  * layout's kernels can take their scales here: they depend on the kind alone. */
-AVX2_TARGET static inline void avx2_block_scales(const int kind, const uint8_t *cell, int j, int h, __m256 d[2], __m256 *mn) {
+AVX2_TARGET static KERNEL_INLINE void avx2_block_scales(const int kind, const uint8_t *cell, int j, int h, __m256 d[2], __m256 *mn) {
     const __m256 sign = _mm256_set1_ps(-0.0f);
     switch (kind) {
     case KIND_Q4:
@@ -72,14 +72,14 @@ AVX2_TARGET static inline void avx2_block_scales(const int kind, const uint8_t *
 
 /* Each lane shifted so that its bit s lands at bit ``to`` (a value's high bits beside its nibble),
  * then only the bits ``keep`` kept. */
-AVX2_TARGET static inline __m256i avx2_bit_to(__m256i v, int s, int to, int keep) {
+AVX2_TARGET static KERNEL_INLINE __m256i avx2_bit_to(__m256i v, int s, int to, int keep) {
     __m256i moved = s <= to ? _mm256_slli_epi32(v, to - s) : _mm256_srli_epi32(v, s - to);
     return _mm256_and_si256(moved, _mm256_set1_epi32(keep));
 }
 
 /* LAYOUT_F32: the stored integers (blocks.h's stored_value: Q6_K's u = q + 32) for inputs k .. k + 3
  * of sub-block j (k a multiple of 4) and rows 8h .. 8h + 7, one vector per input. */
-AVX2_TARGET static inline void avx2_f32_values(const int kind, const uint8_t *cell, int j, int k, int h, __m256i v[4]) {
+AVX2_TARGET static KERNEL_INLINE void avx2_f32_values(const int kind, const uint8_t *cell, int j, int k, int h, __m256i v[4]) {
     const __m256i low = _mm256_set1_epi32(0x0f);
     const uint8_t *q;
     switch (kind) {
@@ -116,7 +116,7 @@ AVX2_TARGET static inline void avx2_f32_values(const int kind, const uint8_t *ce
  * 8 output rows: the tile's two halves one after the other (4 sums x 3 rows x a half fill 12 of
  * the 16 registers), up to 3 rows of x at once. ``kind`` and ``mt`` are constants in each copy. */
 #define AVX2_ROWS 3
-AVX2_TARGET static inline void tile_f32_avx2_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
+AVX2_TARGET static KERNEL_INLINE void tile_f32_avx2_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
     const packed_weight *w = a->w;
     int KB = w->K / QK;
     const float *x = (const float *)a->x;

@@ -14,7 +14,7 @@
 
 /* LAYOUT_F32: the stored integers (blocks.h's stored_value: Q6_K's u = q + 32) for inputs k .. k + 3
  * of sub-block j (k a multiple of 4) and the tile's 16 rows, one vector per input. */
-AVX512_TARGET static inline void avx512_f32_values(const int kind, const uint8_t *cell, int j, int k, __m512i v[4]) {
+AVX512_TARGET static KERNEL_INLINE void avx512_f32_values(const int kind, const uint8_t *cell, int j, int k, __m512i v[4]) {
     const __m512i low = _mm512_set1_epi32(0x0f);
     const uint8_t *q;
     switch (kind) {
@@ -57,7 +57,7 @@ AVX512_TARGET static inline void avx512_f32_values(const int kind, const uint8_t
  * latency (4 cycles); 6 rows of x at once (24 sums in registers) use each weight vector 6 times.
  * ``kind`` and ``mt`` are constants in each copy. */
 #define F32_ROWS 6
-AVX512_TARGET static inline void tile_f32_avx512_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
+AVX512_TARGET static KERNEL_INLINE void tile_f32_avx512_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
     const packed_weight *w = a->w;
     int KB = w->K / QK;
     const float *x = (const float *)a->x;

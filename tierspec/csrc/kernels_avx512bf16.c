@@ -27,7 +27,7 @@ BF16_TARGET static void prepare_bf16_avx512(const float *x, int M, int K, uint16
 
 /* Per block the sum of v_k x_k (bfloat16 products, float32 sums), then acc += d * it + mn * sum x.
  * ``kind`` and ``mt`` are constants in each copy. */
-BF16_TARGET static inline void tile_bf16_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
+BF16_TARGET static KERNEL_INLINE void tile_bf16_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
     const packed_weight *w = a->w;
     int KB = w->K / QK;
     const uint32_t *x = (const uint32_t *)a->x; /* bfloat16 pairs */

@@ -19,7 +19,7 @@
  * odd quads of k, or for Q6_K the block's two halves (quads 0-3 and 4-7, each with its own scale),
  * whose dot products are then taken less 32 times the half's 8-bit sum (its values are stored as
  * u = q + 32). */
-VNNI_TARGET static inline void tile_int8_vnni_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
+VNNI_TARGET static KERNEL_INLINE void tile_int8_vnni_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
     const packed_weight *w = a->w;
     int KB = w->K / QK;
     const int32_t *x = (const int32_t *)a->x; /* quads of int8 */
