@@ -12,7 +12,8 @@ root="$(cd "$(dirname "$0")/../.." && pwd)"
 simde="$(python -c 'import simde_py; print(simde_py.get_include())')"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
-git -C "$root" ls-files -z --cached --others --exclude-standard | (cd "$root" && xargs -0 cp --parents -t "$work")
+git -C "$root" ls-files -z --cached --others --exclude-standard -- tierspec tests setup.py pyproject.toml \
+    | (cd "$root" && xargs -0 cp --parents -t "$work")
 cd "$work"
 sed -i -E 's/__attribute__\(\(target\("[^"]*"\)\)\)//g' tierspec/csrc/*.c tierspec/csrc/*.h
 python - <<'PY'
