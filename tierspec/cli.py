@@ -85,7 +85,7 @@ def _add_model_flags(parser) -> None:
     group.add_argument("--device", default="cpu", choices=list(DEVICES),
                        help="where the model runs; auto = cuda, else mps, else cpu (default cpu)")
     group.add_argument("--kernels", default="auto", choices=list(KERNELS),
-                       help="linear kernels: gguf (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks on tierspec's pass engine, "
+                       help="linear kernels: gguf (a GGUF file's own Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks on tierspec's pass engine, "
                             "each layer one call; CPU), packed (de-quantised weights packed once for oneDNN; CPU), "
                             "few-row (CPU), stock nn.Linear; auto = gguf for a GGUF file of native types, else packed "
                             "on a CPU that supports it, few-row on other CPUs, stock elsewhere")

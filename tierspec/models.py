@@ -288,7 +288,7 @@ def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.devic
 
     ``auto``: yes where that path covers it — tierspec's Llama forward, a CPU, bfloat16 or float32
     rows, the compiled engine present — and every projection and the LM head are of a native type
-    (Q4_0, Q4_1, Q8_0; others would run de-quantised, as the converted copy does). ``gguf`` asks
+    (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; others would run de-quantised, as the converted copy does). ``gguf`` asks
     for it and refuses what it cannot do; the other kernels keep the converted copy. ``header``:
     the file's checked ``gguf_check.GgufHeader`` (read again where None)."""
     from .engine import engine_available

@@ -166,6 +166,21 @@ def test_sound_files_of_every_checked_architecture_pass(tmp_path, arch, options)
     assert header.array("tokenizer.ggml.tokens") == [f"<t{i}>" for i in range(V)]
 
 
+def test_a_q4_k_m_files_sizes_are_its_super_blocks(tmp_path):
+    """K-quant tensors (super-blocks of 256 values: Q4_K 144 bytes, Q6_K 210) sized as gguf-py reads
+    them, so the engine's repacking reads each tensor's bytes and no more."""
+    from arch_models import write_arch_gguf
+
+    path = write_arch_gguf(tmp_path, "llama3", "Q4_K_M").gguf
+    header = check_gguf(path)
+    reference = {t.name: (t.tensor_type, t.data_offset, t.n_bytes) for t in GGUFReader(path).tensors}
+    assert {name: (t.ggml_type, t.offset, t.nbytes) for name, t in header.tensors.items()} == reference
+    assert header.tensors["blk.0.attn_q.weight"].ggml_type == Q.Q4_K
+    assert header.tensors["blk.0.attn_q.weight"].nbytes == 256 * 256 // 256 * 144  # [256 rows, 256 values]
+    assert header.tensors["blk.2.ffn_down.weight"].ggml_type == Q.Q6_K
+    assert header.tensors["blk.2.ffn_down.weight"].nbytes == 256 * 512 // 256 * 210
+
+
 def test_an_unknown_architecture_gets_the_generic_checks(tmp_path):
     path = write_model(tmp_path / "other.gguf", "gpt2", extra={"whatever.weight": np.ones(32, np.float32)})
     assert check_gguf(path).architecture == "gpt2"
