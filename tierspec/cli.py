@@ -481,6 +481,9 @@ def _add_bench(sub) -> None:
     parser.add_argument("--dataset", default="spec_bench",
                         help="spec_bench, gsm8k, humaneval, mt_bench, cnn_dailymail, xsum, wmt14, json_extract (each text "
                         "constrained to its task's JSON schema: tierspec's lossless methods only; a validity column)")
+    parser.add_argument("--free-text", action="store_true",
+                        help="json_extract: the same prompts without their schemas (free text, still scored for "
+                        "validity): the speed the constrained runs are compared with")
     parser.add_argument("--allow-code-execution", action="store_true",
                         help="humaneval: run the code the model writes (sandboxed with bubblewrap: its own PID, mount "
                         "and network namespaces, a read-only view of the system, time, memory, file-size and process "
@@ -535,6 +538,7 @@ def _run_bench(args) -> int:
         num_draft=args.num_draft, repeats=args.repeats, seed=args.seed, drafter=args.drafter, data_dir=args.data_dir,
         mask=args.mask, hf_pld_tokens=args.hf_pld_tokens, hf_early_exit_layer=args.hf_early_exit_layer,
         compute_nll=not args.no_nll, fidelity_reference=args.fidelity_reference, code_sandbox=not args.no_sandbox,
+        free_text=args.free_text,
     )
     summary = run_bench(config, Path(args.out), progress=not args.no_progress, generate=not args.summarize_only,
                         cluster=_cluster(args), allow_code_execution=args.allow_code_execution)

@@ -159,3 +159,20 @@ def test_the_bench_refuses_what_cannot_follow_a_schema(tmp_path, byte_target, sm
                          data_dir=str(small_set))
     with pytest.raises(BenchError, match=message):
         run_bench(config, tmp_path / "out", progress=False, target=byte_target)
+
+
+def test_free_text_runs_the_same_prompts_unconstrained(tmp_path, byte_target, small_set):
+    """``--free-text``: the set's prompts without their schemas (what a constrained run's speed is
+    compared with): no grammar time, texts the model's own (this random byte model writes no valid
+    object unconstrained), validity still scored; a set with no schemas refuses the flag."""
+    from tierspec.bench.runner import BenchConfig, BenchError, run_bench
+
+    config = BenchConfig(target="byte", methods=("ar", "pld"), dataset="json_extract", per_category=1,
+                         max_new_tokens=12, data_dir=str(small_set), free_text=True)
+    run_bench(config, tmp_path / "out", progress=False, target=byte_target)
+    records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and all(record["grammar_seconds"] == 0 for record in records)
+    assert any(record["json_valid"] == 0.0 for record in records)
+    with pytest.raises(BenchError, match="--free-text leaves a constrained set's texts free; spec_bench constrains none"):
+        run_bench(BenchConfig(target="byte", methods=("ar",), free_text=True), tmp_path / "other", progress=False,
+                  target=byte_target)

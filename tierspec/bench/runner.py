@@ -108,6 +108,13 @@ class BenchConfig:
     fidelity_reference: str | None = None
     # HumanEval's code runs isolated (bench.sandbox); False is the user's explicit opt-out (--no-sandbox).
     code_sandbox: bool = True
+    # A constrained set's prompts as free text (--free-text): what the constraint's speed is compared with.
+    free_text: bool = False
+
+    @property
+    def constrained(self) -> bool:
+        """Whether each text is constrained to its task's schema (``data.CONSTRAINED_DATASETS``)."""
+        return self.dataset in CONSTRAINED_DATASETS and not self.free_text
 
     def __post_init__(self) -> None:
         if not self.methods:
@@ -324,7 +331,7 @@ class TierspecMethod:
         options = replace(MethodOptions(num_draft=num_draft), **{k: _convert(spec, k, v, target) for k, v in params.items()})
         # the run's drafter model serves the methods that draft with one
         self.method = build_method(name, target, drafter if drafts_with_model(name, options) else None, options)
-        if config.dataset in CONSTRAINED_DATASETS:  # its texts are constrained: a lossy method is refused now
+        if config.constrained:  # its texts are constrained: a lossy method is refused now
             try:
                 check_constrainable(self.method, self.method.generation(num_draft).rule)
             except TierspecError as error:
@@ -570,7 +577,7 @@ class BenchWorker:
     def constraint(self, prompt: Prompt):
         """The compiled grammar ``prompt``'s text is constrained to (its JSON schema, on a set of
         ``data.CONSTRAINED_DATASETS``; compiled once per schema), else None."""
-        if self.config.dataset not in CONSTRAINED_DATASETS:
+        if not self.config.constrained:
             return None
         from ..grammar import GrammarSpec, compile_grammar
 
@@ -671,7 +678,10 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
     config = replace(config, methods=tuple(methods))
     for spec in methods:
         parse_spec(spec)
-    if config.dataset in CONSTRAINED_DATASETS:
+    if config.free_text and config.dataset not in CONSTRAINED_DATASETS:
+        raise BenchError(f"--free-text leaves a constrained set's texts free; {config.dataset} constrains none "
+                         f"(constrained sets: {', '.join(CONSTRAINED_DATASETS)})")
+    if config.constrained:
         peers = [spec for spec in methods if parse_spec(spec)[0] not in method_names()]
         if peers:
             raise BenchError(f"the {config.dataset} set constrains each text to its JSON schema, which "
