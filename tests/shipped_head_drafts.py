@@ -6,7 +6,9 @@ greedy and sampled with a seed, on float32 SmolLM2-135M-Instruct, and returns ev
 drafted tokens (and the tree's parents). ``tests/data/shipped_head_drafts.json`` holds what it
 returns for the head shipped now (the first head continued on new data, issue 20); the first
 head's record, made on the code before the head's layer became ``tierspec.llama``'s decoder layer
-(commit ad3fa31), was matched exactly by the new layer before the head was replaced.
+(commit ad3fa31), was matched exactly by the new layer before the head was replaced. The sampled (T=1) runs were
+re-recorded when sampled drafts moved to keyed noise (``Noise.argmax``, commit f262e6f); the
+greedy runs were unchanged by it and kept.
 ``tests/methods/test_real_model.py`` checks the shipped head still drafts exactly the recorded tokens.
 
 Regenerate only on purpose (a new head or a deliberate change of its drafts):
@@ -63,6 +65,6 @@ def record(target) -> dict:
 if __name__ == "__main__":
     import tierspec
 
-    smollm = tierspec.load_model("smollm2-135m", dtype=torch.float32)
+    smollm = tierspec.load_model("smollm2-135m", dtype="float32", kernels="packed")
     REFERENCE.write_text(json.dumps(record(smollm)) + "\n")
     print(f"wrote {REFERENCE}")
