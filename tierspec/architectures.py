@@ -41,6 +41,10 @@ FEATURES = {
 }
 # Features that need nothing of the engine's layer call: applied in Python before it.
 OUTSIDE_THE_LAYER = {"embedding_scale"}
+# The layer features the engine's layer call computes (tierspec/csrc/engine.h's layer_desc, told by
+# ``gguf_llama.FusedLayer``): a model needing none beyond these runs each layer as one engine call.
+ENGINE_FEATURES = {"qkv_bias", "qk_norm", "post_norms", "gelu_tanh", "sliding_window", "layer_rope", "partial_rotary",
+                   "attention_scale", "attention_softcap"}
 
 
 class UnsupportedArchitecture(ModelLoadError):
@@ -114,9 +118,9 @@ class Architecture:
 
     def engine_gaps(self) -> list[str]:
         """The layer features the engine's layer call lacks for this model (empty: every layer can
-        run as one engine call; the rotary table, whatever its base, scaling or frequency factors,
-        is the pass's cos/sin table, which the engine reads as given)."""
-        return [name for name in self.features if name not in OUTSIDE_THE_LAYER]
+        run as one engine call; the rotary tables, whatever their base, scaling or frequency factors,
+        are the pass's cos/sin tables, which the engine reads as given)."""
+        return [name for name in self.features if name not in OUTSIDE_THE_LAYER and name not in ENGINE_FEATURES]
 
     def engine_note(self) -> str | None:
         """One line saying why the layers run on torch's operators (None: they need nothing new)."""
