@@ -243,7 +243,7 @@ static int read_features(layer_desc *d, PyObject *scale, PyObject *softcap, PyOb
         double value = PyFloat_AsDouble(scale);
         if (value == -1.0 && PyErr_Occurred()) return 0;
         if (!(value > 0.0) || !isfinite(value)) {
-            PyErr_Format(PyExc_ValueError, "an attention scale of %g (a positive number)", value);
+            PyErr_Format(PyExc_ValueError, "an attention scale of %R (a positive number)", scale);
             return 0;
         }
         d->attention_scale = (float)value;
@@ -253,7 +253,7 @@ static int read_features(layer_desc *d, PyObject *scale, PyObject *softcap, PyOb
         double value = PyFloat_AsDouble(softcap);
         if (value == -1.0 && PyErr_Occurred()) return 0;
         if (!(value > 0.0) || !isfinite(value)) {
-            PyErr_Format(PyExc_ValueError, "an attention soft-cap of %g (a positive number)", value);
+            PyErr_Format(PyExc_ValueError, "an attention soft-cap of %R (a positive number)", softcap);
             return 0;
         }
         d->softcap = (float)value;
@@ -508,6 +508,29 @@ static PyObject *py_run_stack(PyObject *self, PyObject *args, PyObject *kw) {
     Py_RETURN_NONE;
 }
 
+/* activate(activation, gate_up, rows, inter, out): the layer's gate function over rows (tests: each
+ * path's bits, and the function against a float64 one). */
+static PyObject *py_activate(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"activation", "gate_up", "rows", "inter", "out", NULL};
+    const char *activation;
+    PyObject *in_o, *out_o;
+    int rows, inter;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOiiO", names, &activation, &in_o, &rows, &inter, &out_o)) return NULL;
+    layer_desc d = {.head_dim = 2};
+    if (!read_features(&d, Py_None, Py_None, Py_None, activation)) return NULL;
+    if (rows < 1 || inter < 1) return PyErr_Format(PyExc_ValueError, "%d rows of %d gated values", rows, inter);
+    const float *in = address(in_o, "gate_up");
+    float *out = in ? address(out_o, "out") : NULL;
+    if (!out) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    unsigned csr = flush_denormals();
+    activate_rows(d.activation, in, rows, inter, out, 1);
+    restore_denormals(csr);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 /* ---- the CPU, kernel paths and profiles ------------------------------------------------------- */
 
 static PyObject *py_isa(PyObject *self, PyObject *unused) {
@@ -623,6 +646,7 @@ static PyMethodDef methods[] = {
     KW(make_layer, "make_layer(qkv, o, gate_up, down, norm_in, norm_post, eps, hidden, heads, kv_heads, head_dim, inter, *, "
                    "qkv_bias, q_norm, k_norm, attention_out_norm, mlp_out_norm, activation, window, rotary_table, rotary_dims, "
                    "attention_scale, softcap): a decoder layer (the keyword-only features default to Llama's layer)."),
+    KW(activate, "activate(activation, gate_up, rows, inter, out): out = act(g) * u over rows of gate_up = [g, u] (tests)."),
     {"make_stack", py_make_stack, METH_O, "make_stack(layers): a decoder's layers for run_stack."},
     KW(run_stack, "run_stack(stack, first, last, hidden, out, rows, rotary, rotary_dims, segments, count, flags, threads)."),
     {"isa", py_isa, METH_NOARGS, "The kernel path in use: portable, avx2, avx512, avx512vnni, avx512bf16 or amx."},

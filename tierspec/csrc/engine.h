@@ -290,6 +290,9 @@ typedef struct {
 
 void run_pass(const pass_desc *p);
 
+/* The MLP's gate over rows: out [rows, inter] = act(g) * u for gate_up [rows, 2 inter] (g, then u). */
+void activate_rows(int activation, const float *gate_up, int rows, int inter, float *out, int threads);
+
 /* ---- scratch and profiles --------------------------------------------------------------------- */
 
 typedef struct {

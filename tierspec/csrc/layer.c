@@ -88,6 +88,11 @@ static void gelu_tanh_task(void *raw, int r) {
     for (int i = 0; i < a->inter; i++) o[i] = 0.5f * g[i] * (1.0f + tanh_from_exp(gelu_tanh_argument(g[i]), o[i])) * u[i];
 }
 
+void activate_rows(int activation, const float *gate_up, int rows, int inter, float *out, int threads) {
+    gate_args ga = {gate_up, out, inter};
+    run_parallel(activation == ACT_GELU_TANH ? gelu_tanh_task : swiglu_task, &ga, rows, threads);
+}
+
 /* ---- a unit's output ----------------------------------------------------------------------------- */
 
 /* h += x W^T for the chunk's n rows, or, with an output norm (Gemma's post-norms), h += rms_norm(x
@@ -175,8 +180,7 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
     if (flags & UNIT_MLP) {
         for (int r = 0; r < n; r++) kernels.rms_norm(h + (size_t)r * H, L->norm_post, L->eps, H, xn + (size_t)r * H);
         linear(L->gate_up, xn, n, gu, 2 * I, 0, nth);
-        gate_args ga = {gu, act, I};
-        run_parallel(L->activation == ACT_GELU_TANH ? gelu_tanh_task : swiglu_task, &ga, n, n >= 8 ? nth : 1);
+        activate_rows(L->activation, gu, n, I, act, n >= 8 ? nth : 1);
         add_unit_output(L, L->down, act, n, L->mlp_out_norm, xn, h, nth);
     }
 }
