@@ -24,9 +24,10 @@ from .errors import ModelLoadError
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 
-# The layer features beyond the engine's plain Llama layer (RMSNorm·w, rotate-half rotary from the
-# pass's cos/sin table, causal grouped-query attention scaled by 1/sqrt(head_dim), SwiGLU). Each is
-# a line of docs/models.md §What the engine layer needs; ``engine_gaps`` names the ones a model uses.
+# The layer features beyond plain Llama's layer (RMSNorm·w, rotate-half rotary from the pass's cos/sin
+# table, causal grouped-query attention scaled by 1/sqrt(head_dim), SwiGLU). Each is a line of
+# docs/models.md §What the engine's layer computes; ``engine_gaps`` names those a model uses that the
+# engine's layer does not compute.
 FEATURES = {
     "qkv_bias": "a bias added to the q, k and v projections' outputs",
     "qk_norm": "an RMSNorm over each head's q and k (weight [head_dim]) before the rotation",

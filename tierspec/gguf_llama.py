@@ -38,7 +38,7 @@ class FusedLayer:
 
     ``layer`` is a ``llama.DecoderLayer`` or ``ArchDecoderLayer`` (or anything with their parts): what
     it computes beyond Llama's layer is read from its modules, so the engine computes exactly what
-    its torch forward does (docs/models.md §What the engine layer needs): ``self_attn.qkv_bias``,
+    its torch forward does (docs/models.md §What the engine's layer computes): ``self_attn.qkv_bias``,
     ``q_norm``/``k_norm``, ``rotary_dims``, ``scale``/``softcap``; Gemma's four norms where
     ``post_norms``; GELU-tanh where the MLP is a ``GeluMLP``; the sliding window of its
     ``layout_key``. ``rotary_table``: which of the pass's rotary tables it reads (its decoder's
