@@ -21,7 +21,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from arch_models import WINDOW, write_arch_gguf
+from arch_models import K_TYPES, WINDOW, k_blocks, write_arch_gguf
 from gguf_models import write_tiny_gguf
 from tierspec import engine, gguf_model, quant
 from tierspec.architectures import read_architecture
@@ -54,10 +54,19 @@ def kernels(path: str):
 
 
 def _blocks(kind: str, rows: int, width: int, seed: int) -> torch.Tensor:
+    """gguf-py's blocks of random rows; K-quants (which it cannot quantise): random valid blocks with
+    planted extreme scales (``arch_models.k_blocks``)."""
+    if kind in K_TYPES:
+        return torch.from_numpy(k_blocks(kind, rows, width, seed).copy())
     rng = np.random.default_rng(seed)
     values = rng.standard_normal((rows, width)).astype(np.float32)
     values[0, :32] = 0.0  # an all-zero block
     return torch.from_numpy(quantize(values, GGMLQuantizationType[kind]).copy())
+
+
+def _width(kind: str) -> int:
+    """160 inputs (5 blocks), or for a K-quant 512 (2 super-blocks: a tile's cells one after the other)."""
+    return 512 if kind in K_TYPES else 160
 
 
 def _rows(count: int, width: int, seed: int) -> torch.Tensor:
@@ -66,7 +75,7 @@ def _rows(count: int, width: int, seed: int) -> torch.Tensor:
     return x
 
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 ROW_COUNTS = [1, 2, 3, 5, 7, 16, 17, 40]
 
 
@@ -83,8 +92,9 @@ def test_every_path_equals_the_reference_bitwise_for_float32_and_int8_rows(path,
         _emulated_available()
     numerics = quant.Numerics(torch.bfloat16, quant.LAYOUT_FLOAT32_FMA, True) if dtype == "bfloat16-emulated" \
         else numerics_for(dtype)
-    weight = QuantWeight(_blocks(kind, 72, 160, seed=1), getattr(quant, kind), 160, numerics)  # 4.5 tiles
-    x = _rows(max(ROW_COUNTS), 160, seed=2)
+    width = _width(kind)
+    weight = QuantWeight(_blocks(kind, 72, width, seed=1), getattr(quant, kind), width, numerics)  # 4.5 tiles
+    x = _rows(max(ROW_COUNTS), width, seed=2)
     with kernels("portable"):
         reference = weight.multiply(x)
     with kernels(path):
@@ -94,14 +104,25 @@ def test_every_path_equals_the_reference_bitwise_for_float32_and_int8_rows(path,
 
 
 def _summed_terms(kind: str, raw: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """[N, K]: the magnitude each weight brings to the bfloat16 kernels' sums. Q4 kernels sum
-    d·(128 + q_k)·x_k and add (m − 128 d)·Σx (docs/algorithms.md §The pass engine), so a Q4 weight
-    brings |128 d + w − m| + |m − 128 d| (d·(128 + q) = 128 d + w − m); a Q8 weight |w|."""
-    if kind == "Q8_0":
+    """[N, K]: the magnitude each weight brings to the bfloat16 kernels' sums. The kernels of the
+    kinds with a minimum (Q4_0, Q4_1, Q4_K, Q5_K: w = d·q + m per 32, K-quants' d = d·sc, m = −dmin·mn)
+    sum d·(128 + q_k)·x_k and add (m − 128 d)·Σx (docs/algorithms.md §The pass engine), so such a
+    weight brings |128 d + w − m| + |m − 128 d| (d·(128 + q) = 128 d + w − m); a Q8_0 or Q6_K weight |w|."""
+    if kind in ("Q8_0", "Q6_K"):
         return dense.abs()
-    blocks = raw.numpy().reshape(raw.shape[0], -1, 18 if kind == "Q4_0" else 20)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).astype(np.float32))  # [N, K/32, 1]
-    m = -8 * d if kind == "Q4_0" else torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).astype(np.float32))
+    rows = raw.shape[0]
+    if kind in ("Q4_K", "Q5_K"):
+        blocks = raw.numpy().reshape(rows, -1, 144 if kind == "Q4_K" else 176)
+        half = lambda at: blocks[..., at : at + 2].copy().view(np.float16).astype(np.float32)  # noqa: E731
+        s = blocks[..., 4:16]  # the 6-bit scales and minimums, unpacked as ggml does
+        sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+        mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+        d = torch.from_numpy((half(0) * sc).reshape(rows, -1, 1))  # [N, K/32, 1]
+        m = torch.from_numpy((-(half(2) * mn)).reshape(rows, -1, 1))
+    else:
+        blocks = raw.numpy().reshape(rows, -1, 18 if kind == "Q4_0" else 20)
+        d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).astype(np.float32))  # [N, K/32, 1]
+        m = -8 * d if kind == "Q4_0" else torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).astype(np.float32))
     w = dense.reshape(d.shape[0], d.shape[1], 32)
     return ((128 * d + w - m).abs() + (m - 128 * d).abs()).reshape(dense.shape)
 
@@ -116,9 +137,10 @@ def test_bfloat16_dot_products_match_the_reference_within_their_rounding(path, k
     if path == "amx-emulated":
         _emulated_available()
     numerics = quant.Numerics(torch.bfloat16, quant.LAYOUT_BFLOAT16_DOT, False)
-    raw = _blocks(kind, 72, 160, seed=3)
-    weight = QuantWeight(raw, getattr(quant, kind), 160, numerics)
-    x = _rows(40, 160, seed=4)
+    width = _width(kind)
+    raw = _blocks(kind, 72, width, seed=3)
+    weight = QuantWeight(raw, getattr(quant, kind), width, numerics)
+    x = _rows(40, width, seed=4)
     with kernels("portable"):
         reference = weight.multiply(x)
     rounded = x.to(torch.bfloat16).float()
@@ -134,8 +156,9 @@ def test_bfloat16_dot_products_match_the_reference_within_their_rounding(path, k
 @pytest.mark.skipif("amx" not in PATHS, reason=f"no AMX here: {AMX_REASON}")
 @pytest.mark.parametrize("kind", TYPES)
 def test_the_amx_int8_tiles_equal_the_reference_bitwise(kind):
-    weight = QuantWeight(_blocks(kind, 72, 160, seed=5), getattr(quant, kind), 160, numerics_for(torch.int8))
-    x = _rows(40, 160, seed=6)
+    width = _width(kind)
+    weight = QuantWeight(_blocks(kind, 72, width, seed=5), getattr(quant, kind), width, numerics_for(torch.int8))
+    x = _rows(40, width, seed=6)
     with kernels("portable"):
         reference = weight.multiply(x)
     with kernels("amx"):
@@ -159,7 +182,17 @@ def test_the_emulated_tiles_compute_what_the_instructions_define():
 def test_the_native_block_types_are_the_packages():
     assert {t: name for t, (name, _, _) in qe.block_types().items()} == quant.NATIVE_TYPES
     sizes = ggml_type_sizes()
-    assert {t: size for t, (_, _, size) in qe.block_types().items()} == {t: sizes[t][1] for t in quant.NATIVE_TYPES}
+    assert {t: (inputs, size) for t, (_, inputs, size) in qe.block_types().items()} == \
+        {t: tuple(sizes[t]) for t in quant.NATIVE_TYPES}
+    assert {t: value for t, value in quant._BLOCKS.items()} == {t: tuple(sizes[t]) for t in quant.NATIVE_TYPES}
+
+
+def test_k_quant_cells_stream_about_the_files_bytes():
+    """The cells' sizes (blocks.h): Q4_K 2368, Q5_K 2880, Q6_K 3360 bytes per 16 rows x 256 inputs,
+    1.03x, 1.02x and 1.00x the file's blocks."""
+    for kind, cell in (("Q4_K", 2368), ("Q5_K", 2880), ("Q6_K", 3360)):
+        weight = QuantWeight(_blocks(kind, 32, 512, seed=0), getattr(quant, kind), 512, numerics_for(torch.float32))
+        assert weight.nbytes == 2 * 2 * cell  # 2 tiles x 2 super-blocks
 
 
 # ---- the row contract on every path, through the fused model -----------------------------------------
@@ -186,12 +219,31 @@ def _threads(count: int):
     return arranged()
 
 
+@pytest.fixture(scope="module")
+def tiny_q4_k_m(tmp_path_factory):
+    """A Llama 3 file of llama.cpp's Q4_K_M mix (Q4_K; v, down and the head Q6_K where it puts them)."""
+    return write_arch_gguf(tmp_path_factory.mktemp("tiny-q4-k-m"), "llama3", "Q4_K_M", seed=12)
+
+
+def _load(which: str, tiny, tiny_q4_k_m, numerics):
+    if which == "Q4_1":
+        return load_gguf_llama(tiny.gguf, tiny.folder, numerics)
+    from tierspec.gguf_model import build_gguf_model
+    from tierspec.quant import read_gguf_tensors
+
+    tensors, fields = read_gguf_tensors(tiny_q4_k_m.gguf)
+    model = build_gguf_model(tiny_q4_k_m.gguf, tensors, fields, numerics, torch.float32, quiet=True)
+    assert model.model.engine_stack is not None
+    return model
+
+
+@pytest.mark.parametrize("which", ["Q4_1", "Q4_K_M"])
 @pytest.mark.parametrize("path", PATHS + ("amx-emulated",))
 @pytest.mark.parametrize("dtype", CONTRACT_NUMERICS)
-def test_a_tokens_logits_do_not_depend_on_its_pass_or_the_threads_on_every_path(tiny, path, dtype):
+def test_a_tokens_logits_do_not_depend_on_its_pass_or_the_threads_on_every_path(tiny, tiny_q4_k_m, which, path, dtype):
     if path == "amx-emulated":
         _emulated_available()
-    model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(dtype))
+    model = _load(which, tiny, tiny_q4_k_m, numerics_for(dtype))
     runner = CachedModel(model)
     prompt = LONG_PROMPT[:80]
     with torch.inference_mode(), kernels(path):

@@ -37,51 +37,121 @@ AVX2_TARGET static void prepare_f32_avx2(int round_bf16, const float *x, int M, 
         }
 }
 
+/* A block's scales for the 8 output rows 8h .. 8h + 7 of a tile, as float32 (blocks.h's
+ * block_scales, 8 lanes): d[hh] multiplies inputs 16hh .. 16hh + 15 (d[0] = d[1] but for Q6_K), *mn
+ * the term per unit of the block's input sum (kinds with a minimum; left alone otherwise). Every
+ * layout's kernels can take their scales here: they depend on the kind alone. */
+AVX2_TARGET static KERNEL_INLINE void avx2_block_scales(const int kind, const uint8_t *cell, int j, int h, __m256 d[2], __m256 *mn) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    switch (kind) {
+    case KIND_Q4:
+        d[0] = d[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(((const cell_q4 *)cell)->d + 8 * h)));
+        *mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(((const cell_q4 *)cell)->m + 8 * h)));
+        return;
+    case KIND_Q8:
+        d[0] = d[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(((const cell_q8 *)cell)->d + 8 * h)));
+        return;
+    case KIND_Q4K: case KIND_Q5K: { /* D = d*sc, mn = -(dmin*m): exact */
+        const cell_q4k *c = (const cell_q4k *)cell;
+        __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c->sc[j] + 8 * h))));
+        __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c->mn[j] + 8 * h))));
+        d[0] = d[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c->d + 8 * h))), sc);
+        *mn = _mm256_xor_ps(sign, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c->dmin + 8 * h))), m));
+        return;
+    }
+    case KIND_Q6K: {
+        const cell_q6k *c = (const cell_q6k *)cell;
+        __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c->d + 8 * h)));
+        for (int hh = 0; hh < 2; hh++)
+            d[hh] = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c->sc[2 * j + hh] + 8 * h)))));
+        return;
+    }
+    default: UNKNOWN_KIND();
+    }
+}
+
+/* Each lane shifted so that its bit s lands at bit ``to`` (a value's high bits beside its nibble),
+ * then only the bits ``keep`` kept. */
+AVX2_TARGET static KERNEL_INLINE __m256i avx2_bit_to(__m256i v, int s, int to, int keep) {
+    __m256i moved = s <= to ? _mm256_slli_epi32(v, to - s) : _mm256_srli_epi32(v, s - to);
+    return _mm256_and_si256(moved, _mm256_set1_epi32(keep));
+}
+
+/* LAYOUT_F32: the stored integers (blocks.h's stored_value: Q6_K's u = q + 32) for inputs k .. k + 3
+ * of sub-block j (k a multiple of 4) and rows 8h .. 8h + 7, one vector per input. */
+AVX2_TARGET static KERNEL_INLINE void avx2_f32_values(const int kind, const uint8_t *cell, int j, int k, int h, __m256i v[4]) {
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    const uint8_t *q;
+    switch (kind) {
+    case KIND_Q8: { /* 16 bytes per k: rows 0..15 */
+        const uint8_t *b = ((const cell_q8 *)cell)->q + 16 * k + 8 * h;
+        for (int i = 0; i < 4; i++) v[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 * i)));
+        return;
+    }
+    case KIND_Q4: q = ((const cell_q4 *)cell)->q; break;
+    case KIND_Q4K: q = ((const cell_q4k *)cell)->q[j]; break;
+    case KIND_Q5K: q = ((const cell_q5k *)cell)->q[j]; break;
+    case KIND_Q6K: q = ((const cell_q6k *)cell)->q[j]; break;
+    default: UNKNOWN_KIND();
+    }
+    /* 16 bytes per pair of k: row r's k low, k + 1 high */
+    __m256i r01 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k + 8 * h)));
+    __m256i r23 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k + 16 + 8 * h)));
+    v[0] = _mm256_and_si256(r01, low);
+    v[1] = _mm256_srli_epi32(r01, 4);
+    v[2] = _mm256_and_si256(r23, low);
+    v[3] = _mm256_srli_epi32(r23, 4);
+    if (kind == KIND_Q5K) { /* the fifth bit of k + i: bit (k + i) % 8 of byte 16*((k + i) / 8) + r */
+        const uint8_t *hi = ((const cell_q5k *)cell)->hi[j] + 16 * (k / 8) + 8 * h;
+        __m256i bits = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)hi));
+        for (int i = 0; i < 4; i++) v[i] = _mm256_or_si256(v[i], avx2_bit_to(bits, k % 8 + i, 4, 0x10));
+    } else if (kind == KIND_Q6K) { /* bits 2i, 2i + 1 of byte 16*(k/4) + r are k + i's high two (u, not yet less 32) */
+        const uint8_t *hi = ((const cell_q6k *)cell)->hi[j] + 16 * (k / 4) + 8 * h;
+        __m256i bits = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)hi));
+        for (int i = 0; i < 4; i++) v[i] = _mm256_or_si256(v[i], avx2_bit_to(bits, 2 * i, 4, 0x30));
+    }
+}
+
 /* LAYOUT_F32 in the reference's order (four running sums per output, by k mod 4), 8 float lanes =
  * 8 output rows: the tile's two halves one after the other (4 sums x 3 rows x a half fill 12 of
- * the 16 registers), up to 3 rows of x at once. */
+ * the 16 registers), up to 3 rows of x at once. ``kind`` and ``mt`` are constants in each copy. */
 #define AVX2_ROWS 3
-AVX2_TARGET static inline void tile_f32_avx2_rows(const matmul_args *a, int t, int m0, const int mt) {
+AVX2_TARGET static KERNEL_INLINE void tile_f32_avx2_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
     const packed_weight *w = a->w;
     int KB = w->K / QK;
     const float *x = (const float *)a->x;
-    const __m256i low = _mm256_set1_epi32(0x0f);
-    size_t cb = cell_bytes(w->kind);
+    size_t block_bytes = cell_bytes(kind) / cell_blocks(kind); /* a cell's bytes per block of 32 inputs */
     float vals[AVX2_ROWS][TILE];
     for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 of the tile */
         __m256 p[AVX2_ROWS][4];
         for (int i = 0; i < mt; i++) p[i][0] = p[i][1] = p[i][2] = p[i][3] = _mm256_setzero_ps();
         for (int b = 0; b < KB; b++) {
-            const uint8_t *cell = cell_at(w, t, b);
-            if (h == 0)
-                for (size_t line = 0; line < cb; line += 64) _mm_prefetch((const char *)(cell + PREFETCH_CELLS * cb + line), _MM_HINT_T0);
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + 16 * h)));
+            int j;
+            const uint8_t *cell = block_cell(w, t, b, &j);
+            if (h == 0) {
+                const uint8_t *ahead = cell + block_bytes * (j + PREFETCH_CELLS);
+                for (size_t line = 0; line < block_bytes; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
+            }
+            __m256 d[2], mn = _mm256_setzero_ps();
+            avx2_block_scales(kind, cell, j, h, d, &mn);
             const float *xb = x + (size_t)m0 * w->K + b * QK;
             for (int k = 0; k < QK; k += 4) {
+                __m256i v[4];
                 __m256 wk[4];
-                if (w->kind == KIND_Q4) { /* 16 bytes per pair of k: row r's k low, k + 1 high */
-                    const uint8_t *q = ((const cell_q4 *)cell)->q + 8 * k + 8 * h;
-                    __m256i r01 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
-                    __m256i r23 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 16)));
-                    wk[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(r01, low)));
-                    wk[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(r01, 4)));
-                    wk[2] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(r23, low)));
-                    wk[3] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(r23, 4)));
-                } else { /* 16 bytes per k: rows 0..15 */
-                    const uint8_t *q = ((const cell_q8 *)cell)->q + 16 * k + 8 * h;
-                    for (int j = 0; j < 4; j++)
-                        wk[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 16 * j)))));
-                }
+                avx2_f32_values(kind, cell, j, k, h, v);
+                if (kind == KIND_Q6K) /* d*u - 32d = d*(u - 32) exactly (both exact, their difference too) */
+                    for (int i = 0; i < 4; i++)
+                        wk[i] = _mm256_fmsub_ps(d[k / 16], _mm256_cvtepi32_ps(v[i]), _mm256_mul_ps(d[k / 16], _mm256_set1_ps(32.0f)));
+                else
+                    for (int i = 0; i < 4; i++) wk[i] = _mm256_mul_ps(d[k / 16], _mm256_cvtepi32_ps(v[i]));
                 for (int i = 0; i < mt; i++) {
                     const float *xr = xb + (size_t)i * w->K + k;
-                    for (int j = 0; j < 4; j++) p[i][j] = _mm256_fmadd_ps(wk[j], _mm256_broadcast_ss(xr + j), p[i][j]);
+                    for (int e = 0; e < 4; e++) p[i][e] = _mm256_fmadd_ps(wk[e], _mm256_broadcast_ss(xr + e), p[i][e]);
                 }
             }
-            if (w->kind == KIND_Q4) {
-                __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + 32 + 16 * h)));
+            if (has_minimum(kind))
                 for (int i = 0; i < mt; i++)
                     p[i][0] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a->sums[(size_t)(m0 + i) * KB + b]), p[i][0]);
-            }
         }
         for (int i = 0; i < mt; i++)
             _mm256_storeu_ps(vals[i] + 8 * h, _mm256_add_ps(_mm256_add_ps(p[i][0], p[i][1]), _mm256_add_ps(p[i][2], p[i][3])));
@@ -89,11 +159,29 @@ AVX2_TARGET static inline void tile_f32_avx2_rows(const matmul_args *a, int t, i
     for (int i = 0; i < mt; i++) store_tile(a, m0 + i, t, vals[i]);
 }
 
-AVX2_TARGET static void tile_f32_avx2(const matmul_args *a, int t, int m0, int mt) {
-    switch (mt) {
-    case 1: tile_f32_avx2_rows(a, t, m0, 1); break;
-    case 2: tile_f32_avx2_rows(a, t, m0, 2); break;
-    default: tile_f32_avx2_rows(a, t, m0, 3); break;
+#define AVX2_F32_KIND(kind)                                                                                    \
+    AVX2_TARGET static void tile_f32_avx2_##kind(const matmul_args *a, int t, int m0, int mt) {                \
+        switch (mt) {                                                                                          \
+        case 1: tile_f32_avx2_rows(a, t, m0, 1, kind); break;                                                  \
+        case 2: tile_f32_avx2_rows(a, t, m0, 2, kind); break;                                                  \
+        default: tile_f32_avx2_rows(a, t, m0, 3, kind); break;                                                 \
+        }                                                                                                      \
+    }
+AVX2_F32_KIND(KIND_Q4)
+AVX2_F32_KIND(KIND_Q8)
+AVX2_F32_KIND(KIND_Q4K)
+AVX2_F32_KIND(KIND_Q5K)
+AVX2_F32_KIND(KIND_Q6K)
+
+/* The LAYOUT_F32 kernel of each kind (a kind without one here would trap, never take another's). */
+static tile_fn tile_f32_avx2(int kind) {
+    switch (kind) {
+    case KIND_Q4: return tile_f32_avx2_KIND_Q4;
+    case KIND_Q8: return tile_f32_avx2_KIND_Q8;
+    case KIND_Q4K: return tile_f32_avx2_KIND_Q4K;
+    case KIND_Q5K: return tile_f32_avx2_KIND_Q5K;
+    case KIND_Q6K: return tile_f32_avx2_KIND_Q6K;
+    default: UNKNOWN_KIND();
     }
 }
 
@@ -230,7 +318,7 @@ AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, floa
 }
 
 void install_avx2(kernel_set *k) {
-    for (int kind = 0; kind < KINDS; kind++) k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx2, AVX2_ROWS, ISA_AVX2};
+    for (int kind = 0; kind < KINDS; kind++) k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx2(kind), AVX2_ROWS, ISA_AVX2};
     k->prepare_f32 = prepare_f32_avx2;
     k->exp_inplace = exp_inplace_avx2;
     k->rms_norm = rms_norm_avx2;
