@@ -37,10 +37,12 @@ class TinyArch:
     block_type: str
     reference_weights: dict[str, torch.Tensor]  # transformers' names → float32
     stored: dict[str, np.ndarray]               # GGUF name → the de-quantised values as stored
+    head_dim: int = HEAD_DIM
 
-    def reference(self):
-        """transformers' float32 model of the file's de-quantised weights."""
-        model = _hf_model(self.arch, self.layers)
+    def reference(self, **config):
+        """transformers' float32 model of the file's de-quantised weights; ``config``: attributes set on
+        its config before it is built (a planted case: e.g. Gemma's attn_logit_softcapping)."""
+        model = _hf_model(self.arch, self.layers, self.head_dim, config)
         missing, unexpected = model.load_state_dict(self.reference_weights, strict=False)
         assert not unexpected, unexpected
         assert all("rotary" in name or (name == "lm_head.weight" and model.config.tie_word_embeddings)
@@ -113,15 +115,15 @@ def _unpermute(values: np.ndarray, heads: int) -> np.ndarray:
     return values.reshape(heads, values.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(values.shape)
 
 
-def llama3_frequency_factors() -> np.ndarray:
-    """Llama 3's per-frequency divisors for LLAMA3_ROPE at HEAD_DIM, as llama.cpp's converter stores
+def llama3_frequency_factors(head_dim: int = HEAD_DIM) -> np.ndarray:
+    """Llama 3's per-frequency divisors for LLAMA3_ROPE at ``head_dim``, as llama.cpp's converter stores
     them (``rope_freqs.weight``): 1 for short wavelengths, the factor for long, smooth between."""
     theta, factor = LLAMA3_ROPE["rope_theta"], LLAMA3_ROPE["factor"]
     low, high, context = LLAMA3_ROPE["low_freq_factor"], LLAMA3_ROPE["high_freq_factor"], \
         LLAMA3_ROPE["original_max_position_embeddings"]
     out = []
-    for i in range(0, HEAD_DIM, 2):
-        wavelength = 2 * math.pi * theta ** (i / HEAD_DIM)
+    for i in range(0, head_dim, 2):
+        wavelength = 2 * math.pi * theta ** (i / head_dim)
         if wavelength < context / high:
             out.append(1.0)
         elif wavelength > context / low:
@@ -133,12 +135,15 @@ def llama3_frequency_factors() -> np.ndarray:
 
 
 def write_arch_gguf(folder: Path, arch: str, block_type: str, seed: int = 0, sharpness: float = 8.0,
-                    tied: bool | None = None) -> TinyArch:
+                    tied: bool | None = None, head_dim: int = HEAD_DIM) -> TinyArch:
     """A random model of ``arch`` (one of ARCHS) with every matrix of ``block_type``, as
-    ``folder``/``arch``-``block_type``.gguf, and its reference weights."""
+    ``folder``/``arch``-``block_type``.gguf (``-d<head_dim>`` added for other head widths: Gemma 3's
+    256; qwen2 and phi3 take hidden / heads), and its reference weights."""
+    if head_dim != HEAD_DIM and arch in ("qwen2", "phi3"):
+        raise ValueError(f"{arch}'s reference takes its head width from hidden / heads ({HEAD_DIM})")
     rng = np.random.default_rng(seed)
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{arch}-{block_type}.gguf"
+    path = folder / (f"{arch}-{block_type}.gguf" if head_dim == HEAD_DIM else f"{arch}-{block_type}-d{head_dim}.gguf")
     gguf_arch = {"llama3": "llama", "mistral": "llama"}.get(arch, arch)
     layers = 6 if arch == "gemma3" else 3
     tied = arch != "phi3" if tied is None else tied
@@ -151,8 +156,8 @@ def write_arch_gguf(folder: Path, arch: str, block_type: str, seed: int = 0, sha
     writer.add_feed_forward_length(INTERMEDIATE)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_key_length(HEAD_DIM)
-    writer.add_value_length(HEAD_DIM)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_freq_base(1e6 if arch == "gemma3" else 10000.0)
     if arch in ("mistral", "gemma3"):
@@ -161,7 +166,7 @@ def write_arch_gguf(folder: Path, arch: str, block_type: str, seed: int = 0, sha
         writer.add_rope_scaling_type(RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(2.0)
     if arch == "phi3":
-        writer.add_rope_dimension_count(HEAD_DIM // 2)  # a partial rotation, as Phi-4-mini's
+        writer.add_rope_dimension_count(head_dim // 2)  # a partial rotation, as Phi-4-mini's
     stored: dict[str, np.ndarray] = {}
     reference: dict[str, torch.Tensor] = {}
 
@@ -193,8 +198,8 @@ def write_arch_gguf(folder: Path, arch: str, block_type: str, seed: int = 0, sha
     matrix = lambda width: 1 / math.sqrt(width)  # noqa: E731
     add("token_embd.weight", "model.embed_tokens.weight", sharpness * matrix(HIDDEN), (VOCAB, HIDDEN))
     if arch == "llama3":
-        add("rope_freqs.weight", None, 0, (HEAD_DIM // 2,), vector=llama3_frequency_factors())
-    q_rows, kv_rows = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+        add("rope_freqs.weight", None, 0, (head_dim // 2,), vector=llama3_frequency_factors(head_dim))
+    q_rows, kv_rows = HEADS * head_dim, KV_HEADS * head_dim
     permuted = arch in ("llama3", "mistral")
     for i in range(layers):
         p, hp = f"blk.{i}.", f"model.layers.{i}."
@@ -212,8 +217,8 @@ def write_arch_gguf(folder: Path, arch: str, block_type: str, seed: int = 0, sha
                 add(f"{p}attn_{part}.bias", f"{hp}self_attn.{part}_proj.bias", 0, (rows,),
                     vector=0.5 * rng.standard_normal(rows))
         if arch in ("qwen3", "gemma3"):
-            add(p + "attn_q_norm.weight", hp + "self_attn.q_norm.weight", 0, (HEAD_DIM,), vector=norm(HEAD_DIM))
-            add(p + "attn_k_norm.weight", hp + "self_attn.k_norm.weight", 0, (HEAD_DIM,), vector=norm(HEAD_DIM))
+            add(p + "attn_q_norm.weight", hp + "self_attn.q_norm.weight", 0, (head_dim,), vector=norm(head_dim))
+            add(p + "attn_k_norm.weight", hp + "self_attn.k_norm.weight", 0, (head_dim,), vector=norm(head_dim))
         if arch == "phi3":
             add(p + "ffn_up.weight", hp + "mlp.gate_up_proj.weight", matrix(HIDDEN), (2 * INTERMEDIATE, HIDDEN))
         else:
@@ -234,11 +239,12 @@ def write_arch_gguf(folder: Path, arch: str, block_type: str, seed: int = 0, sha
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    return TinyArch(path, arch, block_type, reference, stored)
+    return TinyArch(path, arch, block_type, reference, stored, head_dim)
 
 
-def _hf_model(arch: str, layers: int):
-    """transformers' model class for ``arch`` with the tiny files' config (uninitialised weights)."""
+def _hf_model(arch: str, layers: int, head_dim: int = HEAD_DIM, overrides: dict | None = None):
+    """transformers' model class for ``arch`` with the tiny files' config (uninitialised weights),
+    ``overrides`` set on the config first."""
     import transformers
 
     common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=layers,
@@ -246,23 +252,23 @@ def _hf_model(arch: str, layers: int):
                   max_position_embeddings=512, tie_word_embeddings=arch != "phi3")
     default_rope = {"rope_type": "default", "rope_theta": 10000.0}
     if arch == "llama3":
-        config = transformers.LlamaConfig(**common, head_dim=HEAD_DIM, rope_parameters=dict(LLAMA3_ROPE))
+        config = transformers.LlamaConfig(**common, head_dim=head_dim, rope_parameters=dict(LLAMA3_ROPE))
         cls = transformers.LlamaForCausalLM
     elif arch == "mistral":
-        config = transformers.MistralConfig(**common, head_dim=HEAD_DIM, sliding_window=WINDOW,
+        config = transformers.MistralConfig(**common, head_dim=head_dim, sliding_window=WINDOW,
                                             rope_parameters=default_rope)
         cls = transformers.MistralForCausalLM
     elif arch == "qwen2":
         config = transformers.Qwen2Config(**common, rope_parameters=default_rope, use_sliding_window=False)
         cls = transformers.Qwen2ForCausalLM
     elif arch == "qwen3":
-        config = transformers.Qwen3Config(**common, head_dim=HEAD_DIM, rope_parameters=default_rope,
+        config = transformers.Qwen3Config(**common, head_dim=head_dim, rope_parameters=default_rope,
                                           attention_bias=False, use_sliding_window=False)
         cls = transformers.Qwen3ForCausalLM
     elif arch == "gemma3":
         kinds = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(layers)]
         config = transformers.Gemma3TextConfig(
-            **common, head_dim=HEAD_DIM, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=HEAD_DIM,
+            **common, head_dim=head_dim, hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=head_dim,
             sliding_window=WINDOW, layer_types=kinds,
             rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                              "full_attention": {"rope_type": "linear", "rope_theta": 1e6, "factor": 2.0}})
@@ -273,6 +279,10 @@ def _hf_model(arch: str, layers: int):
         cls = transformers.Phi3ForCausalLM
     else:
         raise ValueError(arch)
+    for name, value in (overrides or {}).items():
+        if not hasattr(config, name):
+            raise ValueError(f"{type(config).__name__} has no {name}")
+        setattr(config, name, value)
     config._attn_implementation = "eager"
     torch.manual_seed(0)  # tiny: initialising it costs nothing, and every weight is loaded over it
     return cls(config).float()

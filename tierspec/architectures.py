@@ -24,9 +24,10 @@ from .errors import ModelLoadError
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
 
-# The layer features beyond the engine's plain Llama layer (RMSNorm·w, rotate-half rotary from the
-# pass's cos/sin table, causal grouped-query attention scaled by 1/sqrt(head_dim), SwiGLU). Each is
-# a line of docs/models.md §What the engine layer needs; ``engine_gaps`` names the ones a model uses.
+# The layer features beyond plain Llama's layer (RMSNorm·w, rotate-half rotary from the pass's cos/sin
+# table, causal grouped-query attention scaled by 1/sqrt(head_dim), SwiGLU). Each is a line of
+# docs/models.md §What the engine's layer computes; ``engine_gaps`` names those a model uses that the
+# engine's layer does not compute.
 FEATURES = {
     "qkv_bias": "a bias added to the q, k and v projections' outputs",
     "qk_norm": "an RMSNorm over each head's q and k (weight [head_dim]) before the rotation",
@@ -41,6 +42,10 @@ FEATURES = {
 }
 # Features that need nothing of the engine's layer call: applied in Python before it.
 OUTSIDE_THE_LAYER = {"embedding_scale"}
+# The layer features the engine's layer call computes (tierspec/csrc/engine.h's layer_desc, told by
+# ``gguf_llama.FusedLayer``): a model needing none beyond these runs each layer as one engine call.
+ENGINE_FEATURES = {"qkv_bias", "qk_norm", "post_norms", "gelu_tanh", "sliding_window", "layer_rope", "partial_rotary",
+                   "attention_scale", "attention_softcap"}
 
 
 class UnsupportedArchitecture(ModelLoadError):
@@ -114,9 +119,9 @@ class Architecture:
 
     def engine_gaps(self) -> list[str]:
         """The layer features the engine's layer call lacks for this model (empty: every layer can
-        run as one engine call; the rotary table, whatever its base, scaling or frequency factors,
-        is the pass's cos/sin table, which the engine reads as given)."""
-        return [name for name in self.features if name not in OUTSIDE_THE_LAYER]
+        run as one engine call; the rotary tables, whatever their base, scaling or frequency factors,
+        are the pass's cos/sin tables, which the engine reads as given)."""
+        return [name for name in self.features if name not in OUTSIDE_THE_LAYER and name not in ENGINE_FEATURES]
 
     def engine_note(self) -> str | None:
         """One line saying why the layers run on torch's operators (None: they need nothing new)."""

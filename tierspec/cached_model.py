@@ -335,18 +335,18 @@ class BatchItem:
     attends: torch.Tensor | None = None
 
 
-def run_stack_rows(stack, begin: int, end: int, hidden: torch.Tensor, segments: list, cos: torch.Tensor,
-                   sin: torch.Tensor, flags: bytes) -> torch.Tensor:
+def run_stack_rows(stack, begin: int, end: int, hidden: torch.Tensor, segments: list, rotary: tuple,
+                   flags: bytes) -> torch.Tensor:
     """Layers ``begin .. end − 1`` of an engine ``stack`` (its capsule) over the rows ``hidden``
     [R, H] (float32, contiguous) of several sequences, each over its own cache: ``segments`` one
-    ``engine.Segment`` per sequence (its first row, rows, cache start, KV table, tree mask);
-    ``cos``, ``sin`` [R, d/2] the rows' rotary factors; ``flags`` one byte per layer (which units
-    run). Returns the output rows [R, H]. The target's batched pass and the draft head's batched
-    step both come here."""
+    ``engine.Segment`` per sequence (its first row, rows, cache start, KV table, tree mask, positions);
+    ``rotary`` the rows' rotary tables ((cos, sin) [R, rotary_dims] each, by the layers' table
+    numbers: ``Decoder.engine_rotary``); ``flags`` one byte per layer (which units run). Returns the
+    output rows [R, H]. The target's batched pass and the draft head's batched step both come here."""
     from .engine import run_stack
 
     out = torch.empty_like(hidden)
-    run_stack(stack, hidden, out, segments, cos, sin, flags, begin, end)
+    run_stack(stack, hidden, out, segments, rotary, flags, begin, end)
     return out
 
 
@@ -373,7 +373,7 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem],
     if len({id(item.runner) for item in items}) != len(items):
         raise ValueError("a sequence appears twice in one batched pass")
     first = decoder.layers[0].fused
-    rows, cos, sin, sequences, ids = 0, [], [], [], []
+    rows, tables, sequences, ids = 0, [], [], []
     for item in items:
         runner, tokens = item.runner, item.token_ids.reshape(-1)
         n = int(tokens.shape[0])
@@ -381,9 +381,8 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem],
             raise ValueError("every sequence of a batched pass needs at least one new token")
         start = runner.length
         offsets = torch.arange(n) if item.offsets is None else item.offsets.reshape(-1)
-        factors = decoder.rotary.factors((start + offsets).cpu(), torch.float32)
-        cos.append(factors[0].reshape(n, -1))
-        sin.append(factors[1].reshape(n, -1))
+        positions = (start + offsets).to("cpu", torch.int64).contiguous()
+        tables.append(decoder.engine_rotary(positions))
         table = runner.cache.engine_table(start + n, first.kv_heads, first.head_dim)
         seen = None
         if item.attends is not None:
@@ -394,18 +393,19 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem],
             if layer.length != start:
                 raise RuntimeError(f"layer {index}'s cache holds {layer.length} positions, the sequence is at {start}: "
                                    "the caller broke the rollback invariant")
-        sequences.append(Segment(rows, n, start, table, seen))
+        sequences.append(Segment(rows, n, start, table, seen, positions=positions))
         ids.append(tokens.cpu())
         rows += n
-    cos_all, sin_all = torch.cat(cos).contiguous(), torch.cat(sin).contiguous()
+    rotary = tuple((torch.cat([own[k][0] for own in tables]), torch.cat([own[k][1] for own in tables]))
+                   for k in range(len(tables[0])))  # each kind's table over every row
     hidden = decoder.embed_tokens(torch.cat(ids)).float().contiguous()  # [rows, H]
     flags = bytes([ATTENTION_UNIT | MLP_UNIT] * len(decoder.layers))
     captured: dict[int, torch.Tensor] = {}
     stops = sorted(set(hidden_layers or ()))
     begin = 0
     for stop in stops + [len(decoder.layers) - 1]:
-        hidden, begin = run_stack_rows(decoder.engine_stack.capsule, begin, stop + 1, hidden, sequences, cos_all,
-                                       sin_all, flags), stop + 1
+        hidden, begin = run_stack_rows(decoder.engine_stack.capsule, begin, stop + 1, hidden, sequences, rotary,
+                                       flags), stop + 1
         captured[stop] = hidden
     final = decoder.norm(hidden)  # [rows, H]
     for item, (row0, n, *_rest) in zip(items, sequences):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import NamedTuple
+from typing import NamedTuple, Sequence
 
 import torch
 
@@ -93,7 +93,9 @@ class Segment(NamedTuple):
     pass) written at cache slots ``start ..``; ``kv_table`` int64 [layers, 3]: each layer's key and
     value buffer addresses and capacity (``llama.KVCache.engine_table``); ``attends`` uint8 (None: a
     chain): [rows, rows] among the new rows, or [rows, start + rows] over every slot when
-    ``every_slot`` (the draft head's token trees)."""
+    ``every_slot`` (the draft head's token trees); ``positions`` int64 [rows]: each row's position
+    (None: start, start + 1, …, a chain's), which sliding-window layers read (a tree's nodes see the
+    keys of the last ``window`` positions before their own)."""
 
     first_row: int
     rows: int
@@ -101,25 +103,33 @@ class Segment(NamedTuple):
     kv_table: torch.Tensor
     attends: torch.Tensor | None = None
     every_slot: bool = False
+    positions: torch.Tensor | None = None
 
 
-def run_stack(stack, hidden: torch.Tensor, out: torch.Tensor, segments: list[Segment], cos: torch.Tensor,
-              sin: torch.Tensor, flags: bytes, first: int = 0, last: int | None = None,
-              threads: int | None = None) -> None:
+def run_stack(stack, hidden: torch.Tensor, out: torch.Tensor, segments: list[Segment],
+              rotary: Sequence[tuple[torch.Tensor, torch.Tensor]], flags: bytes, first: int = 0,
+              last: int | None = None, threads: int | None = None) -> None:
     """Layers ``first .. last - 1`` of ``stack`` (a ``make_stack`` capsule) over the pass's rows:
-    ``hidden`` and ``out`` float32 [rows, H] contiguous (out: the last layer's output), ``cos`` and
-    ``sin`` float32 [rows, D] (x·cos + roll(x, D/2)·sin rotates each row by its position), ``flags``
-    one byte per layer of the stack (1 attention, 2 MLP, 0 skipped). A solo pass is one segment; a
-    batch's sequences share the products and each attends over its own cache. Bad shapes are a
-    ValueError before anything runs."""
+    ``hidden`` and ``out`` float32 [rows, H] contiguous (out: the last layer's output); ``rotary``
+    the pass's rotary tables (one per layer kind, each layer reads its own: Gemma 3's local and
+    global), each a (cos, sin) pair float32 [rows, rotary_dims] (x·cos + roll(x, rotary_dims/2)·sin
+    rotates a head's first rotary_dims by each row's position); ``flags`` one byte per layer of the
+    stack (1 attention, 2 MLP, 0 skipped). A solo pass is one segment; a batch's sequences share the
+    products and each attends over its own cache. Bad shapes are a ValueError before anything runs."""
     rows = int(hidden.shape[-2])
-    for name, tensor in (("hidden", hidden), ("out", out), ("cos", cos), ("sin", sin)):
+    for name, tensor in (("hidden", hidden), ("out", out)) + tuple(
+            (f"rotary table {i}", part) for i, pair in enumerate(rotary) for part in pair):
         if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device.type != "cpu":
             raise ValueError(f"the engine reads {name} as contiguous float32 on the CPU")
     if out.shape != hidden.shape or hidden.numel() != rows * int(hidden.shape[-1]):
         raise ValueError(f"hidden {tuple(hidden.shape)} and out {tuple(out.shape)} must be the same [rows, H]")
-    if cos.numel() != sin.numel() or cos.numel() % rows:
-        raise ValueError(f"cos and sin hold one row of factors per pass row ({rows}), not {tuple(cos.shape)}")
+    if not rotary:
+        raise ValueError("a pass needs one rotary table at least")
+    width = int(rotary[0][0].numel()) // rows
+    for cos, sin in rotary:
+        if cos.numel() != rows * width or sin.numel() != rows * width:
+            raise ValueError(f"each rotary table holds one row of {width} factors per pass row ({rows}), "
+                             f"not cos {tuple(cos.shape)} and sin {tuple(sin.shape)}")
     last = len(flags) if last is None else last
     table = []
     for segment in segments:
@@ -127,17 +137,25 @@ def run_stack(stack, hidden: torch.Tensor, out: torch.Tensor, segments: list[Seg
         if kv.dtype != torch.int64 or kv.dim() != 2 or kv.shape[1] != 3 or not kv.is_contiguous() or kv.shape[0] < last:
             raise ValueError(f"a segment's KV table is int64 [layers, 3] contiguous, a row for each of the stack's "
                              f"first {last} layers, not {tuple(kv.shape)}")
-        attends = 0
+        attends = positions = 0
         if segment.attends is not None:
             mask, keys = segment.attends, segment.start + segment.rows if segment.every_slot else segment.rows
             if mask.dtype != torch.uint8 or not mask.is_contiguous() or tuple(mask.shape) != (segment.rows, keys):
                 raise ValueError(f"a segment's attends is uint8 [{segment.rows}, {keys}] contiguous, "
                                  f"not {tuple(mask.shape)}")
             attends = mask.data_ptr()
-        table.append((segment.first_row, segment.rows, segment.start, kv.data_ptr(), attends, int(segment.every_slot)))
+        if segment.positions is not None:
+            given = segment.positions
+            if given.dtype != torch.int64 or not given.is_contiguous() or given.device.type != "cpu" \
+                    or given.numel() != segment.rows:
+                raise ValueError(f"a segment's positions are int64 [{segment.rows}] contiguous on the CPU, "
+                                 f"not {given.dtype} {tuple(given.shape)}")
+            positions = given.data_ptr()
+        table.append((segment.first_row, segment.rows, segment.start, kv.data_ptr(), attends, int(segment.every_slot),
+                      positions))
     described = torch.tensor(table, dtype=torch.int64)
-    engine().run_stack(stack=stack, first=first, last=last, hidden=hidden.data_ptr(),
-                       out=out.data_ptr(), rows=rows, cos=cos.data_ptr(), sin=sin.data_ptr(),
+    engine().run_stack(stack=stack, first=first, last=last, hidden=hidden.data_ptr(), out=out.data_ptr(), rows=rows,
+                       rotary=tuple((cos.data_ptr(), sin.data_ptr()) for cos, sin in rotary), rotary_dims=width,
                        segments=described.data_ptr(), count=len(table), flags=flags,
                        threads=engine_threads() if threads is None else threads)
 

@@ -23,7 +23,7 @@ from types import SimpleNamespace
 import torch
 
 from .errors import ModelLoadError
-from .llama import KVLayer, LlamaLM, PassLayout, ViewOnReadKVLayer, model_config, supports
+from .llama import GeluMLP, KVLayer, LlamaLM, PassLayout, ViewOnReadKVLayer, model_config, supports
 from .engine import Segment, engine, run_stack
 from .quant import (NATIVE_TYPES, GgufTensor, Numerics, QuantEmbedding, QuantLinear, QuantWeight, read_gguf_tensors,
                     unpermute_order, unpermute_rows)
@@ -33,10 +33,19 @@ EVERY_SLOT = 4  # FusedLayer.run: the pass's attends lists every slot a row sees
 
 
 class FusedLayer:
-    """A decoder layer's engine description (its products' engine weights, copies of its norms, its
-    shapes: the engine keeps what it reads alive) and its call."""
+    """A decoder layer's engine description (its products' engine weights, copies of its norms and
+    biases, its shapes and features: the engine keeps what it reads alive) and its call.
 
-    def __init__(self, layer, config: SimpleNamespace):
+    ``layer`` is a ``llama.DecoderLayer`` or ``ArchDecoderLayer`` (or anything with their parts): what
+    it computes beyond Llama's layer is read from its modules, so the engine computes exactly what
+    its torch forward does (docs/models.md §What the engine's layer computes): ``self_attn.qkv_bias``,
+    ``q_norm``/``k_norm``, ``rotary_dims``, ``scale``/``softcap``; Gemma's four norms where
+    ``post_norms``; GELU-tanh where the MLP is a ``GeluMLP``; the sliding window of its
+    ``layout_key``. ``rotary_table``: which of the pass's rotary tables it reads (its decoder's
+    ``rotary_kinds`` index). Raises ValueError where the engine cannot run it (a projection not
+    quantised, shapes the engine does not take)."""
+
+    def __init__(self, layer, config: SimpleNamespace, rotary_table: int = 0):
         attention, mlp = layer.self_attn, layer.mlp
         parts = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(isinstance(p, QuantLinear) for p in parts):
@@ -48,12 +57,38 @@ class FusedLayer:
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.hidden = config.hidden_size
         qkv, o, gate_up, down = (part.qweight.handle for part in parts)
-        norms = [norm.weight.detach().float().contiguous().numpy() for norm in
-                 (layer.input_layernorm, layer.post_attention_layernorm)]  # copied by the engine
-        self.capsule = engine().make_layer(qkv=qkv, o=o, gate_up=gate_up, down=down, norm_in=norms[0],
-                                           norm_post=norms[1], eps=float(config.rms_norm_eps), hidden=self.hidden,
-                                           heads=self.heads, kv_heads=self.kv_heads, head_dim=self.head_dim,
-                                           inter=config.intermediate_size)
+
+        def vector(module):  # a norm's weight as float32 values (copied by the engine), or None
+            return None if module is None else module.weight.detach().float().contiguous().numpy()
+
+        features = {}
+        bias = getattr(attention, "qkv_bias", None)
+        if bias is not None:
+            features["qkv_bias"] = bias.detach().float().contiguous().numpy()
+        if getattr(attention, "q_norm", None) is not None:
+            features["q_norm"], features["k_norm"] = vector(attention.q_norm), vector(attention.k_norm)
+        if getattr(layer, "post_norms", False):  # Gemma: norms in front of each unit and on each unit's output
+            pre_mlp = layer.pre_feedforward_layernorm
+            features["attention_out_norm"] = vector(layer.post_attention_layernorm)
+            features["mlp_out_norm"] = vector(layer.post_feedforward_layernorm)
+        else:
+            pre_mlp = layer.post_attention_layernorm
+        if isinstance(mlp, GeluMLP):
+            features["activation"] = "gelu_tanh"
+        window = getattr(layer, "layout_key", (None, None))[1]
+        if window is not None:
+            features["window"] = int(window)
+        for name, value in (("rotary_dims", getattr(attention, "rotary_dims", self.head_dim)),
+                            ("attention_scale", getattr(attention, "scale", None)),
+                            ("softcap", getattr(attention, "softcap", None))):
+            if value is not None:
+                features[name] = value
+        self.window = window
+        self.capsule = engine().make_layer(qkv=qkv, o=o, gate_up=gate_up, down=down,
+                                           norm_in=vector(layer.input_layernorm), norm_post=vector(pre_mlp),
+                                           eps=float(config.rms_norm_eps), hidden=self.hidden, heads=self.heads,
+                                           kv_heads=self.kv_heads, head_dim=self.head_dim,
+                                           inter=config.intermediate_size, rotary_table=rotary_table, **features)
         self.stack = engine().make_stack((self.capsule,))  # the layer alone, for ``run``
 
     def __deepcopy__(self, memo) -> "FusedLayer":
@@ -63,7 +98,8 @@ class FusedLayer:
         """hidden [1, n, H] float32 → the layer's output [1, n, H] (a new tensor: hooks may keep the
         input), this pass's keys/values written at slots ``layout.start ..`` of ``cache``. ``units``:
         ATTENTION_UNIT | MLP_UNIT, and EVERY_SLOT when ``layout.attends`` [n, start + n] lists the
-        slots each row sees (the draft head's trees) rather than [n, n] among the new rows."""
+        slots each row sees (the draft head's trees) rather than [n, n] among the new rows. The
+        rotary tables are ``layout.rotary`` (the decoder's, by table number), or its cos/sin alone."""
         n = int(hidden.shape[1])
         if units & ATTENTION_UNIT and cache.length != layout.start:
             raise RuntimeError(f"a layer's cache holds {cache.length} positions, the pass starts at {layout.start}: "
@@ -75,9 +111,10 @@ class FusedLayer:
             table = torch.tensor([[keys.data_ptr(), values.data_ptr(), int(keys.shape[-2])]], dtype=torch.int64)
         else:  # the MLP unit alone reads no cache
             table = torch.zeros(1, 3, dtype=torch.int64)
-        segment = Segment(0, n, layout.start, table, layout.attends, bool(units & EVERY_SLOT))
-        run_stack(self.stack, source.view(n, -1), out.view(n, -1), [segment], layout.cos.reshape(n, -1),
-                  layout.signed_sin.reshape(n, -1), bytes([units & (ATTENTION_UNIT | MLP_UNIT)]))
+        segment = Segment(0, n, layout.start, table, layout.attends, bool(units & EVERY_SLOT), layout.positions)
+        rotary = layout.rotary or ((layout.cos.reshape(n, -1), layout.signed_sin.reshape(n, -1)),)
+        run_stack(self.stack, source.view(n, -1), out.view(n, -1), [segment], rotary,
+                  bytes([units & (ATTENTION_UNIT | MLP_UNIT)]))
         if units & ATTENTION_UNIT:
             cache.advance(n)
         return out

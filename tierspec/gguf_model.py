@@ -3,10 +3,12 @@ reads what it is; ``tierspec.llama``'s modules compute it).
 
 Weights of a type the pass engine multiplies natively stay the file's blocks (``quant.QuantLinear``,
 repacked once; Q5_0 blocks as Q8_0 blocks of the same values); others are de-quantised once at load into float weights (packed for oneDNN later,
-as any). A model whose layers need nothing the engine's layer lacks (Llama, with any rotary
-scaling: the engine reads the pass's cos/sin table as given) runs each layer as one engine call
-(``gguf_llama.FusedLayer``); the others run their layers on torch's operators around the engine's
-products, and say so at load in one line (``Architecture.engine_note``).
+as any). A model whose layers need nothing the engine's layer lacks (every covered architecture's:
+``Architecture.engine_gaps``; the engine reads the pass's cos/sin tables as given, whatever the
+rotary scaling) and whose layers' projections are all kept as blocks runs each layer as one engine
+call (``gguf_llama.FusedLayer``); the others run their layers on torch's operators around the
+engine's products, and say why at load in one line (``Architecture.engine_note``, or the types
+de-quantised).
 
 Plain Llama files keep ``gguf_llama.load_gguf_llama`` (the converted copy's config); this loader
 takes every architecture's config from the GGUF header, so a Llama 3 file's rotary frequency
@@ -22,7 +24,7 @@ from types import SimpleNamespace
 
 import torch
 
-from .architectures import Architecture, read_architecture
+from .architectures import OUTSIDE_THE_LAYER, Architecture, read_architecture
 from .errors import ModelLoadError
 from .llama import ArchDecoder, LlamaLM, RotaryTable, ScaledEmbedding, ViewOnReadKVLayer
 from .quant import (NATIVE_TYPES, Q8_0, GgufTensor, Numerics, QuantEmbedding, QuantLinear, QuantWeight,
@@ -191,9 +193,11 @@ def build_gguf_model(gguf: Path, tensors: dict[str, GgufTensor], fields: dict, n
             print(f"tierspec: {gguf.name}: {note}", file=sys.stderr)
     config = SimpleNamespace(**arch.config())
     gaps = arch.engine_gaps()
-    model = LlamaLM(config, generation, ArchDecoder(config, arch) if gaps else None)
+    # Llama's layers where the architecture adds nothing to them (the embedding's scale is outside them)
+    plain = not [name for name in arch.features if name not in OUTSIDE_THE_LAYER]
+    model = LlamaLM(config, generation, None if plain else ArchDecoder(config, arch))
     decoder = model.model
-    if not gaps:  # Llama's layers; the rotary table with the file's scaling
+    if plain:  # the rotary table with the file's scaling
         rotary = arch.rotaries[arch.layer_kinds[0]]
         decoder.rotary = RotaryTable(arch.rotary_dims, rotary.theta, rotary.linear, rotary.frequency_factors)
     weights = _Weights(tensors, gguf)
@@ -209,9 +213,10 @@ def build_gguf_model(gguf: Path, tensors: dict[str, GgufTensor], fields: dict, n
         if type(module).__name__ == "_Linear":
             module.__class__ = torch.nn.Linear
     if numerics is not None and not gaps:
-        for layer in decoder.layers:
-            try:
-                layer.fused = FusedLayer(layer, config)
+        kinds = getattr(decoder, "rotary_kinds", None)
+        for i, layer in enumerate(decoder.layers):
+            try:  # each layer reads its kind's rotary table (Gemma 3: local or global)
+                layer.fused = FusedLayer(layer, config, 0 if plain else kinds.index(arch.layer_kinds[i]))
             except ValueError:
                 layer.fused = None  # a layer with a de-quantised projection runs torch's operators
         if decoder.fused:

@@ -287,6 +287,11 @@ class PassLayout:
     rows_per_call: int = ATTENTION_ROWS
     fused: bool = False  # the layers run as engine calls (``gguf_llama.FusedLayer``): no mask or plan built
     attends: torch.Tensor | None = None  # fused tree passes: uint8 [n, n], new token i sees new token j
+    # fused passes: the rotary tables the engine's layers read (``Decoder.engine_rotary``: (cos, signed
+    # sin) float32 [n, rotary_dims] each, by the layers' table numbers) and the rows' positions (int64
+    # [n], which sliding-window layers read: a tree node sees the window before its own position)
+    rotary: "tuple[tuple[torch.Tensor, torch.Tensor], ...] | None" = None
+    positions: torch.Tensor | None = None
     # Layers of different kinds (``ArchDecoder``: their own rotary tables or sliding windows) read
     # the layout of their (rotary kind, window) key from here; None: every layer reads this one.
     variants: "dict[tuple[str, int | None], PassLayout] | None" = None
@@ -650,13 +655,15 @@ class Decoder(torch.nn.Module):
             raise ValueError(f"a tree mask needs a cached pass and shape ({n}, {n}), got {tuple(attends.shape)}"
                              + ("" if cached else " on an uncached pass"))
         device = position_ids.device
-        cos, sin = self.rotary.factors(position_ids, self.residual_dtype)
         if cached and self.fused:
             # the engine attends in each query's logical key order: no mask, no groups
             seen = None if attends is None else attends.to("cpu", torch.uint8).contiguous()
             if seen is not None and bool(seen.triu(1).any()):
                 raise ValueError("a tree mask lets a token see a later one: new token i may see new tokens j ≤ i only")
-            return PassLayout(cos, sin, None, start, fused=True, attends=seen)
+            rotary = self.engine_rotary(position_ids)
+            return PassLayout(rotary[0][0].unsqueeze(1), rotary[0][1].unsqueeze(1), None, start, fused=True,
+                              attends=seen, rotary=rotary, positions=position_ids.to("cpu", torch.int64).contiguous())
+        cos, sin = self.rotary.factors(position_ids, self.residual_dtype)
         if not cached:
             mask = torch.ones(n, n, dtype=torch.bool, device=device).tril() if n > 1 else None
             return PassLayout(cos, sin, mask, start)
@@ -689,6 +696,13 @@ class Decoder(torch.nn.Module):
 
     engine_stack = None  # a gguf_llama.EngineStack: every layer's engine description, when all are fused
 
+    def engine_rotary(self, positions: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """The rotary tables the engine's layers read for rows at ``positions`` [n]: (cos, signed sin)
+        float32 [n, rotary_dims] each, by the layers' table numbers (``rotary_table``; Llama: one)."""
+        cos, sin = self.rotary.factors(positions, torch.float32)
+        n = int(positions.shape[0])
+        return ((cos.reshape(n, -1), sin.reshape(n, -1)),)
+
     def _engine_forward(self, hidden: torch.Tensor, layout: PassLayout, cache: KVCache) -> torch.Tensor:
         """The layers as engine calls: runs of layers without forward hooks in one call each, a
         hooked layer (hidden-state capture) as a module call, so its hooks see its output."""
@@ -704,8 +718,7 @@ class Decoder(torch.nn.Module):
         n = int(hidden.shape[1])
         table = cache.engine_table(layout.start + n, first.kv_heads, first.head_dim)
         hidden = hidden.contiguous()
-        segments = [Segment(0, n, layout.start, table, layout.attends)]
-        cos, sin = layout.cos.reshape(n, -1), layout.signed_sin.reshape(n, -1)
+        segments = [Segment(0, n, layout.start, table, layout.attends, positions=layout.positions)]
         i = 0
         while i < len(layers):
             if i in hooked:
@@ -720,7 +733,7 @@ class Decoder(torch.nn.Module):
                     raise RuntimeError(f"layer {k}'s cache holds {cache.layers[k].length} positions, the pass starts "
                                        f"at {layout.start}: the caller broke the rollback invariant")
             out = torch.empty_like(hidden)
-            run_stack(self.engine_stack.capsule, hidden.view(n, -1), out.view(n, -1), segments, cos, sin, flags, i, j)
+            run_stack(self.engine_stack.capsule, hidden.view(n, -1), out.view(n, -1), segments, layout.rotary, flags, i, j)
             for k in range(i, j):
                 if flags[k] & 1:
                     cache.layers[k].advance(n)
@@ -821,6 +834,7 @@ class ArchAttention(Attention):
             self.q_norm = self.k_norm = None
         self.rotary_dims = arch.rotary_dims
         scale = arch.attention_scale
+        self.scale, self.softcap = scale, arch.attention_softcap  # what the engine's layer is told (None: its default)
         if arch.attention_softcap is not None:
             self.kernel = functools.partial(softcapped_attention, scale=scale or self.head_dim ** -0.5,
                                             cap=float(arch.attention_softcap))
@@ -929,9 +943,19 @@ class ArchDecoder(Decoder):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotaries = torch.nn.ModuleDict({kind: RotaryTable(arch.rotary_dims, r.theta, r.linear, r.frequency_factors)
                                              for kind, r in arch.rotaries.items()})
-        self.rotary = self.rotaries[arch.layer_kinds[0]]  # the first layer's (read by the engine's batched pass)
+        self.rotary = self.rotaries[arch.layer_kinds[0]]  # the first layer's
+        self.rotary_kinds = tuple(arch.rotaries)  # the engine's rotary table numbers (``engine_rotary``)
         self.layout_keys = sorted(set(zip(arch.layer_kinds, arch.windows)), key=str)
         self.residual_dtype = torch.float32
+
+    def engine_rotary(self, positions: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """``Decoder.engine_rotary``: one table per rotary kind, in ``rotary_kinds`` order."""
+        n = int(positions.shape[0])
+        tables = []
+        for kind in self.rotary_kinds:
+            cos, sin = self.rotaries[kind].factors(positions, torch.float32)
+            tables.append((cos.reshape(n, -1), sin.reshape(n, -1)))
+        return tuple(tables)
 
     def layout(self, position_ids: torch.Tensor, start: int, cached: bool, attends: torch.Tensor | None = None,
                tokens: torch.Tensor | None = None) -> PassLayout:

@@ -2,11 +2,15 @@
 runs against the plain-C reference (bitwise for float32 and int8 rows, a stated tolerance for
 bfloat16 dot products), the AMX kernels over emulated tiles here and over real ones on an AMX
 machine, the row contract on every path (a token's logits alone = inside passes of 2-64 rows, tree
-nodes = chains, 1/2/3 threads), chunked prefill = unchunked, the strict ISA cap and the probe."""
+nodes = chains, 1/2/3 threads), chunked prefill = unchunked, the strict ISA cap and the probe; and
+the layer features of the other architectures (tests/arch_models.py's files: biases, q/k norms,
+Gemma's post-norms and GELU-tanh gate, sliding windows, two rotary tables, partial rotary, heads of
+256, a planted attention scale and soft-cap) under the same contract on every path."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
@@ -17,13 +21,14 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
-from arch_models import K_TYPES, k_blocks, write_arch_gguf
+from arch_models import K_TYPES, WINDOW, k_blocks, write_arch_gguf
 from gguf_models import write_tiny_gguf
-from tierspec import engine, quant
+from tierspec import engine, gguf_model, quant
+from tierspec.architectures import read_architecture
 from tierspec.cached_model import CachedModel
 from tierspec.gguf_llama import load_gguf_llama
 from tierspec.gguf_check import ggml_type_sizes
-from tierspec.quant import QuantWeight, numerics_for
+from tierspec.quant import QuantWeight, numerics_for, read_gguf_tensors
 
 qe = engine.engine()
 PATHS = qe.isas()  # the paths this process may select, portable first
@@ -357,12 +362,20 @@ def test_bad_calls_are_refused_before_anything_runs(tiny):
     keys, values = torch.zeros(2, 2, 16), torch.zeros(2, 2, 16)  # [kv_heads, 2 slots, D]: a pass of 4 needs 4
     small = torch.tensor([[keys.data_ptr(), values.data_ptr(), 2]] * 3)
     with pytest.raises(ValueError, match="holds 2 slots, the pass needs 4"):
-        engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 4, 0, small)], cos, cos, bytes([3, 3, 3]))
-    with pytest.raises(ValueError, match="cover"):
-        engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 1, 0, small)], cos, cos, bytes([3, 3, 3]))
-    with pytest.raises(ValueError, match="a row for each"):
-        engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 4, 0, small[:1])], cos, cos,
+        engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 4, 0, small)], [(cos, cos)],
                          bytes([3, 3, 3]))
+    with pytest.raises(ValueError, match="cover"):
+        engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 1, 0, small)], [(cos, cos)],
+                         bytes([3, 3, 3]))
+    with pytest.raises(ValueError, match="a row for each"):
+        engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 4, 0, small[:1])],
+                         [(cos, cos)], bytes([3, 3, 3]))
+    with pytest.raises(ValueError, match="rotary table 0 of width 16; the pass has 1 table.s. of width 8"):
+        engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 4, 0, small)],
+                         [(cos[:, :8].contiguous(), cos[:, :8].contiguous())], bytes([3, 3, 3]))
+    with pytest.raises(ValueError, match="positions are int64 \\[4\\]"):
+        engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 4, 0, small, positions=torch.arange(3))],
+                         [(cos, cos)], bytes([3, 3, 3]))
     assert torch.equal(hidden, torch.zeros(4, 64)) and torch.equal(keys, torch.zeros(2, 2, 16))  # nothing ran
 
 
@@ -396,3 +409,187 @@ def test_the_cost_tables_key_names_the_numerics_and_the_kernel_path(tiny):
     for dtype, name in ((torch.int8, "int8"), (torch.float32, "float32")):
         assert keys[dtype].endswith(":" + engine.probe()["paths"][name])
         assert keys[dtype, "portable"].endswith(":portable")
+
+
+# ---- the architectures' layer features on every path --------------------------------------------------
+
+FEATURE_FILES = ["mistral", "qwen2", "qwen3", "gemma3", "phi3", "gemma3-d256"]  # each beyond Llama's layer
+ARCH_PROMPT = (torch.arange(30) * 53 + 3) % 256  # past the files' sliding window (8)
+
+
+@pytest.fixture(scope="module")
+def arch_file(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("arch-kernels")
+    made = {}
+
+    def get(name: str):
+        if name not in made:
+            arch, _, width = name.partition("-d")
+            made[name] = write_arch_gguf(folder, arch, "Q8_0", seed=5, **({"head_dim": int(width)} if width else {}))
+        return made[name]
+
+    return get
+
+
+def _engine_model(tiny, dtype=torch.float32, **changes):
+    """The file's model on the engine (checked), its Architecture with ``changes`` (planted features)."""
+    tensors, fields = read_gguf_tensors(tiny.gguf)
+    arch = dataclasses.replace(read_architecture(fields, tensors), **changes)
+    original = gguf_model.read_architecture
+    gguf_model.read_architecture = lambda fields, tensors: arch
+    try:
+        model = gguf_model.build_gguf_model(tiny.gguf, tensors, fields, numerics_for(dtype), torch.float32, quiet=True)
+    finally:
+        gguf_model.read_architecture = original
+    assert model.model.engine_stack is not None
+    return model
+
+
+# Gemma 3 with a scale of its own (query_pre_attn_scalar 24 instead of the head width) and soft-capped
+# scores: no tiny file stores them, so they are planted in its Architecture and in transformers' config
+PLANTED_SCALAR, PLANTED_CAP = 24, 3.0
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("name", FEATURE_FILES)
+def test_each_architectures_layer_keeps_the_row_contract_on_every_path(arch_file, name, dtype, path):
+    """A token's logits alone = inside passes of 2-8 rows on 1 or 3 threads, and a token-tree node's =
+    its chain's (past the sliding window: each node sees the window before its own position)."""
+    from tierspec.tree import TokenTree, tree_pass
+
+    model = _engine_model(arch_file(name), dtype)
+    runner = CachedModel(model)
+    with torch.inference_mode(), kernels(path):
+        with _threads(2):
+            whole = runner.forward(ARCH_PROMPT).logits
+            runner.rollback(0)
+            alone = torch.cat([runner.forward(ARCH_PROMPT[i : i + 1]).logits for i in range(len(ARCH_PROMPT))])
+        assert torch.equal(alone, whole)
+        for width in (2, 3, 8):
+            for threads in (1, 3):
+                with _threads(threads):
+                    runner.rollback(WINDOW + 3)
+                    inside = runner.forward(ARCH_PROMPT[WINDOW + 3 : WINDOW + 3 + width]).logits
+                assert torch.equal(inside, whole[WINDOW + 3 : WINDOW + 3 + width]), (width, threads)
+        runner.rollback(WINDOW + 3)
+        runner.forward(ARCH_PROMPT[WINDOW + 3 :])
+        paths = [[11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [11, 40], [60, 61, 62]]  # the first longer than the window
+        tree = TokenTree.from_paths(paths)
+        layout = tree_pass(torch.tensor([5]), tree)
+        tree_logits = runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends).logits
+        for branch in paths:
+            runner.rollback(len(ARCH_PROMPT))
+            chain = runner.forward(torch.tensor([5] + branch)).logits
+            rows, node = [], -1
+            for token in branch:
+                node = next(i for i in range(len(tree)) if int(tree.parents[i]) == node and int(tree.tokens[i]) == token)
+                rows.append(1 + node)
+            assert torch.equal(tree_logits[rows], chain[1:]), branch
+
+
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("name", FEATURE_FILES + ["planted"])
+def test_every_paths_feature_layers_match_the_reference_path(arch_file, name, path):
+    """Each path's norms (q/k heads included), attention (heads of 256, scaled and soft-capped) and
+    exp against the plain-C reference's through the same layers: float32 logits within a few ulps of
+    their scale, the same greedy tokens."""
+    if name == "planted":
+        model = _engine_model(arch_file("gemma3-d256"), attention_scale=PLANTED_SCALAR ** -0.5,
+                              attention_softcap=PLANTED_CAP)
+    else:
+        model = _engine_model(arch_file(name))
+    with torch.inference_mode():
+        with kernels("portable"):
+            reference = CachedModel(model).forward(ARCH_PROMPT).logits
+        with kernels(path):
+            got = CachedModel(model).forward(ARCH_PROMPT).logits
+    assert (got - reference).abs().max() <= 1e-5 * reference.abs().max()
+    assert torch.equal(got.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_planted_attention_scale_and_soft_cap_match_transformers(arch_file, path, monkeypatch):
+    """Gemma 3 (heads of 256) with query_pre_attn_scalar 24 and scores soft-capped at 3 against
+    transformers' Gemma 3 configured so, its eager attention given the config's cap (transformers'
+    soft-capping code; its Gemma 3 forward keeps attn_logit_softcapping but does not pass it on):
+    within float32 rounding and the same greedy tokens, where the unplanted model is far off."""
+    from transformers.models.gemma3 import modeling_gemma3
+
+    eager = modeling_gemma3.eager_attention_forward
+    monkeypatch.setattr(modeling_gemma3, "eager_attention_forward", lambda module, *args, **kwargs: eager(
+        module, *args, **{**kwargs, "softcap": module.config.attn_logit_softcapping}))
+    tiny = arch_file("gemma3-d256")
+    planted = _engine_model(tiny, attention_scale=PLANTED_SCALAR ** -0.5, attention_softcap=PLANTED_CAP)
+    reference = tiny.reference(query_pre_attn_scalar=PLANTED_SCALAR, attn_logit_softcapping=PLANTED_CAP)
+    with torch.inference_mode():
+        with kernels(path):
+            ours = CachedModel(planted).forward(ARCH_PROMPT).logits
+            plain = CachedModel(_engine_model(tiny)).forward(ARCH_PROMPT).logits
+        theirs = reference(ARCH_PROMPT[None]).logits[0]
+        uncapped = tiny.reference(query_pre_attn_scalar=PLANTED_SCALAR)(ARCH_PROMPT[None]).logits[0]
+    scale = theirs.abs().max()
+    assert (ours - theirs).abs().max() <= 1e-5 * scale
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    assert (plain - theirs).abs().max() > 1e-2 * scale  # the planted features change the logits
+    assert (uncapped - theirs).abs().max() > 1e-3 * scale  # the cap among them
+
+
+def test_the_gelu_tanh_gate_is_the_same_on_every_path_and_within_an_ulp_of_float64():
+    """gelu_tanh(g) * u (tanh from each path's exp: the same bits everywhere) over ±12, random values,
+    the polynomial's edge (|t| = 0.625), zeros and huge inputs: every path's bits equal the portable
+    path's, each value within 2 float32 ulps of |g| of the float64 formula (torch's own float32 gelu:
+    0.9; the formula's 1 + tanh cancels for negative g, so an ulp of g, not of the result)."""
+    g = torch.cat([torch.linspace(-12, 12, 48001), torch.randn(16000, generator=torch.Generator().manual_seed(3)) * 3,
+                   torch.tensor([0.0, -0.0, 1e-30, -1e-30, 0.6115, -0.6115, 50.0, -50.0, 1e4, -1e4])])
+    u = torch.randn(g.numel(), generator=torch.Generator().manual_seed(4))
+    gate_up = torch.cat([g, u]).contiguous()
+    results = {}
+    for path in PATHS:
+        with kernels(path):
+            out = torch.empty(g.numel())
+            qe.activate(activation="gelu_tanh", gate_up=gate_up.data_ptr(), rows=1, inter=g.numel(), out=out.data_ptr())
+        results[path] = out
+    assert all(torch.equal(out, results["portable"]) for out in results.values())
+    exact = torch.nn.functional.gelu(g.double(), approximate="tanh") * u.double()
+    error = (results["portable"].double() - exact).abs()
+    assert (error <= 2 * 2 ** -23 * (g.double() * u.double()).abs() + 1e-37).all()
+    with pytest.raises(ValueError, match="activation relu is not one the engine computes"):
+        qe.activate(activation="relu", gate_up=gate_up.data_ptr(), rows=1, inter=4, out=gate_up.data_ptr())
+
+
+def test_a_window_needs_a_trees_positions_and_is_refused_over_every_slot(arch_file):
+    model = _engine_model(arch_file("mistral"))
+    stack, first = model.model.engine_stack.capsule, model.model.layers[0].fused
+    hidden, cos = torch.zeros(2, 256), torch.ones(2, 64)
+    cache = model.new_kv_cache()
+    table = cache.engine_table(2, first.kv_heads, first.head_dim)
+    tree = torch.tensor([[1, 0], [1, 1]], dtype=torch.uint8)
+    with pytest.raises(ValueError, match="layer 0's sliding window needs a tree's positions .sequence 0 has none."):
+        engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 2, 0, table, tree)], [(cos, cos)],
+                         bytes([3, 3, 3]))
+    with pytest.raises(ValueError, match="layer 0 has a sliding window, which a mask over every slot does not define"):
+        engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 2, 0, table, tree, True)],
+                         [(cos, cos)], bytes([3, 3, 3]))
+    assert torch.equal(cache.layers[0]._keys, torch.zeros_like(cache.layers[0]._keys))  # nothing ran
+
+
+def test_a_layers_features_are_checked_when_it_is_made(arch_file):
+    layer = _engine_model(arch_file("qwen3")).model.layers[0]
+    parts = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    qkv, o, gate_up, down = (part.qweight.handle for part in parts)
+    norm = torch.ones(256).numpy()
+    shapes = dict(qkv=qkv, o=o, gate_up=gate_up, down=down, norm_in=norm, norm_post=norm, eps=1e-6, hidden=256, heads=4,
+                  kv_heads=2, head_dim=64, inter=512)
+    for bad, message in (({"rotary_dims": 65}, "rotary dimensions 65 for heads of 64"),
+                         ({"window": -1}, "a sliding window of -1 positions"),
+                         ({"attention_scale": 0.0}, "an attention scale of 0"),
+                         ({"softcap": float("inf")}, "an attention soft-cap of inf"),
+                         ({"activation": "gelu"}, "activation gelu is not one the engine computes"),
+                         ({"q_norm": torch.ones(64).numpy()}, "normalises both q and k heads or neither"),
+                         ({"qkv_bias": torch.ones(100).numpy()}, "qkv_bias holds 400 bytes, not 512 float32 values"),
+                         ({"rotary_table": 4}, "rotary table 4 is not one of 0..3")):
+        with pytest.raises(ValueError, match=message):
+            qe.make_layer(**shapes, **bad)
+    with pytest.raises(TypeError):
+        qe.make_layer(*shapes.values(), None)  # the features are keyword-only

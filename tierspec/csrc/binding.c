@@ -5,6 +5,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -205,28 +206,40 @@ typedef struct {
     PyObject *weights[4]; /* the capsules desc's products point into */
 } layer_object;
 
+static void free_layer_vectors(layer_desc *d) {
+    free(d->norm_in);
+    free(d->norm_post);
+    free(d->qkv_bias);
+    free(d->q_norm);
+    free(d->k_norm);
+    free(d->attention_out_norm);
+    free(d->mlp_out_norm);
+}
+
 static void layer_free(PyObject *capsule) {
     layer_object *L = PyCapsule_GetPointer(capsule, LAYER_CAPSULE);
     if (!L) return;
     for (int i = 0; i < 4; i++) Py_XDECREF(L->weights[i]);
-    free(L->desc.norm_in);
-    free(L->desc.norm_post);
+    free_layer_vectors(&L->desc);
     free(L);
 }
 
-static float *copy_norm(PyObject *source, int hidden, const char *name) {
+/* A copy of ``size`` float32 values from a buffer (a norm's or a bias's), or NULL with an error set;
+ * None gives NULL with no error where ``optional``. */
+static int copy_vector(PyObject *source, int size, const char *name, int optional, float **out) {
+    *out = NULL;
+    if (source == Py_None && optional) return 1;
     Py_buffer view;
-    if (PyObject_GetBuffer(source, &view, PyBUF_C_CONTIGUOUS) != 0) return NULL;
-    float *out = NULL;
-    if (view.len != (Py_ssize_t)hidden * 4) {
-        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, not %d float32 values", name, view.len, hidden);
-    } else if ((out = malloc((size_t)hidden * 4))) {
-        memcpy(out, view.buf, (size_t)hidden * 4);
+    if (PyObject_GetBuffer(source, &view, PyBUF_C_CONTIGUOUS) != 0) return 0;
+    if (view.len != (Py_ssize_t)size * 4) {
+        PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, not %d float32 values", name, view.len, size);
+    } else if ((*out = malloc((size_t)size * 4))) {
+        memcpy(*out, view.buf, (size_t)size * 4);
     } else {
         PyErr_NoMemory();
     }
     PyBuffer_Release(&view);
-    return out;
+    return *out != NULL;
 }
 
 static int check_product(const packed_weight *w, const char *name, int N, int K, const packed_weight *first) {
@@ -241,15 +254,71 @@ static int check_product(const packed_weight *w, const char *name, int N, int K,
     return 1;
 }
 
+/* make_layer's keyword-only features beyond Llama's layer (engine.h's layer_desc), each checked. */
+static int read_features(layer_desc *d, PyObject *scale, PyObject *softcap, PyObject *rotary_dims, const char *activation) {
+    if (strcmp(activation, "silu") == 0) d->activation = ACT_SILU;
+    else if (strcmp(activation, "gelu_tanh") == 0) d->activation = ACT_GELU_TANH;
+    else {
+        PyErr_Format(PyExc_ValueError, "activation %s is not one the engine computes (silu, gelu_tanh)", activation);
+        return 0;
+    }
+    if (d->window < 0) {
+        PyErr_Format(PyExc_ValueError, "a sliding window of %d positions (0: none)", d->window);
+        return 0;
+    }
+    if (d->rotary_table < 0 || d->rotary_table >= MAX_ROTARY_TABLES) {
+        PyErr_Format(PyExc_ValueError, "rotary table %d is not one of 0..%d", d->rotary_table, MAX_ROTARY_TABLES - 1);
+        return 0;
+    }
+    d->rotary_dims = d->head_dim;
+    if (rotary_dims != Py_None) {
+        long dims = PyLong_AsLong(rotary_dims);
+        if (dims == -1 && PyErr_Occurred()) return 0;
+        if (dims < 2 || dims % 2 || dims > d->head_dim) {
+            PyErr_Format(PyExc_ValueError, "rotary dimensions %ld for heads of %d (even, 2 .. the head width)", dims, d->head_dim);
+            return 0;
+        }
+        d->rotary_dims = (int)dims;
+    }
+    d->attention_scale = 1.0f / sqrtf((float)d->head_dim);
+    if (scale != Py_None) {
+        double value = PyFloat_AsDouble(scale);
+        if (value == -1.0 && PyErr_Occurred()) return 0;
+        if (!(value > 0.0) || !isfinite(value)) {
+            PyErr_Format(PyExc_ValueError, "an attention scale of %R (a positive number)", scale);
+            return 0;
+        }
+        d->attention_scale = (float)value;
+    }
+    d->softcap = 0.0f;
+    if (softcap != Py_None) {
+        double value = PyFloat_AsDouble(softcap);
+        if (value == -1.0 && PyErr_Occurred()) return 0;
+        if (!(value > 0.0) || !isfinite(value)) {
+            PyErr_Format(PyExc_ValueError, "an attention soft-cap of %R (a positive number)", softcap);
+            return 0;
+        }
+        d->softcap = (float)value;
+    }
+    return 1;
+}
+
 static PyObject *py_make_layer(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *names[] = {"qkv", "o", "gate_up", "down", "norm_in", "norm_post", "eps",
-                            "hidden", "heads", "kv_heads", "head_dim", "inter", NULL};
+                            "hidden", "heads", "kv_heads", "head_dim", "inter",
+                            "qkv_bias", "q_norm", "k_norm", "attention_out_norm", "mlp_out_norm", "activation",
+                            "window", "rotary_table", "rotary_dims", "attention_scale", "softcap", NULL};
     PyObject *caps[4], *norm_in, *norm_post;
+    PyObject *qkv_bias = Py_None, *q_norm = Py_None, *k_norm = Py_None, *attention_out_norm = Py_None,
+             *mlp_out_norm = Py_None, *rotary_dims = Py_None, *scale = Py_None, *softcap = Py_None;
+    const char *activation = "silu";
     double eps;
-    int hidden, heads, kv_heads, head_dim, inter;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOdiiiii", names, &caps[0], &caps[1], &caps[2], &caps[3], &norm_in,
-                                     &norm_post, &eps, &hidden, &heads, &kv_heads, &head_dim, &inter))
+    int hidden, heads, kv_heads, head_dim, inter, window = 0, rotary_table = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOOdiiiii|$OOOOOsiiOOO", names, &caps[0], &caps[1], &caps[2], &caps[3],
+                                     &norm_in, &norm_post, &eps, &hidden, &heads, &kv_heads, &head_dim, &inter, &qkv_bias,
+                                     &q_norm, &k_norm, &attention_out_norm, &mlp_out_norm, &activation, &window,
+                                     &rotary_table, &rotary_dims, &scale, &softcap))
         return NULL;
     packed_weight *w[4];
     for (int i = 0; i < 4; i++)
@@ -263,12 +332,25 @@ static PyObject *py_make_layer(PyObject *self, PyObject *args, PyObject *kw) {
         return NULL;
     layer_object *L = calloc(1, sizeof *L);
     if (!L) return PyErr_NoMemory();
-    L->desc = (layer_desc){w[0], w[1], w[2], w[3], NULL, NULL, (float)eps, hidden, heads, kv_heads, head_dim, inter};
-    if (!(L->desc.norm_in = copy_norm(norm_in, hidden, "norm_in")) ||
-        !(L->desc.norm_post = copy_norm(norm_post, hidden, "norm_post"))) {
-        free(L->desc.norm_in);
+    layer_desc *d = &L->desc;
+    *d = (layer_desc){.qkv = w[0], .o = w[1], .gate_up = w[2], .down = w[3], .eps = (float)eps, .hidden = hidden,
+                      .heads = heads, .kv_heads = kv_heads, .head_dim = head_dim, .inter = inter, .window = window,
+                      .rotary_table = rotary_table};
+    int width = (heads + 2 * kv_heads) * head_dim;
+    if (!read_features(d, scale, softcap, rotary_dims, activation) || !copy_vector(norm_in, hidden, "norm_in", 0, &d->norm_in) ||
+        !copy_vector(norm_post, hidden, "norm_post", 0, &d->norm_post) ||
+        !copy_vector(qkv_bias, width, "qkv_bias", 1, &d->qkv_bias) || !copy_vector(q_norm, head_dim, "q_norm", 1, &d->q_norm) ||
+        !copy_vector(k_norm, head_dim, "k_norm", 1, &d->k_norm) ||
+        !copy_vector(attention_out_norm, hidden, "attention_out_norm", 1, &d->attention_out_norm) ||
+        !copy_vector(mlp_out_norm, hidden, "mlp_out_norm", 1, &d->mlp_out_norm)) {
+        free_layer_vectors(d);
         free(L);
         return NULL;
+    }
+    if ((d->q_norm == NULL) != (d->k_norm == NULL)) {
+        free_layer_vectors(d);
+        free(L);
+        return PyErr_Format(PyExc_ValueError, "a layer normalises both q and k heads or neither");
     }
     for (int i = 0; i < 4; i++) {
         Py_INCREF(caps[i]);
@@ -277,8 +359,7 @@ static PyObject *py_make_layer(PyObject *self, PyObject *args, PyObject *kw) {
     PyObject *capsule = PyCapsule_New(L, LAYER_CAPSULE, layer_free);
     if (!capsule) {
         for (int i = 0; i < 4; i++) Py_DECREF(caps[i]);
-        free(L->desc.norm_in);
-        free(L->desc.norm_post);
+        free_layer_vectors(d);
         free(L);
     }
     return capsule;
@@ -331,33 +412,83 @@ static PyObject *py_make_stack(PyObject *self, PyObject *layers) {
 }
 
 /* The columns of run_stack's segment table, one row per sequence (int64). */
-enum { SEG_FIRST_ROW, SEG_ROWS, SEG_START, SEG_KV, SEG_ATTENDS, SEG_EVERY_SLOT, SEG_COLUMNS };
+enum { SEG_FIRST_ROW, SEG_ROWS, SEG_START, SEG_KV, SEG_ATTENDS, SEG_EVERY_SLOT, SEG_POSITIONS, SEG_COLUMNS };
+
+/* run_stack's ``rotary``: a tuple of (cos, sin) address pairs, into ``tables``; returns their count or -1. */
+static int read_rotary(PyObject *rotary, rotary_table *tables) {
+    if (!PyTuple_Check(rotary) || PyTuple_GET_SIZE(rotary) < 1 || PyTuple_GET_SIZE(rotary) > MAX_ROTARY_TABLES) {
+        PyErr_Format(PyExc_ValueError, "rotary is a tuple of 1 to %d (cos, sin) address pairs", MAX_ROTARY_TABLES);
+        return -1;
+    }
+    int count = (int)PyTuple_GET_SIZE(rotary);
+    for (int t = 0; t < count; t++) {
+        PyObject *pair = PyTuple_GET_ITEM(rotary, t);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2) {
+            PyErr_Format(PyExc_ValueError, "rotary table %d is not a (cos, sin) pair of addresses", t);
+            return -1;
+        }
+        if (!(tables[t].cos = address(PyTuple_GET_ITEM(pair, 0), "cos")) || !(tables[t].sin = address(PyTuple_GET_ITEM(pair, 1), "sin")))
+            return -1;
+    }
+    return count;
+}
+
+/* Whether the layers that attend in first .. last - 1 read tables the pass has, of its width, and
+ * every sequence gives what their windows need (its rows' positions where it is a tree; a window
+ * over a mask of every slot is not defined: cached slots' positions are not known). */
+static int check_layers_for_pass(const stack_object *S, int first, int last, const uint8_t *flags, int table_count,
+                                 int rotary_dims, const int64_t *table, int count) {
+    for (int l = first; l < last; l++) {
+        const layer_desc *L = S->layers[l];
+        if (!(flags[l] & UNIT_ATTENTION)) continue;
+        if (L->rotary_table >= table_count || L->rotary_dims != rotary_dims) {
+            PyErr_Format(PyExc_ValueError, "layer %d reads rotary table %d of width %d; the pass has %d table(s) of width %d",
+                         l, L->rotary_table, L->rotary_dims, table_count, rotary_dims);
+            return 0;
+        }
+        if (L->window > 0)
+            for (int i = 0; i < count; i++) {
+                const int64_t *row = table + (size_t)SEG_COLUMNS * i;
+                if (row[SEG_ATTENDS] && row[SEG_EVERY_SLOT]) {
+                    PyErr_Format(PyExc_ValueError, "layer %d has a sliding window, which a mask over every slot does not define", l);
+                    return 0;
+                }
+                if (row[SEG_ATTENDS] && !row[SEG_POSITIONS]) {
+                    PyErr_Format(PyExc_ValueError, "layer %d's sliding window needs a tree's positions (sequence %d has none)", l, i);
+                    return 0;
+                }
+            }
+    }
+    return 1;
+}
 
 static PyObject *py_run_stack(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *names[] = {"stack", "first", "last", "hidden", "out", "rows", "cos", "sin", "segments", "count",
+    static char *names[] = {"stack", "first", "last", "hidden", "out", "rows", "rotary", "rotary_dims", "segments", "count",
                             "flags", "threads", NULL};
-    PyObject *capsule, *hin_o, *hout_o, *cos_o, *sin_o, *seg_o;
-    int first, last, rows, count, threads;
+    PyObject *capsule, *hin_o, *hout_o, *rotary_o, *seg_o;
+    int first, last, rows, rotary_dims, count, threads;
     const char *flag_bytes;
     Py_ssize_t flag_count;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OiiOOiOOOiy#i", names, &capsule, &first, &last, &hin_o, &hout_o, &rows,
-                                     &cos_o, &sin_o, &seg_o, &count, &flag_bytes, &flag_count, &threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OiiOOiOiOiy#i", names, &capsule, &first, &last, &hin_o, &hout_o, &rows,
+                                     &rotary_o, &rotary_dims, &seg_o, &count, &flag_bytes, &flag_count, &threads))
         return NULL;
     stack_object *S = PyCapsule_GetPointer(capsule, STACK_CAPSULE);
     if (!S) return NULL;
     if (flag_count != S->count) return PyErr_Format(PyExc_ValueError, "flags must be %d bytes, one per layer of the stack", S->count);
     if (first < 0 || last > S->count || first > last) return PyErr_Format(PyExc_ValueError, "layers %d .. %d are outside the stack", first, last);
     if (rows < 1 || count < 1 || count > rows) return PyErr_Format(PyExc_ValueError, "a pass of %d rows in %d sequences", rows, count);
+    rotary_table tables[MAX_ROTARY_TABLES];
+    int table_count = read_rotary(rotary_o, tables);
+    if (table_count < 0) return NULL;
     const float *h_in = address(hin_o, "hidden");
     float *h_out = h_in ? address(hout_o, "out") : NULL;
-    const float *cos = h_out ? address(cos_o, "cos") : NULL;
-    const float *sin = cos ? address(sin_o, "sin") : NULL;
-    const int64_t *table = sin ? address(seg_o, "segments") : NULL;
+    const int64_t *table = h_out ? address(seg_o, "segments") : NULL;
     if (!table) return NULL;
     const uint8_t *flags = (const uint8_t *)flag_bytes;
     for (int l = 0; l < S->count; l++)
         if (flags[l] & ~(UNIT_ATTENTION | UNIT_MLP)) return PyErr_Format(PyExc_ValueError, "layer %d's flags %d name no unit", l, flags[l]);
+    if (!check_layers_for_pass(S, first, last, flags, table_count, rotary_dims, table, count)) return NULL;
     segment_desc *segments = malloc(sizeof(segment_desc) * (size_t)count);
     int *segment_of = malloc(sizeof(int) * (size_t)rows);
     if (!segments || !segment_of) {
@@ -392,7 +523,7 @@ static PyObject *py_run_stack(PyObject *self, PyObject *args, PyObject *kw) {
         }
         segments[i] = (segment_desc){(int)row[SEG_FIRST_ROW], (int)row[SEG_ROWS], (int)row[SEG_START],
                                      (const int64_t *)(intptr_t)row[SEG_KV], (const uint8_t *)(intptr_t)row[SEG_ATTENDS],
-                                     (int)row[SEG_EVERY_SLOT]};
+                                     (int)row[SEG_EVERY_SLOT], (const int64_t *)(intptr_t)row[SEG_POSITIONS]};
         for (int r = segments[i].row0; r < segments[i].row0 + segments[i].n; r++) segment_of[r] = i;
         covered += row[SEG_ROWS];
     }
@@ -401,7 +532,9 @@ static PyObject *py_run_stack(PyObject *self, PyObject *args, PyObject *kw) {
         free(segment_of);
         return PyErr_Format(PyExc_ValueError, "the sequences cover %lld of the pass's %d rows", (long long)covered, rows);
     }
-    pass_desc pass = {S->layers, first, last, flags, h_in, h_out, rows, cos, sin, segments, count, segment_of, threads};
+    pass_desc pass = {.layers = S->layers, .first = first, .last = last, .flags = flags, .h_in = h_in, .h_out = h_out,
+                      .rows = rows, .rotary = tables, .rotary_count = table_count, .rotary_dims = rotary_dims,
+                      .segments = segments, .count = count, .segment_of = segment_of, .threads = threads};
     Py_BEGIN_ALLOW_THREADS
     int64_t started = profiling ? now_ns() : 0;
     unsigned csr = flush_denormals();
@@ -414,6 +547,29 @@ static PyObject *py_run_stack(PyObject *self, PyObject *args, PyObject *kw) {
     Py_END_ALLOW_THREADS
     free(segments);
     free(segment_of);
+    Py_RETURN_NONE;
+}
+
+/* activate(activation, gate_up, rows, inter, out): the layer's gate function over rows (tests: each
+ * path's bits, and the function against a float64 one). */
+static PyObject *py_activate(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"activation", "gate_up", "rows", "inter", "out", NULL};
+    const char *activation;
+    PyObject *in_o, *out_o;
+    int rows, inter;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOiiO", names, &activation, &in_o, &rows, &inter, &out_o)) return NULL;
+    layer_desc d = {.head_dim = 2};
+    if (!read_features(&d, Py_None, Py_None, Py_None, activation)) return NULL;
+    if (rows < 1 || inter < 1) return PyErr_Format(PyExc_ValueError, "%d rows of %d gated values", rows, inter);
+    const float *in = address(in_o, "gate_up");
+    float *out = in ? address(out_o, "out") : NULL;
+    if (!out) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    unsigned csr = flush_denormals();
+    activate_rows(d.activation, in, rows, inter, out, 1);
+    restore_denormals(csr);
+    Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
 
@@ -530,9 +686,12 @@ static PyMethodDef methods[] = {
     KW(dequant_rows, "dequant_rows(weight, indices, count, out): rows of a weight as float32."),
     KW(gather_rows, "gather_rows(weight, indices, count): those rows as a new weight."),
     KW(matmul, "matmul(weight, x, rows, out, out_stride, accumulate, threads): out (+)= x W^T."),
-    KW(make_layer, "make_layer(qkv, o, gate_up, down, norm_in, norm_post, eps, hidden, heads, kv_heads, head_dim, inter)."),
+    KW(make_layer, "make_layer(qkv, o, gate_up, down, norm_in, norm_post, eps, hidden, heads, kv_heads, head_dim, inter, *, "
+                   "qkv_bias, q_norm, k_norm, attention_out_norm, mlp_out_norm, activation, window, rotary_table, rotary_dims, "
+                   "attention_scale, softcap): a decoder layer (the keyword-only features default to Llama's layer)."),
+    KW(activate, "activate(activation, gate_up, rows, inter, out): out = act(g) * u over rows of gate_up = [g, u] (tests)."),
     {"make_stack", py_make_stack, METH_O, "make_stack(layers): a decoder's layers for run_stack."},
-    KW(run_stack, "run_stack(stack, first, last, hidden, out, rows, cos, sin, segments, count, flags, threads)."),
+    KW(run_stack, "run_stack(stack, first, last, hidden, out, rows, rotary, rotary_dims, segments, count, flags, threads)."),
     {"isa", py_isa, METH_NOARGS, "The kernel path in use: portable, avx2, avx512, avx512vnni, avx512bf16 or amx."},
     {"isas", py_isas, METH_NOARGS, "The kernel paths this process may select (portable .. the best allowed)."},
     {"select_isa", py_select_isa, METH_O, "Use the kernels of a lower path (tests; between passes only)."},

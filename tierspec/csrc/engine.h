@@ -21,6 +21,7 @@
 #ifndef TIERSPEC_ENGINE_H
 #define TIERSPEC_ENGINE_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -110,9 +111,16 @@ typedef struct {
     int cap, start, n;          /* n new rows at slots start .. start + n - 1 */
     const uint8_t *attends;     /* NULL: a chain; [n, n] among the new rows; [n, start + n] when every_slot */
     int every_slot;
+    /* a sliding window (0: none): a query at position p sees keys at positions > p - window; a cached
+     * slot s < start holds position s, new row j position positions[j] (NULL: start + j) */
+    int window;
+    const int64_t *positions;
+    float scale;   /* multiplies q.k (1/sqrt(D) unless the model gives its own) */
+    float softcap; /* > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax */
 } attention_view;
 
-/* The slots a query row sees, in logical order: the cached context, then the new tokens it sees. */
+/* The slots a query row sees, in logical order: the cached context, then the new tokens it sees
+ * (within the view's window). */
 int visible_slots(const attention_view *a, int row, int *slots);
 
 typedef struct {
@@ -152,6 +160,9 @@ int amx_selftest(void);                  /* a tile product of known numbers (the
 float exp_ref(float x);
 void exp_inplace_ref(float *v, int count);
 float sum_in_order(const float *v, int count);
+/* scores[i] = cap * tanh(scores[i] / cap) (tanh_from_exp over exp_ref): every path calls this one, so
+ * soft-capped scores are the same bits on every path */
+void softcap_scores(float *scores, int count, float cap);
 int attend_ref(const attention_view *a, const float *q, float *out, int head, float *scores, const int *slots,
                int count);
 void tile_ref(const matmul_args *a, int t, int m0, int mt);
@@ -181,6 +192,31 @@ static inline void store_tile(const matmul_args *a, int m, int t, const float *v
 #define LN2_HI -0.693359375f
 #define LN2_LO 2.12194440e-4f
 
+/* tanh(x) given e = exp(-2|x|) as the paths' exp computes it (the same bits on every path), so
+ * tanh is the same on every path too: Cephes' tanhf, below |x| = 0.625 its odd polynomial in x
+ * (e unused), above (1 - e) / (1 + e) with x's sign (no overflow: e <= 1). Plain products and sums
+ * (the build does not contract them): the same operations wherever it is inlined. */
+#define TANH_SMALL 0.625f
+#define TANH_P0 -5.70498872745e-3f
+#define TANH_P1 2.06390887954e-2f
+#define TANH_P2 -5.37397155531e-2f
+#define TANH_P3 1.33314422036e-1f
+#define TANH_P4 -3.33332819422e-1f
+static inline float tanh_from_exp(float x, float e) {
+    if (x < TANH_SMALL && x > -TANH_SMALL) {
+        float s = x * x;
+        float p = (((TANH_P0 * s + TANH_P1) * s + TANH_P2) * s + TANH_P3) * s + TANH_P4;
+        return p * s * x + x;
+    }
+    float t = (1.0f - e) / (1.0f + e);
+    return x < 0.0f ? -t : t;
+}
+
+/* GELU's tanh approximation, 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))): the argument of tanh */
+#define GELU_BETA 0.7978845608028654f
+#define GELU_KAPPA 0.044715f
+static inline float gelu_tanh_argument(float x) { return GELU_BETA * (x + GELU_KAPPA * x * x * x); }
+
 /* How far ahead (in cells, ~15 KB) the kernels ask for weights: measured best of 2-96 (Zen 5). */
 #define PREFETCH_CELLS 48
 
@@ -191,13 +227,29 @@ void linear(const packed_weight *w, const float *x, int M, float *out, int ldo, 
 
 /* ---- layers (layer.c) ------------------------------------------------------------------------ */
 
-/* A Llama decoder layer: its four products (q/k/v stacked, o, gate/up stacked, down), its norms
- * (owned copies, [hidden]) and shapes. */
+enum { ACT_SILU = 0, ACT_GELU_TANH = 1 }; /* the MLP's gate: silu(g) * u or gelu_tanh(g) * u */
+
+/* A decoder layer: its four products (q/k/v stacked, o, gate/up stacked, down), its norms and
+ * biases (owned copies; NULL where the architecture has none) and shapes. Plain Llama has only the
+ * two norms in front of its units; the others add, in this order of the computation:
+ *   qkv_bias  [(heads + 2 kv_heads) D] added to the q/k/v product (Qwen2)
+ *   q_norm, k_norm  [D] an RMSNorm of each head's q and k, after the bias, before the rotation
+ *                   (Qwen3, Gemma 3)
+ *   the rotation of the first rotary_dims of each q and k head (rotate-half within them; Phi-3's
+ *   partial rotary), by the pass's rotary table number rotary_table (Gemma 3: local and global)
+ *   attention over the window (0: every earlier key), scores scaled by attention_scale, soft-capped
+ *   when softcap > 0
+ *   attention_out_norm, mlp_out_norm  [hidden] an RMSNorm of each unit's output before its residual
+ *                   add (Gemma 3's post-norms)
+ *   activation  the gate's function (ACT_SILU, ACT_GELU_TANH). */
 typedef struct {
     const packed_weight *qkv, *o, *gate_up, *down;
-    float *norm_in, *norm_post;
+    float *norm_in, *norm_post; /* [hidden]: before the attention unit, before the MLP unit */
+    float *qkv_bias, *q_norm, *k_norm, *attention_out_norm, *mlp_out_norm;
     float eps;
     int hidden, heads, kv_heads, head_dim, inter;
+    int activation, window, rotary_table, rotary_dims;
+    float attention_scale, softcap;
 } layer_desc;
 
 /* One sequence's rows of a pass: rows row0 .. row0 + n - 1, written at its cache slots start ..
@@ -208,9 +260,15 @@ typedef struct {
     const int64_t *kv;
     const uint8_t *attends; /* NULL: a chain; [n, n]; [n, start + n] when every_slot */
     int every_slot;
+    const int64_t *positions; /* [n]: each row's position (a tree node's depth after start); NULL: start + j */
 } segment_desc;
 
 enum { UNIT_ATTENTION = 1, UNIT_MLP = 2 }; /* a layer's flags: which residual units run */
+
+#define MAX_ROTARY_TABLES 4
+typedef struct {
+    const float *cos, *sin;
+} rotary_table;
 
 /* A pass: layers first .. last - 1 of ``layers`` over ``rows`` rows of ``count`` sequences. A solo
  * pass is a batch of one sequence. */
@@ -221,7 +279,10 @@ typedef struct {
     const float *h_in;    /* [rows, H] */
     float *h_out;         /* [rows, H]: the last layer's output */
     int rows;
-    const float *cos, *sin; /* [rows, D]: x*cos + roll(x, D/2)*sin rotates by each row's position */
+    /* rotary tables (a layer reads its rotary_table), each cos and sin [rows, rotary_dims]:
+     * x*cos + roll(x, rotary_dims/2)*sin rotates a head's first rotary_dims by each row's position */
+    const rotary_table *rotary;
+    int rotary_count, rotary_dims;
     const segment_desc *segments;
     int count;
     const int *segment_of; /* [rows] */
@@ -229,6 +290,9 @@ typedef struct {
 } pass_desc;
 
 void run_pass(const pass_desc *p);
+
+/* The MLP's gate over rows: out [rows, inter] = act(g) * u for gate_up [rows, 2 inter] (g, then u). */
+void activate_rows(int activation, const float *gate_up, int rows, int inter, float *out, int threads);
 
 /* ---- scratch and profiles --------------------------------------------------------------------- */
 

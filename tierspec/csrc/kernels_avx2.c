@@ -239,16 +239,22 @@ AVX2_TARGET static inline __m256 sum_lanes8(const __m256 v[8]) {
     return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+/* Value sums per pass over the keys: 8 chunks of 8 floats (the even and odd sums of 64 outputs fill
+ * the 16 registers); wider heads take their outputs in blocks of 64, each over all the keys (every
+ * output's sum is the same whatever the blocking). */
+#define VALUE_CHUNKS_AVX2 8
+
 /* attend_ref's computation vectorised over the head dimension, its width a compile-time constant
- * (D = 32, 64 or 128) so that the query and the sums stay in registers. Per key one dot product
- * reduced in a fixed order (8 keys at a time, each reduced as alone); the weighted sum of values over the logical order in two interleaved
- * sums (even and odd keys: two independent FMA chains), added at the end. */
+ * (D = 32, 64, 128 or 256) so that the sums stay in registers. Per key one dot product reduced in a
+ * fixed order (8 keys at a time, each reduced as alone), scaled; soft-capped by softcap_scores (the
+ * reference's code: the same bits on every path); the weighted sum of values over the logical order
+ * in two interleaved sums (even and odd keys: two independent FMA chains), added at the end. */
 AVX2_TARGET static inline void attend_head_avx2(const attention_view *a, const float *q, float *out, int head, float *scores,
                                                const int *slots, int count, const int chunks) {
     int D = 8 * chunks, g = head / (a->heads / a->kv_heads);
     q += (size_t)head * D;
     const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
-    __m256 scale = _mm256_set1_ps(1.0f / sqrtf((float)D)), best = _mm256_set1_ps(-INFINITY);
+    __m256 scale = _mm256_set1_ps(a->scale), best = _mm256_set1_ps(-INFINITY);
     for (int l0 = 0; l0 < count; l0 += 8) { /* 8 keys' dot products, reduced together */
         int n = count - l0 < 8 ? count - l0 : 8;
         __m256 s[8];
@@ -266,30 +272,38 @@ AVX2_TARGET static inline void attend_head_avx2(const attention_view *a, const f
         best = _mm256_max_ps(best, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, valid));
     }
     float top_lanes[8], top = -INFINITY;
-    _mm256_storeu_ps(top_lanes, best);
-    for (int j = 0; j < 8; j++) top = top_lanes[j] > top ? top_lanes[j] : top;
+    if (a->softcap > 0.0f) {
+        softcap_scores(scores, count, a->softcap);
+        for (int l = 0; l < count; l++) top = scores[l] > top ? scores[l] : top;
+    } else {
+        _mm256_storeu_ps(top_lanes, best);
+        for (int j = 0; j < 8; j++) top = top_lanes[j] > top ? top_lanes[j] : top;
+    }
     for (int l = 0; l < count; l++) scores[l] -= top;
     exp_inplace_avx2(scores, count);
     float total = sum_in_order(scores, count);
-    __m256 even[16], odd[16];
-    for (int c = 0; c < chunks; c++) even[c] = odd[c] = _mm256_setzero_ps();
-    int l = 0;
-    for (; l + 1 < count; l += 2) {
-        const float *v0 = V + (size_t)slots[l] * D, *v1 = V + (size_t)slots[l + 1] * D;
-        __m256 p0 = _mm256_set1_ps(scores[l]), p1 = _mm256_set1_ps(scores[l + 1]);
-        for (int c = 0; c < chunks; c++) {
-            even[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
-            odd[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * c), odd[c]);
-        }
-    }
-    if (l < count) {
-        const float *v0 = V + (size_t)slots[l] * D;
-        __m256 p0 = _mm256_set1_ps(scores[l]);
-        for (int c = 0; c < chunks; c++) even[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
-    }
     __m256 inv = _mm256_set1_ps(1.0f / total);
     out += (size_t)head * D;
-    for (int c = 0; c < chunks; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_add_ps(even[c], odd[c]), inv));
+    const int block = chunks < VALUE_CHUNKS_AVX2 ? chunks : VALUE_CHUNKS_AVX2;
+    for (int c0 = 0; c0 < chunks; c0 += block) {
+        __m256 even[VALUE_CHUNKS_AVX2], odd[VALUE_CHUNKS_AVX2];
+        for (int c = 0; c < block; c++) even[c] = odd[c] = _mm256_setzero_ps();
+        int l = 0;
+        for (; l + 1 < count; l += 2) {
+            const float *v0 = V + (size_t)slots[l] * D + 8 * c0, *v1 = V + (size_t)slots[l + 1] * D + 8 * c0;
+            __m256 p0 = _mm256_set1_ps(scores[l]), p1 = _mm256_set1_ps(scores[l + 1]);
+            for (int c = 0; c < block; c++) {
+                even[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
+                odd[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * c), odd[c]);
+            }
+        }
+        if (l < count) {
+            const float *v0 = V + (size_t)slots[l] * D + 8 * c0;
+            __m256 p0 = _mm256_set1_ps(scores[l]);
+            for (int c = 0; c < block; c++) even[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
+        }
+        for (int c = 0; c < block; c++) _mm256_storeu_ps(out + 8 * (c0 + c), _mm256_mul_ps(_mm256_add_ps(even[c], odd[c]), inv));
+    }
 }
 
 AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, float *out, int head, float *scores,
@@ -298,6 +312,7 @@ AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, floa
     case 32: attend_head_avx2(a, q, out, head, scores, slots, count, 4); return 1;
     case 64: attend_head_avx2(a, q, out, head, scores, slots, count, 8); return 1;
     case 128: attend_head_avx2(a, q, out, head, scores, slots, count, 16); return 1;
+    case 256: attend_head_avx2(a, q, out, head, scores, slots, count, 32); return 1;
     default: return 0;
     }
 }

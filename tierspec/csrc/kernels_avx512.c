@@ -209,18 +209,23 @@ AVX512_TARGET static inline __m512 sum_lanes16(const __m512 v[16]) {
     return _mm512_permutexvar_ps(order, z);
 }
 
-/* attend_ref's computation vectorised over the head dimension (D = 32, 64 or 128, a compile-time
+/* Value sums per pass over the keys: 8 chunks of 16 floats (the even and odd sums of 128 outputs);
+ * wider heads take their outputs in blocks of 128, each over all the keys (every output's sum is the
+ * same whatever the blocking). */
+#define VALUE_CHUNKS_AVX512 8
+
+/* attend_ref's computation vectorised over the head dimension (D = 32, 64, 128 or 256, a compile-time
  * constant so that the query and the sums stay in registers). Per key one dot product reduced in a
- * fixed order (16 keys at a time, each reduced as alone); exp and its sum 16 scores at a time in
- * logical order; the weighted sum of values in
- * two interleaved sums (even and odd keys), added at the end. */
+ * fixed order (16 keys at a time, each reduced as alone), scaled; soft-capped by softcap_scores (the
+ * reference's code: the same bits on every path); exp and its sum 16 scores at a time in logical
+ * order; the weighted sum of values in two interleaved sums (even and odd keys), added at the end. */
 AVX512_TARGET static inline void attend_head_avx512(const attention_view *a, const float *q, float *out, int head, float *scores,
                                                    const int *slots, int count, const int chunks) {
     int D = 16 * chunks, g = head / (a->heads / a->kv_heads);
     q += (size_t)head * D;
     const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
-    __m512 scale = _mm512_set1_ps(1.0f / sqrtf((float)D)), best = _mm512_set1_ps(-INFINITY);
-    __m512 qv[8];
+    __m512 scale = _mm512_set1_ps(a->scale), best = _mm512_set1_ps(-INFINITY);
+    __m512 qv[16];
     for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
     for (int l0 = 0; l0 < count; l0 += 16) { /* 16 keys' dot products, reduced together */
         int n = count - l0 < 16 ? count - l0 : 16;
@@ -236,7 +241,14 @@ AVX512_TARGET static inline void attend_head_avx512(const attention_view *a, con
         _mm512_mask_storeu_ps(scores + l0, valid, v);
         best = _mm512_mask_max_ps(best, valid, best, v);
     }
-    float top = _mm512_reduce_max_ps(best);
+    float top;
+    if (a->softcap > 0.0f) {
+        softcap_scores(scores, count, a->softcap);
+        top = -INFINITY;
+        for (int l = 0; l < count; l++) top = scores[l] > top ? scores[l] : top;
+    } else {
+        top = _mm512_reduce_max_ps(best);
+    }
     __m512 shift = _mm512_set1_ps(top), sums = _mm512_setzero_ps();
     int l16 = 0;
     for (; l16 + 16 <= count; l16 += 16) {
@@ -251,25 +263,29 @@ AVX512_TARGET static inline void attend_head_avx512(const attention_view *a, con
         sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(tail, e));
     }
     float total = _mm512_reduce_add_ps(sums);
-    __m512 even[8], odd[8];
-    for (int c = 0; c < chunks; c++) even[c] = odd[c] = _mm512_setzero_ps();
-    int l = 0;
-    for (; l + 1 < count; l += 2) {
-        const float *v0 = V + (size_t)slots[l] * D, *v1 = V + (size_t)slots[l + 1] * D;
-        __m512 p0 = _mm512_set1_ps(scores[l]), p1 = _mm512_set1_ps(scores[l + 1]);
-        for (int c = 0; c < chunks; c++) {
-            even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
-            odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), odd[c]);
-        }
-    }
-    if (l < count) {
-        const float *v0 = V + (size_t)slots[l] * D;
-        __m512 p0 = _mm512_set1_ps(scores[l]);
-        for (int c = 0; c < chunks; c++) even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
-    }
     __m512 inv = _mm512_set1_ps(1.0f / total);
     out += (size_t)head * D;
-    for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), inv));
+    const int block = chunks < VALUE_CHUNKS_AVX512 ? chunks : VALUE_CHUNKS_AVX512;
+    for (int c0 = 0; c0 < chunks; c0 += block) {
+        __m512 even[VALUE_CHUNKS_AVX512], odd[VALUE_CHUNKS_AVX512];
+        for (int c = 0; c < block; c++) even[c] = odd[c] = _mm512_setzero_ps();
+        int l = 0;
+        for (; l + 1 < count; l += 2) {
+            const float *v0 = V + (size_t)slots[l] * D + 16 * c0, *v1 = V + (size_t)slots[l + 1] * D + 16 * c0;
+            __m512 p0 = _mm512_set1_ps(scores[l]), p1 = _mm512_set1_ps(scores[l + 1]);
+            for (int c = 0; c < block; c++) {
+                even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+                odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), odd[c]);
+            }
+        }
+        if (l < count) {
+            const float *v0 = V + (size_t)slots[l] * D + 16 * c0;
+            __m512 p0 = _mm512_set1_ps(scores[l]);
+            for (int c = 0; c < block; c++) even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+        }
+        for (int c = 0; c < block; c++)
+            _mm512_storeu_ps(out + 16 * (c0 + c), _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), inv));
+    }
 }
 
 AVX512_TARGET static int attend_avx512(const attention_view *a, const float *q, float *out, int head, float *scores,
@@ -278,6 +294,7 @@ AVX512_TARGET static int attend_avx512(const attention_view *a, const float *q, 
     case 32: attend_head_avx512(a, q, out, head, scores, slots, count, 2); return 1;
     case 64: attend_head_avx512(a, q, out, head, scores, slots, count, 4); return 1;
     case 128: attend_head_avx512(a, q, out, head, scores, slots, count, 8); return 1;
+    case 256: attend_head_avx512(a, q, out, head, scores, slots, count, 16); return 1;
     default: return 0;
     }
 }

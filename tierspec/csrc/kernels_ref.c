@@ -216,34 +216,50 @@ static void rms_norm_ref(const float *x, const float *w, float eps, int n, float
     for (int i = 0; i < n; i++) out[i] = x[i] * r * w[i];
 }
 
+/* The position of new row j of a view (a tree node's own, from the segment's positions). */
+static inline int64_t new_position(const attention_view *a, int j) { return a->positions ? a->positions[j] : a->start + j; }
+
 int visible_slots(const attention_view *a, int row, int *slots) {
     int count = 0;
-    if (a->every_slot) { /* attends: [n, start + n] over every slot (the draft head's token trees) */
+    if (a->every_slot) { /* attends: [n, start + n] over every slot (the draft head's token trees; no window) */
         for (int s = 0; s < a->start + a->n; s++)
             if (a->attends[(size_t)row * (a->start + a->n) + s]) slots[count++] = s;
         return count;
     }
-    for (int s = 0; s < a->start; s++) slots[count++] = s;
+    /* a window shows the keys at positions > p - window: cached slot s holds position s */
+    int64_t oldest = a->window > 0 ? new_position(a, row) - a->window + 1 : 0;
+    int first = oldest <= 0 ? 0 : oldest >= a->start ? a->start : (int)oldest;
+    for (int s = first; s < a->start; s++) slots[count++] = s;
     for (int j = 0; j <= row; j++)
-        if (a->attends == NULL || a->attends[(size_t)row * a->n + j]) slots[count++] = a->start + j;
+        if ((a->attends == NULL || a->attends[(size_t)row * a->n + j]) && (a->window <= 0 || new_position(a, j) >= oldest))
+            slots[count++] = a->start + j;
     return count;
 }
 
-/* One query's attention over its visible keys ``slots`` [count], in logical order: scores, their
- * softmax, the weighted sum of values (``scores`` [count] is the caller's scratch). */
+void softcap_scores(float *scores, int count, float cap) {
+    for (int l = 0; l < count; l++) {
+        float x = scores[l] / cap;
+        scores[l] = cap * tanh_from_exp(x, exp_ref(-2.0f * fabsf(x)));
+    }
+}
+
+/* One query's attention over its visible keys ``slots`` [count], in logical order: scores (scaled,
+ * soft-capped where the view says), their softmax, the weighted sum of values (``scores`` [count] is
+ * the caller's scratch). */
 int attend_ref(const attention_view *a, const float *q, float *out, int head, float *scores, const int *slots, int count) {
     int D = a->head_dim, g = head / (a->heads / a->kv_heads);
     q += (size_t)head * D;
     const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
-    float scale = 1.0f / sqrtf((float)D), best = -INFINITY;
+    float scale = a->scale, best = -INFINITY;
     for (int l = 0; l < count; l++) {
         const float *k = K + (size_t)slots[l] * D;
         float s = 0.0f;
         for (int i = 0; i < D; i++) s = fmaf(q[i], k[i], s);
-        s *= scale;
-        scores[l] = s;
-        if (s > best) best = s;
+        scores[l] = s * scale;
     }
+    if (a->softcap > 0.0f) softcap_scores(scores, count, a->softcap);
+    for (int l = 0; l < count; l++)
+        if (scores[l] > best) best = scores[l];
     for (int l = 0; l < count; l++) scores[l] -= best;
     exp_inplace_ref(scores, count);
     float total = sum_in_order(scores, count);

@@ -1,10 +1,14 @@
-/* The Llama decoder layer fused into one computation (norms, rotary, KV write, attention, SwiGLU,
- * residuals) over a pass's rows, and the pass over a range of layers.
+/* A decoder layer fused into one computation (norms, the q/k/v bias and per-head norms, rotary, KV
+ * write, attention, the gated MLP, the units' output norms, residuals) over a pass's rows, and the
+ * pass over a range of layers. engine.h's layer_desc lists what each architecture adds to Llama's
+ * layer, in the order computed here (tierspec/llama.py's ArchAttention and ArchDecoderLayer compute
+ * the same with torch's operators).
  *
  * One runner serves solo and batched passes: a pass is a list of segments (each one sequence's new
  * rows with its own cache), a solo pass a list of one. The products run over every row of the pass
  * at once; each row's keys/values go to its own sequence's cache and its attention reads only that
- * cache, so a row's results are what its sequence's own pass gives.
+ * cache, so a row's results are what its sequence's own pass gives. Everything between the products
+ * is computed row by row, so a row's results never depend on the others.
  *
  * Long passes (a prompt's prefill) run in chunks of PASS_ROWS rows through all the layers, one chunk
  * after the other: a row's attention needs the keys of the rows before it, which an earlier chunk
@@ -35,7 +39,8 @@ typedef struct {
 static attention_view segment_view(const layer_desc *L, int layer, const segment_desc *sg) {
     const int64_t *kv = sg->kv + 3 * (size_t)layer;
     attention_view v = {L->heads, L->kv_heads, L->head_dim, (const float *)(intptr_t)kv[0], (const float *)(intptr_t)kv[1],
-                        (int)kv[2], sg->start, sg->n, sg->attends, sg->every_slot && sg->attends != NULL};
+                        (int)kv[2], sg->start, sg->n, sg->attends, sg->every_slot && sg->attends != NULL,
+                        L->window, sg->positions, L->attention_scale, L->softcap};
     return v;
 }
 
@@ -55,16 +60,16 @@ static void attention_task(void *raw, int chunk) { /* chunk: one (row, head) of 
     if (!kernels.attend(&view, q, out, head, scores, slots, count)) attend_ref(&view, q, out, head, scores, slots, count);
 }
 
-/* ---- SwiGLU ---------------------------------------------------------------------------------- */
+/* ---- the gated MLP's activation --------------------------------------------------------------- */
 
 typedef struct {
-    const float *gu; /* [n, 2I] */
+    const float *gu; /* [n, 2I]: gate, then up */
     float *act;      /* [n, I] */
     int inter;
-} swiglu_args;
+} gate_args;
 
 static void swiglu_task(void *raw, int r) { /* one row: silu(g) * u = g / (1 + exp(-g)) * u */
-    const swiglu_args *a = (const swiglu_args *)raw;
+    const gate_args *a = (const gate_args *)raw;
     const float *g = a->gu + (size_t)r * 2 * a->inter, *u = g + a->inter;
     float *o = a->act + (size_t)r * a->inter;
     for (int i = 0; i < a->inter; i++) o[i] = -g[i];
@@ -72,10 +77,66 @@ static void swiglu_task(void *raw, int r) { /* one row: silu(g) * u = g / (1 + e
     for (int i = 0; i < a->inter; i++) o[i] = g[i] / (1.0f + o[i]) * u[i];
 }
 
+/* one row: gelu_tanh(g) * u = 0.5 g (1 + tanh(t)) * u with t = gelu_tanh_argument(g); tanh from the
+ * path's exp of -2|t| (tanh_from_exp: the same bits on every path) */
+static void gelu_tanh_task(void *raw, int r) {
+    const gate_args *a = (const gate_args *)raw;
+    const float *g = a->gu + (size_t)r * 2 * a->inter, *u = g + a->inter;
+    float *o = a->act + (size_t)r * a->inter;
+    for (int i = 0; i < a->inter; i++) o[i] = -2.0f * fabsf(gelu_tanh_argument(g[i]));
+    kernels.exp_inplace(o, a->inter);
+    for (int i = 0; i < a->inter; i++) o[i] = 0.5f * g[i] * (1.0f + tanh_from_exp(gelu_tanh_argument(g[i]), o[i])) * u[i];
+}
+
+void activate_rows(int activation, const float *gate_up, int rows, int inter, float *out, int threads) {
+    gate_args ga = {gate_up, out, inter};
+    run_parallel(activation == ACT_GELU_TANH ? gelu_tanh_task : swiglu_task, &ga, rows, threads);
+}
+
+/* ---- a unit's output ----------------------------------------------------------------------------- */
+
+/* h += x W^T for the chunk's n rows, or, with an output norm (Gemma's post-norms), h += rms_norm(x
+ * W^T) * norm: the product then goes to ``scratch`` [n, H] first. */
+static void add_unit_output(const layer_desc *L, const packed_weight *w, const float *x, int n, const float *norm,
+                            float *scratch, float *h, int threads) {
+    int H = L->hidden;
+    if (!norm) {
+        linear(w, x, n, h, H, 1, threads);
+        return;
+    }
+    linear(w, x, n, scratch, H, 0, threads);
+    for (int r = 0; r < n; r++) {
+        float *y = scratch + (size_t)r * H, *hr = h + (size_t)r * H;
+        kernels.rms_norm(y, norm, L->eps, H, y);
+        for (int i = 0; i < H; i++) hr[i] += y[i];
+    }
+}
+
+/* ---- q and k before attention -------------------------------------------------------------------- */
+
+/* One row's q/k/v [(heads + 2 kv_heads) D] in place: the bias, each q and k head's norm, the
+ * rotation of each q and k head's first rotary_dims by the row's factors ``c``, ``s`` [rotary_dims]. */
+static void prepare_qkv_row(const layer_desc *L, float *x, const float *c, const float *s) {
+    int D = L->head_dim, heads = L->heads, kvh = L->kv_heads, R = L->rotary_dims, half = R / 2;
+    if (L->qkv_bias)
+        for (int i = 0; i < (heads + 2 * kvh) * D; i++) x[i] += L->qkv_bias[i];
+    if (L->q_norm)
+        for (int hh = 0; hh < heads; hh++) kernels.rms_norm(x + (size_t)hh * D, L->q_norm, L->eps, D, x + (size_t)hh * D);
+    if (L->k_norm)
+        for (int g = 0; g < kvh; g++) kernels.rms_norm(x + (size_t)(heads + g) * D, L->k_norm, L->eps, D, x + (size_t)(heads + g) * D);
+    float tmp[512];
+    for (int hh = 0; hh < heads + kvh; hh++) { /* q heads and k heads rotate; v does not */
+        float *v = x + (size_t)hh * D;
+        for (int i = 0; i < R; i++) tmp[i] = v[i] * c[i] + v[(i + half) % R] * s[i];
+        memcpy(v, tmp, (size_t)R * 4);
+    }
+}
+
 /* ---- one layer over a chunk of rows ---------------------------------------------------------- */
 
 /* Layer ``layer`` of the pass over rows c0 .. c1 - 1 of h (in place): h += attention unit (if
- * flags & UNIT_ATTENTION), then h += MLP unit (if flags & UNIT_MLP). */
+ * flags & UNIT_ATTENTION), then h += MLP unit (if flags & UNIT_MLP); a unit's norms (before it and,
+ * where the layer has one, on its output) run with it. */
 static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float *h) {
     const layer_desc *L = p->layers[layer];
     int flags = p->flags[layer], nth = p->threads, n = c1 - c0;
@@ -83,7 +144,7 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
     int qkv_width = (heads + 2 * kvh) * D;
     size_t need = (size_t)n * (H + qkv_width + heads * D + 2 * I + I) * 4 + 5 * 64;
     char *mem = scratch_get(&scratch_main, need);
-    float *xn = (float *)mem;
+    float *xn = (float *)mem; /* [n, H]: a unit's normalised input, then (post-norms) its output */
     float *qkv = xn + (size_t)n * H;
     float *att = qkv + (size_t)n * qkv_width;
     float *gu = att + (size_t)n * heads * D;
@@ -91,7 +152,7 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
     if (flags & UNIT_ATTENTION) {
         for (int r = 0; r < n; r++) kernels.rms_norm(h + (size_t)r * H, L->norm_in, L->eps, H, xn + (size_t)r * H);
         linear(L->qkv, xn, n, qkv, qkv_width, 0, nth);
-        int half = D / 2;
+        const rotary_table *table = &p->rotary[L->rotary_table];
         int64_t work = 0;
         for (int r = 0; r < n; r++) {
             int row = c0 + r;
@@ -100,18 +161,12 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
             float *keys = (float *)(intptr_t)kv[0], *values = (float *)(intptr_t)kv[1];
             int cap = (int)kv[2], slot = sg->start + (row - sg->row0);
             float *x = qkv + (size_t)r * qkv_width;
-            const float *c = p->cos + (size_t)row * D, *s = p->sin + (size_t)row * D;
-            float tmp[512];
-            for (int hh = 0; hh < heads + kvh; hh++) { /* q heads and k heads rotate; v does not */
-                float *v = x + (size_t)hh * D;
-                for (int i = 0; i < D; i++) tmp[i] = v[i] * c[i] + v[(i + half) % D] * s[i];
-                memcpy(v, tmp, (size_t)D * 4);
-            }
+            prepare_qkv_row(L, x, table->cos + (size_t)row * p->rotary_dims, table->sin + (size_t)row * p->rotary_dims);
             for (int g = 0; g < kvh; g++) {
                 memcpy(keys + ((size_t)g * cap + slot) * D, x + (size_t)(heads + g) * D, (size_t)D * 4);
                 memcpy(values + ((size_t)g * cap + slot) * D, x + (size_t)(heads + kvh + g) * D, (size_t)D * 4);
             }
-            work += (int64_t)heads * (slot + 1);
+            work += (int64_t)heads * (L->window > 0 && L->window < slot + 1 ? L->window : slot + 1);
         }
         /* the queries packed [n, heads * D] (gu is free until the MLP) */
         float *q = gu;
@@ -120,14 +175,13 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
         int64_t attention_started = profiling ? now_ns() : 0;
         run_parallel(attention_task, &aa, n * heads, work < 1024 ? 1 : nth); /* a few microseconds: one thread */
         if (profiling) profile_ns[2] += now_ns() - attention_started;
-        linear(L->o, att, n, h, H, 1, nth);
+        add_unit_output(L, L->o, att, n, L->attention_out_norm, xn, h, nth);
     }
     if (flags & UNIT_MLP) {
         for (int r = 0; r < n; r++) kernels.rms_norm(h + (size_t)r * H, L->norm_post, L->eps, H, xn + (size_t)r * H);
         linear(L->gate_up, xn, n, gu, 2 * I, 0, nth);
-        swiglu_args sa = {gu, act, I};
-        run_parallel(swiglu_task, &sa, n, n >= 8 ? nth : 1);
-        linear(L->down, act, n, h, H, 1, nth);
+        activate_rows(L->activation, gu, n, I, act, n >= 8 ? nth : 1);
+        add_unit_output(L, L->down, act, n, L->mlp_out_norm, xn, h, nth);
     }
 }
 

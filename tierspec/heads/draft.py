@@ -405,7 +405,7 @@ def _engine_steps(steps: list[HeadStep]) -> list[HeadOutput]:
             first += n
         cos, sin = head.rotary.factors(torch.cat(positions), torch.float32)  # [R, 1, d] each
         out = run_stack_rows(engine.stack, 0, 1, x.contiguous(), rows,
-                             cos.reshape(first, -1).contiguous(), sin.reshape(first, -1).contiguous(), bytes([3]))
+                             ((cos.reshape(first, -1).contiguous(), sin.reshape(first, -1).contiguous()),), bytes([3]))
         h = head.norm(out)  # [R, H]
         for (i, step), (row, n) in zip(extending, kept):
             step.runner.cache.advance(n)
