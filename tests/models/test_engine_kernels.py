@@ -87,6 +87,46 @@ def test_every_path_equals_the_reference_bitwise_for_float32_and_int8_rows(path,
         assert torch.equal(weight.multiply(x[5:6].contiguous()), reference[5:6])
 
 
+def _extreme_blocks(kind: str, rows: int, width: int) -> torch.Tensor:
+    """Raw blocks at the integers' bounds, which random weights never reach: Q8 values -128 and 127,
+    Q4 nibbles 15 and 0, in whole blocks of one value, alternating, and mixed (scale 1, Q4_1's m 0)."""
+    rng = np.random.default_rng(17)
+    q8 = kind == "Q8_0"
+    high, low = (-128, 127) if q8 else (15, 0)
+    values = np.empty((rows, width), np.int64)
+    for n in range(rows):
+        values[n] = [high, low, np.tile([high, low], width // 2),
+                     rng.integers(-128, 128, width) if q8 else rng.integers(0, 16, width)][n % 4]
+    blocks = values.reshape(rows, -1, 32)
+    one = np.full(blocks.shape[:2] + (1,), np.float16(1.0)).view(np.uint8)  # fp16 1.0 as two bytes
+    if q8:
+        body = blocks.astype(np.int8).view(np.uint8)
+    else:  # byte i: value i (low nibble), value 16 + i (high nibble)
+        body = (blocks[..., :16] | (blocks[..., 16:] << 4)).astype(np.uint8)
+    head = [one] if kind != "Q4_1" else [one, np.zeros_like(one)]
+    return torch.from_numpy(np.concatenate(head + [body], axis=-1).reshape(rows, -1).copy())
+
+
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("kind", TYPES)
+def test_int8_rows_at_the_integer_bounds_equal_the_reference_bitwise(path, kind):
+    """8-bit rows of +-127 against weights at their bounds: where a kernel's narrow integer sums
+    (AVX2's int16 pairs) could saturate or a sign trick could wrap, the exact sums must still come out."""
+    weight = QuantWeight(_extreme_blocks(kind, 32, 96), getattr(quant, kind), 96, numerics_for(torch.int8))
+    signs = torch.tensor([1.0, -1.0]).repeat(48)
+    x = torch.stack([torch.ones(96), -torch.ones(96), signs, -signs, torch.randn(96, generator=torch.Generator().manual_seed(3))])
+    with kernels("portable"):
+        reference = weight.multiply(x)
+    # the planted sums themselves: row 0 of x is all 127 after rounding (scale 1/127), so output n's
+    # value is the sum of its weights (sums up to 3 * 32 * 128, to float32 rounding of the blocks'
+    # float steps; a saturated pair would be off by thousands)
+    assert torch.allclose(reference[0], weight.dense().sum(1), rtol=0, atol=1e-3)
+    with kernels(path):
+        assert torch.equal(weight.multiply(x), reference)
+        for row in range(len(x)):
+            assert torch.equal(weight.multiply(x[row : row + 1].contiguous()), reference[row : row + 1])
+
+
 def _summed_terms(kind: str, raw: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     """[N, K]: the magnitude each weight brings to the bfloat16 kernels' sums. Q4 kernels sum
     d·(128 + q_k)·x_k and add (m − 128 d)·Σx (docs/algorithms.md §The pass engine), so a Q4 weight

@@ -1,6 +1,6 @@
-/* The AVX2 path (AVX2 + FMA + F16C): float32 rows (LAYOUT_F32) in 8 lanes, the row preparation for
- * them, exp, the RMS norm and attention. Its products and row sums take the reference's order
- * exactly (kernels_ref.c): the same bits. */
+/* The AVX2 path (AVX2 + FMA + F16C): float32 rows (LAYOUT_F32) in 8 lanes, 8-bit rows (LAYOUT_INT8)
+ * by vpmaddubsw + vpmaddwd, the row preparation for both, exp, the RMS norm and attention. Its
+ * products and rows take the reference's order and steps exactly (kernels_ref.c): the same bits. */
 #include "engine.h"
 
 #if QE_X86
@@ -94,6 +94,143 @@ AVX2_TARGET static void tile_f32_avx2(const matmul_args *a, int t, int m0, int m
     case 1: tile_f32_avx2_rows(a, t, m0, 1); break;
     case 2: tile_f32_avx2_rows(a, t, m0, 2); break;
     default: tile_f32_avx2_rows(a, t, m0, 3); break;
+    }
+}
+
+/* LAYOUT_INT8's rows: prepare_int8_ref's steps (max, a correctly rounded division, rounding to
+ * nearest even, clamping to +-127), 8 lanes at a time: the same bytes. */
+AVX2_TARGET static void prepare_int8_avx2(const float *x, int M, int K, int8_t *xq, float *scales, int32_t *isums) {
+    int KB = K / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < KB; b++) {
+            const float *v = x + (size_t)m * K + b * QK;
+            __m256 a[4];
+            for (int j = 0; j < 4; j++) a[j] = _mm256_loadu_ps(v + 8 * j);
+            __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
+            __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+            float amax = _mm_cvtss_f32(_mm_max_ss(t4, _mm_movehdup_ps(t4))); /* max is exact in any order */
+            float scale = amax / 127.0f;
+            __m256i q[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+            if (scale > 0.0f) {
+                __m256 sv = _mm256_set1_ps(scale);
+                for (int j = 0; j < 4; j++)
+                    q[j] = _mm256_max_epi32(lo, _mm256_min_epi32(hi, _mm256_cvtps_epi32(_mm256_div_ps(a[j], sv))));
+            }
+            /* int32 -> int8 (every value in -127..127, so the saturating packs are exact); packs
+             * interleave 128-bit halves, the permute puts the 32 bytes back in order */
+            __m256i q16 = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+            __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(xq + (size_t)m * K + b * QK), q8);
+            __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            scales[(size_t)m * KB + b] = scale;
+            isums[(size_t)m * KB + b] = _mm_cvtsi128_si32(s4);
+        }
+}
+
+/* LAYOUT_INT8 products: per block, each output's exact int32 dot product of the weight's integers
+ * with the row's 8-bit values, then the reference's float steps (acc += dot * (d * s), and for Q4
+ * acc += m * (s * sum x8)): the same bits as the reference and the VNNI and AMX kernels, whatever
+ * the row count. 8 int32 lanes = 8 output rows (a lane holds one output's quad of k), so the tile's
+ * two halves run one after the other over up to INT8_ROWS rows of x, each weight vector loaded once
+ * for all of them.
+ *
+ * vpmaddubsw multiplies unsigned by signed bytes and adds adjacent pairs into int16 with
+ * saturation, so each kind keeps its pairs inside int16 (|x8| <= 127):
+ *  - Q4: nibbles 0..15, a pair at most 2 * 15 * 127 = 3810, so the 8 quads of a block add up in
+ *    int16 (8 * 3810 = 30480 < 32767) before one vpmaddwd widens them;
+ *  - Q8: stored q + 128 (0..255) would reach 2 * 255 * 127 > 32767, so the kernel takes the signed q
+ *    back (xor 128) and multiplies |q| (0..128, unsigned) by x8 with q's sign (vpsignb: -x8 is in
+ *    range): a pair at most 2 * 128 * 127 = 32512, widened by vpmaddwd after each quad.
+ * A new cell kind adds its dot helper and its float steps (int8_dots_*, int8_scale_step). */
+#define INT8_ROWS 6
+
+/* Half h (outputs 8h .. 8h + 7) of a Q4 cell's block: dot[i] = sum_k q[k] * x8_i[k] (int32 lanes). */
+AVX2_TARGET static inline void int8_dots_q4(const uint8_t *cell, int h, const int32_t *xb, int K4, const int mt, __m256i *dot) {
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    const uint8_t *q = ((const cell_q4 *)cell)->q;
+    __m256i pairs[INT8_ROWS];
+    for (int g = 0; g < QK / 4; g++) { /* quad g: 32 bytes, rows 0..7 in the low nibbles, 8..15 in the high */
+        __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * g));
+        __m256i wq = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low);
+        for (int i = 0; i < mt; i++) {
+            __m256i p = _mm256_maddubs_epi16(wq, _mm256_set1_epi32(xb[(size_t)i * K4 + g]));
+            pairs[i] = g ? _mm256_add_epi16(pairs[i], p) : p;
+        }
+    }
+    for (int i = 0; i < mt; i++) dot[i] = _mm256_madd_epi16(pairs[i], _mm256_set1_epi16(1));
+}
+
+/* Half h of a Q8 cell's block (the sign trick above). */
+AVX2_TARGET static inline void int8_dots_q8(const uint8_t *cell, int h, const int32_t *xb, int K4, const int mt, __m256i *dot) {
+    const __m256i bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const uint8_t *q = ((const cell_q8 *)cell)->q;
+    for (int g = 0; g < QK / 4; g++) { /* quad g: 64 bytes, rows 0..7 then 8..15 */
+        __m256i sq = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * g + 32 * h)), bias); /* q */
+        __m256i mag = _mm256_abs_epi8(sq); /* |q|; -128 gives 0x80, read unsigned as 128 */
+        for (int i = 0; i < mt; i++) {
+            __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xb[(size_t)i * K4 + g]), sq);
+            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xs), ones);
+            dot[i] = g ? _mm256_add_epi32(dot[i], p) : p;
+        }
+    }
+}
+
+AVX2_TARGET static inline void tile_int8_avx2_rows(const matmul_args *a, int t, int m0, const int mt) {
+    const packed_weight *w = a->w;
+    int KB = w->K / QK, K4 = w->K / 4;
+    const int32_t *x = (const int32_t *)a->x; /* quads of int8 */
+    size_t cb = cell_bytes(w->kind);
+    float vals[INT8_ROWS][TILE];
+    for (int h = 0; h < 2; h++) {
+        __m256 acc[INT8_ROWS];
+        for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
+        for (int b = 0; b < KB; b++) {
+            const uint8_t *cell = cell_at(w, t, b);
+            if (h == 0)
+                for (size_t line = 0; line < cb; line += 64) _mm_prefetch((const char *)(cell + PREFETCH_CELLS * cb + line), _MM_HINT_T0);
+            const int32_t *xb = x + (size_t)m0 * K4 + b * (QK / 4);
+            const float *s = a->sums + (size_t)m0 * KB + b; /* the rows' block scales, KB apart */
+            __m256i dot[INT8_ROWS];
+            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + 16 * h))); /* every kind's d first */
+            switch (w->kind) {
+            case KIND_Q4: {
+                int8_dots_q4(cell, h, xb, K4, mt, dot);
+                __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + offsetof(cell_q4, m) + 16 * h)));
+                const int32_t *isum = a->isums + (size_t)m0 * KB + b;
+                for (int i = 0; i < mt; i++) {
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(d, _mm256_set1_ps(s[(size_t)i * KB])), acc[i]);
+                    acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(s[(size_t)i * KB] * (float)isum[(size_t)i * KB]), acc[i]);
+                }
+                break;
+            }
+            case KIND_Q8:
+                int8_dots_q8(cell, h, xb, K4, mt, dot);
+                for (int i = 0; i < mt; i++)
+                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(d, _mm256_set1_ps(s[(size_t)i * KB])), acc[i]);
+                break;
+            default: __builtin_trap(); /* a cell kind without its case here */
+            }
+        }
+        for (int i = 0; i < mt; i++) _mm256_storeu_ps(vals[i] + 8 * h, acc[i]);
+    }
+    for (int i = 0; i < mt; i++) store_tile(a, m0 + i, t, vals[i]);
+}
+
+AVX2_TARGET static void tile_int8_avx2(const matmul_args *a, int t, int m0, int mt) {
+    switch (mt) {
+    case 1: tile_int8_avx2_rows(a, t, m0, 1); break;
+    case 2: tile_int8_avx2_rows(a, t, m0, 2); break;
+    case 3: tile_int8_avx2_rows(a, t, m0, 3); break;
+    case 4: tile_int8_avx2_rows(a, t, m0, 4); break;
+    case 5: tile_int8_avx2_rows(a, t, m0, 5); break;
+    default: tile_int8_avx2_rows(a, t, m0, 6); break;
     }
 }
 
@@ -216,11 +353,14 @@ AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, floa
 
 void install_avx2(kernel_set *k) {
     for (int kind = 0; kind < KINDS; kind++) k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx2, AVX2_ROWS, ISA_AVX2};
+    k->tile[LAYOUT_INT8][KIND_Q4] = (tile_kernel){tile_int8_avx2, INT8_ROWS, ISA_AVX2};
+    k->tile[LAYOUT_INT8][KIND_Q8] = (tile_kernel){tile_int8_avx2, INT8_ROWS, ISA_AVX2};
     k->prepare_f32 = prepare_f32_avx2;
+    k->prepare_int8 = prepare_int8_avx2;
     k->exp_inplace = exp_inplace_avx2;
     k->rms_norm = rms_norm_avx2;
     k->attend = attend_avx2;
-    k->isa[OP_PREPARE_F32] = k->isa[OP_EXP] = k->isa[OP_RMS_NORM] = k->isa[OP_ATTEND] = ISA_AVX2;
+    k->isa[OP_PREPARE_F32] = k->isa[OP_PREPARE_INT8] = k->isa[OP_EXP] = k->isa[OP_RMS_NORM] = k->isa[OP_ATTEND] = ISA_AVX2;
 }
 
 #else
