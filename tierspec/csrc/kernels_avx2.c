@@ -137,9 +137,9 @@ AVX2_TARGET static void prepare_int8_avx2(const float *x, int M, int K, int8_t *
 /* LAYOUT_INT8 products: per block, each output's exact int32 dot product of the weight's integers
  * with the row's 8-bit values, then the reference's float steps (acc += dot * (d * s), and for Q4
  * acc += m * (s * sum x8)): the same bits as the reference and the VNNI and AMX kernels, whatever
- * the row count. 8 int32 lanes = 8 output rows (a lane holds one output's quad of k), so the tile's
- * two halves run one after the other over up to INT8_ROWS rows of x, each weight vector loaded once
- * for all of them.
+ * the row count. 8 int32 lanes = 8 output rows (a lane holds one output's quad of k): the tile's
+ * two halves are two vectors, over up to INT8_ROWS rows of x, so each weight vector is loaded once
+ * for all the rows and each row's quad broadcast once for both halves.
  *
  * vpmaddubsw multiplies unsigned by signed bytes and adds adjacent pairs into int16 with
  * saturation, so each kind keeps its pairs inside int16 (|x8| <= 127):
@@ -148,36 +148,51 @@ AVX2_TARGET static void prepare_int8_avx2(const float *x, int M, int K, int8_t *
  *  - Q8: stored q + 128 (0..255) would reach 2 * 255 * 127 > 32767, so the kernel takes the signed q
  *    back (xor 128) and multiplies |q| (0..128, unsigned) by x8 with q's sign (vpsignb: -x8 is in
  *    range): a pair at most 2 * 128 * 127 = 32512, widened by vpmaddwd after each quad.
- * A new cell kind adds its dot helper and its float steps (int8_dots_*, int8_scale_step). */
-#define INT8_ROWS 6
+ * A new cell kind adds its dot helper and its case of float steps in tile_int8_avx2_rows. */
+#define INT8_ROWS 4
 
-/* Half h (outputs 8h .. 8h + 7) of a Q4 cell's block: dot[i] = sum_k q[k] * x8_i[k] (int32 lanes). */
-AVX2_TARGET static inline void int8_dots_q4(const uint8_t *cell, int h, const int32_t *xb, int K4, const int mt, __m256i *dot) {
+/* Keeps a running integer sum in a register where the code adds to it: without it GCC reassociates
+ * the (exact) integer additions into one tree at the end of the block, computing every product
+ * first and spilling them to the stack. */
+#define IN_ORDER(v) __asm__("" : "+x"(v))
+
+/* A Q4 cell's block: dot[i][h] = sum_k q[k] * x8_i[k] for outputs 8h .. 8h + 7 (int32 lanes). */
+AVX2_TARGET static inline void int8_dots_q4(const uint8_t *cell, const int32_t *xb, int K4, const int mt, __m256i dot[][2]) {
     const __m256i low = _mm256_set1_epi8(0x0f);
     const uint8_t *q = ((const cell_q4 *)cell)->q;
-    __m256i pairs[INT8_ROWS];
+    __m256i pairs[INT8_ROWS][2];
     for (int g = 0; g < QK / 4; g++) { /* quad g: 32 bytes, rows 0..7 in the low nibbles, 8..15 in the high */
         __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * g));
-        __m256i wq = _mm256_and_si256(h ? _mm256_srli_epi16(v, 4) : v, low);
+        __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int i = 0; i < mt; i++) {
-            __m256i p = _mm256_maddubs_epi16(wq, _mm256_set1_epi32(xb[(size_t)i * K4 + g]));
-            pairs[i] = g ? _mm256_add_epi16(pairs[i], p) : p;
+            __m256i xq = _mm256_set1_epi32(xb[(size_t)i * K4 + g]);
+            __m256i p0 = _mm256_maddubs_epi16(w0, xq), p1 = _mm256_maddubs_epi16(w1, xq);
+            pairs[i][0] = g ? _mm256_add_epi16(pairs[i][0], p0) : p0;
+            pairs[i][1] = g ? _mm256_add_epi16(pairs[i][1], p1) : p1;
+            IN_ORDER(pairs[i][0]);
+            IN_ORDER(pairs[i][1]);
         }
     }
-    for (int i = 0; i < mt; i++) dot[i] = _mm256_madd_epi16(pairs[i], _mm256_set1_epi16(1));
+    for (int i = 0; i < mt; i++)
+        for (int h = 0; h < 2; h++) dot[i][h] = _mm256_madd_epi16(pairs[i][h], _mm256_set1_epi16(1));
 }
 
-/* Half h of a Q8 cell's block (the sign trick above). */
-AVX2_TARGET static inline void int8_dots_q8(const uint8_t *cell, int h, const int32_t *xb, int K4, const int mt, __m256i *dot) {
+/* A Q8 cell's block (the sign trick above). */
+AVX2_TARGET static inline void int8_dots_q8(const uint8_t *cell, const int32_t *xb, int K4, const int mt, __m256i dot[][2]) {
     const __m256i bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     const uint8_t *q = ((const cell_q8 *)cell)->q;
     for (int g = 0; g < QK / 4; g++) { /* quad g: 64 bytes, rows 0..7 then 8..15 */
-        __m256i sq = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * g + 32 * h)), bias); /* q */
-        __m256i mag = _mm256_abs_epi8(sq); /* |q|; -128 gives 0x80, read unsigned as 128 */
+        __m256i s0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * g)), bias); /* q */
+        __m256i s1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * g + 32)), bias);
+        __m256i m0 = _mm256_abs_epi8(s0), m1 = _mm256_abs_epi8(s1); /* |q|; -128 gives 0x80, read unsigned as 128 */
         for (int i = 0; i < mt; i++) {
-            __m256i xs = _mm256_sign_epi8(_mm256_set1_epi32(xb[(size_t)i * K4 + g]), sq);
-            __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(mag, xs), ones);
-            dot[i] = g ? _mm256_add_epi32(dot[i], p) : p;
+            __m256i xq = _mm256_set1_epi32(xb[(size_t)i * K4 + g]);
+            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(xq, s0)), ones);
+            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(xq, s1)), ones);
+            dot[i][0] = g ? _mm256_add_epi32(dot[i][0], p0) : p0;
+            dot[i][1] = g ? _mm256_add_epi32(dot[i][1], p1) : p1;
+            IN_ORDER(dot[i][0]);
+            IN_ORDER(dot[i][1]);
         }
     }
 }
@@ -187,40 +202,44 @@ AVX2_TARGET static inline void tile_int8_avx2_rows(const matmul_args *a, int t, 
     int KB = w->K / QK, K4 = w->K / 4;
     const int32_t *x = (const int32_t *)a->x; /* quads of int8 */
     size_t cb = cell_bytes(w->kind);
-    float vals[INT8_ROWS][TILE];
-    for (int h = 0; h < 2; h++) {
-        __m256 acc[INT8_ROWS];
-        for (int i = 0; i < mt; i++) acc[i] = _mm256_setzero_ps();
-        for (int b = 0; b < KB; b++) {
-            const uint8_t *cell = cell_at(w, t, b);
-            if (h == 0)
-                for (size_t line = 0; line < cb; line += 64) _mm_prefetch((const char *)(cell + PREFETCH_CELLS * cb + line), _MM_HINT_T0);
-            const int32_t *xb = x + (size_t)m0 * K4 + b * (QK / 4);
-            const float *s = a->sums + (size_t)m0 * KB + b; /* the rows' block scales, KB apart */
-            __m256i dot[INT8_ROWS];
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + 16 * h))); /* every kind's d first */
-            switch (w->kind) {
-            case KIND_Q4: {
-                int8_dots_q4(cell, h, xb, K4, mt, dot);
+    __m256 acc[INT8_ROWS][2];
+    for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int b = 0; b < KB; b++) {
+        const uint8_t *cell = cell_at(w, t, b);
+        for (size_t line = 0; line < cb; line += 64) _mm_prefetch((const char *)(cell + PREFETCH_CELLS * cb + line), _MM_HINT_T0);
+        const int32_t *xb = x + (size_t)m0 * K4 + b * (QK / 4);
+        const float *s = a->sums + (size_t)m0 * KB + b; /* the rows' block scales, KB apart */
+        __m256i dot[INT8_ROWS][2];
+        __m256 d[2];
+        for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + 16 * h))); /* every kind's d first */
+        switch (w->kind) {
+        case KIND_Q4: {
+            int8_dots_q4(cell, xb, K4, mt, dot);
+            const int32_t *isum = a->isums + (size_t)m0 * KB + b;
+            for (int h = 0; h < 2; h++) {
                 __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + offsetof(cell_q4, m) + 16 * h)));
-                const int32_t *isum = a->isums + (size_t)m0 * KB + b;
                 for (int i = 0; i < mt; i++) {
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(d, _mm256_set1_ps(s[(size_t)i * KB])), acc[i]);
-                    acc[i] = _mm256_fmadd_ps(mn, _mm256_set1_ps(s[(size_t)i * KB] * (float)isum[(size_t)i * KB]), acc[i]);
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h]), _mm256_mul_ps(d[h], _mm256_set1_ps(s[(size_t)i * KB])), acc[i][h]);
+                    acc[i][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(s[(size_t)i * KB] * (float)isum[(size_t)i * KB]), acc[i][h]);
                 }
-                break;
             }
-            case KIND_Q8:
-                int8_dots_q8(cell, h, xb, K4, mt, dot);
-                for (int i = 0; i < mt; i++)
-                    acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i]), _mm256_mul_ps(d, _mm256_set1_ps(s[(size_t)i * KB])), acc[i]);
-                break;
-            default: __builtin_trap(); /* a cell kind without its case here */
-            }
+            break;
         }
-        for (int i = 0; i < mt; i++) _mm256_storeu_ps(vals[i] + 8 * h, acc[i]);
+        case KIND_Q8:
+            int8_dots_q8(cell, xb, K4, mt, dot);
+            for (int h = 0; h < 2; h++)
+                for (int i = 0; i < mt; i++)
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h]), _mm256_mul_ps(d[h], _mm256_set1_ps(s[(size_t)i * KB])), acc[i][h]);
+            break;
+        default: __builtin_trap(); /* a cell kind without its case here */
+        }
     }
-    for (int i = 0; i < mt; i++) store_tile(a, m0 + i, t, vals[i]);
+    float vals[TILE];
+    for (int i = 0; i < mt; i++) {
+        _mm256_storeu_ps(vals, acc[i][0]);
+        _mm256_storeu_ps(vals + 8, acc[i][1]);
+        store_tile(a, m0 + i, t, vals);
+    }
 }
 
 AVX2_TARGET static void tile_int8_avx2(const matmul_args *a, int t, int m0, int mt) {
@@ -228,9 +247,7 @@ AVX2_TARGET static void tile_int8_avx2(const matmul_args *a, int t, int m0, int 
     case 1: tile_int8_avx2_rows(a, t, m0, 1); break;
     case 2: tile_int8_avx2_rows(a, t, m0, 2); break;
     case 3: tile_int8_avx2_rows(a, t, m0, 3); break;
-    case 4: tile_int8_avx2_rows(a, t, m0, 4); break;
-    case 5: tile_int8_avx2_rows(a, t, m0, 5); break;
-    default: tile_int8_avx2_rows(a, t, m0, 6); break;
+    default: tile_int8_avx2_rows(a, t, m0, 4); break;
     }
 }
 
