@@ -306,9 +306,13 @@ AVX2_TARGET static inline __m256 sum_lanes8(const __m256 v[8]) {
 }
 
 /* attend_ref's computation vectorised over the head dimension, its width a compile-time constant
- * (D = 32, 64 or 128) so that the query and the sums stay in registers. Per key one dot product
- * reduced in a fixed order (8 keys at a time, each reduced as alone); the weighted sum of values over the logical order in two interleaved
- * sums (even and odd keys: two independent FMA chains), added at the end. */
+ * (D = 32, 64 or 128). Per key one dot product over the head's 8-float chunks in order, reduced in
+ * a fixed order (8 keys at a time, each reduced as alone); the weighted sum of values over the
+ * logical order in two interleaved sums (even and odd keys: two independent FMA chains), added at
+ * the end. Each element's operations and their order are fixed by D alone; the loops only choose
+ * what to keep in registers: a full group of 8 keys takes the query chunk by chunk (one query load
+ * feeds 8 keys' FMAs), and the values' sums run over 4 chunks at a time (8 sums in registers, not
+ * 2 * D / 8 spilled), so the loads stay below the FMAs. */
 AVX2_TARGET static inline void attend_head_avx2(const attention_view *a, const float *q, float *out, int head, float *scores,
                                                const int *slots, int count, const int chunks) {
     int D = 8 * chunks, g = head / (a->heads / a->kv_heads);
@@ -318,12 +322,23 @@ AVX2_TARGET static inline void attend_head_avx2(const attention_view *a, const f
     for (int l0 = 0; l0 < count; l0 += 8) { /* 8 keys' dot products, reduced together */
         int n = count - l0 < 8 ? count - l0 : 8;
         __m256 s[8];
-        for (int j = 0; j < n; j++) {
-            const float *k = K + (size_t)slots[l0 + j] * D;
-            s[j] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
-            for (int c = 1; c < chunks; c++) s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), s[j]);
+        if (n == 8) { /* chunk by chunk: s[j] = q_0 k_j,0, then += q_c k_j,c in order of c */
+            const float *k[8];
+            for (int j = 0; j < 8; j++) k[j] = K + (size_t)slots[l0 + j] * D;
+            __m256 qc = _mm256_loadu_ps(q);
+            for (int j = 0; j < 8; j++) s[j] = _mm256_mul_ps(qc, _mm256_loadu_ps(k[j]));
+            for (int c = 1; c < chunks; c++) {
+                qc = _mm256_loadu_ps(q + 8 * c);
+                for (int j = 0; j < 8; j++) s[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[j] + 8 * c), s[j]);
+            }
+        } else { /* the last few keys: the same operations key by key */
+            for (int j = 0; j < n; j++) {
+                const float *k = K + (size_t)slots[l0 + j] * D;
+                s[j] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
+                for (int c = 1; c < chunks; c++) s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), s[j]);
+            }
+            for (int j = n; j < 8; j++) s[j] = _mm256_setzero_ps();
         }
-        for (int j = n; j < 8; j++) s[j] = _mm256_setzero_ps();
         __m256 v = _mm256_mul_ps(sum_lanes8(s), scale);
         __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
         float lanes[8];
@@ -337,25 +352,28 @@ AVX2_TARGET static inline void attend_head_avx2(const attention_view *a, const f
     for (int l = 0; l < count; l++) scores[l] -= top;
     exp_inplace_avx2(scores, count);
     float total = sum_in_order(scores, count);
-    __m256 even[16], odd[16];
-    for (int c = 0; c < chunks; c++) even[c] = odd[c] = _mm256_setzero_ps();
-    int l = 0;
-    for (; l + 1 < count; l += 2) {
-        const float *v0 = V + (size_t)slots[l] * D, *v1 = V + (size_t)slots[l + 1] * D;
-        __m256 p0 = _mm256_set1_ps(scores[l]), p1 = _mm256_set1_ps(scores[l + 1]);
-        for (int c = 0; c < chunks; c++) {
-            even[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
-            odd[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * c), odd[c]);
-        }
-    }
-    if (l < count) {
-        const float *v0 = V + (size_t)slots[l] * D;
-        __m256 p0 = _mm256_set1_ps(scores[l]);
-        for (int c = 0; c < chunks; c++) even[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
-    }
     __m256 inv = _mm256_set1_ps(1.0f / total);
     out += (size_t)head * D;
-    for (int c = 0; c < chunks; c++) _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(_mm256_add_ps(even[c], odd[c]), inv));
+    for (int c0 = 0; c0 < chunks; c0 += 4) { /* chunks c0 .. c0 + 3 (chunks is a multiple of 4) */
+        const float *V0 = V + 8 * c0;
+        __m256 even[4], odd[4];
+        for (int c = 0; c < 4; c++) even[c] = odd[c] = _mm256_setzero_ps();
+        int l = 0;
+        for (; l + 1 < count; l += 2) {
+            const float *v0 = V0 + (size_t)slots[l] * D, *v1 = V0 + (size_t)slots[l + 1] * D;
+            __m256 p0 = _mm256_set1_ps(scores[l]), p1 = _mm256_set1_ps(scores[l + 1]);
+            for (int c = 0; c < 4; c++) {
+                even[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
+                odd[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * c), odd[c]);
+            }
+        }
+        if (l < count) {
+            const float *v0 = V0 + (size_t)slots[l] * D;
+            __m256 p0 = _mm256_set1_ps(scores[l]);
+            for (int c = 0; c < 4; c++) even[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
+        }
+        for (int c = 0; c < 4; c++) _mm256_storeu_ps(out + 8 * (c0 + c), _mm256_mul_ps(_mm256_add_ps(even[c], odd[c]), inv));
+    }
 }
 
 AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, float *out, int head, float *scores,
