@@ -368,6 +368,29 @@ def test_every_paths_layers_match_the_reference_path(tiny, path):
     assert torch.equal(got.argmax(-1), reference.argmax(-1))
 
 
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_the_vector_attention_of_each_head_width_it_covers(tmp_path, path, head_dim):
+    """The vector paths' attention kernels take D = 32, 64 and 128 (the tiny model's D = 16 runs the
+    reference): within a few ulps of the reference path's logits, the same greedy tokens, and the row
+    contract (a token alone = inside a long pass, whose 8-key groups and tails differ) on the path."""
+    tiny = write_tiny_gguf(tmp_path, seed=5, layers=2, hidden=2 * head_dim, heads=2, kv_heads=1)
+    model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(torch.float32))
+    prompt = LONG_PROMPT[:75]
+    with torch.inference_mode():
+        with kernels("portable"):
+            reference = CachedModel(model).forward(prompt).logits
+        with kernels(path):
+            assert engine.probe()["paths"]["attention"] != "portable"
+            runner = CachedModel(model)
+            got = runner.forward(prompt).logits
+            runner.rollback(60)
+            alone = torch.cat([runner.forward(prompt[i : i + 1]).logits for i in range(60, 75)])
+    assert (got - reference).abs().max() <= 1e-5 * reference.abs().max()
+    assert torch.equal(got.argmax(-1), reference.argmax(-1))
+    assert torch.equal(alone, got[60:])
+
+
 def test_the_cost_tables_key_names_the_numerics_and_the_kernel_path(tiny):
     """A cached pass-cost table is keyed by the engine's numerics and the path their kernels take
     here, so a new kernel (or a capped path) never reads an old table."""
