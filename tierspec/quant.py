@@ -39,8 +39,9 @@ BLOCK = 32
 LAYOUT_BFLOAT16_DOT, LAYOUT_FLOAT32_FMA, LAYOUT_INT8_DOT = 0, 1, 2
 # The engine's kernels' generation: bumped when a kernel's speed or order of sums changes, so that a
 # cached pass-cost table of older kernels is not read (``kernel_key``). 2: tierspec/csrc split by
-# role, float32 rows in 16 lanes and four chains, int8 rows on VNNI without AVX512-BF16, AMX.
-ENGINE_KERNELS = 2
+# role, float32 rows in 16 lanes and four chains, int8 rows on VNNI without AVX512-BF16, AMX. 3: int8
+# rows on AVX2 (vpmaddubsw), AVX2 attention with fewer loads.
+ENGINE_KERNELS = 3
 
 
 @dataclass(frozen=True)
