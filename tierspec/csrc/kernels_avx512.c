@@ -217,14 +217,16 @@ AVX512_TARGET static inline void attend_head_avx512(const attention_view *a, con
     for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), inv));
 }
 
-AVX512_TARGET static int attend_avx512(const attention_view *a, const float *q, float *out, int head, float *scores,
+AVX512_TARGET static int attend_avx512(const attention_view *a, const float *q, float *out, int head0, int group, float *scores,
                                        const int *slots, int count) {
-    switch (a->head_dim) {
-    case 32: attend_head_avx512(a, q, out, head, scores, slots, count, 2); return 1;
-    case 64: attend_head_avx512(a, q, out, head, scores, slots, count, 4); return 1;
-    case 128: attend_head_avx512(a, q, out, head, scores, slots, count, 8); return 1;
-    default: return 0;
-    }
+    for (int head = head0; head < head0 + group; head++)
+        switch (a->head_dim) {
+        case 32: attend_head_avx512(a, q, out, head, scores, slots, count, 2); break;
+        case 64: attend_head_avx512(a, q, out, head, scores, slots, count, 4); break;
+        case 128: attend_head_avx512(a, q, out, head, scores, slots, count, 8); break;
+        default: return 0;
+        }
+    return 1;
 }
 
 void install_avx512(kernel_set *k) {
