@@ -161,6 +161,7 @@ AVX2_TARGET static inline void int8_dots_q4(const uint8_t *cell, const int32_t *
     const __m256i low = _mm256_set1_epi8(0x0f);
     const uint8_t *q = ((const cell_q4 *)cell)->q;
     __m256i pairs[INT8_ROWS][2];
+#pragma GCC unroll 8
     for (int g = 0; g < QK / 4; g++) { /* quad g: 32 bytes, rows 0..7 in the low nibbles, 8..15 in the high */
         __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * g));
         __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
@@ -181,6 +182,7 @@ AVX2_TARGET static inline void int8_dots_q4(const uint8_t *cell, const int32_t *
 AVX2_TARGET static inline void int8_dots_q8(const uint8_t *cell, const int32_t *xb, int K4, const int mt, __m256i dot[][2]) {
     const __m256i bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     const uint8_t *q = ((const cell_q8 *)cell)->q;
+#pragma GCC unroll 8
     for (int g = 0; g < QK / 4; g++) { /* quad g: 64 bytes, rows 0..7 then 8..15 */
         __m256i s0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * g)), bias); /* q */
         __m256i s1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * g + 32)), bias);
