@@ -23,6 +23,13 @@ setup(
             extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-pthread", "-Wall", "-Wextra",
                                 "-Wno-unused-parameter", "-Wno-missing-field-initializers"],
             extra_link_args=["-pthread"],
-        )
+        ),
+        # The keyed noise of sampled decoding (tierspec/sampling.py): a module of its own, below the
+        # models in the package's layers; the same flags (its AVX2 loop must give the plain loop's bits).
+        Extension(
+            "tierspec._keyed_noise",
+            sources=["tierspec/csrc/noise/keyed_noise.c"],
+            extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter"],
+        ),
     ]
 )

@@ -5,13 +5,15 @@ row, ``forced``, advance + rollback of a 4-token draft, and ``draft_masks`` of 4
 rows in one call. Each task's schema is walked by taking, at each step, the forced token or
 else the lowest allowed id (deterministic, always valid, no model needed).
 
-    PYTHONPATH=. flock -x /tmp/tierspec-cpu.lock python benchmarks/grammar_costs.py
+    PYTHONPATH=. flock -x /tmp/tierspec-cpu.lock python benchmarks/grammar_costs.py [--out FILE] [--tasks N]
 
-Writes results/grammar_bakeoff/state_costs.md.
+Writes results/grammar_bakeoff/state_costs.md (``--out``: elsewhere; ``--tasks``: the first N
+tasks only, a smoke run).
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ from pathlib import Path
 import torch
 
 from tierspec.bench.json_extract import load_tasks
+from tierspec.costs import _cpu_name
 from tierspec.gguf_cache import converted_copy
 from tierspec.grammar import GrammarSpec, compile_grammar, draft_masks, mask_logits
 from tierspec.models import default_model_file
@@ -33,9 +36,13 @@ def us(seconds: list[float]) -> str:
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--tasks", type=int, default=None, help="the first N tasks only (default: all 52)")
+    args = parser.parse_args()
     tokenizer = FastTokenizer(converted_copy(default_model_file()))
     vocab, eos = len(tokenizer), [tokenizer.eos_token_id]
-    tasks = load_tasks()
+    tasks = load_tasks()[: args.tasks]
     start = time.perf_counter()
     compile_grammar(GrammarSpec.json_object(), tokenizer, vocab, eos)
     first = time.perf_counter() - start
@@ -83,16 +90,17 @@ def main() -> None:
             draft_masks(states, drafts)
             costs["draft_masks 4x5"].append(time.perf_counter() - start)
     lines = ["# tierspec.grammar's state costs on the default model's vocabulary (49,152 tokens)", "",
-             "Command: `PYTHONPATH=. flock -x /tmp/tierspec-cpu.lock python benchmarks/grammar_costs.py` (2-core Xeon, "
-             "exclusive lock); the 52 JSON-extraction tasks' schemas, each walked up to 120 tokens.", "",
+             "Command: `PYTHONPATH=. flock -x /tmp/tierspec-cpu.lock python benchmarks/grammar_costs.py` "
+             f"({_cpu_name()}, {torch.get_num_threads()} threads); {len(tasks)} JSON-extraction tasks' schemas, each "
+             f"walked up to {STEPS} tokens.", "",
              f"First grammar of a tokenizer (its llguidance tokenizer built once, then cached): {1e3 * first:.0f} ms.", "",
              f"Forced positions on the walk: {forced_tokens} of {walked} tokens ({100 * forced_tokens / max(walked, 1):.0f}%).",
              "", "| operation | µs mean (max) | calls |", "|---|---|---|"]
     lines += [f"| {name} | {us(values)} | {len(values)} |" for name, values in costs.items() if values]
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    staging = OUT.with_name(OUT.name + ".tmp")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    staging = args.out.with_name(args.out.name + ".tmp")
     staging.write_text("\n".join(lines) + "\n")
-    staging.replace(OUT)
+    staging.replace(args.out)
     print("\n".join(lines))
 
 

@@ -24,7 +24,7 @@ cached): ``python -c "import tierspec"`` (median of 5) and ``tierspec generate "
 --max-new-tokens 8`` (median of 3), wall time, with the default ``--implementation auto``
 (tierspec's own Llama code) and with ``--implementation transformers`` for comparison.
 
-Writes results/serve_load.json and results/serving-report.md (quoted in BENCHMARKS.md).
+Writes results/serve_load.json and results/serving-report.md (earlier runs: docs/history.md).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ mask bypasses (attention and MLP sub-layers; the LM head is never bypassed, only
 
     python benchmarks/slim_costs.py [--repeats 40]
 
-Writes results/slim_costs.json and results/slim_costs.md (quoted in BENCHMARKS.md).
+Writes results/slim_costs.json and results/slim_costs.md (masks/README.md and docs/history.md quote it).
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ tierspec.architectures, tierspec.gguf_model and the generalised tierspec.llama m
 Matrices of every block type: Q4_0, Q4_1, Q5_0, Q8_0, F16 and BF16 quantised by gguf-py; Q4_K, Q5_K and
 Q6_K (which gguf-py cannot quantise) as random valid blocks — random bytes with finite fp16 scales
 sized so the weights are about 1/sqrt(K) — whose values are what gguf-py's ``dequantize`` makes of
-them. Shapes are whole 256-value super-blocks (hidden 256, heads × head_dim 256, intermediate 512).
+them; and ``Q4_K_M``, llama.cpp's mix (``q4_k_m_type``): Q4_K, with attn_v and ffn_down Q6_K in its
+"more bits" layers and the LM head (or the tied embedding) Q6_K, so one layer's q/k/v mix types.
+Shapes are whole 256-value super-blocks (hidden 256, heads × head_dim 256, intermediate 512).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter, RopeScalingType
 from gguf.quants import dequantize, quantize
 
-BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16"]
+BLOCK_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16", "Q4_K_M"]
 ARCHS = ["llama3", "mistral", "qwen2", "qwen3", "gemma3", "phi3"]
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE, VOCAB = 256, 4, 2, 64, 512, 256
@@ -69,6 +71,39 @@ def _random_k_blocks(kind: GGMLQuantizationType, rows: int, width: int, scale: f
     return raw.reshape(rows, blocks * size)
 
 
+K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def k_blocks(kind: str, rows: int, width: int, seed: int, extremes: bool = True) -> np.ndarray:
+    """uint8 [rows, bytes per row] of random valid ``kind`` (a K-quant) super-blocks, weights about
+    ±1; with ``extremes``, the first block of rows 0-3 (where there are as many) planted with extreme
+    fp16 scales (d and dmin): the largest finite (65504), the smallest subnormal (2^-24), zero, and
+    negative (-1)."""
+    kind_id = GGMLQuantizationType[kind]
+    raw = _random_k_blocks(kind_id, rows, width, 1.0, np.random.default_rng(seed))
+    size = GGML_QUANT_SIZES[kind_id][1]
+    at = (208,) if kind == "Q6_K" else (0, 2)
+    if extremes:
+        for row, bits in zip(range(rows), (0x7BFF, 0x0001, 0x0000, 0xBC00)):
+            for offset in at:
+                raw[row, offset : offset + 2] = np.array([bits], dtype=np.uint16).view(np.uint8)
+    assert raw.shape[1] == width // 256 * size
+    return raw
+
+
+def q4_k_m_type(name: str, layers: int, tied: bool) -> str:
+    """The type llama.cpp's Q4_K_M gives matrix ``name`` (benchmarks/scale.py: ``tensor_layout``):
+    Q6_K for attn_v and ffn_down in the first and last eighth of the layers and every third between,
+    and for the LM head (the embedding where tied); Q4_K elsewhere."""
+    if name == "output.weight" or (name == "token_embd.weight" and tied):
+        return "Q6_K"
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        i = int(name.split(".")[1])
+        if i < layers // 8 or i >= 7 * layers // 8 or (i - layers // 8) % 3 == 2:
+            return "Q6_K"
+    return "Q4_K"
+
+
 def _permute_for_gguf(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's converter's q/k row order for llama files (what ``quant.unpermute_order`` undoes)."""
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
@@ -107,7 +142,6 @@ def write_arch_gguf(folder: Path, arch: str, block_type: str, seed: int = 0, sha
     gguf_arch = {"llama3": "llama", "mistral": "llama"}.get(arch, arch)
     layers = 6 if arch == "gemma3" else 3
     tied = arch != "phi3" if tied is None else tied
-    kind = GGMLQuantizationType[block_type]
     writer = GGUFWriter(str(path), gguf_arch)
     writer.add_name({"mistral": "tiny mistral"}.get(arch, f"tiny {arch}"))
     writer.add_token_list([f"<t{i}>" for i in range(VOCAB)])  # the vocabulary gguf_check compares with (no tokenizer model: a model of token ids)
@@ -138,6 +172,7 @@ def write_arch_gguf(folder: Path, arch: str, block_type: str, seed: int = 0, sha
             writer.add_tensor(name, data, raw_dtype=GGMLQuantizationType.F32)
         else:
             rows, width = shape
+            kind = GGMLQuantizationType[q4_k_m_type(name, layers, tied) if block_type == "Q4_K_M" else block_type]
             if kind in (GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K):
                 data = _random_k_blocks(kind, rows, width, 3 * weight_scale, rng)
             else:

@@ -36,6 +36,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return self.backend.encode(text).ids
 
+    def __call__(self, text: str) -> dict:
+        """``{"input_ids": ...}``, as a transformers tokenizer answers (how tierspec tokenises a prompt)."""
+        return {"input_ids": self.encode(text)}
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -85,7 +85,7 @@ def _add_model_flags(parser) -> None:
     group.add_argument("--device", default="cpu", choices=list(DEVICES),
                        help="where the model runs; auto = cuda, else mps, else cpu (default cpu)")
     group.add_argument("--kernels", default="auto", choices=list(KERNELS),
-                       help="linear kernels: gguf (a GGUF file's own Q4_0/Q4_1/Q8_0 blocks on tierspec's pass engine, "
+                       help="linear kernels: gguf (a GGUF file's own Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks on tierspec's pass engine, "
                             "each layer one call; CPU), packed (de-quantised weights packed once for oneDNN; CPU), "
                             "few-row (CPU), stock nn.Linear; auto = gguf for a GGUF file of native types, else packed "
                             "on a CPU that supports it, few-row on other CPUs, stock elsewhere")
@@ -479,7 +479,8 @@ def _add_bench(sub) -> None:
     parser.add_argument("--methods", default="ar,hf-greedy,sd,pld,hf-pld",
                         help="comma-separated method specs, e.g. ar,pld,via:alpha2=0.5:mask=m.json,hf-assisted")
     parser.add_argument("--dataset", default="spec_bench",
-                        help="spec_bench, gsm8k, humaneval, mt_bench, cnn_dailymail, xsum, wmt14")
+                        help="spec_bench, gsm8k, humaneval, mt_bench, cnn_dailymail, xsum, wmt14, json_extract (each text "
+                        "constrained to its task's JSON schema: tierspec's lossless methods only; a validity column)")
     parser.add_argument("--allow-code-execution", action="store_true",
                         help="humaneval: run the code the model writes (sandboxed with bubblewrap: its own PID, mount "
                         "and network namespaces, a read-only view of the system, time, memory, file-size and process "

@@ -45,7 +45,8 @@ def _cpu_name() -> str:
 
 @dataclass
 class ForwardCosts:
-    """seconds[n] = median time of a cached forward over n new tokens (n = 1 .. max)."""
+    """seconds[n] = the time of a cached forward over n new tokens (n = 1 .. max): the fastest of a
+    few, measured in rounds (``measure_forward_costs``)."""
 
     seconds: dict[int, float]
 
@@ -76,23 +77,26 @@ def measure_forward_costs(model: torch.nn.Module, max_tokens: int = 16, context:
 
 
 def _measure_forward_costs(model: torch.nn.Module, max_tokens: int, context: int, repeats: int) -> ForwardCosts:
+    """Each size's fastest of ``repeats`` passes, the sizes taken in turn round after round: a
+    machine whose load comes and goes slows the rounds it hits, not the wide sizes (measured last
+    in a size-by-size order) more than the narrow ones; and the fastest pass is the one no other
+    process delayed, so the table's ratios, which choose the draft lengths, are the passes' own."""
     runner = measuring_runner(model)  # an encoder–decoder model's decoder, against a source
     vocab = runner.vocab_size
-    seconds = {}
+    sizes = list(range(1, max_tokens + 1))
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
     with torch.inference_mode():
         runner.forward(torch.arange(context) % vocab, logits_for=1)
-        for n in list(range(1, max_tokens + 1)):
-            tokens = (torch.arange(n) * 7 + 11) % vocab
-            samples = []
-            for i in range(repeats + 1):
+        for round_ in range(repeats + 1):
+            for n in sizes:
+                tokens = (torch.arange(n) * 7 + 11) % vocab
                 started = time.perf_counter()
                 runner.forward(tokens, logits_for=n)
                 elapsed = time.perf_counter() - started
                 runner.rollback(context)
-                if i:  # the first call of a size warms its kernels
-                    samples.append(elapsed)
-            seconds[n] = statistics.median(samples)
-    return ForwardCosts(seconds)
+                if round_:  # the first round warms every size's kernels
+                    samples[n].append(elapsed)
+    return ForwardCosts({n: min(samples[n]) for n in sizes})
 
 
 def _linear_kind(model: torch.nn.Module) -> str:

@@ -2,7 +2,9 @@
 and licences in ``SOURCES.md`` there) and the task prompt templates.
 
 Every record becomes a ``Prompt``: the text fed to the chat template, its category, and the
-reference the task metric needs (a final number, a summary, a translation, HumanEval tests).
+reference the task metric needs (a final number, a summary, a translation, HumanEval tests; for
+the JSON-extraction set, ``bench.json_extract``, the gold fields as JSON text, and the schema the
+text is constrained to in ``extra["schema"]``).
 """
 
 from __future__ import annotations
@@ -16,7 +18,11 @@ from pathlib import Path
 
 from .errors import TierspecError
 
-DATASETS = ("spec_bench", "gsm8k", "humaneval", "mt_bench", "cnn_dailymail", "xsum", "wmt14")
+DATASETS = ("spec_bench", "gsm8k", "humaneval", "mt_bench", "cnn_dailymail", "xsum", "wmt14", "json_extract")
+#: Datasets whose prompts carry a JSON schema (``Prompt.extra["schema"]``) the text is constrained to.
+CONSTRAINED_DATASETS = ("json_extract",)
+#: The JSON-extraction set's tasks (``bench.json_extract`` builds them and checks outputs).
+JSON_EXTRACT_FILE = Path("json_extract") / "tasks.jsonl.gz"
 
 # Spec-Bench lists its MT-bench part under the 8 MT-bench sub-categories; it has 6 tasks.
 _MT_BENCH_SUBCATEGORIES = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
@@ -118,6 +124,14 @@ def load_prompts(dataset: str, data_dir: Path | None = None, split: str = "test"
             )
             for r in rows
         ]
+    if dataset == "json_extract":
+        rows = read_jsonl(root / JSON_EXTRACT_FILE)
+        try:
+            return [Prompt(f"json_extract/{r['id']}", r["shape"], r["prompt"],
+                           None if r.get("reference") is None else json.dumps(r["reference"]), {"schema": r["schema"]})
+                    for r in rows]
+        except (KeyError, TypeError) as error:
+            raise DataError(f"{JSON_EXTRACT_FILE} has a malformed task: {error}") from error
     if dataset == "cnn_dailymail":
         rows = read_jsonl(root / "cnn_dailymail" / "test.jsonl")
         return [

@@ -147,6 +147,7 @@ class CycleStats:
     seconds: float
     draft_seconds: float = 0.0  # of which drafting
     pass_seconds: float = 0.0  # of which verifier passes (full target and slim), the forward calls alone
+    grammar_seconds: float = 0.0  # of which the constraint's own work (masks, forced tokens, cuts, advancing)
     deciders: list[str] = field(default_factory=list)  # tier that decided each emitted token
     tree_depth: int | None = None  # a token-tree cycle: the tree's depth (``drafted`` is its node count); None: a chain
 
@@ -175,6 +176,7 @@ class GenerationStats:
     wall_seconds: float = 0.0
     draft_seconds: float = 0.0
     pass_seconds: float = 0.0
+    grammar_seconds: float = 0.0
     decided_by: Counter = field(default_factory=Counter)
     position_drafted: list[int] = field(default_factory=list)
     position_accepted: list[int] = field(default_factory=list)
@@ -195,6 +197,7 @@ class GenerationStats:
         self.drafter_calls += cycle.drafter_calls
         self.draft_seconds += cycle.draft_seconds
         self.pass_seconds += cycle.pass_seconds
+        self.grammar_seconds += cycle.grammar_seconds
         self.cycles += 1
         self.decided_by.update(cycle.deciders)
         # Positions 1..evaluated were evaluated given acceptance so far; the first `accepted` passed.
@@ -275,6 +278,7 @@ class GenerationStats:
             "tier_fractions": {k: round(v, 4) for k, v in self.tier_fractions().items()},
             "draft_seconds": round(self.draft_seconds, 4),
             "pass_seconds": round(self.pass_seconds, 4),
+            "grammar_seconds": round(self.grammar_seconds, 4),
             "wall_seconds": round(self.wall_seconds, 4),
             "tokens_per_second": round(self.tokens_per_second, 3),
             "accepted_per_cycle": round(self.accepted_per_cycle, 4),
@@ -332,10 +336,16 @@ def check_logprobs_method(method: DecodeMethod, config: DecodeConfig) -> None:
 
 
 def check_constraint_method(method: DecodeMethod, rule: VerificationRule, config: DecodeConfig) -> None:
-    """Refuse a constraint where a rule could emit what the constraint forbids: only the exact
-    rule verifies against the masked target alone (a lossy rule mixes in the drafter's unmasked
+    """Refuse a constraint where a rule could emit what the constraint forbids (``check_constrainable``)."""
+    if config.constraint is not None:
+        check_constrainable(method, rule)
+
+
+def check_constrainable(method: DecodeMethod, rule: VerificationRule) -> None:
+    """Refuse a method whose rule could emit what a constraint forbids: only the exact rule
+    verifies against the masked target alone (a lossy rule mixes in the drafter's unmasked
     distribution; VIA-SD's slim tier commits tokens before the full target scores them)."""
-    if config.constraint is not None and not (isinstance(rule, ScoreRule) and rule.lossless):
+    if not (isinstance(rule, ScoreRule) and rule.lossless):
         raise TierspecError(f"method '{method.name}' cannot decode under a constraint (a grammar): its rule "
                             f"'{rule.name}' may emit tokens outside the constrained target's distribution; use a "
                             "lossless method (hybrid, eagle, pld, ar, …)")
@@ -386,6 +396,7 @@ class Sequence:
         self.eos = frozenset(config.eos_token_ids)
         self.noise = noise
         self.constraint = constraint
+        self.grammar_seconds = 0.0  # the constraint's own work so far (``CycleStats.grammar_seconds``)
         self.stats = GenerationStats()
         self.prompt_logprobs: list[TokenLogprob] | None = None
         self.finished = False
@@ -474,23 +485,26 @@ def open_sequence(target: LoadedModel, method: DecodeMethod, prompt_ids: torch.T
 @dataclass
 class CycleTimes:
     """Where cycles' wall time went (seconds, added up over cycles): drafting (every drafter and
-    policy, the batch's cut, the constraint), the pass, deciding (the rules), committing (the
-    commit, the policies learning, the statistics); ``rows`` the passes' rows."""
+    policy, the batch's cut), the constraint's own work (its masks, cuts and forced tokens, and
+    advancing it by the committed tokens: ``grammar``), the pass, deciding (the rules), committing
+    (the commit, the policies learning, the statistics); ``rows`` the passes' rows."""
 
     draft: float = 0.0
     passes: float = 0.0
     verify: float = 0.0
     commit: float = 0.0
+    grammar: float = 0.0
     rows: int = 0
     cycles: int = 0
     sequences: int = 0  # sequences over all cycles (mean batch = sequences / cycles)
 
     def add(self, other: "CycleTimes") -> None:
-        for name in ("draft", "passes", "verify", "commit", "rows", "cycles", "sequences"):
+        for name in ("draft", "passes", "verify", "commit", "grammar", "rows", "cycles", "sequences"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def to_dict(self) -> dict:
-        return {"draft": self.draft, "pass": self.passes, "verify": self.verify, "commit": self.commit}
+        return {"draft": self.draft, "grammar": self.grammar, "pass": self.passes, "verify": self.verify,
+                "commit": self.commit}
 
 
 @dataclass
@@ -505,6 +519,7 @@ class _Drafted:
     target_calls: int
     slim_calls: int
     pass_seconds: float
+    grammar_seconds: float  # the sequence's ``grammar_seconds`` before this cycle
     masks: torch.Tensor | None = None
 
 
@@ -519,6 +534,7 @@ def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None =
     times = CycleTimes(cycles=1)
     began = time.perf_counter()
     live = [s for s in sequences if not s.finished]
+    grammar_before = sum(s.grammar_seconds for s in live)
     out = [(s, _tiered_cycle(s)) for s in live if s.ready and not s.scored]
     decoding = [s for s in live if s.ready and s.scored]
     prefilling = [s for s in live if not s.ready]
@@ -541,7 +557,8 @@ def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None =
     chunks = _prefill_chunks(prefilling, max_rows, sum(r.rows for r in requests), bool(drafted))
     requests += [chunk.request for _, chunk in chunks]
     drafted_at = time.perf_counter()
-    times.draft = drafted_at - began
+    grammar_drafting = sum(s.grammar_seconds for s in live) - grammar_before
+    times.draft = drafted_at - began - grammar_drafting
     if requests:
         results = passes.run(requests)
         passed_at = time.perf_counter()
@@ -564,6 +581,8 @@ def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None =
         for d, verdict in zip(drafted, verdicts):
             out.append((d.sequence, _conclude(d, verdict, times.draft / len(drafted), per_sequence)))
         times.commit = time.perf_counter() - decided_at
+    times.grammar = sum(s.grammar_seconds for s in live) - grammar_before
+    times.commit -= times.grammar - grammar_drafting  # advancing the constraints by the committed tokens
     times.sequences = len(out) + len(chunks)
     return out, times
 
@@ -576,6 +595,8 @@ def _propose(decoding: list[Sequence]) -> list[_Drafted]:
         context = sequence.verifiers.context
         # Never draft past the budget: the cycle emits at most (drafts on the path) + 1 tokens.
         budget = max(0, min(sequence.policy.max_draft, sequence.tokens_left - 1))
+        if budget and sequence.constraint is not None and _forced_next(sequence):
+            budget = 0  # the constraint's forced tokens are this cycle's drafts (``_constrain``): no drafter steps
         # Draft token i (a node at depth i + 1) and the token after the drafts sit at position len(context) + i.
         block = None if sequence.config.sampling.greedy else sequence.noise.block(len(context))
         blocks.append(block)
@@ -583,14 +604,50 @@ def _propose(decoding: list[Sequence]) -> list[_Drafted]:
     proposals = propose_all([s.drafter for s in decoding], [s.verifiers.context for s in decoding], requests)
     drafted = []
     for sequence, request, block, proposal in zip(decoding, requests, blocks, proposals):
-        verified = proposal.prefix(sequence.policy.trim(proposal))
+        verified = proposal.prefix(sequence.policy.trim(proposal, _forced_runs(sequence, proposal)))
         if verified.tree.depth > request.budget:
             raise TierspecError(f"{type(sequence.drafter).__name__} drafted {verified.tree.depth} tokens deep for a "
                                 f"budget of {request.budget}")
         verifiers = sequence.verifiers
         drafted.append(_Drafted(sequence, proposal, verified, block, verifiers.target_calls, verifiers.slim_calls,
-                                verifiers.pass_seconds))
+                                verifiers.pass_seconds, sequence.grammar_seconds))
     return drafted
+
+
+def _forced_runs(sequence: Sequence, proposal: Proposal) -> list[int] | None:
+    """For the policy's trim, under a constraint and for a chain of drafts: entry j is how many
+    forced tokens the constraint would append after the first j drafts (at most what
+    ``_constrain`` appends without a row budget), for j up to the drafts it takes; None
+    otherwise. The state is left at the committed tokens."""
+    state = sequence.constraint
+    if state is None or not proposal.is_chain or not len(proposal):
+        return None
+    began = time.perf_counter()
+    limit = min(len(proposal), sequence.policy.max_draft)
+
+    def run(drafts: int) -> int:
+        return len(state.forced()[: max(0, min(FORCED_PER_CYCLE, sequence.tokens_left - 1 - drafts))])
+
+    runs = [run(0)]
+    for token in proposal.tokens[:limit].tolist():
+        if state.advance([token]) != 1:
+            break
+        runs.append(run(len(runs)))
+    state.rollback(len(runs) - 1)
+    sequence.grammar_seconds += time.perf_counter() - began
+    return runs
+
+
+def _forced_next(sequence: Sequence) -> bool:
+    """Whether the sequence's constraint allows exactly one continuation after the committed
+    tokens. Then the drafter is not asked this cycle: whatever it drafted would be cut where it
+    leaves the forced tokens, and ``_constrain`` proposes those tokens free, each accepted with
+    probability 1 (the masked target puts all its mass on it), so its steps could add nothing
+    but the drafts after the forced run, which it would have to draft blind to that run."""
+    began = time.perf_counter()
+    forced = bool(sequence.constraint.forced())
+    sequence.grammar_seconds += time.perf_counter() - began
+    return forced
 
 
 def _cut_to_the_batch(drafted: list[_Drafted], passes: PassBackend, max_rows: int | None) -> None:
@@ -623,11 +680,14 @@ def _constrain(drafted: list[_Drafted], max_rows: int | None) -> None:
             if spare is not None:
                 spare -= room - len(d.proposal)
         rooms.append(room)
+    began = time.perf_counter()
     buffer = MaskBuffer(sum(1 + room for room in rooms), constrained[0].sequence.verifiers.runner.vocab_size)
     results = constrain_all([d.sequence.constraint for d in constrained], [d.proposal for d in constrained], rooms,
                             buffer)
+    share = (time.perf_counter() - began) / len(constrained)  # one parallel mask fill: an equal share each
     for d, result in zip(constrained, results):
         d.proposal, d.masks = result.proposal, result.masks
+        d.sequence.grammar_seconds += share
 
 
 def _prefill_chunks(prefilling: list[Sequence], max_rows: int | None, used: int, others: bool):
@@ -703,6 +763,7 @@ def _conclude(d: _Drafted, verdict: Verdict, draft_seconds: float, seconds: floa
         seconds=seconds,
         draft_seconds=draft_seconds,
         pass_seconds=verifiers.pass_seconds - d.pass_seconds,
+        grammar_seconds=sequence.grammar_seconds - d.grammar_seconds,
         deciders=verdict.deciders[: len(new_tokens)],
         tree_depth=proposal.tree.depth if sequence.tree_stats else None,
     )
@@ -758,12 +819,14 @@ def _commit(sequence: Sequence, new_tokens: list[int], path: list[int]) -> tuple
             break
     new_tokens = new_tokens[: config.max_new_tokens - sequence.committed.generated_count]
     if sequence.constraint is not None:
+        began = time.perf_counter()
         taken = sequence.constraint.advance(new_tokens)
         if taken < len(new_tokens):  # the walk went past the constraint's end: nothing may follow it
             if not sequence.constraint.finished():
                 raise ConstraintError(f"the constraint refused committed token {new_tokens[taken]} (its mask allowed it)")
             new_tokens = new_tokens[:taken]
         finished = finished or sequence.constraint.finished()
+        sequence.grammar_seconds += time.perf_counter() - began
     records = None
     if config.logprobs is not None:
         records = token_logprobs(verifiers.scored_rows(new_tokens, path), new_tokens, config.sampling, config.logprobs)

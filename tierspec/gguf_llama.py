@@ -103,16 +103,16 @@ def _tensor(tensors: dict[str, GgufTensor], name: str, path: Path) -> GgufTensor
 def _projection(parts: list[tuple[GgufTensor, int | None]], in_features: int, numerics: Numerics,
                 path: Path) -> torch.nn.Module:
     """One fused projection from GGUF tensors stacked along the output rows (each with the head
-    count to undo llama.cpp's q/k row order, or None): a QuantLinear when they share one native
-    type, else the de-quantised float weights in a plain ``nn.Linear`` (packed later as any)."""
+    count to undo llama.cpp's q/k row order, or None): a QuantLinear when every part is of a native
+    type (parts of different types, as a Q4_K_M file's q/k in Q4_K and v in Q6_K, stacked as one
+    engine weight), else the de-quantised float weights in a plain ``nn.Linear`` (packed later as any)."""
     for tensor, _ in parts:
         if len(tensor.shape) != 2 or tensor.shape[1] != in_features:
             raise ModelLoadError(f"{path}: tensor {tensor.name!r} has shape {tensor.shape}, expected [*, {in_features}]")
-    types = {tensor.ggml_type for tensor, _ in parts}
-    if len(types) == 1 and next(iter(types)) in NATIVE_TYPES:
-        blocks = [(tensor.block_rows(), None if heads is None else unpermute_order(tensor.shape[0], heads))
-                  for tensor, heads in parts]  # repacked straight from the file's mapping
-        return QuantLinear(QuantWeight(None, next(iter(types)), in_features, numerics, parts=blocks))
+    if all(tensor.ggml_type in NATIVE_TYPES for tensor, _ in parts):
+        blocks = [(tensor.block_rows(), None if heads is None else unpermute_order(tensor.shape[0], heads),
+                   tensor.ggml_type) for tensor, heads in parts]  # repacked straight from the file's mapping
+        return QuantLinear(QuantWeight(None, parts[0][0].ggml_type, in_features, numerics, parts=blocks))
     weights = [tensor.dequantized() if heads is None else unpermute_rows(tensor.dequantized(), heads)
                for tensor, heads in parts]
     weight = torch.cat(weights)

@@ -144,12 +144,13 @@ def _projection(parts: list[tuple[GgufTensor, int | None]], in_features: int, nu
                 dtype: torch.dtype) -> torch.nn.Module:
     """One projection stacked from GGUF tensors along the output rows (each with the head count
     whose llama.cpp q/k row order to undo, or None): blocks the engine multiplies (``QuantLinear``:
-    the file's, or Q5_0's exact Q8_0 copies) when ``numerics`` is given and every part has them in
-    one type, else the de-quantised weights in ``dtype``."""
+    the file's, or Q5_0's exact Q8_0 copies; parts of different types, as a Q4_K_M file's q/k in Q4_K
+    and v in Q6_K, stacked as one engine weight) when ``numerics`` is given and every part has them,
+    else the de-quantised weights in ``dtype``."""
     engine_rows = [_engine_rows(tensor) for tensor, _ in parts] if numerics is not None else [None]
-    if all(rows is not None for rows in engine_rows) and len({kind for kind, _ in engine_rows}) == 1:
-        blocks = [(rows, None if heads is None else unpermute_order(tensor.shape[0], heads))
-                  for (_, rows), (tensor, heads) in zip(engine_rows, parts)]
+    if all(rows is not None for rows in engine_rows):
+        blocks = [(rows, None if heads is None else unpermute_order(tensor.shape[0], heads), kind)
+                  for (kind, rows), (tensor, heads) in zip(engine_rows, parts)]
         return QuantLinear(QuantWeight(None, engine_rows[0][0], in_features, numerics, parts=blocks))
     weights = []
     for tensor, heads in parts:
@@ -238,8 +239,11 @@ def dequantised_note(gguf: Path, tensors: dict[str, GgufTensor], numerics: Numer
     if not counts:
         return None
     listed = ", ".join(f"{count} {name}" for name, count in sorted(counts.items()))
+    embedding = tensors.get("token_embd.weight")
+    where = (f"; the embedding table {GGMLQuantizationType(embedding.ggml_type).name} de-quantised to float32"
+             if embedding is not None and embedding.ggml_type not in kept else "")
     return (f"tierspec: {gguf.name}: {sum(counts.values())} of {len(matrices)} matrices de-quantised at load to "
-            f"{str(dtype).replace('torch.', '')} ({listed}): the engine multiplies "
+            f"{str(dtype).replace('torch.', '')} ({listed}{where}): the engine multiplies "
             f"{', '.join(sorted(NATIVE_TYPES.values()))} (and Q5_0 as Q8_0) blocks only")
 
 

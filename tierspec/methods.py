@@ -18,7 +18,7 @@ from typing import Callable
 from .cached_model import SlimVocabulary
 from .costs import ForwardCosts
 from .decode import GenerationParts
-from .limits import MAX_NUM_DRAFT
+from .limits import check_num_draft
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, check_vocabularies
 from .drafters.base import streamed_weights
 from .drafters.cs_drafting import CsDrafter
@@ -123,13 +123,6 @@ class MethodOptions:
             value = getattr(self, name)
             if not 0.0 <= value <= 1.0:
                 raise MethodOptionError(f"{name} must be in [0, 1], got {value}")
-
-
-def check_num_draft(num_draft: int | None) -> None:
-    if num_draft is not None and (isinstance(num_draft, bool) or not isinstance(num_draft, int)
-                                  or not 0 <= num_draft <= MAX_NUM_DRAFT):
-        raise MethodOptionError(f"num_draft must be an integer from 0 to {MAX_NUM_DRAFT} (tokens drafted per cycle), "
-                                f"got {num_draft!r}")
 
 
 def option_fields():
@@ -632,7 +625,7 @@ _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], 
     "via-pearl": _via_pearl,
 }
 
-#: The fastest lossless method measured (BENCHMARKS.md: the draft-head report): the default
+#: The fastest lossless method measured (BENCHMARKS.md; earlier runs in docs/history.md): the default
 #: wherever a draft head exists for the target (shipped, or given as ``draft_head``).
 DEFAULT_METHOD = "hybrid"
 #: The default for a target without a draft head (the hybrid needs one): the fastest n-gram method.

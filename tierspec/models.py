@@ -140,7 +140,7 @@ def fastest_dtype(device: torch.device) -> torch.dtype:
     """What ``auto`` means: bfloat16 on a CPU that computes bfloat16 products natively and where
     torch packs them for oneDNN (half the bytes per pass; layers in bfloat16, the residual
     stream, attention and logits in float32 — see ``tierspec.llama``; measured quality in
-    BENCHMARKS.md), float32 elsewhere (GPUs included, where nothing here has been measured)."""
+    docs/history.md), float32 elsewhere (GPUs included, where nothing here has been measured)."""
     from .kernels import native_bfloat16, packing_available
 
     return torch.bfloat16 if device.type == "cpu" and packing_available() and native_bfloat16() else torch.float32
@@ -288,7 +288,7 @@ def use_gguf_kernels(gguf: Path, folder: Path, kernels: str, device: torch.devic
 
     ``auto``: yes where that path covers it — tierspec's Llama forward, a CPU, bfloat16 or float32
     rows, the compiled engine present — and every projection and the LM head are of a native type
-    (Q4_0, Q4_1, Q8_0; others would run de-quantised, as the converted copy does). ``gguf`` asks
+    (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K; others would run de-quantised, as the converted copy does). ``gguf`` asks
     for it and refuses what it cannot do; the other kernels keep the converted copy. ``header``:
     the file's checked ``gguf_check.GgufHeader`` (read again where None)."""
     from .engine import engine_available

@@ -166,9 +166,12 @@ class DraftPolicy:
         probability at temperature 1 of every token drafted so far: draft another one?"""
         return True
 
-    def trim(self, proposal) -> int:
+    def trim(self, proposal, forced_after: list[int] | None = None) -> int:
         """How many leading tokens of ``proposal`` to verify (a pure choice: a policy learns only
-        in ``observe``)."""
+        in ``observe``). ``forced_after``: under a constraint, for a chain, entry j is how many
+        forced tokens the constraint appends after the first j drafts (``decode._forced_runs``),
+        for j up to the drafts it takes (the later ones it cuts); each such token is accepted with
+        probability 1 once the drafts before it are, and costs a pass row but no draft step."""
         return len(proposal)
 
     def keys(self, proposal, count: int) -> list[AcceptanceKey | None]:
@@ -222,7 +225,7 @@ class ConfidenceStop(DraftPolicy):
     def keep_drafting(self, confidences: list[float], source: str = "") -> bool:
         return confidences[-1] >= self.threshold
 
-    def trim(self, proposal) -> int:
+    def trim(self, proposal, forced_after: list[int] | None = None) -> int:
         confidence = proposal.confidence
         if confidence is None or self.threshold <= 0:
             return len(proposal)
@@ -243,14 +246,26 @@ def expected_emitted(reach: list[float]) -> list[float]:
     return out
 
 
-def best_length(reach: list[float], cost) -> int:
-    """argmax_k E(k) / cost(k) over k = 0 .. len(reach) (ties → shorter)."""
+def best_length(reach: list[float], cost, forced: list[int] | None = None, rows=None) -> int:
+    """argmax_k E(k) / cost(k) over k = 0 .. len(reach) (ties → shorter).
+
+    ``forced[k]``: tokens a constraint forces after k drafts, accepted with probability 1 once
+    those k drafts are (reach[k − 1]; certain after none), each costing a pass row but no draft
+    step (``rows(k, n)``: what n more rows add to the pass of k drafts). Then the rate of k is
+    (E(k) + reach[k − 1] · forced[k]) / (cost(k) + rows(k, forced[k]))."""
     emitted = expected_emitted(reach)
-    best_k, best_rate = 0, emitted[0] / cost(0)
+
+    def rate(k: int) -> float:
+        if not forced or not forced[k]:
+            return emitted[k] / cost(k)
+        certain = (reach[k - 1] if k else 1.0) * forced[k]
+        return (emitted[k] + certain) / (cost(k) + rows(k, forced[k]))
+
+    best_k, best_rate = 0, rate(0)
     for k in range(1, len(emitted)):
-        rate = emitted[k] / cost(k)
-        if rate > best_rate * (1 + RATE_TIE):
-            best_k, best_rate = k, rate
+        candidate = rate(k)
+        if candidate > best_rate * (1 + RATE_TIE):
+            best_k, best_rate = k, candidate
     return best_k
 
 
@@ -490,11 +505,26 @@ class CostAware(DraftPolicy):
             return 0.0
         return self.cost.draft_step(source) / self.cost.verify(1)
 
-    def trim(self, proposal) -> int:
+    def trim(self, proposal, forced_after: list[int] | None = None) -> int:
+        """The length of best expected tokens per second; under a constraint (``forced_after``)
+        never past the drafts it takes, and counting the forced run after each length as certain
+        once its drafts are accepted (``best_length``)."""
         count = min(len(proposal), self.max_draft)
+        if forced_after is not None:
+            count = min(count, len(forced_after) - 1)
         if count == 0:
             return 0
-        return best_length(self._reach(self.keys(proposal, count)), self._cost(proposal.source))
+        reach = self._reach(self.keys(proposal, count))
+        if not forced_after:
+            return best_length(reach, self._cost(proposal.source))
+        return best_length(reach, self._cost(proposal.source), forced_after[: count + 1], self._rows_cost(proposal.source))
+
+    def _rows_cost(self, source: str):
+        """(k, n) → seconds that n more rows add to the pass of a k-draft cycle: the measured pass
+        costs' difference (a cost function of a test's has no rows of its own: n more drafts)."""
+        if isinstance(self.cost, CostModel):
+            return lambda k, n: self.cost.verify(k + n + 1) - self.cost.verify(k + 1)
+        return lambda k, n: self.cost(k + n, source) - self.cost(k, source)
 
     def observe(self, outcome: CycleOutcome) -> None:
         verified, verdict = outcome.verified, outcome.verdict

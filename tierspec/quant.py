@@ -16,7 +16,10 @@ products are float32 FMAs with the exact weights (bfloat16 asked for on such a C
 first: emulated). Outputs are float32 either way, and a row's result never depends on the other
 rows of its pass (every output is summed in an order fixed by the weight's shape).
 
-Native: Q4_0, Q4_1, Q8_0. Other types (K-quants, F16, …) are de-quantised to float as before.
+Native: Q4_0, Q4_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K (their super-blocks of 256 kept with the
+file's integer sub-scales: ``tierspec/csrc/blocks.h``). A product may stack parts of different native
+types (a Q4_K_M layer's q/k in Q4_K, v in Q6_K: ``QuantWeight``'s ``parts``). Other types (F16, BF16,
+Q5_1, …) are de-quantised to float, and the load says so in one line.
 """
 
 from __future__ import annotations
@@ -32,16 +35,18 @@ from .engine import engine, engine_threads, probe
 from .errors import ModelLoadError
 
 # ggml type ids (ggml.h) of the natively computed block types
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
-NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0"}
-_BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q8_0: 34}
+Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 8, 12, 13, 14
+NATIVE_TYPES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K"}
+# (inputs, bytes) per file block
+_BLOCKS = {Q4_0: (32, 18), Q4_1: (32, 20), Q8_0: (32, 34), Q4_K: (256, 144), Q5_K: (256, 176), Q6_K: (256, 210)}
 BLOCK = 32
 LAYOUT_BFLOAT16_DOT, LAYOUT_FLOAT32_FMA, LAYOUT_INT8_DOT = 0, 1, 2
 # The engine's kernels' generation: bumped when a kernel's speed or order of sums changes, so that a
 # cached pass-cost table of older kernels is not read (``kernel_key``). 2: tierspec/csrc split by
-# role, float32 rows in 16 lanes and four chains, int8 rows on VNNI without AVX512-BF16, AMX. 3: int8
-# rows on AVX2 (vpmaddubsw), AVX2 attention with fewer loads.
-ENGINE_KERNELS = 3
+# role, float32 rows in 16 lanes and four chains, int8 rows on VNNI without AVX512-BF16, AMX.
+# 3: K-quant cells, kernels specialised per cell kind. 4: int8 rows on AVX2 (vpmaddubsw), attention
+# over a kv head's group of query heads, AVX2 products over 1-2 rows on every thread.
+ENGINE_KERNELS = 4
 
 
 @dataclass(frozen=True)
@@ -108,40 +113,40 @@ def numerics_for(dtype: torch.dtype) -> Numerics:
 
 
 class QuantWeight:
-    """A [N, K] weight of one native GGUF type, repacked for the engine (``handle``: the engine's
-    weight, which owns its cells)."""
+    """A [N, K] weight of native GGUF types, repacked for the engine (``handle``: the engine's weight,
+    which owns its cells). ``ggml_type``: its type, or a tuple of its parts' types where they differ."""
 
     def __init__(self, rows, ggml_type: int, in_features: int, numerics: Numerics, parts: list | None = None):
-        """``rows``: the GGUF tensor's raw blocks, uint8 [N, K/32 · block bytes] (a tensor or a numpy
-        array, e.g. a view of the file's mapping), row n = output n. ``parts`` instead: a weight
-        stacked from several tensors of one type along the output rows (q/k/v), each
-        (rows, order or None) with ``order`` [n] the source row of each output row."""
-        if ggml_type not in NATIVE_TYPES:
-            raise ValueError(f"ggml type {ggml_type} is not computed natively (native: {sorted(NATIVE_TYPES.values())})")
-        if in_features % BLOCK:
-            raise ValueError(f"{NATIVE_TYPES[ggml_type]} rows hold whole blocks of {BLOCK}, not {in_features} values")
-        expected = in_features // BLOCK * _BLOCK_BYTES[ggml_type]
-        parts = parts if parts is not None else [(rows, None)]
-        sources = []
-        for part, order in parts:
-            kept, shape, address = _rows_and_address(part)
-            if len(getattr(part, "shape", ())) != 2 or shape[1] != expected:
-                raise ValueError(f"{NATIVE_TYPES[ggml_type]} rows of {in_features} values take {expected} bytes each; "
-                                 f"got rows of shape {tuple(getattr(part, 'shape', ()))}")
-            if order is not None and order.numel() and (int(order.min()) < 0 or int(order.max()) >= shape[0]):
-                raise ValueError("a row order names rows the part does not have")
-            count = shape[0] if order is None else int(order.numel())
-            sources.append((kept, address, None if order is None else order.to(torch.int64).contiguous(), count))
-        self.ggml_type = ggml_type
-        self.out_features, self.in_features = sum(count for *_, count in sources), in_features
-        self.numerics = numerics
-        self.handle = engine().new_weight(ggml_type=ggml_type, layout=numerics.layout, round_rows=numerics.round_rows,
-                                          out_features=self.out_features, in_features=in_features)
-        row0 = 0
-        for _kept, address, order, count in sources:
-            engine().repack(weight=self.handle, blocks=address, rows=count,
-                            order=None if order is None else order.data_ptr(), row0=row0)
-            row0 += count
+        """``rows``: the GGUF tensor's raw blocks, uint8 [N, K/block · block bytes] (a tensor or a
+        numpy array, e.g. a view of the file's mapping), row n = output n. ``parts`` instead: a weight
+        stacked from several tensors along the output rows (q/k/v), each (rows, order or None) of
+        ``ggml_type`` or (rows, order, its own type), with ``order`` [n] the source row of each output
+        row. Parts of different types become one engine weight of several parts (the rows prepared
+        once per product, each part multiplied by its own kind's kernel)."""
+        parts = [(rows, None)] if parts is None else parts
+        typed = [(part[0], part[1], part[2] if len(part) > 2 else ggml_type) for part in parts]
+        groups: list[list] = []  # runs of consecutive parts of one type: one engine weight each
+        for part in typed:
+            if groups and groups[-1][0][2] == part[2]:
+                groups[-1].append(part)
+            else:
+                groups.append([part])
+        if len(groups) > 4:
+            raise ValueError(f"a stacked weight holds at most 4 runs of one type, not {len(groups)}")
+        packed = [_pack(group[0][2], in_features, numerics, [(r, o) for r, o, _ in group]) for group in groups]
+        self.numerics, self.in_features = numerics, in_features
+        self.out_features = sum(count for _, count in packed)
+        if len(packed) == 1:
+            self.ggml_type, self.handle = groups[0][0][2], packed[0][0]
+        else:
+            self.ggml_type = tuple(group[0][2] for group in groups)
+            self.handle = engine().stack_weights(tuple(handle for handle, _ in packed))
+
+    @property
+    def type_name(self) -> str:
+        """The type's name ("Q4_K"), or its parts' ("Q4_K+Q6_K")."""
+        types = self.ggml_type if isinstance(self.ggml_type, tuple) else (self.ggml_type,)
+        return "+".join(NATIVE_TYPES[t] for t in types)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, numerics: Numerics, ggml_type: int = Q8_0) -> "QuantWeight":
@@ -161,6 +166,8 @@ class QuantWeight:
         indices = indices.reshape(-1).to(torch.int64).contiguous()
         if indices.numel() == 0 or int(indices.min()) < 0 or int(indices.max()) >= self.out_features:
             raise IndexError(f"row indices must lie in 0..{self.out_features - 1}")
+        if isinstance(self.ggml_type, tuple):
+            raise ValueError(f"rows are selected from a weight of one type, not a stacked {self.type_name} one")
         chosen = object.__new__(QuantWeight)
         chosen.ggml_type, chosen.numerics = self.ggml_type, self.numerics
         chosen.out_features, chosen.in_features = int(indices.numel()), self.in_features
@@ -203,6 +210,36 @@ class QuantWeight:
     def dense(self) -> torch.Tensor:
         """All of W as float32 [N, K]."""
         return self.rows(torch.arange(self.out_features))
+
+
+def _pack(ggml_type: int, in_features: int, numerics: Numerics, parts: list) -> tuple[object, int]:
+    """(the engine weight, its rows) of ``parts`` [(rows, order or None)], all of ``ggml_type``,
+    stacked along the output rows and repacked."""
+    if ggml_type not in NATIVE_TYPES:
+        raise ValueError(f"ggml type {ggml_type} is not computed natively (native: {sorted(NATIVE_TYPES.values())})")
+    inputs, block_bytes = _BLOCKS[ggml_type]
+    if in_features % inputs:
+        raise ValueError(f"{NATIVE_TYPES[ggml_type]} rows hold whole blocks of {inputs}, not {in_features} values")
+    expected = in_features // inputs * block_bytes
+    sources = []
+    for part, order in parts:
+        kept, shape, address = _rows_and_address(part)
+        if len(getattr(part, "shape", ())) != 2 or shape[1] != expected:
+            raise ValueError(f"{NATIVE_TYPES[ggml_type]} rows of {in_features} values take {expected} bytes each; "
+                             f"got rows of shape {tuple(getattr(part, 'shape', ()))}")
+        if order is not None and order.numel() and (int(order.min()) < 0 or int(order.max()) >= shape[0]):
+            raise ValueError("a row order names rows the part does not have")
+        count = shape[0] if order is None else int(order.numel())
+        sources.append((kept, address, None if order is None else order.to(torch.int64).contiguous(), count))
+    total = sum(count for *_, count in sources)
+    handle = engine().new_weight(ggml_type=ggml_type, layout=numerics.layout, round_rows=numerics.round_rows,
+                                 out_features=total, in_features=in_features)
+    row0 = 0
+    for _kept, address, order, count in sources:
+        engine().repack(weight=handle, blocks=address, rows=count, order=None if order is None else order.data_ptr(),
+                        row0=row0)
+        row0 += count
+    return handle, total
 
 
 def _rows_and_address(rows) -> tuple[object, tuple[int, int], int]:
@@ -258,7 +295,7 @@ class QuantLinear(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"{NATIVE_TYPES[self.qweight.ggml_type]}, {self.qweight.numerics.description}")
+                f"{self.qweight.type_name}, {self.qweight.numerics.description}")
 
 
 class QuantEmbedding(torch.nn.Module):
@@ -282,7 +319,7 @@ class QuantEmbedding(torch.nn.Module):
         destination[prefix + "weight"] = self.weight
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {NATIVE_TYPES[self.qweight.ggml_type]}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.qweight.type_name}"
 
 
 # ---- reading a GGUF file ---------------------------------------------------------------------------

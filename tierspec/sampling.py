@@ -17,12 +17,18 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from . import _keyed_noise
 from .errors import TierspecError
+
+#: Whether the noise kernels run their AVX2 loop (the same bits as the plain one, csrc/noise); a cap of
+#: the engine at the portable path (``TIERSPEC_ENGINE_ISA=portable``, tests) takes the plain loop here too.
+_VECTORISED = _keyed_noise.avx2() and os.environ.get("TIERSPEC_ENGINE_ISA", "").strip().lower() != "portable"
 
 
 class SamplingError(TierspecError):
@@ -176,16 +182,47 @@ def seed_of(seed: int | torch.Generator | None) -> int:
     return seed % SEED_MODULUS
 
 
+class NoiseError(SamplingError):
+    """Scores a perturbed argmax cannot choose from (a NaN), or keys that do not match them."""
+
+
+def keyed_argmax(scores: torch.Tensor, keys: list[int]) -> np.ndarray:
+    """argmax_v(scores[r, v] + g_r(v)) for every row of ``scores`` [r, V] (log-probabilities or
+    logits, float32; −inf: excluded), g_r the Gumbel noise of ``keys[r]`` (``Noise.key``): the first
+    of equal maxima (a row that excludes every token: its first; a NaN is refused), as argmax over
+    the whole ``Noise.gumbel`` vector gives it (bit for bit), without
+    drawing every token's noise (csrc/noise/keyed_noise.c: a bound read from the counter's bits passes
+    over the tokens that cannot win). Returns the tokens [r] (int64)."""
+    rows = scores.reshape(-1, scores.shape[-1]) if scores.dim() != 2 else scores
+    if rows.dtype != torch.float32 or rows.device.type != "cpu" or rows.stride(-1) != 1 or rows.requires_grad:
+        rows = rows.detach().to("cpu", torch.float32).contiguous()
+    count = rows.shape[0]
+    if len(keys) != count:
+        raise NoiseError(f"{count} rows of scores need {count} keys, got {len(keys)}")
+    tokens = np.empty(count, dtype=np.int64)
+    if count:
+        key_array = np.asarray(keys, dtype=np.uint64)
+        _keyed_noise.gumbel_argmax(rows.data_ptr(), count, rows.shape[1], rows.stride(0), key_array.ctypes.data,
+                                   tokens.ctypes.data, _VECTORISED)
+        if (tokens < 0).any():
+            bad = int(np.flatnonzero(tokens < 0)[0])
+            raise NoiseError(f"row {bad} of the scores to sample from holds a NaN")
+    return tokens
+
+
 @dataclass
 class Noise:
     """The randomness of one generation, every draw keyed by (seed, position, purpose).
 
     ``position`` is the absolute index of a token in the sequence (the prompt's tokens are
-    0 .. n−1). Each key seeds its own generator through a hash, so a draw does not depend on the
-    draws made before it: a drafter and the rule see the same g_t for position t, a position
-    drafted again after a rejection sees it again, and nothing about the run's timing reaches
-    the tokens. The token noise of the positions still ahead is kept until ``forget_before``
-    passes them (one vector per position, made once per generation).
+    0 .. n−1). Each key (``key``: a hash of the three) names its own stream, so a draw does not
+    depend on the draws made before it: a drafter and the rule see the same g_t for position t, a
+    position drafted again after a rejection sees it again, and nothing about the run's timing
+    reaches the tokens. A key's noise is a counter-based stream (csrc/noise/keyed_noise.c: any
+    token's value on its own, the same bits on every CPU); a token is drawn from it by
+    ``keyed_argmax`` without making the whole vector, and the vector itself (``gumbel``) is made
+    where a caller needs it, the token noise of the positions still ahead kept until
+    ``forget_before`` passes them.
     """
 
     seed: int | torch.Generator | None  # anything ``seed_of`` takes; an int in [0, 2⁶⁴) once made
@@ -195,26 +232,29 @@ class Noise:
     def __post_init__(self) -> None:
         self.seed = seed_of(self.seed)
 
-    def _generator(self, position: int, purpose: str) -> torch.Generator:
+    def key(self, position: int, purpose: str = TOKEN) -> int:
+        """The 64-bit key of the draws for ``position`` and ``purpose``."""
         # blake2b, not hash(): Python salts string hashes per process.
         digest = hashlib.blake2b(f"{self.seed}/{position}/{purpose}".encode(), digest_size=8).digest()
-        return torch.Generator().manual_seed(int.from_bytes(digest, "little"))
+        return int.from_bytes(digest, "little")
 
     def gumbel(self, position: int, purpose: str = TOKEN) -> torch.Tensor:
-        """Standard Gumbel noise [V] (float32, CPU) for ``position`` and ``purpose``."""
+        """Standard Gumbel noise [V] (float32, CPU) for ``position`` and ``purpose``: values in
+        [−3.6, 36.7] (uniforms of 53 bits: no token is cut off below the top)."""
         if purpose == TOKEN and position in self._kept:
             return self._kept[position]
-        # Uniforms in float64: their top end (1 − 2⁻⁵³) bounds g by 36.7, so no token is cut off
-        # (float32's 1 − 2⁻²⁴ would bound g by 16.6 and never pick tokens e⁻²⁰ below the top).
-        uniform = torch.rand(self.vocab_size, generator=self._generator(position, purpose), dtype=torch.float64)
-        noise = uniform.log_().neg_().log_().neg_().float()
+        noise = gumbel_rows([self.key(position, purpose)], self.vocab_size)[0]
         if purpose == TOKEN:
             self._kept[position] = noise
         return noise
 
+    def argmax(self, scores: torch.Tensor, position: int, purpose: str = TOKEN) -> int:
+        """argmax_v(scores[v] + g(v)) for ``scores`` [V] with this position's noise (``keyed_argmax``)."""
+        return int(keyed_argmax(scores[None], [self.key(position, purpose)])[0])
+
     def uniform(self, position: int, purpose: str = ACCEPT) -> float:
-        """One U(0, 1) draw for ``position`` and ``purpose``."""
-        return float(torch.rand(1, generator=self._generator(position, purpose), dtype=torch.float64))
+        """One U(0, 1) draw for ``position`` and ``purpose``: 53 bits, never 0 or 1."""
+        return ((_keyed_noise.mix64(self.key(position, purpose)) >> 11) + 0.5) * 2.0**-53
 
     def forget_before(self, position: int) -> None:
         """Drop kept noise of positions < ``position`` (committed: never drawn for again)."""
@@ -223,6 +263,15 @@ class Noise:
 
     def block(self, start: int) -> "BlockNoise":
         return BlockNoise(self, start)
+
+
+def gumbel_rows(keys: list[int], vocab_size: int) -> torch.Tensor:
+    """[len(keys), V] float32: row r the whole Gumbel noise vector of ``keys[r]``."""
+    out = torch.empty(len(keys), vocab_size, dtype=torch.float32)
+    if keys:
+        key_array = np.asarray(keys, dtype=np.uint64)
+        _keyed_noise.fill_gumbel(key_array.ctypes.data, len(keys), vocab_size, out.data_ptr(), _VECTORISED)
+    return out
 
 
 @dataclass(frozen=True)
@@ -245,15 +294,19 @@ class BlockNoise:
             return self.gumbel(0)[None]  # a view: the one row as it is
         return torch.stack([self.gumbel(i) for i in range(count)])
 
+    def keys(self, count: int, first: int = 0) -> list[int]:
+        """The token-noise keys of block positions first .. first + count − 1 (``keyed_argmax``)."""
+        return [self.noise.key(self.start + i) for i in range(first, first + count)]
+
     def token(self, i: int, probs: torch.Tensor) -> int:
         """A draw from ``probs`` [V] at block position i with its token noise (a drafter's draft,
-        the target's bonus token)."""
-        return int(gumbel_argmax(probs, self.gumbel(i)))
+        the target's bonus token): argmax(log probs + g)."""
+        return self.noise.argmax(probs.log(), self.start + i)
 
     def residual(self, i: int, probs: torch.Tensor) -> int:
         """A draw from ``probs`` [V] with noise of its own: the replacement after the draft at i was
         not kept, which must not depend on the draft (drawn with the token noise)."""
-        return int(gumbel_argmax(probs, self.noise.gumbel(self.start + i, RESIDUAL)))
+        return self.noise.argmax(probs.log(), self.start + i, RESIDUAL)
 
     def coin(self, i: int) -> float:
         """The acceptance coin U(0, 1) of the draft at block position i."""

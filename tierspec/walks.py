@@ -46,8 +46,8 @@ import torch
 
 from .errors import TierspecError
 from .proposal import Proposal, Walk
-from .sampling import (ACCEPT, RESIDUAL, BlockNoise, SamplingConfig, gumbel_argmax, logits_to_probs, one_hot, one_hot_rows,
-                       residual_distribution, row_argmax, temperature_one_probs)
+from .sampling import (ACCEPT, RESIDUAL, BlockNoise, SamplingConfig, keyed_argmax, logits_to_probs, one_hot, one_hot_rows,
+                       residual_distribution, row_argmax, sampling_logits, temperature_one_probs)
 from .tree import ROOT, TokenTree, TreeError
 
 #: A distribution [V] to draw from, or a token id when the draw is deterministic (greedy).
@@ -193,9 +193,13 @@ def match_walk(draft_tokens: torch.Tensor, target_tokens: torch.Tensor) -> Walk:
     return Walk.chain(accepted, int(target_tokens[accepted]))
 
 
-def coupled_target_tokens(target_probs: torch.Tensor, noise: BlockNoise) -> torch.Tensor:
-    """y_i = argmax(log q_i + g_i) for the block's rows q [k+1, V]: the target's sampled tokens."""
-    return gumbel_argmax(target_probs, noise.gumbels(target_probs.shape[0]))
+def perturbed_target_tokens(target_logits: torch.Tensor, sampling: SamplingConfig, keys: list[int]) -> np.ndarray:
+    """The target's sampled tokens y_r = argmax_v(ℓ_r(v) + g_r(v)) [r] (int64) for its logits [r, V]:
+    ℓ = ``sampling_logits`` (the temperature, top-k and top-p applied: log q up to a constant per
+    row, which no argmax sees, so no softmax is taken), g_r the token noise of ``keys[r]``. Every
+    path that decides a target's sampled token takes it here (the plain loop, chains, batches,
+    trees), so they agree bit for bit."""
+    return keyed_argmax(sampling_logits(target_logits, sampling), keys)
 
 
 def exact_walk(proposal: Proposal, target_logits: torch.Tensor, sampling: SamplingConfig, noise: BlockNoise | None,
@@ -208,11 +212,10 @@ def exact_walk(proposal: Proposal, target_logits: torch.Tensor, sampling: Sampli
     k = len(tokens)
     if sampling.greedy:
         return greedy_walk(tokens, target_logits)
-    q = logits_to_probs(target_logits, sampling)  # [k+1, V]
     if check_sampling_rule(sampling_rule) == "coupled":
-        if noise is None:
-            raise VerificationError("sampled verification needs the block's noise (sampling.BlockNoise); got None")
-        return match_walk(tokens, coupled_target_tokens(q, noise))
+        return match_walk(tokens, torch.from_numpy(perturbed_target_tokens(target_logits, sampling,
+                                                                           _needs(noise).keys(k + 1))))
+    q = logits_to_probs(target_logits, sampling)  # [k+1, V]
     vocab = target_logits.shape[-1]
     accept = acceptance_probability(draft_prob_of_tokens(proposal), q[torch.arange(k), tokens])
     return acceptance_walk(k, accept, lambda i, passed: residual_distribution(q[i], draft_row(proposal, i, vocab)),
@@ -239,10 +242,10 @@ class ChainBatch:
 
 def target_row_tokens(batch: ChainBatch) -> np.ndarray:
     """The target's own token after every row [T + B] (int64): the argmax in greedy mode, the
-    coupled rule's perturbed argmax argmax(log q + g) with the row's position noise otherwise, q
-    under its sequence's temperature, top-k and top-p. Rows of one mode and one sampling config are
+    coupled rule's perturbed argmax (``perturbed_target_tokens``) with the row's position noise
+    otherwise, under its sequence's temperature, top-k and top-p. Rows of one mode and one sampling config are
     taken in one operation each; every row's token is bitwise the one its sequence alone gets
-    (``greedy_walk`` / ``coupled_target_tokens``: row-wise operations in both, the first of equal
+    (``greedy_walk`` / ``perturbed_target_tokens``: row-wise operations in both, the first of equal
     maxima)."""
     logits = batch.target_logits
     groups: dict[SamplingConfig, list[tuple[int, int, int]]] = {}  # config → (sequence, first row, rows)
@@ -252,11 +255,11 @@ def target_row_tokens(batch: ChainBatch) -> np.ndarray:
         row += k + 1
     if len(groups) == 1:  # one setting for the whole batch: its rows are the logits as they are
         ((sampling, members),) = groups.items()
-        return _row_argmax(logits if sampling.greedy else _perturbed(logits, sampling, batch.noises, members))
+        return _tokens(logits, sampling, batch.noises, members)
     tokens = np.empty(row, dtype=np.int64)
     for sampling, members in groups.items():
         rows = _rows(logits, members)
-        chosen = _row_argmax(rows if sampling.greedy else _perturbed(rows, sampling, batch.noises, members))
+        chosen = _tokens(rows, sampling, batch.noises, members)
         at = 0
         for _, first, count in members:
             tokens[first : first + count] = chosen[at : at + count]
@@ -264,12 +267,14 @@ def target_row_tokens(batch: ChainBatch) -> np.ndarray:
     return tokens
 
 
-def _perturbed(rows: torch.Tensor, sampling: SamplingConfig, noises: list[BlockNoise | None],
-               members: list[tuple[int, int, int]]) -> torch.Tensor:
-    """log q + g for ``rows`` [r, V] under ``sampling``, each row with its position's token noise:
-    what ``gumbel_argmax`` maximises."""
-    noise = [_needs(noises[index]).gumbels(count) for index, _, count in members]
-    return logits_to_probs(rows, sampling).log() + (noise[0] if len(noise) == 1 else torch.cat(noise))
+def _tokens(rows: torch.Tensor, sampling: SamplingConfig, noises: list[BlockNoise | None],
+            members: list[tuple[int, int, int]]) -> np.ndarray:
+    """The target's token after every row of ``rows`` [r, V] (``members``' rows in turn) under
+    ``sampling``: the argmax, or the perturbed argmax with each row's position noise."""
+    if sampling.greedy:
+        return _row_argmax(rows)
+    keys = [key for index, _, count in members for key in _needs(noises[index]).keys(count)]
+    return perturbed_target_tokens(rows, sampling, keys)
 
 
 def _row_argmax(rows: torch.Tensor) -> np.ndarray:
@@ -392,7 +397,7 @@ def multi_draft_walk(proposal: Proposal, target_probs: torch.Tensor, noise: Bloc
                 break
         if accepted is None:
             r = trials[-1].residual_after if trials else target_probs[_row(node)]
-            return Walk(path, int(gumbel_argmax(r.float(), noise.noise.gumbel(position, RESIDUAL))))
+            return Walk(path, noise.noise.argmax(r.float().log(), position, RESIDUAL))
         path.append(accepted)
         node, depth = accepted, depth + 1
 
@@ -411,7 +416,7 @@ def tree_walk(proposal: Proposal, target_logits: torch.Tensor, sampling: Samplin
     if check_sampling_rule(sampling_rule) == "coupled":
         def perturbed_argmax(node: int) -> int:
             depth = 0 if node == ROOT else int(tree.depths[node])
-            return int(gumbel_argmax(logits_to_probs(target_logits[_row(node)], sampling), noise.gumbel(depth)))
+            return int(perturbed_target_tokens(target_logits[_row(node)][None], sampling, noise.keys(1, depth))[0])
 
         return match_tree_walk(tree, perturbed_argmax)
     return multi_draft_walk(proposal, logits_to_probs(target_logits, sampling), noise)

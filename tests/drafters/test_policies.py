@@ -153,6 +153,25 @@ def test_keep_drafting_scores_unseen_tokens_at_the_pooled_later_acceptance(later
     assert policy.keep_drafting([0.5], "other-source")  # no later evidence: the first token's 0.5 stands in
 
 
+def test_a_forced_run_after_a_draft_is_counted_certain_and_planned_around():
+    """Under a constraint the trim knows how many forced tokens follow each draft length: a model
+    draft accepted with p = 0.3 does not pay alone, (1 + 0.3) / (53 + 23 ms) < 1 / 46, but leading
+    into 6 forced tokens (certain once it is accepted, 7 ms of pass rows each, no draft step) it
+    does, (1 + 0.3 + 0.3 · 6) / (76 + 42) > 1 / 46; and drafts the constraint refuses are never
+    verified."""
+    model = CostModel(None, {"model": 0.5})  # verify(n) = 46 + 7 (n − 1) ms; a draft step half a 1-row pass
+    assert model(1, "model") == pytest.approx(0.046 + 0.007 + 0.023)
+    policy = CostAware(4, cost=model)
+    policy.acceptance[SourceKey("model", False)] = AcceptanceEstimate(prior=0.3)  # no evidence: p = 0.3
+    proposal = Proposal.chain(torch.tensor([5, 6, 7]), source="model")
+    assert policy.trim(proposal) == 0
+    assert (1 + 0.3) / 0.076 < 1 / 0.046 < (1 + 0.3 + 0.3 * 6) / (0.076 + 6 * 0.007)
+    assert policy.trim(proposal, [0, 6, 0, 0]) == 1
+    assert policy.trim(proposal, [0]) == 0  # the constraint refuses the first draft
+    policy.acceptance[SourceKey("model", False)] = AcceptanceEstimate(prior=0.99)
+    assert policy.trim(proposal) == 3 and policy.trim(proposal, [0, 0]) == 1  # it takes one draft only
+
+
 def test_confidence_stop_cuts_before_the_first_unsure_token():
     policy = ConfidenceStop(5, 0.5)
     proposal = Proposal.chain(torch.tensor([1, 2, 3]), confidence=torch.tensor([0.9, 0.4, 0.95]))

@@ -81,3 +81,15 @@ def test_the_python_api_and_the_cli_take_the_same_bound(capsys):
                                        "per cycle), got 1000000\n")
     assert cli.main(["bench", "--num-draft", "65", "--methods", "ar", "--out", "/nonexistent/x"]) == 2
     assert "--num-draft must be an integer from 0 to 64" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arguments, message", [
+    ("[" * 100_000, "nested too deeply"),  # a RecursionError in json.loads, not a 500
+    ('{"a": ', "arguments must be JSON text of an object: Expecting value"),
+    ("[1]", "arguments must be JSON text of an object"),
+])
+def test_a_historys_call_arguments_are_json_objects(arguments, message):
+    history = [{"role": "user", "content": "Hi"}, {"role": "assistant", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": arguments}}]}]
+    error = refusal({"messages": history, "max_tokens": 2}, ChatRequest)
+    assert error["param"] == "messages.1.tool_calls.0.function.arguments" and message in error["message"]

@@ -2,7 +2,8 @@
 prompts, penalties and logit bias, the no-op fields clients send by default, modern chat formats,
 ``n`` > 1, ``models.retrieve``; and the clients themselves against a live server: lm-eval
 0.4.13 (``local-completions`` loglikelihood and generation, ``local-chat-completions``), the
-``llm`` CLI 0.36 and the ``openai`` SDK (sync, async, raw responses). Real model, no downloads."""
+``llm`` CLI 0.36 and the ``openai`` SDK (sync, async, raw responses; structured output with
+``chat.completions.parse`` and tool calls, whole and streamed: issue 39). Real model, no downloads."""
 
 import asyncio
 import http.client
@@ -13,10 +14,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import openai
 import pytest
 import torch
+from pydantic import BaseModel, Field
 
 import tierspec
 from tierspec.server import Scheduler, serving_in_background
@@ -202,11 +205,14 @@ def test_no_op_fields_clients_send_by_default_are_accepted(client, server):
 
 
 @pytest.mark.parametrize("extra, where, message", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "tools (function calling) are not supported"),
-    ({"response_format": {"type": "json_object"}}, "response_format.type", "'json_object' is not supported"),
-    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.type",
-     "'json_schema'"),
-    ({"tool_choice": "auto"}, "tool_choice", 'only "none"'),
+    ({"tools": [{"type": "web_search"}]}, "tools.0.type", "tool type 'web_search' is not supported"),
+    ({"response_format": {"type": "xml"}}, "response_format.type", "response_format.type must be one of"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema",
+     "json_schema.schema is missing"),
+    ({"tool_choice": "auto"}, "tool_choice", "tool_choice 'auto' needs tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": {
+        "type": "function", "function": {"name": "g"}}}, "tool_choice.function.name", "not among the tools"),
+    ({"messages": [{"role": "tool", "content": "3"}]}, "messages.0", "a tool message needs tool_call_id"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages.0.content", "part 0 has type 'image_url': only text parts"),
     ({"method": ""}, "method", "give a method name"),  # was taken as the server's default
@@ -390,3 +396,172 @@ def test_the_llm_cli_prompts_and_continues_a_conversation(server, tmp_path, clie
     assert first == expected.strip()
     assert llm("-c", "-o", "temperature", "0", "-o", "max_tokens", "8", "And another?")
     assert llm("-m", "tierspec", "-s", "Answer in one word.", "-o", "max_tokens", "4", "Hi")
+
+
+# ---- structured output and tool calls (issue 39) ------------------------------------------------------
+
+
+class City(BaseModel):
+    """What ``chat.completions.parse`` is asked to fill (the SDK sends its strict JSON schema)."""
+
+    name: str = Field(max_length=16)
+    country: str = Field(max_length=16)
+    founded: int = Field(ge=0, le=2100)
+
+
+class GetWeather(BaseModel):
+    city: str = Field(max_length=12)
+    unit: Literal["celsius", "fahrenheit"]
+
+
+WEATHER = openai.pydantic_function_tool(GetWeather, name="get_weather", description="The weather in a city now.")
+TIME = {"type": "function", "function": {"name": "get_time", "description": "The time in a time zone.", "parameters": {
+    "type": "object", "properties": {"utc_offset": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["utc_offset"], "additionalProperties": False}}}
+ASK_CITY = [{"role": "user", "content": "Give the name, country and founding year of the capital of Italy as JSON."}]
+ASK_WEATHER = [{"role": "user", "content": "What is the weather like in Paris today?"}]
+
+
+def check_calls(message, names: set[str]):
+    """Each call names one of ``names`` and its arguments validate against that tool's schema."""
+    import jsonschema
+
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in (WEATHER, TIME)}
+    assert message.tool_calls and message.content is None
+    for call in message.tool_calls:
+        assert call.type == "function" and call.function.name in names and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), schemas[call.function.name])
+
+
+def streamed_message(stream) -> tuple[str | None, list[dict], str]:
+    """A streamed chat reply put together as OpenAI's chunks build it: its content, its tool
+    calls (by index, arguments joined) and the finish reason."""
+    content, calls, finish = None, {}, None
+    for chunk in stream:
+        for choice in chunk.choices:
+            delta = choice.delta
+            if delta.content:
+                content = (content or "") + delta.content
+            for call in delta.tool_calls or []:
+                entry = calls.setdefault(call.index, {"id": None, "name": None, "arguments": ""})
+                entry["id"] = call.id or entry["id"]
+                if call.function is not None:
+                    entry["name"] = call.function.name or entry["name"]
+                    entry["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+    return content, [calls[index] for index in sorted(calls)], finish
+
+
+def as_dicts(tool_calls) -> list[dict]:
+    return [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments} for c in tool_calls or []]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "t=1"])
+def test_parse_fills_a_pydantic_model_and_the_default_method_is_ars(client, temperature):
+    """``chat.completions.parse`` (a strict json_schema) gives a City; the server's default method
+    (hybrid) and ``ar`` write the same tokens under the grammar, greedy and seeded at t=1."""
+    kwargs = {"model": MODEL, "messages": ASK_CITY, "response_format": City, "max_tokens": 48,
+              "temperature": temperature, "seed": 77}
+    default = client.chat.completions.parse(**kwargs)
+    ar = client.chat.completions.parse(**kwargs, extra_body={"method": "ar"})
+    choice = default.choices[0]
+    assert isinstance(choice.message.parsed, City) and choice.finish_reason == "stop"
+    assert choice.message.content == ar.choices[0].message.content
+    assert default.usage.model_extra["method"] == "hybrid" and ar.usage.model_extra["method"] == "ar"
+    with client.chat.completions.stream(**kwargs) as stream:  # the SDK's streaming helper: the same object
+        assert stream.get_final_completion().choices[0].message.parsed == choice.message.parsed
+
+
+def test_json_mode_and_completions_with_a_schema_whole_and_streamed(client):
+    """json_object on chat; a json_schema on /v1/completions (through extra_body: the SDK's
+    completions take no response_format), its text valid, streamed in the same pieces' sum."""
+    import jsonschema
+
+    reply = client.chat.completions.create(model=MODEL, messages=ASK_CITY, response_format={"type": "json_object"},
+                                           max_tokens=40, temperature=0)
+    if reply.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(reply.choices[0].message.content), dict)
+    else:  # cut by max_tokens: still the start of an object
+        assert reply.choices[0].message.content.startswith("{")
+    schema = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]},
+                                               "count": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["colour", "count"], "additionalProperties": False}
+    response_format = {"type": "json_schema", "json_schema": {"name": "pick", "schema": schema, "strict": True}}
+    kwargs = {"model": MODEL, "prompt": "A colour and a small number, as JSON:", "max_tokens": 24, "temperature": 0,
+              "extra_body": {"response_format": response_format}}
+    whole = client.completions.create(**kwargs)
+    jsonschema.validate(json.loads(whole.choices[0].text), schema)
+    assert whole.choices[0].finish_reason == "stop"
+    pieces = [chunk.choices[0].text for chunk in client.completions.create(**kwargs, stream=True) if chunk.choices]
+    assert "".join(pieces) == whole.choices[0].text
+
+
+@pytest.mark.parametrize("tool_choice", ["required", "named"])
+def test_forced_tool_calls_whole_and_streamed(client, tool_choice):
+    """``required`` and a named function: the reply is calls only (``finish_reason``
+    ``tool_calls``, arguments valid for the function's schema); the streamed deltas build the
+    same calls, ids included; the default method's calls are ``ar``'s."""
+    choice = {"type": "function", "function": {"name": "get_weather"}} if tool_choice == "named" else "required"
+    names = {"get_weather"} if tool_choice == "named" else {"get_weather", "get_time"}
+    kwargs = {"model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER, TIME], "tool_choice": choice,
+              "max_tokens": 60, "temperature": 0}
+    reply = client.chat.completions.create(**kwargs)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    check_calls(reply.choices[0].message, names)
+    ar = client.chat.completions.create(**kwargs, extra_body={"method": "ar"})
+    assert as_dicts(ar.choices[0].message.tool_calls) == as_dicts(reply.choices[0].message.tool_calls)
+    content, calls, finish = streamed_message(client.chat.completions.create(**kwargs, stream=True))
+    assert content is None and finish == "tool_calls" and calls == as_dicts(reply.choices[0].message.tool_calls)
+
+
+def test_parse_reads_a_strict_tools_arguments_into_its_model(client):
+    reply = client.chat.completions.parse(model=MODEL, messages=ASK_WEATHER, tools=[WEATHER],
+                                          tool_choice="required", max_tokens=40, temperature=0, seed=3)
+    call = reply.choices[0].message.tool_calls[0]
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+
+
+def test_tool_choice_auto_and_none_whole_and_streamed(client):
+    """``auto``: the reply is either text or calls, whole and streamed alike; ``none``: the tools
+    change nothing (the same text as without them)."""
+    kwargs = {"model": MODEL, "messages": ASK_WEATHER, "tools": [WEATHER, TIME], "max_tokens": 24, "temperature": 0}
+    auto = client.chat.completions.create(**kwargs, tool_choice="auto")
+    message = auto.choices[0].message
+    if message.tool_calls:
+        assert auto.choices[0].finish_reason == "tool_calls"
+        check_calls(message, {"get_weather", "get_time"})
+    else:
+        assert message.content and not message.content.lstrip().startswith("<tool_call>")
+    content, calls, finish = streamed_message(client.chat.completions.create(**kwargs, tool_choice="auto", stream=True))
+    assert (content, calls, finish) == (message.content, as_dicts(message.tool_calls), auto.choices[0].finish_reason)
+    none = client.chat.completions.create(**{**kwargs, "max_tokens": 8}, tool_choice="none")
+    plain = client.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=8, temperature=0)
+    assert none.choices[0].message.content == plain.choices[0].message.content and not none.choices[0].message.tool_calls
+
+
+def test_a_conversation_with_a_call_and_its_result(client):
+    """The history sends back the assistant's call and the tool's result (OpenAI's roles)."""
+    history = ASK_WEATHER + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris", "unit": "celsius"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temperature": 21, "sky": "clear"}'}]
+    reply = client.chat.completions.create(model=MODEL, messages=history, tools=[WEATHER], tool_choice="none",
+                                           max_tokens=6, temperature=0)
+    assert reply.choices[0].message.content and reply.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}, "response_format",
+     "the JSON schema uses keywords tierspec cannot enforce: uniqueItems"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}]}, "tools",
+     "the JSON schema uses keywords tierspec cannot enforce: not"),
+    ({"response_format": {"type": "json_object"}, "method": "lossy"}, "method", "cannot decode under a constraint"),
+])
+def test_what_cannot_be_enforced_is_a_400_naming_it(client, server, body, param, message):
+    before = server[0].health()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, messages=ASK_CITY, max_tokens=4, extra_body=body)
+    assert message in refused.value.message and refused.value.param == param
+    assert server[0].health()["invalid"] == before["invalid"] + 1

@@ -1,6 +1,7 @@
 """The server's structured-output fields checked and compiled at parse time
 (tierspec/server/structured.py): a 400 naming the field for every fault, the compiled grammar
-otherwise (wired into the endpoints in phase 2 of issue 39)."""
+otherwise; and how a streamed reply under tools is held until it is known to be text or calls
+(tierspec/server/app.py). The endpoints themselves: tests/faces/test_server_clients.py."""
 
 from __future__ import annotations
 
@@ -67,3 +68,30 @@ def test_faults_are_400s_naming_the_field(tok, fields, chat, message, param):
     with pytest.raises(ApiError) as error:
         request(tok, chat, **fields)
     assert error.value.status == 400 and error.value.message.startswith(message) and error.value.param == param
+
+
+def test_a_streamed_reply_is_held_while_it_may_begin_a_call_block(tok):
+    """``app.HeldToolReply``: text that may still become ``<tool_call>`` is held; once it cannot,
+    everything held goes out; a block is read back whole at the end, a cut one released as text."""
+    from tierspec.server.app import HeldToolReply
+    from tierspec.server.scheduler import TextPiece
+
+    tools = request(tok, tools=[TOOL], tool_choice="auto").tools
+    held = HeldToolReply(tools)
+    pieces = [TextPiece(text) for text in (" <to", "ol_call>[{\"name\": \"lookup\", ", "\"arguments\": {\"q\": \"ab\"}}]",
+                                           "</tool_call>")]
+    assert all(held.feed(piece) == [] for piece in pieces)
+    released, reply = held.end()
+    assert released == pieces and [call.name for call in reply.tool_calls] == ["lookup"]
+    assert reply.tool_calls[0].arguments == '{"q": "ab"}' and reply.finish_reason == "tool_calls"
+
+    text = HeldToolReply(tools)
+    first, second, third = TextPiece("<"), TextPiece("b>"), TextPiece(" more")
+    assert text.feed(first) == [] and text.feed(second) == [first, second] and text.feed(third) == [third]
+    assert text.end() == ([], None)  # content: nothing held, nothing to read back
+
+    cut = HeldToolReply(tools)
+    assert cut.feed(TextPiece('<tool_call>[{"name": "loo')) == []
+    released, reply = cut.end()
+    assert [piece.text for piece in released] == ['<tool_call>[{"name": "loo'] and not reply.tool_calls
+    assert reply.problem and "not closed" in reply.problem

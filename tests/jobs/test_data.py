@@ -9,7 +9,7 @@ import pytest
 from tierspec.data import DATASETS, PACKAGED_DATA, DataError, default_data_dir, load_prompts, read_jsonl
 
 COUNTS = {"spec_bench": 480, "gsm8k": 1000, "humaneval": 164, "mt_bench": 80, "cnn_dailymail": 200, "xsum": 240,
-          "wmt14": 2500}
+          "wmt14": 2500, "json_extract": 52}
 SHARED = Path(__file__).resolve().parents[3] / "shared" / "data"
 
 

@@ -87,3 +87,75 @@ def test_constrained_greedy_on_the_real_model_always_validates(tasks):
         assert out[-1] in eos, f"{task.id}: no end within 400 tokens: {text!r}"
         result = check_output(task.schema, text)
         assert result.valid, f"{task.id}: {result.error}: {text!r}"
+
+
+# ---- the set in the bench ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def byte_target():
+    import torch
+    from conftest import tiny_llama
+
+    from tierspec.models import wrap_model
+
+    tok = ByteTokenizer()
+    model = tiny_llama(seed=5, vocab_size=len(tok), layers=3, hidden=32, sharpness=6.0, dtype=torch.float32).model
+    model.config.eos_token_id = model.generation_config.eos_token_id = EOS
+    return wrap_model(model, tok, name="byte-llama")
+
+
+PICK = {"type": "object", "properties": {"ok": {"type": "boolean"}, "tag": {"enum": ["red", "green", "blue"]}},
+        "required": ["ok", "tag"], "additionalProperties": False}
+ANSWER = {"type": "object", "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 9}},
+          "required": ["answer"], "additionalProperties": False}
+
+
+@pytest.fixture
+def small_set(tmp_path):
+    """A data folder holding a two-task set (an enum object; a bounded answer with its gold value)."""
+    tasks = [{"id": "enums-00", "shape": "enums", "source": "planted", "prompt": '{"ok": true, "tag": "red"} ',
+              "schema": PICK, "reference": None},
+             {"id": "numbers-00", "shape": "numbers", "source": "planted", "prompt": '{"answer": 3} {"answer": ',
+              "schema": ANSWER, "reference": {"answer": 3}}]
+    write_tasks(tmp_path / "data" / TASKS_FILE, tasks)
+    return tmp_path / "data"
+
+
+def test_the_bench_constrains_each_prompt_to_its_schema(tmp_path, byte_target, small_set):
+    """``--dataset json_extract``: every text follows its task's schema (the validity column 1.0),
+    the lossless methods write ``ar``'s tokens, the answer column compares the gold answer, and the
+    grammar's share of the time is reported apart from drafting."""
+    from tierspec.bench.runner import BenchConfig, run_bench
+
+    config = BenchConfig(target="byte", methods=("ar", "pld", "adaptive-pld"), dataset="json_extract",
+                         per_category=1, max_new_tokens=40, data_dir=str(small_set))
+    summary = run_bench(config, tmp_path / "out", progress=False, target=byte_target)
+    records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 6
+    schemas = {"json_extract/enums-00": PICK, "json_extract/numbers-00": ANSWER}
+    for record in records:
+        value = json.loads(record["text"])
+        jsonschema.validate(value, schemas[record["prompt_id"]])
+        assert record["json_valid"] == 1.0 and record["token_ids"][-1] == EOS and record["grammar_seconds"] > 0
+        if record["prompt_id"].endswith("numbers-00"):
+            assert record["json_answer_match"] == float(value["answer"] == 3)
+    for name in ("pld", "adaptive-pld"):
+        overall = summary["methods"][name]["overall"]
+        assert overall["fidelity_exact_match"] == 1.0 and overall["json_valid"] == 1.0
+        assert overall["grammar_time_share"] > 0
+    table = (tmp_path / "out" / "summary.md").read_text()
+    assert "json_valid" in table and "| grammar |" in table
+
+
+@pytest.mark.parametrize("methods, message", [
+    (("ar", "hf-greedy"), "hf-greedy cannot do"),
+    (("ar", "lossy:alpha=0.3"), "cannot decode under a constraint"),
+])
+def test_the_bench_refuses_what_cannot_follow_a_schema(tmp_path, byte_target, small_set, methods, message):
+    from tierspec.bench.runner import BenchConfig, BenchError, run_bench
+
+    config = BenchConfig(target="byte", methods=methods, dataset="json_extract", per_category=1, max_new_tokens=8,
+                         data_dir=str(small_set))
+    with pytest.raises(BenchError, match=message):
+        run_bench(config, tmp_path / "out", progress=False, target=byte_target)

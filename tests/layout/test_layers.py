@@ -1,10 +1,14 @@
 """The package reads top-down: every module imports only modules of its own layer or of the layers
 below it (README, Layout; STYLE.md, "A layout that shows the architecture"). Every import
-statement counts, module-level or inside a function: a lazy import up is still an import up."""
+statement counts, module-level or inside a function: a lazy import up is still an import up. And
+each floor is a real layer: every module of it, but a package's ``__init__`` that gathers its own
+modules, imports some module of a floor below it (a module that needs nothing of its floor sits
+where what it imports puts it)."""
 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -14,11 +18,15 @@ PACKAGE = Path(__file__).resolve().parents[2] / "tierspec"
 #: Top first. A module belongs to the layer of the longest name that prefixes it, so
 #: ``tierspec.layerskip.search`` (the mask search, a job over the runtime) sits above
 #: ``tierspec.layerskip.clasp`` (CLaSP's in-context selection, a drafter's runtime), which sits above
-#: ``tierspec.layerskip.masks`` (a mask applied in a pass). Each floor is a real layer: every module of
-#: it imports some module of the floor right below it or lower, and none of any floor above.
+#: ``tierspec.layerskip.masks`` (a mask applied in a pass), and ``tierspec.layerskip.candidates`` (mask
+#: proposals, no model code) and ``tierspec.bench.memory`` (a process's peak memory) are pure pieces.
+#: Each floor is a real layer: every module of it imports some module of a floor below it (a
+#: package's ``__init__`` gathering its own modules excepted) and none of any floor above
+#: (``test_every_module_stands_on_a_floor_below``).
 LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("faces", ("tierspec", "tierspec.cli", "tierspec.api", "tierspec.server")),
-    ("jobs", ("tierspec.bench", "tierspec.training", "tierspec.data", "tierspec.cluster", "tierspec.layerskip.search")),
+    ("jobs", ("tierspec.bench", "tierspec.training", "tierspec.cluster", "tierspec.layerskip.search")),
+    ("evaluation data", ("tierspec.data",)),
     ("methods", ("tierspec.methods",)),
     ("the loop", ("tierspec.decode", "tierspec.batch", "tierspec.verifiers")),
     ("rules", ("tierspec.rules",)),
@@ -31,13 +39,15 @@ LAYERS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("cached models", ("tierspec.cached_model",)),
     ("loading models", ("tierspec.models", "tierspec.prompting", "tierspec.gguf_cache",
                         "tierspec.model_files")),
-    ("models on the engine", ("tierspec.gguf_llama", "tierspec.gguf_model", "tierspec.kernels", "tierspec.quant")),
+    ("linear kernels for a de-quantised copy", ("tierspec.kernels",)),
+    ("models on the engine", ("tierspec.gguf_llama", "tierspec.gguf_model", "tierspec.quant")),
     ("routing masks", ("tierspec.layerskip.masks",)),
-    ("forward passes", ("tierspec.llama", "tierspec.architectures", "tierspec.tokenizer", "tierspec.engine",
-                        "tierspec._qengine")),
-    ("pure pieces", ("tierspec.sampling", "tierspec.tree", "tierspec.modifiers", "tierspec.errors", "tierspec.util",
+    ("forward passes", ("tierspec.llama", "tierspec.architectures")),
+    ("the engine's binding", ("tierspec.engine", "tierspec._qengine")),
+    ("pure pieces", ("tierspec.sampling", "tierspec._keyed_noise", "tierspec.tree", "tierspec.modifiers", "tierspec.errors", "tierspec.util",
                      "tierspec.identity", "tierspec.grammar", "tierspec.structured",
-                     "tierspec.gguf_check", "tierspec.limits")),
+                     "tierspec.gguf_check", "tierspec.limits", "tierspec.tokenizer",
+                     "tierspec.layerskip.candidates", "tierspec.bench.memory")),
 )
 
 
@@ -58,10 +68,20 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+@functools.cache
+def extensions() -> frozenset[str]:
+    """The compiled extensions ``setup.py`` declares (``Extension("tierspec._qengine", ...)``): modules
+    whether or not this checkout has built them."""
+    tree = ast.parse((PACKAGE.parent / "setup.py").read_text())
+    return frozenset(node.args[0].value for node in ast.walk(tree)
+                     if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Extension"
+                     and node.args and isinstance(node.args[0], ast.Constant))
+
+
 def is_module(name: str) -> bool:
-    """Whether ``name`` is a module or package of tierspec (a compiled extension included)."""
+    """Whether ``name`` is a module or package of tierspec (a compiled extension included, built or not)."""
     path = PACKAGE.parent / Path(*name.split("."))
-    return path.is_dir() or any(path.parent.glob(path.name + ".*py")) or any(path.parent.glob(path.name + ".*.so"))
+    return path.is_dir() or any(path.parent.glob(path.name + ".*py")) or name in extensions()
 
 
 def imports(source: str, module: str, is_package: bool) -> list[tuple[int, str]]:
@@ -93,6 +113,16 @@ def violations(source: str, module: str, is_package: bool = False) -> list[str]:
             for line, target in imports(source, module, is_package) if layer_of(target) < own]
 
 
+def stands_on_a_floor_below(source: str, module: str, is_package: bool = False) -> bool:
+    """Whether ``module`` imports some module of a floor below its own — or, a package's
+    ``__init__``, gathers only its own package's modules (the bottom floor stands on nothing)."""
+    own = layer_of(module)
+    targets = [target for _, target in imports(source, module, is_package)]
+    if own == len(LAYERS) - 1 or any(layer_of(target) > own for target in targets):
+        return True
+    return is_package and bool(targets) and all(target.startswith(module + ".") for target in targets)
+
+
 def modules() -> list[Path]:
     return sorted(p for p in PACKAGE.rglob("*.py") if "__pycache__" not in p.parts)
 
@@ -106,6 +136,32 @@ def test_every_module_has_a_layer():
 @pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE.parent)))
 def test_no_module_imports_from_a_layer_above_its_own(path):
     assert violations(path.read_text(), module_name(path), path.name == "__init__.py") == []
+
+
+@pytest.mark.parametrize("path", modules(), ids=lambda p: str(p.relative_to(PACKAGE.parent)))
+def test_every_module_stands_on_a_floor_below(path):
+    module = module_name(path)
+    assert stands_on_a_floor_below(path.read_text(), module, path.name == "__init__.py"), \
+        f"{module} imports nothing of a floor below {LAYERS[layer_of(module)][0]}: move it down to where its imports put it"
+
+
+def test_the_check_finds_a_module_that_needs_nothing_of_its_floor():
+    # a module of the loop importing only the loop, or nothing of tierspec, stands on no floor below
+    assert not stands_on_a_floor_below("from .decode import Sequence\n", "tierspec.batch")
+    assert not stands_on_a_floor_below("import math\n", "tierspec.verifiers")
+    assert stands_on_a_floor_below("from .walks import walk_chain\n", "tierspec.decode")
+    assert stands_on_a_floor_below("import math\n", "tierspec.util")  # the bottom floor stands on nothing
+    # a package's __init__ gathering its own modules is its floor's; gathering another package's is not
+    assert stands_on_a_floor_below("from .base import Drafter\n", "tierspec.drafters", is_package=True)
+    assert not stands_on_a_floor_below("from ..policies import CostAware\n", "tierspec.drafters", is_package=True)
+    assert not stands_on_a_floor_below("", "tierspec.drafters", is_package=True)
+
+
+def test_the_compiled_engine_is_a_module_built_or_not():
+    # ``from . import _qengine`` names the extension setup.py declares, not the package: no false import up
+    assert "tierspec._qengine" in extensions()
+    assert violations("from . import _qengine\n", "tierspec.engine") == []
+    assert imports("from . import _qengine\n", "tierspec.engine", False) == [(1, "tierspec._qengine")]
 
 
 def test_the_check_catches_a_planted_import_up():
@@ -141,12 +197,14 @@ def test_the_runtime_pieces_have_floors_of_their_own_in_the_order_they_import():
 
 TESTS = Path(__file__).resolve().parents[1]
 #: Where the tests of each layer live (tests/<folder>/test_*.py; helpers and conftest stay at the top).
-TEST_FOLDERS = {"faces": ("faces",), "jobs": ("jobs",), "methods": ("methods",), "loop": ("the loop", "records"),
+TEST_FOLDERS = {"faces": ("faces",), "jobs": ("jobs", "evaluation data"), "methods": ("methods",),
+                "loop": ("the loop", "records"),
                 "rules": ("rules",), "drafters": ("drafters and policies",),
                 "heads": ("heads and in-context layer selection",),
                 "layerskip": ("jobs", "heads and in-context layer selection", "routing masks"),
                 "models": ("pass-cost tables", "the pass backend", "encoder-decoder models", "cached models",
-                           "loading models", "models on the engine", "forward passes"),
+                           "loading models", "linear kernels for a de-quantised copy", "models on the engine",
+                           "forward passes", "the engine's binding"),
                 "pure": ("pure pieces",), "layout": ()}  # layout: the package and the documents as a whole
 
 

@@ -2,8 +2,8 @@
 model over a byte-level BPE vocabulary (tests/grammar_fixtures.py): every lossless method's
 constrained tokens equal constrained ``ar``'s, greedy and seeded at t=1; greedy equals a plain
 constrained loop written without tierspec's; the text validates and ends with the end token;
-forced tokens (keys, braces, quotes) are drafted free and always kept; the masks of a batch's
-chains come from one parallel call."""
+forced tokens (keys, braces, quotes) are drafted free and always kept, the drafter not asked where
+the grammar forces the next token; the masks of a batch's chains come from one parallel call."""
 
 from __future__ import annotations
 
@@ -78,7 +78,8 @@ def check_text(tokens, tok, kind):
         assert re.fullmatch(REGEX, text), text
 
 
-LOSSLESS = ["ar", "sd", "pld", "eagle", "hybrid", "self", "csd", "eagle-tree", "hybrid-tree"]
+LOSSLESS = ["ar", "sd", "adaptive-sd", "pld", "eagle", "hybrid", "self", "csd", "swift", "clasp", "pearl", "eagle-tree",
+            "hybrid-tree"]
 
 
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "t=1"])
@@ -88,13 +89,18 @@ def test_every_lossless_methods_constrained_tokens_are_constrained_ars(name, kin
                                                                        grammars):
     from tierspec.layerskip.masks import RoutingMask
 
-    model = own_target if name.endswith("-tree") else target
+    model = own_target if name.endswith("-tree") or name == "clasp" else target
     options = {"draft_head": DraftHead.for_target(model, torch.arange(0, model.vocab_size, 2), seed=3).eval()} \
         if name in ("eagle", "hybrid", "eagle-tree", "hybrid-tree") else {}
-    if name == "self":
+    if name in ("self", "pearl"):
         options["mask"] = RoutingMask.from_units(3, "sublayer", [("mlp", 1)])
+    if name in ("swift", "clasp"):
+        options["confidence_threshold"] = 0.0  # draft every block in full: the drafts meet the grammar
+        options[f"{name}_ratio"] = 0.3  # two of the 3-layer model's six sub-layers skipped
+    if name == "pearl":
+        options["pearl_gamma"] = 3
     drafter = tiny_llama(seed=22, vocab_size=len(tok), layers=1, hidden=32, sharpness=6.0, dtype=torch.float32) \
-        if name in ("sd", "csd") else None
+        if name in ("sd", "adaptive-sd", "csd") else None
     method = build_method(name, model, drafter, MethodOptions(**options))
     reference, _ = run(model, build_method("ar", model), sampling, 7, grammars[kind], tok)
     tokens, steps = run(model, method, sampling, 7, grammars[kind], tok)
@@ -116,6 +122,69 @@ def test_forced_tokens_are_drafted_free_and_always_kept(tok, target, grammars):
         assert step.verdict.accepted == step.proposal.forced == len(step.proposal)
     assert tok.decode([t for s in forced for t in s.proposal.tokens.tolist()]).startswith('{"ok": ')
     assert len(steps) < len(tokens) / 2  # more than half the text forced
+
+
+def test_a_forced_root_skips_the_drafter_and_the_grammars_time_is_its_own(tok, target, grammars):
+    """Where the grammar allows one continuation after the committed tokens, the drafter is not
+    asked: the cycle's drafts are the forced tokens alone (no draft-head step), all kept; where it
+    allows more, the head drafts. The constraint's own time is counted apart from drafting."""
+    head = DraftHead.for_target(target, torch.arange(0, target.vocab_size, 2), seed=3).eval()
+    method = build_method("eagle", target, None, MethodOptions(draft_head=head))
+    tokens, steps = run(target, method, SamplingConfig(), 7, grammars["schema"], tok)
+    check_text(tokens, tok, "schema")
+    state = grammars["schema"].new_state()  # the state at each cycle's start
+    forced_roots = drafted_roots = 0
+    for step in steps:
+        forced = state.forced()
+        if forced:
+            forced_roots += 1
+            assert step.proposal.drafter_calls == 0 and step.proposal.forced == len(step.proposal) > 0
+            assert step.proposal.tokens.tolist() == forced[: len(step.proposal)]
+            assert step.verdict.accepted == len(step.proposal)
+        else:
+            drafted_roots += step.proposal.drafter_calls > 0
+        assert state.advance(step.new_tokens) == len(step.new_tokens)
+    assert forced_roots >= 3 and drafted_roots >= 1
+    assert all(step.cycle.grammar_seconds > 0 for step in steps)
+    run_stats = DecodeRun(target, method, prompt(tok), DecodeConfig(max_new_tokens=8, eos_token_ids=(EOS,)), 7).finish()
+    assert run_stats.stats.grammar_seconds == 0.0  # unconstrained: no grammar time
+
+
+def test_the_cost_aware_trim_is_told_the_forced_run_after_each_draft_length(tok, target, grammars, monkeypatch):
+    """``CostAware.trim`` gets, for every draft length the grammar takes, the forced run that
+    would follow it: checked against a fresh state walked over the committed tokens and drafts."""
+    from tierspec.decode import FORCED_PER_CYCLE
+    from tierspec.policies import CostAware
+
+    seen, generated = [], []
+    original = CostAware.trim
+
+    def recording(self, proposal, forced_after=None):
+        seen.append((list(generated), proposal.tokens.tolist(), forced_after))
+        return original(self, proposal, forced_after)
+
+    monkeypatch.setattr(CostAware, "trim", recording)
+    # free words, each followed by a forced " ok ": the n-gram drafts run from a word into its forced tail
+    words = compile_grammar(GrammarSpec.regex(r"((cat|cow|dog) ok ){2,6}end"), tok, target.vocab_size, [EOS])
+    max_new = 60
+    config = DecodeConfig(max_new_tokens=max_new, sampling=SamplingConfig(temperature=1.0), eos_token_ids=(EOS,),
+                          constraint=words)
+    method = build_method("adaptive-pld", target, None, MethodOptions())
+    for step in decode(target, method, torch.tensor(tok.encode("cat ok dog ok cow ok cat ok dog ok cow ok ")), config, 7):
+        generated.extend(step.new_tokens)
+    assert generated[-1] == EOS and tok.decode(generated[:-1]).endswith(" ok end")
+    told = [entry for entry in seen if entry[1]]
+    assert told and any(sum(runs[1:]) for _, _, runs in told)  # some draft led into a forced run
+    for before, drafts, runs in told:
+        state = words.new_state()
+        assert state.advance(before) == len(before)
+        expected = []
+        for j in range(len(drafts) + 1):
+            room = max(0, min(FORCED_PER_CYCLE, max_new - len(before) - 1 - j))
+            expected.append(len(state.forced()[:room]))
+            if j == len(drafts) or state.advance([drafts[j]]) != 1:
+                break
+        assert runs == expected
 
 
 def test_a_batchs_chain_masks_come_from_one_parallel_call(tok, target, grammars, monkeypatch):
@@ -143,5 +212,6 @@ def test_a_batchs_chain_masks_come_from_one_parallel_call(tok, target, grammars,
         batch.step()
     assert [run.token_ids for run in runs] == alone
     assert max(calls) == 3  # the three grammar sequences' chains together
+    assert batch.times.grammar > 0 and batch.times.to_dict()["grammar"] == batch.times.grammar
     for run, kind in zip(runs[:3], ("schema", "schema", "regex")):
         check_text(run.token_ids, tok, kind)

@@ -19,7 +19,7 @@ from tierspec.errors import TierspecError
 from tierspec.methods import WITHOUT_NUM_DRAFT, MethodOptions, build_method
 from tierspec.modifiers import LogitModifiers, chain_counts, modified_logits, token_counts, tree_counts
 from tierspec.layerskip.masks import RoutingMask
-from tierspec.sampling import Noise, SamplingConfig, gumbel_argmax, logits_to_probs, reported_logprobs
+from tierspec.sampling import Noise, SamplingConfig, logits_to_probs, reported_logprobs, sampling_logits
 
 PROMPT = torch.tensor([5, 9, 13, 5, 9, 13, 7, 21, 5, 9, 13, 7, 3, 30, 41])
 MODIFIERS = LogitModifiers(presence_penalty=0.6, frequency_penalty=0.9, logit_bias=((5, 2.5), (9, -3.0), (13, 1.0)))
@@ -145,7 +145,7 @@ def reference_tokens(target, sampling, seed, modifiers=MODIFIERS, max_new=40):
             if sampling.greedy:
                 token = int(logits.argmax())
             else:
-                token = int(gumbel_argmax(logits_to_probs(logits, sampling), noise.gumbel(len(ids))))
+                token = int((sampling_logits(logits, sampling) + noise.gumbel(len(ids))).argmax())  # the target's draw
             ids.append(token)
             generated.append(token)
     return generated, torch.stack(rows)

@@ -147,7 +147,9 @@ def test_every_lossless_method_samples_ars_text_for_a_seed(name, sampling, targe
         assert out == reference
     # Drafts were verified (kept ones, and rejected ones whose correction had to be ar's token):
     # the text is ar's because the rule makes it so, not because nothing was drafted.
-    if name not in ("self", "swift"):  # (their confidence stop may leave a random tiny model undrafted)
+    # (self's and swift's confidence stop may leave a random tiny model undrafted; adaptive-sd's policy
+    # declines the tiny drafter's flat drafts below temperature 1, one cycle in 240 or none)
+    if name not in ("self", "swift") and not (name == "adaptive-sd" and sampling != SAMPLINGS[0]):
         assert drafted > kept
     if name not in ("self", "swift", "adaptive-sd"):  # (its policy may give up on a drafter that keeps failing)
         assert kept > 0

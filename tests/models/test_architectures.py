@@ -22,7 +22,8 @@ PROMPT = torch.tensor([3, 17, 99, 4, 250, 8, 8, 41, 77, 12, 5, 190, 33, 2, 91, 1
 # float32 everywhere; torch's operators agree with transformers' to float32 rounding (measured ≤ 1e-6 of
 # the largest logit); the engine's fused layer sums in its own order (measured 2.6e-5)
 TOLERANCE = {"torch": 1e-5, "engine": 1e-4}
-ENGINE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0")  # Q5_0 as exact Q8_0 blocks (gguf_model.q8_0_rows_of_q5_0)
+# Q5_0 as exact Q8_0 blocks (gguf_model.q8_0_rows_of_q5_0); Q4_K_M's layers mix Q4_K and Q6_K parts
+ENGINE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q4_K_M")
 
 
 def _build(tiny, numerics=True, dtype=torch.float32):
@@ -120,7 +121,30 @@ def _loaded(tiny):
     return models.load_model(tiny.gguf, dtype=torch.float32).model
 
 
-@pytest.fixture(scope="module", params=[(a, b) for a in ARCHS for b in ("Q8_0", "Q4_K")], ids=lambda p: "-".join(p))
+def test_a_q4_k_m_file_runs_every_matrix_on_the_engine(files, tmp_path, monkeypatch):
+    """llama.cpp's Q4_K_M mix (q/k Q4_K beside v Q6_K in one layer, the tied head Q6_K): every
+    projection and the head the file's blocks, each layer one engine call, the values exactly
+    gguf-py's (a fused projection stacks its parts of different types)."""
+    monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path / "cache"))
+    tiny = files("llama3", "Q4_K_M")
+    model = models.load_model(tiny.gguf, dtype=torch.float32).model
+    decoder = model.model
+    assert decoder.engine_stack is not None and all(layer.fused is not None for layer in decoder.layers)
+    projections = [module for layer in decoder.layers for module in
+                   (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    assert all(isinstance(p, QuantLinear) for p in projections) and isinstance(model.lm_head, QuantLinear)
+    assert model.lm_head.qweight.type_name == "Q6_K"
+    types = [layer.self_attn.qkv_proj.qweight.type_name for layer in decoder.layers]
+    assert types == ["Q4_K", "Q4_K", "Q4_K+Q6_K"]  # of 3 layers the last gets more bits
+    assert [layer.mlp.down_proj.qweight.type_name for layer in decoder.layers] == ["Q4_K", "Q4_K", "Q6_K"]
+    reference = tiny.reference_weights
+    for i in (1, 2):
+        stacked = torch.cat([reference[f"model.layers.{i}.self_attn.{p}_proj.weight"] for p in "qkv"])
+        assert torch.equal(decoder.layers[i].self_attn.qkv_proj.weight, stacked)
+
+
+@pytest.fixture(scope="module", params=[(a, b) for a in ARCHS for b in ("Q8_0", "Q4_K")] + [("llama3", "Q4_K_M")],
+                ids=lambda p: "-".join(p))
 def loaded(request, files, tmp_path_factory):
     import os
 
@@ -251,17 +275,21 @@ def test_the_load_says_why_the_engine_is_not_used(files, tmp_path, monkeypatch, 
 def test_a_model_larger_than_the_memory_is_refused_before_loading(files, monkeypatch):
     from tierspec import gguf_model
 
-    tiny = files("qwen2", "Q4_K")
+    tiny = files("qwen2", "F16")
     monkeypatch.setattr(gguf_model, "available_memory", lambda: 1_000_000)
     tensors, fields = read_gguf_tensors(tiny.gguf)
     with pytest.raises(NotEnoughMemory) as error:
         build_gguf_model(tiny.gguf, tensors, fields, numerics_for(torch.float32), torch.float32, quiet=True)
     message = str(error.value)
     assert "\n" not in message
-    # Q4_K matrices de-quantised to float32: 3 layers of 589,824 weights, the 65,536-value table and
+    # F16 matrices de-quantised to float32: 3 layers of 589,824 weights, the 65,536-value table and
     # 3,328 norm and bias values, 4 bytes each: 7.35 MB
-    assert message == ("qwen2-Q4_K.gguf needs about 7.4 MB of memory (0.0 MB of blocks kept, 7.4 MB de-quantised "
+    assert message == ("qwen2-F16.gguf needs about 7.4 MB of memory (0.0 MB of blocks kept, 7.4 MB de-quantised "
                        "to float32), and this machine has 1.0 MB available")
+    # Q4_K kept as blocks: 144 bytes per 256 weights (the cells 2368 per 4096, about the same)
+    kept, dequantised = gguf_model.memory_needed(read_gguf_tensors(files("qwen2", "Q4_K").gguf)[0],
+                                                 numerics_for(torch.float32), torch.float32)
+    assert kept == (3 * 589_824 + 65_536) // 256 * 144 and dequantised == 3_328 * 4
 
 
 def test_a_tensor_of_the_wrong_shape_is_a_clear_error(files, tmp_path):
@@ -276,10 +304,13 @@ def test_a_tensor_of_the_wrong_shape_is_a_clear_error(files, tmp_path):
 def test_the_load_names_the_types_it_dequantises(files):
     from tierspec.gguf_model import dequantised_note
 
-    tiny = files("llama3", "Q4_K")
+    tiny = files("llama3", "F16")
     tensors, _ = read_gguf_tensors(tiny.gguf)
     assert dequantised_note(tiny.gguf, tensors, numerics_for(torch.float32), torch.float32) == (
-        "tierspec: llama3-Q4_K.gguf: 22 of 22 matrices de-quantised at load to float32 (22 Q4_K): the engine "
-        "multiplies Q4_0, Q4_1, Q8_0 (and Q5_0 as Q8_0) blocks only")
-    assert dequantised_note(files("llama3", "Q5_0").gguf, read_gguf_tensors(files("llama3", "Q5_0").gguf)[0],
-                            numerics_for(torch.float32), torch.float32) is None
+        "tierspec: llama3-F16.gguf: 22 of 22 matrices de-quantised at load to float32 (22 F16; the embedding table "
+        "F16 de-quantised to float32): the engine multiplies Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, Q8_0 (and Q5_0 as "
+        "Q8_0) blocks only")
+    for block_type in ("Q5_0", "Q4_K_M"):
+        tensors = read_gguf_tensors(files("llama3", block_type).gguf)[0]
+        assert dequantised_note(files("llama3", block_type).gguf, tensors, numerics_for(torch.float32),
+                                torch.float32) is None

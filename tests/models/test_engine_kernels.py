@@ -17,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
+from arch_models import K_TYPES, k_blocks, write_arch_gguf
 from gguf_models import write_tiny_gguf
 from tierspec import engine, quant
 from tierspec.cached_model import CachedModel
@@ -48,10 +49,19 @@ def kernels(path: str):
 
 
 def _blocks(kind: str, rows: int, width: int, seed: int) -> torch.Tensor:
+    """gguf-py's blocks of random rows; K-quants (which it cannot quantise): random valid blocks with
+    planted extreme scales (``arch_models.k_blocks``)."""
+    if kind in K_TYPES:
+        return torch.from_numpy(k_blocks(kind, rows, width, seed).copy())
     rng = np.random.default_rng(seed)
     values = rng.standard_normal((rows, width)).astype(np.float32)
     values[0, :32] = 0.0  # an all-zero block
     return torch.from_numpy(quantize(values, GGMLQuantizationType[kind]).copy())
+
+
+def _width(kind: str) -> int:
+    """160 inputs (5 blocks), or for a K-quant 512 (2 super-blocks: a tile's cells one after the other)."""
+    return 512 if kind in K_TYPES else 160
 
 
 def _rows(count: int, width: int, seed: int) -> torch.Tensor:
@@ -60,7 +70,7 @@ def _rows(count: int, width: int, seed: int) -> torch.Tensor:
     return x
 
 
-TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 ROW_COUNTS = [1, 2, 3, 5, 7, 16, 17, 40]
 
 
@@ -77,8 +87,9 @@ def test_every_path_equals_the_reference_bitwise_for_float32_and_int8_rows(path,
         _emulated_available()
     numerics = quant.Numerics(torch.bfloat16, quant.LAYOUT_FLOAT32_FMA, True) if dtype == "bfloat16-emulated" \
         else numerics_for(dtype)
-    weight = QuantWeight(_blocks(kind, 72, 160, seed=1), getattr(quant, kind), 160, numerics)  # 4.5 tiles
-    x = _rows(max(ROW_COUNTS), 160, seed=2)
+    width = _width(kind)
+    weight = QuantWeight(_blocks(kind, 72, width, seed=1), getattr(quant, kind), width, numerics)  # 4.5 tiles
+    x = _rows(max(ROW_COUNTS), width, seed=2)
     with kernels("portable"):
         reference = weight.multiply(x)
     with kernels(path):
@@ -87,10 +98,24 @@ def test_every_path_equals_the_reference_bitwise_for_float32_and_int8_rows(path,
         assert torch.equal(weight.multiply(x[5:6].contiguous()), reference[5:6])
 
 
+# each K-quant's bytes of stored values (the rest of a block: its scales) as (start, stop) per block
+_K_VALUE_BYTES = {"Q4_K": (144, [(16, 144)]), "Q5_K": (176, [(16, 176)]), "Q6_K": (210, [(0, 192)])}
+
+
 def _extreme_blocks(kind: str, rows: int, width: int) -> torch.Tensor:
-    """Raw blocks at the integers' bounds, which random weights never reach: Q8 values -128 and 127,
-    Q4 nibbles 15 and 0, in whole blocks of one value, alternating, and mixed (scale 1, Q4_1's m 0)."""
+    """Raw blocks at the integers' bounds, which random weights never reach, in whole blocks of one
+    value, alternating, and mixed: Q8 values -128 and 127, Q4 nibbles 15 and 0 (scale 1, Q4_1's m 0);
+    K-quants (random valid scales from ``k_blocks``) with every value bit set or clear: Q4_K 15 / 0,
+    Q5_K 31 / 0, Q6_K's u = q + 32 63 / 0."""
     rng = np.random.default_rng(17)
+    if kind in K_TYPES:
+        size, spans = _K_VALUE_BYTES[kind]
+        blocks = k_blocks(kind, rows, width, seed=17).reshape(rows, -1, size).copy()
+        for n in range(rows):
+            for start, stop in spans:
+                blocks[n, :, start:stop] = [0xFF, 0x00, np.tile(np.uint8([0xFF, 0x00]), (stop - start) // 2),
+                                            blocks[n, :, start:stop]][n % 4]
+        return torch.from_numpy(blocks.reshape(rows, -1))
     q8 = kind == "Q8_0"
     high, low = (-128, 127) if q8 else (15, 0)
     values = np.empty((rows, width), np.int64)
@@ -112,15 +137,18 @@ def _extreme_blocks(kind: str, rows: int, width: int) -> torch.Tensor:
 def test_int8_rows_at_the_integer_bounds_equal_the_reference_bitwise(path, kind):
     """8-bit rows of +-127 against weights at their bounds: where a kernel's narrow integer sums
     (AVX2's int16 pairs) could saturate or a sign trick could wrap, the exact sums must still come out."""
-    weight = QuantWeight(_extreme_blocks(kind, 32, 96), getattr(quant, kind), 96, numerics_for(torch.int8))
-    signs = torch.tensor([1.0, -1.0]).repeat(48)
-    x = torch.stack([torch.ones(96), -torch.ones(96), signs, -signs, torch.randn(96, generator=torch.Generator().manual_seed(3))])
+    width = 512 if kind in K_TYPES else 96
+    weight = QuantWeight(_extreme_blocks(kind, 32, width), getattr(quant, kind), width, numerics_for(torch.int8))
+    signs = torch.tensor([1.0, -1.0]).repeat(width // 2)
+    x = torch.stack([torch.ones(width), -torch.ones(width), signs, -signs,
+                     torch.randn(width, generator=torch.Generator().manual_seed(3))])
     with kernels("portable"):
         reference = weight.multiply(x)
     # the planted sums themselves: row 0 of x is all 127 after rounding (scale 1/127), so output n's
-    # value is the sum of its weights (sums up to 3 * 32 * 128, to float32 rounding of the blocks'
-    # float steps; a saturated pair would be off by thousands)
-    assert torch.allclose(reference[0], weight.dense().sum(1), rtol=0, atol=1e-3)
+    # value is the sum of its weights, to float32 rounding of the blocks' float steps (a saturated
+    # int16 sum would be off by thousands of units of a block's scale)
+    dense = weight.dense()
+    assert torch.allclose(reference[0], dense.sum(1), rtol=0, atol=1e-5 * float(dense.abs().sum(1).max()))
     with kernels(path):
         assert torch.equal(weight.multiply(x), reference)
         for row in range(len(x)):
@@ -128,14 +156,25 @@ def test_int8_rows_at_the_integer_bounds_equal_the_reference_bitwise(path, kind)
 
 
 def _summed_terms(kind: str, raw: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-    """[N, K]: the magnitude each weight brings to the bfloat16 kernels' sums. Q4 kernels sum
-    d·(128 + q_k)·x_k and add (m − 128 d)·Σx (docs/algorithms.md §The pass engine), so a Q4 weight
-    brings |128 d + w − m| + |m − 128 d| (d·(128 + q) = 128 d + w − m); a Q8 weight |w|."""
-    if kind == "Q8_0":
+    """[N, K]: the magnitude each weight brings to the bfloat16 kernels' sums. The kernels of the
+    kinds with a minimum (Q4_0, Q4_1, Q4_K, Q5_K: w = d·q + m per 32, K-quants' d = d·sc, m = −dmin·mn)
+    sum d·(128 + q_k)·x_k and add (m − 128 d)·Σx (docs/algorithms.md §The pass engine), so such a
+    weight brings |128 d + w − m| + |m − 128 d| (d·(128 + q) = 128 d + w − m); a Q8_0 or Q6_K weight |w|."""
+    if kind in ("Q8_0", "Q6_K"):
         return dense.abs()
-    blocks = raw.numpy().reshape(raw.shape[0], -1, 18 if kind == "Q4_0" else 20)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).astype(np.float32))  # [N, K/32, 1]
-    m = -8 * d if kind == "Q4_0" else torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).astype(np.float32))
+    rows = raw.shape[0]
+    if kind in ("Q4_K", "Q5_K"):
+        blocks = raw.numpy().reshape(rows, -1, 144 if kind == "Q4_K" else 176)
+        half = lambda at: blocks[..., at : at + 2].copy().view(np.float16).astype(np.float32)  # noqa: E731
+        s = blocks[..., 4:16]  # the 6-bit scales and minimums, unpacked as ggml does
+        sc = np.concatenate([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+        mn = np.concatenate([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+        d = torch.from_numpy((half(0) * sc).reshape(rows, -1, 1))  # [N, K/32, 1]
+        m = torch.from_numpy((-(half(2) * mn)).reshape(rows, -1, 1))
+    else:
+        blocks = raw.numpy().reshape(rows, -1, 18 if kind == "Q4_0" else 20)
+        d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).astype(np.float32))  # [N, K/32, 1]
+        m = -8 * d if kind == "Q4_0" else torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).astype(np.float32))
     w = dense.reshape(d.shape[0], d.shape[1], 32)
     return ((128 * d + w - m).abs() + (m - 128 * d).abs()).reshape(dense.shape)
 
@@ -150,9 +189,10 @@ def test_bfloat16_dot_products_match_the_reference_within_their_rounding(path, k
     if path == "amx-emulated":
         _emulated_available()
     numerics = quant.Numerics(torch.bfloat16, quant.LAYOUT_BFLOAT16_DOT, False)
-    raw = _blocks(kind, 72, 160, seed=3)
-    weight = QuantWeight(raw, getattr(quant, kind), 160, numerics)
-    x = _rows(40, 160, seed=4)
+    width = _width(kind)
+    raw = _blocks(kind, 72, width, seed=3)
+    weight = QuantWeight(raw, getattr(quant, kind), width, numerics)
+    x = _rows(40, width, seed=4)
     with kernels("portable"):
         reference = weight.multiply(x)
     rounded = x.to(torch.bfloat16).float()
@@ -168,8 +208,9 @@ def test_bfloat16_dot_products_match_the_reference_within_their_rounding(path, k
 @pytest.mark.skipif("amx" not in PATHS, reason=f"no AMX here: {AMX_REASON}")
 @pytest.mark.parametrize("kind", TYPES)
 def test_the_amx_int8_tiles_equal_the_reference_bitwise(kind):
-    weight = QuantWeight(_blocks(kind, 72, 160, seed=5), getattr(quant, kind), 160, numerics_for(torch.int8))
-    x = _rows(40, 160, seed=6)
+    width = _width(kind)
+    weight = QuantWeight(_blocks(kind, 72, width, seed=5), getattr(quant, kind), width, numerics_for(torch.int8))
+    x = _rows(40, width, seed=6)
     with kernels("portable"):
         reference = weight.multiply(x)
     with kernels("amx"):
@@ -193,7 +234,17 @@ def test_the_emulated_tiles_compute_what_the_instructions_define():
 def test_the_native_block_types_are_the_packages():
     assert {t: name for t, (name, _, _) in qe.block_types().items()} == quant.NATIVE_TYPES
     sizes = ggml_type_sizes()
-    assert {t: size for t, (_, _, size) in qe.block_types().items()} == {t: sizes[t][1] for t in quant.NATIVE_TYPES}
+    assert {t: (inputs, size) for t, (_, inputs, size) in qe.block_types().items()} == \
+        {t: tuple(sizes[t]) for t in quant.NATIVE_TYPES}
+    assert {t: value for t, value in quant._BLOCKS.items()} == {t: tuple(sizes[t]) for t in quant.NATIVE_TYPES}
+
+
+def test_k_quant_cells_stream_about_the_files_bytes():
+    """The cells' sizes (blocks.h): Q4_K 2368, Q5_K 2880, Q6_K 3360 bytes per 16 rows x 256 inputs,
+    1.03x, 1.02x and 1.00x the file's blocks."""
+    for kind, cell in (("Q4_K", 2368), ("Q5_K", 2880), ("Q6_K", 3360)):
+        weight = QuantWeight(_blocks(kind, 32, 512, seed=0), getattr(quant, kind), 512, numerics_for(torch.float32))
+        assert weight.nbytes == 2 * 2 * cell  # 2 tiles x 2 super-blocks
 
 
 # ---- the row contract on every path, through the fused model -----------------------------------------
@@ -220,12 +271,31 @@ def _threads(count: int):
     return arranged()
 
 
+@pytest.fixture(scope="module")
+def tiny_q4_k_m(tmp_path_factory):
+    """A Llama 3 file of llama.cpp's Q4_K_M mix (Q4_K; v, down and the head Q6_K where it puts them)."""
+    return write_arch_gguf(tmp_path_factory.mktemp("tiny-q4-k-m"), "llama3", "Q4_K_M", seed=12)
+
+
+def _load(which: str, tiny, tiny_q4_k_m, numerics):
+    if which == "Q4_1":
+        return load_gguf_llama(tiny.gguf, tiny.folder, numerics)
+    from tierspec.gguf_model import build_gguf_model
+    from tierspec.quant import read_gguf_tensors
+
+    tensors, fields = read_gguf_tensors(tiny_q4_k_m.gguf)
+    model = build_gguf_model(tiny_q4_k_m.gguf, tensors, fields, numerics, torch.float32, quiet=True)
+    assert model.model.engine_stack is not None
+    return model
+
+
+@pytest.mark.parametrize("which", ["Q4_1", "Q4_K_M"])
 @pytest.mark.parametrize("path", PATHS + ("amx-emulated",))
 @pytest.mark.parametrize("dtype", CONTRACT_NUMERICS)
-def test_a_tokens_logits_do_not_depend_on_its_pass_or_the_threads_on_every_path(tiny, path, dtype):
+def test_a_tokens_logits_do_not_depend_on_its_pass_or_the_threads_on_every_path(tiny, tiny_q4_k_m, which, path, dtype):
     if path == "amx-emulated":
         _emulated_available()
-    model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(dtype))
+    model = _load(which, tiny, tiny_q4_k_m, numerics_for(dtype))
     runner = CachedModel(model)
     prompt = LONG_PROMPT[:80]
     with torch.inference_mode(), kernels(path):

@@ -166,6 +166,21 @@ def test_sound_files_of_every_checked_architecture_pass(tmp_path, arch, options)
     assert header.array("tokenizer.ggml.tokens") == [f"<t{i}>" for i in range(V)]
 
 
+def test_a_q4_k_m_files_sizes_are_its_super_blocks(tmp_path):
+    """K-quant tensors (super-blocks of 256 values: Q4_K 144 bytes, Q6_K 210) sized as gguf-py reads
+    them, so the engine's repacking reads each tensor's bytes and no more."""
+    from arch_models import write_arch_gguf
+
+    path = write_arch_gguf(tmp_path, "llama3", "Q4_K_M").gguf
+    header = check_gguf(path)
+    reference = {t.name: (t.tensor_type, t.data_offset, t.n_bytes) for t in GGUFReader(path).tensors}
+    assert {name: (t.ggml_type, t.offset, t.nbytes) for name, t in header.tensors.items()} == reference
+    assert header.tensors["blk.0.attn_q.weight"].ggml_type == Q.Q4_K
+    assert header.tensors["blk.0.attn_q.weight"].nbytes == 256 * 256 // 256 * 144  # [256 rows, 256 values]
+    assert header.tensors["blk.2.ffn_down.weight"].ggml_type == Q.Q6_K
+    assert header.tensors["blk.2.ffn_down.weight"].nbytes == 256 * 512 // 256 * 210
+
+
 def test_an_unknown_architecture_gets_the_generic_checks(tmp_path):
     path = write_model(tmp_path / "other.gguf", "gpt2", extra={"whatever.weight": np.ones(32, np.float32)})
     assert check_gguf(path).architecture == "gpt2"
@@ -285,6 +300,13 @@ def damage_cases():
     up = "blk.0.ffn_up.weight"
     yield "block_count_0", meta("llama.block_count", "<I", 0), fixed("block_count_0")
     yield "block_count_1000", meta("llama.block_count", "<I", 1000), fixed("block_count_1000")
+    def block_count_off_by_one(count):
+        return lambda path, sound: (
+            f"metadata 'llama.block_count': {count}, but the file holds the tensors of {BLOCKS} blocks (blk.0 to "
+            f"blk.{BLOCKS - 1}); expected the number of blocks whose tensors the file holds ({BLOCKS}, with every "
+            "block from blk.0)")
+    yield "block_count_minus_1", meta("llama.block_count", "<I", BLOCKS - 1), block_count_off_by_one(BLOCKS - 1)
+    yield "block_count_plus_1", meta("llama.block_count", "<I", BLOCKS + 1), block_count_off_by_one(BLOCKS + 1)
     yield "missing_block", written(blocks=3, drop=tuple(n for n in _all_names(3) if n.startswith("blk.1."))), \
         fixed("missing_block")
 
@@ -402,6 +424,19 @@ def damage_cases():
                                      (lambda s: value_at(s, "llama.block_count"), "<f", 30.0)), fixed("block_count_float")
     yield "eos_outside", meta("tokenizer.ggml.eos_token_id", "<I", 64), fixed("eos_outside")
     yield "context_length_0", meta("llama.context_length", "<I", 0), fixed("context_length_0")
+    # a context of 2^31 would have the rotary tables and the cache sized from it
+    yield "context_length_huge", meta("llama.context_length", "<I", 2**31), \
+        lambda path, sound: "metadata 'llama.context_length': 2147483648; expected an integer from 1 to 16777216"
+    yield "vocab_size_0", written(metadata=lambda w: w.add_vocab_size(0)), \
+        lambda path, sound: "metadata 'llama.vocab_size': 0; expected an integer from 1 to 2147483648"
+
+    def three_dims_message(path, sound):
+        # the third dimension is read from the type and the offset's low half, the type from the offset's high
+        # half, the offset from the next tensor info's name length: caught as a misaligned offset
+        reader = GGUFReader(sound)
+        after = reader.tensors[[t.name for t in reader.tensors].index(up) + 1].name
+        return f"tensor '{up}': data offset {len(after)}; expected a multiple of the alignment 32"
+    yield "n_dims_2_to_3", info(up, "n_dims", "<I", 3), three_dims_message
     yield "rms_epsilon_nan", meta("llama.attention.layer_norm_rms_epsilon", "<f", float("nan")), fixed("rms_epsilon_nan")
     yield "rope_base_0", written(metadata=lambda w: w.add_rope_freq_base(0.0)), fixed("rope_base_0")
     yield "vocab_size_key", written(metadata=lambda w: w.add_vocab_size(65)), fixed("vocab_size_key")

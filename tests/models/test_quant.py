@@ -13,6 +13,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import dequantize, quantize
 
+from arch_models import K_TYPES, k_blocks
 from gguf_models import write_tiny_gguf
 from tierspec import engine, quant
 from tierspec.cached_model import CachedModel, HiddenCapture
@@ -51,23 +52,35 @@ def _numerics(name: str) -> quant.Numerics:
 
 
 NUMERICS = ["float32", "bfloat16-emulated", "bfloat16-native", "int8"]
-TYPES = ["Q4_0", "Q4_1", "Q8_0"]
+TYPES = ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 
 
-def _blocks(kind: str, rows: int, width: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random rows quantised by gguf-py, and gguf-py's own de-quantisation of them (float32)."""
-    rng = np.random.default_rng(seed)
-    values = rng.standard_normal((rows, width)).astype(np.float32)
-    values[0, :32] = 0.0  # an all-zero block (scale 0)
-    data = quantize(values, GGMLQuantizationType[kind])
+def _width(kind: str, width: int) -> int:
+    """``width`` for a 32-value type; for a K-quant the multiple of 256 at or above it (two super-blocks
+    at least, so a tile's cells follow one another)."""
+    return max(512, -(-width // 256) * 256) if kind in K_TYPES else width
+
+
+def _blocks(kind: str, rows: int, width: int, seed: int = 0, extremes: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random rows quantised by gguf-py (K-quants, which it cannot quantise: random valid blocks with
+    planted extreme scales, ``arch_models.k_blocks``), and gguf-py's own de-quantisation of them."""
+    if kind in K_TYPES:
+        data = k_blocks(kind, rows, width, seed, extremes)
+    else:
+        rng = np.random.default_rng(seed)
+        values = rng.standard_normal((rows, width)).astype(np.float32)
+        values[0, :32] = 0.0  # an all-zero block (scale 0)
+        data = quantize(values, GGMLQuantizationType[kind])
     return torch.from_numpy(data.copy()), torch.from_numpy(dequantize(data, GGMLQuantizationType[kind]).copy())
 
 
 @pytest.mark.parametrize("numerics", NUMERICS)
 @pytest.mark.parametrize("kind", TYPES)
 def test_the_weights_are_the_files_values_bitwise(kind, numerics):
-    raw, reference = _blocks(kind, 50, 96)  # 50 rows: four tiles, the last one partly padding
-    weight = QuantWeight(raw, getattr(quant, kind), 96, _numerics(numerics))
+    width = _width(kind, 96)
+    raw, reference = _blocks(kind, 50, width)  # 50 rows: four tiles, the last one partly padding
+    assert torch.isfinite(reference).all()
+    weight = QuantWeight(raw, getattr(quant, kind), width, _numerics(numerics))
     assert torch.equal(weight.dense(), reference)
     assert torch.equal(weight.rows(torch.tensor([49, 0, 17, 17])), reference[[49, 0, 17, 17]])
     with pytest.raises(IndexError):
@@ -93,20 +106,36 @@ def _reference_product(x: torch.Tensor, weight: torch.Tensor, numerics: quant.Nu
 @pytest.mark.parametrize("numerics", NUMERICS)
 @pytest.mark.parametrize("kind", TYPES)
 def test_products_match_a_float64_reference_and_rows_are_independent(kind, numerics):
-    raw, dense = _blocks(kind, 40, 160, seed=1)
+    width = _width(kind, 160)
+    raw, dense = _blocks(kind, 40, width, seed=1, extremes=False)
     setting = _numerics(numerics)
-    weight = QuantWeight(raw, getattr(quant, kind), 160, setting)
+    weight = QuantWeight(raw, getattr(quant, kind), width, setting)
     torch.manual_seed(0)
-    x = torch.randn(21, 160)
+    x = torch.randn(21, width)
     out = weight.multiply(x)
     expected = _reference_product(x, dense, setting)
-    # float32 sums of 160 products: a few ulps of the largest terms
-    assert (out - expected).abs().max() <= 1e-5 * expected.abs().max() * 10
+    # float32 sums of 160 (512) products: a few ulps of the largest terms
+    assert (out - expected).abs().max() <= 1e-5 * expected.abs().max() * 10 * width / 160
     for start, stop in ((0, 1), (5, 6), (3, 7), (0, 16), (4, 21), (20, 21)):
         assert torch.equal(weight.multiply(x[start:stop].contiguous()), out[start:stop]), (start, stop)
     accumulated = torch.ones(21, 40)
     weight.multiply(x, accumulated, accumulate=True)
     assert torch.equal(accumulated, 1 + out)
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+@pytest.mark.parametrize("kind", TYPES)
+def test_selected_rows_are_a_weight_of_their_own(kind, numerics):
+    """``select`` (a draft vocabulary's rows of the LM head, a Q4_K_M file's Q6_K): the same values,
+    and products bitwise the full weight's columns."""
+    width = _width(kind, 96)
+    raw, reference = _blocks(kind, 50, width, seed=6)
+    weight = QuantWeight(raw, getattr(quant, kind), width, _numerics(numerics))
+    chosen = torch.tensor([49, 0, 17, 33, 16, 2])
+    selected = weight.select(chosen)
+    assert torch.equal(selected.dense(), reference[chosen])
+    x = torch.randn(5, width)
+    assert torch.equal(selected.multiply(x), weight.multiply(x)[:, chosen])
 
 
 def test_rows_rounded_to_bfloat16_differ_from_float32_rows():
@@ -125,9 +154,10 @@ def test_rows_rounded_to_bfloat16_differ_from_float32_rows():
 @pytest.mark.parametrize("kind", TYPES)
 def test_the_portable_loop_equals_the_vnni_kernel_bitwise(kind):
     # integer dot products are exact, and both take the same float steps after them
-    raw, _ = _blocks(kind, 48, 128, seed=3)
-    weight = QuantWeight(raw, getattr(quant, kind), 128, _numerics("int8"))
-    x = torch.randn(11, 128) * 3
+    width = _width(kind, 128)
+    raw, _ = _blocks(kind, 48, width, seed=3)
+    weight = QuantWeight(raw, getattr(quant, kind), width, _numerics("int8"))
+    x = torch.randn(11, width) * 3
     vector = weight.multiply(x)
     with portable_loops():
         portable = weight.multiply(x)
@@ -137,9 +167,10 @@ def test_the_portable_loop_equals_the_vnni_kernel_bitwise(kind):
 @pytest.mark.skipif(not HAS_AVX2, reason="no AVX2 on this CPU")
 @pytest.mark.parametrize("kind", TYPES)
 def test_the_portable_loop_equals_the_avx2_kernel_bitwise(kind):
-    raw, _ = _blocks(kind, 48, 128, seed=3)
-    weight = QuantWeight(raw, getattr(quant, kind), 128, _numerics("float32"))
-    x = torch.randn(9, 128)
+    width = _width(kind, 128)
+    raw, _ = _blocks(kind, 48, width, seed=3)
+    weight = QuantWeight(raw, getattr(quant, kind), width, _numerics("float32"))
+    x = torch.randn(9, width)
     vector = weight.multiply(x)
     with portable_loops():
         assert qe.isa() == "portable"
@@ -147,19 +178,51 @@ def test_the_portable_loop_equals_the_avx2_kernel_bitwise(kind):
     assert torch.equal(vector, portable)
 
 
-def test_results_do_not_depend_on_the_thread_count():
-    raw, _ = _blocks("Q4_1", 4096, 256, seed=4)  # large enough to be split across threads
-    weight = QuantWeight(raw, quant.Q4_1, 256, numerics_for(torch.bfloat16))
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_K", "Q6_K"])
+def test_results_do_not_depend_on_the_thread_count(kind):
+    raw, _ = _blocks(kind, 4096, 256, seed=4)  # large enough to be split across threads
+    weight = QuantWeight(raw, getattr(quant, kind), 256, numerics_for(torch.bfloat16))
     x = torch.randn(7, 256)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        alone = weight.multiply(x)
-        torch.set_num_threads(2)
-        shared = weight.multiply(x)
+        results = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(weight.multiply(x))
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(alone, shared)
+    assert all(torch.equal(results[0], other) for other in results[1:])
+
+
+@pytest.mark.parametrize("numerics", NUMERICS)
+def test_a_weight_stacked_from_parts_of_different_types_is_each_parts_product(numerics):
+    """A Q4_K_M layer's fused projection: q/k Q4_K, v Q6_K (and a Q8_0 part, as Q5_0's copies are),
+    one engine weight whose rows are the parts' in order, each part's product bitwise what the part
+    alone gives (the rows are prepared once, each part multiplied by its own kind's kernel)."""
+    setting = _numerics(numerics)
+    parts = [("Q4_K", 48, 1), ("Q6_K", 20, 2), ("Q8_0", 16, 3), ("Q4_K", 8, 4)]
+    blocks = [(kind, *_blocks(kind, rows, 512, seed=seed)) for kind, rows, seed in parts]
+    order = torch.arange(20).flip(0)  # a part's rows taken in another order (as q/k's permutation)
+    stacked = QuantWeight(None, quant.Q4_K, 512, setting, parts=[
+        (raw, order if kind == "Q6_K" else None, getattr(quant, kind)) for kind, raw, _ in blocks])
+    assert stacked.type_name == "Q4_K+Q6_K+Q8_0+Q4_K" and stacked.out_features == 92
+    alone = [QuantWeight(raw, getattr(quant, kind), 512, setting) for kind, raw, _ in blocks]
+    dense = torch.cat([dense if kind != "Q6_K" else dense[order] for kind, _, dense in blocks])
+    assert torch.equal(stacked.dense(), dense)
+    assert stacked.nbytes == sum(part.nbytes for part in alone)
+    x = torch.randn(19, 512)
+    expected = torch.cat([part.multiply(x) if kind != "Q6_K" else part.multiply(x)[:, order]
+                          for part, (kind, _, _) in zip(alone, blocks)], dim=1)
+    threads = torch.get_num_threads()
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            assert torch.equal(stacked.multiply(x), expected), count
+            assert torch.equal(stacked.multiply(x[4:5].contiguous()), expected[4:5])
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(ValueError, match="not a stacked"):
+        stacked.select(torch.tensor([0]))
 
 
 def test_bad_blocks_are_refused():
@@ -167,7 +230,19 @@ def test_bad_blocks_are_refused():
     with pytest.raises(ValueError, match="take 40 bytes"):
         QuantWeight(raw[:, :-1], quant.Q4_1, 64, numerics_for(torch.float32))
     with pytest.raises(ValueError, match="not computed natively"):
-        QuantWeight(raw, 12, 64, numerics_for(torch.float32))  # Q4_K
+        QuantWeight(raw, 6, 64, numerics_for(torch.float32))  # Q5_0 (the loader re-encodes it as Q8_0)
+    with pytest.raises(ValueError, match="whole blocks of 256"):
+        QuantWeight(raw, quant.Q4_K, 64, numerics_for(torch.float32))
+    k_raw, _ = _blocks("Q4_K", 16, 256)
+    alternating = [(k_raw, None, quant.Q4_K), (raw[:, :20], None, quant.Q4_1)] * 3  # 6 runs of one type
+    with pytest.raises(ValueError, match="at most 4 runs of one type, not 6"):
+        QuantWeight(None, quant.Q4_K, 256, numerics_for(torch.float32), parts=alternating)
+    with pytest.raises(ValueError, match="Q4_1 rows of 256 values take 160 bytes each"):
+        QuantWeight(None, quant.Q4_K, 256, numerics_for(torch.float32), parts=alternating[:2])
+    wide = QuantWeight(k_raw, quant.Q4_K, 256, numerics_for(torch.float32))
+    narrow = QuantWeight(raw, quant.Q4_1, 64, numerics_for(torch.float32))
+    with pytest.raises(ValueError, match="part 1's inputs \\(64, layout 1\\) differ from the first part's \\(256"):
+        engine.engine().stack_weights((wide.handle, narrow.handle))
     with pytest.raises(ModelLoadError, match="bfloat16, float32 or int8"):
         numerics_for(torch.float16)
 

@@ -118,3 +118,111 @@ def test_the_perturbed_argmax_never_picks_a_token_of_probability_zero():
 def test_a_seed_must_be_an_integer(bad):
     with pytest.raises(SeedError, match="must be an integer"):
         Noise(bad, 4)
+
+
+# ---- the keyed noise kernels (csrc/noise/keyed_noise.c) ---------------------------------------------------
+
+
+def _plain_and_vectorised(monkeypatch, function):
+    """``function()`` on the plain loop and, where the CPU runs it, on the AVX2 loop."""
+    from tierspec import _keyed_noise, sampling
+
+    results = []
+    for vectorised in ([False, True] if _keyed_noise.avx2() else [False]):
+        monkeypatch.setattr(sampling, "_VECTORISED", vectorised)
+        results.append(function())
+    return results
+
+
+def test_the_avx2_loop_gives_the_plain_loops_bits(monkeypatch):
+    from tierspec.sampling import gumbel_rows
+
+    keys = [0, 1, 2**64 - 1, 0x9E3779B97F4A7C15, 123456789]
+    for vocab in (1, 7, 8, 9, 49152 + 3):  # the AVX2 loop's tails of every length
+        runs = _plain_and_vectorised(monkeypatch, lambda: gumbel_rows(keys, vocab))
+        assert all(torch.equal(run.view(torch.int32), runs[0].view(torch.int32)) for run in runs)
+
+
+def test_noise_values_are_the_formula_written_out():
+    """g = −ln(−ln u), u = ((mix64(key + (i + 1)·γ) >> 12) + ½)·2⁻⁵², to float32 precision: the
+    kernel's own logarithms against numpy's (float64) on the same uniforms."""
+    import numpy as np
+
+    from tierspec import _keyed_noise
+    from tierspec.sampling import gumbel_rows
+
+    key, vocab = 987654321, 20000
+    uniforms = np.array([((_keyed_noise.mix64((key + (i + 1) * 0x9E3779B97F4A7C15) % 2**64) >> 12) + 0.5) * 2.0**-52
+                         for i in range(vocab)])
+    expected = -np.log(-np.log(uniforms))
+    got = gumbel_rows([key], vocab)[0].double().numpy()
+    # float32 rounds 36.7 to 4e-6; the kernel's series add at most a few float32 steps more
+    assert np.abs(got - expected).max() < 2e-6 * np.maximum(1.0, np.abs(expected)).max()
+    assert uniforms.min() >= 2.0**-53 and uniforms.max() <= 1 - 2.0**-53
+
+
+def _full_argmax(scores: torch.Tensor, keys: list[int]) -> list[int]:
+    """The definition: argmax over the whole noise vector, the first of equal maxima."""
+    from tierspec.sampling import gumbel_rows
+
+    return (scores + gumbel_rows(keys, scores.shape[1])).argmax(-1).tolist()
+
+
+def _planted_rows(vocab: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    wide = torch.randn(vocab, generator=generator) * 3  # a language model's spread
+    flat = torch.randn(vocab, generator=generator) * 0.01  # near-uniform: many tokens can win
+    peaked = torch.full((vocab,), -30.0)
+    peaked[[3, vocab // 2, vocab - 1]] = 0.0  # three tied tops: the noise decides
+    masked = torch.randn(vocab, generator=generator)
+    masked[torch.rand(vocab, generator=generator) < 0.95] = float("-inf")  # top-k / top-p
+    masked[vocab // 3] = 1.0  # (one token at least is left)
+    equal = torch.zeros(vocab)  # every token tied
+    one = torch.full((vocab,), float("-inf"))
+    one[vocab - 2] = 5.0  # a single token left
+    rows = torch.stack([wide, flat, peaked, masked, equal, one])
+    return rows - rows.logsumexp(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("vocab", [5, 4099, 49152])
+def test_the_keyed_argmax_is_the_argmax_over_the_whole_noise_vector(monkeypatch, vocab):
+    from tierspec.sampling import keyed_argmax
+
+    rows = _planted_rows(vocab)
+    for seed in range(40):
+        keys = [Noise(seed, vocab).key(t) for t in range(len(rows))]
+        expected = _full_argmax(rows, keys)
+        for got in _plain_and_vectorised(monkeypatch, lambda: keyed_argmax(rows, keys)):
+            assert got.tolist() == expected
+        strided = torch.cat([rows, torch.zeros(len(rows), 3)], dim=1)[:, :vocab]  # rows of a wider buffer
+        assert keyed_argmax(strided, keys).tolist() == expected
+
+
+def test_the_keyed_argmax_is_an_exact_draw():
+    """Over many keys the token's frequencies are π's (a chi-square test at p > 1e-4)."""
+    from scipy.stats import chisquare
+
+    from tierspec.sampling import keyed_argmax
+
+    pi = torch.tensor([0.5, 0.25, 0.125, 0.0625, 0.0625, 0.0])
+    draws = 20000
+    noise = Noise(3, len(pi))
+    tokens = keyed_argmax(pi.log()[None].expand(draws, -1), [noise.key(t) for t in range(draws)])
+    counts = torch.bincount(torch.from_numpy(tokens), minlength=len(pi))
+    assert counts[-1] == 0  # probability 0: never
+    assert chisquare(counts[:-1].numpy(), (pi[:-1] * draws).numpy()).pvalue > 1e-4
+
+
+def test_a_nan_is_refused_and_rows_of_equal_scores_take_their_first_token(monkeypatch):
+    from tierspec.sampling import NoiseError, keyed_argmax
+
+    with pytest.raises(NoiseError, match="row 1 of the scores to sample from holds a NaN"):
+        keyed_argmax(torch.tensor([[0.0, 1.0, 2.0], [0.0, float("nan"), 1.0]]), [1, 2])
+    with pytest.raises(NoiseError, match="2 rows of scores need 2 keys, got 1"):
+        keyed_argmax(torch.zeros(2, 3), [1])
+    # every token excluded (a grammar's dead end past a rejection) or +inf: what argmax over the whole
+    # vector gives (the first of equal scores), never a refusal
+    inf = float("inf")
+    rows = torch.tensor([[-inf] * 11, [0.0, inf, 1.0, inf] + [0.0] * 7])
+    for got in _plain_and_vectorised(monkeypatch, lambda: keyed_argmax(rows, [5, 6])):
+        assert got.tolist() == _full_argmax(rows, [5, 6]) == [0, 1]

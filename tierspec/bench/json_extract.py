@@ -29,9 +29,9 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..data import DataError, default_data_dir, read_jsonl
+from ..data import JSON_EXTRACT_FILE, DataError, default_data_dir, read_jsonl
 
-TASKS_FILE = Path("json_extract") / "tasks.jsonl.gz"
+TASKS_FILE = JSON_EXTRACT_FILE
 SHAPES = ("mt_bench", "nested", "enums", "numbers", "optional")
 PASSAGE_CHARS = 1500  # passages are cut at a sentence end before this many characters
 

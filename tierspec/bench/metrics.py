@@ -1,5 +1,6 @@
-"""Quality metrics: task metrics (GSM8K exact match, HumanEval pass@1, ROUGE-L, BLEU) and
-fidelity to the target (exact match and ROUGE-L against its greedy output, target NLL)."""
+"""Quality metrics: task metrics (GSM8K exact match, HumanEval pass@1, ROUGE-L, BLEU, the
+JSON-extraction set's validity) and fidelity to the target (exact match and ROUGE-L against its
+greedy output, target NLL)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,25 @@ def final_number(text: str) -> str | None:
     if "." in value:
         value = value.rstrip("0").rstrip(".")
     return value
+
+
+def json_extract_scores(schema: dict, text: str, reference: str | None) -> dict:
+    """The JSON-extraction set's columns for one text (``json_extract.check_output``):
+    ``json_valid`` 1.0 when it parses and validates against ``schema`` (else 0.0, with
+    ``json_error`` saying why), and where the task has a gold answer (``reference``, JSON text of
+    the gold fields: GSM8K's ``answer``) ``json_answer_match``, 1.0 when a valid text's answer equals it."""
+    import json
+
+    from .json_extract import check_output
+
+    validity = check_output(schema, text)
+    scores: dict = {"json_valid": float(validity.valid)}
+    if not validity.valid:
+        scores["json_error"] = validity.error
+    gold = json.loads(reference) if reference else {}
+    if "answer" in gold:
+        scores["json_answer_match"] = float(validity.valid and validity.value.get("answer") == gold["answer"])
+    return scores
 
 
 def gsm8k_exact_match(generated: str, reference: str) -> float:

@@ -11,7 +11,7 @@ from pathlib import Path
 from ..util import atomic_write_text
 from . import metrics
 
-TASK_METRICS = ("gsm8k_exact_match", "humaneval_pass@1", "rouge_l")
+TASK_METRICS = ("gsm8k_exact_match", "humaneval_pass@1", "rouge_l", "json_valid", "json_answer_match")
 
 
 def _mean(values):
@@ -61,6 +61,10 @@ def _group_summary(rows: list[dict], baseline: dict, hf_greedy: dict, dataset: s
         "pass_time_share": (sum(r.get("pass_seconds", 0.0) for r in ours) / sum(r["seconds"] for r in ours)
                             if ours and sum(r["seconds"] for r in ours) > 0 and any("pass_seconds" in r for r in ours)
                             else None),
+        # the constraint's own work (its masks, cuts, forced tokens, advancing), apart from drafting
+        "grammar_time_share": (sum(r.get("grammar_seconds", 0.0) for r in ours) / sum(r["seconds"] for r in ours)
+                               if ours and sum(r["seconds"] for r in ours) > 0
+                               and any(r.get("grammar_seconds") for r in ours) else None),
         "drafter_calls_per_token": drafter_calls / emitted if emitted else None,
         "speedup_vs_hf_greedy": tps / hf if tps and hf else None,
         "speedup_vs_best_plain": tps / max(base or 0, hf or 0) if tps and (base or hf) else None,
@@ -255,7 +259,8 @@ def markdown_table(summary: dict) -> str:
         lines += [f"Plain decoding: `ar` {check['ar_tokens_per_s']:.2f} tok/s, `hf-greedy` {check['hf_greedy_tokens_per_s']:.2f} tok/s.{flag}", ""]
     header = ["method", "speed-up", "vs best plain", *categories, "tok/s", "τ", "rejection", "target calls/tok", "slim calls/tok",
               "fidelity EM", "fidelity ROUGE-L", "target NLL"]
-    extra = [m for m in ("gsm8k_exact_match", "humaneval_pass@1", "rouge_l", "bleu") if any(m in v["overall"] for v in methods.values())]
+    extra = [m for m in ("gsm8k_exact_match", "humaneval_pass@1", "rouge_l", "bleu", "json_valid", "json_answer_match")
+             if any(m in v["overall"] for v in methods.values())]
     header += extra
     lines.append("| " + " | ".join(header) + " |")
     lines.append("|" + "---|" * len(header))
@@ -301,14 +306,19 @@ def markdown_table(summary: dict) -> str:
     timed = {name: result["overall"] for name, result in methods.items()
              if result["overall"].get("pass_time_share") and result["overall"].get("tokens_per_s")}  # peers time no passes
     if timed:  # tierspec's own loop: where a generation's time goes
-        lines += ["", "| where the time goes | ms per token | drafting | verifier passes | rest of the loop |",
-                  "|---|---|---|---|---|"]
+        grammar = any(o.get("grammar_time_share") for o in timed.values())
+        lines += ["", "| where the time goes | ms per token | drafting |" + (" grammar |" if grammar else "")
+                  + " verifier passes | rest of the loop |", "|---|---|---|" + ("---|" if grammar else "") + "---|---|"]
         for name, o in timed.items():
             draft, passes = o.get("draft_time_share") or 0.0, o["pass_time_share"]
-            lines.append(f"| `{name}` | {_fmt(1000 / o['tokens_per_s'], 1)} | {_fmt(draft)} | {_fmt(passes)} | "
-                         f"{_fmt(max(0.0, 1 - draft - passes))} |")
+            constraint = o.get("grammar_time_share") or 0.0
+            lines.append(f"| `{name}` | {_fmt(1000 / o['tokens_per_s'], 1)} | {_fmt(draft)} | "
+                         + (f"{_fmt(constraint)} | " if grammar else "")
+                         + f"{_fmt(passes)} | {_fmt(max(0.0, 1 - draft - constraint - passes))} |")
         lines += ["", "Shares of the generations' wall time: drafting (the drafter's proposal and the policy's trim), "
-                  "the verifier passes of the draft–verify cycles (the target's and slim verifier's forward calls "
+                  + ("the grammar's own work (its masks, the drafts it cuts, its forced tokens, advancing it by the "
+                     "committed tokens; applying the masks to the logits is part of verification), " if grammar else "")
+                  + "the verifier passes of the draft–verify cycles (the target's and slim verifier's forward calls "
                   "alone), and the rest (the prompt's prefill, verification rules, commit, rollback, the policy's "
                   "learning)."]
     engines = {name: result["engine"] for name, result in methods.items() if name.startswith("llamacpp-") and "engine" in result}

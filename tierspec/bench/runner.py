@@ -33,8 +33,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from ..cluster import ClusterConfig, MachineInfo, UnitFailure
-from ..data import Prompt, load_prompts, select
-from ..decode import DecodeConfig, DecodeRun, GenerationStats
+from ..data import CONSTRAINED_DATASETS, Prompt, load_prompts, select
+from ..decode import DecodeConfig, DecodeRun, GenerationStats, check_constrainable
 from ..errors import TierspecError
 from ..methods import MethodOptions, build_method, drafts_with_model, method_names, option_fields, takes_num_draft
 from ..models import LoadedModel, load_model, model_code, resolve_dtype
@@ -277,7 +277,9 @@ class MethodRunner:
     (``TransformersPeer``, the ``hf-*`` names), llama.cpp (``LlamaCppPeer``, ``llamacpp-*``) or
     OpenVINO GenAI (``OpenVinoPeer``, ``ov-*``), the last two each in a worker process of its own
     (``peer_process.PeerProcess``: a crash there is that peer's ``PeerFailed``, not the run's);
-    each has ``run(prompt_ids, max_new_tokens, generator) → Outcome``."""
+    each has ``run(prompt_ids, max_new_tokens, generator) → Outcome``; a tierspec method also takes
+    a ``constraint`` (a compiled grammar: the JSON-extraction set's schemas), which the peers cannot
+    honour (``_run_bench`` refuses them on such a set)."""
 
     def __init__(self, spec: str, target: LoadedModel, drafter: LoadedModel | None, config: BenchConfig,
                  hf_models: tuple[LoadedModel, LoadedModel | None] | None = None):
@@ -298,8 +300,13 @@ class MethodRunner:
         else:
             self.engine = TierspecMethod(spec, params, target, drafter, config, eos, sampling)
 
-    def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None) -> Outcome:
-        return self.engine.run(prompt_ids, max_new_tokens, generator)
+    def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None,
+            constraint=None) -> Outcome:
+        if constraint is None:
+            return self.engine.run(prompt_ids, max_new_tokens, generator)
+        if not isinstance(self.engine, TierspecMethod):
+            raise BenchError(f"{self.spec} cannot constrain its text to a grammar")
+        return self.engine.run(prompt_ids, max_new_tokens, generator, constraint)
 
 
 class TierspecMethod:
@@ -317,9 +324,16 @@ class TierspecMethod:
         options = replace(MethodOptions(num_draft=num_draft), **{k: _convert(spec, k, v, target) for k, v in params.items()})
         # the run's drafter model serves the methods that draft with one
         self.method = build_method(name, target, drafter if drafts_with_model(name, options) else None, options)
+        if config.dataset in CONSTRAINED_DATASETS:  # its texts are constrained: a lossy method is refused now
+            try:
+                check_constrainable(self.method, self.method.generation(num_draft).rule)
+            except TierspecError as error:
+                raise BenchError(f"method spec '{spec}' on the {config.dataset} set: {error}") from None
 
-    def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None) -> Outcome:
-        config = DecodeConfig(max_new_tokens, self.sampling, self.eos)
+    def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None,
+            constraint=None) -> Outcome:
+        """``constraint``: a compiled grammar the text follows (None: free text)."""
+        config = DecodeConfig(max_new_tokens, self.sampling, self.eos, constraint=constraint)
         run = DecodeRun(self.target, self.method, prompt_ids, config, generator).finish()
         return Outcome(run.token_ids, run.stats.wall_seconds, run.stats)
 
@@ -398,6 +412,8 @@ def _on_transformers(loaded: LoadedModel | None, spec: str | None, config: Bench
 # ---- the run --------------------------------------------------------------------------------------
 
 def _task_quality(prompt: Prompt, text: str, dataset: str, code_sandbox: bool = True) -> dict:
+    if dataset == "json_extract":
+        return metrics.json_extract_scores(prompt.extra["schema"], text, prompt.reference)
     if dataset == "gsm8k" and prompt.reference:
         return {"gsm8k_exact_match": metrics.gsm8k_exact_match(text, prompt.reference)}
     if dataset == "humaneval":
@@ -526,6 +542,7 @@ class BenchWorker:
         self.config = replace(config, implementation=model_code(self.target.model))
         self.machine = MachineInfo.here(name, self.target.device).to_dict()
         self.runners: dict[str, MethodRunner] = {}
+        self._grammars: dict[str, object] = {}  # a constrained set's compiled schemas, by their JSON text
         self.warmed_up = False
         if build_runners:
             self.build_runners()
@@ -550,6 +567,19 @@ class BenchWorker:
                                       if name else None for name in (config.target, config.drafter))
             self.runners[spec] = MethodRunner(spec, *models[dtype], config, hf_models)
 
+    def constraint(self, prompt: Prompt):
+        """The compiled grammar ``prompt``'s text is constrained to (its JSON schema, on a set of
+        ``data.CONSTRAINED_DATASETS``; compiled once per schema), else None."""
+        if self.config.dataset not in CONSTRAINED_DATASETS:
+            return None
+        from ..grammar import GrammarSpec, compile_grammar
+
+        spec = GrammarSpec.json_schema(prompt.extra["schema"])
+        if spec.source not in self._grammars:
+            target = self.target
+            self._grammars[spec.source] = compile_grammar(spec, target.tokenizer, target.vocab_size, eos_ids(target))
+        return self._grammars[spec.source]
+
     def run(self, unit: BenchUnit) -> list[dict]:
         """The unit's records, together (what a Ray worker returns)."""
         return list(self.records(unit))
@@ -558,11 +588,12 @@ class BenchWorker:
         """The unit's records, one per method, each as soon as it is made."""
         config, target, prompt = self.config, self.target, unit.prompt
         prompt_ids = encode_prompt(target, prompt.text)
+        constraint = self.constraint(prompt)
         if not self.warmed_up:
             # Warm-up: first calls pay for allocator growth, thread pools and lazy imports.
             for runner in self.runners.values():
                 try:
-                    runner.run(prompt_ids, 8, torch.Generator().manual_seed(0))
+                    runner.run(prompt_ids, 8, torch.Generator().manual_seed(0), constraint)
                 except PeerFailed:
                     pass  # a peer whose worker died: its records say why (below)
             self.warmed_up = True
@@ -576,7 +607,7 @@ class BenchWorker:
                 torch.cuda.reset_peak_memory_stats(target.device)
             try:
                 with PeakRSS() as memory:
-                    outcome = self.runners[spec].run(prompt_ids, config.max_new_tokens, generator)
+                    outcome = self.runners[spec].run(prompt_ids, config.max_new_tokens, generator, constraint)
             except PeerFailed as error:  # the peer's worker died, hung or raised: this record says so
                 yield {"method": spec, "prompt_id": prompt.id, "category": prompt.category, "repeat": unit.repeat,
                        "error": str(error), "worker": self.machine}
@@ -640,6 +671,11 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
     config = replace(config, methods=tuple(methods))
     for spec in methods:
         parse_spec(spec)
+    if config.dataset in CONSTRAINED_DATASETS:
+        peers = [spec for spec in methods if parse_spec(spec)[0] not in method_names()]
+        if peers:
+            raise BenchError(f"the {config.dataset} set constrains each text to its JSON schema, which "
+                             f"{', '.join(peers)} cannot do: bench tierspec's lossless methods on it")
     prompts = select(load_prompts(config.dataset, Path(config.data_dir) if config.data_dir else None),
                      config.per_category, config.limit, config.seed)
     if not prompts:
@@ -747,6 +783,7 @@ def _stats_fields(stats: GenerationStats) -> dict:
         "position_accepted": stats.position_accepted,
         "draft_seconds": round(stats.draft_seconds, 5),
         "pass_seconds": round(stats.pass_seconds, 5),
+        "grammar_seconds": round(stats.grammar_seconds, 5),
         "drafted": stats.drafted,
         "evaluated": stats.evaluated,
         "accepted": stats.accepted,

@@ -25,6 +25,7 @@ static void *address(PyObject *value, const char *name) { /* an int address, or 
 static void weight_free(PyObject *capsule) {
     packed_weight *w = PyCapsule_GetPointer(capsule, WEIGHT_CAPSULE);
     if (!w) return;
+    Py_XDECREF((PyObject *)PyCapsule_GetContext(capsule)); /* a stacked weight's parts */
     free(w->cells);
     free(w);
 }
@@ -57,8 +58,47 @@ static PyObject *py_new_weight(PyObject *self, PyObject *args, PyObject *kw) {
     const block_type *bt = find_block_type(type);
     if (!bt) return PyErr_Format(PyExc_ValueError, "ggml type %d is not computed natively", type);
     if (layout < 0 || layout >= LAYOUTS) return PyErr_Format(PyExc_ValueError, "layout %d is not one of 0..%d", layout, LAYOUTS - 1);
-    if (N < 1 || K < QK || K % QK) return PyErr_Format(PyExc_ValueError, "a weight needs rows of whole blocks of %d, not [%d, %d]", QK, N, K);
+    if (N < 1 || K < bt->inputs || K % bt->inputs)
+        return PyErr_Format(PyExc_ValueError, "a %s weight needs rows of whole blocks of %d, not [%d, %d]", bt->name, bt->inputs, N, K);
     return new_weight_capsule(type, bt->kind, layout, round_rows && layout == LAYOUT_F32, N, K);
+}
+
+/* stack_weights(parts): one weight of the parts' rows in order (parts of different kinds; matmul.c
+ * prepares the rows once for all of them). The new capsule keeps the parts alive. */
+static PyObject *py_stack_weights(PyObject *self, PyObject *parts) {
+    (void)self;
+    if (!PyTuple_Check(parts) || PyTuple_GET_SIZE(parts) < 2 || PyTuple_GET_SIZE(parts) > MAX_PARTS)
+        return PyErr_Format(PyExc_ValueError, "a stacked weight takes a tuple of 2 to %d weights", MAX_PARTS);
+    packed_weight stacked = {-1, -1, 0, 0, 0, 0, NULL, 0};
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(parts); i++) {
+        packed_weight *part = weight_of(PyTuple_GET_ITEM(parts, i));
+        if (!part) return NULL;
+        if (part->parts) return PyErr_Format(PyExc_ValueError, "part %zd is itself stacked", i);
+        if (i == 0) stacked.layout = part->layout, stacked.round_rows = part->round_rows, stacked.K = part->K;
+        if (part->layout != stacked.layout || part->round_rows != stacked.round_rows || part->K != stacked.K)
+            return PyErr_Format(PyExc_ValueError, "part %zd's inputs (%d, layout %d) differ from the first part's (%d, layout %d)",
+                                i, part->K, part->layout, stacked.K, stacked.layout);
+        stacked.part[i] = part;
+        stacked.part_row0[i] = stacked.N;
+        stacked.N += part->N;
+        stacked.bytes += part->bytes;
+    }
+    stacked.parts = (int)PyTuple_GET_SIZE(parts);
+    packed_weight *w = malloc(sizeof *w);
+    if (!w) return PyErr_NoMemory();
+    *w = stacked;
+    PyObject *capsule = PyCapsule_New(w, WEIGHT_CAPSULE, weight_free);
+    if (!capsule) {
+        free(w);
+        return NULL;
+    }
+    Py_INCREF(parts);
+    if (PyCapsule_SetContext(capsule, parts) != 0) {
+        Py_DECREF(parts);
+        Py_DECREF(capsule);
+        return NULL;
+    }
+    return capsule;
 }
 
 static PyObject *py_weight_bytes(PyObject *self, PyObject *capsule) {
@@ -79,6 +119,7 @@ static PyObject *py_repack(PyObject *self, PyObject *args, PyObject *kw) {
     if (!src) return NULL;
     const int64_t *rank = NULL;
     if (order != Py_None && !(rank = address(order, "order"))) return NULL;
+    if (w->parts) return PyErr_Format(PyExc_ValueError, "a stacked weight is repacked part by part, before stacking");
     if (rows < 0 || row0 < 0 || row0 + rows > w->N)
         return PyErr_Format(PyExc_ValueError, "rows %d .. %d are outside the weight's %d rows", row0, row0 + rows - 1, w->N);
     Py_BEGIN_ALLOW_THREADS
@@ -123,6 +164,7 @@ static PyObject *py_gather_rows(PyObject *self, PyObject *args, PyObject *kw) {
     packed_weight *w = weight_of(capsule);
     if (!w) return NULL;
     if (count < 1) return PyErr_Format(PyExc_ValueError, "a gathered weight needs one row at least");
+    if (w->parts) return PyErr_Format(PyExc_ValueError, "rows are gathered from a weight of one type, not a stacked one");
     const int64_t *rows = address(indices, "indices");
     if (!rows || !check_rows(w, rows, count)) return NULL;
     PyObject *out = new_weight_capsule(w->ggml_type, w->kind, w->layout, w->round_rows, count, w->K);
@@ -456,7 +498,7 @@ static PyObject *py_block_types(PyObject *self, PyObject *unused) {
     PyObject *out = PyDict_New();
     for (int i = 0; out && i < block_type_count; i++) {
         PyObject *key = PyLong_FromLong(block_types[i].ggml_type);
-        PyObject *value = Py_BuildValue("(sii)", block_types[i].name, QK, block_types[i].block_bytes);
+        PyObject *value = Py_BuildValue("(sii)", block_types[i].name, block_types[i].inputs, block_types[i].block_bytes);
         if (!key || !value || PyDict_SetItem(out, key, value)) {
             Py_XDECREF(key);
             Py_XDECREF(value);
@@ -483,6 +525,7 @@ static PyObject *py_profile(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     KW(new_weight, "new_weight(ggml_type, layout, round_rows, out_features, in_features): an empty repacked weight."),
     {"weight_bytes", py_weight_bytes, METH_O, "Bytes of a repacked weight (what a product streams)."},
+    {"stack_weights", py_stack_weights, METH_O, "stack_weights(parts): one weight of the parts' rows in order (any types)."},
     KW(repack, "repack(weight, blocks, rows, order, row0): GGUF rows (addresses) into rows row0.. of a weight."),
     KW(dequant_rows, "dequant_rows(weight, indices, count, out): rows of a weight as float32."),
     KW(gather_rows, "gather_rows(weight, indices, count): those rows as a new weight."),

@@ -82,6 +82,7 @@ typedef struct {
     const void *x;        /* rows as the layout takes them: bf16 [M, K], float [M, K] or int8 [M, K] */
     const float *sums;    /* BF16, F32: each row's block sums [M, K/32]; INT8: block scales [M, K/32] */
     const int32_t *isums; /* INT8: block sums of the 8-bit values [M, K/32] */
+    const int32_t *half_isums; /* INT8, Q6_K: sums of the 8-bit values per 16 [M, K/16] (its two scales a block) */
     int M;
     float *out;
     int ldo;        /* out's row stride (floats) */

@@ -14,6 +14,8 @@
 #if QE_X86
 #include <immintrin.h>
 
+#include "avx512_blocks.h"
+
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];

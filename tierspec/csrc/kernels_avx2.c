@@ -37,51 +37,121 @@ AVX2_TARGET static void prepare_f32_avx2(int round_bf16, const float *x, int M, 
         }
 }
 
+/* A block's scales for the 8 output rows 8h .. 8h + 7 of a tile, as float32 (blocks.h's
+ * block_scales, 8 lanes): d[hh] multiplies inputs 16hh .. 16hh + 15 (d[0] = d[1] but for Q6_K), *mn
+ * the term per unit of the block's input sum (kinds with a minimum; left alone otherwise). Every
+ * layout's kernels can take their scales here: they depend on the kind alone. */
+AVX2_TARGET static KERNEL_INLINE void avx2_block_scales(const int kind, const uint8_t *cell, int j, int h, __m256 d[2], __m256 *mn) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    switch (kind) {
+    case KIND_Q4:
+        d[0] = d[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(((const cell_q4 *)cell)->d + 8 * h)));
+        *mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(((const cell_q4 *)cell)->m + 8 * h)));
+        return;
+    case KIND_Q8:
+        d[0] = d[1] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(((const cell_q8 *)cell)->d + 8 * h)));
+        return;
+    case KIND_Q4K: case KIND_Q5K: { /* D = d*sc, mn = -(dmin*m): exact */
+        const cell_q4k *c = (const cell_q4k *)cell;
+        __m256 sc = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c->sc[j] + 8 * h))));
+        __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(c->mn[j] + 8 * h))));
+        d[0] = d[1] = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c->d + 8 * h))), sc);
+        *mn = _mm256_xor_ps(sign, _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c->dmin + 8 * h))), m));
+        return;
+    }
+    case KIND_Q6K: {
+        const cell_q6k *c = (const cell_q6k *)cell;
+        __m256 dd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(c->d + 8 * h)));
+        for (int hh = 0; hh < 2; hh++)
+            d[hh] = _mm256_mul_ps(dd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c->sc[2 * j + hh] + 8 * h)))));
+        return;
+    }
+    default: UNKNOWN_KIND();
+    }
+}
+
+/* Each lane shifted so that its bit s lands at bit ``to`` (a value's high bits beside its nibble),
+ * then only the bits ``keep`` kept. */
+AVX2_TARGET static KERNEL_INLINE __m256i avx2_bit_to(__m256i v, int s, int to, int keep) {
+    __m256i moved = s <= to ? _mm256_slli_epi32(v, to - s) : _mm256_srli_epi32(v, s - to);
+    return _mm256_and_si256(moved, _mm256_set1_epi32(keep));
+}
+
+/* LAYOUT_F32: the stored integers (blocks.h's stored_value: Q6_K's u = q + 32) for inputs k .. k + 3
+ * of sub-block j (k a multiple of 4) and rows 8h .. 8h + 7, one vector per input. */
+AVX2_TARGET static KERNEL_INLINE void avx2_f32_values(const int kind, const uint8_t *cell, int j, int k, int h, __m256i v[4]) {
+    const __m256i low = _mm256_set1_epi32(0x0f);
+    const uint8_t *q;
+    switch (kind) {
+    case KIND_Q8: { /* 16 bytes per k: rows 0..15 */
+        const uint8_t *b = ((const cell_q8 *)cell)->q + 16 * k + 8 * h;
+        for (int i = 0; i < 4; i++) v[i] = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 16 * i)));
+        return;
+    }
+    case KIND_Q4: q = ((const cell_q4 *)cell)->q; break;
+    case KIND_Q4K: q = ((const cell_q4k *)cell)->q[j]; break;
+    case KIND_Q5K: q = ((const cell_q5k *)cell)->q[j]; break;
+    case KIND_Q6K: q = ((const cell_q6k *)cell)->q[j]; break;
+    default: UNKNOWN_KIND();
+    }
+    /* 16 bytes per pair of k: row r's k low, k + 1 high */
+    __m256i r01 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k + 8 * h)));
+    __m256i r23 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * k + 16 + 8 * h)));
+    v[0] = _mm256_and_si256(r01, low);
+    v[1] = _mm256_srli_epi32(r01, 4);
+    v[2] = _mm256_and_si256(r23, low);
+    v[3] = _mm256_srli_epi32(r23, 4);
+    if (kind == KIND_Q5K) { /* the fifth bit of k + i: bit (k + i) % 8 of byte 16*((k + i) / 8) + r */
+        const uint8_t *hi = ((const cell_q5k *)cell)->hi[j] + 16 * (k / 8) + 8 * h;
+        __m256i bits = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)hi));
+        for (int i = 0; i < 4; i++) v[i] = _mm256_or_si256(v[i], avx2_bit_to(bits, k % 8 + i, 4, 0x10));
+    } else if (kind == KIND_Q6K) { /* bits 2i, 2i + 1 of byte 16*(k/4) + r are k + i's high two (u, not yet less 32) */
+        const uint8_t *hi = ((const cell_q6k *)cell)->hi[j] + 16 * (k / 4) + 8 * h;
+        __m256i bits = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)hi));
+        for (int i = 0; i < 4; i++) v[i] = _mm256_or_si256(v[i], avx2_bit_to(bits, 2 * i, 4, 0x30));
+    }
+}
+
 /* LAYOUT_F32 in the reference's order (four running sums per output, by k mod 4), 8 float lanes =
  * 8 output rows: the tile's two halves one after the other (4 sums x 3 rows x a half fill 12 of
- * the 16 registers), up to 3 rows of x at once. */
+ * the 16 registers), up to 3 rows of x at once. ``kind`` and ``mt`` are constants in each copy. */
 #define AVX2_ROWS 3
-AVX2_TARGET static inline void tile_f32_avx2_rows(const matmul_args *a, int t, int m0, const int mt) {
+AVX2_TARGET static KERNEL_INLINE void tile_f32_avx2_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
     const packed_weight *w = a->w;
     int KB = w->K / QK;
     const float *x = (const float *)a->x;
-    const __m256i low = _mm256_set1_epi32(0x0f);
-    size_t cb = cell_bytes(w->kind);
+    size_t block_bytes = cell_bytes(kind) / cell_blocks(kind); /* a cell's bytes per block of 32 inputs */
     float vals[AVX2_ROWS][TILE];
     for (int h = 0; h < 2; h++) { /* rows 8h .. 8h + 7 of the tile */
         __m256 p[AVX2_ROWS][4];
         for (int i = 0; i < mt; i++) p[i][0] = p[i][1] = p[i][2] = p[i][3] = _mm256_setzero_ps();
         for (int b = 0; b < KB; b++) {
-            const uint8_t *cell = cell_at(w, t, b);
-            if (h == 0)
-                for (size_t line = 0; line < cb; line += 64) _mm_prefetch((const char *)(cell + PREFETCH_CELLS * cb + line), _MM_HINT_T0);
-            __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + 16 * h)));
+            int j;
+            const uint8_t *cell = block_cell(w, t, b, &j);
+            if (h == 0) {
+                const uint8_t *ahead = cell + block_bytes * (j + PREFETCH_CELLS);
+                for (size_t line = 0; line < block_bytes; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
+            }
+            __m256 d[2], mn = _mm256_setzero_ps();
+            avx2_block_scales(kind, cell, j, h, d, &mn);
             const float *xb = x + (size_t)m0 * w->K + b * QK;
             for (int k = 0; k < QK; k += 4) {
+                __m256i v[4];
                 __m256 wk[4];
-                if (w->kind == KIND_Q4) { /* 16 bytes per pair of k: row r's k low, k + 1 high */
-                    const uint8_t *q = ((const cell_q4 *)cell)->q + 8 * k + 8 * h;
-                    __m256i r01 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
-                    __m256i r23 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 16)));
-                    wk[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(r01, low)));
-                    wk[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(r01, 4)));
-                    wk[2] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(r23, low)));
-                    wk[3] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(r23, 4)));
-                } else { /* 16 bytes per k: rows 0..15 */
-                    const uint8_t *q = ((const cell_q8 *)cell)->q + 16 * k + 8 * h;
-                    for (int j = 0; j < 4; j++)
-                        wk[j] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 16 * j)))));
-                }
+                avx2_f32_values(kind, cell, j, k, h, v);
+                if (kind == KIND_Q6K) /* d*u - 32d = d*(u - 32) exactly (both exact, their difference too) */
+                    for (int i = 0; i < 4; i++)
+                        wk[i] = _mm256_fmsub_ps(d[k / 16], _mm256_cvtepi32_ps(v[i]), _mm256_mul_ps(d[k / 16], _mm256_set1_ps(32.0f)));
+                else
+                    for (int i = 0; i < 4; i++) wk[i] = _mm256_mul_ps(d[k / 16], _mm256_cvtepi32_ps(v[i]));
                 for (int i = 0; i < mt; i++) {
                     const float *xr = xb + (size_t)i * w->K + k;
-                    for (int j = 0; j < 4; j++) p[i][j] = _mm256_fmadd_ps(wk[j], _mm256_broadcast_ss(xr + j), p[i][j]);
+                    for (int e = 0; e < 4; e++) p[i][e] = _mm256_fmadd_ps(wk[e], _mm256_broadcast_ss(xr + e), p[i][e]);
                 }
             }
-            if (w->kind == KIND_Q4) {
-                __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + 32 + 16 * h)));
+            if (has_minimum(kind))
                 for (int i = 0; i < mt; i++)
                     p[i][0] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a->sums[(size_t)(m0 + i) * KB + b]), p[i][0]);
-            }
         }
         for (int i = 0; i < mt; i++)
             _mm256_storeu_ps(vals[i] + 8 * h, _mm256_add_ps(_mm256_add_ps(p[i][0], p[i][1]), _mm256_add_ps(p[i][2], p[i][3])));
@@ -89,11 +159,29 @@ AVX2_TARGET static inline void tile_f32_avx2_rows(const matmul_args *a, int t, i
     for (int i = 0; i < mt; i++) store_tile(a, m0 + i, t, vals[i]);
 }
 
-AVX2_TARGET static void tile_f32_avx2(const matmul_args *a, int t, int m0, int mt) {
-    switch (mt) {
-    case 1: tile_f32_avx2_rows(a, t, m0, 1); break;
-    case 2: tile_f32_avx2_rows(a, t, m0, 2); break;
-    default: tile_f32_avx2_rows(a, t, m0, 3); break;
+#define AVX2_F32_KIND(kind)                                                                                    \
+    AVX2_TARGET static void tile_f32_avx2_##kind(const matmul_args *a, int t, int m0, int mt) {                \
+        switch (mt) {                                                                                          \
+        case 1: tile_f32_avx2_rows(a, t, m0, 1, kind); break;                                                  \
+        case 2: tile_f32_avx2_rows(a, t, m0, 2, kind); break;                                                  \
+        default: tile_f32_avx2_rows(a, t, m0, 3, kind); break;                                                 \
+        }                                                                                                      \
+    }
+AVX2_F32_KIND(KIND_Q4)
+AVX2_F32_KIND(KIND_Q8)
+AVX2_F32_KIND(KIND_Q4K)
+AVX2_F32_KIND(KIND_Q5K)
+AVX2_F32_KIND(KIND_Q6K)
+
+/* The LAYOUT_F32 kernel of each kind (a kind without one here would trap, never take another's). */
+static tile_fn tile_f32_avx2(int kind) {
+    switch (kind) {
+    case KIND_Q4: return tile_f32_avx2_KIND_Q4;
+    case KIND_Q8: return tile_f32_avx2_KIND_Q8;
+    case KIND_Q4K: return tile_f32_avx2_KIND_Q4K;
+    case KIND_Q5K: return tile_f32_avx2_KIND_Q5K;
+    case KIND_Q6K: return tile_f32_avx2_KIND_Q6K;
+    default: UNKNOWN_KIND();
     }
 }
 
@@ -134,21 +222,24 @@ AVX2_TARGET static void prepare_int8_avx2(const float *x, int M, int K, int8_t *
         }
 }
 
-/* LAYOUT_INT8 products: per block, each output's exact int32 dot product of the weight's integers
- * with the row's 8-bit values, then the reference's float steps (acc += dot * (d * s), and for Q4
- * acc += m * (s * sum x8)): the same bits as the reference and the VNNI and AMX kernels, whatever
+/* LAYOUT_INT8 products: per block, each output's exact int32 dot product of the weight's stored
+ * integers with the row's 8-bit values, then the reference's float steps (acc += dot * (d * s), and
+ * for the kinds with a minimum acc += mn * (s * sum x8); Q6_K per half of the block, its dot less 32
+ * times the half's 8-bit sum): the same bits as the reference and the VNNI and AMX kernels, whatever
  * the row count. 8 int32 lanes = 8 output rows (a lane holds one output's quad of k): the tile's
  * two halves are two vectors, over up to INT8_ROWS rows of x, so each weight vector is loaded once
  * for all the rows and each row's quad broadcast once for both halves.
  *
  * vpmaddubsw multiplies unsigned by signed bytes and adds adjacent pairs into int16 with
- * saturation, so each kind keeps its pairs inside int16 (|x8| <= 127):
- *  - Q4: nibbles 0..15, a pair at most 2 * 15 * 127 = 3810, so the 8 quads of a block add up in
- *    int16 (8 * 3810 = 30480 < 32767) before one vpmaddwd widens them;
+ * saturation, so each kind keeps its sums inside int16 (|x8| <= 127):
+ *  - nibble kinds, stored u in 0..15 (Q4, Q4_K), 0..31 (Q5_K), 0..63 (Q6_K): a pair at most
+ *    2 * u_max * 127, so int16_quads(kind) quads add up in int16 (8 * 3810, 4 * 7874, 2 * 16002, all
+ *    < 32767) before vpmaddwd widens them;
  *  - Q8: stored q + 128 (0..255) would reach 2 * 255 * 127 > 32767, so the kernel takes the signed q
  *    back (xor 128) and multiplies |q| (0..128, unsigned) by x8 with q's sign (vpsignb: -x8 is in
  *    range): a pair at most 2 * 128 * 127 = 32512, widened by vpmaddwd after each quad.
- * A new cell kind adds its dot helper and its case of float steps in tile_int8_avx2_rows. */
+ * A new cell kind adds a case to int16_quads (or its own dot helper) and to the float steps in
+ * tile_int8_avx2_rows. */
 #define INT8_ROWS 4
 
 /* Keeps a running integer sum in a register where the code adds to it: without it GCC reassociates
@@ -156,30 +247,69 @@ AVX2_TARGET static void prepare_int8_avx2(const float *x, int M, int K, int8_t *
  * first and spilling them to the stack. */
 #define IN_ORDER(v) __asm__("" : "+x"(v))
 
-/* A Q4 cell's block: dot[i][h] = sum_k q[k] * x8_i[k] for outputs 8h .. 8h + 7 (int32 lanes). */
-AVX2_TARGET static inline void int8_dots_q4(const uint8_t *cell, const int32_t *xb, int K4, const int mt, __m256i dot[][2]) {
-    const __m256i low = _mm256_set1_epi8(0x0f);
-    const uint8_t *q = ((const cell_q4 *)cell)->q;
+/* Quads of a nibble kind's products that add up in int16 before widening (see above). */
+static KERNEL_INLINE int int16_quads(int kind) {
+    switch (kind) {
+    case KIND_Q4: case KIND_Q4K: return 8;
+    case KIND_Q5K: return 4;
+    case KIND_Q6K: return 2;
+    default: UNKNOWN_KIND();
+    }
+}
+
+/* Quad g's stored values at positions 32h .. 32h + 31 (rows 8h .. 8h + 7) with their high bits from
+ * the plane (hi_slot: per quad and bit a 64-bit mask over positions 4r + k%4), ``nib`` holding the low
+ * four bits: each mask bit widened to its byte and 16 << b added where set. */
+AVX2_TARGET static KERNEL_INLINE __m256i avx2_int8_high(const int bits, const uint8_t *hi, int g, int h, __m256i nib) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, /* byte p takes mask byte p / 8 */
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull); /* and its bit p % 8 */
+    for (int b = 0; b < bits; b++) {
+        uint32_t mask;
+        memcpy(&mask, hi + 8 * (bits * g + b) + 4 * h, 4);
+        __m256i m = _mm256_shuffle_epi8(_mm256_set1_epi32((int)mask), spread);
+        __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(m, bit), bit);
+        nib = _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8((char)(16 << b))));
+    }
+    return nib;
+}
+
+/* Sub-block j of a nibble kind's cell: dot[i][h][part] = sum_k u[k] * x8_i[k] over outputs 8h ..
+ * 8h + 7 (int32 lanes), part 0 the whole block, or for Q6_K its halves (quads 0-3, 4-7). */
+AVX2_TARGET static KERNEL_INLINE void int8_dots_nibbles(const int kind, const uint8_t *cell, int j, const int32_t *xb, int K4,
+                                                         const int mt, __m256i dot[][2][2]) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const uint8_t *hi, *q = nibbles_of(kind, cell, j, &hi);
+    const int bits = high_bits(kind), run = int16_quads(kind), part_quads = kind == KIND_Q6K ? 4 : 8;
     __m256i pairs[INT8_ROWS][2];
 #pragma GCC unroll 8
     for (int g = 0; g < QK / 4; g++) { /* quad g: 32 bytes, rows 0..7 in the low nibbles, 8..15 in the high */
         __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * g));
         __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if (bits) {
+            w0 = avx2_int8_high(bits, hi, g, 0, w0);
+            w1 = avx2_int8_high(bits, hi, g, 1, w1);
+        }
         for (int i = 0; i < mt; i++) {
             __m256i xq = _mm256_set1_epi32(xb[(size_t)i * K4 + g]);
             __m256i p0 = _mm256_maddubs_epi16(w0, xq), p1 = _mm256_maddubs_epi16(w1, xq);
-            pairs[i][0] = g ? _mm256_add_epi16(pairs[i][0], p0) : p0;
-            pairs[i][1] = g ? _mm256_add_epi16(pairs[i][1], p1) : p1;
+            pairs[i][0] = g % run ? _mm256_add_epi16(pairs[i][0], p0) : p0;
+            pairs[i][1] = g % run ? _mm256_add_epi16(pairs[i][1], p1) : p1;
             IN_ORDER(pairs[i][0]);
             IN_ORDER(pairs[i][1]);
+            if (g % run == run - 1) { /* widen the run into its part's int32 sums */
+                int part = g / part_quads, first = g % part_quads == run - 1;
+                for (int h = 0; h < 2; h++) {
+                    __m256i wide = _mm256_madd_epi16(pairs[i][h], ones);
+                    dot[i][h][part] = first ? wide : _mm256_add_epi32(dot[i][h][part], wide);
+                }
+            }
         }
     }
-    for (int i = 0; i < mt; i++)
-        for (int h = 0; h < 2; h++) dot[i][h] = _mm256_madd_epi16(pairs[i][h], _mm256_set1_epi16(1));
 }
 
-/* A Q8 cell's block (the sign trick above). */
-AVX2_TARGET static inline void int8_dots_q8(const uint8_t *cell, const int32_t *xb, int K4, const int mt, __m256i dot[][2]) {
+/* A Q8 cell's block (the sign trick above): dot[i][h][0]. */
+AVX2_TARGET static KERNEL_INLINE void int8_dots_q8(const uint8_t *cell, const int32_t *xb, int K4, const int mt, __m256i dot[][2][2]) {
     const __m256i bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
     const uint8_t *q = ((const cell_q8 *)cell)->q;
 #pragma GCC unroll 8
@@ -191,49 +321,58 @@ AVX2_TARGET static inline void int8_dots_q8(const uint8_t *cell, const int32_t *
             __m256i xq = _mm256_set1_epi32(xb[(size_t)i * K4 + g]);
             __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(xq, s0)), ones);
             __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(xq, s1)), ones);
-            dot[i][0] = g ? _mm256_add_epi32(dot[i][0], p0) : p0;
-            dot[i][1] = g ? _mm256_add_epi32(dot[i][1], p1) : p1;
-            IN_ORDER(dot[i][0]);
-            IN_ORDER(dot[i][1]);
+            dot[i][0][0] = g ? _mm256_add_epi32(dot[i][0][0], p0) : p0;
+            dot[i][1][0] = g ? _mm256_add_epi32(dot[i][1][0], p1) : p1;
+            IN_ORDER(dot[i][0][0]);
+            IN_ORDER(dot[i][1][0]);
         }
     }
 }
 
-AVX2_TARGET static inline void tile_int8_avx2_rows(const matmul_args *a, int t, int m0, const int mt) {
+/* ``kind`` and ``mt`` are constants in each copy. */
+AVX2_TARGET static KERNEL_INLINE void tile_int8_avx2_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
     const packed_weight *w = a->w;
     int KB = w->K / QK, K4 = w->K / 4;
     const int32_t *x = (const int32_t *)a->x; /* quads of int8 */
-    size_t cb = cell_bytes(w->kind);
+    size_t block_bytes = cell_bytes(kind) / cell_blocks(kind); /* a cell's bytes per block of 32 inputs */
     __m256 acc[INT8_ROWS][2];
     for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
     for (int b = 0; b < KB; b++) {
-        const uint8_t *cell = cell_at(w, t, b);
-        for (size_t line = 0; line < cb; line += 64) _mm_prefetch((const char *)(cell + PREFETCH_CELLS * cb + line), _MM_HINT_T0);
+        int j;
+        const uint8_t *cell = block_cell(w, t, b, &j);
+        const uint8_t *ahead = cell + block_bytes * (j + PREFETCH_CELLS);
+        for (size_t line = 0; line < block_bytes; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
         const int32_t *xb = x + (size_t)m0 * K4 + b * (QK / 4);
         const float *s = a->sums + (size_t)m0 * KB + b; /* the rows' block scales, KB apart */
-        __m256i dot[INT8_ROWS][2];
-        __m256 d[2];
-        for (int h = 0; h < 2; h++) d[h] = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + 16 * h))); /* every kind's d first */
-        switch (w->kind) {
-        case KIND_Q4: {
-            int8_dots_q4(cell, xb, K4, mt, dot);
-            const int32_t *isum = a->isums + (size_t)m0 * KB + b;
-            for (int h = 0; h < 2; h++) {
-                __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(cell + offsetof(cell_q4, m) + 16 * h)));
-                for (int i = 0; i < mt; i++) {
-                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h]), _mm256_mul_ps(d[h], _mm256_set1_ps(s[(size_t)i * KB])), acc[i][h]);
-                    acc[i][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(s[(size_t)i * KB] * (float)isum[(size_t)i * KB]), acc[i][h]);
+        __m256i dot[INT8_ROWS][2][2];
+        if (kind == KIND_Q8) int8_dots_q8(cell, xb, K4, mt, dot);
+        else int8_dots_nibbles(kind, cell, j, xb, K4, mt, dot);
+        for (int h = 0; h < 2; h++) {
+            __m256 d[2], mn = _mm256_setzero_ps();
+            avx2_block_scales(kind, cell, j, h, d, &mn);
+            for (int i = 0; i < mt; i++) {
+                __m256 si = _mm256_set1_ps(s[(size_t)i * KB]);
+                switch (kind) {
+                case KIND_Q4: case KIND_Q4K: case KIND_Q5K: {
+                    float offset = s[(size_t)i * KB] * (float)a->isums[(size_t)(m0 + i) * KB + b];
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h][0]), _mm256_mul_ps(d[0], si), acc[i][h]);
+                    acc[i][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(offset), acc[i][h]);
+                    break;
+                }
+                case KIND_Q8:
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h][0]), _mm256_mul_ps(d[0], si), acc[i][h]);
+                    break;
+                case KIND_Q6K: { /* u = q + 32: each half's dot less 32 times the half's 8-bit sum */
+                    const int32_t *half = a->half_isums + (size_t)(m0 + i) * (2 * KB) + 2 * b;
+                    for (int part = 0; part < 2; part++) {
+                        __m256i q = _mm256_sub_epi32(dot[i][h][part], _mm256_set1_epi32(32 * half[part]));
+                        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(d[part], si), acc[i][h]);
+                    }
+                    break;
+                }
+                default: UNKNOWN_KIND();
                 }
             }
-            break;
-        }
-        case KIND_Q8:
-            int8_dots_q8(cell, xb, K4, mt, dot);
-            for (int h = 0; h < 2; h++)
-                for (int i = 0; i < mt; i++)
-                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h]), _mm256_mul_ps(d[h], _mm256_set1_ps(s[(size_t)i * KB])), acc[i][h]);
-            break;
-        default: __builtin_trap(); /* a cell kind without its case here */
         }
     }
     float vals[TILE];
@@ -244,12 +383,30 @@ AVX2_TARGET static inline void tile_int8_avx2_rows(const matmul_args *a, int t, 
     }
 }
 
-AVX2_TARGET static void tile_int8_avx2(const matmul_args *a, int t, int m0, int mt) {
-    switch (mt) {
-    case 1: tile_int8_avx2_rows(a, t, m0, 1); break;
-    case 2: tile_int8_avx2_rows(a, t, m0, 2); break;
-    case 3: tile_int8_avx2_rows(a, t, m0, 3); break;
-    default: tile_int8_avx2_rows(a, t, m0, 4); break;
+#define AVX2_INT8_KIND(kind)                                                                                   \
+    AVX2_TARGET static void tile_int8_avx2_##kind(const matmul_args *a, int t, int m0, int mt) {               \
+        switch (mt) {                                                                                          \
+        case 1: tile_int8_avx2_rows(a, t, m0, 1, kind); break;                                                 \
+        case 2: tile_int8_avx2_rows(a, t, m0, 2, kind); break;                                                 \
+        case 3: tile_int8_avx2_rows(a, t, m0, 3, kind); break;                                                 \
+        default: tile_int8_avx2_rows(a, t, m0, 4, kind); break;                                                \
+        }                                                                                                      \
+    }
+AVX2_INT8_KIND(KIND_Q4)
+AVX2_INT8_KIND(KIND_Q8)
+AVX2_INT8_KIND(KIND_Q4K)
+AVX2_INT8_KIND(KIND_Q5K)
+AVX2_INT8_KIND(KIND_Q6K)
+
+/* The LAYOUT_INT8 kernel of each kind (a kind without one here would trap, never take another's). */
+static tile_fn tile_int8_avx2(int kind) {
+    switch (kind) {
+    case KIND_Q4: return tile_int8_avx2_KIND_Q4;
+    case KIND_Q8: return tile_int8_avx2_KIND_Q8;
+    case KIND_Q4K: return tile_int8_avx2_KIND_Q4K;
+    case KIND_Q5K: return tile_int8_avx2_KIND_Q5K;
+    case KIND_Q6K: return tile_int8_avx2_KIND_Q6K;
+    default: UNKNOWN_KIND();
     }
 }
 
@@ -426,9 +583,10 @@ AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, floa
 }
 
 void install_avx2(kernel_set *k) {
-    for (int kind = 0; kind < KINDS; kind++) k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx2, AVX2_ROWS, ISA_AVX2};
-    k->tile[LAYOUT_INT8][KIND_Q4] = (tile_kernel){tile_int8_avx2, INT8_ROWS, ISA_AVX2};
-    k->tile[LAYOUT_INT8][KIND_Q8] = (tile_kernel){tile_int8_avx2, INT8_ROWS, ISA_AVX2};
+    for (int kind = 0; kind < KINDS; kind++) {
+        k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx2(kind), AVX2_ROWS, ISA_AVX2};
+        k->tile[LAYOUT_INT8][kind] = (tile_kernel){tile_int8_avx2(kind), INT8_ROWS, ISA_AVX2};
+    }
     k->prepare_f32 = prepare_f32_avx2;
     k->prepare_int8 = prepare_int8_avx2;
     k->exp_inplace = exp_inplace_avx2;

@@ -8,49 +8,86 @@
 #include <immintrin.h>
 #include <math.h>
 
+#include "avx512_blocks.h"
+
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
+
+/* LAYOUT_F32: the stored integers (blocks.h's stored_value: Q6_K's u = q + 32) for inputs k .. k + 3
+ * of sub-block j (k a multiple of 4) and the tile's 16 rows, one vector per input. */
+AVX512_TARGET static KERNEL_INLINE void avx512_f32_values(const int kind, const uint8_t *cell, int j, int k, __m512i v[4]) {
+    const __m512i low = _mm512_set1_epi32(0x0f);
+    const uint8_t *q;
+    switch (kind) {
+    case KIND_Q8: { /* 16 bytes per k */
+        const uint8_t *b = ((const cell_q8 *)cell)->q + 16 * k;
+        for (int i = 0; i < 4; i++) v[i] = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 16 * i)));
+        return;
+    }
+    case KIND_Q4: q = ((const cell_q4 *)cell)->q; break;
+    case KIND_Q4K: q = ((const cell_q4k *)cell)->q[j]; break;
+    case KIND_Q5K: q = ((const cell_q5k *)cell)->q[j]; break;
+    case KIND_Q6K: q = ((const cell_q6k *)cell)->q[j]; break;
+    default: UNKNOWN_KIND();
+    }
+    /* 16 bytes per pair of k: row r's k low, k + 1 high */
+    __m512i r01 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 8 * k)));
+    __m512i r23 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 8 * k + 16)));
+    v[0] = _mm512_and_si512(r01, low);
+    v[1] = _mm512_srli_epi32(r01, 4);
+    v[2] = _mm512_and_si512(r23, low);
+    v[3] = _mm512_srli_epi32(r23, 4);
+    if (kind == KIND_Q5K) { /* the fifth bit of k + i: bit (k + i) % 8 of byte 16*((k + i) / 8) + r */
+        __m512i bits = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(((const cell_q5k *)cell)->hi[j] + 16 * (k / 8))));
+        for (int i = 0; i < 4; i++) {
+            int s = k % 8 + i;
+            __m512i moved = s <= 4 ? _mm512_slli_epi32(bits, 4 - s) : _mm512_srli_epi32(bits, s - 4);
+            v[i] = _mm512_or_si512(v[i], _mm512_and_si512(moved, _mm512_set1_epi32(0x10)));
+        }
+    } else if (kind == KIND_Q6K) { /* bits 2i, 2i + 1 of byte 16*(k/4) + r are k + i's high two (u, not yet less 32) */
+        __m512i bits = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(((const cell_q6k *)cell)->hi[j] + 16 * (k / 4))));
+        for (int i = 0; i < 4; i++) {
+            __m512i moved = 2 * i <= 4 ? _mm512_slli_epi32(bits, 4 - 2 * i) : _mm512_srli_epi32(bits, 2 * i - 4);
+            v[i] = _mm512_or_si512(v[i], _mm512_and_si512(moved, _mm512_set1_epi32(0x30)));
+        }
+    }
+}
 
 /* LAYOUT_F32 in the reference's order: four running sums per output (by k mod 4), each of the 16
  * lanes one output row of the tile. Four chains per row keep a one-row product off the FMA's
- * latency (4 cycles); 6 rows of x at once (24 sums in registers) use each weight vector 6 times. */
+ * latency (4 cycles); 6 rows of x at once (24 sums in registers) use each weight vector 6 times.
+ * ``kind`` and ``mt`` are constants in each copy. */
 #define F32_ROWS 6
-AVX512_TARGET static inline void tile_f32_avx512_rows(const matmul_args *a, int t, int m0, const int mt) {
+AVX512_TARGET static KERNEL_INLINE void tile_f32_avx512_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
     const packed_weight *w = a->w;
     int KB = w->K / QK;
     const float *x = (const float *)a->x;
     __m512 p[F32_ROWS][4];
     for (int i = 0; i < mt; i++) p[i][0] = p[i][1] = p[i][2] = p[i][3] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi32(0x0f);
-    size_t cb = cell_bytes(w->kind);
+    size_t block_bytes = cell_bytes(kind) / cell_blocks(kind); /* a cell's bytes per block of 32 inputs */
     for (int b = 0; b < KB; b++) {
-        const uint8_t *cell = cell_at(w, t, b);
-        for (size_t line = 0; line < cb; line += 64) _mm_prefetch((const char *)(cell + PREFETCH_CELLS * cb + line), _MM_HINT_T0);
-        __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)cell));
+        int j;
+        const uint8_t *cell = block_cell(w, t, b, &j);
+        const uint8_t *ahead = cell + block_bytes * (j + PREFETCH_CELLS);
+        for (size_t line = 0; line < block_bytes; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
+        __m512 d[2], mn = _mm512_setzero_ps();
+        avx512_block_scales(kind, cell, j, d, &mn);
         const float *xb = x + (size_t)m0 * w->K + b * QK;
         for (int k = 0; k < QK; k += 4) {
+            __m512i v[4];
             __m512 wk[4];
-            if (w->kind == KIND_Q4) { /* 16 bytes per pair of k: row r's k low, k + 1 high */
-                const uint8_t *q = ((const cell_q4 *)cell)->q + 8 * k;
-                __m512i r01 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-                __m512i r23 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(q + 16)));
-                wk[0] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(r01, low)));
-                wk[1] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(r01, 4)));
-                wk[2] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(r23, low)));
-                wk[3] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(r23, 4)));
-            } else { /* 16 bytes per k */
-                const uint8_t *q = ((const cell_q8 *)cell)->q + 16 * k;
-                for (int j = 0; j < 4; j++)
-                    wk[j] = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16 * j)))));
-            }
+            avx512_f32_values(kind, cell, j, k, v);
+            if (kind == KIND_Q6K) /* d*u - 32d = d*(u - 32) exactly (both exact, their difference too) */
+                for (int e = 0; e < 4; e++)
+                    wk[e] = _mm512_fmsub_ps(d[k / 16], _mm512_cvtepi32_ps(v[e]), _mm512_mul_ps(d[k / 16], _mm512_set1_ps(32.0f)));
+            else
+                for (int e = 0; e < 4; e++) wk[e] = _mm512_mul_ps(d[k / 16], _mm512_cvtepi32_ps(v[e]));
             for (int i = 0; i < mt; i++) {
                 const float *xr = xb + (size_t)i * w->K + k;
-                for (int j = 0; j < 4; j++) p[i][j] = _mm512_fmadd_ps(wk[j], _mm512_set1_ps(xr[j]), p[i][j]);
+                for (int e = 0; e < 4; e++) p[i][e] = _mm512_fmadd_ps(wk[e], _mm512_set1_ps(xr[e]), p[i][e]);
             }
         }
-        if (w->kind == KIND_Q4) {
-            __m512 mn = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(cell + 32)));
+        if (has_minimum(kind))
             for (int i = 0; i < mt; i++) p[i][0] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->sums[(size_t)(m0 + i) * KB + b]), p[i][0]);
-        }
     }
     float vals[TILE];
     for (int i = 0; i < mt; i++) {
@@ -59,14 +96,32 @@ AVX512_TARGET static inline void tile_f32_avx512_rows(const matmul_args *a, int 
     }
 }
 
-AVX512_TARGET static void tile_f32_avx512(const matmul_args *a, int t, int m0, int mt) {
-    switch (mt) {
-    case 1: tile_f32_avx512_rows(a, t, m0, 1); break;
-    case 2: tile_f32_avx512_rows(a, t, m0, 2); break;
-    case 3: tile_f32_avx512_rows(a, t, m0, 3); break;
-    case 4: tile_f32_avx512_rows(a, t, m0, 4); break;
-    case 5: tile_f32_avx512_rows(a, t, m0, 5); break;
-    default: tile_f32_avx512_rows(a, t, m0, 6); break;
+#define AVX512_F32_KIND(kind)                                                                                  \
+    AVX512_TARGET static void tile_f32_avx512_##kind(const matmul_args *a, int t, int m0, int mt) {            \
+        switch (mt) {                                                                                          \
+        case 1: tile_f32_avx512_rows(a, t, m0, 1, kind); break;                                                \
+        case 2: tile_f32_avx512_rows(a, t, m0, 2, kind); break;                                                \
+        case 3: tile_f32_avx512_rows(a, t, m0, 3, kind); break;                                                \
+        case 4: tile_f32_avx512_rows(a, t, m0, 4, kind); break;                                                \
+        case 5: tile_f32_avx512_rows(a, t, m0, 5, kind); break;                                                \
+        default: tile_f32_avx512_rows(a, t, m0, 6, kind); break;                                               \
+        }                                                                                                      \
+    }
+AVX512_F32_KIND(KIND_Q4)
+AVX512_F32_KIND(KIND_Q8)
+AVX512_F32_KIND(KIND_Q4K)
+AVX512_F32_KIND(KIND_Q5K)
+AVX512_F32_KIND(KIND_Q6K)
+
+/* The LAYOUT_F32 kernel of each kind (a kind without one here would trap, never take another's). */
+static tile_fn tile_f32_avx512(int kind) {
+    switch (kind) {
+    case KIND_Q4: return tile_f32_avx512_KIND_Q4;
+    case KIND_Q8: return tile_f32_avx512_KIND_Q8;
+    case KIND_Q4K: return tile_f32_avx512_KIND_Q4K;
+    case KIND_Q5K: return tile_f32_avx512_KIND_Q5K;
+    case KIND_Q6K: return tile_f32_avx512_KIND_Q6K;
+    default: UNKNOWN_KIND();
     }
 }
 
@@ -230,7 +285,7 @@ AVX512_TARGET static int attend_avx512(const attention_view *a, const float *q, 
 }
 
 void install_avx512(kernel_set *k) {
-    for (int kind = 0; kind < KINDS; kind++) k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx512, F32_ROWS, ISA_AVX512};
+    for (int kind = 0; kind < KINDS; kind++) k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx512(kind), F32_ROWS, ISA_AVX512};
     k->prepare_int8 = prepare_int8_avx512;
     k->exp_inplace = exp_inplace_avx512;
     k->rms_norm = rms_norm_avx512;

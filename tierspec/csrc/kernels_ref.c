@@ -4,13 +4,16 @@
  * products, whose vector and tile instructions sum pairs in their own order; norms and attention,
  * whose vector paths sum over lanes).
  *
- * Products, per output row r of a tile and block b (w = d*q + m, x the row as prepared):
- *  - LAYOUT_F32:  P_(k mod 4) += (d*q_k) * x_k for k = 0..31 in order (d*q is exact in float32),
- *                 then P_0 += m * sum_k x_k (Q4); the output (P_0 + P_1) + (P_2 + P_3);
- *  - LAYOUT_BF16: dot = sum_k q_k * x_k (x rounded to bfloat16, q exact in it, float32 sums), then
- *                 acc += dot * d, acc += m * sum_k x_k (Q4);
- *  - LAYOUT_INT8: dot = sum_k q_k * x8_k exactly in int32 (x8 = round(x / s), s = max|x| / 127 per
- *                 block), then acc += dot * (d*s), acc += m * (s * sum_k x8_k) (Q4). */
+ * Products, per output row r of a tile and block b of 32 inputs (blocks.h: w = d_h*v + mn for the
+ * kinds with a minimum, d_h*v otherwise, d_h the scale of inputs 16h .. 16h+15 — one scale per block
+ * but for Q6_K —, v the integer the kind multiplies, x the row as prepared):
+ *  - LAYOUT_F32:  P_(k mod 4) += (d_h*v_k) * x_k for k = 0..31 in order (d_h*v is exact in float32),
+ *                 then P_0 += mn * sum_k x_k (kinds with a minimum); the output (P_0 + P_1) + (P_2 + P_3);
+ *  - LAYOUT_BF16: dot_h = sum_k v_k * x_k over each half with its own scale (the whole block where
+ *                 d_0 = d_1; x rounded to bfloat16, v exact in it, float32 sums), then acc += dot_h * d_h,
+ *                 acc += mn * sum_k x_k;
+ *  - LAYOUT_INT8: dot_h = sum_k v_k * x8_k exactly in int32 (x8 = round(x / s), s = max|x| / 127 per
+ *                 block; halves as above), then acc += dot_h * (d_h*s), acc += mn * (s * sum_k x8_k). */
 #include <math.h>
 
 #include "engine.h"
@@ -80,46 +83,45 @@ static void prepare_int8_ref(const float *x, int M, int K, int8_t *xq, float *sc
 
 #define REF_ROWS 8
 
-/* The values and scales of tile t's cell b: d[r], m[r] (0 for Q8) and v[k][r]. */
-static void read_cell(const packed_weight *w, int t, int b, float d[TILE], float mn[TILE], int v[QK][TILE]) {
-    const uint8_t *cell = cell_at(w, t, b);
+/* Block b of tile t: each row's scales d[h][r] (inputs 16h ..), mn[r] (0 where none) and v[k][r]. */
+static void read_block(const packed_weight *w, int t, int b, float d[2][TILE], float mn[TILE], int v[QK][TILE]) {
+    int j;
+    const uint8_t *cell = block_cell(w, t, b, &j);
     for (int r = 0; r < TILE; r++) {
-        if (w->kind == KIND_Q4) {
-            const cell_q4 *c = (const cell_q4 *)cell;
-            d[r] = fp16_to_float(c->d[r]);
-            mn[r] = fp16_to_float(c->m[r]);
-            for (int k = 0; k < QK; k++) {
-                int byte, shift;
-                q4_slot(w->layout, r, k, &byte, &shift);
-                v[k][r] = (c->q[byte] >> shift) & 0x0f;
-            }
-        } else {
-            const cell_q8 *c = (const cell_q8 *)cell;
-            d[r] = fp16_to_float(c->d[r]);
-            mn[r] = 0.0f;
-            for (int k = 0; k < QK; k++) v[k][r] = q8_load(w->layout, c->q[q8_slot(w->layout, r, k)]);
-        }
+        float dr[2];
+        block_scales(w->kind, cell, r, j, dr, &mn[r]);
+        d[0][r] = dr[0], d[1][r] = dr[1];
+        for (int k = 0; k < QK; k++) v[k][r] = product_value(w->kind, w->layout, cell, r, j, k);
+    }
+}
+
+/* Whether a kind's blocks have two scales (one per 16 inputs), so dot products are taken per half. */
+static int split_scales(int kind) {
+    switch (kind) {
+    case KIND_Q4: case KIND_Q8: case KIND_Q4K: case KIND_Q5K: return 0;
+    case KIND_Q6K: return 1;
+    default: UNKNOWN_KIND();
     }
 }
 
 /* LAYOUT_F32: four running sums per output, P_j over the inputs k = j (mod 4) of every block in
- * order, P_0 also taking each block's m * sum x after the block; the output is (P_0 + P_1) +
+ * order, P_0 also taking each block's mn * sum x after the block; the output is (P_0 + P_1) +
  * (P_2 + P_3). Four independent chains per row, so a one-row product is not bound by the FMA's
  * latency. */
 static void tile_f32_ref(const matmul_args *a, int t, int m0, int mt) {
     const packed_weight *w = a->w;
-    int KB = w->K / QK;
+    int KB = w->K / QK, minimum = has_minimum(w->kind);
     float p[REF_ROWS][TILE][4] = {{{0}}};
     for (int b = 0; b < KB; b++) {
-        float d[TILE], mn[TILE];
+        float d[2][TILE], mn[TILE];
         int v[QK][TILE];
-        read_cell(w, t, b, d, mn, v);
+        read_block(w, t, b, d, mn, v);
         for (int i = 0; i < mt; i++) {
             const float *x = (const float *)a->x + (size_t)(m0 + i) * w->K + (size_t)b * QK;
             float s = a->sums[(size_t)(m0 + i) * KB + b];
             for (int r = 0; r < TILE; r++) {
-                for (int k = 0; k < QK; k++) p[i][r][k & 3] = fmaf(d[r] * (float)v[k][r], x[k], p[i][r][k & 3]);
-                if (w->kind == KIND_Q4) p[i][r][0] = fmaf(mn[r], s, p[i][r][0]);
+                for (int k = 0; k < QK; k++) p[i][r][k & 3] = fmaf(d[k / 16][r] * (float)v[k][r], x[k], p[i][r][k & 3]);
+                if (minimum) p[i][r][0] = fmaf(mn[r], s, p[i][r][0]);
             }
         }
     }
@@ -130,32 +132,36 @@ static void tile_f32_ref(const matmul_args *a, int t, int m0, int mt) {
     }
 }
 
-/* LAYOUT_BF16 and LAYOUT_INT8: per block a dot product, then scaled into one running sum. */
+/* LAYOUT_BF16 and LAYOUT_INT8: per block (or half block, where its halves have their own scales) a
+ * dot product, then scaled into one running sum. */
 static void tile_dot_ref(const matmul_args *a, int t, int m0, int mt) {
     const packed_weight *w = a->w;
-    int KB = w->K / QK;
+    int KB = w->K / QK, minimum = has_minimum(w->kind), halves = split_scales(w->kind) ? 2 : 1, span = QK / halves;
     float acc[REF_ROWS][TILE] = {{0}};
     for (int b = 0; b < KB; b++) {
-        float d[TILE], mn[TILE];
+        float d[2][TILE], mn[TILE];
         int v[QK][TILE];
-        read_cell(w, t, b, d, mn, v);
+        read_block(w, t, b, d, mn, v);
         for (int i = 0; i < mt; i++) {
             size_t row = (size_t)(m0 + i) * w->K + (size_t)b * QK;
             float s = a->sums[(size_t)(m0 + i) * KB + b];
             for (int r = 0; r < TILE; r++) {
-                if (w->layout == LAYOUT_INT8) {
-                    const int8_t *x = (const int8_t *)a->x + row;
-                    int32_t dot = 0;
-                    for (int k = 0; k < QK; k++) dot += v[k][r] * x[k];
-                    acc[i][r] = fmaf((float)dot, d[r] * s, acc[i][r]);
-                    if (w->kind == KIND_Q4) acc[i][r] = fmaf(mn[r], s * (float)a->isums[(size_t)(m0 + i) * KB + b], acc[i][r]);
-                } else {
-                    const uint16_t *x = (const uint16_t *)a->x + row;
-                    float dot = 0.0f;
-                    for (int k = 0; k < QK; k++) dot = fmaf((float)v[k][r], bf16_to_float(x[k]), dot);
-                    acc[i][r] = fmaf(dot, d[r], acc[i][r]);
-                    if (w->kind == KIND_Q4) acc[i][r] = fmaf(mn[r], s, acc[i][r]);
+                for (int h = 0; h < halves; h++) {
+                    if (w->layout == LAYOUT_INT8) {
+                        const int8_t *x = (const int8_t *)a->x + row;
+                        int32_t dot = 0;
+                        for (int k = span * h; k < span * (h + 1); k++) dot += v[k][r] * x[k];
+                        acc[i][r] = fmaf((float)dot, d[h][r] * s, acc[i][r]);
+                    } else {
+                        const uint16_t *x = (const uint16_t *)a->x + row;
+                        float dot = 0.0f;
+                        for (int k = span * h; k < span * (h + 1); k++) dot = fmaf((float)v[k][r], bf16_to_float(x[k]), dot);
+                        acc[i][r] = fmaf(dot, d[h][r], acc[i][r]);
+                    }
                 }
+                if (minimum)
+                    acc[i][r] = fmaf(mn[r], w->layout == LAYOUT_INT8 ? s * (float)a->isums[(size_t)(m0 + i) * KB + b] : s,
+                                     acc[i][r]);
             }
         }
     }

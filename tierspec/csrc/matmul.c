@@ -1,7 +1,9 @@
 /* Products out (+)= x W^T: the rows prepared once for the weight's layout, then the weight's tiles
  * shared among threads, each tile computed whole by one thread over every row of the pass, in
  * groups of the kernel's row count (the order of each output's sums is the kernel's, whatever the
- * group: a row's result does not depend on the other rows). */
+ * group: a row's result does not depend on the other rows). A weight stacked from parts of
+ * different kinds (blocks.h) runs each part's kernel on the same prepared rows, into its own
+ * columns of out. */
 #include <string.h>
 
 #include "engine.h"
@@ -15,17 +17,22 @@
 static int single_thread_rows(void) { return cpu.level >= ISA_AVX512 ? 2 : 0; }
 
 typedef struct {
-    matmul_args a;
-    tile_kernel kernel;
+    matmul_args a[MAX_PARTS];
+    tile_kernel kernel[MAX_PARTS];
+    int first_chunk[MAX_PARTS + 1]; /* part p's pieces are chunks first_chunk[p] .. first_chunk[p + 1] - 1 */
+    int parts;
     int tiles_per_chunk;
 } matmul_task_args;
 
 static void matmul_task(void *raw, int chunk) {
     const matmul_task_args *task = (const matmul_task_args *)raw;
-    const matmul_args *a = &task->a;
+    int p = 0;
+    while (chunk >= task->first_chunk[p + 1]) p++;
+    const matmul_args *a = &task->a[p];
     int tiles = (a->w->N + TILE - 1) / TILE;
-    int t0 = chunk * task->tiles_per_chunk, t1 = t0 + task->tiles_per_chunk < tiles ? t0 + task->tiles_per_chunk : tiles;
-    const tile_kernel *k = &task->kernel;
+    int t0 = (chunk - task->first_chunk[p]) * task->tiles_per_chunk;
+    int t1 = t0 + task->tiles_per_chunk < tiles ? t0 + task->tiles_per_chunk : tiles;
+    const tile_kernel *k = &task->kernel[p];
     if (k->enter) k->enter();
     for (int t = t0; t < t1; t++)
         for (int m0 = 0; m0 < a->M; m0 += k->rows) {
@@ -39,19 +46,36 @@ static _Thread_local scratch_t scratch_rows;
 
 static int row_bytes(int layout) { return layout == LAYOUT_BF16 ? 2 : layout == LAYOUT_INT8 ? 1 : 4; }
 
+/* The sums of the 8-bit rows per 16 values (Q6_K's halves of a block), exact integers. */
+static void half_block_sums(const int8_t *xq, int M, int K, int32_t *out) {
+    for (int m = 0; m < M; m++)
+        for (int h = 0; h < K / 16; h++) {
+            int32_t total = 0;
+            for (int i = 0; i < 16; i++) total += xq[(size_t)m * K + 16 * h + i];
+            out[(size_t)m * (K / 16) + h] = total;
+        }
+}
+
 void linear(const packed_weight *w, const float *x, int M, float *out, int ldo, int accumulate, int nth) {
     int64_t started = profiling ? now_ns() : 0;
     int KB = w->K / QK;
+    const packed_weight *single[1] = {w};
+    const packed_weight *const *parts = w->parts ? w->part : single;
+    int count = w->parts ? w->parts : 1, halves = 0;
+    for (int p = 0; p < count; p++) halves |= parts[p]->kind == KIND_Q6K && w->layout == LAYOUT_INT8;
     /* the rows padded to a multiple of 16 (zeros): the tile kernels read x 16 rows at a time */
     int padded = (M + 15) / 16 * 16;
     size_t rows_bytes = ((size_t)padded * w->K * row_bytes(w->layout) + 63) & ~(size_t)63;
     size_t sums_bytes = ((size_t)M * KB * 4 + 63) & ~(size_t)63;
-    char *mem = scratch_get(&scratch_rows, rows_bytes + 2 * sums_bytes);
+    size_t halves_bytes = halves ? ((size_t)M * KB * 8 + 63) & ~(size_t)63 : 0;
+    char *mem = scratch_get(&scratch_rows, rows_bytes + 2 * sums_bytes + halves_bytes);
     float *sums = (float *)(mem + rows_bytes);
     int32_t *isums = (int32_t *)(mem + rows_bytes + sums_bytes);
+    int32_t *half_isums = halves ? (int32_t *)(mem + rows_bytes + 2 * sums_bytes) : NULL;
     if (w->layout == LAYOUT_INT8) kernels.prepare_int8(x, M, w->K, (int8_t *)mem, sums, isums);
     else if (w->layout == LAYOUT_BF16) kernels.prepare_bf16(x, M, w->K, (uint16_t *)mem, sums);
     else kernels.prepare_f32(w->round_rows, x, M, w->K, (float *)mem, sums);
+    if (halves) half_block_sums((const int8_t *)mem, M, w->K, half_isums);
     memset(mem + (size_t)M * w->K * row_bytes(w->layout), 0, (size_t)(padded - M) * w->K * row_bytes(w->layout));
     int tiles = (w->N + TILE - 1) / TILE;
     /* a small product is not worth waking the other threads for */
@@ -59,7 +83,17 @@ void linear(const packed_weight *w, const float *x, int M, float *out, int ldo, 
     /* pieces small enough to balance threads, large enough that claiming them costs nothing */
     int per = tiles / (8 * (nth > 0 ? nth : 1));
     if (per < 1) per = 1;
-    matmul_task_args task = {{w, mem, sums, isums, M, out, ldo, accumulate}, kernels.tile[w->layout][w->kind], per};
-    run_parallel(matmul_task, &task, (tiles + per - 1) / per, nth);
+    matmul_task_args task;
+    task.parts = count;
+    task.tiles_per_chunk = per;
+    task.first_chunk[0] = 0;
+    for (int p = 0; p < count; p++) {
+        const packed_weight *part = parts[p];
+        int row0 = w->parts ? w->part_row0[p] : 0;
+        task.a[p] = (matmul_args){part, mem, sums, isums, half_isums, M, out + row0, ldo, accumulate};
+        task.kernel[p] = kernels.tile[w->layout][part->kind];
+        task.first_chunk[p + 1] = task.first_chunk[p] + ((part->N + TILE - 1) / TILE + per - 1) / per;
+    }
+    run_parallel(matmul_task, &task, task.first_chunk[count], nth);
     if (profiling) profile_ns[1] += now_ns() - started;
 }

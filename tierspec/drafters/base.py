@@ -17,7 +17,7 @@ import torch
 
 from ..heads.draft import HeadOutput, HeadStep, run_head_steps
 from ..proposal import DraftRequest, Proposal, Shape
-from ..sampling import all_finite, finite_argmax, gumbel_argmax, logits_to_probs
+from ..sampling import all_finite, finite_argmax, logits_to_probs
 
 
 class DraftEverything:
@@ -104,7 +104,7 @@ class Drafter:
     than that for a tree drafter.
 
     A drafter that samples draws draft token i with the block's token noise (``noise.token(i,
-    probs)``, or ``gumbel_argmax`` against ``noise.gumbel(i)``), the noise the target's own token at
+    probs)``, or ``Noise.argmax`` of its log-probabilities), the noise the target's own token at
     that position is drawn with: the drafts are then a function of the seed, and under the coupled
     rule a draft is kept whenever drafter and target choose the same token.
 
@@ -245,16 +245,18 @@ def drafting_autoregressively(
             choice = finite_argmax(logits)
             if choice is None:
                 break
+            token = choice if vocabulary is None else int(vocabulary[choice])
         elif not all_finite(logits):
             break
         else:
             step_probs = logits_to_probs(logits, sampling)
             probs.append(step_probs)
             if vocabulary is None:
-                choice = noise.token(len(tokens), step_probs)
-            else:
-                choice = int(gumbel_argmax(step_probs, noise.gumbel(len(tokens))[vocabulary]))
-        token = choice if vocabulary is None else int(vocabulary[choice])
+                token = noise.token(len(tokens), step_probs)
+            else:  # the K tokens' log-probabilities at their ids, −inf elsewhere, with the position's noise
+                scores = torch.full((noise.noise.vocab_size,), float("-inf"))
+                scores[vocabulary] = step_probs.log()
+                token = noise.noise.argmax(scores, noise.start + len(tokens))
         tokens.append(token)
         logits_rows.append(logits)
         confidences.append(float(logits.float().softmax(-1).max()))

@@ -19,7 +19,7 @@ the child equal to y at its depth (siblings sit at one position, so they share i
 norm(max(0, q − p)) (its own noise). The emitted token is distributed exactly as q. A drafter
 with no distribution (n-gram) counts as one-hot p, so x is accepted with probability q(x). It
 accepts a drafter with a distribution more often (1 − TV(p, q) against P(maxima agree); measured
-in BENCHMARKS.md), but its text depends on what was drafted. Over a tree it is SpecInfer's
+in docs/history.md), but its text depends on what was drafted. Over a tree it is SpecInfer's
 multi-draft rule (``walks.multi_draft_walk``).
 
 Greedy (either rule): accept iff x = argmax q; the replacement is argmax q.

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from ..decode import GenerationStats
 from ..errors import TierspecError
+from ..structured import CALL_OPEN, ToolConfig, ToolReply, parse_tool_reply
 from .scheduler import CLIENT_LEFT, ApiError, ChoiceDone, Failed, Finished, Job, Scheduler, TextPiece, shutting_down
 from .parsing import ChatRequest, CompletionRequest, GenerationRequest, prepare
 
@@ -78,14 +79,18 @@ class Endpoint:
     chunk_object: ClassVar[str]
     id_prefix: ClassVar[str]
 
-    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None,
+               tools: ToolConfig | None = None) -> dict:
+        """A choice of the whole response; ``tools``: the request's active tools (a chat reply
+        that is a call block is then read back into ``tool_calls``)."""
         raise NotImplementedError
 
     def chunk_choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
         raise NotImplementedError
 
-    def opening_choice(self, index: int) -> dict | None:
-        """The choice of a first chunk sent before any text (None: no such chunk)."""
+    def opening_choice(self, index: int, tools: bool = False) -> dict | None:
+        """The choice of a first chunk sent before any text (None: no such chunk); ``tools``: the
+        reply may be tool calls."""
         return None
 
     def logprobs(self, records, texts: TokenTexts, offset: int) -> dict:
@@ -99,10 +104,12 @@ class Completions(Endpoint):
     object = chunk_object = "text_completion"
     id_prefix = "cmpl"
 
-    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+    def choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None,
+               tools: ToolConfig | None = None) -> dict:
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    chunk_choice = choice
+    def chunk_choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
+        return self.choice(index, text, finish_reason, logprobs)
 
     def logprobs(self, records, texts: TokenTexts, offset: int) -> dict:
         """OpenAI's legacy format: parallel lists of tokens, their logprobs, the top alternatives
@@ -128,16 +135,33 @@ class ChatCompletions(Endpoint):
     object, chunk_object = "chat.completion", "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
-    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None) -> dict:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-                "finish_reason": finish_reason}
+    def choice(self, index: int, text: str, finish_reason: str, logprobs: dict | None,
+               tools: ToolConfig | None = None) -> dict:
+        message = {"role": "assistant", "content": text}
+        if tools is not None:
+            reply = parse_tool_reply(text, tools)
+            message["content"] = reply.content
+            if reply.tool_calls:
+                message["tool_calls"] = [call.as_openai() for call in reply.tool_calls]
+            finish_reason = reply.finish_reason or finish_reason
+        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def chunk_choice(self, index: int, text: str, finish_reason: str | None, logprobs: dict | None) -> dict:
         return {"index": index, "delta": {"content": text} if text else {}, "logprobs": logprobs,
                 "finish_reason": finish_reason}
 
-    def opening_choice(self, index: int) -> dict:
-        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    def calls_chunk_choice(self, index: int, calls, logprobs: dict | None) -> list[dict]:
+        """The chunks' choices of a reply's ``tool_calls`` (``structured.ToolCall``), one per call
+        with its whole ``arguments`` (OpenAI streams them in pieces; one piece is a valid stream);
+        the first carries the logprobs of the block's tokens."""
+        return [{"index": index, "delta": {"tool_calls": [{"index": k, "id": call.id, "type": "function",
+                                                            "function": {"name": call.name, "arguments": call.arguments}}]},
+                 "logprobs": logprobs if k == 0 else None, "finish_reason": None} for k, call in enumerate(calls)]
+
+    def opening_choice(self, index: int, tools: bool = False) -> dict:
+        # With tools the reply may be calls only: no content is promised before it is known.
+        delta = {"role": "assistant"} if tools else {"role": "assistant", "content": ""}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
 
     def logprobs(self, records, texts: TokenTexts, offset: int) -> dict:
         """OpenAI's chat format: one entry per token with its UTF-8 bytes and top alternatives."""
@@ -180,6 +204,7 @@ class Reply:
     include_usage: bool
     texts: TokenTexts
     logprobs: bool  # whether the request asked for them
+    tools: ToolConfig | None = None  # the request's active tools: replies are read back into tool_calls
     created: int = field(default_factory=lambda: int(time.time()))
     suffix: str = field(default_factory=lambda: uuid.uuid4().hex[:24])  # of the response's id
     _text: dict[int, str] = field(default_factory=dict)  # choice → its text so far
@@ -206,12 +231,21 @@ class Reply:
 
     def add(self, piece: TextPiece) -> dict | None:
         """Take ``piece`` in; returns its logprobs object (None without logprobs)."""
-        offset = len(self._text.get(piece.index, ""))
-        self._text[piece.index] = self._text.get(piece.index, "") + piece.text
+        return self.add_all([piece])
+
+    def add_all(self, pieces: list[TextPiece]) -> dict | None:
+        """Take ``pieces`` of one choice in, in order; returns one logprobs object for all of
+        them (None without logprobs or pieces)."""
+        if not pieces:
+            return None
+        index = pieces[0].index
+        offset = len(self._text.get(index, ""))
+        self._text[index] = self._text.get(index, "") + "".join(piece.text for piece in pieces)
         if not self.logprobs:
             return None
-        self._records.setdefault(piece.index, []).extend(piece.logprobs)
-        return self.endpoint.logprobs(piece.logprobs, self.texts, offset)
+        records = [record for piece in pieces for record in piece.logprobs]
+        self._records.setdefault(index, []).extend(records)
+        return self.endpoint.logprobs(records, self.texts, offset)
 
     def whole(self, done: Finished) -> dict:
         choices = []
@@ -219,7 +253,7 @@ class Reply:
             logprobs = self.endpoint.logprobs(self._records.get(choice.index, []), self.texts, 0) \
                 if self.logprobs else None
             choices.append(self.endpoint.choice(choice.index, self._text.get(choice.index, ""),
-                                                choice.finish_reason, logprobs))
+                                                choice.finish_reason, logprobs, self.tools))
         return {"id": self.id, "object": self.endpoint.object, "created": self.created, "model": self.model,
                 "choices": choices, "usage": self.usage(done)}
 
@@ -341,7 +375,7 @@ async def _answer(request: Request, endpoint: Endpoint):
     scheduler.submit(job)
     prompt_tokens = sum(len(ids) for ids in {c.prompt: c.prompt_ids for c in job.choices}.values())
     reply = Reply(endpoint, scheduler.model_name, prompt_tokens, body.include_usage, request.app.state.token_texts,
-                  body.logprobs_count() is not None)
+                  body.logprobs_count() is not None, job.tools)
     async with _cancelled_if_the_client_leaves(request, scheduler, job):
         event = await job.events.get()
         if isinstance(event, Failed):
@@ -415,33 +449,85 @@ async def _whole(job: Job, reply: Reply) -> dict:
                 return reply.whole(done)
 
 
+class HeldToolReply:
+    """A streamed chat choice under active tools. Its text is held while it may still become a
+    call block (while its start, spaces stripped, is a prefix of ``<tool_call>``); once it cannot,
+    the held pieces go out as content and the rest streams as it comes. A block is held whole and
+    read back when the choice ends (``structured.parse_tool_reply``), as the whole response reads
+    it: calls become ``tool_calls`` deltas, anything else (a block cut by ``max_tokens``) content."""
+
+    def __init__(self, tools: ToolConfig):
+        self.tools = tools
+        self.held: list[TextPiece] = []
+        self.text = ""
+        self.content = False  # the reply is content: pieces pass through
+
+    def feed(self, piece: TextPiece) -> list[TextPiece]:
+        """The pieces to send now (``piece`` and any held before it, or none)."""
+        if self.content:
+            return [piece]
+        self.held.append(piece)
+        self.text += piece.text
+        start = self.text.lstrip()
+        if CALL_OPEN.startswith(start) or start.startswith(CALL_OPEN):
+            return []
+        self.content = True
+        released, self.held = self.held, []
+        return released
+
+    def end(self) -> tuple[list[TextPiece], ToolReply | None]:
+        """At the choice's end: the held pieces, and the reply read back (None: content)."""
+        held, self.held = self.held, []
+        return held, None if self.content else parse_tool_reply(self.text, self.tools)
+
+
 async def _chunks(job: Job, scheduler: Scheduler, reply: Reply, indices: list[int]):
     """The server-sent events of a started job, always ending with ``data: [DONE]``; a client
     that goes away (the response task is cancelled) cancels the job. A choice's last chunk
-    carries its ``finish_reason``; a shutdown ends the choices not yet done with "length"."""
+    carries its ``finish_reason``; a shutdown ends the choices not yet done with "length".
+    With tools, a choice's text is held while it may be a call block (``HeldToolReply``)."""
     ended = False
     finished: set[int] = set()
+    held = {index: HeldToolReply(reply.tools) for index in indices} if reply.tools is not None else {}
+    endpoint = reply.endpoint
+
+    def content(pieces: list[TextPiece]) -> Iterator[str]:
+        for piece in pieces:
+            logprobs = reply.add(piece)
+            if piece.text or logprobs:
+                yield reply.chunk(endpoint.chunk_choice(piece.index, piece.text, None, logprobs))
+
     try:
         for index in indices:
-            opening = reply.endpoint.opening_choice(index)
+            opening = endpoint.opening_choice(index, tools=reply.tools is not None)
             if opening is not None:
                 yield reply.chunk(opening)
         while not ended:
             match await job.events.get():
                 case TextPiece() as piece:
-                    logprobs = reply.add(piece)
-                    if piece.text or logprobs:
-                        yield reply.chunk(reply.endpoint.chunk_choice(piece.index, piece.text, None, logprobs))
+                    for chunk in content(held[piece.index].feed(piece) if held else [piece]):
+                        yield chunk
                 case ChoiceDone() as choice:
                     finished.add(choice.index)
-                    yield reply.chunk(reply.endpoint.chunk_choice(choice.index, "", choice.finish_reason, None))
+                    finish_reason = choice.finish_reason
+                    if held:
+                        pieces, read_back = held[choice.index].end()
+                        if read_back is not None and read_back.tool_calls:
+                            logprobs = reply.add_all(pieces)
+                            for call_choice in endpoint.calls_chunk_choice(choice.index, read_back.tool_calls, logprobs):
+                                yield reply.chunk(call_choice)
+                            finish_reason = read_back.finish_reason
+                        else:
+                            for chunk in content(pieces):
+                                yield chunk
+                    yield reply.chunk(endpoint.chunk_choice(choice.index, "", finish_reason, None))
                 case Failed(error):
                     yield f"data: {json.dumps(error.body())}\n\n"
                     ended = True
                 case Finished() as done:
                     for index in indices:
                         if index not in finished:  # stopped by the shutdown before it began
-                            yield reply.chunk(reply.endpoint.chunk_choice(index, "", "length", None))
+                            yield reply.chunk(endpoint.chunk_choice(index, "", "length", None))
                     if reply.include_usage:
                         yield reply.chunk(None, reply.usage(done))
                     ended = True

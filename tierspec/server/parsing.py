@@ -21,10 +21,14 @@ from ..models import LoadedModel
 from ..modifiers import BIAS_RANGE, PENALTY_RANGE, LogitModifiers
 from ..prompting import encode_messages, encode_prompt
 from ..sampling import SamplingConfig
+from ..structured import ToolChoice, ToolConfig, with_tools
 from .scheduler import ApiError, Choice, Job, Scheduler
+from .structured import structured_request
 
 #: Most choices one request may ask for (prompts × ``n``): each is a generation of its own.
 MAX_CHOICES = 128
+#: A request without tools.
+NO_TOOLS = ToolConfig((), ToolChoice("none"))
 
 
 class StreamOptions(BaseModel):
@@ -32,27 +36,12 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class ResponseFormat(BaseModel):
-    """``response_format``: plain text only (tierspec does not constrain what the model writes)."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-    type: str
-
-    @field_validator("type")
-    @classmethod
-    def _text_only(cls, value):
-        if value != "text":
-            raise ValueError(f"type '{value}' is not supported: tierspec does not constrain generation to JSON "
-                             "or a schema; only {\"type\": \"text\"}")
-        return value
-
-
 class GenerationRequest(BaseModel):
     """Fields shared by both endpoints. Strict: a wrong type is an error, never coerced
     (``"max_tokens": "5"`` and ``"stream": "yes"`` are refused); unknown fields are refused
-    (a typo must not be ignored). Fields that change nothing here are accepted in their no-op
-    forms only: ``response_format`` text, ``store`` (nothing is stored), ``parallel_tool_calls``
-    and ``tool_choice: "none"`` without tools; tools themselves are refused."""
+    (a typo must not be ignored). ``store`` is accepted (nothing is stored). ``response_format``,
+    ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are kept as their JSON and checked and
+    compiled in ``prepare`` (``server.structured.structured_request``: a 400 naming the field)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
     prompt_param: ClassVar[str]  # the field an error about the prompt names
@@ -71,12 +60,12 @@ class GenerationRequest(BaseModel):
     presence_penalty: float = Field(default=0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)
     frequency_penalty: float = Field(default=0.0, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1], allow_inf_nan=False)
     logit_bias: dict[str, float] | None = None
-    response_format: ResponseFormat | None = None
+    response_format: dict[str, Any] | None = None
     store: bool | None = None
     metadata: dict[str, str] | None = None
     parallel_tool_calls: bool | None = None
     tools: list[Any] | None = None
-    tool_choice: str | dict | None = None
+    tool_choice: str | dict[str, Any] | None = None
     # tierspec's own fields
     method: str | None = None
     top_k: int = Field(default=0, ge=0)  # at most the vocabulary: checked in ``prepare``
@@ -92,20 +81,6 @@ class GenerationRequest(BaseModel):
                 raise ValueError(f"keys are token ids (strings of digits), got '{key}'")
             if not BIAS_RANGE[0] <= bias <= BIAS_RANGE[1]:
                 raise ValueError(f"the bias of token {key} must be in [{BIAS_RANGE[0]:g}, {BIAS_RANGE[1]:g}], got {bias}")
-        return value
-
-    @field_validator("tools")
-    @classmethod
-    def _no_tools(cls, value):
-        if value:
-            raise ValueError("tools (function calling) are not supported by tierspec serve")
-        return value
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _no_tool_choice(cls, value):
-        if value not in (None, "none"):
-            raise ValueError("only \"none\" is supported: tierspec serve has no tools")
         return value
 
     @field_validator("method")
@@ -129,9 +104,15 @@ class GenerationRequest(BaseModel):
             raise ValueError("stop sequences must not be empty")
         return value
 
-    def prompts_ids(self, target: LoadedModel) -> list[torch.Tensor]:
-        """Each prompt's token ids [n] (the completions endpoint takes several)."""
+    def prompts_ids(self, target: LoadedModel, tools: ToolConfig = NO_TOOLS) -> list[torch.Tensor]:
+        """Each prompt's token ids [n] (the completions endpoint takes several); ``tools``: the
+        request's tools (a chat shows them to the model)."""
         raise NotImplementedError
+
+    def structured_fields(self) -> dict:
+        """The fields that constrain the reply's form, as their JSON (None: not given)."""
+        return {"response_format": self.response_format, "tools": self.tools, "tool_choice": self.tool_choice,
+                "parallel_tool_calls": self.parallel_tool_calls}
 
     def requested_tokens(self) -> int | None:
         return self.max_tokens
@@ -190,7 +171,7 @@ class CompletionRequest(GenerationRequest):
         value = self.prompt
         return value if isinstance(value, list) and value and not isinstance(value[0], int) else [value]
 
-    def prompts_ids(self, target: LoadedModel) -> list[torch.Tensor]:
+    def prompts_ids(self, target: LoadedModel, tools: ToolConfig = NO_TOOLS) -> list[torch.Tensor]:
         ids = []
         for i, prompt in enumerate(self.prompts()):
             if isinstance(prompt, list):
@@ -230,24 +211,75 @@ def _content_text(value):
     return "\n".join(texts)
 
 
-class ChatMessage(BaseModel):
-    """One message; ``developer`` (OpenAI's newer name for the system role) is the template's
-    ``system`` role."""
+class FunctionCall(BaseModel):
+    """A call's function: its name and ``arguments``, JSON text of an object (OpenAI's form)."""
 
     model_config = ConfigDict(extra="forbid", strict=True)
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str
+    name: str
+    arguments: str
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value):
+        try:
+            parsed = json.loads(value)
+        except ValueError as error:
+            raise ValueError(f"arguments must be JSON text of an object: {error}") from None
+        except RecursionError:
+            raise ValueError("arguments must be JSON text of an object: nested too deeply") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("arguments must be JSON text of an object")
+        return value
+
+
+class ToolCallRecord(BaseModel):
+    """One call of an earlier assistant turn, as the history sends it back (OpenAI's
+    ``message.tool_calls`` item)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
+class ChatMessage(BaseModel):
+    """One message; ``developer`` (OpenAI's newer name for the system role) is the template's
+    ``system`` role. An assistant message may carry the ``tool_calls`` it made (its content then
+    optional), a ``tool`` message answers one (``tool_call_id``); ``structured.with_tools``
+    renders both as text the chat template shows."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | None = None
     name: str | None = None
+    tool_calls: list[ToolCallRecord] | None = None
+    tool_call_id: str | None = None
 
     @field_validator("content", mode="before")
     @classmethod
     def _text_parts(cls, value):
         return _content_text(value)
 
+    @model_validator(mode="after")
+    def _fields_of_the_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to an assistant message, not a {self.role} message")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id, the id of the call it answers")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ValueError(f"tool_call_id belongs to a tool message, not a {self.role} message")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is missing (only an assistant message with tool_calls may leave it out)")
+        return self
+
     def for_template(self) -> dict:
-        message = self.model_dump(exclude_none=True)
-        if self.role == "developer":
-            message["role"] = "system"
+        """The message as ``structured.with_tools`` takes it: role (developer → system), content,
+        name, and an assistant's ``tool_calls`` in OpenAI's form."""
+        message = {"role": "system" if self.role == "developer" else self.role, "content": self.content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         return message
 
 
@@ -271,12 +303,14 @@ class ChatRequest(GenerationRequest):
     def _some_text(cls, value):
         if not value:
             raise ValueError("messages is empty")
-        if not any(message.content.strip() for message in value):
+        if not any((message.content or "").strip() or message.tool_calls for message in value):
             raise ValueError("every message is empty")
         return value
 
-    def prompts_ids(self, target: LoadedModel) -> list[torch.Tensor]:
-        return [encode_messages(target, [message.for_template() for message in self.messages])]
+    def prompts_ids(self, target: LoadedModel, tools: ToolConfig = NO_TOOLS) -> list[torch.Tensor]:
+        """The conversation through the chat template, the tools described in its system message
+        and earlier calls and their results as text (``structured.with_tools``)."""
+        return [encode_messages(target, with_tools([message.for_template() for message in self.messages], tools))]
 
     def requested_tokens(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
@@ -356,8 +390,11 @@ def prepare(engine: Scheduler, request_model: type[GenerationRequest], raw: byte
     except TierspecError as error:
         raise ApiError(400, str(error)) from None
     modifiers = body.modifiers(engine.target.vocab_size)
+    # response_format and tools: checked and compiled to the grammar every choice starts a state of
+    structured = structured_request(body.structured_fields(), engine.target.tokenizer, engine.target.vocab_size,
+                                    engine.eos, chat=isinstance(body, ChatRequest))
     try:
-        prompts = body.prompts_ids(engine.target)
+        prompts = body.prompts_ids(engine.target, structured.tools)
     except TierspecError as error:
         raise ApiError(400, str(error), body.prompt_param) from None
     if len(prompts) * body.n > MAX_CHOICES:
@@ -385,7 +422,7 @@ def prepare(engine: Scheduler, request_model: type[GenerationRequest], raw: byte
         try:
             config = DecodeConfig(max_new_tokens=max(1, max_tokens), sampling=sampling, eos_token_ids=engine.eos,
                                   modifiers=modifiers, logprobs=logprobs, score_prompt=score_prompt,
-                                  num_draft=body.num_draft)
+                                  num_draft=body.num_draft, constraint=structured.grammar)
         except TierspecError as error:
             raise ApiError(400, str(error), "num_draft" if "num_draft" in str(error) else None) from None
         echo_text = None
@@ -395,4 +432,4 @@ def prepare(engine: Scheduler, request_model: type[GenerationRequest], raw: byte
         for i in range(body.n):
             choices.append(Choice(p * body.n + i, p, prompt_ids, choice_seed(seed, i), config,
                                   score_only=max_tokens == 0, echo_text=echo_text))
-    return body, Job(choices, method, body.stop or [], loop)
+    return body, Job(choices, method, body.stop or [], loop, tools=structured.tools if structured.tools.active else None)

@@ -22,6 +22,7 @@ from ..errors import TierspecError
 from ..methods import Method, MethodOptions, build_method, check_method_name, default_method
 from ..models import LoadedModel
 from ..prompting import eos_ids
+from ..structured import ToolConfig
 
 log = logging.getLogger("tierspec.server")
 
@@ -111,12 +112,15 @@ class Choice:
 
 @dataclass(eq=False)
 class Job:
-    """One request's generations: what the worker needs, and the channel back to its handler."""
+    """One request's generations: what the worker needs, and the channel back to its handler.
+    ``tools``: the request's active tools (None: none), which the handler reads each choice's
+    reply back with (``structured.parse_tool_reply``); the worker does not read them."""
 
     choices: list[Choice]
     method: str
     stops: list[str]
     loop: asyncio.AbstractEventLoop
+    tools: ToolConfig | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled_by: str | None = None  # CLIENT_LEFT or SHUTDOWN; set once, under the scheduler's lock
     pending: list[Choice] = field(default_factory=list)  # choices not started yet (no room in the batch)

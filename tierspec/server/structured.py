@@ -2,9 +2,10 @@
 what the scheduler constrains the reply to, checked and compiled while the request is parsed, so
 that an unsupported schema or a bad tool is a 400 naming the field before any work starts.
 
-Phase 2 of issue 39 wires this into ``parsing.prepare`` (the request models keep the raw JSON of
-these fields) and the scheduler (the compiled grammar rides on each choice; ``tools`` rewrite the
-messages with ``structured.with_tools`` and the reply is read back with ``parse_tool_reply``).
+``parsing.prepare`` calls it (the request models keep these fields as their JSON): the compiled
+grammar is each choice's ``DecodeConfig.constraint``, the tools rewrite the chat's messages
+(``structured.with_tools``) and ride on the job, and the handler reads each reply back with
+``structured.parse_tool_reply`` (``app.ChatCompletions.choice``, ``app.HeldToolReply``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,449 @@
+/* Keyed Gumbel noise: the randomness of sampled decoding (tierspec/sampling.py's ``Noise``).
+ *
+ * A generation's token at position t is argmax_v(log q(v) + g_t(v)), with g_t [V] standard Gumbel noise
+ * keyed by (seed, t, purpose): every drafter, rule and the plain loop read the same g_t, which is what
+ * makes a lossless method's text under a seed equal to plain sampling's. One such vector is drawn per
+ * verified row, so its cost is paid per row of every pass: torch.rand of V doubles and two torch
+ * logarithms cost about a one-token pass of the default model (49,152 values); this file, a small
+ * fraction of it (benchmarks/loop_time.py measures both).
+ *
+ *   r_i = mix64(key + (i + 1) · γ)                      (SplitMix64 over a counter: any i, in any order)
+ *   u_i = (r_i >> 12 + ½) · 2⁻⁵²                        (in [2⁻⁵³, 1 − 2⁻⁵³], exact in float64)
+ *   E_i = −ln u_i                                        (float64, rounded to float32: a standard exponential)
+ *   g_i = −ln E_i                                        (float32: a standard Gumbel value)
+ *
+ * u never reaches 0 or 1, so g lies in [−3.6, 36.7]: no token is cut off below the top (float32
+ * uniforms would bound g at 16.6). E needs float64 near u = 1, where E ≈ 1 − u; float32 holds E and g
+ * to the precision the float32 result keeps. The logarithms are this file's own series, and the plain
+ * loop and the AVX2 loop do the same IEEE operations in the same order (-ffp-contract=off: no fused
+ * multiply-adds), so every path gives the same bits and a seed the same text on every CPU.
+ *
+ * Its own extension (``tierspec._keyed_noise``), not the pass engine's: sampling sits below the models in
+ * the package's layers and needs nothing of the engine. */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define HAVE_AVX2_BUILD 1
+#else
+#define HAVE_AVX2_BUILD 0
+#endif
+
+#define GOLDEN_GAMMA 0x9E3779B97F4A7C15ULL
+#define MIX_C1 0xBF58476D1CE4E5B9ULL
+#define MIX_C2 0x94D049BB133111EBULL
+#define ONE_BITS 0x3FF0000000000000ULL
+#define MANTISSA_BITS 0x000FFFFFFFFFFFFFULL
+#define ONE_BITS_F 0x3F800000U
+#define MANTISSA_BITS_F 0x007FFFFFU
+
+/* ln 2 in two parts: e · LN2_HI is exact for the exponents that occur (|e| ≤ 128). */
+#define LN2_HI 6.93147180369123816490e-01
+#define LN2_LO 1.90821492927058770002e-10
+#define LN2_HI_F 0.693359375f
+#define LN2_LO_F -2.12194440e-4f
+#define SQRT2 1.41421356237309504880
+#define SQRT2_F 1.41421356f
+#define INT_TO_DOUBLE_MAGIC 0x4338000000000000ULL /* 1.5 · 2⁵²: bits(magic + n) − 1.5 · 2⁵² = n */
+#define INT_TO_DOUBLE_MAGIC_VALUE 6755399441055744.0
+
+/* SplitMix64's output function (Steele, Lea and Flood 2014): a bijection of 64-bit words whose outputs
+ * over a counter pass BigCrush. */
+static inline uint64_t mix64(uint64_t z) {
+    z = (z ^ (z >> 30)) * MIX_C1;
+    z = (z ^ (z >> 27)) * MIX_C2;
+    return z ^ (z >> 31);
+}
+
+static inline double as_double(uint64_t bits) {
+    double d;
+    memcpy(&d, &bits, sizeof d);
+    return d;
+}
+
+static inline uint64_t bits_of(double d) {
+    uint64_t bits;
+    memcpy(&bits, &d, sizeof bits);
+    return bits;
+}
+
+static inline float as_float(uint32_t bits) {
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+static inline uint32_t bits_of_float(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    return bits;
+}
+
+/* The two logarithms: x = 2^e · m with m in [√½, √2), ln m = 2 atanh(s) = 2s (1 + s²/3 + s⁴/5 + …),
+ * s = (m − 1)/(m + 1), |s| ≤ 0.1716 (s² ≤ 0.0295). m − 1 is exact, so ln x keeps its relative precision
+ * near x = 1. Float64: five terms after the first (the next would add < 2⁻³⁶ of ln m: E goes to float32);
+ * float32: four (< 2⁻²⁷). */
+static inline double ln_double(double x) {
+    uint64_t bits = bits_of(x);
+    double m = as_double((bits & MANTISSA_BITS) | ONE_BITS); /* [1, 2) */
+    double e = as_double(INT_TO_DOUBLE_MAGIC + ((bits >> 52) - 1023)) - INT_TO_DOUBLE_MAGIC_VALUE;
+    int high = m > SQRT2;
+    m = high ? m * 0.5 : m;
+    e = high ? e + 1.0 : e;
+    double s = (m - 1.0) / (m + 1.0);
+    double z = s * s;
+    double p = 1.0 / 11.0;
+    p = p * z + 1.0 / 9.0;
+    p = p * z + 1.0 / 7.0;
+    p = p * z + 1.0 / 5.0;
+    p = p * z + 1.0 / 3.0;
+    double t = s + s;
+    double ln_m = t + t * (z * p);
+    return e * LN2_HI + (ln_m + e * LN2_LO);
+}
+
+static inline float ln_float(float x) {
+    uint32_t bits = bits_of_float(x);
+    float m = as_float((bits & MANTISSA_BITS_F) | ONE_BITS_F); /* [1, 2) */
+    int exponent = (int)(bits >> 23) - 127;
+    int high = m > SQRT2_F;
+    m = high ? m * 0.5f : m;
+    float e = (float)(exponent + high);
+    float s = (m - 1.0f) / (m + 1.0f);
+    float z = s * s;
+    float p = 1.0f / 9.0f;
+    p = p * z + 1.0f / 7.0f;
+    p = p * z + 1.0f / 5.0f;
+    p = p * z + 1.0f / 3.0f;
+    float t = s + s;
+    float ln_m = t + t * (z * p);
+    return e * LN2_HI_F + (ln_m + e * LN2_LO_F);
+}
+
+static inline float gumbel_at(uint64_t key, uint64_t i) {
+    uint64_t r = mix64(key + (i + 1) * GOLDEN_GAMMA);
+    double u = (as_double((r >> 12) | ONE_BITS) - 1.0) + 0x1p-53;
+    float e = (float)(-ln_double(u)); /* in [1.1e-16, 36.8]: a normal float */
+    return -ln_float(e);
+}
+
+/* The reference, and the path of CPUs without AVX2. */
+static void fill_plain(uint64_t key, float *out, int64_t count) {
+    for (int64_t i = 0; i < count; i++) out[i] = gumbel_at(key, (uint64_t)i);
+}
+
+#if HAVE_AVX2_BUILD
+#define AVX2 __attribute__((target("avx2")))
+
+/* The low 64 bits of a · c for 4 lanes (AVX2 has 32 × 32 → 64-bit products only). */
+AVX2 static inline __m256i mul64(__m256i a, uint64_t c) {
+    __m256i c_lo = _mm256_set1_epi64x((long long)(c & 0xFFFFFFFFULL));
+    __m256i c_hi = _mm256_set1_epi64x((long long)(c >> 32));
+    __m256i low = _mm256_mul_epu32(a, c_lo);
+    __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), c_lo), _mm256_mul_epu32(a, c_hi));
+    return _mm256_add_epi64(low, _mm256_slli_epi64(cross, 32));
+}
+
+AVX2 static inline __m256i mix64_x4(__m256i z) {
+    z = mul64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), MIX_C1);
+    z = mul64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), MIX_C2);
+    return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
+}
+
+AVX2 static inline __m256d ln_double_x4(__m256d x) {
+    __m256i bits = _mm256_castpd_si256(x);
+    __m256d m = _mm256_castsi256_pd(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi64x((long long)MANTISSA_BITS)),
+                                                    _mm256_set1_epi64x((long long)ONE_BITS)));
+    __m256i exponent = _mm256_sub_epi64(_mm256_srli_epi64(bits, 52), _mm256_set1_epi64x(1023));
+    __m256d e = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_add_epi64(_mm256_set1_epi64x((long long)INT_TO_DOUBLE_MAGIC),
+                                                                   exponent)),
+                              _mm256_set1_pd(INT_TO_DOUBLE_MAGIC_VALUE));
+    __m256d high = _mm256_cmp_pd(m, _mm256_set1_pd(SQRT2), _CMP_GT_OQ);
+    m = _mm256_blendv_pd(m, _mm256_mul_pd(m, _mm256_set1_pd(0.5)), high);
+    e = _mm256_blendv_pd(e, _mm256_add_pd(e, _mm256_set1_pd(1.0)), high);
+    __m256d one = _mm256_set1_pd(1.0);
+    __m256d s = _mm256_div_pd(_mm256_sub_pd(m, one), _mm256_add_pd(m, one));
+    __m256d z = _mm256_mul_pd(s, s);
+    __m256d p = _mm256_set1_pd(1.0 / 11.0);
+    p = _mm256_add_pd(_mm256_mul_pd(p, z), _mm256_set1_pd(1.0 / 9.0));
+    p = _mm256_add_pd(_mm256_mul_pd(p, z), _mm256_set1_pd(1.0 / 7.0));
+    p = _mm256_add_pd(_mm256_mul_pd(p, z), _mm256_set1_pd(1.0 / 5.0));
+    p = _mm256_add_pd(_mm256_mul_pd(p, z), _mm256_set1_pd(1.0 / 3.0));
+    __m256d t = _mm256_add_pd(s, s);
+    __m256d ln_m = _mm256_add_pd(t, _mm256_mul_pd(t, _mm256_mul_pd(z, p)));
+    return _mm256_add_pd(_mm256_mul_pd(e, _mm256_set1_pd(LN2_HI)),
+                         _mm256_add_pd(ln_m, _mm256_mul_pd(e, _mm256_set1_pd(LN2_LO))));
+}
+
+AVX2 static inline __m256 ln_float_x8(__m256 x) {
+    __m256i bits = _mm256_castps_si256(x);
+    __m256 m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32((int)MANTISSA_BITS_F)),
+                                                   _mm256_set1_epi32((int)ONE_BITS_F)));
+    __m256i exponent = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127));
+    __m256 high = _mm256_cmp_ps(m, _mm256_set1_ps(SQRT2_F), _CMP_GT_OQ);
+    m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), high);
+    /* exponent + 1 where high (the comparison's all-ones lanes are −1) */
+    __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(exponent, _mm256_castps_si256(high)));
+    __m256 one = _mm256_set1_ps(1.0f);
+    __m256 s = _mm256_div_ps(_mm256_sub_ps(m, one), _mm256_add_ps(m, one));
+    __m256 z = _mm256_mul_ps(s, s);
+    __m256 p = _mm256_set1_ps(1.0f / 9.0f);
+    p = _mm256_add_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(1.0f / 7.0f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(1.0f / 5.0f));
+    p = _mm256_add_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(1.0f / 3.0f));
+    __m256 t = _mm256_add_ps(s, s);
+    __m256 ln_m = _mm256_add_ps(t, _mm256_mul_ps(t, _mm256_mul_ps(z, p)));
+    return _mm256_add_ps(_mm256_mul_ps(e, _mm256_set1_ps(LN2_HI_F)),
+                         _mm256_add_ps(ln_m, _mm256_mul_ps(e, _mm256_set1_ps(LN2_LO_F))));
+}
+
+/* −ln u for 4 counters' uniforms, as float32. */
+AVX2 static inline __m128 exponential_x4(__m256i counter) {
+    __m256i r = mix64_x4(counter);
+    __m256d u = _mm256_add_pd(_mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(_mm256_srli_epi64(r, 12),
+                                                                                  _mm256_set1_epi64x((long long)ONE_BITS))),
+                                            _mm256_set1_pd(1.0)),
+                              _mm256_set1_pd(0x1p-53));
+    return _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_setzero_pd(), ln_double_x4(u)));
+}
+
+AVX2 static void fill_avx2(uint64_t key, float *out, int64_t count) {
+    int64_t i = 0;
+    const __m256i step = _mm256_set1_epi64x((long long)(8 * GOLDEN_GAMMA));
+    __m256i low = _mm256_setr_epi64x((long long)(key + 1 * GOLDEN_GAMMA), (long long)(key + 2 * GOLDEN_GAMMA),
+                                     (long long)(key + 3 * GOLDEN_GAMMA), (long long)(key + 4 * GOLDEN_GAMMA));
+    __m256i high = _mm256_add_epi64(low, _mm256_set1_epi64x((long long)(4 * GOLDEN_GAMMA)));
+    for (; i + 8 <= count; i += 8) {
+        __m256 e = _mm256_set_m128(exponential_x4(high), exponential_x4(low));
+        _mm256_storeu_ps(out + i, _mm256_sub_ps(_mm256_setzero_ps(), ln_float_x8(e)));
+        low = _mm256_add_epi64(low, step);
+        high = _mm256_add_epi64(high, step);
+    }
+    for (; i < count; i++) out[i] = gumbel_at(key, (uint64_t)i);
+}
+#endif
+
+/* ---- the perturbed argmax, without drawing every token's noise ----------------------------------------
+ *
+ * token = argmax_j fl(x_j + g_j) over a row x [V] (log-probabilities or logits; −inf: excluded), the first
+ * of equal maxima: exactly what argmax(x + g) over the whole noise vector gives, for a fraction of its
+ * cost. g_j is at most −ln v_j with v_j = 1 − u_j (since −ln(1 − v) ≥ v), and v_j ≥ 2^k_j where k_j is
+ * the exponent of v_j, an integer read from the counter's bits without a logarithm. So token j can beat
+ * the best score found so far only if x_j − k_j · ln 2 reaches it: every other token is passed over, and
+ * only the few that can are scored exactly (gumbel_at). The bound is taken with a margin of 2⁻⁸ (far
+ * above the float32 roundings of x_j + g_j and of g_j itself, ~10⁻⁵), so a token passed over is strictly
+ * below the best, never tied with it. */
+#define BOUND_MARGIN 0.00390625
+
+/* The exponent k of v = (n + ½) · 2⁻⁵² for n = 2⁵² − 1 − (r >> 12): v = 1 − u exactly. */
+static inline int exponent_of_v(uint64_t r) {
+    uint64_t n = (1ULL << 52) - 1 - (r >> 12);
+    double v_scaled = (as_double(0x4330000000000000ULL | n) - 0x1p52) + 0.5; /* n + ½, exact */
+    return (int)(bits_of(v_scaled) >> 52) - 1023 - 52;
+}
+
+/* Scores one row; returns the token, or −1 when the row holds a NaN. A row that excludes every token
+ * (all −inf: every score equal) gives its first index, as the argmax over the whole vector does; so does
+ * +inf its first +inf. */
+static int64_t argmax_plain(const float *x, int64_t vocab, uint64_t key) {
+    int64_t top = 0;
+    for (int64_t j = 0; j < vocab; j++) {
+        if (x[j] != x[j]) return -1;
+        if (x[j] > x[top]) top = j;
+    }
+    if (x[top] == -INFINITY || x[top] == INFINITY) return top;
+    int64_t best_j = top;
+    float best = x[top] + gumbel_at(key, (uint64_t)top);
+    for (int64_t j = 0; j < vocab; j++) {
+        if (x[j] == -INFINITY || j == top) continue;
+        uint64_t r = mix64(key + ((uint64_t)j + 1) * GOLDEN_GAMMA);
+        double bound = (double)x[j] - exponent_of_v(r) * 0.69314718055994530942 + BOUND_MARGIN;
+        if (bound < (double)best) continue;
+        float score = x[j] + gumbel_at(key, (uint64_t)j);
+        if (score > best || (score == best && j < best_j)) best = score, best_j = j;
+    }
+    return best_j;
+}
+
+#if HAVE_AVX2_BUILD
+/* The same scan, four tokens' bounds at a time. */
+/* The first index of the row's largest entry; −1 for a NaN. */
+AVX2 static int64_t row_top_avx2(const float *x, int64_t vocab) {
+    __m256 top8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= vocab; j += 8) {
+        __m256 v = _mm256_loadu_ps(x + j);
+        nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+        top8 = _mm256_max_ps(top8, v);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, top8);
+    float top_x = -INFINITY;
+    for (int i = 0; i < 8; i++) top_x = lanes[i] > top_x ? lanes[i] : top_x;
+    if (_mm256_movemask_ps(nan8)) return -1;
+    for (; j < vocab; j++) {
+        if (x[j] != x[j]) return -1;
+        top_x = x[j] > top_x ? x[j] : top_x;
+    }
+    for (j = 0; j < vocab; j++)
+        if (x[j] == top_x) return j;
+    return 0; /* not reached: top_x is one of the row's entries */
+}
+
+AVX2 static int64_t argmax_avx2(const float *x, int64_t vocab, uint64_t key) {
+    int64_t top = row_top_avx2(x, vocab);
+    if (top < 0 || x[top] == -INFINITY || x[top] == INFINITY) return top; /* a NaN; every score equal; +inf */
+    int64_t best_j = top;
+    float best = x[top] + gumbel_at(key, (uint64_t)top);
+    const __m256i step = _mm256_set1_epi64x((long long)(4 * GOLDEN_GAMMA));
+    __m256i counter = _mm256_setr_epi64x((long long)(key + 1 * GOLDEN_GAMMA), (long long)(key + 2 * GOLDEN_GAMMA),
+                                         (long long)(key + 3 * GOLDEN_GAMMA), (long long)(key + 4 * GOLDEN_GAMMA));
+    const __m256i n_top = _mm256_set1_epi64x((long long)((1ULL << 52) - 1));
+    const __m256i magic = _mm256_set1_epi64x((long long)0x4330000000000000ULL);
+    const __m256i bias = _mm256_set1_epi64x(1023 + 52);
+    int64_t j = 0;
+    for (; j + 4 <= vocab; j += 4) {
+        __m256i r = mix64_x4(counter);
+        counter = _mm256_add_epi64(counter, step);
+        __m256i n = _mm256_sub_epi64(n_top, _mm256_srli_epi64(r, 12));
+        __m256d v_scaled = _mm256_add_pd(_mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(magic, n)),
+                                                       _mm256_set1_pd(0x1p52)),
+                                         _mm256_set1_pd(0.5));
+        __m256i k = _mm256_sub_epi64(_mm256_srli_epi64(_mm256_castpd_si256(v_scaled), 52), bias);
+        /* k as a double (|k| ≤ 53) by the magic-number conversion */
+        __m256d k_d = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_add_epi64(_mm256_set1_epi64x((long long)INT_TO_DOUBLE_MAGIC), k)),
+                                    _mm256_set1_pd(INT_TO_DOUBLE_MAGIC_VALUE));
+        __m256d bound = _mm256_add_pd(_mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + j)),
+                                                    _mm256_mul_pd(k_d, _mm256_set1_pd(0.69314718055994530942))),
+                                      _mm256_set1_pd(BOUND_MARGIN));
+        int reach = _mm256_movemask_pd(_mm256_cmp_pd(bound, _mm256_set1_pd((double)best), _CMP_GE_OQ));
+        while (reach) {
+            int lane = __builtin_ctz((unsigned)reach);
+            reach &= reach - 1;
+            int64_t t = j + lane;
+            if (t == top) continue;
+            float score = x[t] + gumbel_at(key, (uint64_t)t);
+            if (score > best || (score == best && t < best_j)) best = score, best_j = t;
+        }
+    }
+    for (; j < vocab; j++) {
+        if (x[j] == -INFINITY || j == top) continue;
+        uint64_t r = mix64(key + ((uint64_t)j + 1) * GOLDEN_GAMMA);
+        double bound = (double)x[j] - exponent_of_v(r) * 0.69314718055994530942 + BOUND_MARGIN;
+        if (bound < (double)best) continue;
+        float score = x[j] + gumbel_at(key, (uint64_t)j);
+        if (score > best || (score == best && j < best_j)) best = score, best_j = j;
+    }
+    return best_j;
+}
+#endif
+
+static int avx2_usable(void) {
+#if HAVE_AVX2_BUILD
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2"); /* libgcc also checks that the OS saves the YMM state */
+#else
+    return 0;
+#endif
+}
+
+static PyObject *py_fill_gumbel(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"keys", "rows", "vocab", "out", "vectorised", NULL};
+    PyObject *keys_address, *out_address;
+    int rows, vectorised;
+    Py_ssize_t vocab;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OinOp", names, &keys_address, &rows, &vocab, &out_address,
+                                     &vectorised))
+        return NULL;
+    if (rows < 0 || vocab < 0) return PyErr_Format(PyExc_ValueError, "rows %d and vocab %zd must be >= 0", rows, vocab);
+    if (rows == 0 || vocab == 0) Py_RETURN_NONE;
+    const uint64_t *keys = PyLong_AsVoidPtr(keys_address);
+    float *out = keys ? PyLong_AsVoidPtr(out_address) : NULL;
+    if (PyErr_Occurred()) return NULL;
+    if (!keys || !out) return PyErr_Format(PyExc_ValueError, "keys and out must be non-null addresses");
+    if (vectorised && !avx2_usable()) return PyErr_Format(PyExc_ValueError, "this CPU cannot run the AVX2 loop");
+    Py_BEGIN_ALLOW_THREADS
+    for (int r = 0; r < rows; r++) {
+        float *row = out + (size_t)r * (size_t)vocab;
+#if HAVE_AVX2_BUILD
+        if (vectorised) {
+            fill_avx2(keys[r], row, vocab);
+            continue;
+        }
+#endif
+        fill_plain(keys[r], row, vocab);
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+
+static PyObject *py_gumbel_argmax(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"x", "rows", "vocab", "stride", "keys", "out", "vectorised", NULL};
+    PyObject *x_address, *keys_address, *out_address;
+    int rows, vectorised;
+    Py_ssize_t vocab, stride;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OinnOOp", names, &x_address, &rows, &vocab, &stride, &keys_address,
+                                     &out_address, &vectorised))
+        return NULL;
+    if (rows < 0 || vocab < 1 || stride < 0) /* stride 0: one row read for all (an expanded tensor) */
+        return PyErr_Format(PyExc_ValueError, "rows %d, vocab %zd, stride %zd: expected rows >= 0, vocab >= 1, "
+                            "stride >= 0", rows, vocab, stride);
+    if (rows == 0) Py_RETURN_NONE;
+    const float *x = PyLong_AsVoidPtr(x_address);
+    const uint64_t *keys = x ? PyLong_AsVoidPtr(keys_address) : NULL;
+    int64_t *out = keys ? PyLong_AsVoidPtr(out_address) : NULL;
+    if (PyErr_Occurred()) return NULL;
+    if (!x || !keys || !out) return PyErr_Format(PyExc_ValueError, "x, keys and out must be non-null addresses");
+    if (vectorised && !avx2_usable()) return PyErr_Format(PyExc_ValueError, "this CPU cannot run the AVX2 loop");
+    Py_BEGIN_ALLOW_THREADS
+    for (int r = 0; r < rows; r++) {
+        const float *row = x + (size_t)r * (size_t)stride;
+#if HAVE_AVX2_BUILD
+        if (vectorised) {
+            out[r] = argmax_avx2(row, vocab, keys[r]);
+            continue;
+        }
+#endif
+        out[r] = argmax_plain(row, vocab, keys[r]);
+    }
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_mix64(PyObject *self, PyObject *arg) {
+    (void)self;
+    uint64_t z = PyLong_AsUnsignedLongLongMask(arg);
+    if (PyErr_Occurred()) return NULL;
+    return PyLong_FromUnsignedLongLong(mix64(z));
+}
+
+static PyObject *py_avx2(PyObject *self, PyObject *unused) {
+    (void)self, (void)unused;
+    return PyBool_FromLong(avx2_usable());
+}
+
+static PyMethodDef methods[] = {
+    {"fill_gumbel", (PyCFunction)(void (*)(void))py_fill_gumbel, METH_VARARGS | METH_KEYWORDS,
+     "fill_gumbel(keys, rows, vocab, out, vectorised): row r of out [rows, vocab] float32 = the Gumbel noise of "
+     "keys[r] (uint64 [rows]); addresses as ints; vectorised: the AVX2 loop (the same bits)."},
+    {"gumbel_argmax", (PyCFunction)(void (*)(void))py_gumbel_argmax, METH_VARARGS | METH_KEYWORDS,
+     "gumbel_argmax(x, rows, vocab, stride, keys, out, vectorised): out[r] (int64) = argmax_j(x[r, j] + g_j) with "
+     "keys[r]'s noise, the first of equal maxima; -1 for a row with a NaN."},
+    {"mix64", py_mix64, METH_O, "SplitMix64's output function of a 64-bit word."},
+    {"avx2", py_avx2, METH_NOARGS, "Whether the AVX2 loop can run here."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, .m_name = "_keyed_noise",
+                                    .m_doc = "Keyed Gumbel noise for sampling (tierspec/csrc/noise).", .m_size = -1,
+                                    .m_methods = methods};
+
+PyMODINIT_FUNC PyInit__keyed_noise(void) { return PyModule_Create(&module); }
