@@ -112,10 +112,29 @@ AVX2_TARGET static KERNEL_INLINE void avx2_f32_values(const int kind, const uint
     }
 }
 
+/* A LAYOUT_F32 weight: d*q as float32 (exact), 8 output rows, from the stored integers ``v``. */
+AVX2_TARGET static KERNEL_INLINE __m256 avx2_f32_weight(const int kind, __m256 d, __m256i v) {
+    if (kind == KIND_Q6K) /* d*u - 32d = d*(u - 32) exactly (both exact, their difference too) */
+        return _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(v), _mm256_mul_ps(d, _mm256_set1_ps(32.0f)));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(v));
+}
+
 /* LAYOUT_F32 in the reference's order (four running sums per output, by k mod 4), 8 float lanes =
  * 8 output rows: the tile's two halves one after the other (4 sums x 3 rows x a half fill 12 of
- * the 16 registers), up to 3 rows of x at once. ``kind`` and ``mt`` are constants in each copy. */
+ * the 16 registers), AVX2_ROWS rows of x at once. A call over up to AVX2_ROWS rows forms each
+ * weight vector in registers from the cell; a call over more rows (up to AVX2_CALL_ROWS) decodes
+ * the tile's weights once into memory (decode_tile_f32) and runs its rows AVX2_ROWS at a time over
+ * them: the same weights, the same FMAs in the same order, so the same bits, while the decoding
+ * (16 vector operations per 4 inputs and half, more than the 12 FMAs of 3 rows) is not repeated
+ * for every 3 rows. ``kind`` and ``mt`` are constants in each copy. */
 #define AVX2_ROWS 3
+#define AVX2_CALL_ROWS 64
+/* The sums of a row group held in registers at this point: keeps GCC from loading the next weight
+ * vectors early, which with 12 sums live spilled a sum (a store and reload in its FMA chain). */
+#define KEEP_SUMS(p, mt)                                                                                       \
+    do {                                                                                                       \
+        for (int i_ = 0; i_ < (mt); i_++) __asm__("" : "+x"(p[i_][0]), "+x"(p[i_][1]), "+x"(p[i_][2]), "+x"(p[i_][3])); \
+    } while (0)
 AVX2_TARGET static KERNEL_INLINE void tile_f32_avx2_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
     const packed_weight *w = a->w;
     int KB = w->K / QK;
@@ -139,11 +158,7 @@ AVX2_TARGET static KERNEL_INLINE void tile_f32_avx2_rows(const matmul_args *a, i
                 __m256i v[4];
                 __m256 wk[4];
                 avx2_f32_values(kind, cell, j, k, h, v);
-                if (kind == KIND_Q6K) /* d*u - 32d = d*(u - 32) exactly (both exact, their difference too) */
-                    for (int i = 0; i < 4; i++)
-                        wk[i] = _mm256_fmsub_ps(d[k / 16], _mm256_cvtepi32_ps(v[i]), _mm256_mul_ps(d[k / 16], _mm256_set1_ps(32.0f)));
-                else
-                    for (int i = 0; i < 4; i++) wk[i] = _mm256_mul_ps(d[k / 16], _mm256_cvtepi32_ps(v[i]));
+                for (int e = 0; e < 4; e++) wk[e] = avx2_f32_weight(kind, d[k / 16], v[e]);
                 for (int i = 0; i < mt; i++) {
                     const float *xr = xb + (size_t)i * w->K + k;
                     for (int e = 0; e < 4; e++) p[i][e] = _mm256_fmadd_ps(wk[e], _mm256_broadcast_ss(xr + e), p[i][e]);
@@ -159,12 +174,83 @@ AVX2_TARGET static KERNEL_INLINE void tile_f32_avx2_rows(const matmul_args *a, i
     for (int i = 0; i < mt; i++) store_tile(a, m0 + i, t, vals[i]);
 }
 
+/* tile_f32_avx2_rows over weights decoded beforehand (decode_tile_f32): the same FMAs in the same
+ * order, taken input by input so that one weight vector is live beside the 12 sums. */
+AVX2_TARGET static KERNEL_INLINE void tile_f32_decoded_rows(const matmul_args *a, int t, int m0, const int mt, const int kind,
+                                                            const __m256 *decoded, const __m256 *minimums) {
+    const packed_weight *w = a->w;
+    int KB = w->K / QK;
+    const float *x = (const float *)a->x;
+    float vals[AVX2_ROWS][TILE];
+    for (int h = 0; h < 2; h++) {
+        __m256 p[AVX2_ROWS][4];
+        for (int i = 0; i < mt; i++) p[i][0] = p[i][1] = p[i][2] = p[i][3] = _mm256_setzero_ps();
+        for (int b = 0; b < KB; b++) {
+            const __m256 *wb = decoded + (size_t)(2 * b + h) * QK;
+            const float *xr[AVX2_ROWS];
+            for (int i = 0; i < mt; i++) xr[i] = x + (size_t)(m0 + i) * w->K + b * QK;
+#pragma GCC unroll 32
+            for (int k = 0; k < QK; k++) {
+                __m256 wk = wb[k];
+                for (int i = 0; i < mt; i++) p[i][k % 4] = _mm256_fmadd_ps(wk, _mm256_broadcast_ss(xr[i] + k), p[i][k % 4]);
+                KEEP_SUMS(p, mt);
+            }
+            if (has_minimum(kind))
+                for (int i = 0; i < mt; i++)
+                    p[i][0] = _mm256_fmadd_ps(minimums[2 * b + h], _mm256_set1_ps(a->sums[(size_t)(m0 + i) * KB + b]), p[i][0]);
+        }
+        for (int i = 0; i < mt; i++)
+            _mm256_storeu_ps(vals[i] + 8 * h, _mm256_add_ps(_mm256_add_ps(p[i][0], p[i][1]), _mm256_add_ps(p[i][2], p[i][3])));
+    }
+    for (int i = 0; i < mt; i++) store_tile(a, m0 + i, t, vals[i]);
+}
+
+/* Tile t's weights as the direct kernel forms them: ``decoded`` [KB][2 halves][32 inputs] vectors
+ * of 8 outputs' d*q, ``minimums`` [KB][2] each block's minimum term (kinds with one). */
+AVX2_TARGET static KERNEL_INLINE void decode_tile_f32(const packed_weight *w, int t, const int kind, __m256 *decoded, __m256 *minimums) {
+    int KB = w->K / QK;
+    size_t block_bytes = cell_bytes(kind) / cell_blocks(kind);
+    for (int b = 0; b < KB; b++) {
+        int j;
+        const uint8_t *cell = block_cell(w, t, b, &j);
+        const uint8_t *ahead = cell + block_bytes * (j + PREFETCH_CELLS);
+        for (size_t line = 0; line < block_bytes; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256 d[2], mn = _mm256_setzero_ps();
+            avx2_block_scales(kind, cell, j, h, d, &mn);
+            minimums[2 * b + h] = mn;
+            __m256 *out = decoded + (size_t)(2 * b + h) * QK;
+            for (int k = 0; k < QK; k += 4) {
+                __m256i v[4];
+                avx2_f32_values(kind, cell, j, k, h, v);
+                for (int e = 0; e < 4; e++) out[k + e] = avx2_f32_weight(kind, d[k / 16], v[e]);
+            }
+        }
+    }
+}
+
+static _Thread_local scratch_t scratch_decoded;
+
 #define AVX2_F32_KIND(kind)                                                                                    \
     AVX2_TARGET static void tile_f32_avx2_##kind(const matmul_args *a, int t, int m0, int mt) {                \
-        switch (mt) {                                                                                          \
-        case 1: tile_f32_avx2_rows(a, t, m0, 1, kind); break;                                                  \
-        case 2: tile_f32_avx2_rows(a, t, m0, 2, kind); break;                                                  \
-        default: tile_f32_avx2_rows(a, t, m0, 3, kind); break;                                                 \
+        if (mt <= AVX2_ROWS) {                                                                                 \
+            switch (mt) {                                                                                      \
+            case 1: tile_f32_avx2_rows(a, t, m0, 1, kind); break;                                              \
+            case 2: tile_f32_avx2_rows(a, t, m0, 2, kind); break;                                              \
+            default: tile_f32_avx2_rows(a, t, m0, 3, kind); break;                                             \
+            }                                                                                                  \
+            return;                                                                                            \
+        }                                                                                                      \
+        int KB = a->w->K / QK;                                                                                 \
+        __m256 *decoded = (__m256 *)scratch_get(&scratch_decoded, (size_t)KB * 2 * (QK + 1) * sizeof(__m256)); \
+        __m256 *minimums = decoded + (size_t)KB * 2 * QK;                                                      \
+        decode_tile_f32(a->w, t, kind, decoded, minimums);                                                     \
+        for (int g = 0; g < mt; g += AVX2_ROWS) {                                                              \
+            switch (mt - g) {                                                                                  \
+            case 1: tile_f32_decoded_rows(a, t, m0 + g, 1, kind, decoded, minimums); break;                    \
+            case 2: tile_f32_decoded_rows(a, t, m0 + g, 2, kind, decoded, minimums); break;                    \
+            default: tile_f32_decoded_rows(a, t, m0 + g, 3, kind, decoded, minimums); break;                   \
+            }                                                                                                  \
         }                                                                                                      \
     }
 AVX2_F32_KIND(KIND_Q4)
@@ -584,7 +670,7 @@ AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, floa
 
 void install_avx2(kernel_set *k) {
     for (int kind = 0; kind < KINDS; kind++) {
-        k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx2(kind), AVX2_ROWS, ISA_AVX2};
+        k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx2(kind), AVX2_CALL_ROWS, ISA_AVX2};
         k->tile[LAYOUT_INT8][kind] = (tile_kernel){tile_int8_avx2(kind), INT8_ROWS, ISA_AVX2};
     }
     k->prepare_f32 = prepare_f32_avx2;
