@@ -44,8 +44,9 @@ LAYOUT_BFLOAT16_DOT, LAYOUT_FLOAT32_FMA, LAYOUT_INT8_DOT = 0, 1, 2
 # The engine's kernels' generation: bumped when a kernel's speed or order of sums changes, so that a
 # cached pass-cost table of older kernels is not read (``kernel_key``). 2: tierspec/csrc split by
 # role, float32 rows in 16 lanes and four chains, int8 rows on VNNI without AVX512-BF16, AMX.
-# 3: K-quant cells, kernels specialised per cell kind.
-ENGINE_KERNELS = 3
+# 3: K-quant cells, kernels specialised per cell kind. 4: int8 rows on AVX2 (vpmaddubsw), attention
+# over a kv head's group of query heads, AVX2 products over 1-2 rows on every thread.
+ENGINE_KERNELS = 4
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,63 @@ def test_every_path_equals_the_reference_bitwise_for_float32_and_int8_rows(path,
         assert torch.equal(weight.multiply(x[5:6].contiguous()), reference[5:6])
 
 
+# each K-quant's bytes of stored values (the rest of a block: its scales) as (start, stop) per block
+_K_VALUE_BYTES = {"Q4_K": (144, [(16, 144)]), "Q5_K": (176, [(16, 176)]), "Q6_K": (210, [(0, 192)])}
+
+
+def _extreme_blocks(kind: str, rows: int, width: int) -> torch.Tensor:
+    """Raw blocks at the integers' bounds, which random weights never reach, in whole blocks of one
+    value, alternating, and mixed: Q8 values -128 and 127, Q4 nibbles 15 and 0 (scale 1, Q4_1's m 0);
+    K-quants (random valid scales from ``k_blocks``) with every value bit set or clear: Q4_K 15 / 0,
+    Q5_K 31 / 0, Q6_K's u = q + 32 63 / 0."""
+    rng = np.random.default_rng(17)
+    if kind in K_TYPES:
+        size, spans = _K_VALUE_BYTES[kind]
+        blocks = k_blocks(kind, rows, width, seed=17).reshape(rows, -1, size).copy()
+        for n in range(rows):
+            for start, stop in spans:
+                blocks[n, :, start:stop] = [0xFF, 0x00, np.tile(np.uint8([0xFF, 0x00]), (stop - start) // 2),
+                                            blocks[n, :, start:stop]][n % 4]
+        return torch.from_numpy(blocks.reshape(rows, -1))
+    q8 = kind == "Q8_0"
+    high, low = (-128, 127) if q8 else (15, 0)
+    values = np.empty((rows, width), np.int64)
+    for n in range(rows):
+        values[n] = [high, low, np.tile([high, low], width // 2),
+                     rng.integers(-128, 128, width) if q8 else rng.integers(0, 16, width)][n % 4]
+    blocks = values.reshape(rows, -1, 32)
+    one = np.full(blocks.shape[:2] + (1,), np.float16(1.0)).view(np.uint8)  # fp16 1.0 as two bytes
+    if q8:
+        body = blocks.astype(np.int8).view(np.uint8)
+    else:  # byte i: value i (low nibble), value 16 + i (high nibble)
+        body = (blocks[..., :16] | (blocks[..., 16:] << 4)).astype(np.uint8)
+    head = [one] if kind != "Q4_1" else [one, np.zeros_like(one)]
+    return torch.from_numpy(np.concatenate(head + [body], axis=-1).reshape(rows, -1).copy())
+
+
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("kind", TYPES)
+def test_int8_rows_at_the_integer_bounds_equal_the_reference_bitwise(path, kind):
+    """8-bit rows of +-127 against weights at their bounds: where a kernel's narrow integer sums
+    (AVX2's int16 pairs) could saturate or a sign trick could wrap, the exact sums must still come out."""
+    width = 512 if kind in K_TYPES else 96
+    weight = QuantWeight(_extreme_blocks(kind, 32, width), getattr(quant, kind), width, numerics_for(torch.int8))
+    signs = torch.tensor([1.0, -1.0]).repeat(width // 2)
+    x = torch.stack([torch.ones(width), -torch.ones(width), signs, -signs,
+                     torch.randn(width, generator=torch.Generator().manual_seed(3))])
+    with kernels("portable"):
+        reference = weight.multiply(x)
+    # the planted sums themselves: row 0 of x is all 127 after rounding (scale 1/127), so output n's
+    # value is the sum of its weights, to float32 rounding of the blocks' float steps (a saturated
+    # int16 sum would be off by thousands of units of a block's scale)
+    dense = weight.dense()
+    assert torch.allclose(reference[0], dense.sum(1), rtol=0, atol=1e-5 * float(dense.abs().sum(1).max()))
+    with kernels(path):
+        assert torch.equal(weight.multiply(x), reference)
+        for row in range(len(x)):
+            assert torch.equal(weight.multiply(x[row : row + 1].contiguous()), reference[row : row + 1])
+
+
 def _summed_terms(kind: str, raw: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
     """[N, K]: the magnitude each weight brings to the bfloat16 kernels' sums. The kernels of the
     kinds with a minimum (Q4_0, Q4_1, Q4_K, Q5_K: w = d·q + m per 32, K-quants' d = d·sc, m = −dmin·mn)
@@ -392,6 +449,29 @@ def test_every_paths_layers_match_the_reference_path(tiny, path):
             got = CachedModel(model).forward(LONG_PROMPT[:70]).logits
     assert (got - reference).abs().max() <= 1e-5 * reference.abs().max()
     assert torch.equal(got.argmax(-1), reference.argmax(-1))
+
+
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_the_vector_attention_of_each_head_width_it_covers(tmp_path, path, head_dim):
+    """The vector paths' attention kernels take D = 32, 64 and 128 (the tiny model's D = 16 runs the
+    reference): within a few ulps of the reference path's logits, the same greedy tokens, and the row
+    contract (a token alone = inside a long pass, whose 8-key groups and tails differ) on the path."""
+    tiny = write_tiny_gguf(tmp_path, seed=5, layers=2, hidden=2 * head_dim, heads=2, kv_heads=1)
+    model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(torch.float32))
+    prompt = LONG_PROMPT[:75]
+    with torch.inference_mode():
+        with kernels("portable"):
+            reference = CachedModel(model).forward(prompt).logits
+        with kernels(path):
+            assert engine.probe()["paths"]["attention"] != "portable"
+            runner = CachedModel(model)
+            got = runner.forward(prompt).logits
+            runner.rollback(60)
+            alone = torch.cat([runner.forward(prompt[i : i + 1]).logits for i in range(60, 75)])
+    assert (got - reference).abs().max() <= 1e-5 * reference.abs().max()
+    assert torch.equal(got.argmax(-1), reference.argmax(-1))
+    assert torch.equal(alone, got[60:])
 
 
 def test_the_cost_tables_key_names_the_numerics_and_the_kernel_path(tiny):

@@ -43,18 +43,6 @@ AVX512_BASE_TARGET static KERNEL_INLINE void avx512_block_scales(const int kind,
     }
 }
 
-/* The low-nibble area of sub-block j of a cell of a nibble kind (Q4, Q4_K, Q5_K, Q6_K), and its
- * high-bit plane (NULL for Q4, Q4_K). */
-static KERNEL_INLINE const uint8_t *nibbles_of(int kind, const uint8_t *cell, int j, const uint8_t **hi) {
-    switch (kind) {
-    case KIND_Q4: *hi = NULL; return ((const cell_q4 *)cell)->q;
-    case KIND_Q4K: *hi = NULL; return ((const cell_q4k *)cell)->q[j];
-    case KIND_Q5K: *hi = ((const cell_q5k *)cell)->hi[j]; return ((const cell_q5k *)cell)->q[j];
-    case KIND_Q6K: *hi = ((const cell_q6k *)cell)->hi[j]; return ((const cell_q6k *)cell)->q[j];
-    default: UNKNOWN_KIND();
-    }
-}
-
 /* LAYOUT_INT8: quad g's 64 stored values (position 4r + k%4) with their high bits from the plane
  * (hi_slot: a 64-bit mask per bit), ``nib`` holding the low four bits. */
 AVX512_BASE_TARGET static KERNEL_INLINE __m512i avx512_int8_high(const int bits, const uint8_t *hi, int g, __m512i nib) {

@@ -326,6 +326,18 @@ static KERNEL_INLINE const uint8_t *block_cell(const packed_weight *w, int tile,
     return cell_at(w, tile, b / per);
 }
 
+/* The low-nibble area of sub-block j of a cell of a nibble kind (Q4, Q4_K, Q5_K, Q6_K), and its
+ * high-bit plane (NULL for Q4, Q4_K). */
+static KERNEL_INLINE const uint8_t *nibbles_of(int kind, const uint8_t *cell, int j, const uint8_t **hi) {
+    switch (kind) {
+    case KIND_Q4: *hi = NULL; return ((const cell_q4 *)cell)->q;
+    case KIND_Q4K: *hi = NULL; return ((const cell_q4k *)cell)->q[j];
+    case KIND_Q5K: *hi = ((const cell_q5k *)cell)->hi[j]; return ((const cell_q5k *)cell)->q[j];
+    case KIND_Q6K: *hi = ((const cell_q6k *)cell)->hi[j]; return ((const cell_q6k *)cell)->q[j];
+    default: UNKNOWN_KIND();
+    }
+}
+
 /* Row r's scales for sub-block j of a cell, as float32 (exact): d[h] multiplies inputs 16h .. 16h+15
  * (equal but for Q6_K), *mn is the term added per unit of the block's input sum (0 for Q8, Q6_K:
  * their kernels add none). */

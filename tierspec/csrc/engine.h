@@ -132,10 +132,12 @@ typedef struct {
     void (*prepare_int8)(const float *x, int M, int K, int8_t *xq, float *scales, int32_t *isums);
     void (*exp_inplace)(float *v, int count);
     void (*rms_norm)(const float *x, const float *w, float eps, int n, float *out);
-    /* one head of one query row (q [heads * D] rotated, out [heads * D]) over its visible ``slots``;
-     * returns 0 where it has no kernel for the head width (then the reference runs) */
-    int (*attend)(const attention_view *a, const float *q, float *out, int head, float *scores, const int *slots,
-                  int count);
+    /* query heads head0 .. head0 + group - 1 of one query row, all reading one kv head, over their
+     * visible ``slots`` (q [heads * D] rotated, out [heads * D], scores: scratch [group, count]);
+     * each head gets exactly what it gets alone (a group only shares the loads of its keys and
+     * values); returns 0 where it has no kernel for the head width (then the reference runs) */
+    int (*attend)(const attention_view *a, const float *q, float *out, int head0, int group, float *scores,
+                  const int *slots, int count);
     int isa[6]; /* which path serves each of the six functions above (reports) */
 } kernel_set;
 
@@ -163,8 +165,8 @@ float sum_in_order(const float *v, int count);
 /* scores[i] = cap * tanh(scores[i] / cap) (tanh_from_exp over exp_ref): every path calls this one, so
  * soft-capped scores are the same bits on every path */
 void softcap_scores(float *scores, int count, float cap);
-int attend_ref(const attention_view *a, const float *q, float *out, int head, float *scores, const int *slots,
-               int count);
+int attend_ref(const attention_view *a, const float *q, float *out, int head0, int group, float *scores,
+               const int *slots, int count);
 void tile_ref(const matmul_args *a, int t, int m0, int mt);
 
 /* Tile outputs written (or added) to out for row m of the pass, tile t. */

@@ -1,6 +1,6 @@
-/* The AVX2 path (AVX2 + FMA + F16C): float32 rows (LAYOUT_F32) in 8 lanes, the row preparation for
- * them, exp, the RMS norm and attention. Its products and row sums take the reference's order
- * exactly (kernels_ref.c): the same bits. */
+/* The AVX2 path (AVX2 + FMA + F16C): float32 rows (LAYOUT_F32) in 8 lanes, 8-bit rows (LAYOUT_INT8)
+ * by vpmaddubsw + vpmaddwd, the row preparation for both, exp, the RMS norm and attention. Its
+ * products and rows take the reference's order and steps exactly (kernels_ref.c): the same bits. */
 #include "engine.h"
 
 #if QE_X86
@@ -112,10 +112,33 @@ AVX2_TARGET static KERNEL_INLINE void avx2_f32_values(const int kind, const uint
     }
 }
 
+/* A LAYOUT_F32 weight: d*q as float32 (exact), 8 output rows, from the stored integers ``v``. */
+AVX2_TARGET static KERNEL_INLINE __m256 avx2_f32_weight(const int kind, __m256 d, __m256i v) {
+    if (kind == KIND_Q6K) /* d*u - 32d = d*(u - 32) exactly (both exact, their difference too) */
+        return _mm256_fmsub_ps(d, _mm256_cvtepi32_ps(v), _mm256_mul_ps(d, _mm256_set1_ps(32.0f)));
+    return _mm256_mul_ps(d, _mm256_cvtepi32_ps(v));
+}
+
 /* LAYOUT_F32 in the reference's order (four running sums per output, by k mod 4), 8 float lanes =
  * 8 output rows: the tile's two halves one after the other (4 sums x 3 rows x a half fill 12 of
- * the 16 registers), up to 3 rows of x at once. ``kind`` and ``mt`` are constants in each copy. */
+ * the 16 registers), AVX2_ROWS rows of x at once. A call over a few rows forms each weight vector in
+ * registers from the cell; a call over more rows (AVX2_DECODE_ROWS .. AVX2_CALL_ROWS) decodes
+ * the tile's weights once into memory (decode_tile_f32) and runs its rows AVX2_ROWS at a time over
+ * them: the same weights, the same FMAs in the same order, so the same bits, while the decoding
+ * (16 vector operations per 4 inputs and half, more than the 12 FMAs of 3 rows) is not repeated
+ * for every 3 rows. ``kind`` and ``mt`` are constants in each copy. */
 #define AVX2_ROWS 3
+#define AVX2_CALL_ROWS 64
+/* Calls over this many rows or more decode the tile first (one thread, 3072 x 576 Q4_1 over 4 / 5 /
+ * 6 / 9 / 12 rows: 18.1 / 20.6 / 20.8 / 20.9 / 21.0 GMAC/s forming the weights in registers per 3
+ * rows, 18.8 / 19.8 / 23.9 / 26.2 / 27.6 decoded once) */
+#define AVX2_DECODE_ROWS 5
+/* The sums of a row group held in registers at this point: keeps GCC from loading the next weight
+ * vectors early, which with 12 sums live spilled a sum (a store and reload in its FMA chain). */
+#define KEEP_SUMS(p, mt)                                                                                       \
+    do {                                                                                                       \
+        for (int i_ = 0; i_ < (mt); i_++) __asm__("" : "+x"(p[i_][0]), "+x"(p[i_][1]), "+x"(p[i_][2]), "+x"(p[i_][3])); \
+    } while (0)
 AVX2_TARGET static KERNEL_INLINE void tile_f32_avx2_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
     const packed_weight *w = a->w;
     int KB = w->K / QK;
@@ -139,11 +162,7 @@ AVX2_TARGET static KERNEL_INLINE void tile_f32_avx2_rows(const matmul_args *a, i
                 __m256i v[4];
                 __m256 wk[4];
                 avx2_f32_values(kind, cell, j, k, h, v);
-                if (kind == KIND_Q6K) /* d*u - 32d = d*(u - 32) exactly (both exact, their difference too) */
-                    for (int i = 0; i < 4; i++)
-                        wk[i] = _mm256_fmsub_ps(d[k / 16], _mm256_cvtepi32_ps(v[i]), _mm256_mul_ps(d[k / 16], _mm256_set1_ps(32.0f)));
-                else
-                    for (int i = 0; i < 4; i++) wk[i] = _mm256_mul_ps(d[k / 16], _mm256_cvtepi32_ps(v[i]));
+                for (int e = 0; e < 4; e++) wk[e] = avx2_f32_weight(kind, d[k / 16], v[e]);
                 for (int i = 0; i < mt; i++) {
                     const float *xr = xb + (size_t)i * w->K + k;
                     for (int e = 0; e < 4; e++) p[i][e] = _mm256_fmadd_ps(wk[e], _mm256_broadcast_ss(xr + e), p[i][e]);
@@ -159,12 +178,85 @@ AVX2_TARGET static KERNEL_INLINE void tile_f32_avx2_rows(const matmul_args *a, i
     for (int i = 0; i < mt; i++) store_tile(a, m0 + i, t, vals[i]);
 }
 
+/* tile_f32_avx2_rows over weights decoded beforehand (decode_tile_f32): the same FMAs in the same
+ * order, taken input by input so that one weight vector is live beside the 12 sums. */
+AVX2_TARGET static KERNEL_INLINE void tile_f32_decoded_rows(const matmul_args *a, int t, int m0, const int mt, const int kind,
+                                                            const __m256 *decoded, const __m256 *minimums) {
+    const packed_weight *w = a->w;
+    int KB = w->K / QK;
+    const float *x = (const float *)a->x;
+    float vals[AVX2_ROWS][TILE];
+    for (int h = 0; h < 2; h++) {
+        __m256 p[AVX2_ROWS][4];
+        for (int i = 0; i < mt; i++) p[i][0] = p[i][1] = p[i][2] = p[i][3] = _mm256_setzero_ps();
+        for (int b = 0; b < KB; b++) {
+            const __m256 *wb = decoded + (size_t)(2 * b + h) * QK;
+            const float *xr[AVX2_ROWS];
+            for (int i = 0; i < mt; i++) xr[i] = x + (size_t)(m0 + i) * w->K + b * QK;
+#pragma GCC unroll 32
+            for (int k = 0; k < QK; k++) {
+                __m256 wk = wb[k];
+                for (int i = 0; i < mt; i++) p[i][k % 4] = _mm256_fmadd_ps(wk, _mm256_broadcast_ss(xr[i] + k), p[i][k % 4]);
+                KEEP_SUMS(p, mt);
+            }
+            if (has_minimum(kind))
+                for (int i = 0; i < mt; i++)
+                    p[i][0] = _mm256_fmadd_ps(minimums[2 * b + h], _mm256_set1_ps(a->sums[(size_t)(m0 + i) * KB + b]), p[i][0]);
+        }
+        for (int i = 0; i < mt; i++)
+            _mm256_storeu_ps(vals[i] + 8 * h, _mm256_add_ps(_mm256_add_ps(p[i][0], p[i][1]), _mm256_add_ps(p[i][2], p[i][3])));
+    }
+    for (int i = 0; i < mt; i++) store_tile(a, m0 + i, t, vals[i]);
+}
+
+/* Tile t's weights as the direct kernel forms them: ``decoded`` [KB][2 halves][32 inputs] vectors
+ * of 8 outputs' d*q, ``minimums`` [KB][2] each block's minimum term (kinds with one). */
+AVX2_TARGET static KERNEL_INLINE void decode_tile_f32(const packed_weight *w, int t, const int kind, __m256 *decoded, __m256 *minimums) {
+    int KB = w->K / QK;
+    size_t block_bytes = cell_bytes(kind) / cell_blocks(kind);
+    for (int b = 0; b < KB; b++) {
+        int j;
+        const uint8_t *cell = block_cell(w, t, b, &j);
+        const uint8_t *ahead = cell + block_bytes * (j + PREFETCH_CELLS);
+        for (size_t line = 0; line < block_bytes; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
+        for (int h = 0; h < 2; h++) {
+            __m256 d[2], mn = _mm256_setzero_ps();
+            avx2_block_scales(kind, cell, j, h, d, &mn);
+            minimums[2 * b + h] = mn;
+            __m256 *out = decoded + (size_t)(2 * b + h) * QK;
+            for (int k = 0; k < QK; k += 4) {
+                __m256i v[4];
+                avx2_f32_values(kind, cell, j, k, h, v);
+                for (int e = 0; e < 4; e++) out[k + e] = avx2_f32_weight(kind, d[k / 16], v[e]);
+            }
+        }
+    }
+}
+
+static _Thread_local scratch_t scratch_decoded;
+
 #define AVX2_F32_KIND(kind)                                                                                    \
     AVX2_TARGET static void tile_f32_avx2_##kind(const matmul_args *a, int t, int m0, int mt) {                \
-        switch (mt) {                                                                                          \
-        case 1: tile_f32_avx2_rows(a, t, m0, 1, kind); break;                                                  \
-        case 2: tile_f32_avx2_rows(a, t, m0, 2, kind); break;                                                  \
-        default: tile_f32_avx2_rows(a, t, m0, 3, kind); break;                                                 \
+        if (mt < AVX2_DECODE_ROWS) {                                                                           \
+            for (int g = 0; g < mt; g += AVX2_ROWS) {                                                          \
+                switch (mt - g) {                                                                              \
+                case 1: tile_f32_avx2_rows(a, t, m0 + g, 1, kind); break;                                      \
+                case 2: tile_f32_avx2_rows(a, t, m0 + g, 2, kind); break;                                      \
+                default: tile_f32_avx2_rows(a, t, m0 + g, 3, kind); break;                                     \
+                }                                                                                              \
+            }                                                                                                  \
+            return;                                                                                            \
+        }                                                                                                      \
+        int KB = a->w->K / QK;                                                                                 \
+        __m256 *decoded = (__m256 *)scratch_get(&scratch_decoded, (size_t)KB * 2 * (QK + 1) * sizeof(__m256)); \
+        __m256 *minimums = decoded + (size_t)KB * 2 * QK;                                                      \
+        decode_tile_f32(a->w, t, kind, decoded, minimums);                                                     \
+        for (int g = 0; g < mt; g += AVX2_ROWS) {                                                              \
+            switch (mt - g) {                                                                                  \
+            case 1: tile_f32_decoded_rows(a, t, m0 + g, 1, kind, decoded, minimums); break;                    \
+            case 2: tile_f32_decoded_rows(a, t, m0 + g, 2, kind, decoded, minimums); break;                    \
+            default: tile_f32_decoded_rows(a, t, m0 + g, 3, kind, decoded, minimums); break;                   \
+            }                                                                                                  \
         }                                                                                                      \
     }
 AVX2_F32_KIND(KIND_Q4)
@@ -181,6 +273,231 @@ static tile_fn tile_f32_avx2(int kind) {
     case KIND_Q4K: return tile_f32_avx2_KIND_Q4K;
     case KIND_Q5K: return tile_f32_avx2_KIND_Q5K;
     case KIND_Q6K: return tile_f32_avx2_KIND_Q6K;
+    default: UNKNOWN_KIND();
+    }
+}
+
+/* LAYOUT_INT8's rows: prepare_int8_ref's steps (max, a correctly rounded division, rounding to
+ * nearest even, clamping to +-127), 8 lanes at a time: the same bytes. */
+AVX2_TARGET static void prepare_int8_avx2(const float *x, int M, int K, int8_t *xq, float *scales, int32_t *isums) {
+    int KB = K / QK;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    const __m256i lo = _mm256_set1_epi32(-127), hi = _mm256_set1_epi32(127);
+    for (int m = 0; m < M; m++)
+        for (int b = 0; b < KB; b++) {
+            const float *v = x + (size_t)m * K + b * QK;
+            __m256 a[4];
+            for (int j = 0; j < 4; j++) a[j] = _mm256_loadu_ps(v + 8 * j);
+            __m256 top = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, a[0]), _mm256_andnot_ps(sign, a[1])),
+                                       _mm256_max_ps(_mm256_andnot_ps(sign, a[2]), _mm256_andnot_ps(sign, a[3])));
+            __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top), _mm256_extractf128_ps(top, 1));
+            t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+            float amax = _mm_cvtss_f32(_mm_max_ss(t4, _mm_movehdup_ps(t4))); /* max is exact in any order */
+            float scale = amax / 127.0f;
+            __m256i q[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256()};
+            if (scale > 0.0f) {
+                __m256 sv = _mm256_set1_ps(scale);
+                for (int j = 0; j < 4; j++)
+                    q[j] = _mm256_max_epi32(lo, _mm256_min_epi32(hi, _mm256_cvtps_epi32(_mm256_div_ps(a[j], sv))));
+            }
+            /* int32 -> int8 (every value in -127..127, so the saturating packs are exact); packs
+             * interleave 128-bit halves, the permute puts the 32 bytes back in order */
+            __m256i q16 = _mm256_packs_epi32(q[0], q[1]), q16b = _mm256_packs_epi32(q[2], q[3]);
+            __m256i q8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(q16, q16b), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(xq + (size_t)m * K + b * QK), q8);
+            __m256i s = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+            s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+            scales[(size_t)m * KB + b] = scale;
+            isums[(size_t)m * KB + b] = _mm_cvtsi128_si32(s4);
+        }
+}
+
+/* LAYOUT_INT8 products: per block, each output's exact int32 dot product of the weight's stored
+ * integers with the row's 8-bit values, then the reference's float steps (acc += dot * (d * s), and
+ * for the kinds with a minimum acc += mn * (s * sum x8); Q6_K per half of the block, its dot less 32
+ * times the half's 8-bit sum): the same bits as the reference and the VNNI and AMX kernels, whatever
+ * the row count. 8 int32 lanes = 8 output rows (a lane holds one output's quad of k): the tile's
+ * two halves are two vectors, over up to INT8_ROWS rows of x, so each weight vector is loaded once
+ * for all the rows and each row's quad broadcast once for both halves.
+ *
+ * vpmaddubsw multiplies unsigned by signed bytes and adds adjacent pairs into int16 with
+ * saturation, so each kind keeps its sums inside int16 (|x8| <= 127):
+ *  - nibble kinds, stored u in 0..15 (Q4, Q4_K), 0..31 (Q5_K), 0..63 (Q6_K): a pair at most
+ *    2 * u_max * 127, so int16_quads(kind) quads add up in int16 (8 * 3810, 4 * 7874, 2 * 16002, all
+ *    < 32767) before vpmaddwd widens them;
+ *  - Q8: stored q + 128 (0..255) would reach 2 * 255 * 127 > 32767, so the kernel takes the signed q
+ *    back (xor 128) and multiplies |q| (0..128, unsigned) by x8 with q's sign (vpsignb: -x8 is in
+ *    range): a pair at most 2 * 128 * 127 = 32512, widened by vpmaddwd after each quad.
+ * A new cell kind adds a case to int16_quads (or its own dot helper) and to the float steps in
+ * tile_int8_avx2_rows. */
+#define INT8_ROWS 4
+
+/* Keeps a running integer sum in a register where the code adds to it: without it GCC reassociates
+ * the (exact) integer additions into one tree at the end of the block, computing every product
+ * first and spilling them to the stack. */
+#define IN_ORDER(v) __asm__("" : "+x"(v))
+
+/* Quads of a nibble kind's products that add up in int16 before widening (see above). */
+static KERNEL_INLINE int int16_quads(int kind) {
+    switch (kind) {
+    case KIND_Q4: case KIND_Q4K: return 8;
+    case KIND_Q5K: return 4;
+    case KIND_Q6K: return 2;
+    default: UNKNOWN_KIND();
+    }
+}
+
+/* Quad g's stored values at positions 32h .. 32h + 31 (rows 8h .. 8h + 7) with their high bits from
+ * the plane (hi_slot: per quad and bit a 64-bit mask over positions 4r + k%4), ``nib`` holding the low
+ * four bits: each mask bit widened to its byte and 16 << b added where set. */
+AVX2_TARGET static KERNEL_INLINE __m256i avx2_int8_high(const int bits, const uint8_t *hi, int g, int h, __m256i nib) {
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, /* byte p takes mask byte p / 8 */
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i bit = _mm256_set1_epi64x((int64_t)0x8040201008040201ull); /* and its bit p % 8 */
+    for (int b = 0; b < bits; b++) {
+        uint32_t mask;
+        memcpy(&mask, hi + 8 * (bits * g + b) + 4 * h, 4);
+        __m256i m = _mm256_shuffle_epi8(_mm256_set1_epi32((int)mask), spread);
+        __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(m, bit), bit);
+        nib = _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8((char)(16 << b))));
+    }
+    return nib;
+}
+
+/* Sub-block j of a nibble kind's cell: dot[i][h][part] = sum_k u[k] * x8_i[k] over outputs 8h ..
+ * 8h + 7 (int32 lanes), part 0 the whole block, or for Q6_K its halves (quads 0-3, 4-7). */
+AVX2_TARGET static KERNEL_INLINE void int8_dots_nibbles(const int kind, const uint8_t *cell, int j, const int32_t *xb, int K4,
+                                                         const int mt, __m256i dot[][2][2]) {
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const uint8_t *hi, *q = nibbles_of(kind, cell, j, &hi);
+    const int bits = high_bits(kind), run = int16_quads(kind), part_quads = kind == KIND_Q6K ? 4 : 8;
+    __m256i pairs[INT8_ROWS][2];
+#pragma GCC unroll 8
+    for (int g = 0; g < QK / 4; g++) { /* quad g: 32 bytes, rows 0..7 in the low nibbles, 8..15 in the high */
+        __m256i v = _mm256_loadu_si256((const __m256i *)(q + 32 * g));
+        __m256i w0 = _mm256_and_si256(v, low), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        if (bits) {
+            w0 = avx2_int8_high(bits, hi, g, 0, w0);
+            w1 = avx2_int8_high(bits, hi, g, 1, w1);
+        }
+        for (int i = 0; i < mt; i++) {
+            __m256i xq = _mm256_set1_epi32(xb[(size_t)i * K4 + g]);
+            __m256i p0 = _mm256_maddubs_epi16(w0, xq), p1 = _mm256_maddubs_epi16(w1, xq);
+            pairs[i][0] = g % run ? _mm256_add_epi16(pairs[i][0], p0) : p0;
+            pairs[i][1] = g % run ? _mm256_add_epi16(pairs[i][1], p1) : p1;
+            IN_ORDER(pairs[i][0]);
+            IN_ORDER(pairs[i][1]);
+            if (g % run == run - 1) { /* widen the run into its part's int32 sums */
+                int part = g / part_quads, first = g % part_quads == run - 1;
+                for (int h = 0; h < 2; h++) {
+                    __m256i wide = _mm256_madd_epi16(pairs[i][h], ones);
+                    dot[i][h][part] = first ? wide : _mm256_add_epi32(dot[i][h][part], wide);
+                }
+            }
+        }
+    }
+}
+
+/* A Q8 cell's block (the sign trick above): dot[i][h][0]. */
+AVX2_TARGET static KERNEL_INLINE void int8_dots_q8(const uint8_t *cell, const int32_t *xb, int K4, const int mt, __m256i dot[][2][2]) {
+    const __m256i bias = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+    const uint8_t *q = ((const cell_q8 *)cell)->q;
+#pragma GCC unroll 8
+    for (int g = 0; g < QK / 4; g++) { /* quad g: 64 bytes, rows 0..7 then 8..15 */
+        __m256i s0 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * g)), bias); /* q */
+        __m256i s1 = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(q + 64 * g + 32)), bias);
+        __m256i m0 = _mm256_abs_epi8(s0), m1 = _mm256_abs_epi8(s1); /* |q|; -128 gives 0x80, read unsigned as 128 */
+        for (int i = 0; i < mt; i++) {
+            __m256i xq = _mm256_set1_epi32(xb[(size_t)i * K4 + g]);
+            __m256i p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(m0, _mm256_sign_epi8(xq, s0)), ones);
+            __m256i p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(m1, _mm256_sign_epi8(xq, s1)), ones);
+            dot[i][0][0] = g ? _mm256_add_epi32(dot[i][0][0], p0) : p0;
+            dot[i][1][0] = g ? _mm256_add_epi32(dot[i][1][0], p1) : p1;
+            IN_ORDER(dot[i][0][0]);
+            IN_ORDER(dot[i][1][0]);
+        }
+    }
+}
+
+/* ``kind`` and ``mt`` are constants in each copy. */
+AVX2_TARGET static KERNEL_INLINE void tile_int8_avx2_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
+    const packed_weight *w = a->w;
+    int KB = w->K / QK, K4 = w->K / 4;
+    const int32_t *x = (const int32_t *)a->x; /* quads of int8 */
+    size_t block_bytes = cell_bytes(kind) / cell_blocks(kind); /* a cell's bytes per block of 32 inputs */
+    __m256 acc[INT8_ROWS][2];
+    for (int i = 0; i < mt; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+    for (int b = 0; b < KB; b++) {
+        int j;
+        const uint8_t *cell = block_cell(w, t, b, &j);
+        const uint8_t *ahead = cell + block_bytes * (j + PREFETCH_CELLS);
+        for (size_t line = 0; line < block_bytes; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
+        const int32_t *xb = x + (size_t)m0 * K4 + b * (QK / 4);
+        const float *s = a->sums + (size_t)m0 * KB + b; /* the rows' block scales, KB apart */
+        __m256i dot[INT8_ROWS][2][2];
+        if (kind == KIND_Q8) int8_dots_q8(cell, xb, K4, mt, dot);
+        else int8_dots_nibbles(kind, cell, j, xb, K4, mt, dot);
+        for (int h = 0; h < 2; h++) {
+            __m256 d[2], mn = _mm256_setzero_ps();
+            avx2_block_scales(kind, cell, j, h, d, &mn);
+            for (int i = 0; i < mt; i++) {
+                __m256 si = _mm256_set1_ps(s[(size_t)i * KB]);
+                switch (kind) {
+                case KIND_Q4: case KIND_Q4K: case KIND_Q5K: {
+                    float offset = s[(size_t)i * KB] * (float)a->isums[(size_t)(m0 + i) * KB + b];
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h][0]), _mm256_mul_ps(d[0], si), acc[i][h]);
+                    acc[i][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(offset), acc[i][h]);
+                    break;
+                }
+                case KIND_Q8:
+                    acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h][0]), _mm256_mul_ps(d[0], si), acc[i][h]);
+                    break;
+                case KIND_Q6K: { /* u = q + 32: each half's dot less 32 times the half's 8-bit sum */
+                    const int32_t *half = a->half_isums + (size_t)(m0 + i) * (2 * KB) + 2 * b;
+                    for (int part = 0; part < 2; part++) {
+                        __m256i q = _mm256_sub_epi32(dot[i][h][part], _mm256_set1_epi32(32 * half[part]));
+                        acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), _mm256_mul_ps(d[part], si), acc[i][h]);
+                    }
+                    break;
+                }
+                default: UNKNOWN_KIND();
+                }
+            }
+        }
+    }
+    float vals[TILE];
+    for (int i = 0; i < mt; i++) {
+        _mm256_storeu_ps(vals, acc[i][0]);
+        _mm256_storeu_ps(vals + 8, acc[i][1]);
+        store_tile(a, m0 + i, t, vals);
+    }
+}
+
+#define AVX2_INT8_KIND(kind)                                                                                   \
+    AVX2_TARGET static void tile_int8_avx2_##kind(const matmul_args *a, int t, int m0, int mt) {               \
+        switch (mt) {                                                                                          \
+        case 1: tile_int8_avx2_rows(a, t, m0, 1, kind); break;                                                 \
+        case 2: tile_int8_avx2_rows(a, t, m0, 2, kind); break;                                                 \
+        case 3: tile_int8_avx2_rows(a, t, m0, 3, kind); break;                                                 \
+        default: tile_int8_avx2_rows(a, t, m0, 4, kind); break;                                                \
+        }                                                                                                      \
+    }
+AVX2_INT8_KIND(KIND_Q4)
+AVX2_INT8_KIND(KIND_Q8)
+AVX2_INT8_KIND(KIND_Q4K)
+AVX2_INT8_KIND(KIND_Q5K)
+AVX2_INT8_KIND(KIND_Q6K)
+
+/* The LAYOUT_INT8 kernel of each kind (a kind without one here would trap, never take another's). */
+static tile_fn tile_int8_avx2(int kind) {
+    switch (kind) {
+    case KIND_Q4: return tile_int8_avx2_KIND_Q4;
+    case KIND_Q8: return tile_int8_avx2_KIND_Q8;
+    case KIND_Q4K: return tile_int8_avx2_KIND_Q4K;
+    case KIND_Q5K: return tile_int8_avx2_KIND_Q5K;
+    case KIND_Q6K: return tile_int8_avx2_KIND_Q6K;
     default: UNKNOWN_KIND();
     }
 }
@@ -239,91 +556,142 @@ AVX2_TARGET static inline __m256 sum_lanes8(const __m256 v[8]) {
     return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* Value sums per pass over the keys: 8 chunks of 8 floats (the even and odd sums of 64 outputs fill
- * the 16 registers); wider heads take their outputs in blocks of 64, each over all the keys (every
- * output's sum is the same whatever the blocking). */
-#define VALUE_CHUNKS_AVX2 8
-
 /* attend_ref's computation vectorised over the head dimension, its width a compile-time constant
- * (D = 32, 64, 128 or 256) so that the sums stay in registers. Per key one dot product reduced in a
- * fixed order (8 keys at a time, each reduced as alone), scaled; soft-capped by softcap_scores (the
- * reference's code: the same bits on every path); the weighted sum of values over the logical order
- * in two interleaved sums (even and odd keys: two independent FMA chains), added at the end. */
-AVX2_TARGET static inline void attend_head_avx2(const attention_view *a, const float *q, float *out, int head, float *scores,
-                                               const int *slots, int count, const int chunks) {
-    int D = 8 * chunks, g = head / (a->heads / a->kv_heads);
-    q += (size_t)head * D;
+ * (D = 32, 64, 128 or 256), for up to ATTEND_HEADS query heads of one kv head at once. Per head and
+ * key one dot product over the head's 8-float chunks in order, reduced in a fixed order (8 keys at a
+ * time, each reduced as alone), scaled; soft-capped by softcap_scores (the reference's code: the
+ * same bits on every path); the weighted sum of values over the logical order in two
+ * interleaved sums (even and odd keys: two independent FMA chains), added at the end. Each element's
+ * operations and their order are fixed by D alone, whatever the group; the loops only choose what
+ * is loaded once for what: an 8-key group's keys (2 KB at D = 64) serve every head of the group
+ * from L1, as a block of ATTEND_BLOCK keys' values does (the keys' and values' bytes, read from L2
+ * for each head alone, bound this kernel: measured 11.4 ns per head and key, one Zen 3 thread, at
+ * 256 and 1,024 keys alike); a full group of 8 keys takes the query chunk by chunk (one query load
+ * feeds 8 FMAs), and the values' sums run over 4 chunks at a time (8 sums in registers). */
+#define ATTEND_HEADS 8
+#define CHUNK_STEP(s) __asm__("" : "+x"(s[0]), "+x"(s[1]), "+x"(s[2]), "+x"(s[3]), "+x"(s[4]), "+x"(s[5]), "+x"(s[6]), "+x"(s[7]))
+#define ATTEND_BLOCK 32 /* even: a block boundary never splits an (even, odd) pair of keys */
+AVX2_TARGET static inline void attend_heads_avx2(const attention_view *a, const float *q, float *out, int head0, int group,
+                                                float *scores, const int *slots, int count, const int chunks) {
+    int D = 8 * chunks, g = head0 / (a->heads / a->kv_heads);
     const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
-    __m256 scale = _mm256_set1_ps(a->scale), best = _mm256_set1_ps(-INFINITY);
-    for (int l0 = 0; l0 < count; l0 += 8) { /* 8 keys' dot products, reduced together */
+    __m256 scale = _mm256_set1_ps(a->scale), best[ATTEND_HEADS];
+    for (int h = 0; h < group; h++) best[h] = _mm256_set1_ps(-INFINITY);
+    for (int l0 = 0; l0 < count; l0 += 8) { /* 8 keys' dot products per head, reduced together */
         int n = count - l0 < 8 ? count - l0 : 8;
-        __m256 s[8];
-        for (int j = 0; j < n; j++) {
-            const float *k = K + (size_t)slots[l0 + j] * D;
-            s[j] = _mm256_mul_ps(_mm256_loadu_ps(q), _mm256_loadu_ps(k));
-            for (int c = 1; c < chunks; c++) s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * c), _mm256_loadu_ps(k + 8 * c), s[j]);
-        }
-        for (int j = n; j < 8; j++) s[j] = _mm256_setzero_ps();
-        __m256 v = _mm256_mul_ps(sum_lanes8(s), scale);
+        const float *k[8];
+        for (int j = 0; j < n; j++) k[j] = K + (size_t)slots[l0 + j] * D;
         __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-        float lanes[8];
-        _mm256_storeu_ps(lanes, v);
-        memcpy(scores + l0, lanes, (size_t)n * 4);
-        best = _mm256_max_ps(best, _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, valid));
+        for (int h = 0; h < group; h++) {
+            const float *qh = q + (size_t)(head0 + h) * D;
+            __m256 s[8];
+            if (n == 8) { /* chunk by chunk: s[j] = q_0 k_j,0, then += q_c k_j,c in order of c */
+                __m256 qc = _mm256_loadu_ps(qh);
+                for (int j = 0; j < 8; j++) s[j] = _mm256_mul_ps(qc, _mm256_loadu_ps(k[j]));
+#pragma GCC unroll 16
+                for (int c = 1; c < chunks; c++) {
+                    /* all 8 sums' step c before any step c + 1: GCC would otherwise run each key's
+                     * chain of dependent FMAs through in turn, bound by their latency */
+                    CHUNK_STEP(s);
+                    qc = _mm256_loadu_ps(qh + 8 * c);
+                    for (int j = 0; j < 8; j++) s[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[j] + 8 * c), s[j]);
+                }
+            } else { /* the last few keys: the same operations key by key */
+                for (int j = 0; j < n; j++) {
+                    s[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(k[j]));
+                    for (int c = 1; c < chunks; c++) s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_loadu_ps(k[j] + 8 * c), s[j]);
+                }
+                for (int j = n; j < 8; j++) s[j] = _mm256_setzero_ps();
+            }
+            __m256 v = _mm256_mul_ps(sum_lanes8(s), scale);
+            if (n == 8) {
+                _mm256_storeu_ps(scores + (size_t)h * count + l0, v);
+            } else {
+                float lanes[8];
+                _mm256_storeu_ps(lanes, v);
+                memcpy(scores + (size_t)h * count + l0, lanes, (size_t)n * 4);
+            }
+            best[h] = _mm256_max_ps(best[h], _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, valid));
+        }
     }
-    float top_lanes[8], top = -INFINITY;
-    if (a->softcap > 0.0f) {
-        softcap_scores(scores, count, a->softcap);
-        for (int l = 0; l < count; l++) top = scores[l] > top ? scores[l] : top;
-    } else {
-        _mm256_storeu_ps(top_lanes, best);
-        for (int j = 0; j < 8; j++) top = top_lanes[j] > top ? top_lanes[j] : top;
+    float inv[ATTEND_HEADS];
+    for (int h = 0; h < group; h++) { /* each head's softmax over its scores */
+        float *sc = scores + (size_t)h * count, top_lanes[8], top = -INFINITY;
+        if (a->softcap > 0.0f) {
+            softcap_scores(sc, count, a->softcap);
+            for (int l = 0; l < count; l++) top = sc[l] > top ? sc[l] : top;
+        } else {
+            _mm256_storeu_ps(top_lanes, best[h]);
+            for (int j = 0; j < 8; j++) top = top_lanes[j] > top ? top_lanes[j] : top;
+        }
+        for (int l = 0; l < count; l++) sc[l] -= top;
+        exp_inplace_avx2(sc, count);
+        inv[h] = 1.0f / sum_in_order(sc, count);
     }
-    for (int l = 0; l < count; l++) scores[l] -= top;
-    exp_inplace_avx2(scores, count);
-    float total = sum_in_order(scores, count);
-    __m256 inv = _mm256_set1_ps(1.0f / total);
-    out += (size_t)head * D;
-    const int block = chunks < VALUE_CHUNKS_AVX2 ? chunks : VALUE_CHUNKS_AVX2;
-    for (int c0 = 0; c0 < chunks; c0 += block) {
-        __m256 even[VALUE_CHUNKS_AVX2], odd[VALUE_CHUNKS_AVX2];
-        for (int c = 0; c < block; c++) even[c] = odd[c] = _mm256_setzero_ps();
-        int l = 0;
-        for (; l + 1 < count; l += 2) {
-            const float *v0 = V + (size_t)slots[l] * D + 8 * c0, *v1 = V + (size_t)slots[l + 1] * D + 8 * c0;
-            __m256 p0 = _mm256_set1_ps(scores[l]), p1 = _mm256_set1_ps(scores[l + 1]);
-            for (int c = 0; c < block; c++) {
-                even[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
-                odd[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * c), odd[c]);
+    __m256 sums[ATTEND_HEADS][2][32]; /* [head][even, odd keys][chunk]: up to D = 256 */
+    for (int h = 0; h < group; h++)
+        for (int c = 0; c < chunks; c++) sums[h][0][c] = sums[h][1][c] = _mm256_setzero_ps();
+    int paired = count & ~1; /* keys 0 .. paired - 1 in (even, odd) pairs; the last one alone if count is odd */
+    for (int b0 = 0; b0 < paired; b0 += ATTEND_BLOCK) {
+        int b1 = b0 + ATTEND_BLOCK < paired ? b0 + ATTEND_BLOCK : paired;
+        for (int h = 0; h < group; h++) {
+            const float *p = scores + (size_t)h * count;
+            for (int c0 = 0; c0 < chunks; c0 += 4) { /* chunks c0 .. c0 + 3 (chunks is a multiple of 4) */
+                const float *V0 = V + 8 * c0;
+                __m256 even[4], odd[4];
+                for (int c = 0; c < 4; c++) even[c] = sums[h][0][c0 + c], odd[c] = sums[h][1][c0 + c];
+                for (int l = b0; l < b1; l += 2) {
+                    const float *v0 = V0 + (size_t)slots[l] * D, *v1 = V0 + (size_t)slots[l + 1] * D;
+                    __m256 p0 = _mm256_set1_ps(p[l]), p1 = _mm256_set1_ps(p[l + 1]);
+                    for (int c = 0; c < 4; c++) {
+                        even[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
+                        odd[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * c), odd[c]);
+                    }
+                }
+                for (int c = 0; c < 4; c++) sums[h][0][c0 + c] = even[c], sums[h][1][c0 + c] = odd[c];
             }
         }
-        if (l < count) {
-            const float *v0 = V + (size_t)slots[l] * D + 8 * c0;
-            __m256 p0 = _mm256_set1_ps(scores[l]);
-            for (int c = 0; c < block; c++) even[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
+    }
+    if (paired < count) { /* the last key, alone, into the even sums */
+        const float *v0 = V + (size_t)slots[paired] * D;
+        for (int h = 0; h < group; h++) {
+            __m256 p0 = _mm256_set1_ps(scores[(size_t)h * count + paired]);
+            for (int c = 0; c < chunks; c++) sums[h][0][c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), sums[h][0][c]);
         }
-        for (int c = 0; c < block; c++) _mm256_storeu_ps(out + 8 * (c0 + c), _mm256_mul_ps(_mm256_add_ps(even[c], odd[c]), inv));
+    }
+    for (int h = 0; h < group; h++) {
+        __m256 iv = _mm256_set1_ps(inv[h]);
+        float *o = out + (size_t)(head0 + h) * D;
+        for (int c = 0; c < chunks; c++) _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_add_ps(sums[h][0][c], sums[h][1][c]), iv));
     }
 }
 
-AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, float *out, int head, float *scores,
+AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, float *out, int head0, int group, float *scores,
                                    const int *slots, int count) {
-    switch (a->head_dim) {
-    case 32: attend_head_avx2(a, q, out, head, scores, slots, count, 4); return 1;
-    case 64: attend_head_avx2(a, q, out, head, scores, slots, count, 8); return 1;
-    case 128: attend_head_avx2(a, q, out, head, scores, slots, count, 16); return 1;
-    case 256: attend_head_avx2(a, q, out, head, scores, slots, count, 32); return 1;
-    default: return 0;
+    if (a->head_dim != 32 && a->head_dim != 64 && a->head_dim != 128 && a->head_dim != 256) return 0;
+    for (int h = head0; h < head0 + group; h += ATTEND_HEADS) {
+        int part = head0 + group - h < ATTEND_HEADS ? head0 + group - h : ATTEND_HEADS;
+        switch (a->head_dim) {
+        case 32: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 4); break;
+        case 64: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 8); break;
+        case 128: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 16); break;
+        default: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 32); break;
+        }
     }
+    return 1;
 }
 
 void install_avx2(kernel_set *k) {
-    for (int kind = 0; kind < KINDS; kind++) k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx2(kind), AVX2_ROWS, ISA_AVX2};
+    for (int kind = 0; kind < KINDS; kind++) {
+        k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx2(kind), AVX2_CALL_ROWS, ISA_AVX2};
+        k->tile[LAYOUT_INT8][kind] = (tile_kernel){tile_int8_avx2(kind), INT8_ROWS, ISA_AVX2};
+    }
     k->prepare_f32 = prepare_f32_avx2;
+    k->prepare_int8 = prepare_int8_avx2;
     k->exp_inplace = exp_inplace_avx2;
     k->rms_norm = rms_norm_avx2;
     k->attend = attend_avx2;
-    k->isa[OP_PREPARE_F32] = k->isa[OP_EXP] = k->isa[OP_RMS_NORM] = k->isa[OP_ATTEND] = ISA_AVX2;
+    k->isa[OP_PREPARE_F32] = k->isa[OP_PREPARE_INT8] = k->isa[OP_EXP] = k->isa[OP_RMS_NORM] = k->isa[OP_ATTEND] = ISA_AVX2;
 }
 
 #else

@@ -288,15 +288,12 @@ AVX512_TARGET static inline void attend_head_avx512(const attention_view *a, con
     }
 }
 
-AVX512_TARGET static int attend_avx512(const attention_view *a, const float *q, float *out, int head, float *scores,
+AVX512_TARGET static int attend_avx512(const attention_view *a, const float *q, float *out, int head0, int group, float *scores,
                                        const int *slots, int count) {
-    switch (a->head_dim) {
-    case 32: attend_head_avx512(a, q, out, head, scores, slots, count, 2); return 1;
-    case 64: attend_head_avx512(a, q, out, head, scores, slots, count, 4); return 1;
-    case 128: attend_head_avx512(a, q, out, head, scores, slots, count, 8); return 1;
-    case 256: attend_head_avx512(a, q, out, head, scores, slots, count, 16); return 1;
-    default: return 0;
-    }
+    if (a->head_dim != 32 && a->head_dim != 64 && a->head_dim != 128 && a->head_dim != 256) return 0;
+    for (int head = head0; head < head0 + group; head++)
+        attend_head_avx512(a, q, out, head, scores, slots, count, a->head_dim / 16);
+    return 1;
 }
 
 void install_avx512(kernel_set *k) {

@@ -243,10 +243,11 @@ void softcap_scores(float *scores, int count, float cap) {
     }
 }
 
-/* One query's attention over its visible keys ``slots`` [count], in logical order: scores (scaled,
- * soft-capped where the view says), their softmax, the weighted sum of values (``scores`` [count] is
- * the caller's scratch). */
-int attend_ref(const attention_view *a, const float *q, float *out, int head, float *scores, const int *slots, int count) {
+/* One query head's attention over its visible keys ``slots`` [count], in logical order: scores
+ * (scaled, soft-capped where the view says), their softmax, the weighted sum of values (``scores``
+ * [count] is the caller's scratch). */
+static void attend_head_ref(const attention_view *a, const float *q, float *out, int head, float *scores, const int *slots,
+                            int count) {
     int D = a->head_dim, g = head / (a->heads / a->kv_heads);
     q += (size_t)head * D;
     const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
@@ -272,6 +273,11 @@ int attend_ref(const attention_view *a, const float *q, float *out, int head, fl
     }
     float inv = 1.0f / total;
     for (int i = 0; i < D; i++) out[i] *= inv;
+}
+
+int attend_ref(const attention_view *a, const float *q, float *out, int head0, int group, float *scores, const int *slots,
+               int count) {
+    for (int h = head0; h < head0 + group; h++) attend_head_ref(a, q, out, h, scores, slots, count);
     return 1;
 }
 

@@ -34,6 +34,7 @@ typedef struct {
     int c0;          /* the chunk's first row */
     const float *q;  /* [chunk rows, heads * D] */
     float *out;      /* [chunk rows, heads * D] */
+    int group;       /* query heads per task, all of one kv head */
 } attention_task_args;
 
 static attention_view segment_view(const layer_desc *L, int layer, const segment_desc *sg) {
@@ -44,20 +45,22 @@ static attention_view segment_view(const layer_desc *L, int layer, const segment
     return v;
 }
 
-static void attention_task(void *raw, int chunk) { /* chunk: one (row, head) of the pass's chunk */
+static void attention_task(void *raw, int chunk) { /* chunk: one (row, group of query heads) of the pass's chunk */
     const attention_task_args *t = (const attention_task_args *)raw;
     const layer_desc *L = t->L;
-    int heads = L->heads, D = L->head_dim, local = chunk / heads, head = chunk % heads, row = t->c0 + local;
+    int heads = L->heads, D = L->head_dim, groups = heads / t->group, local = chunk / groups, row = t->c0 + local;
+    int head0 = chunk % groups * t->group;
     const segment_desc *sg = &t->p->segments[t->p->segment_of[row]];
     attention_view view = segment_view(L, t->layer, sg);
     int keys = view.start + view.n;
-    char *mem = scratch_get(&scratch_scores, (size_t)keys * 8 + 64);
+    char *mem = scratch_get(&scratch_scores, (size_t)keys * 4 * (t->group + 1) + 64);
     float *scores = (float *)mem;
-    int *slots = (int *)(mem + (size_t)keys * 4);
+    int *slots = (int *)(mem + (size_t)keys * 4 * t->group);
     int count = visible_slots(&view, row - sg->row0, slots);
     const float *q = t->q + (size_t)local * heads * D;
     float *out = t->out + (size_t)local * heads * D;
-    if (!kernels.attend(&view, q, out, head, scores, slots, count)) attend_ref(&view, q, out, head, scores, slots, count);
+    if (!kernels.attend(&view, q, out, head0, t->group, scores, slots, count))
+        attend_ref(&view, q, out, head0, t->group, scores, slots, count);
 }
 
 /* ---- the gated MLP's activation --------------------------------------------------------------- */
@@ -171,9 +174,13 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
         /* the queries packed [n, heads * D] (gu is free until the MLP) */
         float *q = gu;
         for (int r = 0; r < n; r++) memcpy(q + (size_t)r * heads * D, qkv + (size_t)r * qkv_width, (size_t)heads * D * 4);
-        attention_task_args aa = {p, L, layer, c0, q, att};
+        /* a task takes a kv head's whole group of query heads (their keys and values loaded once for
+         * all of them) where that leaves pieces enough to share among the threads, else one head:
+         * the same results either way */
+        int threads = work < 1024 ? 1 : nth; /* a few microseconds: one thread */
+        attention_task_args aa = {p, L, layer, c0, q, att, n * kvh >= 4 * threads ? heads / kvh : 1};
         int64_t attention_started = profiling ? now_ns() : 0;
-        run_parallel(attention_task, &aa, n * heads, work < 1024 ? 1 : nth); /* a few microseconds: one thread */
+        run_parallel(attention_task, &aa, n * heads / aa.group, threads);
         if (profiling) profile_ns[2] += now_ns() - attention_started;
         add_unit_output(L, L->o, att, n, L->attention_out_norm, xn, h, nth);
     }
