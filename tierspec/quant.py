@@ -72,18 +72,19 @@ class Numerics:
 
 
 def default_numerics() -> Numerics:
-    """What ``--dtype auto`` computes with on the engine, by the kernels this CPU has (chosen by
-    measured pass costs and text fidelity: results/engine_many_rows/, docs/engine.md §Kernel paths):
+    """What ``--dtype auto`` computes with on the engine, by the kernels this CPU has, under the
+    fidelity target (NLL of greedy ``ar``'s text under the float32 model of the file's values within
+    +4%, ``benchmarks/engine_fidelity.py``):
 
-    - int8 rows wherever the engine has int8 dot products (AVX512-VNNI, AMX): an int8 dot
-      instruction does twice the multiply-adds of a bfloat16 one (``vpdpbusd`` 64, ``vdpbf16ps`` 32;
-      ``tdpbsud`` 16·16·64, ``tdpbf16ps`` 16·16·32) on half the row bytes, and its text stays within
-      the fidelity target (NLL of greedy ``ar`` under the float32 model, measured in the same table
-      as bfloat16's);
-    - float32 rows elsewhere (AVX2 or portable): without int8 or bfloat16 dot products, rounding
-      the rows would cost time and fidelity and buy nothing."""
-    if probe()["paths"]["int8"] in ("avx512vnni", "amx"):
-        return numerics_for(torch.int8)
+    - bfloat16 rows where the CPU has bfloat16 dot products (AVX512-BF16, AMX-BF16 tiles): +3.86%
+      (results/engine_fidelity), at half the row bytes and twice the multiply-adds per instruction
+      of float32 FMAs;
+    - float32 rows elsewhere (AVX2, AVX-512 without BF16, portable): +0.00%. int8 rows (VNNI, AMX-INT8
+      or AVX2's vpmaddubsw; llama.cpp's numerics, the same bits on every path) measured +4.69%
+      (results/engine_fidelity-zen3-avx2), past the target, so they stay ``--dtype int8``: the option
+      for many-row passes where that loss is acceptable."""
+    if probe()["paths"]["bfloat16"] in ("avx512bf16", "amx"):
+        return numerics_for(torch.bfloat16)
     return numerics_for(torch.float32)
 
 

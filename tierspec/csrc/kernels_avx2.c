@@ -8,6 +8,15 @@
 #include <math.h>
 #include <string.h>
 
+/* The empty asm statements below only pin values in vector registers to steer GCC's scheduling (no
+ * operation, no change to any result); under tests/simde's emulation vectors are structs, so there
+ * they are left out. */
+#ifdef SHIM_IMMINTRIN_H
+#define REGISTERS_ASM(statement) ((void)0)
+#else
+#define REGISTERS_ASM(statement) statement
+#endif
+
 #define AVX2_TARGET __attribute__((target("avx2,fma,f16c")))
 
 /* Rows as float32 (rounded to bfloat16 values when asked: round to nearest even at bit 16, as
@@ -137,7 +146,7 @@ AVX2_TARGET static KERNEL_INLINE __m256 avx2_f32_weight(const int kind, __m256 d
  * vectors early, which with 12 sums live spilled a sum (a store and reload in its FMA chain). */
 #define KEEP_SUMS(p, mt)                                                                                       \
     do {                                                                                                       \
-        for (int i_ = 0; i_ < (mt); i_++) __asm__("" : "+x"(p[i_][0]), "+x"(p[i_][1]), "+x"(p[i_][2]), "+x"(p[i_][3])); \
+        for (int i_ = 0; i_ < (mt); i_++) REGISTERS_ASM(__asm__("" : "+x"(p[i_][0]), "+x"(p[i_][1]), "+x"(p[i_][2]), "+x"(p[i_][3]))); \
     } while (0)
 AVX2_TARGET static KERNEL_INLINE void tile_f32_avx2_rows(const matmul_args *a, int t, int m0, const int mt, const int kind) {
     const packed_weight *w = a->w;
@@ -337,7 +346,7 @@ AVX2_TARGET static void prepare_int8_avx2(const float *x, int M, int K, int8_t *
 /* Keeps a running integer sum in a register where the code adds to it: without it GCC reassociates
  * the (exact) integer additions into one tree at the end of the block, computing every product
  * first and spilling them to the stack. */
-#define IN_ORDER(v) __asm__("" : "+x"(v))
+#define IN_ORDER(v) REGISTERS_ASM(__asm__("" : "+x"(v)))
 
 /* Quads of a nibble kind's products that add up in int16 before widening (see above). */
 static KERNEL_INLINE int int16_quads(int kind) {
@@ -569,7 +578,7 @@ AVX2_TARGET static inline __m256 sum_lanes8(const __m256 v[8]) {
  * 256 and 1,024 keys alike); a full group of 8 keys takes the query chunk by chunk (one query load
  * feeds 8 FMAs), and the values' sums run over 4 chunks at a time (8 sums in registers). */
 #define ATTEND_HEADS 8
-#define CHUNK_STEP(s) __asm__("" : "+x"(s[0]), "+x"(s[1]), "+x"(s[2]), "+x"(s[3]), "+x"(s[4]), "+x"(s[5]), "+x"(s[6]), "+x"(s[7]))
+#define CHUNK_STEP(s) REGISTERS_ASM(__asm__("" : "+x"(s[0]), "+x"(s[1]), "+x"(s[2]), "+x"(s[3]), "+x"(s[4]), "+x"(s[5]), "+x"(s[6]), "+x"(s[7])))
 #define ATTEND_BLOCK 32 /* even: a block boundary never splits an (even, odd) pair of keys */
 AVX2_TARGET static inline void attend_heads_avx2(const attention_view *a, const float *q, float *out, int head0, int group,
                                                 float *scores, const int *slots, int count, const int chunks) {
