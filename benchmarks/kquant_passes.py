@@ -1,7 +1,7 @@
 """Cached passes of 1, 8 and 16 new rows (after 256 cached tokens) on GGUF files, tierspec beside
 llama.cpp on the same file in the same run: the measurement behind issue 38's K-quant cells.
 
-    PYTHONPATH=<checkout> python benchmarks/kquant_passes.py FILE_OR_KNOWN_MODEL ... [--rounds 3]
+    PYTHONPATH=<checkout> python benchmarks/kquant_passes.py FILE_OR_KNOWN_MODEL ... [--rounds 3] [--dtypes auto,int8]
 
 The ``tierspec`` timed is whichever one Python imports (run it once with an older checkout on
 PYTHONPATH for the "before"). Each round times tierspec then llama.cpp (median of 5 passes each);
@@ -29,6 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("files", nargs="+")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtypes", default="auto", help="the engine's numerics, each timed (auto: --dtype auto's)")
     args = parser.parse_args(argv)
     import tierspec
     from tierspec.cached_model import CachedModel
@@ -37,25 +38,29 @@ def main(argv: list[str] | None = None) -> int:
 
     threads = torch.get_num_threads()
     print(f"tierspec from {Path(tierspec.__file__).parent.parent}; {kernel_report()}; {threads} threads", flush=True)
+    dtypes = args.dtypes.split(",")
     for spec in args.files:
         path = known_model_file(spec) if spec in KNOWN_MODELS else Path(spec)
-        model = tierspec_model(path)
-        runner = CachedModel(model)
+        models = {f"tierspec {dtype}": tierspec_model(path, dtype) for dtype in dtypes}
+        runners = {who: CachedModel(model) for who, model in models.items()}
         llama = LlamaCppPasses(path, threads)
         context = [int(t) for t in torch.arange(CONTEXT) % llama.vocab]
-        runs: dict[str, list[dict]] = {"tierspec": [], "llama.cpp": []}
-        with torch.inference_mode(), threads_for(model):
-            runner.forward(torch.tensor(context), logits_for=1)
+        runs: dict[str, list[dict]] = {**{who: [] for who in runners}, "llama.cpp": []}
+        with torch.inference_mode(), threads_for(next(iter(models.values()))):
+            for runner in runners.values():
+                runner.forward(torch.tensor(context), logits_for=1)
             llama._rollback(0)
             llama.llama.eval(context)
             for _ in range(args.rounds):
-                runs["tierspec"].append(time_passes(runner, CONTEXT, WIDTHS, 5))
+                for who, runner in runners.items():
+                    runs[who].append(time_passes(runner, CONTEXT, WIDTHS, 5))
                 runs["llama.cpp"].append({k: llama._timed([int(t) for t in (torch.arange(k) * 7 + 11) % llama.vocab],
                                                           CONTEXT, 5) for k in WIDTHS})
         row = {who: {k: round(1e3 * statistics.median(run[k] for run in got), 2) for k in WIDTHS}
                for who, got in runs.items()}
-        print(json.dumps({"file": path.name, "engine_stack": getattr(model.model, "engine_stack", None) is not None, "ms": row}), flush=True)
-        del model, runner, llama
+        stacked = {who: getattr(model.model, "engine_stack", None) is not None for who, model in models.items()}
+        print(json.dumps({"file": path.name, "engine_stack": stacked, "ms": row}), flush=True)
+        del models, runners, llama
     return 0
 
 

@@ -250,17 +250,18 @@ class LlamaCppPasses:
         return {"passes": passes, "prefill_512": prefill}
 
 
-def tierspec_model(path: Path):
+def tierspec_model(path: Path, dtype: str = "auto"):
     """The file's model as ``load_model`` builds it (the file's blocks where the engine has the type,
-    de-quantised weights packed for oneDNN elsewhere), without a tokenizer."""
+    de-quantised weights packed for oneDNN elsewhere), without a tokenizer; ``dtype`` "auto" is the
+    engine's default numerics for this CPU (``quant.default_numerics``), as ``--dtype auto``."""
     from tierspec.gguf_model import build_gguf_model
     from tierspec.kernels import packing_available, use_packed_linears
-    from tierspec.models import fastest_dtype
-    from tierspec.quant import numerics_for, read_gguf_tensors
+    from tierspec.models import resolve_dtype
+    from tierspec.quant import default_numerics, numerics_for, read_gguf_tensors
 
-    dtype = fastest_dtype(torch.device("cpu"))
+    numerics = default_numerics() if dtype == "auto" else numerics_for(resolve_dtype(dtype))
     tensors, fields = read_gguf_tensors(path)
-    model = build_gguf_model(path, tensors, fields, numerics_for(dtype), dtype)
+    model = build_gguf_model(path, tensors, fields, numerics, torch.float32 if numerics.dtype == torch.int8 else numerics.dtype)
     if packing_available():
         use_packed_linears(model)
     return model

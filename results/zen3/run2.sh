@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Second part of the 2026-12-03 campaign (same CPU and rules as run.sh): K-quant files' passes
+# (Gemma 3 270M Q4_K_M and scale.py's random-weight Qwen2.5-0.5B / Llama-3.2-1B Q4_K_M) at --dtype
+# auto and int8 beside llama.cpp, and Gemma 3's text fidelity against transformers' float32 modules.
+set -u
+cd "$(dirname "$0")/../.."
+out=results/zen3
+step() {
+    local name=$1; shift
+    if [ -e "$out/$name.done" ]; then echo "skip $name"; return; fi
+    echo "=== $name $(date -u +%FT%TZ): $*"
+    if flock -x /tmp/tierspec-cpu.lock "$@" > "$out/$name.log" 2>&1; then touch "$out/$name.done"; echo "ok $name $(date -u +%FT%TZ)";
+    else echo "FAILED $name (rc $?) $(date -u +%FT%TZ)"; tail -5 "$out/$name.log"; fi
+}
+step kquant python benchmarks/kquant_passes.py gemma3-270m $HOME/.cache/tierspec/scale/qwen2.5-0.5b-Q4_K_M-v2.gguf $HOME/.cache/tierspec/scale/llama-3.2-1b-Q4_K_M-v2.gguf --dtypes auto,int8 --rounds 3
+step gemma_fidelity python benchmarks/model_fidelity.py --target gemma3-270m --prompts 24 --max-new-tokens 48 --out $out/models
+echo "all done $(date -u +%FT%TZ)"
