@@ -12,6 +12,10 @@ step() {
     if flock -x /tmp/tierspec-cpu.lock "$@" > "$out/$name.log" 2>&1; then touch "$out/$name.done"; echo "ok $name $(date -u +%FT%TZ)";
     else echo "FAILED $name (rc $?) $(date -u +%FT%TZ)"; tail -5 "$out/$name.log"; fi
 }
+step memory_startup python benchmarks/memory_startup.py --repeats 3 --out $out/memory_startup.md
 step kquant python benchmarks/kquant_passes.py gemma3-270m $HOME/.cache/tierspec/scale/qwen2.5-0.5b-Q4_K_M-v2.gguf $HOME/.cache/tierspec/scale/llama-3.2-1b-Q4_K_M-v2.gguf --dtypes auto,int8 --rounds 3
 step gemma_fidelity python benchmarks/model_fidelity.py --target gemma3-270m --prompts 24 --max-new-tokens 48 --out $out/models
+# issue 36's "before" on this CPU: main before the AVX2 int8 / attention / layer merges (27650bb), built aside
+step before_build bash -c 'rm -rf /tmp/before36 && mkdir -p /tmp/before36 && git archive 27650bb | tar -x -C /tmp/before36 && cd /tmp/before36 && python setup.py -q build_ext --inplace'
+step pass_cost_before env PYTHONPATH=/tmp/before36 python /tmp/before36/benchmarks/pass_cost.py --llamacpp --configs auto:auto --rounds 5 --out $out/pass_cost_before.md
 echo "all done $(date -u +%FT%TZ)"
