@@ -18,4 +18,5 @@ step gemma_fidelity python benchmarks/model_fidelity.py --target gemma3-270m --p
 # issue 36's "before" on this CPU: main before the AVX2 int8 / attention / layer merges (27650bb), built aside
 step before_build bash -c 'rm -rf /tmp/before36 && mkdir -p /tmp/before36 && git archive 27650bb | tar -x -C /tmp/before36 && cd /tmp/before36 && python setup.py -q build_ext --inplace'
 step pass_cost_before env PYTHONPATH=/tmp/before36 python /tmp/before36/benchmarks/pass_cost.py --llamacpp --configs auto:auto --rounds 5 --out $out/pass_cost_before.md
+step json_extract_t1 tierspec bench --dataset json_extract --limit 16 --max-new-tokens 256 --temperature 1 --seed 0 --methods ar,hybrid,adaptive-pld --out $out/json_extract-t1 --no-progress
 echo "all done $(date -u +%FT%TZ)"
