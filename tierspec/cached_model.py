@@ -63,6 +63,7 @@ class HiddenCapture:
         def hook(module, args, output):
             self.aux[index].append((output[0] if isinstance(output, tuple) else output).detach())
 
+        hook.observes_only = True  # reads the output, returns nothing: the engine may capture it inside its call
         return hook
 
     def take(self) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

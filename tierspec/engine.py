@@ -108,14 +108,18 @@ class Segment(NamedTuple):
 
 def run_stack(stack, hidden: torch.Tensor, out: torch.Tensor, segments: list[Segment],
               rotary: Sequence[tuple[torch.Tensor, torch.Tensor]], flags: bytes, first: int = 0,
-              last: int | None = None, threads: int | None = None) -> None:
+              last: int | None = None, threads: int | None = None,
+              captures: dict[int, torch.Tensor] | None = None) -> None:
     """Layers ``first .. last - 1`` of ``stack`` (a ``make_stack`` capsule) over the pass's rows:
     ``hidden`` and ``out`` float32 [rows, H] contiguous (out: the last layer's output); ``rotary``
     the pass's rotary tables (one per layer kind, each layer reads its own: Gemma 3's local and
     global), each a (cos, sin) pair float32 [rows, rotary_dims] (x·cos + roll(x, rotary_dims/2)·sin
     rotates a head's first rotary_dims by each row's position); ``flags`` one byte per layer of the
     stack (1 attention, 2 MLP, 0 skipped). A solo pass is one segment; a batch's sequences share the
-    products and each attends over its own cache. Bad shapes are a ValueError before anything runs."""
+    products and each attends over its own cache. ``captures``: {layer: float32 [rows, H]
+    contiguous} receiving the residual rows after each of those layers (``first`` ≤ layer < ``last``;
+    the same rows a call ending at that layer would write to ``out``): hidden states captured inside
+    the one call. Bad shapes are a ValueError before anything runs."""
     rows = int(hidden.shape[-2])
     for name, tensor in (("hidden", hidden), ("out", out)) + tuple(
             (f"rotary table {i}", part) for i, pair in enumerate(rotary) for part in pair):
@@ -154,10 +158,22 @@ def run_stack(stack, hidden: torch.Tensor, out: torch.Tensor, segments: list[Seg
         table.append((segment.first_row, segment.rows, segment.start, kv.data_ptr(), attends, int(segment.every_slot),
                       positions))
     described = torch.tensor(table, dtype=torch.int64)
+    capture_table = None
+    if captures:
+        capture_table = torch.zeros(len(flags), dtype=torch.int64)
+        for layer, buffer in captures.items():
+            if not first <= layer < last:
+                raise ValueError(f"layer {layer} is outside the call's layers {first} .. {last - 1}")
+            if buffer.dtype != torch.float32 or not buffer.is_contiguous() or buffer.device.type != "cpu" \
+                    or buffer.shape != hidden.shape:
+                raise ValueError(f"layer {layer}'s capture must be contiguous float32 {tuple(hidden.shape)} on the CPU, "
+                                 f"not {buffer.dtype} {tuple(buffer.shape)}")
+            capture_table[layer] = buffer.data_ptr()
     engine().run_stack(stack=stack, first=first, last=last, hidden=hidden.data_ptr(), out=out.data_ptr(), rows=rows,
                        rotary=tuple((cos.data_ptr(), sin.data_ptr()) for cos, sin in rotary), rotary_dims=width,
                        segments=described.data_ptr(), count=len(table), flags=flags,
-                       threads=engine_threads() if threads is None else threads)
+                       threads=engine_threads() if threads is None else threads,
+                       captures=None if capture_table is None else capture_table.data_ptr())
 
 
 _ENGINE_THREADS: int | None = None  # set by ``torch_ops_on_one_thread`` while a generation runs

@@ -704,15 +704,25 @@ class Decoder(torch.nn.Module):
         return ((cos.reshape(n, -1), sin.reshape(n, -1)),)
 
     def _engine_forward(self, hidden: torch.Tensor, layout: PassLayout, cache: KVCache) -> torch.Tensor:
-        """The layers as engine calls: runs of layers without forward hooks in one call each, a
-        hooked layer (hidden-state capture) as a module call, so its hooks see its output."""
+        """The layers as engine calls: runs of layers in one call each. A layer whose only hooks are
+        observers (forward hooks marked ``observes_only``, as ``cached_model.HiddenCapture``'s: they
+        read the output and return nothing) stays inside the call, which copies its input and
+        output rows out (``run_stack``'s captures), and its hooks are called with them after the
+        call, as a module call would call them; any other hooked layer runs as a module call."""
         from .engine import Segment, run_stack
 
         layers = self.layers
+        observed: set[int] = set()
         if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
             hooked = set(range(len(layers)))
         else:
-            hooked = {i for i, layer in enumerate(layers) if layer._forward_hooks or layer._forward_pre_hooks}
+            hooked = set()
+            for i, layer in enumerate(layers):
+                if layer._forward_pre_hooks or layer._forward_hooks_with_kwargs or layer._forward_hooks_always_called:
+                    hooked.add(i)
+                elif layer._forward_hooks:
+                    observers = all(getattr(hook, "observes_only", False) for hook in layer._forward_hooks.values())
+                    (observed if observers else hooked).add(i)
         flags = bytes((0 if layer.self_attn.bypassed else 1) | (0 if layer.mlp.bypassed else 2) for layer in layers)
         first = layers[0].fused
         n = int(hidden.shape[1])
@@ -733,10 +743,23 @@ class Decoder(torch.nn.Module):
                     raise RuntimeError(f"layer {k}'s cache holds {cache.layers[k].length} positions, the pass starts "
                                        f"at {layout.start}: the caller broke the rollback invariant")
             out = torch.empty_like(hidden)
-            run_stack(self.engine_stack.capsule, hidden.view(n, -1), out.view(n, -1), segments, layout.rotary, flags, i, j)
+            watched = [k for k in range(i, j) if k in observed]
+            captures = {}
+            for k in watched:  # each watched layer's input (the layer before's output) and output
+                for layer in (k - 1, k):
+                    if i <= layer < j - 1 and layer not in captures:
+                        captures[layer] = torch.empty_like(hidden)
+            run_stack(self.engine_stack.capsule, hidden.view(n, -1), out.view(n, -1), segments, layout.rotary, flags, i, j,
+                      captures={k: buffer.view(n, -1) for k, buffer in captures.items()})
             for k in range(i, j):
                 if flags[k] & 1:
                     cache.layers[k].advance(n)
+            for k in watched:
+                given = hidden if k == i else captures[k - 1]
+                output = out if k == j - 1 else captures[k]
+                for hook in tuple(layers[k]._forward_hooks.values()):
+                    if hook(layers[k], (given, layout, cache.layers[k]), output) is not None:
+                        raise RuntimeError(f"a forward hook marked observes_only on layer {k} returned a value")
             hidden, i = out, j
         return hidden
 

@@ -357,6 +357,64 @@ def test_a_long_pass_in_chunks_equals_one_row_at_a_time(tiny, dtype):
     assert torch.equal(torch.cat([s.hidden for s in steps]), whole.hidden)
 
 
+def _captured(model, hooked: bool, mask=None):
+    """Features and every hooked layer's (input, output) over a prefill and a 2-row pass, layers
+    0-2 hooked, 1 and 2 captured as features; ``hooked``: a plain (non-observer) hook on them too, so that they run as module
+    calls instead of inside the engine's call."""
+    seen = {0: [], 1: [], 2: []}
+    handles = []
+    for index in seen:
+        def hook(module, args, output, index=index):
+            seen[index].append((args[0].clone(), output.clone()))
+        if hooked:
+            handles.append(model.model.layers[index].register_forward_hook(hook))
+        else:
+            hook.observes_only = True
+            handles.append(model.model.layers[index].register_forward_hook(hook))
+    runner = CachedModel(model)
+    with torch.inference_mode():
+        first = runner.forward(LONG_PROMPT[:20], mask=mask, with_hidden=True, hidden_layers=(1, 2))
+        second = runner.forward(LONG_PROMPT[20:22], mask=mask, with_hidden=True, hidden_layers=(1, 2))
+    for handle in handles:
+        handle.remove()
+    return [first.logits, first.hidden, second.logits, second.hidden], seen
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_hidden_states_captured_inside_the_engine_call_equal_the_module_calls(tiny, masked):
+    """Observer hooks (``observes_only``, as HiddenCapture's) stay inside the engine's one call,
+    which copies the layers' rows out: the features, logits and each hook's input and output are
+    bitwise those of the hooked layers run as module calls, under a routing mask too."""
+    from tierspec.layerskip.masks import RoutingMask
+
+    model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(torch.float32))
+    mask = RoutingMask(3, unit="sublayer", skip_attention={1}, skip_mlp={1}) if masked else None
+    inside, seen_inside = _captured(model, hooked=False, mask=mask)
+    modules, seen_modules = _captured(model, hooked=True, mask=mask)
+    for ours, theirs in zip(inside, modules):
+        assert torch.equal(ours, theirs)
+    for index in seen_inside:
+        # a layer the mask bypasses whole is not called at all (either way); the others once a pass
+        assert len(seen_inside[index]) == len(seen_modules[index]) == (0 if masked and index == 1 else 2)
+        for (given, output), (given_m, output_m) in zip(seen_inside[index], seen_modules[index]):
+            assert torch.equal(given, given_m) and torch.equal(output, output_m)
+
+
+def test_an_observer_hook_that_returns_a_value_is_an_error(tiny):
+    model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(torch.float32))
+
+    def hook(module, args, output):
+        return output * 2
+
+    hook.observes_only = True
+    handle = model.model.layers[1].register_forward_hook(hook)
+    try:
+        with torch.inference_mode(), pytest.raises(RuntimeError, match="observes_only"):
+            CachedModel(model).forward(LONG_PROMPT[:5])
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("path", PATHS)
 def test_the_fused_model_matches_torchs_operators_on_every_path(tiny, path):
     """Norms, attention and exp of every path (their own orders of sums) within float32 rounding."""

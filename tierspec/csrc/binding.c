@@ -465,13 +465,14 @@ static int check_layers_for_pass(const stack_object *S, int first, int last, con
 static PyObject *py_run_stack(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *names[] = {"stack", "first", "last", "hidden", "out", "rows", "rotary", "rotary_dims", "segments", "count",
-                            "flags", "threads", NULL};
-    PyObject *capsule, *hin_o, *hout_o, *rotary_o, *seg_o;
+                            "flags", "threads", "captures", NULL};
+    PyObject *capsule, *hin_o, *hout_o, *rotary_o, *seg_o, *captures_o = Py_None;
     int first, last, rows, rotary_dims, count, threads;
     const char *flag_bytes;
     Py_ssize_t flag_count;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OiiOOiOiOiy#i", names, &capsule, &first, &last, &hin_o, &hout_o, &rows,
-                                     &rotary_o, &rotary_dims, &seg_o, &count, &flag_bytes, &flag_count, &threads))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OiiOOiOiOiy#i|O", names, &capsule, &first, &last, &hin_o, &hout_o, &rows,
+                                     &rotary_o, &rotary_dims, &seg_o, &count, &flag_bytes, &flag_count, &threads,
+                                     &captures_o))
         return NULL;
     stack_object *S = PyCapsule_GetPointer(capsule, STACK_CAPSULE);
     if (!S) return NULL;
@@ -485,6 +486,10 @@ static PyObject *py_run_stack(PyObject *self, PyObject *args, PyObject *kw) {
     float *h_out = h_in ? address(hout_o, "out") : NULL;
     const int64_t *table = h_out ? address(seg_o, "segments") : NULL;
     if (!table) return NULL;
+    /* captures: the address of int64 [stack count] buffer addresses (0: none), checked by the caller
+     * (tierspec.engine.run_stack: each a contiguous float32 [rows, H]) */
+    float *const *captures = NULL;
+    if (captures_o != Py_None && !(captures = address(captures_o, "captures"))) return NULL;
     const uint8_t *flags = (const uint8_t *)flag_bytes;
     for (int l = 0; l < S->count; l++)
         if (flags[l] & ~(UNIT_ATTENTION | UNIT_MLP)) return PyErr_Format(PyExc_ValueError, "layer %d's flags %d name no unit", l, flags[l]);
@@ -534,7 +539,8 @@ static PyObject *py_run_stack(PyObject *self, PyObject *args, PyObject *kw) {
     }
     pass_desc pass = {.layers = S->layers, .first = first, .last = last, .flags = flags, .h_in = h_in, .h_out = h_out,
                       .rows = rows, .rotary = tables, .rotary_count = table_count, .rotary_dims = rotary_dims,
-                      .segments = segments, .count = count, .segment_of = segment_of, .threads = threads};
+                      .segments = segments, .count = count, .segment_of = segment_of, .threads = threads,
+                      .captures = captures};
     Py_BEGIN_ALLOW_THREADS
     int64_t started = profiling ? now_ns() : 0;
     unsigned csr = flush_denormals();
@@ -691,7 +697,7 @@ static PyMethodDef methods[] = {
                    "attention_scale, softcap): a decoder layer (the keyword-only features default to Llama's layer)."),
     KW(activate, "activate(activation, gate_up, rows, inter, out): out = act(g) * u over rows of gate_up = [g, u] (tests)."),
     {"make_stack", py_make_stack, METH_O, "make_stack(layers): a decoder's layers for run_stack."},
-    KW(run_stack, "run_stack(stack, first, last, hidden, out, rows, rotary, rotary_dims, segments, count, flags, threads)."),
+    KW(run_stack, "run_stack(stack, first, last, hidden, out, rows, rotary, rotary_dims, segments, count, flags, threads[, captures])."),
     {"isa", py_isa, METH_NOARGS, "The kernel path in use: portable, avx2, avx512, avx512vnni, avx512bf16 or amx."},
     {"isas", py_isas, METH_NOARGS, "The kernel paths this process may select (portable .. the best allowed)."},
     {"select_isa", py_select_isa, METH_O, "Use the kernels of a lower path (tests; between passes only)."},

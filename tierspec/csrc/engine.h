@@ -289,6 +289,10 @@ typedef struct {
     int count;
     const int *segment_of; /* [rows] */
     int threads;
+    /* NULL, or per layer of the stack: NULL or a [rows, H] buffer that receives the residual rows
+     * after that layer (its output, also where its units are skipped): hidden-state capture inside
+     * the one call */
+    float *const *captures;
 } pass_desc;
 
 void run_pass(const pass_desc *p);

@@ -203,7 +203,9 @@ void run_pass(const pass_desc *p) {
         int c1 = c0 + chunk < p->rows ? c0 + chunk : p->rows;
         float *h = p->h_out + (size_t)c0 * H;
         if (p->h_out != p->h_in) memcpy(h, p->h_in + (size_t)c0 * H, (size_t)(c1 - c0) * H * 4);
-        for (int l = p->first; l < p->last; l++)
+        for (int l = p->first; l < p->last; l++) {
             if (p->flags[l]) run_layer_rows(p, l, c0, c1, h);
+            if (p->captures && p->captures[l]) memcpy(p->captures[l] + (size_t)c0 * H, h, (size_t)(c1 - c0) * H * 4);
+        }
     }
 }
