@@ -6,13 +6,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 out=results/zen3
-step() {
-    local name=$1; shift
-    if [ -e "$out/$name.done" ]; then echo "skip $name"; return; fi
-    echo "=== $name $(date -u +%FT%TZ): $*"
-    if flock -x /tmp/tierspec-cpu.lock "$@" > "$out/$name.log" 2>&1; then touch "$out/$name.done"; echo "ok $name $(date -u +%FT%TZ)";
-    else echo "FAILED $name (rc $?) $(date -u +%FT%TZ)"; tail -5 "$out/$name.log"; fi
-}
+source results/zen3/step.sh
 step warm tierspec generate "Name three primary colours." --stats
 step pass_cost python benchmarks/pass_cost.py --llamacpp --configs auto:auto,int8:gguf --rounds 5 --out $out/pass_cost.md
 step prefill python benchmarks/prefill.py --configs auto,int8 --rounds 3 --out $out/prefill.md

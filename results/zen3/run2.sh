@@ -5,13 +5,7 @@
 set -u
 cd "$(dirname "$0")/../.."
 out=results/zen3
-step() {
-    local name=$1; shift
-    if [ -e "$out/$name.done" ]; then echo "skip $name"; return; fi
-    echo "=== $name $(date -u +%FT%TZ): $*"
-    if flock -x /tmp/tierspec-cpu.lock "$@" > "$out/$name.log" 2>&1; then touch "$out/$name.done"; echo "ok $name $(date -u +%FT%TZ)";
-    else echo "FAILED $name (rc $?) $(date -u +%FT%TZ)"; tail -5 "$out/$name.log"; fi
-}
+source results/zen3/step.sh
 step memory_startup python benchmarks/memory_startup.py --repeats 3 --out $out/memory_startup.md
 step kquant python benchmarks/kquant_passes.py gemma3-270m $HOME/.cache/tierspec/scale/qwen2.5-0.5b-Q4_K_M-v2.gguf $HOME/.cache/tierspec/scale/llama-3.2-1b-Q4_K_M-v2.gguf --dtypes auto,int8 --rounds 3
 step gemma_fidelity python benchmarks/model_fidelity.py --target gemma3-270m --prompts 24 --max-new-tokens 48 --out $out/models

@@ -366,11 +366,8 @@ def _captured(model, hooked: bool, mask=None):
     for index in seen:
         def hook(module, args, output, index=index):
             seen[index].append((args[0].clone(), output.clone()))
-        if hooked:
-            handles.append(model.model.layers[index].register_forward_hook(hook))
-        else:
-            hook.observes_only = True
-            handles.append(model.model.layers[index].register_forward_hook(hook))
+        hook.observes_only = not hooked
+        handles.append(model.model.layers[index].register_forward_hook(hook))
     runner = CachedModel(model)
     with torch.inference_mode():
         first = runner.forward(LONG_PROMPT[:20], mask=mask, with_hidden=True, hidden_layers=(1, 2))
