@@ -219,9 +219,32 @@ def test_request_overrides_the_method(client):
     assert plain.choices[0].message.content == default.choices[0].message.content  # both lossless, greedy
 
 
-def test_a_requests_num_draft_sizes_the_default_methods_drafts(client):
+@pytest.fixture(scope="module")
+def byte_bound_server(smollm):
+    """A server whose default method was built on a pinned pass-cost table in which a pass of k
+    tokens costs what one costs plus 2% a token (a CPU whose passes stream their weights), not on
+    this machine's measured one: how long a cost-aware draft may be then depends on the model's
+    acceptance and the request, never on how fast or busy the CPU running the tests is (a CI
+    machine whose wider passes measured slow drafted one token whatever num_draft allowed)."""
+    from tierspec import methods
+    from tierspec.costs import ForwardCosts
+
+    def pinned_table(target, max_tokens):
+        return ForwardCosts({k: 0.01 * (1 + 0.02 * (k - 1)) for k in range(1, max_tokens + 1)})
+
+    engine = Scheduler(smollm, max_queue=0)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(methods, "_cost_table", pinned_table)
+        engine.method(engine.default_method)  # built (and cached) before serving starts
+    with serving_in_background(engine) as port:
+        yield engine, port
+
+
+def test_a_requests_num_draft_sizes_the_default_methods_drafts(byte_bound_server):
     """Issue 37: the default (cost-aware) method ignored num_draft. A request's num_draft is the
     longest draft its generation may verify; the text stays the lossless text; ar refuses one."""
+    engine, port = byte_bound_server
+    client = openai_client(port)
     messages = [{"role": "user", "content": QUESTION}]
     replies = {n: client.chat.completions.create(model=MODEL, messages=messages, max_tokens=48, temperature=0,
                                                  extra_body={"num_draft": n}) for n in (1, 8)}
