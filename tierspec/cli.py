@@ -79,7 +79,8 @@ def _add_model_flags(parser) -> None:
                        help="what the linear layers compute in (the residual stream, attention and logits stay float32): "
                             "for a GGUF model on its own blocks (--kernels gguf), the rows the 4/8-bit weights multiply; "
                             "otherwise the decoder layers' weights. auto = for a GGUF model on the engine int8 rows "
-                            "where the CPU has int8 dot products (AVX512-VNNI, AMX), float32 rows elsewhere; for "
+                            "where the CPU has int8 dot products (AVX2 and up: vpmaddubsw, AVX512-VNNI, AMX), float32 rows "
+                            "on other CPUs (docs/engine.md: their measured fidelity); for "
                             "other models bfloat16 on a CPU with native bfloat16 products (AVX512-BF16), float32 "
                             "elsewhere (default auto)")
     group.add_argument("--device", default="cpu", choices=list(DEVICES),

@@ -162,7 +162,7 @@ def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device = "cpu") 
 def auto_dtype(spec: str | os.PathLike, device: str | torch.device = "cpu") -> torch.dtype:
     """What ``auto`` loads ``spec`` in: for a GGUF file (or the default model) computed on the CPU by
     the pass engine, the dtype of the engine's default numerics for this CPU
-    (``quant.default_numerics``: bfloat16 rows where the CPU has bfloat16 dot products, else float32); else
+    (``quant.default_numerics``: int8 rows where the CPU has int8 dot products, else float32); else
     ``fastest_dtype``. Read from the name alone (no file is opened)."""
     from .engine import engine_available
 
