@@ -1,7 +1,7 @@
 """Pass costs at real model sizes, measured on random-weight GGUF files of real shapes, beside
 llama.cpp on the same files in the same run, with the bytes-over-bandwidth floor of the machine.
 
-    python benchmarks/scale.py [--models qwen2.5-0.5b,llama-3.2-1b,qwen2.5-1.5b,llama-3.1-8b]
+    python benchmarks/scale.py [--models qwen2.5-0.5b,qwen3-0.6b,llama-3.2-1b,qwen2.5-1.5b,phi-3-mini,llama-3.1-8b]
                                [--mixes Q8_0,Q4_K_M] [--rounds 3] [--no-llamacpp] [--out results/scale]
 
 Files: written once under ``$TIERSPEC_CACHE/scale`` (default ~/.cache/tierspec/scale), each to a
@@ -11,7 +11,8 @@ fp16 scales), laid out as llama.cpp lays out its files of that mix: Q8_0 = every
 Q4_K_M = Q4_K, with attn_v and ffn_down Q6_K in llama.cpp's "more bits" layers (the first and last
 eighth and every third between), the LM head (or a tied embedding) Q6_K, and a matrix whose rows are
 not whole 256-value super-blocks in Q5_0 / Q8_0 instead of Q4_K / Q6_K (Qwen2.5's 896 and 1536).
-Norms are F32 ones, Qwen2's q/k/v biases F32 zeros.
+Norms are F32 ones (Qwen3's q/k norms too), Qwen2's q/k/v biases F32 zeros; Phi-3's fused q/k/v and
+gate/up tensors as its files hold them (q/k/v Q5_K in the "more bits" layers).
 
 Per file (context: 256 cached tokens; medians over ``--rounds``, tierspec and llama.cpp interleaved):
 the pass of 1, 2, 4, 8, 16 new rows; a 512-token prefill; the slim verifier's pass (1 and 6 rows: a
@@ -64,12 +65,19 @@ class Shape:
     vocab: int
     tied: bool
     theta: float
+    head_dim: int | None = None  # None: hidden / heads (Qwen3's heads are 128 wide whatever the hidden size)
+
+    @property
+    def head_width(self) -> int:
+        return self.head_dim or self.hidden // self.heads
 
 
 SHAPES = {  # the published configs' shapes
     "qwen2.5-0.5b": Shape("qwen2", 896, 24, 14, 2, 4864, 151936, True, 1e6),
+    "qwen3-0.6b": Shape("qwen3", 1024, 28, 16, 8, 3072, 151936, True, 1e6, head_dim=128),  # q/k norms
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 128256, True, 5e5),
     "qwen2.5-1.5b": Shape("qwen2", 1536, 28, 12, 2, 8960, 151936, True, 1e6),
+    "phi-3-mini": Shape("phi3", 3072, 32, 32, 32, 8192, 32064, False, 1e4),  # fused qkv and gate/up
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 128256, False, 5e5),
 }
 
@@ -81,12 +89,12 @@ def _more_bits(i: int, n: int) -> bool:
 
 def _fallback(kind: str, width: int) -> str:
     """llama.cpp's substitute where rows are not whole 256-value super-blocks."""
-    return {"Q4_K": "Q5_0", "Q6_K": "Q8_0"}.get(kind, kind) if width % 256 else kind
+    return {"Q4_K": "Q5_0", "Q5_K": "Q5_0", "Q6_K": "Q8_0"}.get(kind, kind) if width % 256 else kind
 
 
 def tensor_layout(shape: Shape, mix: str) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape [rows, row length] or [n], ggml type name) of every tensor of the file."""
-    H, d = shape.hidden, shape.hidden // shape.heads
+    H, d = shape.hidden, shape.head_width
     q, kv, inter = shape.heads * d, shape.kv_heads * d, shape.intermediate
 
     def kind(base: str, width: int) -> str:
@@ -96,12 +104,18 @@ def tensor_layout(shape: Shape, mix: str) -> list[tuple[str, tuple[int, ...], st
     for i in range(shape.layers):
         p = f"blk.{i}."
         more = _more_bits(i, shape.layers)
-        out += [(p + "attn_norm.weight", (H,), "F32"), (p + "ffn_norm.weight", (H,), "F32"),
-                (p + "attn_q.weight", (q, H), kind("Q4_K", H)), (p + "attn_k.weight", (kv, H), kind("Q4_K", H)),
-                (p + "attn_v.weight", (kv, H), kind("Q6_K" if more else "Q4_K", H)),
-                (p + "attn_output.weight", (H, q), kind("Q4_K", q)),
-                (p + "ffn_gate.weight", (inter, H), kind("Q4_K", H)), (p + "ffn_up.weight", (inter, H), kind("Q4_K", H)),
+        out += [(p + "attn_norm.weight", (H,), "F32"), (p + "ffn_norm.weight", (H,), "F32")]
+        if shape.arch == "phi3":  # one q/k/v tensor and one gate/up tensor (llama.cpp: Q5_K where _M gives more bits)
+            out += [(p + "attn_qkv.weight", (q + 2 * kv, H), kind("Q5_K" if more else "Q4_K", H)),
+                    (p + "ffn_up.weight", (2 * inter, H), kind("Q4_K", H))]
+        else:
+            out += [(p + "attn_q.weight", (q, H), kind("Q4_K", H)), (p + "attn_k.weight", (kv, H), kind("Q4_K", H)),
+                    (p + "attn_v.weight", (kv, H), kind("Q6_K" if more else "Q4_K", H)),
+                    (p + "ffn_gate.weight", (inter, H), kind("Q4_K", H)), (p + "ffn_up.weight", (inter, H), kind("Q4_K", H))]
+        out += [(p + "attn_output.weight", (H, q), kind("Q4_K", q)),
                 (p + "ffn_down.weight", (H, inter), kind("Q6_K" if more else "Q4_K", inter))]
+        if shape.arch == "qwen3":
+            out += [(p + "attn_q_norm.weight", (d,), "F32"), (p + "attn_k_norm.weight", (d,), "F32")]
         if shape.arch == "qwen2":
             out += [(p + "attn_q.bias", (q,), "F32"), (p + "attn_k.bias", (kv,), "F32"), (p + "attn_v.bias", (kv,), "F32")]
     out.append(("output_norm.weight", (H,), "F32"))
@@ -111,8 +125,8 @@ def tensor_layout(shape: Shape, mix: str) -> list[tuple[str, tuple[int, ...], st
 
 
 # where each block type keeps its fp16 scale(s), and the scale that keeps weights near 1/sqrt(K)
-_SCALE_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q6_K": (208,)}
-_LEVELS = {"Q8_0": 127, "Q4_0": 8, "Q5_0": 16, "Q4_K": 63 * 15, "Q6_K": 128 * 32}
+_SCALE_AT = {"Q8_0": (0,), "Q4_0": (0,), "Q5_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+_LEVELS = {"Q8_0": 127, "Q4_0": 8, "Q5_0": 16, "Q4_K": 63 * 15, "Q5_K": 63 * 31, "Q6_K": 128 * 32}
 
 
 def random_blocks(kind: str, rows: int, width: int, pool: np.ndarray) -> np.ndarray:
@@ -156,6 +170,11 @@ def write_file(name: str, mix: str) -> Path:
     writer.add_feed_forward_length(shape.intermediate)
     writer.add_head_count(shape.heads)
     writer.add_head_count_kv(shape.kv_heads)
+    if shape.head_dim is not None:  # heads not hidden / heads wide (the older files' header is unchanged)
+        writer.add_key_length(shape.head_width)
+        writer.add_value_length(shape.head_width)
+    if shape.arch == "phi3":
+        writer.add_rope_dimension_count(shape.head_width)
     writer.add_rope_freq_base(shape.theta)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(shape.vocab)

@@ -54,3 +54,26 @@ def test_a_written_file_reads_as_its_architecture(tmp_path, monkeypatch):
     arch = read_architecture(fields, tensors)
     assert (arch.name, arch.num_layers, arch.hidden_size, arch.vocab_size, arch.qkv_bias) == ("qwen2", 2, 256, 300, True)
     assert scale.write_file("tiny-qwen", "Q4_K_M").stat().st_mtime_ns == path.stat().st_mtime_ns  # written once
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_qwen3_and_phi3_files_read_as_their_architecture(tmp_path, monkeypatch, arch):
+    """Qwen3: heads wider than hidden / heads and q/k norms; Phi-3: one q/k/v and one gate/up tensor."""
+    from tierspec.architectures import read_architecture
+    from tierspec.quant import read_gguf_tensors
+
+    monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path))
+    shape = {"qwen3": scale.Shape("qwen3", 256, 2, 4, 2, 512, 300, True, 1e6, head_dim=128),
+             "phi3": scale.Shape("phi3", 256, 2, 4, 4, 512, 300, False, 1e4)}[arch]
+    monkeypatch.setitem(scale.SHAPES, f"tiny-{arch}", shape)
+    tensors, fields = read_gguf_tensors(scale.write_file(f"tiny-{arch}", "Q4_K_M"))
+    found = read_architecture(fields, tensors)
+    assert (found.name, found.num_layers, found.hidden_size, found.vocab_size) == (arch, 2, 256, 300)
+    assert found.engine_gaps() == []
+    if arch == "qwen3":
+        assert found.features == ["qk_norm"] and found.head_dim == 128
+        assert tuple(tensors["blk.0.attn_q.weight"].shape) == (4 * 128, 256)
+    else:
+        assert found.fused_qkv and found.fused_gate_up and not found.tied_embeddings
+        assert tuple(tensors["blk.0.attn_qkv.weight"].shape) == (3 * 256, 256)
+        assert tuple(tensors["blk.1.ffn_up.weight"].shape) == (2 * 512, 256)
