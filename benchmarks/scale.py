@@ -178,7 +178,7 @@ def write_file(name: str, mix: str) -> Path:
     writer.add_rope_freq_base(shape.theta)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_vocab_size(shape.vocab)
-    _add_vocabulary(writer, shape.vocab)
+    _add_vocabulary(writer, shape.vocab, PHI3_SPECIALS if shape.arch == "phi3" else ())
     for tensor, dims, kind in layout:
         if kind == "F32":
             writer.add_tensor_info(tensor, dims, np.dtype(np.float32), int(np.prod(dims)) * 4)
@@ -199,16 +199,24 @@ def write_file(name: str, mix: str) -> Path:
     return path
 
 
-def _add_vocabulary(writer, size: int) -> None:
+#: Phi-3's control tokens from id 32000: llama.cpp's loader looks "<|endoftext|>" up by its text in any
+#: file whose name says Phi-3 (and refuses the file without it: "unordered_map::at").
+PHI3_SPECIALS = ("<|endoftext|>", "<|assistant|>", "<|placeholder1|>", "<|placeholder2|>", "<|placeholder3|>",
+                 "<|placeholder4|>", "<|system|>", "<|end|>", "<|placeholder5|>", "<|placeholder6|>", "<|user|>")
+
+
+def _add_vocabulary(writer, size: int, specials: tuple[str, ...] = ()) -> None:
     """A SentencePiece-style vocabulary of ``size`` placeholder tokens, which llama.cpp needs to load
     a file (the passes are fed token ids, never text): <unk>, <s>, </s>, the 256 byte tokens its
-    loader looks up, then "<t{i}>"."""
+    loader looks up, then "<t{i}>"; ``specials`` (control tokens) from id 32000."""
     from gguf import TokenType
 
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
     tokens += [f"<t{i}>" for i in range(len(tokens), size)]
     types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
     types += [TokenType.NORMAL] * (size - len(types))
+    for offset, text in enumerate(specials if size >= 32000 + len(specials) else ()):
+        tokens[32000 + offset], types[32000 + offset] = text, TokenType.CONTROL
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0] * size)

@@ -77,3 +77,18 @@ def test_qwen3_and_phi3_files_read_as_their_architecture(tmp_path, monkeypatch, 
         assert found.fused_qkv and found.fused_gate_up and not found.tied_embeddings
         assert tuple(tensors["blk.0.attn_qkv.weight"].shape) == (3 * 256, 256)
         assert tuple(tensors["blk.1.ffn_up.weight"].shape) == (2 * 512, 256)
+
+
+def test_llama_cpp_loads_a_file_named_phi_3(tmp_path, monkeypatch):
+    """llama.cpp looks Phi-3's "<|endoftext|>" up by its text in any file whose name says Phi-3, and
+    refused scale.py's Phi-3-mini file without it ("error loading model vocabulary")."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path))
+    monkeypatch.setitem(scale.SHAPES, "phi-3-tiny", scale.Shape("phi3", 384, 2, 4, 4, 512, 32064, False, 1e4))
+    path = scale.write_file("phi-3-tiny", "Q8_0")
+    llama = llama_cpp.Llama(str(path), n_ctx=64, n_threads=1, verbose=False)
+    try:
+        assert llama.n_vocab() == 32064
+        assert llama.detokenize([32000], special=True) == b"<|endoftext|>"
+    finally:
+        llama.close()
