@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fourth part of the 2026-12-03 campaign (same CPU and rules as run.sh): Qwen3-0.6B and Phi-3-mini
 # random-weight Q4_K_M files of their published shapes (benchmarks/scale.py), their passes at
-# --dtype auto (int8 rows here) and float32 rows beside llama.cpp on the same files.
+# --dtype auto (int8 rows here) and float32 rows beside llama.cpp on the same files. (Run twice: llama.cpp
+# refused the first Phi-3 file, written without Phi-3's control tokens; the file was rewritten by 25cc1b0.)
 #   nohup bash results/zen3/run4.sh > results/zen3/int8/run4.log 2>&1 &
 set -u
 cd "$(dirname "$0")/../.."
