@@ -5,9 +5,7 @@
 #   nohup bash results/zen3/run3.sh > results/zen3/int8/run3.log 2>&1 &
 set -u
 cd "$(dirname "$0")/../.."
-export PYTHONPATH=$PWD  # this checkout, whatever the editable install points at
 out=results/zen3/int8
-mkdir -p $out
 source results/zen3/step.sh
 step warm tierspec generate "Name three primary colours." --stats
 step pass_cost python benchmarks/pass_cost.py --llamacpp --configs auto:auto,float32:gguf --rounds 5 --out $out/pass_cost.md

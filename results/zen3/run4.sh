@@ -6,9 +6,7 @@
 #   nohup bash results/zen3/run4.sh > results/zen3/int8/run4.log 2>&1 &
 set -u
 cd "$(dirname "$0")/../.."
-export PYTHONPATH=$PWD  # this checkout, whatever the editable install points at
 out=results/zen3/int8
-mkdir -p $out
 source results/zen3/step.sh
 step write_new_shapes python -c "import sys; sys.path.insert(0, 'benchmarks'); import scale; [print(scale.write_file(m, 'Q4_K_M')) for m in ('qwen3-0.6b', 'phi-3-mini')]"
 step kquant_new python benchmarks/kquant_passes.py $HOME/.cache/tierspec/scale/qwen3-0.6b-Q4_K_M-v2.gguf $HOME/.cache/tierspec/scale/phi-3-mini-Q4_K_M-v2.gguf --dtypes auto,float32 --rounds 3
