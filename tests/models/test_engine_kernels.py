@@ -507,9 +507,10 @@ def test_every_paths_layers_match_the_reference_path(tiny, path):
 
 
 @pytest.mark.parametrize("path", VECTOR_PATHS)
-@pytest.mark.parametrize("head_dim", [32, 64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128, 160])
 def test_the_vector_attention_of_each_head_width_it_covers(tmp_path, path, head_dim):
-    """The vector paths' attention kernels take D = 32, 64 and 128 (the tiny model's D = 16 runs the
+    """The vector paths' attention kernels take every multiple of 32 up to 256 (96: Phi-3; 160: a width
+    read at run time rather than compiled in; 256 below with Gemma 3; the tiny model's D = 16 runs the
     reference): within a few ulps of the reference path's logits, the same greedy tokens, and the row
     contract (a token alone = inside a long pass, whose 8-key groups and tails differ) on the path."""
     tiny = write_tiny_gguf(tmp_path, seed=5, layers=2, hidden=2 * head_dim, heads=2, kv_heads=1)

@@ -566,7 +566,7 @@ AVX2_TARGET static inline __m256 sum_lanes8(const __m256 v[8]) {
 }
 
 /* attend_ref's computation vectorised over the head dimension, its width a compile-time constant
- * (D = 32, 64, 128 or 256), for up to ATTEND_HEADS query heads of one kv head at once. Per head and
+ * (D a multiple of 32 up to 256), for up to ATTEND_HEADS query heads of one kv head at once. Per head and
  * key one dot product over the head's 8-float chunks in order, reduced in a fixed order (8 keys at a
  * time, each reduced as alone), scaled; soft-capped by softcap_scores (the reference's code: the
  * same bits on every path); the weighted sum of values over the logical order in two
@@ -675,16 +675,23 @@ AVX2_TARGET static inline void attend_heads_avx2(const attention_view *a, const 
     }
 }
 
+/* Heads of any multiple of 32 floats up to 256 (the value sums take 4 chunks of 8 at a time): the
+ * common widths get their own compiled copy (the width a constant: query and sums in registers,
+ * loops unrolled), others (160, 192, 224) the same code with the width read at run time. Phi-3's
+ * 96-wide heads took the plain-C loop before, a fifth of its one-row pass at 256 cached tokens. */
 AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, float *out, int head0, int group, float *scores,
                                    const int *slots, int count) {
-    if (a->head_dim != 32 && a->head_dim != 64 && a->head_dim != 128 && a->head_dim != 256) return 0;
+    int D = a->head_dim;
+    if (D % 32 != 0 || D > 256) return 0;
     for (int h = head0; h < head0 + group; h += ATTEND_HEADS) {
         int part = head0 + group - h < ATTEND_HEADS ? head0 + group - h : ATTEND_HEADS;
-        switch (a->head_dim) {
+        switch (D) {
         case 32: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 4); break;
         case 64: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 8); break;
+        case 96: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 12); break;
         case 128: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 16); break;
-        default: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 32); break;
+        case 256: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 32); break;
+        default: attend_heads_avx2(a, q, out, h, part, scores, slots, count, D / 8); break;
         }
     }
     return 1;

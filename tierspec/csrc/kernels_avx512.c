@@ -214,8 +214,8 @@ AVX512_TARGET static inline __m512 sum_lanes16(const __m512 v[16]) {
  * same whatever the blocking). */
 #define VALUE_CHUNKS_AVX512 8
 
-/* attend_ref's computation vectorised over the head dimension (D = 32, 64, 128 or 256, a compile-time
- * constant so that the query and the sums stay in registers). Per key one dot product reduced in a
+/* attend_ref's computation vectorised over the head dimension (D a multiple of 32 up to 256, a
+ * compile-time constant for the common widths so that the query and the sums stay in registers). Per key one dot product reduced in a
  * fixed order (16 keys at a time, each reduced as alone), scaled; soft-capped by softcap_scores (the
  * reference's code: the same bits on every path); exp and its sum 16 scores at a time in logical
  * order; the weighted sum of values in two interleaved sums (even and odd keys), added at the end. */
@@ -290,9 +290,18 @@ AVX512_TARGET static inline void attend_head_avx512(const attention_view *a, con
 
 AVX512_TARGET static int attend_avx512(const attention_view *a, const float *q, float *out, int head0, int group, float *scores,
                                        const int *slots, int count) {
-    if (a->head_dim != 32 && a->head_dim != 64 && a->head_dim != 128 && a->head_dim != 256) return 0;
-    for (int head = head0; head < head0 + group; head++)
-        attend_head_avx512(a, q, out, head, scores, slots, count, a->head_dim / 16);
+    int D = a->head_dim;
+    if (D % 32 != 0 || D > 256) return 0; /* the same widths as the AVX2 path (Phi-3's 96 among them) */
+    for (int head = head0; head < head0 + group; head++) {
+        switch (D) {
+        case 32: attend_head_avx512(a, q, out, head, scores, slots, count, 2); break;
+        case 64: attend_head_avx512(a, q, out, head, scores, slots, count, 4); break;
+        case 96: attend_head_avx512(a, q, out, head, scores, slots, count, 6); break;
+        case 128: attend_head_avx512(a, q, out, head, scores, slots, count, 8); break;
+        case 256: attend_head_avx512(a, q, out, head, scores, slots, count, 16); break;
+        default: attend_head_avx512(a, q, out, head, scores, slots, count, D / 16); break;
+        }
+    }
     return 1;
 }
 
