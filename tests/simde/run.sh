@@ -29,7 +29,10 @@ from pathlib import Path
 from setuptools import Extension, setup
 setup(ext_modules=[Extension("tierspec._qengine", sources=sorted(str(p) for p in Path("tierspec/csrc").glob("*.c")),
       include_dirs=["tests/simde", "$simde"], extra_compile_args=["-O1", "-std=gnu11", "-ffp-contract=off", "-pthread", "-w"],
-      extra_link_args=["-pthread"])])
+      extra_link_args=["-pthread"]),
+      # the keyed noise of sampled decoding, built as setup.py builds it (the package imports it; no SIMDe)
+      Extension("tierspec._keyed_noise", sources=["tierspec/csrc/noise/keyed_noise.c"],
+                extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-w"])])
 PY
 python build_simde.py build_ext --inplace -q
 PYTHONPATH="$work" python -c "from tierspec import engine; print(engine.kernel_report())"
