@@ -76,10 +76,10 @@ class Probe:
 class Version:
     """One version of tierspec: its model, its probes, its methods."""
 
-    def __init__(self, label: str, package):
+    def __init__(self, label: str, package, dtype: str = "auto"):
         self.label, self.package = label, package
         self.module = lambda name: importlib.import_module(f"{package.__name__}.{name}")
-        self.target = package.load_model("smollm2-135m")
+        self.target = package.load_model("smollm2-135m", dtype=dtype)
         self.probe = Probe()
         self.probe.wrap(self.module("cached_model").CachedModel, "forward", "pass")
         head = self.module("heads.draft").HeadRunner
@@ -119,6 +119,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=4, help="Spec-Bench prompts, one per category in turn")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--dtype", default="auto", help="the model's numerics, as the CLI's --dtype (auto: what "
+                        "`tierspec generate` runs: int8 rows on an x86 CPU with int8 dot products)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="the engine's threads")
     parser.add_argument("--before", type=Path, help="a folder holding another checkout's tierspec package")
     parser.add_argument("--sampled-texts-differ", action="store_true",
@@ -131,10 +133,10 @@ def main() -> None:
     import tierspec
     from tierspec.util import atomic_write_text
 
-    after = Version("this", tierspec)
+    after = Version("this", tierspec, args.dtype)
     versions = [after]
     if args.before is not None:  # both read the pass-cost table cached under one key: the same drafts
-        versions.insert(0, Version("before", import_before(args.before)))
+        versions.insert(0, Version("before", import_before(args.before), args.dtype))
     data = after.module("data")
     prompts = data.select(data.load_prompts("spec_bench"), per_category=1, seed=0)[: args.prompts]
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
@@ -158,7 +160,7 @@ def main() -> None:
                     if len({tuple(out) for out in outputs.values()}) != 1 and not differ_by_design:
                         raise SystemExit(f"{name} at temperature {temperature:g}, prompt {index}: the versions "
                                          "emitted different tokens")
-    result = {"command": " ".join(sys.argv), "tokens": args.tokens, "prompts": [p.id for p in prompts],
+    result = {"command": " ".join(sys.argv), "dtype": args.dtype, "tokens": args.tokens, "prompts": [p.id for p in prompts],
               "repeats": args.repeats, "threads": args.threads, "rows": []}
     for (name, temperature, label), rows in runs.items():
         keys = [k for k in rows[0] if k not in ("cycles", "tokens")]

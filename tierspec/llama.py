@@ -711,37 +711,47 @@ class Decoder(torch.nn.Module):
         call, as a module call would call them; any other hooked layer runs as a module call."""
         from .engine import Segment, run_stack
 
-        layers = self.layers
+        layers = list(self.layers)
         observed: set[int] = set()
-        if torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks:
-            hooked = set(range(len(layers)))
-        else:
-            hooked = set()
-            for i, layer in enumerate(layers):
-                if layer._forward_pre_hooks or layer._forward_hooks_with_kwargs or layer._forward_hooks_always_called:
-                    hooked.add(i)
-                elif layer._forward_hooks:
-                    observers = all(getattr(hook, "observes_only", False) for hook in layer._forward_hooks.values())
-                    (observed if observers else hooked).add(i)
-        flags = bytes((0 if layer.self_attn.bypassed else 1) | (0 if layer.mlp.bypassed else 2) for layer in layers)
+        hooked: set[int] = set()
+        every_layer_hooked = bool(torch.nn.modules.module._global_forward_hooks
+                                  or torch.nn.modules.module._global_forward_pre_hooks)
+        flag_list = []
+        # One pass over the layers' own dictionaries (not Module.__getattr__, ~70 lookups a pass): the
+        # hooks each carries and which units a routing mask bypassed. Run every pass, so a hook or a
+        # mask put on between two passes is always seen.
+        for i, layer in enumerate(layers):
+            state = layer.__dict__
+            units = state["_modules"]
+            flag_list.append((0 if units["self_attn"].bypassed else 1) | (0 if units["mlp"].bypassed else 2))
+            if (every_layer_hooked or state["_forward_pre_hooks"] or state["_forward_hooks_with_kwargs"]
+                    or state["_forward_hooks_always_called"]):
+                hooked.add(i)
+            elif state["_forward_hooks"]:
+                observers = all(getattr(hook, "observes_only", False) for hook in state["_forward_hooks"].values())
+                (observed if observers else hooked).add(i)
+        flags = bytes(flag_list)
         first = layers[0].fused
         n = int(hidden.shape[1])
-        table = cache.engine_table(layout.start + n, first.kv_heads, first.head_dim)
+        start = layout.start
+        kv = cache.layers
+        table = cache.engine_table(start + n, first.kv_heads, first.head_dim)
         hidden = hidden.contiguous()
-        segments = [Segment(0, n, layout.start, table, layout.attends, positions=layout.positions)]
+        segments = [Segment(0, n, start, table, layout.attends, positions=layout.positions)]
         i = 0
         while i < len(layers):
             if i in hooked:
-                hidden = layers[i](hidden, layout, cache.layers[i])
+                hidden = layers[i](hidden, layout, kv[i])
                 i += 1
                 continue
             j = i
             while j < len(layers) and j not in hooked:
                 j += 1
-            for k in range(i, j):
-                if flags[k] & 1 and cache.layers[k].length != layout.start:
-                    raise RuntimeError(f"layer {k}'s cache holds {cache.layers[k].length} positions, the pass starts "
-                                       f"at {layout.start}: the caller broke the rollback invariant")
+            attending = [k for k in range(i, j) if flags[k] & 1]
+            for k in attending:
+                if kv[k].length != start:
+                    raise RuntimeError(f"layer {k}'s cache holds {kv[k].length} positions, the pass starts "
+                                       f"at {start}: the caller broke the rollback invariant")
             out = torch.empty_like(hidden)
             watched = [k for k in range(i, j) if k in observed]
             captures = {}
@@ -751,14 +761,13 @@ class Decoder(torch.nn.Module):
                         captures[layer] = torch.empty_like(hidden)
             run_stack(self.engine_stack.capsule, hidden.view(n, -1), out.view(n, -1), segments, layout.rotary, flags, i, j,
                       captures={k: buffer.view(n, -1) for k, buffer in captures.items()})
-            for k in range(i, j):
-                if flags[k] & 1:
-                    cache.layers[k].advance(n)
+            for k in attending:
+                kv[k].advance(n)
             for k in watched:
                 given = hidden if k == i else captures[k - 1]
                 output = out if k == j - 1 else captures[k]
                 for hook in tuple(layers[k]._forward_hooks.values()):
-                    if hook(layers[k], (given, layout, cache.layers[k]), output) is not None:
+                    if hook(layers[k], (given, layout, kv[k]), output) is not None:
                         raise RuntimeError(f"a forward hook marked observes_only on layer {k} returned a value")
             hidden, i = out, j
         return hidden
