@@ -224,6 +224,74 @@ def _read_or_measure(target: LoadedModel, prefix: str, what: str, key: str, read
     return measured
 
 
+# ---- a drafter's step: what one more drafted token costs -------------------------------------
+
+
+@dataclass(frozen=True)
+class DraftStepCost:
+    """Seconds of one drafting step (the drafter's model run for one more drafted token and its
+    scores read) and of the target's one-token pass, measured in alternation on this machine."""
+
+    step_seconds: float
+    one_token_seconds: float
+
+    @property
+    def fraction(self) -> float:
+        """The step in units of a one-token target pass (``policies.CostModel.draft_fractions``)."""
+        return self.step_seconds / self.one_token_seconds
+
+
+def measure_draft_step(model: torch.nn.Module, step, context: int = 256, repeats: int = 20) -> DraftStepCost:
+    """The fastest of ``repeats`` calls of ``step()`` (one drafting step that undoes itself) and the
+    fastest of as many one-token passes of ``model`` after ``context`` cached tokens, taken in
+    turn: each step right after a target pass, as the loop runs it (the pass has streamed the
+    target's weights through the caches the step then reads from)."""
+    from .engine import threads_for
+
+    with threads_for(model), torch.inference_mode():
+        runner = measuring_runner(model)
+        vocab = runner.vocab_size
+        runner.forward(torch.arange(context) % vocab, logits_for=1)
+        token = torch.tensor([11 % vocab])
+        steps, passes = [], []
+        for round_ in range(repeats + 1):
+            started = time.perf_counter()
+            runner.forward(token, logits_for=1)
+            passed = time.perf_counter()
+            runner.rollback(context)
+            step_started = time.perf_counter()
+            step()
+            ended = time.perf_counter()
+            if round_:  # the first round warms both
+                passes.append(passed - started)
+                steps.append(ended - step_started)
+    return DraftStepCost(min(steps), min(passes))
+
+
+def draft_step_cost(target: LoadedModel, drafter_key: dict, make_step, refresh: bool = False) -> DraftStepCost:
+    """``measure_draft_step`` for a drafter of the shape ``drafter_key`` names (what its step's cost
+    depends on, not its weights' values) beside ``target`` on this machine: measured once (well
+    under a second) and cached as ``_cached_measurement`` says. ``make_step()`` (called only to
+    measure) returns the step to time. Why measured and not costed by the weights it reads: a
+    step of the default model's draft head reads a tenth of a target pass's bytes and takes a
+    sixth of its time on an AVX2 CPU (one layer's fixed costs, the scores over its vocabulary,
+    caches the target's pass left cold), and a policy that charged it by its bytes drafted
+    where drafting did not pay."""
+
+    def read(path: Path) -> DraftStepCost | None:
+        try:
+            data = json.loads(path.read_text())
+            cost = DraftStepCost(float(data["step_seconds"]), float(data["one_token_seconds"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        values = (cost.step_seconds, cost.one_token_seconds)
+        return cost if all(math.isfinite(v) and 0 < v < 60 for v in values) else None
+
+    return _cached_measurement(target, "draft-step", "the cost of a draft step", {"drafter": drafter_key}, read,
+                               lambda: measure_draft_step(target.model, make_step()), vars,
+                               lambda cost: cost.one_token_seconds, refresh)
+
+
 # ---- per-unit costs: what bypassing an attention or MLP sub-layer saves ----------------------
 
 

@@ -12,7 +12,7 @@ is ever silently ignored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
 from .cached_model import SlimVocabulary
@@ -498,14 +498,46 @@ def _draft_fractions(target: LoadedModel, weights: dict[str, int]) -> dict[str, 
     return {source: step / target_weights for source, step in weights.items()}
 
 
-def _cost_aware(target: LoadedModel, options: MethodOptions, drafter: Drafter) -> Callable[[int | None], CostAware]:
+def _head_fractions(target: LoadedModel, head) -> dict[str, float]:
+    """The draft head's step in units of the target's one-token pass, measured on this machine
+    (``costs.draft_step_cost``: one self-fed step after 256 cached positions, right after a target
+    pass, as a drafting cycle runs it; cached per target, head shape and machine)."""
+    import torch
+
+    from .costs import draft_step_cost
+    from .heads.draft import HeadRunner, HeadStep
+
+    config = head.config
+
+    def make_step():
+        runner, context = HeadRunner(head), 256
+        generator = torch.Generator().manual_seed(0)
+        features = torch.randn(context, config.feature_width, generator=generator)
+        tokens = torch.arange(context) * 7 % config.vocab_size
+        with torch.inference_mode():
+            last = runner.extend(features, tokens, from_target=True)[-1:]
+        token = torch.tensor([11 % config.vocab_size])
+
+        def step() -> None:
+            runner.step(HeadStep(runner, last, token))
+            runner.rollback(context)
+
+        return step
+
+    shape = {"head": asdict(config), "on_engine": head.engine is not None}
+    return {"head": draft_step_cost(target, shape, make_step).fraction}
+
+
+def _cost_aware(target: LoadedModel, options: MethodOptions, drafter: Drafter,
+                fractions: dict[str, float] | None = None) -> Callable[[int | None], CostAware]:
     """A maker of the cost-aware policy for ``drafter``'s kind: the target's measured pass costs
     for the method's longest draft and its pending token (measured now; a generation that drafts
-    longer costs the table's line past its end), and the drafter's steps costed by the weights they
-    read."""
+    longer costs the table's line past its end), and the drafter's steps as ``fractions`` of a
+    one-token pass (default: costed by the weights they read)."""
     # one table for every method on the target (measured once however the methods' drafts are sized)
     table = _cost_table(target, max(_draft_count(None, options, ADAPTIVE_DRAFT), ADAPTIVE_DRAFT) + 1)
-    fractions = _draft_fractions(target, drafter.draft_step_weights())
+    if fractions is None:
+        fractions = _draft_fractions(target, drafter.draft_step_weights())
     return lambda n: CostAware(_draft_count(n, options, ADAPTIVE_DRAFT), forward_costs=table, draft_fractions=fractions)
 
 
@@ -527,7 +559,7 @@ def _eagle(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter
 
     head = draft_head_for(target, options)  # a missing head is refused before costs are measured
-    policy = _cost_aware(target, options, EagleDrafter(head))
+    policy = _cost_aware(target, options, EagleDrafter(head), _head_fractions(target, head))
     return _method("eagle", "lossless speculative decoding with the trained draft head and a cost-aware draft length",
                    ExactRule(options.sampling_rule), lambda n: (EagleDrafter(head), policy(n)))
 
@@ -536,7 +568,7 @@ def _hybrid(target, drafter_model, options) -> Method:
     from .drafters.eagle import EagleDrafter, HybridDrafter
 
     head = draft_head_for(target, options)
-    policy = _cost_aware(target, options, EagleDrafter(head))
+    policy = _cost_aware(target, options, EagleDrafter(head), _head_fractions(target, head))
     return _method("hybrid", "lossless: n-gram lookup where the context offers a match expected to pay more, the draft "
                    "head otherwise", ExactRule(options.sampling_rule),
                    lambda n: (HybridDrafter(NgramDrafter(options.ngram_size), EagleDrafter(head)), policy(n)))

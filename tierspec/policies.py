@@ -312,7 +312,8 @@ class CostModel:
     measured once per model and machine and cached; without a table, the straight line
     ``UNMEASURED_PASS`` of docs/algorithms.md §Draft-length policies). ``draft_fractions``: a draft step of each drafter in
     units of a one-token target pass (``methods`` derives it from the weights a step reads against
-    the target's: a decoding pass on a CPU costs about what it streams; n-gram lookup is free).
+    the target's: a decoding pass on a CPU costs about what it streams; n-gram lookup is free; the
+    draft head's step is measured once per machine beside a target pass, ``costs.draft_step_cost``).
     Nothing here is learned from the clock: a stall of a shared machine would otherwise choose the
     next draft lengths, and a seed would no longer fix them.
     """

@@ -298,3 +298,40 @@ def test_forward_cost_table_is_measured_once_and_cached(tiny_target, tmp_path, m
     refreshed = costs.forward_costs(tiny_target, max_tokens=4)
     assert measured == [4, 4, 4, 4] and refreshed is tables[-1]
     assert {int(n): v for n, v in json.loads(table.read_text())["seconds"].items()} == refreshed.seconds  # kept
+
+
+def test_the_draft_heads_step_is_costed_as_measured_beside_a_target_pass(tiny_target, tmp_path, monkeypatch):
+    """The head methods' policies charge a draft-head step at its measured share of a one-token pass
+    (``costs.draft_step_cost``), not at its weight bytes' share: measured once, kept in a file keyed
+    by the head's shape, read back by the next process, and measured again when the file is damaged."""
+    from tierspec import costs
+    from tierspec.heads.draft import DraftHead
+    from tierspec.methods import MethodOptions, build_method
+
+    monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path))
+    monkeypatch.setattr(costs, "_MEASURED", {})
+    timed = []
+    real = costs.measure_draft_step
+
+    def measure(model, step, **kwargs):
+        made = real(model, step, context=8, repeats=2)
+        timed.append(made)
+        # the step's time is what it took; the pass's is pinned so that its share is known exactly
+        return costs.DraftStepCost(made.step_seconds, 4 * made.step_seconds)
+
+    monkeypatch.setattr(costs, "measure_draft_step", measure)
+    monkeypatch.setattr(costs, "spot_check", lambda model: 4 * timed[-1].step_seconds)
+    head = DraftHead.for_target(tiny_target, torch.arange(0, 64, 2), seed=3).eval()
+    for name in ("eagle", "hybrid"):
+        policy = build_method(name, tiny_target, options=MethodOptions(draft_head=head)).generation().policy
+        assert policy.cost.draft_fractions == {"head": pytest.approx(0.25)}
+    assert len(timed) == 1 and timed[0].step_seconds > 0  # one head shape, one measurement a process
+    kept = next(tmp_path.glob("draft-step-*.json"))
+    assert json.loads(kept.read_text())["key"]["drafter"]["head"]["draft_vocab_size"] == 32
+    monkeypatch.setattr(costs, "_MEASURED", {})  # a new process reads the file
+    build_method("eagle", tiny_target, options=MethodOptions(draft_head=head))
+    assert len(timed) == 1
+    kept.write_text("{broken")  # a damaged file is measured again
+    monkeypatch.setattr(costs, "_MEASURED", {})
+    build_method("eagle", tiny_target, options=MethodOptions(draft_head=head))
+    assert len(timed) == 2

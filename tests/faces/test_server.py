@@ -223,9 +223,10 @@ def test_request_overrides_the_method(client):
 def byte_bound_server(smollm):
     """A server whose default method was built on a pinned pass-cost table in which a pass of k
     tokens costs what one costs plus 2% a token (a CPU whose passes stream their weights), not on
-    this machine's measured one: how long a cost-aware draft may be then depends on the model's
-    acceptance and the request, never on how fast or busy the CPU running the tests is (a CI
-    machine whose wider passes measured slow drafted one token whatever num_draft allowed)."""
+    this machine's measured one, and a draft-head step pinned at a tenth of a pass (what its weight
+    bytes say): how long a cost-aware draft may be then depends on the model's acceptance and the
+    request, never on how fast or busy the CPU running the tests is (a CI machine whose wider
+    passes measured slow drafted one token whatever num_draft allowed)."""
     from tierspec import methods
     from tierspec.costs import ForwardCosts
 
@@ -235,6 +236,7 @@ def byte_bound_server(smollm):
     engine = Scheduler(smollm, max_queue=0)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(methods, "_cost_table", pinned_table)
+        patch.setattr(methods, "_head_fractions", lambda target, head: {"head": 0.1})
         engine.method(engine.default_method)  # built (and cached) before serving starts
     with serving_in_background(engine) as port:
         yield engine, port
