@@ -1,0 +1,125 @@
+"""Where the time of one cached one-token pass of the default model goes, as a generation runs it:
+the engine's layer stack, the LM head's product, and the Python and torch work around them.
+
+    python benchmarks/pass_breakdown.py [--passes 300] [--context 300] [--dtype auto] [--out results/pass_breakdown.json]
+
+The model is loaded as the CLI loads it (``--dtype auto``), a ``--context``-token prompt is cached,
+and ``--passes`` one-token passes are timed under the generation's thread arrangement
+(``engine.threads_for``), the cache rolled back after each. Probes (exclusive time: a wrapped call's
+time less the wrapped calls inside it) time the stack call (``engine.run_stack``), every engine
+product (``QuantWeight.multiply``: the LM head here), ``torch.rms_norm`` (the final norm), and the
+Python of ``CachedModel.forward``, ``LlamaLM.forward``, ``Decoder.forward``, ``Decoder.layout`` and
+``Decoder._engine_forward``; what no probe holds is "unaccounted". A probe adds a few microseconds
+a call, so the Python rows are upper bounds.
+
+``--norm-twice``: also times the final norm a second time right after the first, on the same input:
+the first torch operator after the stack (which streamed the weights through every cache) pays for
+code and data the stack evicted; the second shows what the operator costs with warm caches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+
+class Probe:
+    """Exclusive seconds inside wrapped callables, by kind (as ``loop_time.Probe``)."""
+
+    def __init__(self):
+        self.totals: dict[str, float] = defaultdict(float)
+        self._stack: list[list[float]] = []
+
+    def wrap(self, owner, attribute: str, kind: str) -> None:
+        function = getattr(owner, attribute)
+
+        def timed(*args, **kwargs):
+            started = time.perf_counter()
+            self._stack.append([0.0])
+            try:
+                return function(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - started
+                (inner,) = self._stack.pop()
+                self.totals[kind] += elapsed - inner
+                if self._stack:
+                    self._stack[-1][0] += elapsed
+
+        setattr(owner, attribute, timed)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--passes", type=int, default=300)
+    parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--norm-twice", action="store_true")
+    parser.add_argument("--out", type=Path, default=Path("results/pass_breakdown.json"))
+    args = parser.parse_args()
+
+    import tierspec
+    from tierspec import cached_model, engine, llama, quant
+    from tierspec.engine import threads_for
+    from tierspec.util import atomic_write_text
+
+    target = tierspec.load_model("smollm2-135m", dtype=args.dtype)
+    probe = Probe()
+    probe.wrap(engine, "run_stack", "stack (engine call)")
+    probe.wrap(quant.QuantWeight, "multiply", "LM head product (engine call)")
+    probe.wrap(torch, "rms_norm", "final norm (torch)")
+    probe.wrap(cached_model.CachedModel, "forward", "CachedModel.forward (Python)")
+    probe.wrap(llama.LlamaLM, "forward", "LlamaLM.forward (Python)")
+    probe.wrap(llama.Decoder, "forward", "Decoder.forward (Python)")
+    probe.wrap(llama.Decoder, "layout", "Decoder.layout (Python)")
+    probe.wrap(llama.Decoder, "_engine_forward", "Decoder._engine_forward (Python)")
+    warm: list[float] = []
+    if args.norm_twice:
+        first = llama.RMSNorm.forward
+
+        def twice(self, x):
+            out = first(self, x)
+            started = time.perf_counter()
+            first(self, x)
+            warm.append(time.perf_counter() - started)
+            return out
+
+        llama.RMSNorm.forward = twice
+    runner = cached_model.CachedModel(target.model)
+    token = torch.tensor([17])
+    with torch.inference_mode(), threads_for(target.model):
+        runner.forward(torch.arange(args.context) % runner.vocab_size, logits_for=1)
+        for _ in range(20):  # warm-up
+            runner.forward(token, logits_for=1)
+            runner.rollback(args.context)
+        probe.totals.clear()
+        warm.clear()
+        started = time.perf_counter()
+        for _ in range(args.passes):
+            runner.forward(token, logits_for=1)
+            runner.rollback(args.context)
+        wall = time.perf_counter() - started
+    rows = {kind: 1000 * seconds / args.passes for kind, seconds in sorted(probe.totals.items(), key=lambda kv: -kv[1])}
+    if warm:  # the second norm ran inside the probed first call's frame: not part of the pass
+        rows["final norm (torch)"] -= 1000 * sum(warm) / args.passes
+        rows["unaccounted"] = 1000 * (wall - sum(probe.totals.values())) / args.passes
+        rows["final norm again, warm (not in the pass)"] = 1000 * statistics.median(warm)
+        wall -= sum(warm)
+    else:
+        rows["unaccounted"] = 1000 * (wall - sum(probe.totals.values())) / args.passes
+    result = {"command": " ".join(sys.argv), "dtype": args.dtype, "context": args.context, "passes": args.passes,
+              "ms_per_pass": round(1000 * wall / args.passes, 3), "rows_ms": {k: round(v, 3) for k, v in rows.items()}}
+    print(f"one-token pass after {args.context} cached tokens, mean of {args.passes}: {result['ms_per_pass']} ms")
+    for kind, ms in result["rows_ms"].items():
+        print(f"  {kind:45s} {ms:7.3f} ms")
+    atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
