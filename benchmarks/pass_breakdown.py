@@ -15,6 +15,10 @@ a call, so the Python rows are upper bounds.
 ``--norm-twice``: also times the final norm a second time right after the first, on the same input:
 the first torch operator after the stack (which streamed the weights through every cache) pays for
 code and data the stack evicted; the second shows what the operator costs with warm caches.
+
+``--featured``: also times two-token passes with and without the hidden states a draft head reads
+(``with_hidden``, the final states and the outputs of the shipped head's feature layers), in turn
+``--passes`` times each: what a featured pass (the default method's every pass) adds, as medians.
 """
 
 from __future__ import annotations
@@ -61,6 +65,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=300)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--norm-twice", action="store_true")
+    parser.add_argument("--featured", action="store_true")
     parser.add_argument("--out", type=Path, default=Path("results/pass_breakdown.json"))
     args = parser.parse_args()
 
@@ -113,11 +118,31 @@ def main() -> None:
         wall -= sum(warm)
     else:
         rows["unaccounted"] = 1000 * (wall - sum(probe.totals.values())) / args.passes
+    featured = {}
+    if args.featured:
+        from tierspec.heads.shipped import shipped_head
+
+        layers = shipped_head(target).config.feature_layers
+        tokens = torch.tensor([17, 18])
+        samples: dict[bool, list[float]] = {False: [], True: []}
+        with torch.inference_mode(), threads_for(target.model):
+            for _ in range(args.passes):
+                for hidden in (False, True):
+                    started = time.perf_counter()
+                    runner.forward(tokens, logits_for=2, with_hidden=hidden, hidden_layers=layers if hidden else ())
+                    samples[hidden].append(time.perf_counter() - started)
+                    runner.rollback(args.context)
+        featured = {"hidden_layers": list(layers), "plain_ms": round(1000 * statistics.median(samples[False]), 3),
+                    "featured_ms": round(1000 * statistics.median(samples[True]), 3)}
     result = {"command": " ".join(sys.argv), "dtype": args.dtype, "context": args.context, "passes": args.passes,
-              "ms_per_pass": round(1000 * wall / args.passes, 3), "rows_ms": {k: round(v, 3) for k, v in rows.items()}}
+              "ms_per_pass": round(1000 * wall / args.passes, 3), "rows_ms": {k: round(v, 3) for k, v in rows.items()},
+              "two_token_pass_with_hidden_states": featured}
     print(f"one-token pass after {args.context} cached tokens, mean of {args.passes}: {result['ms_per_pass']} ms")
     for kind, ms in result["rows_ms"].items():
         print(f"  {kind:45s} {ms:7.3f} ms")
+    if featured:
+        print(f"two-token pass, medians of {args.passes} in turn: {featured['plain_ms']} ms, with the hidden states of "
+              f"layers {featured['hidden_layers']} and the final ones {featured['featured_ms']} ms")
     atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
 
 

@@ -9,5 +9,5 @@ out=results/zen3/int8
 source results/zen3/step.sh
 step spec_bench_headstep_t1 tierspec bench --dataset spec_bench --per-category 5 --max-new-tokens 128 --temperature 1 --seed 0 --methods ar,hybrid,llamacpp-greedy --out $out/spec_bench-headstep-t1 --no-progress
 step spec_bench_headstep tierspec bench --dataset spec_bench --per-category 5 --max-new-tokens 128 --temperature 0 --methods ar,hybrid,adaptive-pld,llamacpp-greedy --out $out/spec_bench-headstep --no-progress
-step pass_breakdown python benchmarks/pass_breakdown.py --norm-twice --out $out/pass_breakdown.json
+step pass_breakdown python benchmarks/pass_breakdown.py --norm-twice --featured --out $out/pass_breakdown.json
 echo "all done $(date -u +%FT%TZ)"
