@@ -117,18 +117,17 @@ def test_a_head_that_is_the_target_is_accepted_throughout(prompt_ids):
     assert run_ids(target, as_method(hybrid, policy=policy), prompt_ids, 40) == reference
 
 
-@pytest.mark.parametrize("head_rate, runs", [(None, "always"), (1.2, "always"), (1.05, "every ninth")])
-def test_the_hybrid_leaves_a_head_that_does_not_pay_idle_and_tries_it_again(target32, head_rate, runs):
-    """Planted rates: drafting nothing pays 1 token per unit time and a head step costs 0.1 of a
-    pass. A head whose learned rate (1.05) does not beat that by one head step is left idle (no
-    head call, not even its catch-up) for ``HEAD_RETRY_CYCLES`` cycles, then tried again; a head
-    that pays (1.2), or one not tried yet, runs every cycle."""
-    from tierspec.drafters.eagle import HEAD_RETRY_CYCLES
+def _hybrid_head_runs(target, head_rates) -> list[bool]:
+    """Which cycles ran the hybrid's head, one cycle per entry of ``head_rates`` (the head's learned
+    rate that cycle; None: not tried yet), under planted rates: drafting nothing pays 1 token per
+    unit time, a head step costs 0.1 of a pass, and n-gram lookup finds nothing."""
     from tierspec.proposal import DraftRequest, Proposal
+
+    rate = [None]
 
     class Rates:
         def source_rate(self, source):
-            return head_rate
+            return rate[0]
 
         def plain_rate(self):
             return 1.0
@@ -139,7 +138,7 @@ def test_the_hybrid_leaves_a_head_that_does_not_pay_idle_and_tries_it_again(targ
         def expected_rate(self, proposal):
             return 0.0
 
-    eagle = EagleDrafter(random_head(target32))
+    eagle = EagleDrafter(random_head(target))
     calls = []
     def drafting(context, request):  # the head's steps: none, an empty block
         calls.append(1)
@@ -152,15 +151,39 @@ def test_the_hybrid_leaves_a_head_that_does_not_pay_idle_and_tries_it_again(targ
     hybrid.start(context[:10])
     request = DraftRequest(budget=4, sampling=SamplingConfig(0.0), noise=None, policy=Rates())
     ran = []
-    for _ in range(2 * HEAD_RETRY_CYCLES + 2):
+    for head_rate in head_rates:
+        rate[0] = head_rate
         before = len(calls)
         hybrid.propose(context, request)
-        ran.append(len(calls) > before)  # did this cycle run the head?
-    if runs == "always":
-        assert all(ran)
-    else:
-        period = HEAD_RETRY_CYCLES + 1
-        assert ran == [i % period == HEAD_RETRY_CYCLES for i in range(len(ran))]
+        ran.append(len(calls) > before)
+    return ran
+
+
+@pytest.mark.parametrize("head_rate", [None, 1.2])
+def test_the_hybrid_runs_a_head_that_pays_or_is_untried_every_cycle(target32, head_rate):
+    assert all(_hybrid_head_runs(target32, [head_rate] * 40))
+
+
+def test_the_hybrid_leaves_a_head_that_does_not_pay_idle_and_tries_it_ever_more_rarely(target32):
+    """A head whose learned rate (1.05) does not beat drafting nothing by one head step (0.1) is
+    left idle — no head call, not even its catch-up — for ``HEAD_RETRY_CYCLES`` cycles, then tried;
+    each try after which it still does not pay doubles the wait, up to ``HEAD_RETRY_MAX_CYCLES``."""
+    from tierspec.drafters.eagle import HEAD_RETRY_CYCLES, HEAD_RETRY_MAX_CYCLES
+
+    ran = _hybrid_head_runs(target32, [1.05] * 400)
+    tries = [i for i, r in enumerate(ran) if r]
+    waits = [b - a - 1 for a, b in zip([-1] + tries, tries)]
+    assert HEAD_RETRY_CYCLES == 8 and HEAD_RETRY_MAX_CYCLES == 64
+    assert waits == [8, 16, 32, 64, 64, 64, 64, 64]  # tries at cycles 8, 25, 58, 123, 188, 253, 318, 383
+
+
+def test_a_head_that_pays_again_after_a_try_starts_the_wait_over(target32):
+    """Idle 8 cycles, a try, idle 16, a try after which the head pays (1.2): it runs every cycle;
+    when it stops paying again the first wait is 8 cycles again, not 32."""
+    rates = [1.05] * 9 + [1.05] * 17 + [1.2] * 5 + [1.05] * 20
+    ran = _hybrid_head_runs(target32, rates)
+    tries = [i for i, r in enumerate(ran) if r]
+    assert tries == [8, 25, 26, 27, 28, 29, 30, 39]
 
 
 def test_sampled_eagle_first_token_matches_the_target(prompt_ids):

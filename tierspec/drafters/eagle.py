@@ -115,8 +115,13 @@ class EagleDrafter(Drafter):
 
 
 #: Cycles the hybrid drafts without the head once the head stopped paying (below), before it
-#: tries the head again: counted, not timed, so that a seed fixes which cycles try it.
+#: tries the head again: counted, not timed, so that a seed fixes which cycles try it. Each try
+#: after which the head still does not pay doubles the wait, up to ``HEAD_RETRY_MAX_CYCLES``: a
+#: try costs a catch-up and a draft that is mostly rejected (at temperature 1 on the default
+#: model, a try every 9 cycles took about 5% of the generation's time), so where the head
+#: keeps not paying it is tried ever more rarely; once it pays again the wait starts over.
 HEAD_RETRY_CYCLES = 8
+HEAD_RETRY_MAX_CYCLES = 64
 
 
 class HybridDrafter(Drafter):
@@ -133,7 +138,8 @@ class HybridDrafter(Drafter):
     than drafting nothing by more than one head step (``RateView.plain_rate`` and
     ``draft_step_fraction``: at temperature 1 on a cheap pass the head's drafts stop paying), the
     hybrid leaves the head idle — n-gram lookup or no draft, the head's catch-up deferred to the
-    next cycle it runs, in one call — and tries it again after ``HEAD_RETRY_CYCLES`` cycles."""
+    next cycle it runs, in one call — and tries it again after ``HEAD_RETRY_CYCLES`` cycles, then
+    after twice as many each time the try did not pay (``HEAD_RETRY_MAX_CYCLES`` at most)."""
 
     needs_target_features = True
     drafts_in_head_steps = True
@@ -142,11 +148,12 @@ class HybridDrafter(Drafter):
         self.ngram, self.eagle = ngram, eagle
         self.feature_layers = eagle.feature_layers
         self._idle = 0  # cycles since the head last ran while it did not pay
+        self._wait = HEAD_RETRY_CYCLES  # idle cycles before the next try
 
     def start(self, prompt_ids, features=None, target_view=None) -> None:
         self.ngram.start(prompt_ids, features, target_view)
         self.eagle.start(prompt_ids, features, target_view)
-        self._idle = 0
+        self._idle, self._wait = 0, HEAD_RETRY_CYCLES
 
     def drafting(self, context: torch.Tensor, request: DraftRequest) -> Generator[HeadStep, HeadOutput, Proposal]:
         """The cycle's choice (class docstring): the n-gram candidate at once, or the head's block
@@ -158,11 +165,14 @@ class HybridDrafter(Drafter):
         head_rate = rates.source_rate("head")  # None until the head has drafted: try it first
         if len(candidate) and head_rate is not None and rates.expected_rate(candidate) > head_rate:
             return candidate  # the head catches up when it next runs
-        if head_rate is not None and self._idle < HEAD_RETRY_CYCLES:
-            if head_rate <= rates.plain_rate() * (1.0 + rates.draft_step_fraction("head")):
+        if head_rate is not None and head_rate <= rates.plain_rate() * (1.0 + rates.draft_step_fraction("head")):
+            if self._idle < self._wait:
                 self._idle += 1
                 return candidate  # the n-gram candidate (possibly empty): the head is not worth its cycle
-        self._idle = 0
+            # A try: should the head still not pay after it, the next try waits twice as long.
+            self._idle, self._wait = 0, min(2 * self._wait, HEAD_RETRY_MAX_CYCLES)
+        else:
+            self._idle, self._wait = 0, HEAD_RETRY_CYCLES
         return (yield from self.eagle.drafting(context, request))
 
     def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
