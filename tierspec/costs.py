@@ -43,12 +43,27 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+#: Cached positions the table's passes run after, and the longer context whose passes give each
+#: size's cost per further cached position (``ForwardCosts.per_position``): every row of a pass
+#: attends to every cached position, so at 1,000 positions a row's attention is a large share of
+#: what a draft row adds (on a 2-core Zen 3 a 2-row pass of the default model costs 1.09× one row
+#: after 256 positions, 1.16× in Spec-Bench's generations); measured, not assumed, as the rows are.
+TABLE_CONTEXT = 256
+LONG_CONTEXT = 1024
+#: Contexts are costed in steps of this many positions (a policy's costs are re-derived per step).
+CONTEXT_STEP = 64
+
+
 @dataclass
 class ForwardCosts:
-    """seconds[n] = the time of a cached forward over n new tokens (n = 1 .. max): the fastest of a
-    few, measured in rounds (``measure_forward_costs``)."""
+    """seconds[n] = the time of a cached forward over n new tokens (n = 1 .. max) after ``context``
+    cached positions: the fastest of a few, measured in rounds (``measure_forward_costs``); and
+    per_position[n] = what each further cached position adds to it (from the same sizes after
+    ``LONG_CONTEXT`` positions; None when the model holds too few positions or a table predates it)."""
 
     seconds: dict[int, float]
+    context: int = TABLE_CONTEXT
+    per_position: dict[int, float] | None = None
 
     @property
     def max_tokens(self) -> int:
@@ -60,43 +75,73 @@ class ForwardCosts:
             return n
         return min((m for m in self.seconds if m >= n), key=lambda m: (self.seconds[m], m))
 
-    def cost(self, n: int) -> float:
-        """Seconds for a pass over n tokens, padded to the cheapest size (linear beyond the table)."""
-        if n <= self.max_tokens:
-            return self.seconds[self.padded_size(n)]
+    def cost(self, n: int, context: int | None = None) -> float:
+        """Seconds for a pass over n tokens, padded to the cheapest size (linear beyond the table),
+        after ``context`` cached positions (None: the table's own context): the table's seconds
+        plus ``per_position`` for the positions more (or less: never below half the table's)."""
         top = self.max_tokens
-        slope = (self.seconds[top] - self.seconds[1]) / max(top - 1, 1)
-        return self.seconds[top] + max(slope, 0.0) * (n - top)
+        size = self.padded_size(n) if n <= top else n
+        if n <= top:
+            seconds = self.seconds[size]
+        else:
+            slope = (self.seconds[top] - self.seconds[1]) / max(top - 1, 1)
+            seconds = self.seconds[top] + max(slope, 0.0) * (n - top)
+        if context is None or not self.per_position or context == self.context:
+            return seconds
+        if size <= top:
+            per_position = self.per_position[size]
+        else:
+            per_row = (self.per_position[top] - self.per_position[1]) / max(top - 1, 1)
+            per_position = self.per_position[top] + max(per_row, 0.0) * (size - top)
+        return max(seconds + per_position * (context - self.context), 0.5 * seconds)
 
 
-def measure_forward_costs(model: torch.nn.Module, max_tokens: int = 16, context: int = 256, repeats: int = 5) -> ForwardCosts:
+def measure_forward_costs(model: torch.nn.Module, max_tokens: int = 16, context: int = TABLE_CONTEXT,
+                          repeats: int = 5, long_context: int = LONG_CONTEXT) -> ForwardCosts:
     from .engine import threads_for
 
     with threads_for(model):  # as a generation runs its passes (engine.threads_for)
-        return _measure_forward_costs(model, max_tokens, context, repeats)
+        return _measure_forward_costs(model, max_tokens, context, repeats, long_context)
 
 
-def _measure_forward_costs(model: torch.nn.Module, max_tokens: int, context: int, repeats: int) -> ForwardCosts:
-    """Each size's fastest of ``repeats`` passes, the sizes taken in turn round after round: a
-    machine whose load comes and goes slows the rounds it hits, not the wide sizes (measured last
-    in a size-by-size order) more than the narrow ones; and the fastest pass is the one no other
-    process delayed, so the table's ratios, which choose the draft lengths, are the passes' own."""
+def _timed_sizes(runner: CachedModel, sizes: list[int], context: int, repeats: int) -> dict[int, float]:
+    """Each size's fastest of ``repeats`` passes after ``context`` cached positions (the runner
+    holds them), the sizes taken in turn round after round: a machine whose load comes and goes
+    slows the rounds it hits, not the wide sizes (measured last in a size-by-size order) more than
+    the narrow ones; and the fastest pass is the one no other process delayed, so the table's
+    ratios, which choose the draft lengths, are the passes' own."""
+    vocab = runner.vocab_size
+    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    for round_ in range(repeats + 1):
+        for n in sizes:
+            tokens = (torch.arange(n) * 7 + 11) % vocab
+            started = time.perf_counter()
+            runner.forward(tokens, logits_for=n)
+            elapsed = time.perf_counter() - started
+            runner.rollback(context)
+            if round_:  # the first round warms every size's kernels
+                samples[n].append(elapsed)
+    return {n: min(samples[n]) for n in sizes}
+
+
+def _measure_forward_costs(model: torch.nn.Module, max_tokens: int, context: int, repeats: int,
+                           long_context: int) -> ForwardCosts:
     runner = measuring_runner(model)  # an encoder–decoder model's decoder, against a source
     vocab = runner.vocab_size
     sizes = list(range(1, max_tokens + 1))
-    samples: dict[int, list[float]] = {n: [] for n in sizes}
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int):  # room for the longer context's widest pass
+        long_context = min(long_context, limit - max_tokens)
     with torch.inference_mode():
         runner.forward(torch.arange(context) % vocab, logits_for=1)
-        for round_ in range(repeats + 1):
-            for n in sizes:
-                tokens = (torch.arange(n) * 7 + 11) % vocab
-                started = time.perf_counter()
-                runner.forward(tokens, logits_for=n)
-                elapsed = time.perf_counter() - started
-                runner.rollback(context)
-                if round_:  # the first round warms every size's kernels
-                    samples[n].append(elapsed)
-    return ForwardCosts({n: min(samples[n]) for n in sizes})
+        seconds = _timed_sizes(runner, sizes, context, repeats)
+        per_position = None
+        if long_context >= context + CONTEXT_STEP:
+            runner.forward((torch.arange(context, long_context) * 3 + 5) % vocab, logits_for=1)
+            longer = _timed_sizes(runner, sizes, long_context, repeats)
+            span = long_context - context
+            per_position = {n: max(longer[n] - seconds[n], 0.0) / span for n in sizes}
+    return ForwardCosts(seconds, context, per_position)
 
 
 def _linear_kind(model: torch.nn.Module) -> str:
@@ -127,7 +172,17 @@ def _read_table(path: Path, max_tokens: int) -> ForwardCosts | None:
         return None
     if not all(math.isfinite(v) and 0 < v < 60 for v in seconds.values()):
         return None
-    return ForwardCosts(seconds)
+    per_position, context = data.get("per_position"), data.get("context", TABLE_CONTEXT)
+    if per_position is not None:
+        try:
+            per_position = {int(n): float(v) for n, v in per_position.items()}
+        except (ValueError, TypeError, AttributeError):
+            return None
+        if sorted(per_position) != sorted(seconds) or not all(math.isfinite(v) and 0 <= v < 1 for v in per_position.values()):
+            return None
+    if not isinstance(context, int) or context < 0:
+        return None
+    return ForwardCosts(seconds, context, per_position)
 
 
 def spot_check(model: torch.nn.Module, repeats: int = 3, context: int = 64) -> float:
@@ -139,9 +194,12 @@ def forward_costs(target: LoadedModel, max_tokens: int = 16, refresh: bool = Fal
     """The table for this model on this machine: measured (a few seconds) once per process, and
     cached across processes; see ``_cached_measurement`` for when a cached table is re-measured."""
     return _cached_measurement(target, "forward-costs", f"forward cost for 1..{max_tokens} tokens",
-                               {"max_tokens": max_tokens}, lambda path: _read_table(path, max_tokens),
+                               {"max_tokens": max_tokens, "contexts": [TABLE_CONTEXT, LONG_CONTEXT]},
+                               lambda path: _read_table(path, max_tokens),
                                lambda: measure_forward_costs(target.model, max_tokens),
-                               lambda table: {"seconds": table.seconds}, lambda table: table.seconds[1], refresh)
+                               lambda table: {"seconds": table.seconds, "context": table.context,
+                                              "per_position": table.per_position},
+                               lambda table: table.seconds[1], refresh)
 
 
 # Measurements made by this process, by cache key: each is made (or read and checked) once.

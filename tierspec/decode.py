@@ -541,6 +541,7 @@ def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None =
     batch = len(decoding) + len(prefilling) > 1 and passes.shares_passes
     for sequence in decoding:  # each policy costs its drafts as this cycle's passes (policies.CostModel.verify)
         sequence.policy.share_passes(len(decoding) if batch and shared_costs and sequence.batchable else 1)
+        sequence.policy.at_context(len(sequence.verifiers.context))
     drafted = _propose(decoding)
     if batch:
         _cut_to_the_batch(drafted, passes, max_rows)
@@ -799,6 +800,7 @@ def _tiered_cycle(sequence: Sequence) -> Step:
     proposal, the rule's passes and verdict, its commit — alone."""
     began = time.perf_counter()
     sequence.policy.share_passes(1)
+    sequence.policy.at_context(len(sequence.verifiers.context))
     (d,) = _propose([sequence])
     drafted_at = time.perf_counter()
     verdict = sequence.rule.verify(sequence.verifiers, d.proposal, sequence.config.sampling, d.block)

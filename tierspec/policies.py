@@ -41,7 +41,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Hashable
 
-from .costs import ForwardCosts
+from .costs import CONTEXT_STEP, ForwardCosts
 from .errors import TierspecError
 from .llama import ATTENTION_ROWS
 from .proposal import Proposal, TreeSize, Verdict
@@ -183,6 +183,10 @@ class DraftPolicy:
         """The next cycles' passes are shared by ``sequences`` generations (continuous batching):
         a policy that costs passes costs them as that batch's (``CostModel.verify``); 1 = alone."""
 
+    def at_context(self, positions: int) -> None:
+        """The next cycle's rows attend to ``positions`` cached positions: a policy that costs
+        passes costs them there (``CostModel.at_context``)."""
+
     def observe(self, outcome: CycleOutcome) -> None:
         """Learn from a verdict."""
 
@@ -322,6 +326,8 @@ class CostModel:
     draft_fractions: dict[str, float] = field(default_factory=dict)
     #: sequences sharing every pass (continuous batching, ``batch``): see ``verify``
     sequences: int = 1
+    #: cached positions the generation's rows attend to (``at_context``; None: the table's own)
+    context: int | None = None
     # verify(n) by n and the cycle's cost by (k, source), filled as asked: a policy asks for the same
     # few sizes many times a cycle, and nothing they depend on changes
     _verify: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -330,7 +336,7 @@ class CostModel:
     def _pass(self, tokens: int) -> float:
         """The measured cost of one pass over ``tokens`` rows."""
         if self.forward_costs is not None:
-            return self.forward_costs.cost(tokens)
+            return self.forward_costs.cost(tokens, self.context)
         first, per_token = UNMEASURED_PASS
         return first + per_token * (tokens - 1)
 
@@ -357,14 +363,29 @@ class CostModel:
 
     def draft_step(self, source: str) -> float:
         """A draft step of ``source``: its fraction of a one-token pass alone (a drafter's steps
-        run one sequence at a time, in a batch too)."""
-        return self.draft_fractions.get(source, 0.0) * self._pass(1)
+        run one sequence at a time, in a batch too) at the table's own context, where the fraction
+        was measured: a drafter's own attention is a small part of its step, so its step does not
+        grow with the context as the target's 30 layers' do."""
+        fraction = self.draft_fractions.get(source, 0.0)
+        if not fraction:
+            return 0.0
+        if self.forward_costs is not None:
+            return fraction * self.forward_costs.cost(1)
+        return fraction * self._pass(1)
 
     def in_batch(self, sequences: int) -> "CostModel":
         """This model for a generation that shares each pass with ``sequences`` − 1 others."""
         if sequences == self.sequences:
             return self
-        return CostModel(self.forward_costs, self.draft_fractions, sequences)
+        return CostModel(self.forward_costs, self.draft_fractions, sequences, self.context)
+
+    def at_context(self, positions: int) -> "CostModel":
+        """This model for a generation whose rows attend to ``positions`` cached positions, in steps
+        of ``costs.CONTEXT_STEP`` (a row's attention grows with them: ``ForwardCosts.cost``)."""
+        step = (positions // CONTEXT_STEP) * CONTEXT_STEP
+        if step == self.context or self.forward_costs is None or not self.forward_costs.per_position:
+            return self
+        return CostModel(self.forward_costs, self.draft_fractions, self.sequences, step)
 
     def __call__(self, k: int, source: str = "") -> float:
         seconds = self._cycle.get((k, source))
@@ -569,6 +590,10 @@ class CostAware(DraftPolicy):
         if isinstance(self.cost, CostModel):  # a cost function of a test's stays as given
             self.cost = self.cost.in_batch(sequences)
 
+    def at_context(self, positions: int) -> None:
+        if isinstance(self.cost, CostModel):
+            self.cost = self.cost.at_context(positions)
+
 
 # ---- token trees ------------------------------------------------------------------------------
 
@@ -617,6 +642,9 @@ class TreePolicy(DraftPolicy):
 
     def share_passes(self, sequences: int) -> None:
         self.cost = self.cost.in_batch(sequences)
+
+    def at_context(self, positions: int) -> None:
+        self.cost = self.cost.at_context(positions)
 
     def acceptance(self, key: Hashable, prior: float) -> float:
         estimate = self.estimates.get(key)

@@ -59,6 +59,45 @@ def test_cost_model_costs_draft_steps_as_fractions_of_a_one_token_pass():
     assert CostModel()(2) == pytest.approx(0.046 + 0.007 * 2)  # no table: the straight line
 
 
+def test_a_pass_is_costed_at_the_context_its_rows_attend_to():
+    """Each size's measured cost per further cached position (``per_position``) moves its cost
+    linearly from the table's context, never below half the table's; beyond the table the rows'
+    slopes extend linearly; a table without slopes costs every context alike."""
+    from tierspec.costs import ForwardCosts
+
+    table = ForwardCosts({1: 0.010, 2: 0.011, 3: 0.012}, context=256, per_position={1: 1e-6, 2: 2e-6, 3: 3e-6})
+    assert table.cost(2) == table.cost(2, 256) == pytest.approx(0.011)
+    assert table.cost(2, 1256) == pytest.approx(0.011 + 1000 * 2e-6)
+    assert table.cost(1, 0) == pytest.approx(0.010 - 256e-6)
+    assert table.cost(3, 10**9) == pytest.approx(0.012 + (10**9 - 256) * 3e-6)
+    assert ForwardCosts({1: 0.010}, 256, {1: 1e-3}).cost(1, 0) == pytest.approx(0.005)  # the floor
+    assert table.cost(5, 1256) == pytest.approx(0.012 + 2 * 0.001 + 1000 * 5e-6)  # 2 rows past the table
+    assert ForwardCosts({1: 0.010, 2: 0.011}).cost(2, 5000) == pytest.approx(0.011)
+
+
+def test_a_draft_that_pays_after_few_positions_does_not_after_many():
+    """Planted: a 2-row pass costs 1.1× one row after 256 positions, and each row adds as much
+    attention per position, so after 4,096 positions 2 rows cost 1.35× one: a one-token draft
+    accepted 25% of the time pays at the first (1.25 tokens for 1.1) and not at the second. The
+    head's step is charged at the table's context (where its fraction was measured)."""
+    from tierspec.costs import ForwardCosts
+    from tierspec.proposal import Proposal
+
+    table = ForwardCosts({1: 0.010, 2: 0.011}, context=256, per_position={1: 1e-6, 2: 2e-6})
+    policy = CostAware(1, forward_costs=table, draft_fractions={"head": 0.1})
+    proposal = Proposal.chain(torch.tensor([7]), source="ngram")
+    policy.keys = lambda proposal, count: [None] * count
+    policy._reach = lambda keys: [0.25] * len(keys)
+    policy.at_context(300)
+    assert policy.cost.context == 256 and policy.trim(proposal) == 1
+    policy.at_context(4096 + 30)
+    assert policy.cost.context == 4096 and policy.trim(proposal) == 0
+    assert policy.cost(1, "ngram") == pytest.approx(0.011 + 3840 * 2e-6)
+    assert policy.cost.draft_step("head") == pytest.approx(0.1 * 0.010)
+    policy.share_passes(3)
+    assert policy.cost.context == 4096 and policy.cost.sequences == 3  # batching keeps the context
+
+
 def test_the_cost_aware_policy_has_nothing_to_learn_from_the_clock():
     """The loop reports verdicts, not timings: a stall of a shared machine cannot choose the
     next draft lengths (a seed fixes them)."""

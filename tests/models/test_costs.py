@@ -99,3 +99,29 @@ def test_a_table_the_load_disturbed_is_used_but_not_cached(planted, tiny_target,
     planted["table"] = 0.01
     assert costs.forward_costs(tiny_target, max_tokens=4).seconds[1] == 0.01
     assert len(planted["files"]()) == 1 and planted["measured"] == 2
+
+
+def test_the_table_is_measured_at_two_contexts_and_kept_with_its_slopes(tiny_target, tmp_path):
+    """Every size is timed after ``TABLE_CONTEXT`` and after ``LONG_CONTEXT`` cached positions
+    (less the widest pass where the model holds fewer): the table keeps the first and each size's
+    cost per further position, and reads back from its file as measured; a file whose slopes are
+    damaged is not read (it is measured again)."""
+    import json
+    import math
+
+    table = costs.measure_forward_costs(tiny_target.model, max_tokens=3, repeats=1)
+    assert table.context == costs.TABLE_CONTEXT and sorted(table.per_position) == [1, 2, 3]
+    assert all(math.isfinite(v) and v >= 0 for v in table.per_position.values())
+    path = tmp_path / "table.json"
+    path.write_text(json.dumps({"seconds": table.seconds, "context": table.context, "per_position": table.per_position}))
+    assert costs._read_table(path, 3) == table
+    path.write_text(json.dumps({"seconds": table.seconds, "context": 256, "per_position": {"1": 0.0, "2": -1.0, "3": 0.0}}))
+    assert costs._read_table(path, 3) is None
+    path.write_text(json.dumps({"seconds": table.seconds}))  # a table from before the slopes: costs every context alike
+    assert costs._read_table(path, 3).per_position is None
+
+
+def test_a_model_too_short_for_the_long_context_keeps_no_slopes(tiny_target, monkeypatch):
+    monkeypatch.setattr(tiny_target.model.config, "max_position_embeddings", costs.TABLE_CONTEXT + 8)
+    table = costs.measure_forward_costs(tiny_target.model, max_tokens=3, repeats=1)
+    assert table.per_position is None and sorted(table.seconds) == [1, 2, 3]
