@@ -28,35 +28,12 @@ import json
 import statistics
 import sys
 import time
-from collections import defaultdict
 from pathlib import Path
 
 import torch
 
-
-class Probe:
-    """Exclusive seconds inside wrapped callables, by kind (as ``loop_time.Probe``)."""
-
-    def __init__(self):
-        self.totals: dict[str, float] = defaultdict(float)
-        self._stack: list[list[float]] = []
-
-    def wrap(self, owner, attribute: str, kind: str) -> None:
-        function = getattr(owner, attribute)
-
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            self._stack.append([0.0])
-            try:
-                return function(*args, **kwargs)
-            finally:
-                elapsed = time.perf_counter() - started
-                (inner,) = self._stack.pop()
-                self.totals[kind] += elapsed - inner
-                if self._stack:
-                    self._stack[-1][0] += elapsed
-
-        setattr(owner, attribute, timed)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from loop_time import Probe  # noqa: E402  (exclusive seconds inside wrapped callables, by kind)
 
 
 def main() -> None:

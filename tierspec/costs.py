@@ -299,7 +299,7 @@ class DraftStepCost:
         return self.step_seconds / self.one_token_seconds
 
 
-def measure_draft_step(model: torch.nn.Module, step, context: int = 256, repeats: int = 20) -> DraftStepCost:
+def measure_draft_step(model: torch.nn.Module, step, context: int = TABLE_CONTEXT, repeats: int = 20) -> DraftStepCost:
     """The fastest of ``repeats`` calls of ``step()`` (one drafting step that undoes itself) and the
     fastest of as many one-token passes of ``model`` after ``context`` cached tokens, taken in
     turn: each step right after a target pass, as the loop runs it (the pass has streamed the

@@ -500,17 +500,18 @@ def _draft_fractions(target: LoadedModel, weights: dict[str, int]) -> dict[str, 
 
 def _head_fractions(target: LoadedModel, head) -> dict[str, float]:
     """The draft head's step in units of the target's one-token pass, measured on this machine
-    (``costs.draft_step_cost``: one self-fed step after 256 cached positions, right after a target
-    pass, as a drafting cycle runs it; cached per target, head shape and machine)."""
+    (``costs.draft_step_cost``: one self-fed step after ``costs.TABLE_CONTEXT`` cached positions, the
+    pass table's context, right after a target pass, as a drafting cycle runs it; cached per target,
+    head shape and machine)."""
     import torch
 
-    from .costs import draft_step_cost
+    from .costs import TABLE_CONTEXT, draft_step_cost
     from .heads.draft import HeadRunner, HeadStep
 
     config = head.config
 
     def make_step():
-        runner, context = HeadRunner(head), 256
+        runner, context = HeadRunner(head), TABLE_CONTEXT
         generator = torch.Generator().manual_seed(0)
         features = torch.randn(context, config.feature_width, generator=generator)
         tokens = torch.arange(context) * 7 % config.vocab_size

@@ -366,12 +366,8 @@ class CostModel:
         run one sequence at a time, in a batch too) at the table's own context, where the fraction
         was measured: a drafter's own attention is a small part of its step, so its step does not
         grow with the context as the target's 30 layers' do."""
-        fraction = self.draft_fractions.get(source, 0.0)
-        if not fraction:
-            return 0.0
-        if self.forward_costs is not None:
-            return fraction * self.forward_costs.cost(1)
-        return fraction * self._pass(1)
+        table = self.forward_costs
+        return self.draft_fractions.get(source, 0.0) * (table.cost(1) if table is not None else self._pass(1))
 
     def in_batch(self, sequences: int) -> "CostModel":
         """This model for a generation that shares each pass with ``sequences`` − 1 others."""
