@@ -667,15 +667,18 @@ def _cut_to_the_batch(drafted: list[_Drafted], passes: PassBackend, max_rows: in
 
 def _constrain(drafted: list[_Drafted], max_rows: int | None) -> None:
     """Every constrained proposal under its sequence's state (``constraints.constrain``): forbidden
-    drafts cut, forced tokens added after a chain (within the token budget and the rows left, at
-    most ``FORCED_PER_CYCLE`` without a row budget), the masks of all their rows filled into one
+    drafts cut, forced tokens added after a drafting method's chain (within the token budget and
+    the rows left, at most ``FORCED_PER_CYCLE`` without a row budget), the masks of all their rows filled into one
     buffer (a grammar's chains in one parallel call: ``constraints.constrain_all``)."""
     constrained = [d for d in drafted if d.sequence.constraint is not None]
     spare = None if max_rows is None else max(max_rows - sum(1 + len(d.proposal) for d in drafted), 0)
     rooms = []
     for d in constrained:
         room = len(d.proposal)
-        if d.proposal.is_chain:
+        # Forced tokens are drafts: a method that drafts (its policy may draft) takes them free;
+        # plain decoding (``ar``: no drafts) emits one token a pass, as constrained decoding
+        # without speculation does (llama.cpp's grammars, vLLM's structured output).
+        if d.proposal.is_chain and d.sequence.policy.max_draft > 0:
             more = FORCED_PER_CYCLE if spare is None else spare
             room = max(room, min(d.sequence.tokens_left - 1, room + more))
             if spare is not None:

@@ -17,7 +17,7 @@ from typing import Callable
 
 from .cached_model import SlimVocabulary
 from .costs import ForwardCosts
-from .decode import GenerationParts
+from .decode import FORCED_PER_CYCLE, GenerationParts
 from .limits import check_num_draft
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, check_vocabularies
 from .drafters.base import streamed_weights
@@ -211,6 +211,18 @@ def _ar(target, drafter_model, options) -> Method:
         return NoDrafter(), FixedLength(0)
 
     return _method("ar", "plain autoregressive decoding", ExactRule(options.sampling_rule), parts)
+
+
+def _forced(target, drafter_model, options) -> Method:
+    refuse = _refuse_num_draft("forced", options, "its drafts are the constraint's forced tokens, as many as it forces")
+
+    def parts(num_draft):
+        refuse(num_draft)
+        # Drafts nothing of its own; a policy that may draft lets the loop append the forced tokens.
+        return NoDrafter(), FixedLength(FORCED_PER_CYCLE)
+
+    return _method("forced", "plain decoding whose only drafts are a constraint's forced tokens (jump-forward "
+                   "decoding); without a constraint it is ar", ExactRule(options.sampling_rule), parts)
 
 
 def _model_drafter(target: LoadedModel, drafter_model: LoadedModel | None) -> Callable[[], ModelDrafter]:
@@ -636,6 +648,7 @@ def check_seq2seq_method(name: str, options: MethodOptions) -> None:
 
 _BUILDERS: dict[str, Callable[[LoadedModel, LoadedModel | None, MethodOptions], Method]] = {
     "ar": _ar,
+    "forced": _forced,
     "sd": _sd,
     "pld": _pld,
     "adaptive-pld": _adaptive_pld,
@@ -677,7 +690,7 @@ def default_method(target: LoadedModel, options: MethodOptions = MethodOptions()
 
 #: Methods whose drafts no num_draft sizes: plain decoding drafts nothing, PEARL's block length
 #: adapts by itself up to ``pearl_gamma``. They refuse one.
-WITHOUT_NUM_DRAFT = ("ar", "pearl", "via-pearl")
+WITHOUT_NUM_DRAFT = ("ar", "forced", "pearl", "via-pearl")
 
 
 #: Methods that draft with a drafter model when one is given (the lossy rules' by --draft-with

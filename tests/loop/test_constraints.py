@@ -16,7 +16,7 @@ from tierspec.decode import DecodeConfig, DecodeRun, decode
 from tierspec.drafters import Drafter, NgramDrafter
 from tierspec.errors import TierspecError
 from tierspec.heads.draft import DraftHead
-from tierspec.methods import MethodOptions, build_method
+from tierspec.methods import MethodOptionError, MethodOptions, build_method
 from tierspec.proposal import Proposal
 from tierspec.sampling import SamplingConfig
 from tierspec.tree import TokenTree
@@ -108,7 +108,7 @@ def run(target, method, sampling, seed, automaton, max_new=40) -> tuple[list[int
     return [t for step in steps for t in step.new_tokens], steps
 
 
-LOSSLESS = ["ar", "sd", "pld", "adaptive-pld", "eagle", "hybrid", "self", "csd", "eagle-tree", "hybrid-tree"]
+LOSSLESS = ["ar", "forced", "sd", "pld", "adaptive-pld", "eagle", "hybrid", "self", "csd", "eagle-tree", "hybrid-tree"]
 
 
 target = shared_fixture("target", "sampling_target")
@@ -137,17 +137,27 @@ def test_every_lossless_methods_constrained_tokens_are_constrained_ars(name, sam
     assert unconstrained != tokens  # the constraint changed the text
 
 
-def test_forced_tokens_are_drafted_free_and_always_kept(target):
-    """Plain decoding under the automaton: wherever 40 was emitted, 41 42 43 were drafted in the
-    same cycle (``Proposal.forced``) at no drafter call, and kept."""
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(temperature=1.0)], ids=["greedy", "t=1"])
+def test_forced_tokens_are_drafted_free_and_always_kept(target, sampling):
+    """``forced`` (plain decoding drafting only the constraint's forced tokens) under the automaton:
+    wherever 40 was emitted, 41 42 43 were drafted in the same cycle (``Proposal.forced``) at no
+    drafter call, and kept; its tokens are constrained ``ar``'s, which takes one token a pass."""
     automaton = planted_automaton()
-    tokens, steps = run(target, build_method("ar", target), SamplingConfig(), 0, automaton, max_new=80)
+    tokens, steps = run(target, build_method("forced", target), sampling, 0, automaton, max_new=80)
     forced_cycles = [s for s in steps if s.proposal.forced]
     assert 40 in tokens and forced_cycles
     for step in forced_cycles:
         assert step.proposal.forced == 3 and step.proposal.tokens.tolist() == [41, 42, 43]
         assert step.verdict.accepted == 3 and step.proposal.drafter_calls == 0
-    assert len(steps) < len(tokens)  # fewer cycles than tokens: the forced runs came with one pass
+    assert len(steps) == len(tokens) - 3 * len(forced_cycles)  # each forced run came with its pass
+    plain, plain_steps = run(target, build_method("ar", target), sampling, 0, automaton, max_new=80)
+    assert plain == tokens
+    assert len(plain_steps) == len(plain) and not any(len(s.proposal) for s in plain_steps)
+
+
+def test_forced_takes_no_num_draft(target):
+    with pytest.raises(MethodOptionError, match="forced tokens"):
+        build_method("forced", target, None, MethodOptions(num_draft=3))
 
 
 class ForbiddenDrafter(Drafter):

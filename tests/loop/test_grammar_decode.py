@@ -78,7 +78,7 @@ def check_text(tokens, tok, kind):
         assert re.fullmatch(REGEX, text), text
 
 
-LOSSLESS = ["ar", "sd", "adaptive-sd", "pld", "eagle", "hybrid", "self", "csd", "swift", "clasp", "pearl", "eagle-tree",
+LOSSLESS = ["ar", "forced", "sd", "adaptive-sd", "pld", "eagle", "hybrid", "self", "csd", "swift", "clasp", "pearl", "eagle-tree",
             "hybrid-tree"]
 
 
@@ -112,16 +112,19 @@ def test_every_lossless_methods_constrained_tokens_are_constrained_ars(name, kin
 
 
 def test_forced_tokens_are_drafted_free_and_always_kept(tok, target, grammars):
-    """Plain decoding under the schema: the keys, quotes and braces come as forced drafts, at no
-    drafter call, each accepted; fewer passes than tokens."""
-    tokens, steps = run(target, build_method("ar", target), SamplingConfig(), 0, grammars["schema"], tok)
+    """``forced`` (drafting only what the grammar forces) under the schema: the keys, quotes and
+    braces come as forced drafts, at no drafter call, each accepted; fewer passes than tokens.
+    Plain ``ar`` emits the same tokens one a pass."""
+    tokens, steps = run(target, build_method("forced", target), SamplingConfig(), 0, grammars["schema"], tok)
     check_text(tokens, tok, "schema")
     forced = [s for s in steps if s.proposal.forced]
     assert forced and all(s.proposal.drafter_calls == 0 for s in forced)
-    for step in forced:  # every forced node was kept (ar drafts nothing of its own)
+    for step in forced:  # every forced node was kept (the method drafts nothing of its own)
         assert step.verdict.accepted == step.proposal.forced == len(step.proposal)
     assert tok.decode([t for s in forced for t in s.proposal.tokens.tolist()]).startswith('{"ok": ')
     assert len(steps) < len(tokens) / 2  # more than half the text forced
+    plain, plain_steps = run(target, build_method("ar", target), SamplingConfig(), 0, grammars["schema"], tok)
+    assert plain == tokens and len(plain_steps) == len(plain)
 
 
 def test_a_forced_root_skips_the_drafter_and_the_grammars_time_is_its_own(tok, target, grammars):
