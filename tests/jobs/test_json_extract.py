@@ -148,8 +148,34 @@ def test_the_bench_constrains_each_prompt_to_its_schema(tmp_path, byte_target, s
     assert "json_valid" in table and "| grammar |" in table
 
 
+@pytest.mark.real_model
+def test_the_llama_cpp_peer_follows_each_schema_with_its_own_grammar(tmp_path, small_set):
+    """On a constrained set ``llamacpp-greedy`` follows each task's schema through llama.cpp's own
+    grammar (what its users run): valid texts, at least the enum's own value where free greedy
+    text would not be JSON; constrained ``ar`` and ``forced`` beside it write the same tokens."""
+    pytest.importorskip("llama_cpp")
+    import tierspec
+    from tierspec.bench.runner import BenchConfig, run_bench
+
+    target = tierspec.load_model("smollm2-135m")
+    config = BenchConfig(methods=("ar", "forced", "llamacpp-greedy"), dataset="json_extract", per_category=1,
+                         max_new_tokens=40, data_dir=str(small_set), compute_nll=False)
+    run_bench(config, tmp_path / "out", progress=False, target=target)
+    records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
+    by = {(r["method"], r["prompt_id"]): r for r in records}
+    assert len(records) == 6 and not any("error" in r for r in records)
+    schemas = {"json_extract/enums-00": PICK, "json_extract/numbers-00": ANSWER}
+    for prompt_id, schema in schemas.items():
+        peer = by[("llamacpp-greedy", prompt_id)]
+        jsonschema.validate(json.loads(peer["text"]), schema)
+        assert peer["json_valid"] == 1.0
+        assert by[("forced", prompt_id)]["token_ids"] == by[("ar", prompt_id)]["token_ids"]
+        assert by[("forced", prompt_id)]["target_calls"] < by[("ar", prompt_id)]["target_calls"]
+
+
 @pytest.mark.parametrize("methods, message", [
     (("ar", "hf-greedy"), "hf-greedy cannot do"),
+    (("ar", "ov-greedy"), "ov-greedy cannot do"),
     (("ar", "lossy:alpha=0.3"), "cannot decode under a constraint"),
 ])
 def test_the_bench_refuses_what_cannot_follow_a_schema(tmp_path, byte_target, small_set, methods, message):

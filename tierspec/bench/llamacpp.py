@@ -154,10 +154,17 @@ class LlamaCppPeer:
     It runs in a worker process of its own (``peer_process.PeerProcess``): a crash of llama.cpp
     is that peer's failure, not the run's.
 
+    On a constrained set (``takes_json_schema``) each text follows its task's JSON schema through
+    llama.cpp's own grammar (``LlamaGrammar.from_json_schema``, converted once per schema outside the
+    clock, as tierspec compiles its own): what a user of llama.cpp would run instead. Its grammar is
+    not tierspec's (it allows free whitespace, for one), so its texts are compared by validity.
+
     The context is sized to what the prompts need (grown, outside the clock, when a longer prompt
     comes): llama-cpp-python keeps logits for every position of its context when drafting, so a
     context of the model's full trained length would cost gigabytes for nothing.
     """
+
+    takes_json_schema = True
 
     @staticmethod
     def check(name: str, params: dict[str, str], target_spec: str, device: str) -> None:
@@ -188,6 +195,7 @@ class LlamaCppPeer:
         self.draft_tokens = settings.get("tokens", 0)
         self.llama = None
         self.context = 0
+        self._grammars: dict[str, object] = {}  # llama.cpp's grammars, by their schema's JSON text
         self._load(1024)
         if self.llama.n_vocab() != vocab_size:
             raise LlamaCppPeerError(f"{name}: llama.cpp reads {self.llama.n_vocab()} tokens from {self.path.name}, "
@@ -220,11 +228,23 @@ class LlamaCppPeer:
         if positions > self.context:
             self._load(max(positions, 2 * self.context))
 
-    def run(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None) -> Outcome:
+    def _grammar(self, schema: str):
+        """llama.cpp's grammar for the JSON schema ``schema`` (its text), converted once."""
+        if schema not in self._grammars:
+            try:
+                self._grammars[schema] = self.llama_cpp.LlamaGrammar.from_json_schema(schema, verbose=False)
+            except Exception as error:  # noqa: BLE001 - llama.cpp's converter raises what it likes
+                raise LlamaCppPeerError(f"{self.name}: llama.cpp cannot convert the JSON schema to its grammar: "
+                                        f"{type(error).__name__}: {error}") from None
+        return self._grammars[schema]
+
+    def run(self, prompt_ids: list[int], max_new_tokens: int, seed: int | None, schema: str | None = None) -> Outcome:
         """Generate after ``prompt_ids``: up to ``max_new_tokens`` tokens, the first end-of-sequence
         id included (as tierspec's decode loop does), sampling with the prompt's ``seed`` (None:
-        greedy; ``peer_process.prompt_seed``). Returns the bench's ``Outcome``."""
+        greedy; ``peer_process.prompt_seed``), following the JSON schema ``schema`` (its text; None:
+        free text). Returns the bench's ``Outcome``."""
         ids = [int(t) for t in prompt_ids]
+        grammar = None if schema is None else self._grammar(schema)
         self._fit(len(ids), max_new_tokens)
         llama = self.llama
         greedy = self.temperature == 0
@@ -237,7 +257,8 @@ class LlamaCppPeer:
         cycle_of: list[int] = []
         started = time.perf_counter()
         llama.reset()  # forget the previous prompt: no prefix of it is reused
-        stream = llama.generate(ids, reset=True, min_p=0.0, typical_p=1.0, repeat_penalty=1.0, **sampler)
+        stream = llama.generate(ids, reset=True, min_p=0.0, typical_p=1.0, repeat_penalty=1.0, grammar=grammar,
+                                **sampler)
         try:
             for token in stream:
                 tokens.append(int(token))

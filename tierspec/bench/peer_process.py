@@ -85,8 +85,13 @@ class PeerSpec:
     threads: int
 
     def peer_class(self):
-        module, _, qualname = self.factory.partition(":")
-        return getattr(importlib.import_module(module), qualname)
+        return peer_class(self.factory)
+
+
+def peer_class(factory: str):
+    """The peer class a factory string (``module:Class``) names."""
+    module, _, qualname = factory.partition(":")
+    return getattr(importlib.import_module(module), qualname)
 
 
 class PeerProcess:
@@ -115,12 +120,21 @@ class PeerProcess:
             self.close()
             raise value
 
-    def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None) -> Outcome:
+    @property
+    def takes_json_schema(self) -> bool:
+        """Whether the peer can follow a JSON schema (``run``'s ``schema``)."""
+        return getattr(self.spec.peer_class(), "takes_json_schema", False)
+
+    def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None,
+            schema: str | None = None) -> Outcome:
+        """``schema``: the JSON schema (its text) the text follows, for a peer that ``takes_json_schema``."""
+        if schema is not None and not self.takes_json_schema:
+            raise PeerFailed(f"{self.name} cannot constrain its text to a JSON schema")
         if self.failure is not None:
             raise PeerFailed(f"not run: {self.failure}")
         seed = prompt_seed(self.spec.temperature, self.run_seed, generator)
         started = time.perf_counter()
-        self.connection.send(("run", [int(t) for t in prompt_ids], int(max_new_tokens), seed))
+        self.connection.send(("run", [int(t) for t in prompt_ids], int(max_new_tokens), seed, schema))
         kind, value = self._answer(GENERATION_TIMEOUT_SECONDS, "generating")
         if kind == "error":
             raise PeerFailed(f"{self.name}: {value}")
@@ -175,10 +189,11 @@ def _serve(connection, spec: PeerSpec) -> None:
             break
         if request[0] == "close":
             break
-        _, prompt_ids, max_new_tokens, seed = request
+        _, prompt_ids, max_new_tokens, seed, schema = request
         try:
             with PeakRSS() as memory:
-                outcome = peer.run(prompt_ids, max_new_tokens, seed)
+                outcome = peer.run(prompt_ids, max_new_tokens, seed) if schema is None else \
+                    peer.run(prompt_ids, max_new_tokens, seed, schema)
             outcome.record_fields["peak_rss_mb"] = round(memory.peak, 1)  # the worker's: it holds the model
             connection.send(("ok", outcome))
         except Exception as error:  # noqa: BLE001 - this generation's error; the worker goes on

@@ -48,7 +48,7 @@ from .sandbox import check_code_execution_allowed, check_isolation
 from . import metrics
 from .llamacpp import LLAMACPP_PARAMETERS, LLAMACPP_PEERS
 from .openvino import OPENVINO_PARAMETERS, OPENVINO_PEERS
-from .peer_process import PeerFailed, PeerProcess, PeerSpec
+from .peer_process import PeerFailed, PeerProcess, PeerSpec, peer_class
 from .memory import PeakRSS
 from .outcome import Outcome
 
@@ -285,8 +285,9 @@ class MethodRunner:
     OpenVINO GenAI (``OpenVinoPeer``, ``ov-*``), the last two each in a worker process of its own
     (``peer_process.PeerProcess``: a crash there is that peer's ``PeerFailed``, not the run's);
     each has ``run(prompt_ids, max_new_tokens, generator) → Outcome``; a tierspec method also takes
-    a ``constraint`` (a compiled grammar: the JSON-extraction set's schemas), which the peers cannot
-    honour (``_run_bench`` refuses them on such a set)."""
+    a ``constraint`` (a compiled grammar: the JSON-extraction set's schemas), and a peer that
+    ``takes_json_schema`` (llama.cpp) the schema itself, followed with its own grammar engine; the
+    others cannot honour one (``_run_bench`` refuses them on such a set)."""
 
     def __init__(self, spec: str, target: LoadedModel, drafter: LoadedModel | None, config: BenchConfig,
                  hf_models: tuple[LoadedModel, LoadedModel | None] | None = None):
@@ -311,9 +312,16 @@ class MethodRunner:
             constraint=None) -> Outcome:
         if constraint is None:
             return self.engine.run(prompt_ids, max_new_tokens, generator)
-        if not isinstance(self.engine, TierspecMethod):
-            raise BenchError(f"{self.spec} cannot constrain its text to a grammar")
-        return self.engine.run(prompt_ids, max_new_tokens, generator, constraint)
+        if isinstance(self.engine, TierspecMethod):
+            return self.engine.run(prompt_ids, max_new_tokens, generator, constraint)
+        if takes_json_schema(self.engine) and constraint.spec.kind == "json_schema":
+            return self.engine.run(prompt_ids, max_new_tokens, generator, schema=constraint.spec.source)
+        raise BenchError(f"{self.spec} cannot constrain its text to a grammar")
+
+
+def takes_json_schema(engine) -> bool:
+    """Whether a bench engine other than tierspec's follows a JSON schema of its own accord."""
+    return getattr(engine, "takes_json_schema", False)
 
 
 class TierspecMethod:
@@ -682,10 +690,13 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
         raise BenchError(f"--free-text leaves a constrained set's texts free; {config.dataset} constrains none "
                          f"(constrained sets: {', '.join(CONSTRAINED_DATASETS)})")
     if config.constrained:
-        peers = [spec for spec in methods if parse_spec(spec)[0] not in method_names()]
+        names = [parse_spec(spec)[0] for spec in methods]
+        peers = [spec for spec, name in zip(methods, names) if name not in method_names()
+                 and not (name in PEER_FACTORIES and takes_json_schema(peer_class(PEER_FACTORIES[name])))]
         if peers:
             raise BenchError(f"the {config.dataset} set constrains each text to its JSON schema, which "
-                             f"{', '.join(peers)} cannot do: bench tierspec's lossless methods on it")
+                             f"{', '.join(peers)} cannot do: bench tierspec's lossless methods and the "
+                             f"llama.cpp peers on it")
     prompts = select(load_prompts(config.dataset, Path(config.data_dir) if config.data_dir else None),
                      config.per_category, config.limit, config.seed)
     if not prompts:
