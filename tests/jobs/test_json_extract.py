@@ -138,6 +138,7 @@ def test_the_bench_constrains_each_prompt_to_its_schema(tmp_path, byte_target, s
         value = json.loads(record["text"])
         jsonschema.validate(value, schemas[record["prompt_id"]])
         assert record["json_valid"] == 1.0 and record["token_ids"][-1] == EOS and record["grammar_seconds"] > 0
+        assert record["json_cut"] == 0.0
         if record["prompt_id"].endswith("numbers-00"):
             assert record["json_answer_match"] == float(value["answer"] == 3)
     for name in ("pld", "adaptive-pld"):
@@ -146,6 +147,23 @@ def test_the_bench_constrains_each_prompt_to_its_schema(tmp_path, byte_target, s
         assert overall["grammar_time_share"] > 0
     table = (tmp_path / "out" / "summary.md").read_text()
     assert "json_valid" in table and "| grammar |" in table
+
+
+def test_a_text_the_budget_cuts_is_counted_apart(tmp_path, byte_target, small_set):
+    """A budget too short for the schema: the texts are prefixes of valid objects, not valid, and
+    ``json_cut`` says the budget ended them (it is 0.0 for a valid text: the first test's)."""
+    from tierspec.bench.runner import BenchConfig, run_bench
+
+    config = BenchConfig(target="byte", methods=("ar",), dataset="json_extract", per_category=1,
+                         max_new_tokens=5, data_dir=str(small_set))
+    summary = run_bench(config, tmp_path / "out", progress=False, target=byte_target)
+    records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
+    assert len(records) == 2
+    for record in records:
+        assert record["emitted"] == 5 and record["token_ids"][-1] != EOS
+        assert record["json_valid"] == 0.0 and record["json_cut"] == 1.0 and record["text"].startswith("{")
+    assert summary["methods"]["ar"]["overall"]["json_cut"] == 1.0
+    assert "json_cut" in (tmp_path / "out" / "summary.md").read_text()
 
 
 @pytest.mark.real_model

@@ -25,17 +25,19 @@ def final_number(text: str) -> str | None:
     return value
 
 
-def json_extract_scores(schema: dict, text: str, reference: str | None) -> dict:
+def json_extract_scores(schema: dict, text: str, reference: str | None, cut: bool = False) -> dict:
     """The JSON-extraction set's columns for one text (``json_extract.check_output``):
     ``json_valid`` 1.0 when it parses and validates against ``schema`` (else 0.0, with
-    ``json_error`` saying why), and where the task has a gold answer (``reference``, JSON text of
-    the gold fields: GSM8K's ``answer``) ``json_answer_match``, 1.0 when a valid text's answer equals it."""
+    ``json_error`` saying why); ``json_cut`` 1.0 when it is not valid and the token budget ended it
+    (``cut``: the budget's last token was not an end token), so that no grammar could have
+    completed it; and where the task has a gold answer (``reference``, JSON text of the gold
+    fields: GSM8K's ``answer``) ``json_answer_match``, 1.0 when a valid text's answer equals it."""
     import json
 
     from .json_extract import check_output
 
     validity = check_output(schema, text)
-    scores: dict = {"json_valid": float(validity.valid)}
+    scores: dict = {"json_valid": float(validity.valid), "json_cut": float(cut and not validity.valid)}
     if not validity.valid:
         scores["json_error"] = validity.error
     gold = json.loads(reference) if reference else {}

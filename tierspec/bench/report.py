@@ -11,7 +11,7 @@ from pathlib import Path
 from ..util import atomic_write_text
 from . import metrics
 
-TASK_METRICS = ("gsm8k_exact_match", "humaneval_pass@1", "rouge_l", "json_valid", "json_answer_match")
+TASK_METRICS = ("gsm8k_exact_match", "humaneval_pass@1", "rouge_l", "json_valid", "json_cut", "json_answer_match")
 
 
 def _mean(values):
@@ -259,7 +259,8 @@ def markdown_table(summary: dict) -> str:
         lines += [f"Plain decoding: `ar` {check['ar_tokens_per_s']:.2f} tok/s, `hf-greedy` {check['hf_greedy_tokens_per_s']:.2f} tok/s.{flag}", ""]
     header = ["method", "speed-up", "vs best plain", *categories, "tok/s", "τ", "rejection", "target calls/tok", "slim calls/tok",
               "fidelity EM", "fidelity ROUGE-L", "target NLL"]
-    extra = [m for m in ("gsm8k_exact_match", "humaneval_pass@1", "rouge_l", "bleu", "json_valid", "json_answer_match")
+    extra = [m for m in ("gsm8k_exact_match", "humaneval_pass@1", "rouge_l", "bleu", "json_valid", "json_cut",
+                         "json_answer_match")
              if any(m in v["overall"] for v in methods.values())]
     header += extra
     lines.append("| " + " | ".join(header) + " |")

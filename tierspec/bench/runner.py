@@ -426,9 +426,10 @@ def _on_transformers(loaded: LoadedModel | None, spec: str | None, config: Bench
 
 # ---- the run --------------------------------------------------------------------------------------
 
-def _task_quality(prompt: Prompt, text: str, dataset: str, code_sandbox: bool = True) -> dict:
+def _task_quality(prompt: Prompt, text: str, dataset: str, code_sandbox: bool = True, cut: bool = False) -> dict:
+    """The dataset's own quality columns for one text; ``cut``: the token budget ended it."""
     if dataset == "json_extract":
-        return metrics.json_extract_scores(prompt.extra["schema"], text, prompt.reference)
+        return metrics.json_extract_scores(prompt.extra["schema"], text, prompt.reference, cut)
     if dataset == "gsm8k" and prompt.reference:
         return {"gsm8k_exact_match": metrics.gsm8k_exact_match(text, prompt.reference)}
     if dataset == "humaneval":
@@ -641,7 +642,9 @@ class BenchWorker:
                 "text": text,
                 **(_stats_fields(outcome.stats) if outcome.stats else {}),
                 **outcome.record_fields,
-                **_task_quality(prompt, text, config.dataset, config.code_sandbox),
+                **_task_quality(prompt, text, config.dataset, config.code_sandbox,
+                                cut=len(outcome.token_ids) >= config.max_new_tokens
+                                and outcome.token_ids[-1] not in eos_ids(target)),
                 "worker": self.machine,
             }
             if on_cuda:  # the GPU's own peak (the process's RSS says little there)
