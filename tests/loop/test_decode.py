@@ -234,7 +234,7 @@ class TestBadInput:
     def test_unknown_method(self, tiny_target):
         from tierspec.methods import build_method
 
-        with pytest.raises(ValueError, match="unknown method 'fast'; choose one of: ar, sd, pld"):
+        with pytest.raises(ValueError, match="unknown method 'fast'; choose one of: ar, forced, sd, pld"):
             build_method("fast", tiny_target)
 
     def test_cli_unknown_method_is_a_clear_error(self, capsys):
