@@ -104,7 +104,9 @@ class PeerProcess:
         parameters, device, GGUF file), then starts the worker and waits for its model to load; a
         ``TierspecError`` the peer raises there is raised here as it is (a setting to fix)."""
         self.spec, self.name, self.run_seed = spec, spec.name, run_seed
-        spec.peer_class().check(spec.name, spec.params, spec.target_spec, device)
+        peer = spec.peer_class()
+        peer.check(spec.name, spec.params, spec.target_spec, device)
+        self.takes_json_schema: bool = getattr(peer, "takes_json_schema", False)  # ``run``'s ``schema``
         self.failure: str | None = None
         context = multiprocessing.get_context("spawn")
         self.connection, child = context.Pipe()
@@ -119,11 +121,6 @@ class PeerProcess:
         if kind == "error":
             self.close()
             raise value
-
-    @property
-    def takes_json_schema(self) -> bool:
-        """Whether the peer can follow a JSON schema (``run``'s ``schema``)."""
-        return getattr(self.spec.peer_class(), "takes_json_schema", False)
 
     def run(self, prompt_ids: torch.Tensor, max_new_tokens: int, generator: torch.Generator | None,
             schema: str | None = None) -> Outcome:

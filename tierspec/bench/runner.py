@@ -643,7 +643,7 @@ class BenchWorker:
                 **(_stats_fields(outcome.stats) if outcome.stats else {}),
                 **outcome.record_fields,
                 **_task_quality(prompt, text, config.dataset, config.code_sandbox,
-                                cut=len(outcome.token_ids) >= config.max_new_tokens
+                                cut=bool(outcome.token_ids) and len(outcome.token_ids) >= config.max_new_tokens
                                 and outcome.token_ids[-1] not in eos_ids(target)),
                 "worker": self.machine,
             }
