@@ -92,6 +92,7 @@ class KVLayer:
         self.length = 0
         self.reserved = 0
         self._keys = self._values = None
+        self._finite = 0  # slots 0 .. _finite − 1 hold written entries or zeros; later ones anything
         self.keys = self.values = None
 
     @property
@@ -108,15 +109,22 @@ class KVLayer:
 
     def _allocate(self, needed: int, like_keys: torch.Tensor, like_values: torch.Tensor) -> None:
         """A buffer of max(needed, reserved) positions rounded up to whole blocks, holding the
-        ``length`` positions of the old one. Zero-filled: attention reads whole key blocks, the
-        slots past ``length`` masked out (a masked key must be finite, or 0 · value would not be 0)."""
+        ``length`` positions of the old one; the slots after them are left as the allocator gave
+        them. Why not zero-filled: the pass engine reads only slots its rows see (written ones),
+        and zeroing a generation's buffers touched every page of them (30 layers' keys and values
+        of the default model: ~60 × 0.2–0.35 ms measured, a batched pass's worth each time a
+        request joined the server's batch) where a generation writes only the slots it reaches.
+        torch's attention, which reads whole key blocks with the slots past ``length`` masked out
+        (a masked key must be finite, or 0 · value would not be 0), gets them zeroed as it
+        reaches them (``window``)."""
         capacity = -(-max(needed, self.reserved) // KEY_BLOCK) * KEY_BLOCK
-        keys = like_keys.new_zeros(*like_keys.shape[:-2], capacity, like_keys.shape[-1])
-        values = like_values.new_zeros(*like_values.shape[:-2], capacity, like_values.shape[-1])
+        keys = like_keys.new_empty(*like_keys.shape[:-2], capacity, like_keys.shape[-1])
+        values = like_values.new_empty(*like_values.shape[:-2], capacity, like_values.shape[-1])
         if self.length:
             keys[..., : self.length, :] = self._keys[..., : self.length, :]
             values[..., : self.length, :] = self._values[..., : self.length, :]
         self._keys, self._values = keys, values
+        self._finite = self.length
 
     def update(self, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write keys/values [b, kv_heads, n, d] at positions ``length ..``; return every cached
@@ -127,15 +135,20 @@ class KVLayer:
         self._keys[..., self.length : end, :] = keys
         self._values[..., self.length : end, :] = values
         self.length = end
+        self._finite = max(self._finite, end)
         self.keys, self.values = self._keys[..., :end, :], self._values[..., :end, :]
         return self.keys, self.values
 
     def window(self, positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of slots 0 .. positions − 1 [b, kv_heads, positions, d], which may
         reach past ``length`` into slots that hold zeros or rolled-back entries (the caller masks
-        them)."""
+        them): slots never written are zeroed here, the first time a window reaches them."""
         if self.capacity < positions:
             self._allocate(positions, self._keys, self._values)
+        if positions > self._finite:
+            self._keys[..., self._finite : positions, :] = 0
+            self._values[..., self._finite : positions, :] = 0
+            self._finite = positions
         return self._keys[..., :positions, :], self._values[..., :positions, :]
 
     def get_seq_length(self) -> int:
@@ -155,6 +168,7 @@ class KVLayer:
     def advance(self, count: int) -> None:
         """Count ``count`` entries written after ``length`` into the buffers by the engine."""
         self.length += count
+        self._finite = max(self._finite, self.length)
         self.keys, self.values = self._keys[..., : self.length, :], self._values[..., : self.length, :]
 
     def compact(self, start: int, slots: torch.Tensor) -> None:
@@ -188,6 +202,8 @@ class ViewOnReadKVLayer(KVLayer):
 
     def advance(self, count: int) -> None:
         self.length += count
+        if self.length > self._finite:
+            self._finite = self.length
 
     def trim(self, length: int) -> None:
         # only the length: the views are made when read (30 layers' two views cost 0.3 ms a rollback)

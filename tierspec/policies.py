@@ -332,6 +332,7 @@ class CostModel:
     # few sizes many times a cycle, and nothing they depend on changes
     _verify: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
     _cycle: dict[tuple[int, str], float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _ceiling: dict[tuple[str, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _pass(self, tokens: int) -> float:
         """The measured cost of one pass over ``tokens`` rows."""
@@ -388,6 +389,15 @@ class CostModel:
         if seconds is None:
             seconds = self._cycle[(k, source)] = self.verify(k + 1) + k * self.draft_step(source)
         return seconds
+
+    def ceiling(self, source: str, max_draft: int) -> float:
+        """max over k = 1 .. ``max_draft`` of (1 + k) / cost(k): the tokens per second of ``source``'s
+        best draft length were every draft accepted for certain (``CostAware.ceiling_rate``)."""
+        rate = self._ceiling.get((source, max_draft))
+        if rate is None:
+            rate = self._ceiling[(source, max_draft)] = max(
+                ((1.0 + k) / self(k, source) for k in range(1, max_draft + 1)), default=0.0)
+        return rate
 
 
 class CostAware(DraftPolicy):
@@ -516,6 +526,16 @@ class CostAware(DraftPolicy):
     def plain_rate(self) -> float:
         """Tokens per second of a cycle that drafts nothing."""
         return 1.0 / self.cost(0, "")
+
+    def ceiling_rate(self, source: str) -> float:
+        """max over k = 1 .. ``max_draft`` of (1 + k) / cost(k): the rate of k drafts that are each
+        accepted for certain. Where even it does not beat drafting nothing, no draft of ``source``
+        can pay at the current costs (a batch shares its passes, so a row is cheap beside a draft
+        step that is not shared: ``CostModel.verify``) and a drafter need not spend a step to learn so."""
+        if isinstance(self.cost, CostModel):
+            return self.cost.ceiling(source, self.max_draft)
+        cost = self._cost(source)
+        return max(((1.0 + k) / cost(k) for k in range(1, self.max_draft + 1)), default=0.0)
 
     def draft_step_fraction(self, source: str) -> float:
         """A draft step of ``source`` in units of a one-token pass (0 for a cost function of a test's)."""

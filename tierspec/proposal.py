@@ -239,6 +239,11 @@ class RateView(PolicyView, Protocol):
         """Tokens per second of a cycle that drafts nothing (one token per one-token pass)."""
         ...
 
+    def ceiling_rate(self, source: str) -> float:
+        """The expected tokens per second of ``source``'s best draft length were every draft certain
+        to be accepted: what no learned acceptance can beat."""
+        ...
+
     def draft_step_fraction(self, source: str) -> float:
         """A draft step of ``source`` in units of a one-token pass."""
         ...

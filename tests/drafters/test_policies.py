@@ -166,6 +166,35 @@ def test_trim_only_chooses_and_observe_learns():
     assert policy.source_rate("ngram") == 1 / cost(0)
 
 
+def test_the_ceiling_rate_is_the_best_length_of_certain_drafts():
+    """(1 + k) / cost(k) at its best k ≤ max_draft: with cost 1 + 0.5 k it grows with k (4 / 2.5 at
+    k = 3); with a step dearer than a pass (cost 1 + 1.5 k) k = 1 is best (2 / 2.5); no drafts
+    allowed, no rate."""
+    assert CostAware(3, cost=lambda k, source="": 1 + 0.5 * k).ceiling_rate("head") == pytest.approx(1.6)
+    assert CostAware(3, cost=lambda k, source="": 1 + 1.5 * k).ceiling_rate("head") == pytest.approx(0.8)
+    assert CostAware(0, cost=cost).ceiling_rate("head") == 0.0
+
+
+def test_in_a_batch_a_head_step_that_a_pass_row_does_not_cover_cannot_pay():
+    """The measured table's shape where a batch shares its passes (``CostModel.verify``): alone a
+    head draft accepted for certain pays well beyond a head step; in a batch of 8, where a
+    sequence's share of the pass is an eighth and its ninth row pads the pass to 16 rows, not even
+    certain drafts beat drafting nothing by one head step."""
+    from tierspec.costs import ForwardCosts
+
+    table = ForwardCosts({1: 0.010, 2: 0.0105, 4: 0.011, 8: 0.016, 16: 0.030})
+    policy = CostAware(6, forward_costs=table, draft_fractions={"head": 0.2})
+
+    def pays() -> bool:
+        return policy.ceiling_rate("head") > policy.plain_rate() * (1 + policy.draft_step_fraction("head"))
+
+    assert pays()
+    policy.share_passes(8)
+    assert not pays()
+    policy.share_passes(1)
+    assert pays()
+
+
 def test_keys_are_typed_by_what_the_drafter_knew():
     policy = CostAware(4, cost=cost)
     sampled = Proposal.chain(torch.tensor([1, 2]), confidence=torch.tensor([0.97, 0.5]), source="head")

@@ -117,13 +117,15 @@ def test_a_head_that_is_the_target_is_accepted_throughout(prompt_ids):
     assert run_ids(target, as_method(hybrid, policy=policy), prompt_ids, 40) == reference
 
 
-def _hybrid_head_runs(target, head_rates) -> list[bool]:
+def _hybrid_head_runs(target, head_rates, ceilings=None) -> list[bool]:
     """Which cycles ran the hybrid's head, one cycle per entry of ``head_rates`` (the head's learned
     rate that cycle; None: not tried yet), under planted rates: drafting nothing pays 1 token per
-    unit time, a head step costs 0.1 of a pass, and n-gram lookup finds nothing."""
+    unit time, a head step costs 0.1 of a pass, n-gram lookup finds nothing, and certain drafts
+    would pay ``ceilings[i]`` (default 2: the head could pay)."""
     from tierspec.proposal import DraftRequest, Proposal
 
     rate = [None]
+    ceiling = [2.0]
 
     class Rates:
         def source_rate(self, source):
@@ -131,6 +133,10 @@ def _hybrid_head_runs(target, head_rates) -> list[bool]:
 
         def plain_rate(self):
             return 1.0
+
+        def ceiling_rate(self, source):
+            assert source == "head"
+            return ceiling[0]
 
         def draft_step_fraction(self, source):
             return 0.1
@@ -151,8 +157,9 @@ def _hybrid_head_runs(target, head_rates) -> list[bool]:
     hybrid.start(context[:10])
     request = DraftRequest(budget=4, sampling=SamplingConfig(0.0), noise=None, policy=Rates())
     ran = []
-    for head_rate in head_rates:
+    for i, head_rate in enumerate(head_rates):
         rate[0] = head_rate
+        ceiling[0] = 2.0 if ceilings is None else ceilings[i]
         before = len(calls)
         hybrid.propose(context, request)
         ran.append(len(calls) > before)
@@ -184,6 +191,17 @@ def test_a_head_that_pays_again_after_a_try_starts_the_wait_over(target32):
     ran = _hybrid_head_runs(target32, rates)
     tries = [i for i, r in enumerate(ran) if r]
     assert tries == [8, 25, 26, 27, 28, 29, 30, 39]
+
+
+def test_the_hybrid_never_tries_a_head_that_even_certain_drafts_would_not_pay_for(target32):
+    """Where drafts accepted for certain would not beat drafting nothing by a head step (ceiling
+    1.1 ≤ 1.0 · (1 + 0.1)), the head is not run — not even untried, whose first try would catch it
+    up over the whole prompt — and its idle count stands still: once the ceiling rises an untried
+    head is tried at once, and a head that does not pay keeps its place in its wait."""
+    assert not any(_hybrid_head_runs(target32, [None] * 20 + [1.2] * 20, [1.1] * 40))
+    assert _hybrid_head_runs(target32, [None] * 3, [1.1, 1.1, 1.11]) == [False, False, True]
+    ran = _hybrid_head_runs(target32, [1.05] * 30, [1.1] * 10 + [2.0] * 20)
+    assert [i for i, r in enumerate(ran) if r] == [18]  # idle 8 counted from cycle 10 on
 
 
 def test_sampled_eagle_first_token_matches_the_target(prompt_ids):

@@ -624,6 +624,49 @@ def test_each_architectures_layer_keeps_the_row_contract_on_every_path(arch_file
             assert torch.equal(tree_logits[rows], chain[1:]), branch
 
 
+@pytest.mark.parametrize("name", ["llama3", "mistral"])
+def test_the_engine_reads_no_slot_its_rows_do_not_see(arch_file, name):
+    """The KV buffers are not zero-filled (``llama.KVLayer._allocate``): the engine's attention must
+    read only the slots its rows see. Planted: NaN in every slot past those written, before a chain
+    pass, a token-tree pass (past the sliding window on Mistral's) and a batched pass of two
+    sequences; every logit equals an unpoisoned run's bit for bit (a NaN read once spreads)."""
+    from tierspec.cached_model import BatchItem, batched_pass
+    from tierspec.tree import TokenTree, tree_pass
+
+    model = _engine_model(arch_file(name))
+    tree = TokenTree.from_paths([[11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [11, 40], [60, 61, 62]])
+    layout = tree_pass(torch.tensor([5]), tree)
+
+    def poison(runner: CachedModel) -> None:
+        for layer in runner.cache.layers:
+            layer._keys[..., layer.length :, :] = float("nan")
+            layer._values[..., layer.length :, :] = float("nan")
+
+    def run(poisoned: bool) -> list[torch.Tensor]:
+        runner, other = CachedModel(model), CachedModel(model)
+        outs = []
+        with torch.inference_mode():
+            for each in (runner, other):
+                each.reserve(len(ARCH_PROMPT) + 40)
+                outs.append(each.forward(ARCH_PROMPT[:-3]).logits)
+                if poisoned:
+                    poison(each)
+            outs.append(runner.forward(ARCH_PROMPT[-3:]).logits)
+            if poisoned:
+                poison(runner)
+            outs.append(runner.forward(layout.tokens, offsets=layout.offsets, attends=layout.attends).logits)
+            runner.rollback(len(ARCH_PROMPT))
+            if poisoned:
+                poison(runner)
+            results = batched_pass(model, [BatchItem(runner, torch.tensor([5, 6])), BatchItem(other, ARCH_PROMPT[-3:])])
+            outs += [result.logits for result in results]
+        return outs
+
+    clean, poisoned = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(clean, poisoned))
+    assert not any(bool(out.isnan().any()) for out in poisoned)
+
+
 @pytest.mark.parametrize("path", VECTOR_PATHS)
 @pytest.mark.parametrize("name", FEATURE_FILES + ["planted"])
 def test_every_paths_feature_layers_match_the_reference_path(arch_file, name, path):
@@ -700,6 +743,7 @@ def test_a_window_needs_a_trees_positions_and_is_refused_over_every_slot(arch_fi
     hidden, cos = torch.zeros(2, 256), torch.ones(2, 64)
     cache = model.new_kv_cache()
     table = cache.engine_table(2, first.kv_heads, first.head_dim)
+    before = cache.layers[0]._keys.clone()  # as the allocator gave it (not zero-filled)
     tree = torch.tensor([[1, 0], [1, 1]], dtype=torch.uint8)
     with pytest.raises(ValueError, match="layer 0's sliding window needs a tree's positions .sequence 0 has none."):
         engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 2, 0, table, tree)], [(cos, cos)],
@@ -707,7 +751,7 @@ def test_a_window_needs_a_trees_positions_and_is_refused_over_every_slot(arch_fi
     with pytest.raises(ValueError, match="layer 0 has a sliding window, which a mask over every slot does not define"):
         engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 2, 0, table, tree, True)],
                          [(cos, cos)], bytes([3, 3, 3]))
-    assert torch.equal(cache.layers[0]._keys, torch.zeros_like(cache.layers[0]._keys))  # nothing ran
+    assert torch.equal(cache.layers[0]._keys.view(torch.int32), before.view(torch.int32))  # nothing ran (bit for bit)
 
 
 def test_a_layers_features_are_checked_when_it_is_made(arch_file):

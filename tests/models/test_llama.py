@@ -271,6 +271,45 @@ def test_the_kv_buffer_is_reserved_once_and_rollback_only_moves_the_index(pair):
             runner.forward(IDS[:1])
 
 
+def _poison_unwritten_slots(runner: CachedModel) -> int:
+    """Fill every layer's slots past those written so far with NaN, as memory fresh from the
+    allocator may hold; returns how many slots were poisoned in the first layer."""
+    poisoned = 0
+    for layer in runner.cache.layers:
+        layer._keys[..., layer.length :, :] = float("nan")
+        layer._values[..., layer.length :, :] = float("nan")
+        layer._finite = layer.length
+        poisoned = poisoned or int(layer._keys.shape[-2]) - layer.length
+    return poisoned
+
+
+def test_slots_the_buffer_was_given_unwritten_never_reach_the_logits(pair):
+    """The KV buffers are allocated without zero-filling (``KVLayer._allocate``): torch's attention
+    reads whole key blocks with the slots past the cache masked out, so ``window`` zeroes each slot
+    before it first reads it. Planted: NaN in every slot not yet written, after the prompt and
+    again after a rollback; the logits equal an unpoisoned run's bit for bit (a NaN read once
+    would make them NaN)."""
+    own, _ = pair
+
+    def run(poison: bool) -> list[torch.Tensor]:
+        runner = CachedModel(own.model)
+        runner.reserve(40)
+        with torch.inference_mode():
+            outs = [runner.forward(IDS[:7]).logits]
+            if poison:
+                assert _poison_unwritten_slots(runner) > 0
+            outs.append(runner.forward(IDS[7:10]).logits)
+            runner.rollback(8)
+            if poison:
+                _poison_unwritten_slots(runner)
+            outs.append(runner.forward(IDS[8:12]).logits)
+        return outs
+
+    clean, poisoned = run(False), run(True)
+    assert all(torch.equal(a, b) for a, b in zip(clean, poisoned))
+    assert not any(bool(out.isnan().any()) for out in poisoned)
+
+
 def test_safetensors_are_read_exactly_and_a_damaged_file_is_a_clear_error(tmp_path):
     """The loader reads each tensor into memory of its own (no mapping kept alive: peak memory
     at load); what it reads equals safetensors' own reader, and a cut or garbled file is refused."""

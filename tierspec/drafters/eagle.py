@@ -140,7 +140,11 @@ class HybridDrafter(Drafter):
     ``draft_step_fraction``: at temperature 1 on a cheap pass the head's drafts stop paying), the
     hybrid leaves the head idle — n-gram lookup or no draft, the head's catch-up deferred to the
     next cycle it runs, in one call — and tries it again after ``HEAD_RETRY_CYCLES`` cycles, then
-    after twice as many each time the try did not pay (``HEAD_RETRY_MAX_CYCLES`` at most)."""
+    after twice as many each time the try did not pay (``HEAD_RETRY_MAX_CYCLES`` at most). Where
+    not even drafts certain to be accepted would beat that (``RateView.ceiling_rate``: in a batch
+    of four or more on the default model a row is cheap beside the head's step, which a batch does
+    not share), the head is not tried at all — no catch-up over the prompt for a try the cost model
+    already rules out — and the idle count does not move."""
 
     needs_target_features = True
     drafts_in_head_steps = True
@@ -163,10 +167,13 @@ class HybridDrafter(Drafter):
             return Proposal.empty()
         rates: RateView = request.policy  # methods pairs this drafter with a CostAware policy
         candidate = self.ngram.propose(context, request)
+        worth = rates.plain_rate() * (1.0 + rates.draft_step_fraction("head"))  # a cycle's head must beat this
+        if rates.ceiling_rate("head") <= worth:
+            return candidate  # not even certain drafts would pay (a batch's shared passes): no try, no catch-up
         head_rate = rates.source_rate("head")  # None until the head has drafted: try it first
         if len(candidate) and head_rate is not None and rates.expected_rate(candidate) > head_rate:
             return candidate  # the head catches up when it next runs
-        if head_rate is not None and head_rate <= rates.plain_rate() * (1.0 + rates.draft_step_fraction("head")):
+        if head_rate is not None and head_rate <= worth:
             if self._idle < self._wait:
                 self._idle += 1
                 return candidate  # the n-gram candidate (possibly empty): the head is not worth its cycle
