@@ -361,7 +361,7 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem],
     those layers' outputs, as ``CachedModel.forward(with_hidden=True)`` does. Each runner's cache
     advances by its rows (the same invariant as a solo pass)."""
     from .gguf_llama import ATTENTION_UNIT, MLP_UNIT
-    from .engine import Segment
+    from .engine import Segment, run_stack
 
     decoder = model.model
     if decoder.engine_stack is None:
@@ -401,13 +401,13 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem],
                    for k in range(len(tables[0])))  # each kind's table over every row
     hidden = decoder.embed_tokens(torch.cat(ids)).float().contiguous()  # [rows, H]
     flags = bytes([ATTENTION_UNIT | MLP_UNIT] * len(decoder.layers))
-    captured: dict[int, torch.Tensor] = {}
-    stops = sorted(set(hidden_layers or ()))
-    begin = 0
-    for stop in stops + [len(decoder.layers) - 1]:
-        hidden, begin = run_stack_rows(decoder.engine_stack.capsule, begin, stop + 1, hidden, sequences, rotary,
-                                       flags), stop + 1
-        captured[stop] = hidden
+    last = len(decoder.layers) - 1
+    # The layers a draft head reads are copied out inside the one stack call (``run_stack``'s
+    # captures): a call per captured layer cost a featured batch of 8 about 1.4 ms a pass more.
+    captured = {layer: torch.empty_like(hidden) for layer in set(hidden_layers or ()) if layer != last}
+    out = torch.empty_like(hidden)
+    run_stack(decoder.engine_stack.capsule, hidden, out, sequences, rotary, flags, 0, last + 1, captures=captured)
+    hidden = captured[last] = out
     final = decoder.norm(hidden)  # [rows, H]
     for item, (row0, n, *_rest) in zip(items, sequences):
         for layer in item.runner.cache.layers:

@@ -391,11 +391,14 @@ def test_a_batched_pass_gives_every_sequence_its_solo_pass_bitwise(tiny):
         steps = [BatchItem(shared[0], torch.tensor([3, 1, 4]), logits_for=2),
                  BatchItem(shared[1], layout.tokens, offsets=layout.offsets, attends=layout.attends),
                  BatchItem(shared[2], torch.tensor([7]))]
-        expected = [solo[0].forward(torch.tensor([3, 1, 4]), logits_for=2, with_hidden=True, hidden_layers=(1,)),
+        # the first layer, a middle one and the last, each copied out inside the one stack call
+        layers = (0, 1, len(model.model.layers) - 1)
+        expected = [solo[0].forward(torch.tensor([3, 1, 4]), logits_for=2, with_hidden=True, hidden_layers=layers),
                     solo[1].forward(layout.tokens, offsets=layout.offsets, attends=layout.attends, with_hidden=True,
-                                    hidden_layers=(1,)),
-                    solo[2].forward(torch.tensor([7]), with_hidden=True, hidden_layers=(1,))]
-        got = batched_pass(model, steps, hidden_layers=(1,))
+                                    hidden_layers=layers),
+                    solo[2].forward(torch.tensor([7]), with_hidden=True, hidden_layers=layers)]
+        got = batched_pass(model, steps, hidden_layers=layers)
+        assert len(model.model.layers) > 2 and got[2].hidden.shape[-1] == 4 * model.config.hidden_size
     for g, e in zip(got, expected):
         assert torch.equal(g.logits, e.logits) and torch.equal(g.hidden, e.hidden)
     assert [r.length for r in shared] == [r.length for r in solo]
