@@ -30,6 +30,7 @@ from typing import NamedTuple, Sequence
 import torch
 
 from .errors import ModelLoadError
+from .sampling import share_rows_among
 
 
 class EngineMissingError(ModelLoadError):
@@ -211,8 +212,10 @@ def torch_ops_on_one_thread():
     previous, outer = torch.get_num_threads(), _ENGINE_THREADS
     _ENGINE_THREADS = outer if outer is not None else previous
     torch.set_num_threads(1)
+    rows_before = share_rows_among(_ENGINE_THREADS)  # the sampled tokens of many rows: the engine's threads
     try:
         yield
     finally:
         torch.set_num_threads(previous)
+        share_rows_among(rows_before)
         _ENGINE_THREADS = outer

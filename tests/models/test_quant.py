@@ -426,13 +426,17 @@ def test_a_forked_child_computes_with_an_empty_pool():
 
 
 def test_torch_runs_on_one_thread_inside_a_generation_and_gets_its_threads_back():
+    """Torch's operators on one thread, the engine and the sampled tokens of many rows
+    (``sampling.share_rows_among``) on the caller's; everything back on leaving."""
+    from tierspec import sampling
+
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         with engine.torch_ops_on_one_thread():
-            assert torch.get_num_threads() == 1 and engine.engine_threads() == 2
+            assert torch.get_num_threads() == 1 and engine.engine_threads() == 2 and sampling._row_threads == 2
             with engine.torch_ops_on_one_thread():  # nested (a stream inside a stream's step): still the caller's
-                assert engine.engine_threads() == 2
-        assert torch.get_num_threads() == 2 and engine.engine_threads() == 2
+                assert engine.engine_threads() == 2 and sampling._row_threads == 2
+        assert torch.get_num_threads() == 2 and engine.engine_threads() == 2 and sampling._row_threads == 1
     finally:
         torch.set_num_threads(threads)

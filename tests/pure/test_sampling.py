@@ -198,6 +198,39 @@ def test_the_keyed_argmax_is_the_argmax_over_the_whole_noise_vector(monkeypatch,
         assert keyed_argmax(strided, keys).tolist() == expected
 
 
+def test_rows_shared_among_threads_give_each_rows_own_token_and_errors():
+    """From ``PARALLEL_ROWS`` rows on, the rows are claimed one at a time by the caller and the
+    workers (``share_rows_among``): every token is the one-thread token, rows of a strided buffer
+    too; a NaN row is still named; fewer rows stay on the caller; the count is restored."""
+    from tierspec import sampling
+    from tierspec.sampling import PARALLEL_ROWS, NoiseError, keyed_argmax, share_rows_among
+
+    generator = torch.Generator().manual_seed(4)
+    rows = torch.randn(3 * PARALLEL_ROWS + 1, 4099, generator=generator) * 4
+    keys = [Noise(9, 4099).key(t) for t in range(len(rows))]
+    alone = keyed_argmax(rows, keys)
+    before = share_rows_among(3)
+    try:
+        assert keyed_argmax(rows, keys).tolist() == alone.tolist()
+        wide = torch.cat([rows, torch.zeros(len(rows), 5)], dim=1)[:, :4099]
+        assert keyed_argmax(wide, keys).tolist() == alone.tolist()
+        calls = []
+        original = sampling._rows_shared
+        sampling._rows_shared = lambda *args: calls.append(args) or original(*args)
+        try:
+            keyed_argmax(rows[: PARALLEL_ROWS - 1], keys[: PARALLEL_ROWS - 1])
+            assert not calls  # too few rows to hand any to a worker
+            keyed_argmax(rows, keys)
+            assert [helpers for *_, helpers in calls] == [2]
+        finally:
+            sampling._rows_shared = original
+        rows[PARALLEL_ROWS + 2, 17] = float("nan")
+        with pytest.raises(NoiseError, match=f"row {PARALLEL_ROWS + 2} of the scores"):
+            keyed_argmax(rows, keys)
+    finally:
+        assert share_rows_among(before) == 3
+
+
 def test_the_keyed_argmax_is_an_exact_draw():
     """Over many keys the token's frequencies are π's (a chi-square test at p > 1e-4)."""
     from scipy.stats import chisquare
