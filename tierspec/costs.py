@@ -22,7 +22,7 @@ import platform
 import statistics
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -64,6 +64,8 @@ class ForwardCosts:
     seconds: dict[int, float]
     context: int = TABLE_CONTEXT
     per_position: dict[int, float] | None = None
+    # padded_size by n, filled as asked (the policies of a batch ask for the same few sizes every cycle)
+    _padded: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def max_tokens(self) -> int:
@@ -71,9 +73,12 @@ class ForwardCosts:
 
     def padded_size(self, n: int) -> int:
         """The cheapest measured size n' ≥ n (n itself beyond the table)."""
-        if n > self.max_tokens:
-            return n
-        return min((m for m in self.seconds if m >= n), key=lambda m: (self.seconds[m], m))
+        size = self._padded.get(n)
+        if size is None:
+            size = n if n > self.max_tokens else min((m for m in self.seconds if m >= n),
+                                                     key=lambda m: (self.seconds[m], m))
+            self._padded[n] = size
+        return size
 
     def cost(self, n: int, context: int | None = None) -> float:
         """Seconds for a pass over n tokens, padded to the cheapest size (linear beyond the table),

@@ -333,6 +333,7 @@ class CostModel:
     _verify: dict[int, float] = field(default_factory=dict, init=False, repr=False, compare=False)
     _cycle: dict[tuple[int, str], float] = field(default_factory=dict, init=False, repr=False, compare=False)
     _ceiling: dict[tuple[str, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _step: dict[str, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def _pass(self, tokens: int) -> float:
         """The measured cost of one pass over ``tokens`` rows."""
@@ -367,8 +368,12 @@ class CostModel:
         run one sequence at a time, in a batch too) at the table's own context, where the fraction
         was measured: a drafter's own attention is a small part of its step, so its step does not
         grow with the context as the target's 30 layers' do."""
-        table = self.forward_costs
-        return self.draft_fractions.get(source, 0.0) * (table.cost(1) if table is not None else self._pass(1))
+        seconds = self._step.get(source)
+        if seconds is None:
+            table = self.forward_costs
+            seconds = self._step[source] = self.draft_fractions.get(source, 0.0) * (
+                table.cost(1) if table is not None else self._pass(1))
+        return seconds
 
     def in_batch(self, sequences: int) -> "CostModel":
         """This model for a generation that shares each pass with ``sequences`` − 1 others."""
