@@ -111,12 +111,12 @@ class KVLayer:
         """A buffer of max(needed, reserved) positions rounded up to whole blocks, holding the
         ``length`` positions of the old one; the slots after them are left as the allocator gave
         them. Why not zero-filled: the pass engine reads only slots its rows see (written ones),
-        and zeroing a generation's buffers touched every page of them (30 layers' keys and values
-        of the default model: ~60 × 0.2–0.35 ms measured, a batched pass's worth each time a
-        request joined the server's batch) where a generation writes only the slots it reaches.
-        torch's attention, which reads whole key blocks with the slots past ``length`` masked out
-        (a masked key must be finite, or 0 · value would not be 0), gets them zeroed as it
-        reaches them (``window``)."""
+        and zeroing touched every page of a generation's 60 buffers when they were made (0.2–0.35
+        ms a buffer in a batch's profile, fresh pages from the OS) where a generation writes only
+        the slots it reaches, a page when a pass first writes it; a buffer the allocator hands
+        back from a finished generation needs no writing at all. torch's attention, which reads
+        whole key blocks with the slots past ``length`` masked out (a masked key must be finite,
+        or 0 · value would not be 0), gets them zeroed as it reaches them (``window``)."""
         capacity = -(-max(needed, self.reserved) // KEY_BLOCK) * KEY_BLOCK
         keys = like_keys.new_empty(*like_keys.shape[:-2], capacity, like_keys.shape[-1])
         values = like_values.new_empty(*like_values.shape[:-2], capacity, like_values.shape[-1])

@@ -185,12 +185,13 @@ def seed_of(seed: int | torch.Generator | None) -> int:
 
 
 #: Rows from which ``keyed_argmax`` shares its rows among threads (``share_rows_among``). Measured right
-#: after a pass of 12 rows of the default model (2-core Zen 3, the logits where the pass left them):
-#: 12 rows took 1,177 µs on one thread and 823 on two; 4 rows 444 either way; 2 rows 287 on one and
-#: 375 on two (handing rows to a thread that wakes costs more than a row).
+#: after a pass of as many rows of the default model (2-core Zen 3, the logits where the pass left
+#: them; medians of 20): 8 / 12 / 16 rows took 884 / 1,271 / 1,562 µs on one thread and 728 / 949 /
+#: 1,059 on two; split in halves, 4 rows took 444 µs either way and 2 rows 287 on one, 375 on two
+#: (handing rows to a thread that wakes costs more than a row).
 PARALLEL_ROWS = 8
 _row_threads = 1
-_row_pool: ThreadPoolExecutor | None = None
+_row_pool: tuple[ThreadPoolExecutor, int] | None = None  # the workers and how many
 
 
 def share_rows_among(threads: int) -> int:
@@ -212,10 +213,11 @@ os.register_at_fork(after_in_child=_forget_row_pool)
 
 
 def _row_workers(count: int) -> ThreadPoolExecutor:
+    """Kept workers, ``count`` at least (made once; more only if a larger count is asked for)."""
     global _row_pool
-    if _row_pool is None or _row_pool._max_workers < count:
-        _row_pool = ThreadPoolExecutor(max_workers=count, thread_name_prefix="tierspec-noise")
-    return _row_pool
+    if _row_pool is None or _row_pool[1] < count:
+        _row_pool = (ThreadPoolExecutor(max_workers=count, thread_name_prefix="tierspec-noise"), count)
+    return _row_pool[0]
 
 
 def _rows_shared(rows_from, count: int, helpers: int) -> None:
