@@ -357,6 +357,8 @@ def batching(args) -> None:
     table = "\n".join(lines)
     print(table)
     atomic_write_text(args.out, json.dumps({"rows": rows, "table": table, "all_checks_hold": all(checks)}, indent=2))
+    if args.report is not None:  # the tables as markdown (default: the JSON and the log only)
+        atomic_write_text(args.report, table + "\n")
 
 
 def main() -> None:
@@ -370,7 +372,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--methods", default=f"{DEFAULT_METHOD},ar")
     parser.add_argument("--out", type=Path, default=Path("results/serve_load.json"))
-    parser.add_argument("--report", type=Path, default=Path("results/serving-report.md"))
+    parser.add_argument("--report", type=Path, default=None,
+                        help="the markdown report (default results/serving-report.md; batching mode: none unless given)")
     args = parser.parse_args()
     if args.concurrency:
         if args.out == Path("results/serve_load.json"):
@@ -396,7 +399,7 @@ def main() -> None:
     print(table)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     atomic_write_text(args.out, json.dumps({"settings": settings, "rows": rows, "startup": start, "table": table}, indent=2))
-    atomic_write_text(args.report, report(rows, start, args, table))
+    atomic_write_text(args.report or Path("results/serving-report.md"), report(rows, start, args, table))
 
 
 if __name__ == "__main__":
