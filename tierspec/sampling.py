@@ -16,6 +16,7 @@ sample of π, and a deterministic function of (π, g_t).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import os
 import threading
@@ -186,8 +187,9 @@ def seed_of(seed: int | torch.Generator | None) -> int:
 
 #: Rows from which ``keyed_argmax`` shares its rows among threads (``share_rows_among``). Measured right
 #: after a pass of as many rows of the default model (2-core Zen 3, the logits where the pass left
-#: them; medians of 20): 8 / 12 / 16 rows took 884 / 1,271 / 1,562 µs on one thread and 728 / 949 /
-#: 1,059 on two; split in halves, 4 rows took 444 µs either way and 2 rows 287 on one, 375 on two
+#: them; medians of 20, three runs): 8 / 12 / 16 rows took 884 / 1,271 / 1,562, 791 / 1,099 / 1,418
+#: and 808 / 1,244 / 1,505 µs on one thread, 728 / 949 / 1,059, 786 / 791 / 962 and 667 / 1,116 /
+#: 1,207 on two; split in halves, 4 rows took 444 µs either way and 2 rows 287 on one, 375 on two
 #: (handing rows to a thread that wakes costs more than a row).
 PARALLEL_ROWS = 8
 _row_threads = 1
@@ -224,16 +226,12 @@ def _rows_shared(rows_from, count: int, helpers: int) -> None:
     """``rows_from(r, r + 1)`` for every row r < ``count``, claimed one at a time by the calling
     thread and ``helpers`` workers: a worker the OS has not scheduled yet delays nothing (the caller
     takes its rows and waits only for rows a worker is computing)."""
-    claimed, finished, errors = [0], [0], []
+    next_row = itertools.count().__next__  # one call is one step of C code: no two threads get a row twice
+    finished, errors = [0], []
     lock = threading.Condition()
 
     def claim() -> None:
-        while True:
-            with lock:
-                row = claimed[0]
-                if row >= count:
-                    return
-                claimed[0] = row + 1
+        while (row := next_row()) < count:
             try:
                 rows_from(row, row + 1)
             except BaseException as error:  # handed to the caller, which would otherwise wait for the row

@@ -8,10 +8,7 @@ set -u
 cd "$(dirname "$0")/../.."
 out=results/zen3/int8
 source results/zen3/step.sh
-before=/tmp/tierspec-before-70da527
-if [ ! -e "$before/tierspec/_qengine"*.so ]; then  # the C engine is the same in both: its build is copied
-    rm -rf "$before" && mkdir -p "$before" && git archive 70da527 | tar -x -C "$before" && cp tierspec/*.so "$before/tierspec/"
-fi
+before=$(before_checkout 70da527)  # the C engine is the same in both
 for round in 1 2; do
     step batch_cycle_after_$round python benchmarks/batch_cycle.py --sizes 1,8 --methods ar,hybrid --prompts 16 --max-new-tokens 96 --out $out/batch_cycle_after_$round.json
     step batch_cycle_before_$round env PYTHONPATH="$before" python "$before/benchmarks/batch_cycle.py" --sizes 1,8 --methods ar,hybrid --prompts 16 --max-new-tokens 96 --out $out/batch_cycle_before_$round.json

@@ -11,3 +11,13 @@ step() {
 }
 mkdir -p "$out"
 export PYTHONPATH="$PWD"
+
+# before_checkout COMMIT: a copy of COMMIT's tree at /tmp/tierspec-before-COMMIT, to run beside this checkout
+# (its C engine must be this checkout's: the build is copied, not made); prints the folder.
+before_checkout() {
+    local folder=/tmp/tierspec-before-$1
+    if ! ls "$folder"/tierspec/_qengine*.so > /dev/null 2>&1; then
+        rm -rf "$folder" && mkdir -p "$folder" && git archive "$1" | tar -x -C "$folder" && cp tierspec/*.so "$folder/tierspec/"
+    fi
+    echo "$folder"
+}
