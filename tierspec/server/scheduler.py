@@ -17,10 +17,12 @@ import torch
 
 from ..api import IncrementalDetokenizer, check_seed
 from ..batch import BatchDecoder
+from ..cached_model import PassResult
 from ..decode import DecodeConfig, GenerationStats, Sequence, Step, TokenLogprob, score_prompt
 from ..errors import TierspecError
 from ..methods import Method, MethodOptions, build_method, check_method_name, default_method
 from ..models import LoadedModel
+from ..passes import PassBackend, PassRequest
 from ..prompting import eos_ids
 from ..structured import ToolConfig
 
@@ -126,10 +128,68 @@ class Job:
     pending: list[Choice] = field(default_factory=list)  # choices not started yet (no room in the batch)
     done: list[ChoiceDone] = field(default_factory=list)  # the ChoiceDone events sent so far
     started: bool = False  # Started was sent
+    outbox: "Outbox | None" = None  # set when the worker admits the job: its events go out through it
 
     def send(self, event: Event) -> None:
-        """Deliver ``event`` to the handler (from any thread)."""
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        """Deliver ``event`` to the handler: through the worker's outbox once admitted (the worker
+        is the only sender then), else at once (from any thread)."""
+        if self.outbox is not None:
+            self.outbox.post(self, event)
+        else:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Outbox:
+    """The worker's events, held until its next pass begins, then handed to each event loop in
+    one call (in the order they were posted).
+
+    Why: a handler's work on an event (its text's JSON, the socket write) runs on the event loop's
+    thread under the GIL. Handed over at once, as a cycle ends, it lands in the next cycle's
+    drafting, verifying and committing, which hold the GIL too: the worker waits for the loop at
+    every GIL release (every torch call), while the second core idles. Held until the pass, it runs
+    while the engine computes without the GIL. An event waits at most for one cycle's drafting
+    (``release`` is also called whenever the worker will run no pass: idle, or a cycle without
+    one), and a cycle's events wake the loop once, not once each."""
+
+    def __init__(self):
+        self._held: list[tuple[Job, Event]] = []
+        self.released = 0  # events handed over so far
+
+    def post(self, job: Job, event: Event) -> None:
+        self._held.append((job, event))
+
+    @property
+    def posted(self) -> int:
+        return self.released + len(self._held)
+
+    def release(self) -> None:
+        """Hand every held event to its job's loop, one call per loop."""
+        if not self._held:
+            return
+        held, self._held = self._held, []
+        self.released += len(held)
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[Job, Event]]] = {}
+        for job, event in held:
+            by_loop.setdefault(job.loop, []).append((job, event))
+        for loop, events in by_loop.items():
+            loop.call_soon_threadsafe(_deliver, events)
+
+
+def _deliver(events: list[tuple[Job, Event]]) -> None:
+    for job, event in events:
+        job.events.put_nowait(event)
+
+
+class _ReleasingPasses:
+    """The batch's pass backend, releasing the outbox's events as each pass begins."""
+
+    def __init__(self, inner: PassBackend, outbox: Outbox):
+        self.inner, self.outbox = inner, outbox
+        self.shares_passes = inner.shares_passes
+
+    def run(self, requests: list[PassRequest]) -> list[PassResult]:
+        self.outbox.release()
+        return self.inner.run(requests)
 
 
 class StopMatcher:
@@ -196,6 +256,8 @@ class Scheduler:
         self.eos = eos_ids(target)
         self.context = getattr(target.model.config, "max_position_embeddings", None)
         self.batch = BatchDecoder(target, max_batch=max_batch, max_rows=max_rows)  # checks max_batch, max_rows
+        self._outbox = Outbox()  # the admitted jobs' events, released as each pass begins
+        self.batch.passes = _ReleasingPasses(self.batch.passes, self._outbox)
         self.max_batch, self.max_rows = max_batch, max_rows
         self._methods: OrderedDict[str, Method] = OrderedDict()  # least recently used first
         self._lock = threading.Lock()  # guards the fields below
@@ -294,11 +356,14 @@ class Scheduler:
         generation, hand each its text, finish the jobs whose choices are done."""
         while True:
             with self._lock:
+                if not self._waiting and not self._jobs:
+                    self._outbox.release()  # no pass is coming to release them
                 while not self._waiting and not self._jobs and not self._stopping:
                     self._wake.wait()
                 if self._stopping and not self._waiting and not self._jobs:
                     return
                 admitted = self._admit()
+            held = self._outbox.posted  # the events of the cycles before this one
             try:
                 for job in admitted:
                     self._start_job(job)
@@ -308,6 +373,8 @@ class Scheduler:
                 failure = Failed(ApiError(500, f"internal error: {type(error).__name__}: {error}", kind="server_error"))
                 for job in list(self._jobs):
                     self._end_job(job, "failed", failure)
+            if self._outbox.released < held:  # this cycle ran no pass (a tiered rule's own passes, none at all)
+                self._outbox.release()
 
     def _admit(self) -> list[Job]:
         """Waiting jobs that are admitted now (under the lock): while the batch has room for one
@@ -316,6 +383,7 @@ class Scheduler:
         room = self.max_batch - sum(len(job.pending) for job in self._jobs) - len(self._live)
         while self._waiting and room > 0:
             job = self._waiting.pop(0)
+            job.outbox = self._outbox
             admitted.append(job)
             self._jobs.append(job)
             room -= len(job.choices)
