@@ -287,28 +287,21 @@ def _row_argmax(rows: torch.Tensor) -> np.ndarray:
 
 def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
     """Every sequence's walk along its chain by the target's own tokens (``match_walk``: greedy and
-    the coupled rule), all decided at once: the drafts equal to their rows' tokens are compared in
-    one operation, and each sequence keeps its drafts up to its first mismatch."""
-    target = target_row_tokens(batch)
-    if len(batch.num_drafts) == 1:  # a batch of one: its drafts against its rows, as they come
-        drafts, own = batch.draft_tokens.tolist(), target.tolist()
-        accepted = next((i for i, (draft, token) in enumerate(zip(drafts, own)) if draft != token), len(drafts))
-        return [Walk.chain(accepted, own[accepted])]
-    counts = np.asarray(batch.num_drafts, dtype=np.int64)
-    draft_start = np.concatenate([[0], np.cumsum(counts)[:-1]])  # [B] each sequence's first draft
-    row_start = draft_start + np.arange(len(counts))  # [B] its first row (k_i + 1 rows each)
-    drafts = batch.draft_tokens.numpy()
-    # draft j of sequence i is checked by row row_start[i] + j: the row index of every draft [T]
-    checked_row = np.repeat(row_start - draft_start, counts) + np.arange(len(drafts))
-    mismatches = np.flatnonzero(drafts != target[checked_row])
-    ends = draft_start + counts
-    first = ends  # each sequence's first mismatching draft (its end when none)
-    if len(mismatches):
-        at = np.searchsorted(mismatches, draft_start)
-        nearest = mismatches[np.minimum(at, len(mismatches) - 1)]
-        first = np.minimum(np.where(at < len(mismatches), nearest, ends), ends)
-    accepted = first - draft_start
-    return [Walk.chain(int(a), int(target[r + a])) for a, r in zip(accepted, row_start)]
+    the coupled rule), all decided at once: every row's token in one operation per sampling setting
+    (``target_row_tokens``), then each sequence keeps its drafts up to its first mismatch. That
+    comparison runs over Python lists: a batch has tens of drafts, where each numpy operation on
+    them cost more than the whole loop (0.15 ms of a cycle of 8 sequences in a dozen of them)."""
+    target = target_row_tokens(batch).tolist()
+    drafts = batch.draft_tokens.tolist()
+    walks, first_draft, first_row = [], 0, 0
+    for k in batch.num_drafts:
+        accepted = 0
+        while accepted < k and drafts[first_draft + accepted] == target[first_row + accepted]:
+            accepted += 1
+        walks.append(Walk.chain(accepted, target[first_row + accepted]))
+        first_draft += k
+        first_row += k + 1
+    return walks
 
 
 def _rows(logits: torch.Tensor, members: list[tuple[int, int, int]]) -> torch.Tensor:
