@@ -9,6 +9,7 @@ queueing: the comparison between methods is like for like. Stops by itself.
 
     python benchmarks/serve_load.py [--requests 16] [--clients 2] [--max-tokens 64]
     python benchmarks/serve_load.py --concurrency 1,2,4,8 [--requests-per-client 2] [--max-tokens 128] [--peers]
+                                    [--before FOLDER --rounds 3]
 
 The second form (batching, issue 31) runs one batching server (``tierspec serve`` in a process of its
 own, as deployed, ``--max-batch`` the largest concurrency) and, for each client count, that many concurrent clients sending their requests back
@@ -17,7 +18,10 @@ median and p99 latency, whether every reply equals the same request's reply with
 solo text), replies lost (no finish reason), and where the server's cycles went (``/health``'s
 cycle times: draft, pass, verify, commit per cycle, and the time outside the pass against one
 client's); ``--peers`` adds OpenVINO GenAI's ContinuousBatchingPipeline on the same GGUF, fed as
-many prompts at a time. Writes results/batch_load.json.
+many prompts at a time; ``--before FOLDER`` runs a second server from another checkout (its extensions
+built) beside this one, the two taking turns for ``--rounds`` rounds at each client count (the first
+of a round goes last in the next), so a change is measured against its parent on the same load
+within minutes. Writes results/batch_load.json.
 
 Start-up (before the load test, in fresh processes, the model and its cost table already
 cached): ``python -c "import tierspec"`` (median of 5) and ``tierspec generate "Hi"
@@ -252,18 +256,24 @@ def openvino_batch_round(prompts_ids: list[list[int]], clients: int, max_tokens:
 
 
 @contextlib.contextmanager
-def serving_process(max_batch: int):
+def serving_process(max_batch: int, checkout: Path | None = None):
     """``tierspec serve`` as deployed: a process of its own on a free loopback port (so the load
-    generator's client threads do not share the server's interpreter), stopped by SIGTERM."""
+    generator's client threads do not share the server's interpreter), stopped by SIGTERM.
+    ``checkout``: the server runs that folder's tierspec (another commit's tree, its extensions
+    built) instead of the installed one."""
+    import os
     import socket
     import urllib.request
 
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    cli = shutil.which("tierspec") or "tierspec"
-    process = subprocess.Popen([cli, "serve", "--port", str(port), "--max-batch", str(max_batch), "--max-queue", "64",
-                                "--log-level", "warning"], stderr=subprocess.PIPE)
+    options = ["serve", "--port", str(port), "--max-batch", str(max_batch), "--max-queue", "64", "--log-level", "warning"]
+    if checkout is None:
+        process = subprocess.Popen([shutil.which("tierspec") or "tierspec", *options], stderr=subprocess.PIPE)
+    else:
+        process = subprocess.Popen([sys.executable, "-m", "tierspec.cli", *options], stderr=subprocess.PIPE,
+                                   cwd=checkout, env={**os.environ, "PYTHONPATH": str(checkout.resolve())})
     try:
         deadline = time.monotonic() + 300
         while True:
@@ -296,27 +306,37 @@ def batching(args) -> None:
     target = load_model("smollm2-135m", dtype="auto")
     concurrency = [int(c) for c in args.concurrency.split(",")]
     rows, checks = [], []
-    with serving_process(max(concurrency)) as port:
-        warm = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
-        chat(warm, "Hi", 8, None, 0.0)  # builds the method and its cost table
+    with contextlib.ExitStack() as stack:
+        servers = {"tierspec serve": stack.enter_context(serving_process(max(concurrency)))}
+        if args.before is not None:
+            servers["tierspec serve (before)"] = stack.enter_context(serving_process(max(concurrency), args.before))
+        for port in servers.values():
+            warm = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
+            chat(warm, "Hi", 8, None, 0.0)  # builds the method and its cost table
+        this_port = servers["tierspec serve"]
         for temperature in (0.0, 1.0):
             # every request's solo text: the largest round's requests, one client, one at a time
             everything = load_prompts_for_load(max(concurrency) * args.requests_per_client)
-            solo = [r["text"] for r in load_round(port, everything, 1, args.max_tokens, temperature)["replies"]]
+            solo = [r["text"] for r in load_round(this_port, everything, 1, args.max_tokens, temperature)["replies"]]
             for clients in concurrency:
                 prompts = load_prompts_for_load(clients * args.requests_per_client)
-                done = load_round(port, prompts, clients, args.max_tokens, temperature)
-                same = all(r["text"] == solo[i] for i, r in enumerate(done["replies"]))
-                lost = sum(1 for r in done["replies"] if r["finish_reason"] not in ("stop", "length"))
-                tokens = sum(r["tokens"] for r in done["replies"])
-                latencies = [r["latency"] for r in done["replies"]]
-                rows.append({"engine": "tierspec serve", "temperature": temperature, "clients": clients,
-                             "requests": len(prompts), "tokens_per_s": round(tokens / done["wall"], 1),
-                             "latency_p50_s": round(statistics.median(latencies), 3),
-                             "latency_p99_s": round(percentile(latencies, 0.99), 3),
-                             "same_as_solo": same, "lost": lost, **done["cycles"]})
-                checks.append(same and lost == 0)
-                print(json.dumps(rows[-1]), flush=True)
+                for round_index in range(args.rounds):
+                    # the servers take turns, the first in the next round going last
+                    order = list(servers.items()) if round_index % 2 == 0 else list(reversed(servers.items()))
+                    for engine, port in order:
+                        done = load_round(port, prompts, clients, args.max_tokens, temperature)
+                        same = all(r["text"] == solo[i] for i, r in enumerate(done["replies"]))
+                        lost = sum(1 for r in done["replies"] if r["finish_reason"] not in ("stop", "length"))
+                        tokens = sum(r["tokens"] for r in done["replies"])
+                        latencies = [r["latency"] for r in done["replies"]]
+                        rows.append({"engine": engine, "round": round_index + 1, "temperature": temperature,
+                                     "clients": clients, "requests": len(prompts),
+                                     "tokens_per_s": round(tokens / done["wall"], 1),
+                                     "latency_p50_s": round(statistics.median(latencies), 3),
+                                     "latency_p99_s": round(percentile(latencies, 0.99), 3),
+                                     "same_as_solo": same, "lost": lost, **done["cycles"]})
+                        checks.append(same and lost == 0)
+                        print(json.dumps(rows[-1]), flush=True)
     if args.peers:
         for lookup in (False, True):
             for clients in concurrency:
@@ -330,28 +350,30 @@ def batching(args) -> None:
                              "tokens_per_s": round(done["tokens"] / done["wall"], 1)})
                 print(json.dumps(rows[-1]), flush=True)
     lines = [f"`python benchmarks/serve_load.py --concurrency {args.concurrency} --requests-per-client "
-             f"{args.requests_per_client} --max-tokens {args.max_tokens}{' --peers' if args.peers else ''}`, "
+             f"{args.requests_per_client} --max-tokens {args.max_tokens}{' --peers' if args.peers else ''}"
+             f"{f' --before {args.before} --rounds {args.rounds}' if args.before else ''}`, "
              f"{torch.get_num_threads()} threads, MT-Bench first turns:", "",
-             "| engine | temperature | clients | requests | total tok/s | vs 1 client | p50 latency s | p99 latency s | "
-             "every text its solo text | lost |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| engine | round | temperature | clients | requests | total tok/s | vs 1 client | p50 latency s | "
+             "p99 latency s | every text its solo text | lost |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         one = next(r for r in rows if r["engine"] == row["engine"] and r["temperature"] == row["temperature"]
-                   and r["clients"] == concurrency[0])
-        lines.append(f"| {row['engine']} | {row['temperature']:g} | {row['clients']} | {row['requests']} | "
+                   and r["clients"] == concurrency[0])  # its first round
+        lines.append(f"| {row['engine']} | {row.get('round', 1)} | {row['temperature']:g} | {row['clients']} | {row['requests']} | "
                      f"{row['tokens_per_s']} | {row['tokens_per_s'] / one['tokens_per_s']:.2f}× | "
                      f"{row.get('latency_p50_s', '–')} | {row.get('latency_p99_s', '–')} | "
                      f"{row.get('same_as_solo', '–')} | {row.get('lost', '–')} |")
     lines += ["", "Where tierspec's cycles went, ms per cycle (draft: every generation's drafter and policy, the "
               "draft head's steps included; outside: all but the pass):", "",
-              "| temperature | clients | mean batch | rows/pass | draft | pass | verify | commit | outside | outside vs 1 "
-              "client |", "|---|---|---|---|---|---|---|---|---|---|"]
+              "| engine | round | temperature | clients | mean batch | rows/pass | draft | pass | verify | commit | outside "
+              "| outside vs 1 client |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "ms_per_cycle" not in row:
             continue
         ms = row["ms_per_cycle"]
-        one = next(r for r in rows if "ms_per_cycle" in r and r["temperature"] == row["temperature"]
-                   and r["clients"] == concurrency[0])["ms_per_cycle"]
-        lines.append(f"| {row['temperature']:g} | {row['clients']} | {row['mean_batch']} | {row['rows_per_pass']} | "
+        one = next(r for r in rows if "ms_per_cycle" in r and r["engine"] == row["engine"]
+                   and r["temperature"] == row["temperature"] and r["clients"] == concurrency[0])["ms_per_cycle"]
+        lines.append(f"| {row['engine']} | {row['round']} | {row['temperature']:g} | {row['clients']} | "
+                     f"{row['mean_batch']} | {row['rows_per_pass']} | "
                      f"{ms['draft']} | {ms['pass']} | {ms['verify']} | {ms['commit']} | {ms['outside']} | "
                      f"{ms['outside'] / one['outside']:.2f}× |")
     table = "\n".join(lines)
@@ -367,6 +389,11 @@ def main() -> None:
                         help="batching mode: comma-separated client counts against one batching server, e.g. 1,2,4,8")
     parser.add_argument("--requests-per-client", type=int, default=2)
     parser.add_argument("--peers", action="store_true", help="batching mode: also OpenVINO's continuous batching")
+    parser.add_argument("--before", type=Path, default=None,
+                        help="batching mode: a second server from this folder (another commit's tree, extensions "
+                             "built), taking turns with this checkout's round by round")
+    parser.add_argument("--rounds", type=int, default=1, help="batching mode: rounds per client count (alternating "
+                                                               "the servers' order with --before)")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -376,6 +403,10 @@ def main() -> None:
                         help="the markdown report (default results/serving-report.md; batching mode: none unless given)")
     args = parser.parse_args()
     if args.concurrency:
+        if args.rounds < 1:
+            parser.error("--rounds must be >= 1")
+        if args.before is not None and not (args.before / "tierspec" / "__init__.py").is_file():
+            parser.error(f"--before {args.before}: no tierspec package in that folder")
         if args.out == Path("results/serve_load.json"):
             args.out = Path("results/batch_load.json")
         batching(args)
