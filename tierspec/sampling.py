@@ -254,28 +254,39 @@ class NoiseError(SamplingError):
     """Scores a perturbed argmax cannot choose from (a NaN), or keys that do not match them."""
 
 
-def keyed_argmax(scores: torch.Tensor, keys: list[int]) -> np.ndarray:
+def keyed_argmax(scores: torch.Tensor, keys: list[int], rows: list[int] | None = None) -> np.ndarray:
     """argmax_v(scores[r, v] + g_r(v)) for every row of ``scores`` [r, V] (log-probabilities or
     logits, float32; −inf: excluded), g_r the Gumbel noise of ``keys[r]`` (``Noise.key``): the first
     of equal maxima (a row that excludes every token: its first; a NaN is refused), as argmax over
     the whole ``Noise.gumbel`` vector gives it (bit for bit), without
     drawing every token's noise (csrc/noise/keyed_noise.c: a bound read from the counter's bits passes
-    over the tokens that cannot win). Returns the tokens [r] (int64)."""
-    rows = scores.reshape(-1, scores.shape[-1]) if scores.dim() != 2 else scores
-    if rows.dtype != torch.float32 or rows.device.type != "cpu" or rows.stride(-1) != 1 or rows.requires_grad:
-        rows = rows.detach().to("cpu", torch.float32).contiguous()
-    count = rows.shape[0]
+    over the tokens that cannot win). ``rows``: only these rows of ``scores``, in this order, one key
+    each (read where they lie: nothing is gathered). Returns the tokens [r] (int64)."""
+    table = scores.reshape(-1, scores.shape[-1]) if scores.dim() != 2 else scores
+    if table.dtype != torch.float32 or table.device.type != "cpu" or table.stride(-1) != 1 or table.requires_grad:
+        table = table.detach().to("cpu", torch.float32).contiguous()
+    picked = list(range(table.shape[0])) if rows is None else [int(r) for r in rows]
+    if rows is not None and any(not 0 <= r < table.shape[0] for r in picked):
+        raise NoiseError(f"rows {picked} are not all among the scores' {table.shape[0]}")
+    count = len(picked)
     if len(keys) != count:
         raise NoiseError(f"{count} rows of scores need {count} keys, got {len(keys)}")
     tokens = np.empty(count, dtype=np.int64)
     if count:
         key_array = np.asarray(keys, dtype=np.uint64)
-        vocab, stride = int(rows.shape[1]), int(rows.stride(0))
+        vocab, stride, size = int(table.shape[1]), int(table.stride(0)), table.element_size()
+        base = table.data_ptr()
+        consecutive = rows is None
 
         def rows_from(first: int, end: int) -> None:  # rows first .. end − 1 (the kernel lets go of the GIL)
-            _keyed_noise.gumbel_argmax(rows.data_ptr() + first * stride * rows.element_size(), end - first, vocab,
-                                       stride, key_array.ctypes.data + first * 8, tokens.ctypes.data + first * 8,
-                                       _VECTORISED)
+            if consecutive:
+                _keyed_noise.gumbel_argmax(base + first * stride * size, end - first, vocab, stride,
+                                           key_array.ctypes.data + first * 8, tokens.ctypes.data + first * 8,
+                                           _VECTORISED)
+                return
+            for at in range(first, end):
+                _keyed_noise.gumbel_argmax(base + picked[at] * stride * size, 1, vocab, stride,
+                                           key_array.ctypes.data + at * 8, tokens.ctypes.data + at * 8, _VECTORISED)
 
         helpers = min(_row_threads, count) - 1 if count >= PARALLEL_ROWS else 0
         if helpers:
@@ -283,7 +294,7 @@ def keyed_argmax(scores: torch.Tensor, keys: list[int]) -> np.ndarray:
         else:
             rows_from(0, count)
         if (tokens < 0).any():
-            bad = int(np.flatnonzero(tokens < 0)[0])
+            bad = picked[int(np.flatnonzero(tokens < 0)[0])]
             raise NoiseError(f"row {bad} of the scores to sample from holds a NaN")
     return tokens
 

@@ -287,21 +287,65 @@ def _row_argmax(rows: torch.Tensor) -> np.ndarray:
 
 def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
     """Every sequence's walk along its chain by the target's own tokens (``match_walk``: greedy and
-    the coupled rule), all decided at once: every row's token in one operation per sampling setting
-    (``target_row_tokens``), then each sequence keeps its drafts up to its first mismatch. That
-    comparison runs over Python lists: a batch has tens of drafts, where each numpy operation on
-    them cost more than the whole loop (0.15 ms of a cycle of 8 sequences in a dozen of them)."""
-    target = target_row_tokens(batch).tolist()
+    the coupled rule), all decided in one step: each sequence keeps its drafts up to its first
+    mismatch, and its walk is what ``exact_walk`` gives it alone (bit for bit: every row's token is
+    a row-wise function of that row).
+
+    Greedy sequences take every row's argmax at once (a few microseconds a row). Sampled sequences
+    are walked depth by depth, all of them together: a row's perturbed argmax (``keyed_argmax``,
+    about 0.1 ms a row of the default model's vocabulary) is drawn only once the walk reaches it,
+    so a draft after a rejection costs its row in the pass but nothing here. The comparisons run
+    over Python lists: a batch has tens of drafts, where each numpy operation on them cost more than
+    the whole loop (0.15 ms of a cycle of 8 sequences in a dozen of them)."""
     drafts = batch.draft_tokens.tolist()
-    walks, first_draft, first_row = [], 0, 0
-    for k in batch.num_drafts:
-        accepted = 0
-        while accepted < k and drafts[first_draft + accepted] == target[first_row + accepted]:
-            accepted += 1
-        walks.append(Walk.chain(accepted, target[first_row + accepted]))
-        first_draft += k
-        first_row += k + 1
+    first_draft, first_row, at = [], [], 0
+    for index, k in enumerate(batch.num_drafts):
+        first_draft.append(at - index)
+        first_row.append(at)
+        at += k + 1
+    walks: list[Walk | None] = [None] * len(batch.num_drafts)
+    greedy = [i for i, sampling in enumerate(batch.samplings) if sampling.greedy]
+    if greedy:
+        members = [(i, first_row[i], batch.num_drafts[i] + 1) for i in greedy]
+        tokens = _row_argmax(_rows(batch.target_logits, members)).tolist()
+        taken = 0
+        for i in greedy:
+            k, accepted = batch.num_drafts[i], 0
+            while accepted < k and drafts[first_draft[i] + accepted] == tokens[taken + accepted]:
+                accepted += 1
+            walks[i] = Walk.chain(accepted, tokens[taken + accepted])
+            taken += k + 1
+    live = [i for i, sampling in enumerate(batch.samplings) if not sampling.greedy]
+    depth = 0
+    while live:
+        reached = []
+        for sampling, group in _by_sampling(live, batch.samplings).items():
+            keys = [_needs(batch.noises[i]).keys(1, depth)[0] for i in group]
+            tokens = _perturbed_rows(batch.target_logits, [first_row[i] + depth for i in group], sampling, keys)
+            for i, token in zip(group, tokens.tolist()):
+                if depth < batch.num_drafts[i] and drafts[first_draft[i] + depth] == token:
+                    reached.append(i)
+                else:
+                    walks[i] = Walk.chain(depth, token)
+        live = sorted(reached)
+        depth += 1
     return walks
+
+
+def _by_sampling(indices: list[int], samplings: list[SamplingConfig]) -> dict[SamplingConfig, list[int]]:
+    groups: dict[SamplingConfig, list[int]] = {}
+    for i in indices:
+        groups.setdefault(samplings[i], []).append(i)
+    return groups
+
+
+def _perturbed_rows(logits: torch.Tensor, rows: list[int], sampling: SamplingConfig, keys: list[int]) -> np.ndarray:
+    """``perturbed_target_tokens`` of ``rows`` of ``logits`` [r, V] only: read where they lie at
+    temperature 1 without top-k or top-p (the logits are the sampling logits), else gathered first
+    (the temperature, top-k and top-p then transform those rows only)."""
+    if sampling.temperature == 1.0 and not sampling.top_k and sampling.top_p >= 1.0 and logits.dtype == torch.float32:
+        return keyed_argmax(logits, keys, rows=rows)
+    return perturbed_target_tokens(logits.index_select(0, torch.tensor(rows, dtype=torch.long)), sampling, keys)
 
 
 def _rows(logits: torch.Tensor, members: list[tuple[int, int, int]]) -> torch.Tensor:

@@ -231,6 +231,37 @@ def test_rows_shared_among_threads_give_each_rows_own_token_and_errors():
         assert share_rows_among(before) == 3
 
 
+
+def test_chosen_rows_are_drawn_where_they_lie_each_with_its_own_key():
+    """``rows``: only those rows, in that order (repeats allowed), each token the one the whole
+    table's call gives that row under that key; shared among threads from ``PARALLEL_ROWS`` rows;
+    a row outside the table refused, a NaN row named by its index in the table."""
+    from tierspec.sampling import PARALLEL_ROWS, NoiseError, keyed_argmax, share_rows_among
+
+    generator = torch.Generator().manual_seed(12)
+    table = torch.randn(2 * PARALLEL_ROWS + 3, 4099, generator=generator) * 4
+    wide = torch.cat([table, torch.zeros(len(table), 7)], dim=1)[:, :4099]  # rows of a wider buffer
+    keys = [Noise(5, 4099).key(t) for t in range(len(table))]
+    every = keyed_argmax(table, keys).tolist()
+    chosen = [5, 0, 5, 2 * PARALLEL_ROWS + 2] + list(range(6, 6 + PARALLEL_ROWS))
+    before = share_rows_among(2)
+    try:
+        for scores in (table, wide):
+            got = keyed_argmax(scores, [keys[r] for r in chosen], rows=chosen).tolist()
+            assert got == [every[r] for r in chosen]
+            assert keyed_argmax(scores, [keys[3]], rows=[3]).tolist() == [every[3]]
+    finally:
+        share_rows_among(before)
+    with pytest.raises(NoiseError, match="not all among the scores' 19"):
+        keyed_argmax(table, [1], rows=[len(table)])
+    with pytest.raises(NoiseError, match="2 rows of scores need 2 keys, got 1"):
+        keyed_argmax(table, [1], rows=[0, 1])
+    table[4, 100] = float("nan")
+    with pytest.raises(NoiseError, match="row 4 of the scores"):
+        keyed_argmax(table, [keys[1], keys[4]], rows=[1, 4])
+    assert keyed_argmax(table, [keys[1]], rows=[1]).tolist() == [every[1]]  # the NaN row is not read
+
+
 def test_the_keyed_argmax_is_an_exact_draw():
     """Over many keys the token's frequencies are π's (a chi-square test at p > 1e-4)."""
     from scipy.stats import chisquare

@@ -62,3 +62,37 @@ def test_the_target_tokens_of_every_row_are_each_rows_own():
         alone = target_row_tokens(ChainBatch(proposal.tokens, [len(proposal)], logits, [sampling], [noise])).tolist()
         assert tokens[at : at + len(proposal) + 1] == alone
         at += len(proposal) + 1
+
+
+def test_a_sampled_row_is_drawn_only_once_its_walk_reaches_it(monkeypatch):
+    """Sampled sequences are walked depth by depth: the perturbed argmax of a row after a rejected
+    draft is never drawn (its row may even hold a NaN), and the walks are still each sequence's own."""
+    import tierspec.walks as walks
+
+    vocab, generator = 96, torch.Generator().manual_seed(4)
+    plans = [(3, 1, SamplingConfig(1.0)), (2, 2, SamplingConfig(1.0)), (0, 0, SamplingConfig(1.0)),
+             (2, 0, SamplingConfig(0.7, top_k=9)), (1, 1, SamplingConfig())]  # (drafts, accepted, sampling)
+    sequences = []
+    for index, (k, agree, sampling) in enumerate(plans):
+        logits = torch.randn(k + 1, vocab, generator=generator) * 3
+        noise = None if sampling.greedy else Noise(77 + index, vocab).block(30 + index)
+        own = target_row_tokens(ChainBatch(torch.zeros(k, dtype=torch.long), [k], logits, [sampling], [noise]))
+        drafts = torch.from_numpy(own[:k]).clone()
+        drafts[agree:] = (drafts[agree:] + 1) % vocab
+        sequences.append((Proposal.chain(drafts), logits, sampling, noise))
+    alone = [exact_walk(p, logits, sampling, noise) for p, logits, sampling, noise in sequences]
+    poisoned = [logits.clone() for _, logits, _, _ in sequences]
+    poisoned[0][2:] = float("nan")  # after sequence 0's rejected second draft
+    poisoned[3][1:] = float("nan")  # after sequence 3's rejected first draft
+    drawn = []
+    real = walks._perturbed_rows
+    monkeypatch.setattr(walks, "_perturbed_rows", lambda logits, rows, sampling, keys:
+                        drawn.append(list(rows)) or real(logits, rows, sampling, keys))
+    batch = ChainBatch(torch.cat([p.tokens for p, _, _, _ in sequences]), [len(p) for p, _, _, _ in sequences],
+                       torch.cat(poisoned), [s for _, _, s, _ in sequences], [n for _, _, _, n in sequences])
+    together = chain_batch_walks(batch)
+    assert [(w.path, w.next_token) for w in together] == [(w.path, w.next_token) for w in alone]
+    assert [w.accepted for w in together] == [1, 2, 0, 0, 1]
+    # rows by sequence: 0 → 0..3, 1 → 4..6, 2 → 7, 3 → 8..10, 4 → 11..12 (greedy: all at once, not here)
+    assert sorted(row for rows in drawn for row in rows) == [0, 1, 4, 5, 6, 7, 8]
+    assert len(drawn) == 4  # depth 0: two settings (temperature 1; 0.7 with top-k), depths 1 and 2: one each
