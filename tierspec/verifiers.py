@@ -135,6 +135,7 @@ class TargetPass:
     pad: int
     with_hidden: bool
     masks: torch.Tensor | None = None
+    recording: bool = False  # the pass copies the feature log's rows out
 
 
 @dataclass(frozen=True)
@@ -334,27 +335,31 @@ class Verifiers:
 
     # -- the verification pass -------------------------------------------------------------------
     def target_request(self, proposal: Proposal, with_hidden: bool = False, pad: bool = True,
-                       masks: torch.Tensor | None = None) -> TargetPass:
+                       masks: torch.Tensor | None = None, record_features: bool = True) -> TargetPass:
         """The full-target pass over the pending committed tokens and every node of ``proposal``,
         before it runs. A chain runs as a plain causal pass (the drafts at their own positions);
         any other tree as a tree pass (``tree.tree_pass``: node i at position n − 1 + depth_i,
         attending to its ancestors; its logits equal a chain pass of its path). ``pad``: padded to
         the cheapest measured size (a batch pays by its total rows: it does not pad). ``masks``
-        [1 + m, V]: the constraint's allowed tokens after the root and each node."""
+        [1 + m, V]: the constraint's allowed tokens after the root and each node.
+        ``record_features``: False where the drafter wants no features this cycle
+        (``Drafter.wants_features``): the pass copies none out and their log has no rows for the
+        positions it commits."""
         self._full_model_kv_only()  # slim-only KV is recomputed in this pass
         start = self.full_length
         pending = self.committed.pending(start)
         tree = proposal.tree
         rows, m = len(pending), len(tree)
         extra = self._pad_count(rows + m) if pad else 0
-        hidden = self.hidden_layers if not with_hidden or self.features is not None else ()
+        recording = self.features is not None and record_features
+        hidden = self.feature_layers if recording else (() if with_hidden else None)
         if tree.is_chain:
             request = PassRequest(self.runner, _chain_rows(pending, tree.tokens, extra), m + 1 + extra,
                                   hidden_layers=hidden)
         else:
             layout = tree_pass(pending, tree, extra)
             request = PassRequest(self.runner, layout.tokens, m + 1 + extra, layout.offsets, layout.attends, hidden)
-        return TargetPass(request, proposal, start, rows, extra, with_hidden, masks)
+        return TargetPass(request, proposal, start, rows, extra, with_hidden, masks, recording)
 
     def target_scores(self, target_pass: TargetPass, result: PassResult) -> Scores:
         """The rule's ``Scores`` from the ``PassResult`` of ``target_pass``'s pass (run solo or in a
@@ -364,7 +369,7 @@ class Verifiers:
         self.target_calls += 1
         self.full_length = self.runner.length
         logits = self.node_rows(result.logits[: m + 1] if target_pass.pad else result.logits, tree, target_pass.masks)
-        recorded = result.hidden[: rows + m] if self.features is not None else None
+        recorded = result.hidden[: rows + m] if target_pass.recording else None
         self._pass = PassRecord(target_pass.start, rows, m, tree.is_chain, recorded, logits)
         hidden = result.hidden[rows - 1 : rows + m, : self.hidden_size] if target_pass.with_hidden else None
         return Scores(logits, hidden)
@@ -446,7 +451,7 @@ class Verifiers:
         self.runner.rollback(min(self.runner.length, keep))
         self.full_length = min(self.full_length, keep)
         if self.features is not None:
-            self.features.commit(self.runner.length)
+            self.features.commit(self.runner.length, written=record.hidden is not None)
         return len(self.committed)
 
     def _keep_path(self, record: PassRecord, path: list[int]) -> None:

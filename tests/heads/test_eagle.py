@@ -117,11 +117,12 @@ def test_a_head_that_is_the_target_is_accepted_throughout(prompt_ids):
     assert run_ids(target, as_method(hybrid, policy=policy), prompt_ids, 40) == reference
 
 
-def _hybrid_head_runs(target, head_rates, ceilings=None) -> list[bool]:
+def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = None) -> list[bool]:
     """Which cycles ran the hybrid's head, one cycle per entry of ``head_rates`` (the head's learned
     rate that cycle; None: not tried yet), under planted rates: drafting nothing pays 1 token per
     unit time, a head step costs 0.1 of a pass, n-gram lookup finds nothing, and certain drafts
-    would pay ``ceilings[i]`` (default 2: the head could pay)."""
+    would pay ``ceilings[i]`` (default 2: the head could pay). ``wants``: gets the hybrid's
+    ``wants_features`` after each cycle's drafting."""
     from tierspec.proposal import DraftRequest, Proposal
 
     rate = [None]
@@ -163,6 +164,8 @@ def _hybrid_head_runs(target, head_rates, ceilings=None) -> list[bool]:
         before = len(calls)
         hybrid.propose(context, request)
         ran.append(len(calls) > before)
+        if wants is not None:
+            wants.append(hybrid.wants_features())
     return ran
 
 
@@ -202,6 +205,106 @@ def test_the_hybrid_never_tries_a_head_that_even_certain_drafts_would_not_pay_fo
     assert _hybrid_head_runs(target32, [None] * 3, [1.1, 1.1, 1.11]) == [False, False, True]
     ran = _hybrid_head_runs(target32, [1.05] * 30, [1.1] * 10 + [2.0] * 20)
     assert [i for i, r in enumerate(ran) if r] == [18]  # idle 8 counted from cycle 10 on
+
+
+def test_the_hybrid_wants_features_only_where_its_head_may_run_soon(target32):
+    """The passes record the head's features while it runs, is untried or pays, and in the last
+    ``HEAD_WARMUP_CYCLES`` cycles before a try; not while it rests longer, nor while the cost model
+    rules it out."""
+    from tierspec.drafters.eagle import HEAD_WARMUP_CYCLES
+
+    assert HEAD_WARMUP_CYCLES == 2
+    for rate in (None, 1.2):
+        wants = []
+        _hybrid_head_runs(target32, [rate] * 20, wants=wants)
+        assert all(wants)
+    wants = []
+    ran = _hybrid_head_runs(target32, [1.05] * 30, wants=wants)
+    assert [i for i, r in enumerate(ran) if r] == [8, 25]  # tries after waits of 8 and 16
+    assert [i for i, w in enumerate(wants) if w] == [6, 7, 8, 23, 24, 25]  # two cycles before each try, and the try
+    wants = []
+    _hybrid_head_runs(target32, [None] * 10, [1.1] * 5 + [2.0] * 5, wants=wants)
+    assert wants == [False] * 5 + [True] * 5
+
+
+@torch.no_grad()
+def test_a_head_whose_features_have_a_gap_starts_over_after_it(target32):
+    """Positions committed without features (cycles that did not want them): the head empties its
+    cache and starts at the log's first row, drafting exactly what a head started there drafts."""
+    from tierspec.drafters.base import DraftEverything, FeatureLog
+    from tierspec.proposal import DraftRequest
+
+    head = random_head(target32)
+    generator = torch.Generator().manual_seed(8)
+    context = torch.randint(0, 32, (41,), generator=generator)
+    rows = torch.randn(41, head.config.feature_width, generator=generator)
+    request = DraftRequest(budget=3, sampling=SamplingConfig(0.0), noise=None, policy=DraftEverything())
+
+    gapped, log = EagleDrafter(head), FeatureLog(64, rows.shape[1])
+    gapped.start(context[:12], log)
+    log.write(0, rows[:11])
+    log.commit(11)
+    first = gapped.propose(context[:12], request)  # caught up over positions 0..10
+    assert len(first) == 3 and gapped.runner.length == 11
+    gapped.commit(20)
+    log.commit(19, written=False)  # positions 11..18 committed without features
+    log.write(19, rows[19:40])
+    log.commit(40)
+    after = gapped.propose(context, request)
+
+    fresh, fresh_log = EagleDrafter(head), FeatureLog(64, rows.shape[1])
+    fresh_log.write(19, rows[19:40])
+    fresh_log.commit(19, written=False)
+    fresh_log.commit(40)
+    fresh.start(context[:20], fresh_log)
+    expected = fresh.propose(context, request)
+    assert torch.equal(after.tokens, expected.tokens) and len(after) == 3
+    assert gapped.runner.length == fresh.runner.length == 21  # slot 0 is position 19
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(1.0)])
+def test_passes_skip_the_features_the_drafter_does_not_want_and_the_text_stays_the_targets(
+        target32, prompt_ids, monkeypatch, sampling):
+    """Through the loop: a cycle whose drafter does not want features runs its pass without them
+    (no hidden layers asked for) and commits its positions without rows; the head, drafting again
+    after such cycles, starts over after them; the text is plain decoding's, greedy and seeded."""
+    from tierspec.verifiers import Verifiers
+
+    pattern = [False, False, True, False, True, True, False]  # which cycles want features, in turn
+
+    class Gapped(HybridDrafter):
+        cycles = 0
+
+        def wants_features(self):
+            Gapped.cycles += 1
+            return pattern[Gapped.cycles % len(pattern)]
+
+    asked, real = [], Verifiers.target_request
+
+    def target_request(self, proposal, *args, record_features=True, **kwargs):
+        target_pass = real(self, proposal, *args, record_features=record_features, **kwargs)
+        asked.append((record_features, target_pass.request.hidden_layers))
+        return target_pass
+
+    monkeypatch.setattr(Verifiers, "target_request", target_request)
+    restarts, catch_up = [], EagleDrafter._catch_up
+
+    def counted_catch_up(self, context):
+        first = self._first
+        step = catch_up(self, context)
+        restarts.append(self._first != first)
+        return step
+
+    monkeypatch.setattr(EagleDrafter, "_catch_up", counted_catch_up)
+    policy = CostAware(6, cost=lambda k, source="": 46 + 7 * k)
+    hybrid = Gapped(NgramDrafter(3), EagleDrafter(random_head(target32)))
+    reference = run_ids(target32, as_method(NoDrafter()), prompt_ids, 40, sampling=sampling, generator=5)
+    assert run_ids(target32, as_method(hybrid, policy=policy), prompt_ids, 40, sampling=sampling,
+                   generator=5) == reference
+    assert {wanted for wanted, _ in asked} == {False, True}
+    assert all((layers is None) == (not wanted) for wanted, layers in asked)
+    assert all(layers == hybrid.feature_layers for wanted, layers in asked if wanted)
+    assert any(restarts)  # the head ran after positions without features, from the first row after them
 
 
 def test_sampled_eagle_first_token_matches_the_target(prompt_ids):

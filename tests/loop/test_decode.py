@@ -149,14 +149,34 @@ def test_the_verifiers_own_the_committed_sequence(tiny_target, prompt_ids):
 def test_the_feature_log_reads_committed_rows_only_and_never_grows():
     log = FeatureLog(6, 2)
     log.write(0, torch.ones(4, 2))  # positions 0..3 run, not yet committed
-    with pytest.raises(ValueError, match="not committed"):
+    with pytest.raises(ValueError, match="not committed rows"):
         log.read(0, 1)
     log.commit(3)
     assert torch.equal(log.read(1, 3), torch.ones(2, 2))
-    with pytest.raises(ValueError, match="not committed"):
+    with pytest.raises(ValueError, match="not committed rows"):
         log.read(2, 4)
     with pytest.raises(ValueError, match="do not fit the log's 6"):
         log.write(5, torch.ones(2, 2))
+
+
+def test_positions_committed_without_features_leave_the_log_readable_after_them_only():
+    """A cycle whose drafter wanted no features commits positions without rows: nothing before
+    them is readable any more (a reader must start over after them); rows written from there on are."""
+    log = FeatureLog(12, 2)
+    log.write(0, torch.arange(8.0).reshape(4, 2))
+    log.commit(4)
+    assert log.start == 0 and torch.equal(log.read(0, 4), torch.arange(8.0).reshape(4, 2))
+    log.commit(6, written=False)  # positions 4 and 5: no rows
+    assert (log.start, log.length) == (6, 6)
+    with pytest.raises(ValueError, match=r"not committed rows of the log \(it holds positions 6 <= p < 6\)"):
+        log.read(3, 6)
+    log.write(6, torch.full((3, 2), 7.0))
+    log.commit(9)
+    assert log.start == 6 and torch.equal(log.read(6, 9), torch.full((3, 2), 7.0))
+    with pytest.raises(ValueError, match="not committed rows"):
+        log.read(5, 9)
+    log.commit(9, written=False)  # nothing new committed: the rows stay readable
+    assert log.start == 6
 
 
 def test_a_decode_run_adds_up_the_generation_once(tiny_target, prompt_ids):

@@ -39,11 +39,14 @@ class FeatureLog:
     by a slim-verifier pass (VIA-SD) is the slim model's feature until a full pass rewrites it.
 
     The rows are allocated once for every position a generation can reach (a rollback only
-    moves ``length``)."""
+    moves ``length``). A cycle whose drafter wants no features (``Drafter.wants_features``: a
+    draft head that will not run soon) commits positions without rows: the readable rows are
+    then ``start .. length − 1``, those after the last such commit."""
 
     def __init__(self, positions: int, width: int):
         self._rows = torch.empty(positions, width)  # [positions, W]
-        self.length = 0  # committed positions with features
+        self.length = 0  # committed positions
+        self.start = 0  # the first committed position with a row (every later committed one has one)
 
     @property
     def width(self) -> int:
@@ -57,15 +60,20 @@ class FeatureLog:
                              "(the generation's positions were reserved too short)")
         self._rows[start:end] = values
 
-    def commit(self, length: int) -> None:
-        """Positions ``0 .. length − 1`` are committed and their rows written."""
+    def commit(self, length: int, written: bool = True) -> None:
+        """Positions ``0 .. length − 1`` are committed; the ones committed now have their rows
+        written, or (``written`` False) none: no row before ``length`` is readable then."""
+        if not written and length > self.length:
+            self.start = length
         self.length = length
+        self.start = min(self.start, length)  # a rollback below the gap: nothing after it is unwritten
 
     def read(self, start: int, end: int) -> torch.Tensor:
         """Features [end − start, W] of committed positions ``start .. end − 1`` (a view: valid
         until the next pass writes)."""
-        if not 0 <= start <= end <= self.length:
-            raise ValueError(f"features of positions {start}..{end - 1} are not committed (the log holds {self.length})")
+        if not self.start <= start <= end <= self.length:
+            raise ValueError(f"features of positions {start}..{end - 1} are not committed rows of the log (it holds "
+                             f"positions {self.start} <= p < {self.length})")
         return self._rows[start:end]
 
 
@@ -135,6 +143,13 @@ class Drafter:
 
     def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
         raise NotImplementedError
+
+    def wants_features(self) -> bool:
+        """Whether this cycle's verifier pass should record the target's features (asked after
+        ``propose``; only a drafter that ``needs_target_features`` is asked). A drafter whose
+        features are not wanted for a while says no: the pass then skips copying them out and the
+        log has no rows for those positions (``FeatureLog.start``)."""
+        return self.needs_target_features
 
     def drafting(self, context: torch.Tensor, request: DraftRequest) -> Generator[HeadStep, HeadOutput, Proposal]:
         """``propose`` as the draft head's steps (``drafts_in_head_steps`` drafters): yields each
