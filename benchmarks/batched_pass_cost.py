@@ -37,25 +37,21 @@ class PartTimer:
     """Seconds spent in ``engine.run_stack`` and in the LM head's forward, added up while installed."""
 
     def __init__(self, model):
-        self.stack = self.head = 0.0
-        self._model, self._run_stack, self._head = model, engine.run_stack, model.lm_head.forward
+        self.seconds = {"stack": 0.0, "head": 0.0}
+        self._model, self._run_stack = model, engine.run_stack
+
+    def _timed(self, part: str, function):
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.seconds[part] += time.perf_counter() - began
+        return timed
 
     def __enter__(self):
-        def run_stack(*args, **kwargs):
-            began = time.perf_counter()
-            try:
-                return self._run_stack(*args, **kwargs)
-            finally:
-                self.stack += time.perf_counter() - began
-
-        def head(*args, **kwargs):
-            began = time.perf_counter()
-            try:
-                return self._head(*args, **kwargs)
-            finally:
-                self.head += time.perf_counter() - began
-
-        engine.run_stack, self._model.lm_head.forward = run_stack, head
+        engine.run_stack = self._timed("stack", self._run_stack)
+        self._model.lm_head.forward = self._timed("head", self._model.lm_head.forward)
         return self
 
     def __exit__(self, *exc):
@@ -63,7 +59,7 @@ class PartTimer:
         del self._model.lm_head.forward  # back to the class's method
 
     def reset(self) -> None:
-        self.stack = self.head = 0.0
+        self.seconds = {"stack": 0.0, "head": 0.0}
 
 
 def measure(model, context: int, sequences: int, rows: int, repeats: int) -> dict:
@@ -90,8 +86,8 @@ def measure(model, context: int, sequences: int, rows: int, repeats: int) -> dic
                     runner.rollback(length)
                 if repeat >= 2:
                     samples[kind]["total"].append(total)
-                    samples[kind]["stack"].append(timer.stack)
-                    samples[kind]["head"].append(timer.head)
+                    samples[kind]["stack"].append(timer.seconds["stack"])
+                    samples[kind]["head"].append(timer.seconds["head"])
     row = {"context": context, "sequences": sequences, "rows_each": rows}
     for kind, parts in samples.items():
         for part, values in parts.items():

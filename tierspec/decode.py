@@ -554,7 +554,7 @@ def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None =
         sequence = d.sequence
         target_pass = sequence.verifiers.target_request(
             d.proposal, with_hidden=sequence.rule.reads_hidden, pad=alone, masks=d.masks,
-            record_features=sequence.drafter.needs_target_features and sequence.drafter.wants_features())
+            record_features=sequence.drafter.wants_features())
         target_passes.append(target_pass)
         requests.append(target_pass.request)
     chunks = _prefill_chunks(prefilling, max_rows, sum(r.rows for r in requests), bool(drafted))

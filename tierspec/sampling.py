@@ -265,10 +265,10 @@ def keyed_argmax(scores: torch.Tensor, keys: list[int], rows: list[int] | None =
     table = scores.reshape(-1, scores.shape[-1]) if scores.dim() != 2 else scores
     if table.dtype != torch.float32 or table.device.type != "cpu" or table.stride(-1) != 1 or table.requires_grad:
         table = table.detach().to("cpu", torch.float32).contiguous()
-    picked = list(range(table.shape[0])) if rows is None else [int(r) for r in rows]
-    if rows is not None and any(not 0 <= r < table.shape[0] for r in picked):
+    picked = None if rows is None else [int(r) for r in rows]
+    if picked is not None and any(not 0 <= r < table.shape[0] for r in picked):
         raise NoiseError(f"rows {picked} are not all among the scores' {table.shape[0]}")
-    count = len(picked)
+    count = table.shape[0] if picked is None else len(picked)
     if len(keys) != count:
         raise NoiseError(f"{count} rows of scores need {count} keys, got {len(keys)}")
     tokens = np.empty(count, dtype=np.int64)
@@ -276,10 +276,9 @@ def keyed_argmax(scores: torch.Tensor, keys: list[int], rows: list[int] | None =
         key_array = np.asarray(keys, dtype=np.uint64)
         vocab, stride, size = int(table.shape[1]), int(table.stride(0)), table.element_size()
         base = table.data_ptr()
-        consecutive = rows is None
 
         def rows_from(first: int, end: int) -> None:  # rows first .. end − 1 (the kernel lets go of the GIL)
-            if consecutive:
+            if picked is None:
                 _keyed_noise.gumbel_argmax(base + first * stride * size, end - first, vocab, stride,
                                            key_array.ctypes.data + first * 8, tokens.ctypes.data + first * 8,
                                            _VECTORISED)
@@ -294,7 +293,8 @@ def keyed_argmax(scores: torch.Tensor, keys: list[int], rows: list[int] | None =
         else:
             rows_from(0, count)
         if (tokens < 0).any():
-            bad = picked[int(np.flatnonzero(tokens < 0)[0])]
+            bad = int(np.flatnonzero(tokens < 0)[0])
+            bad = bad if picked is None else picked[bad]
             raise NoiseError(f"row {bad} of the scores to sample from holds a NaN")
     return tokens
 

@@ -240,43 +240,6 @@ class ChainBatch:
     noises: list[BlockNoise | None]
 
 
-def target_row_tokens(batch: ChainBatch) -> np.ndarray:
-    """The target's own token after every row [T + B] (int64): the argmax in greedy mode, the
-    coupled rule's perturbed argmax (``perturbed_target_tokens``) with the row's position noise
-    otherwise, under its sequence's temperature, top-k and top-p. Rows of one mode and one sampling config are
-    taken in one operation each; every row's token is bitwise the one its sequence alone gets
-    (``greedy_walk`` / ``perturbed_target_tokens``: row-wise operations in both, the first of equal
-    maxima)."""
-    logits = batch.target_logits
-    groups: dict[SamplingConfig, list[tuple[int, int, int]]] = {}  # config → (sequence, first row, rows)
-    row = 0
-    for index, (k, sampling) in enumerate(zip(batch.num_drafts, batch.samplings)):
-        groups.setdefault(sampling, []).append((index, row, k + 1))
-        row += k + 1
-    if len(groups) == 1:  # one setting for the whole batch: its rows are the logits as they are
-        ((sampling, members),) = groups.items()
-        return _tokens(logits, sampling, batch.noises, members)
-    tokens = np.empty(row, dtype=np.int64)
-    for sampling, members in groups.items():
-        rows = _rows(logits, members)
-        chosen = _tokens(rows, sampling, batch.noises, members)
-        at = 0
-        for _, first, count in members:
-            tokens[first : first + count] = chosen[at : at + count]
-            at += count
-    return tokens
-
-
-def _tokens(rows: torch.Tensor, sampling: SamplingConfig, noises: list[BlockNoise | None],
-            members: list[tuple[int, int, int]]) -> np.ndarray:
-    """The target's token after every row of ``rows`` [r, V] (``members``' rows in turn) under
-    ``sampling``: the argmax, or the perturbed argmax with each row's position noise."""
-    if sampling.greedy:
-        return _row_argmax(rows)
-    keys = [key for index, _, count in members for key in _needs(noises[index]).keys(count)]
-    return perturbed_target_tokens(rows, sampling, keys)
-
-
 def _row_argmax(rows: torch.Tensor) -> np.ndarray:
     """The first maximum of every row of ``rows`` [r, V] (numpy's argmax where it can read them:
     vectorised, where torch's CPU argmax is a scalar loop)."""
@@ -327,7 +290,7 @@ def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
                     reached.append(i)
                 else:
                     walks[i] = Walk.chain(depth, token)
-        live = sorted(reached)
+        live = reached
         depth += 1
     return walks
 

@@ -10,10 +10,18 @@ import torch
 
 from tierspec.proposal import Proposal
 from tierspec.sampling import Noise, SamplingConfig
-from tierspec.walks import ChainBatch, chain_batch_walks, exact_walk, target_row_tokens
+from tierspec.walks import ChainBatch, chain_batch_walks, exact_walk, perturbed_target_tokens
 
 SAMPLINGS = [SamplingConfig(), SamplingConfig(1.0), SamplingConfig(0.7, top_k=5), SamplingConfig(1.3, top_p=0.8),
              SamplingConfig(1.0)]
+
+
+def own_tokens(logits, sampling, noise) -> torch.Tensor:
+    """The target's own token after each row of one sequence's logits [k + 1, V], as ``exact_walk``
+    reads them: the argmax, or the perturbed argmax with each row's position noise."""
+    if sampling.greedy:
+        return logits.argmax(-1)
+    return torch.from_numpy(perturbed_target_tokens(logits, sampling, noise.keys(len(logits))))
 
 
 def planted_batch(vocab: int, drafts_per_sequence: list[int], seed: int):
@@ -25,8 +33,7 @@ def planted_batch(vocab: int, drafts_per_sequence: list[int], seed: int):
         logits = torch.randn(k + 1, vocab, generator=generator) * 3
         sampling = SAMPLINGS[index % len(SAMPLINGS)]
         noise = None if sampling.greedy else Noise(seed * 100 + index, vocab).block(40 + index)
-        own = torch.from_numpy(target_row_tokens(ChainBatch(torch.zeros(k, dtype=torch.long), [k], logits, [sampling],
-                                                            [noise])))
+        own = own_tokens(logits, sampling, noise)
         agree = [k, 0, k // 2, 1][index % 4]  # drafts 0 .. agree − 1 are the target's own tokens
         drafts = own[:k].clone()
         drafts[agree:] = (drafts[agree:] + 1) % vocab
@@ -49,21 +56,6 @@ def test_a_batch_decided_at_once_is_each_sequence_decided_alone(vocab, drafts_pe
         assert walk.accepted == [k, 0, k // 2, 1][index % 4] or k == 0 and walk.accepted == 0
 
 
-def test_the_target_tokens_of_every_row_are_each_rows_own():
-    """One argmax over all greedy rows, one softmax and perturbed argmax per sampling setting: each
-    row's token is the one its sequence's rows alone give."""
-    sequences = planted_batch(128, [2, 3, 0, 4, 1, 2], seed=9)
-    batch = ChainBatch(torch.cat([p.tokens for p, _, _, _ in sequences]), [len(p) for p, _, _, _ in sequences],
-                       torch.cat([logits for _, logits, _, _ in sequences]), [s for _, _, s, _ in sequences],
-                       [n for _, _, _, n in sequences])
-    tokens = target_row_tokens(batch).tolist()
-    at = 0
-    for proposal, logits, sampling, noise in sequences:
-        alone = target_row_tokens(ChainBatch(proposal.tokens, [len(proposal)], logits, [sampling], [noise])).tolist()
-        assert tokens[at : at + len(proposal) + 1] == alone
-        at += len(proposal) + 1
-
-
 def test_a_sampled_row_is_drawn_only_once_its_walk_reaches_it(monkeypatch):
     """Sampled sequences are walked depth by depth: the perturbed argmax of a row after a rejected
     draft is never drawn (its row may even hold a NaN), and the walks are still each sequence's own."""
@@ -76,8 +68,7 @@ def test_a_sampled_row_is_drawn_only_once_its_walk_reaches_it(monkeypatch):
     for index, (k, agree, sampling) in enumerate(plans):
         logits = torch.randn(k + 1, vocab, generator=generator) * 3
         noise = None if sampling.greedy else Noise(77 + index, vocab).block(30 + index)
-        own = target_row_tokens(ChainBatch(torch.zeros(k, dtype=torch.long), [k], logits, [sampling], [noise]))
-        drafts = torch.from_numpy(own[:k]).clone()
+        drafts = own_tokens(logits, sampling, noise)[:k].clone()
         drafts[agree:] = (drafts[agree:] + 1) % vocab
         sequences.append((Proposal.chain(drafts), logits, sampling, noise))
     alone = [exact_walk(p, logits, sampling, noise) for p, logits, sampling, noise in sequences]

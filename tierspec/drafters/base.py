@@ -146,7 +146,7 @@ class Drafter:
 
     def wants_features(self) -> bool:
         """Whether this cycle's verifier pass should record the target's features (asked after
-        ``propose``; only a drafter that ``needs_target_features`` is asked). A drafter whose
+        ``propose``; by default, whether it ``needs_target_features`` at all). A drafter whose
         features are not wanted for a while says no: the pass then skips copying them out and the
         log has no rows for those positions (``FeatureLog.start``)."""
         return self.needs_target_features
