@@ -255,48 +255,88 @@ class NoiseError(SamplingError):
 
 
 def keyed_argmax(scores: torch.Tensor, keys: list[int], rows: list[int] | None = None) -> np.ndarray:
+    """``keyed_tokens`` as an array [r] (int64)."""
+    return np.asarray(keyed_tokens(scores, keys, rows), dtype=np.int64)
+
+
+def keyed_tokens(scores: torch.Tensor, keys: list[int], rows: list[int] | None = None) -> list[int]:
     """argmax_v(scores[r, v] + g_r(v)) for every row of ``scores`` [r, V] (log-probabilities or
     logits, float32; −inf: excluded), g_r the Gumbel noise of ``keys[r]`` (``Noise.key``): the first
     of equal maxima (a row that excludes every token: its first; a NaN is refused), as argmax over
     the whole ``Noise.gumbel`` vector gives it (bit for bit), without
     drawing every token's noise (csrc/noise/keyed_noise.c: a bound read from the counter's bits passes
     over the tokens that cannot win). ``rows``: only these rows of ``scores``, in this order, one key
-    each (read where they lie: nothing is gathered). Returns the tokens [r] (int64)."""
+    each (read where they lie: nothing is gathered). Returns the tokens, one per row.
+
+    Fewer than ``PARALLEL_ROWS`` rows go to the kernel in one call that reads the keys and rows as
+    Python ints and returns ints: no numpy on the way, whose calls each cost 10–50 µs right after a
+    pass has swept the caches (the decode loop's one to a few rows a cycle)."""
+    table = _float_rows(scores)
+    count = table.shape[0] if rows is None else len(rows)
+    if len(keys) != count:
+        raise NoiseError(f"{count} rows of scores need {count} keys, got {len(keys)}")
+    if not count:
+        return []
+    if count >= PARALLEL_ROWS and _row_threads > 1:
+        tokens = _keyed_rows_shared(table, keys, rows)
+    else:
+        try:
+            tokens = _keyed_noise.argmax_rows(table.data_ptr(), table.shape[0], table.shape[1], table.stride(0), rows,
+                                              keys, _VECTORISED)
+        except IndexError:
+            raise NoiseError(f"rows {list(rows)} are not all among the scores' {table.shape[0]}") from None
+    if -1 in tokens:
+        bad = tokens.index(-1)
+        raise NoiseError(f"row {bad if rows is None else rows[bad]} of the scores to sample from holds a NaN")
+    return tokens
+
+
+def first_maxima(scores: torch.Tensor, rows: list[int] | None = None) -> list[int]:
+    """The index of the first maximum of every row of ``scores`` [r, V] (``rows``: only these
+    rows, in this order, read where they lie), as ``argmax`` gives it; −1 for a row holding a NaN
+    (the caller refuses it where it reads that row: a greedy walk takes every row's maximum at once
+    and reads them only up to its first rejection). Float32 rows go to the kernel as
+    ``keyed_tokens``' do (no numpy after the pass); others through torch."""
+    table = _float_rows(scores)
+    try:
+        return _keyed_noise.argmax_rows(table.data_ptr(), table.shape[0], table.shape[1], table.stride(0), rows,
+                                        None, _VECTORISED)
+    except IndexError:
+        raise SamplingError(f"rows {list(rows)} are not all among the scores' {table.shape[0]}") from None
+
+
+def _float_rows(scores: torch.Tensor) -> torch.Tensor:
+    """``scores`` as a 2-D float32 CPU table whose rows the kernel reads (its last dimension
+    contiguous; copied only where it is not)."""
     table = scores.reshape(-1, scores.shape[-1]) if scores.dim() != 2 else scores
     if table.dtype != torch.float32 or table.device.type != "cpu" or table.stride(-1) != 1 or table.requires_grad:
         table = table.detach().to("cpu", torch.float32).contiguous()
+    return table
+
+
+def _keyed_rows_shared(table: torch.Tensor, keys: list[int], rows: list[int] | None) -> list[int]:
+    """``keyed_tokens`` of many rows, claimed one at a time by the caller and the row workers
+    (each row whole on one thread: the same tokens)."""
     picked = None if rows is None else [int(r) for r in rows]
     if picked is not None and any(not 0 <= r < table.shape[0] for r in picked):
         raise NoiseError(f"rows {picked} are not all among the scores' {table.shape[0]}")
     count = table.shape[0] if picked is None else len(picked)
-    if len(keys) != count:
-        raise NoiseError(f"{count} rows of scores need {count} keys, got {len(keys)}")
     tokens = np.empty(count, dtype=np.int64)
-    if count:
-        key_array = np.asarray(keys, dtype=np.uint64)
-        vocab, stride, size = int(table.shape[1]), int(table.stride(0)), table.element_size()
-        base = table.data_ptr()
+    key_array = np.asarray(keys, dtype=np.uint64)
+    vocab, stride, size = int(table.shape[1]), int(table.stride(0)), table.element_size()
+    base = table.data_ptr()
 
-        def rows_from(first: int, end: int) -> None:  # rows first .. end − 1 (the kernel lets go of the GIL)
-            if picked is None:
-                _keyed_noise.gumbel_argmax(base + first * stride * size, end - first, vocab, stride,
-                                           key_array.ctypes.data + first * 8, tokens.ctypes.data + first * 8,
-                                           _VECTORISED)
-                return
-            for at in range(first, end):
-                _keyed_noise.gumbel_argmax(base + picked[at] * stride * size, 1, vocab, stride,
-                                           key_array.ctypes.data + at * 8, tokens.ctypes.data + at * 8, _VECTORISED)
+    def rows_from(first: int, end: int) -> None:  # rows first .. end − 1 (the kernel lets go of the GIL)
+        if picked is None:
+            _keyed_noise.gumbel_argmax(base + first * stride * size, end - first, vocab, stride,
+                                       key_array.ctypes.data + first * 8, tokens.ctypes.data + first * 8, _VECTORISED)
+            return
+        for at in range(first, end):
+            _keyed_noise.gumbel_argmax(base + picked[at] * stride * size, 1, vocab, stride,
+                                       key_array.ctypes.data + at * 8, tokens.ctypes.data + at * 8, _VECTORISED)
 
-        helpers = min(_row_threads, count) - 1 if count >= PARALLEL_ROWS else 0
-        if helpers:
-            _rows_shared(rows_from, count, helpers)
-        else:
-            rows_from(0, count)
-        if (tokens < 0).any():
-            bad = int(np.flatnonzero(tokens < 0)[0])
-            bad = bad if picked is None else picked[bad]
-            raise NoiseError(f"row {bad} of the scores to sample from holds a NaN")
-    return tokens
+    _rows_shared(rows_from, count, min(_row_threads, count) - 1)
+    return tokens.tolist()
 
 
 @dataclass
@@ -338,8 +378,8 @@ class Noise:
         return noise
 
     def argmax(self, scores: torch.Tensor, position: int, purpose: str = TOKEN) -> int:
-        """argmax_v(scores[v] + g(v)) for ``scores`` [V] with this position's noise (``keyed_argmax``)."""
-        return int(keyed_argmax(scores[None], [self.key(position, purpose)])[0])
+        """argmax_v(scores[v] + g(v)) for ``scores`` [V] with this position's noise (``keyed_tokens``)."""
+        return keyed_tokens(scores[None], [self.key(position, purpose)])[0]
 
     def uniform(self, position: int, purpose: str = ACCEPT) -> float:
         """One U(0, 1) draw for ``position`` and ``purpose``: 53 bits, never 0 or 1."""

@@ -46,8 +46,9 @@ import torch
 
 from .errors import TierspecError
 from .proposal import Proposal, Walk
-from .sampling import (ACCEPT, RESIDUAL, BlockNoise, SamplingConfig, keyed_argmax, logits_to_probs, one_hot, one_hot_rows,
-                       residual_distribution, row_argmax, sampling_logits, temperature_one_probs)
+from .sampling import (ACCEPT, RESIDUAL, BlockNoise, SamplingConfig, first_maxima, keyed_argmax, keyed_tokens,
+                       logits_to_probs, one_hot, one_hot_rows, residual_distribution, row_argmax, sampling_logits,
+                       temperature_one_probs)
 from .tree import ROOT, TokenTree, TreeError
 
 #: A distribution [V] to draw from, or a token id when the draw is deterministic (greedy).
@@ -240,14 +241,6 @@ class ChainBatch:
     noises: list[BlockNoise | None]
 
 
-def _row_argmax(rows: torch.Tensor) -> np.ndarray:
-    """The first maximum of every row of ``rows`` [r, V] (numpy's argmax where it can read them:
-    vectorised, where torch's CPU argmax is a scalar loop)."""
-    if rows.device.type == "cpu" and rows.dtype in (torch.float32, torch.float64) and not rows.requires_grad:
-        return rows.numpy().argmax(axis=1)
-    return rows.argmax(-1).cpu().numpy()
-
-
 def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
     """Every sequence's walk along its chain by the target's own tokens (``match_walk``: greedy and
     the coupled rule), all decided in one step: each sequence keeps its drafts up to its first
@@ -269,13 +262,16 @@ def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
     walks: list[Walk | None] = [None] * len(batch.num_drafts)
     greedy = [i for i, sampling in enumerate(batch.samplings) if sampling.greedy]
     if greedy:
-        members = [(i, first_row[i], batch.num_drafts[i] + 1) for i in greedy]
-        tokens = _row_argmax(_rows(batch.target_logits, members)).tolist()
+        rows = None if len(greedy) == len(walks) and at == batch.target_logits.shape[0] else [
+            row for i in greedy for row in range(first_row[i], first_row[i] + batch.num_drafts[i] + 1)]
+        tokens = first_maxima(batch.target_logits, rows)
         taken = 0
         for i in greedy:
             k, accepted = batch.num_drafts[i], 0
             while accepted < k and drafts[first_draft[i] + accepted] == tokens[taken + accepted]:
-                accepted += 1
+                accepted += 1  # a NaN row's −1 matches no draft: the walk stops there and refuses it
+            if tokens[taken + accepted] < 0:
+                raise TierspecError(f"row {first_row[i] + accepted} of the target's scores holds a NaN")
             walks[i] = Walk.chain(accepted, tokens[taken + accepted])
             taken += k + 1
     live = [i for i, sampling in enumerate(batch.samplings) if not sampling.greedy]
@@ -285,7 +281,7 @@ def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
         for sampling, group in _by_sampling(live, batch.samplings).items():
             keys = [_needs(batch.noises[i]).keys(1, depth)[0] for i in group]
             tokens = _perturbed_rows(batch.target_logits, [first_row[i] + depth for i in group], sampling, keys)
-            for i, token in zip(group, tokens.tolist()):
+            for i, token in zip(group, tokens):
                 if depth < batch.num_drafts[i] and drafts[first_draft[i] + depth] == token:
                     reached.append(i)
                 else:
@@ -302,22 +298,13 @@ def _by_sampling(indices: list[int], samplings: list[SamplingConfig]) -> dict[Sa
     return groups
 
 
-def _perturbed_rows(logits: torch.Tensor, rows: list[int], sampling: SamplingConfig, keys: list[int]) -> np.ndarray:
+def _perturbed_rows(logits: torch.Tensor, rows: list[int], sampling: SamplingConfig, keys: list[int]) -> list[int]:
     """``perturbed_target_tokens`` of ``rows`` of ``logits`` [r, V] only: read where they lie at
     temperature 1 without top-k or top-p (the logits are the sampling logits), else gathered first
     (the temperature, top-k and top-p then transform those rows only)."""
     if sampling.temperature == 1.0 and not sampling.top_k and sampling.top_p >= 1.0 and logits.dtype == torch.float32:
-        return keyed_argmax(logits, keys, rows=rows)
-    return perturbed_target_tokens(logits.index_select(0, torch.tensor(rows, dtype=torch.long)), sampling, keys)
-
-
-def _rows(logits: torch.Tensor, members: list[tuple[int, int, int]]) -> torch.Tensor:
-    """The rows of ``members`` (sequence, first row, rows) of ``logits``: a view when they are one
-    run of consecutive rows, else gathered."""
-    first, last = members[0][1], members[-1][1] + members[-1][2]
-    if sum(count for _, _, count in members) == last - first:
-        return logits[first:last]
-    return torch.cat([logits[row : row + count] for _, row, count in members])
+        return keyed_tokens(logits, keys, rows=rows)
+    return perturbed_target_tokens(logits.index_select(0, torch.tensor(rows, dtype=torch.long)), sampling, keys).tolist()
 
 
 # ---- the tree walk ------------------------------------------------------------------------------

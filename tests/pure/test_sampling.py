@@ -290,3 +290,32 @@ def test_a_nan_is_refused_and_rows_of_equal_scores_take_their_first_token(monkey
     rows = torch.tensor([[-inf] * 11, [0.0, inf, 1.0, inf] + [0.0] * 7])
     for got in _plain_and_vectorised(monkeypatch, lambda: keyed_argmax(rows, [5, 6])):
         assert got.tolist() == _full_argmax(rows, [5, 6]) == [0, 1]
+
+
+@pytest.mark.parametrize("vocab", [5, 61, 4099, 49152])
+def test_first_maxima_are_torchs_argmax_of_the_chosen_rows(monkeypatch, vocab):
+    """``first_maxima``: every row's first maximum as ``torch.argmax`` gives it (ties, rows that
+    exclude every token, +inf), of chosen rows in their order (repeats allowed) and of rows of a
+    wider buffer, on the plain and the AVX2 loop; a NaN row gives −1 (refused by its reader), a
+    row outside the table is refused."""
+    from tierspec.sampling import SamplingError, first_maxima
+
+    rows = _planted_rows(vocab)
+    inf_row = torch.zeros(vocab)
+    inf_row[vocab // 2:] = float("inf")
+    rows = torch.cat([rows, inf_row[None]])
+    expected = rows.argmax(-1).tolist()
+    wide = torch.cat([rows, torch.zeros(len(rows), 3)], dim=1)[:, :vocab]
+    chosen = [3, 0, 3, len(rows) - 1]
+    for table in (rows, wide):
+        for got in _plain_and_vectorised(monkeypatch, lambda: first_maxima(table)):
+            assert got == expected
+        for got in _plain_and_vectorised(monkeypatch, lambda: first_maxima(table, chosen)):
+            assert got == [expected[r] for r in chosen]
+    poisoned = rows.clone()
+    poisoned[2, vocab - 1] = float("nan")
+    for got in _plain_and_vectorised(monkeypatch, lambda: first_maxima(poisoned)):
+        assert got[2] == -1 and got[:2] + got[3:] == expected[:2] + expected[3:]
+    with pytest.raises(SamplingError, match=f"not all among the scores' {len(rows)}"):
+        first_maxima(rows, [0, len(rows)])
+    assert first_maxima(rows.double(), [1]) == [expected[1]]  # other dtypes: read as float32

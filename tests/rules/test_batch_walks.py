@@ -87,3 +87,22 @@ def test_a_sampled_row_is_drawn_only_once_its_walk_reaches_it(monkeypatch):
     # rows by sequence: 0 → 0..3, 1 → 4..6, 2 → 7, 3 → 8..10, 4 → 11..12 (greedy: all at once, not here)
     assert sorted(row for rows in drawn for row in rows) == [0, 1, 4, 5, 6, 7, 8]
     assert len(drawn) == 4  # depth 0: two settings (temperature 1; 0.7 with top-k), depths 1 and 2: one each
+
+
+def test_a_greedy_walk_refuses_a_nan_row_it_reads_and_only_that():
+    """Greedy rows are taken all at once (``sampling.first_maxima``); a row holding a NaN is
+    refused when the walk reaches it, and never read (nor refused) past a rejected draft."""
+    from tierspec.errors import TierspecError
+
+    vocab, generator = 61, torch.Generator().manual_seed(8)
+    logits = torch.randn(4, vocab, generator=generator) * 3
+    own = logits.argmax(-1)
+    drafts = own[:3].clone()
+    drafts[1] = (drafts[1] + 1) % vocab  # the second draft rejected: rows 2 and 3 are never read
+    poisoned = logits.clone()
+    poisoned[2:] = float("nan")
+    walk = chain_batch_walks(ChainBatch(drafts, [3], poisoned, [SamplingConfig()], [None]))[0]
+    assert (walk.accepted, walk.next_token) == (1, int(own[1]))
+    poisoned[1, 5] = float("nan")  # the row the walk reads after the first draft
+    with pytest.raises(TierspecError, match="row 1 of the target's scores holds a NaN"):
+        chain_batch_walks(ChainBatch(drafts, [3], poisoned, [SamplingConfig()], [None]))

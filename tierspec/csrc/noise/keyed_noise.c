@@ -418,6 +418,114 @@ static PyObject *py_gumbel_argmax(PyObject *self, PyObject *args, PyObject *kw) 
     Py_RETURN_NONE;
 }
 
+/* The first index of the largest entry of a row; −1 for a row holding a NaN. */
+static int64_t row_top_plain(const float *x, int64_t vocab) {
+    int64_t top = 0;
+    for (int64_t j = 0; j < vocab; j++) {
+        if (x[j] != x[j]) return -1;
+        if (x[j] > x[top]) top = j;
+    }
+    return top;
+}
+
+/* ``count`` entries of a sequence of ints into ``out`` (unsigned: keys; else row indices, each checked
+ * against ``table_rows``); 0 after setting a Python error. */
+static int read_ints(PyObject *sequence, Py_ssize_t count, uint64_t *out, int is_key, Py_ssize_t table_rows) {
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(sequence, i);
+        if (is_key) {
+            out[i] = PyLong_AsUnsignedLongLong(item);
+            if (PyErr_Occurred()) return 0;
+            continue;
+        }
+        long long row = PyLong_AsLongLong(item);
+        if (PyErr_Occurred()) return 0;
+        if (row < 0 || row >= table_rows) {
+            PyErr_Format(PyExc_IndexError, "row %lld is not among the scores' %zd", row, table_rows);
+            return 0;
+        }
+        out[i] = (uint64_t)row;
+    }
+    return 1;
+}
+
+/* The tokens of chosen rows as a list of ints, straight from Python's own objects: the decode loop takes
+ * one to a few rows after every pass, when the pass has swept the caches and each numpy call on the way
+ * (arrays for keys and tokens, their addresses, a NaN check) cost 10-50 µs, more than a row's argmax. */
+static PyObject *py_argmax_rows(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"x", "table_rows", "vocab", "stride", "rows", "keys", "vectorised", NULL};
+    PyObject *x_address, *rows_arg, *keys_arg;
+    Py_ssize_t table_rows, vocab, stride;
+    int vectorised;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OnnnOOp", names, &x_address, &table_rows, &vocab, &stride, &rows_arg,
+                                     &keys_arg, &vectorised))
+        return NULL;
+    if (table_rows < 0 || vocab < 1 || stride < 0)
+        return PyErr_Format(PyExc_ValueError, "table_rows %zd, vocab %zd, stride %zd: expected table_rows >= 0, "
+                            "vocab >= 1, stride >= 0", table_rows, vocab, stride);
+    if (vectorised && !avx2_usable()) return PyErr_Format(PyExc_ValueError, "this CPU cannot run the AVX2 loop");
+    const float *x = PyLong_AsVoidPtr(x_address);
+    if (PyErr_Occurred()) return NULL;
+    if (!x) return PyErr_Format(PyExc_ValueError, "x must be a non-null address");
+    PyObject *rows_seq = NULL, *keys_seq = NULL, *result = NULL;
+    uint64_t local[2 * 64], *rows = local, *keys = NULL;
+    int64_t local_tokens[64], *tokens = local_tokens;
+    Py_ssize_t count = table_rows;
+    if (rows_arg != Py_None) {
+        rows_seq = PySequence_Fast(rows_arg, "rows must be a sequence of ints or None");
+        if (!rows_seq) return NULL;
+        count = PySequence_Fast_GET_SIZE(rows_seq);
+    }
+    if (keys_arg != Py_None) {
+        keys_seq = PySequence_Fast(keys_arg, "keys must be a sequence of ints or None");
+        if (!keys_seq) goto done;
+        if (PySequence_Fast_GET_SIZE(keys_seq) != count) {
+            PyErr_Format(PyExc_ValueError, "%zd rows of scores need %zd keys, got %zd", count, count,
+                         PySequence_Fast_GET_SIZE(keys_seq));
+            goto done;
+        }
+    }
+    if (count > 64) {
+        rows = PyMem_Malloc((size_t)count * (2 * sizeof(uint64_t) + sizeof(int64_t)));
+        if (!rows) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        tokens = (int64_t *)(rows + 2 * count);
+    }
+    keys = rows + count;
+    if (rows_seq) {
+        if (!read_ints(rows_seq, count, rows, 0, table_rows)) goto done;
+    } else {
+        for (Py_ssize_t i = 0; i < count; i++) rows[i] = (uint64_t)i;
+    }
+    if (keys_seq && !read_ints(keys_seq, count, keys, 1, 0)) goto done;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++) {
+        const float *row = x + (size_t)rows[i] * (size_t)stride;
+#if HAVE_AVX2_BUILD
+        if (vectorised) {
+            tokens[i] = keys_seq ? argmax_avx2(row, vocab, keys[i]) : row_top_avx2(row, vocab);
+            continue;
+        }
+#endif
+        tokens[i] = keys_seq ? argmax_plain(row, vocab, keys[i]) : row_top_plain(row, vocab);
+    }
+    Py_END_ALLOW_THREADS
+    result = PyList_New(count);
+    for (Py_ssize_t i = 0; result && i < count; i++) {
+        PyObject *token = PyLong_FromLongLong(tokens[i]);
+        if (!token) Py_CLEAR(result);
+        else PyList_SET_ITEM(result, i, token);
+    }
+done:
+    if (rows != local) PyMem_Free(rows);
+    Py_XDECREF(rows_seq);
+    Py_XDECREF(keys_seq);
+    return result;
+}
+
 static PyObject *py_mix64(PyObject *self, PyObject *arg) {
     (void)self;
     uint64_t z = PyLong_AsUnsignedLongLongMask(arg);
@@ -437,6 +545,11 @@ static PyMethodDef methods[] = {
     {"gumbel_argmax", (PyCFunction)(void (*)(void))py_gumbel_argmax, METH_VARARGS | METH_KEYWORDS,
      "gumbel_argmax(x, rows, vocab, stride, keys, out, vectorised): out[r] (int64) = argmax_j(x[r, j] + g_j) with "
      "keys[r]'s noise, the first of equal maxima; -1 for a row with a NaN."},
+    {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_VARARGS | METH_KEYWORDS,
+     "argmax_rows(x, table_rows, vocab, stride, rows, keys, vectorised) -> list: for each chosen row of the float32 "
+     "table at x [table_rows, vocab] (rows: row indices, or None for all), its first maximum (keys None) or its "
+     "perturbed argmax under keys[i]'s noise, as gumbel_argmax; -1 for a row holding a NaN. IndexError for a row "
+     "outside the table, ValueError for keys of another count."},
     {"mix64", py_mix64, METH_O, "SplitMix64's output function of a 64-bit word."},
     {"avx2", py_avx2, METH_NOARGS, "Whether the AVX2 loop can run here."},
     {NULL, NULL, 0, NULL},
