@@ -199,7 +199,8 @@ class GenerationStats:
         self.pass_seconds += cycle.pass_seconds
         self.grammar_seconds += cycle.grammar_seconds
         self.cycles += 1
-        self.decided_by.update(cycle.deciders)
+        for decider in cycle.deciders:  # not Counter.update: its isinstance(…, Mapping) is an ABC check a cycle
+            self.decided_by[decider] += 1
         # Positions 1..evaluated were evaluated given acceptance so far; the first `accepted` passed.
         while len(self.position_drafted) < cycle.evaluated:
             self.position_drafted.append(0)
@@ -499,8 +500,14 @@ class CycleTimes:
     sequences: int = 0  # sequences over all cycles (mean batch = sequences / cycles)
 
     def add(self, other: "CycleTimes") -> None:
-        for name in ("draft", "passes", "verify", "commit", "grammar", "rows", "cycles", "sequences"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.draft += other.draft
+        self.passes += other.passes
+        self.verify += other.verify
+        self.commit += other.commit
+        self.grammar += other.grammar
+        self.rows += other.rows
+        self.cycles += other.cycles
+        self.sequences += other.sequences
 
     def to_dict(self) -> dict:
         return {"draft": self.draft, "grammar": self.grammar, "pass": self.passes, "verify": self.verify,
@@ -541,7 +548,7 @@ def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None =
     batch = len(decoding) + len(prefilling) > 1 and passes.shares_passes
     for sequence in decoding:  # each policy costs its drafts as this cycle's passes (policies.CostModel.verify)
         sequence.policy.share_passes(len(decoding) if batch and shared_costs and sequence.batchable else 1)
-        sequence.policy.at_context(len(sequence.verifiers.context))
+        sequence.policy.at_context(len(sequence.verifiers.committed))
     drafted = _propose(decoding)
     if batch:
         _cut_to_the_batch(drafted, passes, max_rows)
@@ -593,18 +600,19 @@ def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None =
 def _propose(decoding: list[Sequence]) -> list[_Drafted]:
     """Every ready sequence's proposal, trimmed by its policy (the draft head's steps of all of
     them together: ``drafters.base.propose_all``)."""
-    requests, blocks = [], []
+    requests, blocks, contexts = [], [], []
     for sequence in decoding:
         context = sequence.verifiers.context
+        contexts.append(context)
         # Never draft past the budget: the cycle emits at most (drafts on the path) + 1 tokens.
         budget = max(0, min(sequence.policy.max_draft, sequence.tokens_left - 1))
         if budget and sequence.constraint is not None and _forced_next(sequence):
             budget = 0  # the constraint's forced tokens are this cycle's drafts (``_constrain``): no drafter steps
         # Draft token i (a node at depth i + 1) and the token after the drafts sit at position len(context) + i.
-        block = None if sequence.config.sampling.greedy else sequence.noise.block(len(context))
+        block = None if sequence.config.sampling.greedy else sequence.noise.block(len(sequence.verifiers.committed))
         blocks.append(block)
         requests.append(DraftRequest(budget, sequence.config.sampling, block, sequence.policy))
-    proposals = propose_all([s.drafter for s in decoding], [s.verifiers.context for s in decoding], requests)
+    proposals = propose_all([s.drafter for s in decoding], contexts, requests)
     drafted = []
     for sequence, request, block, proposal in zip(decoding, requests, blocks, proposals):
         verified = proposal.prefix(sequence.policy.trim(proposal, _forced_runs(sequence, proposal)))
@@ -805,7 +813,7 @@ def _tiered_cycle(sequence: Sequence) -> Step:
     proposal, the rule's passes and verdict, its commit — alone."""
     began = time.perf_counter()
     sequence.policy.share_passes(1)
-    sequence.policy.at_context(len(sequence.verifiers.context))
+    sequence.policy.at_context(len(sequence.verifiers.committed))
     (d,) = _propose([sequence])
     drafted_at = time.perf_counter()
     verdict = sequence.rule.verify(sequence.verifiers, d.proposal, sequence.config.sampling, d.block)
@@ -929,8 +937,9 @@ def decode_sequence(target: LoadedModel, sequence: Sequence, inspect: Callable[[
     """The steps of an opened ``sequence`` (``open_sequence``), one cycle of its own each (their
     phases added to ``times`` when given)."""
     passes = pass_backend(target.model)
+    inference = torch.inference_mode()  # entered once a cycle (the caller runs between steps), made once
     while not sequence.finished and sequence.tokens_left > 0:
-        with torch.inference_mode():
+        with inference:
             ((_, step),), spent = cycle([sequence], passes)
         if times is not None:
             times.add(spent)

@@ -192,6 +192,8 @@ def seed_of(seed: int | torch.Generator | None) -> int:
 #: 1,207 on two; split in halves, 4 rows took 444 µs either way and 2 rows 287 on one, 375 on two
 #: (handing rows to a thread that wakes costs more than a row).
 PARALLEL_ROWS = 8
+#: Token keys made at once (``Noise.key``): a cycle commits one to a few positions.
+TOKEN_KEYS_AHEAD = 16
 _row_threads = 1
 _row_pool: tuple[ThreadPoolExecutor, int] | None = None  # the workers and how many
 
@@ -357,12 +359,25 @@ class Noise:
     seed: int | torch.Generator | None  # anything ``seed_of`` takes; an int in [0, 2⁶⁴) once made
     vocab_size: int
     _kept: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+    _token_keys: dict[int, int] = field(default_factory=dict, repr=False)  # positions' token keys, made ahead
 
     def __post_init__(self) -> None:
         self.seed = seed_of(self.seed)
 
     def key(self, position: int, purpose: str = TOKEN) -> int:
-        """The 64-bit key of the draws for ``position`` and ``purpose``."""
+        """The 64-bit key of the draws for ``position`` and ``purpose``. Token keys are made
+        ``TOKEN_KEYS_AHEAD`` positions at a time and kept until ``forget_before`` passes them: the
+        loop asks one or a few a cycle right after a pass, when the hash's code and data are out of
+        the caches; a run of them costs little more than the first (the keys are the same)."""
+        if purpose == TOKEN:
+            key = self._token_keys.get(position)
+            if key is None:
+                self._token_keys.update((at, self._hash(at, TOKEN)) for at in range(position, position + TOKEN_KEYS_AHEAD))
+                key = self._token_keys[position]
+            return key
+        return self._hash(position, purpose)
+
+    def _hash(self, position: int, purpose: str) -> int:
         # blake2b, not hash(): Python salts string hashes per process.
         digest = hashlib.blake2b(f"{self.seed}/{position}/{purpose}".encode(), digest_size=8).digest()
         return int.from_bytes(digest, "little")
@@ -389,6 +404,8 @@ class Noise:
         """Drop kept noise of positions < ``position`` (committed: never drawn for again)."""
         for kept in [p for p in self._kept if p < position]:
             del self._kept[kept]
+        for kept in [p for p in self._token_keys if p < position]:
+            del self._token_keys[kept]
 
     def block(self, start: int) -> "BlockNoise":
         return BlockNoise(self, start)
