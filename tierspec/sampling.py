@@ -298,13 +298,26 @@ def first_maxima(scores: torch.Tensor, rows: list[int] | None = None) -> list[in
     rows, in this order, read where they lie), as ``argmax`` gives it; −1 for a row holding a NaN
     (the caller refuses it where it reads that row: a greedy walk takes every row's maximum at once
     and reads them only up to its first rejection). Float32 rows go to the kernel as
-    ``keyed_tokens``' do (no numpy after the pass); others through torch."""
+    ``keyed_tokens``' do (no numpy after the pass); rows on an accelerator are reduced there
+    (only the tokens come back)."""
+    if scores.device.type != "cpu":
+        return _first_maxima_by_torch(scores, rows)
     table = _float_rows(scores)
     try:
         return _keyed_noise.argmax_rows(table.data_ptr(), table.shape[0], table.shape[1], table.stride(0), rows,
                                         None, _VECTORISED)
     except IndexError:
         raise SamplingError(f"rows {list(rows)} are not all among the scores' {table.shape[0]}") from None
+
+
+def _first_maxima_by_torch(scores: torch.Tensor, rows: list[int] | None = None) -> list[int]:
+    """``first_maxima`` by torch's operators, where the rows lie (an accelerator's)."""
+    table = scores.reshape(-1, scores.shape[-1])
+    if rows is not None:
+        if any(not 0 <= r < table.shape[0] for r in rows):
+            raise SamplingError(f"rows {list(rows)} are not all among the scores' {table.shape[0]}")
+        table = table[torch.tensor(rows, dtype=torch.long, device=table.device)]
+    return torch.where(table.isnan().any(-1), -1, table.argmax(-1)).tolist()
 
 
 def _float_rows(scores: torch.Tensor) -> torch.Tensor:

@@ -319,3 +319,10 @@ def test_first_maxima_are_torchs_argmax_of_the_chosen_rows(monkeypatch, vocab):
     with pytest.raises(SamplingError, match=f"not all among the scores' {len(rows)}"):
         first_maxima(rows, [0, len(rows)])
     assert first_maxima(rows.double(), [1]) == [expected[1]]  # other dtypes: read as float32
+    # rows on an accelerator are reduced by torch there: the same tokens, −1 for a NaN row
+    from tierspec.sampling import _first_maxima_by_torch
+
+    assert _first_maxima_by_torch(poisoned) == first_maxima(poisoned)
+    assert _first_maxima_by_torch(poisoned, chosen) == first_maxima(poisoned, chosen)
+    with pytest.raises(SamplingError, match=f"not all among the scores' {len(rows)}"):
+        _first_maxima_by_torch(rows, [len(rows)])
