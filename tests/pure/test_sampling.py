@@ -326,3 +326,21 @@ def test_first_maxima_are_torchs_argmax_of_the_chosen_rows(monkeypatch, vocab):
     assert _first_maxima_by_torch(poisoned, chosen) == first_maxima(poisoned, chosen)
     with pytest.raises(SamplingError, match=f"not all among the scores' {len(rows)}"):
         _first_maxima_by_torch(rows, [len(rows)])
+
+
+def test_rows_and_keys_may_be_numpy_integers_and_nothing_else():
+    """The kernel's entry reads rows and keys through ``__index__``: numpy's integers give the
+    tokens Python's do; a float is refused."""
+    import numpy as np
+
+    from tierspec.sampling import first_maxima, keyed_tokens
+
+    table = torch.randn(6, 257, generator=torch.Generator().manual_seed(3)) * 3
+    keys = [Noise(2, 257).key(t) for t in range(6)]
+    rows = [4, 1, 4]
+    expected = keyed_tokens(table, [keys[r] for r in rows], rows=rows)
+    assert keyed_tokens(table, list(np.asarray([keys[r] for r in rows], dtype=np.uint64)),
+                        rows=list(np.asarray(rows))) == expected
+    assert first_maxima(table, list(np.asarray(rows))) == table.argmax(-1)[rows].tolist()
+    with pytest.raises(TypeError):
+        keyed_tokens(table, [1.5], rows=[0])

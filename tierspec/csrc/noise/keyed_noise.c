@@ -432,13 +432,16 @@ static int64_t row_top_plain(const float *x, int64_t vocab) {
  * against ``table_rows``); 0 after setting a Python error. */
 static int read_ints(PyObject *sequence, Py_ssize_t count, uint64_t *out, int is_key, Py_ssize_t table_rows) {
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(sequence, i);
+        PyObject *item = PyNumber_Index(PySequence_Fast_GET_ITEM(sequence, i)); /* numpy's ints too */
+        if (!item) return 0;
         if (is_key) {
             out[i] = PyLong_AsUnsignedLongLong(item);
+            Py_DECREF(item);
             if (PyErr_Occurred()) return 0;
             continue;
         }
         long long row = PyLong_AsLongLong(item);
+        Py_DECREF(item);
         if (PyErr_Occurred()) return 0;
         if (row < 0 || row >= table_rows) {
             PyErr_Format(PyExc_IndexError, "row %lld is not among the scores' %zd", row, table_rows);
