@@ -35,7 +35,7 @@ class TokenTree:
     (``proposal.Proposal``). Immutable once made (nothing may write into its tensors); compared by
     identity. ``is_chain``: node i's parent is i − 1 for every i."""
 
-    __slots__ = ("tokens", "_parents", "_depths", "is_chain")
+    __slots__ = ("tokens", "_parents", "_depths", "is_chain", "_length")
 
     def __init__(self, tokens: torch.Tensor | Sequence[int], parents: torch.Tensor | Sequence[int]):
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
@@ -52,6 +52,7 @@ class TokenTree:
             seen.add((parent, token))
             depths[i] = 1 if parent == ROOT else depths[parent] + 1
         self.tokens, self._parents, self._depths = tokens, parents, depths
+        self._length = len(parents)
         self.is_chain = bool(torch.equal(parents, torch.arange(-1, len(parents) - 1)))
 
     def __repr__(self) -> str:
@@ -72,7 +73,7 @@ class TokenTree:
         return self._depths
 
     def __len__(self) -> int:
-        return int(self.tokens.shape[0])
+        return self._length  # kept: the loop asks a tree's length several times a cycle
 
     @property
     def depth(self) -> int:
@@ -103,6 +104,7 @@ class TokenTree:
         tree.tokens = tokens if isinstance(tokens, torch.Tensor) and tokens.dtype == torch.long and tokens.dim() == 1 \
             else torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         tree._parents = tree._depths = None
+        tree._length = int(tree.tokens.shape[0])
         tree.is_chain = True
         return tree
 
