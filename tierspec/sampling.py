@@ -270,9 +270,10 @@ def keyed_tokens(scores: torch.Tensor, keys: list[int], rows: list[int] | None =
     over the tokens that cannot win). ``rows``: only these rows of ``scores``, in this order, one key
     each (read where they lie: nothing is gathered). Returns the tokens, one per row.
 
-    Fewer than ``PARALLEL_ROWS`` rows go to the kernel in one call that reads the keys and rows as
-    Python ints and returns ints: no numpy on the way, whose calls each cost 10–50 µs right after a
-    pass has swept the caches (the decode loop's one to a few rows a cycle)."""
+    Unless they are shared among threads (``PARALLEL_ROWS`` rows or more, ``share_rows_among``), the
+    rows go to the kernel in one call that reads the keys and rows as Python ints and returns ints:
+    no numpy on the way, whose calls each cost 10–50 µs right after a pass has swept the caches (the
+    decode loop's one to a few rows a cycle)."""
     table = _float_rows(scores)
     count = table.shape[0] if rows is None else len(rows)
     if len(keys) != count:
@@ -372,7 +373,7 @@ class Noise:
     seed: int | torch.Generator | None  # anything ``seed_of`` takes; an int in [0, 2⁶⁴) once made
     vocab_size: int
     _kept: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    _token_keys: dict[int, int] = field(default_factory=dict, repr=False)  # positions' token keys, made ahead
+    _token_keys: dict[int, int] = field(default_factory=dict, repr=False, compare=False)  # made ahead (``key``)
 
     def __post_init__(self) -> None:
         self.seed = seed_of(self.seed)
