@@ -135,12 +135,16 @@ def finite_argmax(row: torch.Tensor) -> int | None:
 
 
 def row_argmax(logits: torch.Tensor):
-    """``i → argmax_token(logits[i])`` for rows [r, V], each taken when asked (a walk that stops
-    early reads fewer rows), the rows of a float CPU tensor viewed through numpy once."""
-    if logits.device.type == "cpu" and logits.dtype in (torch.float32, torch.float64) and not logits.requires_grad:
-        rows = logits.numpy()
-        return lambda i: int(rows[i].argmax())
-    return lambda i: int(logits[i].argmax())
+    """``i → `` the first maximum of ``logits[i]`` for rows [r, V], each taken when asked (a walk
+    that stops early reads fewer rows; ``first_maxima``); a row the walk reads that holds a NaN is
+    refused, as ``walks.chain_batch_walks`` refuses it."""
+    def at(i: int) -> int:
+        (token,) = first_maxima(logits, [i])
+        if token < 0:
+            raise SamplingError(f"row {i} of the target's scores holds a NaN")
+        return token
+
+    return at
 
 
 def temperature_one_probs(logits: torch.Tensor) -> torch.Tensor:
@@ -298,10 +302,11 @@ def first_maxima(scores: torch.Tensor, rows: list[int] | None = None) -> list[in
     """The index of the first maximum of every row of ``scores`` [r, V] (``rows``: only these
     rows, in this order, read where they lie), as ``argmax`` gives it; −1 for a row holding a NaN
     (the caller refuses it where it reads that row: a greedy walk takes every row's maximum at once
-    and reads them only up to its first rejection). Float32 rows go to the kernel as
-    ``keyed_tokens``' do (no numpy after the pass); rows on an accelerator are reduced there
-    (only the tokens come back)."""
-    if scores.device.type != "cpu":
+    and reads them only up to its first rejection). Float32 CPU rows go to the kernel as
+    ``keyed_tokens``' do (no numpy after the pass); others are reduced by torch where they lie,
+    in their own precision (a float64 model's near ties are not rounded away; an accelerator's
+    rows send back only their tokens)."""
+    if scores.device.type != "cpu" or scores.dtype != torch.float32:
         return _first_maxima_by_torch(scores, rows)
     table = _float_rows(scores)
     try:
@@ -312,7 +317,7 @@ def first_maxima(scores: torch.Tensor, rows: list[int] | None = None) -> list[in
 
 
 def _first_maxima_by_torch(scores: torch.Tensor, rows: list[int] | None = None) -> list[int]:
-    """``first_maxima`` by torch's operators, where the rows lie (an accelerator's)."""
+    """``first_maxima`` by torch's operators, where the rows lie and in their dtype."""
     table = scores.reshape(-1, scores.shape[-1])
     if rows is not None:
         if any(not 0 <= r < table.shape[0] for r in rows):

@@ -318,7 +318,10 @@ def test_first_maxima_are_torchs_argmax_of_the_chosen_rows(monkeypatch, vocab):
         assert got[2] == -1 and got[:2] + got[3:] == expected[:2] + expected[3:]
     with pytest.raises(SamplingError, match=f"not all among the scores' {len(rows)}"):
         first_maxima(rows, [0, len(rows)])
-    assert first_maxima(rows.double(), [1]) == [expected[1]]  # other dtypes: read as float32
+    assert first_maxima(rows.double(), [1]) == [expected[1]]
+    near_tie = torch.tensor([[1.0, 1.0 + 1e-12, 0.5]], dtype=torch.float64)  # equal once rounded to float32
+    assert first_maxima(near_tie) == [1]  # other dtypes are reduced in their own precision
+    assert first_maxima(torch.empty(0, vocab)) == [] and first_maxima(rows, []) == []
     # rows on an accelerator are reduced by torch there: the same tokens, −1 for a NaN row
     from tierspec.sampling import _first_maxima_by_torch
 

@@ -106,3 +106,23 @@ def test_a_greedy_walk_refuses_a_nan_row_it_reads_and_only_that():
     poisoned[1, 5] = float("nan")  # the row the walk reads after the first draft
     with pytest.raises(TierspecError, match="row 1 of the target's scores holds a NaN"):
         chain_batch_walks(ChainBatch(drafts, [3], poisoned, [SamplingConfig()], [None]))
+
+
+def test_a_lone_greedy_walk_refuses_a_nan_row_it_reads_as_the_batch_does():
+    """``greedy_walk`` and the tree walk read rows one at a time (``sampling.row_argmax``): a NaN
+    row they reach is refused, one past the rejection is not read."""
+    from tierspec.sampling import SamplingError
+    from tierspec.walks import greedy_walk
+
+    vocab, generator = 61, torch.Generator().manual_seed(9)
+    logits = torch.randn(4, vocab, generator=generator) * 3
+    own = logits.argmax(-1)
+    drafts = own[:3].clone()
+    drafts[1] = (drafts[1] + 1) % vocab
+    poisoned = logits.clone()
+    poisoned[2:] = float("nan")
+    walk = greedy_walk(drafts, poisoned)
+    assert (walk.accepted, walk.next_token) == (1, int(own[1]))
+    poisoned[1, 7] = float("nan")
+    with pytest.raises(SamplingError, match="row 1 of the target's scores holds a NaN"):
+        greedy_walk(drafts, poisoned)

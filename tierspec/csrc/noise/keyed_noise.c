@@ -428,11 +428,11 @@ static int64_t row_top_plain(const float *x, int64_t vocab) {
     return top;
 }
 
-/* ``count`` entries of a sequence of ints into ``out`` (unsigned: keys; else row indices, each checked
+/* ``count`` entries of a tuple of ints into ``out`` (unsigned: keys; else row indices, each checked
  * against ``table_rows``); 0 after setting a Python error. */
 static int read_ints(PyObject *sequence, Py_ssize_t count, uint64_t *out, int is_key, Py_ssize_t table_rows) {
     for (Py_ssize_t i = 0; i < count; i++) {
-        PyObject *item = PyNumber_Index(PySequence_Fast_GET_ITEM(sequence, i)); /* numpy's ints too */
+        PyObject *item = PyNumber_Index(PyTuple_GET_ITEM(sequence, i)); /* numpy's ints too */
         if (!item) return 0;
         if (is_key) {
             out[i] = PyLong_AsUnsignedLongLong(item);
@@ -442,7 +442,12 @@ static int read_ints(PyObject *sequence, Py_ssize_t count, uint64_t *out, int is
         }
         long long row = PyLong_AsLongLong(item);
         Py_DECREF(item);
-        if (PyErr_Occurred()) return 0;
+        if (row == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) return 0;
+            PyErr_Clear(); /* beyond a long long: outside the table too */
+            PyErr_Format(PyExc_IndexError, "row %zd of the rows asked is not among the scores' %zd", i, table_rows);
+            return 0;
+        }
         if (row < 0 || row >= table_rows) {
             PyErr_Format(PyExc_IndexError, "row %lld is not among the scores' %zd", row, table_rows);
             return 0;
@@ -470,24 +475,35 @@ static PyObject *py_argmax_rows(PyObject *self, PyObject *args, PyObject *kw) {
     if (vectorised && !avx2_usable()) return PyErr_Format(PyExc_ValueError, "this CPU cannot run the AVX2 loop");
     const float *x = PyLong_AsVoidPtr(x_address);
     if (PyErr_Occurred()) return NULL;
-    if (!x) return PyErr_Format(PyExc_ValueError, "x must be a non-null address");
     PyObject *rows_seq = NULL, *keys_seq = NULL, *result = NULL;
     uint64_t local[2 * 64], *rows = local, *keys = NULL;
     int64_t local_tokens[64], *tokens = local_tokens;
     Py_ssize_t count = table_rows;
     if (rows_arg != Py_None) {
-        rows_seq = PySequence_Fast(rows_arg, "rows must be a sequence of ints or None");
+        rows_seq = PySequence_Tuple(rows_arg); /* a snapshot: an __index__ that changes a list cannot move it */
         if (!rows_seq) return NULL;
-        count = PySequence_Fast_GET_SIZE(rows_seq);
+        count = PyTuple_GET_SIZE(rows_seq);
     }
     if (keys_arg != Py_None) {
-        keys_seq = PySequence_Fast(keys_arg, "keys must be a sequence of ints or None");
+        keys_seq = PySequence_Tuple(keys_arg);
         if (!keys_seq) goto done;
-        if (PySequence_Fast_GET_SIZE(keys_seq) != count) {
+        if (PyTuple_GET_SIZE(keys_seq) != count) {
             PyErr_Format(PyExc_ValueError, "%zd rows of scores need %zd keys, got %zd", count, count,
-                         PySequence_Fast_GET_SIZE(keys_seq));
+                         PyTuple_GET_SIZE(keys_seq));
             goto done;
         }
+    }
+    if (count == 0) {
+        result = PyList_New(0);
+        goto done;
+    }
+    if (!x) {
+        PyErr_Format(PyExc_ValueError, "x must be a non-null address");
+        goto done;
+    }
+    if ((size_t)count > SIZE_MAX / (2 * sizeof(uint64_t) + sizeof(int64_t))) {
+        PyErr_NoMemory();
+        goto done;
     }
     if (count > 64) {
         rows = PyMem_Malloc((size_t)count * (2 * sizeof(uint64_t) + sizeof(int64_t)));
