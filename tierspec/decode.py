@@ -500,14 +500,8 @@ class CycleTimes:
     sequences: int = 0  # sequences over all cycles (mean batch = sequences / cycles)
 
     def add(self, other: "CycleTimes") -> None:
-        self.draft += other.draft
-        self.passes += other.passes
-        self.verify += other.verify
-        self.commit += other.commit
-        self.grammar += other.grammar
-        self.rows += other.rows
-        self.cycles += other.cycles
-        self.sequences += other.sequences
+        for name in ("draft", "passes", "verify", "commit", "grammar", "rows", "cycles", "sequences"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def to_dict(self) -> dict:
         return {"draft": self.draft, "grammar": self.grammar, "pass": self.passes, "verify": self.verify,
@@ -602,14 +596,14 @@ def _propose(decoding: list[Sequence]) -> list[_Drafted]:
     them together: ``drafters.base.propose_all``)."""
     requests, blocks, contexts = [], [], []
     for sequence in decoding:
-        context = sequence.verifiers.context
-        contexts.append(context)
+        contexts.append(sequence.verifiers.context)
+        position = len(sequence.verifiers.committed)  # the context's length, without making its view again
         # Never draft past the budget: the cycle emits at most (drafts on the path) + 1 tokens.
         budget = max(0, min(sequence.policy.max_draft, sequence.tokens_left - 1))
         if budget and sequence.constraint is not None and _forced_next(sequence):
             budget = 0  # the constraint's forced tokens are this cycle's drafts (``_constrain``): no drafter steps
-        # Draft token i (a node at depth i + 1) and the token after the drafts sit at position len(context) + i.
-        block = None if sequence.config.sampling.greedy else sequence.noise.block(len(sequence.verifiers.committed))
+        # Draft token i (a node at depth i + 1) and the token after the drafts sit at position + i.
+        block = None if sequence.config.sampling.greedy else sequence.noise.block(position)
         blocks.append(block)
         requests.append(DraftRequest(budget, sequence.config.sampling, block, sequence.policy))
     proposals = propose_all([s.drafter for s in decoding], contexts, requests)

@@ -287,11 +287,7 @@ def keyed_tokens(scores: torch.Tensor, keys: list[int], rows: list[int] | None =
     if count >= PARALLEL_ROWS and _row_threads > 1:
         tokens = _keyed_rows_shared(table, keys, rows)
     else:
-        try:
-            tokens = _keyed_noise.argmax_rows(table.data_ptr(), table.shape[0], table.shape[1], table.stride(0), rows,
-                                              keys, _VECTORISED)
-        except IndexError:
-            raise NoiseError(f"rows {list(rows)} are not all among the scores' {table.shape[0]}") from None
+        tokens = _kernel_rows(table, rows, keys, NoiseError)
     if -1 in tokens:
         bad = tokens.index(-1)
         raise NoiseError(f"row {bad if rows is None else rows[bad]} of the scores to sample from holds a NaN")
@@ -308,12 +304,18 @@ def first_maxima(scores: torch.Tensor, rows: list[int] | None = None) -> list[in
     rows send back only their tokens)."""
     if scores.device.type != "cpu" or scores.dtype != torch.float32:
         return _first_maxima_by_torch(scores, rows)
-    table = _float_rows(scores)
+    return _kernel_rows(_float_rows(scores), rows, None, SamplingError)
+
+
+def _kernel_rows(table: torch.Tensor, rows: list[int] | None, keys: list[int] | None, error: type) -> list[int]:
+    """``_keyed_noise.argmax_rows`` over ``table`` (``_float_rows``): each chosen row's perturbed argmax
+    under its key, or its first maximum without keys; −1 for a NaN row; a row outside the table
+    raises ``error``."""
     try:
-        return _keyed_noise.argmax_rows(table.data_ptr(), table.shape[0], table.shape[1], table.stride(0), rows,
-                                        None, _VECTORISED)
+        return _keyed_noise.argmax_rows(table.data_ptr(), table.shape[0], table.shape[1], table.stride(0), rows, keys,
+                                        _VECTORISED)
     except IndexError:
-        raise SamplingError(f"rows {list(rows)} are not all among the scores' {table.shape[0]}") from None
+        raise error(f"rows {list(rows)} are not all among the scores' {table.shape[0]}") from None
 
 
 def _first_maxima_by_torch(scores: torch.Tensor, rows: list[int] | None = None) -> list[int]:
