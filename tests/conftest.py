@@ -211,15 +211,24 @@ def write_spec_bench(folder: Path, texts: dict[str, list[str]]) -> Path:
 
 @pytest.fixture(scope="module")
 def pinned_pass_costs():
-    """One pass-cost table for the cost-aware methods a test module builds (measuring it on a tiny
-    model under a busy test run could make drafting never pay, and checks that drafts were verified
-    would then depend on the machine). A module uses it with
+    """One pass-cost table, one draft-head step cost and one tree-call cost for the cost-aware
+    methods a test module builds (measuring them on a tiny model under a busy test run could make
+    drafting never pay, and checks that drafts were verified would then depend on the machine: a
+    tree-call cost measured slow once left a CI run's eagle tree drafting nothing it kept). A module uses it with
     ``pytestmark = pytest.mark.usefixtures("pinned_pass_costs")``."""
     from tierspec import costs
 
     def table(target, max_tokens=16, refresh=False):
         return costs.ForwardCosts({n: 0.030 + 0.002 * (n - 1) for n in range(1, max_tokens + 1)})
 
+    def draft_step(target, drafter_key, make_step, refresh=False):  # a head step: a tenth of a pass
+        return costs.DraftStepCost(step_seconds=0.003, one_token_seconds=0.030)
+
+    def tree_call(target, refresh=False):  # on the pass engine a tree attends in no extra calls
+        return 0.0
+
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(costs, "forward_costs", table)
+        patch.setattr(costs, "draft_step_cost", draft_step)
+        patch.setattr(costs, "tree_call_seconds", tree_call)
         yield
