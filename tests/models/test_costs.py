@@ -88,6 +88,20 @@ def test_a_table_measured_on_a_busy_machine_is_replaced_once_the_machine_is_quie
     assert costs.forward_costs(tiny_target, max_tokens=4).seconds[1] == 0.01 and planted["measured"] == 2
 
 
+@pytest.mark.parametrize("table_over_now, measured_again", [(1.2, False), (1.5, True), (0.6, False)])
+def test_a_table_made_on_a_busier_machine_is_measured_again(planted, tiny_target, table_over_now, measured_again):
+    """A cached 1-token pass more than ``FASTER_NOW`` (1.3) times slower than the spot checks now
+    was made under load (whose ratios the policies would choose by): measured again. Within it,
+    or slower now (up to ``SLOWER_NOW``), the cached table is kept."""
+    planted["table"] = planted["checks"][0] = 0.01 * table_over_now
+    costs.forward_costs(tiny_target, max_tokens=4)
+    planted["new_process"]()
+    planted["table"], planted["checks"] = 0.01, [0.01]
+    expected = 0.01 if measured_again else 0.01 * table_over_now
+    assert costs.forward_costs(tiny_target, max_tokens=4).seconds[1] == pytest.approx(expected)
+    assert planted["measured"] == 1 + measured_again
+
+
 def test_a_table_the_load_disturbed_is_used_but_not_cached(planted, tiny_target, capsys):
     """Measured at 50 ms a pass while a spot check right after takes 10 ms: the process uses it,
     no file keeps it (the next process measures again instead of trusting it)."""
