@@ -262,6 +262,50 @@ def test_a_head_whose_features_have_a_gap_starts_over_after_it(target32):
     assert gapped.runner.length == fresh.runner.length == 21  # slot 0 is position 19
 
 
+@torch.no_grad()
+def test_a_first_catch_up_feeds_only_the_latest_positions(target32, monkeypatch):
+    """A head with an empty cache catches up on at most ``FIRST_CATCH_UP`` committed positions,
+    the latest: it drafts exactly what a head whose log began there drafts, and later catch-ups
+    go on from there; a prompt within the window is fed whole."""
+    from tierspec.drafters import eagle
+    from tierspec.drafters.base import DraftEverything, FeatureLog
+    from tierspec.proposal import DraftRequest
+
+    monkeypatch.setattr(eagle, "FIRST_CATCH_UP", 8)
+    head = random_head(target32)
+    generator = torch.Generator().manual_seed(9)
+    context = torch.randint(0, 32, (41,), generator=generator)
+    rows = torch.randn(41, head.config.feature_width, generator=generator)
+    request = DraftRequest(budget=3, sampling=SamplingConfig(0.0), noise=None, policy=DraftEverything())
+
+    windowed, log = EagleDrafter(head), FeatureLog(64, rows.shape[1])
+    windowed.start(context[:31], log)
+    log.write(0, rows[:30])
+    log.commit(30)
+    first = windowed.propose(context[:31], request)  # positions 22..29 fed
+    assert len(first) == 3 and windowed.runner.length == 8
+
+    fresh, fresh_log = EagleDrafter(head), FeatureLog(64, rows.shape[1])
+    fresh_log.commit(22, written=False)
+    fresh_log.write(22, rows[22:30])
+    fresh_log.commit(30)
+    fresh.start(context[:31], fresh_log)
+    assert torch.equal(fresh.propose(context[:31], request).tokens, first.tokens)
+
+    windowed.commit(31)
+    log.write(30, rows[30:40])
+    log.commit(40)
+    later = windowed.propose(context, request)  # 30..39 fed after the window: 18 in its cache
+    assert windowed.runner.length == 18 and len(later) == 3
+
+    short, short_log = EagleDrafter(head), FeatureLog(64, rows.shape[1])
+    short.start(context[:9], short_log)
+    short_log.write(0, rows[:8])
+    short_log.commit(8)
+    short.propose(context[:9], request)
+    assert short.runner.length == 8 and short._first == 0  # within the window: the whole prompt
+
+
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(1.0)])
 def test_passes_skip_the_features_the_drafter_does_not_want_and_the_text_stays_the_targets(
         target32, prompt_ids, monkeypatch, sampling):

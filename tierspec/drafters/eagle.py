@@ -23,6 +23,16 @@ from .base import Drafter, FeatureLog, Proposal, drafting_autoregressively, run_
 from .ngram import NgramDrafter
 
 _NO_TOKENS = torch.empty(0, dtype=torch.long)  # the first draft feeds nothing: its logits are the catch-up's
+#: The most committed positions a head with an empty cache feeds in one catch-up (a generation's
+#: first try, over the prompt): it starts at the latest of them, as a head started over after a
+#: rest starts at the few positions its warm-up cycles logged (``_catch_up``). A catch-up costs
+#: about 0.1 ms a position on the default model's head (2-core Zen 3: 88 ms over a 768-token
+#: prompt, a dozen target passes) whatever the temperature, while the head's drafts hardly read
+#: that far back: on 12 Spec-Bench prompts (9 longer than 64 tokens, up to 1,487) the default
+#: method's greedy tokens per cycle were 1.601 with the whole prompt and with its last 64
+#: positions (1,042 and 1,047 tokens drafted), 1.166 and 1.168 at temperature 1, and the head's
+#: catch-ups took 0.40 → 0.11 s and 0.56 → 0.14 s of 14–21 s of generation.
+FIRST_CATCH_UP = 64
 
 
 class EagleDrafter(Drafter):
@@ -65,6 +75,9 @@ class EagleDrafter(Drafter):
             self._first = start = self.features.start
             self._last_output = None
         end = 0 if self.features is None else self.features.length
+        if self.runner.length == 0 and end - start > FIRST_CATCH_UP:  # a first catch-up: the latest positions
+            self._first = start = end - FIRST_CATCH_UP
+            self._last_output = None
         pending_position = len(context) - 1  # the last committed token, not yet run by the target
         if end != pending_position or start >= end:
             if start == end == pending_position and self._last_output is not None:
