@@ -415,7 +415,7 @@ def main() -> None:
         parser.error("--requests and --clients must be >= 1")
     start = startup()
     print(json.dumps(start), flush=True)
-    scheduler = Scheduler(load_model("smollm2-135m"), max_queue=max(8, args.clients))
+    scheduler = Scheduler(load_model("smollm2-135m", dtype="auto"), max_queue=max(8, args.clients))
     with serving_in_background(scheduler) as port:
         rows = [run_method(port, method.strip(), args.requests, args.clients, args.max_tokens)
                 for method in args.methods.split(",") if method.strip()]
