@@ -214,8 +214,8 @@ def pinned_pass_costs():
     """One pass-cost table, one draft-head step cost and one tree-call cost for the cost-aware
     methods a test module builds (measuring them on a tiny model under a busy test run could make
     drafting never pay, and checks that drafts were verified would then depend on the machine: a
-    tree-call cost measured slow once left a CI run's eagle tree drafting nothing it kept). A module uses it with
-    ``pytestmark = pytest.mark.usefixtures("pinned_pass_costs")``."""
+    tree-call cost measured slow once left a CI run's eagle tree drafting nothing it kept). A
+    module uses it with ``pytestmark = pytest.mark.usefixtures("pinned_pass_costs")``."""
     from tierspec import costs
 
     def table(target, max_tokens=16, refresh=False):

@@ -215,11 +215,11 @@ _MEASURING = threading.Lock()
 SPOT_CHECKS = 3  # spot checks of a cached table before it is judged off (one can hit a blip)
 #: A cached measurement whose 1-token pass is more than this many times slower than a spot check
 #: now was made on a busier machine than this one is now, and is measured again. Not 2×: the
-#: load changes the ratios the policies choose by, not only the scale — on a 2-core Zen 3 VM a
-#: table measured while a 1-token pass took 14.5 ms gave a 2-token pass 1.11× and a 4-token pass
-#: 1.87× one token; measured again three times when it took 8.9 ms, 1.18–1.20× and 2.15–2.19×;
-#: with the first, the default method drafted 1-token n-gram blocks that at temperature 1
-#: (12% accepted) cost 22% more a pass and paid nothing.
+#: load changes the ratios the policies choose by, not only the scale — on a 2-core Zen 3 VM the
+#: float32-row table in use had been measured while a 1-token pass took 14.5 ms and gave a
+#: 2-token pass 1.11× and a 4-token pass 1.87× one token; measured again three times when it
+#: took 8.9 ms, 1.18–1.20× and 2.15–2.19×; with the first, the default method at temperature 1
+#: drafted 1-token n-gram blocks (12% accepted) whose passes cost 22% more and paid nothing.
 FASTER_NOW = 1.3
 #: A spot check this many times slower than the cached measurement: the machine is busy now
 #: (a measurement now would record the load), and the cached one is kept.
@@ -244,9 +244,10 @@ def _cached_measurement(target: LoadedModel, prefix: str, what: str, key_extra: 
     more than ``SLOWER_NOW`` times slower, the machine is busy now: the cached measurement is kept
     (one made now would record the load). When they are more than ``FASTER_NOW`` times faster,
     the cached one was made on a busier machine (or another machine): it is measured again, so
-    that the cache moves toward the quiet machine's measurement and stays there. A new measurement whose 1-token pass disagrees with a spot
-    check right after it was disturbed by load: this process uses it, no file keeps it. Every
-    decision other than reusing the file is one line on stderr."""
+    that the cache moves toward the quiet machine's measurement and stays there. A new
+    measurement whose 1-token pass disagrees with a spot check right after it was disturbed by
+    load: this process uses it, no file keeps it. Every decision other than reusing the file is
+    one line on stderr."""
     key = json.dumps({"model": target.identity.to_dict(), "threads": torch.get_num_threads(), "cpu": _cpu_name(),
                       "torch": torch.__version__, "linear": _linear_kind(target.model),
                       "code": model_code(target.model), **key_extra}, sort_keys=True)
