@@ -137,9 +137,18 @@ def finite_argmax(row: torch.Tensor) -> int | None:
 def row_argmax(logits: torch.Tensor):
     """``i → `` the first maximum of ``logits[i]`` for rows [r, V], each taken when asked (a walk
     that stops early reads fewer rows; ``first_maxima``); a row the walk reads that holds a NaN is
-    refused, as ``walks.chain_batch_walks`` refuses it."""
+    refused, as ``walks.chain_batch_walks`` refuses it. The table is prepared once, not per row."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        table = _float_rows(logits)
+
+        def first(i: int) -> int:
+            return _kernel_rows(table, [i], None, SamplingError)[0]
+    else:
+        def first(i: int) -> int:
+            return _first_maxima_by_torch(logits, [i])[0]
+
     def at(i: int) -> int:
-        (token,) = first_maxima(logits, [i])
+        token = first(i)
         if token < 0:
             raise SamplingError(f"row {i} of the target's scores holds a NaN")
         return token

@@ -227,18 +227,26 @@ def test_the_hybrid_wants_features_only_where_its_head_may_run_soon(target32):
     assert wants == [False] * 5 + [True] * 5
 
 
+def _planted_catch_up(target, seed: int):
+    """A random head, a 41-token context, a feature row per position and a greedy 3-draft request
+    that drafts every token: what the catch-up tests feed a head by hand."""
+    from tierspec.drafters.base import DraftEverything
+    from tierspec.proposal import DraftRequest
+
+    head = random_head(target)
+    generator = torch.Generator().manual_seed(seed)
+    context = torch.randint(0, 32, (41,), generator=generator)
+    rows = torch.randn(41, head.config.feature_width, generator=generator)
+    return head, context, rows, DraftRequest(budget=3, sampling=SamplingConfig(0.0), noise=None, policy=DraftEverything())
+
+
 @torch.no_grad()
 def test_a_head_whose_features_have_a_gap_starts_over_after_it(target32):
     """Positions committed without features (cycles that did not want them): the head empties its
     cache and starts at the log's first row, drafting exactly what a head started there drafts."""
-    from tierspec.drafters.base import DraftEverything, FeatureLog
-    from tierspec.proposal import DraftRequest
+    from tierspec.drafters.base import FeatureLog
 
-    head = random_head(target32)
-    generator = torch.Generator().manual_seed(8)
-    context = torch.randint(0, 32, (41,), generator=generator)
-    rows = torch.randn(41, head.config.feature_width, generator=generator)
-    request = DraftRequest(budget=3, sampling=SamplingConfig(0.0), noise=None, policy=DraftEverything())
+    head, context, rows, request = _planted_catch_up(target32, seed=8)
 
     gapped, log = EagleDrafter(head), FeatureLog(64, rows.shape[1])
     gapped.start(context[:12], log)
@@ -268,15 +276,10 @@ def test_a_first_catch_up_feeds_only_the_latest_positions(target32, monkeypatch)
     the latest: it drafts exactly what a head whose log began there drafts, and later catch-ups
     go on from there; a prompt within the window is fed whole."""
     from tierspec.drafters import eagle
-    from tierspec.drafters.base import DraftEverything, FeatureLog
-    from tierspec.proposal import DraftRequest
+    from tierspec.drafters.base import FeatureLog
 
     monkeypatch.setattr(eagle, "FIRST_CATCH_UP", 8)
-    head = random_head(target32)
-    generator = torch.Generator().manual_seed(9)
-    context = torch.randint(0, 32, (41,), generator=generator)
-    rows = torch.randn(41, head.config.feature_width, generator=generator)
-    request = DraftRequest(budget=3, sampling=SamplingConfig(0.0), noise=None, policy=DraftEverything())
+    head, context, rows, request = _planted_catch_up(target32, seed=9)
 
     windowed, log = EagleDrafter(head), FeatureLog(64, rows.shape[1])
     windowed.start(context[:31], log)
