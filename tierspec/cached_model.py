@@ -385,7 +385,7 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem],
         offsets = torch.arange(n) if item.offsets is None else item.offsets.reshape(-1)
         positions = (start + offsets).to("cpu", torch.int64).contiguous()
         tables.append(decoder.engine_rotary(positions))
-        table = runner.cache.engine_table(start + n, first.kv_heads, first.head_dim)
+        table = runner.cache.engine_table(start + n, first.kv_heads, first.head_dim, first.kv_dtype)
         seen = None
         if item.attends is not None:
             seen = item.attends.to("cpu", torch.uint8).contiguous()

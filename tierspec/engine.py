@@ -91,8 +91,9 @@ def kernel_report() -> str:
 
 class Segment(NamedTuple):
     """One sequence's rows of an engine pass: ``rows`` new rows (from row ``first_row`` of the
-    pass) written at cache slots ``start ..``; ``kv_table`` int64 [layers, 3]: each layer's key and
-    value buffer addresses and capacity (``llama.KVCache.engine_table``); ``attends`` uint8 (None: a
+    pass) written at cache slots ``start ..``; ``kv_table`` int64 [layers, 4]: each layer's key and
+    value buffer addresses, capacity and element size, 4 or 2 bytes: float32 or float16
+    (``llama.KVLayer.engine_row``); ``attends`` uint8 (None: a
     chain): [rows, rows] among the new rows, or [rows, start + rows] over every slot when
     ``every_slot`` (the draft head's token trees); ``positions`` int64 [rows]: each row's position
     (None: start, start + 1, …, a chain's), which sliding-window layers read (a tree's nodes see the
@@ -139,8 +140,8 @@ def run_stack(stack, hidden: torch.Tensor, out: torch.Tensor, segments: list[Seg
     table = []
     for segment in segments:
         kv = segment.kv_table
-        if kv.dtype != torch.int64 or kv.dim() != 2 or kv.shape[1] != 3 or not kv.is_contiguous() or kv.shape[0] < last:
-            raise ValueError(f"a segment's KV table is int64 [layers, 3] contiguous, a row for each of the stack's "
+        if kv.dtype != torch.int64 or kv.dim() != 2 or kv.shape[1] != 4 or not kv.is_contiguous() or kv.shape[0] < last:
+            raise ValueError(f"a segment's KV table is int64 [layers, 4] contiguous, a row for each of the stack's "
                              f"first {last} layers, not {tuple(kv.shape)}")
         attends = positions = 0
         if segment.attends is not None:

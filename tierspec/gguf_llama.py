@@ -28,6 +28,12 @@ from .engine import Segment, engine, run_stack
 from .quant import (NATIVE_TYPES, GgufTensor, Numerics, QuantEmbedding, QuantLinear, QuantWeight, read_gguf_tensors,
                     unpermute_order, unpermute_rows)
 
+#: The element type of the KV caches the engine's layers write and read (``KVLayer.engine_row``):
+#: float16 halves the bytes a pass's attention reads (the default model's 30 layers cache 23 KB a
+#: position in float32), rounded once when written (engine.h: ``half_from_float``); float32 where a
+#: layer's ``kv_dtype`` is set so (tests comparing the engine with torch's float32 attention).
+KV_DTYPE = torch.float16
+
 ATTENTION_UNIT, MLP_UNIT = 1, 2  # the engine's flags: which residual units of a layer run
 EVERY_SLOT = 4  # FusedLayer.run: the pass's attends lists every slot a row sees
 
@@ -45,8 +51,11 @@ class FusedLayer:
     ``rotary_kinds`` index). Raises ValueError where the engine cannot run it (a projection not
     quantised, shapes the engine does not take)."""
 
-    def __init__(self, layer, config: SimpleNamespace, rotary_table: int = 0):
+    def __init__(self, layer, config: SimpleNamespace, rotary_table: int = 0, kv_dtype: torch.dtype | None = None):
         attention, mlp = layer.self_attn, layer.mlp
+        self.kv_dtype = KV_DTYPE if kv_dtype is None else kv_dtype  # of the caches it makes (``KVLayer.slots``)
+        if self.kv_dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"the engine's KV caches are float16 or float32, not {self.kv_dtype}")
         parts = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(isinstance(p, QuantLinear) for p in parts):
             raise ValueError("a fused layer needs all four projections quantised")
@@ -107,10 +116,10 @@ class FusedLayer:
         source = hidden if hidden.is_contiguous() and hidden.dtype == torch.float32 else hidden.float().contiguous()
         out = torch.empty_like(source)
         if units & ATTENTION_UNIT:
-            keys, values = cache.slots(layout.start + n, self.kv_heads, self.head_dim)
-            table = torch.tensor([[keys.data_ptr(), values.data_ptr(), int(keys.shape[-2])]], dtype=torch.int64)
+            table = torch.tensor([cache.engine_row(layout.start + n, self.kv_heads, self.head_dim, self.kv_dtype)],
+                                 dtype=torch.int64)
         else:  # the MLP unit alone reads no cache
-            table = torch.zeros(1, 3, dtype=torch.int64)
+            table = torch.zeros(1, 4, dtype=torch.int64)
         segment = Segment(0, n, layout.start, table, layout.attends, bool(units & EVERY_SLOT), layout.positions)
         rotary = layout.rotary or ((layout.cos.reshape(n, -1), layout.signed_sin.reshape(n, -1)),)
         run_stack(self.stack, source.view(n, -1), out.view(n, -1), [segment], rotary,

@@ -154,16 +154,24 @@ class KVLayer:
     def get_seq_length(self) -> int:
         return self.length
 
-    def slots(self, end: int, kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whole key and value buffers [1, kv_heads, capacity, head_dim] (float32), holding at
-        least ``end`` slots: the pass engine writes a pass's entries into them itself
-        (``gguf_llama.FusedLayer``), then ``advance`` counts them."""
+    def slots(self, end: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole key and value buffers [1, kv_heads, capacity, head_dim], holding at least
+        ``end`` slots: the pass engine writes a pass's entries into them itself
+        (``gguf_llama.FusedLayer``), then ``advance`` counts them. ``dtype`` (float32 or float16)
+        is the buffers' when this call makes them; buffers already made keep theirs (the engine
+        reads each cache's element size from its table, ``engine_row``)."""
         if self._keys is None:
-            like = torch.zeros(1, kv_heads, 0, head_dim)
+            like = torch.zeros(1, kv_heads, 0, head_dim, dtype=dtype)
             self._allocate(end, like, like)
         elif self.capacity < end:
             self._allocate(end, self._keys, self._values)
         return self._keys, self._values
+
+    def engine_row(self, end: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32) -> tuple[int, int, int, int]:
+        """This layer's row of an engine KV table (``slots``' buffers): the key and value buffers'
+        addresses, their capacity in slots and the bytes of one element (4: float32, 2: float16)."""
+        keys, values = self.slots(end, kv_heads, head_dim, dtype)
+        return keys.data_ptr(), values.data_ptr(), int(keys.shape[-2]), keys.element_size()
 
     def advance(self, count: int) -> None:
         """Count ``count`` entries written after ``length`` into the buffers by the engine."""
@@ -225,18 +233,16 @@ class KVCache:
         for layer in self.layers:
             layer.reserve(positions)
 
-    def engine_table(self, end: int, kv_heads: int, head_dim: int) -> torch.Tensor:
-        """int64 [L, 3]: every layer's key and value buffer addresses and capacity, each buffer
-        holding at least ``end`` slots (``KVLayer.slots``): what the pass engine's whole-stack call
-        reads. Rebuilt only when a buffer was reallocated or is too small."""
+    def engine_table(self, end: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """int64 [L, 4]: every layer's ``KVLayer.engine_row`` (its buffers' addresses, capacity and
+        element size), each buffer holding at least ``end`` slots, made in ``dtype`` where new:
+        what the pass engine's whole-stack call reads. Rebuilt only when a buffer was reallocated
+        or is too small."""
         cached = self._table
         if cached is not None and cached[1] >= end and all(
                 layer._keys is buffer for layer, buffer in zip(self.layers, cached[0])):
             return cached[2]
-        rows = []
-        for layer in self.layers:
-            keys, values = layer.slots(end, kv_heads, head_dim)
-            rows.append((keys.data_ptr(), values.data_ptr(), int(keys.shape[-2])))
+        rows = [layer.engine_row(end, kv_heads, head_dim, dtype) for layer in self.layers]
         table = torch.tensor(rows, dtype=torch.int64)
         self._table = ([layer._keys for layer in self.layers], min(row[2] for row in rows), table)
         return table
@@ -751,7 +757,7 @@ class Decoder(torch.nn.Module):
         n = int(hidden.shape[1])
         start = layout.start
         kv = cache.layers
-        table = cache.engine_table(start + n, first.kv_heads, first.head_dim)
+        table = cache.engine_table(start + n, first.kv_heads, first.head_dim, first.kv_dtype)
         hidden = hidden.contiguous()
         segments = [Segment(0, n, start, table, layout.attends, positions=layout.positions)]
         i = 0

@@ -391,10 +391,12 @@ def test_hidden_states_captured_inside_the_engine_call_equal_the_module_calls(ti
     for ours, theirs in zip(inside, modules):
         assert torch.equal(ours, theirs)
     for index in seen_inside:
-        # a layer the mask bypasses whole is not called at all (either way); the others once a pass
-        assert len(seen_inside[index]) == len(seen_modules[index]) == (0 if masked and index == 1 else 2)
+        # every layer once a pass, either way: an engine layer the mask bypasses whole keeps its place
+        # with both units bypassed (layerskip.masks._swap_in), its output its input
+        assert len(seen_inside[index]) == len(seen_modules[index]) == 2
         for (given, output), (given_m, output_m) in zip(seen_inside[index], seen_modules[index]):
             assert torch.equal(given, given_m) and torch.equal(output, output_m)
+            assert torch.equal(given, output) == (masked and index == 1)
 
 
 def test_an_observer_hook_that_returns_a_value_is_an_error(tiny):
@@ -472,10 +474,19 @@ def test_bad_calls_are_refused_before_anything_runs(tiny):
     stack = model.model.engine_stack.capsule
     hidden, cos = torch.zeros(4, 64), torch.ones(4, 16)
     keys, values = torch.zeros(2, 2, 16), torch.zeros(2, 2, 16)  # [kv_heads, 2 slots, D]: a pass of 4 needs 4
-    small = torch.tensor([[keys.data_ptr(), values.data_ptr(), 2]] * 3)
+    small = torch.tensor([[keys.data_ptr(), values.data_ptr(), 2, 4]] * 3)
     with pytest.raises(ValueError, match="holds 2 slots, the pass needs 4"):
         engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 4, 0, small)], [(cos, cos)],
                          bytes([3, 3, 3]))
+    big = torch.zeros(2, 8, 16)
+    for size in (8, 1, 0):  # an element size the engine does not read
+        odd = torch.tensor([[big.data_ptr(), big.data_ptr(), 8, size]] * 3)
+        with pytest.raises(ValueError, match=f"layer 0 has {size}-byte elements: float32 .4. or float16 .2. only"):
+            engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 4, 0, odd)], [(cos, cos)],
+                             bytes([3, 3, 3]))
+    with pytest.raises(ValueError, match="int64 \\[layers, 4\\]"):
+        engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 4, 0, small[:, :3].contiguous())],
+                         [(cos, cos)], bytes([3, 3, 3]))
     with pytest.raises(ValueError, match="cover"):
         engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 1, 0, small)], [(cos, cos)],
                          bytes([3, 3, 3]))
@@ -489,6 +500,7 @@ def test_bad_calls_are_refused_before_anything_runs(tiny):
         engine.run_stack(stack, hidden, torch.empty_like(hidden), [engine.Segment(0, 4, 0, small, positions=torch.arange(3))],
                          [(cos, cos)], bytes([3, 3, 3]))
     assert torch.equal(hidden, torch.zeros(4, 64)) and torch.equal(keys, torch.zeros(2, 2, 16))  # nothing ran
+    assert torch.equal(big, torch.zeros(2, 8, 16))
 
 
 @pytest.mark.parametrize("path", VECTOR_PATHS)

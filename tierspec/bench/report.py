@@ -329,8 +329,8 @@ def markdown_table(summary: dict) -> str:
                   "the same way. It computes with the file's quantised weights and rounds each row of activations to "
                   "8 bits per block of 32, so its text may part from `ar`'s: its fidelity columns measure that "
                   "quantisation and llama.cpp's own order of sums, not a fault (tierspec's engine rounds rows the same "
-                  "way under `--dtype auto` on a CPU with int8 dot products, AVX2 and up, with its own sums and float32 "
-                  "attention and cache; `--dtype float32` keeps float32 rows)"
+                  "way under `--dtype auto` on a CPU with int8 dot products, AVX2 and up, with its own sums, float32 "
+                  "attention and a float16 cache; `--dtype float32` keeps float32 rows)"
                   + (". Above temperature 0 it samples with its own sampler chain (top-k and top-p before the "
                      "temperature) and random stream." if config.get("temperature") else ".")
                   + " `llamacpp-lookup`'s τ and rejection come from the prompt-lookup proposals and the tokens "

@@ -513,12 +513,19 @@ static PyObject *py_run_stack(PyObject *self, PyObject *args, PyObject *kw) {
             problem = "a mask over every slot needs its attends";
         if (!problem) {
             const int64_t *kv = (const int64_t *)(intptr_t)row[SEG_KV];
-            for (int l = first; l < last && !problem; l++)
-                if ((flags[l] & UNIT_ATTENTION) && (kv[3 * l] == 0 || kv[3 * l + 1] == 0 || row[SEG_START] + row[SEG_ROWS] > kv[3 * l + 2])) {
+            for (int l = first; l < last && !problem; l++) {
+                const int64_t *entry = kv + KV_COLUMNS * (size_t)l;
+                if (!(flags[l] & UNIT_ATTENTION)) continue;
+                if (entry[0] == 0 || entry[1] == 0 || row[SEG_START] + row[SEG_ROWS] > entry[2]) {
                     PyErr_Format(PyExc_ValueError, "sequence %d's cache of layer %d holds %lld slots, the pass needs %lld", i, l,
-                                 (long long)kv[3 * l + 2], (long long)(row[SEG_START] + row[SEG_ROWS]));
+                                 (long long)entry[2], (long long)(row[SEG_START] + row[SEG_ROWS]));
+                    problem = "";
+                } else if (entry[3] != 4 && entry[3] != KV_HALF) {
+                    PyErr_Format(PyExc_ValueError, "sequence %d's cache of layer %d has %lld-byte elements: float32 (4) or "
+                                 "float16 (2) only", i, l, (long long)entry[3]);
                     problem = "";
                 }
+            }
         }
         if (problem) {
             if (*problem) PyErr_SetString(PyExc_ValueError, problem);
@@ -574,6 +581,26 @@ static PyObject *py_activate(PyObject *self, PyObject *args, PyObject *kw) {
     Py_BEGIN_ALLOW_THREADS
     unsigned csr = flush_denormals();
     activate_rows(d.activation, in, rows, inter, out, 1);
+    restore_denormals(csr);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
+/* store_half(x, out, count): count float32 values as the float16 bits the engine's caches store
+ * (engine.h: half_from_float), by the selected path's kernel (tests). */
+static PyObject *py_store_half(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"x", "out", "count", NULL};
+    PyObject *in_o, *out_o;
+    int count;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOi", names, &in_o, &out_o, &count)) return NULL;
+    if (count < 0) return PyErr_Format(PyExc_ValueError, "%d values", count);
+    const float *in = address(in_o, "x");
+    uint16_t *out = in ? address(out_o, "out") : NULL;
+    if (!out) return NULL;
+    Py_BEGIN_ALLOW_THREADS
+    unsigned csr = flush_denormals();
+    kernels.store_half(in, out, count);
     restore_denormals(csr);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
@@ -635,8 +662,8 @@ static PyObject *py_probe(PyObject *self, PyObject *unused) {
     static const char *layout_names[LAYOUTS] = {"bfloat16", "float32", "int8"};
     for (int layout = 0; layout < LAYOUTS; layout++)
         if (set_item(paths, layout_names[layout], PyUnicode_FromString(isa_names[kernels.tile[layout][KIND_Q4].isa]))) goto fail;
-    static const char *op_names[6] = {"rows_float32", "rows_bfloat16", "rows_int8", "exp", "rms_norm", "attention"};
-    for (int op = 0; op < 6; op++)
+    static const char *op_names[OPS] = {"rows_float32", "rows_bfloat16", "rows_int8", "exp", "rms_norm", "attention", "store_half"};
+    for (int op = 0; op < OPS; op++)
         if (set_item(paths, op_names[op], PyUnicode_FromString(isa_names[kernels.isa[op]]))) goto fail;
     if (set_item(out, "isa", PyUnicode_FromString(isa_names[cpu.level])) ||
         set_item(out, "best", PyUnicode_FromString(isa_names[cpu.best])) ||
@@ -696,6 +723,7 @@ static PyMethodDef methods[] = {
                    "qkv_bias, q_norm, k_norm, attention_out_norm, mlp_out_norm, activation, window, rotary_table, rotary_dims, "
                    "attention_scale, softcap): a decoder layer (the keyword-only features default to Llama's layer)."),
     KW(activate, "activate(activation, gate_up, rows, inter, out): out = act(g) * u over rows of gate_up = [g, u] (tests)."),
+    KW(store_half, "store_half(x, out, count): float32 values as the float16 bits the caches store (tests)."),
     {"make_stack", py_make_stack, METH_O, "make_stack(layers): a decoder's layers for run_stack."},
     KW(run_stack, "run_stack(stack, first, last, hidden, out, rows, rotary, rotary_dims, segments, count, flags, threads[, captures])."),
     {"isa", py_isa, METH_NOARGS, "The kernel path in use: portable, avx2, avx512, avx512vnni, avx512bf16 or amx."},

@@ -104,10 +104,24 @@ typedef struct {
     void (*enter)(void), (*leave)(void); /* around a thread's run of tiles (AMX: the tile configuration) */
 } tile_kernel;
 
+/* A cache's KV tables: per layer int64 [KV_COLUMNS]: the key and value buffers' addresses, their
+ * capacity in slots, and the bytes of one element: 4 (float32) or 2 (float16, KV_HALF). */
+#define KV_COLUMNS 4
+#define KV_HALF 2
+
+/* float16 keys and values: what a pass writes is its float32 entry clamped to float16's largest
+ * finite value (+-65504), rounded to nearest even, a result below float16's smallest normal value
+ * (2^-14) made a signed zero (no float16 subnormal is ever stored, so no path's reading depends on
+ * how its CPU treats them); a NaN stays a NaN. Every path stores and reads the same bits: the
+ * reference here, F16C's conversions on the vector paths (tests compare them). */
+uint16_t half_from_float(float f);
+float float_from_half(uint16_t h);
+
 /* One sequence's cache and mask in a layer, as its rows' attention reads them. */
 typedef struct {
     int heads, kv_heads, head_dim;
-    const float *keys, *values; /* [kv_heads, cap, D] */
+    const void *keys, *values; /* [kv_heads, cap, D]: float32, or float16 where half */
+    int half;
     int cap, start, n;          /* n new rows at slots start .. start + n - 1 */
     const uint8_t *attends;     /* NULL: a chain; [n, n] among the new rows; [n, start + n] when every_slot */
     int every_slot;
@@ -122,6 +136,8 @@ typedef struct {
 /* The slots a query row sees, in logical order: the cached context, then the new tokens it sees
  * (within the view's window). */
 int visible_slots(const attention_view *a, int row, int *slots);
+
+enum { OP_PREPARE_F32, OP_PREPARE_BF16, OP_PREPARE_INT8, OP_EXP, OP_RMS_NORM, OP_ATTEND, OP_STORE_HALF, OPS };
 
 typedef struct {
     tile_kernel tile[LAYOUTS][KINDS];
@@ -138,10 +154,11 @@ typedef struct {
      * values); returns 0 where it has no kernel for the head width (then the reference runs) */
     int (*attend)(const attention_view *a, const float *q, float *out, int head0, int group, float *scores,
                   const int *slots, int count);
-    int isa[6]; /* which path serves each of the six functions above (reports) */
+    /* n float32 values stored as float16 (half_from_float's bits) */
+    void (*store_half)(const float *x, uint16_t *out, int n);
+    int isa[OPS]; /* which path serves each of the functions above (reports) */
 } kernel_set;
 
-enum { OP_PREPARE_F32, OP_PREPARE_BF16, OP_PREPARE_INT8, OP_EXP, OP_RMS_NORM, OP_ATTEND };
 
 /* The kernels in use, composed by select_kernels from every path up to cpu.level. */
 extern kernel_set kernels;

@@ -580,35 +580,41 @@ AVX2_TARGET static inline __m256 sum_lanes8(const __m256 v[8]) {
 #define ATTEND_HEADS 8
 #define CHUNK_STEP(s) REGISTERS_ASM(__asm__("" : "+x"(s[0]), "+x"(s[1]), "+x"(s[2]), "+x"(s[3]), "+x"(s[4]), "+x"(s[5]), "+x"(s[6]), "+x"(s[7])))
 #define ATTEND_BLOCK 32 /* even: a block boundary never splits an (even, odd) pair of keys */
+/* 8 elements of a float32 or float16 cache from element ``at`` (half a constant where inlined) */
+AVX2_TARGET static inline __m256 load8_kv(const void *base, size_t at, const int half) {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + at))) : _mm256_loadu_ps((const float *)base + at);
+}
+
 AVX2_TARGET static inline void attend_heads_avx2(const attention_view *a, const float *q, float *out, int head0, int group,
-                                                float *scores, const int *slots, int count, const int chunks) {
+                                                float *scores, const int *slots, int count, const int chunks, const int half) {
     int D = 8 * chunks, g = head0 / (a->heads / a->kv_heads);
-    const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
+    const void *K = a->keys, *V = a->values;
+    size_t base = (size_t)g * a->cap * D; /* the kv head's first element */
     __m256 scale = _mm256_set1_ps(a->scale), best[ATTEND_HEADS];
     for (int h = 0; h < group; h++) best[h] = _mm256_set1_ps(-INFINITY);
     for (int l0 = 0; l0 < count; l0 += 8) { /* 8 keys' dot products per head, reduced together */
         int n = count - l0 < 8 ? count - l0 : 8;
-        const float *k[8];
-        for (int j = 0; j < n; j++) k[j] = K + (size_t)slots[l0 + j] * D;
+        size_t k[8];
+        for (int j = 0; j < n; j++) k[j] = base + (size_t)slots[l0 + j] * D;
         __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
         for (int h = 0; h < group; h++) {
             const float *qh = q + (size_t)(head0 + h) * D;
             __m256 s[8];
             if (n == 8) { /* chunk by chunk: s[j] = q_0 k_j,0, then += q_c k_j,c in order of c */
                 __m256 qc = _mm256_loadu_ps(qh);
-                for (int j = 0; j < 8; j++) s[j] = _mm256_mul_ps(qc, _mm256_loadu_ps(k[j]));
+                for (int j = 0; j < 8; j++) s[j] = _mm256_mul_ps(qc, load8_kv(K, k[j], half));
 #pragma GCC unroll 16
                 for (int c = 1; c < chunks; c++) {
                     /* all 8 sums' step c before any step c + 1: GCC would otherwise run each key's
                      * chain of dependent FMAs through in turn, bound by their latency */
                     CHUNK_STEP(s);
                     qc = _mm256_loadu_ps(qh + 8 * c);
-                    for (int j = 0; j < 8; j++) s[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(k[j] + 8 * c), s[j]);
+                    for (int j = 0; j < 8; j++) s[j] = _mm256_fmadd_ps(qc, load8_kv(K, k[j] + 8 * c, half), s[j]);
                 }
             } else { /* the last few keys: the same operations key by key */
                 for (int j = 0; j < n; j++) {
-                    s[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(k[j]));
-                    for (int c = 1; c < chunks; c++) s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_loadu_ps(k[j] + 8 * c), s[j]);
+                    s[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), load8_kv(K, k[j], half));
+                    for (int c = 1; c < chunks; c++) s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), load8_kv(K, k[j] + 8 * c, half), s[j]);
                 }
                 for (int j = n; j < 8; j++) s[j] = _mm256_setzero_ps();
             }
@@ -646,15 +652,15 @@ AVX2_TARGET static inline void attend_heads_avx2(const attention_view *a, const 
         for (int h = 0; h < group; h++) {
             const float *p = scores + (size_t)h * count;
             for (int c0 = 0; c0 < chunks; c0 += 4) { /* chunks c0 .. c0 + 3 (chunks is a multiple of 4) */
-                const float *V0 = V + 8 * c0;
+                size_t V0 = base + 8 * c0;
                 __m256 even[4], odd[4];
                 for (int c = 0; c < 4; c++) even[c] = sums[h][0][c0 + c], odd[c] = sums[h][1][c0 + c];
                 for (int l = b0; l < b1; l += 2) {
-                    const float *v0 = V0 + (size_t)slots[l] * D, *v1 = V0 + (size_t)slots[l + 1] * D;
+                    size_t v0 = V0 + (size_t)slots[l] * D, v1 = V0 + (size_t)slots[l + 1] * D;
                     __m256 p0 = _mm256_set1_ps(p[l]), p1 = _mm256_set1_ps(p[l + 1]);
                     for (int c = 0; c < 4; c++) {
-                        even[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
-                        odd[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * c), odd[c]);
+                        even[c] = _mm256_fmadd_ps(p0, load8_kv(V, v0 + 8 * c, half), even[c]);
+                        odd[c] = _mm256_fmadd_ps(p1, load8_kv(V, v1 + 8 * c, half), odd[c]);
                     }
                 }
                 for (int c = 0; c < 4; c++) sums[h][0][c0 + c] = even[c], sums[h][1][c0 + c] = odd[c];
@@ -662,10 +668,10 @@ AVX2_TARGET static inline void attend_heads_avx2(const attention_view *a, const 
         }
     }
     if (paired < count) { /* the last key, alone, into the even sums */
-        const float *v0 = V + (size_t)slots[paired] * D;
+        size_t v0 = base + (size_t)slots[paired] * D;
         for (int h = 0; h < group; h++) {
             __m256 p0 = _mm256_set1_ps(scores[(size_t)h * count + paired]);
-            for (int c = 0; c < chunks; c++) sums[h][0][c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), sums[h][0][c]);
+            for (int c = 0; c < chunks; c++) sums[h][0][c] = _mm256_fmadd_ps(p0, load8_kv(V, v0 + 8 * c, half), sums[h][0][c]);
         }
     }
     for (int h = 0; h < group; h++) {
@@ -679,20 +685,46 @@ AVX2_TARGET static inline void attend_heads_avx2(const attention_view *a, const 
  * common widths get their own compiled copy (the width a constant: query and sums in registers,
  * loops unrolled), others (160, 192, 224) the same code with the width read at run time. Phi-3's
  * 96-wide heads took the plain-C loop before, a fifth of its one-row pass at 256 cached tokens. */
+/* half_from_float's bits, 8 at a time: clamped to +-65504 (min/max ordered so that a NaN passes),
+ * F16C's rounding to nearest even, then any subnormal result made a signed zero. */
+AVX2_TARGET static void store_half_avx2(const float *x, uint16_t *out, int n) {
+    const __m256 top = _mm256_set1_ps(65504.0f), bottom = _mm256_set1_ps(-65504.0f);
+    const __m128i exponent = _mm_set1_epi16(0x7c00), sign = _mm_set1_epi16((short)0x8000), zero = _mm_setzero_si128();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 v = _mm256_max_ps(bottom, _mm256_min_ps(top, _mm256_loadu_ps(x + i)));
+        __m128i h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        __m128i tiny = _mm_cmpeq_epi16(_mm_and_si128(h, exponent), zero);
+        h = _mm_blendv_epi8(h, _mm_and_si128(h, sign), tiny);
+        _mm_storeu_si128((__m128i *)(out + i), h);
+    }
+    for (; i < n; i++) out[i] = half_from_float(x[i]);
+}
+
 AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, float *out, int head0, int group, float *scores,
                                    const int *slots, int count) {
     int D = a->head_dim;
     if (D % 32 != 0 || D > 256) return 0;
     for (int h = head0; h < head0 + group; h += ATTEND_HEADS) {
         int part = head0 + group - h < ATTEND_HEADS ? head0 + group - h : ATTEND_HEADS;
-        switch (D) {
-        case 32: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 4); break;
-        case 64: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 8); break;
-        case 96: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 12); break;
-        case 128: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 16); break;
-        case 256: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 32); break;
-        default: attend_heads_avx2(a, q, out, h, part, scores, slots, count, D / 8); break;
-        }
+        if (a->half)
+            switch (D) {
+            case 32: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 4, 1); break;
+            case 64: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 8, 1); break;
+            case 96: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 12, 1); break;
+            case 128: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 16, 1); break;
+            case 256: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 32, 1); break;
+            default: attend_heads_avx2(a, q, out, h, part, scores, slots, count, D / 8, 1); break;
+            }
+        else
+            switch (D) {
+            case 32: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 4, 0); break;
+            case 64: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 8, 0); break;
+            case 96: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 12, 0); break;
+            case 128: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 16, 0); break;
+            case 256: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 32, 0); break;
+            default: attend_heads_avx2(a, q, out, h, part, scores, slots, count, D / 8, 0); break;
+            }
     }
     return 1;
 }
@@ -707,7 +739,8 @@ void install_avx2(kernel_set *k) {
     k->exp_inplace = exp_inplace_avx2;
     k->rms_norm = rms_norm_avx2;
     k->attend = attend_avx2;
-    k->isa[OP_PREPARE_F32] = k->isa[OP_PREPARE_INT8] = k->isa[OP_EXP] = k->isa[OP_RMS_NORM] = k->isa[OP_ATTEND] = ISA_AVX2;
+    k->store_half = store_half_avx2;
+    k->isa[OP_PREPARE_F32] = k->isa[OP_PREPARE_INT8] = k->isa[OP_EXP] = k->isa[OP_RMS_NORM] = k->isa[OP_ATTEND] = k->isa[OP_STORE_HALF] = ISA_AVX2;
 }
 
 #else

@@ -219,11 +219,17 @@ AVX512_TARGET static inline __m512 sum_lanes16(const __m512 v[16]) {
  * fixed order (16 keys at a time, each reduced as alone), scaled; soft-capped by softcap_scores (the
  * reference's code: the same bits on every path); exp and its sum 16 scores at a time in logical
  * order; the weighted sum of values in two interleaved sums (even and odd keys), added at the end. */
+/* 16 elements of a float32 or float16 cache from element ``at`` (half a constant where inlined) */
+AVX512_TARGET static inline __m512 load16_kv(const void *base, size_t at, const int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at))) : _mm512_loadu_ps((const float *)base + at);
+}
+
 AVX512_TARGET static inline void attend_head_avx512(const attention_view *a, const float *q, float *out, int head, float *scores,
-                                                   const int *slots, int count, const int chunks) {
+                                                   const int *slots, int count, const int chunks, const int half) {
     int D = 16 * chunks, g = head / (a->heads / a->kv_heads);
     q += (size_t)head * D;
-    const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
+    const void *K = a->keys, *V = a->values;
+    size_t base = (size_t)g * a->cap * D; /* the kv head's first element */
     __m512 scale = _mm512_set1_ps(a->scale), best = _mm512_set1_ps(-INFINITY);
     __m512 qv[16];
     for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(q + 16 * c);
@@ -231,9 +237,9 @@ AVX512_TARGET static inline void attend_head_avx512(const attention_view *a, con
         int n = count - l0 < 16 ? count - l0 : 16;
         __m512 s[16];
         for (int j = 0; j < n; j++) {
-            const float *k = K + (size_t)slots[l0 + j] * D;
-            s[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-            for (int c = 1; c < chunks; c++) s[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), s[j]);
+            size_t k = base + (size_t)slots[l0 + j] * D;
+            s[j] = _mm512_mul_ps(qv[0], load16_kv(K, k, half));
+            for (int c = 1; c < chunks; c++) s[j] = _mm512_fmadd_ps(qv[c], load16_kv(K, k + 16 * c, half), s[j]);
         }
         for (int j = n; j < 16; j++) s[j] = _mm512_setzero_ps();
         __mmask16 valid = (__mmask16)((1u << n) - 1);
@@ -271,17 +277,17 @@ AVX512_TARGET static inline void attend_head_avx512(const attention_view *a, con
         for (int c = 0; c < block; c++) even[c] = odd[c] = _mm512_setzero_ps();
         int l = 0;
         for (; l + 1 < count; l += 2) {
-            const float *v0 = V + (size_t)slots[l] * D + 16 * c0, *v1 = V + (size_t)slots[l + 1] * D + 16 * c0;
+            size_t v0 = base + (size_t)slots[l] * D + 16 * c0, v1 = base + (size_t)slots[l + 1] * D + 16 * c0;
             __m512 p0 = _mm512_set1_ps(scores[l]), p1 = _mm512_set1_ps(scores[l + 1]);
             for (int c = 0; c < block; c++) {
-                even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
-                odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), odd[c]);
+                even[c] = _mm512_fmadd_ps(p0, load16_kv(V, v0 + 16 * c, half), even[c]);
+                odd[c] = _mm512_fmadd_ps(p1, load16_kv(V, v1 + 16 * c, half), odd[c]);
             }
         }
         if (l < count) {
-            const float *v0 = V + (size_t)slots[l] * D + 16 * c0;
+            size_t v0 = base + (size_t)slots[l] * D + 16 * c0;
             __m512 p0 = _mm512_set1_ps(scores[l]);
-            for (int c = 0; c < block; c++) even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+            for (int c = 0; c < block; c++) even[c] = _mm512_fmadd_ps(p0, load16_kv(V, v0 + 16 * c, half), even[c]);
         }
         for (int c = 0; c < block; c++)
             _mm512_storeu_ps(out + 16 * (c0 + c), _mm512_mul_ps(_mm512_add_ps(even[c], odd[c]), inv));
@@ -293,14 +299,24 @@ AVX512_TARGET static int attend_avx512(const attention_view *a, const float *q, 
     int D = a->head_dim;
     if (D % 32 != 0 || D > 256) return 0; /* the same widths as the AVX2 path (Phi-3's 96 among them) */
     for (int head = head0; head < head0 + group; head++) {
-        switch (D) {
-        case 32: attend_head_avx512(a, q, out, head, scores, slots, count, 2); break;
-        case 64: attend_head_avx512(a, q, out, head, scores, slots, count, 4); break;
-        case 96: attend_head_avx512(a, q, out, head, scores, slots, count, 6); break;
-        case 128: attend_head_avx512(a, q, out, head, scores, slots, count, 8); break;
-        case 256: attend_head_avx512(a, q, out, head, scores, slots, count, 16); break;
-        default: attend_head_avx512(a, q, out, head, scores, slots, count, D / 16); break;
-        }
+        if (a->half)
+            switch (D) {
+            case 32: attend_head_avx512(a, q, out, head, scores, slots, count, 2, 1); break;
+            case 64: attend_head_avx512(a, q, out, head, scores, slots, count, 4, 1); break;
+            case 96: attend_head_avx512(a, q, out, head, scores, slots, count, 6, 1); break;
+            case 128: attend_head_avx512(a, q, out, head, scores, slots, count, 8, 1); break;
+            case 256: attend_head_avx512(a, q, out, head, scores, slots, count, 16, 1); break;
+            default: attend_head_avx512(a, q, out, head, scores, slots, count, D / 16, 1); break;
+            }
+        else
+            switch (D) {
+            case 32: attend_head_avx512(a, q, out, head, scores, slots, count, 2, 0); break;
+            case 64: attend_head_avx512(a, q, out, head, scores, slots, count, 4, 0); break;
+            case 96: attend_head_avx512(a, q, out, head, scores, slots, count, 6, 0); break;
+            case 128: attend_head_avx512(a, q, out, head, scores, slots, count, 8, 0); break;
+            case 256: attend_head_avx512(a, q, out, head, scores, slots, count, 16, 0); break;
+            default: attend_head_avx512(a, q, out, head, scores, slots, count, D / 16, 0); break;
+            }
     }
     return 1;
 }

@@ -15,6 +15,7 @@
  *  - LAYOUT_INT8: dot_h = sum_k v_k * x8_k exactly in int32 (x8 = round(x / s), s = max|x| / 127 per
  *                 block; halves as above), then acc += dot_h * (d_h*s), acc += mn * (s * sum_k x8_k). */
 #include <math.h>
+#include <string.h>
 
 #include "engine.h"
 
@@ -243,6 +244,41 @@ void softcap_scores(float *scores, int count, float cap) {
     }
 }
 
+/* ---- float16 keys and values (engine.h: what is stored, and why no subnormal is) ---------------- */
+
+uint16_t half_from_float(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) return (uint16_t)(sign | 0x7e00u | ((ax >> 13) & 0x3ffu)); /* NaN: quiet, payload's top bits */
+    if (ax >= 0x477fe000u) return (uint16_t)(sign | 0x7bffu);                     /* clamped to 65504 (infinity too) */
+    if (ax < 0x387fe000u) return (uint16_t)sign;     /* rounds to a subnormal or zero: signed zero */
+    if (ax < 0x38800000u) return (uint16_t)(sign | 0x0400u); /* just below 2^-14: rounds up to it */
+    uint32_t r = ax - 0x38000000u;                   /* the exponent rebiased (127 -> 15) */
+    return (uint16_t)(sign | ((r + 0x0fffu + ((r >> 13) & 1u)) >> 13)); /* nearest, ties to even */
+}
+
+float float_from_half(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu, x;
+    if (e == 0) { /* zero, or a subnormal (never stored; exact all the same) */
+        float v = (float)m * 0x1p-24f;
+        return sign ? -v : v;
+    }
+    x = e == 31 ? sign | 0x7f800000u | (m << 13) : sign | ((e + 112u) << 23) | (m << 13);
+    float f;
+    memcpy(&f, &x, 4);
+    return f;
+}
+
+static void store_half_ref(const float *x, uint16_t *out, int n) {
+    for (int i = 0; i < n; i++) out[i] = half_from_float(x[i]);
+}
+
+/* Element i of a float32 or float16 row. */
+static inline float kv_element(const void *row, int half, int i) {
+    return half ? float_from_half(((const uint16_t *)row)[i]) : ((const float *)row)[i];
+}
+
 /* One query head's attention over its visible keys ``slots`` [count], in logical order: scores
  * (scaled, soft-capped where the view says), their softmax, the weighted sum of values (``scores``
  * [count] is the caller's scratch). */
@@ -250,12 +286,13 @@ static void attend_head_ref(const attention_view *a, const float *q, float *out,
                             int count) {
     int D = a->head_dim, g = head / (a->heads / a->kv_heads);
     q += (size_t)head * D;
-    const float *K = a->keys + (size_t)g * a->cap * D, *V = a->values + (size_t)g * a->cap * D;
+    size_t width = a->half ? 2 : 4;
+    const char *K = (const char *)a->keys + (size_t)g * a->cap * D * width, *V = (const char *)a->values + (size_t)g * a->cap * D * width;
     float scale = a->scale, best = -INFINITY;
     for (int l = 0; l < count; l++) {
-        const float *k = K + (size_t)slots[l] * D;
+        const void *k = K + (size_t)slots[l] * D * width;
         float s = 0.0f;
-        for (int i = 0; i < D; i++) s = fmaf(q[i], k[i], s);
+        for (int i = 0; i < D; i++) s = fmaf(q[i], kv_element(k, a->half, i), s);
         scores[l] = s * scale;
     }
     if (a->softcap > 0.0f) softcap_scores(scores, count, a->softcap);
@@ -267,9 +304,9 @@ static void attend_head_ref(const attention_view *a, const float *q, float *out,
     out += (size_t)head * D;
     for (int i = 0; i < D; i++) out[i] = 0.0f;
     for (int l = 0; l < count; l++) {
-        const float *v = V + (size_t)slots[l] * D;
+        const void *v = V + (size_t)slots[l] * D * width;
         float p = scores[l];
-        for (int i = 0; i < D; i++) out[i] = fmaf(p, v[i], out[i]);
+        for (int i = 0; i < D; i++) out[i] = fmaf(p, kv_element(v, a->half, i), out[i]);
     }
     float inv = 1.0f / total;
     for (int i = 0; i < D; i++) out[i] *= inv;
@@ -290,5 +327,6 @@ void install_portable(kernel_set *k) {
     k->exp_inplace = exp_inplace_ref;
     k->rms_norm = rms_norm_ref;
     k->attend = attend_ref;
-    for (int op = 0; op < 6; op++) k->isa[op] = ISA_PORTABLE;
+    k->store_half = store_half_ref;
+    for (int op = 0; op < OPS; op++) k->isa[op] = ISA_PORTABLE;
 }

@@ -38,9 +38,9 @@ typedef struct {
 } attention_task_args;
 
 static attention_view segment_view(const layer_desc *L, int layer, const segment_desc *sg) {
-    const int64_t *kv = sg->kv + 3 * (size_t)layer;
-    attention_view v = {L->heads, L->kv_heads, L->head_dim, (const float *)(intptr_t)kv[0], (const float *)(intptr_t)kv[1],
-                        (int)kv[2], sg->start, sg->n, sg->attends, sg->every_slot && sg->attends != NULL,
+    const int64_t *kv = sg->kv + KV_COLUMNS * (size_t)layer;
+    attention_view v = {L->heads, L->kv_heads, L->head_dim, (const void *)(intptr_t)kv[0], (const void *)(intptr_t)kv[1],
+                        kv[3] == KV_HALF, (int)kv[2], sg->start, sg->n, sg->attends, sg->every_slot && sg->attends != NULL,
                         L->window, sg->positions, L->attention_scale, L->softcap};
     return v;
 }
@@ -160,14 +160,20 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
         for (int r = 0; r < n; r++) {
             int row = c0 + r;
             const segment_desc *sg = &p->segments[p->segment_of[row]];
-            const int64_t *kv = sg->kv + 3 * (size_t)layer;
-            float *keys = (float *)(intptr_t)kv[0], *values = (float *)(intptr_t)kv[1];
+            const int64_t *kv = sg->kv + KV_COLUMNS * (size_t)layer;
             int cap = (int)kv[2], slot = sg->start + (row - sg->row0);
             float *x = qkv + (size_t)r * qkv_width;
             prepare_qkv_row(L, x, table->cos + (size_t)row * p->rotary_dims, table->sin + (size_t)row * p->rotary_dims);
             for (int g = 0; g < kvh; g++) {
-                memcpy(keys + ((size_t)g * cap + slot) * D, x + (size_t)(heads + g) * D, (size_t)D * 4);
-                memcpy(values + ((size_t)g * cap + slot) * D, x + (size_t)(heads + kvh + g) * D, (size_t)D * 4);
+                size_t at = (size_t)g * cap + slot;
+                const float *k = x + (size_t)(heads + g) * D, *v = x + (size_t)(heads + kvh + g) * D;
+                if (kv[3] == KV_HALF) { /* rounded once, here: every path reads the same bits */
+                    kernels.store_half(k, (uint16_t *)(intptr_t)kv[0] + at * D, D);
+                    kernels.store_half(v, (uint16_t *)(intptr_t)kv[1] + at * D, D);
+                } else {
+                    memcpy((float *)(intptr_t)kv[0] + at * D, k, (size_t)D * 4);
+                    memcpy((float *)(intptr_t)kv[1] + at * D, v, (size_t)D * 4);
+                }
             }
             work += (int64_t)heads * (L->window > 0 && L->window < slot + 1 ? L->window : slot + 1);
         }

@@ -396,8 +396,8 @@ def _engine_steps(steps: list[HeadStep]) -> list[HeadOutput]:
         for _, step in extending:
             cache, n = step.runner.cache, step.rows
             start = cache.length
-            keys, values = cache.slots(start + n, config.num_kv_heads, config.head_dim)
-            table = torch.tensor([[keys.data_ptr(), values.data_ptr(), int(keys.shape[-2])]], dtype=torch.int64)
+            table = torch.tensor([cache.engine_row(start + n, config.num_kv_heads, config.head_dim, engine.layer.kv_dtype)],
+                                 dtype=torch.int64)
             tables.append(table)  # [1, 3]: the head's one layer (kept alive until the call returns)
             rows.append(Segment(first, n, start, table))
             positions.append(torch.arange(start, start + n))

@@ -249,7 +249,10 @@ def _swap_in(model: torch.nn.Module, mask: RoutingMask) -> list[tuple[torch.nn.M
     try:
         for index in range(mask.num_layers):
             attention, mlp = index in mask.skip_attention, index in mask.skip_mlp
-            if attention and mlp:
+            # a whole layer: an engine layer keeps its place with both units bypassed (the decoder
+            # stays one engine call, and no torch attention reads the engine's float16 caches);
+            # any other layer is swapped for a pass-through stand-in
+            if attention and mlp and getattr(layers[index], "fused", None) is None:
                 swapped.append((layers, str(index), layers[index]))
                 layers[index] = _BypassedLayer()
                 continue
