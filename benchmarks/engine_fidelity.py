@@ -2,7 +2,7 @@
 numerics for this CPU, and int8, bfloat16 and float32 rows) against greedy `ar` on the float32
 de-quantised model, with llama.cpp and OpenVINO GenAI on the same file beside them.
 
-    python benchmarks/engine_fidelity.py [--prompts 72] [--max-new-tokens 128] [--dtypes int8,bfloat16,float32]
+    python benchmarks/engine_fidelity.py [--prompts 72] [--max-new-tokens 128] [--dtypes auto,int8,bfloat16,float32]
                                          [--out results/engine_fidelity]
 
 Every text is scored by the float32 de-quantised model (the GGUF's values in float32, torch's
@@ -121,17 +121,18 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, default=Path("results/engine_fidelity"))
     parser.add_argument("--peers", action="store_true", help="also llama.cpp and OpenVINO GenAI on the same file")
-    parser.add_argument("--dtypes", default="int8,bfloat16,float32",
-                        help="the engine's numerics to run (comma-separated; the default numerics are one of them)")
+    parser.add_argument("--dtypes", default="auto,int8,bfloat16,float32",
+                        help="the engine's numerics to run (comma-separated; auto: the default numerics, float16 "
+                             "KV caches with them, where a dtype named keeps float32 caches)")
     args = parser.parse_args()
     dtypes = args.dtypes.split(",")
-    unknown = sorted(set(dtypes) - {"int8", "bfloat16", "float32"})
+    unknown = sorted(set(dtypes) - {"auto", "int8", "bfloat16", "float32"})
     if unknown:
-        parser.error(f"--dtypes takes int8, bfloat16 and float32, not {', '.join(unknown)}")
+        parser.error(f"--dtypes takes auto, int8, bfloat16 and float32, not {', '.join(unknown)}")
     reference = tierspec.load_model("smollm2-135m", dtype="float32", kernels="packed")
     default = tierspec.load_model("smollm2-135m", dtype="auto").model.model.embed_tokens.qweight.numerics
     engines = {}
-    for dtype in dtypes:  # the default is one of them: its row says so
+    for dtype in dtypes:  # auto's row (or the one whose numerics are auto's) says it is the default
         model = tierspec.load_model("smollm2-135m", dtype=dtype, kernels="gguf")
         numerics = model.model.model.embed_tokens.qweight.numerics
         engines[f"engine {dtype}" + (" (the default here)" if numerics == default else "")

@@ -1,13 +1,17 @@
 """What the engine's float16 KV cache saves: the default model's cached pass over float32 and float16
 caches, alternating in one process, by rows and cached context.
 
-    python benchmarks/kv_cache_cost.py [--contexts 300,1000] [--rows 1,2,4,8,16] [--repeats 40]
+    python benchmarks/kv_cache_cost.py [--contexts 300,1000] [--rows 1,2,4,8,16] [--repeats 40] [--texts 0]
 
 The model is loaded as the CLI loads it (``--dtype auto``); one runner per cache type holds the same
 ``--contexts`` prompt (its caches made in that type: ``FusedLayer.kv_dtype``); each repeat times a pass
 of k new tokens (logits for all, as verification needs) on one runner then the other, each rolled back
 after. Reported: median ms per pass, the engine's attention time per pass (``_qengine.profile``) and the
 ratio float16 / float32 from the same repeats.
+
+``--texts N``: also N Spec-Bench prompts (5 per category, the bench's selection) generated greedily with
+``ar`` to 128 tokens over each cache type, alternating per prompt: how many texts are equal, and where
+the others part (the float16 rounding against float32's, seen in the tokens).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import time
 import torch
 
 import tierspec
-from tierspec import _qengine, gguf_llama
+from tierspec import _qengine
 from tierspec.cached_model import CachedModel
 from tierspec.engine import kernel_report, threads_for
 
@@ -29,6 +33,7 @@ def main() -> None:
     parser.add_argument("--contexts", default="300,1000")
     parser.add_argument("--rows", default="1,2,4,8,16")
     parser.add_argument("--repeats", type=int, default=40)
+    parser.add_argument("--texts", type=int, default=0)
     args = parser.parse_args()
     target = tierspec.load_model("smollm2-135m", dtype="auto")
     layers = target.model.model.layers
@@ -58,8 +63,31 @@ def main() -> None:
                 wide, half = (statistics.median(times[d]) * 1e3 for d in (torch.float32, torch.float16))
                 print(f"| {rows} | {wide:.2f} ({attention[torch.float32] / args.repeats * 1e3:.2f}) | "
                       f"{half:.2f} ({attention[torch.float16] / args.repeats * 1e3:.2f}) | {half / wide:.3f} |")
+    if args.texts:
+        compare_texts(target, layers, args.texts)
     for layer in layers:
-        layer.fused.kv_dtype = gguf_llama.KV_DTYPE
+        layer.fused.kv_dtype = layer.fused.numerics.kv_dtype
+
+
+def compare_texts(target, layers, count: int) -> None:
+    from tierspec.data import load_prompts, select
+
+    prompts = select(load_prompts("spec_bench"), per_category=5)[:count]
+    equal, parted = 0, []
+    for prompt in prompts:
+        tokens = {}
+        for dtype in (torch.float32, torch.float16):
+            for layer in layers:
+                layer.fused.kv_dtype = dtype
+            tokens[dtype] = tierspec.generate(prompt.text, target=target, method="ar", max_new_tokens=128,
+                                              temperature=0.0).token_ids
+        wide, half = tokens[torch.float32], tokens[torch.float16]
+        if wide == half:
+            equal += 1
+        else:
+            parted.append(next((i for i, (a, b) in enumerate(zip(wide, half)) if a != b), min(len(wide), len(half))))
+    print(f"\ngreedy `ar`, {len(prompts)} Spec-Bench prompts, 128 tokens: {equal} texts equal over float16 and float32 "
+          f"caches; the others part at tokens {sorted(parted)}")
 
 
 if __name__ == "__main__":

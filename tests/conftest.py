@@ -10,15 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from tierspec import gguf_llama
 from tierspec.models import wrap_model
-
-# The engine's KV caches in float32 for the suite: most engine tests compare its passes with torch's
-# float32 attention on the same weights, exactly or to float32's rounding. The product's float16
-# caches (gguf_llama.KV_DTYPE) have their own tests (tests/models/test_kv_half.py: the stored bits on
-# every path, and a float16 pass equal to a float32 pass over the same rounded entries); the setting
-# TIERSPEC_TEST_KV_DTYPE=float16 runs the whole suite on them.
-gguf_llama.KV_DTYPE = getattr(torch, os.environ.get("TIERSPEC_TEST_KV_DTYPE", "float32"))
 
 # One intra-op thread for the whole suite (and the commands it starts): the tests check results,
 # not speed, and on a shared machine a second thread waits for a busy core at every operation.

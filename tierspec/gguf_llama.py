@@ -28,12 +28,6 @@ from .engine import Segment, engine, run_stack
 from .quant import (NATIVE_TYPES, GgufTensor, Numerics, QuantEmbedding, QuantLinear, QuantWeight, read_gguf_tensors,
                     unpermute_order, unpermute_rows)
 
-#: The element type of the KV caches the engine's layers write and read (``KVLayer.engine_row``):
-#: float16 halves the bytes a pass's attention reads (the default model's 30 layers cache 23 KB a
-#: position in float32), rounded once when written (engine.h: ``half_from_float``); float32 where a
-#: layer's ``kv_dtype`` is set so (tests comparing the engine with torch's float32 attention).
-KV_DTYPE = torch.float16
-
 ATTENTION_UNIT, MLP_UNIT = 1, 2  # the engine's flags: which residual units of a layer run
 EVERY_SLOT = 4  # FusedLayer.run: the pass's attends lists every slot a row sees
 
@@ -53,9 +47,6 @@ class FusedLayer:
 
     def __init__(self, layer, config: SimpleNamespace, rotary_table: int = 0, kv_dtype: torch.dtype | None = None):
         attention, mlp = layer.self_attn, layer.mlp
-        self.kv_dtype = KV_DTYPE if kv_dtype is None else kv_dtype  # of the caches it makes (``KVLayer.slots``)
-        if self.kv_dtype not in (torch.float16, torch.float32):
-            raise ValueError(f"the engine's KV caches are float16 or float32, not {self.kv_dtype}")
         parts = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
         if not all(isinstance(p, QuantLinear) for p in parts):
             raise ValueError("a fused layer needs all four projections quantised")
@@ -63,6 +54,10 @@ class FusedLayer:
         if len(numerics) != 1:
             raise ValueError("a fused layer's projections must share their numerics")
         self.numerics: Numerics = numerics.pop()
+        # the caches it makes (``KVLayer.slots``): its numerics' unless given
+        self.kv_dtype = self.numerics.kv_dtype if kv_dtype is None else kv_dtype
+        if self.kv_dtype not in (torch.float16, torch.float32):
+            raise ValueError(f"the engine's KV caches are float16 or float32, not {self.kv_dtype}")
         self.heads, self.kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.hidden = config.hidden_size
         qkv, o, gate_up, down = (part.qweight.handle for part in parts)

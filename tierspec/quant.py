@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -46,7 +46,7 @@ LAYOUT_BFLOAT16_DOT, LAYOUT_FLOAT32_FMA, LAYOUT_INT8_DOT = 0, 1, 2
 # role, float32 rows in 16 lanes and four chains, int8 rows on VNNI without AVX512-BF16, AMX.
 # 3: K-quant cells, kernels specialised per cell kind. 4: int8 rows on AVX2 (vpmaddubsw), attention
 # over a kv head's group of query heads, AVX2 products over 1-2 rows on every thread. 5: float16
-# KV caches (gguf_llama.KV_DTYPE).
+# KV caches (``Numerics.kv_dtype``).
 ENGINE_KERNELS = 5
 
 
@@ -54,11 +54,15 @@ ENGINE_KERNELS = 5
 class Numerics:
     """How a quantised layer's products round: ``layout`` (the engine's kernels: bfloat16 dot
     products, float32 FMAs or int8 dot products) and ``round_rows`` (float32 FMAs on rows rounded to
-    bfloat16 values: bfloat16 emulated). ``dtype`` is what the user asked for (or ``auto`` chose)."""
+    bfloat16 values: bfloat16 emulated). ``dtype`` is what the user asked for (or ``auto`` chose).
+    ``kv_dtype``: the element type of the KV caches the engine's layers of these numerics make
+    (``gguf_llama.FusedLayer``): float16 for ``auto`` (``default_numerics``), float32 for a dtype
+    asked for by name (the file's model computed as asked, its cache as the torch layers keep it)."""
 
     dtype: torch.dtype
     layout: int
     round_rows: bool
+    kv_dtype: torch.dtype = torch.float32
 
     @property
     def description(self) -> str:
@@ -87,10 +91,16 @@ def default_numerics() -> Numerics:
     can place int8 beside the target. They make a one-row pass 1.4× and a 16-row pass 2.1× faster
     than float32 rows on AVX2 (results/zen3/pass_cost), and on VNNI and AMX run twice the
     multiply-adds per instruction of bfloat16 rows. ``--dtype float32`` keeps the file's model up to
-    the order of float32 sums (+0.00%); ``--dtype bfloat16`` rounds rows to bfloat16."""
-    if probe()["paths"]["int8"] != "portable":
-        return numerics_for(torch.int8)
-    return numerics_for(torch.float32)
+    the order of float32 sums (+0.00%); ``--dtype bfloat16`` rounds rows to bfloat16.
+
+    Its KV caches are float16 (engine.h ``half_from_float``: rounded once when written, widened
+    exactly when read): half the bytes a pass's attention reads (a one-row pass of the default model
+    0.93× float32 caches' at 300 cached tokens, 0.87× at 1,000 on a Zen 4;
+    results/zen4/int8/kv_half.log). On float32 rows the logits move by about 3e-4 of their scale
+    (0.01 at a scale of 30); on int8 rows that shift re-rounds some rows' 8-bit blocks, which moves
+    them as far as any other change of their sums would (docs/algorithms.md §The pass engine)."""
+    rows = numerics_for(torch.int8) if probe()["paths"]["int8"] != "portable" else numerics_for(torch.float32)
+    return replace(rows, kv_dtype=torch.float16)
 
 
 def kernel_key(numerics: Numerics) -> str:
@@ -99,7 +109,9 @@ def kernel_key(numerics: Numerics) -> str:
     on them: the pass-cost table (``costs``) is re-measured when any of it changes."""
     path = probe()["paths"][{LAYOUT_BFLOAT16_DOT: "bfloat16", LAYOUT_FLOAT32_FMA: "float32",
                              LAYOUT_INT8_DOT: "int8"}[numerics.layout]]
-    return f"engine-{ENGINE_KERNELS}:layout{numerics.layout}{'-rounded' if numerics.round_rows else ''}:{path}"
+    rounded = "-rounded" if numerics.round_rows else ""
+    half_kv = "-kv16" if numerics.kv_dtype == torch.float16 else ""
+    return f"engine-{ENGINE_KERNELS}:layout{numerics.layout}{rounded}{half_kv}:{path}"
 
 
 def numerics_for(dtype: torch.dtype) -> Numerics:

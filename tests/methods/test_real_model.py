@@ -224,22 +224,41 @@ def smollm_bf16():
     return tierspec.load_model("smollm2-135m", dtype="bfloat16")
 
 
-@pytest.mark.parametrize("method", ["pld", "adaptive-pld", "eagle", "hybrid"])
-def test_bfloat16_lossless_methods_equal_ar_in_the_same_dtype(smollm_bf16, method):
-    """A token's logits do not depend on its pass (next test), so in bfloat16 too a lossless
-    method's greedy text is exactly plain decoding's, whatever draft lengths it chose."""
-    assert smollm_bf16.model.dtype == torch.bfloat16
-    ar = tierspec.generate(PROMPT, target=smollm_bf16, method="ar", max_new_tokens=48)
-    out = tierspec.generate(PROMPT, target=smollm_bf16, method=method, max_new_tokens=48)
-    assert out.token_ids == ar.token_ids and out.stats.target_calls < ar.stats.target_calls
+@pytest.fixture(scope="module")
+def smollm_auto():
+    """The default model as the CLI, the server and the bench load it: the engine's default numerics
+    for this CPU, with float16 KV caches."""
+    return tierspec.load_model("smollm2-135m", dtype="auto")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_tokens_logits_are_the_same_alone_and_inside_wider_passes(dtype, smollm, smollm_bf16):
+@pytest.mark.parametrize("method", ["pld", "adaptive-pld", "eagle", "hybrid", "clasp"])
+@pytest.mark.parametrize("numerics", ["bfloat16", "auto"])
+def test_lossless_methods_equal_ar_in_the_same_numerics(smollm_bf16, smollm_auto, numerics, method):
+    """A token's logits do not depend on its pass (next test), so in bfloat16, and on the default
+    numerics with their float16 caches, a lossless method's greedy text is exactly plain decoding's,
+    whatever draft lengths it chose (CLaSP: its whole-layer masks run on the engine's caches)."""
+    loaded = smollm_bf16 if numerics == "bfloat16" else smollm_auto
+    if numerics == "bfloat16":
+        assert loaded.model.dtype == torch.bfloat16
+    else:
+        assert loaded.model.model.layers[0].fused.kv_dtype == torch.float16
+    from tierspec.methods import MethodOptions
+
+    options = MethodOptions(confidence_threshold=0.0) if method == "clasp" else MethodOptions()
+    ar = tierspec.generate(PROMPT, target=loaded, method="ar", max_new_tokens=48)
+    out = tierspec.generate(PROMPT, target=loaded, method=method, max_new_tokens=48, options=options)
+    assert out.token_ids == ar.token_ids
+    if method != "clasp":  # CLaSP's drafts cost passes of their own: not fewer target calls on every prompt
+        assert out.stats.target_calls < ar.stats.target_calls
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "auto"])
+def test_a_tokens_logits_are_the_same_alone_and_inside_wider_passes(dtype, smollm, smollm_bf16, smollm_auto):
     """The default model's logits of 16 tokens after a 500-token context, computed one token per
     pass and in passes of 2, 3, 8 and 16 tokens (the last ones crossing a 512-key block):
-    bitwise equal, and float32 (bfloat16 weights, float32 logits)."""
-    loaded = smollm if dtype == "float32" else smollm_bf16
+    bitwise equal, and float32 (bfloat16 weights, float32 logits); on the default numerics too
+    (float16 caches: each entry rounded once, when written, whatever the pass)."""
+    loaded = {"float32": smollm, "bfloat16": smollm_bf16, "auto": smollm_auto}[dtype]
     ids = (torch.arange(516) * 7919 + 13) % loaded.vocab_size
     runner = tierspec.CachedModel(loaded.model)
     with torch.inference_mode():

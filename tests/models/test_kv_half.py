@@ -1,6 +1,6 @@
-"""The engine's float16 KV caches (``gguf_llama.KV_DTYPE``, engine.h ``half_from_float``): the bits
-stored on every kernel path against numpy's rounding, and passes over float16 caches against the
-same passes over float32 ones (the suite runs on float32 caches, tests/conftest.py)."""
+"""The engine's float16 KV caches (``Numerics.kv_dtype``, ``--dtype auto``'s; engine.h
+``half_from_float``): the bits stored on every kernel path against numpy's rounding, and passes over
+float16 caches against the same passes over float32 ones."""
 
 from __future__ import annotations
 
@@ -119,14 +119,19 @@ def test_a_half_cache_holds_the_float32_entries_rounded_and_passes_stay_close(tm
         assert torch.equal(half_logits.argmax(-1), reference.argmax(-1))
 
 
-def test_the_product_makes_half_caches_and_rounds_once(tmp_path, monkeypatch):
-    """A model loaded as the product loads it (``KV_DTYPE`` float16; the suite sets float32 for its
-    other tests) makes float16 caches: the engine's table says 2-byte elements, and a rollback and a
-    second pass over the same tokens give the same logits (entries rounded once, when written)."""
-    from tierspec import gguf_llama
-    monkeypatch.setattr(gguf_llama, "KV_DTYPE", torch.float16)
+def test_auto_numerics_make_half_caches_and_round_once(tmp_path):
+    """``--dtype auto``'s numerics (``default_numerics``) make float16 caches, a dtype asked for by
+    name float32 ones; the engine's table says 2-byte elements, and a rollback and a second pass over
+    the same tokens give the same logits (entries rounded once, when written)."""
+    from dataclasses import replace
+
+    from tierspec.quant import default_numerics, kernel_key
+    assert default_numerics().kv_dtype == torch.float16
+    assert all(numerics_for(dtype).kv_dtype == torch.float32 for dtype in (torch.float32, torch.int8))
+    half_numerics = replace(numerics_for(torch.float32), kv_dtype=torch.float16)
+    assert kernel_key(half_numerics) != kernel_key(numerics_for(torch.float32))  # cost tables apart
     tiny = write_tiny_gguf(tmp_path, seed=7, layers=2, hidden=128, heads=2, kv_heads=1)
-    model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(torch.float32))
+    model = load_gguf_llama(tiny.gguf, tiny.folder, half_numerics)
     fused = model.model.layers[0].fused
     assert fused.kv_dtype == torch.float16
     with torch.inference_mode():
