@@ -11,7 +11,9 @@ generated token, which the targets compare (the default within +4% of the refere
 float32 rows +0.00%). Also: the share of prompts whose text equals the reference's, and where the first token
 differs. Greedy texts part at the first near-tie and then score different texts, so that column
 moves by several points with the prompts (its 95% bootstrap interval over prompts is shown); the engine's own error is read without that noise by
-teacher forcing: each engine model reads the reference's text, and its next-token distributions
+teacher forcing: each engine model reads the reference's text in one cached pass (its attention over its
+own cache, float16 under auto; runs before 2026-12-04 used an uncached pass, torch's attention over float32
+keys: their KL measured the products alone), and its next-token distributions
 are compared with the reference's at every generated position (mean KL(reference ‖ engine) in
 nats, and how often the two argmaxes agree). Prompts: MT-Bench first turns and GSM8K test questions (neither tunes anything here).
 """
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 import tierspec
+from tierspec.cached_model import CachedModel
 from tierspec.bench.metrics import target_nll
 from tierspec.data import load_prompts
 from tierspec.prompting import encode_prompt, eos_ids
@@ -81,8 +84,10 @@ def teacher_forced(reference, engines: dict, ids: torch.Tensor, base: list[int])
     keep = len(base)
 
     def logprobs(model) -> torch.Tensor:  # [n, V] at the positions that predicted each generated token
+        # one cached pass, as generation computes (an uncached one would run torch's attention over
+        # fresh float32 keys, never the engine's attention over its cache)
         with torch.inference_mode():
-            return model.model(input_ids=full, use_cache=False, logits_to_keep=keep + 1).logits[0, :-1].float().log_softmax(-1)
+            return CachedModel(model.model).forward(full[0], logits_for=keep + 1).logits[:-1].float().log_softmax(-1)
 
     expected = logprobs(reference)
     result = {}
