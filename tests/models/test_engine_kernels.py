@@ -317,55 +317,6 @@ def test_a_tokens_logits_do_not_depend_on_its_pass_or_the_threads_on_every_path(
                 assert torch.equal(inside, whole[7 : 7 + width]), (width, threads)
 
 
-@contextlib.contextmanager
-def _few_row_threads(choice: int):
-    """Products over 1-2 rows on every thread (0) or one (1) within the block; measured afresh after."""
-    qe.set_few_row_threads(choice)
-    try:
-        yield
-    finally:
-        qe.set_few_row_threads(-1)
-
-
-def test_few_row_products_give_the_same_logits_on_one_thread_or_every_thread(tmp_path):
-    """Whichever the machine's passes measure faster (matmul.c), a one- or two-row pass's logits are
-    the same bits: each tile is computed whole by one thread either way."""
-    wide = write_tiny_gguf(tmp_path, seed=4, layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512)
-    model = load_gguf_llama(wide.gguf, wide.folder, numerics_for(torch.int8))
-    runner = CachedModel(model)
-    with torch.inference_mode(), _threads(2):
-        runner.forward(LONG_PROMPT[:30])
-        got = {}
-        for choice in (0, 1):
-            with _few_row_threads(choice):
-                runner.rollback(30)
-                got[choice] = torch.cat([runner.forward(LONG_PROMPT[30 + i : 32 + i]).logits for i in range(0, 6, 2)])
-    assert torch.equal(got[0], got[1])
-
-
-def test_the_few_row_thread_choice_is_measured_on_the_first_few_row_passes(tmp_path):
-    """After its first few-row passes (12 timed per choice after 2 each to warm up, alternating) the
-    engine keeps the faster choice and says what it measured; a pass of more rows is no trial; a bad
-    setting is refused."""
-    wide = write_tiny_gguf(tmp_path, seed=4, layers=2, hidden=256, heads=4, kv_heads=2, intermediate=512)
-    model = load_gguf_llama(wide.gguf, wide.folder, numerics_for(torch.int8))
-    runner = CachedModel(model)
-    qe.set_few_row_threads(-1)
-    with torch.inference_mode(), _threads(2):
-        runner.forward(LONG_PROMPT[:20])  # 20 rows: not a trial
-        assert engine.probe()["few_row_threads"]["choice"] == "measuring"
-        for i in range(27):
-            runner.forward(LONG_PROMPT[20 + i : 21 + i])
-        assert engine.probe()["few_row_threads"]["choice"] == "measuring"  # 27 of the 28 trials
-        runner.forward(LONG_PROMPT[47:48])
-    found = engine.probe()["few_row_threads"]
-    every, one = found["every_thread_ns_per_layer"], found["one_thread_ns_per_layer"]
-    assert every > 0 and one > 0
-    assert found["choice"] == ("one thread" if one < every else "every thread")
-    with pytest.raises(ValueError, match="-1 .measure., 0 .every thread. or 1 .one thread., not 2"):
-        qe.set_few_row_threads(2)
-
-
 @pytest.mark.parametrize("path", PATHS + ("amx-emulated",))
 def test_a_tree_node_gets_its_chains_logits_on_every_path(tiny, path):
     from tierspec.tree import TokenTree, tree_pass

@@ -549,12 +549,10 @@ static PyObject *py_run_stack(PyObject *self, PyObject *args, PyObject *kw) {
                       .segments = segments, .count = count, .segment_of = segment_of, .threads = threads,
                       .captures = captures};
     Py_BEGIN_ALLOW_THREADS
-    int trial = few_row_trial_begin(rows);
-    int64_t started = profiling || trial ? now_ns() : 0;
+    int64_t started = profiling ? now_ns() : 0;
     unsigned csr = flush_denormals();
     run_pass(&pass);
     restore_denormals(csr);
-    if (trial) few_row_trial_end(now_ns() - started, last - first);
     if (profiling) {
         profile_ns[0] += now_ns() - started;
         profile_ns[3] += last - first;
@@ -650,25 +648,6 @@ static int set_item(PyObject *dict, const char *key, PyObject *value) {
 
 /* probe() -> the CPU's features, the OS's state, the AMX probe's result and the path each kernel
  * takes now. */
-/* {"choice": "measuring" | "every thread" | "one thread", "every_thread_ns_per_layer": ..., "one_thread_ns_per_layer": ...} */
-static PyObject *few_row_report(void) {
-    int choice;
-    double every, one;
-    few_row_threads(&choice, &every, &one);
-    return Py_BuildValue("{s:s,s:d,s:d}", "choice", choice < 0 ? "measuring" : choice ? "one thread" : "every thread",
-                         "every_thread_ns_per_layer", every, "one_thread_ns_per_layer", one);
-}
-
-/* set_few_row_threads(choice): -1 measure again, 0 every thread, 1 one thread (tests, benchmarks) */
-static PyObject *py_set_few_row_threads(PyObject *self, PyObject *arg) {
-    (void)self;
-    long choice = PyLong_AsLong(arg);
-    if (choice == -1 && PyErr_Occurred()) return NULL;
-    if (choice < -1 || choice > 1) return PyErr_Format(PyExc_ValueError, "few-row threads: -1 (measure), 0 (every thread) or 1 (one thread), not %ld", choice);
-    set_few_row_threads((int)choice);
-    Py_RETURN_NONE;
-}
-
 static PyObject *py_probe(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
     PyObject *out = PyDict_New(), *features = PyDict_New(), *paths = PyDict_New();
@@ -691,7 +670,6 @@ static PyObject *py_probe(PyObject *self, PyObject *unused) {
         set_item(out, "cap", cpu.cap_set ? PyUnicode_FromString(isa_names[cpu.cap]) : Py_NewRef(Py_None)) ||
         set_item(out, "amx", PyBool_FromLong(cpu.amx)) ||
         set_item(out, "amx_reason", PyUnicode_FromString(cpu.amx_reason)) ||
-        set_item(out, "few_row_threads", few_row_report()) ||
         PyDict_SetItemString(out, "features", features) || PyDict_SetItemString(out, "paths", paths))
         goto fail;
     Py_DECREF(features);
@@ -754,7 +732,6 @@ static PyMethodDef methods[] = {
     {"emulate_amx", py_emulate_amx, METH_NOARGS,
      "Tests: the AMX kernels over emulated tile instructions, until the next select_isa."},
     {"probe", py_probe, METH_NOARGS, "The CPU's features, the AMX probe's result and each kernel's path."},
-    {"set_few_row_threads", py_set_few_row_threads, METH_O, "Products over 1-2 rows: -1 measure, 0 every thread, 1 one thread."},
     {"block_types", py_block_types, METH_NOARGS, "The natively computed ggml types: {id: (name, values, bytes)}."},
     {"profile", py_profile, METH_O, "Time spent in stack calls, their products and attention (and switch it on/off)."},
     {NULL, NULL, 0, NULL},

@@ -314,15 +314,6 @@ typedef struct {
 
 void run_pass(const pass_desc *p);
 
-/* Whether products over 1-2 rows run on one thread or on every thread: measured on this machine's
- * first few-row passes, alternating (matmul.c). begin: whether this pass of ``rows`` is a trial (then
- * end gets its time and its layer count); few_row_threads: the choice (-1 while measuring, 0 every
- * thread, 1 one thread) and the per-layer medians it was made on; set: fix it (-1: measure again). */
-int few_row_trial_begin(int rows);
-void few_row_trial_end(int64_t ns, int layers);
-void few_row_threads(int *choice, double *every_thread_ns, double *one_thread_ns);
-void set_few_row_threads(int choice);
-
 /* The MLP's gate over rows: out [rows, inter] = act(g) * u for gate_up [rows, 2 inter] (g, then u). */
 void activate_rows(int activation, const float *gate_up, int rows, int inter, float *out, int threads);
 

@@ -4,81 +4,17 @@
  * group: a row's result does not depend on the other rows). A weight stacked from parts of
  * different kinds (blocks.h) runs each part's kernel on the same prepared rows, into its own
  * columns of out. */
-#include <pthread.h>
-#include <stdlib.h>
 #include <string.h>
 
 #include "engine.h"
 
-/* Products over FEW_ROWS rows or fewer run on one thread or on every thread, whichever this
- * machine's passes measure faster (few_row_trial_end): the ISA does not say. On a Zen 5 (AVX-512)
- * whole passes of 1 / 2 rows took 3.0 / 3.8 ms with one-thread products, 3.6 / 4.0 with two; on a
- * 2-core Zen 3 VM (AVX2) one thread streamed a 70 MB Q4_1 weight's one-row int8 product at 12 GB/s,
- * two at 22 GB/s (one-row passes 10.5 against 7.5 ms); on a 2-core Zen 4 VM (AVX-512 VNNI) one-row
- * passes took 5.7-6.7 ms with one-thread products, 5.2-5.3 with two — where the second thread also
- * stays awake for the attention that follows each product (0.47 against 0.89 ms of it at 300 cached
- * tokens). The thread count never changes a result. */
-#define FEW_ROWS 2
-#define TRIAL_PASSES 12 /* per choice, after TRIAL_WARMUP each, alternating */
-#define TRIAL_WARMUP 2
-static pthread_mutex_t trial_lock = PTHREAD_MUTEX_INITIALIZER;
-static int few_row_choice = -1;   /* -1: trials running; 0: every thread; 1: one thread */
-static int few_row_trial;         /* the choice the running trial pass uses */
-static int trial_count[2];
-static double trial_ns_per_layer[2][TRIAL_PASSES + TRIAL_WARMUP];
-static double chosen_ns[2];       /* the medians the choice was made on */
-
-static int single_thread_rows(void) {
-    int single = few_row_choice >= 0 ? few_row_choice : few_row_trial;
-    return single ? FEW_ROWS : 0;
-}
-
-int few_row_trial_begin(int rows) {
-    if (rows > FEW_ROWS || few_row_choice >= 0) return 0;
-    pthread_mutex_lock(&trial_lock);
-    int trying = few_row_choice < 0;
-    if (trying) few_row_trial = trial_count[0] <= trial_count[1] ? 0 : 1;
-    pthread_mutex_unlock(&trial_lock);
-    return trying;
-}
-
-static int compare_doubles(const void *a, const void *b) {
-    double x = *(const double *)a, y = *(const double *)b;
-    return (x > y) - (x < y);
-}
-
-void few_row_trial_end(int64_t ns, int layers) {
-    if (layers < 1) return;
-    pthread_mutex_lock(&trial_lock);
-    int c = few_row_trial;
-    if (few_row_choice < 0 && trial_count[c] < TRIAL_PASSES + TRIAL_WARMUP) {
-        trial_ns_per_layer[c][trial_count[c]++] = (double)ns / layers;
-        if (trial_count[0] == TRIAL_PASSES + TRIAL_WARMUP && trial_count[1] == TRIAL_PASSES + TRIAL_WARMUP) {
-            for (int k = 0; k < 2; k++) {
-                double *t = trial_ns_per_layer[k] + TRIAL_WARMUP;
-                qsort(t, TRIAL_PASSES, sizeof *t, compare_doubles);
-                chosen_ns[k] = (t[TRIAL_PASSES / 2 - 1] + t[TRIAL_PASSES / 2]) / 2;
-            }
-            few_row_choice = chosen_ns[1] < chosen_ns[0] ? 1 : 0;
-        }
-    }
-    pthread_mutex_unlock(&trial_lock);
-}
-
-void few_row_threads(int *choice, double *every_thread_ns, double *one_thread_ns) {
-    pthread_mutex_lock(&trial_lock);
-    *choice = few_row_choice;
-    *every_thread_ns = chosen_ns[0];
-    *one_thread_ns = chosen_ns[1];
-    pthread_mutex_unlock(&trial_lock);
-}
-
-void set_few_row_threads(int choice) {
-    pthread_mutex_lock(&trial_lock);
-    few_row_choice = choice;
-    if (choice < 0) trial_count[0] = trial_count[1] = 0;
-    pthread_mutex_unlock(&trial_lock);
-}
+/* Products over this many rows or fewer run on one thread where one thread with prefetching nearly
+ * saturates the memory: on a Zen 5 (the AVX-512 paths) whole passes of 1 / 2 rows took 3.0 / 3.8 ms
+ * on one thread, 3.6 / 4.0 on two. Not on the AVX2 path's machine (a 2-core AMD EPYC Zen 3 VM): one
+ * thread streamed a 70 MB Q4_1 weight's one-row int8 product at 12 GB/s, two at 22 GB/s, and the
+ * default model's one-row int8 passes took 10.5 ms with one-thread products, 7.5 ms with two (min of
+ * 40). The thread count never changes a result. */
+static int single_thread_rows(void) { return cpu.level >= ISA_AVX512 ? 2 : 0; }
 
 typedef struct {
     matmul_args a[MAX_PARTS];
