@@ -213,7 +213,7 @@ class GenerationSettings:
     ``top_p`` 1 keep every token. ``seed`` (int64): the same seed gives the same text (README,
     "Same seed, same text"); None draws a fresh one. ``chat_template``: text prompts go through the
     model's chat template (False: fed as raw text). ``options``: the method's parameters
-    (``methods.MethodOptions``).
+    (``methods.MethodOptions``; None: its defaults).
 
     Structured output (docs/structured.md), at most one of: ``json_schema`` (a JSON schema, as a
     dict or JSON text: the text is JSON valid against it), ``json_object`` (any JSON object),
@@ -235,6 +235,14 @@ class GenerationSettings:
     json_object: bool = False
     regex: str | None = None
     grammar: str | None = None
+
+    def __post_init__(self):
+        # None: the method's defaults, as for every other optional setting here; anything else
+        # that is not a MethodOptions failed deep in the method's construction with an AttributeError
+        if self.options is None:
+            object.__setattr__(self, "options", MethodOptions())
+        elif not isinstance(self.options, MethodOptions):
+            raise TypeError(f"options must be a tierspec.methods.MethodOptions (or None), not {type(self.options).__name__}")
 
 
 def grammar_spec(json_schema=None, json_object: bool = False, regex: str | None = None, grammar: str | None = None):

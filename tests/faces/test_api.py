@@ -100,6 +100,17 @@ def test_a_seed_outside_int64_is_a_clear_error(tiny_target, prompt_ids):
         tierspec.generate(prompt_ids.tolist(), target=tiny_target, method="ar", max_new_tokens=2, seed=2 ** 64)
 
 
+def test_options_none_are_the_methods_defaults_and_another_type_is_a_clear_error(tiny_target, prompt_ids):
+    """``options=None`` was an AttributeError from deep in the method's construction."""
+    from tierspec.methods import MethodOptions
+
+    ids = prompt_ids.tolist()
+    plain = tierspec.generate(ids, target=tiny_target, method="pld", max_new_tokens=6, options=MethodOptions())
+    assert tierspec.generate(ids, target=tiny_target, method="pld", max_new_tokens=6, options=None).token_ids == plain.token_ids
+    with pytest.raises(TypeError, match="options must be a tierspec.methods.MethodOptions .or None., not dict"):
+        tierspec.generate(ids, target=tiny_target, method="pld", max_new_tokens=6, options={"ngram_size": 2})
+
+
 @pytest.fixture(scope="module")
 def smollm():
     return tierspec.shared_model("smollm2-135m")

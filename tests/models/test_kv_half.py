@@ -82,8 +82,8 @@ def _caches(model, dtype: torch.dtype) -> None:
         layer.fused.kv_dtype = dtype
 
 
-# D = 16 takes the reference's attention on every path; 64 and 96 the vector kernels' (a compiled width
-# and one read at run time).
+# D = 16 takes the reference's attention on every path; 64 and 96 the vector kernels' (two compiled
+# widths; tests/models/test_engine_kernels.py covers the widths read at run time on float32 caches).
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("head_dim", [16, 64, 96])
 def test_a_half_cache_holds_the_float32_entries_rounded_and_passes_stay_close(tmp_path, path, head_dim):
