@@ -95,7 +95,7 @@ def default_numerics() -> Numerics:
 
     Its KV caches are float16 (engine.h ``half_from_float``: rounded once when written, widened
     exactly when read): half the bytes a pass's attention reads (a one-row pass of the default model
-    0.93× float32 caches' at 300 cached tokens, 0.87× at 1,000 on a Zen 4;
+    0.95× float32 caches' at 300 cached tokens, 0.86× at 1,000 on a Zen 4;
     results/zen4/int8/kv_half.log). On float32 rows the logits move by about 3e-4 of their scale
     (0.01 at a scale of 30); on int8 rows that shift re-rounds some rows' 8-bit blocks, which moves
     them as far as any other change of their sums would (docs/algorithms.md §The pass engine)."""

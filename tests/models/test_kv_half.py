@@ -4,32 +4,18 @@ float16 caches against the same passes over float32 ones."""
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 import pytest
 import torch
 
 from gguf_models import write_tiny_gguf
+from test_engine_kernels import PATHS, kernels, qe
 from tierspec import engine
 from tierspec.cached_model import CachedModel
 from tierspec.gguf_llama import load_gguf_llama
 from tierspec.quant import numerics_for
 
-qe = engine.engine()
-PATHS = qe.isas()
-VECTOR_PATHS = [path for path in PATHS if path != "portable"]
 PROMPT = (torch.arange(75) * 37 + 5) % 256
-
-
-@contextlib.contextmanager
-def kernels(path: str):
-    before = qe.isa()
-    qe.select_isa(path)
-    try:
-        yield
-    finally:
-        qe.select_isa(before)
 
 
 def stored_bits(x: np.ndarray) -> np.ndarray:

@@ -681,6 +681,17 @@ AVX2_TARGET static inline void attend_heads_avx2(const attention_view *a, const 
     }
 }
 
+/* attend_heads_avx2 with the head width a constant for the common widths, keys and values of either type */
+#define ATTEND_WIDTHS_AVX2(half)                                                                  \
+    switch (D) {                                                                                 \
+    case 32: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 4, half); break;        \
+    case 64: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 8, half); break;        \
+    case 96: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 12, half); break;       \
+    case 128: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 16, half); break;      \
+    case 256: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 32, half); break;      \
+    default: attend_heads_avx2(a, q, out, h, part, scores, slots, count, D / 8, half); break;    \
+    }
+
 /* Heads of any multiple of 32 floats up to 256 (the value sums take 4 chunks of 8 at a time): the
  * common widths get their own compiled copy (the width a constant: query and sums in registers,
  * loops unrolled), others (160, 192, 224) the same code with the width read at run time. Phi-3's
@@ -707,24 +718,11 @@ AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, floa
     if (D % 32 != 0 || D > 256) return 0;
     for (int h = head0; h < head0 + group; h += ATTEND_HEADS) {
         int part = head0 + group - h < ATTEND_HEADS ? head0 + group - h : ATTEND_HEADS;
-        if (a->half)
-            switch (D) {
-            case 32: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 4, 1); break;
-            case 64: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 8, 1); break;
-            case 96: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 12, 1); break;
-            case 128: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 16, 1); break;
-            case 256: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 32, 1); break;
-            default: attend_heads_avx2(a, q, out, h, part, scores, slots, count, D / 8, 1); break;
-            }
-        else
-            switch (D) {
-            case 32: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 4, 0); break;
-            case 64: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 8, 0); break;
-            case 96: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 12, 0); break;
-            case 128: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 16, 0); break;
-            case 256: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 32, 0); break;
-            default: attend_heads_avx2(a, q, out, h, part, scores, slots, count, D / 8, 0); break;
-            }
+        if (a->half) {
+            ATTEND_WIDTHS_AVX2(1)
+        } else {
+            ATTEND_WIDTHS_AVX2(0)
+        }
     }
     return 1;
 }

@@ -231,8 +231,9 @@ AVX512_TARGET static inline __m512 load16_kv(const void *base, size_t at, const 
  * time in logical order; the weighted sum of values in two interleaved sums (even and odd keys), added
  * at the end. Each head's operations and their order are fixed by D alone, whatever the group: the
  * loops only choose what is loaded once for what — a block of 16 keys serves every head of the group
- * from L1, as a block of ATTEND_BLOCK_AVX512 keys' values does (a one-row pass of the default model at
- * 300 cached tokens spent a third less in attention with its three query heads per kv head together). */
+ * from L1, as a block of ATTEND_BLOCK_AVX512 keys' values does (a one-row pass of the default model's
+ * attention at 300 and 1,000 cached tokens, three query heads per kv head together against one at a
+ * time: not slower, by less than a shared Zen 4 VM's noise; BENCHMARKS.md, its Zen 4 section). */
 AVX512_TARGET static inline void attend_heads_avx512(const attention_view *a, const float *q, float *out, int head0, int group,
                                                     float *scores, const int *slots, int count, const int chunks, const int half) {
     int D = 16 * chunks, g = head0 / (a->heads / a->kv_heads);
