@@ -22,6 +22,7 @@ import platform
 import statistics
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,18 +150,21 @@ def _measure_forward_costs(model: torch.nn.Module, max_tokens: int, context: int
     return ForwardCosts(seconds, context, per_position)
 
 
-def _linear_kind(model: torch.nn.Module) -> str:
+def _linear_kind(model: torch.nn.Module, with_threads: bool = True) -> str:
     """Which linear kernels and weight dtype the model runs (the table depends on both: see
     ``kernels``); for the pass engine, its numerics and the kernel path they take on this CPU
-    (``quant.kernel_key``), so a new kernel never reads an old table."""
+    (``quant.kernel_key``), so a new kernel never reads an old table, and (``with_threads``) the
+    threads its few-row products run on (``few_row_threads``), when set."""
     from .kernels import FewRowLinear, PackedLinear
     from .quant import QuantLinear
 
     from .quant import kernel_key
 
     quantised = next((m for m in model.modules() if isinstance(m, QuantLinear)), None)
-    if quantised is not None:  # the engine: its numerics and the kernel path they run on here
-        return f"gguf:{kernel_key(quantised.qweight.numerics)}"
+    if quantised is not None:  # the engine: its numerics, the kernel path they run on here, the few-row threads
+        rows = quantised.qweight.one_thread_rows
+        threads = "" if rows is None or not with_threads else f":one-thread-rows{rows}"
+        return f"gguf:{kernel_key(quantised.qweight.numerics)}{threads}"
     kinds = {type(m) for m in model.modules()}
     kind = "packed-v1" if PackedLinear in kinds else "few-row-v2" if FewRowLinear in kinds else "linear"
     return f"{kind}:{str(getattr(model, 'dtype', '')).replace('torch.', '')}"
@@ -247,9 +251,13 @@ def _cached_measurement(target: LoadedModel, prefix: str, what: str, key_extra: 
     that the cache moves toward the quiet machine's measurement and stays there. A new
     measurement whose 1-token pass disagrees with a spot check right after it was disturbed by
     load: this process uses it, no file keeps it. Every decision other than reusing the file is
-    one line on stderr."""
+    one line on stderr. Any measurement but the few-row threads' (``few_row_threads``) first
+    sets those threads, and its key names them."""
+    measures_threads = prefix == FEW_ROW_PREFIX
+    if not measures_threads:  # every other measurement times the passes a generation runs: on their threads
+        few_row_threads(target)
     key = json.dumps({"model": target.identity.to_dict(), "threads": torch.get_num_threads(), "cpu": _cpu_name(),
-                      "torch": torch.__version__, "linear": _linear_kind(target.model),
+                      "torch": torch.__version__, "linear": _linear_kind(target.model, with_threads=not measures_threads),
                       "code": model_code(target.model), **key_extra}, sort_keys=True)
     with _MEASURING:
         if refresh or key not in _MEASURED:
@@ -298,6 +306,136 @@ def _read_or_measure(target: LoadedModel, prefix: str, what: str, key: str, read
         atomic_write_text(path, json.dumps({"key": json.loads(key), **to_json(measured)}, indent=2))
     except OSError as error:
         say(f"cannot keep it in {path.parent} ({error.strerror}); this process uses it, the next measures again")
+    return measured
+
+
+# ---- products over a few rows: on one thread or on every thread ----------------------------
+
+
+#: Passes of 1 .. FEW_ROWS rows are timed with one-thread and with every-thread products.
+FEW_ROWS = 2
+#: A model whose engine weights take fewer bytes than this keeps the engine's default: its
+#: products read weights the CPU's caches hold, where the question (does one thread stream a
+#: weight from memory as fast as two?) does not arise, and the tests' tiny models stay unmeasured.
+FEW_ROW_MIN_BYTES = 16 << 20
+FEW_ROW_PREFIX = "few-row-threads"
+#: The models whose few-row threads were settled in this process (measured, read, or left alone).
+_SETTLED: "weakref.WeakKeyDictionary[torch.nn.Module, FewRowThreads | None]" = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class FewRowThreads:
+    """Which threads a model's products over a few rows run on, measured on this machine.
+    ``one_thread_rows``: products over this many rows or fewer run on one thread (0: every product
+    on every thread); ``seconds[rows]``: the median pass over that many rows with (every-thread,
+    one-thread) products.
+
+    Why measured: whether one thread streams a one-row product as fast as two is the machine's,
+    not its ISA's. On a Zen 5 (AVX-512) one-thread products made 1 / 2-row passes of the default
+    model 3.0 / 3.8 ms against 3.6 / 4.0; on a 2-core Zen 4 VM (AVX-512 VNNI) 5.6–6.2 / 6.4–6.6 ms
+    against 4.7–5.1 / 5.1–5.5 (this measurement, three processes); on a 2-core Zen 3 VM (AVX2) one
+    thread streamed 12 GB/s, two 22 GB/s."""
+
+    one_thread_rows: int
+    seconds: dict[int, tuple[float, float]]
+
+
+def _engine_weights(model: torch.nn.Module) -> list:
+    """The model's engine weights (``quant.QuantWeight``), each once."""
+    found = {id(m.qweight): m.qweight for m in model.modules() if hasattr(m, "qweight")}
+    return list(found.values())
+
+
+def _set_one_thread_rows(weights: list, rows: int | None) -> None:
+    for weight in weights:
+        weight.one_thread_rows = rows
+
+
+def one_thread_rows_from(seconds: dict[int, tuple[float, float]]) -> int:
+    """The most rows r such that passes over every count 1 .. r were faster with one-thread
+    products than with every-thread ones (0: none was)."""
+    chosen = 0
+    for rows in sorted(seconds):
+        every, one = seconds[rows]
+        if rows != chosen + 1 or not one < every:
+            break
+        chosen = rows
+    return chosen
+
+
+def measure_few_row_threads(model: torch.nn.Module, context: int = TABLE_CONTEXT, rounds: int = 2,
+                            passes: int = 4) -> FewRowThreads:
+    """Passes of 1 .. ``FEW_ROWS`` rows after ``context`` cached positions, timed in blocks of
+    ``passes`` (after one that lets the threads settle) with every-thread and with one-thread
+    products in the order A B B A, ``rounds`` times: alternating pass by pass measured a coin flip
+    (a worker that one setting keeps awake stays awake into the other's pass), blocks measure each
+    setting's own steady state. The faster setting is left on the model's weights."""
+    from .engine import threads_for
+
+    weights = _engine_weights(model)
+    runner = measuring_runner(model)
+    vocab = runner.vocab_size
+    samples: dict[tuple[int, bool], list[float]] = {(r, one): [] for r in range(1, FEW_ROWS + 1) for one in (False, True)}
+    with threads_for(model), torch.inference_mode():
+        runner.forward(torch.arange(context) % vocab, logits_for=1)
+        for one in (False, True, True, False) * rounds:
+            _set_one_thread_rows(weights, FEW_ROWS if one else 0)
+            for rows in range(1, FEW_ROWS + 1):
+                tokens = (torch.arange(rows) * 7 + 11) % vocab
+                for i in range(passes + 1):
+                    started = time.perf_counter()
+                    runner.forward(tokens, logits_for=rows)
+                    elapsed = time.perf_counter() - started
+                    runner.rollback(context)
+                    if i:
+                        samples[(rows, one)].append(elapsed)
+    seconds = {r: (statistics.median(samples[(r, False)]), statistics.median(samples[(r, True)]))
+               for r in range(1, FEW_ROWS + 1)}
+    measured = FewRowThreads(one_thread_rows_from(seconds), seconds)
+    _set_one_thread_rows(weights, measured.one_thread_rows)
+    return measured
+
+
+def _read_few_row_threads(path: Path) -> FewRowThreads | None:
+    try:
+        data = json.loads(path.read_text())
+        rows = data["one_thread_rows"]
+        seconds = {int(r): (float(v[0]), float(v[1])) for r, v in data["seconds"].items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, IndexError):
+        return None
+    if sorted(seconds) != list(range(1, FEW_ROWS + 1)) or not isinstance(rows, int) or not 0 <= rows <= FEW_ROWS:
+        return None
+    if not all(math.isfinite(v) and 0 < v < 60 for pair in seconds.values() for v in pair):
+        return None
+    return FewRowThreads(rows, seconds)
+
+
+def few_row_threads(target: LoadedModel, refresh: bool = False) -> FewRowThreads | None:
+    """Settle which threads ``target``'s products over a few rows run on (``FewRowThreads``):
+    measured (about 100 passes) once per model and machine and cached as ``_cached_measurement``
+    says, then set on every engine weight of the model. None where there is nothing to choose: a
+    model off the engine, one engine thread, or weights under ``FEW_ROW_MIN_BYTES`` (the engine's
+    default stays). The decode loop settles it before a model's first generation, and every other
+    pass measurement before it times a pass, so a cost table measures what a generation pays."""
+    from .engine import engine_threads
+
+    model = target.model
+    if model in _SETTLED and not refresh:
+        return _SETTLED[model]
+    weights = _engine_weights(model)
+    measured = None
+    if weights and engine_threads() > 1 and sum(w.nbytes for w in weights) >= FEW_ROW_MIN_BYTES:
+        from .engine import engine
+
+        _set_one_thread_rows(weights, None)  # measured (and keyed) from the default, which the spot checks run
+        default_rows = int(engine().one_thread_rows(weight=weights[0].handle))
+        measured = _cached_measurement(
+            target, FEW_ROW_PREFIX, "one or every thread for products over 1-2 rows", {"rows": FEW_ROWS},
+            _read_few_row_threads, lambda: measure_few_row_threads(model),
+            lambda m: {"one_thread_rows": m.one_thread_rows, "seconds": {r: list(v) for r, v in m.seconds.items()}},
+            lambda m: m.seconds[1][1 if default_rows >= 1 else 0], refresh)
+        _set_one_thread_rows(weights, measured.one_thread_rows)
+    _SETTLED[model] = measured
     return measured
 
 

@@ -44,6 +44,7 @@ import torch
 
 from .cached_model import SlimVocabulary
 from .constraints import Constraint, ConstraintError, ConstraintState, MaskBuffer, constrain_all
+from .costs import few_row_threads
 from .drafters.base import Drafter, propose_all
 from .engine import threads_for
 from .errors import PromptError, TierspecError
@@ -463,6 +464,7 @@ def open_sequence(target: LoadedModel, method: DecodeMethod, prompt_ids: torch.T
                                 "log-probabilities to report (echo)")
         source, prompt_ids = prompt_ids, decoder_start(target.model)
     config.modifiers.check_vocabulary(target.vocab_size)
+    few_row_threads(target)  # which threads few-row products run on here: settled once per model
     drafter.set_source(source)
     verifiers = Verifiers(target, reach(len(prompt_ids), config, policy), slim_mask=method.slim_mask,
                           pass_costs=policy.pass_costs, record_features=drafter.needs_target_features,

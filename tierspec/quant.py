@@ -200,6 +200,17 @@ class QuantWeight:
         """Bytes a pass streams for this weight."""
         return int(engine().weight_bytes(self.handle))
 
+    @property
+    def one_thread_rows(self) -> int | None:
+        """Products over this many rows or fewer run on one thread, as measured for the model on
+        this machine (``costs.few_row_threads``); None: not set, the engine's default for the ISA."""
+        return getattr(self, "_one_thread_rows", None)
+
+    @one_thread_rows.setter
+    def one_thread_rows(self, rows: int | None) -> None:
+        engine().one_thread_rows(weight=self.handle, rows=rows)  # a ValueError outside 0 .. 64 changes nothing
+        self._one_thread_rows = rows
+
     def multiply(self, x: torch.Tensor, out: torch.Tensor | None = None, accumulate: bool = False) -> torch.Tensor:
         """x [M, K] float32 contiguous → x·Wᵀ [M, N] float32 (into ``out``, or added to it)."""
         rows = int(x.shape[0])

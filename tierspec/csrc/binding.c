@@ -102,6 +102,28 @@ static PyObject *py_stack_weights(PyObject *self, PyObject *parts) {
     return capsule;
 }
 
+/* one_thread_rows(weight[, rows]): products of the weight over ``rows`` rows or fewer run on one
+ * thread (None: the ISA's default again); returns the setting in force (an int). */
+static PyObject *py_one_thread_rows(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"weight", "rows", NULL};
+    PyObject *capsule, *rows_o = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "O|O", names, &capsule, &rows_o)) return NULL;
+    packed_weight *w = weight_of(capsule);
+    if (!w) return NULL;
+    if (rows_o == Py_None) {
+        w->one_thread_rows_set = 0;
+    } else if (rows_o) {
+        long rows = PyLong_AsLong(rows_o);
+        if (rows == -1 && PyErr_Occurred()) return NULL;
+        if (rows < 0 || rows > 64)
+            return PyErr_Format(PyExc_ValueError, "one-thread rows are 0 .. 64 (or None: the default), not %ld", rows);
+        w->one_thread_rows = (int)rows;
+        w->one_thread_rows_set = 1;
+    }
+    return PyLong_FromLong(one_thread_rows(w));
+}
+
 static PyObject *py_weight_bytes(PyObject *self, PyObject *capsule) {
     (void)self;
     packed_weight *w = weight_of(capsule);
@@ -714,6 +736,7 @@ static PyObject *py_profile(PyObject *self, PyObject *arg) {
 static PyMethodDef methods[] = {
     KW(new_weight, "new_weight(ggml_type, layout, round_rows, out_features, in_features): an empty repacked weight."),
     {"weight_bytes", py_weight_bytes, METH_O, "Bytes of a repacked weight (what a product streams)."},
+    KW(one_thread_rows, "one_thread_rows(weight[, rows]): products over that many rows or fewer on one thread (None: the default); the setting."),
     {"stack_weights", py_stack_weights, METH_O, "stack_weights(parts): one weight of the parts' rows in order (any types)."},
     KW(repack, "repack(weight, blocks, rows, order, row0): GGUF rows (addresses) into rows row0.. of a weight."),
     KW(dequant_rows, "dequant_rows(weight, indices, count, out): rows of a weight as float32."),

@@ -312,6 +312,10 @@ typedef struct packed_weight {
     int parts;
     const struct packed_weight *part[MAX_PARTS];
     int part_row0[MAX_PARTS];
+    /* Products of this weight over ``one_thread_rows`` rows or fewer run on one thread, when
+     * ``one_thread_rows_set`` (measured for the model on this machine: costs.few_row_threads);
+     * unset, the ISA's default (matmul.c). The thread count never changes a result. */
+    int one_thread_rows, one_thread_rows_set;
 } packed_weight;
 
 /* Tile ``tile``'s cell ``cell`` (inputs cell * 32 * cell_blocks ..). */

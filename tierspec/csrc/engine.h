@@ -243,6 +243,8 @@ static inline float gelu_tanh_argument(float x) { return GELU_BETA * (x + GELU_K
 
 /* out (+)= x W^T for x [M, K] float32 on ``threads`` threads. */
 void linear(const packed_weight *w, const float *x, int M, float *out, int ldo, int accumulate, int threads);
+/* Products of ``w`` over this many rows or fewer run on one thread (its measured setting, else the ISA's default). */
+int one_thread_rows(const packed_weight *w);
 
 /* ---- layers (layer.c) ------------------------------------------------------------------------ */
 

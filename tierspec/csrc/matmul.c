@@ -8,13 +8,16 @@
 
 #include "engine.h"
 
-/* Products over this many rows or fewer run on one thread where one thread with prefetching nearly
- * saturates the memory: on a Zen 5 (the AVX-512 paths) whole passes of 1 / 2 rows took 3.0 / 3.8 ms
- * on one thread, 3.6 / 4.0 on two. Not on the AVX2 path's machine (a 2-core AMD EPYC Zen 3 VM): one
- * thread streamed a 70 MB Q4_1 weight's one-row int8 product at 12 GB/s, two at 22 GB/s, and the
- * default model's one-row int8 passes took 10.5 ms with one-thread products, 7.5 ms with two (min of
- * 40). The thread count never changes a result. */
-static int single_thread_rows(void) { return cpu.level >= ISA_AVX512 ? 2 : 0; }
+/* Products over this many rows or fewer run on one thread where a weight has no measured setting
+ * (packed_weight.one_thread_rows; costs.few_row_threads measures it per model and machine, as the
+ * ISA does not decide it): on a Zen 5 (the AVX-512 paths) whole passes of 1 / 2 rows took 3.0 / 3.8
+ * ms on one thread, 3.6 / 4.0 on two; on a 2-core AMD EPYC Zen 3 VM (AVX2) one thread streamed a 70
+ * MB Q4_1 weight's one-row int8 product at 12 GB/s, two at 22 GB/s (one-row passes 10.5 against 7.5
+ * ms, min of 40); on a 2-core Zen 4 VM (AVX-512 VNNI) one-row passes took 5.9-6.8 ms with one-thread
+ * products, 5.3-5.9 with two (medians of 40, one process each, alternating). */
+int one_thread_rows(const packed_weight *w) {
+    return w->one_thread_rows_set ? w->one_thread_rows : cpu.level >= ISA_AVX512 ? 2 : 0;
+}
 
 typedef struct {
     matmul_args a[MAX_PARTS];
@@ -79,7 +82,7 @@ void linear(const packed_weight *w, const float *x, int M, float *out, int ldo, 
     memset(mem + (size_t)M * w->K * row_bytes(w->layout), 0, (size_t)(padded - M) * w->K * row_bytes(w->layout));
     int tiles = (w->N + TILE - 1) / TILE;
     /* a small product is not worth waking the other threads for */
-    if ((int64_t)w->N * w->K * (M < 4 ? M : 4) < 65536 || M <= single_thread_rows()) nth = 1;
+    if ((int64_t)w->N * w->K * (M < 4 ? M : 4) < 65536 || M <= one_thread_rows(w)) nth = 1;
     /* pieces small enough to balance threads, large enough that claiming them costs nothing */
     int per = tiles / (8 * (nth > 0 ? nth : 1));
     if (per < 1) per = 1;
