@@ -369,7 +369,8 @@ def measure_few_row_threads(model: torch.nn.Module, context: int = TABLE_CONTEXT
     ``passes`` (after one that lets the threads settle) with every-thread and with one-thread
     products in the order A B B A, ``rounds`` times: alternating pass by pass measured a coin flip
     (a worker that one setting keeps awake stays awake into the other's pass), blocks measure each
-    setting's own steady state. The faster setting is left on the model's weights."""
+    setting's own steady state. The weights are left at the engine's default (``few_row_threads``
+    spot-checks a measurement under it, then sets the choice)."""
     from .engine import threads_for
 
     weights = _engine_weights(model)
@@ -391,9 +392,8 @@ def measure_few_row_threads(model: torch.nn.Module, context: int = TABLE_CONTEXT
                         samples[(rows, one)].append(elapsed)
     seconds = {r: (statistics.median(samples[(r, False)]), statistics.median(samples[(r, True)]))
                for r in range(1, FEW_ROWS + 1)}
-    measured = FewRowThreads(one_thread_rows_from(seconds), seconds)
-    _set_one_thread_rows(weights, measured.one_thread_rows)
-    return measured
+    _set_one_thread_rows(weights, None)
+    return FewRowThreads(one_thread_rows_from(seconds), seconds)
 
 
 def _read_few_row_threads(path: Path) -> FewRowThreads | None:

@@ -145,12 +145,13 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
     int flags = p->flags[layer], nth = p->threads, n = c1 - c0;
     int H = L->hidden, D = L->head_dim, heads = L->heads, kvh = L->kv_heads, I = L->inter;
     int qkv_width = (heads + 2 * kvh) * D;
-    size_t need = (size_t)n * (H + qkv_width + heads * D + 2 * I + I) * 4 + 5 * 64;
+    size_t need = (size_t)n * (H + qkv_width + 2 * heads * D + 2 * I + I) * 4 + 6 * 64;
     char *mem = scratch_get(&scratch_main, need);
     float *xn = (float *)mem; /* [n, H]: a unit's normalised input, then (post-norms) its output */
     float *qkv = xn + (size_t)n * H;
     float *att = qkv + (size_t)n * qkv_width;
-    float *gu = att + (size_t)n * heads * D;
+    float *q = att + (size_t)n * heads * D; /* the queries packed [n, heads * D] */
+    float *gu = q + (size_t)n * heads * D;
     float *act = gu + (size_t)n * 2 * I;
     if (flags & UNIT_ATTENTION) {
         for (int r = 0; r < n; r++) kernels.rms_norm(h + (size_t)r * H, L->norm_in, L->eps, H, xn + (size_t)r * H);
@@ -177,8 +178,8 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
             }
             work += (int64_t)heads * (L->window > 0 && L->window < slot + 1 ? L->window : slot + 1);
         }
-        /* the queries packed [n, heads * D] (gu is free until the MLP) */
-        float *q = gu;
+        /* the queries packed (they were in gu, the MLP's: a model whose heads are wider than its MLP's
+         * 3 I values a row wrote past the scratch's end) */
         for (int r = 0; r < n; r++) memcpy(q + (size_t)r * heads * D, qkv + (size_t)r * qkv_width, (size_t)heads * D * 4);
         /* a task takes a kv head's whole group of query heads (their keys and values loaded once for
          * all of them) where that leaves every thread a task, else one head: the same results either
