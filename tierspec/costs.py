@@ -321,6 +321,9 @@ FEW_ROW_MIN_BYTES = 16 << 20
 FEW_ROW_PREFIX = "few-row-threads"
 #: The models whose few-row threads were settled in this process (measured, read, or left alone).
 _SETTLED: "weakref.WeakKeyDictionary[torch.nn.Module, FewRowThreads | None]" = weakref.WeakKeyDictionary()
+# One settling at a time: a thread resetting a model's weights to the default while another
+# measures them would time the wrong setting.
+_SETTLING = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -417,16 +420,23 @@ def few_row_threads(target: LoadedModel, refresh: bool = False) -> FewRowThreads
     model off the engine, one engine thread, or weights under ``FEW_ROW_MIN_BYTES`` (the engine's
     default stays). The decode loop settles it before a model's first generation, and every other
     pass measurement before it times a pass, so a cost table measures what a generation pays."""
-    from .engine import engine_threads
-
     model = target.model
     if model in _SETTLED and not refresh:
         return _SETTLED[model]
+    with _SETTLING:  # a second thread (the server's) waits, then finds it settled
+        if model in _SETTLED and not refresh:
+            return _SETTLED[model]
+        _SETTLED[model] = measured = _settle_few_row_threads(target, refresh)
+    return measured
+
+
+def _settle_few_row_threads(target: LoadedModel, refresh: bool) -> FewRowThreads | None:
+    from .engine import engine, engine_threads
+
+    model = target.model
     weights = _engine_weights(model)
     measured = None
     if weights and engine_threads() > 1 and sum(w.nbytes for w in weights) >= FEW_ROW_MIN_BYTES:
-        from .engine import engine
-
         _set_one_thread_rows(weights, None)  # measured (and keyed) from the default, which the spot checks run
         default_rows = int(engine().one_thread_rows(weight=weights[0].handle))
         measured = _cached_measurement(
@@ -435,7 +445,6 @@ def few_row_threads(target: LoadedModel, refresh: bool = False) -> FewRowThreads
             lambda m: {"one_thread_rows": m.one_thread_rows, "seconds": {r: list(v) for r, v in m.seconds.items()}},
             lambda m: m.seconds[1][1 if default_rows >= 1 else 0], refresh)
         _set_one_thread_rows(weights, measured.one_thread_rows)
-    _SETTLED[model] = measured
     return measured
 
 

@@ -168,3 +168,38 @@ def test_a_model_below_the_size_or_on_one_thread_is_left_alone(tmp_path, fresh_p
     finally:
         torch.set_num_threads(previous)
     assert not list((tmp_path / "cache").glob("few-row-threads-*.json"))
+
+
+def test_two_threads_settle_a_model_once(tmp_path, monkeypatch, fresh_process, two_threads):
+    """The server's threads may open generations at once: one measures, the other waits for it (a
+    thread resetting the weights to the default mid-measurement would time the wrong setting)."""
+    import threading
+
+    monkeypatch.setattr(costs, "FEW_ROW_MIN_BYTES", 0)
+    monkeypatch.setattr(costs, "_agrees", lambda table, now: True)
+    target = _tiny_engine_target(tmp_path)
+    entered, release, calls = threading.Event(), threading.Event(), []
+
+    def measure(model):  # as the real one, it sets each setting in turn on the weights
+        calls.append(model)
+        for weight in costs._engine_weights(model):
+            weight.one_thread_rows = costs.FEW_ROWS
+        entered.set()
+        release.wait()
+        return costs.FewRowThreads(1, {1: (2.0, 1.0), 2: (1.0, 2.0)})
+
+    monkeypatch.setattr(costs, "measure_few_row_threads", measure)
+    results = []
+    first = threading.Thread(target=lambda: results.append(costs.few_row_threads(target)), daemon=True)
+    second = threading.Thread(target=lambda: results.append(costs.few_row_threads(target)), daemon=True)
+    first.start()
+    entered.wait()
+    second.start()
+    second.join(timeout=0.5)  # no timing asserted: a chance for the second to interfere
+    during = {w.one_thread_rows for w in costs._engine_weights(target.model)}
+    release.set()
+    first.join()
+    second.join()
+    assert during == {costs.FEW_ROWS}  # the second did not reset the weights under the first's measurement
+    assert len(calls) == 1 and len(results) == 2 and results[0] is results[1]
+    assert {w.one_thread_rows for w in costs._engine_weights(target.model)} == {1}
