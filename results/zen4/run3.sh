@@ -21,3 +21,9 @@ step spec_bench_few_rows_t1 tierspec bench --dataset spec_bench --per-category 5
 step spec_bench_few_rows_t0 tierspec bench --dataset spec_bench --per-category 5 --max-new-tokens 128 --temperature 0 --seed 0 --methods ar,hybrid,llamacpp-greedy --out $out/spec_bench-few-rows-t0 --no-progress
 step loop_time_few_rows python benchmarks/loop_time.py --methods ar,hybrid --temperatures 0,1 --prompts 4 --tokens 128 --repeats 3 --out $out/loop_time_few_rows.json
 echo "all done $(date -u +%FT%TZ)"
+# appended after the steps above ran (at b122646, the same computation): the draft head's methods at t=1 beside the
+# default, 3 prompts a category (run by hand into /tmp, then copied here)
+step spec_bench_heads_t1 tierspec bench --dataset spec_bench --per-category 3 --max-new-tokens 128 --temperature 1 --seed 0 --methods ar,hybrid,hybrid-tree,eagle-tree,eagle --out $out/spec_bench-heads-t1 --no-progress
+echo "all done $(date -u +%FT%TZ)"
+step prefill_few_rows python benchmarks/prefill.py --tokens 512 --configs auto --rounds 3 --out $out/prefill_few_rows.md
+echo "all done $(date -u +%FT%TZ)"
