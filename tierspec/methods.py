@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Callable
 
 from .cached_model import SlimVocabulary
-from .costs import ForwardCosts
+from .costs import ForwardCosts, few_row_threads
 from .decode import FORCED_PER_CYCLE, GenerationParts
 from .limits import check_num_draft
 from .drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter, check_vocabularies
@@ -760,7 +760,8 @@ def build_method(
     if is_encoder_decoder(target.model):
         check_seq2seq_method(name, options)
     if not strict:  # the pooled num_draft sizes the methods that take one
-        return _BUILDERS[name](target, drafter, options if takes_num_draft(name) else replace(options, num_draft=None))
+        method = _BUILDERS[name](target, drafter, options if takes_num_draft(name) else replace(options, num_draft=None))
+        return _with_drafter_threads(method, drafter)
     seen_options, seen_drafter = _Reads(options), None if drafter is None else _Reads(drafter)
     method = _BUILDERS[name](target, seen_drafter, seen_options)
     method.generation()  # what a generation reads counts too
@@ -775,4 +776,12 @@ def build_method(
         raise MethodOptionError(f"method '{name}' drafts without a drafter model: the drafter '{drafter.identity.name}' "
                                 "would change nothing; use sd, adaptive-sd, csd, pearl or a lossy rule's "
                                 "--draft-with model")
+    return _with_drafter_threads(method, drafter)
+
+
+def _with_drafter_threads(method: Method, drafter: LoadedModel | None) -> Method:
+    """``method``, its drafter model's few-row products settled on their threads (the target's are
+    settled by the loop): a drafter model's passes are mostly of one row."""
+    if drafter is not None:
+        few_row_threads(drafter)
     return method

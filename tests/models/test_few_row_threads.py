@@ -203,3 +203,19 @@ def test_two_threads_settle_a_model_once(tmp_path, monkeypatch, fresh_process, t
     assert during == {costs.FEW_ROWS}  # the second did not reset the weights under the first's measurement
     assert len(calls) == 1 and len(results) == 2 and results[0] is results[1]
     assert {w.one_thread_rows for w in costs._engine_weights(target.model)} == {1}
+
+
+def test_a_drafter_models_threads_are_settled_when_a_method_drafts_with_it(tmp_path, monkeypatch, fresh_process,
+                                                                           two_threads):
+    """The loop settles the target's; a drafter model's passes (mostly one row) are settled when a
+    method is built to draft with it."""
+    from tierspec.methods import build_method
+
+    monkeypatch.setattr(costs, "FEW_ROW_MIN_BYTES", 0)
+    monkeypatch.setattr(costs, "_agrees", lambda table, now: True)
+    monkeypatch.setattr(costs, "measure_few_row_threads",
+                        lambda model: costs.FewRowThreads(1, {1: (2.0, 1.0), 2: (1.0, 2.0)}))
+    target, drafter = _tiny_engine_target(tmp_path), _tiny_engine_target(tmp_path, seed=3)
+    build_method("sd", target, drafter)
+    assert {w.one_thread_rows for w in costs._engine_weights(drafter.model)} == {1}
+    assert {w.one_thread_rows for w in costs._engine_weights(target.model)} == {None}  # the loop's, at its first generation
