@@ -219,3 +219,24 @@ def test_a_drafter_models_threads_are_settled_when_a_method_drafts_with_it(tmp_p
     build_method("sd", target, drafter)
     assert {w.one_thread_rows for w in costs._engine_weights(drafter.model)} == {1}
     assert {w.one_thread_rows for w in costs._engine_weights(target.model)} == {None}  # the loop's, at its first generation
+
+
+def test_an_engine_draft_head_runs_on_the_targets_threads(tmp_path, monkeypatch, fresh_process, two_threads):
+    """The head's steps follow the target's passes (which evict its weights): its products take
+    the target's measured threads when a method takes the head, and its step's measurement is
+    keyed by them."""
+    from tierspec.heads.draft import DraftHead
+    from tierspec.methods import MethodOptions, draft_head_for
+
+    monkeypatch.setattr(costs, "FEW_ROW_MIN_BYTES", 0)
+    monkeypatch.setattr(costs, "_agrees", lambda table, now: True)
+    monkeypatch.setattr(costs, "measure_few_row_threads",
+                        lambda model: costs.FewRowThreads(1, {1: (2.0, 1.0), 2: (1.0, 2.0)}))
+    tiny = write_tiny_gguf(tmp_path / "headed", seed=11, heads=2, kv_heads=1)  # widths the engine head takes
+    model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(torch.int8))
+    target = LoadedModel(model, None, identity_of(model, "toy", "11" * 32))
+    head = DraftHead.for_target(target, torch.arange(0, 256, 2), seed=5).eval()
+    assert head.engine is not None and {w.one_thread_rows for w in head.engine.weights} == {None}
+    assert draft_head_for(target, MethodOptions(draft_head=head)) is head
+    assert {w.one_thread_rows for w in head.engine.weights} == {1}
+    assert len(head.engine.weights) >= 6  # W_fc, the layer's four products, the draft vocabulary's rows
