@@ -13,8 +13,8 @@
  * ISA does not decide it): on a Zen 5 (the AVX-512 paths) whole passes of 1 / 2 rows took 3.0 / 3.8
  * ms on one thread, 3.6 / 4.0 on two; on a 2-core AMD EPYC Zen 3 VM (AVX2) one thread streamed a 70
  * MB Q4_1 weight's one-row int8 product at 12 GB/s, two at 22 GB/s (one-row passes 10.5 against 7.5
- * ms, min of 40); on a 2-core Zen 4 VM (AVX-512 VNNI) one-row passes took 5.9-6.8 ms with one-thread
- * products, 5.3-5.9 with two (medians of 40, one process each, alternating). */
+ * ms, min of 40); on a 2-core Zen 4 VM (AVX-512 VNNI) one-row passes took 5.6-6.9 ms with one-thread
+ * products, 5.1-5.9 with two (medians of 40 in nine processes each, alternating). */
 int one_thread_rows(const packed_weight *w) {
     return w->one_thread_rows_set ? w->one_thread_rows : cpu.level >= ISA_AVX512 ? 2 : 0;
 }

@@ -86,10 +86,10 @@ class EngineHead:
 
     @property
     def step_bytes(self) -> int:
-        """Bytes of weights one self-fed step reads (W_fc, the layer, the draft vocabulary's rows)."""
-        parts = (self.fc, self._parts.self_attn.qkv_proj, self._parts.self_attn.o_proj, self._parts.mlp.gate_up_proj,
-                 self._parts.mlp.down_proj)
-        return sum(part.qweight.nbytes for part in parts) + self.rows.nbytes
+        """Bytes of weights one self-fed step reads (W_fc, the layer, the draft vocabulary's rows: every
+        weight but aux_proj, which reads the target's features once per committed position)."""
+        aux = None if self.aux is None else self.aux.qweight
+        return sum(weight.nbytes for weight in self.weights if weight is not aux)
 
     def target_input(self, features: torch.Tensor) -> torch.Tensor:
         """g [n, H] from the target's features [n, feature_width] (``DraftHead.target_input``)."""
