@@ -11,3 +11,7 @@ step spec_bench_head_threads_t1 tierspec bench --dataset spec_bench --per-catego
 step spec_bench_head_threads_t0 tierspec bench --dataset spec_bench --per-category 5 --max-new-tokens 128 --temperature 0 --seed 0 --methods ar,hybrid,eagle,llamacpp-greedy --out $out/spec_bench-head-threads-t0 --no-progress
 step loop_time_head_threads python benchmarks/loop_time.py --methods ar,hybrid --temperatures 0,1 --prompts 4 --tokens 128 --repeats 3 --out $out/loop_time_head_threads.json
 echo "all done $(date -u +%FT%TZ)"
+# appended after the steps above ran (at 215ec13, the same computation): the server's batching at 1 and 8 clients with
+# OpenVINO's continuous batching beside it (the serve_load measure, at two client counts)
+step serve_load_few_rows python benchmarks/serve_load.py --concurrency 1,8 --requests-per-client 2 --max-tokens 128 --peers --out $out/serve_load_few_rows.json --report $out/serve_load_few_rows.md
+echo "all done $(date -u +%FT%TZ)"
