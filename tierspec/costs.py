@@ -335,9 +335,9 @@ class FewRowThreads:
 
     Why measured: whether one thread streams a one-row product as fast as two is the machine's,
     not its ISA's. On a Zen 5 (AVX-512) one-thread products made 1 / 2-row passes of the default
-    model 3.0 / 3.8 ms against 3.6 / 4.0; on a 2-core Zen 4 VM (AVX-512 VNNI) 5.6–6.2 / 6.4–6.6 ms
-    against 4.7–5.1 / 5.1–5.5 (this measurement, three processes); on a 2-core Zen 3 VM (AVX2) one
-    thread streamed 12 GB/s, two 22 GB/s."""
+    model 3.0 / 3.8 ms against 3.6 / 4.0; on a 2-core Zen 4 VM (AVX-512 VNNI) 6.04–6.09 / 6.78–6.92 ms
+    against 5.12–5.21 / 5.59–6.05 (this measurement three times, results/zen4/int8/few_row_threads.log);
+    on a 2-core Zen 3 VM (AVX2) one thread streamed 12 GB/s, two 22 GB/s."""
 
     one_thread_rows: int
     seconds: dict[int, tuple[float, float]]
@@ -349,7 +349,8 @@ def _engine_weights(model: torch.nn.Module) -> list:
     return list(found.values())
 
 
-def _set_one_thread_rows(weights: list, rows: int | None) -> None:
+def set_one_thread_rows(weights: list, rows: int | None) -> None:
+    """Products of each of ``weights`` over ``rows`` rows or fewer on one thread (None: the default)."""
     for weight in weights:
         weight.one_thread_rows = rows
 
@@ -383,7 +384,7 @@ def measure_few_row_threads(model: torch.nn.Module, context: int = TABLE_CONTEXT
     with threads_for(model), torch.inference_mode():
         runner.forward(torch.arange(context) % vocab, logits_for=1)
         for one in (False, True, True, False) * rounds:
-            _set_one_thread_rows(weights, FEW_ROWS if one else 0)
+            set_one_thread_rows(weights, FEW_ROWS if one else 0)
             for rows in range(1, FEW_ROWS + 1):
                 tokens = (torch.arange(rows) * 7 + 11) % vocab
                 for i in range(passes + 1):
@@ -395,7 +396,7 @@ def measure_few_row_threads(model: torch.nn.Module, context: int = TABLE_CONTEXT
                         samples[(rows, one)].append(elapsed)
     seconds = {r: (statistics.median(samples[(r, False)]), statistics.median(samples[(r, True)]))
                for r in range(1, FEW_ROWS + 1)}
-    _set_one_thread_rows(weights, None)
+    set_one_thread_rows(weights, None)
     return FewRowThreads(one_thread_rows_from(seconds), seconds)
 
 
@@ -415,7 +416,7 @@ def _read_few_row_threads(path: Path) -> FewRowThreads | None:
 
 def few_row_threads(target: LoadedModel, refresh: bool = False) -> FewRowThreads | None:
     """Settle which threads ``target``'s products over a few rows run on (``FewRowThreads``):
-    measured (about 100 passes) once per model and machine and cached as ``_cached_measurement``
+    measured (80 passes after a 256-token prefill) once per model and machine and cached as ``_cached_measurement``
     says, then set on every engine weight of the model. None where there is nothing to choose: a
     model off the engine, one engine thread, or weights under ``FEW_ROW_MIN_BYTES`` (the engine's
     default stays). The decode loop settles it before a model's first generation, and every other
@@ -437,14 +438,14 @@ def _settle_few_row_threads(target: LoadedModel, refresh: bool) -> FewRowThreads
     weights = _engine_weights(model)
     measured = None
     if weights and engine_threads() > 1 and sum(w.nbytes for w in weights) >= FEW_ROW_MIN_BYTES:
-        _set_one_thread_rows(weights, None)  # measured (and keyed) from the default, which the spot checks run
+        set_one_thread_rows(weights, None)  # measured (and keyed) from the default, which the spot checks run
         default_rows = int(engine().one_thread_rows(weight=weights[0].handle))
         measured = _cached_measurement(
             target, FEW_ROW_PREFIX, "one or every thread for products over 1-2 rows", {"rows": FEW_ROWS},
             _read_few_row_threads, lambda: measure_few_row_threads(model),
             lambda m: {"one_thread_rows": m.one_thread_rows, "seconds": {r: list(v) for r, v in m.seconds.items()}},
             lambda m: m.seconds[1][1 if default_rows >= 1 else 0], refresh)
-        _set_one_thread_rows(weights, measured.one_thread_rows)
+        set_one_thread_rows(weights, measured.one_thread_rows)
     return measured
 
 

@@ -133,6 +133,35 @@ typedef struct {
     float softcap; /* > 0: each scaled score s becomes softcap * tanh(s / softcap) before the softmax */
 } attention_view;
 
+/* The body of a vector path's attend (kernel_set.attend): query heads head0 .. head0 + group - 1 in
+ * calls of at most ``per_call`` heads to ``kernel``, the path's inline kernel, which takes the head
+ * width in vectors of ``lanes`` floats and the cache's element type (float16 or float32) as
+ * compile-time constants for the common widths (query and sums in registers, loops unrolled; Phi-3's
+ * 96-wide heads took the plain-C loop before, a fifth of its one-row pass at 256 cached tokens) and
+ * the width read at run time for the others (160, 192, 224). Returns 0 for a width no vector path
+ * takes (any but a multiple of 32 up to 256): the reference runs. */
+#define ATTEND_WIDTH_SWITCH(kernel, lanes, half)                                                         \
+    switch (D) {                                                                                        \
+    case 32: kernel(a, q, out, h, part, scores, slots, count, 32 / (lanes), half); break;               \
+    case 64: kernel(a, q, out, h, part, scores, slots, count, 64 / (lanes), half); break;               \
+    case 96: kernel(a, q, out, h, part, scores, slots, count, 96 / (lanes), half); break;               \
+    case 128: kernel(a, q, out, h, part, scores, slots, count, 128 / (lanes), half); break;             \
+    case 256: kernel(a, q, out, h, part, scores, slots, count, 256 / (lanes), half); break;             \
+    default: kernel(a, q, out, h, part, scores, slots, count, D / (lanes), half); break;                \
+    }
+#define ATTEND_BY_WIDTH(kernel, lanes, per_call)                                                         \
+    int D = a->head_dim;                                                                                \
+    if (D % 32 != 0 || D > 256) return 0;                                                               \
+    for (int h = head0; h < head0 + group; h += (per_call)) {                                           \
+        int part = head0 + group - h < (per_call) ? head0 + group - h : (per_call);                     \
+        if (a->half) {                                                                                  \
+            ATTEND_WIDTH_SWITCH(kernel, lanes, 1)                                                       \
+        } else {                                                                                        \
+            ATTEND_WIDTH_SWITCH(kernel, lanes, 0)                                                       \
+        }                                                                                               \
+    }                                                                                                   \
+    return 1;
+
 /* The slots a query row sees, in logical order: the cached context, then the new tokens it sees
  * (within the view's window). */
 int visible_slots(const attention_view *a, int row, int *slots);

@@ -681,21 +681,6 @@ AVX2_TARGET static inline void attend_heads_avx2(const attention_view *a, const 
     }
 }
 
-/* attend_heads_avx2 with the head width a constant for the common widths, keys and values of either type */
-#define ATTEND_WIDTHS_AVX2(half)                                                                  \
-    switch (D) {                                                                                 \
-    case 32: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 4, half); break;        \
-    case 64: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 8, half); break;        \
-    case 96: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 12, half); break;       \
-    case 128: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 16, half); break;      \
-    case 256: attend_heads_avx2(a, q, out, h, part, scores, slots, count, 32, half); break;      \
-    default: attend_heads_avx2(a, q, out, h, part, scores, slots, count, D / 8, half); break;    \
-    }
-
-/* Heads of any multiple of 32 floats up to 256 (the value sums take 4 chunks of 8 at a time): the
- * common widths get their own compiled copy (the width a constant: query and sums in registers,
- * loops unrolled), others (160, 192, 224) the same code with the width read at run time. Phi-3's
- * 96-wide heads took the plain-C loop before, a fifth of its one-row pass at 256 cached tokens. */
 /* half_from_float's bits, 8 at a time: clamped to +-65504 (min/max ordered so that a NaN passes),
  * F16C's rounding to nearest even, then any subnormal result made a signed zero. */
 AVX2_TARGET static void store_half_avx2(const float *x, uint16_t *out, int n) {
@@ -712,19 +697,11 @@ AVX2_TARGET static void store_half_avx2(const float *x, uint16_t *out, int n) {
     for (; i < n; i++) out[i] = half_from_float(x[i]);
 }
 
+/* attend_heads_avx2 over a group of heads, by width (engine.h's ATTEND_BY_WIDTH; the value sums take
+ * 4 chunks of 8 at a time) */
 AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, float *out, int head0, int group, float *scores,
                                    const int *slots, int count) {
-    int D = a->head_dim;
-    if (D % 32 != 0 || D > 256) return 0;
-    for (int h = head0; h < head0 + group; h += ATTEND_HEADS) {
-        int part = head0 + group - h < ATTEND_HEADS ? head0 + group - h : ATTEND_HEADS;
-        if (a->half) {
-            ATTEND_WIDTHS_AVX2(1)
-        } else {
-            ATTEND_WIDTHS_AVX2(0)
-        }
-    }
-    return 1;
+    ATTEND_BY_WIDTH(attend_heads_avx2, 8, ATTEND_HEADS)
 }
 
 void install_avx2(kernel_set *k) {

@@ -324,29 +324,11 @@ AVX512_TARGET static inline void attend_heads_avx512(const attention_view *a, co
     }
 }
 
-#define ATTEND_WIDTHS_AVX512(half)                                                                        \
-    switch (D) {                                                                                         \
-    case 32: attend_heads_avx512(a, q, out, h, part, scores, slots, count, 2, half); break;              \
-    case 64: attend_heads_avx512(a, q, out, h, part, scores, slots, count, 4, half); break;              \
-    case 96: attend_heads_avx512(a, q, out, h, part, scores, slots, count, 6, half); break;              \
-    case 128: attend_heads_avx512(a, q, out, h, part, scores, slots, count, 8, half); break;             \
-    case 256: attend_heads_avx512(a, q, out, h, part, scores, slots, count, 16, half); break;            \
-    default: attend_heads_avx512(a, q, out, h, part, scores, slots, count, D / 16, half); break;         \
-    }
-
+/* attend_heads_avx512 over a group of heads, by width (engine.h's ATTEND_BY_WIDTH; the same widths as
+ * the AVX2 path, Phi-3's 96 among them) */
 AVX512_TARGET static int attend_avx512(const attention_view *a, const float *q, float *out, int head0, int group, float *scores,
                                        const int *slots, int count) {
-    int D = a->head_dim;
-    if (D % 32 != 0 || D > 256) return 0; /* the same widths as the AVX2 path (Phi-3's 96 among them) */
-    for (int h = head0; h < head0 + group; h += ATTEND_HEADS_AVX512) {
-        int part = head0 + group - h < ATTEND_HEADS_AVX512 ? head0 + group - h : ATTEND_HEADS_AVX512;
-        if (a->half) {
-            ATTEND_WIDTHS_AVX512(1)
-        } else {
-            ATTEND_WIDTHS_AVX512(0)
-        }
-    }
-    return 1;
+    ATTEND_BY_WIDTH(attend_heads_avx512, 16, ATTEND_HEADS_AVX512)
 }
 
 void install_avx512(kernel_set *k) {

@@ -76,14 +76,6 @@ class EngineHead:
                  self._parts.mlp.gate_up_proj, self._parts.mlp.down_proj)
         return [part.qweight for part in parts if part is not None] + [self.rows]
 
-    def run_on_threads_of(self, rows: int | None) -> None:
-        """Products over ``rows`` rows or fewer on one thread (``QuantWeight.one_thread_rows``; None:
-        the engine's default), for every weight of the head: the target's measured choice
-        (``methods.draft_head_for``), since the head's steps follow the target's passes, which evict
-        its 10 MB from the caches, so its products stream from memory as the target's do."""
-        for weight in self.weights:
-            weight.one_thread_rows = rows
-
     @property
     def step_bytes(self) -> int:
         """Bytes of weights one self-fed step reads (W_fc, the layer, the draft vocabulary's rows: every
