@@ -410,7 +410,7 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem],
     out = torch.empty_like(hidden)
     run_stack(decoder.engine_stack.capsule, hidden, out, sequences, rotary, flags, 0, last + 1, captures=captured)
     hidden = captured[last] = out
-    final = decoder.norm(hidden)  # [rows, H]
+    final = decoder.final_norm(hidden)  # [rows, H], as a solo pass normalises its rows
     for item, (row0, n, *_rest) in zip(items, sequences):
         for layer in item.runner.cache.layers:
             layer.advance(n)

@@ -387,7 +387,12 @@ class Sequence:
     feature log), its ``drafter``, ``policy`` and ``rule``, its run-time ``config``, its ``noise``
     (the seed), its ``constraint`` state (None: unconstrained) and its statistics. ``key`` names it
     to whoever runs several (a batch, the server). Made by ``open_sequence``; it decodes once its
-    prompt is prefilled (``ready``) and until it is ``finished``."""
+    prompt is prefilled (``ready``) and until it is ``finished``.
+
+    ``scored``: the rule is a function of one pass's scores (it joins the cycle's pass), else it
+    drives passes of its own (VIA-SD's tiers). ``batchable``: the sequence keeps its solo text
+    whatever shares its cycles — its rule is lossless and scored (the lossy rules' text depends on
+    the drafts, which a batch sizes by what else runs; a tiered rule runs passes of its own)."""
 
     def __init__(self, key: Hashable, verifiers: Verifiers, parts: GenerationParts, config: DecodeConfig, noise: Noise,
                  prompt_ids: torch.Tensor, constraint: ConstraintState | None):
@@ -406,6 +411,9 @@ class Sequence:
         self.tree_stats = self.drafter.proposes is Shape.TREE  # each cycle reports its tree's shape
         self._prompt_ids = prompt_ids
         self.ready = False  # the prompt is prefilled and the drafter and policy started
+        # The rule is the generation's for good: what it is asked once, not every cycle.
+        self.scored = isinstance(self.rule, ScoreRule)
+        self.batchable = self.scored and self.rule.lossless
 
     @property
     def committed(self) -> CommittedTokens:
@@ -419,19 +427,6 @@ class Sequence:
     @property
     def tokens_left(self) -> int:
         return self.config.max_new_tokens - self.committed.generated_count
-
-    @property
-    def scored(self) -> bool:
-        """The rule is a function of one pass's scores (it joins the cycle's pass); else it drives
-        passes of its own (VIA-SD's tiers)."""
-        return isinstance(self.rule, ScoreRule)
-
-    @property
-    def batchable(self) -> bool:
-        """The sequence keeps its solo text whatever shares its cycles: its rule is lossless and a
-        function of the cycle's pass (the lossy rules' text depends on the drafts, which a batch
-        sizes by what else runs; a tiered rule runs passes of its own)."""
-        return self.scored and self.rule.lossless
 
     def _begin_decoding(self) -> None:
         """The prompt is prefilled: its records kept (``echo``), the drafter and policy started."""
@@ -502,8 +497,14 @@ class CycleTimes:
     sequences: int = 0  # sequences over all cycles (mean batch = sequences / cycles)
 
     def add(self, other: "CycleTimes") -> None:
-        for name in ("draft", "passes", "verify", "commit", "grammar", "rows", "cycles", "sequences"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.draft += other.draft
+        self.passes += other.passes
+        self.verify += other.verify
+        self.commit += other.commit
+        self.grammar += other.grammar
+        self.rows += other.rows
+        self.cycles += other.cycles
+        self.sequences += other.sequences
 
     def to_dict(self) -> dict:
         return {"draft": self.draft, "grammar": self.grammar, "pass": self.passes, "verify": self.verify,
@@ -960,6 +961,7 @@ class DecodeRun:
                  seed: int | torch.Generator | None = None, inspect: Callable[[Verifiers, Drafter], None] | None = None):
         self._target, self._method, self._prompt_ids, self._config, self._seed = target, method, prompt_ids, config, seed
         self._inspect = inspect
+        self._threads = threads_for(target.model)  # torch's small operators on one thread, on the engine
         self._steps: Iterator[Step] | None = None
         self.sequence: Sequence | None = None
         self.stats = GenerationStats()
@@ -979,7 +981,7 @@ class DecodeRun:
         if self._started is None:
             self._started = time.perf_counter()
         try:
-            with threads_for(self._target.model):  # torch's small operators on one thread, on the engine
+            with self._threads:
                 if self._steps is None:
                     self.sequence = open_sequence(self._target, self._method, self._prompt_ids, self._config, self._seed)
                     self._steps = decode_sequence(self._target, self.sequence, self._inspect, self.times)

@@ -108,6 +108,24 @@ class Segment(NamedTuple):
     positions: torch.Tensor | None = None
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) · ``weight`` over the last dimension of float32 CPU rows ``x`` [..., W] contiguous
+    (``weight`` float32 [W]), by the norm kernel the engine's layers run: a new tensor. Why: a
+    model's final norm after the stack call is one engine call, where torch's composite rms_norm
+    runs five operators, each cold in the caches once a pass has streamed the weights (0.2 ms a
+    pass of the default model). A ValueError for other dtypes or shapes, before anything runs."""
+    width = int(x.shape[-1])
+    for name, tensor in (("x", x), ("weight", weight)):
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device.type != "cpu":
+            raise ValueError(f"the engine's norm reads {name} as contiguous float32 on the CPU")
+    if tuple(weight.shape) != (width,):
+        raise ValueError(f"a norm over {width} values needs a weight [{width}], not {tuple(weight.shape)}")
+    out = torch.empty_like(x)
+    engine().rms_norm(x=x.data_ptr(), weight=weight.data_ptr(), out=out.data_ptr(), rows=x.numel() // width,
+                      width=width, eps=float(eps))
+    return out
+
+
 def run_stack(stack, hidden: torch.Tensor, out: torch.Tensor, segments: list[Segment],
               rotary: Sequence[tuple[torch.Tensor, torch.Tensor]], flags: bytes, first: int = 0,
               last: int | None = None, threads: int | None = None,
@@ -200,8 +218,7 @@ def threads_for(model: torch.nn.Module):
     return torch_ops_on_one_thread() if runs_on_engine(model) else contextlib.nullcontext()
 
 
-@contextlib.contextmanager
-def torch_ops_on_one_thread():
+def torch_ops_on_one_thread() -> TorchOpsOnOneThread:
     """Within the block torch's own operators run on the calling thread alone, while the engine keeps
     the caller's thread count. Why: the decode loop's torch operators are small (rows of logits, a
     norm), and torch's intra-op pool splits a 49,152-wide row across threads that meet at a barrier:
@@ -209,14 +226,32 @@ def torch_ops_on_one_thread():
     threads and 4 µs with one, where the engine's own pool shares its work without waiting for a
     thread the OS has not scheduled. The previous setting is restored on leaving (also between the
     steps a stream hands out), so code around a generation keeps its threads."""
-    global _ENGINE_THREADS
-    previous, outer = torch.get_num_threads(), _ENGINE_THREADS
-    _ENGINE_THREADS = outer if outer is not None else previous
-    torch.set_num_threads(1)
-    rows_before = share_rows_among(_ENGINE_THREADS)  # the sampled tokens of many rows: the engine's threads
-    try:
-        yield
-    finally:
+    return TorchOpsOnOneThread()
+
+
+class TorchOpsOnOneThread:
+    """``torch_ops_on_one_thread``'s block, made once and entered as often as needed (a generation
+    enters it at every step it hands out: a class, not a generator, so entering it makes no
+    generator object; nested entries restore in turn)."""
+
+    __slots__ = ("_saved",)
+
+    def __init__(self):
+        self._saved: list[tuple[int, int | None, int]] = []
+
+    def __enter__(self) -> TorchOpsOnOneThread:
+        global _ENGINE_THREADS
+        previous, outer = torch.get_num_threads(), _ENGINE_THREADS
+        _ENGINE_THREADS = outer if outer is not None else previous
+        torch.set_num_threads(1)
+        # the sampled tokens of many rows: the engine's threads
+        self._saved.append((previous, outer, share_rows_among(_ENGINE_THREADS)))
+        return self
+
+    def __exit__(self, *exc) -> bool:
+        global _ENGINE_THREADS
+        previous, outer, rows_before = self._saved.pop()
         torch.set_num_threads(previous)
         share_rows_among(rows_before)
         _ENGINE_THREADS = outer
+        return False

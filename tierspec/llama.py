@@ -710,13 +710,28 @@ class Decoder(torch.nn.Module):
         hidden = self.embed_tokens(input_ids).to(self.residual_dtype)
         layout = self.layout(position_ids[0], start, cached, attends, input_ids[0])
         if layout.fused and self.engine_stack is not None:
-            return DecoderOutput(self.norm(self._engine_forward(hidden, layout, cache)))
+            return DecoderOutput(self.final_norm(self._engine_forward(hidden, layout, cache)))
         layers = cache.layers if cached else [None] * len(self.layers)
         for layer, layer_cache in zip(self.layers, layers):
             hidden = layer(hidden, layout, layer_cache)
         return DecoderOutput(self.norm(hidden))
 
     engine_stack = None  # a gguf_llama.EngineStack: every layer's engine description, when all are fused
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``self.norm(hidden)`` after the engine's layers (a solo pass's and a batched pass's alike):
+        by the engine's norm kernel where the norm is a plain float32 ``RMSNorm`` with no hooks
+        (one call, ``engine.rms_norm``), else as the module."""
+        from .engine import rms_norm
+
+        norm = self.norm
+        state = norm.__dict__
+        if (type(norm) is RMSNorm and norm.output_dtype in (None, torch.float32) and hidden.dtype == torch.float32
+                and state["_parameters"]["weight"].dtype == torch.float32 and not state["_forward_hooks"]
+                and not state["_forward_pre_hooks"] and not torch.nn.modules.module._global_forward_hooks
+                and not torch.nn.modules.module._global_forward_pre_hooks):
+            return rms_norm(hidden, norm.weight, norm.eps)
+        return norm(hidden)
 
     def engine_rotary(self, positions: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """The rotary tables the engine's layers read for rows at ``positions`` [n]: (cos, signed sin)

@@ -48,14 +48,17 @@ class CommittedTokens:
         self._buffer[: len(prompt_ids)] = prompt_ids.cpu().numpy()
         self._ids = torch.from_numpy(self._buffer)
         self.length = self.prompt_length = len(prompt_ids)
+        self._context: torch.Tensor | None = None  # ``context``'s view while ``length`` stays
 
     def __len__(self) -> int:
         return self.length
 
     @property
     def context(self) -> torch.Tensor:
-        """The committed sequence [n] int64 (a view)."""
-        return self._ids[: self.length]
+        """The committed sequence [n] int64 (a view, made once per length)."""
+        if self._context is None:
+            self._context = self._ids[: self.length]
+        return self._context
 
     @property
     def generated_count(self) -> int:
@@ -82,6 +85,7 @@ class CommittedTokens:
             raise ValueError(f"{end} committed tokens do not fit the {self._buffer.shape[0]} positions reserved")
         self._buffer[self.length : end] = tokens
         self.length = end
+        self._context = None
 
 
 class GeneratedTokens:

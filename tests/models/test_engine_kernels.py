@@ -503,6 +503,52 @@ def test_bad_calls_are_refused_before_anything_runs(tiny):
     assert torch.equal(big, torch.zeros(2, 8, 16))
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("width", [64, 576, 50])  # 50: not a multiple of a vector (the kernels' scalar tail)
+def test_the_engines_norm_is_rms_norm_on_every_path(path, width):
+    """``engine.rms_norm`` (a model's final norm after the stack call) against x / rms(x) · w in
+    float64, on every path, with a zero row and rows of very different scales; refused inputs change
+    nothing."""
+    x = torch.randn(5, width, generator=torch.Generator().manual_seed(width)) * torch.tensor([[1e-3], [1.0], [30.0], [0.0], [5.0]])
+    weight = torch.randn(width, generator=torch.Generator().manual_seed(1))
+    wide = x.double()
+    expected = wide / torch.sqrt(wide.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+    with kernels(path):
+        got = engine.rms_norm(x, weight, 1e-6)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert torch.allclose(got.double(), expected, rtol=2e-6, atol=1e-6 * float(expected.abs().max()))
+    assert torch.equal(got[3], torch.zeros(width))
+    before = x.clone()
+    with pytest.raises(ValueError, match="contiguous float32"):
+        engine.rms_norm(x.double(), weight, 1e-6)
+    with pytest.raises(ValueError, match="contiguous float32"):
+        engine.rms_norm(x.t(), weight, 1e-6)
+    with pytest.raises(ValueError, match=f"weight \\[{width}\\]"):
+        engine.rms_norm(x, weight[:-1].contiguous(), 1e-6)
+    assert torch.equal(x, before)
+
+
+def test_the_final_norm_runs_on_the_engine_unless_the_module_is_hooked(tiny):
+    """A pass's final norm: the engine's kernel (within float32 rounding of torch's rms_norm), and
+    the module itself (its hooks called, its output theirs) when a hook is on it."""
+    model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(torch.float32))
+    decoder = model.model
+    hidden = torch.randn(3, decoder.norm.weight.shape[0], generator=torch.Generator().manual_seed(3))
+    on_engine = decoder.final_norm(hidden)
+    by_module = decoder.norm(hidden)
+    assert (on_engine - by_module).abs().max() <= 1e-6 * by_module.abs().max()
+    seen = []
+    handle = decoder.norm.register_forward_hook(lambda module, args, output: seen.append(output) or output * 2)
+    try:
+        hooked = decoder.final_norm(hidden)
+        assert len(seen) == 1 and torch.equal(hooked, seen[0] * 2)
+        with torch.inference_mode():
+            CachedModel(model).forward(LONG_PROMPT[:4])
+        assert len(seen) == 2  # the pass went through the hooked module
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("path", VECTOR_PATHS)
 def test_every_paths_layers_match_the_reference_path(tiny, path):
     """The vector norm, exp and attention of a path (each summing over its lanes) against the plain-C

@@ -628,6 +628,28 @@ static PyObject *py_store_half(PyObject *self, PyObject *args, PyObject *kw) {
     Py_RETURN_NONE;
 }
 
+/* rms_norm(x, weight, out, rows, width, eps): each of ``rows`` float32 rows of ``width`` values
+ * (contiguous) as x / rms(x) * weight into out (which may be x), by the selected path's kernel — the
+ * one the layers' norms run. A model's final norm after the stack call: one call where torch's
+ * composite rms_norm ran five operators, each cold in the caches after a pass's weights streamed. */
+static PyObject *py_rms_norm(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"x", "weight", "out", "rows", "width", "eps", NULL};
+    PyObject *in_o, *weight_o, *out_o;
+    int rows, width;
+    float eps;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOiif", names, &in_o, &weight_o, &out_o, &rows, &width, &eps)) return NULL;
+    if (rows < 0 || width < 1) return PyErr_Format(PyExc_ValueError, "%d rows of %d values", rows, width);
+    const float *in = address(in_o, "x");
+    const float *weight = in ? address(weight_o, "weight") : NULL;
+    float *out = weight ? address(out_o, "out") : NULL;
+    if (!out) return NULL;
+    unsigned csr = flush_denormals();
+    for (int r = 0; r < rows; r++) kernels.rms_norm(in + (size_t)r * width, weight, eps, width, out + (size_t)r * width);
+    restore_denormals(csr);
+    Py_RETURN_NONE;
+}
+
 /* ---- the CPU, kernel paths and profiles ------------------------------------------------------- */
 
 static PyObject *py_isa(PyObject *self, PyObject *unused) {
@@ -747,6 +769,7 @@ static PyMethodDef methods[] = {
                    "attention_scale, softcap): a decoder layer (the keyword-only features default to Llama's layer)."),
     KW(activate, "activate(activation, gate_up, rows, inter, out): out = act(g) * u over rows of gate_up = [g, u] (tests)."),
     KW(store_half, "store_half(x, out, count): float32 values as the float16 bits the caches store (tests)."),
+    KW(rms_norm, "rms_norm(x, weight, out, rows, width, eps): rows of x / rms(x) * weight by the layers' norm kernel."),
     {"make_stack", py_make_stack, METH_O, "make_stack(layers): a decoder's layers for run_stack."},
     KW(run_stack, "run_stack(stack, first, last, hidden, out, rows, rotary, rotary_dims, segments, count, flags, threads[, captures])."),
     {"isa", py_isa, METH_NOARGS, "The kernel path in use: portable, avx2, avx512, avx512vnni, avx512bf16 or amx."},

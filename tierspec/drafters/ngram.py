@@ -47,13 +47,14 @@ class NgramDrafter(Drafter):
         self._forget()
 
     def _forget(self) -> None:
-        # The text searched (the source, then the committed tokens) and where each token occurs in
-        # it, ascending: grown by the tokens committed since the last proposal, so a proposal reads
-        # the few earlier places its last token stood instead of the whole context.
+        # The text searched (the source, then the committed tokens) and, per n-gram size n, where
+        # each n-gram last ended in it (positions before the text's last: a suffix never matches
+        # itself). Grown by the tokens committed since the last proposal, so a proposal is one
+        # dictionary read per size however long the context, where scanning every earlier place
+        # of the last token walked hundreds of places of a common token in Python.
         self._text: list[int] = [] if self.source is None else self.source.tolist()
-        self._at: dict[int, list[int]] = {}
-        for position, token in enumerate(self._text):
-            self._at.setdefault(token, []).append(position)
+        self._last_end: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.ngram_size)]
+        self._ended = 0  # n-grams ending before this position are in ``_last_end``
 
     def start(self, prompt_ids, features=None, target_view=None) -> None:
         self._forget()
@@ -65,33 +66,33 @@ class NgramDrafter(Drafter):
         self._forget()
 
     def _indexed(self, context: torch.Tensor) -> list[int]:
-        """The searched text for ``context`` (the committed tokens), its index brought up to it. A
-        context that does not extend the indexed one (a new generation begun without ``start``)
-        is indexed afresh."""
+        """The searched text for ``context`` (the committed tokens), its index brought up to it
+        (the n-grams ending before its last token). A context that does not extend the indexed one
+        (a new generation begun without ``start``) is indexed afresh."""
         offset = 0 if self.source is None else len(self.source)
         known = len(self._text) - offset
         ids = context.numpy()
         tail = ids[max(known - 1, 0) :].tolist()  # the last indexed token, then the new ones
-        if known > len(ids) or (known > 0 and tail[0] != self._text[-1]):
+        if known > len(ids) or (known > 0 and tail[0] != self._text[-1]) or len(self._last_end) != self.ngram_size:
             self._forget()
             known, tail = 0, ids.tolist()
-        for token in tail[1:] if known > 0 else tail:
-            self._at.setdefault(token, []).append(len(self._text))
-            self._text.append(token)
-        return self._text
+        text = self._text
+        text.extend(tail[1:] if known > 0 else tail)
+        for end in range(self._ended, len(text) - 1):
+            for n, last_end in enumerate(self._last_end, start=1):
+                if end < n - 1:
+                    break
+                last_end[tuple(text[end - n + 1 : end + 1])] = end
+        self._ended = max(self._ended, len(text) - 1)
+        return text
 
     def _latest_match(self, text: list[int], num_tokens: int) -> tuple[list[int], int]:
-        """``lookup`` on the indexed ``text``: candidates are the earlier places of its last token."""
+        """``lookup`` on the indexed ``text``: the latest earlier end of its last n tokens, longest n first."""
         length = len(text)
-        ends = self._at.get(text[-1], []) if text else []
         for n in range(min(self.ngram_size, length - 1), self.min_ngram_size - 1, -1):
-            for end in reversed(ends):
-                if end > length - 2:  # the suffix itself
-                    continue
-                if end < n - 1:  # ascending: every earlier place is too close to the start
-                    break
-                if all(text[end - back] == text[length - 1 - back] for back in range(1, n)):
-                    return text[end + 1 : end + 1 + num_tokens], n
+            end = self._last_end[n - 1].get(tuple(text[length - n :]))
+            if end is not None:
+                return text[end + 1 : end + 1 + num_tokens], n
         return [], 0
 
     def lookup(self, context: np.ndarray, num_tokens: int) -> tuple[np.ndarray, int]:
