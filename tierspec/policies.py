@@ -304,6 +304,10 @@ UNMEASURED_PASS = (0.046, 0.007)
 #: Weight of a source's earlier blocks in its running expected rate (``CostAware.rates``): about
 #: the last five blocks count.
 RATE_MEMORY = 0.8
+#: Weight of a source's earlier cycles in what its drafts saved (``CostAware.saved``): about the
+#: last twenty cycles count — a cycle's accepted count is a noisy draw, what it saves on average
+#: is what decides whether drafting pays.
+SAVED_MEMORY = 0.95
 
 
 @dataclass(frozen=True)
@@ -435,6 +439,7 @@ class CostAware(DraftPolicy):
         self.rates: dict[str, float] = {}  # per source: running expected tokens/s of its verified blocks
         self._keyed: tuple[Proposal, list[AcceptanceKey]] | None = None  # the last proposal keyed, its keys
         self._pooled: dict[str, tuple[float, float]] = {}  # per source: later-position evidence, until a verdict
+        self.saved: dict[str, float] = {}  # per source: running seconds its cycles' drafts saved (``saved_seconds``)
 
     def _estimate(self, key: AcceptanceKey) -> AcceptanceEstimate:
         estimate = self.acceptance.get(key)
@@ -528,6 +533,15 @@ class CostAware(DraftPolicy):
         """The running expected tokens per second of ``source``'s recent blocks (None: none yet)."""
         return self.rates.get(source)
 
+    def saved_seconds(self, source: str) -> float | None:
+        """What ``source``'s drafts saved a cycle of late, measured by the verdicts (None: no cycle
+        yet): each cycle it proposed in, the passes its accepted drafts spared less what its
+        verified drafts added to the pass and their draft steps — accepted · cost(0) − (cost(k) −
+        cost(0)) by the cost model, 0 where it found nothing or nothing was worth verifying. Not the
+        running *expected* rate (``source_rate``): that is the estimate each block was chosen by,
+        which its own choice makes optimistic."""
+        return self.saved.get(source)
+
     def plain_rate(self) -> float:
         """Tokens per second of a cycle that drafts nothing."""
         return 1.0 / self.cost(0, "")
@@ -572,6 +586,12 @@ class CostAware(DraftPolicy):
     def observe(self, outcome: CycleOutcome) -> None:
         verified, verdict = outcome.verified, outcome.verdict
         k, accepted = len(verified), verdict.accepted
+        if outcome.drafted.source:  # what this cycle's drafts saved, by the verdict (``saved_seconds``)
+            plain = self.cost(0, "")
+            saved = accepted * plain - (self.cost(k, verified.source) - plain) if k else 0.0
+            previous = self.saved.get(outcome.drafted.source)
+            self.saved[outcome.drafted.source] = saved if previous is None else \
+                SAVED_MEMORY * previous + (1 - SAVED_MEMORY) * saved
         # The keys the trim saw (the streak has not moved since), one past the cut: after a fully
         # accepted block the target's bonus token tells whether the first token the policy cut
         # off would have been accepted (exact in greedy mode; in sampling mode "bonus == token" is

@@ -235,6 +235,10 @@ class RateView(PolicyView, Protocol):
         """The running expected tokens per second of ``source``'s recent blocks (None: none yet)."""
         ...
 
+    def saved_seconds(self, source: str) -> float | None:
+        """Seconds ``source``'s drafts saved a cycle of late, by the verdicts (None: none yet)."""
+        ...
+
     def plain_rate(self) -> float:
         """Tokens per second of a cycle that drafts nothing (one token per one-token pass)."""
         ...

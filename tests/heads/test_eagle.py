@@ -117,16 +117,20 @@ def test_a_head_that_is_the_target_is_accepted_throughout(prompt_ids):
     assert run_ids(target, as_method(hybrid, policy=policy), prompt_ids, 40) == reference
 
 
-def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = None) -> list[bool]:
+def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = None, saved=None,
+                      looked: list | None = None) -> list[bool]:
     """Which cycles ran the hybrid's head, one cycle per entry of ``head_rates`` (the head's learned
     rate that cycle; None: not tried yet), under planted rates: drafting nothing pays 1 token per
     unit time, a head step costs 0.1 of a pass, n-gram lookup finds nothing, and certain drafts
-    would pay ``ceilings[i]`` (default 2: the head could pay). ``wants``: gets the hybrid's
-    ``wants_features`` after each cycle's drafting."""
+    would pay ``ceilings[i]`` (default 2: the head could pay); the n-gram drafts saved ``saved[i]``
+    a cycle of late (default None: no evidence yet). ``wants``: gets the hybrid's
+    ``wants_features`` after each cycle's drafting; ``looked``: whether each cycle ran the n-gram
+    lookup."""
     from tierspec.proposal import DraftRequest, Proposal
 
     rate = [None]
     ceiling = [2.0]
+    saving = [None]
 
     class Rates:
         def source_rate(self, source):
@@ -145,6 +149,10 @@ def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = No
         def expected_rate(self, proposal):
             return 0.0
 
+        def saved_seconds(self, source):
+            assert source == "ngram"
+            return saving[0]
+
     eagle = EagleDrafter(random_head(target))
     calls = []
     def drafting(context, request):  # the head's steps: none, an empty block
@@ -153,7 +161,11 @@ def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = No
         return Proposal.empty(source="head")
 
     eagle.drafting = drafting
-    hybrid = HybridDrafter(NgramDrafter(3), eagle)
+    ngram = NgramDrafter(3)
+    if looked is not None:
+        lookup = ngram.propose
+        ngram.propose = lambda *args: looked.append(True) or lookup(*args)
+    hybrid = HybridDrafter(ngram, eagle)
     context = torch.arange(40, 60)  # no repeated n-gram: lookup finds nothing
     hybrid.start(context[:10])
     request = DraftRequest(budget=4, sampling=SamplingConfig(0.0), noise=None, policy=Rates())
@@ -161,8 +173,13 @@ def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = No
     for i, head_rate in enumerate(head_rates):
         rate[0] = head_rate
         ceiling[0] = 2.0 if ceilings is None else ceilings[i]
+        saving[0] = None if saved is None else saved[i]
         before = len(calls)
+        if looked is not None:
+            looked.append(False)
         hybrid.propose(context, request)
+        if looked is not None and len(looked) > 1 and looked[-1] is True:
+            looked.pop(-2)  # the cycle's entry: it looked
         ran.append(len(calls) > before)
         if wants is not None:
             wants.append(hybrid.wants_features())
@@ -205,6 +222,59 @@ def test_the_hybrid_never_tries_a_head_that_even_certain_drafts_would_not_pay_fo
     assert _hybrid_head_runs(target32, [None] * 3, [1.1, 1.1, 1.11]) == [False, False, True]
     ran = _hybrid_head_runs(target32, [1.05] * 30, [1.1] * 10 + [2.0] * 20)
     assert [i for i, r in enumerate(ran) if r] == [18]  # idle 8 counted from cycle 10 on
+
+
+def test_the_hybrid_goes_dormant_where_its_drafts_do_not_pay_for_its_own_work(target32):
+    """A head that does not pay (1.05) and n-gram drafts that saved less than the hybrid's own work
+    in a cycle (``DRAFTING_CYCLE_FRACTION`` of a one-token pass, here 1 time unit): after
+    ``DORMANT_CYCLES`` cycles of that evidence the hybrid drafts nothing at all — no lookup, no
+    head, no features — for ``DORMANT_CYCLES`` cycles, then looks again, each pause twice the last
+    while drafting still does not pay; drafts that pay (saved above the threshold) end it, and a
+    hybrid without evidence yet never pauses."""
+    from tierspec.drafters.eagle import DORMANT_CYCLES, DORMANT_MAX_CYCLES, DRAFTING_CYCLE_FRACTION
+
+    assert DORMANT_CYCLES == 8 and DORMANT_MAX_CYCLES == 64
+    below, above = 0.5 * DRAFTING_CYCLE_FRACTION, 2 * DRAFTING_CYCLE_FRACTION
+    looked, wants = [], []
+    ran = _hybrid_head_runs(target32, [1.05] * 120, saved=[below] * 120, looked=looked, wants=wants)
+    looks = [i for i, seen in enumerate(looked) if seen]
+    # looks 0-7 (the head idle 8 cycles), a pause of 8 (8-15), the head's try (16), looks 17-24 (idle), a pause of
+    # 16 (25-40), looks 41-48, a pause of 32 (49-80), looks 81-89 (the head's second try at 81), a pause of 64
+    assert looks == list(range(0, 8)) + list(range(16, 25)) + list(range(41, 49)) + list(range(81, 90))
+    assert [i for i, r in enumerate(ran) if r] == [16, 81]  # the head's idle count moves only while the hybrid looks
+    pauses = [i for i in range(120) if not looked[i]]
+    last = {i for i in pauses if i + 1 < 120 and looked[i + 1]}  # a pause's last cycle: the head's warm-up may begin
+    assert not any(wants[i] for i in pauses if i not in last)  # no features while dormant
+    # drafts that pay: never dormant, and a pause that ends in paying drafts starts the waits over
+    looked = []
+    _hybrid_head_runs(target32, [1.05] * 60, saved=[above] * 60, looked=looked)
+    assert all(looked)
+    looked = []
+    _hybrid_head_runs(target32, [1.05] * 60, saved=[below] * 20 + [above] * 10 + [below] * 30, looked=looked)
+    # paused 8-15; paying drafts (20-29) reset the wait and the count; eight cycles that do not pay (30-38, the head's
+    # try at 33 aside) begin a pause of 8 (39-46) again, then 16 (55-70)
+    assert [i for i, seen in enumerate(looked) if not seen] == list(range(8, 16)) + list(range(39, 47)) + list(range(55, 60))
+    looked = []
+    _hybrid_head_runs(target32, [1.05] * 40, saved=None, looked=looked)
+    assert all(looked)
+
+
+def test_what_a_sources_drafts_saved_is_measured_by_the_verdicts():
+    """``CostAware.saved_seconds``: per cycle a source proposed in, accepted · cost(0) less what its
+    verified drafts added to the cycle (cost(k) − cost(0)), 0 where nothing was verified; a running
+    mean (``SAVED_MEMORY``); a cycle with nothing proposed by any source teaches nothing."""
+    from tierspec.policies import SAVED_MEMORY, CostAware, CycleOutcome
+    from tierspec.proposal import Proposal, Verdict
+
+    policy = CostAware(max_draft=4, cost=lambda k, source: 1.0 + 0.25 * k)
+    drafted = Proposal.chain(torch.tensor([5, 6, 7]), match_sizes=[2, 2, 2], source="ngram")
+    policy.observe(CycleOutcome(drafted, drafted, Verdict([0], 9, ["drafter", "target"])))
+    assert policy.saved_seconds("ngram") == pytest.approx(1 * 1.0 - 0.75)
+    policy.observe(CycleOutcome(drafted, drafted.prefix(0), Verdict([], 9, ["target"])))
+    assert policy.saved_seconds("ngram") == pytest.approx(SAVED_MEMORY * 0.25)
+    policy.observe(CycleOutcome(Proposal.empty(), Proposal.empty(), Verdict([], 9, ["target"])))
+    assert policy.saved_seconds("ngram") == pytest.approx(SAVED_MEMORY * 0.25) and policy.saved_seconds("") is None
+    assert policy.saved_seconds("head") is None
 
 
 def test_the_hybrid_wants_features_only_where_its_head_may_run_soon(target32):

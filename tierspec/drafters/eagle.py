@@ -155,6 +155,19 @@ HEAD_RETRY_MAX_CYCLES = 64
 #: resting cycle would cost each of those passes its copy-out (a two-token pass of the default
 #: model 6.64 → 6.83 ms featured; a batched pass of 8 sequences × 2 rows 0.2–0.7 ms more in two runs).
 HEAD_WARMUP_CYCLES = 2
+#: The hybrid's own work in a cycle in which it drafts, in units of a one-token target pass: the
+#: n-gram lookup, the policy's rates and trim, keying and learning from the verdict. Measured as
+#: the default method's loop time less plain decoding's (``benchmarks/loop_time.py``): 0.19 ms
+#: against a 5.4 ms pass at temperature 1 on a Zen 4 (results/zen4/int8/loop_time_after_pass.json),
+#: 0.27 against ~9 on a Zen 3 (BENCHMARKS.md). A fraction of the pass, not the clock's reading,
+#: so that a seed fixes which cycles draft.
+DRAFTING_CYCLE_FRACTION = 0.03
+#: Cycles the hybrid drafts nothing at all — no lookup, no head, no features — once what its
+#: drafts saved of late no longer pays for its own work (``DRAFTING_CYCLE_FRACTION``), before it
+#: drafts again; each try after which drafting still does not pay doubles the wait, up to
+#: ``DORMANT_MAX_CYCLES``. Counted, not timed.
+DORMANT_CYCLES = 8
+DORMANT_MAX_CYCLES = 64
 
 
 class HybridDrafter(Drafter):
@@ -176,7 +189,16 @@ class HybridDrafter(Drafter):
     not even drafts certain to be accepted would beat that (``RateView.ceiling_rate``: in a batch
     of four or more on the default model a row is cheap beside the head's step, which a batch does
     not share), the head is not tried at all — no catch-up over the prompt for a try the cost model
-    already rules out — and the idle count does not move."""
+    already rules out — and the idle count does not move.
+
+    Where nothing pays, nothing is drafted: when the head is idle or ruled out and what the n-gram
+    drafts saved of late (``RateView.saved_seconds``, measured by the verdicts) does not pay for
+    the hybrid's own work in a cycle (``DRAFTING_CYCLE_FRACTION`` of a one-token pass) after as many
+    cycles of such drafting as a dormancy lasts, the hybrid goes dormant — ``DORMANT_CYCLES`` cycles of plain decoding with none of its work (no lookup, no
+    features, no head) — then drafts again, after twice as long each time it still did not pay
+    (``DORMANT_MAX_CYCLES`` at most). At temperature 1 on the default model the n-gram drafts only
+    pay for their rows (a draft's chance ~0.18 against a row's ~0.12 of a pass), and the hybrid's
+    own work made it 2-5% slower than plain decoding in some categories."""
 
     needs_target_features = True
     drafts_in_head_steps = True
@@ -188,18 +210,22 @@ class HybridDrafter(Drafter):
         self._wait = HEAD_RETRY_CYCLES  # idle cycles before the next try
         self._resting = False  # the last cycle left the head idle because it did not pay
         self._ruled_out = False  # the last cycle's cost model ruled the head out (not even certain drafts pay)
+        self._dormant = 0  # cycles of plain decoding left before the hybrid drafts again
+        self._dormant_wait = DORMANT_CYCLES  # the next dormancy's length
+        self._looked = 0  # cycles of n-gram drafting with the head idle that did not pay, since a pause or paying ones
 
     def start(self, prompt_ids, features=None, target_view=None) -> None:
         self.ngram.start(prompt_ids, features, target_view)
         self.eagle.start(prompt_ids, features, target_view)
         self._idle, self._wait = 0, HEAD_RETRY_CYCLES
         self._resting = self._ruled_out = False
+        self._dormant, self._dormant_wait, self._looked = 0, DORMANT_CYCLES, 0
 
     def wants_features(self) -> bool:
         """No features while the head is ruled out, nor while it rests more than
         ``HEAD_WARMUP_CYCLES`` cycles before its next try (after this cycle's drafting: the try
-        comes once ``_idle`` has reached ``_wait``)."""
-        if self._ruled_out:
+        comes once ``_idle`` has reached ``_wait``), nor while the hybrid is dormant."""
+        if self._ruled_out or self._dormant:
             return False
         return not self._resting or self._wait - self._idle < HEAD_WARMUP_CYCLES
 
@@ -208,12 +234,15 @@ class HybridDrafter(Drafter):
         in steps (``EagleDrafter.drafting``)."""
         if request.budget <= 0:
             return Proposal.empty()
+        if self._dormant:
+            self._dormant -= 1
+            return Proposal.empty()  # plain decoding: drafting has not paid for its own work of late
         rates: RateView = request.policy  # methods pairs this drafter with a CostAware policy
         candidate = self.ngram.propose(context, request)
         worth = rates.plain_rate() * (1.0 + rates.draft_step_fraction("head"))  # a cycle's head must beat this
         self._ruled_out = rates.ceiling_rate("head") <= worth
         if self._ruled_out:
-            return candidate  # not even certain drafts would pay (a batch's shared passes): no try, no catch-up
+            return self._ngram_or_dormant(candidate, rates)  # not even certain drafts would pay: no try, no catch-up
         head_rate = rates.source_rate("head")  # None until the head has drafted: try it first
         if len(candidate) and head_rate is not None and rates.expected_rate(candidate) > head_rate:
             self._resting = False
@@ -222,13 +251,28 @@ class HybridDrafter(Drafter):
             if self._idle < self._wait:
                 self._idle += 1
                 self._resting = True
-                return candidate  # the n-gram candidate (possibly empty): the head is not worth its cycle
+                # the n-gram candidate (possibly empty): the head is not worth its cycle
+                return self._ngram_or_dormant(candidate, rates)
             # A try: should the head still not pay after it, the next try waits twice as long.
             self._idle, self._wait = 0, min(2 * self._wait, HEAD_RETRY_MAX_CYCLES)
         else:
             self._idle, self._wait = 0, HEAD_RETRY_CYCLES
         self._resting = False
         return (yield from self.eagle.drafting(context, request))
+
+    def _ngram_or_dormant(self, candidate: Proposal, rates: RateView) -> Proposal:
+        """The n-gram candidate of a cycle that leaves the head idle — or, where what the n-gram
+        drafts saved of late does not pay for the hybrid's own work in a cycle, the start of a
+        dormancy (class docstring) with this cycle's candidate still verified: its verdict is the
+        last evidence before the pause."""
+        saved = rates.saved_seconds("ngram")
+        self._looked += 1
+        if saved is not None and saved > DRAFTING_CYCLE_FRACTION / rates.plain_rate():  # of a one-token pass
+            self._dormant_wait, self._looked = DORMANT_CYCLES, 0
+        elif saved is not None and self._looked >= DORMANT_CYCLES:  # evidence of as many cycles as a pause
+            self._dormant, self._looked = self._dormant_wait, 0
+            self._dormant_wait = min(2 * self._dormant_wait, DORMANT_MAX_CYCLES)
+        return candidate
 
     def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
         return run_steps(self.drafting(context, request), self.eagle.runner.step)
