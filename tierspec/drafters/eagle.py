@@ -162,10 +162,10 @@ HEAD_WARMUP_CYCLES = 2
 #: 0.27 against ~9 on a Zen 3 (BENCHMARKS.md). A fraction of the pass, not the clock's reading,
 #: so that a seed fixes which cycles draft.
 DRAFTING_CYCLE_FRACTION = 0.03
-#: Cycles the hybrid drafts nothing at all — no lookup, no head, no features — once what its
-#: drafts saved of late no longer pays for its own work (``DRAFTING_CYCLE_FRACTION``), before it
-#: drafts again; each try after which drafting still does not pay doubles the wait, up to
-#: ``DORMANT_MAX_CYCLES``. Counted, not timed.
+#: Cycles the hybrid runs no n-gram lookup (nor its candidate's rates, keying and learning) once
+#: what those drafts saved of late no longer pays for its own work (``DRAFTING_CYCLE_FRACTION``),
+#: before it looks again; each pause after which they still do not pay doubles the next, up to
+#: ``DORMANT_MAX_CYCLES``. The head's schedule is its own. Counted, not timed.
 DORMANT_CYCLES = 8
 DORMANT_MAX_CYCLES = 64
 
@@ -194,11 +194,14 @@ class HybridDrafter(Drafter):
     Where nothing pays, nothing is drafted: when the head is idle or ruled out and what the n-gram
     drafts saved of late (``RateView.saved_seconds``, measured by the verdicts) does not pay for
     the hybrid's own work in a cycle (``DRAFTING_CYCLE_FRACTION`` of a one-token pass) after as many
-    cycles of such drafting as a dormancy lasts, the hybrid goes dormant — ``DORMANT_CYCLES`` cycles of plain decoding with none of its work (no lookup, no
-    features, no head) — then drafts again, after twice as long each time it still did not pay
-    (``DORMANT_MAX_CYCLES`` at most). At temperature 1 on the default model the n-gram drafts only
-    pay for their rows (a draft's chance ~0.18 against a row's ~0.12 of a pass), and the hybrid's
-    own work made it 2-5% slower than plain decoding in some categories."""
+    cycles of such drafting as a dormancy lasts, the n-gram lookup goes dormant — ``DORMANT_CYCLES``
+    cycles without it or its candidate's rates, keying and learning — then looks again, after twice
+    as long each time its drafts still did not pay (``DORMANT_MAX_CYCLES`` at most). The head keeps
+    its own schedule meanwhile (its tries come as they would: at temperature 0 a dormancy that held
+    the head's tries back too cost τ 1.53 → 1.50 on Spec-Bench). At temperature 1 on the default
+    model the n-gram drafts only pay for their rows (a draft's chance ~0.18 against a row's ~0.12
+    of a pass), and the hybrid's own work made it 2-5% slower than plain decoding in some
+    categories."""
 
     needs_target_features = True
     drafts_in_head_steps = True
@@ -224,8 +227,8 @@ class HybridDrafter(Drafter):
     def wants_features(self) -> bool:
         """No features while the head is ruled out, nor while it rests more than
         ``HEAD_WARMUP_CYCLES`` cycles before its next try (after this cycle's drafting: the try
-        comes once ``_idle`` has reached ``_wait``), nor while the hybrid is dormant."""
-        if self._ruled_out or self._dormant:
+        comes once ``_idle`` has reached ``_wait``)."""
+        if self._ruled_out:
             return False
         return not self._resting or self._wait - self._idle < HEAD_WARMUP_CYCLES
 
@@ -234,15 +237,16 @@ class HybridDrafter(Drafter):
         in steps (``EagleDrafter.drafting``)."""
         if request.budget <= 0:
             return Proposal.empty()
-        if self._dormant:
-            self._dormant -= 1
-            return Proposal.empty()  # plain decoding: drafting has not paid for its own work of late
         rates: RateView = request.policy  # methods pairs this drafter with a CostAware policy
-        candidate = self.ngram.propose(context, request)
+        if self._dormant:  # no lookup: the n-gram drafts have not paid for the hybrid's work of late
+            self._dormant -= 1
+            candidate, settle = Proposal.empty(), _as_it_is
+        else:
+            candidate, settle = self.ngram.propose(context, request), self._ngram_or_dormant
         worth = rates.plain_rate() * (1.0 + rates.draft_step_fraction("head"))  # a cycle's head must beat this
         self._ruled_out = rates.ceiling_rate("head") <= worth
         if self._ruled_out:
-            return self._ngram_or_dormant(candidate, rates)  # not even certain drafts would pay: no try, no catch-up
+            return settle(candidate, rates)  # not even certain drafts would pay: no try, no catch-up
         head_rate = rates.source_rate("head")  # None until the head has drafted: try it first
         if len(candidate) and head_rate is not None and rates.expected_rate(candidate) > head_rate:
             self._resting = False
@@ -252,7 +256,7 @@ class HybridDrafter(Drafter):
                 self._idle += 1
                 self._resting = True
                 # the n-gram candidate (possibly empty): the head is not worth its cycle
-                return self._ngram_or_dormant(candidate, rates)
+                return settle(candidate, rates)
             # A try: should the head still not pay after it, the next try waits twice as long.
             self._idle, self._wait = 0, min(2 * self._wait, HEAD_RETRY_MAX_CYCLES)
         else:
@@ -279,3 +283,8 @@ class HybridDrafter(Drafter):
 
     def commit(self, committed_length: int) -> None:
         self.eagle.commit(committed_length)
+
+
+def _as_it_is(candidate: Proposal, rates: RateView) -> Proposal:
+    """A dormant cycle's candidate (none): nothing to weigh."""
+    return candidate
