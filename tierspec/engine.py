@@ -112,8 +112,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) · ``weight`` over the last dimension of float32 CPU rows ``x`` [..., W] contiguous
     (``weight`` float32 [W]), by the norm kernel the engine's layers run: a new tensor. Why: a
     model's final norm after the stack call is one engine call, where torch's composite rms_norm
-    runs five operators, each cold in the caches once a pass has streamed the weights (0.2 ms a
-    pass of the default model). A ValueError for other dtypes or shapes, before anything runs."""
+    runs five operators, each cold in the caches once a pass has streamed the weights (a one-row
+    pass of the default model 7.14 → 7.04 ms on a Zen 4, BENCHMARKS.md). A ValueError for other
+    dtypes or shapes, before anything runs."""
     width = int(x.shape[-1])
     for name, tensor in (("x", x), ("weight", weight)):
         if tensor.dtype != torch.float32 or not tensor.is_contiguous() or tensor.device.type != "cpu":
