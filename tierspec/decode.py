@@ -497,14 +497,8 @@ class CycleTimes:
     sequences: int = 0  # sequences over all cycles (mean batch = sequences / cycles)
 
     def add(self, other: "CycleTimes") -> None:
-        self.draft += other.draft
-        self.passes += other.passes
-        self.verify += other.verify
-        self.commit += other.commit
-        self.grammar += other.grammar
-        self.rows += other.rows
-        self.cycles += other.cycles
-        self.sequences += other.sequences
+        for name in ("draft", "passes", "verify", "commit", "grammar", "rows", "cycles", "sequences"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def to_dict(self) -> dict:
         return {"draft": self.draft, "grammar": self.grammar, "pass": self.passes, "verify": self.verify,

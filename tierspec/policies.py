@@ -409,6 +409,12 @@ class CostModel:
         return rate
 
 
+def _running_mean(means: dict[str, float], key: str, value: float, memory: float) -> None:
+    """``means[key]`` moved toward ``value``, earlier values weighing ``memory`` (the first value taken as it is)."""
+    previous = means.get(key)
+    means[key] = value if previous is None else memory * previous + (1 - memory) * value
+
+
 class CostAware(DraftPolicy):
     """Drafts the length that maximises expected emitted tokens per second (module docstring).
 
@@ -589,9 +595,7 @@ class CostAware(DraftPolicy):
         if outcome.drafted.source:  # what this cycle's drafts saved, by the verdict (``saved_seconds``)
             plain = self.cost(0, "")
             saved = accepted * plain - (self.cost(k, verified.source) - plain) if k else 0.0
-            previous = self.saved.get(outcome.drafted.source)
-            self.saved[outcome.drafted.source] = saved if previous is None else \
-                SAVED_MEMORY * previous + (1 - SAVED_MEMORY) * saved
+            _running_mean(self.saved, outcome.drafted.source, saved, SAVED_MEMORY)
         # The keys the trim saw (the streak has not moved since), one past the cut: after a fully
         # accepted block the target's bonus token tells whether the first token the policy cut
         # off would have been accepted (exact in greedy mode; in sampling mode "bonus == token" is
@@ -605,8 +609,7 @@ class CostAware(DraftPolicy):
             return  # nothing was drafted: nothing to learn
         # The block's expected rate, from the estimates it was chosen with (before this verdict).
         rate = expected_emitted(self._reach(keys))[k] / self.cost(k, verified.source)
-        previous = self.rates.get(verified.source)
-        self.rates[verified.source] = rate if previous is None else RATE_MEMORY * previous + (1 - RATE_MEMORY) * rate
+        _running_mean(self.rates, verified.source, rate, RATE_MEMORY)
         if not k:  # drafted, but none was worth verifying: let the first key drift back
             self._estimate(cut_key).shrink(self.idle_decay)
         # Positions up to and including the first rejection were evaluated; later ones were not.

@@ -528,15 +528,22 @@ def test_the_engines_norm_is_rms_norm_on_every_path(path, width):
     assert torch.equal(x, before)
 
 
-def test_the_final_norm_runs_on_the_engine_unless_the_module_is_hooked(tiny):
-    """A pass's final norm: the engine's kernel (within float32 rounding of torch's rms_norm), and
-    the module itself (its hooks called, its output theirs) when a hook is on it."""
+def test_the_final_norm_runs_on_the_engine_unless_the_module_is_hooked(tiny, monkeypatch):
+    """A pass's final norm: the engine's kernel (within float32 rounding of torch's rms_norm; a
+    pass calls it once), and the module itself (its hooks called, its output theirs) when a hook is
+    on it."""
     model = load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(torch.float32))
     decoder = model.model
+    calls = []
+    kernel = engine.rms_norm
+    monkeypatch.setattr(engine, "rms_norm", lambda *args: calls.append(1) or kernel(*args))
     hidden = torch.randn(3, decoder.norm.weight.shape[0], generator=torch.Generator().manual_seed(3))
     on_engine = decoder.final_norm(hidden)
     by_module = decoder.norm(hidden)
-    assert (on_engine - by_module).abs().max() <= 1e-6 * by_module.abs().max()
+    assert len(calls) == 1 and (on_engine - by_module).abs().max() <= 1e-6 * by_module.abs().max()
+    with torch.inference_mode():
+        CachedModel(model).forward(LONG_PROMPT[:4])
+    assert len(calls) == 2
     seen = []
     handle = decoder.norm.register_forward_hook(lambda module, args, output: seen.append(output) or output * 2)
     try:
@@ -544,7 +551,7 @@ def test_the_final_norm_runs_on_the_engine_unless_the_module_is_hooked(tiny):
         assert len(seen) == 1 and torch.equal(hooked, seen[0] * 2)
         with torch.inference_mode():
             CachedModel(model).forward(LONG_PROMPT[:4])
-        assert len(seen) == 2  # the pass went through the hooked module
+        assert len(seen) == 2 and len(calls) == 2  # the pass went through the hooked module, not the kernel
     finally:
         handle.remove()
 

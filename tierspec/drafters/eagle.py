@@ -159,7 +159,7 @@ HEAD_WARMUP_CYCLES = 2
 #: n-gram lookup, the policy's rates and trim, keying and learning from the verdict. Measured as
 #: the default method's loop time less plain decoding's (``benchmarks/loop_time.py``): 0.19 ms
 #: against a 5.4 ms pass at temperature 1 on a Zen 4 (results/zen4/int8/loop_time_after_pass.json),
-#: 0.27 against ~9 on a Zen 3 (BENCHMARKS.md). A fraction of the pass, not the clock's reading,
+#: 0.27 greedy against a 7.5 ms one-row pass on a Zen 3 (BENCHMARKS.md, csrc/matmul.c). A fraction of the pass, not the clock's reading,
 #: so that a seed fixes which cycles draft.
 DRAFTING_CYCLE_FRACTION = 0.03
 #: Cycles the hybrid runs no n-gram lookup (nor its candidate's rates, keying and learning) once
@@ -199,8 +199,8 @@ class HybridDrafter(Drafter):
     as long each time its drafts still did not pay (``DORMANT_MAX_CYCLES`` at most). The head keeps
     its own schedule meanwhile (its tries come as they would: at temperature 0 a dormancy that held
     the head's tries back too cost τ 1.53 → 1.50 on Spec-Bench). At temperature 1 on the default
-    model the n-gram drafts only pay for their rows (a draft's chance ~0.18 against a row's ~0.12
-    of a pass), and the hybrid's own work made it 2-5% slower than plain decoding in some
+    model the n-gram drafts only pay for their rows (a first draft's chance 0.18–0.19, a row
+    0.09–0.18 of a pass), and the hybrid's own work made it 2-5% slower than plain decoding in some
     categories."""
 
     needs_target_features = True
@@ -213,7 +213,7 @@ class HybridDrafter(Drafter):
         self._wait = HEAD_RETRY_CYCLES  # idle cycles before the next try
         self._resting = False  # the last cycle left the head idle because it did not pay
         self._ruled_out = False  # the last cycle's cost model ruled the head out (not even certain drafts pay)
-        self._dormant = 0  # cycles of plain decoding left before the hybrid drafts again
+        self._dormant = 0  # cycles left without the n-gram lookup
         self._dormant_wait = DORMANT_CYCLES  # the next dormancy's length
         self._looked = 0  # cycles of n-gram drafting with the head idle that did not pay, since a pause or paying ones
 
@@ -238,15 +238,18 @@ class HybridDrafter(Drafter):
         if request.budget <= 0:
             return Proposal.empty()
         rates: RateView = request.policy  # methods pairs this drafter with a CostAware policy
-        if self._dormant:  # no lookup: the n-gram drafts have not paid for the hybrid's work of late
-            self._dormant -= 1
-            candidate, settle = Proposal.empty(), _as_it_is
+        looking = not self._dormant  # a dormant lookup: its drafts have not paid for the hybrid's work of late
+        if looking:
+            candidate = self.ngram.propose(context, request)
         else:
-            candidate, settle = self.ngram.propose(context, request), self._ngram_or_dormant
+            self._dormant -= 1
+            candidate = Proposal.empty()
         worth = rates.plain_rate() * (1.0 + rates.draft_step_fraction("head"))  # a cycle's head must beat this
         self._ruled_out = rates.ceiling_rate("head") <= worth
-        if self._ruled_out:
-            return settle(candidate, rates)  # not even certain drafts would pay: no try, no catch-up
+        if self._ruled_out:  # not even certain drafts would pay: no try, no catch-up
+            if looking:
+                self._weigh_lookup(rates)
+            return candidate
         head_rate = rates.source_rate("head")  # None until the head has drafted: try it first
         if len(candidate) and head_rate is not None and rates.expected_rate(candidate) > head_rate:
             self._resting = False
@@ -255,8 +258,9 @@ class HybridDrafter(Drafter):
             if self._idle < self._wait:
                 self._idle += 1
                 self._resting = True
-                # the n-gram candidate (possibly empty): the head is not worth its cycle
-                return settle(candidate, rates)
+                if looking:
+                    self._weigh_lookup(rates)
+                return candidate  # the n-gram candidate (possibly empty): the head is not worth its cycle
             # A try: should the head still not pay after it, the next try waits twice as long.
             self._idle, self._wait = 0, min(2 * self._wait, HEAD_RETRY_MAX_CYCLES)
         else:
@@ -264,11 +268,11 @@ class HybridDrafter(Drafter):
         self._resting = False
         return (yield from self.eagle.drafting(context, request))
 
-    def _ngram_or_dormant(self, candidate: Proposal, rates: RateView) -> Proposal:
-        """The n-gram candidate of a cycle that leaves the head idle — or, where what the n-gram
-        drafts saved of late does not pay for the hybrid's own work in a cycle, the start of a
-        dormancy (class docstring) with this cycle's candidate still verified: its verdict is the
-        last evidence before the pause."""
+    def _weigh_lookup(self, rates: RateView) -> None:
+        """After a lookup in a cycle that leaves the head idle: where what the n-gram drafts saved
+        of late does not pay for the hybrid's own work in a cycle, a dormancy begins (class
+        docstring) — this cycle's candidate still verified, its verdict the last evidence before
+        the pause."""
         saved = rates.saved_seconds("ngram")
         self._looked += 1
         if saved is not None and saved > DRAFTING_CYCLE_FRACTION / rates.plain_rate():  # of a one-token pass
@@ -276,15 +280,9 @@ class HybridDrafter(Drafter):
         elif saved is not None and self._looked >= DORMANT_CYCLES:  # evidence of as many cycles as a pause
             self._dormant, self._looked = self._dormant_wait, 0
             self._dormant_wait = min(2 * self._dormant_wait, DORMANT_MAX_CYCLES)
-        return candidate
 
     def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
         return run_steps(self.drafting(context, request), self.eagle.runner.step)
 
     def commit(self, committed_length: int) -> None:
         self.eagle.commit(committed_length)
-
-
-def _as_it_is(candidate: Proposal, rates: RateView) -> Proposal:
-    """A dormant cycle's candidate (none): nothing to weigh."""
-    return candidate
