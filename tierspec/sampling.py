@@ -29,9 +29,17 @@ import torch
 from . import _keyed_noise
 from .errors import TierspecError
 
-#: Whether the noise kernels run their AVX2 loop (the same bits as the plain one, csrc/noise); a cap of
-#: the engine at the portable path (``TIERSPEC_ENGINE_ISA=portable``, tests) takes the plain loop here too.
-_VECTORISED = _keyed_noise.avx2() and os.environ.get("TIERSPEC_ENGINE_ISA", "").strip().lower() != "portable"
+
+def _noise_loop() -> int:
+    """The loop the noise kernels run (csrc/noise; every loop the same bits): the fastest this CPU
+    runs (2 AVX-512, 1 AVX2, 0 plain), capped as the engine is by ``TIERSPEC_ENGINE_ISA`` (``portable``:
+    the plain loop, ``avx2``: at most AVX2; the engine refuses an unknown name)."""
+    cap = os.environ.get("TIERSPEC_ENGINE_ISA", "").strip().lower()
+    return min(_keyed_noise.best_loop(), {"portable": 0, "avx2": 1}.get(cap, 2))
+
+
+#: The noise kernels' loop (``_noise_loop``).
+_NOISE_LOOP = _noise_loop()
 
 
 class SamplingError(TierspecError):
@@ -198,13 +206,17 @@ def seed_of(seed: int | torch.Generator | None) -> int:
     return seed % SEED_MODULUS
 
 
-#: Rows from which ``keyed_argmax`` shares its rows among threads (``share_rows_among``). Measured right
-#: after a pass of as many rows of the default model (2-core Zen 3, the logits where the pass left
-#: them; medians of 20, three runs): 8 / 12 / 16 rows took 884 / 1,271 / 1,562, 791 / 1,099 / 1,418
-#: and 808 / 1,244 / 1,505 µs on one thread, 728 / 949 / 1,059, 786 / 791 / 962 and 667 / 1,116 /
-#: 1,207 on two; split in halves, 4 rows took 444 µs either way and 2 rows 287 on one, 375 on two
-#: (handing rows to a thread that wakes costs more than a row).
-PARALLEL_ROWS = 8
+#: Rows from which ``keyed_argmax`` shares its rows among threads (``share_rows_among``), by the noise
+#: loop (plain, AVX2, AVX-512). AVX2, measured right after a pass of as many rows of the default model
+#: (2-core Zen 3, the logits where the pass left them; medians of 20, three runs): 8 / 12 / 16 rows took
+#: 884 / 1,271 / 1,562, 791 / 1,099 / 1,418 and 808 / 1,244 / 1,505 µs on one thread, 728 / 949 /
+#: 1,059, 786 / 791 / 962 and 667 / 1,116 / 1,207 on two; split in halves, 4 rows took 444 µs either
+#: way and 2 rows 287 on one, 375 on two (handing rows to a thread that wakes costs more than a row).
+#: The AVX-512 loop scans a row 2.8× faster (Zen 4: 23 against 65 µs), so the rows that pay for the
+#: hand-over are 2.8× as many: 24. Measured there (batches of 8 at temperature 1, ~12 rows a cycle, two
+#: runs each, interleaved): shared from 8 rows, 0.49 and 0.51 ms a cycle deciding; on one thread 0.35, 0.37.
+PARALLEL_ROWS_BY_LOOP = (8, 8, 24)
+PARALLEL_ROWS = PARALLEL_ROWS_BY_LOOP[_NOISE_LOOP]
 #: Token keys made at once (``Noise.key``): a cycle commits one to a few positions.
 TOKEN_KEYS_AHEAD = 16
 _row_threads = 1
@@ -322,7 +334,7 @@ def _kernel_rows(table: torch.Tensor, rows: list[int] | None, keys: list[int] | 
     raises ``error``."""
     try:
         return _keyed_noise.argmax_rows(table.data_ptr(), table.shape[0], table.shape[1], table.stride(0), rows, keys,
-                                        _VECTORISED)
+                                        _NOISE_LOOP)
     except IndexError:
         raise error(f"rows {list(rows)} are not all among the scores' {table.shape[0]}") from None
 
@@ -361,11 +373,11 @@ def _keyed_rows_shared(table: torch.Tensor, keys: list[int], rows: list[int] | N
     def rows_from(first: int, end: int) -> None:  # rows first .. end − 1 (the kernel lets go of the GIL)
         if picked is None:
             _keyed_noise.gumbel_argmax(base + first * stride * size, end - first, vocab, stride,
-                                       key_array.ctypes.data + first * 8, tokens.ctypes.data + first * 8, _VECTORISED)
+                                       key_array.ctypes.data + first * 8, tokens.ctypes.data + first * 8, _NOISE_LOOP)
             return
         for at in range(first, end):
             _keyed_noise.gumbel_argmax(base + picked[at] * stride * size, 1, vocab, stride,
-                                       key_array.ctypes.data + at * 8, tokens.ctypes.data + at * 8, _VECTORISED)
+                                       key_array.ctypes.data + at * 8, tokens.ctypes.data + at * 8, _NOISE_LOOP)
 
     _rows_shared(rows_from, count, min(_row_threads, count) - 1)
     return tokens.tolist()
@@ -446,7 +458,7 @@ def gumbel_rows(keys: list[int], vocab_size: int) -> torch.Tensor:
     out = torch.empty(len(keys), vocab_size, dtype=torch.float32)
     if keys:
         key_array = np.asarray(keys, dtype=np.uint64)
-        _keyed_noise.fill_gumbel(key_array.ctypes.data, len(keys), vocab_size, out.data_ptr(), _VECTORISED)
+        _keyed_noise.fill_gumbel(key_array.ctypes.data, len(keys), vocab_size, out.data_ptr(), _NOISE_LOOP)
     return out
 
 

@@ -123,23 +123,40 @@ def test_a_seed_must_be_an_integer(bad):
 # ---- the keyed noise kernels (csrc/noise/keyed_noise.c) ---------------------------------------------------
 
 
-def _plain_and_vectorised(monkeypatch, function):
-    """``function()`` on the plain loop and, where the CPU runs it, on the AVX2 loop."""
+def _every_loop(monkeypatch, function):
+    """``function()`` on the plain loop and on every vectorised loop this CPU runs (AVX2, AVX-512)."""
     from tierspec import _keyed_noise, sampling
 
     results = []
-    for vectorised in ([False, True] if _keyed_noise.avx2() else [False]):
-        monkeypatch.setattr(sampling, "_VECTORISED", vectorised)
+    for loop in range(_keyed_noise.best_loop() + 1):
+        monkeypatch.setattr(sampling, "_NOISE_LOOP", loop)
         results.append(function())
     return results
 
 
-def test_the_avx2_loop_gives_the_plain_loops_bits(monkeypatch):
+def test_a_loop_the_cpu_cannot_run_is_refused():
+    from tierspec import _keyed_noise
+
+    table = torch.zeros(1, 8)
+    for loop in (-1, 3, _keyed_noise.best_loop() + 1):
+        with pytest.raises(ValueError, match="loop"):
+            _keyed_noise.argmax_rows(table.data_ptr(), 1, 8, 8, None, [1], loop)
+
+
+def test_the_noise_loop_follows_the_engines_cap(monkeypatch):
+    from tierspec import _keyed_noise, sampling
+
+    for cap, most in (("portable", 0), ("avx2", 1), ("avx512", 2), ("amx", 2), ("", 2)):
+        monkeypatch.setenv("TIERSPEC_ENGINE_ISA", cap)
+        assert sampling._noise_loop() == min(most, _keyed_noise.best_loop())
+
+
+def test_the_vectorised_loops_give_the_plain_loops_bits(monkeypatch):
     from tierspec.sampling import gumbel_rows
 
     keys = [0, 1, 2**64 - 1, 0x9E3779B97F4A7C15, 123456789]
     for vocab in (1, 7, 8, 9, 49152 + 3):  # the AVX2 loop's tails of every length
-        runs = _plain_and_vectorised(monkeypatch, lambda: gumbel_rows(keys, vocab))
+        runs = _every_loop(monkeypatch, lambda: gumbel_rows(keys, vocab))
         assert all(torch.equal(run.view(torch.int32), runs[0].view(torch.int32)) for run in runs)
 
 
@@ -184,6 +201,33 @@ def _planted_rows(vocab: int) -> torch.Tensor:
     return rows - rows.logsumexp(-1, keepdim=True)
 
 
+def test_every_loop_draws_rows_of_any_scale_and_length_as_the_whole_noise_vector(monkeypatch):
+    """The AVX-512 scan's bound is in float32 and its first step skips the top's index: rows whose top
+    lies beyond its reach (|x_top| > 960: the AVX2 scan), near it, tied tops at the ends of the row,
+    tails of every length after its groups of 8 and 16, and near-ties by a float32 step give the
+    definition's token on every loop."""
+    from tierspec.sampling import keyed_argmax
+
+    generator = torch.Generator().manual_seed(3)
+    for vocab in (1, 7, 8, 15, 16, 17, 23, 33, 1001):
+        base = torch.randn(vocab, generator=generator) * 4
+        top = base.max()
+        rows = [base, base - top + 959.0, base - top - 959.0, base - top + 961.0, base - 1e6, base * 1e-6]
+        tied = torch.full((vocab,), -50.0)
+        tied[[0, vocab - 1]] = 2.0  # the top at the first and the last index
+        rows.append(tied)
+        step = base.clone()
+        step[vocab // 2] = base.max() + 4.0
+        step[vocab - 1] = torch.nextafter(step[vocab // 2], torch.tensor(float("inf")))  # one float32 step apart
+        rows.append(step)
+        table = torch.stack(rows)
+        for seed in range(12):
+            keys = [Noise(seed, vocab).key(t) for t in range(len(table))]
+            expected = _full_argmax(table, keys)
+            for got in _every_loop(monkeypatch, lambda: keyed_argmax(table, keys)):
+                assert got.tolist() == expected
+
+
 @pytest.mark.parametrize("vocab", [5, 4099, 49152])
 def test_the_keyed_argmax_is_the_argmax_over_the_whole_noise_vector(monkeypatch, vocab):
     from tierspec.sampling import keyed_argmax
@@ -192,7 +236,7 @@ def test_the_keyed_argmax_is_the_argmax_over_the_whole_noise_vector(monkeypatch,
     for seed in range(40):
         keys = [Noise(seed, vocab).key(t) for t in range(len(rows))]
         expected = _full_argmax(rows, keys)
-        for got in _plain_and_vectorised(monkeypatch, lambda: keyed_argmax(rows, keys)):
+        for got in _every_loop(monkeypatch, lambda: keyed_argmax(rows, keys)):
             assert got.tolist() == expected
         strided = torch.cat([rows, torch.zeros(len(rows), 3)], dim=1)[:, :vocab]  # rows of a wider buffer
         assert keyed_argmax(strided, keys).tolist() == expected
@@ -252,7 +296,7 @@ def test_chosen_rows_are_drawn_where_they_lie_each_with_its_own_key():
             assert keyed_argmax(scores, [keys[3]], rows=[3]).tolist() == [every[3]]
     finally:
         share_rows_among(before)
-    with pytest.raises(NoiseError, match="not all among the scores' 19"):
+    with pytest.raises(NoiseError, match=f"not all among the scores' {len(table)}"):
         keyed_argmax(table, [1], rows=[len(table)])
     with pytest.raises(NoiseError, match="2 rows of scores need 2 keys, got 1"):
         keyed_argmax(table, [1], rows=[0, 1])
@@ -288,7 +332,7 @@ def test_a_nan_is_refused_and_rows_of_equal_scores_take_their_first_token(monkey
     # vector gives (the first of equal scores), never a refusal
     inf = float("inf")
     rows = torch.tensor([[-inf] * 11, [0.0, inf, 1.0, inf] + [0.0] * 7])
-    for got in _plain_and_vectorised(monkeypatch, lambda: keyed_argmax(rows, [5, 6])):
+    for got in _every_loop(monkeypatch, lambda: keyed_argmax(rows, [5, 6])):
         assert got.tolist() == _full_argmax(rows, [5, 6]) == [0, 1]
 
 
@@ -296,7 +340,7 @@ def test_a_nan_is_refused_and_rows_of_equal_scores_take_their_first_token(monkey
 def test_first_maxima_are_torchs_argmax_of_the_chosen_rows(monkeypatch, vocab):
     """``first_maxima``: every row's first maximum as ``torch.argmax`` gives it (ties, rows that
     exclude every token, +inf), of chosen rows in their order (repeats allowed) and of rows of a
-    wider buffer, on the plain and the AVX2 loop; a NaN row gives −1 (refused by its reader), a
+    wider buffer, on every loop; a NaN row gives −1 (refused by its reader), a
     row outside the table is refused."""
     from tierspec.sampling import SamplingError, first_maxima
 
@@ -308,13 +352,13 @@ def test_first_maxima_are_torchs_argmax_of_the_chosen_rows(monkeypatch, vocab):
     wide = torch.cat([rows, torch.zeros(len(rows), 3)], dim=1)[:, :vocab]
     chosen = [3, 0, 3, len(rows) - 1]
     for table in (rows, wide):
-        for got in _plain_and_vectorised(monkeypatch, lambda: first_maxima(table)):
+        for got in _every_loop(monkeypatch, lambda: first_maxima(table)):
             assert got == expected
-        for got in _plain_and_vectorised(monkeypatch, lambda: first_maxima(table, chosen)):
+        for got in _every_loop(monkeypatch, lambda: first_maxima(table, chosen)):
             assert got == [expected[r] for r in chosen]
     poisoned = rows.clone()
     poisoned[2, vocab - 1] = float("nan")
-    for got in _plain_and_vectorised(monkeypatch, lambda: first_maxima(poisoned)):
+    for got in _every_loop(monkeypatch, lambda: first_maxima(poisoned)):
         assert got[2] == -1 and got[:2] + got[3:] == expected[:2] + expected[3:]
     with pytest.raises(SamplingError, match=f"not all among the scores' {len(rows)}"):
         first_maxima(rows, [0, len(rows)])

@@ -341,25 +341,167 @@ AVX2 static int64_t argmax_avx2(const float *x, int64_t vocab, uint64_t key) {
     }
     return best_j;
 }
+
+/* The same scan on AVX-512 (F, DQ, CD, VL): eight tokens a step, SplitMix64's products native
+ * (vpmullq, where AVX2 builds each from three 32-bit products) and the bound's exponent a count of
+ * leading bits: with n = (~r) >> 12 as above, k = −1 − lzcnt(~r) for n ≥ 1 and −53 for n = 0, so
+ * −k = 1 + min(lzcnt(~r), 52), no float conversion of v. The tokens that can reach the best are
+ * scored by gumbel_at, so the token is the plain scan's. On a Zen 4 a row of
+ * the default model's 49,152 logits took 21.5 µs warm and 39.8 right after a one-row pass, against the AVX2
+ * scan's 64.0 and 83.8 (benchmarks/noise_rows.py). */
+#define AVX512 __attribute__((target("avx512f,avx512dq,avx512cd,avx512vl")))
+
+AVX512 static inline __m512i mix64_x8(__m512i z) {
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), _mm512_set1_epi64((long long)MIX_C1));
+    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), _mm512_set1_epi64((long long)MIX_C2));
+    return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
+}
+
+/* The row's largest entry, and whether it holds a NaN. */
+AVX512 static float row_max_avx512(const float *x, int64_t vocab, int *nan) {
+    __m512 top16 = _mm512_set1_ps(-INFINITY);
+    __mmask16 unordered = 0;
+    int64_t j = 0;
+    for (; j + 16 <= vocab; j += 16) {
+        __m512 v = _mm512_loadu_ps(x + j);
+        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+        top16 = _mm512_max_ps(top16, v);
+    }
+    float top_x = _mm512_reduce_max_ps(top16);
+    *nan = unordered != 0;
+    for (; j < vocab; j++) {
+        *nan |= x[j] != x[j];
+        top_x = x[j] > top_x ? x[j] : top_x;
+    }
+    return top_x;
+}
+
+/* The first index of the row's largest entry; −1 for a NaN. */
+AVX512 static int64_t row_top_avx512(const float *x, int64_t vocab) {
+    int nan;
+    float top_x = row_max_avx512(x, vocab, &nan);
+    if (nan) return -1;
+    const __m512 wanted = _mm512_set1_ps(top_x);
+    int64_t j = 0;
+    for (; j + 16 <= vocab; j += 16) {
+        __mmask16 equal = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), wanted, _CMP_EQ_OQ);
+        if (equal) return j + __builtin_ctz((unsigned)equal);
+    }
+    for (; j < vocab; j++)
+        if (x[j] == top_x) return j;
+    return 0; /* not reached: top_x is one of the row's entries */
+}
+
+/* The bound of the AVX2 scan, x_j + (1 + lzcnt(~r_j)) · ln 2 + margin ≥ best, rearranged to need no float64:
+ * lzcnt(~r_j) ≥ (best − ln 2 − margin − x_j) / ln 2, the right side in float32 for eight tokens at once.
+ * Uncapped, 1 + lzcnt(~r) ≥ −k: the bound only loosens. Float32's roundings put the right side within
+ * 2⁻¹³ of its exact value (a hundredth of the margin) for |x_top| ≤ WIDEST_TOP, where every token near the
+ * bound lies within 41 of x_top; a row beyond it takes the AVX2 scan, whose bound is in float64. */
+#define WIDEST_TOP 960.0f
+
+AVX512 static int64_t argmax_avx512(const float *x, int64_t vocab, uint64_t key) {
+    int nan;
+    float top_x = row_max_avx512(x, vocab, &nan);
+    if (nan) return -1;
+    if (top_x == -INFINITY || top_x == INFINITY) return row_top_avx512(x, vocab); /* every score equal; +inf */
+    if (!(fabsf(top_x) <= WIDEST_TOP)) return argmax_avx2(x, vocab, key);
+    /* Below every score the top token can reach (g ≥ −ln 36.74 = −3.604): the top is found by the scan
+     * itself, as a token that can reach the best, and no index pass is needed. */
+    int64_t best_j = -1;
+    float best = top_x - 4.0f;
+    const float inverse_ln2 = 1.44269504088896340736f;
+    __m256 reach_from = _mm256_set1_ps((float)((double)best - 0.69314718055994530942 - BOUND_MARGIN));
+    const __m512i step = _mm512_set1_epi64((long long)(8 * GOLDEN_GAMMA));
+    __m512i counter = _mm512_add_epi64(_mm512_set1_epi64((long long)key),
+                                       _mm512_setr_epi64((long long)(1 * GOLDEN_GAMMA), (long long)(2 * GOLDEN_GAMMA),
+                                                         (long long)(3 * GOLDEN_GAMMA), (long long)(4 * GOLDEN_GAMMA),
+                                                         (long long)(5 * GOLDEN_GAMMA), (long long)(6 * GOLDEN_GAMMA),
+                                                         (long long)(7 * GOLDEN_GAMMA), (long long)(8 * GOLDEN_GAMMA)));
+    const __m256 to_lengths = _mm256_set1_ps(inverse_ln2);
+    int64_t j = 0;
+    for (; j + 8 <= vocab; j += 8) {
+        __m512i r = mix64_x8(counter);
+        counter = _mm512_add_epi64(counter, step);
+        __m256 leading = _mm512_cvtepi64_ps(_mm512_lzcnt_epi64(_mm512_ternarylogic_epi64(r, r, r, 0x55))); /* of ~r */
+        __m256 needed = _mm256_mul_ps(_mm256_sub_ps(reach_from, _mm256_loadu_ps(x + j)), to_lengths);
+        unsigned reach = (unsigned)_mm256_cmp_ps_mask(leading, needed, _CMP_GE_OQ);
+        while (reach) {
+            int lane = __builtin_ctz(reach);
+            reach &= reach - 1;
+            int64_t t = j + lane;
+            float score = x[t] + gumbel_at(key, (uint64_t)t);
+            if (score > best || (score == best && t < best_j)) {
+                best = score, best_j = t;
+                reach_from = _mm256_set1_ps((float)((double)best - 0.69314718055994530942 - BOUND_MARGIN));
+            }
+        }
+    }
+    for (; j < vocab; j++) {
+        if (x[j] == -INFINITY) continue;
+        uint64_t r = mix64(key + ((uint64_t)j + 1) * GOLDEN_GAMMA);
+        double bound = (double)x[j] - exponent_of_v(r) * 0.69314718055994530942 + BOUND_MARGIN;
+        if (bound < (double)best) continue;
+        float score = x[j] + gumbel_at(key, (uint64_t)j);
+        if (score > best || (score == best && j < best_j)) best = score, best_j = j;
+    }
+    return best_j;
+}
 #endif
 
-static int avx2_usable(void) {
+/* The loops this build and CPU can run: 0 the plain one, 1 AVX2, 2 AVX-512 (F, DQ, CD, VL). */
+enum { LOOP_PLAIN = 0, LOOP_AVX2 = 1, LOOP_AVX512 = 2 };
+
+static int best_loop(void) {
 #if HAVE_AVX2_BUILD
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2"); /* libgcc also checks that the OS saves the YMM state */
-#else
-    return 0;
+    __builtin_cpu_init(); /* libgcc's checks include the OS's saving of the YMM and ZMM state */
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("avx512cd") && __builtin_cpu_supports("avx512vl"))
+        return LOOP_AVX512;
+    if (__builtin_cpu_supports("avx2")) return LOOP_AVX2;
 #endif
+    return LOOP_PLAIN;
 }
+
+/* A loop asked for that this CPU cannot run: 0 after setting a Python error. */
+static int loop_usable(int loop) {
+    if (loop < LOOP_PLAIN || loop > LOOP_AVX512) {
+        PyErr_Format(PyExc_ValueError, "loop %d is not one of 0 (plain), 1 (AVX2), 2 (AVX-512)", loop);
+        return 0;
+    }
+    if (loop > best_loop()) {
+        PyErr_Format(PyExc_ValueError, "this CPU cannot run loop %d (its best: %d)", loop, best_loop());
+        return 0;
+    }
+    return 1;
+}
+
+/* The first index of the largest entry of a row; −1 for a row holding a NaN. */
+static int64_t row_top_plain(const float *x, int64_t vocab) {
+    int64_t top = 0;
+    for (int64_t j = 0; j < vocab; j++) {
+        if (x[j] != x[j]) return -1;
+        if (x[j] > x[top]) top = j;
+    }
+    return top;
+}
+
+/* One row's perturbed argmax (keys) or first maximum on the chosen loop. */
+static int64_t row_token(const float *row, int64_t vocab, const uint64_t *key, int loop) {
+#if HAVE_AVX2_BUILD
+    if (loop == LOOP_AVX512) return key ? argmax_avx512(row, vocab, *key) : row_top_avx512(row, vocab);
+    if (loop == LOOP_AVX2) return key ? argmax_avx2(row, vocab, *key) : row_top_avx2(row, vocab);
+#endif
+    return key ? argmax_plain(row, vocab, *key) : row_top_plain(row, vocab);
+}
+
 
 static PyObject *py_fill_gumbel(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *names[] = {"keys", "rows", "vocab", "out", "vectorised", NULL};
+    static char *names[] = {"keys", "rows", "vocab", "out", "loop", NULL};
     PyObject *keys_address, *out_address;
-    int rows, vectorised;
+    int rows, loop;
     Py_ssize_t vocab;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OinOp", names, &keys_address, &rows, &vocab, &out_address,
-                                     &vectorised))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OinOi", names, &keys_address, &rows, &vocab, &out_address, &loop))
         return NULL;
     if (rows < 0 || vocab < 0) return PyErr_Format(PyExc_ValueError, "rows %d and vocab %zd must be >= 0", rows, vocab);
     if (rows == 0 || vocab == 0) Py_RETURN_NONE;
@@ -367,12 +509,12 @@ static PyObject *py_fill_gumbel(PyObject *self, PyObject *args, PyObject *kw) {
     float *out = keys ? PyLong_AsVoidPtr(out_address) : NULL;
     if (PyErr_Occurred()) return NULL;
     if (!keys || !out) return PyErr_Format(PyExc_ValueError, "keys and out must be non-null addresses");
-    if (vectorised && !avx2_usable()) return PyErr_Format(PyExc_ValueError, "this CPU cannot run the AVX2 loop");
+    if (!loop_usable(loop)) return NULL;
     Py_BEGIN_ALLOW_THREADS
     for (int r = 0; r < rows; r++) {
         float *row = out + (size_t)r * (size_t)vocab;
 #if HAVE_AVX2_BUILD
-        if (vectorised) {
+        if (loop >= LOOP_AVX2) { /* AVX-512 fills on the AVX2 loop: the scan, not the fill, is the hot one */
             fill_avx2(keys[r], row, vocab);
             continue;
         }
@@ -386,12 +528,12 @@ static PyObject *py_fill_gumbel(PyObject *self, PyObject *args, PyObject *kw) {
 
 static PyObject *py_gumbel_argmax(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *names[] = {"x", "rows", "vocab", "stride", "keys", "out", "vectorised", NULL};
+    static char *names[] = {"x", "rows", "vocab", "stride", "keys", "out", "loop", NULL};
     PyObject *x_address, *keys_address, *out_address;
-    int rows, vectorised;
+    int rows, loop;
     Py_ssize_t vocab, stride;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OinnOOp", names, &x_address, &rows, &vocab, &stride, &keys_address,
-                                     &out_address, &vectorised))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OinnOOi", names, &x_address, &rows, &vocab, &stride, &keys_address,
+                                     &out_address, &loop))
         return NULL;
     if (rows < 0 || vocab < 1 || stride < 0) /* stride 0: one row read for all (an expanded tensor) */
         return PyErr_Format(PyExc_ValueError, "rows %d, vocab %zd, stride %zd: expected rows >= 0, vocab >= 1, "
@@ -402,30 +544,11 @@ static PyObject *py_gumbel_argmax(PyObject *self, PyObject *args, PyObject *kw) 
     int64_t *out = keys ? PyLong_AsVoidPtr(out_address) : NULL;
     if (PyErr_Occurred()) return NULL;
     if (!x || !keys || !out) return PyErr_Format(PyExc_ValueError, "x, keys and out must be non-null addresses");
-    if (vectorised && !avx2_usable()) return PyErr_Format(PyExc_ValueError, "this CPU cannot run the AVX2 loop");
+    if (!loop_usable(loop)) return NULL;
     Py_BEGIN_ALLOW_THREADS
-    for (int r = 0; r < rows; r++) {
-        const float *row = x + (size_t)r * (size_t)stride;
-#if HAVE_AVX2_BUILD
-        if (vectorised) {
-            out[r] = argmax_avx2(row, vocab, keys[r]);
-            continue;
-        }
-#endif
-        out[r] = argmax_plain(row, vocab, keys[r]);
-    }
+    for (int r = 0; r < rows; r++) out[r] = row_token(x + (size_t)r * (size_t)stride, vocab, keys + r, loop);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
-}
-
-/* The first index of the largest entry of a row; −1 for a row holding a NaN. */
-static int64_t row_top_plain(const float *x, int64_t vocab) {
-    int64_t top = 0;
-    for (int64_t j = 0; j < vocab; j++) {
-        if (x[j] != x[j]) return -1;
-        if (x[j] > x[top]) top = j;
-    }
-    return top;
 }
 
 /* ``count`` entries of a tuple of ints into ``out`` (unsigned: keys; else row indices, each checked
@@ -462,17 +585,17 @@ static int read_ints(PyObject *sequence, Py_ssize_t count, uint64_t *out, int is
  * (arrays for keys and tokens, their addresses, a NaN check) cost 10-50 µs, more than a row's argmax. */
 static PyObject *py_argmax_rows(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *names[] = {"x", "table_rows", "vocab", "stride", "rows", "keys", "vectorised", NULL};
+    static char *names[] = {"x", "table_rows", "vocab", "stride", "rows", "keys", "loop", NULL};
     PyObject *x_address, *rows_arg, *keys_arg;
     Py_ssize_t table_rows, vocab, stride;
-    int vectorised;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OnnnOOp", names, &x_address, &table_rows, &vocab, &stride, &rows_arg,
-                                     &keys_arg, &vectorised))
+    int loop;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OnnnOOi", names, &x_address, &table_rows, &vocab, &stride, &rows_arg,
+                                     &keys_arg, &loop))
         return NULL;
     if (table_rows < 0 || vocab < 1 || stride < 0)
         return PyErr_Format(PyExc_ValueError, "table_rows %zd, vocab %zd, stride %zd: expected table_rows >= 0, "
                             "vocab >= 1, stride >= 0", table_rows, vocab, stride);
-    if (vectorised && !avx2_usable()) return PyErr_Format(PyExc_ValueError, "this CPU cannot run the AVX2 loop");
+    if (!loop_usable(loop)) return NULL;
     const float *x = PyLong_AsVoidPtr(x_address);
     if (PyErr_Occurred()) return NULL;
     PyObject *rows_seq = NULL, *keys_seq = NULL, *result = NULL;
@@ -521,16 +644,8 @@ static PyObject *py_argmax_rows(PyObject *self, PyObject *args, PyObject *kw) {
     }
     if (keys_seq && !read_ints(keys_seq, count, keys, 1, 0)) goto done;
     Py_BEGIN_ALLOW_THREADS
-    for (Py_ssize_t i = 0; i < count; i++) {
-        const float *row = x + (size_t)rows[i] * (size_t)stride;
-#if HAVE_AVX2_BUILD
-        if (vectorised) {
-            tokens[i] = keys_seq ? argmax_avx2(row, vocab, keys[i]) : row_top_avx2(row, vocab);
-            continue;
-        }
-#endif
-        tokens[i] = keys_seq ? argmax_plain(row, vocab, keys[i]) : row_top_plain(row, vocab);
-    }
+    for (Py_ssize_t i = 0; i < count; i++)
+        tokens[i] = row_token(x + (size_t)rows[i] * (size_t)stride, vocab, keys_seq ? keys + i : NULL, loop);
     Py_END_ALLOW_THREADS
     result = PyList_New(count);
     for (Py_ssize_t i = 0; result && i < count; i++) {
@@ -552,25 +667,25 @@ static PyObject *py_mix64(PyObject *self, PyObject *arg) {
     return PyLong_FromUnsignedLongLong(mix64(z));
 }
 
-static PyObject *py_avx2(PyObject *self, PyObject *unused) {
+static PyObject *py_best_loop(PyObject *self, PyObject *unused) {
     (void)self, (void)unused;
-    return PyBool_FromLong(avx2_usable());
+    return PyLong_FromLong(best_loop());
 }
 
 static PyMethodDef methods[] = {
     {"fill_gumbel", (PyCFunction)(void (*)(void))py_fill_gumbel, METH_VARARGS | METH_KEYWORDS,
-     "fill_gumbel(keys, rows, vocab, out, vectorised): row r of out [rows, vocab] float32 = the Gumbel noise of "
-     "keys[r] (uint64 [rows]); addresses as ints; vectorised: the AVX2 loop (the same bits)."},
+     "fill_gumbel(keys, rows, vocab, out, loop): row r of out [rows, vocab] float32 = the Gumbel noise of "
+     "keys[r] (uint64 [rows]); addresses as ints; loop: 0 plain, 1 AVX2, 2 AVX-512 (the same bits)."},
     {"gumbel_argmax", (PyCFunction)(void (*)(void))py_gumbel_argmax, METH_VARARGS | METH_KEYWORDS,
-     "gumbel_argmax(x, rows, vocab, stride, keys, out, vectorised): out[r] (int64) = argmax_j(x[r, j] + g_j) with "
+     "gumbel_argmax(x, rows, vocab, stride, keys, out, loop): out[r] (int64) = argmax_j(x[r, j] + g_j) with "
      "keys[r]'s noise, the first of equal maxima; -1 for a row with a NaN."},
     {"argmax_rows", (PyCFunction)(void (*)(void))py_argmax_rows, METH_VARARGS | METH_KEYWORDS,
-     "argmax_rows(x, table_rows, vocab, stride, rows, keys, vectorised) -> list: for each chosen row of the float32 "
+     "argmax_rows(x, table_rows, vocab, stride, rows, keys, loop) -> list: for each chosen row of the float32 "
      "table at x [table_rows, vocab] (rows: row indices, or None for all), its first maximum (keys None) or its "
      "perturbed argmax under keys[i]'s noise, as gumbel_argmax; -1 for a row holding a NaN. IndexError for a row "
      "outside the table, ValueError for keys of another count."},
     {"mix64", py_mix64, METH_O, "SplitMix64's output function of a 64-bit word."},
-    {"avx2", py_avx2, METH_NOARGS, "Whether the AVX2 loop can run here."},
+    {"best_loop", py_best_loop, METH_NOARGS, "The fastest loop this CPU runs: 0 plain, 1 AVX2, 2 AVX-512 (the same bits)."},
     {NULL, NULL, 0, NULL},
 };
 
