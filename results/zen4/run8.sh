@@ -16,4 +16,5 @@ step noise_rows python benchmarks/noise_rows.py --rows 1,4,12 --repeats 20 --out
 step loop_time_noise_avx512 python benchmarks/loop_time.py --methods ar,hybrid --temperatures 0,1 --prompts 4 --tokens 128 --repeats 3 --before "$before" --out $out/loop_time_noise_avx512.json
 step spec_bench_noise_avx512_t1 tierspec bench --dataset spec_bench --per-category 5 --max-new-tokens 128 --temperature 1 --seed 0 --methods ar,hybrid,llamacpp-greedy --out $out/spec_bench-noise-avx512-t1 --no-progress
 step serve_load_noise_avx512 python benchmarks/serve_load.py --concurrency 1,8 --requests-per-client 2 --max-tokens 128 --peers --out $out/serve_load_noise_avx512.json
+step batch_cycle_noise_shared python benchmarks/batch_cycle.py --sizes 8 --methods hybrid --prompts 32 --temperature 1 --noise-rows-shared-from 8,24,8 --out $out/batch_cycle_noise_shared.json
 echo "all done $(date -u +%FT%TZ)"
