@@ -65,8 +65,10 @@ class ForwardCosts:
     seconds: dict[int, float]
     context: int = TABLE_CONTEXT
     per_position: dict[int, float] | None = None
-    # padded_size by n, filled as asked (the policies of a batch ask for the same few sizes every cycle)
+    # padded_size by n and cost by (n, context), filled as asked (the policies of a batch ask for the same
+    # few sizes every cycle; the table does not change once made)
     _padded: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _costs: dict[tuple[int, int | None], float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def max_tokens(self) -> int:
@@ -85,6 +87,12 @@ class ForwardCosts:
         """Seconds for a pass over n tokens, padded to the cheapest size (linear beyond the table),
         after ``context`` cached positions (None: the table's own context): the table's seconds
         plus ``per_position`` for the positions more (or less: never below half the table's)."""
+        seconds = self._costs.get((n, context))
+        if seconds is None:
+            seconds = self._costs[(n, context)] = self._cost(n, context)
+        return seconds
+
+    def _cost(self, n: int, context: int | None) -> float:
         top = self.max_tokens
         size = self.padded_size(n) if n <= top else n
         if n <= top:

@@ -338,6 +338,10 @@ class CostModel:
     _cycle: dict[tuple[int, str], float] = field(default_factory=dict, init=False, repr=False, compare=False)
     _ceiling: dict[tuple[str, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
     _step: dict[str, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: the models derived from one another (``in_batch``, ``at_context``) by (sequences, context), one dict
+    #: shared by them all: a batch's size moves back and forth as generations finish and join, and each
+    #: model's caches above then fill once, not once per move
+    variants: dict[tuple[int, int | None], "CostModel"] = field(default_factory=dict, repr=False, compare=False)
 
     def _pass(self, tokens: int) -> float:
         """The measured cost of one pass over ``tokens`` rows."""
@@ -383,7 +387,7 @@ class CostModel:
         """This model for a generation that shares each pass with ``sequences`` − 1 others."""
         if sequences == self.sequences:
             return self
-        return CostModel(self.forward_costs, self.draft_fractions, sequences, self.context)
+        return self._variant(sequences, self.context)
 
     def at_context(self, positions: int) -> "CostModel":
         """This model for a generation whose rows attend to ``positions`` cached positions, in steps
@@ -391,7 +395,16 @@ class CostModel:
         step = (positions // CONTEXT_STEP) * CONTEXT_STEP
         if step == self.context or self.forward_costs is None or not self.forward_costs.per_position:
             return self
-        return CostModel(self.forward_costs, self.draft_fractions, self.sequences, step)
+        return self._variant(self.sequences, step)
+
+    def _variant(self, sequences: int, context: int | None) -> "CostModel":
+        """This model's family member for ``sequences`` and ``context`` (made once: ``variants``)."""
+        self.variants.setdefault((self.sequences, self.context), self)
+        model = self.variants.get((sequences, context))
+        if model is None:
+            model = self.variants[(sequences, context)] = CostModel(self.forward_costs, self.draft_fractions, sequences,
+                                                                    context, self.variants)
+        return model
 
     def __call__(self, k: int, source: str = "") -> float:
         seconds = self._cycle.get((k, source))

@@ -75,6 +75,26 @@ def test_a_pass_is_costed_at_the_context_its_rows_attend_to():
     assert ForwardCosts({1: 0.010, 2: 0.011}).cost(2, 5000) == pytest.approx(0.011)
 
 
+def test_a_cost_models_batch_and_context_variants_are_made_once_and_cost_as_new_ones():
+    """A batch's size moving 8 → 7 → 8 and a context moving on and back give the same model objects
+    again (their caches kept), each costing what a model made afresh for its batch and context costs."""
+    from tierspec.costs import ForwardCosts
+
+    table = ForwardCosts({1: 0.010, 2: 0.011, 3: 0.013, 8: 0.020, 9: 0.021, 10: 0.023}, context=256,
+                         per_position={n: 1e-6 * n for n in (1, 2, 3, 8, 9, 10)})
+    root = CostModel(table, {"head": 0.1})
+    eight = root.in_batch(8)
+    assert eight.in_batch(7).in_batch(8) is eight and eight.in_batch(1) is root
+    near = eight.at_context(300)  # the table's own context, in steps of 64
+    far = near.at_context(1000)
+    assert far.at_context(300) is near and near.at_context(1000) is far and far.in_batch(7).in_batch(8) is far
+    for model, sequences, context in ((near, 8, 256), (far, 8, 960), (far.in_batch(7), 7, 960), (eight, 8, None)):
+        fresh = CostModel(table, {"head": 0.1}, sequences, context)
+        assert (model.sequences, model.context) == (sequences, context)
+        for k in range(3):
+            assert model(k, "head") == fresh(k, "head") and model.verify(k + 1) == fresh.verify(k + 1)
+
+
 def test_a_draft_that_pays_after_few_positions_does_not_after_many():
     """Planted: a 2-row pass costs 1.1× one row after 256 positions, and each row adds as much
     attention per position, so after 4,096 positions 2 rows cost 1.35× one: a one-token draft

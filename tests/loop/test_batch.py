@@ -238,3 +238,32 @@ def test_a_policy_in_a_batch_costs_its_drafts_as_the_batch_passes():
     assert policy.trim(head) == 0 and policy.trim(ngram) == 1
     policy.share_passes(1)  # alone again: as before
     assert policy.trim(head) == 2
+
+
+def test_rows_of_one_buffer_are_decided_in_place_and_others_copied_together():
+    """``rows_together``: parts lying one after another in one buffer (a batched pass's logits) give
+    a view of it (no copy); parts with a gap, of other storages (even adjacent in memory), another
+    dtype or width, or not contiguous are copied together; every result equals ``torch.cat``."""
+    import numpy as np
+
+    from tierspec.decode import rows_together
+
+    buffer = torch.randn(9, 5)
+    parts = [buffer[0:2], buffer[2:3], buffer[3:7]]
+    together = rows_together(parts)
+    assert together.data_ptr() == buffer.data_ptr() and torch.equal(together, torch.cat(parts))
+    assert rows_together(parts[1:]).data_ptr() == parts[1].data_ptr()
+    assert rows_together([parts[0]]) is parts[0]
+    memory = np.random.default_rng(0).standard_normal((8, 5)).astype(np.float32)
+    apart = [torch.from_numpy(memory[0:3]), torch.from_numpy(memory[3:8])]  # adjacent, but two storages
+    others = [
+        [buffer[0:2], buffer[3:5]],  # a gap
+        [buffer[0:2], torch.randn(2, 5)],  # another buffer
+        [buffer[0:2], buffer[2:4].double()],  # another dtype
+        [buffer[0:2, :4], buffer[2:4, :4]],  # rows of a wider buffer: not contiguous
+        apart,
+    ]
+    for case in others:
+        together = rows_together(case)
+        assert torch.equal(together, torch.cat(case)), case
+        assert together.data_ptr() not in (p.data_ptr() for p in case)
