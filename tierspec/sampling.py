@@ -212,9 +212,10 @@ def seed_of(seed: int | torch.Generator | None) -> int:
 #: 884 / 1,271 / 1,562, 791 / 1,099 / 1,418 and 808 / 1,244 / 1,505 µs on one thread, 728 / 949 /
 #: 1,059, 786 / 791 / 962 and 667 / 1,116 / 1,207 on two; split in halves, 4 rows took 444 µs either
 #: way and 2 rows 287 on one, 375 on two (handing rows to a thread that wakes costs more than a row).
-#: The AVX-512 loop scans a row 2.8× faster (Zen 4: 23 against 65 µs), so the rows that pay for the
-#: hand-over are 2.8× as many: 24. Measured there (batches of 8 at temperature 1, ~12 rows a cycle, two
-#: runs each, interleaved): shared from 8 rows, 0.49 and 0.51 ms a cycle deciding; on one thread 0.35, 0.37.
+#: The AVX-512 loop scans a row 2.8× faster (Zen 4, rows of a 12-row pass: 22.6 against 66.0 µs,
+#: benchmarks/noise_rows.py), so the rows that pay for the hand-over are 2.8× as many: 24. Measured there
+#: (benchmarks/batch_cycle.py, batches of 8 at temperature 1, 12.2 rows a pass, alternating): deciding took
+#: 0.485 and 0.524 ms a cycle shared from 8 rows, 0.35 and 0.35 on one thread.
 PARALLEL_ROWS_BY_LOOP = (8, 8, 24)
 PARALLEL_ROWS = PARALLEL_ROWS_BY_LOOP[_NOISE_LOOP]
 #: Token keys made at once (``Noise.key``): a cycle commits one to a few positions.

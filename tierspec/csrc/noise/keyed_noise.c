@@ -347,8 +347,8 @@ AVX2 static int64_t argmax_avx2(const float *x, int64_t vocab, uint64_t key) {
  * leading bits: with n = (~r) >> 12 as above, k = −1 − lzcnt(~r) for n ≥ 1 and −53 for n = 0, so
  * −k = 1 + min(lzcnt(~r), 52), no float conversion of v. The tokens that can reach the best are
  * scored by gumbel_at, so the token is the plain scan's. On a Zen 4 a row of
- * the default model's 49,152 logits took 21.5 µs warm and 39.8 right after a one-row pass, against the AVX2
- * scan's 64.0 and 83.8 (benchmarks/noise_rows.py). */
+ * the default model's 49,152 logits took 21.6 µs warm and 38.2 right after a one-row pass, against the AVX2
+ * scan's 62.3 and 79.5 (benchmarks/noise_rows.py, results/zen4/int8/noise_rows.log). */
 #define AVX512 __attribute__((target("avx512f,avx512dq,avx512cd,avx512vl")))
 
 AVX512 static inline __m512i mix64_x8(__m512i z) {
@@ -493,7 +493,6 @@ static int64_t row_token(const float *row, int64_t vocab, const uint64_t *key, i
 #endif
     return key ? argmax_plain(row, vocab, *key) : row_top_plain(row, vocab);
 }
-
 
 static PyObject *py_fill_gumbel(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
