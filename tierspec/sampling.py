@@ -435,6 +435,14 @@ class Noise:
             self._kept[position] = noise
         return noise
 
+    def gumbel_at(self, position: int, ids: torch.Tensor, purpose: str = TOKEN) -> torch.Tensor:
+        """``gumbel(position, purpose)[ids]`` for token ids [K] (int64), bit for bit, without the whole
+        vector where it is not kept: a drafter with a reduced vocabulary reads its tokens' noise only
+        (``gumbel_values``)."""
+        if purpose == TOKEN and position in self._kept:
+            return self._kept[position][ids]
+        return gumbel_values(self.key(position, purpose), ids, self.vocab_size)
+
     def argmax(self, scores: torch.Tensor, position: int, purpose: str = TOKEN) -> int:
         """argmax_v(scores[v] + g(v)) for ``scores`` [V] with this position's noise (``keyed_tokens``)."""
         return keyed_tokens(scores[None], [self.key(position, purpose)])[0]
@@ -463,6 +471,19 @@ def gumbel_rows(keys: list[int], vocab_size: int) -> torch.Tensor:
     return out
 
 
+def gumbel_values(key: int, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[K] float32: the Gumbel noise of ``key`` at token ids [K] — ``gumbel_rows([key], vocab_size)[0][ids]``
+    bit for bit (csrc/noise: each token's counter, the fill's operations), at a K-th of the vocabulary's
+    cost. An id outside 0 .. vocab_size − 1 is refused."""
+    ids = ids.reshape(-1).to("cpu", torch.int64).contiguous()
+    out = torch.empty(ids.shape[0], dtype=torch.float32)
+    if ids.shape[0]:
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+            raise NoiseError(f"token ids must lie in 0 .. {vocab_size - 1}, got {int(ids.min())} .. {int(ids.max())}")
+        _keyed_noise.gather_gumbel(key, ids.data_ptr(), ids.shape[0], out.data_ptr(), _NOISE_LOOP)
+    return out
+
+
 @dataclass(frozen=True)
 class BlockNoise:
     """The noise of one draft–verify block whose token i sits at position ``start`` + i (draft
@@ -474,6 +495,10 @@ class BlockNoise:
     def gumbel(self, i: int) -> torch.Tensor:
         """g [V], the token noise of block position i."""
         return self.noise.gumbel(self.start + i)
+
+    def gumbel_at(self, i: int, ids: torch.Tensor) -> torch.Tensor:
+        """g[ids] [K], block position i's token noise at token ids [K] (``Noise.gumbel_at``)."""
+        return self.noise.gumbel_at(self.start + i, ids)
 
     def gumbels(self, count: int) -> torch.Tensor:
         """[count, V]: the token noise of block positions 0 .. count − 1."""

@@ -160,6 +160,34 @@ def test_the_vectorised_loops_give_the_plain_loops_bits(monkeypatch):
         assert all(torch.equal(run.view(torch.int32), runs[0].view(torch.int32)) for run in runs)
 
 
+def test_the_noise_at_chosen_tokens_is_the_whole_vectors_there(monkeypatch):
+    """``gumbel_values``: the whole vector's values at the ids asked, bit for bit, on every loop — ids
+    unsorted and repeated, the vocabulary's first and last, tails of every length after the groups of
+    eight; ``Noise.gumbel_at`` reads a kept vector where there is one; an id outside the vocabulary
+    is refused."""
+    from tierspec.sampling import NoiseError, gumbel_rows, gumbel_values
+
+    vocab = 49152
+    generator = torch.Generator().manual_seed(4)
+    for key in (0, 2**64 - 1, 987654321):
+        whole = gumbel_rows([key], vocab)[0]
+        for count in (0, 1, 7, 8, 9, 16, 17, 8192):
+            ids = torch.randint(0, vocab, (count,), generator=generator)
+            if count >= 2:
+                ids[0], ids[-1] = 0, vocab - 1
+            if count >= 4:
+                ids[2] = ids[1]  # a repeat
+            for got in _every_loop(monkeypatch, lambda: gumbel_values(key, ids, vocab)):
+                assert torch.equal(got.view(torch.int32), whole[ids].view(torch.int32))
+    noise = Noise(7, vocab)
+    ids = torch.tensor([5, 49151, 3])
+    assert torch.equal(noise.gumbel_at(10, ids), noise.gumbel(10)[ids])  # not kept, then kept
+    assert torch.equal(noise.block(9).gumbel_at(1, ids), noise.gumbel(10)[ids])
+    for bad in ([-1], [vocab]):
+        with pytest.raises(NoiseError, match="token ids must lie in 0 .. 49151"):
+            gumbel_values(1, torch.tensor(bad), vocab)
+
+
 def test_noise_values_are_the_formula_written_out():
     """g = −ln(−ln u), u = ((mix64(key + (i + 1)·γ) >> 12) + ½)·2⁻⁵², to float32 precision: the
     kernel's own logarithms against numpy's (float64) on the same uniforms."""

@@ -128,7 +128,7 @@ class EagleTreeDrafter(EagleDrafter):
                 probs = logits.softmax(-1) if sampling.greedy else logits_to_probs(logits, sampling)
                 score = probs.log()
                 if not sampling.greedy:
-                    score = score + noise.gumbel(depth - 1)[ids]
+                    score = score + noise.gumbel_at(depth - 1, ids)  # the K tokens' noise only
                 top = score.topk(min(self.branching, score.shape[-1]), dim=-1).indices  # [f, b]
                 new = []
                 for row, parent in enumerate(frontier):

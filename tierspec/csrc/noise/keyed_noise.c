@@ -137,6 +137,11 @@ static void fill_plain(uint64_t key, float *out, int64_t count) {
     for (int64_t i = 0; i < count; i++) out[i] = gumbel_at(key, (uint64_t)i);
 }
 
+/* The noise at chosen tokens only (a drafter's reduced vocabulary): out[i] = g(ids[i]). */
+static void gather_plain(uint64_t key, const int64_t *ids, int64_t count, float *out) {
+    for (int64_t i = 0; i < count; i++) out[i] = gumbel_at(key, (uint64_t)ids[i]);
+}
+
 #if HAVE_AVX2_BUILD
 #define AVX2 __attribute__((target("avx2")))
 
@@ -225,6 +230,21 @@ AVX2 static void fill_avx2(uint64_t key, float *out, int64_t count) {
         high = _mm256_add_epi64(high, step);
     }
     for (; i < count; i++) out[i] = gumbel_at(key, (uint64_t)i);
+}
+
+/* ``gather_plain`` eight tokens at a time: each token's counter key + (id + 1)·γ, then the fill's own
+ * operations (so the fill's bits). */
+AVX2 static void gather_avx2(uint64_t key, const int64_t *ids, int64_t count, float *out) {
+    const __m256i one = _mm256_set1_epi64x(1), base = _mm256_set1_epi64x((long long)key);
+    int64_t i = 0;
+    for (; i + 8 <= count; i += 8) {
+        __m256i low = _mm256_loadu_si256((const __m256i *)(ids + i)), high = _mm256_loadu_si256((const __m256i *)(ids + i + 4));
+        low = _mm256_add_epi64(base, mul64(_mm256_add_epi64(low, one), GOLDEN_GAMMA));
+        high = _mm256_add_epi64(base, mul64(_mm256_add_epi64(high, one), GOLDEN_GAMMA));
+        __m256 e = _mm256_set_m128(exponential_x4(high), exponential_x4(low));
+        _mm256_storeu_ps(out + i, _mm256_sub_ps(_mm256_setzero_ps(), ln_float_x8(e)));
+    }
+    for (; i < count; i++) out[i] = gumbel_at(key, (uint64_t)ids[i]);
 }
 #endif
 
@@ -525,6 +545,32 @@ static PyObject *py_fill_gumbel(PyObject *self, PyObject *args, PyObject *kw) {
 }
 
 
+static PyObject *py_gather_gumbel(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"key", "ids", "count", "out", "loop", NULL};
+    unsigned long long key;
+    PyObject *ids_address, *out_address;
+    Py_ssize_t count;
+    int loop;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KOnOi", names, &key, &ids_address, &count, &out_address, &loop))
+        return NULL;
+    if (count < 0) return PyErr_Format(PyExc_ValueError, "count %zd must be >= 0", count);
+    if (!loop_usable(loop)) return NULL;
+    if (count == 0) Py_RETURN_NONE;
+    const int64_t *ids = PyLong_AsVoidPtr(ids_address);
+    float *out = ids ? PyLong_AsVoidPtr(out_address) : NULL;
+    if (PyErr_Occurred()) return NULL;
+    if (!ids || !out) return PyErr_Format(PyExc_ValueError, "ids and out must be non-null addresses");
+    Py_BEGIN_ALLOW_THREADS
+#if HAVE_AVX2_BUILD
+    if (loop >= LOOP_AVX2) gather_avx2((uint64_t)key, ids, count, out);
+    else
+#endif
+        gather_plain((uint64_t)key, ids, count, out);
+    Py_END_ALLOW_THREADS
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_gumbel_argmax(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *names[] = {"x", "rows", "vocab", "stride", "keys", "out", "loop", NULL};
@@ -675,6 +721,9 @@ static PyMethodDef methods[] = {
     {"fill_gumbel", (PyCFunction)(void (*)(void))py_fill_gumbel, METH_VARARGS | METH_KEYWORDS,
      "fill_gumbel(keys, rows, vocab, out, loop): row r of out [rows, vocab] float32 = the Gumbel noise of "
      "keys[r] (uint64 [rows]); addresses as ints; loop: 0 plain, 1 AVX2, 2 AVX-512 (the same bits)."},
+    {"gather_gumbel", (PyCFunction)(void (*)(void))py_gather_gumbel, METH_VARARGS | METH_KEYWORDS,
+     "gather_gumbel(key, ids, count, out, loop): out[i] (float32) = the Gumbel noise of key at token ids[i] (int64 "
+     "[count]), the values fill_gumbel's whole vector holds there; addresses as ints."},
     {"gumbel_argmax", (PyCFunction)(void (*)(void))py_gumbel_argmax, METH_VARARGS | METH_KEYWORDS,
      "gumbel_argmax(x, rows, vocab, stride, keys, out, loop): out[r] (int64) = argmax_j(x[r, j] + g_j) with "
      "keys[r]'s noise, the first of equal maxima; -1 for a row with a NaN."},
