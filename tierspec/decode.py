@@ -497,7 +497,7 @@ class CycleTimes:
     sequences: int = 0  # sequences over all cycles (mean batch = sequences / cycles)
 
     def add(self, other: "CycleTimes") -> None:
-        for name in ("draft", "passes", "verify", "commit", "grammar", "rows", "cycles", "sequences"):
+        for name in self.__dataclass_fields__:  # every field is a sum over cycles
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def to_dict(self) -> dict:

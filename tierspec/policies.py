@@ -343,6 +343,9 @@ class CostModel:
     #: model's caches above then fill once, not once per move
     variants: dict[tuple[int, int | None], "CostModel"] = field(default_factory=dict, repr=False, compare=False)
 
+    def __post_init__(self) -> None:
+        self.variants.setdefault((self.sequences, self.context), self)
+
     def _pass(self, tokens: int) -> float:
         """The measured cost of one pass over ``tokens`` rows."""
         if self.forward_costs is not None:
@@ -399,12 +402,9 @@ class CostModel:
 
     def _variant(self, sequences: int, context: int | None) -> "CostModel":
         """This model's family member for ``sequences`` and ``context`` (made once: ``variants``)."""
-        self.variants.setdefault((self.sequences, self.context), self)
         model = self.variants.get((sequences, context))
-        if model is None:
-            model = self.variants[(sequences, context)] = CostModel(self.forward_costs, self.draft_fractions, sequences,
-                                                                    context, self.variants)
-        return model
+        return model if model is not None else CostModel(self.forward_costs, self.draft_fractions, sequences, context,
+                                                         self.variants)
 
     def __call__(self, k: int, source: str = "") -> float:
         seconds = self._cycle.get((k, source))

@@ -212,8 +212,8 @@ def seed_of(seed: int | torch.Generator | None) -> int:
 #: 884 / 1,271 / 1,562, 791 / 1,099 / 1,418 and 808 / 1,244 / 1,505 µs on one thread, 728 / 949 /
 #: 1,059, 786 / 791 / 962 and 667 / 1,116 / 1,207 on two; split in halves, 4 rows took 444 µs either
 #: way and 2 rows 287 on one, 375 on two (handing rows to a thread that wakes costs more than a row).
-#: The AVX-512 loop scans a row 2.8× faster (Zen 4, rows of a 12-row pass: 22.6 against 66.0 µs,
-#: benchmarks/noise_rows.py), so the rows that pay for the hand-over are 2.8× as many: 24. Measured there
+#: The AVX-512 loop scans a row 2.9× faster (Zen 4, rows of a 12-row pass: 22.6 against 66.0 µs,
+#: benchmarks/noise_rows.py), so the rows that pay for the hand-over are about 2.9× as many: 24. Measured there
 #: (benchmarks/batch_cycle.py, batches of 8 at temperature 1, 12.2 rows a pass, alternating): deciding took
 #: 0.485 and 0.524 ms a cycle shared from 8 rows, 0.35 and 0.35 on one thread.
 PARALLEL_ROWS_BY_LOOP = (8, 8, 24)
@@ -477,10 +477,10 @@ def gumbel_values(key: int, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     cost. An id outside 0 .. vocab_size − 1 is refused."""
     ids = ids.reshape(-1).to("cpu", torch.int64).contiguous()
     out = torch.empty(ids.shape[0], dtype=torch.float32)
-    if ids.shape[0]:
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-            raise NoiseError(f"token ids must lie in 0 .. {vocab_size - 1}, got {int(ids.min())} .. {int(ids.max())}")
-        _keyed_noise.gather_gumbel(key, ids.data_ptr(), ids.shape[0], out.data_ptr(), _NOISE_LOOP)
+    try:
+        _keyed_noise.gather_gumbel(key, ids.data_ptr(), ids.shape[0], vocab_size, out.data_ptr(), _NOISE_LOOP)
+    except IndexError as error:
+        raise NoiseError(str(error)) from None
     return out
 
 

@@ -21,3 +21,14 @@ before_checkout() {
     fi
     echo "$folder"
 }
+
+# before_own_build COMMIT: as before_checkout, but COMMIT's extensions built from its own sources in the folder
+# (/tmp/tierspec-before-COMMIT-own), for a commit whose extensions' interface differs from this checkout's; prints it.
+before_own_build() {
+    local folder=/tmp/tierspec-before-$1-own
+    if ! ls "$folder"/tierspec/_keyed_noise*.so > /dev/null 2>&1; then
+        rm -rf "$folder" && mkdir -p "$folder" && git archive "$1" | tar -x -C "$folder"
+        (cd "$folder" && python setup.py build_ext --inplace -q > /dev/null 2>&1)
+    fi
+    echo "$folder"
+}

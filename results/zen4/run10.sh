@@ -6,10 +6,6 @@ set -u
 cd "$(dirname "$0")/../.."
 out=results/zen4/int8
 source results/zen3/step.sh
-before=/tmp/tierspec-before-5dac4b2-own
-if ! ls "$before"/tierspec/_keyed_noise*.so > /dev/null 2>&1; then
-    rm -rf "$before" && mkdir -p "$before" && git archive 5dac4b2 | tar -x -C "$before"
-    (cd "$before" && python setup.py build_ext --inplace -q > /dev/null 2>&1)
-fi
+before=$(before_own_build 5dac4b2)
 step loop_time_tree_noise python benchmarks/loop_time.py --methods hybrid-tree,eagle-tree --temperatures 1 --prompts 4 --tokens 128 --repeats 2 --before "$before" --out $out/loop_time_tree_noise.json
 echo "all done $(date -u +%FT%TZ)"

@@ -7,11 +7,7 @@ set -u
 cd "$(dirname "$0")/../.."
 out=results/zen4/int8
 source results/zen3/step.sh
-before=/tmp/tierspec-before-ff2f78b-own
-if ! ls "$before"/tierspec/_keyed_noise*.so > /dev/null 2>&1; then
-    rm -rf "$before" && mkdir -p "$before" && git archive ff2f78b | tar -x -C "$before"
-    (cd "$before" && python setup.py build_ext --inplace -q > /dev/null 2>&1)
-fi
+before=$(before_own_build ff2f78b)
 step noise_rows python benchmarks/noise_rows.py --rows 1,4,12 --repeats 20 --out $out/noise_rows.json
 step loop_time_noise_avx512 python benchmarks/loop_time.py --methods ar,hybrid --temperatures 0,1 --prompts 4 --tokens 128 --repeats 3 --before "$before" --out $out/loop_time_noise_avx512.json
 step spec_bench_noise_avx512_t1 tierspec bench --dataset spec_bench --per-category 5 --max-new-tokens 128 --temperature 1 --seed 0 --methods ar,hybrid,llamacpp-greedy --out $out/spec_bench-noise-avx512-t1 --no-progress

@@ -7,11 +7,7 @@ set -u
 cd "$(dirname "$0")/../.."
 out=results/zen4/int8
 source results/zen3/step.sh
-before=/tmp/tierspec-before-ff2f78b-own
-if ! ls "$before"/tierspec/_keyed_noise*.so > /dev/null 2>&1; then
-    rm -rf "$before" && mkdir -p "$before" && git archive ff2f78b | tar -x -C "$before"
-    (cd "$before" && python setup.py build_ext --inplace -q > /dev/null 2>&1)
-fi
+before=$(before_own_build ff2f78b)
 step loop_time_stop53 python benchmarks/loop_time.py --methods ar,hybrid --temperatures 0,1 --prompts 4 --tokens 128 --repeats 3 --before "$before" --out $out/loop_time_stop53.json
 step batch_cycle_stop53 python benchmarks/batch_cycle.py --sizes 1,8 --methods hybrid,ar --prompts 32 --out $out/batch_cycle_stop53.json
 step serve_load_stop53 python benchmarks/serve_load.py --concurrency 1,8 --requests-per-client 2 --max-tokens 128 --peers --out $out/serve_load_stop53.json

@@ -162,9 +162,9 @@ def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = No
 
     eagle.drafting = drafting
     ngram = NgramDrafter(3)
-    if looked is not None:
-        lookup = ngram.propose
-        ngram.propose = lambda *args: looked.append(True) or lookup(*args)
+    lookups = [0]
+    lookup = ngram.propose
+    ngram.propose = lambda *args: lookups.__setitem__(0, lookups[0] + 1) or lookup(*args)
     hybrid = HybridDrafter(ngram, eagle)
     context = torch.arange(40, 60)  # no repeated n-gram: lookup finds nothing
     hybrid.start(context[:10])
@@ -174,12 +174,10 @@ def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = No
         rate[0] = head_rate
         ceiling[0] = 2.0 if ceilings is None else ceilings[i]
         saving[0] = None if saved is None else saved[i]
-        before = len(calls)
-        if looked is not None:
-            looked.append(False)
+        before, looked_before = len(calls), lookups[0]
         hybrid.propose(context, request)
-        if looked is not None and len(looked) > 1 and looked[-1] is True:
-            looked.pop(-2)  # the cycle's entry: it looked
+        if looked is not None:
+            looked.append(lookups[0] > looked_before)
         ran.append(len(calls) > before)
         if wants is not None:
             wants.append(hybrid.wants_features())

@@ -267,6 +267,29 @@ static inline int exponent_of_v(uint64_t r) {
     return (int)(bits_of(v_scaled) >> 52) - 1023 - 52;
 }
 
+/* Token j scored exactly and taken where it beats the best so far (the first of equal maxima wins);
+ * 1 when taken. */
+static inline int take_if_better(const float *x, int64_t j, uint64_t key, float *best, int64_t *best_j) {
+    float score = x[j] + gumbel_at(key, (uint64_t)j);
+    if (score > *best || (score == *best && j < *best_j)) {
+        *best = score, *best_j = j;
+        return 1;
+    }
+    return 0;
+}
+
+/* Tokens from .. vocab − 1 one at a time (the plain scan; the vector scans' tails): each whose bound
+ * reaches the best is scored exactly. ``skip``: a token already scored (the top; −1 for none). */
+static void scan_plain(const float *x, int64_t from, int64_t vocab, uint64_t key, int64_t skip, float *best,
+                       int64_t *best_j) {
+    for (int64_t j = from; j < vocab; j++) {
+        if (x[j] == -INFINITY || j == skip) continue;
+        uint64_t r = mix64(key + ((uint64_t)j + 1) * GOLDEN_GAMMA);
+        double bound = (double)x[j] - exponent_of_v(r) * 0.69314718055994530942 + BOUND_MARGIN;
+        if (bound >= (double)*best) take_if_better(x, j, key, best, best_j);
+    }
+}
+
 /* Scores one row; returns the token, or −1 when the row holds a NaN. A row that excludes every token
  * (all −inf: every score equal) gives its first index, as the argmax over the whole vector does; so does
  * +inf its first +inf. */
@@ -279,14 +302,7 @@ static int64_t argmax_plain(const float *x, int64_t vocab, uint64_t key) {
     if (x[top] == -INFINITY || x[top] == INFINITY) return top;
     int64_t best_j = top;
     float best = x[top] + gumbel_at(key, (uint64_t)top);
-    for (int64_t j = 0; j < vocab; j++) {
-        if (x[j] == -INFINITY || j == top) continue;
-        uint64_t r = mix64(key + ((uint64_t)j + 1) * GOLDEN_GAMMA);
-        double bound = (double)x[j] - exponent_of_v(r) * 0.69314718055994530942 + BOUND_MARGIN;
-        if (bound < (double)best) continue;
-        float score = x[j] + gumbel_at(key, (uint64_t)j);
-        if (score > best || (score == best && j < best_j)) best = score, best_j = j;
-    }
+    scan_plain(x, 0, vocab, key, top, &best, &best_j);
     return best_j;
 }
 
@@ -346,19 +362,10 @@ AVX2 static int64_t argmax_avx2(const float *x, int64_t vocab, uint64_t key) {
             int lane = __builtin_ctz((unsigned)reach);
             reach &= reach - 1;
             int64_t t = j + lane;
-            if (t == top) continue;
-            float score = x[t] + gumbel_at(key, (uint64_t)t);
-            if (score > best || (score == best && t < best_j)) best = score, best_j = t;
+            if (t != top) take_if_better(x, t, key, &best, &best_j);
         }
     }
-    for (; j < vocab; j++) {
-        if (x[j] == -INFINITY || j == top) continue;
-        uint64_t r = mix64(key + ((uint64_t)j + 1) * GOLDEN_GAMMA);
-        double bound = (double)x[j] - exponent_of_v(r) * 0.69314718055994530942 + BOUND_MARGIN;
-        if (bound < (double)best) continue;
-        float score = x[j] + gumbel_at(key, (uint64_t)j);
-        if (score > best || (score == best && j < best_j)) best = score, best_j = j;
-    }
+    scan_plain(x, j, vocab, key, top, &best, &best_j);
     return best_j;
 }
 
@@ -415,7 +422,7 @@ AVX512 static int64_t row_top_avx512(const float *x, int64_t vocab) {
 /* The bound of the AVX2 scan, x_j + (1 + lzcnt(~r_j)) · ln 2 + margin ≥ best, rearranged to need no float64:
  * lzcnt(~r_j) ≥ (best − ln 2 − margin − x_j) / ln 2, the right side in float32 for eight tokens at once.
  * Uncapped, 1 + lzcnt(~r) ≥ −k: the bound only loosens. Float32's roundings put the right side within
- * 2⁻¹³ of its exact value (a hundredth of the margin) for |x_top| ≤ WIDEST_TOP, where every token near the
+ * 2⁻¹³ of its exact value (under a fortieth of the margin) for |x_top| ≤ WIDEST_TOP, where every token near the
  * bound lies within 41 of x_top; a row beyond it takes the AVX2 scan, whose bound is in float64. */
 #define WIDEST_TOP 960.0f
 
@@ -448,22 +455,11 @@ AVX512 static int64_t argmax_avx512(const float *x, int64_t vocab, uint64_t key)
         while (reach) {
             int lane = __builtin_ctz(reach);
             reach &= reach - 1;
-            int64_t t = j + lane;
-            float score = x[t] + gumbel_at(key, (uint64_t)t);
-            if (score > best || (score == best && t < best_j)) {
-                best = score, best_j = t;
+            if (take_if_better(x, j + lane, key, &best, &best_j))
                 reach_from = _mm256_set1_ps((float)((double)best - 0.69314718055994530942 - BOUND_MARGIN));
-            }
         }
     }
-    for (; j < vocab; j++) {
-        if (x[j] == -INFINITY) continue;
-        uint64_t r = mix64(key + ((uint64_t)j + 1) * GOLDEN_GAMMA);
-        double bound = (double)x[j] - exponent_of_v(r) * 0.69314718055994530942 + BOUND_MARGIN;
-        if (bound < (double)best) continue;
-        float score = x[j] + gumbel_at(key, (uint64_t)j);
-        if (score > best || (score == best && j < best_j)) best = score, best_j = j;
-    }
+    scan_plain(x, j, vocab, key, -1, &best, &best_j);
     return best_j;
 }
 #endif
@@ -547,12 +543,12 @@ static PyObject *py_fill_gumbel(PyObject *self, PyObject *args, PyObject *kw) {
 
 static PyObject *py_gather_gumbel(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *names[] = {"key", "ids", "count", "out", "loop", NULL};
+    static char *names[] = {"key", "ids", "count", "vocab", "out", "loop", NULL};
     unsigned long long key;
     PyObject *ids_address, *out_address;
-    Py_ssize_t count;
+    Py_ssize_t count, vocab;
     int loop;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "KOnOi", names, &key, &ids_address, &count, &out_address, &loop))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "KOnnOi", names, &key, &ids_address, &count, &vocab, &out_address, &loop))
         return NULL;
     if (count < 0) return PyErr_Format(PyExc_ValueError, "count %zd must be >= 0", count);
     if (!loop_usable(loop)) return NULL;
@@ -561,6 +557,10 @@ static PyObject *py_gather_gumbel(PyObject *self, PyObject *args, PyObject *kw) 
     float *out = ids ? PyLong_AsVoidPtr(out_address) : NULL;
     if (PyErr_Occurred()) return NULL;
     if (!ids || !out) return PyErr_Format(PyExc_ValueError, "ids and out must be non-null addresses");
+    for (Py_ssize_t i = 0; i < count; i++) /* before anything is written */
+        if (ids[i] < 0 || ids[i] >= vocab)
+            return PyErr_Format(PyExc_IndexError, "token id %lld at %zd is not among the vocabulary's %zd",
+                                (long long)ids[i], i, vocab);
     Py_BEGIN_ALLOW_THREADS
 #if HAVE_AVX2_BUILD
     if (loop >= LOOP_AVX2) gather_avx2((uint64_t)key, ids, count, out);
@@ -722,8 +722,9 @@ static PyMethodDef methods[] = {
      "fill_gumbel(keys, rows, vocab, out, loop): row r of out [rows, vocab] float32 = the Gumbel noise of "
      "keys[r] (uint64 [rows]); addresses as ints; loop: 0 plain, 1 AVX2, 2 AVX-512 (the same bits)."},
     {"gather_gumbel", (PyCFunction)(void (*)(void))py_gather_gumbel, METH_VARARGS | METH_KEYWORDS,
-     "gather_gumbel(key, ids, count, out, loop): out[i] (float32) = the Gumbel noise of key at token ids[i] (int64 "
-     "[count]), the values fill_gumbel's whole vector holds there; addresses as ints."},
+     "gather_gumbel(key, ids, count, vocab, out, loop): out[i] (float32) = the Gumbel noise of key at token ids[i] "
+     "(int64 [count]), the values fill_gumbel's whole vector holds there; addresses as ints; IndexError for an id "
+     "outside 0 .. vocab - 1, nothing written."},
     {"gumbel_argmax", (PyCFunction)(void (*)(void))py_gumbel_argmax, METH_VARARGS | METH_KEYWORDS,
      "gumbel_argmax(x, rows, vocab, stride, keys, out, loop): out[r] (int64) = argmax_j(x[r, j] + g_j) with "
      "keys[r]'s noise, the first of equal maxima; -1 for a row with a NaN."},
