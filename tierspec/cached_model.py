@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 
 from .errors import ModelLoadError, TierspecError
+from .llama import KVCache
 from .models import output_vocabulary_size
 from .layerskip.masks import apply_mask, decoder_layers, model_lock
 
@@ -283,6 +284,10 @@ class CachedModel:
             raise ValueError(f"cannot roll back to {length}: the cache holds only {self.length} positions")
         if length == self.length:  # no layer holds more than ``length``: nothing to trim
             return
+        if isinstance(self.cache, KVCache):  # tierspec's own cache: every layer at once
+            self.cache.trim(length)
+            self.length = length
+            return
         for layer in self.cache.layers:
             if hasattr(layer, "trim"):
                 layer.trim(length)
@@ -375,32 +380,34 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem],
     if len({id(item.runner) for item in items}) != len(items):
         raise ValueError("a sequence appears twice in one batched pass")
     first = decoder.layers[0].fused
-    rows, tables, sequences, ids = 0, [], [], []
+    # One sequence's part of the pass at a time in Python only where it is its own (its cache's
+    # start, KV table and invariant, its tokens); the rows' positions and rotary factors, the
+    # rows kept for the LM head and the results are made for every row at once.
+    rows, sequences, ids, positions = 0, [], [], []
     for item in items:
         runner, tokens = item.runner, item.token_ids.reshape(-1)
         n = int(tokens.shape[0])
         if n < 1:
             raise ValueError("every sequence of a batched pass needs at least one new token")
         start = runner.length
-        offsets = torch.arange(n) if item.offsets is None else item.offsets.reshape(-1)
-        positions = (start + offsets).to("cpu", torch.int64).contiguous()
-        tables.append(decoder.engine_rotary(positions))
-        table = runner.cache.engine_table(start + n, first.kv_heads, first.head_dim, first.kv_dtype)
-        seen = None
+        cache = runner.cache
+        table = cache.engine_table(start + n, first.kv_heads, first.head_dim, first.kv_dtype)
+        own, seen = None, None  # a chain's rows sit at start, start + 1, … (the engine's default)
+        if item.offsets is None:
+            positions.extend(range(start, start + n))
+        else:
+            own = (start + item.offsets.reshape(-1)).to("cpu", torch.int64).contiguous()
+            positions.extend(own.tolist())
         if item.attends is not None:
             seen = item.attends.to("cpu", torch.uint8).contiguous()
             if tuple(seen.shape) != (n, n) or bool(seen.triu(1).any()):
                 raise ValueError(f"a tree mask for {n} tokens has shape ({n}, {n}) and lets a token see earlier ones only")
-        for index, layer in enumerate(runner.cache.layers):
-            if layer.length != start:
-                raise RuntimeError(f"layer {index}'s cache holds {layer.length} positions, the sequence is at {start}: "
-                                   "the caller broke the rollback invariant")
-        sequences.append(Segment(rows, n, start, table, seen, positions=positions))
-        ids.append(tokens.cpu())
+        cache.check_start(start)
+        sequences.append(Segment(rows, n, start, table, seen, positions=own))
+        ids.append(tokens)
         rows += n
-    rotary = tuple((torch.cat([own[k][0] for own in tables]), torch.cat([own[k][1] for own in tables]))
-                   for k in range(len(tables[0])))  # each kind's table over every row
-    hidden = decoder.embed_tokens(torch.cat(ids)).float().contiguous()  # [rows, H]
+    rotary = decoder.engine_rotary(torch.tensor(positions, dtype=torch.int64))  # each kind's table over every row
+    hidden = decoder.embed_tokens((torch.cat(ids) if len(ids) > 1 else ids[0]).cpu()).float().contiguous()  # [rows, H]
     flags = bytes([ATTENTION_UNIT | MLP_UNIT] * len(decoder.layers))
     last = len(decoder.layers) - 1
     # The layers a draft head reads are copied out inside the one stack call (``run_stack``'s
@@ -411,19 +418,21 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem],
     run_stack(decoder.engine_stack.capsule, hidden, out, sequences, rotary, flags, 0, last + 1, captures=captured)
     hidden = captured[last] = out
     final = decoder.final_norm(hidden)  # [rows, H], as a solo pass normalises its rows
-    for item, (row0, n, *_rest) in zip(items, sequences):
-        for layer in item.runner.cache.layers:
-            layer.advance(n)
+    picks, spans = [], []  # the rows each sequence keeps for the LM head, and where its logits lie
+    for item, segment in zip(items, sequences):
+        row0, n = segment.first_row, segment.rows
+        item.runner.cache.advance(n)
         item.runner.length += n
-    kept = [(row0, n if item.logits_for is None else item.logits_for) for item, (row0, n, *_r) in zip(items, sequences)]
-    picks = torch.cat([torch.arange(row0 + n - m, row0 + n) for (row0, n, *_r), (_, m) in zip(sequences, kept)])
-    logits = model.lm_head(final.index_select(0, picks))
-    results, at = [], 0
-    for (row0, n, *_r), (_, m) in zip(sequences, kept):
+        m = n if item.logits_for is None else item.logits_for
+        spans.append((len(picks), m))
+        picks.extend(range(row0 + n - m, row0 + n))
+    logits = model.lm_head(final if len(picks) == rows else final.index_select(0, torch.tensor(picks)))
+    results = []
+    for segment, (at, m) in zip(sequences, spans):
         hidden_states = None
         if hidden_layers is not None:
+            row0, n = segment.first_row, segment.rows
             parts = [final[row0 : row0 + n]] + [captured[i][row0 : row0 + n] for i in hidden_layers]
             hidden_states = torch.cat(parts, dim=-1).float()
         results.append(PassResult(logits[at : at + m].float(), hidden_states))
-        at += m
     return results

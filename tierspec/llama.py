@@ -26,6 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -88,12 +89,20 @@ class KVLayer:
     cache nobody reserved, or a longer generation) reallocates it to the positions now needed,
     rounded up to a whole block: at most once per ``KEY_BLOCK`` positions, no doubling."""
 
+    #: buffers allocated by every layer so far: while it has not moved, no layer's buffers have changed
+    allocations = 0
+
     def __init__(self):
         self.length = 0
         self.reserved = 0
         self._keys = self._values = None
         self._finite = 0  # slots 0 .. _finite − 1 hold written entries or zeros; later ones anything
         self.keys = self.values = None
+
+    @classmethod
+    def for_cache(cls, count: int) -> list["KVLayer"]:
+        """``count`` fresh layers for one ``KVCache``."""
+        return [cls() for _ in range(count)]
 
     @property
     def capacity(self) -> int:
@@ -118,6 +127,7 @@ class KVLayer:
         whole key blocks with the slots past ``length`` masked out (a masked key must be finite,
         or 0 · value would not be 0), gets them zeroed as it reaches them (``window``)."""
         capacity = -(-max(needed, self.reserved) // KEY_BLOCK) * KEY_BLOCK
+        KVLayer.allocations += 1  # an engine table naming the old buffers is stale now (``KVCache.engine_table``)
         keys = like_keys.new_empty(*like_keys.shape[:-2], capacity, like_keys.shape[-1])
         values = like_values.new_empty(*like_values.shape[:-2], capacity, like_values.shape[-1])
         if self.length:
@@ -198,20 +208,53 @@ class KVLayer:
 
 
 class ViewOnReadKVLayer(KVLayer):
-    """A ``KVLayer`` whose ``keys``/``values`` views of the first ``length`` positions are made when
-    read, not after every write: the pass engine advances 30 layers per pass, and two views per layer
-    cost more than the rest of the bookkeeping (the stored views are always that prefix, so the
-    assignments of ``KVLayer``'s own methods are ignored)."""
+    """A ``KVLayer`` of a model whose layers run on the pass engine. Its ``keys``/``values`` views of
+    the first ``length`` positions are made when read, not after every write (the engine advances
+    30 layers a pass, and two views a layer cost more than the rest of the bookkeeping; the
+    assignments of ``KVLayer``'s own methods are ignored). Its ``length`` and written extent live
+    in arrays the cache's layers share (``for_cache``), one entry a layer, so that a pass checks,
+    advances and rolls back every layer of a sequence in one array operation (``KVCache.advance``)
+    where a loop over 30 layers ran twice a sequence a pass."""
 
     keys = property(lambda self: None if self._keys is None else self._keys[..., : self.length, :],
                     lambda self, value: None)
     values = property(lambda self: None if self._values is None else self._values[..., : self.length, :],
                       lambda self, value: None)
 
+    def __init__(self, lengths: np.ndarray | None = None, written: np.ndarray | None = None, index: int = 0):
+        """``lengths`` and ``written`` int64 arrays shared by the cache's layers (``for_cache``),
+        this layer's entries at ``index``; a layer of its own without them."""
+        self._lengths = np.zeros(1, np.int64) if lengths is None else lengths
+        self._written = np.zeros(1, np.int64) if written is None else written
+        self._index = index
+        super().__init__()
+
+    @classmethod
+    def for_cache(cls, count: int) -> list["ViewOnReadKVLayer"]:
+        lengths, written = np.zeros(count, np.int64), np.zeros(count, np.int64)
+        return [cls(lengths, written, index) for index in range(count)]
+
+    @property
+    def length(self) -> int:
+        return int(self._lengths[self._index])
+
+    @length.setter
+    def length(self, value: int) -> None:
+        self._lengths[self._index] = value
+
+    @property
+    def _finite(self) -> int:
+        return int(self._written[self._index])
+
+    @_finite.setter
+    def _finite(self, value: int) -> None:
+        self._written[self._index] = value
+
     def advance(self, count: int) -> None:
-        self.length += count
-        if self.length > self._finite:
-            self._finite = self.length
+        length = self.length + count
+        self.length = length
+        if length > self._finite:
+            self._finite = length
 
     def trim(self, length: int) -> None:
         # only the length: the views are made when read (30 layers' two views cost 0.3 ms a rollback)
@@ -220,11 +263,21 @@ class ViewOnReadKVLayer(KVLayer):
 
 
 class KVCache:
-    """The KV of every decoder layer; layers a routing mask bypassed may hold fewer positions."""
+    """The KV of every decoder layer; layers a routing mask bypassed may hold fewer positions.
+
+    Layers that keep their lengths in shared arrays (``ViewOnReadKVLayer.for_cache``: a model on the
+    pass engine) are checked, advanced and trimmed together by ``check_start``, ``advance`` and
+    ``trim`` in one array operation each; other layers one by one."""
 
     def __init__(self, num_layers: int, layer_class: type = KVLayer):
-        self.layers = [layer_class() for _ in range(num_layers)]
-        self._table: tuple | None = None  # engine_table's last answer: (buffers, capacity, table)
+        self.layers = layer_class.for_cache(num_layers)
+        self._table: tuple | None = None  # engine_table's last answer: (allocations, buffers, capacity, table)
+        shared = getattr(self.layers[0], "_lengths", None) if self.layers else None
+        together = shared is not None and len(shared) == num_layers and all(
+            layer._lengths is shared and layer._index == index for index, layer in enumerate(self.layers))
+        # every layer's length and written extent, when the layers share them (None: one by one)
+        self._lengths = shared if together else None
+        self._written = self.layers[0]._written if together else None
 
     def get_seq_length(self) -> int:
         return self.layers[0].length if self.layers else 0
@@ -233,18 +286,60 @@ class KVCache:
         for layer in self.layers:
             layer.reserve(positions)
 
+    def check_start(self, start: int, attending: np.ndarray | None = None) -> None:
+        """Raise unless every layer (``attending``: the layers whose flag it sets, a bool array [L])
+        holds exactly ``start`` positions: the rollback invariant a pass from ``start`` needs."""
+        lengths = self._lengths
+        if lengths is not None:
+            held = lengths if attending is None else lengths[attending]
+            if not (held == start).all():
+                index = int(np.flatnonzero(lengths != start if attending is None else attending & (lengths != start))[0])
+                raise RuntimeError(f"layer {index}'s cache holds {int(lengths[index])} positions, the pass starts at "
+                                   f"{start}: the caller broke the rollback invariant")
+            return
+        for index, layer in enumerate(self.layers):
+            if (attending is None or attending[index]) and layer.length != start:
+                raise RuntimeError(f"layer {index}'s cache holds {layer.length} positions, the pass starts at {start}: "
+                                   "the caller broke the rollback invariant")
+
+    def advance(self, count: int, attending: np.ndarray | None = None) -> None:
+        """Count ``count`` entries the engine wrote after each layer's length (``attending``: only in
+        the layers whose flag it sets)."""
+        lengths = self._lengths
+        if lengths is None:
+            for index, layer in enumerate(self.layers):
+                if attending is None or attending[index]:
+                    layer.advance(count)
+            return
+        if attending is None:
+            lengths += count
+        else:
+            lengths[attending] += count
+        np.maximum(self._written, lengths, out=self._written)
+
+    def trim(self, length: int) -> None:
+        """Every layer holding more than ``length`` positions cut to ``length``."""
+        if self._lengths is not None:
+            np.minimum(self._lengths, length, out=self._lengths)
+            return
+        for layer in self.layers:
+            layer.trim(length)
+
     def engine_table(self, end: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """int64 [L, 4]: every layer's ``KVLayer.engine_row`` (its buffers' addresses, capacity and
         element size), each buffer holding at least ``end`` slots, made in ``dtype`` where new:
         what the pass engine's whole-stack call reads. Rebuilt only when a buffer was reallocated
-        or is too small."""
+        or is too small: while no layer anywhere has allocated since it was made
+        (``KVLayer.allocations``), one comparison says so; after an allocation, the buffers it names."""
         cached = self._table
-        if cached is not None and cached[1] >= end and all(
-                layer._keys is buffer for layer, buffer in zip(self.layers, cached[0])):
-            return cached[2]
+        if cached is not None and cached[2] >= end and (cached[0] == KVLayer.allocations or all(
+                layer._keys is buffer for layer, buffer in zip(self.layers, cached[1]))):
+            if cached[0] != KVLayer.allocations:
+                self._table = (KVLayer.allocations,) + cached[1:]
+            return cached[3]
         rows = [layer.engine_row(end, kv_heads, head_dim, dtype) for layer in self.layers]
         table = torch.tensor(rows, dtype=torch.int64)
-        self._table = ([layer._keys for layer in self.layers], min(row[2] for row in rows), table)
+        self._table = (KVLayer.allocations, [layer._keys for layer in self.layers], min(row[2] for row in rows), table)
         return table
 
 
@@ -768,6 +863,14 @@ class Decoder(torch.nn.Module):
                 observers = all(getattr(hook, "observes_only", False) for hook in state["_forward_hooks"].values())
                 (observed if observers else hooked).add(i)
         flags = bytes(flag_list)
+        attends = np.frombuffer(flags, np.uint8) & 1 == 1  # [L] the layers whose attention runs
+        every_attends = bool(attends.all())
+
+        def in_call(i: int, j: int) -> np.ndarray:
+            selected = np.zeros(len(layers), bool)
+            selected[i:j] = True
+            return selected
+
         first = layers[0].fused
         n = int(hidden.shape[1])
         start = layout.start
@@ -784,11 +887,9 @@ class Decoder(torch.nn.Module):
             j = i
             while j < len(layers) and j not in hooked:
                 j += 1
-            attending = [k for k in range(i, j) if flags[k] & 1]
-            for k in attending:
-                if kv[k].length != start:
-                    raise RuntimeError(f"layer {k}'s cache holds {kv[k].length} positions, the pass starts "
-                                       f"at {start}: the caller broke the rollback invariant")
+            # the layers of this call that attend (and write their KV): all of them unless a mask bypassed some
+            attending = None if i == 0 and j == len(layers) and every_attends else attends & in_call(i, j)
+            cache.check_start(start, attending)
             out = torch.empty_like(hidden)
             watched = [k for k in range(i, j) if k in observed]
             captures = {}
@@ -798,8 +899,7 @@ class Decoder(torch.nn.Module):
                         captures[layer] = torch.empty_like(hidden)
             run_stack(self.engine_stack.capsule, hidden.view(n, -1), out.view(n, -1), segments, layout.rotary, flags, i, j,
                       captures={k: buffer.view(n, -1) for k, buffer in captures.items()})
-            for k in attending:
-                kv[k].advance(n)
+            cache.advance(n, attending)
             for k in watched:
                 given = hidden if k == i else captures[k - 1]
                 output = out if k == j - 1 else captures[k]

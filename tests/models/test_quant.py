@@ -407,6 +407,93 @@ def test_a_batched_pass_gives_every_sequence_its_solo_pass_bitwise(tiny):
         batched_pass(model, [BatchItem(shared[0], torch.tensor([1])), BatchItem(shared[0], torch.tensor([2]))])
 
 
+def test_the_engine_cache_checks_advances_and_trims_every_layer_together(tiny):
+    """A model on the engine keeps its layers' lengths in one array (``ViewOnReadKVLayer.for_cache``):
+    a pass checks and advances them together, a routing mask's bypassed layers stay behind, a
+    rollback trims them together, and each layer's own ``length`` reads and writes its entry — the
+    same lengths a layer-by-layer cache (``KVLayer``) keeps through the same calls."""
+    from tierspec.layerskip.masks import RoutingMask
+    from tierspec.llama import KVCache, KVLayer
+
+    model = _model(tiny, "float32")
+    mask = RoutingMask.from_units(3, "sublayer", [("attn", 1)])
+    runner = CachedModel(model)
+    assert runner.cache._lengths is not None
+    with torch.inference_mode():
+        runner.forward(PROMPT[:6])
+        assert runner.layer_lengths() == [6, 6, 6]
+        runner.forward(PROMPT[6:8], mask=mask)  # layer 1's attention bypassed: it writes no KV
+        assert [layer.length for layer in runner.cache.layers] == [8, 6, 8]
+        assert list(runner.cache._written) == [8, 6, 8]
+        runner.rollback(7)
+        assert [layer.length for layer in runner.cache.layers] == [7, 6, 7]
+        with pytest.raises(RuntimeError, match="layer 1's cache holds 6 positions.*rollback invariant"):
+            runner.forward(PROMPT[7:8])
+        assert [layer.length for layer in runner.cache.layers] == [7, 6, 7]  # refused before anything ran
+        runner.rollback(6)
+        again = runner.forward(PROMPT[6:]).logits
+        assert torch.equal(again, CachedModel(model).forward(PROMPT).logits[6:])
+    # the same calls on layers that keep their own lengths
+    own = KVCache(3, KVLayer)
+    for layer in own.layers:
+        layer.slots(16, 1, 4)  # buffers to view
+    for layers in (own, runner.cache):
+        layers.trim(0)
+        layers.advance(5)
+        layers.advance(2, np.array([True, False, True]))
+        assert [layer.length for layer in layers.layers] == [7, 5, 7]
+        layers.check_start(5, np.array([False, True, False]))
+        with pytest.raises(RuntimeError, match="layer 0's cache holds 7"):
+            layers.check_start(5)
+        layers.trim(6)
+        assert [layer.length for layer in layers.layers] == [6, 5, 6]
+        layers.layers[1].length = 6
+        layers.check_start(6)
+
+
+def test_a_written_slot_is_never_zeroed_after_the_cache_advanced_together(tiny):
+    """``window`` zeroes slots never written (torch's attention reads whole key blocks): the
+    extent written follows the lengths the engine advanced all at once, so the engine's entries
+    survive a later torch window over them."""
+    model = _model(tiny, "float32")
+    runner = CachedModel(model)
+    with torch.inference_mode():
+        runner.forward(PROMPT)
+        layer = runner.cache.layers[0]
+        written = layer._keys[..., : len(PROMPT), :].clone()
+        assert layer._finite == len(PROMPT)
+        keys, _ = layer.window(len(PROMPT) + 3)
+        assert torch.equal(keys[..., : len(PROMPT), :], written)
+        assert not keys[..., len(PROMPT) :, :].any()
+
+
+def test_an_engine_table_names_the_buffers_a_pass_writes(tiny):
+    """The table of a cache's buffers is made again after any of them was reallocated, and only then
+    (an allocation elsewhere leaves it as it was): a pass past the reserved slots writes the new
+    buffers, and its logits are those of a cache reserved large enough from the start."""
+    from tierspec.llama import KEY_BLOCK
+
+    model = _model(tiny, "float32")
+    first = model.model.layers[0].fused
+    grown, large = CachedModel(model), CachedModel(model)
+    large.reserve(KEY_BLOCK + 8)
+    tokens = PROMPT.repeat(KEY_BLOCK // len(PROMPT) + 2)[: KEY_BLOCK + 8]
+    with torch.inference_mode():
+        grown.forward(tokens[:KEY_BLOCK - 2])
+        table = grown.cache.engine_table(KEY_BLOCK - 2, first.kv_heads, first.head_dim, first.kv_dtype)
+        CachedModel(model).forward(PROMPT)  # another cache allocates its buffers
+        assert grown.cache.engine_table(KEY_BLOCK - 2, first.kv_heads, first.head_dim, first.kv_dtype) is table
+        logits = grown.forward(tokens[KEY_BLOCK - 2 :]).logits  # past the block: the buffers grow
+        moved = grown.cache.engine_table(KEY_BLOCK + 8, first.kv_heads, first.head_dim, first.kv_dtype)
+        assert moved is not table and int(moved[0, 0]) == grown.cache.layers[0]._keys.data_ptr()
+        expected = large.forward(tokens).logits[KEY_BLOCK - 2 :]
+        grown.reserve(4 * KEY_BLOCK)  # reallocated, the old table's capacity still enough for the next pass
+        again = grown.cache.engine_table(KEY_BLOCK + 9, first.kv_heads, first.head_dim, first.kv_dtype)
+        assert int(again[0, 0]) == grown.cache.layers[0]._keys.data_ptr() != int(moved[0, 0])
+        assert torch.equal(grown.forward(PROMPT[:1]).logits, large.forward(PROMPT[:1]).logits)
+    assert torch.equal(logits, expected)
+
+
 def test_a_forked_child_computes_with_an_empty_pool():
     import os
 
