@@ -338,6 +338,7 @@ class CostModel:
     _cycle: dict[tuple[int, str], float] = field(default_factory=dict, init=False, repr=False, compare=False)
     _ceiling: dict[tuple[str, int], float] = field(default_factory=dict, init=False, repr=False, compare=False)
     _step: dict[str, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _bar: dict[tuple[str, int], tuple[float, bool]] = field(default_factory=dict, init=False, repr=False, compare=False)
     #: the models derived from one another (``in_batch``, ``at_context``) by (sequences, context), one dict
     #: shared by them all: a batch's size moves back and forth as generations finish and join, and each
     #: model's caches above then fill once, not once per move
@@ -420,6 +421,17 @@ class CostModel:
             rate = self._ceiling[(source, max_draft)] = max(
                 ((1.0 + k) / self(k, source) for k in range(1, max_draft + 1)), default=0.0)
         return rate
+
+
+    def draft_bar(self, source: str, max_draft: int) -> tuple[float, bool]:
+        """(the tokens per second a cycle of ``source``'s drafts must beat: drafting nothing, charged
+        the drafter's one step a cycle costs before its drafts are chosen; whether not even
+        ``max_draft`` drafts each certain to be accepted beat it — ``CostAware.draft_bar``)."""
+        bar = self._bar.get((source, max_draft))
+        if bar is None:
+            worth = (1.0 + self.draft_step(source) / self.verify(1)) / self(0, "")
+            bar = self._bar[(source, max_draft)] = (worth, self.ceiling(source, max_draft) <= worth)
+        return bar
 
 
 def _running_mean(means: dict[str, float], key: str, value: float, memory: float) -> None:
@@ -575,6 +587,16 @@ class CostAware(DraftPolicy):
         cost = self._cost(source)
         return max(((1.0 + k) / cost(k) for k in range(1, self.max_draft + 1)), default=0.0)
 
+    def draft_bar(self, source: str) -> tuple[float, bool]:
+        """(the rate a cycle in which ``source`` drafts must beat — ``plain_rate`` charged one draft
+        step, ``draft_step_fraction`` of a pass — and whether even its ``ceiling_rate`` does not beat
+        it). A function of the costs alone: made once per cost model (batch size, context), not
+        every cycle of every sequence."""
+        if isinstance(self.cost, CostModel):
+            return self.cost.draft_bar(source, self.max_draft)
+        worth = self.plain_rate() * (1.0 + self.draft_step_fraction(source))
+        return worth, self.ceiling_rate(source) <= worth
+
     def draft_step_fraction(self, source: str) -> float:
         """A draft step of ``source`` in units of a one-token pass (0 for a cost function of a test's)."""
         if not isinstance(self.cost, CostModel):
@@ -609,6 +631,8 @@ class CostAware(DraftPolicy):
             plain = self.cost(0, "")
             saved = accepted * plain - (self.cost(k, verified.source) - plain) if k else 0.0
             _running_mean(self.saved, outcome.drafted.source, saved, SAVED_MEMORY)
+        if not len(outcome.drafted):
+            return  # nothing was drafted: nothing to learn (an idle cycle of a batch, most of them)
         # The keys the trim saw (the streak has not moved since), one past the cut: after a fully
         # accepted block the target's bonus token tells whether the first token the policy cut
         # off would have been accepted (exact in greedy mode; in sampling mode "bonus == token" is

@@ -252,6 +252,11 @@ class RateView(PolicyView, Protocol):
         """A draft step of ``source`` in units of a one-token pass."""
         ...
 
+    def draft_bar(self, source: str) -> tuple[float, bool]:
+        """(the rate a cycle of ``source``'s drafts must beat: ``plain_rate`` charged one draft step;
+        whether not even ``ceiling_rate`` beats it)."""
+        ...
+
 
 @dataclass(frozen=True)
 class TreeSize:

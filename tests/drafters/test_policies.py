@@ -206,13 +206,21 @@ def test_in_a_batch_a_head_step_that_a_pass_row_does_not_cover_cannot_pay():
     policy = CostAware(6, forward_costs=table, draft_fractions={"head": 0.2})
 
     def pays() -> bool:
-        return policy.ceiling_rate("head") > policy.plain_rate() * (1 + policy.draft_step_fraction("head"))
+        worth = policy.plain_rate() * (1 + policy.draft_step_fraction("head"))
+        bar = policy.draft_bar("head")  # the same, made once per cost model
+        assert bar == (pytest.approx(worth), policy.ceiling_rate("head") <= worth)
+        assert policy.draft_bar("head") is bar
+        return policy.ceiling_rate("head") > worth
 
     assert pays()
     policy.share_passes(8)
     assert not pays()
     policy.share_passes(1)
     assert pays()
+    # a cost function of a test's: the same definition, from its own rates
+    planted = CostAware(3, cost=lambda k, source="": 1 + 0.5 * k)
+    assert planted.draft_bar("head") == (pytest.approx(1.0), False)
+    assert CostAware(3, cost=lambda k, source="": 1 + 1.5 * k).draft_bar("head") == (pytest.approx(1.0), True)
 
 
 def test_keys_are_typed_by_what_the_drafter_knew():

@@ -146,6 +146,10 @@ def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = No
         def draft_step_fraction(self, source):
             return 0.1
 
+        def draft_bar(self, source):
+            worth = self.plain_rate() * (1 + self.draft_step_fraction(source))
+            return worth, self.ceiling_rate(source) <= worth
+
         def expected_rate(self, proposal):
             return 0.0
 

@@ -244,8 +244,7 @@ class HybridDrafter(Drafter):
         else:
             self._dormant -= 1
             candidate = Proposal.empty()
-        worth = rates.plain_rate() * (1.0 + rates.draft_step_fraction("head"))  # a cycle's head must beat this
-        self._ruled_out = rates.ceiling_rate("head") <= worth
+        worth, self._ruled_out = rates.draft_bar("head")  # what a cycle's head must beat; whether nothing can
         if self._ruled_out:  # not even certain drafts would pay: no try, no catch-up
             if looking:
                 self._weigh_lookup(rates)
