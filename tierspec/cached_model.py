@@ -365,15 +365,40 @@ def batched_pass(model: torch.nn.Module, items: list[BatchItem],
     products are row-independent and nothing of one sequence reaches another. With
     ``hidden_layers`` (None: no hidden states) every result carries the final hidden states and
     those layers' outputs, as ``CachedModel.forward(with_hidden=True)`` does. Each runner's cache
-    advances by its rows (the same invariant as a solo pass)."""
-    from .gguf_llama import ATTENTION_UNIT, MLP_UNIT
-    from .engine import Segment, run_stack
-
+    advances by its rows (the same invariant as a solo pass). It runs no module's hooks
+    (``runs_as_one_stack``)."""
     decoder = model.model
     if decoder.engine_stack is None:
         raise ValueError("batched passes run on the pass engine: every layer of the model must be fused")
     if not items:
         return []
+    with model_lock(model):  # as every pass on the model: no mask of another thread's swaps its modules meanwhile
+        return _batched_pass(model, decoder, items, hidden_layers)
+
+
+def runs_as_one_stack(model: torch.nn.Module) -> bool:
+    """Whether a pass of ``model`` may skip its modules' calls (``batched_pass``, one sequence or
+    many): no forward hook, global or on the model, its decoder, embedding, final norm, LM head
+    or a decoder layer, which a module call would run (a solo pass runs a hooked layer as a module
+    call, ``llama.Decoder._engine_forward``; an observer such as ``HiddenCapture`` too). Looked at
+    every pass: a hook may come and go between two."""
+    from torch.nn.modules import module as modules
+
+    if modules._global_forward_hooks or modules._global_forward_pre_hooks:
+        return False
+    decoder = model.model
+    for part in (model, decoder, decoder.embed_tokens, decoder.norm, model.lm_head, *decoder.layers):
+        state = part.__dict__
+        if state["_forward_hooks"] or state["_forward_pre_hooks"]:
+            return False
+    return True
+
+
+def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[BatchItem],
+                  hidden_layers: tuple[int, ...] | None) -> list[PassResult]:
+    from .gguf_llama import ATTENTION_UNIT, MLP_UNIT
+    from .engine import Segment, run_stack
+
     for item in items:
         if item.runner.model is not model:
             raise ValueError("every sequence of a batched pass must run on the same model")

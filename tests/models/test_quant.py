@@ -494,6 +494,35 @@ def test_an_engine_table_names_the_buffers_a_pass_writes(tiny):
     assert torch.equal(logits, expected)
 
 
+def test_a_lone_request_runs_as_one_stack_unless_a_module_is_hooked(tiny, monkeypatch):
+    """The engine's backend runs a lone request as a batched pass of one (``passes.EnginePasses``):
+    the same logits and features as its cache's own pass; where a layer carries a forward hook,
+    which only a module call runs, as its cache's own pass, and the hook sees the pass."""
+    from tierspec import cached_model, passes
+    from tierspec.passes import PassRequest
+
+    model = _model(tiny, "float32")
+    backend = passes.pass_backend(model)
+    ran = []
+    batched = cached_model.batched_pass
+    monkeypatch.setattr(passes, "batched_pass", lambda *args, **kwargs: ran.append("batched") or batched(*args, **kwargs))
+    solo, lone = CachedModel(model), CachedModel(model)
+    with torch.inference_mode():
+        expected = solo.forward(PROMPT, with_hidden=True, hidden_layers=(1, 0))
+        (got,) = backend.run([PassRequest(lone, PROMPT, None, hidden_layers=(1, 0))])
+        assert ran == ["batched"] and torch.equal(got.logits, expected.logits) and torch.equal(got.hidden, expected.hidden)
+        seen = []
+        hook = model.model.layers[1].register_forward_hook(lambda module, args, output: seen.append(output.shape[1]))
+        try:
+            (again,) = backend.run([PassRequest(lone, PROMPT[:3], None)])
+        finally:
+            hook.remove()
+        assert ran == ["batched"] and seen == [3]
+        assert torch.equal(again.logits, solo.forward(PROMPT[:3]).logits)
+        (last,) = backend.run([PassRequest(lone, PROMPT[3:4], None)])  # the hook gone: one stack again
+        assert ran == ["batched", "batched"] and torch.equal(last.logits, solo.forward(PROMPT[3:4]).logits)
+
+
 def test_a_forked_child_computes_with_an_empty_pool():
     import os
 
