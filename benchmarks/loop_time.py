@@ -6,8 +6,8 @@ steps, by method and temperature, optionally beside another checkout's in the sa
 
 Per method and temperature (seed 0), ``--prompts`` Spec-Bench prompts (one per category in turn)
 run to ``--tokens`` tokens, ``--repeats`` times. Probes (the same in every version) time every
-target pass (``CachedModel.forward``, prefill included, and ``cached_model.batched_pass`` as the
-pass backend calls it) and every draft-head step
+target pass (the pass backend's ``run`` — preparing the pass's rows is the pass's — and
+``CachedModel.forward``, prefill included) and every draft-head step
 (``HeadRunner.extend`` / ``logits``); what is left of the generation's wall time is the loop's own:
 drafting's bookkeeping, the keyed noise, sampling and verifying, committing, the policies and the
 statistics. Reported per cycle (the median over the runs: a shared machine stalls now and then):
@@ -83,8 +83,10 @@ class Version:
         self.target = package.load_model("smollm2-135m", dtype=dtype)
         self.probe = Probe()
         self.probe.wrap(self.module("cached_model").CachedModel, "forward", "pass")
-        # a lone request's pass as a batched pass of one (passes.EnginePasses, from 2026-12-05)
-        self.probe.wrap(self.module("passes"), "batched_pass", "pass")
+        # the pass backend's run, whatever it calls: a lone request runs as a batched pass of one since 2026-12-05
+        passes = self.module("passes")
+        self.probe.wrap(passes.EnginePasses, "run", "pass")
+        self.probe.wrap(passes.SequentialPasses, "run", "pass")
         head = self.module("heads.draft").HeadRunner
         self.probe.wrap(head, "extend", "head")
         self.probe.wrap(head, "logits", "head")

@@ -865,12 +865,6 @@ class Decoder(torch.nn.Module):
         flags = bytes(flag_list)
         attends = np.frombuffer(flags, np.uint8) & 1 == 1  # [L] the layers whose attention runs
         every_attends = bool(attends.all())
-
-        def in_call(i: int, j: int) -> np.ndarray:
-            selected = np.zeros(len(layers), bool)
-            selected[i:j] = True
-            return selected
-
         first = layers[0].fused
         n = int(hidden.shape[1])
         start = layout.start
@@ -888,7 +882,10 @@ class Decoder(torch.nn.Module):
             while j < len(layers) and j not in hooked:
                 j += 1
             # the layers of this call that attend (and write their KV): all of them unless a mask bypassed some
-            attending = None if i == 0 and j == len(layers) and every_attends else attends & in_call(i, j)
+            attending = None
+            if not (i == 0 and j == len(layers) and every_attends):
+                attending = attends.copy()
+                attending[:i] = attending[j:] = False
             cache.check_start(start, attending)
             out = torch.empty_like(hidden)
             watched = [k for k in range(i, j) if k in observed]
