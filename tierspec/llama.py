@@ -26,7 +26,6 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Iterator
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -211,32 +210,34 @@ class ViewOnReadKVLayer(KVLayer):
     """A ``KVLayer`` of a model whose layers run on the pass engine. Its ``keys``/``values`` views of
     the first ``length`` positions are made when read, not after every write (the engine advances
     30 layers a pass, and two views a layer cost more than the rest of the bookkeeping; the
-    assignments of ``KVLayer``'s own methods are ignored). Its ``length`` and written extent live
-    in arrays the cache's layers share (``for_cache``), one entry a layer, so that a pass checks,
-    advances and rolls back every layer of a sequence in one array operation (``KVCache.advance``)
-    where a loop over 30 layers ran twice a sequence a pass."""
+    assignments of ``KVLayer``'s own methods are ignored). Its ``length`` and written extent are
+    entries of lists the cache's layers share (``for_cache``), so that a pass checks and advances,
+    and a rollback trims, every layer of a sequence at once (``KVCache.check_start``, ``advance``,
+    ``trim``) where a loop over 30 layers' methods ran twice a sequence a pass. Lists, not numpy
+    arrays: right after a pass every cache holds the weights, and numpy's dispatch, cold, cost more
+    than the interpreter's list operations it replaced."""
 
     keys = property(lambda self: None if self._keys is None else self._keys[..., : self.length, :],
                     lambda self, value: None)
     values = property(lambda self: None if self._values is None else self._values[..., : self.length, :],
                       lambda self, value: None)
 
-    def __init__(self, lengths: np.ndarray | None = None, written: np.ndarray | None = None, index: int = 0):
-        """``lengths`` and ``written`` int64 arrays shared by the cache's layers (``for_cache``),
-        this layer's entries at ``index``; a layer of its own without them."""
-        self._lengths = np.zeros(1, np.int64) if lengths is None else lengths
-        self._written = np.zeros(1, np.int64) if written is None else written
+    def __init__(self, lengths: list[int] | None = None, written: list[int] | None = None, index: int = 0):
+        """``lengths`` and ``written`` shared by the cache's layers (``for_cache``), this layer's
+        entries at ``index``; a layer of its own without them."""
+        self._lengths = [0] if lengths is None else lengths
+        self._written = [0] if written is None else written
         self._index = index
         super().__init__()
 
     @classmethod
     def for_cache(cls, count: int) -> list["ViewOnReadKVLayer"]:
-        lengths, written = np.zeros(count, np.int64), np.zeros(count, np.int64)
+        lengths, written = [0] * count, [0] * count
         return [cls(lengths, written, index) for index in range(count)]
 
     @property
     def length(self) -> int:
-        return int(self._lengths[self._index])
+        return self._lengths[self._index]
 
     @length.setter
     def length(self, value: int) -> None:
@@ -244,7 +245,7 @@ class ViewOnReadKVLayer(KVLayer):
 
     @property
     def _finite(self) -> int:
-        return int(self._written[self._index])
+        return self._written[self._index]
 
     @_finite.setter
     def _finite(self, value: int) -> None:
@@ -265,9 +266,9 @@ class ViewOnReadKVLayer(KVLayer):
 class KVCache:
     """The KV of every decoder layer; layers a routing mask bypassed may hold fewer positions.
 
-    Layers that keep their lengths in shared arrays (``ViewOnReadKVLayer.for_cache``: a model on the
-    pass engine) are checked, advanced and trimmed together by ``check_start``, ``advance`` and
-    ``trim`` in one array operation each; other layers one by one."""
+    Layers that share their lengths (``ViewOnReadKVLayer.for_cache``: a model on the pass engine)
+    are checked, advanced and trimmed together by ``check_start``, ``advance`` and ``trim``; other
+    layers one by one."""
 
     def __init__(self, num_layers: int, layer_class: type = KVLayer):
         self.layers = layer_class.for_cache(num_layers)
@@ -276,8 +277,8 @@ class KVCache:
         together = shared is not None and len(shared) == num_layers and all(
             layer._lengths is shared and layer._index == index for index, layer in enumerate(self.layers))
         # every layer's length and written extent, when the layers share them (None: one by one)
-        self._lengths = shared if together else None
-        self._written = self.layers[0]._written if together else None
+        self._lengths: list[int] | None = shared if together else None
+        self._written: list[int] | None = self.layers[0]._written if together else None
 
     def get_seq_length(self) -> int:
         return self.layers[0].length if self.layers else 0
@@ -286,41 +287,35 @@ class KVCache:
         for layer in self.layers:
             layer.reserve(positions)
 
-    def check_start(self, start: int, attending: np.ndarray | None = None) -> None:
-        """Raise unless every layer (``attending``: the layers whose flag it sets, a bool array [L])
-        holds exactly ``start`` positions: the rollback invariant a pass from ``start`` needs."""
+    def check_start(self, start: int, attending: list[int] | None = None) -> None:
+        """Raise unless every layer (``attending``: these layers) holds exactly ``start`` positions:
+        the rollback invariant a pass from ``start`` needs."""
         lengths = self._lengths
-        if lengths is not None:
-            held = lengths if attending is None else lengths[attending]
-            if not (held == start).all():
-                index = int(np.flatnonzero(lengths != start if attending is None else attending & (lengths != start))[0])
-                raise RuntimeError(f"layer {index}'s cache holds {int(lengths[index])} positions, the pass starts at "
-                                   f"{start}: the caller broke the rollback invariant")
-            return
-        for index, layer in enumerate(self.layers):
-            if (attending is None or attending[index]) and layer.length != start:
-                raise RuntimeError(f"layer {index}'s cache holds {layer.length} positions, the pass starts at {start}: "
+        if lengths is not None and attending is None:
+            if lengths.count(start) == len(lengths):
+                return
+        for index in range(len(self.layers)) if attending is None else attending:
+            held = self.layers[index].length
+            if held != start:
+                raise RuntimeError(f"layer {index}'s cache holds {held} positions, the pass starts at {start}: "
                                    "the caller broke the rollback invariant")
 
-    def advance(self, count: int, attending: np.ndarray | None = None) -> None:
+    def advance(self, count: int, attending: list[int] | None = None) -> None:
         """Count ``count`` entries the engine wrote after each layer's length (``attending``: only in
-        the layers whose flag it sets)."""
-        lengths = self._lengths
-        if lengths is None:
-            for index, layer in enumerate(self.layers):
-                if attending is None or attending[index]:
-                    layer.advance(count)
+        these layers)."""
+        lengths, written = self._lengths, self._written
+        if lengths is None or attending is not None:
+            for index in range(len(self.layers)) if attending is None else attending:
+                self.layers[index].advance(count)
             return
-        if attending is None:
-            lengths += count
-        else:
-            lengths[attending] += count
-        np.maximum(self._written, lengths, out=self._written)
+        lengths[:] = [length + count for length in lengths]
+        written[:] = map(max, written, lengths)
 
     def trim(self, length: int) -> None:
         """Every layer holding more than ``length`` positions cut to ``length``."""
-        if self._lengths is not None:
-            np.minimum(self._lengths, length, out=self._lengths)
+        lengths = self._lengths
+        if lengths is not None:
+            lengths[:] = [held if held < length else length for held in lengths]
             return
         for layer in self.layers:
             layer.trim(length)
@@ -863,8 +858,7 @@ class Decoder(torch.nn.Module):
                 observers = all(getattr(hook, "observes_only", False) for hook in state["_forward_hooks"].values())
                 (observed if observers else hooked).add(i)
         flags = bytes(flag_list)
-        attends = np.frombuffer(flags, np.uint8) & 1 == 1  # [L] the layers whose attention runs
-        every_attends = bool(attends.all())
+        every_attends = all(flag & 1 for flag in flag_list)
         first = layers[0].fused
         n = int(hidden.shape[1])
         start = layout.start
@@ -882,10 +876,8 @@ class Decoder(torch.nn.Module):
             while j < len(layers) and j not in hooked:
                 j += 1
             # the layers of this call that attend (and write their KV): all of them unless a mask bypassed some
-            attending = None
-            if not (i == 0 and j == len(layers) and every_attends):
-                attending = attends.copy()
-                attending[:i] = attending[j:] = False
+            attending = None if i == 0 and j == len(layers) and every_attends else [
+                k for k in range(i, j) if flags[k] & 1]
             cache.check_start(start, attending)
             out = torch.empty_like(hidden)
             watched = [k for k in range(i, j) if k in observed]

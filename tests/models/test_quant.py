@@ -408,7 +408,7 @@ def test_a_batched_pass_gives_every_sequence_its_solo_pass_bitwise(tiny):
 
 
 def test_the_engine_cache_checks_advances_and_trims_every_layer_together(tiny):
-    """A model on the engine keeps its layers' lengths in one array (``ViewOnReadKVLayer.for_cache``):
+    """A model on the engine keeps its layers' lengths in one list (``ViewOnReadKVLayer.for_cache``):
     a pass checks and advances them together, a routing mask's bypassed layers stay behind, a
     rollback trims them together, and each layer's own ``length`` reads and writes its entry — the
     same lengths a layer-by-layer cache (``KVLayer``) keeps through the same calls."""
@@ -424,7 +424,7 @@ def test_the_engine_cache_checks_advances_and_trims_every_layer_together(tiny):
         assert runner.layer_lengths() == [6, 6, 6]
         runner.forward(PROMPT[6:8], mask=mask)  # layer 1's attention bypassed: it writes no KV
         assert [layer.length for layer in runner.cache.layers] == [8, 6, 8]
-        assert list(runner.cache._written) == [8, 6, 8]
+        assert runner.cache._written == [8, 6, 8]
         runner.rollback(7)
         assert [layer.length for layer in runner.cache.layers] == [7, 6, 7]
         with pytest.raises(RuntimeError, match="layer 1's cache holds 6 positions.*rollback invariant"):
@@ -440,9 +440,9 @@ def test_the_engine_cache_checks_advances_and_trims_every_layer_together(tiny):
     for layers in (own, runner.cache):
         layers.trim(0)
         layers.advance(5)
-        layers.advance(2, np.array([True, False, True]))
+        layers.advance(2, [0, 2])
         assert [layer.length for layer in layers.layers] == [7, 5, 7]
-        layers.check_start(5, np.array([False, True, False]))
+        layers.check_start(5, [1])
         with pytest.raises(RuntimeError, match="layer 0's cache holds 7"):
             layers.check_start(5)
         layers.trim(6)
