@@ -858,7 +858,7 @@ class Decoder(torch.nn.Module):
                 observers = all(getattr(hook, "observes_only", False) for hook in state["_forward_hooks"].values())
                 (observed if observers else hooked).add(i)
         flags = bytes(flag_list)
-        every_attends = all(flag & 1 for flag in flag_list)
+        every_attends = 0 not in flag_list and 2 not in flag_list  # no layer's attention bypassed (flag 1 unset)
         first = layers[0].fused
         n = int(hidden.shape[1])
         start = layout.start

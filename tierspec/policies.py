@@ -422,7 +422,6 @@ class CostModel:
                 ((1.0 + k) / self(k, source) for k in range(1, max_draft + 1)), default=0.0)
         return rate
 
-
     def draft_bar(self, source: str, max_draft: int) -> tuple[float, bool]:
         """(the tokens per second a cycle of ``source``'s drafts must beat: drafting nothing, charged
         the drafter's one step a cycle costs before its drafts are chosen; whether not even
