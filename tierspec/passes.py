@@ -77,8 +77,8 @@ class SequentialPasses:
 class EnginePasses:
     """Every request of a cycle in one pass on the engine (``cached_model.batched_pass``), a lone
     request too: the same result as its cache's own pass with less Python around the engine's call
-    (a one-row pass of the default model 0.57–0.64 → 0.39–0.42 ms outside the engine's calls on a
-    Zen 4). Where a module of the model carries a forward hook, which only a module call runs
+    (a one-row pass of the default model 0.52–0.55 → 0.44 ms outside the engine's calls on a Zen 4,
+    ``benchmarks/pass_python.py``, BENCHMARKS.md). Where a module of the model carries a forward hook, which only a module call runs
     (``cached_model.runs_as_one_stack``), a lone request runs as its cache's own pass."""
 
     shares_passes = True
