@@ -32,28 +32,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from loop_time import import_before  # noqa: E402  (another checkout's package beside this one)
+from loop_time import Probe, import_before  # noqa: E402  (exclusive seconds of wrapped calls; another checkout)
 
 ENGINE_CALLS = ("run_stack", "matmul", "dequant_rows", "rms_norm")
-
-
-class EngineClock:
-    """Seconds inside a package's engine calls since ``reset``, by wrapping its extension's functions."""
-
-    def __init__(self, extension):
-        self.seconds = 0.0
-        for name in ENGINE_CALLS:
-            function = getattr(extension, name)
-            setattr(extension, name, self._timed(function))
-
-    def _timed(self, function):
-        def timed(*args, **kwargs):
-            started = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                self.seconds += time.perf_counter() - started
-        return timed
 
 
 def paths(package, batches: list[int], rows: int):
@@ -106,7 +87,9 @@ def main() -> None:
     for rows in [int(r) for r in args.rows.split(",")]:
         by_version = []
         for label, package in versions:
-            clock = EngineClock(importlib.import_module(f"{package.__name__}._qengine"))
+            clock, extension = Probe(), importlib.import_module(f"{package.__name__}._qengine")
+            for call in ENGINE_CALLS:
+                clock.wrap(extension, call, "engine")
             target, found = paths(package, batches, rows)
             by_version.append([(label, name, clock, run, undo) for name, run, undo in found])
         runs = [run for same_path in zip(*by_version) for run in same_path]  # each path's versions one after another
@@ -115,11 +98,11 @@ def main() -> None:
         with threads, torch.inference_mode():
             for _ in range(args.rounds):
                 for label, name, clock, run, undo in runs:
-                    clock.seconds = 0.0
+                    clock.totals.clear()
                     started = time.perf_counter()
                     run()
                     totals[(label, name)].append(time.perf_counter() - started)
-                    engine[(label, name)].append(clock.seconds)
+                    engine[(label, name)].append(clock.totals["engine"])
                     undo()
         for key in sorted(totals, key=lambda k: (k[0] != "before", k)):
             whole, calls = statistics.median(totals[key]), statistics.median(engine[key])

@@ -21,8 +21,8 @@ from typing import Iterator
 
 import torch
 
+from . import engine  # its functions read at the call: a test may wrap them
 from .errors import ModelLoadError, TierspecError
-from .llama import KVCache
 from .models import output_vocabulary_size
 from .layerskip.masks import apply_mask, decoder_layers, model_lock
 
@@ -160,6 +160,7 @@ class CachedModel:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
+        self.own_cache = hasattr(model, "new_kv_cache")  # a model on tierspec.llama: its ``KVCache``, else transformers'
         self.cache = self._new_cache()
         self.length = 0
         self.vocab_size = output_vocabulary_size(model)
@@ -168,7 +169,7 @@ class CachedModel:
     def _new_cache(self):
         """tierspec's own cache for models on ``tierspec.llama``; for transformers models a
         DynamicCache whose plain (non-sliding) layers append in place (see GrowingLayer)."""
-        if hasattr(self.model, "new_kv_cache"):
+        if self.own_cache:
             return self.model.new_kv_cache()
         from transformers import DynamicCache
         from transformers.cache_utils import DynamicLayer
@@ -284,7 +285,7 @@ class CachedModel:
             raise ValueError(f"cannot roll back to {length}: the cache holds only {self.length} positions")
         if length == self.length:  # no layer holds more than ``length``: nothing to trim
             return
-        if isinstance(self.cache, KVCache):  # tierspec's own cache: every layer at once
+        if self.own_cache:  # tierspec's own cache (``llama.KVCache``): every layer at once
             self.cache.trim(length)
             self.length = length
             return
@@ -350,10 +351,8 @@ def run_stack_rows(stack, begin: int, end: int, hidden: torch.Tensor, segments: 
     numbers: ``Decoder.engine_rotary``); ``flags`` one byte per layer (which units run). Returns the
     output rows [R, H]. The draft head's batched step comes here (the target's batched pass calls
     ``engine.run_stack`` itself, to copy the head's layers out inside the one call)."""
-    from .engine import run_stack
-
     out = torch.empty_like(hidden)
-    run_stack(stack, hidden, out, segments, rotary, flags, begin, end)
+    engine.run_stack(stack, hidden, out, segments, rotary, flags, begin, end)
     return out
 
 
@@ -396,9 +395,6 @@ def runs_as_one_stack(model: torch.nn.Module) -> bool:
 
 def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[BatchItem],
                   hidden_layers: tuple[int, ...] | None) -> list[PassResult]:
-    from .gguf_llama import ATTENTION_UNIT, MLP_UNIT
-    from .engine import Segment, run_stack
-
     for item in items:
         if item.runner.model is not model:
             raise ValueError("every sequence of a batched pass must run on the same model")
@@ -428,19 +424,19 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
             if tuple(seen.shape) != (n, n) or bool(seen.triu(1).any()):
                 raise ValueError(f"a tree mask for {n} tokens has shape ({n}, {n}) and lets a token see earlier ones only")
         cache.check_start(start)
-        sequences.append(Segment(rows, n, start, table, seen, positions=own))
+        sequences.append(engine.Segment(rows, n, start, table, seen, positions=own))
         ids.append(tokens)
         rows += n
     rotary = decoder.engine_rotary(torch.tensor(positions, dtype=torch.int64))  # each kind's table over every row
     hidden = decoder.embed_tokens((torch.cat(ids) if len(ids) > 1 else ids[0]).cpu()).float().contiguous()  # [rows, H]
-    flags = bytes([ATTENTION_UNIT | MLP_UNIT] * len(decoder.layers))
+    flags = decoder.engine_stack.every_unit
     last = len(decoder.layers) - 1
     # The layers a draft head reads are copied out inside the one stack call (``run_stack``'s
     # captures). With a call per captured layer a featured pass of 8 sequences cost 1.5 ms more than
     # a plain one; in one call 0.7 (fastest of 40 each, alternating).
     captured = {layer: torch.empty_like(hidden) for layer in set(hidden_layers or ()) if layer != last}
     out = torch.empty_like(hidden)
-    run_stack(decoder.engine_stack.capsule, hidden, out, sequences, rotary, flags, 0, last + 1, captures=captured)
+    engine.run_stack(decoder.engine_stack.capsule, hidden, out, sequences, rotary, flags, 0, last + 1, captures=captured)
     hidden = captured[last] = out
     final = decoder.final_norm(hidden)  # [rows, H], as a solo pass normalises its rows
     picks, spans = [], []  # the rows each sequence keeps for the LM head, and where its logits lie

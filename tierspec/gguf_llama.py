@@ -130,6 +130,7 @@ class EngineStack:
 
     def __init__(self, layers):
         self.capsule = engine().make_stack(tuple(layer.fused.capsule for layer in layers))
+        self.every_unit = bytes([ATTENTION_UNIT | MLP_UNIT] * len(layers))  # the flags of a pass that runs them all
 
     def __deepcopy__(self, memo) -> "EngineStack":
         return self

@@ -29,6 +29,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from . import engine  # its functions read at the call: a test may wrap them
+
 
 def supports(config: dict) -> str | None:
     """Why a model with this ``config.json`` cannot run on this module (None: it can)."""
@@ -206,6 +208,19 @@ class KVLayer:
             self.keys, self.values = self._keys[..., :length, :], self._values[..., :length, :]
 
 
+def _shared_entry(name: str, doc: str) -> property:
+    """A property reading and writing a layer's entry (``_index``) of the list its cache's layers share
+    under attribute ``name`` (``ViewOnReadKVLayer``)."""
+
+    def get(self) -> int:
+        return self.__dict__[name][self._index]
+
+    def put(self, value: int) -> None:
+        self.__dict__[name][self._index] = value
+
+    return property(get, put, doc=doc)
+
+
 class ViewOnReadKVLayer(KVLayer):
     """A ``KVLayer`` of a model whose layers run on the pass engine. Its ``keys``/``values`` views of
     the first ``length`` positions are made when read, not after every write (the engine advances
@@ -235,21 +250,8 @@ class ViewOnReadKVLayer(KVLayer):
         lengths, written = [0] * count, [0] * count
         return [cls(lengths, written, index) for index in range(count)]
 
-    @property
-    def length(self) -> int:
-        return self._lengths[self._index]
-
-    @length.setter
-    def length(self, value: int) -> None:
-        self._lengths[self._index] = value
-
-    @property
-    def _finite(self) -> int:
-        return self._written[self._index]
-
-    @_finite.setter
-    def _finite(self, value: int) -> None:
-        self._written[self._index] = value
+    length = _shared_entry("_lengths", "positions the layer holds")
+    _finite = _shared_entry("_written", "slots 0 .. _finite − 1 hold written entries or zeros")
 
     def advance(self, count: int) -> None:
         length = self.length + count
@@ -273,12 +275,10 @@ class KVCache:
     def __init__(self, num_layers: int, layer_class: type = KVLayer):
         self.layers = layer_class.for_cache(num_layers)
         self._table: tuple | None = None  # engine_table's last answer: (allocations, buffers, capacity, table)
+        # every layer's length and written extent, when ``for_cache`` made the layers share them (None: one by one)
         shared = getattr(self.layers[0], "_lengths", None) if self.layers else None
-        together = shared is not None and len(shared) == num_layers and all(
-            layer._lengths is shared and layer._index == index for index, layer in enumerate(self.layers))
-        # every layer's length and written extent, when the layers share them (None: one by one)
-        self._lengths: list[int] | None = shared if together else None
-        self._written: list[int] | None = self.layers[0]._written if together else None
+        self._lengths: list[int] | None = shared if shared is not None and len(shared) == num_layers else None
+        self._written: list[int] | None = None if self._lengths is None else self.layers[0]._written
 
     def get_seq_length(self) -> int:
         return self.layers[0].length if self.layers else 0
@@ -812,15 +812,13 @@ class Decoder(torch.nn.Module):
         """``self.norm(hidden)`` after the engine's layers (a solo pass's and a batched pass's alike):
         by the engine's norm kernel where the norm is a plain float32 ``RMSNorm`` with no hooks
         (one call, ``engine.rms_norm``), else as the module."""
-        from .engine import rms_norm
-
         norm = self.norm
         state = norm.__dict__
         if (type(norm) is RMSNorm and norm.output_dtype in (None, torch.float32) and hidden.dtype == torch.float32
                 and state["_parameters"]["weight"].dtype == torch.float32 and not state["_forward_hooks"]
                 and not state["_forward_pre_hooks"] and not torch.nn.modules.module._global_forward_hooks
                 and not torch.nn.modules.module._global_forward_pre_hooks):
-            return rms_norm(hidden, norm.weight, norm.eps)
+            return engine.rms_norm(hidden, norm.weight, norm.eps)
         return norm(hidden)
 
     def engine_rotary(self, positions: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
@@ -836,8 +834,6 @@ class Decoder(torch.nn.Module):
         read the output and return nothing) stays inside the call, which copies its input and
         output rows out (``run_stack``'s captures), and its hooks are called with them after the
         call, as a module call would call them; any other hooked layer runs as a module call."""
-        from .engine import Segment, run_stack
-
         layers = list(self.layers)
         observed: set[int] = set()
         hooked: set[int] = set()
@@ -865,7 +861,7 @@ class Decoder(torch.nn.Module):
         kv = cache.layers
         table = cache.engine_table(start + n, first.kv_heads, first.head_dim, first.kv_dtype)
         hidden = hidden.contiguous()
-        segments = [Segment(0, n, start, table, layout.attends, positions=layout.positions)]
+        segments = [engine.Segment(0, n, start, table, layout.attends, positions=layout.positions)]
         i = 0
         while i < len(layers):
             if i in hooked:
@@ -886,7 +882,7 @@ class Decoder(torch.nn.Module):
                 for layer in (k - 1, k):
                     if i <= layer < j - 1 and layer not in captures:
                         captures[layer] = torch.empty_like(hidden)
-            run_stack(self.engine_stack.capsule, hidden.view(n, -1), out.view(n, -1), segments, layout.rotary, flags, i, j,
+            engine.run_stack(self.engine_stack.capsule, hidden.view(n, -1), out.view(n, -1), segments, layout.rotary, flags, i, j,
                       captures={k: buffer.view(n, -1) for k, buffer in captures.items()})
             cache.advance(n, attending)
             for k in watched:
