@@ -244,11 +244,32 @@ def _agrees(table_seconds: float, now: float) -> bool:
     return 1.0 / SLOWER_NOW <= table_seconds / now <= FASTER_NOW
 
 
+_FINGERPRINT: list[str] = []
+
+
+def code_fingerprint() -> str:
+    """A digest of tierspec's own code as installed (every Python module and compiled extension of
+    the package), made once per process. It keys every cached measurement: a measurement times
+    this code (a draft step's Python, the engine's kernels), so a cache made by other code — an
+    upgrade, a checkout beside this one — is measured again rather than read, where a spot check
+    of the target's pass alone would pass a draft step that got cheaper or dearer."""
+    if not _FINGERPRINT:
+        package = Path(__file__).resolve().parent
+        digest = hashlib.sha256()
+        for path in sorted(package.rglob("*")):
+            if path.suffix in (".py", ".so", ".pyd") and path.is_file() and "__pycache__" not in path.parts:
+                digest.update(path.relative_to(package).as_posix().encode() + b"\0")
+                digest.update(hashlib.sha256(path.read_bytes()).digest())
+        _FINGERPRINT.append(digest.hexdigest()[:16])
+    return _FINGERPRINT[0]
+
+
 def _cached_measurement(target: LoadedModel, prefix: str, what: str, key_extra: dict, read, measure, to_json,
                         one_token_seconds, refresh: bool):
     """A measurement of ``target`` on this machine, made at most once per process (under a lock:
     a second thread waits for the first's) and cached as JSON under ``$TIERSPEC_CACHE`` keyed by
-    the model's identity, the thread count, the CPU, torch and the linear kernels. ``read(path)``
+    the model's identity, the thread count, the CPU, torch, the linear kernels and tierspec's code
+    (``code_fingerprint``). ``read(path)``
     returns it or None when the file is damaged.
 
     A cached measurement is checked by up to ``SPOT_CHECKS`` spot checks of a 1-token pass
@@ -266,7 +287,7 @@ def _cached_measurement(target: LoadedModel, prefix: str, what: str, key_extra: 
         few_row_threads(target)
     key = json.dumps({"model": target.identity.to_dict(), "threads": torch.get_num_threads(), "cpu": _cpu_name(),
                       "torch": torch.__version__, "linear": _linear_kind(target.model, with_threads=not measures_threads),
-                      "code": model_code(target.model), **key_extra}, sort_keys=True)
+                      "code": model_code(target.model), "tierspec": code_fingerprint(), **key_extra}, sort_keys=True)
     with _MEASURING:
         if refresh or key not in _MEASURED:
             _MEASURED[key] = _read_or_measure(target, prefix, what, key, read, measure, to_json, one_token_seconds,

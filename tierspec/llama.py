@@ -459,7 +459,18 @@ class RotaryTable(torch.nn.Module):
 
     def factors(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [n, 1, D] in ``dtype`` for integer ``positions`` [n]."""
-        needed = int(positions.max()) + 1
+        cos, sin = self._covering(int(positions.max()) + 1, dtype)
+        positions = positions.to(cos.device)
+        return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
+
+    def span(self, start: int, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``factors`` of positions ``start .. start + count − 1`` (a chain's): views of the table,
+        no gather."""
+        cos, sin = self._covering(start + count, dtype)
+        return cos[start : start + count].unsqueeze(1), sin[start : start + count].unsqueeze(1)
+
+    def _covering(self, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The table (cos, signed sin) [P, D] in ``dtype`` with P ≥ ``needed``."""
         table = self._table
         if table is None or table[0].shape[0] < needed or table[0].dtype != dtype or table[0].device != self.inv_freq.device:
             size = -(-needed // KEY_BLOCK) * KEY_BLOCK
@@ -469,8 +480,7 @@ class RotaryTable(torch.nn.Module):
             sin = angles.sin()
             sin[:, :half] = -sin[:, :half]
             table = self._table = (angles.cos().to(dtype), sin.to(dtype))
-        positions = positions.to(table[0].device)
-        return table[0].index_select(0, positions).unsqueeze(1), table[1].index_select(0, positions).unsqueeze(1)
+        return table
 
 
 # ---- token-tree passes --------------------------------------------------------------------------

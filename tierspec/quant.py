@@ -229,8 +229,10 @@ class QuantWeight:
     def rows(self, indices: torch.Tensor) -> torch.Tensor:
         """Rows ``indices`` [c] of W as float32 [c, K]: d·q + m exactly as the file defines them."""
         indices = indices.reshape(-1).to(torch.int64).contiguous()
-        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= self.out_features):
-            raise IndexError(f"row index out of range 0..{self.out_features - 1}")
+        if indices.numel():
+            least, most = torch.aminmax(indices)  # one reduction: a lookup's checks run cold after a pass
+            if int(least) < 0 or int(most) >= self.out_features:
+                raise IndexError(f"row index out of range 0..{self.out_features - 1}")
         out = torch.empty(int(indices.numel()), self.in_features, dtype=torch.float32)
         engine().dequant_rows(weight=self.handle, indices=indices.data_ptr(), count=int(indices.numel()),
                               out=out.data_ptr())

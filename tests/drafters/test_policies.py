@@ -431,3 +431,31 @@ def test_the_draft_heads_step_is_costed_as_measured_beside_a_target_pass(tiny_ta
     monkeypatch.setattr(costs, "_MEASURED", {})
     build_method("eagle", tiny_target, options=MethodOptions(draft_head=head))
     assert len(timed) == 2
+    # other code (an upgrade, another checkout) measures again beside the first's file, not reading it
+    monkeypatch.setattr(costs, "_MEASURED", {})
+    monkeypatch.setattr(costs, "_FINGERPRINT", ["another-code"])
+    build_method("eagle", tiny_target, options=MethodOptions(draft_head=head))
+    assert len(timed) == 3 and len(list(tmp_path.glob("draft-step-*.json"))) == 2
+
+
+def test_the_code_fingerprint_follows_the_packages_files(tmp_path, monkeypatch):
+    """``costs.code_fingerprint`` digests every module of the package: a changed byte changes it."""
+    import shutil
+
+    from tierspec import costs
+
+    package = tmp_path / "tierspec"
+    package.mkdir()
+    (package / "costs.py").write_text("x = 1\n")
+    (package / "deep").mkdir()
+    (package / "deep" / "mod.py").write_text("y = 2\n")
+    (package / "notes.txt").write_text("not code")
+    prints = []
+    for change in (None, "notes.txt", "deep/mod.py"):
+        if change is not None:
+            (package / change).write_text((package / change).read_text() + "# changed\n")
+        monkeypatch.setattr(costs, "__file__", str(package / "costs.py"))
+        monkeypatch.setattr(costs, "_FINGERPRINT", [])
+        prints.append(costs.code_fingerprint())
+    assert prints[0] == prints[1] != prints[2]  # only code counts
+    shutil.rmtree(package)

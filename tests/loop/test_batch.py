@@ -189,6 +189,39 @@ def test_the_head_steps_of_several_sequences_in_one_engine_pass_are_each_ones_ow
     assert [r.length for r in solo] == [r.length for r in shared]
 
 
+def test_the_engine_heads_step_reads_embeddings_norms_and_rotary_factors_as_the_modules_do(target, head):
+    """``EngineHead``'s shortcuts: a quantised table's rows read directly are the module's (and a
+    hooked table is called, so its hook runs), the engine's norm is the module's to float32
+    rounding, a chain's rotary factors as views of the table are the gathered ones bitwise, and a
+    step given no positions is the step given its chain's positions."""
+    from tierspec.heads.draft import HeadRunner
+
+    engine = head.engine
+    tokens = torch.tensor([3, 200, 3, 77])
+    assert torch.equal(engine.embed(tokens), head.embedding(tokens).float())
+    seen = []
+    hook = head.embedding.register_forward_hook(lambda module, args, out: seen.append(args[0].tolist()))
+    try:
+        assert torch.equal(engine.embed(tokens), head.embedding(tokens).float()) and seen[0] == tokens.tolist()
+    finally:
+        hook.remove()
+    rows = torch.randn(5, head.config.hidden_size) * 3
+    torch.testing.assert_close(engine.norm(rows), head.norm(rows), rtol=2e-6, atol=2e-6)
+    for start, count in ((0, 1), (7, 5), (600, 3)):  # 600: past the first table block, which grows
+        spans = head.rotary.span(start, count, torch.float32)
+        gathered = head.rotary.factors(torch.arange(start, start + count), torch.float32)
+        assert all(torch.equal(a, b) for a, b in zip(spans, gathered))
+    inputs, next_tokens = torch.randn(4, head.config.hidden_size), torch.tensor([9, 8, 7, 6])
+    with torch.inference_mode():
+        chains = [HeadRunner(head) for _ in range(2)]
+        for runner in chains:
+            runner.extend(torch.randn(3, head.config.hidden_size, generator=torch.Generator().manual_seed(1)),
+                          torch.tensor([1, 2, 3]))
+        plain = chains[0].extend(inputs, next_tokens)
+        placed = chains[1].extend(inputs, next_tokens, positions=torch.arange(3, 7))
+    assert torch.equal(plain, placed)
+
+
 def test_batch_lengths_take_the_drafts_that_pay():
     class P(list):  # a proposal of n drafts
         pass

@@ -386,12 +386,10 @@ def _engine_steps(steps: list[HeadStep]) -> list[HeadOutput]:
         inputs = torch.cat([engine.target_input(step.inputs) if step.from_target else step.inputs.float()
                             for _, step in extending])
         tokens = torch.cat([step.next_tokens.cpu() for _, step in extending])
-        with torch.no_grad():
-            embedded = head.embedding(tokens).float()
-        x = engine.fc(torch.cat((inputs, embedded), dim=-1))  # [R, H]
+        x = engine.fc(torch.cat((inputs, engine.embed(tokens)), dim=-1))  # [R, H]
         if engine.fc_bias is not None:
             x = x + engine.fc_bias
-        rows, positions, tables, kept = [], [], [], []
+        rows, spans, tables, kept = [], [], [], []
         first = 0
         for _, step in extending:
             cache, n = step.runner.cache, step.rows
@@ -400,13 +398,13 @@ def _engine_steps(steps: list[HeadStep]) -> list[HeadOutput]:
                                  dtype=torch.int64)
             tables.append(table)  # [1, 3]: the head's one layer (kept alive until the call returns)
             rows.append(Segment(first, n, start, table))
-            positions.append(torch.arange(start, start + n))
+            spans.append(head.rotary.span(start, n, torch.float32))
             kept.append((first, n))
             first += n
-        cos, sin = head.rotary.factors(torch.cat(positions), torch.float32)  # [R, 1, d] each
+        cos, sin = (torch.cat(parts) for parts in zip(*spans))  # [R, 1, d] each
         out = run_stack_rows(engine.stack, 0, 1, x.contiguous(), rows,
                              ((cos.reshape(first, -1).contiguous(), sin.reshape(first, -1).contiguous()),), bytes([3]))
-        h = head.norm(out)  # [R, H]
+        h = engine.norm(out)  # [R, H]
         for (i, step), (row, n) in zip(extending, kept):
             step.runner.cache.advance(n)
             lasts[i] = h[row + n - 1 : row + n]
@@ -448,12 +446,10 @@ class HeadRunner:
         and ``attends`` [n, length + n] bool the cache slots each sees (default: a chain)."""
         head = self.head
         if head.engine is not None:
-            n, start = int(inputs.shape[0]), self.cache.length
             if from_target:
                 inputs = head.engine.target_input(inputs)
-            if positions is None:
-                positions = torch.arange(start, start + n)
-            return head.engine.step(inputs, next_tokens.cpu(), positions.cpu(), self.cache, attends)
+            return head.engine.step(inputs, next_tokens.cpu(), None if positions is None else positions.cpu(), self.cache,
+                                    attends)
         device = head.fc.weight.device
         inputs, next_tokens = inputs.to(device, head.fc.weight.dtype), next_tokens.to(device)
         n, start = int(inputs.shape[0]), self.cache.length
