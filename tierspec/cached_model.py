@@ -24,6 +24,7 @@ import torch
 from . import engine  # its functions read at the call: a test may wrap them
 from .errors import ModelLoadError, TierspecError
 from .models import output_vocabulary_size
+from .quant import QuantEmbedding, QuantLinear
 from .layerskip.masks import apply_mask, decoder_layers, model_lock
 
 
@@ -427,8 +428,11 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
         sequences.append(engine.Segment(rows, n, start, table, seen, positions=own))
         ids.append(tokens)
         rows += n
-    rotary = decoder.engine_rotary(torch.tensor(positions, dtype=torch.int64))  # each kind's table over every row
-    hidden = decoder.embed_tokens((torch.cat(ids) if len(ids) > 1 else ids[0]).cpu()).float().contiguous()  # [rows, H]
+    if len(items) == 1 and items[0].offsets is None:  # a lone chain: its rows of each table, as views
+        rotary = decoder.engine_rotary_chain(sequences[0].start, rows)
+    else:  # each kind's table over every row
+        rotary = decoder.engine_rotary(torch.tensor(positions, dtype=torch.int64))
+    hidden = _embedded(decoder.embed_tokens, torch.cat(ids) if len(ids) > 1 else ids[0])  # [rows, H]
     flags = decoder.engine_stack.every_unit
     last = len(decoder.layers) - 1
     # The layers a draft head reads are copied out inside the one stack call (``run_stack``'s
@@ -447,7 +451,7 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
         m = n if item.logits_for is None else item.logits_for
         spans.append((len(picks), m))
         picks.extend(range(row0 + n - m, row0 + n))
-    logits = model.lm_head(final if len(picks) == rows else final.index_select(0, torch.tensor(picks)))
+    logits = _scored(model.lm_head, final if len(picks) == rows else final.index_select(0, torch.tensor(picks)))
     results = []
     for segment, (at, m) in zip(sequences, spans):
         hidden_states = None
@@ -455,5 +459,23 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
             row0, n = segment.first_row, segment.rows
             parts = [final[row0 : row0 + n]] + [captured[i][row0 : row0 + n] for i in hidden_layers]
             hidden_states = torch.cat(parts, dim=-1).float()
-        results.append(PassResult(logits[at : at + m].float(), hidden_states))
+        results.append(PassResult(logits if m == len(picks) else logits[at : at + m], hidden_states))
     return results
+
+
+def _embedded(embedding: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The embedding rows [n, H] float32 contiguous of ``ids`` [n] for a batched pass (whose
+    modules carry no hooks: ``runs_as_one_stack``): a quantised table's rows read directly (one
+    engine call, no module call and no conversions: each was a torch operator run cold after the
+    weights' stream), any other table through its module."""
+    if type(embedding) is QuantEmbedding:
+        return embedding.qweight.rows(ids)
+    return embedding(ids.cpu()).float().contiguous()
+
+
+def _scored(lm_head: torch.nn.Module, final: torch.Tensor) -> torch.Tensor:
+    """The LM head's float32 logits of a batched pass's rows ``final`` [m, H] (float32 contiguous):
+    a quantised head's product called directly, any other head through its module."""
+    if type(lm_head) is QuantLinear:
+        return lm_head.qweight.multiply(final)
+    return lm_head(final).float()

@@ -758,8 +758,12 @@ def _conclude(d: _Drafted, verdict: Verdict, draft_seconds: float, seconds: floa
     cut at EOS and the budget; the policy learns from the drafter's part of it."""
     sequence, proposal = d.sequence, d.proposal
     verifiers, policy = sequence.verifiers, sequence.policy
-    tokens = proposal.tokens.tolist()
-    emitted = [tokens[node] for node in verdict.path] + [verdict.next_token]
+    path = verdict.path
+    if path:  # the accepted drafts' tokens (a list made only then: a tensor's tolist runs cold after a pass)
+        tokens = proposal.tokens.tolist()
+        emitted = [tokens[node] for node in path] + [verdict.next_token]
+    else:
+        emitted = [verdict.next_token]
     new_tokens, finished, records = _commit(sequence, emitted, verdict.path)
     policy.observe(_policy_outcome(d.drafted, proposal, verdict))
     cycle_stats = CycleStats(

@@ -459,17 +459,17 @@ class RotaryTable(torch.nn.Module):
 
     def factors(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [n, 1, D] in ``dtype`` for integer ``positions`` [n]."""
-        cos, sin = self._covering(int(positions.max()) + 1, dtype)
+        cos, sin = self.covering(int(positions.max()) + 1, dtype)
         positions = positions.to(cos.device)
         return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
 
     def span(self, start: int, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``factors`` of positions ``start .. start + count − 1`` (a chain's): views of the table,
         no gather."""
-        cos, sin = self._covering(start + count, dtype)
+        cos, sin = self.covering(start + count, dtype)
         return cos[start : start + count].unsqueeze(1), sin[start : start + count].unsqueeze(1)
 
-    def _covering(self, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def covering(self, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The table (cos, signed sin) [P, D] in ``dtype`` with P ≥ ``needed``."""
         table = self._table
         if table is None or table[0].shape[0] < needed or table[0].dtype != dtype or table[0].device != self.inv_freq.device:
@@ -838,6 +838,17 @@ class Decoder(torch.nn.Module):
         n = int(positions.shape[0])
         return ((cos.reshape(n, -1), sin.reshape(n, -1)),)
 
+    def engine_rotary_chain(self, start: int, count: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """``engine_rotary`` of a chain's positions ``start .. start + count − 1``: views of each
+        table's rows, no gather (a lone sequence's pass)."""
+        return tuple((cos[start : start + count], sin[start : start + count])
+                     for cos, sin in (table.covering(start + count, torch.float32) for table in self.rotary_tables))
+
+    @property
+    def rotary_tables(self) -> tuple[RotaryTable, ...]:
+        """The ``RotaryTable`` of each of the engine's rotary table numbers (Llama: one)."""
+        return (self.rotary,)
+
     def _engine_forward(self, hidden: torch.Tensor, layout: PassLayout, cache: KVCache) -> torch.Tensor:
         """The layers as engine calls: runs of layers in one call each. A layer whose only hooks are
         observers (forward hooks marked ``observes_only``, as ``cached_model.HiddenCapture``'s: they
@@ -1111,6 +1122,11 @@ class ArchDecoder(Decoder):
         self.rotary_kinds = tuple(arch.rotaries)  # the engine's rotary table numbers (``engine_rotary``)
         self.layout_keys = sorted(set(zip(arch.layer_kinds, arch.windows)), key=str)
         self.residual_dtype = torch.float32
+
+    @property
+    def rotary_tables(self) -> tuple[RotaryTable, ...]:
+        """``Decoder.rotary_tables``: one per rotary kind, in ``rotary_kinds`` order."""
+        return tuple(self.rotaries[kind] for kind in self.rotary_kinds)
 
     def engine_rotary(self, positions: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """``Decoder.engine_rotary``: one table per rotary kind, in ``rotary_kinds`` order."""

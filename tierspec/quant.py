@@ -227,15 +227,15 @@ class QuantWeight:
         return out
 
     def rows(self, indices: torch.Tensor) -> torch.Tensor:
-        """Rows ``indices`` [c] of W as float32 [c, K]: d·q + m exactly as the file defines them."""
-        indices = indices.reshape(-1).to(torch.int64).contiguous()
-        if indices.numel():
-            least, most = torch.aminmax(indices)  # one reduction: a lookup's checks run cold after a pass
-            if int(least) < 0 or int(most) >= self.out_features:
-                raise IndexError(f"row index out of range 0..{self.out_features - 1}")
-        out = torch.empty(int(indices.numel()), self.in_features, dtype=torch.float32)
-        engine().dequant_rows(weight=self.handle, indices=indices.data_ptr(), count=int(indices.numel()),
-                              out=out.data_ptr())
+        """Rows ``indices`` [c] of W as float32 [c, K]: d·q + m exactly as the file defines them. An
+        index outside 0 .. N − 1 is an IndexError before any row is read (the engine checks every
+        index: no check here, whose reductions ran cold after each pass)."""
+        if indices.dtype != torch.int64 or indices.dim() != 1 or indices.device.type != "cpu" \
+                or not indices.is_contiguous():
+            indices = indices.reshape(-1).to("cpu", torch.int64).contiguous()
+        count = int(indices.shape[0])
+        out = torch.empty(count, self.in_features, dtype=torch.float32)
+        engine().dequant_rows(weight=self.handle, indices=indices.data_ptr(), count=count, out=out.data_ptr())
         return out
 
     def dense(self) -> torch.Tensor:
@@ -339,7 +339,8 @@ class QuantEmbedding(torch.nn.Module):
         self.num_embeddings, self.embedding_dim = weight.out_features, weight.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.qweight.rows(ids.cpu()).view(*ids.shape, self.embedding_dim)
+        rows = self.qweight.rows(ids)
+        return rows if ids.dim() == 1 else rows.view(*ids.shape, self.embedding_dim)
 
     @property
     def weight(self) -> torch.Tensor:

@@ -253,7 +253,7 @@ def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
     so a draft after a rejection costs its row in the pass but nothing here. The comparisons run
     over Python lists: a batch has tens of drafts, where each numpy operation on them cost more than
     the whole loop (0.15 ms of a cycle of 8 sequences in a dozen of them)."""
-    drafts = batch.draft_tokens.tolist()
+    drafts = batch.draft_tokens.tolist() if len(batch.draft_tokens) else []
     first_draft, first_row, at = [], [], 0
     for index, k in enumerate(batch.num_drafts):
         first_draft.append(at - index)

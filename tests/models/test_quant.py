@@ -83,8 +83,12 @@ def test_the_weights_are_the_files_values_bitwise(kind, numerics):
     weight = QuantWeight(raw, getattr(quant, kind), width, _numerics(numerics))
     assert torch.equal(weight.dense(), reference)
     assert torch.equal(weight.rows(torch.tensor([49, 0, 17, 17])), reference[[49, 0, 17, 17]])
-    with pytest.raises(IndexError):
-        weight.rows(torch.tensor([50]))
+    # ids of another dtype and shape, or a strided view, read as the same rows
+    assert torch.equal(weight.rows(torch.tensor([[3, 4]], dtype=torch.int32)), reference[[3, 4]])
+    assert torch.equal(weight.rows(torch.tensor([9, 0, 8, 0])[::2]), reference[[9, 8]])
+    for bad in ([50], [0, -1], [2, 3, 10**12]):  # the engine checks every id before it reads a row
+        with pytest.raises(IndexError):
+            weight.rows(torch.tensor(bad))
 
 
 def _int8_rows(x: torch.Tensor) -> torch.Tensor:
