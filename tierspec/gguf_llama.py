@@ -111,8 +111,7 @@ class FusedLayer:
         source = hidden if hidden.is_contiguous() and hidden.dtype == torch.float32 else hidden.float().contiguous()
         out = torch.empty_like(source)
         if units & ATTENTION_UNIT:
-            table = torch.tensor([cache.engine_row(layout.start + n, self.kv_heads, self.head_dim, self.kv_dtype)],
-                                 dtype=torch.int64)
+            table = cache.engine_table(layout.start + n, self.kv_heads, self.head_dim, self.kv_dtype)
         else:  # the MLP unit alone reads no cache
             table = torch.zeros(1, 4, dtype=torch.int64)
         segment = Segment(0, n, layout.start, table, layout.attends, bool(units & EVERY_SLOT), layout.positions)

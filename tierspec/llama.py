@@ -184,6 +184,17 @@ class KVLayer:
         keys, values = self.slots(end, kv_heads, head_dim, dtype)
         return keys.data_ptr(), values.data_ptr(), int(keys.shape[-2]), keys.element_size()
 
+    def engine_table(self, end: int, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``engine_row`` as a one-layer engine KV table int64 [1, 4], made again only when the row
+        changed (a step of the draft head's one layer reads it every call; a tensor made from Python
+        is a few torch operators, cold after a target pass). Its content is the row, so a table
+        kept is right whenever its row is."""
+        row = self.engine_row(end, kv_heads, head_dim, dtype)
+        held = self.__dict__.get("_row_table")
+        if held is None or held[0] != row:
+            held = self._row_table = (row, torch.tensor([row], dtype=torch.int64))
+        return held[1]
+
     def advance(self, count: int) -> None:
         """Count ``count`` entries written after ``length`` into the buffers by the engine."""
         self.length += count
@@ -464,10 +475,10 @@ class RotaryTable(torch.nn.Module):
         return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)
 
     def span(self, start: int, count: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``factors`` of positions ``start .. start + count − 1`` (a chain's): views of the table,
-        no gather."""
+        """The factors of positions ``start .. start + count − 1`` (a chain's) as the engine reads
+        them, cos and signed sin [count, D]: views of the table's rows, no gather."""
         cos, sin = self.covering(start + count, dtype)
-        return cos[start : start + count].unsqueeze(1), sin[start : start + count].unsqueeze(1)
+        return cos[start : start + count], sin[start : start + count]
 
     def covering(self, needed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The table (cos, signed sin) [P, D] in ``dtype`` with P ≥ ``needed``."""
@@ -841,8 +852,7 @@ class Decoder(torch.nn.Module):
     def engine_rotary_chain(self, start: int, count: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """``engine_rotary`` of a chain's positions ``start .. start + count − 1``: views of each
         table's rows, no gather (a lone sequence's pass)."""
-        return tuple((cos[start : start + count], sin[start : start + count])
-                     for cos, sin in (table.covering(start + count, torch.float32) for table in self.rotary_tables))
+        return tuple(table.span(start, count, torch.float32) for table in self.rotary_tables)
 
     @property
     def rotary_tables(self) -> tuple[RotaryTable, ...]:

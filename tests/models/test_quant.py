@@ -498,6 +498,22 @@ def test_an_engine_table_names_the_buffers_a_pass_writes(tiny):
     assert torch.equal(logits, expected)
 
 
+def test_a_layers_engine_table_is_kept_while_its_row_is_and_remade_when_the_buffers_move():
+    """``KVLayer.engine_table`` (a one-layer table, the draft head's): the same tensor while the
+    buffers stay, a new one naming the new buffers once a write past the capacity reallocated them,
+    on a layer that makes its views when read too."""
+    from tierspec.llama import KEY_BLOCK, KVLayer, ViewOnReadKVLayer
+
+    for layer in (KVLayer(), ViewOnReadKVLayer()):
+        table = layer.engine_table(4, 2, 32, torch.float16)
+        assert tuple(table.shape) == (1, 4) and table.dtype == torch.int64
+        assert table.tolist()[0] == [layer._keys.data_ptr(), layer._values.data_ptr(), KEY_BLOCK, 2]
+        assert layer.engine_table(KEY_BLOCK, 2, 32, torch.float16) is table  # within the capacity: kept
+        moved = layer.engine_table(KEY_BLOCK + 1, 2, 32, torch.float16)  # past it: reallocated
+        assert moved is not table and moved.tolist()[0] == [layer._keys.data_ptr(), layer._values.data_ptr(),
+                                                            2 * KEY_BLOCK, 2]
+
+
 def test_a_lone_request_runs_as_one_stack_unless_a_module_is_hooked(tiny, monkeypatch):
     """The engine's backend runs a lone request as a batched pass of one (``passes.EnginePasses``):
     the same logits and features as its cache's own pass; where a layer carries a forward hook,

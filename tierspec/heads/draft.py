@@ -41,7 +41,7 @@ from ..errors import TierspecError
 from ..identity import ModelIdentity
 from ..kernels import FewRowLinear, few_row_linear
 from ..layerskip.masks import decoder_layers
-from ..llama import DecoderLayer, KVLayer, PassLayout, RMSNorm, RotaryTable, has_projections, projection_weights, slot_mask
+from ..llama import DecoderLayer, KVLayer, PassLayout, RMSNorm, RotaryTable, ViewOnReadKVLayer, has_projections, projection_weights, slot_mask
 from ..models import LoadedModel, output_vocabulary_size
 from ..util import atomic_write, atomic_write_text
 
@@ -394,16 +394,14 @@ def _engine_steps(steps: list[HeadStep]) -> list[HeadOutput]:
         for _, step in extending:
             cache, n = step.runner.cache, step.rows
             start = cache.length
-            table = torch.tensor([cache.engine_row(start + n, config.num_kv_heads, config.head_dim, engine.layer.kv_dtype)],
-                                 dtype=torch.int64)
+            table = cache.engine_table(start + n, config.num_kv_heads, config.head_dim, engine.layer.kv_dtype)
             tables.append(table)  # [1, 3]: the head's one layer (kept alive until the call returns)
             rows.append(Segment(first, n, start, table))
             spans.append(head.rotary.span(start, n, torch.float32))
             kept.append((first, n))
             first += n
-        cos, sin = (torch.cat(parts) for parts in zip(*spans))  # [R, 1, d] each
-        out = run_stack_rows(engine.stack, 0, 1, x.contiguous(), rows,
-                             ((cos.reshape(first, -1).contiguous(), sin.reshape(first, -1).contiguous()),), bytes([3]))
+        cos, sin = (torch.cat(parts) for parts in zip(*spans))  # [R, d] each
+        out = run_stack_rows(engine.stack, 0, 1, x.contiguous(), rows, ((cos, sin),), bytes([3]))
         h = engine.norm(out)  # [R, H]
         for (i, step), (row, n) in zip(extending, kept):
             step.runner.cache.advance(n)
@@ -422,10 +420,15 @@ class HeadRunner:
 
     def __init__(self, head: DraftHead):
         self.head = head
-        self.cache = KVLayer()
+        self.cache = self._new_cache()
 
     def reset(self) -> None:
-        self.cache = KVLayer()
+        self.cache = self._new_cache()
+
+    def _new_cache(self) -> KVLayer:
+        """An empty cache: on the engine one whose key/value views are made when read, not after
+        every step's write and every rollback (two slicing operators each, cold after a target pass)."""
+        return ViewOnReadKVLayer() if self.head.engine is not None else KVLayer()
 
     @property
     def length(self) -> int:

@@ -117,11 +117,13 @@ class EngineHead:
         x = self.fc(torch.cat((inputs.float(), self.embed(next_tokens)), dim=-1))
         if self.fc_bias is not None:
             x = x + self.fc_bias
-        rotary = self.head.rotary
-        cos, sin = rotary.span(cache.length, int(x.shape[0]), torch.float32) if positions is None \
-            else rotary.factors(positions, torch.float32)
+        rotary, n, start = self.head.rotary, int(x.shape[0]), cache.length
+        if positions is None:  # a chain: the table's rows as they are, [n, D] (the engine's layout)
+            cos, sin = rotary.span(start, n, torch.float32)
+        else:
+            cos, sin = (factor.reshape(n, -1) for factor in rotary.factors(positions, torch.float32))
         seen = None if attends is None else attends.to("cpu", torch.uint8).contiguous()
-        layout = PassLayout(cos, sin, None, cache.length, fused=True, attends=seen)
+        layout = PassLayout(cos, sin, None, start, fused=True, attends=seen, rotary=((cos, sin),))
         out = self.layer.run(x[None].contiguous(), layout, cache, 3 | (4 if seen is not None else 0))
         return self.norm(out[0])
 
