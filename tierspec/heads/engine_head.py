@@ -114,7 +114,8 @@ class EngineHead:
         """h [n, H] for inputs g [n, H] and x_next [n] at rotary ``positions`` [n] (None: the chain
         from ``cache.length``); ``attends`` [n, cache.length + n] (bool): the cache slots each new
         position sees (None: a chain)."""
-        x = self.fc(torch.cat((inputs.float(), self.embed(next_tokens)), dim=-1))
+        # W_fc's product called directly (no module call), on [g, e] float32 [n, 2H]
+        x = self.fc.qweight.multiply(torch.cat((_float_rows(inputs), self.embed(next_tokens)), dim=-1))
         if self.fc_bias is not None:
             x = x + self.fc_bias
         rotary, n, start = self.head.rotary, int(x.shape[0]), cache.length
@@ -129,4 +130,10 @@ class EngineHead:
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits [n, K] (float32) for head outputs h [n, H]."""
-        return self.rows.multiply(h.float().contiguous())
+        return self.rows.multiply(_float_rows(h))
+
+
+def _float_rows(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as float32 contiguous, converted only where they are not (a step's tensors already
+    are: each conversion asked of them anyway was a torch operator run cold after a target pass)."""
+    return rows if rows.dtype == torch.float32 and rows.is_contiguous() else rows.float().contiguous()
