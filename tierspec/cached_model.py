@@ -407,7 +407,9 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
     # rows kept for the LM head and the results are made for every row at once.
     rows, sequences, ids, positions = 0, [], [], []
     for item in items:
-        runner, tokens = item.runner, item.token_ids.reshape(-1)
+        runner, tokens = item.runner, item.token_ids
+        if tokens.dim() != 1:
+            tokens = tokens.reshape(-1)
         n = int(tokens.shape[0])
         if n < 1:
             raise ValueError("every sequence of a batched pass needs at least one new token")
