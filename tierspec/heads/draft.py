@@ -41,7 +41,8 @@ from ..errors import TierspecError
 from ..identity import ModelIdentity
 from ..kernels import FewRowLinear, few_row_linear
 from ..layerskip.masks import decoder_layers
-from ..llama import DecoderLayer, KVLayer, PassLayout, RMSNorm, RotaryTable, ViewOnReadKVLayer, has_projections, projection_weights, slot_mask
+from ..llama import (DecoderLayer, KVLayer, PassLayout, RMSNorm, RotaryTable, ViewOnReadKVLayer, has_projections,
+                     projection_weights, slot_mask)
 from ..models import LoadedModel, output_vocabulary_size
 from ..util import atomic_write, atomic_write_text
 
@@ -385,17 +386,14 @@ def _engine_steps(steps: list[HeadStep]) -> list[HeadOutput]:
     if extending:
         inputs = torch.cat([engine.target_input(step.inputs) if step.from_target else step.inputs.float()
                             for _, step in extending])
-        tokens = torch.cat([step.next_tokens.cpu() for _, step in extending])
-        x = engine.fc(torch.cat((inputs, engine.embed(tokens)), dim=-1))  # [R, H]
-        if engine.fc_bias is not None:
-            x = x + engine.fc_bias
+        x = engine.fused_input(inputs, torch.cat([step.next_tokens.cpu() for _, step in extending]))  # [R, H]
         rows, spans, tables, kept = [], [], [], []
         first = 0
         for _, step in extending:
             cache, n = step.runner.cache, step.rows
             start = cache.length
             table = cache.engine_table(start + n, config.num_kv_heads, config.head_dim, engine.layer.kv_dtype)
-            tables.append(table)  # [1, 3]: the head's one layer (kept alive until the call returns)
+            tables.append(table)  # [1, 4]: the head's one layer (held until the call returns)
             rows.append(Segment(first, n, start, table))
             spans.append(head.rotary.span(start, n, torch.float32))
             kept.append((first, n))

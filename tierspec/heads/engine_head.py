@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import torch
 
-from ..llama import KVLayer, PassLayout
 from ..engine import rms_norm
+from ..llama import KVLayer, PassLayout
 from ..quant import Q8_0, QuantEmbedding, QuantLinear, QuantWeight
 
 BLOCK = 32
@@ -84,6 +84,12 @@ class EngineHead:
         with torch.no_grad():
             return embedding(tokens).float()
 
+    def fused_input(self, inputs: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
+        """The layer's input x = W_fc [g, e] (+ bias) [n, H] for inputs g [n, H] and x_next [n]:
+        W_fc's product called directly (no module call)."""
+        x = self.fc.qweight.multiply(torch.cat((_float_rows(inputs), self.embed(next_tokens)), dim=-1))
+        return x if self.fc_bias is None else x + self.fc_bias
+
     def norm(self, out: torch.Tensor) -> torch.Tensor:
         """The head's output norm over rows ``out`` [n, H] (float32 contiguous)."""
         return rms_norm(out, self.norm_weight, self.norm_eps)
@@ -114,10 +120,7 @@ class EngineHead:
         """h [n, H] for inputs g [n, H] and x_next [n] at rotary ``positions`` [n] (None: the chain
         from ``cache.length``); ``attends`` [n, cache.length + n] (bool): the cache slots each new
         position sees (None: a chain)."""
-        # W_fc's product called directly (no module call), on [g, e] float32 [n, 2H]
-        x = self.fc.qweight.multiply(torch.cat((_float_rows(inputs), self.embed(next_tokens)), dim=-1))
-        if self.fc_bias is not None:
-            x = x + self.fc_bias
+        x = self.fused_input(inputs, next_tokens)
         rotary, n, start = self.head.rotary, int(x.shape[0]), cache.length
         if positions is None:  # a chain: the table's rows as they are, [n, D] (the engine's layout)
             cos, sin = rotary.span(start, n, torch.float32)
