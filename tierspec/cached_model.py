@@ -476,8 +476,9 @@ def _embedded(embedding: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 def _scored(lm_head: torch.nn.Module, final: torch.Tensor) -> torch.Tensor:
-    """The LM head's float32 logits of a batched pass's rows ``final`` [m, H] (float32 contiguous):
-    a quantised head's product called directly, any other head through its module."""
-    if type(lm_head) is QuantLinear:
+    """The LM head's float32 logits of a batched pass's rows ``final`` [m, H]: a quantised head's
+    product called directly on float32 contiguous rows (the engine's norm gives them), any other
+    head, or rows of another kind (a model's own norm module's), through its module."""
+    if type(lm_head) is QuantLinear and final.dtype == torch.float32 and final.is_contiguous():
         return lm_head.qweight.multiply(final)
     return lm_head(final).float()
