@@ -498,6 +498,23 @@ def test_an_engine_table_names_the_buffers_a_pass_writes(tiny):
     assert torch.equal(logits, expected)
 
 
+def test_a_batched_pass_reads_embeddings_and_scores_rows_as_the_modules_do(tiny):
+    """``cached_model._embedded`` / ``_scored``: the quantised table's rows and head's product called
+    directly are the modules' bitwise, for rows of any layout (strided or bfloat16 rows go through
+    the module, which converts them)."""
+    from tierspec.cached_model import _embedded, _scored
+
+    model = _model(tiny, "float32")
+    embedding, head = model.model.embed_tokens, model.lm_head
+    ids = torch.tensor([5, 0, 17, 5])
+    assert torch.equal(_embedded(embedding, ids), embedding(ids).float())
+    rows = torch.randn(6, model.config.hidden_size)
+    assert torch.equal(_scored(head, rows), head(rows).float())
+    strided = torch.randn(model.config.hidden_size, 6).t()  # not contiguous
+    assert torch.equal(_scored(head, strided), head(strided.contiguous()).float())
+    assert torch.equal(_scored(head, rows.bfloat16()), head(rows.bfloat16().float()).float())
+
+
 def test_a_layers_engine_table_is_kept_while_its_row_is_and_remade_when_the_buffers_move():
     """``KVLayer.engine_table`` (a one-layer table, the draft head's): the same tensor while the
     buffers stay, a new one naming the new buffers once a write past the capacity reallocated them,
