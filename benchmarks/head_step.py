@@ -44,6 +44,7 @@ def main() -> None:
     from tierspec.engine import threads_for
     from tierspec.heads.draft import HeadRunner, HeadStep
     from tierspec.methods import MethodOptions, draft_head_for
+    from tierspec.util import atomic_write_text
 
     clock = Probe()
     for call in ENGINE_CALLS:
@@ -84,8 +85,7 @@ def main() -> None:
              f"{row['step_share_of_pass']:.3f} |"]
     print(f"`python benchmarks/head_step.py {' '.join(sys.argv[1:])}` — ms, medians of {args.rounds - skip} rounds:\n")
     print("\n".join(table))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"row": row, "table": "\n".join(table)}, indent=2))
+    atomic_write_text(args.out, json.dumps({"row": row, "table": "\n".join(table)}, indent=2))
 
 
 if __name__ == "__main__":

@@ -78,6 +78,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import tierspec
+    from tierspec.util import atomic_write_text
 
     versions = [("this", tierspec)]
     if args.before is not None:
@@ -114,8 +115,7 @@ def main() -> None:
               f"{r['rest_ms']:.3f} |" for r in results]
     print(f"`python benchmarks/pass_python.py {' '.join(sys.argv[1:])}` — ms, medians of {args.rounds} rounds:\n")
     print("\n".join(table))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"rows": results, "table": "\n".join(table)}, indent=2))
+    atomic_write_text(args.out, json.dumps({"rows": results, "table": "\n".join(table)}, indent=2))
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ import torch
 from . import engine  # its functions read at the call: a test may wrap them
 from .errors import ModelLoadError, TierspecError
 from .models import output_vocabulary_size
-from .quant import QuantEmbedding, QuantLinear
+from .quant import QuantLinear, embedded_rows
 from .layerskip.masks import apply_mask, decoder_layers, model_lock
 
 
@@ -434,7 +434,7 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
         rotary = decoder.engine_rotary_chain(sequences[0].start, rows)
     else:  # each kind's table over every row
         rotary = decoder.engine_rotary(torch.tensor(positions, dtype=torch.int64))
-    hidden = _embedded(decoder.embed_tokens, torch.cat(ids) if len(ids) > 1 else ids[0])  # [rows, H]
+    hidden = embedded_rows(decoder.embed_tokens, torch.cat(ids) if len(ids) > 1 else ids[0])  # [rows, H]
     flags = decoder.engine_stack.every_unit
     last = len(decoder.layers) - 1
     # The layers a draft head reads are copied out inside the one stack call (``run_stack``'s
@@ -460,19 +460,9 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
         if hidden_layers is not None:
             row0, n = segment.first_row, segment.rows
             parts = [final[row0 : row0 + n]] + [captured[i][row0 : row0 + n] for i in hidden_layers]
-            hidden_states = torch.cat(parts, dim=-1).float()
+            hidden_states = torch.cat(parts, dim=-1)  # float32 as its parts
         results.append(PassResult(logits if m == len(picks) else logits[at : at + m], hidden_states))
     return results
-
-
-def _embedded(embedding: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """The embedding rows [n, H] float32 contiguous of ``ids`` [n] for a batched pass (whose
-    modules carry no hooks: ``runs_as_one_stack``): a quantised table's rows read directly (one
-    engine call, no module call and no conversions: each was a torch operator run cold after the
-    weights' stream), any other table through its module."""
-    if type(embedding) is QuantEmbedding:
-        return embedding.qweight.rows(ids)
-    return embedding(ids.cpu()).float().contiguous()
 
 
 def _scored(lm_head: torch.nn.Module, final: torch.Tensor) -> torch.Tensor:

@@ -181,8 +181,8 @@ def run_stack(stack, hidden: torch.Tensor, out: torch.Tensor, segments: list[Seg
                       positions))
     # The segment and capture tables as int64 arrays of Python's own (``array``), not tensors: a
     # tensor made and written from Python is a few torch operators a pass, each cold after the
-    # weights' stream (a tensor's first make 24 µs, an element's write 58, after a one-row pass
-    # on a Zen 4: /tmp probe).
+    # weights' stream (a tensor of 3 ints made 35–41 µs, an array of them 10–11, right after a
+    # one-row pass on a Zen 4: benchmarks/torch_calls.py).
     described = array.array("q", [value for row in table for value in row])
     capture_table = None
     if captures:

@@ -844,10 +844,10 @@ class Decoder(torch.nn.Module):
 
     def engine_rotary(self, positions: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """The rotary tables the engine's layers read for rows at ``positions`` [n]: (cos, signed sin)
-        float32 [n, rotary_dims] each, by the layers' table numbers (``rotary_table``; Llama: one)."""
-        cos, sin = self.rotary.factors(positions, torch.float32)
+        float32 [n, rotary_dims] each, by the layers' table numbers (``rotary_tables``; Llama: one)."""
         n = int(positions.shape[0])
-        return ((cos.reshape(n, -1), sin.reshape(n, -1)),)
+        return tuple((cos.reshape(n, -1), sin.reshape(n, -1))
+                     for cos, sin in (table.factors(positions, torch.float32) for table in self.rotary_tables))
 
     def engine_rotary_chain(self, start: int, count: int) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
         """``engine_rotary`` of a chain's positions ``start .. start + count − 1``: views of each
@@ -1137,15 +1137,6 @@ class ArchDecoder(Decoder):
     def rotary_tables(self) -> tuple[RotaryTable, ...]:
         """``Decoder.rotary_tables``: one per rotary kind, in ``rotary_kinds`` order."""
         return tuple(self.rotaries[kind] for kind in self.rotary_kinds)
-
-    def engine_rotary(self, positions: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        """``Decoder.engine_rotary``: one table per rotary kind, in ``rotary_kinds`` order."""
-        n = int(positions.shape[0])
-        tables = []
-        for kind in self.rotary_kinds:
-            cos, sin = self.rotaries[kind].factors(positions, torch.float32)
-            tables.append((cos.reshape(n, -1), sin.reshape(n, -1)))
-        return tuple(tables)
 
     def layout(self, position_ids: torch.Tensor, start: int, cached: bool, attends: torch.Tensor | None = None,
                tokens: torch.Tensor | None = None) -> PassLayout:

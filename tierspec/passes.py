@@ -5,7 +5,8 @@ and hands them to the model's ``PassBackend`` at once:
 
 * ``EnginePasses`` (a model on the pass engine): every request's rows in **one** pass — the
   products over all rows at once, each sequence's attention over its own cache
-  (``cached_model.batched_pass``); a lone request runs as its cache's own pass.
+  (``cached_model.batched_pass``), a lone request too; where a module carries a forward hook, which only a
+  module call runs, each request as its cache's own pass.
 * ``SequentialPasses`` (transformers models, encoder–decoder models, tierspec's torch forward): each
   request as its cache's own pass, one after another. VIA-SD's tiered rule drives passes of its own
   through its verifiers, which run the same way.
@@ -78,8 +79,10 @@ class EnginePasses:
     """Every request of a cycle in one pass on the engine (``cached_model.batched_pass``), a lone
     request too: the same result as its cache's own pass with less Python around the engine's call
     (a one-row pass of the default model 0.52–0.55 → 0.44 ms outside the engine's calls on a Zen 4,
-    ``benchmarks/pass_python.py``, BENCHMARKS.md). Where a module of the model carries a forward hook, which only a module call runs
-    (``cached_model.runs_as_one_stack``), a lone request runs as its cache's own pass."""
+    ``benchmarks/pass_python.py``, BENCHMARKS.md). Where a module of the model carries a forward hook, which only a
+    module call runs (``cached_model.runs_as_one_stack``), every request runs as its cache's own pass, one after
+    another: the same results, and the hooks see every pass (the batch's draft lengths still cost its rows as
+    shared)."""
 
     shares_passes = True
 
@@ -87,8 +90,8 @@ class EnginePasses:
         self.model = model
 
     def run(self, requests: Sequence[PassRequest]) -> list[PassResult]:
-        if len(requests) == 1 and not runs_as_one_stack(self.model):
-            return [_solo(requests[0])]
+        if not runs_as_one_stack(self.model):  # a hook only a module call runs: each request's own pass
+            return [_solo(request) for request in requests]
         wanted = [r.hidden_layers for r in requests if r.hidden_layers is not None]
         captured = tuple(sorted({layer for layers in wanted for layer in layers})) if wanted else None
         items = [BatchItem(r.runner, r.tokens, r.logits_for, r.offsets, r.attends) for r in requests]

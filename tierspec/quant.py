@@ -354,6 +354,17 @@ class QuantEmbedding(torch.nn.Module):
         return f"{self.num_embeddings}, {self.embedding_dim}, {self.qweight.type_name}"
 
 
+def embedded_rows(embedding: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """The rows [n, H] float32 contiguous that ``embedding`` gives ids [n]: a ``QuantEmbedding``
+    without hooks read directly (one engine call: a module call and conversions are torch operators
+    that run cold right after a pass has streamed the weights), any other table (a scaled one, a
+    hooked one, whose hooks then run) through its module."""
+    if type(embedding) is QuantEmbedding and not embedding._forward_hooks and not embedding._forward_pre_hooks:
+        return embedding.qweight.rows(ids)
+    with torch.no_grad():
+        return embedding(ids.cpu()).float().contiguous()
+
+
 # ---- reading a GGUF file ---------------------------------------------------------------------------
 
 

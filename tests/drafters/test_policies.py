@@ -440,8 +440,6 @@ def test_the_draft_heads_step_is_costed_as_measured_beside_a_target_pass(tiny_ta
 
 def test_the_code_fingerprint_follows_the_packages_files(tmp_path, monkeypatch):
     """``costs.code_fingerprint`` digests every module of the package: a changed byte changes it."""
-    import shutil
-
     from tierspec import costs
 
     package = tmp_path / "tierspec"
@@ -458,4 +456,3 @@ def test_the_code_fingerprint_follows_the_packages_files(tmp_path, monkeypatch):
         monkeypatch.setattr(costs, "_FINGERPRINT", [])
         prints.append(costs.code_fingerprint())
     assert prints[0] == prints[1] != prints[2]  # only code counts
-    shutil.rmtree(package)

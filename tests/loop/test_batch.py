@@ -190,21 +190,24 @@ def test_the_head_steps_of_several_sequences_in_one_engine_pass_are_each_ones_ow
 
 
 def test_the_engine_heads_step_reads_embeddings_norms_and_rotary_factors_as_the_modules_do(target, head):
-    """``EngineHead``'s shortcuts: a quantised table's rows read directly are the module's (and a
-    hooked table is called, so its hook runs), the engine's norm is the module's to float32
-    rounding, a chain's rotary factors as views of the table are the gathered ones bitwise, and a
-    step given no positions is the step given its chain's positions."""
+    """``EngineHead``'s shortcuts: a quantised table's rows read directly are the module's
+    (``quant.embedded_rows``; a hooked table is called, so its hook runs), the engine's norm is the
+    module's to float32 rounding, a chain's rotary factors as views of the table are the gathered
+    ones bitwise, and a step given no positions is the step given its chain's positions."""
     from tierspec.heads.draft import HeadRunner
+    from tierspec.quant import embedded_rows
 
     engine = head.engine
     tokens = torch.tensor([3, 200, 3, 77])
-    assert torch.equal(engine.embed(tokens), head.embedding(tokens).float())
+    expected = head.embedding(tokens).float()
     seen = []
     hook = head.embedding.register_forward_hook(lambda module, args, out: seen.append(args[0].tolist()))
     try:
-        assert torch.equal(engine.embed(tokens), head.embedding(tokens).float()) and seen[0] == tokens.tolist()
+        assert torch.equal(embedded_rows(head.embedding, tokens), expected)
+        assert seen == [tokens.tolist()]  # the module ran, its hook with it
     finally:
         hook.remove()
+    assert torch.equal(embedded_rows(head.embedding, tokens), expected)  # no hook: the rows read directly
     rows = torch.randn(5, head.config.hidden_size) * 3
     torch.testing.assert_close(engine.norm(rows), head.norm(rows), rtol=2e-6, atol=2e-6)
     for start, count in ((0, 1), (7, 5), (600, 3)):  # 600: past the first table block, which grows

@@ -499,15 +499,16 @@ def test_an_engine_table_names_the_buffers_a_pass_writes(tiny):
 
 
 def test_a_batched_pass_reads_embeddings_and_scores_rows_as_the_modules_do(tiny):
-    """``cached_model._embedded`` / ``_scored``: the quantised table's rows and head's product called
+    """``quant.embedded_rows`` / ``cached_model._scored``: the quantised table's rows and head's product called
     directly are the modules' bitwise, for rows of any layout (strided or bfloat16 rows go through
     the module, which converts them)."""
-    from tierspec.cached_model import _embedded, _scored
+    from tierspec.cached_model import _scored
+    from tierspec.quant import embedded_rows
 
     model = _model(tiny, "float32")
     embedding, head = model.model.embed_tokens, model.lm_head
     ids = torch.tensor([5, 0, 17, 5])
-    assert torch.equal(_embedded(embedding, ids), embedding(ids).float())
+    assert torch.equal(embedded_rows(embedding, ids), embedding(ids).float())
     rows = torch.randn(6, model.config.hidden_size)
     assert torch.equal(_scored(head, rows), head(rows).float())
     strided = torch.randn(model.config.hidden_size, 6).t()  # not contiguous
@@ -534,7 +535,8 @@ def test_a_layers_engine_table_is_kept_while_its_row_is_and_remade_when_the_buff
 def test_a_lone_request_runs_as_one_stack_unless_a_module_is_hooked(tiny, monkeypatch):
     """The engine's backend runs a lone request as a batched pass of one (``passes.EnginePasses``):
     the same logits and features as its cache's own pass; where a layer carries a forward hook,
-    which only a module call runs, as its cache's own pass, and the hook sees the pass."""
+    which only a module call runs, each request as its cache's own pass — one or several — and the
+    hook sees every pass."""
     from tierspec import cached_model, passes
     from tierspec.passes import PassRequest
 
@@ -550,12 +552,18 @@ def test_a_lone_request_runs_as_one_stack_unless_a_module_is_hooked(tiny, monkey
         assert ran == ["batched"] and torch.equal(got.logits, expected.logits) and torch.equal(got.hidden, expected.hidden)
         seen = []
         hook = model.model.layers[1].register_forward_hook(lambda module, args, output: seen.append(output.shape[1]))
+        other, other_solo = CachedModel(model), CachedModel(model)
         try:
             (again,) = backend.run([PassRequest(lone, PROMPT[:3], None)])
+            both = backend.run([PassRequest(lone, PROMPT[3:5], None), PassRequest(other, PROMPT[:4], None)])
         finally:
             hook.remove()
-        assert ran == ["batched"] and seen == [3]
+        assert ran == ["batched"] and seen == [3, 2, 4]
         assert torch.equal(again.logits, solo.forward(PROMPT[:3]).logits)
+        assert torch.equal(both[0].logits, solo.forward(PROMPT[3:5]).logits)
+        assert torch.equal(both[1].logits, other_solo.forward(PROMPT[:4]).logits)
+        lone.rollback(3)
+        solo.rollback(3)
         (last,) = backend.run([PassRequest(lone, PROMPT[3:4], None)])  # the hook gone: one stack again
         assert ran == ["batched", "batched"] and torch.equal(last.logits, solo.forward(PROMPT[3:4]).logits)
 

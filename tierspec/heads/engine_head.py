@@ -19,7 +19,7 @@ import torch
 
 from ..engine import rms_norm
 from ..llama import KVLayer, PassLayout
-from ..quant import Q8_0, QuantEmbedding, QuantLinear, QuantWeight
+from ..quant import Q8_0, QuantLinear, QuantWeight, embedded_rows
 
 BLOCK = 32
 
@@ -70,24 +70,14 @@ class EngineHead:
         self.stack = EngineStack([SimpleNamespace(fused=self.layer)]).capsule
         self.rows = target_head.select(head.draft_ids.cpu())
         # The output norm by the engine's norm kernel (one call where torch's composite rms_norm runs
-        # five operators, each cold right after a target pass: 0.12 of a step's 0.99 ms on a Zen 4).
+        # five operators, each cold right after a target pass: benchmarks/torch_calls.py).
         self.norm_weight = head.norm.weight.detach().float().contiguous()
         self.norm_eps = float(head.norm.eps)
-
-    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """The target's embeddings of ``tokens`` [n] as float32 [n, H]: a quantised table's rows read
-        directly (no module call; ``QuantWeight.rows`` checks the ids), any other table (a scaled
-        one, a hooked one) by calling its module."""
-        embedding = self.head.embedding
-        if type(embedding) is QuantEmbedding and not embedding._forward_hooks and not embedding._forward_pre_hooks:
-            return embedding.qweight.rows(tokens)
-        with torch.no_grad():
-            return embedding(tokens).float()
 
     def fused_input(self, inputs: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """The layer's input x = W_fc [g, e] (+ bias) [n, H] for inputs g [n, H] and x_next [n]:
         W_fc's product called directly (no module call)."""
-        x = self.fc.qweight.multiply(torch.cat((_float_rows(inputs), self.embed(next_tokens)), dim=-1))
+        x = self.fc.qweight.multiply(torch.cat((_float_rows(inputs), embedded_rows(self.head.embedding, next_tokens)), dim=-1))
         return x if self.fc_bias is None else x + self.fc_bias
 
     def norm(self, out: torch.Tensor) -> torch.Tensor:
