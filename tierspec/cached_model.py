@@ -40,6 +40,7 @@ class PassResult:
 
     logits: torch.Tensor
     hidden: torch.Tensor | None = None
+    first_maxima: list[int] | None = None  # each logits row's ``sampling.first_maxima``, where the pass found them
 
 
 class HiddenCapture:
@@ -453,7 +454,7 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
         m = n if item.logits_for is None else item.logits_for
         spans.append((len(picks), m))
         picks.extend(range(row0 + n - m, row0 + n))
-    logits = _scored(model.lm_head, final if len(picks) == rows else final.index_select(0, torch.tensor(picks)))
+    logits, maxima = _scored(model.lm_head, final if len(picks) == rows else final.index_select(0, torch.tensor(picks)))
     results = []
     for segment, (at, m) in zip(sequences, spans):
         hidden_states = None
@@ -461,14 +462,18 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
             row0, n = segment.first_row, segment.rows
             parts = [final[row0 : row0 + n]] + [captured[i][row0 : row0 + n] for i in hidden_layers]
             hidden_states = torch.cat(parts, dim=-1)  # float32 as its parts
-        results.append(PassResult(logits if m == len(picks) else logits[at : at + m], hidden_states))
+        if m == len(picks):
+            results.append(PassResult(logits, hidden_states, maxima))
+        else:
+            results.append(PassResult(logits[at : at + m], hidden_states, None if maxima is None else maxima[at : at + m]))
     return results
 
 
-def _scored(lm_head: torch.nn.Module, final: torch.Tensor) -> torch.Tensor:
-    """The LM head's float32 logits of a batched pass's rows ``final`` [m, H]: a quantised head's
-    product called directly on float32 contiguous rows (the engine's norm gives them), any other
-    head, or rows of another kind (a model's own norm module's), through its module."""
+def _scored(lm_head: torch.nn.Module, final: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
+    """The LM head's float32 logits of a batched pass's rows ``final`` [m, H], and each row's first
+    maximum where the engine found it in the product: a quantised head's product called directly on
+    float32 contiguous rows (the engine's norm gives them); any other head, or rows of another kind
+    (a model's own norm module's), through its module (no maxima)."""
     if type(lm_head) is QuantLinear and final.dtype == torch.float32 and final.is_contiguous():
-        return lm_head.qweight.multiply(final)
-    return lm_head(final).float()
+        return lm_head.qweight.multiply_with_maxima(final)
+    return lm_head(final).float(), None

@@ -719,11 +719,18 @@ def _decide(drafted: list[_Drafted], scores: list[Scores]) -> list[Verdict]:
     matched = [i for i, d in enumerate(drafted)
                if d.sequence.rule.walks_by_target_tokens(d.proposal, d.sequence.config.sampling)]
     if matched:
+        samplings = [drafted[i].sequence.config.sampling for i in matched]
+        # Where the pass found every row's first maximum, a greedy walk reads those alone: the logits
+        # are joined only for a sequence that samples.
+        maxima = [scores[i].first_maxima for i in matched]
+        maxima = None if any(m is None for m in maxima) else maxima[0] if len(maxima) == 1 else \
+            [token for rows in maxima for token in rows]
+        sampled = maxima is None or not all(sampling.greedy for sampling in samplings)
         batch = ChainBatch(torch.cat([drafted[i].proposal.tokens for i in matched]) if len(matched) > 1
                            else drafted[matched[0]].proposal.tokens,
                            [len(drafted[i].proposal) for i in matched],
-                           rows_together([scores[i].logits for i in matched]),
-                           [drafted[i].sequence.config.sampling for i in matched], [drafted[i].block for i in matched])
+                           rows_together([scores[i].logits for i in matched]) if sampled else None,
+                           samplings, [drafted[i].block for i in matched], maxima)
         for i, walk in zip(matched, chain_batch_walks(batch)):
             verdicts[i] = drafted[i].sequence.rule.verdict(walk)
     for i, d in enumerate(drafted):

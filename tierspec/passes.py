@@ -106,14 +106,14 @@ def _own_hidden(result: PassResult, captured: tuple[int, ...] | None, wanted: tu
     """A batched pass's result with the hidden-state blocks one request asked for (the final
     states, then its layers in its own order), as its solo pass returns them."""
     if wanted is None:
-        return PassResult(result.logits, None)
+        return PassResult(result.logits, None, result.first_maxima)
     if result.hidden is None or tuple(wanted) == captured:
         return result
     blocks = [result.hidden[:, :hidden_size]]
     for layer in wanted:
         at = 1 + captured.index(layer)
         blocks.append(result.hidden[:, at * hidden_size : (at + 1) * hidden_size])
-    return PassResult(result.logits, torch.cat(blocks, dim=-1))
+    return PassResult(result.logits, torch.cat(blocks, dim=-1), result.first_maxima)
 
 
 def pass_backend(model: torch.nn.Module) -> PassBackend:

@@ -204,10 +204,13 @@ class Scores:
             node i (a chain: row i scores draft i, row k gives the bonus token).
     hidden: [1 + m, H] the final hidden states of the same rows (the LM head's inputs; what a
             judge head reads), or None when the rule did not ask for them.
+    first_maxima: each row of ``logits``' ``sampling.first_maxima`` where the pass found them in
+            its LM head's product (the logits as the pass gave them: no modifier, no mask), else None.
     """
 
     logits: torch.Tensor
     hidden: torch.Tensor | None = None
+    first_maxima: list[int] | None = None
 
 
 # ---- what a drafter may read of the method's policy ---------------------------------------------

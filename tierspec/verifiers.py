@@ -376,7 +376,12 @@ class Verifiers:
         recorded = result.hidden[: rows + m] if target_pass.recording else None
         self._pass = PassRecord(target_pass.start, rows, m, tree.is_chain, recorded, logits)
         hidden = result.hidden[rows - 1 : rows + m, : self.hidden_size] if target_pass.with_hidden else None
-        return Scores(logits, hidden)
+        maxima = result.first_maxima  # the pass's rows' first maxima hold for the rule's rows if nothing changed them
+        if maxima is not None and (self.modifiers is not None or target_pass.masks is not None):
+            maxima = None
+        elif maxima is not None and target_pass.pad:
+            maxima = maxima[: m + 1]
+        return Scores(logits, hidden, maxima)
 
     def target(self, proposal: Proposal, with_hidden: bool = False) -> Scores:
         """One full-target pass of this generation's own over the pending committed tokens and

@@ -232,13 +232,16 @@ class ChainBatch:
     ``SpecDecodeMetadata``): ``draft_tokens`` [T] every sequence's drafts one after another,
     ``num_drafts`` [B] how many are each sequence's, ``target_logits`` [T + B, V] each sequence's
     k_i + 1 rows in turn (row j of a sequence after its draft j − 1: ``Scores``' layout), and per
-    sequence its ``samplings`` and, sampled, its block's keyed noise (None in greedy mode)."""
+    sequence its ``samplings`` and, sampled, its block's keyed noise (None in greedy mode);
+    ``row_maxima`` [T + B]: every row's ``first_maxima`` where the pass found them (then the greedy
+    sequences' rows are not read again, and ``target_logits`` may be None if no sequence samples)."""
 
     draft_tokens: torch.Tensor
     num_drafts: list[int]
-    target_logits: torch.Tensor
+    target_logits: torch.Tensor | None
     samplings: list[SamplingConfig]
     noises: list[BlockNoise | None]
+    row_maxima: list[int] | None = None
 
 
 def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
@@ -261,10 +264,17 @@ def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
         at += k + 1
     walks: list[Walk | None] = [None] * len(batch.num_drafts)
     greedy = [i for i, sampling in enumerate(batch.samplings) if sampling.greedy]
+    maxima = batch.row_maxima
+    if maxima is not None and len(maxima) != at:
+        raise ValueError(f"{len(maxima)} rows' maxima for chains of {at} rows")
     if greedy:
-        rows = None if len(greedy) == len(walks) and at == batch.target_logits.shape[0] else [
+        total = at if maxima is not None else batch.target_logits.shape[0]
+        rows = None if len(greedy) == len(walks) and at == total else [
             row for i in greedy for row in range(first_row[i], first_row[i] + batch.num_drafts[i] + 1)]
-        tokens = first_maxima(batch.target_logits, rows)
+        if maxima is None:
+            tokens = first_maxima(batch.target_logits, rows)
+        else:
+            tokens = maxima if rows is None else [maxima[row] for row in rows]
         taken = 0
         for i in greedy:
             k, accepted = batch.num_drafts[i], 0

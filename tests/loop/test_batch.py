@@ -303,3 +303,29 @@ def test_rows_of_one_buffer_are_decided_in_place_and_others_copied_together():
         together = rows_together(case)
         assert torch.equal(together, torch.cat(case)), case
         assert together.data_ptr() not in (p.data_ptr() for p in case)
+
+
+def test_a_greedy_walk_reads_the_passs_maxima_only_where_the_rule_scores_the_passs_own_rows(target, monkeypatch):
+    """On the engine the LM head's product brings each row's first maximum (``Scores.first_maxima``):
+    a greedy walk reads those, and no logits, where the rows are the pass's own; under a logit bias
+    the rows are not, and the walk takes the modified rows' maxima — a bias of +100 on token 7 makes
+    every greedy token 7, where the pass's own maxima would have given the unbiased text."""
+    import sys
+
+    from tierspec.modifiers import LogitModifiers
+
+    decode_module = sys.modules["tierspec.decode"]
+    walks, seen = decode_module.chain_batch_walks, []
+
+    def spy(batch):
+        seen.append((batch.row_maxima is not None, batch.target_logits is None))
+        return walks(batch)
+
+    monkeypatch.setattr(decode_module, "chain_batch_walks", spy)
+    ar = build_method("ar", target)
+    plain = DecodeRun(target, ar, PROMPTS[0], DecodeConfig(max_new_tokens=12), seed=0).finish().token_ids
+    assert len(seen) >= 12 and set(seen) == {(True, True)}
+    seen.clear()
+    biased = DecodeConfig(max_new_tokens=12, modifiers=LogitModifiers(logit_bias=((7, 100.0),)))
+    tokens = DecodeRun(target, ar, PROMPTS[0], biased, seed=0).finish().token_ids
+    assert tokens == [7] * 12 != plain and set(seen) == {(False, False)}

@@ -110,6 +110,7 @@ def test_a_batched_pass_gives_each_sequence_its_own_pass_bitwise(files, arch):
     rotary table over all rows, each sequence's window and tree by its own positions): every sequence
     gets its solo pass's logits and hidden states bitwise."""
     from tierspec.cached_model import BatchItem, batched_pass
+    from tierspec.sampling import first_maxima
     from tierspec.tree import TokenTree, tree_pass
 
     model = _build(files(arch, "Q8_0"))
@@ -129,6 +130,8 @@ def test_a_batched_pass_gives_each_sequence_its_own_pass_bitwise(files, arch):
         got = batched_pass(model, steps, hidden_layers=(1,))
     for g, e in zip(got, expected):
         assert torch.equal(g.logits, e.logits) and torch.equal(g.hidden, e.hidden)
+        direct = type(model.lm_head) is QuantLinear  # the product's maxima come with the engine's own head
+        assert g.first_maxima == (first_maxima(g.logits) if direct else None)
 
 
 @pytest.mark.parametrize("block_type", BLOCK_TYPES)

@@ -103,6 +103,71 @@ def test_every_path_equals_the_reference_bitwise_for_float32_and_int8_rows(path,
         assert torch.equal(weight.multiply(x[5:6].contiguous()), reference[5:6])
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
+@pytest.mark.parametrize("kind", TYPES)
+def test_every_path_finds_each_rows_first_maximum_while_it_multiplies(path, dtype, kind):
+    """``QuantWeight.multiply_with_maxima``: the product is ``multiply``'s bitwise and each row's index is
+    ``first_maxima``'s of it, for 1-40 rows on 1-3 threads, over 200 outputs (13 tiles: several chunks
+    a thread). A planted tie: the largest weight row copied to a later chunk's column, row 0 that row
+    itself, so both columns hold row 0's largest value (the fold's ties on planted values: below)."""
+    from tierspec.sampling import first_maxima
+
+    width = _width(kind)
+    raw = _blocks(kind, 200, width, seed=11).clone()
+    dense = QuantWeight(raw, getattr(quant, kind), width, numerics_for(torch.float32)).dense()
+    largest = int(dense.norm(dim=1).argmax())
+    copy = (largest + 100) % 200
+    raw[copy] = raw[largest]
+    weight = QuantWeight(raw, getattr(quant, kind), width, numerics_for(dtype))
+    x = _rows(max(ROW_COUNTS), width, seed=12)
+    x[0] = dense[largest]
+    threads = torch.get_num_threads()
+    try:
+        with kernels(path):
+            for count in (1, 2, 3):
+                torch.set_num_threads(count)
+                for rows in ROW_COUNTS:
+                    product, maxima = weight.multiply_with_maxima(x[:rows].contiguous())
+                    assert torch.equal(product, weight.multiply(x[:rows].contiguous())), (count, rows)
+                    assert maxima == first_maxima(product), (count, rows)
+                    assert product[0, copy] == product[0, largest], (count, rows)
+                    assert product[0].max() == product[0, largest], (count, rows)  # the tie is the maximum
+                    assert maxima[0] == min(largest, copy), (count, rows)  # and the first column wins
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_the_products_maxima_keep_the_first_of_equal_values_and_give_nan_rows_minus_one(threads):
+    """The maxima's fold over tiles and chunks, on planted outputs: zero rows added to them
+    (``accumulate``) leave them as they are, and each row's index is ``first_maxima``'s — equal maxima
+    in different chunks (the first wins), all −inf (0), +inf twice, a NaN after the maximum (−1),
+    −0.0 before 0.0 (equal: the first), a maximum in the last, partial tile."""
+    from tierspec.sampling import first_maxima
+
+    weight = QuantWeight(_blocks("Q8_0", 200, 160, seed=13), quant.Q8_0, 160, numerics_for(torch.int8))
+    planted = torch.randn(7, 200, generator=torch.Generator().manual_seed(14))
+    planted[0, 5] = planted[0, 190] = 9.0
+    planted[1] = float("-inf")
+    planted[2, 77] = planted[2, 33] = float("inf")
+    planted[3, 10], planted[3, 180] = 9.0, float("nan")
+    planted[4] = 0.0
+    planted[4, 3] = -0.0
+    planted[5, 199] = 9.0
+    planted[6, 0] = 9.0
+    out, zeros = planted.clone(), torch.zeros(7, 160)
+    kept = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        maxima = qe.matmul(weight=weight.handle, x=zeros.data_ptr(), rows=7, out=out.data_ptr(),
+                           out_stride=200, accumulate=True, threads=engine.engine_threads(), maxima=True)
+    finally:
+        torch.set_num_threads(kept)
+    assert torch.equal(out.nan_to_num(), planted.nan_to_num())
+    assert maxima == first_maxima(out) == [5, 0, 33, -1, 0, 199, 0]
+
+
 # each K-quant's bytes of stored values (the rest of a block: its scales) as (start, stop) per block
 _K_VALUE_BYTES = {"Q4_K": (144, [(16, 144)]), "Q5_K": (176, [(16, 176)]), "Q6_K": (210, [(0, 192)])}
 

@@ -20,6 +20,7 @@ from tierspec.cached_model import CachedModel, HiddenCapture
 from tierspec.errors import ModelLoadError
 from tierspec.gguf_llama import load_gguf_llama
 from tierspec.quant import QuantWeight, numerics_for
+from tierspec.sampling import first_maxima
 
 qe = engine.engine()
 NATIVE_AVX512 = engine.probe()["paths"]["bfloat16"] != "portable"
@@ -222,6 +223,8 @@ def test_a_weight_stacked_from_parts_of_different_types_is_each_parts_product(nu
         for count in (1, 2, 3):
             torch.set_num_threads(count)
             assert torch.equal(stacked.multiply(x), expected), count
+            product, maxima = stacked.multiply_with_maxima(x)  # the parts' columns in order
+            assert torch.equal(product, expected) and maxima == first_maxima(expected), count
             assert torch.equal(stacked.multiply(x[4:5].contiguous()), expected[4:5])
     finally:
         torch.set_num_threads(threads)
@@ -405,6 +408,7 @@ def test_a_batched_pass_gives_every_sequence_its_solo_pass_bitwise(tiny):
         assert len(model.model.layers) > 2 and got[2].hidden.shape[-1] == 4 * model.config.hidden_size
     for g, e in zip(got, expected):
         assert torch.equal(g.logits, e.logits) and torch.equal(g.hidden, e.hidden)
+        assert g.first_maxima == first_maxima(g.logits)  # found in the LM head's product, each sequence's own rows
     assert [r.length for r in shared] == [r.length for r in solo]
     assert [r.layer_lengths() for r in shared] == [r.layer_lengths() for r in solo]
     with pytest.raises(ValueError, match="twice"):
@@ -501,19 +505,23 @@ def test_an_engine_table_names_the_buffers_a_pass_writes(tiny):
 def test_a_batched_pass_reads_embeddings_and_scores_rows_as_the_modules_do(tiny):
     """``quant.embedded_rows`` / ``cached_model._scored``: the quantised table's rows and head's product called
     directly are the modules' bitwise, for rows of any layout (strided or bfloat16 rows go through
-    the module, which converts them)."""
+    the module, which converts them); the direct product's rows' first maxima are ``first_maxima``'s,
+    the module's come without."""
     from tierspec.cached_model import _scored
     from tierspec.quant import embedded_rows
+    from tierspec.sampling import first_maxima
 
     model = _model(tiny, "float32")
     embedding, head = model.model.embed_tokens, model.lm_head
     ids = torch.tensor([5, 0, 17, 5])
     assert torch.equal(embedded_rows(embedding, ids), embedding(ids).float())
     rows = torch.randn(6, model.config.hidden_size)
-    assert torch.equal(_scored(head, rows), head(rows).float())
+    logits, maxima = _scored(head, rows)
+    assert torch.equal(logits, head(rows).float()) and maxima == first_maxima(logits)
     strided = torch.randn(model.config.hidden_size, 6).t()  # not contiguous
-    assert torch.equal(_scored(head, strided), head(strided.contiguous()).float())
-    assert torch.equal(_scored(head, rows.bfloat16()), head(rows.bfloat16().float()).float())
+    assert torch.equal(_scored(head, strided)[0], head(strided.contiguous()).float())
+    assert _scored(head, strided)[1] is None
+    assert torch.equal(_scored(head, rows.bfloat16())[0], head(rows.bfloat16().float()).float())
 
 
 def test_a_layers_engine_table_is_kept_while_its_row_is_and_remade_when_the_buffers_move():

@@ -201,24 +201,38 @@ static PyObject *py_gather_rows(PyObject *self, PyObject *args, PyObject *kw) {
 
 static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *names[] = {"weight", "x", "rows", "out", "out_stride", "accumulate", "threads", NULL};
+    static char *names[] = {"weight", "x", "rows", "out", "out_stride", "accumulate", "threads", "maxima", NULL};
     PyObject *capsule, *xo, *outo;
-    int rows, ldo, accumulate, threads;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOiOipi", names, &capsule, &xo, &rows, &outo, &ldo, &accumulate, &threads))
+    int rows, ldo, accumulate, threads, want_maxima = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOiOipi|p", names, &capsule, &xo, &rows, &outo, &ldo, &accumulate,
+                                     &threads, &want_maxima))
         return NULL;
     packed_weight *w = weight_of(capsule);
     if (!w) return NULL;
-    if (rows <= 0) Py_RETURN_NONE;
+    if (rows <= 0) return want_maxima ? PyList_New(0) : Py_NewRef(Py_None);
     const float *x = address(xo, "x");
     float *out = x ? address(outo, "out") : NULL;
     if (!out) return NULL;
     if (ldo < w->N) return PyErr_Format(PyExc_ValueError, "an output stride of %d cannot hold %d outputs a row", ldo, w->N);
+    int64_t local[64], *maxima = NULL;
+    if (want_maxima) {
+        maxima = rows <= 64 ? local : PyMem_Malloc((size_t)rows * sizeof(int64_t));
+        if (!maxima) return PyErr_NoMemory();
+    }
     Py_BEGIN_ALLOW_THREADS
     unsigned csr = flush_denormals();
-    linear(w, x, rows, out, ldo, accumulate, threads);
+    linear_maxima(w, x, rows, out, ldo, accumulate, threads, maxima);
     restore_denormals(csr);
     Py_END_ALLOW_THREADS
-    Py_RETURN_NONE;
+    if (!want_maxima) Py_RETURN_NONE;
+    PyObject *list = PyList_New(rows);
+    for (int m = 0; list && m < rows; m++) {
+        PyObject *item = PyLong_FromLongLong(maxima[m]);
+        if (!item) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, m, item);
+    }
+    if (maxima != local) PyMem_Free(maxima);
+    return list;
 }
 
 /* ---- layers and stacks ------------------------------------------------------------------------ */
@@ -763,7 +777,8 @@ static PyMethodDef methods[] = {
     KW(repack, "repack(weight, blocks, rows, order, row0): GGUF rows (addresses) into rows row0.. of a weight."),
     KW(dequant_rows, "dequant_rows(weight, indices, count, out): rows of a weight as float32."),
     KW(gather_rows, "gather_rows(weight, indices, count): those rows as a new weight."),
-    KW(matmul, "matmul(weight, x, rows, out, out_stride, accumulate, threads): out (+)= x W^T."),
+    KW(matmul, "matmul(weight, x, rows, out, out_stride, accumulate, threads, maxima=False): out (+)= x W^T; with "
+                "maxima, returns each row's first maximum of its outputs (a list; -1 for a row holding a NaN)."),
     KW(make_layer, "make_layer(qkv, o, gate_up, down, norm_in, norm_post, eps, hidden, heads, kv_heads, head_dim, inter, *, "
                    "qkv_bias, q_norm, k_norm, attention_out_norm, mlp_out_norm, activation, window, rotary_table, rotary_dims, "
                    "attention_scale, softcap): a decoder layer (the keyword-only features default to Llama's layer)."),

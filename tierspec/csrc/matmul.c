@@ -4,6 +4,8 @@
  * group: a row's result does not depend on the other rows). A weight stacked from parts of
  * different kinds (blocks.h) runs each part's kernel on the same prepared rows, into its own
  * columns of out. */
+#include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "engine.h"
@@ -19,13 +21,41 @@ int one_thread_rows(const packed_weight *w) {
     return w->one_thread_rows_set ? w->one_thread_rows : cpu.level >= ISA_AVX512 ? 2 : 0;
 }
 
+/* A chunk's largest output so far in one row (``linear_maxima``): the first column holding it, or
+ * ``column`` -1 before any; ``nan`` once the row held a NaN in the chunk's columns. */
+typedef struct {
+    float value;
+    int32_t nan;
+    int64_t column;
+} row_top;
+
 typedef struct {
     matmul_args a[MAX_PARTS];
     tile_kernel kernel[MAX_PARTS];
     int first_chunk[MAX_PARTS + 1]; /* part p's pieces are chunks first_chunk[p] .. first_chunk[p + 1] - 1 */
+    int column0[MAX_PARTS];         /* part p's first output column */
     int parts;
     int tiles_per_chunk;
+    row_top *tops; /* [chunks, M] or NULL: each chunk's largest output per row */
 } matmul_task_args;
+
+/* Fold the outputs of tile t for rows m0 .. m0 + mt - 1, just written and still in this core's cache,
+ * into the chunk's tops: a strictly larger value replaces the top, so the first of equal maxima stays. */
+static void fold_tile_tops(const matmul_args *a, int column0, int t, int m0, int mt, row_top *tops) {
+    int c0 = t * TILE, c1 = c0 + TILE < a->w->N ? c0 + TILE : a->w->N;
+    for (int i = 0; i < mt; i++) {
+        const float *o = a->out + (size_t)(m0 + i) * a->ldo;
+        row_top *r = &tops[m0 + i];
+        for (int c = c0; c < c1; c++) {
+            float v = o[c];
+            if (v != v) r->nan = 1;
+            else if (r->column < 0 || v > r->value) {
+                r->value = v;
+                r->column = column0 + c;
+            }
+        }
+    }
+}
 
 static void matmul_task(void *raw, int chunk) {
     const matmul_task_args *task = (const matmul_task_args *)raw;
@@ -36,11 +66,15 @@ static void matmul_task(void *raw, int chunk) {
     int t0 = (chunk - task->first_chunk[p]) * task->tiles_per_chunk;
     int t1 = t0 + task->tiles_per_chunk < tiles ? t0 + task->tiles_per_chunk : tiles;
     const tile_kernel *k = &task->kernel[p];
+    row_top *tops = task->tops ? task->tops + (size_t)chunk * a->M : NULL;
+    if (tops)
+        for (int m = 0; m < a->M; m++) tops[m] = (row_top){0.0f, 0, -1};
     if (k->enter) k->enter();
     for (int t = t0; t < t1; t++)
         for (int m0 = 0; m0 < a->M; m0 += k->rows) {
             int mt = a->M - m0 < k->rows ? a->M - m0 : k->rows;
             (mt < k->few_below ? k->few : k->run)(a, t, m0, mt);
+            if (tops) fold_tile_tops(a, task->column0[p], t, m0, mt, tops);
         }
     if (k->leave) k->leave();
 }
@@ -59,7 +93,8 @@ static void half_block_sums(const int8_t *xq, int M, int K, int32_t *out) {
         }
 }
 
-void linear(const packed_weight *w, const float *x, int M, float *out, int ldo, int accumulate, int nth) {
+void linear_maxima(const packed_weight *w, const float *x, int M, float *out, int ldo, int accumulate, int nth,
+                   int64_t *maxima) {
     int64_t started = profiling ? now_ns() : 0;
     int KB = w->K / QK;
     const packed_weight *single[1] = {w};
@@ -95,8 +130,38 @@ void linear(const packed_weight *w, const float *x, int M, float *out, int ldo, 
         int row0 = w->parts ? w->part_row0[p] : 0;
         task.a[p] = (matmul_args){part, mem, sums, isums, half_isums, M, out + row0, ldo, accumulate};
         task.kernel[p] = kernels.tile[w->layout][part->kind];
+        task.column0[p] = row0;
         task.first_chunk[p + 1] = task.first_chunk[p] + ((part->N + TILE - 1) / TILE + per - 1) / per;
     }
-    run_parallel(matmul_task, &task, task.first_chunk[count], nth);
+    int chunks = task.first_chunk[count];
+    task.tops = NULL;
+    if (maxima) {
+        task.tops = malloc((size_t)chunks * M * sizeof(row_top));
+        if (!task.tops) { /* no Python error can be raised here (the GIL is released): say it and stop */
+            fprintf(stderr, "tierspec pass engine: out of memory for %d rows' maxima\n", M);
+            abort();
+        }
+    }
+    run_parallel(matmul_task, &task, chunks, nth);
+    if (maxima) {
+        /* Each row's first maximum over every chunk's (a larger value, or an equal one in an earlier
+         * column, wins: the chunks may come in any order); -1 for a row holding a NaN. */
+        for (int m = 0; m < M; m++) {
+            row_top best = {0.0f, 0, -1};
+            for (int c = 0; c < chunks; c++) {
+                const row_top *r = &task.tops[(size_t)c * M + m];
+                best.nan |= r->nan;
+                if (r->column >= 0 && (best.column < 0 || r->value > best.value ||
+                                       (r->value == best.value && r->column < best.column)))
+                    best = (row_top){r->value, best.nan, r->column};
+            }
+            maxima[m] = best.nan ? -1 : best.column;
+        }
+        free(task.tops);
+    }
     if (profiling) profile_ns[1] += now_ns() - started;
+}
+
+void linear(const packed_weight *w, const float *x, int M, float *out, int ldo, int accumulate, int nth) {
+    linear_maxima(w, x, M, out, ldo, accumulate, nth, NULL);
 }
