@@ -125,7 +125,7 @@ def constrain_all(states: Sequence[ConstraintState], proposals: Sequence[Proposa
         chains.setdefault(type(state), []).append(i)
     for kind, members in chains.items():
         together = getattr(kind, "chain_masks", None)
-        tokens = [cuts[i][0].tokens.tolist() + cuts[i][1] for i in members]
+        tokens = [cuts[i][0].token_list + cuts[i][1] for i in members]
         views = [buffer.take(1 + len(chain)) for chain in tokens]
         if together is not None:
             together([states[i] for i in members], tokens, views)
@@ -144,7 +144,7 @@ def constrain_all(states: Sequence[ConstraintState], proposals: Sequence[Proposa
 def _chain_tokens(state: ConstraintState, proposal: Proposal, room: int) -> tuple[Proposal, list[int]]:
     """A chain's drafts up to the first the state refuses (at most ``room``), and the forced
     tokens after them (all within ``room``); the state is left where it was."""
-    drafts = proposal.tokens.tolist()[:room]
+    drafts = proposal.token_list[:room]
     kept = state.advance(drafts) if drafts else 0  # advance stops before the first refused token
     forced: list[int] = []
     while kept + len(forced) < room:
@@ -181,7 +181,7 @@ def _constrain_tree(state: ConstraintState, proposal: Proposal, buffer: MaskBuff
     state.allowed(masks[0])
     keep = [False] * m
     path: list[int] = []  # the kept nodes the state has advanced through, depth 1 first
-    tokens = tree.tokens.tolist()
+    tokens = tree.token_list
     for node, parent in enumerate(tree.parents.tolist()):  # a parent comes before its children
         if parent != ROOT and not keep[parent]:
             continue  # below a cut node

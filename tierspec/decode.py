@@ -632,7 +632,7 @@ def _forced_runs(sequence: Sequence, proposal: Proposal) -> list[int] | None:
         return len(state.forced()[: max(0, min(FORCED_PER_CYCLE, sequence.tokens_left - 1 - drafts))])
 
     runs = [run(0)]
-    for token in proposal.tokens[:limit].tolist():
+    for token in proposal.token_list[:limit]:
         if state.advance([token]) != 1:
             break
         runs.append(run(len(runs)))
@@ -726,8 +726,7 @@ def _decide(drafted: list[_Drafted], scores: list[Scores]) -> list[Verdict]:
         maxima = None if any(m is None for m in maxima) else maxima[0] if len(maxima) == 1 else \
             [token for rows in maxima for token in rows]
         sampled = maxima is None or not all(sampling.greedy for sampling in samplings)
-        batch = ChainBatch(torch.cat([drafted[i].proposal.tokens for i in matched]) if len(matched) > 1
-                           else drafted[matched[0]].proposal.tokens,
+        batch = ChainBatch([token for i in matched for token in drafted[i].proposal.token_list],
                            [len(drafted[i].proposal) for i in matched],
                            rows_together([scores[i].logits for i in matched]) if sampled else None,
                            samplings, [drafted[i].block for i in matched], maxima)
@@ -766,8 +765,8 @@ def _conclude(d: _Drafted, verdict: Verdict, draft_seconds: float, seconds: floa
     sequence, proposal = d.sequence, d.proposal
     verifiers, policy = sequence.verifiers, sequence.policy
     path = verdict.path
-    if path:  # the accepted drafts' tokens (a list made only then: a tensor's tolist runs cold after a pass)
-        tokens = proposal.tokens.tolist()
+    if path:  # the accepted drafts' tokens
+        tokens = proposal.token_list
         emitted = [tokens[node] for node in path] + [verdict.next_token]
     else:
         emitted = [verdict.next_token]

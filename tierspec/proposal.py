@@ -85,10 +85,10 @@ class Proposal:
     _wide: dict | None = field(default=None, repr=False, compare=False)  # rows widened to V, made once
 
     @staticmethod
-    def chain(tokens: torch.Tensor, probs: torch.Tensor | None = None, logits: torch.Tensor | None = None,
+    def chain(tokens: torch.Tensor | list[int], probs: torch.Tensor | None = None, logits: torch.Tensor | None = None,
               confidence: torch.Tensor | None = None, match_sizes: list[int] | None = None, drafter_calls: int = 0,
               source: str = "", vocabulary: torch.Tensor | None = None, vocab_size: int = 0) -> "Proposal":
-        """k drafts one after another (``tokens`` [k] int64)."""
+        """k drafts one after another (``tokens`` [k] int64, or a list of ints: kept as ``token_list``)."""
         return Proposal(TokenTree.chain(tokens), probs, logits, vocabulary, vocab_size, confidence, match_sizes,
                         drafter_calls=drafter_calls, source=source)
 
@@ -104,6 +104,11 @@ class Proposal:
     def tokens(self) -> torch.Tensor:
         """[m] int64, node i's token."""
         return self.tree.tokens
+
+    @property
+    def token_list(self) -> list[int]:
+        """The same tokens as Python ints (``TokenTree.token_list``)."""
+        return self.tree.token_list
 
     @property
     def is_chain(self) -> bool:

@@ -35,7 +35,7 @@ class TokenTree:
     (``proposal.Proposal``). Immutable once made (nothing may write into its tensors); compared by
     identity. ``is_chain``: node i's parent is i − 1 for every i."""
 
-    __slots__ = ("tokens", "_parents", "_depths", "is_chain", "_length")
+    __slots__ = ("tokens", "_parents", "_depths", "is_chain", "_length", "_list")
 
     def __init__(self, tokens: torch.Tensor | Sequence[int], parents: torch.Tensor | Sequence[int]):
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
@@ -53,6 +53,7 @@ class TokenTree:
             depths[i] = 1 if parent == ROOT else depths[parent] + 1
         self.tokens, self._parents, self._depths = tokens, parents, depths
         self._length = len(parents)
+        self._list = None
         self.is_chain = bool(torch.equal(parents, torch.arange(-1, len(parents) - 1)))
 
     def __repr__(self) -> str:
@@ -76,6 +77,15 @@ class TokenTree:
         return self._length  # kept: the loop asks a tree's length several times a cycle
 
     @property
+    def token_list(self) -> list[int]:
+        """[m] node i's token, as Python ints: the drafter's own list where it drafted one, else made
+        once. The loop reads a chain's drafts as a list right after a pass, where a tensor's
+        ``tolist`` and a concatenation of several sequences' tensors ran cold (20-40 µs each)."""
+        if self._list is None:
+            self._list = self.tokens.tolist()
+        return self._list
+
+    @property
     def depth(self) -> int:
         """The longest path (0 for an empty tree)."""
         if self.is_chain:
@@ -87,7 +97,9 @@ class TokenTree:
         if count >= len(self):
             return self
         if self.is_chain:
-            return TokenTree.chain(self.tokens[:count])
+            cut = TokenTree.chain(self.tokens[:count])
+            cut._list = None if self._list is None else self._list[:count]
+            return cut
         return TokenTree(self.tokens[:count], self.parents[:count])
 
     # -- construction --------------------------------------------------------------------------
@@ -101,8 +113,14 @@ class TokenTree:
         rules above by construction, so it is built without the node-by-node checks, and its
         parents and depths only when read (the decode loop makes one per cycle and reads neither)."""
         tree = object.__new__(TokenTree)
-        tree.tokens = tokens if isinstance(tokens, torch.Tensor) and tokens.dtype == torch.long and tokens.dim() == 1 \
-            else torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+        tree._list = None
+        if isinstance(tokens, list):  # a drafter's list of ints: kept as ``token_list`` (a copy)
+            tree._list = [int(token) for token in tokens]
+            tree.tokens = torch.tensor(tree._list, dtype=torch.long)
+        elif isinstance(tokens, torch.Tensor) and tokens.dtype == torch.long and tokens.dim() == 1:
+            tree.tokens = tokens
+        else:
+            tree.tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
         tree._parents = tree._depths = None
         tree._length = int(tree.tokens.shape[0])
         tree.is_chain = True

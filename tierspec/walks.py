@@ -228,15 +228,15 @@ def exact_walk(proposal: Proposal, target_logits: torch.Tensor, sampling: Sampli
 
 @dataclass(frozen=True)
 class ChainBatch:
-    """Chains of several sequences verified in one step, as flat tensors (after vLLM v1's
-    ``SpecDecodeMetadata``): ``draft_tokens`` [T] every sequence's drafts one after another,
+    """Chains of several sequences verified in one step, flat (after vLLM v1's
+    ``SpecDecodeMetadata``): ``draft_tokens`` [T] every sequence's drafts one after another (ints),
     ``num_drafts`` [B] how many are each sequence's, ``target_logits`` [T + B, V] each sequence's
     k_i + 1 rows in turn (row j of a sequence after its draft j − 1: ``Scores``' layout), and per
     sequence its ``samplings`` and, sampled, its block's keyed noise (None in greedy mode);
     ``row_maxima`` [T + B]: every row's ``first_maxima`` where the pass found them (then the greedy
     sequences' rows are not read again, and ``target_logits`` may be None if no sequence samples)."""
 
-    draft_tokens: torch.Tensor
+    draft_tokens: list[int]
     num_drafts: list[int]
     target_logits: torch.Tensor | None
     samplings: list[SamplingConfig]
@@ -256,7 +256,9 @@ def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
     so a draft after a rejection costs its row in the pass but nothing here. The comparisons run
     over Python lists: a batch has tens of drafts, where each numpy operation on them cost more than
     the whole loop (0.15 ms of a cycle of 8 sequences in a dozen of them)."""
-    drafts = batch.draft_tokens.tolist() if len(batch.draft_tokens) else []
+    drafts = batch.draft_tokens
+    if len(drafts) != sum(batch.num_drafts):
+        raise ValueError(f"{len(drafts)} draft tokens for chains of {sum(batch.num_drafts)} drafts")
     first_draft, first_row, at = [], [], 0
     for index, k in enumerate(batch.num_drafts):
         first_draft.append(at - index)

@@ -70,3 +70,18 @@ def test_a_tree_pass_lays_out_pending_tokens_nodes_and_padding():
     ]
     with pytest.raises(TreeError, match="needs the last committed token"):
         tree_pass(torch.empty(0, dtype=torch.long), tree)
+
+
+def test_a_chains_token_list_is_its_tokens_kept_from_a_list_or_made_once():
+    """``TokenTree.token_list``: the drafter's list kept (a copy: the caller's list may change), a
+    prefix's its prefix, a tensor's tokens listed once; each equal to ``tokens.tolist()``."""
+    drafted = [7, 3, 9]
+    chain = TokenTree.chain(drafted)
+    drafted.append(1)
+    assert chain.token_list == chain.tokens.tolist() == [7, 3, 9]
+    assert chain.prefix(2).token_list == chain.prefix(2).tokens.tolist() == [7, 3]
+    from_tensor = TokenTree.chain(torch.tensor([4, 5]))
+    assert from_tensor.token_list == [4, 5] and from_tensor.token_list is from_tensor.token_list
+    assert from_tensor.prefix(1).token_list == [4]
+    tree = TokenTree.from_paths([[1, 2], [1, 3]])
+    assert tree.token_list == tree.tokens.tolist() == [1, 2, 3] and TokenTree.empty().token_list == []

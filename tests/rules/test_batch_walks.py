@@ -1,15 +1,17 @@
-"""The chains of a whole batch decided in one step (``walks.chain_batch_walks``, flat tensors in
-the manner of vLLM v1's rejection sampler) give bitwise the walks each sequence gets alone
+"""The chains of a whole batch decided in one step (``walks.chain_batch_walks``, flat in the manner
+of vLLM v1's rejection sampler) give bitwise the walks each sequence gets alone
 (``walks.exact_walk``): planted batches of mixed draft lengths, greedy and sampled sequences,
 temperatures, top-k and top-p, drafts that are all right, all wrong or right up to a point."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tierspec.proposal import Proposal
-from tierspec.sampling import Noise, SamplingConfig
+from tierspec.sampling import Noise, SamplingConfig, first_maxima
 from tierspec.walks import ChainBatch, chain_batch_walks, exact_walk, perturbed_target_tokens
 
 SAMPLINGS = [SamplingConfig(), SamplingConfig(1.0), SamplingConfig(0.7, top_k=5), SamplingConfig(1.3, top_p=0.8),
@@ -45,12 +47,18 @@ def planted_batch(vocab: int, drafts_per_sequence: list[int], seed: int):
 @pytest.mark.parametrize("drafts_per_sequence", [[3], [0, 0, 0], [4, 0, 2, 7, 1], [5, 5, 5, 5, 5, 5, 5, 5]])
 def test_a_batch_decided_at_once_is_each_sequence_decided_alone(vocab, drafts_per_sequence):
     sequences = planted_batch(vocab, drafts_per_sequence, seed=len(drafts_per_sequence) + vocab)
-    batch = ChainBatch(torch.cat([p.tokens for p, _, _, _ in sequences]), [len(p) for p, _, _, _ in sequences],
+    batch = ChainBatch([t for p, _, _, _ in sequences for t in p.token_list], [len(p) for p, _, _, _ in sequences],
                        torch.cat([logits for _, logits, _, _ in sequences]), [s for _, _, s, _ in sequences],
                        [n for _, _, _, n in sequences])
     together = chain_batch_walks(batch)
     alone = [exact_walk(p, logits, sampling, noise) for p, logits, sampling, noise in sequences]
     assert [(w.path, w.next_token) for w in together] == [(w.path, w.next_token) for w in alone]
+    # the rows' first maxima as a pass finds them: the greedy sequences read those (and the logits
+    # only where some sequence samples)
+    with_maxima = dataclasses.replace(batch, row_maxima=first_maxima(batch.target_logits))
+    if all(sampling.greedy for sampling in batch.samplings):
+        with_maxima = dataclasses.replace(with_maxima, target_logits=None)
+    assert [(w.path, w.next_token) for w in chain_batch_walks(with_maxima)] == [(w.path, w.next_token) for w in alone]
     # the planted agreement shows: all kept, none, half, one
     for index, (walk, k) in enumerate(zip(together, drafts_per_sequence)):
         assert walk.accepted == [k, 0, k // 2, 1][index % 4] or k == 0 and walk.accepted == 0
@@ -79,7 +87,7 @@ def test_a_sampled_row_is_drawn_only_once_its_walk_reaches_it(monkeypatch):
     real = walks._perturbed_rows
     monkeypatch.setattr(walks, "_perturbed_rows", lambda logits, rows, sampling, keys:
                         drawn.append(list(rows)) or real(logits, rows, sampling, keys))
-    batch = ChainBatch(torch.cat([p.tokens for p, _, _, _ in sequences]), [len(p) for p, _, _, _ in sequences],
+    batch = ChainBatch([t for p, _, _, _ in sequences for t in p.token_list], [len(p) for p, _, _, _ in sequences],
                        torch.cat(poisoned), [s for _, _, s, _ in sequences], [n for _, _, _, n in sequences])
     together = chain_batch_walks(batch)
     assert [(w.path, w.next_token) for w in together] == [(w.path, w.next_token) for w in alone]
@@ -101,11 +109,11 @@ def test_a_greedy_walk_refuses_a_nan_row_it_reads_and_only_that():
     drafts[1] = (drafts[1] + 1) % vocab  # the second draft rejected: rows 2 and 3 are never read
     poisoned = logits.clone()
     poisoned[2:] = float("nan")
-    walk = chain_batch_walks(ChainBatch(drafts, [3], poisoned, [SamplingConfig()], [None]))[0]
+    walk = chain_batch_walks(ChainBatch(drafts.tolist(), [3], poisoned, [SamplingConfig()], [None]))[0]
     assert (walk.accepted, walk.next_token) == (1, int(own[1]))
     poisoned[1, 5] = float("nan")  # the row the walk reads after the first draft
     with pytest.raises(TierspecError, match="row 1 of the target's scores holds a NaN"):
-        chain_batch_walks(ChainBatch(drafts, [3], poisoned, [SamplingConfig()], [None]))
+        chain_batch_walks(ChainBatch(drafts.tolist(), [3], poisoned, [SamplingConfig()], [None]))
 
 
 def test_a_lone_greedy_walk_refuses_a_nan_row_it_reads_as_the_batch_does():

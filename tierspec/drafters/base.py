@@ -284,7 +284,7 @@ def drafting_autoregressively(
     # Greedy: each token's distribution is its one-hot, which is what every rule reads for rows
     # left out (``walks.draft_rows``), so none are made.
     rows = None if sampling.greedy else torch.stack(probs)
-    return Proposal.chain(torch.tensor(tokens), rows, torch.stack(logits_rows), torch.tensor(confidences),
+    return Proposal.chain(tokens, rows, torch.stack(logits_rows), torch.tensor(confidences),
                           drafter_calls=calls, source=source, vocabulary=vocabulary, vocab_size=vocab_size)
 
 

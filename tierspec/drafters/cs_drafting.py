@@ -73,5 +73,5 @@ class CsDrafter(ModelDrafter):
             for token in tail.tolist():
                 tokens.append(token)
                 rows.append(one_hot(token, self.vocab_size))
-        return Proposal.chain(torch.tensor(tokens, dtype=torch.long), torch.stack(rows), drafter_calls=calls, source="csd")
+        return Proposal.chain(tokens, torch.stack(rows), drafter_calls=calls, source="csd")
 

@@ -113,4 +113,4 @@ class NgramDrafter(Drafter):
         found, size = self._latest_match(self._indexed(context), request.budget)
         if not found:
             return Proposal.empty(source="ngram")
-        return Proposal.chain(torch.tensor(found, dtype=torch.long), match_sizes=[size] * len(found), source="ngram")
+        return Proposal.chain(found, match_sizes=[size] * len(found), source="ngram")
