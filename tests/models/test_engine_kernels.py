@@ -138,34 +138,42 @@ def test_every_path_finds_each_rows_first_maximum_while_it_multiplies(path, dtyp
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_the_products_maxima_keep_the_first_of_equal_values_and_give_nan_rows_minus_one(threads):
-    """The maxima's fold over tiles and chunks, on planted outputs: zero rows added to them
-    (``accumulate``) leave them as they are, and each row's index is ``first_maxima``'s — equal maxima
-    in different chunks (the first wins), all −inf (0), +inf twice, a NaN after the maximum (−1),
-    −0.0 before 0.0 (equal: the first), a maximum in the last, partial tile."""
+def test_the_products_maxima_keep_the_first_of_equal_values_and_give_nan_rows_minus_one(path, threads):
+    """Each path's ``first_max`` and the fold over chunks, on planted outputs: zero rows added to them
+    (``accumulate``) leave them as they are, and each row's index is ``first_maxima``'s. Over 1,000
+    outputs (chunks of 32-112 columns, the last tile 8 wide): equal maxima in one chunk's different
+    vectors and in different chunks (the first wins), all −inf (0), +inf twice, a NaN after the
+    maximum and one alone in the last tile (−1), −0.0 before 0.0 (equal: the first), a maximum in the
+    last tile's lanes, one in the first column."""
     from tierspec.sampling import first_maxima
 
-    weight = QuantWeight(_blocks("Q8_0", 200, 160, seed=13), quant.Q8_0, 160, numerics_for(torch.int8))
-    planted = torch.randn(7, 200, generator=torch.Generator().manual_seed(14))
-    planted[0, 5] = planted[0, 190] = 9.0
+    weight = QuantWeight(_blocks("Q8_0", 1000, 160, seed=13), quant.Q8_0, 160, numerics_for(torch.int8))
+    planted = torch.randn(10, 1000, generator=torch.Generator().manual_seed(14))
+    planted[0, 5] = planted[0, 21] = planted[0, 990] = 9.0
     planted[1] = float("-inf")
     planted[2, 77] = planted[2, 33] = float("inf")
     planted[3, 10], planted[3, 180] = 9.0, float("nan")
     planted[4] = 0.0
     planted[4, 3] = -0.0
-    planted[5, 199] = 9.0
+    planted[5, 996] = 9.0
     planted[6, 0] = 9.0
-    out, zeros = planted.clone(), torch.zeros(7, 160)
+    planted[7, 999] = float("nan")
+    planted[8, 500] = planted[8, 700] = 9.0
+    planted[9, 17] = planted[9, 2] = 9.0
+    out, zeros = planted.clone(), torch.zeros(10, 160)
     kept = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        maxima = qe.matmul(weight=weight.handle, x=zeros.data_ptr(), rows=7, out=out.data_ptr(),
-                           out_stride=200, accumulate=True, threads=engine.engine_threads(), maxima=True)
+        with kernels(path):
+            maxima = qe.matmul(weight=weight.handle, x=zeros.data_ptr(), rows=10, out=out.data_ptr(),
+                               out_stride=1000, accumulate=True, threads=engine.engine_threads(), maxima=True)
+            assert engine.probe()["paths"]["first_max"] == {"portable": "portable", "avx2": "avx2"}.get(path, "avx512")
     finally:
         torch.set_num_threads(kept)
     assert torch.equal(out.nan_to_num(), planted.nan_to_num())
-    assert maxima == first_maxima(out) == [5, 0, 33, -1, 0, 199, 0]
+    assert maxima == first_maxima(out) == [5, 0, 33, -1, 0, 996, 0, -1, 500, 2]
 
 
 # each K-quant's bytes of stored values (the rest of a block: its scales) as (start, stop) per block

@@ -166,7 +166,7 @@ typedef struct {
  * (within the view's window). */
 int visible_slots(const attention_view *a, int row, int *slots);
 
-enum { OP_PREPARE_F32, OP_PREPARE_BF16, OP_PREPARE_INT8, OP_EXP, OP_RMS_NORM, OP_ATTEND, OP_STORE_HALF, OPS };
+enum { OP_PREPARE_F32, OP_PREPARE_BF16, OP_PREPARE_INT8, OP_EXP, OP_RMS_NORM, OP_ATTEND, OP_STORE_HALF, OP_FIRST_MAX, OPS };
 
 typedef struct {
     tile_kernel tile[LAYOUTS][KINDS];
@@ -185,6 +185,9 @@ typedef struct {
                   const int *slots, int count);
     /* n float32 values stored as float16 (half_from_float's bits) */
     void (*store_half)(const float *x, uint16_t *out, int n);
+    /* the index of the first of the largest of x[0 .. n - 1] (n >= 1) and that value in *top; -1 where
+     * one is a NaN (*top then undefined): an argmax's first maximum, as every path gives it */
+    int64_t (*first_max)(const float *x, int64_t n, float *top);
     int isa[OPS]; /* which path serves each of the functions above (reports) */
 } kernel_set;
 

@@ -318,6 +318,17 @@ int attend_ref(const attention_view *a, const float *q, float *out, int head0, i
     return 1;
 }
 
+/* The first of the largest values (a strictly larger one replaces it); -1 at a NaN. */
+static int64_t first_max_ref(const float *x, int64_t n, float *top) {
+    int64_t best = 0;
+    for (int64_t j = 0; j < n; j++) {
+        if (x[j] != x[j]) return -1;
+        if (x[j] > x[best]) best = j;
+    }
+    *top = x[best];
+    return best;
+}
+
 void install_portable(kernel_set *k) {
     for (int layout = 0; layout < LAYOUTS; layout++)
         for (int kind = 0; kind < KINDS; kind++) k->tile[layout][kind] = (tile_kernel){tile_ref, REF_ROWS, ISA_PORTABLE};
@@ -328,5 +339,6 @@ void install_portable(kernel_set *k) {
     k->rms_norm = rms_norm_ref;
     k->attend = attend_ref;
     k->store_half = store_half_ref;
+    k->first_max = first_max_ref;
     for (int op = 0; op < OPS; op++) k->isa[op] = ISA_PORTABLE;
 }

@@ -21,8 +21,8 @@ int one_thread_rows(const packed_weight *w) {
     return w->one_thread_rows_set ? w->one_thread_rows : cpu.level >= ISA_AVX512 ? 2 : 0;
 }
 
-/* A chunk's largest output so far in one row (``linear_maxima``): the first column holding it, or
- * ``column`` -1 before any; ``nan`` once the row held a NaN in the chunk's columns. */
+/* A chunk's largest output in one row (``linear_maxima``): the first column holding it (-1 for a chunk
+ * with no columns); ``nan`` where the row holds a NaN in the chunk's columns. */
 typedef struct {
     float value;
     int32_t nan;
@@ -39,24 +39,6 @@ typedef struct {
     row_top *tops; /* [chunks, M] or NULL: each chunk's largest output per row */
 } matmul_task_args;
 
-/* Fold the outputs of tile t for rows m0 .. m0 + mt - 1, just written and still in this core's cache,
- * into the chunk's tops: a strictly larger value replaces the top, so the first of equal maxima stays. */
-static void fold_tile_tops(const matmul_args *a, int column0, int t, int m0, int mt, row_top *tops) {
-    int c0 = t * TILE, c1 = c0 + TILE < a->w->N ? c0 + TILE : a->w->N;
-    for (int i = 0; i < mt; i++) {
-        const float *o = a->out + (size_t)(m0 + i) * a->ldo;
-        row_top *r = &tops[m0 + i];
-        for (int c = c0; c < c1; c++) {
-            float v = o[c];
-            if (v != v) r->nan = 1;
-            else if (r->column < 0 || v > r->value) {
-                r->value = v;
-                r->column = column0 + c;
-            }
-        }
-    }
-}
-
 static void matmul_task(void *raw, int chunk) {
     const matmul_task_args *task = (const matmul_task_args *)raw;
     int p = 0;
@@ -66,17 +48,23 @@ static void matmul_task(void *raw, int chunk) {
     int t0 = (chunk - task->first_chunk[p]) * task->tiles_per_chunk;
     int t1 = t0 + task->tiles_per_chunk < tiles ? t0 + task->tiles_per_chunk : tiles;
     const tile_kernel *k = &task->kernel[p];
-    row_top *tops = task->tops ? task->tops + (size_t)chunk * a->M : NULL;
-    if (tops)
-        for (int m = 0; m < a->M; m++) tops[m] = (row_top){0.0f, 0, -1};
     if (k->enter) k->enter();
     for (int t = t0; t < t1; t++)
         for (int m0 = 0; m0 < a->M; m0 += k->rows) {
             int mt = a->M - m0 < k->rows ? a->M - m0 : k->rows;
             (mt < k->few_below ? k->few : k->run)(a, t, m0, mt);
-            if (tops) fold_tile_tops(a, task->column0[p], t, m0, mt, tops);
         }
     if (k->leave) k->leave();
+    if (task->tops && t0 < t1) {
+        /* the chunk's outputs of each row (a few KB, still in this core's cache): their first maximum */
+        int c0 = t0 * TILE, c1 = t1 * TILE < a->w->N ? t1 * TILE : a->w->N;
+        row_top *tops = task->tops + (size_t)chunk * a->M;
+        for (int m = 0; m < a->M; m++) {
+            float top = 0.0f;
+            int64_t at = kernels.first_max(a->out + (size_t)m * a->ldo + c0, c1 - c0, &top);
+            tops[m] = at < 0 ? (row_top){0.0f, 1, -1} : (row_top){top, 0, task->column0[p] + c0 + at};
+        }
+    }
 }
 
 static _Thread_local scratch_t scratch_rows;
@@ -141,6 +129,7 @@ void linear_maxima(const packed_weight *w, const float *x, int M, float *out, in
             fprintf(stderr, "tierspec pass engine: out of memory for %d rows' maxima\n", M);
             abort();
         }
+        for (size_t i = 0; i < (size_t)chunks * M; i++) task.tops[i] = (row_top){0.0f, 0, -1};
     }
     run_parallel(matmul_task, &task, chunks, nth);
     if (maxima) {
