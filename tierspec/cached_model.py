@@ -334,11 +334,11 @@ class CachedModel:
 @dataclass
 class BatchItem:
     """One sequence's part of a batched pass: its ``runner`` (a CachedModel on the shared model),
-    its new ``token_ids`` [n], the last ``logits_for`` rows to score (None: all), and for a token
+    its new ``token_ids`` [n] (int64, or a list of ints), the last ``logits_for`` rows to score (None: all), and for a token
     tree its position ``offsets`` [n] and ``attends`` [n, n] (as ``CachedModel.forward`` takes them)."""
 
     runner: CachedModel
-    token_ids: torch.Tensor
+    token_ids: torch.Tensor | list[int]
     logits_for: int | None = None
     offsets: torch.Tensor | None = None
     attends: torch.Tensor | None = None
@@ -409,9 +409,9 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
     rows, sequences, ids, positions = 0, [], [], []
     for item in items:
         runner, tokens = item.runner, item.token_ids
-        if tokens.dim() != 1:
-            tokens = tokens.reshape(-1)
-        n = int(tokens.shape[0])
+        if not isinstance(tokens, list):  # every sequence's ids joined as ints, one tensor made of them
+            tokens = tokens.reshape(-1).tolist()
+        n = len(tokens)
         if n < 1:
             raise ValueError("every sequence of a batched pass needs at least one new token")
         start = runner.length
@@ -429,13 +429,13 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
                 raise ValueError(f"a tree mask for {n} tokens has shape ({n}, {n}) and lets a token see earlier ones only")
         cache.check_start(start)
         sequences.append(engine.Segment(rows, n, start, table, seen, positions=own))
-        ids.append(tokens)
+        ids += tokens
         rows += n
     if len(items) == 1 and items[0].offsets is None:  # a lone chain: its rows of each table, as views
         rotary = decoder.engine_rotary_chain(sequences[0].start, rows)
     else:  # each kind's table over every row
         rotary = decoder.engine_rotary(torch.tensor(positions, dtype=torch.int64))
-    hidden = embedded_rows(decoder.embed_tokens, torch.cat(ids) if len(ids) > 1 else ids[0])  # [rows, H]
+    hidden = embedded_rows(decoder.embed_tokens, torch.tensor(ids, dtype=torch.long))  # [rows, H]
     flags = decoder.engine_stack.every_unit
     last = len(decoder.layers) - 1
     # The layers a draft head reads are copied out inside the one stack call (``run_stack``'s

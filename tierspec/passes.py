@@ -30,13 +30,14 @@ from .cached_model import BatchItem, CachedModel, PassResult, batched_pass, runs
 @dataclass(frozen=True)
 class PassRequest:
     """One sequence's part of a cycle's pass: ``tokens`` [n] run on ``runner``'s cache from its
-    length, the last ``logits_for`` rows scored; a token tree's position ``offsets`` [n] and
-    ``attends`` [n, n] (None for a chain); ``hidden_layers``: None for no hidden states, else the
-    final hidden states [n, H] followed by those decoder layers' outputs
-    (``CachedModel.forward(with_hidden=True, hidden_layers=...)``)."""
+    length (int64, or a list of ints: a chain's, joined from the committed tokens' and the drafter's
+    lists, as the engine's batched pass takes them), the last ``logits_for`` rows scored; a token
+    tree's position ``offsets`` [n] and ``attends`` [n, n] (None for a chain); ``hidden_layers``: None
+    for no hidden states, else the final hidden states [n, H] followed by those decoder layers'
+    outputs (``CachedModel.forward(with_hidden=True, hidden_layers=...)``)."""
 
     runner: CachedModel
-    tokens: torch.Tensor
+    tokens: torch.Tensor | list[int]
     logits_for: int
     offsets: torch.Tensor | None = None
     attends: torch.Tensor | None = None
@@ -44,7 +45,12 @@ class PassRequest:
 
     @property
     def rows(self) -> int:
-        return int(self.tokens.shape[0])
+        return len(self.tokens) if isinstance(self.tokens, list) else int(self.tokens.shape[0])
+
+    @property
+    def token_tensor(self) -> torch.Tensor:
+        """``tokens`` as an int64 tensor [n] (what a solo pass takes)."""
+        return torch.tensor(self.tokens, dtype=torch.long) if isinstance(self.tokens, list) else self.tokens
 
 
 class PassBackend(Protocol):
@@ -60,7 +66,7 @@ class PassBackend(Protocol):
 
 def _solo(request: PassRequest) -> PassResult:
     """``request`` as its cache's own pass."""
-    return request.runner.forward(request.tokens, logits_for=request.logits_for,
+    return request.runner.forward(request.token_tensor, logits_for=request.logits_for,
                                   with_hidden=request.hidden_layers is not None,
                                   hidden_layers=request.hidden_layers or (), offsets=request.offsets,
                                   attends=request.attends)

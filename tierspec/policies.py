@@ -654,7 +654,7 @@ class CostAware(DraftPolicy):
         for i, key in enumerate(keys[: accepted + 1]):
             counts[key][0 if i < accepted else 1] += 1
         if cut:
-            counts[cut_key][0 if verdict.next_token == int(outcome.drafted.tokens[k]) else 1] += 1
+            counts[cut_key][0 if verdict.next_token == outcome.drafted.token_list[k] else 1] += 1
         for key, (successes, failures) in counts.items():
             self._estimate(key).update(successes, failures, self.decay)
         if k:

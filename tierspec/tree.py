@@ -35,7 +35,7 @@ class TokenTree:
     (``proposal.Proposal``). Immutable once made (nothing may write into its tensors); compared by
     identity. ``is_chain``: node i's parent is i − 1 for every i."""
 
-    __slots__ = ("tokens", "_parents", "_depths", "is_chain", "_length", "_list")
+    __slots__ = ("_tokens", "_parents", "_depths", "is_chain", "_length", "_list")
 
     def __init__(self, tokens: torch.Tensor | Sequence[int], parents: torch.Tensor | Sequence[int]):
         tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
@@ -51,13 +51,21 @@ class TokenTree:
                 raise TreeError(f"node {i} repeats token {token} among the children of {parent}: merge siblings (a trie)")
             seen.add((parent, token))
             depths[i] = 1 if parent == ROOT else depths[parent] + 1
-        self.tokens, self._parents, self._depths = tokens, parents, depths
+        self._tokens, self._parents, self._depths = tokens, parents, depths
         self._length = len(parents)
         self._list = None
         self.is_chain = bool(torch.equal(parents, torch.arange(-1, len(parents) - 1)))
 
     def __repr__(self) -> str:
         return f"TokenTree(tokens={self.tokens.tolist()}, parents={self.parents.tolist()})"
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        """[m] int64: node i's token (a chain drafted as a list makes it only when read: the loop
+        reads the list, ``token_list``)."""
+        if self._tokens is None:
+            self._tokens = torch.tensor(self._list, dtype=torch.long)
+        return self._tokens
 
     @property
     def parents(self) -> torch.Tensor:
@@ -97,9 +105,7 @@ class TokenTree:
         if count >= len(self):
             return self
         if self.is_chain:
-            cut = TokenTree.chain(self.tokens[:count])
-            cut._list = None if self._list is None else self._list[:count]
-            return cut
+            return TokenTree.chain(self._list[:count] if self._list is not None else self._tokens[:count])
         return TokenTree(self.tokens[:count], self.parents[:count])
 
     # -- construction --------------------------------------------------------------------------
@@ -114,15 +120,16 @@ class TokenTree:
         parents and depths only when read (the decode loop makes one per cycle and reads neither)."""
         tree = object.__new__(TokenTree)
         tree._list = None
-        if isinstance(tokens, list):  # a drafter's list of ints: kept as ``token_list`` (a copy)
+        if isinstance(tokens, list):  # a drafter's list of ints: kept as ``token_list`` (a copy), the tensor made if read
             tree._list = [int(token) for token in tokens]
-            tree.tokens = torch.tensor(tree._list, dtype=torch.long)
-        elif isinstance(tokens, torch.Tensor) and tokens.dtype == torch.long and tokens.dim() == 1:
-            tree.tokens = tokens
+            tree._tokens = None
+            tree._length = len(tree._list)
         else:
-            tree.tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+            if not (isinstance(tokens, torch.Tensor) and tokens.dtype == torch.long and tokens.dim() == 1):
+                tokens = torch.as_tensor(tokens, dtype=torch.long).reshape(-1)
+            tree._tokens = tokens
+            tree._length = int(tokens.shape[0])
         tree._parents = tree._depths = None
-        tree._length = int(tree.tokens.shape[0])
         tree.is_chain = True
         return tree
 

@@ -68,6 +68,10 @@ class CommittedTokens:
         """Committed tokens ``start ..`` [n − start] (a view): what a pass from ``start`` runs first."""
         return self._ids[start : self.length]
 
+    def pending_list(self, start: int) -> list[int]:
+        """``pending(start)`` as a list of ints (read from the buffer: no tensor made)."""
+        return self._buffer[start : self.length].tolist()
+
     def generated(self, start: int = 0, end: int | None = None) -> list[int]:
         """Generated tokens ``start .. end`` (Python slice bounds over the generated tokens only)."""
         begin = self.prompt_length
@@ -83,7 +87,12 @@ class CommittedTokens:
         end = self.length + len(tokens)
         if end > self._buffer.shape[0]:
             raise ValueError(f"{end} committed tokens do not fit the {self._buffer.shape[0]} positions reserved")
-        self._buffer[self.length : end] = tokens
+        if len(tokens) <= 8:  # a cycle's few tokens one by one: a slice assignment made an array of the list
+            buffer = self._buffer  # (20-25 µs after a pass, where these take a microsecond)
+            for at, token in enumerate(tokens, self.length):
+                buffer[at] = token
+        else:
+            self._buffer[self.length : end] = tokens
         self.length = end
         self._context = None
 
@@ -351,17 +360,18 @@ class Verifiers:
         positions it commits."""
         self._full_model_kv_only()  # slim-only KV is recomputed in this pass
         start = self.full_length
-        pending = self.committed.pending(start)
         tree = proposal.tree
-        rows, m = len(pending), len(tree)
+        rows, m = len(self.committed) - start, len(tree)
         extra = self._pad_count(rows + m) if pad else 0
         recording = self.features is not None and record_features
         hidden = self.feature_layers if recording else (() if with_hidden else None)
-        if tree.is_chain:
-            request = PassRequest(self.runner, _chain_rows(pending, tree.tokens, extra), m + 1 + extra,
-                                  hidden_layers=hidden)
+        if tree.is_chain:  # as lists: the batched pass joins every sequence's rows in one tensor
+            tokens = self.committed.pending_list(start) + tree.token_list
+            if extra:
+                tokens += tokens[-1:] * extra
+            request = PassRequest(self.runner, tokens, m + 1 + extra, hidden_layers=hidden)
         else:
-            layout = tree_pass(pending, tree, extra)
+            layout = tree_pass(self.committed.pending(start), tree, extra)
             request = PassRequest(self.runner, layout.tokens, m + 1 + extra, layout.offsets, layout.attends, hidden)
         return TargetPass(request, proposal, start, rows, extra, with_hidden, masks, recording)
 
@@ -391,7 +401,7 @@ class Verifiers:
         target_pass = self.target_request(proposal, with_hidden)
         request = target_pass.request
         started = time.perf_counter()
-        result = self.runner.forward(request.tokens, logits_for=request.logits_for,
+        result = self.runner.forward(request.token_tensor, logits_for=request.logits_for,
                                      with_hidden=request.hidden_layers is not None,
                                      hidden_layers=request.hidden_layers or (), offsets=request.offsets,
                                      attends=request.attends)
