@@ -5,7 +5,10 @@ llama.cpp on the same file in the same run: the measurement behind issue 38's K-
 
 The ``tierspec`` timed is whichever one Python imports (run it once with an older checkout on
 PYTHONPATH for the "before"). Each round times tierspec then llama.cpp (median of 5 passes each);
-the medians over rounds are printed, in ms, with the engine's kernel report.
+the medians over rounds are printed, in ms, with the engine's kernel report. Products over a few rows
+run on the threads a generation settles for each model on this machine (``costs.few_row_threads``,
+measured once and cached; printed as ``one_thread_rows``), or with ``--engine-default-threads`` on the
+ISA's default (one thread for 1-2 rows on the AVX-512 paths).
 """
 
 from __future__ import annotations
@@ -30,10 +33,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="+")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dtypes", default="auto", help="the engine's numerics, each timed (auto: --dtype auto's)")
+    parser.add_argument("--engine-default-threads", action="store_true",
+                        help="time few-row products on the ISA's default threads, not on those a generation settles "
+                             "for the model on this machine (costs.few_row_threads)")
     args = parser.parse_args(argv)
     import tierspec
     from tierspec.cached_model import CachedModel
+    from tierspec.costs import few_row_threads
     from tierspec.engine import kernel_report, threads_for
+    from tierspec.models import wrap_model
     from tierspec.model_files import KNOWN_MODELS, known_model_file
 
     threads = torch.get_num_threads()
@@ -42,6 +50,11 @@ def main(argv: list[str] | None = None) -> int:
     for spec in args.files:
         path = known_model_file(spec) if spec in KNOWN_MODELS else Path(spec)
         models = {f"tierspec {dtype}": tierspec_model(path, dtype) for dtype in dtypes}
+        settled = {}
+        if not args.engine_default_threads:  # the threads a generation's products over a few rows run on
+            for who, model in models.items():
+                found = few_row_threads(wrap_model(model, name=f"{path.stem} ({who})"))
+                settled[who] = None if found is None else found.one_thread_rows
         runners = {who: CachedModel(model) for who, model in models.items()}
         llama = LlamaCppPasses(path, threads)
         context = [int(t) for t in torch.arange(CONTEXT) % llama.vocab]
@@ -59,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         row = {who: {k: round(1e3 * statistics.median(run[k] for run in got), 2) for k in WIDTHS}
                for who, got in runs.items()}
         stacked = {who: getattr(model.model, "engine_stack", None) is not None for who, model in models.items()}
-        print(json.dumps({"file": path.name, "engine_stack": stacked, "ms": row}), flush=True)
+        print(json.dumps({"file": path.name, "engine_stack": stacked, "one_thread_rows": settled, "ms": row}), flush=True)
         del models, runners, llama
     return 0
 

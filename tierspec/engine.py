@@ -10,7 +10,7 @@ run here and why), and the thread arrangement (``engine_threads``, ``torch_ops_o
 
 Why a compiled extension of the project's own and not a maintained engine: every maintained path
 was measured on the same cached passes first (``benchmarks/engine_candidates.py``; the table is in
-BENCHMARKS.md, "The pass engine"): torch's int4/int8 weight packs on tierspec's forward,
+docs/history.md, "Zen 5: the pass engine against every candidate"): torch's int4/int8 weight packs on tierspec's forward,
 torch.compile/inductor (defaults, freezing, cpp_wrapper, dynamic shapes, max-autotune, over the int4
 pack), AOTInductor packages and OpenVINO's CPU plugin (f32, bf16, nncf int8/int4). None reached
 llama.cpp's one-token pass (the nearest, inductor over the int4 pack, cost 1.6× the engine's at one
@@ -114,7 +114,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     (``weight`` float32 [W]), by the norm kernel the engine's layers run: a new tensor. Why: a
     model's final norm after the stack call is one engine call, where torch's composite rms_norm
     runs five operators, each cold in the caches once a pass has streamed the weights (a one-row
-    pass of the default model 7.14 → 7.04 ms on a Zen 4, BENCHMARKS.md). A ValueError for other
+    pass of the default model 7.14 → 7.04 ms on a Zen 4, BENCHMARKS.md at 97367ab). A ValueError for other
     dtypes or shapes, before anything runs."""
     width = int(x.shape[-1])
     for name, tensor in (("x", x), ("weight", weight)):

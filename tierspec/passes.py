@@ -85,7 +85,7 @@ class EnginePasses:
     """Every request of a cycle in one pass on the engine (``cached_model.batched_pass``), a lone
     request too: the same result as its cache's own pass with less Python around the engine's call
     (a one-row pass of the default model 0.52–0.55 → 0.44 ms outside the engine's calls on a Zen 4,
-    ``benchmarks/pass_python.py``, BENCHMARKS.md). Where a module of the model carries a forward hook, which only a
+    ``benchmarks/pass_python.py``, docs/history.md). Where a module of the model carries a forward hook, which only a
     module call runs (``cached_model.runs_as_one_stack``), every request runs as its cache's own pass, one after
     another: the same results, and the hooks see every pass (the batch's draft lengths still cost its rows as
     shared)."""

@@ -116,8 +116,8 @@ def reported_logprobs(logits: torch.Tensor, config: SamplingConfig) -> torch.Ten
 def argmax_token(row: torch.Tensor) -> int:
     """The index of the largest of ``row`` [V] (the first of equal maxima, as ``torch.argmax``).
     A float CPU row is read through numpy, whose argmax is vectorised where torch's CPU argmax
-    is a scalar loop (the greedy loop takes one per verified row and per draft; BENCHMARKS.md,
-    the decode loop's own time)."""
+    is a scalar loop (the greedy loop takes one per verified row and per draft: 34 against 4 µs for
+    49,152 logits, warm, in issue 30's measurement, docs/history.md)."""
     if row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64) and not row.requires_grad:
         return int(row.numpy().argmax())
     return int(row.argmax())

@@ -276,7 +276,8 @@ static inline float gelu_tanh_argument(float x) { return GELU_BETA * (x + GELU_K
 /* out (+)= x W^T for x [M, K] float32 on ``threads`` threads. */
 void linear(const packed_weight *w, const float *x, int M, float *out, int ldo, int accumulate, int threads);
 /* ``linear``, and each row's first maximum among its N outputs in maxima[M] (int64; -1 for a row holding a
- * NaN), found while each tile's outputs are still in cache: the first column of the largest, as an argmax
+ * NaN): each thread finds its chunk's (``first_max``) right after computing the chunk, while its outputs are
+ * in that core's cache, and the chunks' answers are joined — the first column of the largest, as an argmax
  * over the written row gives it. maxima NULL: ``linear``. */
 void linear_maxima(const packed_weight *w, const float *x, int M, float *out, int ldo, int accumulate, int threads,
                    int64_t *maxima);

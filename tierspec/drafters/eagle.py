@@ -159,7 +159,7 @@ HEAD_WARMUP_CYCLES = 2
 #: n-gram lookup, the policy's rates and trim, keying and learning from the verdict. Measured as
 #: the default method's loop time less plain decoding's (``benchmarks/loop_time.py``): 0.19 ms
 #: against a 5.4 ms pass at temperature 1 on a Zen 4 (results/zen4/int8/loop_time_after_pass.json),
-#: 0.27 greedy against a 7.5 ms one-row pass on a Zen 3 (BENCHMARKS.md, csrc/matmul.c). A fraction of the pass, not the clock's reading,
+#: 0.27 greedy against a 7.5 ms one-row pass on a Zen 3 (docs/history.md, csrc/matmul.c). A fraction of the pass, not the clock's reading,
 #: so that a seed fixes which cycles draft.
 DRAFTING_CYCLE_FRACTION = 0.03
 #: Cycles the hybrid runs no n-gram lookup (nor its candidate's rates, keying and learning) once
