@@ -203,8 +203,11 @@ def _read_table(path: Path, max_tokens: int) -> ForwardCosts | None:
 
 
 def spot_check(model: torch.nn.Module, repeats: int = 3, context: int = 64) -> float:
-    """Median seconds of a cached 1-token pass now (a fraction of a second to measure)."""
-    return measure_forward_costs(model, max_tokens=1, context=context, repeats=repeats).seconds[1]
+    """Seconds of a cached 1-token pass now (the fastest of ``repeats``; a few passes after a
+    ``context``-token prefill). Only the pass at this context: the table's per-position part
+    (``LONG_CONTEXT``) costs a prefill of a thousand tokens, which every cached measurement's check
+    ran at a generation's start (3.1 of a default `tierspec generate`'s 5.4 s on a Zen 4)."""
+    return measure_forward_costs(model, max_tokens=1, context=context, repeats=repeats, long_context=0).seconds[1]
 
 
 def forward_costs(target: LoadedModel, max_tokens: int = 16, refresh: bool = False) -> ForwardCosts:

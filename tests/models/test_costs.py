@@ -139,3 +139,20 @@ def test_a_model_too_short_for_the_long_context_keeps_no_slopes(tiny_target, mon
     monkeypatch.setattr(tiny_target.model.config, "max_position_embeddings", costs.TABLE_CONTEXT + 8)
     table = costs.measure_forward_costs(tiny_target.model, max_tokens=3, repeats=1)
     assert table.per_position is None and sorted(table.seconds) == [1, 2, 3]
+
+
+def test_a_spot_check_times_a_short_context_only(tiny_target, monkeypatch):
+    """``spot_check`` (run for every cached measurement before a generation uses it) prefills its
+    ``context`` and times one-token passes: no pass over the table's long context, whose prefill of
+    ``LONG_CONTEXT`` tokens made the checks most of a cached `tierspec generate`'s start-up."""
+    from tierspec.cached_model import CachedModel
+
+    widths, forward = [], CachedModel.forward
+
+    def counted(self, token_ids, *args, **kwargs):
+        widths.append(int(token_ids.shape[0]))
+        return forward(self, token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(CachedModel, "forward", counted)
+    seconds = costs.spot_check(tiny_target.model, repeats=2, context=16)
+    assert seconds > 0 and widths == [16] + [1] * 3
