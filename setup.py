@@ -29,6 +29,7 @@ setup(
         Extension(
             "tierspec._keyed_noise",
             sources=["tierspec/csrc/noise/keyed_noise.c"],
+            depends=["tierspec/csrc/row_top.h"],  # its rows' first maxima, shared with the engine
             extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         ),
     ]

@@ -8,6 +8,8 @@
 #include <math.h>
 #include <string.h>
 
+#include "row_top.h"
+
 /* The empty asm statements below only pin values in vector registers to steer GCC's scheduling (no
  * operation, no change to any result); under tests/simde's emulation vectors are structs, so there
  * they are left out. */
@@ -704,36 +706,8 @@ AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, floa
     ATTEND_BY_WIDTH(attend_heads_avx2, 8, ATTEND_HEADS)
 }
 
-/* first_max_ref's answer, 8 lanes at a time (first_max_avx512's steps). */
-AVX2_TARGET static int64_t first_max_avx2(const float *x, int64_t n, float *top) {
-    __m256 best = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
-        __m256 v = _mm256_loadu_ps(x + j);
-        nan = _mm256_or_ps(nan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        best = _mm256_max_ps(best, v);
-    }
-    if (_mm256_movemask_ps(nan)) return -1;
-    float lanes[8], value = -INFINITY;
-    _mm256_storeu_ps(lanes, best);
-    for (int i = 0; i < 8; i++) value = lanes[i] > value ? lanes[i] : value;
-    for (int64_t i = j; i < n; i++) {
-        if (x[i] != x[i]) return -1;
-        value = x[i] > value ? x[i] : value;
-    }
-    __m256 wanted = _mm256_set1_ps(value);
-    for (j = 0; j + 8 <= n; j += 8) {
-        int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), wanted, _CMP_EQ_OQ));
-        if (hit) {
-            *top = value;
-            return j + __builtin_ctz(hit);
-        }
-    }
-    for (; j < n; j++)
-        if (x[j] == value) break;
-    *top = value;
-    return j;
-}
+/* first_max_ref's answer (row_top.h: the same scan the keyed-noise extension reads rows with). */
+AVX2_TARGET static int64_t first_max_avx2(const float *x, int64_t n, float *top) { return row_top_avx2(x, n, top); }
 
 void install_avx2(kernel_set *k) {
     for (int kind = 0; kind < KINDS; kind++) {

@@ -9,6 +9,7 @@
 #include <math.h>
 
 #include "avx512_blocks.h"
+#include "row_top.h"
 
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
 
@@ -331,38 +332,8 @@ AVX512_TARGET static int attend_avx512(const attention_view *a, const float *q, 
     ATTEND_BY_WIDTH(attend_heads_avx512, 16, ATTEND_HEADS_AVX512)
 }
 
-/* first_max_ref's answer: the largest value and any NaN over 16 lanes at a time (vmaxps keeps its second
- * operand where either is a NaN, which the NaN mask reports anyway), then the first lane equal to it. */
-AVX512_TARGET static int64_t first_max_avx512(const float *x, int64_t n, float *top) {
-    __m512 best = _mm512_set1_ps(-INFINITY);
-    __mmask16 nan = 0;
-    int64_t j = 0;
-    for (; j + 16 <= n; j += 16) {
-        __m512 v = _mm512_loadu_ps(x + j);
-        nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        best = _mm512_max_ps(best, v);
-    }
-    if (j < n) {
-        __mmask16 tail = (__mmask16)((1u << (n - j)) - 1);
-        __m512 v = _mm512_maskz_loadu_ps(tail, x + j);
-        nan |= _mm512_mask_cmp_ps_mask(tail, v, v, _CMP_UNORD_Q);
-        best = _mm512_mask_max_ps(best, tail, best, v);
-    }
-    if (nan) return -1;
-    float value = _mm512_reduce_max_ps(best);
-    __m512 wanted = _mm512_set1_ps(value);
-    for (j = 0; j + 16 <= n; j += 16) {
-        __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), wanted, _CMP_EQ_OQ);
-        if (hit) {
-            *top = value;
-            return j + __builtin_ctz(hit);
-        }
-    }
-    for (; j < n; j++)
-        if (x[j] == value) break;
-    *top = value;
-    return j;
-}
+/* first_max_ref's answer (row_top.h: the same scan the keyed-noise extension reads rows with). */
+AVX512_TARGET static int64_t first_max_avx512(const float *x, int64_t n, float *top) { return row_top_avx512(x, n, top); }
 
 void install_avx512(kernel_set *k) {
     for (int kind = 0; kind < KINDS; kind++) k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx512(kind), F32_ROWS, ISA_AVX512};

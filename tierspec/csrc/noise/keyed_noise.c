@@ -29,6 +29,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+
+#include "../row_top.h"
 #define HAVE_AVX2_BUILD 1
 #else
 #define HAVE_AVX2_BUILD 0
@@ -308,31 +310,9 @@ static int64_t argmax_plain(const float *x, int64_t vocab, uint64_t key) {
 
 #if HAVE_AVX2_BUILD
 /* The same scan, four tokens' bounds at a time. */
-/* The first index of the row's largest entry; −1 for a NaN. */
-AVX2 static int64_t row_top_avx2(const float *x, int64_t vocab) {
-    __m256 top8 = _mm256_set1_ps(-INFINITY), nan8 = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= vocab; j += 8) {
-        __m256 v = _mm256_loadu_ps(x + j);
-        nan8 = _mm256_or_ps(nan8, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-        top8 = _mm256_max_ps(top8, v);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, top8);
-    float top_x = -INFINITY;
-    for (int i = 0; i < 8; i++) top_x = lanes[i] > top_x ? lanes[i] : top_x;
-    if (_mm256_movemask_ps(nan8)) return -1;
-    for (; j < vocab; j++) {
-        if (x[j] != x[j]) return -1;
-        top_x = x[j] > top_x ? x[j] : top_x;
-    }
-    for (j = 0; j < vocab; j++)
-        if (x[j] == top_x) return j;
-    return 0; /* not reached: top_x is one of the row's entries */
-}
-
 AVX2 static int64_t argmax_avx2(const float *x, int64_t vocab, uint64_t key) {
-    int64_t top = row_top_avx2(x, vocab);
+    float top_x;
+    int64_t top = row_top_avx2(x, vocab, &top_x);
     if (top < 0 || x[top] == -INFINITY || x[top] == INFINITY) return top; /* a NaN; every score equal; +inf */
     int64_t best_j = top;
     float best = x[top] + gumbel_at(key, (uint64_t)top);
@@ -384,41 +364,6 @@ AVX512 static inline __m512i mix64_x8(__m512i z) {
     return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
 }
 
-/* The row's largest entry, and whether it holds a NaN. */
-AVX512 static float row_max_avx512(const float *x, int64_t vocab, int *nan) {
-    __m512 top16 = _mm512_set1_ps(-INFINITY);
-    __mmask16 unordered = 0;
-    int64_t j = 0;
-    for (; j + 16 <= vocab; j += 16) {
-        __m512 v = _mm512_loadu_ps(x + j);
-        unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-        top16 = _mm512_max_ps(top16, v);
-    }
-    float top_x = _mm512_reduce_max_ps(top16);
-    *nan = unordered != 0;
-    for (; j < vocab; j++) {
-        *nan |= x[j] != x[j];
-        top_x = x[j] > top_x ? x[j] : top_x;
-    }
-    return top_x;
-}
-
-/* The first index of the row's largest entry; −1 for a NaN. */
-AVX512 static int64_t row_top_avx512(const float *x, int64_t vocab) {
-    int nan;
-    float top_x = row_max_avx512(x, vocab, &nan);
-    if (nan) return -1;
-    const __m512 wanted = _mm512_set1_ps(top_x);
-    int64_t j = 0;
-    for (; j + 16 <= vocab; j += 16) {
-        __mmask16 equal = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + j), wanted, _CMP_EQ_OQ);
-        if (equal) return j + __builtin_ctz((unsigned)equal);
-    }
-    for (; j < vocab; j++)
-        if (x[j] == top_x) return j;
-    return 0; /* not reached: top_x is one of the row's entries */
-}
-
 /* The bound of the AVX2 scan, x_j + (1 + lzcnt(~r_j)) · ln 2 + margin ≥ best, rearranged to need no float64:
  * lzcnt(~r_j) ≥ (best − ln 2 − margin − x_j) / ln 2, the right side in float32 for eight tokens at once.
  * Uncapped, 1 + lzcnt(~r) ≥ −k: the bound only loosens. Float32's roundings put the right side within
@@ -430,7 +375,7 @@ AVX512 static int64_t argmax_avx512(const float *x, int64_t vocab, uint64_t key)
     int nan;
     float top_x = row_max_avx512(x, vocab, &nan);
     if (nan) return -1;
-    if (top_x == -INFINITY || top_x == INFINITY) return row_top_avx512(x, vocab); /* every score equal; +inf */
+    if (top_x == -INFINITY || top_x == INFINITY) return row_top_avx512(x, vocab, &top_x); /* every score equal; +inf */
     if (!(fabsf(top_x) <= WIDEST_TOP)) return argmax_avx2(x, vocab, key);
     /* Below every score the top token can reach (g ≥ −ln 36.74 = −3.604): the top is found by the scan
      * itself, as a token that can reach the best, and no index pass is needed. */
@@ -504,8 +449,9 @@ static int64_t row_top_plain(const float *x, int64_t vocab) {
 /* One row's perturbed argmax (keys) or first maximum on the chosen loop. */
 static int64_t row_token(const float *row, int64_t vocab, const uint64_t *key, int loop) {
 #if HAVE_AVX2_BUILD
-    if (loop == LOOP_AVX512) return key ? argmax_avx512(row, vocab, *key) : row_top_avx512(row, vocab);
-    if (loop == LOOP_AVX2) return key ? argmax_avx2(row, vocab, *key) : row_top_avx2(row, vocab);
+    float top;
+    if (loop == LOOP_AVX512) return key ? argmax_avx512(row, vocab, *key) : row_top_avx512(row, vocab, &top);
+    if (loop == LOOP_AVX2) return key ? argmax_avx2(row, vocab, *key) : row_top_avx2(row, vocab, &top);
 #endif
     return key ? argmax_plain(row, vocab, *key) : row_top_plain(row, vocab);
 }
