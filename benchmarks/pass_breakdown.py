@@ -19,6 +19,11 @@ code and data the stack evicted; the second shows what the operator costs with w
 ``--featured``: also times two-token passes with and without the hidden states a draft head reads
 (``with_hidden``, the final states and the outputs of the shipped head's feature layers), in turn
 ``--passes`` times each: what a featured pass (the default method's every pass) adds, as medians.
+
+``--maxima 1,3,9``: also times the LM head's product alone over that many rows, plain
+(``QuantWeight.multiply``) and finding each row's first maximum as it goes
+(``multiply_with_maxima``: what a batched pass runs, so that a greedy walk reads no logits), in turn
+``--passes`` times each, on the generation's threads: what the maxima add, as medians.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--norm-twice", action="store_true")
     parser.add_argument("--featured", action="store_true")
+    parser.add_argument("--maxima", default="", help="rows of the LM head's product timed with and without maxima")
     parser.add_argument("--out", type=Path, default=Path("results/pass_breakdown.json"))
     args = parser.parse_args()
 
@@ -111,15 +117,31 @@ def main() -> None:
                     runner.rollback(args.context)
         featured = {"hidden_layers": list(layers), "plain_ms": round(1000 * statistics.median(samples[False]), 3),
                     "featured_ms": round(1000 * statistics.median(samples[True]), 3)}
+    maxima = {}
+    if args.maxima:
+        head = target.model.lm_head.qweight
+        with torch.inference_mode(), threads_for(target.model):
+            for count in [int(r) for r in args.maxima.split(",")]:
+                x = torch.randn(count, head.in_features, generator=torch.Generator().manual_seed(count))
+                timed: dict[str, list[float]] = {"plain": [], "maxima": []}
+                for _ in range(args.passes):
+                    for kind, product in (("plain", head.multiply), ("maxima", head.multiply_with_maxima)):
+                        started = time.perf_counter()
+                        product(x)
+                        timed[kind].append(time.perf_counter() - started)
+                maxima[count] = {kind: round(1000 * statistics.median(v), 3) for kind, v in timed.items()}
     result = {"command": " ".join(sys.argv), "dtype": args.dtype, "context": args.context, "passes": args.passes,
               "ms_per_pass": round(1000 * wall / args.passes, 3), "rows_ms": {k: round(v, 3) for k, v in rows.items()},
-              "two_token_pass_with_hidden_states": featured}
+              "two_token_pass_with_hidden_states": featured, "lm_head_with_maxima_ms": maxima}
     print(f"one-token pass after {args.context} cached tokens, mean of {args.passes}: {result['ms_per_pass']} ms")
     for kind, ms in result["rows_ms"].items():
         print(f"  {kind:45s} {ms:7.3f} ms")
     if featured:
         print(f"two-token pass, medians of {args.passes} in turn: {featured['plain_ms']} ms, with the hidden states of "
               f"layers {featured['hidden_layers']} and the final ones {featured['featured_ms']} ms")
+    for count, ms in maxima.items():
+        print(f"LM head product over {count} rows, medians of {args.passes} in turn: {ms['plain']} ms, with each "
+              f"row's first maximum {ms['maxima']} ms")
     atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
 
 

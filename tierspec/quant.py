@@ -235,8 +235,8 @@ class QuantWeight:
         """``multiply(x)`` and the index of each row's first maximum among its N outputs (−1 for a row
         holding a NaN): ``sampling.first_maxima`` of the product, found by each engine thread over the
         columns it has just computed (the engine's ``linear_maxima``). The LM head's product this way
-        gives a greedy walk its tokens without reading the logits again, which after a pass cost the
-        default model about 6 µs a row besides the call's Python."""
+        gives a greedy walk its tokens without reading the logits again after the pass (from memory the
+        pass's weight stream has moved out of the caches, through a call of its own)."""
         rows = self._rows_of(x)
         out = torch.empty(rows, self.out_features, dtype=torch.float32)
         maxima = engine().matmul(weight=self.handle, x=x.data_ptr(), rows=rows, out=out.data_ptr(),
