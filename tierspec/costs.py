@@ -206,7 +206,8 @@ def spot_check(model: torch.nn.Module, repeats: int = 3, context: int = 64) -> f
     """Seconds of a cached 1-token pass now (the fastest of ``repeats``; a few passes after a
     ``context``-token prefill). Only the pass at this context: the table's per-position part
     (``LONG_CONTEXT``) costs a prefill of a thousand tokens, which every cached measurement's check
-    ran at a generation's start (3.1 of a default `tierspec generate`'s 5.4 s on a Zen 4)."""
+    ran at a generation's start: 3.1 s of spot checks in a profile of one default `tierspec generate`
+    on a Zen 4, whose cached start-up went 5.41 → 2.69 s without them (``benchmarks/memory_startup.py``)."""
     return measure_forward_costs(model, max_tokens=1, context=context, repeats=repeats, long_context=0).seconds[1]
 
 

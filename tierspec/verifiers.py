@@ -365,11 +365,9 @@ class Verifiers:
         extra = self._pad_count(rows + m) if pad else 0
         recording = self.features is not None and record_features
         hidden = self.feature_layers if recording else (() if with_hidden else None)
-        if tree.is_chain:  # as lists: the batched pass joins every sequence's rows in one tensor
-            tokens = self.committed.pending_list(start) + tree.token_list
-            if extra:
-                tokens += tokens[-1:] * extra
-            request = PassRequest(self.runner, tokens, m + 1 + extra, hidden_layers=hidden)
+        if tree.is_chain:  # as ints: the batched pass joins every sequence's rows in one tensor
+            request = PassRequest(self.runner, _chain_rows(self.committed.pending_list(start), tree.token_list, extra),
+                                  m + 1 + extra, hidden_layers=hidden)
         else:
             layout = tree_pass(self.committed.pending(start), tree, extra)
             request = PassRequest(self.runner, layout.tokens, m + 1 + extra, layout.offsets, layout.attends, hidden)
@@ -416,11 +414,11 @@ class Verifiers:
         if not proposal.is_chain:
             raise ValueError("the slim verifier scores chains only (VIA-SD verifies one chain of drafts)")
         start = self.runner.length
-        pending = self.committed.pending(start)
+        pending = self.committed.pending_list(start)
         rows, k = len(pending), len(proposal)
         pad = self._pad_count(rows + k)
-        result = self._forward(_chain_rows(pending, proposal.tokens, pad), logits_for=k + 1 + pad, mask=self.slim_mask,
-                               vocabulary=self.slim_vocabulary)
+        tokens = torch.tensor(_chain_rows(pending, proposal.token_list, pad), dtype=torch.long)
+        result = self._forward(tokens, logits_for=k + 1 + pad, mask=self.slim_mask, vocabulary=self.slim_vocabulary)
         self.slim_calls += 1
         # the slim model's features, until a full pass rewrites them
         self._pass = PassRecord(start, rows, k, True, result.hidden[: rows + k] if self.features is not None else None)
@@ -493,15 +491,11 @@ class Verifiers:
         return _DraftView(self)
 
 
-def _chain_rows(pending: torch.Tensor, drafts: torch.Tensor, pad: int) -> torch.Tensor:
-    """The tokens of a chain pass: the pending committed tokens, the drafts, and ``pad`` copies
-    of the last (padding rows: their outputs are dropped, their KV rolled back)."""
-    if not len(drafts) and not pad:
-        return pending
-    parts = [pending, drafts] if len(drafts) else [pending]
-    if pad:
-        parts.append((drafts if len(drafts) else pending)[-1:].expand(pad))
-    return torch.cat(parts)
+def _chain_rows(pending: list[int], drafts: list[int], pad: int) -> list[int]:
+    """The tokens of a chain pass, as ints: the pending committed tokens, the drafts, and ``pad``
+    copies of the last (padding rows: their outputs are dropped, their KV rolled back)."""
+    tokens = pending + drafts
+    return tokens + tokens[-1:] * pad if pad else tokens
 
 
 class _DraftView(TargetDraftView):

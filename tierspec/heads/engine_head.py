@@ -77,7 +77,8 @@ class EngineHead:
     def fused_input(self, inputs: torch.Tensor, next_tokens: torch.Tensor) -> torch.Tensor:
         """The layer's input x = W_fc [g, e] (+ bias) [n, H] for inputs g [n, H] and x_next [n]:
         W_fc's product called directly (no module call)."""
-        x = self.fc.qweight.multiply(torch.cat((_float_rows(inputs), embedded_rows(self.head.embedding, next_tokens)), dim=-1))
+        embedded = embedded_rows(self.head.embedding, next_tokens)
+        x = self.fc.qweight.multiply(torch.cat((_float_rows(inputs), embedded), dim=-1))
         return x if self.fc_bias is None else x + self.fc_bias
 
     def norm(self, out: torch.Tensor) -> torch.Tensor:
