@@ -668,6 +668,33 @@ def test_the_vector_attention_of_each_head_width_it_covers(tmp_path, path, head_
     assert torch.equal(alone, got[60:])
 
 
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 6, 2), (128, 2, 1), (256, 2, 2)])
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16])
+def test_rows_attending_together_get_what_each_gets_alone(tmp_path, path, head_dim, heads, kv_heads, kv):
+    """A long pass's chain rows attend in blocks where the path has ``attend_rows`` (a block of keys
+    and values widened to float32 once for all the block's rows and heads): every row gets bitwise
+    what it gets in a pass of its own — float32 and float16 caches, groups of 3, 2 and 1 query heads
+    per kv head, rows whose keys end inside a block of 16 and odd and even key counts, a pass that
+    begins after cached tokens, one thread and two."""
+    tiny = write_tiny_gguf(tmp_path, seed=7, layers=2, hidden=heads * head_dim, heads=heads, kv_heads=kv_heads)
+    model = load_gguf_llama(tiny.gguf, tiny.folder, dataclasses.replace(numerics_for(torch.float32), kv_dtype=kv))
+    prompt = LONG_PROMPT[:90]
+    with torch.inference_mode(), kernels(path):
+        if "avx512" in path or path == "amx":
+            assert engine.probe()["paths"]["attention_rows"] == "avx512"
+        runner = CachedModel(model)
+        alone = torch.cat([runner.forward(prompt[i : i + 1]).logits for i in range(len(prompt))])
+        for threads in (1, 2):
+            with _threads(threads):
+                runner.rollback(0)
+                whole = runner.forward(prompt).logits  # 64 rows, then 26
+                runner.rollback(13)
+                after = runner.forward(prompt[13:]).logits
+            assert torch.equal(whole, alone), threads
+            assert torch.equal(after, alone[13:]), threads
+
+
 def test_the_cost_tables_key_names_the_numerics_and_the_kernel_path(tiny):
     """A cached pass-cost table is keyed by the engine's numerics and the path their kernels take
     here, so a new kernel (or a capped path) never reads an old table."""

@@ -721,7 +721,7 @@ static PyObject *py_probe(PyObject *self, PyObject *unused) {
     for (int layout = 0; layout < LAYOUTS; layout++)
         if (set_item(paths, layout_names[layout], PyUnicode_FromString(isa_names[kernels.tile[layout][KIND_Q4].isa]))) goto fail;
     static const char *op_names[OPS] = {"rows_float32", "rows_bfloat16", "rows_int8", "exp", "rms_norm", "attention", "store_half",
-                                              "first_max"};
+                                              "first_max", "attention_rows"};
     for (int op = 0; op < OPS; op++)
         if (set_item(paths, op_names[op], PyUnicode_FromString(isa_names[kernels.isa[op]]))) goto fail;
     if (set_item(out, "isa", PyUnicode_FromString(isa_names[cpu.level])) ||

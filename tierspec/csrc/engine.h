@@ -166,7 +166,19 @@ typedef struct {
  * (within the view's window). */
 int visible_slots(const attention_view *a, int row, int *slots);
 
-enum { OP_PREPARE_F32, OP_PREPARE_BF16, OP_PREPARE_INT8, OP_EXP, OP_RMS_NORM, OP_ATTEND, OP_STORE_HALF, OP_FIRST_MAX, OPS };
+enum { OP_PREPARE_F32, OP_PREPARE_BF16, OP_PREPARE_INT8, OP_EXP, OP_RMS_NORM, OP_ATTEND, OP_STORE_HALF, OP_FIRST_MAX,
+       OP_ATTEND_ROWS, OPS };
+
+/* Keys and values a vector path's attend_rows widens at a time (a block of values covers whole
+ * (even, odd) pairs), and the scratch bytes it needs for ``rows`` rows of ``group`` heads of width D
+ * whose last row sees ``keys`` keys: the widened blocks, every row's and head's scores, value sums
+ * (even and odd), running maxima [16] and 1 / sum, and room to align. */
+#define ATTEND_ROWS_KEY_BLOCK 16
+#define ATTEND_ROWS_VALUE_BLOCK 32
+static inline size_t attend_rows_scratch(int rows, int group, int keys, int D) {
+    return ((size_t)(ATTEND_ROWS_KEY_BLOCK + ATTEND_ROWS_VALUE_BLOCK) * D +
+            (size_t)rows * group * ((size_t)keys + 2 * (size_t)D + 16 + 1)) * 4 + 64;
+}
 
 typedef struct {
     tile_kernel tile[LAYOUTS][KINDS];
@@ -183,6 +195,15 @@ typedef struct {
      * values); returns 0 where it has no kernel for the head width (then the reference runs) */
     int (*attend)(const attention_view *a, const float *q, float *out, int head0, int group, float *scores,
                   const int *slots, int count);
+    /* ``attend`` for ``rows`` consecutive query rows j0 .. j0 + rows - 1 of a chain view (no mask, no
+     * window, not every slot: row j sees slots 0 .. start + j), query heads head0 .. head0 + group - 1
+     * of one kv head; q and out [rows, heads * D]; scratch: attend_rows_scratch(...) bytes. Each row
+     * and head gets exactly what ``attend`` gives it alone (its operations in the same order): the rows
+     * only share the loads of a block of keys and values, widened to float32 once for all of them
+     * (a prefill's attention read every key again for every row). NULL on a path without it, and
+     * returns 0 for a head width it does not cover: then each row runs ``attend``. */
+    int (*attend_rows)(const attention_view *a, const float *q, float *out, int j0, int rows, int head0, int group,
+                       float *scratch);
     /* n float32 values stored as float16 (half_from_float's bits) */
     void (*store_half)(const float *x, uint16_t *out, int n);
     /* the index of the first of the largest of x[0 .. n - 1] (n >= 1) and that value in *top; -1 where

@@ -332,6 +332,164 @@ AVX512_TARGET static int attend_avx512(const attention_view *a, const float *q, 
     ATTEND_BY_WIDTH(attend_heads_avx512, 16, ATTEND_HEADS_AVX512)
 }
 
+/* attend_heads_avx512's operations for rows j0 .. j0 + rows - 1 of a chain view (row j: slots 0 ..
+ * start + j), each row's and head's in the same order as alone (kernel_set.attend_rows). The loops
+ * only move: a block of ATTEND_ROWS_KEY_BLOCK keys is widened to float32 once and every row and head
+ * that sees any of it takes its dot products from there (a row whose keys end inside the block takes
+ * the first n, the rest of its 16 sums zero, as alone); each row's and head's softmax is the same
+ * code over its scores; a block of ATTEND_ROWS_VALUE_BLOCK values is widened once and every row and
+ * head adds the (even, odd) pairs of it below its own ``paired`` to its sums, kept in scratch between
+ * blocks (each sum takes its terms in the same order); a row's odd last key and the scaling follow. */
+AVX512_TARGET static inline void attend_rows_heads_avx512(const attention_view *a, const float *q, float *out, int j0,
+                                                         int rows, int head0, int group, float *scratch,
+                                                         const int chunks, const int half) {
+    int D = 16 * chunks, heads = a->heads, g = head0 / (heads / a->kv_heads), keys = a->start + j0 + rows;
+    int hd = heads * D, pairs = rows * group;
+    const void *K = a->keys, *V = a->values;
+    size_t base = (size_t)g * a->cap * D;
+    float *kb = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63); /* [KEY_BLOCK, D] */
+    float *vb = kb + (size_t)ATTEND_ROWS_KEY_BLOCK * D;                 /* [VALUE_BLOCK, D] */
+    float *scores = vb + (size_t)ATTEND_ROWS_VALUE_BLOCK * D;           /* [rows, group, keys] */
+    float *sums = scores + (size_t)pairs * keys;                       /* [rows, group, 2, D] */
+    float *bests = sums + (size_t)pairs * 2 * D;                       /* [rows, group, 16] */
+    float *invs = bests + (size_t)pairs * 16;                          /* [rows, group] */
+    __m512 scale = _mm512_set1_ps(a->scale);
+    for (int i = 0; i < pairs; i++) _mm512_storeu_ps(bests + (size_t)i * 16, _mm512_set1_ps(-INFINITY));
+    for (int l0 = 0; l0 < keys; l0 += ATTEND_ROWS_KEY_BLOCK) {
+        int nb = keys - l0 < ATTEND_ROWS_KEY_BLOCK ? keys - l0 : ATTEND_ROWS_KEY_BLOCK;
+        for (int j = 0; j < nb; j++)
+            for (int c = 0; c < chunks; c++)
+                _mm512_storeu_ps(kb + (size_t)j * D + 16 * c, load16_kv(K, base + (size_t)(l0 + j) * D + 16 * c, half));
+        for (int r = 0; r < rows; r++) {
+            int count = a->start + j0 + r + 1;
+            if (l0 >= count) continue;
+            int n = count - l0 < 16 ? count - l0 : 16;
+            __mmask16 valid = (__mmask16)((1u << n) - 1);
+            for (int h = 0; h < group; h++) {
+                const float *qh = q + (size_t)r * hd + (size_t)(head0 + h) * D;
+                __m512 qv[16], s[16];
+                for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(qh + 16 * c);
+                for (int j = 0; j < n; j++) {
+                    const float *k = kb + (size_t)j * D;
+                    s[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+                    for (int c = 1; c < chunks; c++) s[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), s[j]);
+                }
+                for (int j = n; j < 16; j++) s[j] = _mm512_setzero_ps();
+                __m512 v = _mm512_mul_ps(sum_lanes16(s), scale);
+                int at = r * group + h;
+                _mm512_mask_storeu_ps(scores + (size_t)at * keys + l0, valid, v);
+                float *best = bests + (size_t)at * 16;
+                __m512 b = _mm512_loadu_ps(best);
+                _mm512_storeu_ps(best, _mm512_mask_max_ps(b, valid, b, v));
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) { /* each row's and head's softmax over its scores */
+        int count = a->start + j0 + r + 1;
+        for (int h = 0; h < group; h++) {
+            int at = r * group + h;
+            float *sc = scores + (size_t)at * keys, top;
+            if (a->softcap > 0.0f) {
+                softcap_scores(sc, count, a->softcap);
+                top = -INFINITY;
+                for (int l = 0; l < count; l++) top = sc[l] > top ? sc[l] : top;
+            } else {
+                top = _mm512_reduce_max_ps(_mm512_loadu_ps(bests + (size_t)at * 16));
+            }
+            __m512 shift = _mm512_set1_ps(top), total = _mm512_setzero_ps();
+            int l16 = 0;
+            for (; l16 + 16 <= count; l16 += 16) {
+                __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + l16), shift));
+                _mm512_storeu_ps(sc + l16, e);
+                total = _mm512_add_ps(total, e);
+            }
+            if (l16 < count) {
+                __mmask16 tail = (__mmask16)((1u << (count - l16)) - 1);
+                __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sc + l16), shift));
+                _mm512_mask_storeu_ps(sc + l16, tail, e);
+                total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
+            }
+            invs[at] = 1.0f / _mm512_reduce_add_ps(total);
+        }
+    }
+    for (int i = 0; i < pairs * 2 * chunks; i++) _mm512_storeu_ps(sums + (size_t)i * 16, _mm512_setzero_ps());
+    int widest = keys & ~1; /* the largest ``paired`` of the rows (the last row's) */
+    for (int b0 = 0; b0 < widest; b0 += ATTEND_ROWS_VALUE_BLOCK) {
+        int b1 = b0 + ATTEND_ROWS_VALUE_BLOCK < widest ? b0 + ATTEND_ROWS_VALUE_BLOCK : widest;
+        for (int l = b0; l < b1; l++)
+            for (int c = 0; c < chunks; c++)
+                _mm512_storeu_ps(vb + (size_t)(l - b0) * D + 16 * c, load16_kv(V, base + (size_t)l * D + 16 * c, half));
+        for (int r = 0; r < rows; r++) {
+            int paired = (a->start + j0 + r + 1) & ~1, end = b1 < paired ? b1 : paired;
+            if (b0 >= end) continue;
+            for (int h = 0; h < group; h++) {
+                int at = r * group + h;
+                const float *p = scores + (size_t)at * keys;
+                float *even_sums = sums + (size_t)at * 2 * D, *odd_sums = even_sums + D;
+                for (int c0 = 0; c0 < chunks; c0 += VALUE_CHUNKS_AVX512) {
+                    const int width = chunks - c0 < VALUE_CHUNKS_AVX512 ? chunks - c0 : VALUE_CHUNKS_AVX512;
+                    __m512 even[VALUE_CHUNKS_AVX512], odd[VALUE_CHUNKS_AVX512];
+                    for (int c = 0; c < width; c++)
+                        even[c] = _mm512_loadu_ps(even_sums + 16 * (c0 + c)), odd[c] = _mm512_loadu_ps(odd_sums + 16 * (c0 + c));
+                    for (int l = b0; l < end; l += 2) {
+                        const float *v0 = vb + (size_t)(l - b0) * D + 16 * c0, *v1 = v0 + D;
+                        __m512 p0 = _mm512_set1_ps(p[l]), p1 = _mm512_set1_ps(p[l + 1]);
+                        for (int c = 0; c < width; c++) {
+                            even[c] = _mm512_fmadd_ps(p0, _mm512_loadu_ps(v0 + 16 * c), even[c]);
+                            odd[c] = _mm512_fmadd_ps(p1, _mm512_loadu_ps(v1 + 16 * c), odd[c]);
+                        }
+                    }
+                    for (int c = 0; c < width; c++)
+                        _mm512_storeu_ps(even_sums + 16 * (c0 + c), even[c]), _mm512_storeu_ps(odd_sums + 16 * (c0 + c), odd[c]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        int count = a->start + j0 + r + 1, paired = count & ~1;
+        for (int h = 0; h < group; h++) {
+            int at = r * group + h;
+            const float *even_sums = sums + (size_t)at * 2 * D, *odd_sums = even_sums + D;
+            __m512 p0 = _mm512_set1_ps(paired < count ? scores[(size_t)at * keys + paired] : 0.0f);
+            __m512 inv = _mm512_set1_ps(invs[at]);
+            float *o = out + (size_t)r * hd + (size_t)(head0 + h) * D;
+            for (int c = 0; c < chunks; c++) {
+                __m512 even = _mm512_loadu_ps(even_sums + 16 * c);
+                if (paired < count) /* the last key, alone, into the even sums */
+                    even = _mm512_fmadd_ps(p0, load16_kv(V, base + (size_t)paired * D + 16 * c, half), even);
+                _mm512_storeu_ps(o + 16 * c, _mm512_mul_ps(_mm512_add_ps(even, _mm512_loadu_ps(odd_sums + 16 * c)), inv));
+            }
+        }
+    }
+}
+
+/* attend_rows_heads_avx512 by width (ATTEND_WIDTH_SWITCH's widths; the group is not split: the rows'
+ * and heads' state is in scratch, not registers) */
+AVX512_TARGET static int attend_rows_avx512(const attention_view *a, const float *q, float *out, int j0, int rows,
+                                            int head0, int group, float *scratch) {
+    int D = a->head_dim;
+    if (D % 32 != 0 || D > 256) return 0;
+#define ATTEND_ROWS_CASE(width, half_kv)                                                                          \
+    case width: attend_rows_heads_avx512(a, q, out, j0, rows, head0, group, scratch, (width) / 16, half_kv); break;
+#define ATTEND_ROWS_SWITCH(half_kv)                                                                                \
+    switch (D) {                                                                                                   \
+        ATTEND_ROWS_CASE(32, half_kv)                                                                              \
+        ATTEND_ROWS_CASE(64, half_kv)                                                                              \
+        ATTEND_ROWS_CASE(96, half_kv)                                                                              \
+        ATTEND_ROWS_CASE(128, half_kv)                                                                             \
+        ATTEND_ROWS_CASE(256, half_kv)                                                                             \
+    default: attend_rows_heads_avx512(a, q, out, j0, rows, head0, group, scratch, D / 16, half_kv); break;       \
+    }
+    if (a->half) {
+        ATTEND_ROWS_SWITCH(1)
+    } else {
+        ATTEND_ROWS_SWITCH(0)
+    }
+#undef ATTEND_ROWS_SWITCH
+#undef ATTEND_ROWS_CASE
+    return 1;
+}
+
 /* first_max_ref's answer (row_top.h: the same scan the keyed-noise extension reads rows with). */
 AVX512_TARGET static int64_t first_max_avx512(const float *x, int64_t n, float *top) { return row_top_avx512(x, n, top); }
 
@@ -341,8 +499,10 @@ void install_avx512(kernel_set *k) {
     k->exp_inplace = exp_inplace_avx512;
     k->rms_norm = rms_norm_avx512;
     k->attend = attend_avx512;
+    k->attend_rows = attend_rows_avx512;
     k->first_max = first_max_avx512;
-    k->isa[OP_PREPARE_INT8] = k->isa[OP_EXP] = k->isa[OP_RMS_NORM] = k->isa[OP_ATTEND] = k->isa[OP_FIRST_MAX] = ISA_AVX512;
+    k->isa[OP_PREPARE_INT8] = k->isa[OP_EXP] = k->isa[OP_RMS_NORM] = k->isa[OP_ATTEND] = k->isa[OP_FIRST_MAX] =
+        k->isa[OP_ATTEND_ROWS] = ISA_AVX512;
 }
 
 #else

@@ -340,5 +340,6 @@ void install_portable(kernel_set *k) {
     k->attend = attend_ref;
     k->store_half = store_half_ref;
     k->first_max = first_max_ref;
+    k->attend_rows = NULL; /* each row alone (layer.c) */
     for (int op = 0; op < OPS; op++) k->isa[op] = ISA_PORTABLE;
 }

@@ -30,12 +30,17 @@ static _Thread_local scratch_t scratch_main, scratch_scores;
 typedef struct {
     const pass_desc *p;
     const layer_desc *L;
-    int layer;       /* the stack's index of L (its column of the segments' KV tables) */
-    int c0;          /* the chunk's first row */
-    const float *q;  /* [chunk rows, heads * D] */
-    float *out;      /* [chunk rows, heads * D] */
-    int group;       /* query heads per task, all of one kv head */
+    int layer;         /* the stack's index of L (its column of the segments' KV tables) */
+    int c0;            /* the chunk's first row */
+    const float *q;    /* [chunk rows, heads * D] */
+    float *out;        /* [chunk rows, heads * D] */
+    int group;         /* query heads per task, all of one kv head */
+    const int *blocks; /* per block of rows: its first row in the chunk and its rows (all of one segment) */
 } attention_task_args;
+
+/* Query rows a task of a chain's rows takes at most (their keys and values widened once for all:
+ * kernel_set.attend_rows). */
+#define ATTENTION_BLOCK_ROWS 8
 
 static attention_view segment_view(const layer_desc *L, int layer, const segment_desc *sg) {
     const int64_t *kv = sg->kv + KV_COLUMNS * (size_t)layer;
@@ -45,22 +50,61 @@ static attention_view segment_view(const layer_desc *L, int layer, const segment
     return v;
 }
 
-static void attention_task(void *raw, int chunk) { /* chunk: one (row, group of query heads) of the pass's chunk */
-    const attention_task_args *t = (const attention_task_args *)raw;
-    const layer_desc *L = t->L;
-    int heads = L->heads, D = L->head_dim, groups = heads / t->group, local = chunk / groups, row = t->c0 + local;
-    int head0 = chunk % groups * t->group;
-    const segment_desc *sg = &t->p->segments[t->p->segment_of[row]];
-    attention_view view = segment_view(L, t->layer, sg);
-    int keys = view.start + view.n;
+/* Whether new row j of ``sg`` sees exactly slots 0 .. start + j in a layer of window ``window``: a
+ * chain (no mask) whose window, if any, cuts none of them (visible_slots reads the positions only
+ * for a window). */
+static int sees_a_chain(const segment_desc *sg, int j, int window) {
+    return sg->attends == NULL && (window <= 0 || (sg->positions ? sg->positions[j] : sg->start + j) + 1 <= window);
+}
+
+/* One row's heads head0 .. head0 + group - 1, alone. */
+static void attend_row(const attention_task_args *t, const attention_view *view, const segment_desc *sg, int local,
+                       int head0) {
+    int heads = t->L->heads, D = t->L->head_dim, row = t->c0 + local, keys = view->start + view->n;
     char *mem = scratch_get(&scratch_scores, (size_t)keys * 4 * (t->group + 1) + 64);
     float *scores = (float *)mem;
     int *slots = (int *)(mem + (size_t)keys * 4 * t->group);
-    int count = visible_slots(&view, row - sg->row0, slots);
+    int count = visible_slots(view, row - sg->row0, slots);
     const float *q = t->q + (size_t)local * heads * D;
     float *out = t->out + (size_t)local * heads * D;
-    if (!kernels.attend(&view, q, out, head0, t->group, scores, slots, count))
-        attend_ref(&view, q, out, head0, t->group, scores, slots, count);
+    if (!kernels.attend(view, q, out, head0, t->group, scores, slots, count))
+        attend_ref(view, q, out, head0, t->group, scores, slots, count);
+}
+
+static void attention_task(void *raw, int chunk) { /* chunk: one (block of rows, group of query heads) */
+    const attention_task_args *t = (const attention_task_args *)raw;
+    const layer_desc *L = t->L;
+    int heads = L->heads, D = L->head_dim, groups = heads / t->group, block = chunk / groups;
+    int head0 = chunk % groups * t->group, local = t->blocks[2 * block], rows = t->blocks[2 * block + 1];
+    const segment_desc *sg = &t->p->segments[t->p->segment_of[t->c0 + local]];
+    attention_view view = segment_view(L, t->layer, sg);
+    if (rows > 1) {
+        int j0 = t->c0 + local - sg->row0;
+        float *scratch = (float *)scratch_get(&scratch_scores, attend_rows_scratch(rows, t->group, sg->start + j0 + rows, D));
+        if (kernels.attend_rows(&view, t->q + (size_t)local * heads * D, t->out + (size_t)local * heads * D, j0, rows,
+                                head0, t->group, scratch))
+            return;
+    }
+    for (int r = 0; r < rows; r++) attend_row(t, &view, sg, local + r, head0);
+}
+
+/* The chunk's rows in blocks for attention_task, into ``blocks`` [2 n]: consecutive rows of one
+ * segment that see a chain, up to ``most`` together where the path has attend_rows; each other row
+ * alone. Returns the number of blocks. */
+static int attention_blocks(const pass_desc *p, const layer_desc *L, int c0, int n, int most, int *blocks) {
+    int count = 0;
+    for (int r = 0; r < n;) {
+        const segment_desc *sg = &p->segments[p->segment_of[c0 + r]];
+        int rows = 1;
+        if (kernels.attend_rows && most > 1 && sees_a_chain(sg, c0 + r - sg->row0, L->window))
+            while (rows < most && r + rows < n && p->segment_of[c0 + r + rows] == p->segment_of[c0 + r] &&
+                   sees_a_chain(sg, c0 + r + rows - sg->row0, L->window))
+                rows++;
+        blocks[2 * count] = r, blocks[2 * count + 1] = rows;
+        count++;
+        r += rows;
+    }
+    return count;
 }
 
 /* ---- the gated MLP's activation --------------------------------------------------------------- */
@@ -145,7 +189,7 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
     int flags = p->flags[layer], nth = p->threads, n = c1 - c0;
     int H = L->hidden, D = L->head_dim, heads = L->heads, kvh = L->kv_heads, I = L->inter;
     int qkv_width = (heads + 2 * kvh) * D;
-    size_t need = (size_t)n * (H + qkv_width + 2 * heads * D + 2 * I + I) * 4 + 6 * 64;
+    size_t need = (size_t)n * (H + qkv_width + 2 * heads * D + 2 * I + I + 2) * 4 + 7 * 64; /* + the blocks' ints */
     char *mem = scratch_get(&scratch_main, need);
     float *xn = (float *)mem; /* [n, H]: a unit's normalised input, then (post-norms) its output */
     float *qkv = xn + (size_t)n * H;
@@ -186,9 +230,13 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
          * way (a one-row pass of the default model: 3 tasks of 3 heads over 2 threads instead of 9 of one,
          * each of which read its kv head's cache again) */
         int threads = work < 1024 ? 1 : nth; /* a few microseconds: one thread */
-        attention_task_args aa = {p, L, layer, c0, q, att, n * kvh >= threads ? heads / kvh : 1};
+        /* rows together where that still leaves each thread about four tasks (a few rows' pass keeps
+         * a task a row: more tasks than threads balance better) */
+        int most = n * kvh / (4 * threads), *blocks = (int *)(act + (size_t)n * I); /* act's tail: 2 n ints */
+        int count = attention_blocks(p, L, c0, n, most < ATTENTION_BLOCK_ROWS ? most : ATTENTION_BLOCK_ROWS, blocks);
+        attention_task_args aa = {p, L, layer, c0, q, att, count * kvh >= threads ? heads / kvh : 1, blocks};
         int64_t attention_started = profiling ? now_ns() : 0;
-        run_parallel(attention_task, &aa, n * heads / aa.group, threads);
+        run_parallel(attention_task, &aa, count * heads / aa.group, threads);
         if (profiling) profile_ns[2] += now_ns() - attention_started;
         add_unit_output(L, L->o, att, n, L->attention_out_norm, xn, h, nth);
     }
