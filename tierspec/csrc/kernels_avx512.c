@@ -249,12 +249,20 @@ AVX512_TARGET static inline void attend_heads_avx512(const attention_view *a, co
             const float *qh = q + (size_t)(head0 + h) * D;
             __m512 qv[16], s[16];
             for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(qh + 16 * c);
-            for (int j = 0; j < n; j++) {
-                size_t k = base + (size_t)slots[l0 + j] * D;
-                s[j] = _mm512_mul_ps(qv[0], load16_kv(K, k, half));
-                for (int c = 1; c < chunks; c++) s[j] = _mm512_fmadd_ps(qv[c], load16_kv(K, k + 16 * c, half), s[j]);
+            if (n == 16) { /* a whole block: a constant trip count, so the sums stay in registers */
+                for (int j = 0; j < 16; j++) {
+                    size_t k = base + (size_t)slots[l0 + j] * D;
+                    s[j] = _mm512_mul_ps(qv[0], load16_kv(K, k, half));
+                    for (int c = 1; c < chunks; c++) s[j] = _mm512_fmadd_ps(qv[c], load16_kv(K, k + 16 * c, half), s[j]);
+                }
+            } else {
+                for (int j = 0; j < n; j++) {
+                    size_t k = base + (size_t)slots[l0 + j] * D;
+                    s[j] = _mm512_mul_ps(qv[0], load16_kv(K, k, half));
+                    for (int c = 1; c < chunks; c++) s[j] = _mm512_fmadd_ps(qv[c], load16_kv(K, k + 16 * c, half), s[j]);
+                }
+                for (int j = n; j < 16; j++) s[j] = _mm512_setzero_ps();
             }
-            for (int j = n; j < 16; j++) s[j] = _mm512_setzero_ps();
             __m512 v = _mm512_mul_ps(sum_lanes16(s), scale);
             _mm512_mask_storeu_ps(scores + (size_t)h * count + l0, valid, v);
             best[h] = _mm512_mask_max_ps(best[h], valid, best[h], v);
@@ -369,12 +377,20 @@ AVX512_TARGET static inline void attend_rows_heads_avx512(const attention_view *
                 const float *qh = q + (size_t)r * hd + (size_t)(head0 + h) * D;
                 __m512 qv[16], s[16];
                 for (int c = 0; c < chunks; c++) qv[c] = _mm512_loadu_ps(qh + 16 * c);
-                for (int j = 0; j < n; j++) {
-                    const float *k = kb + (size_t)j * D;
-                    s[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-                    for (int c = 1; c < chunks; c++) s[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), s[j]);
+                if (n == 16) { /* a whole block: a constant trip count, so the sums stay in registers */
+                    for (int j = 0; j < 16; j++) {
+                        const float *k = kb + (size_t)j * D;
+                        s[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+                        for (int c = 1; c < chunks; c++) s[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), s[j]);
+                    }
+                } else {
+                    for (int j = 0; j < n; j++) {
+                        const float *k = kb + (size_t)j * D;
+                        s[j] = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
+                        for (int c = 1; c < chunks; c++) s[j] = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + 16 * c), s[j]);
+                    }
+                    for (int j = n; j < 16; j++) s[j] = _mm512_setzero_ps();
                 }
-                for (int j = n; j < 16; j++) s[j] = _mm512_setzero_ps();
                 __m512 v = _mm512_mul_ps(sum_lanes16(s), scale);
                 int at = r * group + h;
                 _mm512_mask_storeu_ps(scores + (size_t)at * keys + l0, valid, v);
