@@ -47,7 +47,7 @@ LAYOUT_BFLOAT16_DOT, LAYOUT_FLOAT32_FMA, LAYOUT_INT8_DOT = 0, 1, 2
 # 3: K-quant cells, kernels specialised per cell kind. 4: int8 rows on AVX2 (vpmaddubsw), attention
 # over a kv head's group of query heads, AVX2 products over 1-2 rows on every thread. 5: float16
 # KV caches (``Numerics.kv_dtype``), one-row attention over whole groups of query heads. 6: a long
-# pass's chain rows attend in blocks, each block's keys and values widened once (AVX-512).
+# pass's chain rows attend in blocks, each block's keys and values widened once (AVX2, AVX-512).
 ENGINE_KERNELS = 6
 
 

@@ -672,8 +672,8 @@ def test_the_vector_attention_of_each_head_width_it_covers(tmp_path, path, head_
 @pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 6, 2), (128, 2, 1), (256, 2, 2)])
 @pytest.mark.parametrize("kv", [torch.float32, torch.float16])
 def test_rows_attending_together_get_what_each_gets_alone(tmp_path, path, head_dim, heads, kv_heads, kv):
-    """A long pass's chain rows attend in blocks where the path has ``attend_rows`` (a block of keys
-    and values widened to float32 once for all the block's rows and heads): every row gets bitwise
+    """A long pass's chain rows attend in blocks (``attend_rows``: a block of keys and values widened
+    to float32 once for all the block's rows and heads, on the AVX2 and AVX-512 paths): every row gets bitwise
     what it gets in a pass of its own — float32 and float16 caches, groups of 3, 2 and 1 query heads
     per kv head, rows whose keys end inside a block of 16 and odd and even key counts, a pass that
     begins after cached tokens, one thread and two."""
@@ -681,8 +681,7 @@ def test_rows_attending_together_get_what_each_gets_alone(tmp_path, path, head_d
     model = load_gguf_llama(tiny.gguf, tiny.folder, dataclasses.replace(numerics_for(torch.float32), kv_dtype=kv))
     prompt = LONG_PROMPT[:90]
     with torch.inference_mode(), kernels(path):
-        if "avx512" in path or path == "amx":
-            assert engine.probe()["paths"]["attention_rows"] == "avx512"
+        assert engine.probe()["paths"]["attention_rows"] == ("avx2" if path == "avx2" else "avx512")
         runner = CachedModel(model)
         alone = torch.cat([runner.forward(prompt[i : i + 1]).logits for i in range(len(prompt))])
         for threads in (1, 2):

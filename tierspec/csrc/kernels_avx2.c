@@ -683,6 +683,167 @@ AVX2_TARGET static inline void attend_heads_avx2(const attention_view *a, const 
     }
 }
 
+/* attend_heads_avx2's operations for rows j0 .. j0 + rows - 1 of a chain view (row j: slots 0 ..
+ * start + j), each row's and head's in the same order as alone (kernel_set.attend_rows): a block of
+ * 8 keys is widened to float32 once and every row and head that sees any of it takes its dot
+ * products from there (a whole block chunk by chunk, a row's last few keys key by key, as alone);
+ * each row's and head's softmax is the same code over its scores; a block of
+ * ATTEND_ROWS_VALUE_BLOCK values is widened once and every row and head adds the (even, odd) pairs
+ * of it below its own ``paired`` to its sums, kept in scratch between blocks; a row's odd last key
+ * and the scaling follow. */
+AVX2_TARGET static inline void attend_rows_heads_avx2(const attention_view *a, const float *q, float *out, int j0, int rows,
+                                                     int head0, int group, float *scratch, const int chunks, const int half) {
+    int D = 8 * chunks, heads = a->heads, g = head0 / (heads / a->kv_heads), keys = a->start + j0 + rows;
+    int hd = heads * D, pairs = rows * group;
+    const void *K = a->keys, *V = a->values;
+    size_t base = (size_t)g * a->cap * D;
+    float *kb = (float *)(((uintptr_t)scratch + 63) & ~(uintptr_t)63); /* [8, D] (of KEY_BLOCK's room) */
+    float *vb = kb + (size_t)ATTEND_ROWS_KEY_BLOCK * D;                 /* [VALUE_BLOCK, D] */
+    float *scores = vb + (size_t)ATTEND_ROWS_VALUE_BLOCK * D;           /* [rows, group, keys] */
+    float *sums = scores + (size_t)pairs * keys;                       /* [rows, group, 2, D] */
+    float *bests = sums + (size_t)pairs * 2 * D;                       /* [rows, group, 8] (of 16) */
+    float *invs = bests + (size_t)pairs * 16;                          /* [rows, group] */
+    __m256 scale = _mm256_set1_ps(a->scale);
+    for (int i = 0; i < pairs; i++) _mm256_storeu_ps(bests + (size_t)i * 16, _mm256_set1_ps(-INFINITY));
+    for (int l0 = 0; l0 < keys; l0 += 8) {
+        int nb = keys - l0 < 8 ? keys - l0 : 8;
+        for (int j = 0; j < nb; j++)
+            for (int c = 0; c < chunks; c++)
+                _mm256_storeu_ps(kb + (size_t)j * D + 8 * c, load8_kv(K, base + (size_t)(l0 + j) * D + 8 * c, half));
+        for (int r = 0; r < rows; r++) {
+            int count = a->start + j0 + r + 1;
+            if (l0 >= count) continue;
+            int n = count - l0 < 8 ? count - l0 : 8;
+            __m256 valid = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+            for (int h = 0; h < group; h++) {
+                const float *qh = q + (size_t)r * hd + (size_t)(head0 + h) * D;
+                __m256 s[8];
+                if (n == 8) { /* chunk by chunk, as alone */
+                    __m256 qc = _mm256_loadu_ps(qh);
+                    for (int j = 0; j < 8; j++) s[j] = _mm256_mul_ps(qc, _mm256_loadu_ps(kb + (size_t)j * D));
+#pragma GCC unroll 16
+                    for (int c = 1; c < chunks; c++) {
+                        CHUNK_STEP(s);
+                        qc = _mm256_loadu_ps(qh + 8 * c);
+                        for (int j = 0; j < 8; j++) s[j] = _mm256_fmadd_ps(qc, _mm256_loadu_ps(kb + (size_t)j * D + 8 * c), s[j]);
+                    }
+                } else {
+                    for (int j = 0; j < n; j++) {
+                        s[j] = _mm256_mul_ps(_mm256_loadu_ps(qh), _mm256_loadu_ps(kb + (size_t)j * D));
+                        for (int c = 1; c < chunks; c++)
+                            s[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qh + 8 * c), _mm256_loadu_ps(kb + (size_t)j * D + 8 * c), s[j]);
+                    }
+                    for (int j = n; j < 8; j++) s[j] = _mm256_setzero_ps();
+                }
+                __m256 v = _mm256_mul_ps(sum_lanes8(s), scale);
+                int at = r * group + h;
+                float *sc = scores + (size_t)at * keys + l0;
+                if (n == 8) {
+                    _mm256_storeu_ps(sc, v);
+                } else {
+                    float lanes[8];
+                    _mm256_storeu_ps(lanes, v);
+                    memcpy(sc, lanes, (size_t)n * 4);
+                }
+                float *best = bests + (size_t)at * 16;
+                _mm256_storeu_ps(best, _mm256_max_ps(_mm256_loadu_ps(best), _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), v, valid)));
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) { /* each row's and head's softmax over its scores */
+        int count = a->start + j0 + r + 1;
+        for (int h = 0; h < group; h++) {
+            int at = r * group + h;
+            float *sc = scores + (size_t)at * keys, top = -INFINITY;
+            if (a->softcap > 0.0f) {
+                softcap_scores(sc, count, a->softcap);
+                for (int l = 0; l < count; l++) top = sc[l] > top ? sc[l] : top;
+            } else {
+                const float *top_lanes = bests + (size_t)at * 16;
+                for (int j = 0; j < 8; j++) top = top_lanes[j] > top ? top_lanes[j] : top;
+            }
+            for (int l = 0; l < count; l++) sc[l] -= top;
+            exp_inplace_avx2(sc, count);
+            invs[at] = 1.0f / sum_in_order(sc, count);
+        }
+    }
+    for (int i = 0; i < pairs * 2 * chunks; i++) _mm256_storeu_ps(sums + (size_t)i * 8, _mm256_setzero_ps());
+    int widest = keys & ~1; /* the largest ``paired`` of the rows (the last row's) */
+    for (int b0 = 0; b0 < widest; b0 += ATTEND_ROWS_VALUE_BLOCK) {
+        int b1 = b0 + ATTEND_ROWS_VALUE_BLOCK < widest ? b0 + ATTEND_ROWS_VALUE_BLOCK : widest;
+        for (int l = b0; l < b1; l++)
+            for (int c = 0; c < chunks; c++)
+                _mm256_storeu_ps(vb + (size_t)(l - b0) * D + 8 * c, load8_kv(V, base + (size_t)l * D + 8 * c, half));
+        for (int r = 0; r < rows; r++) {
+            int paired = (a->start + j0 + r + 1) & ~1, end = b1 < paired ? b1 : paired;
+            if (b0 >= end) continue;
+            for (int h = 0; h < group; h++) {
+                int at = r * group + h;
+                const float *p = scores + (size_t)at * keys;
+                float *even_sums = sums + (size_t)at * 2 * D, *odd_sums = even_sums + D;
+                for (int c0 = 0; c0 < chunks; c0 += 4) { /* chunks c0 .. c0 + 3 (chunks is a multiple of 4) */
+                    __m256 even[4], odd[4];
+                    for (int c = 0; c < 4; c++)
+                        even[c] = _mm256_loadu_ps(even_sums + 8 * (c0 + c)), odd[c] = _mm256_loadu_ps(odd_sums + 8 * (c0 + c));
+                    for (int l = b0; l < end; l += 2) {
+                        const float *v0 = vb + (size_t)(l - b0) * D + 8 * c0, *v1 = v0 + D;
+                        __m256 p0 = _mm256_set1_ps(p[l]), p1 = _mm256_set1_ps(p[l + 1]);
+                        for (int c = 0; c < 4; c++) {
+                            even[c] = _mm256_fmadd_ps(p0, _mm256_loadu_ps(v0 + 8 * c), even[c]);
+                            odd[c] = _mm256_fmadd_ps(p1, _mm256_loadu_ps(v1 + 8 * c), odd[c]);
+                        }
+                    }
+                    for (int c = 0; c < 4; c++)
+                        _mm256_storeu_ps(even_sums + 8 * (c0 + c), even[c]), _mm256_storeu_ps(odd_sums + 8 * (c0 + c), odd[c]);
+                }
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        int count = a->start + j0 + r + 1, paired = count & ~1;
+        for (int h = 0; h < group; h++) {
+            int at = r * group + h;
+            const float *even_sums = sums + (size_t)at * 2 * D, *odd_sums = even_sums + D;
+            __m256 p0 = _mm256_set1_ps(paired < count ? scores[(size_t)at * keys + paired] : 0.0f);
+            __m256 iv = _mm256_set1_ps(invs[at]);
+            float *o = out + (size_t)r * hd + (size_t)(head0 + h) * D;
+            for (int c = 0; c < chunks; c++) {
+                __m256 even = _mm256_loadu_ps(even_sums + 8 * c);
+                if (paired < count) /* the last key, alone, into the even sums */
+                    even = _mm256_fmadd_ps(p0, load8_kv(V, base + (size_t)paired * D + 8 * c, half), even);
+                _mm256_storeu_ps(o + 8 * c, _mm256_mul_ps(_mm256_add_ps(even, _mm256_loadu_ps(odd_sums + 8 * c)), iv));
+            }
+        }
+    }
+}
+
+/* attend_rows_heads_avx2 by width (ATTEND_WIDTH_SWITCH's widths; the group is not split: the rows'
+ * and heads' state is in scratch, not registers) */
+AVX2_TARGET static int attend_rows_avx2(const attention_view *a, const float *q, float *out, int j0, int rows, int head0,
+                                        int group, float *scratch) {
+    int D = a->head_dim;
+    if (D % 32 != 0 || D > 256) return 0;
+#define ATTEND_ROWS_CASE(width, half_kv)                                                                          \
+    case width: attend_rows_heads_avx2(a, q, out, j0, rows, head0, group, scratch, (width) / 8, half_kv); break;
+#define ATTEND_ROWS_SWITCH(half_kv)                                                                                \
+    switch (D) {                                                                                                   \
+        ATTEND_ROWS_CASE(32, half_kv)                                                                              \
+        ATTEND_ROWS_CASE(64, half_kv)                                                                              \
+        ATTEND_ROWS_CASE(96, half_kv)                                                                              \
+        ATTEND_ROWS_CASE(128, half_kv)                                                                             \
+        ATTEND_ROWS_CASE(256, half_kv)                                                                             \
+    default: attend_rows_heads_avx2(a, q, out, j0, rows, head0, group, scratch, D / 8, half_kv); break;          \
+    }
+    if (a->half) {
+        ATTEND_ROWS_SWITCH(1)
+    } else {
+        ATTEND_ROWS_SWITCH(0)
+    }
+#undef ATTEND_ROWS_SWITCH
+#undef ATTEND_ROWS_CASE
+    return 1;
+}
+
 /* half_from_float's bits, 8 at a time: clamped to +-65504 (min/max ordered so that a NaN passes),
  * F16C's rounding to nearest even, then any subnormal result made a signed zero. */
 AVX2_TARGET static void store_half_avx2(const float *x, uint16_t *out, int n) {
@@ -719,10 +880,11 @@ void install_avx2(kernel_set *k) {
     k->exp_inplace = exp_inplace_avx2;
     k->rms_norm = rms_norm_avx2;
     k->attend = attend_avx2;
+    k->attend_rows = attend_rows_avx2;
     k->store_half = store_half_avx2;
     k->first_max = first_max_avx2;
     k->isa[OP_PREPARE_F32] = k->isa[OP_PREPARE_INT8] = k->isa[OP_EXP] = k->isa[OP_RMS_NORM] = k->isa[OP_ATTEND] =
-        k->isa[OP_STORE_HALF] = k->isa[OP_FIRST_MAX] = ISA_AVX2;
+        k->isa[OP_STORE_HALF] = k->isa[OP_FIRST_MAX] = k->isa[OP_ATTEND_ROWS] = ISA_AVX2;
 }
 
 #else
