@@ -195,8 +195,8 @@ typedef struct {
      * values); returns 0 where it has no kernel for the head width (then the reference runs) */
     int (*attend)(const attention_view *a, const float *q, float *out, int head0, int group, float *scores,
                   const int *slots, int count);
-    /* ``attend`` for ``rows`` consecutive query rows j0 .. j0 + rows - 1 of a chain view (no mask, no
-     * window, not every slot: row j sees slots 0 .. start + j), query heads head0 .. head0 + group - 1
+    /* ``attend`` for ``rows`` consecutive query rows j0 .. j0 + rows - 1 of a chain view (no mask, and
+     * a window, if any, that cuts none of their keys: row j sees slots 0 .. start + j), query heads head0 .. head0 + group - 1
      * of one kv head; q and out [rows, heads * D]; scratch: attend_rows_scratch(...) bytes. Each row
      * and head gets exactly what ``attend`` gives it alone (its operations in the same order): the rows
      * only share the loads of a block of keys and values, widened to float32 once for all of them
