@@ -162,6 +162,31 @@ typedef struct {
     }                                                                                                   \
     return 1;
 
+/* The body of a vector path's attend_rows: ``kernel`` (the path's inline kernel, taking the head width in
+ * vectors of ``lanes`` floats and the cache's element type as constants) by head width as
+ * ATTEND_WIDTH_SWITCH's, the group whole (the rows' and heads' state is in scratch, not registers);
+ * returns 0 for a width no vector path takes. */
+#define ATTEND_ROWS_CASE(kernel, lanes, width, half) \
+    case width: kernel(a, q, out, j0, rows, head0, group, scratch, (width) / (lanes), half); break;
+#define ATTEND_ROWS_WIDTH_SWITCH(kernel, lanes, half)                                         \
+    switch (D) {                                                                              \
+        ATTEND_ROWS_CASE(kernel, lanes, 32, half)                                             \
+        ATTEND_ROWS_CASE(kernel, lanes, 64, half)                                             \
+        ATTEND_ROWS_CASE(kernel, lanes, 96, half)                                             \
+        ATTEND_ROWS_CASE(kernel, lanes, 128, half)                                            \
+        ATTEND_ROWS_CASE(kernel, lanes, 256, half)                                            \
+    default: kernel(a, q, out, j0, rows, head0, group, scratch, D / (lanes), half); break;    \
+    }
+#define ATTEND_ROWS_BY_WIDTH(kernel, lanes)                                                   \
+    int D = a->head_dim;                                                                      \
+    if (D % 32 != 0 || D > 256) return 0;                                                     \
+    if (a->half) {                                                                            \
+        ATTEND_ROWS_WIDTH_SWITCH(kernel, lanes, 1)                                            \
+    } else {                                                                                  \
+        ATTEND_ROWS_WIDTH_SWITCH(kernel, lanes, 0)                                            \
+    }                                                                                         \
+    return 1;
+
 /* The slots a query row sees, in logical order: the cached context, then the new tokens it sees
  * (within the view's window). */
 int visible_slots(const attention_view *a, int row, int *slots);

@@ -567,6 +567,22 @@ AVX2_TARGET static inline __m256 sum_lanes8(const __m256 v[8]) {
     return _mm256_permutevar8x32_ps(z, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+/* One head's softmax over its ``count`` scores, in place: score − max (soft-capped scores first capped
+ * by softcap_scores, their maximum then taken; else the largest of ``best``'s 8 running maxima), exp,
+ * and 1 / the sum in logical order, returned. */
+AVX2_TARGET static inline float softmax_in_place_avx2(float *sc, int count, float softcap, const float best[8]) {
+    float top = -INFINITY;
+    if (softcap > 0.0f) {
+        softcap_scores(sc, count, softcap);
+        for (int l = 0; l < count; l++) top = sc[l] > top ? sc[l] : top;
+    } else {
+        for (int j = 0; j < 8; j++) top = best[j] > top ? best[j] : top;
+    }
+    for (int l = 0; l < count; l++) sc[l] -= top;
+    exp_inplace_avx2(sc, count);
+    return 1.0f / sum_in_order(sc, count);
+}
+
 /* attend_ref's computation vectorised over the head dimension, its width a compile-time constant
  * (D a multiple of 32 up to 256), for up to ATTEND_HEADS query heads of one kv head at once. Per head and
  * key one dot product over the head's 8-float chunks in order, reduced in a fixed order (8 keys at a
@@ -633,17 +649,9 @@ AVX2_TARGET static inline void attend_heads_avx2(const attention_view *a, const 
     }
     float inv[ATTEND_HEADS];
     for (int h = 0; h < group; h++) { /* each head's softmax over its scores */
-        float *sc = scores + (size_t)h * count, top_lanes[8], top = -INFINITY;
-        if (a->softcap > 0.0f) {
-            softcap_scores(sc, count, a->softcap);
-            for (int l = 0; l < count; l++) top = sc[l] > top ? sc[l] : top;
-        } else {
-            _mm256_storeu_ps(top_lanes, best[h]);
-            for (int j = 0; j < 8; j++) top = top_lanes[j] > top ? top_lanes[j] : top;
-        }
-        for (int l = 0; l < count; l++) sc[l] -= top;
-        exp_inplace_avx2(sc, count);
-        inv[h] = 1.0f / sum_in_order(sc, count);
+        float top_lanes[8];
+        _mm256_storeu_ps(top_lanes, best[h]);
+        inv[h] = softmax_in_place_avx2(scores + (size_t)h * count, count, a->softcap, top_lanes);
     }
     __m256 sums[ATTEND_HEADS][2][32]; /* [head][even, odd keys][chunk]: up to D = 256 */
     for (int h = 0; h < group; h++)
@@ -754,17 +762,7 @@ AVX2_TARGET static inline void attend_rows_heads_avx2(const attention_view *a, c
         int count = a->start + j0 + r + 1;
         for (int h = 0; h < group; h++) {
             int at = r * group + h;
-            float *sc = scores + (size_t)at * keys, top = -INFINITY;
-            if (a->softcap > 0.0f) {
-                softcap_scores(sc, count, a->softcap);
-                for (int l = 0; l < count; l++) top = sc[l] > top ? sc[l] : top;
-            } else {
-                const float *top_lanes = bests + (size_t)at * 16;
-                for (int j = 0; j < 8; j++) top = top_lanes[j] > top ? top_lanes[j] : top;
-            }
-            for (int l = 0; l < count; l++) sc[l] -= top;
-            exp_inplace_avx2(sc, count);
-            invs[at] = 1.0f / sum_in_order(sc, count);
+            invs[at] = softmax_in_place_avx2(scores + (size_t)at * keys, count, a->softcap, bests + (size_t)at * 16);
         }
     }
     for (int i = 0; i < pairs * 2 * chunks; i++) _mm256_storeu_ps(sums + (size_t)i * 8, _mm256_setzero_ps());
@@ -817,31 +815,10 @@ AVX2_TARGET static inline void attend_rows_heads_avx2(const attention_view *a, c
     }
 }
 
-/* attend_rows_heads_avx2 by width (ATTEND_WIDTH_SWITCH's widths; the group is not split: the rows'
- * and heads' state is in scratch, not registers) */
+/* attend_rows_heads_avx2 by width (engine.h's ATTEND_ROWS_BY_WIDTH) */
 AVX2_TARGET static int attend_rows_avx2(const attention_view *a, const float *q, float *out, int j0, int rows, int head0,
                                         int group, float *scratch) {
-    int D = a->head_dim;
-    if (D % 32 != 0 || D > 256) return 0;
-#define ATTEND_ROWS_CASE(width, half_kv)                                                                          \
-    case width: attend_rows_heads_avx2(a, q, out, j0, rows, head0, group, scratch, (width) / 8, half_kv); break;
-#define ATTEND_ROWS_SWITCH(half_kv)                                                                                \
-    switch (D) {                                                                                                   \
-        ATTEND_ROWS_CASE(32, half_kv)                                                                              \
-        ATTEND_ROWS_CASE(64, half_kv)                                                                              \
-        ATTEND_ROWS_CASE(96, half_kv)                                                                              \
-        ATTEND_ROWS_CASE(128, half_kv)                                                                             \
-        ATTEND_ROWS_CASE(256, half_kv)                                                                             \
-    default: attend_rows_heads_avx2(a, q, out, j0, rows, head0, group, scratch, D / 8, half_kv); break;          \
-    }
-    if (a->half) {
-        ATTEND_ROWS_SWITCH(1)
-    } else {
-        ATTEND_ROWS_SWITCH(0)
-    }
-#undef ATTEND_ROWS_SWITCH
-#undef ATTEND_ROWS_CASE
-    return 1;
+    ATTEND_ROWS_BY_WIDTH(attend_rows_heads_avx2, 8)
 }
 
 /* half_from_float's bits, 8 at a time: clamped to +-65504 (min/max ordered so that a NaN passes),

@@ -224,6 +224,34 @@ AVX512_TARGET static inline __m512 load16_kv(const void *base, size_t at, const 
     return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at))) : _mm512_loadu_ps((const float *)base + at);
 }
 
+/* One head's softmax over its ``count`` scores, in place: exp of score − max sixteen at a time in
+ * logical order (soft-capped scores first capped by softcap_scores, their maximum then taken);
+ * ``best``: the running maxima of the uncapped scores. Returns 1 / the exps' sum. */
+AVX512_TARGET static inline float softmax_in_place_avx512(float *sc, int count, float softcap, __m512 best) {
+    float top;
+    if (softcap > 0.0f) {
+        softcap_scores(sc, count, softcap);
+        top = -INFINITY;
+        for (int l = 0; l < count; l++) top = sc[l] > top ? sc[l] : top;
+    } else {
+        top = _mm512_reduce_max_ps(best);
+    }
+    __m512 shift = _mm512_set1_ps(top), sums = _mm512_setzero_ps();
+    int l16 = 0;
+    for (; l16 + 16 <= count; l16 += 16) {
+        __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + l16), shift));
+        _mm512_storeu_ps(sc + l16, e);
+        sums = _mm512_add_ps(sums, e);
+    }
+    if (l16 < count) {
+        __mmask16 tail = (__mmask16)((1u << (count - l16)) - 1);
+        __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sc + l16), shift));
+        _mm512_mask_storeu_ps(sc + l16, tail, e);
+        sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(tail, e));
+    }
+    return 1.0f / _mm512_reduce_add_ps(sums);
+}
+
 /* attend_ref's computation vectorised over the head dimension (D a multiple of 32 up to 256, a
  * compile-time constant for the common widths so that the query and the sums stay in registers), for
  * up to ATTEND_HEADS_AVX512 query heads of one kv head at once. Per head and key one dot product
@@ -269,30 +297,8 @@ AVX512_TARGET static inline void attend_heads_avx512(const attention_view *a, co
         }
     }
     __m512 inv[ATTEND_HEADS_AVX512];
-    for (int h = 0; h < group; h++) { /* each head's softmax over its scores */
-        float *sc = scores + (size_t)h * count, top;
-        if (a->softcap > 0.0f) {
-            softcap_scores(sc, count, a->softcap);
-            top = -INFINITY;
-            for (int l = 0; l < count; l++) top = sc[l] > top ? sc[l] : top;
-        } else {
-            top = _mm512_reduce_max_ps(best[h]);
-        }
-        __m512 shift = _mm512_set1_ps(top), sums = _mm512_setzero_ps();
-        int l16 = 0;
-        for (; l16 + 16 <= count; l16 += 16) {
-            __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + l16), shift));
-            _mm512_storeu_ps(sc + l16, e);
-            sums = _mm512_add_ps(sums, e);
-        }
-        if (l16 < count) {
-            __mmask16 tail = (__mmask16)((1u << (count - l16)) - 1);
-            __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sc + l16), shift));
-            _mm512_mask_storeu_ps(sc + l16, tail, e);
-            sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(tail, e));
-        }
-        inv[h] = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sums));
-    }
+    for (int h = 0; h < group; h++) /* each head's softmax over its scores */
+        inv[h] = _mm512_set1_ps(softmax_in_place_avx512(scores + (size_t)h * count, count, a->softcap, best[h]));
     const int block = chunks < VALUE_CHUNKS_AVX512 ? chunks : VALUE_CHUNKS_AVX512;
     int paired = count & ~1; /* keys 0 .. paired - 1 in (even, odd) pairs; the last one alone if count is odd */
     for (int c0 = 0; c0 < chunks; c0 += block) {
@@ -404,28 +410,8 @@ AVX512_TARGET static inline void attend_rows_heads_avx512(const attention_view *
         int count = a->start + j0 + r + 1;
         for (int h = 0; h < group; h++) {
             int at = r * group + h;
-            float *sc = scores + (size_t)at * keys, top;
-            if (a->softcap > 0.0f) {
-                softcap_scores(sc, count, a->softcap);
-                top = -INFINITY;
-                for (int l = 0; l < count; l++) top = sc[l] > top ? sc[l] : top;
-            } else {
-                top = _mm512_reduce_max_ps(_mm512_loadu_ps(bests + (size_t)at * 16));
-            }
-            __m512 shift = _mm512_set1_ps(top), total = _mm512_setzero_ps();
-            int l16 = 0;
-            for (; l16 + 16 <= count; l16 += 16) {
-                __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(sc + l16), shift));
-                _mm512_storeu_ps(sc + l16, e);
-                total = _mm512_add_ps(total, e);
-            }
-            if (l16 < count) {
-                __mmask16 tail = (__mmask16)((1u << (count - l16)) - 1);
-                __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, sc + l16), shift));
-                _mm512_mask_storeu_ps(sc + l16, tail, e);
-                total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
-            }
-            invs[at] = 1.0f / _mm512_reduce_add_ps(total);
+            invs[at] = softmax_in_place_avx512(scores + (size_t)at * keys, count, a->softcap,
+                                               _mm512_loadu_ps(bests + (size_t)at * 16));
         }
     }
     for (int i = 0; i < pairs * 2 * chunks; i++) _mm512_storeu_ps(sums + (size_t)i * 16, _mm512_setzero_ps());
@@ -479,31 +465,10 @@ AVX512_TARGET static inline void attend_rows_heads_avx512(const attention_view *
     }
 }
 
-/* attend_rows_heads_avx512 by width (ATTEND_WIDTH_SWITCH's widths; the group is not split: the rows'
- * and heads' state is in scratch, not registers) */
+/* attend_rows_heads_avx512 by width (engine.h's ATTEND_ROWS_BY_WIDTH) */
 AVX512_TARGET static int attend_rows_avx512(const attention_view *a, const float *q, float *out, int j0, int rows,
                                             int head0, int group, float *scratch) {
-    int D = a->head_dim;
-    if (D % 32 != 0 || D > 256) return 0;
-#define ATTEND_ROWS_CASE(width, half_kv)                                                                          \
-    case width: attend_rows_heads_avx512(a, q, out, j0, rows, head0, group, scratch, (width) / 16, half_kv); break;
-#define ATTEND_ROWS_SWITCH(half_kv)                                                                                \
-    switch (D) {                                                                                                   \
-        ATTEND_ROWS_CASE(32, half_kv)                                                                              \
-        ATTEND_ROWS_CASE(64, half_kv)                                                                              \
-        ATTEND_ROWS_CASE(96, half_kv)                                                                              \
-        ATTEND_ROWS_CASE(128, half_kv)                                                                             \
-        ATTEND_ROWS_CASE(256, half_kv)                                                                             \
-    default: attend_rows_heads_avx512(a, q, out, j0, rows, head0, group, scratch, D / 16, half_kv); break;       \
-    }
-    if (a->half) {
-        ATTEND_ROWS_SWITCH(1)
-    } else {
-        ATTEND_ROWS_SWITCH(0)
-    }
-#undef ATTEND_ROWS_SWITCH
-#undef ATTEND_ROWS_CASE
-    return 1;
+    ATTEND_ROWS_BY_WIDTH(attend_rows_heads_avx512, 16)
 }
 
 /* first_max_ref's answer (row_top.h: the same scan the keyed-noise extension reads rows with). */
