@@ -95,3 +95,24 @@ def test_peers_on_the_real_model_match_openvinos_own_decoding(tmp_path, data_dir
         assert greedy["token_ids"] == [int(t) for t in own.tokens[0]]
     table = (tmp_path / "out" / "summary.md").read_text()
     assert "`ov-*`: OpenVINO GenAI" in table and "zero point" in table
+
+
+@pytest.mark.parametrize("name", ["ov-greedy", "ov-lookup"])
+def test_the_peers_pipelines_keep_no_prefix_cache(name, monkeypatch):
+    """Each prompt is prefilled in full, as tierspec's methods prefill theirs: OpenVINO's LLMPipeline
+    keeps a prefix cache by default on the CPU (it held the bench's warm-up prompt — the first one
+    measured — prefilled already), so the peer builds it with a scheduler that has none."""
+    genai = _import_genai()
+    from tierspec.bench.openvino import OpenVinoPeer
+
+    built = []
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            built.append((args, kwargs))
+
+    monkeypatch.setattr(genai, "LLMPipeline", Recorder)
+    OpenVinoPeer(name, {}, "smollm2-135m", 49152, (2,), 0.0, 0, 1.0, 2)
+    ((args, kwargs),) = built
+    assert args[1] == "CPU" and kwargs["prompt_lookup"] == (name == "ov-lookup")
+    assert kwargs["scheduler_config"].enable_prefix_caching is False
