@@ -153,7 +153,7 @@ def engine_matrix_seconds(runner: CachedModel, context: int, widths, repeats: in
             started = time.perf_counter()
             runner.forward(tokens)
             elapsed = time.perf_counter() - started
-            _, matrices, _, _ = engine().profile(False)
+            _, matrices, *_ = engine().profile(False)
             runner.rollback(context)
             if i:
                 samples.append(elapsed - matrices)

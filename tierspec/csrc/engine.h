@@ -412,7 +412,7 @@ typedef struct {
 void *scratch_get(scratch_t *s, size_t bytes);
 
 extern int profiling;
-extern int64_t profile_ns[4]; /* whole stack calls, matrix products, attention, layer runs */
+extern int64_t profile_ns[5]; /* whole stack calls, matrix products, attention, layer runs, rows attended in blocks */
 int64_t now_ns(void);
 
 #endif

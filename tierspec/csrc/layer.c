@@ -236,6 +236,8 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
         int count = attention_blocks(p, L, c0, n, most < ATTENTION_BLOCK_ROWS ? most : ATTENTION_BLOCK_ROWS, blocks);
         attention_task_args aa = {p, L, layer, c0, q, att, count * kvh >= threads ? heads / kvh : 1, blocks};
         int64_t attention_started = profiling ? now_ns() : 0;
+        if (profiling)
+            for (int b = 0; b < count; b++) profile_ns[4] += blocks[2 * b + 1] > 1 ? blocks[2 * b + 1] : 0;
         run_parallel(attention_task, &aa, count * heads / aa.group, threads);
         if (profiling) profile_ns[2] += now_ns() - attention_started;
         add_unit_output(L, L->o, att, n, L->attention_out_norm, xn, h, nth);
