@@ -25,13 +25,24 @@ static_assert(sizeof(tile_config) == 64, "ldtilecfg reads 64 bytes");
 
 #define AMX_INT8_ROWS 4
 
-/* ---- the real tiles ---- */
+/* ---- the real tiles ----
+ * The configuration and the tiles' loads and stores are written here as inline assembly, not taken
+ * from <immintrin.h>: GCC 12's _tile_loadconfig declares that ldtilecfg reads 8 bytes of the 64-byte
+ * configuration and _tile_loadd that tileloadd reads no memory at all, so GCC dropped the stores of
+ * the configuration's rows and columns (ldtilecfg then faulted with SIGSEGV, found on a Xeon with
+ * AMX) and may drop or sink the stores that fill a tile before it is loaded. These declare the whole
+ * configuration read, and a load's or store's memory as touched (a "memory" clobber). */
+#define AMX_ASM_CONFIG(c) __asm__ volatile("ldtilecfg %0" ::"m"(*(const tile_config *)(c)))
+#define AMX_ASM_LOAD(t, p, stride) \
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm" #t ::"r"((const void *)(p)), "r"((long)(stride)) : "memory")
+#define AMX_ASM_STORE(t, p, stride) \
+    __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"((void *)(p)), "r"((long)(stride)) : "memory")
 #define AMX_NAME(x) amx_##x
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
-#define T_CONFIG(c) _tile_loadconfig(c)
+#define T_CONFIG(c) AMX_ASM_CONFIG(c)
 #define T_ZERO(t) _tile_zero(t)
-#define T_LOAD(t, p, stride) _tile_loadd(t, p, stride)
-#define T_STORE(t, p, stride) _tile_stored(t, p, stride)
+#define T_LOAD(t, p, stride) AMX_ASM_LOAD(t, p, stride)
+#define T_STORE(t, p, stride) AMX_ASM_STORE(t, p, stride)
 #define T_BF16(c, a, b) _tile_dpbf16ps(c, a, b)
 #define T_BSUD(c, a, b) _tile_dpbsud(c, a, b)
 #define T_RELEASE() _tile_release()
@@ -128,17 +139,17 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8"))) int amx_selftest(void) {
         ai[i] = (int8_t)(i % 11 - 5);
     }
     for (int i = 0; i < 8 * 64; i++) bi[i] = (uint8_t)(i % 13 + 120);
-    _tile_loadconfig(&config);
+    AMX_ASM_CONFIG(&config);
     _tile_zero(0);
-    _tile_loadd(1, a, 64);
-    _tile_loadd(2, b, 64);
+    AMX_ASM_LOAD(1, a, 64);
+    AMX_ASM_LOAD(2, b, 64);
     _tile_dpbf16ps(0, 1, 2);
-    _tile_stored(0, c, 64);
+    AMX_ASM_STORE(0, c, 64);
     _tile_zero(0);
-    _tile_loadd(3, ai, 32);
-    _tile_loadd(4, bi, 64);
+    AMX_ASM_LOAD(3, ai, 32);
+    AMX_ASM_LOAD(4, bi, 64);
     _tile_dpbsud(0, 3, 4);
-    _tile_stored(0, ci, 64);
+    AMX_ASM_STORE(0, ci, 64);
     _tile_release();
     for (int m = 0; m < 16; m++)
         for (int n = 0; n < 16; n++) {
@@ -163,8 +174,11 @@ int install_emulated_amx(kernel_set *k) {
     if (cpu.level < ISA_AVX512) return 0; /* the kernels' other steps are AVX-512 */
     for (int kind = 0; kind < KINDS; kind++) {
         k->tile[LAYOUT_BF16][kind] = (tile_kernel){emulated_tile_bf16, 16, ISA_AMX, NULL, 0, emulated_enter, emulated_leave};
-        tile_kernel few = k->tile[LAYOUT_INT8][kind]; /* the reference's bits too, whichever it is */
-        k->tile[LAYOUT_INT8][kind] = (tile_kernel){emulated_tile_int8, 16, ISA_AMX, few.run, AMX_INT8_ROWS, emulated_enter,
+        /* the reference's bits too, whichever it is; where the real tiles are in use already, their
+         * own few-row kernel (the real tile kernel would run unconfigured: SIGILL) */
+        tile_kernel now = k->tile[LAYOUT_INT8][kind];
+        tile_fn few = now.isa == ISA_AMX ? now.few : now.run;
+        k->tile[LAYOUT_INT8][kind] = (tile_kernel){emulated_tile_int8, 16, ISA_AMX, few, AMX_INT8_ROWS, emulated_enter,
                                                    emulated_leave};
     }
     return 1;
