@@ -4,24 +4,18 @@
  *   AMX_NAME(x)    the names of this copy's functions
  *   AMX_TARGET     its target attribute
  *   T_CONFIG(c), T_ZERO(t), T_LOAD(t, p, stride), T_STORE(t, p, stride), T_BF16(c, a, b),
- *   T_BSUD(c, a, b), T_RELEASE()   the tile operations (tile numbers are constants)
+ *   T_RELEASE()   the tile operations (tile numbers are constants)
  *
- * Tiles (one configuration for both kernels): 0 C (16 rows x 16 float32 or int32), 1 A bfloat16 (16
- * rows x 32 values), 2 B bfloat16 (16 pairs of k x 16 outputs), 3 A int8 (16 rows x 32 values), 4 B
- * int8 (8 quads of k x 16 outputs), 5 a second C: Q6_K's blocks have a scale per 16 inputs, so their
- * two halves are two products (each B holding one half's values, zeros in the other's places).
+ * Tiles: 0 C (16 rows x 16 float32), 1 A bfloat16 (16 rows x 32 values), 2 B bfloat16 (16 pairs of k
+ * x 16 outputs), 5 a second C: Q6_K's blocks have a scale per 16 inputs, so their two halves are two
+ * products (each B holding one half's values, zeros in the other's places).
  *
  * Per (tile, block): the weights' values go into B as the instruction reads them (pairs of k per
- * output for bfloat16, quads for int8: the layouts LAYOUT_BF16 and LAYOUT_INT8 already order them
- * so), 16 rows of x are A, C = A B is the block's dot product of 16 rows x 16 outputs, then each row
- * is scaled into its running sum in float32 exactly as the vector kernels do:
- *   bfloat16: acc += dot * d + (mn - 128 d) * sum x, the dot over (128 + u) for the kinds with a minimum
- *             (as kernels_avx512bf16.c);
- *   int8:     acc += dot * (d * s) (+ mn * (s * sum q) for the kinds with a minimum), a Q8 dot less 128 *
- *             sum q, Q6_K's per half less 32 * the half's sum q (as kernels_vnni.c),
- * so the int8 kernel gives the VNNI kernel's (and the reference's) bits: integer dot products are
- * exact whatever their order. The x rows are read 16 at a time: matmul.c pads them to a multiple of
- * 16 (the padding rows' outputs are never stored). */
+ * output: the layout LAYOUT_BF16 already orders them so), 16 rows of x are A, C = A B is the block's
+ * dot product of 16 rows x 16 outputs, then each row is scaled into its running sum in float32 as
+ * kernels_avx512bf16.c does: acc += dot * d + (mn - 128 d) * sum x, the dot over (128 + u) for the
+ * kinds with a minimum. The x rows are read 16 at a time: matmul.c pads them to a multiple of 16
+ * (the padding rows' outputs are never stored). */
 
 AMX_TARGET static void AMX_NAME(enter)(void) {
     tile_config config;
@@ -30,8 +24,6 @@ AMX_TARGET static void AMX_NAME(enter)(void) {
     config.rows[0] = 16, config.colsb[0] = 64;
     config.rows[1] = 16, config.colsb[1] = 64;
     config.rows[2] = 16, config.colsb[2] = 64;
-    config.rows[3] = 16, config.colsb[3] = 32;
-    config.rows[4] = 8, config.colsb[4] = 64;
     config.rows[5] = 16, config.colsb[5] = 64;
     T_CONFIG(&config);
 }
@@ -115,82 +107,6 @@ AMX_TARGET static void AMX_NAME(tile_bf16)(const matmul_args *a, int t, int m0, 
             acc[i] = _mm512_fmadd_ps(_mm512_load_ps(c[0] + 16 * i), d[0], acc[i]);
             if (products == 2) acc[i] = _mm512_fmadd_ps(_mm512_load_ps(c[1] + 16 * i), d[1], acc[i]);
             if (has_minimum(kind)) acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(a->sums[(size_t)(m0 + i) * KB + b]), acc[i]);
-        }
-    }
-    float vals[TILE];
-    for (int i = 0; i < mt; i++) {
-        _mm512_storeu_ps(vals, acc[i]);
-        store_tile(a, m0 + i, t, vals);
-    }
-}
-
-AMX_TARGET static void AMX_NAME(tile_int8)(const matmul_args *a, int t, int m0, int mt) {
-    const packed_weight *w = a->w;
-    int KB = w->K / QK, kind = w->kind;
-    const int8_t *x = (const int8_t *)a->x;
-    /* B: quad g of k, output r: bytes 64g + 4r .. + 3; Q6_K: its halves in two Bs, zeros elsewhere */
-    __attribute__((aligned(64))) uint8_t bt[2][8 * 64];
-    __attribute__((aligned(64))) int32_t c[2][16 * 16];
-    __m512 acc[16];
-    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
-    const __m512i low = _mm512_set1_epi8(0x0f);
-    if (kind == KIND_Q6K) memset(bt, 0, sizeof bt);
-    for (int b = 0; b < KB; b++) {
-        int j;
-        const uint8_t *cell = block_cell(w, t, b, &j);
-        __m512 d[2], mn = _mm512_setzero_ps();
-        avx512_block_scales(kind, cell, j, d, &mn);
-        const void *bq = bt[0];
-        switch (kind) {
-        case KIND_Q4: case KIND_Q4K: case KIND_Q5K: case KIND_Q6K: { /* 32 bytes per quad: values 0..31 low nibbles, 32..63 high */
-            const uint8_t *hi, *q = nibbles_of(kind, cell, j, &hi);
-            const int bits = high_bits(kind);
-            for (int g = 0; g < 8; g++) {
-                __m256i r = _mm256_loadu_si256((const __m256i *)(q + 32 * g));
-                __m512i u = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(r), _mm256_srli_epi16(r, 4), 1), low);
-                /* Q6_K: quads 0-3 (its first half) in bt[0], 4-7 in bt[1] */
-                _mm512_store_si512((void *)(bt[kind == KIND_Q6K ? g / 4 : 0] + 64 * g), avx512_int8_high(bits, hi, g, u));
-            }
-            break;
-        }
-        case KIND_Q8: bq = ((const cell_q8 *)cell)->q; break; /* a Q8 cell's values are B as they are (q + 128 per byte, quads per output) */
-        default: UNKNOWN_KIND();
-        }
-        T_ZERO(0);
-        T_LOAD(3, x + (size_t)m0 * w->K + (size_t)b * QK, (size_t)w->K);
-        T_LOAD(4, bq, 64);
-        T_BSUD(0, 3, 4);
-        T_STORE(0, c[0], 64);
-        if (kind == KIND_Q6K) {
-            T_ZERO(5);
-            T_LOAD(4, bt[1], 64);
-            T_BSUD(5, 3, 4);
-            T_STORE(5, c[1], 64);
-        }
-        for (int i = 0; i < mt; i++) {
-            float s = a->sums[(size_t)(m0 + i) * KB + b];
-            __m512i dot = _mm512_load_si512((const void *)(c[0] + 16 * i));
-            switch (kind) {
-            case KIND_Q4: case KIND_Q4K: case KIND_Q5K:
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d[0], _mm512_set1_ps(s)), acc[i]);
-                acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(s * (float)a->isums[(size_t)(m0 + i) * KB + b]), acc[i]);
-                break;
-            case KIND_Q6K: { /* per half, less 32 times the half's 8-bit sum (the values are u = q + 32) */
-                const int32_t *half = a->half_isums + (size_t)(m0 + i) * (2 * KB) + 2 * b;
-                __m512i up = _mm512_load_si512((const void *)(c[1] + 16 * i));
-                __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_set1_epi32(32 * half[0])));
-                __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(up, _mm512_set1_epi32(32 * half[1])));
-                acc[i] = _mm512_fmadd_ps(lo, _mm512_mul_ps(d[0], _mm512_set1_ps(s)), acc[i]);
-                acc[i] = _mm512_fmadd_ps(hi, _mm512_mul_ps(d[1], _mm512_set1_ps(s)), acc[i]);
-                break;
-            }
-            case KIND_Q8: {
-                __m512i offset = _mm512_set1_epi32(128 * a->isums[(size_t)(m0 + i) * KB + b]);
-                acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, offset)), _mm512_mul_ps(d[0], _mm512_set1_ps(s)), acc[i]);
-                break;
-            }
-            default: UNKNOWN_KIND();
-            }
         }
     }
     float vals[TILE];

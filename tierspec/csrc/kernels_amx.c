@@ -1,9 +1,16 @@
-/* The AMX path: bfloat16 rows by tdpbf16ps and 8-bit rows by tdpbsud, 16 rows x 16 outputs x one
- * block per instruction (amx_kernels.h), after the permission and probe of cpu.c. 8-bit products
- * over fewer than AMX_INT8_ROWS rows take the VNNI kernel, which gives the same bits (integer dot
- * products are exact, and both take the same float steps after them), so a one-row pass costs what
- * VNNI's costs and still matches a wide pass's row bitwise; bfloat16 products take the tiles at every
+/* The AMX path: bfloat16 rows by tdpbf16ps, 16 rows x 16 outputs x one block per instruction
+ * (amx_kernels.h), after the permission and probe of cpu.c; bfloat16 products take the tiles at every
  * width (their sums' order is the instruction's own, so one kernel serves every row count).
+ *
+ * 8-bit rows keep the VNNI kernel at every row count. An int8 tile kernel (tdpbsud per 16 rows x 16
+ * outputs x block, then each row's float steps, the VNNI kernel's bits) was measured on a Xeon with
+ * AMX (family 6 model 207, a 2-core VM) and lost or tied everywhere: one 1536 x 576 product took 70 /
+ * 103 / 1,346 us over 4 / 16 / 256 rows against VNNI's 40 / 87-116 / 1,233, and a 1,024-token prefill
+ * 0.91 s against 0.84. Each block's scales need its product stored and read back by vector loads
+ * (tilestored), and a B tile made by vector stores (the nibbles widened) waits for them to reach the
+ * cache before tileloadd (41.5 ns a block against 16.5 from memory, a loop of this machine's
+ * instructions); VNNI's 8 vpdpbusd a row and block cost less than that round trip. Where a layout
+ * stored the 8-bit B tiles ready and scaled per super-block, the tiles could pay.
  *
  * The same kernels over a plain-C emulation of the tile instructions (``emulated``, tests only) are
  * the reference of the tile math and let a CPU without AMX check the kernels' layouts. */
@@ -22,8 +29,6 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 static_assert(sizeof(tile_config) == 64, "ldtilecfg reads 64 bytes");
-
-#define AMX_INT8_ROWS 4
 
 /* ---- the real tiles ----
  * The configuration and the tiles' loads and stores are written here as inline assembly, not taken
@@ -44,7 +49,6 @@ static_assert(sizeof(tile_config) == 64, "ldtilecfg reads 64 bytes");
 #define T_LOAD(t, p, stride) AMX_ASM_LOAD(t, p, stride)
 #define T_STORE(t, p, stride) AMX_ASM_STORE(t, p, stride)
 #define T_BF16(c, a, b) _tile_dpbf16ps(c, a, b)
-#define T_BSUD(c, a, b) _tile_dpbsud(c, a, b)
 #define T_RELEASE() _tile_release()
 #include "amx_kernels.h"
 #undef AMX_NAME
@@ -54,10 +58,9 @@ static_assert(sizeof(tile_config) == 64, "ldtilecfg reads 64 bytes");
 #undef T_LOAD
 #undef T_STORE
 #undef T_BF16
-#undef T_BSUD
 #undef T_RELEASE
 
-/* ---- the emulated tiles: the instructions' definitions (Intel SDM, TDPBF16PS and TDPBSUD) ---- */
+/* ---- the emulated tiles: the instructions' definitions (Intel SDM, TDPBF16PS) ---- */
 typedef struct {
     uint8_t data[16][64];
     int rows, colsb;
@@ -92,18 +95,6 @@ static void emu_bf16(int c, int a, int b) {
             memcpy(emulated_tiles[c].data[m] + 4 * n, &acc, 4);
         }
 }
-/* C[m][n] += sum over quads k, j of signed A[m][4k + j] * unsigned B[k][4n + j], int32 */
-static void emu_bsud(int c, int a, int b) {
-    for (int m = 0; m < emulated_tiles[c].rows; m++)
-        for (int n = 0; n < emulated_tiles[c].colsb / 4; n++) {
-            int32_t acc;
-            memcpy(&acc, emulated_tiles[c].data[m] + 4 * n, 4);
-            for (int k = 0; k < emulated_tiles[a].colsb / 4; k++)
-                for (int j = 0; j < 4; j++) acc += (int8_t)emulated_tiles[a].data[m][4 * k + j] * (int32_t)emulated_tiles[b].data[k][4 * n + j];
-            memcpy(emulated_tiles[c].data[m] + 4 * n, &acc, 4);
-        }
-}
-
 #define AMX_NAME(x) emulated_##x
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
 #define T_CONFIG(c) emu_config(c)
@@ -111,7 +102,6 @@ static void emu_bsud(int c, int a, int b) {
 #define T_LOAD(t, p, stride) emu_load(t, p, stride)
 #define T_STORE(t, p, stride) emu_store(t, p, stride)
 #define T_BF16(c, a, b) emu_bf16(c, a, b)
-#define T_BSUD(c, a, b) emu_bsud(c, a, b)
 #define T_RELEASE() ((void)0)
 #include "amx_kernels.h"
 
@@ -163,24 +153,14 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8"))) int amx_selftest(void) {
 }
 
 void install_amx(kernel_set *k) {
-    for (int kind = 0; kind < KINDS; kind++) {
+    for (int kind = 0; kind < KINDS; kind++)
         k->tile[LAYOUT_BF16][kind] = (tile_kernel){amx_tile_bf16, 16, ISA_AMX, NULL, 0, amx_enter, amx_leave};
-        tile_kernel vnni = k->tile[LAYOUT_INT8][kind];
-        k->tile[LAYOUT_INT8][kind] = (tile_kernel){amx_tile_int8, 16, ISA_AMX, vnni.run, AMX_INT8_ROWS, amx_enter, amx_leave};
-    }
 }
 
 int install_emulated_amx(kernel_set *k) {
     if (cpu.level < ISA_AVX512) return 0; /* the kernels' other steps are AVX-512 */
-    for (int kind = 0; kind < KINDS; kind++) {
+    for (int kind = 0; kind < KINDS; kind++)
         k->tile[LAYOUT_BF16][kind] = (tile_kernel){emulated_tile_bf16, 16, ISA_AMX, NULL, 0, emulated_enter, emulated_leave};
-        /* the reference's bits too, whichever it is; where the real tiles are in use already, their
-         * own few-row kernel (the real tile kernel would run unconfigured: SIGILL) */
-        tile_kernel now = k->tile[LAYOUT_INT8][kind];
-        tile_fn few = now.isa == ISA_AMX ? now.few : now.run;
-        k->tile[LAYOUT_INT8][kind] = (tile_kernel){emulated_tile_int8, 16, ISA_AMX, few, AMX_INT8_ROWS, emulated_enter,
-                                                   emulated_leave};
-    }
     return 1;
 }
 
