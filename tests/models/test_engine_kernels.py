@@ -283,16 +283,38 @@ def test_bfloat16_dot_products_match_the_reference_within_their_rounding(path, k
             assert torch.equal(weight.multiply(x[count - 1 : count].contiguous()), got[-1:])
 
 
-def test_8_bit_rows_keep_the_vnni_kernel_on_the_amx_path():
-    """int8 products take VNNI's kernel at every row count on an AMX CPU (kernels_amx.c: the measured
-    tile kernel lost to it), on the real tiles and the emulated ones alike."""
+# the AMX int8 tiles take 64 rows and more (kernels_amx.c), VNNI's kernel fewer, both the reference's bits
+AMX_INT8_ROW_COUNTS = [1, 16, 63, 64, 65, 127, 128, 150]
+
+
+@pytest.mark.skipif("amx" not in PATHS, reason=f"no AMX here: {AMX_REASON}")
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_amx_int8_tiles_equal_the_reference_bitwise(kind):
+    width = _width(kind)
+    weight = QuantWeight(_blocks(kind, 72, width, seed=5), getattr(quant, kind), width, numerics_for(torch.int8))
+    x = _rows(max(AMX_INT8_ROW_COUNTS), width, seed=6)
+    with kernels("portable"):
+        reference = weight.multiply(x)
+    with kernels("amx"):
+        assert engine.probe()["paths"]["int8"] == "amx"
+        for count in AMX_INT8_ROW_COUNTS:
+            assert torch.equal(weight.multiply(x[:count].contiguous()), reference[:count]), count
+
+
+@pytest.mark.parametrize("kind", TYPES)
+def test_the_emulated_tiles_compute_what_the_instructions_define(kind):
+    """The AMX kernels' reference (their tile math in plain C) against the reference kernel: an int8
+    weight's products equal it exactly, whatever the row count (tiles from 64 rows, VNNI's below)."""
     _emulated_available()
-    if "avx512vnni" not in PATHS:
-        pytest.skip("no AVX512-VNNI here")
-    for path in ["amx-emulated"] + (["amx"] if "amx" in PATHS else []):
-        with kernels(path):
-            paths = engine.probe()["paths"]
-            assert paths["bfloat16"] == "amx" and paths["int8"] == "avx512vnni", paths
+    width = _width(kind)
+    weight = QuantWeight(_blocks(kind, 40, width, seed=7), getattr(quant, kind), width, numerics_for(torch.int8))
+    x = _rows(max(AMX_INT8_ROW_COUNTS), width, seed=8)
+    with kernels("portable"):
+        reference = weight.multiply(x)
+    with kernels("amx-emulated"):
+        assert engine.probe()["paths"]["int8"] == "amx"
+        for count in AMX_INT8_ROW_COUNTS:
+            assert torch.equal(weight.multiply(x[:count].contiguous()), reference[:count]), count
 
 
 def test_the_native_block_types_are_the_packages():
@@ -515,7 +537,7 @@ def test_the_probe_reports_what_the_kernels_do():
     assert found["amx"] or found["amx_reason"]
     if found["features"]["avx512vnni"] and found["features"]["os_zmm"] and found["cap"] in (None, "amx", "avx512bf16",
                                                                                              "avx512vnni"):
-        assert found["paths"]["int8"] == "avx512vnni"  # VNNI without AVX512-BF16 counts; AMX keeps it
+        assert found["paths"]["int8"] in ("avx512vnni", "amx")  # VNNI without AVX512-BF16 counts
     assert engine.kernel_report().startswith(f"engine kernels {found['isa']} (")
     with pytest.raises(ValueError, match="not one this process runs"):
         qe.select_isa("avx9000")

@@ -4,18 +4,25 @@
  *   AMX_NAME(x)    the names of this copy's functions
  *   AMX_TARGET     its target attribute
  *   T_CONFIG(c), T_ZERO(t), T_LOAD(t, p, stride), T_STORE(t, p, stride), T_BF16(c, a, b),
- *   T_RELEASE()   the tile operations (tile numbers are constants)
+ *   T_BSUD(c, a, b), T_RELEASE()   the tile operations (tile numbers are constants)
  *
- * Tiles: 0 C (16 rows x 16 float32), 1 A bfloat16 (16 rows x 32 values), 2 B bfloat16 (16 pairs of k
- * x 16 outputs), 5 a second C: Q6_K's blocks have a scale per 16 inputs, so their two halves are two
- * products (each B holding one half's values, zeros in the other's places).
+ * Tiles (one configuration for both kernels): 0 C (16 rows x 16 float32 or int32), 1 A bfloat16 (16
+ * rows x 32 values), 2 B bfloat16 (16 pairs of k x 16 outputs), 3 A int8 (16 rows x 32 values), 4 B
+ * int8 (8 quads of k x 16 outputs), 5 a second C: Q6_K's blocks have a scale per 16 inputs, so their
+ * two halves are two products (each B holding one half's values, zeros in the other's places); 6
+ * and 7 a second A and B int8, with 1 and 2 as their Cs (a C's shape): the int8 kernel's second set,
+ * for the block after the one being scaled.
  *
  * Per (tile, block): the weights' values go into B as the instruction reads them (pairs of k per
- * output: the layout LAYOUT_BF16 already orders them so), 16 rows of x are A, C = A B is the block's
- * dot product of 16 rows x 16 outputs, then each row is scaled into its running sum in float32 as
- * kernels_avx512bf16.c does: acc += dot * d + (mn - 128 d) * sum x, the dot over (128 + u) for the
- * kinds with a minimum. The x rows are read 16 at a time: matmul.c pads them to a multiple of 16
- * (the padding rows' outputs are never stored). */
+ * output for bfloat16, quads for int8: the layouts LAYOUT_BF16 and LAYOUT_INT8 already order them
+ * so), 16 rows of x are A, C = A B is the block's dot product of 16 rows x 16 outputs, then each row
+ * is scaled into its running sum in float32 exactly as the vector kernels do:
+ *   bfloat16: acc += dot * d + (mn - 128 d) * sum x, the dot over (128 + u) for the kinds with a minimum
+ *             (as kernels_avx512bf16.c);
+ *   int8:     as kernels_vnni.c (tile_int8_rows below),
+ * so the int8 kernel gives the VNNI kernel's (and the reference's) bits: integer dot products are
+ * exact whatever their order. The x rows are read 16 at a time: matmul.c pads them to a multiple of
+ * 16 (the padding rows' outputs are never stored). */
 
 AMX_TARGET static void AMX_NAME(enter)(void) {
     tile_config config;
@@ -24,7 +31,11 @@ AMX_TARGET static void AMX_NAME(enter)(void) {
     config.rows[0] = 16, config.colsb[0] = 64;
     config.rows[1] = 16, config.colsb[1] = 64;
     config.rows[2] = 16, config.colsb[2] = 64;
+    config.rows[3] = 16, config.colsb[3] = 32;
+    config.rows[4] = 8, config.colsb[4] = 64;
     config.rows[5] = 16, config.colsb[5] = 64;
+    config.rows[6] = 16, config.colsb[6] = 32;
+    config.rows[7] = 8, config.colsb[7] = 64;
     T_CONFIG(&config);
 }
 
@@ -113,5 +124,145 @@ AMX_TARGET static void AMX_NAME(tile_bf16)(const matmul_args *a, int t, int m0, 
     for (int i = 0; i < mt; i++) {
         _mm512_storeu_ps(vals, acc[i]);
         store_tile(a, m0 + i, t, vals);
+    }
+}
+
+/* One block's weights of tile t as the int8 B tile reads them (quad g of k, output r: bytes 64g + 4r
+ * .. + 3), into bt (Q6_K: its halves in bt and bt + 512, zeros in the other half's quads), and its
+ * scales into d (16 floats; Q6_K's second half's at d + 16) and mn; returns where B is (a Q8 cell's
+ * values are B as they are: q + 128 per byte). */
+AMX_TARGET static KERNEL_INLINE const uint8_t *AMX_NAME(int8_block)(const packed_weight *w, int t, int b, const int kind, uint8_t *bt,
+                                                                    float *d, float *mn) {
+    const int KB = w->K / QK, per = cell_blocks(kind), j = b % per;
+    const size_t block_bytes = cell_bytes(kind) / per;
+    const uint8_t *cell = w->cells + ((size_t)t * (KB / per) + b / per) * cell_bytes(kind);
+    const uint8_t *ahead = cell + block_bytes * (j + PREFETCH_CELLS);
+    for (size_t line = 0; line < block_bytes; line += 64) _mm_prefetch((const char *)(ahead + line), _MM_HINT_T0);
+    __m512 scale[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()}, minimum = _mm512_setzero_ps();
+    avx512_block_scales(kind, cell, j, scale, &minimum);
+    _mm512_store_ps(d, scale[0]);
+    _mm512_store_ps(d + 16, scale[1]);
+    _mm512_store_ps(mn, minimum);
+    if (kind == KIND_Q8) return ((const cell_q8 *)cell)->q;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    const uint8_t *hi, *q = nibbles_of(kind, cell, j, &hi);
+    const int bits = high_bits(kind);
+    for (int g = 0; g < 8; g++) { /* 32 bytes per quad: values 0..31 low nibbles, 32..63 high */
+        __m256i r = _mm256_loadu_si256((const __m256i *)(q + 32 * g));
+        __m512i u = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(r), _mm256_srli_epi16(r, 4), 1), low);
+        /* Q6_K: quads 0-3 (its first half) in the first B, 4-7 in the second, zeros in the other's */
+        _mm512_store_si512((void *)(bt + (kind == KIND_Q6K ? g / 4 * 512 : 0) + 64 * g), avx512_int8_high(bits, hi, g, u));
+        if (kind == KIND_Q6K) _mm512_store_si512((void *)(bt + (1 - g / 4) * 512 + 64 * g), _mm512_setzero_si512());
+    }
+    return bt;
+}
+
+/* A block's products of 16 rows into c (Q6_K: its second half into c + 256), on one of two sets of
+ * tiles (tile numbers are constants): the next block's product runs while this one's are scaled. */
+#define AMX_INT8_PRODUCT(A, B, C, C2, x, stride, bq, c, halves)                                                \
+    do {                                                                                                       \
+        T_ZERO(C);                                                                                             \
+        T_LOAD(A, x, stride);                                                                                  \
+        T_LOAD(B, bq, 64);                                                                                     \
+        T_BSUD(C, A, B);                                                                                       \
+        T_STORE(C, c, 64);                                                                                     \
+        if (halves) {                                                                                          \
+            T_ZERO(C2);                                                                                        \
+            T_LOAD(B, (bq) + 512, 64);                                                                         \
+            T_BSUD(C2, A, B);                                                                                  \
+            T_STORE(C2, (c) + 256, 64);                                                                        \
+        }                                                                                                      \
+    } while (0)
+
+static _Thread_local scratch_t AMX_NAME(int8_scratch);
+
+/* 8-bit rows: ``kind`` is a constant in each copy (AMX_INT8_KIND below). Every block's B of tile t
+ * is made first (the nibbles widened by vector stores, which a tile load must wait for: once here,
+ * not once a block), then for each 16 rows of the call, block by block: the tile product (the next
+ * block's issued before this one's is scaled), then each row's float steps exactly as kernels_vnni.c
+ * takes them, in block order: acc += dot * (d * s) (+ mn * (s * sum q) for the kinds with a minimum),
+ * a Q8 dot less 128 * sum q, Q6_K's per half less 32 * the half's sum q. Integer dot products are
+ * exact in any order, so this gives the VNNI kernel's (and the reference's) bits. */
+AMX_TARGET static KERNEL_INLINE void AMX_NAME(tile_int8_rows)(const matmul_args *a, int t, int m0, int mt, const int kind) {
+    const packed_weight *w = a->w;
+    const int KB = w->K / QK, halves = kind == KIND_Q6K, parts = halves ? 2 : 1;
+    const size_t stride = (size_t)w->K, bt_bytes = (size_t)KB * parts * 512, scale_bytes = (size_t)KB * 48 * 4;
+    char *mem = scratch_get(&AMX_NAME(int8_scratch), bt_bytes + scale_bytes + (size_t)KB * sizeof(void *));
+    uint8_t *bt = (uint8_t *)mem;
+    float *scales = (float *)(mem + bt_bytes); /* per block: d (2 x 16), mn (16) */
+    const uint8_t **bq = (const uint8_t **)(mem + bt_bytes + scale_bytes);
+    for (int b = 0; b < KB; b++)
+        bq[b] = AMX_NAME(int8_block)(w, t, b, kind, bt + (size_t)b * parts * 512, scales + 48 * b, scales + 48 * b + 32);
+    __attribute__((aligned(64))) int32_t c[2][2 * 256];
+    for (int g0 = 0; g0 < mt; g0 += 16) {
+        const int rows = mt - g0 < 16 ? mt - g0 : 16, m = m0 + g0;
+        const int8_t *x = (const int8_t *)a->x + (size_t)m * w->K;
+        __m512 acc[16];
+        for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+        AMX_INT8_PRODUCT(3, 4, 0, 5, x, stride, bq[0], c[0], halves);
+        for (int b = 0; b < KB; b++) {
+            const int slot = b & 1;
+            if (b + 1 < KB) {
+                if (slot) AMX_INT8_PRODUCT(3, 4, 0, 5, x + (size_t)(b + 1) * QK, stride, bq[b + 1], c[0], halves);
+                else AMX_INT8_PRODUCT(6, 7, 1, 2, x + (size_t)(b + 1) * QK, stride, bq[b + 1], c[1], halves);
+            }
+            const int32_t *cs = c[slot];
+            const __m512 d0 = _mm512_load_ps(scales + 48 * b), d1 = _mm512_load_ps(scales + 48 * b + 16);
+            const __m512 mn = _mm512_load_ps(scales + 48 * b + 32);
+            for (int i = 0; i < rows; i++) {
+                float s = a->sums[(size_t)(m + i) * KB + b];
+                __m512i dot = _mm512_load_si512((const void *)(cs + 16 * i));
+                switch (kind) {
+                case KIND_Q4: case KIND_Q4K: case KIND_Q5K:
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d0, _mm512_set1_ps(s)), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(s * (float)a->isums[(size_t)(m + i) * KB + b]), acc[i]);
+                    break;
+                case KIND_Q6K: { /* per half, less 32 times the half's 8-bit sum (the values are u = q + 32) */
+                    const int32_t *half = a->half_isums + (size_t)(m + i) * (2 * KB) + 2 * b;
+                    __m512i up = _mm512_load_si512((const void *)(cs + 256 + 16 * i));
+                    __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_set1_epi32(32 * half[0])));
+                    __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(up, _mm512_set1_epi32(32 * half[1])));
+                    acc[i] = _mm512_fmadd_ps(lo, _mm512_mul_ps(d0, _mm512_set1_ps(s)), acc[i]);
+                    acc[i] = _mm512_fmadd_ps(hi, _mm512_mul_ps(d1, _mm512_set1_ps(s)), acc[i]);
+                    break;
+                }
+                case KIND_Q8: {
+                    __m512i offset = _mm512_set1_epi32(128 * a->isums[(size_t)(m + i) * KB + b]);
+                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, offset)), _mm512_mul_ps(d0, _mm512_set1_ps(s)), acc[i]);
+                    break;
+                }
+                default: UNKNOWN_KIND();
+                }
+            }
+        }
+        float vals[TILE];
+        for (int i = 0; i < rows; i++) {
+            _mm512_storeu_ps(vals, acc[i]);
+            store_tile(a, m + i, t, vals);
+        }
+    }
+}
+#undef AMX_INT8_PRODUCT
+
+#define AMX_INT8_KIND(kind)                                                                                    \
+    AMX_TARGET static void AMX_NAME(tile_int8_##kind)(const matmul_args *a, int t, int m0, int mt) {          \
+        AMX_NAME(tile_int8_rows)(a, t, m0, mt, kind);                                                          \
+    }
+AMX_INT8_KIND(KIND_Q4)
+AMX_INT8_KIND(KIND_Q8)
+AMX_INT8_KIND(KIND_Q4K)
+AMX_INT8_KIND(KIND_Q5K)
+AMX_INT8_KIND(KIND_Q6K)
+#undef AMX_INT8_KIND
+
+/* The int8 tile kernel of each kind (a kind without one here would trap, never take another's). */
+static tile_fn AMX_NAME(tile_int8)(int kind) {
+    switch (kind) {
+    case KIND_Q4: return AMX_NAME(tile_int8_KIND_Q4);
+    case KIND_Q8: return AMX_NAME(tile_int8_KIND_Q8);
+    case KIND_Q4K: return AMX_NAME(tile_int8_KIND_Q4K);
+    case KIND_Q5K: return AMX_NAME(tile_int8_KIND_Q5K);
+    case KIND_Q6K: return AMX_NAME(tile_int8_KIND_Q6K);
+    default: UNKNOWN_KIND();
     }
 }

@@ -179,7 +179,7 @@ static KERNEL_INLINE int high_bits(int kind) {
 /* Layouts: how a cell's values are ordered for the products that read them (quant.Numerics.layout).
  *  LAYOUT_BF16: bfloat16 dot products (vdpbf16ps, AMX tdpbf16ps) take pairs of k per output row;
  *  LAYOUT_F32:  float32 FMAs take one k at a time for every output row (16 lanes);
- *  LAYOUT_INT8: int8 dot products (vpdpbusd) take quads of k per output row. */
+ *  LAYOUT_INT8: int8 dot products (vpdpbusd, AMX tdpbsud) take quads of k per output row. */
 enum { LAYOUT_BF16 = 0, LAYOUT_F32 = 1, LAYOUT_INT8 = 2, LAYOUTS };
 
 /* Where q(row r of the tile, k of the block) lives in a Q4 cell's q area (also each sub-block's of a

@@ -97,10 +97,10 @@ typedef struct {
     tile_fn run;
     int rows;  /* the most rows one call takes */
     int isa;   /* the path it belongs to */
-    /* row groups of fewer than few_below rows take ``few`` instead: only a kernel that gives the same
-     * bits (the int8 products: integer dot products are exact in any order) */
+    /* row groups of fewer than few_below rows take ``few`` instead, few_rows rows a call: only a
+     * kernel that gives the same bits (the int8 products: integer dot products are exact in any order) */
     tile_fn few;
-    int few_below;
+    int few_below, few_rows;
     void (*enter)(void), (*leave)(void); /* around a thread's run of tiles (AMX: the tile configuration) */
 } tile_kernel;
 

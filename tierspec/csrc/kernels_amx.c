@@ -1,16 +1,20 @@
-/* The AMX path: bfloat16 rows by tdpbf16ps, 16 rows x 16 outputs x one block per instruction
- * (amx_kernels.h), after the permission and probe of cpu.c; bfloat16 products take the tiles at every
- * width (their sums' order is the instruction's own, so one kernel serves every row count).
+/* The AMX path: bfloat16 rows by tdpbf16ps and 8-bit rows by tdpbsud, 16 rows x 16 outputs x one
+ * block per instruction (amx_kernels.h), after the permission and probe of cpu.c. bfloat16 products
+ * take the tiles at every width (their sums' order is the instruction's own, so one kernel serves
+ * every row count). 8-bit products take the tiles from AMX_INT8_ROWS rows and VNNI's kernel below,
+ * which gives the same bits (integer dot products are exact, and both take the same float steps
+ * after them).
  *
- * 8-bit rows keep the VNNI kernel at every row count. An int8 tile kernel (tdpbsud per 16 rows x 16
- * outputs x block, then each row's float steps, the VNNI kernel's bits) was measured on a Xeon with
- * AMX (family 6 model 207, a 2-core VM) and lost or tied everywhere: one 1536 x 576 product took 70 /
- * 103 / 1,346 us over 4 / 16 / 256 rows against VNNI's 40 / 87-116 / 1,233, and a 1,024-token prefill
- * 0.91 s against 0.84. Each block's scales need its product stored and read back by vector loads
- * (tilestored), and a B tile made by vector stores (the nibbles widened) waits for them to reach the
- * cache before tileloadd (41.5 ns a block against 16.5 from memory, a loop of this machine's
- * instructions); VNNI's 8 vpdpbusd a row and block cost less than that round trip. Where a layout
- * stored the 8-bit B tiles ready and scaled per super-block, the tiles could pay.
+ * Why only from 64 rows, measured on a Xeon with AMX (family 6 model 207, a 2-core VM): a block's
+ * scales need its 16 x 16 product stored and read back by vector loads, and a B tile made by vector
+ * stores (the nibbles widened) waits for them to reach the cache before tileloadd (41.5 ns a block
+ * against 16.5 loaded from memory, in a loop of those instructions), which a row's 8 vpdpbusd
+ * undercut. Block by block over 16 rows (three arrangements tried) the tiles lost or tied at every
+ * width: a 1536 x 576 product over 4 / 16 / 256 rows took 70 / 103 / 1,346 us against VNNI's 40 /
+ * 87-116 / 1,233. Made once for up to 64 rows (AMX_INT8_CALL_ROWS), the Bs cost once: 64 / 256 rows
+ * 327 / 1,236 us against 337 / 1,398 (Q4_1), 258 / 1,079 against 291 / 1,280 (Q8_0), but 16 / 32
+ * rows still no faster; whole passes of 64 / 128 rows 63.1 / 134.7 ms against 69.4 / 141.6, a 1,024-
+ * token prefill 0.99 s against 1.08.
  *
  * The same kernels over a plain-C emulation of the tile instructions (``emulated``, tests only) are
  * the reference of the tile math and let a CPU without AMX check the kernels' layouts. */
@@ -29,6 +33,11 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 static_assert(sizeof(tile_config) == 64, "ldtilecfg reads 64 bytes");
+
+/* 8-bit products take the tiles from AMX_INT8_ROWS rows (VNNI's kernel below: the same bits), up to
+ * AMX_INT8_CALL_ROWS rows a call, each block's B made once for them all (above: why). */
+#define AMX_INT8_ROWS 64
+#define AMX_INT8_CALL_ROWS 64
 
 /* ---- the real tiles ----
  * The configuration and the tiles' loads and stores are written here as inline assembly, not taken
@@ -49,6 +58,7 @@ static_assert(sizeof(tile_config) == 64, "ldtilecfg reads 64 bytes");
 #define T_LOAD(t, p, stride) AMX_ASM_LOAD(t, p, stride)
 #define T_STORE(t, p, stride) AMX_ASM_STORE(t, p, stride)
 #define T_BF16(c, a, b) _tile_dpbf16ps(c, a, b)
+#define T_BSUD(c, a, b) _tile_dpbsud(c, a, b)
 #define T_RELEASE() _tile_release()
 #include "amx_kernels.h"
 #undef AMX_NAME
@@ -58,9 +68,10 @@ static_assert(sizeof(tile_config) == 64, "ldtilecfg reads 64 bytes");
 #undef T_LOAD
 #undef T_STORE
 #undef T_BF16
+#undef T_BSUD
 #undef T_RELEASE
 
-/* ---- the emulated tiles: the instructions' definitions (Intel SDM, TDPBF16PS) ---- */
+/* ---- the emulated tiles: the instructions' definitions (Intel SDM, TDPBF16PS and TDPBSUD) ---- */
 typedef struct {
     uint8_t data[16][64];
     int rows, colsb;
@@ -95,6 +106,18 @@ static void emu_bf16(int c, int a, int b) {
             memcpy(emulated_tiles[c].data[m] + 4 * n, &acc, 4);
         }
 }
+/* C[m][n] += sum over quads k, j of signed A[m][4k + j] * unsigned B[k][4n + j], int32 */
+static void emu_bsud(int c, int a, int b) {
+    for (int m = 0; m < emulated_tiles[c].rows; m++)
+        for (int n = 0; n < emulated_tiles[c].colsb / 4; n++) {
+            int32_t acc;
+            memcpy(&acc, emulated_tiles[c].data[m] + 4 * n, 4);
+            for (int k = 0; k < emulated_tiles[a].colsb / 4; k++)
+                for (int j = 0; j < 4; j++) acc += (int8_t)emulated_tiles[a].data[m][4 * k + j] * (int32_t)emulated_tiles[b].data[k][4 * n + j];
+            memcpy(emulated_tiles[c].data[m] + 4 * n, &acc, 4);
+        }
+}
+
 #define AMX_NAME(x) emulated_##x
 #define AMX_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
 #define T_CONFIG(c) emu_config(c)
@@ -102,6 +125,7 @@ static void emu_bf16(int c, int a, int b) {
 #define T_LOAD(t, p, stride) emu_load(t, p, stride)
 #define T_STORE(t, p, stride) emu_store(t, p, stride)
 #define T_BF16(c, a, b) emu_bf16(c, a, b)
+#define T_BSUD(c, a, b) emu_bsud(c, a, b)
 #define T_RELEASE() ((void)0)
 #include "amx_kernels.h"
 
@@ -153,14 +177,25 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8"))) int amx_selftest(void) {
 }
 
 void install_amx(kernel_set *k) {
-    for (int kind = 0; kind < KINDS; kind++)
-        k->tile[LAYOUT_BF16][kind] = (tile_kernel){amx_tile_bf16, 16, ISA_AMX, NULL, 0, amx_enter, amx_leave};
+    for (int kind = 0; kind < KINDS; kind++) {
+        k->tile[LAYOUT_BF16][kind] = (tile_kernel){amx_tile_bf16, 16, ISA_AMX, NULL, 0, 0, amx_enter, amx_leave};
+        tile_kernel vnni = k->tile[LAYOUT_INT8][kind];
+        k->tile[LAYOUT_INT8][kind] = (tile_kernel){amx_tile_int8(kind), AMX_INT8_CALL_ROWS, ISA_AMX, vnni.run, AMX_INT8_ROWS, vnni.rows,
+                                                   amx_enter, amx_leave};
+    }
 }
 
 int install_emulated_amx(kernel_set *k) {
     if (cpu.level < ISA_AVX512) return 0; /* the kernels' other steps are AVX-512 */
-    for (int kind = 0; kind < KINDS; kind++)
-        k->tile[LAYOUT_BF16][kind] = (tile_kernel){emulated_tile_bf16, 16, ISA_AMX, NULL, 0, emulated_enter, emulated_leave};
+    for (int kind = 0; kind < KINDS; kind++) {
+        k->tile[LAYOUT_BF16][kind] = (tile_kernel){emulated_tile_bf16, 16, ISA_AMX, NULL, 0, 0, emulated_enter, emulated_leave};
+        /* the few rows' kernel: the one in use (the VNNI kernel, or the real tiles' own few-row kernel:
+         * the real tile kernel would run unconfigured, SIGILL) */
+        tile_kernel now = k->tile[LAYOUT_INT8][kind];
+        tile_kernel few = now.isa == ISA_AMX ? (tile_kernel){now.few, now.few_rows} : now;
+        k->tile[LAYOUT_INT8][kind] = (tile_kernel){emulated_tile_int8(kind), AMX_INT8_CALL_ROWS, ISA_AMX, few.run, AMX_INT8_ROWS, few.rows,
+                                                   emulated_enter, emulated_leave};
+    }
     return 1;
 }
 

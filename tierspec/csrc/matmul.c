@@ -52,7 +52,9 @@ static void matmul_task(void *raw, int chunk) {
     for (int t = t0; t < t1; t++)
         for (int m0 = 0; m0 < a->M; m0 += k->rows) {
             int mt = a->M - m0 < k->rows ? a->M - m0 : k->rows;
-            (mt < k->few_below ? k->few : k->run)(a, t, m0, mt);
+            if (mt < k->few_below)
+                for (int r = 0; r < mt; r += k->few_rows) k->few(a, t, m0 + r, mt - r < k->few_rows ? mt - r : k->few_rows);
+            else k->run(a, t, m0, mt);
         }
     if (k->leave) k->leave();
     if (task->tops && t0 < t1) {
