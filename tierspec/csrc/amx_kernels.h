@@ -207,33 +207,13 @@ AMX_TARGET static KERNEL_INLINE void AMX_NAME(tile_int8_rows)(const matmul_args 
                 else AMX_INT8_PRODUCT(6, 7, 1, 2, x + (size_t)(b + 1) * QK, stride, bq[b + 1], c[1], halves);
             }
             const int32_t *cs = c[slot];
-            const __m512 d0 = _mm512_load_ps(scales + 48 * b), d1 = _mm512_load_ps(scales + 48 * b + 16);
+            const __m512 d[2] = {_mm512_load_ps(scales + 48 * b), _mm512_load_ps(scales + 48 * b + 16)};
             const __m512 mn = _mm512_load_ps(scales + 48 * b + 32);
-            for (int i = 0; i < rows; i++) {
-                float s = a->sums[(size_t)(m + i) * KB + b];
-                __m512i dot = _mm512_load_si512((const void *)(cs + 16 * i));
-                switch (kind) {
-                case KIND_Q4: case KIND_Q4K: case KIND_Q5K:
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(d0, _mm512_set1_ps(s)), acc[i]);
-                    acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(s * (float)a->isums[(size_t)(m + i) * KB + b]), acc[i]);
-                    break;
-                case KIND_Q6K: { /* per half, less 32 times the half's 8-bit sum (the values are u = q + 32) */
-                    const int32_t *half = a->half_isums + (size_t)(m + i) * (2 * KB) + 2 * b;
-                    __m512i up = _mm512_load_si512((const void *)(cs + 256 + 16 * i));
-                    __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(dot, _mm512_set1_epi32(32 * half[0])));
-                    __m512 hi = _mm512_cvtepi32_ps(_mm512_sub_epi32(up, _mm512_set1_epi32(32 * half[1])));
-                    acc[i] = _mm512_fmadd_ps(lo, _mm512_mul_ps(d0, _mm512_set1_ps(s)), acc[i]);
-                    acc[i] = _mm512_fmadd_ps(hi, _mm512_mul_ps(d1, _mm512_set1_ps(s)), acc[i]);
-                    break;
-                }
-                case KIND_Q8: {
-                    __m512i offset = _mm512_set1_epi32(128 * a->isums[(size_t)(m + i) * KB + b]);
-                    acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(dot, offset)), _mm512_mul_ps(d0, _mm512_set1_ps(s)), acc[i]);
-                    break;
-                }
-                default: UNKNOWN_KIND();
-                }
-            }
+            for (int i = 0; i < rows; i++)
+                acc[i] = avx512_int8_scaled(kind, acc[i], _mm512_load_si512((const void *)(cs + 16 * i)),
+                                            _mm512_load_si512((const void *)(cs + 256 * halves + 16 * i)), d, mn, a->sums[(size_t)(m + i) * KB + b],
+                                            a->isums[(size_t)(m + i) * KB + b],
+                                            halves ? a->half_isums + (size_t)(m + i) * (2 * KB) + 2 * b : NULL);
         }
         float vals[TILE];
         for (int i = 0; i < rows; i++) {

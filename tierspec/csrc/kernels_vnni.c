@@ -50,12 +50,9 @@ VNNI_TARGET static KERNEL_INLINE void tile_int8_vnni_rows(const matmul_args *a, 
                     c1[i] = _mm512_dpbusd_epi32(c1[i], w1, _mm512_set1_epi32(xr[1]));
                 }
             }
-            for (int i = 0; i < mt; i++) {
-                float s = a->sums[(size_t)(m0 + i) * KB + b];
-                __m512i offset = _mm512_set1_epi32(128 * a->isums[(size_t)(m0 + i) * KB + b]);
-                __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(c0[i], c1[i]), offset));
-                acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d[0], _mm512_set1_ps(s)), acc[i]);
-            }
+            for (int i = 0; i < mt; i++)
+                acc[i] = avx512_int8_scaled(kind, acc[i], _mm512_add_epi32(c0[i], c1[i]), c1[i], d, mn, a->sums[(size_t)(m0 + i) * KB + b],
+                                            a->isums[(size_t)(m0 + i) * KB + b], NULL);
             break;
         }
         case KIND_Q4: case KIND_Q4K: case KIND_Q5K: case KIND_Q6K: {
@@ -77,20 +74,10 @@ VNNI_TARGET static KERNEL_INLINE void tile_int8_vnni_rows(const matmul_args *a, 
                     c1[i] = _mm512_dpbusd_epi32(c1[i], w1, _mm512_set1_epi32(xr[g1]));
                 }
             }
-            for (int i = 0; i < mt; i++) {
-                float s = a->sums[(size_t)(m0 + i) * KB + b];
-                if (halves) {
-                    const int32_t *half = a->half_isums + (size_t)(m0 + i) * (2 * KB) + 2 * b;
-                    __m512 lo = _mm512_cvtepi32_ps(_mm512_sub_epi32(c0[i], _mm512_set1_epi32(32 * half[0])));
-                    __m512 up = _mm512_cvtepi32_ps(_mm512_sub_epi32(c1[i], _mm512_set1_epi32(32 * half[1])));
-                    acc[i] = _mm512_fmadd_ps(lo, _mm512_mul_ps(d[0], _mm512_set1_ps(s)), acc[i]);
-                    acc[i] = _mm512_fmadd_ps(up, _mm512_mul_ps(d[1], _mm512_set1_ps(s)), acc[i]);
-                } else {
-                    __m512 dot = _mm512_cvtepi32_ps(_mm512_add_epi32(c0[i], c1[i]));
-                    acc[i] = _mm512_fmadd_ps(dot, _mm512_mul_ps(d[0], _mm512_set1_ps(s)), acc[i]);
-                    acc[i] = _mm512_fmadd_ps(mn, _mm512_set1_ps(s * (float)a->isums[(size_t)(m0 + i) * KB + b]), acc[i]);
-                }
-            }
+            for (int i = 0; i < mt; i++) /* Q6_K: its halves' chains apart; otherwise the two chains summed */
+                acc[i] = avx512_int8_scaled(kind, acc[i], halves ? c0[i] : _mm512_add_epi32(c0[i], c1[i]), c1[i], d, mn,
+                                            a->sums[(size_t)(m0 + i) * KB + b], a->isums[(size_t)(m0 + i) * KB + b],
+                                            halves ? a->half_isums + (size_t)(m0 + i) * (2 * KB) + 2 * b : NULL);
             break;
         }
         default: UNKNOWN_KIND();
