@@ -10,11 +10,9 @@
  * stores (the nibbles widened) waits for them to reach the cache before tileloadd (41.5 ns a block
  * against 16.5 loaded from memory, in a loop of those instructions), which a row's 8 vpdpbusd
  * undercut. Block by block over 16 rows (three arrangements tried) the tiles lost or tied at every
- * width: a 1536 x 576 product over 4 / 16 / 256 rows took 70 / 103 / 1,346 us against VNNI's 40 /
- * 87-116 / 1,233. Made once for up to 64 rows (AMX_INT8_CALL_ROWS), the Bs cost once: 64 / 256 rows
- * 327 / 1,236 us against 337 / 1,398 (Q4_1), 258 / 1,079 against 291 / 1,280 (Q8_0), but 16 / 32
- * rows still no faster; whole passes of 64 / 128 rows 63.1 / 134.7 ms against 69.4 / 141.6, a 1,024-
- * token prefill 0.99 s against 1.08.
+ * width. Made once for up to 64 rows (AMX_INT8_CALL_ROWS), the Bs cost once: passes of 64 / 128 rows
+ * 59.5 / 111.7 ms against VNNI's 59.9 / 124.2 and a 1,024-token prefill 0.87 s against 0.91
+ * (benchmarks/isa_compare.py; docs/engine.md has the rest), nothing gained below 64 rows.
  *
  * The same kernels over a plain-C emulation of the tile instructions (``emulated``, tests only) are
  * the reference of the tile math and let a CPU without AMX check the kernels' layouts. */
