@@ -29,7 +29,8 @@ setup(
         Extension(
             "tierspec._keyed_noise",
             sources=["tierspec/csrc/noise/keyed_noise.c"],
-            depends=["tierspec/csrc/row_top.h"],  # its rows' first maxima, shared with the engine
+            # its rows' first maxima and the noise's arithmetic and scans, shared with the engine
+            depends=["tierspec/csrc/row_top.h", "tierspec/csrc/keyed_scan.h"],
             extra_compile_args=["-O3", "-std=c11", "-ffp-contract=off", "-Wall", "-Wextra", "-Wno-unused-parameter"],
         ),
     ]

@@ -41,6 +41,20 @@ class PassResult:
     logits: torch.Tensor
     hidden: torch.Tensor | None = None
     first_maxima: list[int] | None = None  # each logits row's ``sampling.first_maxima``, where the pass found them
+    keyed_draws: list[int] | None = None  # each logits row's keyed draw (``RowDraws``), where the pass made them
+
+
+@dataclass(frozen=True)
+class RowDraws:
+    """The keyed draws a pass makes in its LM head's product for a sequence's scored rows: row i's
+    token argmax_v(logits[i, v] / ``temperature`` + g_i(v)) under the Gumbel noise of ``keys[i]``
+    (``sampling.keyed_tokens`` of ``sampling.sampling_logits`` without top-k or top-p, bit for bit),
+    drawn by the engine's threads from each chunk of the product while it is in their caches; rows past
+    ``keys`` are not drawn. A backend that cannot draw (a solo pass, a head that is not quantised)
+    returns none: the caller draws them itself."""
+
+    keys: list[int]
+    temperature: float
 
 
 class HiddenCapture:
@@ -335,13 +349,15 @@ class CachedModel:
 class BatchItem:
     """One sequence's part of a batched pass: its ``runner`` (a CachedModel on the shared model),
     its new ``token_ids`` [n] (int64, or a list of ints), the last ``logits_for`` rows to score (None: all), and for a token
-    tree its position ``offsets`` [n] and ``attends`` [n, n] (as ``CachedModel.forward`` takes them)."""
+    tree its position ``offsets`` [n] and ``attends`` [n, n] (as ``CachedModel.forward`` takes them);
+    ``draws``: the keyed draws of its scored rows (``RowDraws``), where the LM head can make them."""
 
     runner: CachedModel
     token_ids: torch.Tensor | list[int]
     logits_for: int | None = None
     offsets: torch.Tensor | None = None
     attends: torch.Tensor | None = None
+    draws: RowDraws | None = None
 
 
 def run_stack_rows(stack, begin: int, end: int, hidden: torch.Tensor, segments: list, rotary: tuple,
@@ -447,14 +463,22 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
     hidden = captured[last] = out
     final = decoder.final_norm(hidden)  # [rows, H], as a solo pass normalises its rows
     picks, spans = [], []  # the rows each sequence keeps for the LM head, and where its logits lie
+    keys, temperatures = None, None  # each kept row's draw, where a sequence asks for them
     for item, segment in zip(items, sequences):
         row0, n = segment.first_row, segment.rows
         item.runner.cache.advance(n)
         item.runner.length += n
         m = n if item.logits_for is None else item.logits_for
+        if item.draws is not None and keys is None:
+            keys, temperatures = [None] * len(picks), [1.0] * len(picks)
+        if keys is not None:
+            drawn = item.draws.keys[:m] if item.draws is not None else []
+            keys += drawn + [None] * (m - len(drawn))
+            temperatures += [item.draws.temperature if item.draws is not None else 1.0] * m
         spans.append((len(picks), m))
         picks.extend(range(row0 + n - m, row0 + n))
-    logits, maxima = _scored(model.lm_head, final if len(picks) == rows else final.index_select(0, torch.tensor(picks)))
+    logits, maxima, draws = _scored(model.lm_head, final if len(picks) == rows else final.index_select(0, torch.tensor(picks)),
+                                    keys, temperatures)
     results = []
     for segment, (at, m) in zip(sequences, spans):
         hidden_states = None
@@ -463,17 +487,22 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
             parts = [final[row0 : row0 + n]] + [captured[i][row0 : row0 + n] for i in hidden_layers]
             hidden_states = torch.cat(parts, dim=-1)  # float32 as its parts
         if m == len(picks):
-            results.append(PassResult(logits, hidden_states, maxima))
+            results.append(PassResult(logits, hidden_states, maxima, draws))
         else:
-            results.append(PassResult(logits[at : at + m], hidden_states, None if maxima is None else maxima[at : at + m]))
+            results.append(PassResult(logits[at : at + m], hidden_states, None if maxima is None else maxima[at : at + m],
+                                      None if draws is None else draws[at : at + m]))
     return results
 
 
-def _scored(lm_head: torch.nn.Module, final: torch.Tensor) -> tuple[torch.Tensor, list[int] | None]:
-    """The LM head's float32 logits of a batched pass's rows ``final`` [m, H], and each row's first
-    maximum where the engine found it in the product: a quantised head's product called directly on
+def _scored(lm_head: torch.nn.Module, final: torch.Tensor, keys: list[int | None] | None,
+            temperatures: list[float] | None) -> tuple[torch.Tensor, list[int] | None, list[int] | None]:
+    """The LM head's float32 logits of a batched pass's rows ``final`` [m, H], each row's first
+    maximum where the engine found it in the product, and each keyed row's draw (``keys``: a key or
+    None per row, None for no draws; ``RowDraws``): a quantised head's product called directly on
     float32 contiguous rows (the engine's norm gives them); any other head, or rows of another kind
-    (a model's own norm module's), through its module (no maxima)."""
+    (a model's own norm module's), through its module (no maxima, no draws)."""
     if type(lm_head) is QuantLinear and final.dtype == torch.float32 and final.is_contiguous():
-        return lm_head.qweight.multiply_with_maxima(final)
-    return lm_head(final).float(), None
+        if keys is None:
+            return (*lm_head.qweight.multiply_with_maxima(final), None)
+        return lm_head.qweight.multiply_with_draws(final, keys, temperatures)
+    return lm_head(final).float(), None, None

@@ -42,7 +42,7 @@ from typing import Callable, Hashable, Iterator, Protocol
 
 import torch
 
-from .cached_model import SlimVocabulary
+from .cached_model import RowDraws, SlimVocabulary
 from .constraints import Constraint, ConstraintError, ConstraintState, MaskBuffer, constrain_all
 from .costs import few_row_threads
 from .drafters.base import Drafter, propose_all
@@ -56,7 +56,7 @@ from .passes import PassBackend, PassRequest, pass_backend
 from .policies import CostAware, CycleOutcome, DraftPolicy
 from .proposal import DraftRequest, Proposal, Scores, Shape, Verdict, walk_reached
 from .rules.base import ScoreRule, VerificationRule
-from .sampling import BlockNoise, Noise, SamplingConfig, reported_logprobs
+from .sampling import NOT_DRAWN, BlockNoise, Noise, SamplingConfig, reported_logprobs
 from .seq2seq import decoder_start, is_encoder_decoder
 from .verifiers import CommittedTokens, GeneratedTokens, TargetPass, Verifiers
 from .walks import ChainBatch, chain_batch_walks
@@ -553,7 +553,7 @@ def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None =
         sequence = d.sequence
         target_pass = sequence.verifiers.target_request(
             d.proposal, with_hidden=sequence.rule.reads_hidden, pad=alone, masks=d.masks,
-            record_features=sequence.drafter.wants_features())
+            record_features=sequence.drafter.wants_features(), draws=_row_draws(d))
         target_passes.append(target_pass)
         requests.append(target_pass.request)
     chunks = _prefill_chunks(prefilling, max_rows, sum(r.rows for r in requests), bool(drafted))
@@ -615,6 +615,17 @@ def _propose(decoding: list[Sequence]) -> list[_Drafted]:
         drafted.append(_Drafted(sequence, proposal, verified, block, verifiers.target_calls, verifiers.slim_calls,
                                 verifiers.pass_seconds, sequence.grammar_seconds))
     return drafted
+
+
+def _row_draws(d: _Drafted) -> RowDraws | None:
+    """The keyed draws the pass may make for a sampled chain that the target's own tokens decide
+    (``walks.chain_batch_walks``): every row's at the temperature, under the block's keys — only where the
+    sampling logits are the logits divided by the temperature (no top-k, no nucleus)."""
+    sampling = d.sequence.config.sampling
+    if d.block is None or sampling.top_k or sampling.top_p < 1.0 or not d.proposal.is_chain \
+            or not d.sequence.rule.walks_by_target_tokens(d.proposal, sampling):
+        return None
+    return RowDraws(d.block.keys(len(d.proposal) + 1), sampling.temperature)
 
 
 def _forced_runs(sequence: Sequence, proposal: Proposal) -> list[int] | None:
@@ -726,10 +737,15 @@ def _decide(drafted: list[_Drafted], scores: list[Scores]) -> list[Verdict]:
         maxima = None if any(m is None for m in maxima) else maxima[0] if len(maxima) == 1 else \
             [token for rows in maxima for token in rows]
         sampled = maxima is None or not all(sampling.greedy for sampling in samplings)
+        # The draws the pass made for sampled chains, every row of the others marked as not drawn
+        draws = None
+        if any(scores[i].keyed_draws is not None for i in matched):
+            draws = [token for i in matched for token in (
+                scores[i].keyed_draws or [NOT_DRAWN] * (len(drafted[i].proposal) + 1))]
         batch = ChainBatch([token for i in matched for token in drafted[i].proposal.token_list],
                            [len(drafted[i].proposal) for i in matched],
                            rows_together([scores[i].logits for i in matched]) if sampled else None,
-                           samplings, [drafted[i].block for i in matched], maxima)
+                           samplings, [drafted[i].block for i in matched], maxima, draws)
         for i, walk in zip(matched, chain_batch_walks(batch)):
             verdicts[i] = drafted[i].sequence.rule.verdict(walk)
     for i, d in enumerate(drafted):

@@ -24,7 +24,7 @@ from typing import Protocol, Sequence
 
 import torch
 
-from .cached_model import BatchItem, CachedModel, PassResult, batched_pass, runs_as_one_stack
+from .cached_model import BatchItem, CachedModel, PassResult, RowDraws, batched_pass, runs_as_one_stack
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,8 @@ class PassRequest:
     lists, as the engine's batched pass takes them), the last ``logits_for`` rows scored; a token
     tree's position ``offsets`` [n] and ``attends`` [n, n] (None for a chain); ``hidden_layers``: None
     for no hidden states, else the final hidden states [n, H] followed by those decoder layers'
-    outputs (``CachedModel.forward(with_hidden=True, hidden_layers=...)``)."""
+    outputs (``CachedModel.forward(with_hidden=True, hidden_layers=...)``); ``draws``: the keyed draws
+    the pass may make of the scored rows (``cached_model.RowDraws``; a backend that cannot returns none)."""
 
     runner: CachedModel
     tokens: torch.Tensor | list[int]
@@ -42,6 +43,7 @@ class PassRequest:
     offsets: torch.Tensor | None = None
     attends: torch.Tensor | None = None
     hidden_layers: tuple[int, ...] | None = None
+    draws: RowDraws | None = None
 
     @property
     def rows(self) -> int:
@@ -100,7 +102,7 @@ class EnginePasses:
             return [_solo(request) for request in requests]
         wanted = [r.hidden_layers for r in requests if r.hidden_layers is not None]
         captured = tuple(sorted({layer for layers in wanted for layer in layers})) if wanted else None
-        items = [BatchItem(r.runner, r.tokens, r.logits_for, r.offsets, r.attends) for r in requests]
+        items = [BatchItem(r.runner, r.tokens, r.logits_for, r.offsets, r.attends, r.draws) for r in requests]
         results = batched_pass(self.model, items, captured)
         hidden_size = int(self.model.config.hidden_size)
         return [_own_hidden(result, captured, request.hidden_layers, hidden_size)
@@ -112,14 +114,14 @@ def _own_hidden(result: PassResult, captured: tuple[int, ...] | None, wanted: tu
     """A batched pass's result with the hidden-state blocks one request asked for (the final
     states, then its layers in its own order), as its solo pass returns them."""
     if wanted is None:
-        return PassResult(result.logits, None, result.first_maxima)
+        return PassResult(result.logits, None, result.first_maxima, result.keyed_draws)
     if result.hidden is None or tuple(wanted) == captured:
         return result
     blocks = [result.hidden[:, :hidden_size]]
     for layer in wanted:
         at = 1 + captured.index(layer)
         blocks.append(result.hidden[:, at * hidden_size : (at + 1) * hidden_size])
-    return PassResult(result.logits, torch.cat(blocks, dim=-1), result.first_maxima)
+    return PassResult(result.logits, torch.cat(blocks, dim=-1), result.first_maxima, result.keyed_draws)
 
 
 def pass_backend(model: torch.nn.Module) -> PassBackend:

@@ -211,11 +211,15 @@ class Scores:
             judge head reads), or None when the rule did not ask for them.
     first_maxima: each row of ``logits``' ``sampling.first_maxima`` where the pass found them in
             its LM head's product (the logits as the pass gave them: no modifier, no mask), else None.
+    keyed_draws: each row's keyed draw where the pass made it in its LM head's product (``PassRequest.draws``:
+            ``sampling.keyed_tokens`` of the row at the temperature under its key; ``sampling.NOT_DRAWN`` for a row
+            left to the rule), else None.
     """
 
     logits: torch.Tensor
     hidden: torch.Tensor | None = None
     first_maxima: list[int] | None = None
+    keyed_draws: list[int] | None = None
 
 
 # ---- what a drafter may read of the method's policy ---------------------------------------------

@@ -244,6 +244,21 @@ class QuantWeight:
                                  out_stride=self.out_features, accumulate=False, threads=engine_threads(), maxima=True)
         return out, maxima
 
+    def multiply_with_draws(self, x: torch.Tensor, keys: list[int | None],
+                            temperatures: list[float]) -> tuple[torch.Tensor, list[int], list[int]]:
+        """``multiply_with_maxima(x)`` and each row's keyed draw (``cached_model.RowDraws``): for a row with a
+        key, argmax_v(out[v] / temperature + g(v)) under that key's Gumbel noise, the first of equal maxima
+        (``sampling.keyed_tokens`` of the row divided by its temperature, bit for bit), drawn by each engine
+        thread over the columns it has just computed (the engine's ``linear_draws``); −1 for a row holding a
+        NaN, ``sampling.NOT_DRAWN`` (−2) for a row without a key, or one holding +inf or only −inf (left
+        to ``sampling.keyed_tokens``)."""
+        rows = self._rows_of(x)
+        out = torch.empty(rows, self.out_features, dtype=torch.float32)
+        maxima, draws = engine().matmul(weight=self.handle, x=x.data_ptr(), rows=rows, out=out.data_ptr(),
+                                        out_stride=self.out_features, accumulate=False, threads=engine_threads(),
+                                        maxima=True, keys=keys, temperatures=temperatures)
+        return out, maxima, draws
+
     def rows(self, indices: torch.Tensor) -> torch.Tensor:
         """Rows ``indices`` [c] of W as float32 [c, K]: d·q + m exactly as the file defines them. An
         index outside 0 .. N − 1 is an IndexError before any row is read (the engine checks every

@@ -278,6 +278,11 @@ def _rows_shared(rows_from, count: int, helpers: int) -> None:
         raise errors[0]
 
 
+#: A row's draw that a pass did not make (``cached_model.RowDraws``: no key, or a row holding +inf or only
+#: −inf, which ``keyed_tokens`` draws after the pass).
+NOT_DRAWN = -2
+
+
 class NoiseError(SamplingError):
     """Scores a perturbed argmax cannot choose from (a NaN), or keys that do not match them."""
 

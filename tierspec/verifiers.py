@@ -19,7 +19,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .cached_model import CachedModel, PassResult, SlimVocabulary
+from .cached_model import CachedModel, PassResult, RowDraws, SlimVocabulary
 from .costs import ForwardCosts
 from .drafters.base import FeatureLog, TargetDraftView
 from .errors import TierspecError
@@ -348,7 +348,8 @@ class Verifiers:
 
     # -- the verification pass -------------------------------------------------------------------
     def target_request(self, proposal: Proposal, with_hidden: bool = False, pad: bool = True,
-                       masks: torch.Tensor | None = None, record_features: bool = True) -> TargetPass:
+                       masks: torch.Tensor | None = None, record_features: bool = True,
+                       draws: RowDraws | None = None) -> TargetPass:
         """The full-target pass over the pending committed tokens and every node of ``proposal``,
         before it runs. A chain runs as a plain causal pass (the drafts at their own positions);
         any other tree as a tree pass (``tree.tree_pass``: node i at position n − 1 + depth_i,
@@ -357,8 +358,11 @@ class Verifiers:
         [1 + m, V]: the constraint's allowed tokens after the root and each node.
         ``record_features``: False where the drafter wants no features this cycle
         (``Drafter.wants_features``): the pass copies none out and their log has no rows for the
-        positions it commits."""
+        positions it commits. ``draws``: the keyed draws the pass may make of the rows (``RowDraws``; not
+        where modifiers or masks change the logits after the pass: then the rule draws from those)."""
         self._full_model_kv_only()  # slim-only KV is recomputed in this pass
+        if self.modifiers is not None or masks is not None:
+            draws = None
         start = self.full_length
         tree = proposal.tree
         rows, m = len(self.committed) - start, len(tree)
@@ -367,10 +371,11 @@ class Verifiers:
         hidden = self.feature_layers if recording else (() if with_hidden else None)
         if tree.is_chain:  # as ints: the batched pass joins every sequence's rows in one tensor
             request = PassRequest(self.runner, _chain_rows(self.committed.pending_list(start), tree.token_list, extra),
-                                  m + 1 + extra, hidden_layers=hidden)
+                                  m + 1 + extra, hidden_layers=hidden, draws=draws)
         else:
             layout = tree_pass(self.committed.pending(start), tree, extra)
-            request = PassRequest(self.runner, layout.tokens, m + 1 + extra, layout.offsets, layout.attends, hidden)
+            request = PassRequest(self.runner, layout.tokens, m + 1 + extra, layout.offsets, layout.attends, hidden,
+                                  draws)
         return TargetPass(request, proposal, start, rows, extra, with_hidden, masks, recording)
 
     def target_scores(self, target_pass: TargetPass, result: PassResult) -> Scores:
@@ -384,12 +389,14 @@ class Verifiers:
         recorded = result.hidden[: rows + m] if target_pass.recording else None
         self._pass = PassRecord(target_pass.start, rows, m, tree.is_chain, recorded, logits)
         hidden = result.hidden[rows - 1 : rows + m, : self.hidden_size] if target_pass.with_hidden else None
-        maxima = result.first_maxima  # the pass's rows' first maxima hold for the rule's rows if nothing changed them
-        if maxima is not None and (self.modifiers is not None or target_pass.masks is not None):
-            maxima = None
-        elif maxima is not None and target_pass.pad:
-            maxima = maxima[: m + 1]
-        return Scores(logits, hidden, maxima)
+        # The pass's rows' first maxima and draws hold for the rule's rows if nothing changed them
+        maxima, draws = result.first_maxima, result.keyed_draws if target_pass.request.draws is not None else None
+        if self.modifiers is not None or target_pass.masks is not None:
+            maxima = draws = None
+        elif target_pass.pad:
+            maxima = None if maxima is None else maxima[: m + 1]
+            draws = None if draws is None else draws[: m + 1]
+        return Scores(logits, hidden, maxima, draws)
 
     def target(self, proposal: Proposal, with_hidden: bool = False) -> Scores:
         """One full-target pass of this generation's own over the pending committed tokens and

@@ -46,9 +46,9 @@ import torch
 
 from .errors import TierspecError
 from .proposal import Proposal, Walk
-from .sampling import (ACCEPT, RESIDUAL, BlockNoise, SamplingConfig, first_maxima, keyed_argmax, keyed_tokens,
-                       logits_to_probs, one_hot, one_hot_rows, residual_distribution, row_argmax, sampling_logits,
-                       temperature_one_probs)
+from .sampling import (ACCEPT, NOT_DRAWN, RESIDUAL, BlockNoise, NoiseError, SamplingConfig, first_maxima, keyed_argmax,
+                       keyed_tokens, logits_to_probs, one_hot, one_hot_rows, residual_distribution, row_argmax,
+                       sampling_logits, temperature_one_probs)
 from .tree import ROOT, TokenTree, TreeError
 
 #: A distribution [V] to draw from, or a token id when the draw is deterministic (greedy).
@@ -234,7 +234,9 @@ class ChainBatch:
     k_i + 1 rows in turn (row j of a sequence after its draft j − 1: ``Scores``' layout), and per
     sequence its ``samplings`` and, sampled, its block's keyed noise (None in greedy mode);
     ``row_maxima`` [T + B]: every row's ``first_maxima`` where the pass found them (then the greedy
-    sequences' rows are not read again, and ``target_logits`` may be None if no sequence samples)."""
+    sequences' rows are not read again, and ``target_logits`` may be None if no sequence samples);
+    ``row_draws`` [T + B]: every sampled row's keyed draw where the pass made it (``cached_model.RowDraws``;
+    ``sampling.NOT_DRAWN`` where it did not: that row is drawn here)."""
 
     draft_tokens: list[int]
     num_drafts: list[int]
@@ -242,6 +244,7 @@ class ChainBatch:
     samplings: list[SamplingConfig]
     noises: list[BlockNoise | None]
     row_maxima: list[int] | None = None
+    row_draws: list[int] | None = None
 
 
 def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
@@ -287,12 +290,23 @@ def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
             walks[i] = Walk.chain(accepted, tokens[taken + accepted])
             taken += k + 1
     live = [i for i, sampling in enumerate(batch.samplings) if not sampling.greedy]
+    drawn = batch.row_draws
+    if drawn is not None and len(drawn) != at:
+        raise ValueError(f"{len(drawn)} rows' draws for chains of {at} rows")
     depth = 0
     while live:
         reached = []
         for sampling, group in _by_sampling(live, batch.samplings).items():
-            keys = [_needs(batch.noises[i]).keys(1, depth)[0] for i in group]
-            tokens = _perturbed_rows(batch.target_logits, [first_row[i] + depth for i in group], sampling, keys)
+            tokens = [NOT_DRAWN] * len(group) if drawn is None else [drawn[first_row[i] + depth] for i in group]
+            if -1 in tokens:
+                row = first_row[group[tokens.index(-1)]] + depth
+                raise NoiseError(f"row {row} of the scores to sample from holds a NaN")
+            left = [g for g, token in enumerate(tokens) if token == NOT_DRAWN]  # the rows the pass did not draw
+            if left:
+                keys = [_needs(batch.noises[group[g]]).keys(1, depth)[0] for g in left]
+                for g, token in zip(left, _perturbed_rows(batch.target_logits, [first_row[group[g]] + depth for g in left],
+                                                          sampling, keys)):
+                    tokens[g] = token
             for i, token in zip(group, tokens):
                 if depth < batch.num_drafts[i] and drafts[first_draft[i] + depth] == token:
                     reached.append(i)

@@ -329,3 +329,51 @@ def test_a_greedy_walk_reads_the_passs_maxima_only_where_the_rule_scores_the_pas
     biased = DecodeConfig(max_new_tokens=12, modifiers=LogitModifiers(logit_bias=((7, 100.0),)))
     tokens = DecodeRun(target, ar, PROMPTS[0], biased, seed=0).finish().token_ids
     assert tokens == [7] * 12 != plain and set(seen) == {(False, False)}
+
+
+@pytest.fixture(scope="module")
+def flat_target(tmp_path_factory):
+    """A tiny model whose distributions are broad, so that a wrong key would change the sampled text."""
+    tiny = write_tiny_gguf(tmp_path_factory.mktemp("flat-gguf"), seed=12, heads=2, kv_heads=1, sharpness=1.0)
+    dtype = torch.bfloat16 if numerics_for(torch.bfloat16).layout == 0 else torch.float32
+    return wrap_model(load_gguf_llama(tiny.gguf, tiny.folder, numerics_for(dtype)), name="tiny-flat-gguf")
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_walks_take_the_passs_draws_and_keep_their_text(flat_target, monkeypatch, temperature):
+    """On the engine a sampled chain's rows are drawn inside the LM head's product (``cached_model.RowDraws``):
+    the walks read those draws (``ChainBatch.row_draws``), and every text — alone and in a batch, `ar` and the
+    n-gram drafts of `pld` — is the text the rows drawn after the pass give (the draws switched off). Where
+    the rows are not the pass's own (a logit bias) or top-k cuts them, the pass draws nothing."""
+    import sys
+
+    from tierspec.modifiers import LogitModifiers
+    from tierspec.sampling import NOT_DRAWN
+
+    decode_module = sys.modules["tierspec.decode"]
+    walks, seen = decode_module.chain_batch_walks, []
+
+    def spy(batch):
+        seen.append(batch.row_draws is not None and any(token != NOT_DRAWN for token in batch.row_draws))
+        return walks(batch)
+
+    monkeypatch.setattr(decode_module, "chain_batch_walks", spy)
+    target = flat_target
+    for name in ("ar", "pld"):
+        method = _method(target, name)
+        seen.clear()
+        drawn_solo = _solo(target, method, temperature)
+        drawn_batch = [run.token_ids for run in _batched(target, method, temperature, [0, 1, 1, 3, 5, 2])[0]]
+        assert seen and all(seen), name
+        with monkeypatch.context() as off:
+            off.setattr(decode_module, "_row_draws", lambda drafted: None)
+            seen.clear()
+            assert _solo(target, method, temperature) == drawn_solo == drawn_batch, name
+            assert not any(seen)
+    ar = build_method("ar", target)
+    for config in (DecodeConfig(max_new_tokens=8, sampling=SamplingConfig(temperature),
+                                modifiers=LogitModifiers(logit_bias=((7, 2.0),))),
+                   DecodeConfig(max_new_tokens=8, sampling=SamplingConfig(temperature, top_k=5))):
+        seen.clear()
+        DecodeRun(target, ar, PROMPTS[0], config, seed=0).finish()
+        assert seen and not any(seen)

@@ -176,6 +176,75 @@ def test_the_products_maxima_keep_the_first_of_equal_values_and_give_nan_rows_mi
     assert maxima == first_maxima(out) == [5, 0, 33, -1, 0, 996, 0, -1, 500, 2]
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_every_path_draws_keyed_rows_in_the_product_as_the_extension_draws_them_after(path, threads):
+    """``matmul(keys=..., temperatures=...)``: each keyed row's token is ``sampling.keyed_tokens`` of that row of the
+    written product divided by its temperature (bit for bit: the chunks' perturbed maxima joined), for 1-40
+    rows over 3,000 outputs (many chunks a thread); rows without a key are not drawn (−2) and the maxima are
+    ``first_maxima``'s. Planted rows: a NaN (−1), a +inf and an all −inf row (left to the extension: −2), scores
+    beyond the AVX-512 scan's float32 bound (its AVX2 scan), −inf among finite scores, a tie of the top value
+    in two chunks, and rows of a few large scores where the noise rarely moves the token."""
+    from tierspec.sampling import NOT_DRAWN, first_maxima, keyed_tokens
+
+    vocab = 3000
+    weight = QuantWeight(_blocks("Q8_0", vocab, 64, seed=21), quant.Q8_0, 64, numerics_for(torch.int8))
+    generator = torch.Generator().manual_seed(22)
+    planted = torch.randn(40, vocab, generator=generator) * 4
+    planted[1, 7] = float("nan")
+    planted[2, 2500] = float("inf")
+    planted[3] = float("-inf")
+    planted[4] *= 1000.0  # |top| beyond KEYED_WIDEST_TOP
+    planted[5, ::3] = float("-inf")
+    planted[6, 100] = planted[6, 2900] = 40.0
+    planted[7, 1234] += 12.0
+    zeros = torch.zeros(40, 64)
+    keys = [int(k) * 4 + 3 for k in torch.randint(0, 2**61, (40,), generator=generator)]  # beyond 2**63 too
+    temperatures = [(1.0, 0.7, 1.3, 0.05)[m % 4] for m in range(40)]
+    kept = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        with kernels(path):
+            for rows in ROW_COUNTS:
+                chosen = [None if m % 5 == 4 else keys[m] for m in range(rows)]
+                out = planted[:rows].clone()
+                maxima, draws = qe.matmul(weight=weight.handle, x=zeros.data_ptr(), rows=rows, out=out.data_ptr(),
+                                          out_stride=vocab, accumulate=True, threads=engine.engine_threads(), maxima=True,
+                                          keys=chosen, temperatures=temperatures[:rows])
+                assert torch.equal(out.nan_to_num(), planted[:rows].nan_to_num())
+                assert maxima == first_maxima(out)
+                for m in range(rows):
+                    if chosen[m] is None or m in (2, 3):
+                        assert draws[m] == NOT_DRAWN, (rows, m)
+                    elif m == 1:
+                        assert draws[m] == -1, rows
+                    else:  # the extension's draw of the row as sampling divides it (x / t in float32)
+                        row = out[m : m + 1] / temperatures[m] if temperatures[m] != 1.0 else out[m : m + 1]
+                        assert draws[m] == keyed_tokens(row, [chosen[m]])[0], (rows, m)
+            assert engine.probe()["paths"]["keyed_max"] == {"portable": "portable", "avx2": "avx2"}.get(path, "avx512")
+    finally:
+        torch.set_num_threads(kept)
+
+
+def test_a_product_draws_only_rows_it_is_given_keys_and_temperatures_for():
+    """Keys need the maxima and one temperature a row; a temperature at or below 0 or not finite is refused
+    before anything is computed."""
+    weight = QuantWeight(_blocks("Q8_0", 64, 32, seed=23), quant.Q8_0, 32, numerics_for(torch.int8))
+    x, out = torch.ones(2, 32), torch.zeros(2, 64)
+    call = dict(weight=weight.handle, x=x.data_ptr(), rows=2, out=out.data_ptr(), out_stride=64, accumulate=False,
+                threads=1, keys=[1, None])
+    with pytest.raises(ValueError, match="maxima"):
+        qe.matmul(**call, temperatures=[1.0, 1.0])
+    with pytest.raises(ValueError, match="2 rows need 2 keys and temperatures"):
+        qe.matmul(**call, maxima=True, temperatures=[1.0])
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            qe.matmul(**call, maxima=True, temperatures=[bad, 1.0])
+    assert torch.equal(out, torch.zeros(2, 64))
+    maxima, draws = qe.matmul(**call, maxima=True, temperatures=[1.0, 1.0])
+    assert draws[1] == -2 and draws[0] >= 0
+
+
 # each K-quant's bytes of stored values (the rest of a block: its scales) as (start, stop) per block
 _K_VALUE_BYTES = {"Q4_K": (144, [(16, 144)]), "Q5_K": (176, [(16, 176)]), "Q6_K": (210, [(0, 192)])}
 

@@ -97,6 +97,46 @@ def test_a_sampled_row_is_drawn_only_once_its_walk_reaches_it(monkeypatch):
     assert len(drawn) == 4  # depth 0: two settings (temperature 1; 0.7 with top-k), depths 1 and 2: one each
 
 
+@pytest.mark.parametrize("drafts_per_sequence", [[3, 2], [4, 0, 2, 7, 1], [5, 5, 5, 5, 5, 5, 5, 5]])
+def test_the_draws_a_pass_made_decide_the_sampled_walks_and_the_rest_are_drawn_here(monkeypatch, drafts_per_sequence):
+    """``ChainBatch.row_draws``: where the pass drew a sampled row (``cached_model.RowDraws``), the walk takes that
+    token and draws nothing itself; rows marked ``NOT_DRAWN`` (greedy rows, top-k and top-p rows, a row the
+    engine left) are drawn here as before: the walks are each sequence's own. A planted draw shows it is read,
+    and a draw of −1 (a NaN row) is refused where the walk reaches it."""
+    import tierspec.walks as walks
+    from tierspec.sampling import NOT_DRAWN, NoiseError
+
+    sequences = planted_batch(61, drafts_per_sequence, seed=5)
+    alone = [exact_walk(p, logits, sampling, noise) for p, logits, sampling, noise in sequences]
+    draws, rows = [], 0
+    for index, (proposal, logits, sampling, noise) in enumerate(sequences):
+        plain = not sampling.greedy and not sampling.top_k and sampling.top_p >= 1.0
+        own = own_tokens(logits, sampling, noise).tolist()
+        draws += [own[j] if plain and (index + j) % 3 else NOT_DRAWN for j in range(len(own))]  # some rows left
+        rows += len(own)
+    batch = ChainBatch([t for p, _, _, _ in sequences for t in p.token_list], [len(p) for p, _, _, _ in sequences],
+                       torch.cat([logits for _, logits, _, _ in sequences]), [s for _, _, s, _ in sequences],
+                       [n for _, _, _, n in sequences], row_draws=draws)
+    drawn = []
+    real = walks._perturbed_rows
+    monkeypatch.setattr(walks, "_perturbed_rows", lambda logits, rows, sampling, keys:
+                        drawn.extend(rows) or real(logits, rows, sampling, keys))
+    assert [(w.path, w.next_token) for w in chain_batch_walks(batch)] == [(w.path, w.next_token) for w in alone]
+    assert all(draws[row] == NOT_DRAWN for row in drawn)  # only the rows the pass left
+    sampled = [i for i, (_, _, s, _) in enumerate(sequences) if not s.greedy and not s.top_k and s.top_p >= 1.0]
+    first = sum(len(p) + 1 for p, _, _, _ in sequences[: sampled[0]])
+    planted = list(draws)
+    taken = {alone[sampled[0]].next_token, *sequences[sampled[0]][0].token_list[:1]}
+    planted[first] = min(set(range(61)) - taken)  # the first row's token: neither its draft nor the walk's own
+    moved = chain_batch_walks(dataclasses.replace(batch, row_draws=planted))[sampled[0]]
+    assert (moved.accepted, moved.next_token) == (0, planted[first])
+    planted[first] = -1
+    with pytest.raises(NoiseError, match=f"row {first} of the scores to sample from holds a NaN"):
+        chain_batch_walks(dataclasses.replace(batch, row_draws=planted))
+    with pytest.raises(ValueError, match="rows' draws"):
+        chain_batch_walks(dataclasses.replace(batch, row_draws=draws[:-1]))
+
+
 def test_a_greedy_walk_refuses_a_nan_row_it_reads_and_only_that():
     """Greedy rows are taken all at once (``sampling.first_maxima``); a row holding a NaN is
     refused when the walk reaches it, and never read (nor refused) past a rejected draft."""

@@ -15,8 +15,9 @@ trap 'rm -rf "$work"' EXIT
 git -C "$root" ls-files -z --cached --others --exclude-standard -- tierspec tests setup.py pyproject.toml \
     | (cd "$root" && xargs -0 cp --parents -t "$work")
 cd "$work"
-# row_top.h keeps its attributes: the keyed-noise extension, built with the real intrinsics below, includes it too
-sed -i -E 's/__attribute__\(\(target\("[^"]*"\)\)\)//g' tierspec/csrc/*.c $(ls tierspec/csrc/*.h | grep -v row_top.h)
+# row_top.h and keyed_scan.h keep their attributes: the keyed-noise extension, built with the real intrinsics below,
+# includes them too
+sed -i -E 's/__attribute__\(\(target\("[^"]*"\)\)\)//g' tierspec/csrc/*.c $(ls tierspec/csrc/*.h | grep -v -e row_top.h -e keyed_scan.h)
 python - <<'PY'
 from pathlib import Path
 cpu = Path("tierspec/csrc/cpu.c")

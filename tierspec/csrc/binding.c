@@ -199,40 +199,101 @@ static PyObject *py_gather_rows(PyObject *self, PyObject *args, PyObject *kw) {
     return out;
 }
 
+/* Row m's key and temperature from ``keys`` and ``temperatures`` (sequences of ``rows`` entries; a key of None:
+ * the row is not drawn) into the draws' arrays; 0 after setting a Python error. */
+static int read_draws(PyObject *keys_arg, PyObject *temperatures_arg, int rows, uint64_t *keys, float *temperature,
+                      uint8_t *keyed) {
+    PyObject *keys_seq = PySequence_Fast(keys_arg, "keys must be a sequence of ints or None, one per row");
+    if (!keys_seq) return 0;
+    PyObject *temperatures_seq = PySequence_Fast(temperatures_arg, "temperatures must be a sequence of floats, one per row");
+    int ok = 0;
+    if (!temperatures_seq) goto done;
+    if (PySequence_Fast_GET_SIZE(keys_seq) != rows || PySequence_Fast_GET_SIZE(temperatures_seq) != rows) {
+        PyErr_Format(PyExc_ValueError, "%d rows need %d keys and temperatures, got %zd and %zd", rows, rows,
+                     PySequence_Fast_GET_SIZE(keys_seq), PySequence_Fast_GET_SIZE(temperatures_seq));
+        goto done;
+    }
+    for (int m = 0; m < rows; m++) {
+        PyObject *key = PySequence_Fast_GET_ITEM(keys_seq, m);
+        keyed[m] = key != Py_None;
+        keys[m] = 0, temperature[m] = 1.0f;
+        if (!keyed[m]) continue;
+        keys[m] = PyLong_AsUnsignedLongLong(key);
+        if (PyErr_Occurred()) goto done;
+        double t = PyFloat_AsDouble(PySequence_Fast_GET_ITEM(temperatures_seq, m));
+        if (t == -1.0 && PyErr_Occurred()) goto done;
+        temperature[m] = (float)t; /* as torch takes a Python float for a float32 row */
+        if (!(temperature[m] > 0.0f) || !isfinite(temperature[m])) {
+            PyErr_Format(PyExc_ValueError, "row %d's temperature %g is not a finite number above 0", m, t);
+            goto done;
+        }
+    }
+    ok = 1;
+done:
+    Py_DECREF(keys_seq);
+    Py_XDECREF(temperatures_seq);
+    return ok;
+}
+
+static PyObject *int_list(const int64_t *values, int count) {
+    PyObject *list = PyList_New(count);
+    for (int m = 0; list && m < count; m++) {
+        PyObject *item = PyLong_FromLongLong(values[m]);
+        if (!item) Py_CLEAR(list);
+        else PyList_SET_ITEM(list, m, item);
+    }
+    return list;
+}
+
 static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
-    static char *names[] = {"weight", "x", "rows", "out", "out_stride", "accumulate", "threads", "maxima", NULL};
-    PyObject *capsule, *xo, *outo;
+    static char *names[] = {"weight", "x", "rows", "out", "out_stride", "accumulate", "threads", "maxima", "keys",
+                            "temperatures", NULL};
+    PyObject *capsule, *xo, *outo, *keys_arg = Py_None, *temperatures_arg = Py_None;
     int rows, ldo, accumulate, threads, want_maxima = 0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOiOipi|p", names, &capsule, &xo, &rows, &outo, &ldo, &accumulate,
-                                     &threads, &want_maxima))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOiOipi|pOO", names, &capsule, &xo, &rows, &outo, &ldo, &accumulate,
+                                     &threads, &want_maxima, &keys_arg, &temperatures_arg))
         return NULL;
+    int want_draws = keys_arg != Py_None;
+    if (want_draws && (!want_maxima || temperatures_arg == Py_None))
+        return PyErr_Format(PyExc_ValueError, "keyed draws come with the product's maxima and need the rows' "
+                            "temperatures");
     packed_weight *w = weight_of(capsule);
     if (!w) return NULL;
-    if (rows <= 0) return want_maxima ? PyList_New(0) : Py_NewRef(Py_None);
+    if (rows <= 0)
+        return want_draws ? Py_BuildValue("(NN)", PyList_New(0), PyList_New(0))
+                          : want_maxima ? PyList_New(0) : Py_NewRef(Py_None);
     const float *x = address(xo, "x");
     float *out = x ? address(outo, "out") : NULL;
     if (!out) return NULL;
     if (ldo < w->N) return PyErr_Format(PyExc_ValueError, "an output stride of %d cannot hold %d outputs a row", ldo, w->N);
-    int64_t local[64], *maxima = NULL;
-    if (want_maxima) {
-        maxima = rows <= 64 ? local : PyMem_Malloc((size_t)rows * sizeof(int64_t));
-        if (!maxima) return PyErr_NoMemory();
-    }
+    /* per row: maxima and draws (int64), keys (uint64), temperature (float), keyed (byte) */
+    size_t per_row = 3 * sizeof(int64_t) + sizeof(float) + 1;
+    int64_t local[64 * 4]; /* 64 rows' worth (32 bytes a row), aligned for the int64 arrays */
+    char *mem = (char *)local;
+    if (rows > 64 && !(mem = PyMem_Malloc((size_t)rows * per_row))) return PyErr_NoMemory();
+    int64_t *maxima = want_maxima ? (int64_t *)mem : NULL, *tokens = (int64_t *)mem + rows;
+    uint64_t *keys = (uint64_t *)((int64_t *)mem + 2 * rows);
+    float *temperature = (float *)(keys + rows);
+    uint8_t *keyed = (uint8_t *)(temperature + rows);
+    row_draws draws = {keys, temperature, keyed};
+    PyObject *result = NULL;
+    if (want_draws && !read_draws(keys_arg, temperatures_arg, rows, keys, temperature, keyed)) goto done;
     Py_BEGIN_ALLOW_THREADS
     unsigned csr = flush_denormals();
-    linear_maxima(w, x, rows, out, ldo, accumulate, threads, maxima);
+    if (want_draws) linear_draws(w, x, rows, out, ldo, accumulate, threads, maxima, &draws, tokens);
+    else linear_maxima(w, x, rows, out, ldo, accumulate, threads, maxima);
     restore_denormals(csr);
     Py_END_ALLOW_THREADS
-    if (!want_maxima) Py_RETURN_NONE;
-    PyObject *list = PyList_New(rows);
-    for (int m = 0; list && m < rows; m++) {
-        PyObject *item = PyLong_FromLongLong(maxima[m]);
-        if (!item) Py_CLEAR(list);
-        else PyList_SET_ITEM(list, m, item);
-    }
-    if (maxima != local) PyMem_Free(maxima);
-    return list;
+    if (want_draws) {
+        PyObject *found = int_list(maxima, rows), *drawn = found ? int_list(tokens, rows) : NULL;
+        result = drawn ? PyTuple_Pack(2, found, drawn) : NULL;
+        Py_XDECREF(found);
+        Py_XDECREF(drawn);
+    } else result = want_maxima ? int_list(maxima, rows) : Py_NewRef(Py_None);
+done:
+    if (mem != (char *)local) PyMem_Free(mem);
+    return result;
 }
 
 /* ---- layers and stacks ------------------------------------------------------------------------ */
@@ -721,7 +782,7 @@ static PyObject *py_probe(PyObject *self, PyObject *unused) {
     for (int layout = 0; layout < LAYOUTS; layout++)
         if (set_item(paths, layout_names[layout], PyUnicode_FromString(isa_names[kernels.tile[layout][KIND_Q4].isa]))) goto fail;
     static const char *op_names[OPS] = {"rows_float32", "rows_bfloat16", "rows_int8", "exp", "rms_norm", "attention", "store_half",
-                                              "first_max", "attention_rows"};
+                                              "first_max", "attention_rows", "keyed_max"};
     for (int op = 0; op < OPS; op++)
         if (set_item(paths, op_names[op], PyUnicode_FromString(isa_names[kernels.isa[op]]))) goto fail;
     if (set_item(out, "isa", PyUnicode_FromString(isa_names[cpu.level])) ||
@@ -779,8 +840,11 @@ static PyMethodDef methods[] = {
     KW(repack, "repack(weight, blocks, rows, order, row0): GGUF rows (addresses) into rows row0.. of a weight."),
     KW(dequant_rows, "dequant_rows(weight, indices, count, out): rows of a weight as float32."),
     KW(gather_rows, "gather_rows(weight, indices, count): those rows as a new weight."),
-    KW(matmul, "matmul(weight, x, rows, out, out_stride, accumulate, threads, maxima=False): out (+)= x W^T; with "
-                "maxima, returns each row's first maximum of its outputs (a list; -1 for a row holding a NaN)."),
+    KW(matmul, "matmul(weight, x, rows, out, out_stride, accumulate, threads, maxima=False, keys=None, temperatures=None): "
+                "out (+)= x W^T; with maxima, returns each row's first maximum of its outputs (a list; -1 for a row "
+                "holding a NaN); with keys (an int or None per row) and temperatures (a float per row), returns "
+                "(maxima, draws): each keyed row's perturbed argmax of its outputs / temperature under its key's "
+                "Gumbel noise (-1: a NaN; -2: not keyed, or a row of +inf or only -inf, drawn elsewhere)."),
     KW(make_layer, "make_layer(qkv, o, gate_up, down, norm_in, norm_post, eps, hidden, heads, kv_heads, head_dim, inter, *, "
                    "qkv_bias, q_norm, k_norm, attention_out_norm, mlp_out_norm, activation, window, rotary_table, rotary_dims, "
                    "attention_scale, softcap): a decoder layer (the keyword-only features default to Llama's layer)."),

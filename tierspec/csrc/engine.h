@@ -192,7 +192,11 @@ typedef struct {
 int visible_slots(const attention_view *a, int row, int *slots);
 
 enum { OP_PREPARE_F32, OP_PREPARE_BF16, OP_PREPARE_INT8, OP_EXP, OP_RMS_NORM, OP_ATTEND, OP_STORE_HALF, OP_FIRST_MAX,
-       OP_ATTEND_ROWS, OPS };
+       OP_ATTEND_ROWS, OP_KEYED_MAX, OPS };
+
+/* What ``keyed_max`` found in a stretch of scores: its perturbed maximum; a NaN among them; a +inf, or only
+ * -inf (every score equal): a row the engine leaves to the keyed-noise extension's whole-row argmax. */
+enum { KEYED_FOUND = 0, KEYED_NAN = 1, KEYED_ELSEWHERE = 2 };
 
 /* Keys and values a vector path's attend_rows widens at a time (a block of values covers whole
  * (even, odd) pairs), and the scratch bytes it needs for ``rows`` rows of ``group`` heads of width D
@@ -234,6 +238,11 @@ typedef struct {
     /* the index of the first of the largest of x[0 .. n - 1] (n >= 1) and that value in *top; -1 where
      * one is a NaN (*top then undefined): an argmax's first maximum, as every path gives it */
     int64_t (*first_max)(const float *x, int64_t n, float *top);
+    /* the perturbed maximum of x[0 .. n - 1] (n >= 1), the scores of tokens token0 .. token0 + n - 1, under
+     * the Gumbel noise of ``key`` (keyed_scan.h): the largest fl(x_i + g(token0 + i)) in *value and its
+     * token in *token, the first of equal ones; returns KEYED_FOUND, or KEYED_NAN / KEYED_ELSEWHERE (then
+     * *value and *token are unset). Every path gives the same bits. */
+    int (*keyed_max)(const float *x, int64_t n, int64_t token0, uint64_t key, float *value, int64_t *token);
     int isa[OPS]; /* which path serves each of the functions above (reports) */
 } kernel_set;
 
@@ -327,6 +336,21 @@ void linear(const packed_weight *w, const float *x, int M, float *out, int ldo, 
  * over the written row gives it. maxima NULL: ``linear``. */
 void linear_maxima(const packed_weight *w, const float *x, int M, float *out, int ldo, int accumulate, int threads,
                    int64_t *maxima);
+/* Keyed draws of an LM head's rows (sampled decoding's tokens, tierspec/sampling.py's ``keyed_tokens``):
+ * for each row m with keyed[m], the token argmax_v fl(out[m, v] / temperature[m] + g_m(v)) under the Gumbel
+ * noise of keys[m], the first of equal maxima — what the keyed-noise extension gives the row after the
+ * pass, bit for bit. */
+typedef struct {
+    const uint64_t *keys;
+    const float *temperature;
+    const uint8_t *keyed;
+} row_draws;
+/* ``linear_maxima`` (maxima may be NULL), and each keyed row's draw in tokens[M] (int64; -1 for a row
+ * holding a NaN, -2 for a row not keyed or left to the extension: KEYED_ELSEWHERE): each thread draws its
+ * chunk's perturbed maximum (``keyed_max``, the chunk divided by the temperature first where it is not 1)
+ * right after computing the chunk, and the chunks' answers are joined as the maxima's are. */
+void linear_draws(const packed_weight *w, const float *x, int M, float *out, int ldo, int accumulate, int threads,
+                  int64_t *maxima, const row_draws *draws, int64_t *tokens);
 /* Products of ``w`` over this many rows or fewer run on one thread (its measured setting, else the ISA's default). */
 int one_thread_rows(const packed_weight *w);
 

@@ -8,6 +8,7 @@
 #include <math.h>
 #include <string.h>
 
+#include "keyed_scan.h"
 #include "row_top.h"
 
 /* The empty asm statements below only pin values in vector registers to steer GCC's scheduling (no
@@ -847,6 +848,19 @@ AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, floa
 /* first_max_ref's answer (row_top.h: the same scan the keyed-noise extension reads rows with). */
 AVX2_TARGET static int64_t first_max_avx2(const float *x, int64_t n, float *top) { return row_top_avx2(x, n, top); }
 
+/* keyed_max_ref's answer, four tokens' bounds at a time (keyed_scan.h). */
+AVX2_TARGET static int keyed_max_avx2(const float *x, int64_t n, int64_t token0, uint64_t key, float *value, int64_t *token) {
+    float top;
+    int64_t at = row_top_avx2(x, n, &top);
+    if (at < 0) return KEYED_NAN;
+    if (top == INFINITY || top == -INFINITY) return KEYED_ELSEWHERE;
+    int64_t best_j = token0 + at;
+    float best = x[at] + keyed_gumbel_at(key, (uint64_t)best_j);
+    keyed_scan_avx2(x, token0, n, key, best_j, &best, &best_j);
+    *value = best, *token = best_j;
+    return KEYED_FOUND;
+}
+
 void install_avx2(kernel_set *k) {
     for (int kind = 0; kind < KINDS; kind++) {
         k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx2(kind), AVX2_CALL_ROWS, ISA_AVX2};
@@ -860,10 +874,24 @@ void install_avx2(kernel_set *k) {
     k->attend_rows = attend_rows_avx2;
     k->store_half = store_half_avx2;
     k->first_max = first_max_avx2;
+    k->keyed_max = keyed_max_avx2;
     k->isa[OP_PREPARE_F32] = k->isa[OP_PREPARE_INT8] = k->isa[OP_EXP] = k->isa[OP_RMS_NORM] = k->isa[OP_ATTEND] =
-        k->isa[OP_STORE_HALF] = k->isa[OP_FIRST_MAX] = k->isa[OP_ATTEND_ROWS] = ISA_AVX2;
+        k->isa[OP_STORE_HALF] = k->isa[OP_FIRST_MAX] = k->isa[OP_ATTEND_ROWS] = k->isa[OP_KEYED_MAX] = ISA_AVX2;
 }
 
 #else
+/* keyed_max_ref's answer, four tokens' bounds at a time (keyed_scan.h). */
+AVX2_TARGET static int keyed_max_avx2(const float *x, int64_t n, int64_t token0, uint64_t key, float *value, int64_t *token) {
+    float top;
+    int64_t at = row_top_avx2(x, n, &top);
+    if (at < 0) return KEYED_NAN;
+    if (top == INFINITY || top == -INFINITY) return KEYED_ELSEWHERE;
+    int64_t best_j = token0 + at;
+    float best = x[at] + keyed_gumbel_at(key, (uint64_t)best_j);
+    keyed_scan_avx2(x, token0, n, key, best_j, &best, &best_j);
+    *value = best, *token = best_j;
+    return KEYED_FOUND;
+}
+
 void install_avx2(kernel_set *k) { (void)k; }
 #endif

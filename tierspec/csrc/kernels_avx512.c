@@ -9,6 +9,7 @@
 #include <math.h>
 
 #include "avx512_blocks.h"
+#include "keyed_scan.h"
 #include "row_top.h"
 
 #define AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,f16c,fma")))
@@ -474,6 +475,29 @@ AVX512_TARGET static int attend_rows_avx512(const attention_view *a, const float
 /* first_max_ref's answer (row_top.h: the same scan the keyed-noise extension reads rows with). */
 AVX512_TARGET static int64_t first_max_avx512(const float *x, int64_t n, float *top) { return row_top_avx512(x, n, top); }
 
+/* keyed_max_ref's answer, eight tokens' bounds at a time (keyed_scan.h; a stretch whose top lies beyond
+ * KEYED_WIDEST_TOP on the AVX2 scan, whose bounds are float64). */
+AVX512_TARGET static int keyed_max_avx512(const float *x, int64_t n, int64_t token0, uint64_t key, float *value,
+                                          int64_t *token) {
+    int nan;
+    float top = row_max_avx512(x, n, &nan);
+    if (nan) return KEYED_NAN;
+    if (top == INFINITY || top == -INFINITY) return KEYED_ELSEWHERE;
+    int64_t best_j = -1;
+    float best;
+    if (fabsf(top) <= KEYED_WIDEST_TOP) {
+        best = top - 4.0f;
+        keyed_scan_avx512(x, token0, n, key, &best, &best_j);
+    } else {
+        int64_t at = row_top_avx2(x, n, &top);
+        best_j = token0 + at;
+        best = x[at] + keyed_gumbel_at(key, (uint64_t)best_j);
+        keyed_scan_avx2(x, token0, n, key, best_j, &best, &best_j);
+    }
+    *value = best, *token = best_j;
+    return KEYED_FOUND;
+}
+
 void install_avx512(kernel_set *k) {
     for (int kind = 0; kind < KINDS; kind++) k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx512(kind), F32_ROWS, ISA_AVX512};
     k->prepare_int8 = prepare_int8_avx512;
@@ -482,10 +506,34 @@ void install_avx512(kernel_set *k) {
     k->attend = attend_avx512;
     k->attend_rows = attend_rows_avx512;
     k->first_max = first_max_avx512;
+    k->keyed_max = keyed_max_avx512;
     k->isa[OP_PREPARE_INT8] = k->isa[OP_EXP] = k->isa[OP_RMS_NORM] = k->isa[OP_ATTEND] = k->isa[OP_FIRST_MAX] =
-        k->isa[OP_ATTEND_ROWS] = ISA_AVX512;
+        k->isa[OP_ATTEND_ROWS] = k->isa[OP_KEYED_MAX] = ISA_AVX512;
 }
 
 #else
+/* keyed_max_ref's answer, eight tokens' bounds at a time (keyed_scan.h; a stretch whose top lies beyond
+ * KEYED_WIDEST_TOP on the AVX2 scan, whose bounds are float64). */
+AVX512_TARGET static int keyed_max_avx512(const float *x, int64_t n, int64_t token0, uint64_t key, float *value,
+                                          int64_t *token) {
+    int nan;
+    float top = row_max_avx512(x, n, &nan);
+    if (nan) return KEYED_NAN;
+    if (top == INFINITY || top == -INFINITY) return KEYED_ELSEWHERE;
+    int64_t best_j = -1;
+    float best;
+    if (fabsf(top) <= KEYED_WIDEST_TOP) {
+        best = top - 4.0f;
+        keyed_scan_avx512(x, token0, n, key, &best, &best_j);
+    } else {
+        int64_t at = row_top_avx2(x, n, &top);
+        best_j = token0 + at;
+        best = x[at] + keyed_gumbel_at(key, (uint64_t)best_j);
+        keyed_scan_avx2(x, token0, n, key, best_j, &best, &best_j);
+    }
+    *value = best, *token = best_j;
+    return KEYED_FOUND;
+}
+
 void install_avx512(kernel_set *k) { (void)k; }
 #endif

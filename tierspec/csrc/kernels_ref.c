@@ -18,6 +18,7 @@
 #include <string.h>
 
 #include "engine.h"
+#include "keyed_scan.h"
 
 /* Block sums in a fixed order: 8 lanes (element i of the block in lane i % 8, summed in order of i),
  * then the lanes pairwise ((0+4)+(2+6)) + ((1+5)+(3+7)) — what the AVX2 code does, so they agree bitwise. */
@@ -329,6 +330,20 @@ static int64_t first_max_ref(const float *x, int64_t n, float *top) {
     return best;
 }
 
+/* ``kernel_set.keyed_max`` (keyed_scan.h): the stretch's top scored first, then every token whose bound
+ * reaches the best, one at a time. */
+static int keyed_max_ref(const float *x, int64_t n, int64_t token0, uint64_t key, float *value, int64_t *token) {
+    float top;
+    int64_t at = first_max_ref(x, n, &top);
+    if (at < 0) return KEYED_NAN;
+    if (top == INFINITY || top == -INFINITY) return KEYED_ELSEWHERE;
+    int64_t best_j = token0 + at;
+    float best = x[at] + keyed_gumbel_at(key, (uint64_t)best_j);
+    keyed_scan_plain(x, token0, 0, n, key, best_j, &best, &best_j);
+    *value = best, *token = best_j;
+    return KEYED_FOUND;
+}
+
 void install_portable(kernel_set *k) {
     for (int layout = 0; layout < LAYOUTS; layout++)
         for (int kind = 0; kind < KINDS; kind++) k->tile[layout][kind] = (tile_kernel){tile_ref, REF_ROWS, ISA_PORTABLE};
@@ -340,6 +355,7 @@ void install_portable(kernel_set *k) {
     k->attend = attend_ref;
     k->store_half = store_half_ref;
     k->first_max = first_max_ref;
+    k->keyed_max = keyed_max_ref;
     k->attend_rows = NULL; /* each row alone (layer.c) */
     for (int op = 0; op < OPS; op++) k->isa[op] = ISA_PORTABLE;
 }

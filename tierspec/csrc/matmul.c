@@ -37,7 +37,30 @@ typedef struct {
     int parts;
     int tiles_per_chunk;
     row_top *tops; /* [chunks, M] or NULL: each chunk's largest output per row */
+    const row_draws *draws; /* or NULL: no keyed row */
+    row_top *drawn;         /* [chunks, M] with draws: each chunk's perturbed maximum per keyed row (nan: its status) */
 } matmul_task_args;
+
+static _Thread_local scratch_t scratch_scaled;
+
+/* The chunk's perturbed maximum of each keyed row (``linear_draws``), its outputs still in this core's cache. */
+static void draw_chunk(const matmul_task_args *task, const matmul_args *a, int p, int c0, int c1, row_top *drawn) {
+    const row_draws *d = task->draws;
+    for (int m = 0; m < a->M; m++) {
+        if (!d->keyed[m]) continue;
+        const float *x = a->out + (size_t)m * a->ldo + c0;
+        float temperature = d->temperature[m];
+        if (temperature != 1.0f) { /* x / t, as torch divides a float32 row by the temperature */
+            float *scaled = (float *)scratch_get(&scratch_scaled, (size_t)(c1 - c0) * sizeof(float));
+            for (int i = 0; i < c1 - c0; i++) scaled[i] = x[i] / temperature;
+            x = scaled;
+        }
+        float value = 0.0f;
+        int64_t token = -1;
+        int status = kernels.keyed_max(x, c1 - c0, task->column0[p] + c0, d->keys[m], &value, &token);
+        drawn[m] = status == KEYED_FOUND ? (row_top){value, KEYED_FOUND, token} : (row_top){0.0f, status, -1};
+    }
+}
 
 static void matmul_task(void *raw, int chunk) {
     const matmul_task_args *task = (const matmul_task_args *)raw;
@@ -70,9 +93,24 @@ static void matmul_task(void *raw, int chunk) {
             tops[m] = at < 0 ? (row_top){0.0f, 1, -1} : (row_top){top, 0, task->column0[p] + c0 + at};
         }
     }
+    if (task->draws && t0 < t1) {
+        int c0 = t0 * TILE, c1 = t1 * TILE < a->w->N ? t1 * TILE : a->w->N;
+        draw_chunk(task, a, p, c0, c1, task->drawn + (size_t)chunk * a->M);
+    }
 }
 
 static _Thread_local scratch_t scratch_rows;
+
+/* [chunks, M] answers of the chunks (none yet: column -1). */
+static row_top *chunk_answers(int chunks, int M, const char *what) {
+    row_top *answers = malloc((size_t)chunks * M * sizeof(row_top));
+    if (!answers) { /* no Python error can be raised here (the GIL is released): say it and stop */
+        fprintf(stderr, "tierspec pass engine: out of memory for %d rows' %s\n", M, what);
+        abort();
+    }
+    for (size_t i = 0; i < (size_t)chunks * M; i++) answers[i] = (row_top){0.0f, 0, -1};
+    return answers;
+}
 
 static int row_bytes(int layout) { return layout == LAYOUT_BF16 ? 2 : layout == LAYOUT_INT8 ? 1 : 4; }
 
@@ -86,8 +124,10 @@ static void half_block_sums(const int8_t *xq, int M, int K, int32_t *out) {
         }
 }
 
-void linear_maxima(const packed_weight *w, const float *x, int M, float *out, int ldo, int accumulate, int nth,
-                   int64_t *maxima) {
+/* ``linear_maxima`` and ``linear_draws``: the product, each row's first maximum (maxima) and each keyed
+ * row's draw (draws, tokens), found chunk by chunk on the threads and joined here. */
+static void linear_scored(const packed_weight *w, const float *x, int M, float *out, int ldo, int accumulate, int nth,
+                          int64_t *maxima, const row_draws *draws, int64_t *tokens) {
     int64_t started = profiling ? now_ns() : 0;
     int KB = w->K / QK;
     const packed_weight *single[1] = {w};
@@ -127,15 +167,9 @@ void linear_maxima(const packed_weight *w, const float *x, int M, float *out, in
         task.first_chunk[p + 1] = task.first_chunk[p] + ((part->N + TILE - 1) / TILE + per - 1) / per;
     }
     int chunks = task.first_chunk[count];
-    task.tops = NULL;
-    if (maxima) {
-        task.tops = malloc((size_t)chunks * M * sizeof(row_top));
-        if (!task.tops) { /* no Python error can be raised here (the GIL is released): say it and stop */
-            fprintf(stderr, "tierspec pass engine: out of memory for %d rows' maxima\n", M);
-            abort();
-        }
-        for (size_t i = 0; i < (size_t)chunks * M; i++) task.tops[i] = (row_top){0.0f, 0, -1};
-    }
+    task.tops = maxima ? chunk_answers(chunks, M, "maxima") : NULL;
+    task.draws = draws;
+    task.drawn = draws ? chunk_answers(chunks, M, "draws") : NULL;
     run_parallel(matmul_task, &task, chunks, nth);
     if (maxima) {
         /* Each row's first maximum over every chunk's (a larger value, or an equal one in an earlier
@@ -153,7 +187,35 @@ void linear_maxima(const packed_weight *w, const float *x, int M, float *out, in
         }
         free(task.tops);
     }
+    if (draws) {
+        /* Each keyed row's perturbed maximum over every chunk's, as the maxima are joined: -1 where a chunk
+         * saw a NaN, -2 where one left the row to the extension (or the row is not keyed). */
+        for (int m = 0; m < M; m++) {
+            row_top best = {0.0f, KEYED_FOUND, -1};
+            int nan = 0, elsewhere = !draws->keyed[m];
+            for (int c = 0; c < chunks && !elsewhere; c++) {
+                const row_top *r = &task.drawn[(size_t)c * M + m];
+                nan |= r->nan == KEYED_NAN;
+                elsewhere |= r->nan == KEYED_ELSEWHERE;
+                if (r->column >= 0 && (best.column < 0 || r->value > best.value ||
+                                       (r->value == best.value && r->column < best.column)))
+                    best = *r;
+            }
+            tokens[m] = nan ? -1 : elsewhere || best.column < 0 ? -2 : best.column;
+        }
+        free(task.drawn);
+    }
     if (profiling) profile_ns[1] += now_ns() - started;
+}
+
+void linear_maxima(const packed_weight *w, const float *x, int M, float *out, int ldo, int accumulate, int nth,
+                   int64_t *maxima) {
+    linear_scored(w, x, M, out, ldo, accumulate, nth, maxima, NULL, NULL);
+}
+
+void linear_draws(const packed_weight *w, const float *x, int M, float *out, int ldo, int accumulate, int nth,
+                  int64_t *maxima, const row_draws *draws, int64_t *tokens) {
+    linear_scored(w, x, M, out, ldo, accumulate, nth, maxima, draws, tokens);
 }
 
 void linear(const packed_weight *w, const float *x, int M, float *out, int ldo, int accumulate, int nth) {

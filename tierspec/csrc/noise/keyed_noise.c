@@ -7,16 +7,9 @@
  * logarithms cost about a one-token pass of the default model (49,152 values); this file, a small
  * fraction of it (benchmarks/loop_time.py measures both).
  *
- *   r_i = mix64(key + (i + 1) · γ)                      (SplitMix64 over a counter: any i, in any order)
- *   u_i = (r_i >> 12 + ½) · 2⁻⁵²                        (in [2⁻⁵³, 1 − 2⁻⁵³], exact in float64)
- *   E_i = −ln u_i                                        (float64, rounded to float32: a standard exponential)
- *   g_i = −ln E_i                                        (float32: a standard Gumbel value)
- *
- * u never reaches 0 or 1, so g lies in [−3.6, 36.7]: no token is cut off below the top (float32
- * uniforms would bound g at 16.6). E needs float64 near u = 1, where E ≈ 1 − u; float32 holds E and g
- * to the precision the float32 result keeps. The logarithms are this file's own series, and the plain
- * loop and the AVX2 loop do the same IEEE operations in the same order (-ffp-contract=off: no fused
- * multiply-adds), so every path gives the same bits and a seed the same text on every CPU.
+ * The noise's arithmetic and the scans of the perturbed argmax are in ../keyed_scan.h, shared with the pass
+ * engine (which draws a row's token inside the LM head's product): SplitMix64 over a counter keyed by
+ * (seed, position, purpose), two logarithms of this project's own series, the same bits on every path.
  *
  * Its own extension (``tierspec._keyed_noise``), not the pass engine's: sampling sits below the models in
  * the package's layers and needs nothing of the engine. */
@@ -27,6 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "../keyed_scan.h"
+
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
@@ -36,141 +31,28 @@
 #define HAVE_AVX2_BUILD 0
 #endif
 
-#define GOLDEN_GAMMA 0x9E3779B97F4A7C15ULL
-#define MIX_C1 0xBF58476D1CE4E5B9ULL
-#define MIX_C2 0x94D049BB133111EBULL
-#define ONE_BITS 0x3FF0000000000000ULL
-#define MANTISSA_BITS 0x000FFFFFFFFFFFFFULL
-#define ONE_BITS_F 0x3F800000U
-#define MANTISSA_BITS_F 0x007FFFFFU
-
-/* ln 2 in two parts: e · LN2_HI is exact for the exponents that occur (|e| ≤ 128). */
-#define LN2_HI 6.93147180369123816490e-01
-#define LN2_LO 1.90821492927058770002e-10
-#define LN2_HI_F 0.693359375f
-#define LN2_LO_F -2.12194440e-4f
-#define SQRT2 1.41421356237309504880
-#define SQRT2_F 1.41421356f
-#define INT_TO_DOUBLE_MAGIC 0x4338000000000000ULL /* 1.5 · 2⁵²: bits(magic + n) − 1.5 · 2⁵² = n */
-#define INT_TO_DOUBLE_MAGIC_VALUE 6755399441055744.0
-
-/* SplitMix64's output function (Steele, Lea and Flood 2014): a bijection of 64-bit words whose outputs
- * over a counter pass BigCrush. */
-static inline uint64_t mix64(uint64_t z) {
-    z = (z ^ (z >> 30)) * MIX_C1;
-    z = (z ^ (z >> 27)) * MIX_C2;
-    return z ^ (z >> 31);
-}
-
-static inline double as_double(uint64_t bits) {
-    double d;
-    memcpy(&d, &bits, sizeof d);
-    return d;
-}
-
-static inline uint64_t bits_of(double d) {
-    uint64_t bits;
-    memcpy(&bits, &d, sizeof bits);
-    return bits;
-}
-
-static inline float as_float(uint32_t bits) {
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-static inline uint32_t bits_of_float(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    return bits;
-}
-
-/* The two logarithms: x = 2^e · m with m in [√½, √2), ln m = 2 atanh(s) = 2s (1 + s²/3 + s⁴/5 + …),
- * s = (m − 1)/(m + 1), |s| ≤ 0.1716 (s² ≤ 0.0295). m − 1 is exact, so ln x keeps its relative precision
- * near x = 1. Float64: five terms after the first (the next would add < 2⁻³⁶ of ln m: E goes to float32);
- * float32: four (< 2⁻²⁷). */
-static inline double ln_double(double x) {
-    uint64_t bits = bits_of(x);
-    double m = as_double((bits & MANTISSA_BITS) | ONE_BITS); /* [1, 2) */
-    double e = as_double(INT_TO_DOUBLE_MAGIC + ((bits >> 52) - 1023)) - INT_TO_DOUBLE_MAGIC_VALUE;
-    int high = m > SQRT2;
-    m = high ? m * 0.5 : m;
-    e = high ? e + 1.0 : e;
-    double s = (m - 1.0) / (m + 1.0);
-    double z = s * s;
-    double p = 1.0 / 11.0;
-    p = p * z + 1.0 / 9.0;
-    p = p * z + 1.0 / 7.0;
-    p = p * z + 1.0 / 5.0;
-    p = p * z + 1.0 / 3.0;
-    double t = s + s;
-    double ln_m = t + t * (z * p);
-    return e * LN2_HI + (ln_m + e * LN2_LO);
-}
-
-static inline float ln_float(float x) {
-    uint32_t bits = bits_of_float(x);
-    float m = as_float((bits & MANTISSA_BITS_F) | ONE_BITS_F); /* [1, 2) */
-    int exponent = (int)(bits >> 23) - 127;
-    int high = m > SQRT2_F;
-    m = high ? m * 0.5f : m;
-    float e = (float)(exponent + high);
-    float s = (m - 1.0f) / (m + 1.0f);
-    float z = s * s;
-    float p = 1.0f / 9.0f;
-    p = p * z + 1.0f / 7.0f;
-    p = p * z + 1.0f / 5.0f;
-    p = p * z + 1.0f / 3.0f;
-    float t = s + s;
-    float ln_m = t + t * (z * p);
-    return e * LN2_HI_F + (ln_m + e * LN2_LO_F);
-}
-
-static inline float gumbel_at(uint64_t key, uint64_t i) {
-    uint64_t r = mix64(key + (i + 1) * GOLDEN_GAMMA);
-    double u = (as_double((r >> 12) | ONE_BITS) - 1.0) + 0x1p-53;
-    float e = (float)(-ln_double(u)); /* in [1.1e-16, 36.8]: a normal float */
-    return -ln_float(e);
-}
-
 /* The reference, and the path of CPUs without AVX2. */
 static void fill_plain(uint64_t key, float *out, int64_t count) {
-    for (int64_t i = 0; i < count; i++) out[i] = gumbel_at(key, (uint64_t)i);
+    for (int64_t i = 0; i < count; i++) out[i] = keyed_gumbel_at(key, (uint64_t)i);
 }
 
 /* The noise at chosen tokens only (a drafter's reduced vocabulary): out[i] = g(ids[i]). */
 static void gather_plain(uint64_t key, const int64_t *ids, int64_t count, float *out) {
-    for (int64_t i = 0; i < count; i++) out[i] = gumbel_at(key, (uint64_t)ids[i]);
+    for (int64_t i = 0; i < count; i++) out[i] = keyed_gumbel_at(key, (uint64_t)ids[i]);
 }
 
 #if HAVE_AVX2_BUILD
 #define AVX2 __attribute__((target("avx2")))
 
-/* The low 64 bits of a · c for 4 lanes (AVX2 has 32 × 32 → 64-bit products only). */
-AVX2 static inline __m256i mul64(__m256i a, uint64_t c) {
-    __m256i c_lo = _mm256_set1_epi64x((long long)(c & 0xFFFFFFFFULL));
-    __m256i c_hi = _mm256_set1_epi64x((long long)(c >> 32));
-    __m256i low = _mm256_mul_epu32(a, c_lo);
-    __m256i cross = _mm256_add_epi64(_mm256_mul_epu32(_mm256_srli_epi64(a, 32), c_lo), _mm256_mul_epu32(a, c_hi));
-    return _mm256_add_epi64(low, _mm256_slli_epi64(cross, 32));
-}
-
-AVX2 static inline __m256i mix64_x4(__m256i z) {
-    z = mul64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 30)), MIX_C1);
-    z = mul64(_mm256_xor_si256(z, _mm256_srli_epi64(z, 27)), MIX_C2);
-    return _mm256_xor_si256(z, _mm256_srli_epi64(z, 31));
-}
-
 AVX2 static inline __m256d ln_double_x4(__m256d x) {
     __m256i bits = _mm256_castpd_si256(x);
-    __m256d m = _mm256_castsi256_pd(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi64x((long long)MANTISSA_BITS)),
-                                                    _mm256_set1_epi64x((long long)ONE_BITS)));
+    __m256d m = _mm256_castsi256_pd(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi64x((long long)KEYED_MANTISSA_BITS)),
+                                                    _mm256_set1_epi64x((long long)KEYED_ONE_BITS)));
     __m256i exponent = _mm256_sub_epi64(_mm256_srli_epi64(bits, 52), _mm256_set1_epi64x(1023));
-    __m256d e = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_add_epi64(_mm256_set1_epi64x((long long)INT_TO_DOUBLE_MAGIC),
+    __m256d e = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_add_epi64(_mm256_set1_epi64x((long long)KEYED_INT_TO_DOUBLE_MAGIC),
                                                                    exponent)),
-                              _mm256_set1_pd(INT_TO_DOUBLE_MAGIC_VALUE));
-    __m256d high = _mm256_cmp_pd(m, _mm256_set1_pd(SQRT2), _CMP_GT_OQ);
+                              _mm256_set1_pd(KEYED_INT_TO_DOUBLE_MAGIC_VALUE));
+    __m256d high = _mm256_cmp_pd(m, _mm256_set1_pd(KEYED_SQRT2), _CMP_GT_OQ);
     m = _mm256_blendv_pd(m, _mm256_mul_pd(m, _mm256_set1_pd(0.5)), high);
     e = _mm256_blendv_pd(e, _mm256_add_pd(e, _mm256_set1_pd(1.0)), high);
     __m256d one = _mm256_set1_pd(1.0);
@@ -183,16 +65,16 @@ AVX2 static inline __m256d ln_double_x4(__m256d x) {
     p = _mm256_add_pd(_mm256_mul_pd(p, z), _mm256_set1_pd(1.0 / 3.0));
     __m256d t = _mm256_add_pd(s, s);
     __m256d ln_m = _mm256_add_pd(t, _mm256_mul_pd(t, _mm256_mul_pd(z, p)));
-    return _mm256_add_pd(_mm256_mul_pd(e, _mm256_set1_pd(LN2_HI)),
-                         _mm256_add_pd(ln_m, _mm256_mul_pd(e, _mm256_set1_pd(LN2_LO))));
+    return _mm256_add_pd(_mm256_mul_pd(e, _mm256_set1_pd(KEYED_LN2_HI)),
+                         _mm256_add_pd(ln_m, _mm256_mul_pd(e, _mm256_set1_pd(KEYED_LN2_LO))));
 }
 
 AVX2 static inline __m256 ln_float_x8(__m256 x) {
     __m256i bits = _mm256_castps_si256(x);
-    __m256 m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32((int)MANTISSA_BITS_F)),
-                                                   _mm256_set1_epi32((int)ONE_BITS_F)));
+    __m256 m = _mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(bits, _mm256_set1_epi32((int)KEYED_MANTISSA_BITS_F)),
+                                                   _mm256_set1_epi32((int)KEYED_ONE_BITS_F)));
     __m256i exponent = _mm256_sub_epi32(_mm256_srli_epi32(bits, 23), _mm256_set1_epi32(127));
-    __m256 high = _mm256_cmp_ps(m, _mm256_set1_ps(SQRT2_F), _CMP_GT_OQ);
+    __m256 high = _mm256_cmp_ps(m, _mm256_set1_ps(KEYED_SQRT2_F), _CMP_GT_OQ);
     m = _mm256_blendv_ps(m, _mm256_mul_ps(m, _mm256_set1_ps(0.5f)), high);
     /* exponent + 1 where high (the comparison's all-ones lanes are −1) */
     __m256 e = _mm256_cvtepi32_ps(_mm256_sub_epi32(exponent, _mm256_castps_si256(high)));
@@ -205,15 +87,15 @@ AVX2 static inline __m256 ln_float_x8(__m256 x) {
     p = _mm256_add_ps(_mm256_mul_ps(p, z), _mm256_set1_ps(1.0f / 3.0f));
     __m256 t = _mm256_add_ps(s, s);
     __m256 ln_m = _mm256_add_ps(t, _mm256_mul_ps(t, _mm256_mul_ps(z, p)));
-    return _mm256_add_ps(_mm256_mul_ps(e, _mm256_set1_ps(LN2_HI_F)),
-                         _mm256_add_ps(ln_m, _mm256_mul_ps(e, _mm256_set1_ps(LN2_LO_F))));
+    return _mm256_add_ps(_mm256_mul_ps(e, _mm256_set1_ps(KEYED_LN2_HI_F)),
+                         _mm256_add_ps(ln_m, _mm256_mul_ps(e, _mm256_set1_ps(KEYED_LN2_LO_F))));
 }
 
 /* −ln u for 4 counters' uniforms, as float32. */
 AVX2 static inline __m128 exponential_x4(__m256i counter) {
-    __m256i r = mix64_x4(counter);
+    __m256i r = keyed_mix64_x4(counter);
     __m256d u = _mm256_add_pd(_mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(_mm256_srli_epi64(r, 12),
-                                                                                  _mm256_set1_epi64x((long long)ONE_BITS))),
+                                                                                  _mm256_set1_epi64x((long long)KEYED_ONE_BITS))),
                                             _mm256_set1_pd(1.0)),
                               _mm256_set1_pd(0x1p-53));
     return _mm256_cvtpd_ps(_mm256_sub_pd(_mm256_setzero_pd(), ln_double_x4(u)));
@@ -221,17 +103,17 @@ AVX2 static inline __m128 exponential_x4(__m256i counter) {
 
 AVX2 static void fill_avx2(uint64_t key, float *out, int64_t count) {
     int64_t i = 0;
-    const __m256i step = _mm256_set1_epi64x((long long)(8 * GOLDEN_GAMMA));
-    __m256i low = _mm256_setr_epi64x((long long)(key + 1 * GOLDEN_GAMMA), (long long)(key + 2 * GOLDEN_GAMMA),
-                                     (long long)(key + 3 * GOLDEN_GAMMA), (long long)(key + 4 * GOLDEN_GAMMA));
-    __m256i high = _mm256_add_epi64(low, _mm256_set1_epi64x((long long)(4 * GOLDEN_GAMMA)));
+    const __m256i step = _mm256_set1_epi64x((long long)(8 * KEYED_GOLDEN_GAMMA));
+    __m256i low = _mm256_setr_epi64x((long long)(key + 1 * KEYED_GOLDEN_GAMMA), (long long)(key + 2 * KEYED_GOLDEN_GAMMA),
+                                     (long long)(key + 3 * KEYED_GOLDEN_GAMMA), (long long)(key + 4 * KEYED_GOLDEN_GAMMA));
+    __m256i high = _mm256_add_epi64(low, _mm256_set1_epi64x((long long)(4 * KEYED_GOLDEN_GAMMA)));
     for (; i + 8 <= count; i += 8) {
         __m256 e = _mm256_set_m128(exponential_x4(high), exponential_x4(low));
         _mm256_storeu_ps(out + i, _mm256_sub_ps(_mm256_setzero_ps(), ln_float_x8(e)));
         low = _mm256_add_epi64(low, step);
         high = _mm256_add_epi64(high, step);
     }
-    for (; i < count; i++) out[i] = gumbel_at(key, (uint64_t)i);
+    for (; i < count; i++) out[i] = keyed_gumbel_at(key, (uint64_t)i);
 }
 
 /* ``gather_plain`` eight tokens at a time: each token's counter key + (id + 1)·γ, then the fill's own
@@ -241,56 +123,16 @@ AVX2 static void gather_avx2(uint64_t key, const int64_t *ids, int64_t count, fl
     int64_t i = 0;
     for (; i + 8 <= count; i += 8) {
         __m256i low = _mm256_loadu_si256((const __m256i *)(ids + i)), high = _mm256_loadu_si256((const __m256i *)(ids + i + 4));
-        low = _mm256_add_epi64(base, mul64(_mm256_add_epi64(low, one), GOLDEN_GAMMA));
-        high = _mm256_add_epi64(base, mul64(_mm256_add_epi64(high, one), GOLDEN_GAMMA));
+        low = _mm256_add_epi64(base, keyed_mul64(_mm256_add_epi64(low, one), KEYED_GOLDEN_GAMMA));
+        high = _mm256_add_epi64(base, keyed_mul64(_mm256_add_epi64(high, one), KEYED_GOLDEN_GAMMA));
         __m256 e = _mm256_set_m128(exponential_x4(high), exponential_x4(low));
         _mm256_storeu_ps(out + i, _mm256_sub_ps(_mm256_setzero_ps(), ln_float_x8(e)));
     }
-    for (; i < count; i++) out[i] = gumbel_at(key, (uint64_t)ids[i]);
+    for (; i < count; i++) out[i] = keyed_gumbel_at(key, (uint64_t)ids[i]);
 }
 #endif
 
-/* ---- the perturbed argmax, without drawing every token's noise ----------------------------------------
- *
- * token = argmax_j fl(x_j + g_j) over a row x [V] (log-probabilities or logits; −inf: excluded), the first
- * of equal maxima: exactly what argmax(x + g) over the whole noise vector gives, for a fraction of its
- * cost. g_j is at most −ln v_j with v_j = 1 − u_j (since −ln(1 − v) ≥ v), and v_j ≥ 2^k_j where k_j is
- * the exponent of v_j, an integer read from the counter's bits without a logarithm. So token j can beat
- * the best score found so far only if x_j − k_j · ln 2 reaches it: every other token is passed over, and
- * only the few that can are scored exactly (gumbel_at). The bound is taken with a margin of 2⁻⁸ (far
- * above the float32 roundings of x_j + g_j and of g_j itself, ~10⁻⁵), so a token passed over is strictly
- * below the best, never tied with it. */
-#define BOUND_MARGIN 0.00390625
-
-/* The exponent k of v = (n + ½) · 2⁻⁵² for n = 2⁵² − 1 − (r >> 12): v = 1 − u exactly. */
-static inline int exponent_of_v(uint64_t r) {
-    uint64_t n = (1ULL << 52) - 1 - (r >> 12);
-    double v_scaled = (as_double(0x4330000000000000ULL | n) - 0x1p52) + 0.5; /* n + ½, exact */
-    return (int)(bits_of(v_scaled) >> 52) - 1023 - 52;
-}
-
-/* Token j scored exactly and taken where it beats the best so far (the first of equal maxima wins);
- * 1 when taken. */
-static inline int take_if_better(const float *x, int64_t j, uint64_t key, float *best, int64_t *best_j) {
-    float score = x[j] + gumbel_at(key, (uint64_t)j);
-    if (score > *best || (score == *best && j < *best_j)) {
-        *best = score, *best_j = j;
-        return 1;
-    }
-    return 0;
-}
-
-/* Tokens from .. vocab − 1 one at a time (the plain scan; the vector scans' tails): each whose bound
- * reaches the best is scored exactly. ``skip``: a token already scored (the top; −1 for none). */
-static void scan_plain(const float *x, int64_t from, int64_t vocab, uint64_t key, int64_t skip, float *best,
-                       int64_t *best_j) {
-    for (int64_t j = from; j < vocab; j++) {
-        if (x[j] == -INFINITY || j == skip) continue;
-        uint64_t r = mix64(key + ((uint64_t)j + 1) * GOLDEN_GAMMA);
-        double bound = (double)x[j] - exponent_of_v(r) * 0.69314718055994530942 + BOUND_MARGIN;
-        if (bound >= (double)*best) take_if_better(x, j, key, best, best_j);
-    }
-}
+/* ---- the perturbed argmax (keyed_scan.h's scans over the whole row) --------------------------------- */
 
 /* Scores one row; returns the token, or −1 when the row holds a NaN. A row that excludes every token
  * (all −inf: every score equal) gives its first index, as the argmax over the whole vector does; so does
@@ -303,8 +145,8 @@ static int64_t argmax_plain(const float *x, int64_t vocab, uint64_t key) {
     }
     if (x[top] == -INFINITY || x[top] == INFINITY) return top;
     int64_t best_j = top;
-    float best = x[top] + gumbel_at(key, (uint64_t)top);
-    scan_plain(x, 0, vocab, key, top, &best, &best_j);
+    float best = x[top] + keyed_gumbel_at(key, (uint64_t)top);
+    keyed_scan_plain(x, 0, 0, vocab, key, top, &best, &best_j);
     return best_j;
 }
 
@@ -315,96 +157,22 @@ AVX2 static int64_t argmax_avx2(const float *x, int64_t vocab, uint64_t key) {
     int64_t top = row_top_avx2(x, vocab, &top_x);
     if (top < 0 || x[top] == -INFINITY || x[top] == INFINITY) return top; /* a NaN; every score equal; +inf */
     int64_t best_j = top;
-    float best = x[top] + gumbel_at(key, (uint64_t)top);
-    const __m256i step = _mm256_set1_epi64x((long long)(4 * GOLDEN_GAMMA));
-    __m256i counter = _mm256_setr_epi64x((long long)(key + 1 * GOLDEN_GAMMA), (long long)(key + 2 * GOLDEN_GAMMA),
-                                         (long long)(key + 3 * GOLDEN_GAMMA), (long long)(key + 4 * GOLDEN_GAMMA));
-    const __m256i n_top = _mm256_set1_epi64x((long long)((1ULL << 52) - 1));
-    const __m256i magic = _mm256_set1_epi64x((long long)0x4330000000000000ULL);
-    const __m256i bias = _mm256_set1_epi64x(1023 + 52);
-    int64_t j = 0;
-    for (; j + 4 <= vocab; j += 4) {
-        __m256i r = mix64_x4(counter);
-        counter = _mm256_add_epi64(counter, step);
-        __m256i n = _mm256_sub_epi64(n_top, _mm256_srli_epi64(r, 12));
-        __m256d v_scaled = _mm256_add_pd(_mm256_sub_pd(_mm256_castsi256_pd(_mm256_or_si256(magic, n)),
-                                                       _mm256_set1_pd(0x1p52)),
-                                         _mm256_set1_pd(0.5));
-        __m256i k = _mm256_sub_epi64(_mm256_srli_epi64(_mm256_castpd_si256(v_scaled), 52), bias);
-        /* k as a double (|k| ≤ 53) by the magic-number conversion */
-        __m256d k_d = _mm256_sub_pd(_mm256_castsi256_pd(_mm256_add_epi64(_mm256_set1_epi64x((long long)INT_TO_DOUBLE_MAGIC), k)),
-                                    _mm256_set1_pd(INT_TO_DOUBLE_MAGIC_VALUE));
-        __m256d bound = _mm256_add_pd(_mm256_sub_pd(_mm256_cvtps_pd(_mm_loadu_ps(x + j)),
-                                                    _mm256_mul_pd(k_d, _mm256_set1_pd(0.69314718055994530942))),
-                                      _mm256_set1_pd(BOUND_MARGIN));
-        int reach = _mm256_movemask_pd(_mm256_cmp_pd(bound, _mm256_set1_pd((double)best), _CMP_GE_OQ));
-        while (reach) {
-            int lane = __builtin_ctz((unsigned)reach);
-            reach &= reach - 1;
-            int64_t t = j + lane;
-            if (t != top) take_if_better(x, t, key, &best, &best_j);
-        }
-    }
-    scan_plain(x, j, vocab, key, top, &best, &best_j);
+    float best = x[top] + keyed_gumbel_at(key, (uint64_t)top);
+    keyed_scan_avx2(x, 0, vocab, key, top, &best, &best_j);
     return best_j;
 }
 
-/* The same scan on AVX-512 (F, DQ, CD, VL): eight tokens a step, SplitMix64's products native
- * (vpmullq, where AVX2 builds each from three 32-bit products) and the bound's exponent a count of
- * leading bits: with n = (~r) >> 12 as above, k = −1 − lzcnt(~r) for n ≥ 1 and −53 for n = 0, so
- * −k = 1 + min(lzcnt(~r), 52), no float conversion of v. The tokens that can reach the best are
- * scored by gumbel_at, so the token is the plain scan's. On a Zen 4 a row of
- * the default model's 49,152 logits took 21.6 µs warm and 38.2 right after a one-row pass, against the AVX2
- * scan's 62.3 and 79.5 (benchmarks/noise_rows.py, results/zen4/int8/noise_rows.log). */
-#define AVX512 __attribute__((target("avx512f,avx512dq,avx512cd,avx512vl")))
-
-AVX512 static inline __m512i mix64_x8(__m512i z) {
-    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 30)), _mm512_set1_epi64((long long)MIX_C1));
-    z = _mm512_mullo_epi64(_mm512_xor_si512(z, _mm512_srli_epi64(z, 27)), _mm512_set1_epi64((long long)MIX_C2));
-    return _mm512_xor_si512(z, _mm512_srli_epi64(z, 31));
-}
-
-/* The bound of the AVX2 scan, x_j + (1 + lzcnt(~r_j)) · ln 2 + margin ≥ best, rearranged to need no float64:
- * lzcnt(~r_j) ≥ (best − ln 2 − margin − x_j) / ln 2, the right side in float32 for eight tokens at once.
- * Uncapped, 1 + lzcnt(~r) ≥ −k: the bound only loosens. Float32's roundings put the right side within
- * 2⁻¹³ of its exact value (under a fortieth of the margin) for |x_top| ≤ WIDEST_TOP, where every token near the
- * bound lies within 41 of x_top; a row beyond it takes the AVX2 scan, whose bound is in float64. */
-#define WIDEST_TOP 960.0f
-
-AVX512 static int64_t argmax_avx512(const float *x, int64_t vocab, uint64_t key) {
+/* The same scan, eight tokens' bounds at a time (keyed_scan_avx512; a row whose top is beyond
+ * KEYED_WIDEST_TOP on the AVX2 scan). */
+KEYED_AVX512 static int64_t argmax_avx512(const float *x, int64_t vocab, uint64_t key) {
     int nan;
     float top_x = row_max_avx512(x, vocab, &nan);
     if (nan) return -1;
     if (top_x == -INFINITY || top_x == INFINITY) return row_top_avx512(x, vocab, &top_x); /* every score equal; +inf */
-    if (!(fabsf(top_x) <= WIDEST_TOP)) return argmax_avx2(x, vocab, key);
-    /* Below every score the top token can reach (g ≥ −ln 36.74 = −3.604): the top is found by the scan
-     * itself, as a token that can reach the best, and no index pass is needed. */
+    if (!(fabsf(top_x) <= KEYED_WIDEST_TOP)) return argmax_avx2(x, vocab, key);
     int64_t best_j = -1;
     float best = top_x - 4.0f;
-    const float inverse_ln2 = 1.44269504088896340736f;
-    __m256 reach_from = _mm256_set1_ps((float)((double)best - 0.69314718055994530942 - BOUND_MARGIN));
-    const __m512i step = _mm512_set1_epi64((long long)(8 * GOLDEN_GAMMA));
-    __m512i counter = _mm512_add_epi64(_mm512_set1_epi64((long long)key),
-                                       _mm512_setr_epi64((long long)(1 * GOLDEN_GAMMA), (long long)(2 * GOLDEN_GAMMA),
-                                                         (long long)(3 * GOLDEN_GAMMA), (long long)(4 * GOLDEN_GAMMA),
-                                                         (long long)(5 * GOLDEN_GAMMA), (long long)(6 * GOLDEN_GAMMA),
-                                                         (long long)(7 * GOLDEN_GAMMA), (long long)(8 * GOLDEN_GAMMA)));
-    const __m256 to_lengths = _mm256_set1_ps(inverse_ln2);
-    int64_t j = 0;
-    for (; j + 8 <= vocab; j += 8) {
-        __m512i r = mix64_x8(counter);
-        counter = _mm512_add_epi64(counter, step);
-        __m256 leading = _mm512_cvtepi64_ps(_mm512_lzcnt_epi64(_mm512_ternarylogic_epi64(r, r, r, 0x55))); /* of ~r */
-        __m256 needed = _mm256_mul_ps(_mm256_sub_ps(reach_from, _mm256_loadu_ps(x + j)), to_lengths);
-        unsigned reach = (unsigned)_mm256_cmp_ps_mask(leading, needed, _CMP_GE_OQ);
-        while (reach) {
-            int lane = __builtin_ctz(reach);
-            reach &= reach - 1;
-            if (take_if_better(x, j + lane, key, &best, &best_j))
-                reach_from = _mm256_set1_ps((float)((double)best - 0.69314718055994530942 - BOUND_MARGIN));
-        }
-    }
-    scan_plain(x, j, vocab, key, -1, &best, &best_j);
+    keyed_scan_avx512(x, 0, vocab, key, &best, &best_j);
     return best_j;
 }
 #endif
@@ -655,7 +423,7 @@ static PyObject *py_mix64(PyObject *self, PyObject *arg) {
     (void)self;
     uint64_t z = PyLong_AsUnsignedLongLongMask(arg);
     if (PyErr_Occurred()) return NULL;
-    return PyLong_FromUnsignedLongLong(mix64(z));
+    return PyLong_FromUnsignedLongLong(keyed_mix64(z));
 }
 
 static PyObject *py_best_loop(PyObject *self, PyObject *unused) {
