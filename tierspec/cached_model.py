@@ -28,7 +28,7 @@ from .quant import QuantLinear, embedded_rows
 from .layerskip.masks import apply_mask, decoder_layers, model_lock
 
 
-@dataclass
+@dataclass(slots=True)
 class PassResult:
     """What one forward pass returns.
 
@@ -44,7 +44,7 @@ class PassResult:
     keyed_draws: list[int] | None = None  # each logits row's keyed draw (``RowDraws``), where the pass made them
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class RowDraws:
     """The keyed draws a pass makes in its LM head's product for a sequence's scored rows: row i's
     token argmax_v(logits[i, v] / ``temperature`` + g_i(v)) under the Gumbel noise of ``keys[i]``
@@ -345,7 +345,7 @@ class CachedModel:
 # ---- batched passes: several sequences' new rows in one pass -----------------------------------------
 
 
-@dataclass
+@dataclass(slots=True)
 class BatchItem:
     """One sequence's part of a batched pass: its ``runner`` (a CachedModel on the shared model),
     its new ``token_ids`` [n] (int64, or a list of ints), the last ``logits_for`` rows to score (None: all), and for a token

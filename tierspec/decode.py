@@ -134,7 +134,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], sampling: SamplingCo
     return [TokenLogprob(token, logprob, alternatives) for token, logprob, alternatives in zip(tokens, chosen, tops)]
 
 
-@dataclass
+@dataclass(slots=True)
 class CycleStats:
     """What one draft–verify–commit cycle did."""
 
@@ -311,7 +311,7 @@ class DecodeMethod(Protocol):
         ...
 
 
-@dataclass
+@dataclass(slots=True)
 class Step:
     """What the loop yields after each commit: the cycle's new tokens, statistics, the proposal it
     verified and the verdict. With ``DecodeConfig.logprobs``: ``logprobs``, one record per new
@@ -505,7 +505,7 @@ class CycleTimes:
                 "commit": self.commit}
 
 
-@dataclass
+@dataclass(slots=True)
 class _Drafted:
     """A sequence's proposal on its way through the cycle: what its drafter proposed, what the
     cycle verifies, the block's noise, and the counters the cycle's statistics start from."""

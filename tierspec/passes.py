@@ -27,7 +27,7 @@ import torch
 from .cached_model import BatchItem, CachedModel, PassResult, RowDraws, batched_pass, runs_as_one_stack
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class PassRequest:
     """One sequence's part of a cycle's pass: ``tokens`` [n] run on ``runner``'s cache from its
     length (int64, or a list of ints: a chain's, joined from the committed tokens' and the drafter's

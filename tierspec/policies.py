@@ -127,7 +127,7 @@ class SourceKey:
 AcceptanceKey = MatchKey | ConfidenceKey | SourceKey
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class CycleOutcome:
     """What the loop tells a policy after each verdict: the drafter's whole proposal
     (``drafted``), the part of it the policy let through to verification (``verified``, its

@@ -43,7 +43,7 @@ class Shape(enum.Enum):
     TREE = "tree"
 
 
-@dataclass
+@dataclass(slots=True)
 class Proposal:
     """A drafted token tree (``tree``: m nodes, a chain of m drafts for chain drafters) and, per
     node, what the drafter knew about it. Row i of every per-node field belongs to node i.
@@ -157,7 +157,7 @@ class Proposal:
 _NO_DRAFTS = TokenTree.chain(torch.empty(0, dtype=torch.long))  # immutable: one for every empty proposal
 
 
-@dataclass
+@dataclass(slots=True)
 class Verdict:
     """A rule's decision on one proposal.
 
@@ -182,7 +182,7 @@ class Verdict:
         return Verdict(list(range(accepted)), next_token, deciders)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Walk:
     """Where an acceptance walk ended: the accepted nodes (``path``, depth 1 first) and the token
     after them."""
@@ -200,7 +200,7 @@ class Walk:
         return Walk(list(range(accepted)), next_token)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Scores:
     """A verifier pass's rows for one proposal of m nodes (the full target's, or VIA's slim
     verifier's), with the sampling modifiers applied.
@@ -297,7 +297,7 @@ class TreeView(PolicyView, Protocol):
         ...
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DraftRequest:
     """What the loop asks of a drafter each cycle.
 

@@ -489,7 +489,7 @@ def gumbel_values(key: int, ids: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class BlockNoise:
     """The noise of one draft–verify block whose token i sits at position ``start`` + i (draft
     token i for i < k; the correction or bonus token after them). Drafters and rules index by i."""

@@ -113,7 +113,7 @@ class GeneratedTokens:
         return self._committed.generated(start, stop)
 
 
-@dataclass
+@dataclass(slots=True)
 class PassRecord:
     """What the cycle's last verifier pass leaves for the commit to settle. The pass wrote cache
     positions from ``start``: first ``pending`` committed tokens, then the proposal's ``nodes`` in
@@ -133,7 +133,7 @@ class PassRecord:
     scored: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TargetPass:
     """A full-target pass before it runs (``Verifiers.target_request``): its ``request`` (the
     ``pending`` committed tokens, the proposal's nodes and ``pad`` padding rows, written from cache

@@ -226,7 +226,7 @@ def exact_walk(proposal: Proposal, target_logits: torch.Tensor, sampling: Sampli
 # ---- many chains at once ------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ChainBatch:
     """Chains of several sequences verified in one step, flat (after vLLM v1's
     ``SpecDecodeMetadata``): ``draft_tokens`` [T] every sequence's drafts one after another (ints),
