@@ -494,8 +494,8 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
     return results
 
 
-def _scored(lm_head: torch.nn.Module, final: torch.Tensor, keys: list[int | None] | None,
-            temperatures: list[float] | None) -> tuple[torch.Tensor, list[int] | None, list[int] | None]:
+def _scored(lm_head: torch.nn.Module, final: torch.Tensor, keys: list[int | None] | None = None,
+            temperatures: list[float] | None = None) -> tuple[torch.Tensor, list[int] | None, list[int] | None]:
     """The LM head's float32 logits of a batched pass's rows ``final`` [m, H], each row's first
     maximum where the engine found it in the product, and each keyed row's draw (``keys``: a key or
     None per row, None for no draws; ``RowDraws``): a quantised head's product called directly on

@@ -507,22 +507,27 @@ def test_an_engine_table_names_the_buffers_a_pass_writes(tiny):
 def test_a_batched_pass_reads_embeddings_and_scores_rows_as_the_modules_do(tiny):
     """``quant.embedded_rows`` / ``cached_model._scored``: the quantised table's rows and head's product called
     directly are the modules' bitwise, for rows of any layout (strided or bfloat16 rows go through
-    the module, which converts them); the direct product's rows' first maxima are ``first_maxima``'s,
-    the module's come without."""
+    the module, which converts them); the direct product's rows' first maxima are ``first_maxima``'s and
+    its keyed rows' draws ``keyed_tokens``', the module's come without either."""
     from tierspec.cached_model import _scored
     from tierspec.quant import embedded_rows
-    from tierspec.sampling import first_maxima
+    from tierspec.sampling import NOT_DRAWN, first_maxima, keyed_tokens
 
     model = _model(tiny, "float32")
     embedding, head = model.model.embed_tokens, model.lm_head
     ids = torch.tensor([5, 0, 17, 5])
     assert torch.equal(embedded_rows(embedding, ids), embedding(ids).float())
     rows = torch.randn(6, model.config.hidden_size)
-    logits, maxima = _scored(head, rows)
+    logits, maxima, draws = _scored(head, rows)
+    assert torch.equal(logits, head(rows).float()) and maxima == first_maxima(logits) and draws is None
+    keys = [11, None, 2**64 - 1, 5, None, 8]
+    logits, maxima, draws = _scored(head, rows, keys, [1.0, 1.0, 0.5, 1.0, 1.0, 2.0])
     assert torch.equal(logits, head(rows).float()) and maxima == first_maxima(logits)
+    assert draws == [keyed_tokens(logits[0:1], [11])[0], NOT_DRAWN, keyed_tokens(logits[2:3] / 0.5, [2**64 - 1])[0],
+                     keyed_tokens(logits[3:4], [5])[0], NOT_DRAWN, keyed_tokens(logits[5:6] / 2.0, [8])[0]]
     strided = torch.randn(model.config.hidden_size, 6).t()  # not contiguous
-    assert torch.equal(_scored(head, strided)[0], head(strided.contiguous()).float())
-    assert _scored(head, strided)[1] is None
+    assert torch.equal(_scored(head, strided, keys, [1.0] * 6)[0], head(strided.contiguous()).float())
+    assert _scored(head, strided, keys, [1.0] * 6)[1:] == (None, None)
     assert torch.equal(_scored(head, rows.bfloat16())[0], head(rows.bfloat16().float()).float())
 
 
