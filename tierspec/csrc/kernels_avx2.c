@@ -880,18 +880,5 @@ void install_avx2(kernel_set *k) {
 }
 
 #else
-/* keyed_max_ref's answer, four tokens' bounds at a time (keyed_scan.h). */
-AVX2_TARGET static int keyed_max_avx2(const float *x, int64_t n, int64_t token0, uint64_t key, float *value, int64_t *token) {
-    float top;
-    int64_t at = row_top_avx2(x, n, &top);
-    if (at < 0) return KEYED_NAN;
-    if (top == INFINITY || top == -INFINITY) return KEYED_ELSEWHERE;
-    int64_t best_j = token0 + at;
-    float best = x[at] + keyed_gumbel_at(key, (uint64_t)best_j);
-    keyed_scan_avx2(x, token0, n, key, best_j, &best, &best_j);
-    *value = best, *token = best_j;
-    return KEYED_FOUND;
-}
-
 void install_avx2(kernel_set *k) { (void)k; }
 #endif

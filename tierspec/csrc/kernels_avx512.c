@@ -512,28 +512,5 @@ void install_avx512(kernel_set *k) {
 }
 
 #else
-/* keyed_max_ref's answer, eight tokens' bounds at a time (keyed_scan.h; a stretch whose top lies beyond
- * KEYED_WIDEST_TOP on the AVX2 scan, whose bounds are float64). */
-AVX512_TARGET static int keyed_max_avx512(const float *x, int64_t n, int64_t token0, uint64_t key, float *value,
-                                          int64_t *token) {
-    int nan;
-    float top = row_max_avx512(x, n, &nan);
-    if (nan) return KEYED_NAN;
-    if (top == INFINITY || top == -INFINITY) return KEYED_ELSEWHERE;
-    int64_t best_j = -1;
-    float best;
-    if (fabsf(top) <= KEYED_WIDEST_TOP) {
-        best = top - 4.0f;
-        keyed_scan_avx512(x, token0, n, key, &best, &best_j);
-    } else {
-        int64_t at = row_top_avx2(x, n, &top);
-        best_j = token0 + at;
-        best = x[at] + keyed_gumbel_at(key, (uint64_t)best_j);
-        keyed_scan_avx2(x, token0, n, key, best_j, &best, &best_j);
-    }
-    *value = best, *token = best_j;
-    return KEYED_FOUND;
-}
-
 void install_avx512(kernel_set *k) { (void)k; }
 #endif
