@@ -226,6 +226,55 @@ def test_every_path_draws_keyed_rows_in_the_product_as_the_extension_draws_them_
         torch.set_num_threads(kept)
 
 
+def _tie_planted_on_the_division(vocab: int, temperature: float, key: int) -> tuple[torch.Tensor, int, int]:
+    """A row whose draw at ``temperature`` needs the division x / t itself: token ``late`` scores x with
+    fl(x / t) one unit below fl(x · fl(1 / t)), token ``early`` (a lower index) scores y with
+    fl(fl(y / t) + g_early) equal to fl(fl(x / t) + g_late), every other token far below. Dividing, the two tie
+    and the earlier token wins; multiplying by the reciprocal, ``late`` wins. Returns (row, early, late)."""
+    import numpy as np
+
+    from tierspec.sampling import gumbel_values
+
+    t = np.float32(temperature)
+    reciprocal = np.float32(1.0) / t
+    early, late = 5, vocab - 7  # in different chunks of the product
+    g_early, g_late = (float(v) for v in gumbel_values(key, torch.tensor([early, late]), vocab))
+    x = np.float32(60.0)
+    while True:  # the scores are ~90 after the division: a unit there (2^-17) outlives adding a Gumbel value
+        x = np.nextafter(x, np.float32(np.inf), dtype=np.float32)
+        if x * reciprocal > x / t and np.float32(x * reciprocal + np.float32(g_late)) > np.float32(x / t + np.float32(g_late)):
+            goal = np.float32(x / t + np.float32(g_late))
+            y = np.float32((float(goal) - g_early) * float(t))
+            for _ in range(400):  # the float32 y whose perturbed score is the goal, if one is near
+                score = np.float32(y / t + np.float32(g_early))
+                if score == goal:
+                    row = torch.full((vocab,), -1000.0)
+                    row[early], row[late] = float(y), float(x)
+                    return row, early, late
+                y = np.nextafter(y, np.float32(np.inf) if score < goal else np.float32(-np.inf), dtype=np.float32)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_planted_tie_shows_the_draw_divides_by_the_temperature(path):
+    """Drawn in the product at temperature 0.7, a row planted so that only x / t (not x · (1 / t)) ties two
+    tokens' perturbed scores gives the earlier token — the extension's draw of the divided row — and the
+    reciprocal's draw would have given the other (checked here, so the plant is known to tell them apart)."""
+    from tierspec.sampling import keyed_tokens
+
+    vocab, key, temperature = 3000, 987654321, 0.7
+    row, early, late = _tie_planted_on_the_division(vocab, temperature, key)
+    reciprocal = torch.tensor(1.0) / torch.tensor(temperature)
+    assert keyed_tokens((row / temperature)[None], [key]) == [early]
+    assert keyed_tokens((row * reciprocal)[None], [key]) == [late]
+    weight = QuantWeight(_blocks("Q8_0", vocab, 64, seed=24), quant.Q8_0, 64, numerics_for(torch.int8))
+    out, zeros = row[None].clone(), torch.zeros(1, 64)
+    with kernels(path):
+        _, draws = qe.matmul(weight=weight.handle, x=zeros.data_ptr(), rows=1, out=out.data_ptr(), out_stride=vocab,
+                             accumulate=True, threads=engine.engine_threads(), maxima=True, keys=[key],
+                             temperatures=[temperature])
+    assert draws == [early]
+
+
 def test_a_product_draws_only_rows_it_is_given_keys_and_temperatures_for():
     """Keys need the maxima and one temperature a row; a temperature at or below 0 or not finite is refused
     before anything is computed."""
