@@ -292,6 +292,8 @@ def test_a_product_draws_only_rows_it_is_given_keys_and_temperatures_for():
     assert torch.equal(out, torch.zeros(2, 64))
     maxima, draws = qe.matmul(**call, maxima=True, temperatures=[1.0, 1.0])
     assert draws[1] == -2 and draws[0] >= 0
+    # a temperature subnormal in float32 (read as 0 where the engine flushes denormals): left to the extension
+    assert qe.matmul(**call, maxima=True, temperatures=[1e-45, 1.0])[1] == [-2, -2]
 
 
 # each K-quant's bytes of stored values (the rest of a block: its scales) as (start, stop) per block

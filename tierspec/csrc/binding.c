@@ -5,6 +5,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 
+#include <float.h>
+
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
@@ -227,6 +229,8 @@ static int read_draws(PyObject *keys_arg, PyObject *temperatures_arg, int rows, 
             PyErr_Format(PyExc_ValueError, "row %d's temperature %g is not a finite number above 0", m, t);
             goto done;
         }
+        /* the engine's threads read a subnormal as 0 (denormals flushed): such a row is left to the extension */
+        if (temperature[m] < FLT_MIN) keyed[m] = 0;
     }
     ok = 1;
 done:
