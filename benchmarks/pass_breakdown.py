@@ -22,8 +22,11 @@ code and data the stack evicted; the second shows what the operator costs with w
 
 ``--maxima 1,3,9``: also times the LM head's product alone over that many rows, plain
 (``QuantWeight.multiply``) and finding each row's first maximum as it goes
-(``multiply_with_maxima``: what a batched pass runs, so that a greedy walk reads no logits), in turn
-``--passes`` times each, on the generation's threads: what the maxima add, as medians.
+(``multiply_with_maxima``: what a batched pass runs, so that a greedy walk reads no logits), and
+for sampled rows at temperature 1 the product drawing every row's keyed token as it goes
+(``multiply_with_draws``: what a sampled chain's pass runs) against the maxima's product followed
+by every row's draw after it (``sampling.keyed_tokens``: what the walk did before), in turn
+``--passes`` times each, on the generation's threads: what the maxima and the draws add, as medians.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ def main() -> None:
     import tierspec
     from tierspec import cached_model, engine, llama, quant
     from tierspec.engine import threads_for
+    from tierspec.sampling import Noise, keyed_tokens
     from tierspec.util import atomic_write_text
 
     target = tierspec.load_model("smollm2-135m", dtype=args.dtype)
@@ -123,9 +127,18 @@ def main() -> None:
         with torch.inference_mode(), threads_for(target.model):
             for count in [int(r) for r in args.maxima.split(",")]:
                 x = torch.randn(count, head.in_features, generator=torch.Generator().manual_seed(count))
-                timed: dict[str, list[float]] = {"plain": [], "maxima": []}
+                keys = [Noise(count, head.out_features).key(row) for row in range(count)]
+
+                def drawn_after(rows: torch.Tensor) -> None:
+                    logits, _ = head.multiply_with_maxima(rows)
+                    keyed_tokens(logits, keys)
+
+                kinds = (("plain", head.multiply), ("maxima", head.multiply_with_maxima),
+                         ("draws", lambda rows: head.multiply_with_draws(rows, keys, [1.0] * count)),
+                         ("draws_after", drawn_after))
+                timed: dict[str, list[float]] = {kind: [] for kind, _ in kinds}
                 for _ in range(args.passes):
-                    for kind, product in (("plain", head.multiply), ("maxima", head.multiply_with_maxima)):
+                    for kind, product in kinds:
                         started = time.perf_counter()
                         product(x)
                         timed[kind].append(time.perf_counter() - started)
@@ -141,7 +154,8 @@ def main() -> None:
               f"layers {featured['hidden_layers']} and the final ones {featured['featured_ms']} ms")
     for count, ms in maxima.items():
         print(f"LM head product over {count} rows, medians of {args.passes} in turn: {ms['plain']} ms, with each "
-              f"row's first maximum {ms['maxima']} ms")
+              f"row's first maximum {ms['maxima']} ms; with each row's keyed draw {ms['draws']} ms, the maxima's and "
+              f"the draws after it {ms['draws_after']} ms")
     atomic_write_text(args.out, json.dumps(result, indent=1) + "\n")
 
 
