@@ -18,7 +18,7 @@ from .engine import threads_for
 from .errors import PromptError
 from .limits import check_num_draft
 from .methods import Method, MethodOptions, build_method, default_method
-from .models import DEFAULT_MODEL, LoadedModel, auto_dtype, load_model, resolve_device, resolve_dtype
+from .models import DEFAULT_MODEL, LoadedModel, auto_dtype, load_model, on_engine_defaults, resolve_device, resolve_dtype
 from .prompting import encode_prompt, eos_ids
 from .sampling import SamplingConfig
 
@@ -53,9 +53,12 @@ class _SharedModels:
 
     def get(self, spec, dtype, device, kernels: str, implementation: str) -> LoadedModel:
         # A path is keyed by the file it names, a dtype or device by what it resolves to, so that
-        # "bfloat16" and torch.bfloat16, or "model" and "./model", share one load.
+        # "bfloat16" and torch.bfloat16, or "model" and "./model", share one load; "auto" on the
+        # engine's default numerics is a load of its own (no named dtype computes as it does).
         name = str(Path(spec).resolve()) if Path(spec).exists() else str(spec)
-        key = (name, auto_dtype(spec, device) if isinstance(dtype, str) and dtype == "auto" else resolve_dtype(dtype, device),
+        auto = isinstance(dtype, str) and dtype == "auto"
+        key = (name, "engine default" if auto and on_engine_defaults(spec, device) else
+               auto_dtype(spec, device) if auto else resolve_dtype(dtype, device),
                resolve_device(device), kernels, implementation)
         with self._lock:
             entry = self._entries.setdefault(key, _SharedEntry())

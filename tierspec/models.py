@@ -164,15 +164,22 @@ def auto_dtype(spec: str | os.PathLike, device: str | torch.device = "cpu") -> t
     the pass engine, the dtype of the engine's default numerics for this CPU
     (``quant.default_numerics``: int8 rows where the CPU has int8 dot products, else float32); else
     ``fastest_dtype``. Read from the name alone (no file is opened)."""
-    from .engine import engine_available
-
     device = resolve_device(device)
-    gguf = str(spec) in KNOWN_MODELS or Path(str(spec)).suffix == ".gguf"
-    if gguf and device.type == "cpu" and engine_available():
+    if on_engine_defaults(spec, device):
         from .quant import default_numerics
 
         return default_numerics().dtype
     return fastest_dtype(device)
+
+
+def on_engine_defaults(spec: str | os.PathLike, device: str | torch.device = "cpu") -> bool:
+    """Whether ``auto`` loads ``spec`` on the pass engine's default numerics (a GGUF model computed on
+    the CPU): then ``auto`` is not any dtype asked for by name (its KV caches are float16,
+    ``quant.default_numerics``). Read from the name alone."""
+    from .engine import engine_available
+
+    gguf = str(spec) in KNOWN_MODELS or Path(str(spec)).suffix == ".gguf"
+    return gguf and resolve_device(device).type == "cpu" and engine_available()
 
 
 DEVICES = ("auto", "cpu", "cuda", "mps")

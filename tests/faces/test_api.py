@@ -54,6 +54,15 @@ def test_a_model_named_by_a_string_is_loaded_once_per_process(loads, prompt_ids)
     assert len(loads) == 2 and loads[1][1]["dtype"] == other
 
 
+def test_auto_on_the_engines_defaults_is_a_load_of_its_own(loads):
+    """A GGUF model under ``auto`` computes with the engine's default numerics (float16 KV caches),
+    which no dtype asked for by name does: ``int8`` by name is another load, not the same one."""
+    tierspec.shared_model("toy.gguf")
+    tierspec.shared_model("toy.gguf", dtype="int8")
+    tierspec.shared_model("toy.gguf", dtype="auto")
+    assert [options["dtype"] for _, options in loads] == ["auto", "int8"]
+
+
 def test_threads_asking_for_one_model_share_a_single_load(monkeypatch, tiny_target):
     entered, release, calls = threading.Event(), threading.Event(), []
 

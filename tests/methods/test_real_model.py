@@ -231,6 +231,25 @@ def smollm_auto():
     return tierspec.load_model("smollm2-135m", dtype="auto")
 
 
+def test_the_bench_runs_auto_as_generate_does_and_names_what_computed_it(smollm_auto):
+    """The bench's ``--dtype auto`` is ``load_model``'s (what ``generate`` and the server run): the
+    default GGUF model on the engine's default numerics (int8 rows and a float16 KV cache where the
+    CPU has int8 dot products), not ``fastest_dtype``'s rows, and the records name what computed
+    them; a dtype given by name loads as named."""
+    from tierspec.bench.runner import BenchConfig, BenchWorker
+    from tierspec.quant import QuantLinear, default_numerics, numerics_for
+
+    def numerics(model):
+        return next(m for m in model.modules() if isinstance(m, QuantLinear)).qweight.numerics
+
+    auto = BenchWorker("local", BenchConfig(methods=("ar",)), build_runners=False)
+    expected = default_numerics()
+    assert numerics(auto.target.model) == numerics(smollm_auto.model) == expected
+    assert auto.config.dtype == f"auto: {str(expected.dtype).removeprefix('torch.')} rows, float16 KV cache (engine)"
+    named = BenchWorker("local", BenchConfig(methods=("ar",), dtype="bfloat16"), build_runners=False)
+    assert numerics(named.target.model) == numerics_for(torch.bfloat16) and named.config.dtype == "bfloat16"
+
+
 @pytest.mark.parametrize("method", ["pld", "adaptive-pld", "eagle", "hybrid", "clasp"])
 @pytest.mark.parametrize("numerics", ["bfloat16", "auto"])
 def test_lossless_methods_equal_ar_in_the_same_numerics(smollm_bf16, smollm_auto, numerics, method):

@@ -82,7 +82,7 @@ class BenchError(TierspecError):
 @dataclass(frozen=True)
 class BenchConfig:
     target: str = "smollm2-135m"
-    dtype: str = "auto"  # resolved when a run starts (records name the dtype they were measured in)
+    dtype: str = "auto"  # settled when a run starts (records name what computed them: ``settled_dtype``)
     device: str = "cpu"
     kernels: str = "auto"
     implementation: str = "auto"  # tierspec's methods; hf-* peers always run on transformers' modules
@@ -243,10 +243,28 @@ def parse_spec(spec: str) -> tuple[str, dict[str, str]]:
     return name, params
 
 
-def spec_dtype(spec: str, config: "BenchConfig") -> torch.dtype:
-    """The dtype a method spec runs in: its ``dtype=`` parameter (``ar:dtype=float32`` beside
-    a bfloat16 run: one run compares dtypes on the same prompts and clock), else the run's."""
-    return resolve_dtype(parse_spec(spec)[1].get("dtype", config.dtype), config.device)
+def spec_dtype(spec: str) -> str | None:
+    """The dtype a method spec asks for by its ``dtype=`` parameter (``ar:dtype=float32`` beside the
+    run's: one run compares dtypes on the same prompts and clock), or None: the run's own models."""
+    return parse_spec(spec)[1].get("dtype")
+
+
+def settled_dtype(requested: str, target: LoadedModel) -> str:
+    """The dtype records name: an explicit ``--dtype`` as given; ``auto`` as what the loaded target
+    computes in (``load_model``'s ``auto``: a GGUF model on the pass engine with the engine's default
+    numerics for this CPU, ``quant.default_numerics`` — int8 rows and a float16 KV cache where the CPU
+    has int8 dot products — else ``fastest_dtype``). Two machines that settle ``auto`` differently
+    measure different computations under one setting: the name tells them apart."""
+    if requested != "auto":
+        return requested
+    from ..quant import QuantLinear
+
+    layer = next((m for m in target.model.modules() if isinstance(m, QuantLinear)), None)
+    if layer is None:
+        return "auto: " + str(next(target.model.parameters()).dtype).removeprefix("torch.")
+    numerics = layer.qweight.numerics
+    rows = "bfloat16 rounded" if numerics.round_rows else str(numerics.dtype).removeprefix("torch.")
+    return f"auto: {rows} rows, {str(numerics.kv_dtype).removeprefix('torch.')} KV cache (engine)"
 
 
 def _number(spec: str, key: str, value: str, kind: str):
@@ -413,12 +431,13 @@ class TransformersPeer:
         return Outcome(tokens, seconds, None)
 
 
-def _on_transformers(loaded: LoadedModel | None, spec: str | None, config: BenchConfig) -> LoadedModel | None:
-    """``loaded`` if it runs on transformers' modules, else the same model loaded that way (the
-    ``hf-*`` peers are transformers' generate on transformers' modules: what its users get)."""
+def _on_transformers(loaded: LoadedModel | None, spec: str | None, dtype: str, config: BenchConfig) -> LoadedModel | None:
+    """``loaded`` if it runs on transformers' modules, else the same model loaded that way in
+    ``dtype`` (the ``hf-*`` peers are transformers' generate on transformers' modules: what its users
+    get; ``auto`` there is ``fastest_dtype``)."""
     if loaded is None or model_code(loaded.model) == "transformers":
         return loaded
-    twin = load_model(spec, config.dtype, config.device, config.kernels, "transformers")
+    twin = load_model(spec, dtype, config.device, config.kernels, "transformers")
     if twin.identity != loaded.identity:
         raise BenchError(f"the transformers copy of {spec} is not the model the methods run ({twin.identity.mismatch(loaded.identity)})")
     return twin
@@ -468,8 +487,6 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
         cluster.check_device(config.device)
     # Records name the dtype they were measured in. On Ray each worker settles "auto" itself: this
     # process may lack the workers' devices.
-    if config.dtype == "auto" and generate and cluster is None:
-        config = replace(config, dtype=str(resolve_dtype("auto", config.device)).removeprefix("torch."))
     if not generate and not out.is_dir():
         raise BenchError(f"{out} does not exist: nothing to summarize")
     created = not out.exists()
@@ -547,15 +564,15 @@ class BenchWorker:
                  drafter: LoadedModel | None = None, build_runners: bool = True):
         """``build_runners=False`` leaves the runners to ``build_runners()``: a run checks that it
         may resume into its folder first (building them can take seconds: peers, heads, costs)."""
-        if config.dtype == "auto":
-            config = replace(config, dtype=str(resolve_dtype("auto", config.device)).removeprefix("torch."))
+        self.requested_dtype = config.dtype  # what the models load with: ``auto`` is load_model's own
         self.target = target or load_model(config.target, config.dtype, config.device, config.kernels,
                                            config.implementation)
         if drafter is None and config.drafter:
             drafter = load_model(config.drafter, config.dtype, config.device, config.kernels, config.implementation)
         self.drafter = drafter
-        # The records say which code computed them ("auto" is resolved: it depends on the model).
-        self.config = replace(config, implementation=model_code(self.target.model))
+        # The records say what computed them ("auto" is resolved: it depends on the model and the CPU).
+        self.config = replace(config, dtype=settled_dtype(config.dtype, self.target),
+                              implementation=model_code(self.target.model))
         self.machine = MachineInfo.here(name, self.target.device).to_dict()
         self.runners: dict[str, MethodRunner] = {}
         self._grammars: dict[str, object] = {}  # a constrained set's compiled schemas, by their JSON text
@@ -571,13 +588,14 @@ class BenchWorker:
         config, target, drafter = self.config, self.target, self.drafter
         hf_models = None
         if any(parse_spec(spec)[0] in HF_PEERS for spec in config.methods):
-            hf_models = tuple(_on_transformers(model, spec, config) for model, spec in
+            hf_models = tuple(_on_transformers(model, spec, self.requested_dtype, config) for model, spec in
                               ((target, config.target), (drafter, config.drafter)))
         # Models in another dtype, for specs that ask for one (loaded once per dtype; the run's own
         # target still encodes the prompts and scores every method's text).
-        models = {resolve_dtype(config.dtype, config.device): (target, drafter)}
+        models = {None: (target, drafter)}
         for spec in config.methods:
-            dtype = spec_dtype(spec, config)
+            dtype = spec_dtype(spec)
+            dtype = None if dtype == self.requested_dtype else dtype
             if dtype not in models:
                 models[dtype] = tuple(load_model(name, dtype, config.device, config.kernels, config.implementation)
                                       if name else None for name in (config.target, config.drafter))
