@@ -29,6 +29,9 @@ static inline __m128i _mm512_cvtepi32_epi8(__m512i a) { int32_t v[16]; int8_t o[
 static inline __m512i _mm512_cvtepi8_epi32(__m128i a) { int8_t v[16]; int32_t o[16]; _mm_storeu_si128((void *)v, a); for (int i = 0; i < 16; i++) o[i] = v[i]; return _mm512_loadu_si512(o); }
 static inline __m512i _mm512_cvtepu8_epi32(__m128i a) { uint8_t v[16]; int32_t o[16]; _mm_storeu_si128((void *)v, a); for (int i = 0; i < 16; i++) o[i] = v[i]; return _mm512_loadu_si512(o); }
 static inline __m512i _mm512_cvtepu8_epi16(__m256i a) { uint8_t v[32]; int16_t o[32]; _mm256_storeu_si256((void *)v, a); for (int i = 0; i < 32; i++) o[i] = v[i]; return _mm512_loadu_si512(o); }
+/* keyed_scan.h's AVX-512 scan: leading zero bits of 64-bit lanes (AVX512-CD) and 64-bit integers to float32 */
+static inline __m512i _mm512_lzcnt_epi64(__m512i a) { uint64_t v[8]; _mm512_storeu_si512(v, a); for (int i = 0; i < 8; i++) v[i] = v[i] ? (uint64_t)__builtin_clzll(v[i]) : 64; return _mm512_loadu_si512(v); }
+static inline __m256 _mm512_cvtepi64_ps(__m512i a) { int64_t v[8]; float o[8]; _mm512_storeu_si512(v, a); for (int i = 0; i < 8; i++) o[i] = (float)v[i]; return _mm256_loadu_ps(o); }
 static inline int _mm512_reduce_add_epi32(__m512i a) { int32_t v[16]; _mm512_storeu_si512(v, a); int32_t s = 0; for (int i = 0; i < 16; i++) s += v[i]; return s; }
 /* the instruction's order: halving (i + (i+8)), (i + (i+4)), ... as GCC's _mm512_reduce_add_ps */
 static inline float _mm512_reduce_add_ps(__m512 a) { float v[16]; _mm512_storeu_ps(v, a); for (int w = 8; w >= 1; w /= 2) for (int i = 0; i < w; i++) v[i] = v[i] + v[i + w]; return v[0]; }

@@ -26,6 +26,7 @@
 #include <stdint.h>
 
 #include "blocks.h"
+#include "keyed_scan.h" /* the keyed draws' statuses (KEYED_FOUND, KEYED_NAN, KEYED_ELSEWHERE) */
 
 #if defined(__x86_64__) || defined(_M_X64)
 #define QE_X86 1
@@ -194,10 +195,6 @@ int visible_slots(const attention_view *a, int row, int *slots);
 enum { OP_PREPARE_F32, OP_PREPARE_BF16, OP_PREPARE_INT8, OP_EXP, OP_RMS_NORM, OP_ATTEND, OP_STORE_HALF, OP_FIRST_MAX,
        OP_ATTEND_ROWS, OP_KEYED_MAX, OPS };
 
-/* What ``keyed_max`` found in a stretch of scores: its perturbed maximum; a NaN among them; a +inf, or only
- * -inf (every score equal): a row the engine leaves to the keyed-noise extension's whole-row argmax. */
-enum { KEYED_FOUND = 0, KEYED_NAN = 1, KEYED_ELSEWHERE = 2 };
-
 /* Keys and values a vector path's attend_rows widens at a time (a block of values covers whole
  * (even, odd) pairs), and the scratch bytes it needs for ``rows`` rows of ``group`` heads of width D
  * whose last row sees ``keys`` keys: the widened blocks, every row's and head's scores, value sums
@@ -239,9 +236,9 @@ typedef struct {
      * one is a NaN (*top then undefined): an argmax's first maximum, as every path gives it */
     int64_t (*first_max)(const float *x, int64_t n, float *top);
     /* the perturbed maximum of x[0 .. n - 1] (n >= 1), the scores of tokens token0 .. token0 + n - 1, under
-     * the Gumbel noise of ``key`` (keyed_scan.h): the largest fl(x_i + g(token0 + i)) in *value and its
-     * token in *token, the first of equal ones; returns KEYED_FOUND, or KEYED_NAN / KEYED_ELSEWHERE (then
-     * *value and *token are unset). Every path gives the same bits. */
+     * the Gumbel noise of ``key``: keyed_scan.h's keyed_stretch_plain / _avx2 / _avx512, the largest
+     * fl(x_i + g(token0 + i)) in *value and its token in *token, the first of equal ones; returns KEYED_FOUND,
+     * or KEYED_NAN / KEYED_ELSEWHERE (then *value and *token are unset). Every path gives the same bits. */
     int (*keyed_max)(const float *x, int64_t n, int64_t token0, uint64_t key, float *value, int64_t *token);
     int isa[OPS]; /* which path serves each of the functions above (reports) */
 } kernel_set;

@@ -845,21 +845,8 @@ AVX2_TARGET static int attend_avx2(const attention_view *a, const float *q, floa
     ATTEND_BY_WIDTH(attend_heads_avx2, 8, ATTEND_HEADS)
 }
 
-/* first_max_ref's answer (row_top.h: the same scan the keyed-noise extension reads rows with). */
+/* keyed_first_max_plain's answer (row_top.h: the same scan the keyed-noise extension reads rows with). */
 AVX2_TARGET static int64_t first_max_avx2(const float *x, int64_t n, float *top) { return row_top_avx2(x, n, top); }
-
-/* keyed_max_ref's answer, four tokens' bounds at a time (keyed_scan.h). */
-AVX2_TARGET static int keyed_max_avx2(const float *x, int64_t n, int64_t token0, uint64_t key, float *value, int64_t *token) {
-    float top;
-    int64_t at = row_top_avx2(x, n, &top);
-    if (at < 0) return KEYED_NAN;
-    if (top == INFINITY || top == -INFINITY) return KEYED_ELSEWHERE;
-    int64_t best_j = token0 + at;
-    float best = x[at] + keyed_gumbel_at(key, (uint64_t)best_j);
-    keyed_scan_avx2(x, token0, n, key, best_j, &best, &best_j);
-    *value = best, *token = best_j;
-    return KEYED_FOUND;
-}
 
 void install_avx2(kernel_set *k) {
     for (int kind = 0; kind < KINDS; kind++) {
@@ -874,7 +861,7 @@ void install_avx2(kernel_set *k) {
     k->attend_rows = attend_rows_avx2;
     k->store_half = store_half_avx2;
     k->first_max = first_max_avx2;
-    k->keyed_max = keyed_max_avx2;
+    k->keyed_max = keyed_stretch_avx2; /* keyed_scan.h */
     k->isa[OP_PREPARE_F32] = k->isa[OP_PREPARE_INT8] = k->isa[OP_EXP] = k->isa[OP_RMS_NORM] = k->isa[OP_ATTEND] =
         k->isa[OP_STORE_HALF] = k->isa[OP_FIRST_MAX] = k->isa[OP_ATTEND_ROWS] = k->isa[OP_KEYED_MAX] = ISA_AVX2;
 }

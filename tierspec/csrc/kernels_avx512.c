@@ -472,31 +472,8 @@ AVX512_TARGET static int attend_rows_avx512(const attention_view *a, const float
     ATTEND_ROWS_BY_WIDTH(attend_rows_heads_avx512, 16)
 }
 
-/* first_max_ref's answer (row_top.h: the same scan the keyed-noise extension reads rows with). */
+/* keyed_first_max_plain's answer (row_top.h: the same scan the keyed-noise extension reads rows with). */
 AVX512_TARGET static int64_t first_max_avx512(const float *x, int64_t n, float *top) { return row_top_avx512(x, n, top); }
-
-/* keyed_max_ref's answer, eight tokens' bounds at a time (keyed_scan.h; a stretch whose top lies beyond
- * KEYED_WIDEST_TOP on the AVX2 scan, whose bounds are float64). */
-AVX512_TARGET static int keyed_max_avx512(const float *x, int64_t n, int64_t token0, uint64_t key, float *value,
-                                          int64_t *token) {
-    int nan;
-    float top = row_max_avx512(x, n, &nan);
-    if (nan) return KEYED_NAN;
-    if (top == INFINITY || top == -INFINITY) return KEYED_ELSEWHERE;
-    int64_t best_j = -1;
-    float best;
-    if (fabsf(top) <= KEYED_WIDEST_TOP) {
-        best = top - 4.0f;
-        keyed_scan_avx512(x, token0, n, key, &best, &best_j);
-    } else {
-        int64_t at = row_top_avx2(x, n, &top);
-        best_j = token0 + at;
-        best = x[at] + keyed_gumbel_at(key, (uint64_t)best_j);
-        keyed_scan_avx2(x, token0, n, key, best_j, &best, &best_j);
-    }
-    *value = best, *token = best_j;
-    return KEYED_FOUND;
-}
 
 void install_avx512(kernel_set *k) {
     for (int kind = 0; kind < KINDS; kind++) k->tile[LAYOUT_F32][kind] = (tile_kernel){tile_f32_avx512(kind), F32_ROWS, ISA_AVX512};
@@ -506,7 +483,7 @@ void install_avx512(kernel_set *k) {
     k->attend = attend_avx512;
     k->attend_rows = attend_rows_avx512;
     k->first_max = first_max_avx512;
-    k->keyed_max = keyed_max_avx512;
+    k->keyed_max = keyed_stretch_avx512; /* keyed_scan.h */
     k->isa[OP_PREPARE_INT8] = k->isa[OP_EXP] = k->isa[OP_RMS_NORM] = k->isa[OP_ATTEND] = k->isa[OP_FIRST_MAX] =
         k->isa[OP_ATTEND_ROWS] = k->isa[OP_KEYED_MAX] = ISA_AVX512;
 }

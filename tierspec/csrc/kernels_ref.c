@@ -319,31 +319,6 @@ int attend_ref(const attention_view *a, const float *q, float *out, int head0, i
     return 1;
 }
 
-/* The first of the largest values (a strictly larger one replaces it); -1 at a NaN. */
-static int64_t first_max_ref(const float *x, int64_t n, float *top) {
-    int64_t best = 0;
-    for (int64_t j = 0; j < n; j++) {
-        if (x[j] != x[j]) return -1;
-        if (x[j] > x[best]) best = j;
-    }
-    *top = x[best];
-    return best;
-}
-
-/* ``kernel_set.keyed_max`` (keyed_scan.h): the stretch's top scored first, then every token whose bound
- * reaches the best, one at a time. */
-static int keyed_max_ref(const float *x, int64_t n, int64_t token0, uint64_t key, float *value, int64_t *token) {
-    float top;
-    int64_t at = first_max_ref(x, n, &top);
-    if (at < 0) return KEYED_NAN;
-    if (top == INFINITY || top == -INFINITY) return KEYED_ELSEWHERE;
-    int64_t best_j = token0 + at;
-    float best = x[at] + keyed_gumbel_at(key, (uint64_t)best_j);
-    keyed_scan_plain(x, token0, 0, n, key, best_j, &best, &best_j);
-    *value = best, *token = best_j;
-    return KEYED_FOUND;
-}
-
 void install_portable(kernel_set *k) {
     for (int layout = 0; layout < LAYOUTS; layout++)
         for (int kind = 0; kind < KINDS; kind++) k->tile[layout][kind] = (tile_kernel){tile_ref, REF_ROWS, ISA_PORTABLE};
@@ -354,8 +329,8 @@ void install_portable(kernel_set *k) {
     k->rms_norm = rms_norm_ref;
     k->attend = attend_ref;
     k->store_half = store_half_ref;
-    k->first_max = first_max_ref;
-    k->keyed_max = keyed_max_ref;
+    k->first_max = keyed_first_max_plain; /* both keyed_scan.h's */
+    k->keyed_max = keyed_stretch_plain;
     k->attend_rows = NULL; /* each row alone (layer.c) */
     for (int op = 0; op < OPS; op++) k->isa[op] = ISA_PORTABLE;
 }

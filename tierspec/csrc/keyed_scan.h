@@ -17,8 +17,9 @@
  * The scans take a stretch of a row: x[0 .. count − 1] are the scores of tokens token0 .. token0 + count − 1
  * (the noise is keyed by the token's id), and the best so far (*best, *best_j, a token id) is updated in
  * place, so a row may be scanned whole or chunk by chunk and the chunks' bests compared (the larger, or the
- * earlier token of equal ones): the same token either way. Header-only, every name prefixed keyed_ (the
- * engine has constants of its own), each vector function under its own target attribute. */
+ * earlier token of equal ones): the same token either way. keyed_stretch_plain / _avx2 / _avx512 take a
+ * stretch whole: its top, then the scan. Header-only, every name prefixed keyed_ (the engine has constants
+ * of its own), each vector function under its own target attribute. */
 #ifndef TIERSPEC_KEYED_SCAN_H
 #define TIERSPEC_KEYED_SCAN_H
 
@@ -28,6 +29,8 @@
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+
+#include "row_top.h" /* the vector paths' tops */
 #define KEYED_SCAN_X86 1
 #else
 #define KEYED_SCAN_X86 0
@@ -174,6 +177,48 @@ static inline void keyed_scan_plain(const float *x, int64_t token0, int64_t from
     }
 }
 
+/* What a stretch's perturbed maximum came to: found; a NaN among the scores; or a top of +inf or −inf (every
+ * score excluded), which the scans do not take: the keyed-noise extension, scanning whole rows, gives such a
+ * row its first maximum (what the argmax over the whole vector gives), and the engine leaves the row to it. */
+enum { KEYED_FOUND = 0, KEYED_NAN = 1, KEYED_ELSEWHERE = 2 };
+
+/* The first of the stretch's largest scores (a strictly larger one replaces it) and that score in *top; −1
+ * at a NaN (*top then unset). n ≥ 1. */
+static inline int64_t keyed_first_max_plain(const float *x, int64_t n, float *top) {
+    int64_t best = 0;
+    for (int64_t j = 0; j < n; j++) {
+        if (x[j] != x[j]) return -1;
+        if (x[j] > x[best]) best = j;
+    }
+    *top = x[best];
+    return best;
+}
+
+/* The start of a stretch's scan from its first maximum x[at] (at −1: a NaN): KEYED_NAN, KEYED_ELSEWHERE, or
+ * KEYED_FOUND with the best at the top's perturbed score. */
+static inline int keyed_start(const float *x, int64_t at, int64_t token0, uint64_t key, float *best, int64_t *best_j) {
+    if (at < 0) return KEYED_NAN;
+    if (x[at] == INFINITY || x[at] == -INFINITY) return KEYED_ELSEWHERE;
+    *best_j = token0 + at;
+    *best = x[at] + keyed_gumbel_at(key, (uint64_t)*best_j);
+    return KEYED_FOUND;
+}
+
+/* The perturbed maximum of a stretch x[0 .. n − 1] (n ≥ 1), the scores of tokens token0 .. token0 + n − 1:
+ * the largest fl(x_i + g(token0 + i)) in *value and its token in *token, the first of equal ones, and
+ * KEYED_FOUND; else KEYED_NAN or KEYED_ELSEWHERE (*value and *token unset). The top is scored first, then
+ * every token whose bound reaches the best, one at a time. */
+static inline int keyed_stretch_plain(const float *x, int64_t n, int64_t token0, uint64_t key, float *value,
+                                      int64_t *token) {
+    float top, best;
+    int64_t best_j;
+    int status = keyed_start(x, keyed_first_max_plain(x, n, &top), token0, key, &best, &best_j);
+    if (status != KEYED_FOUND) return status;
+    keyed_scan_plain(x, token0, 0, n, key, best_j, &best, &best_j);
+    *value = best, *token = best_j;
+    return KEYED_FOUND;
+}
+
 #if KEYED_SCAN_X86
 #define KEYED_AVX2 __attribute__((target("avx2")))
 
@@ -227,6 +272,18 @@ KEYED_AVX2 static inline void keyed_scan_avx2(const float *x, int64_t token0, in
     keyed_scan_plain(x, token0, i, count, key, skip, best, best_j);
 }
 
+/* ``keyed_stretch_plain``'s answer on the AVX2 scan. */
+KEYED_AVX2 static inline int keyed_stretch_avx2(const float *x, int64_t n, int64_t token0, uint64_t key, float *value,
+                                                int64_t *token) {
+    float top, best;
+    int64_t best_j;
+    int status = keyed_start(x, row_top_avx2(x, n, &top), token0, key, &best, &best_j);
+    if (status != KEYED_FOUND) return status;
+    keyed_scan_avx2(x, token0, n, key, best_j, &best, &best_j);
+    *value = best, *token = best_j;
+    return KEYED_FOUND;
+}
+
 /* The same scan on AVX-512 (F, DQ, CD, VL): eight tokens a step, SplitMix64's products native
  * (vpmullq, where AVX2 builds each from three 32-bit products) and the bound's exponent a count of
  * leading bits: with n = (~r) >> 12 as above, k = −1 − lzcnt(~r) for n ≥ 1 and −53 for n = 0, so
@@ -278,6 +335,22 @@ KEYED_AVX512 static inline void keyed_scan_avx512(const float *x, int64_t token0
         }
     }
     keyed_scan_plain(x, token0, i, count, key, -1, best, best_j);
+}
+
+/* ``keyed_stretch_plain``'s answer on the AVX-512 scan, the best started at top − 4 (a stretch whose top lies
+ * beyond KEYED_WIDEST_TOP on the AVX2 scan, whose bounds are float64). */
+KEYED_AVX512 static inline int keyed_stretch_avx512(const float *x, int64_t n, int64_t token0, uint64_t key, float *value,
+                                                    int64_t *token) {
+    int nan;
+    float top = row_max_avx512(x, n, &nan);
+    if (nan) return KEYED_NAN;
+    if (top == INFINITY || top == -INFINITY) return KEYED_ELSEWHERE;
+    if (!(fabsf(top) <= KEYED_WIDEST_TOP)) return keyed_stretch_avx2(x, n, token0, key, value, token);
+    int64_t best_j = -1;
+    float best = top - 4.0f;
+    keyed_scan_avx512(x, token0, n, key, &best, &best_j);
+    *value = best, *token = best_j;
+    return KEYED_FOUND;
 }
 #endif
 

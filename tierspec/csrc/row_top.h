@@ -1,10 +1,11 @@
 /* The first of a float row's largest entries, on AVX2 and AVX-512: the pass engine's product maxima
- * (kernels_avx2.c, kernels_avx512.c: each thread's ``first_max`` over the columns it has just computed)
- * and the keyed-noise extension's first maxima and the start of its argmax (noise/keyed_noise.c) read
- * rows alike, so one copy serves both. The value first (vmaxps over the lanes, which keeps its second
- * operand where either is a NaN — a NaN is reported by its own test), then the first index holding it:
- * the index an argmax over the row gives, the first of equal maxima. Header-only, each function under its
- * own target attribute, so every includer calls it from code built for that instruction set or more. */
+ * (kernels_avx2.c, kernels_avx512.c: each thread's ``first_max`` over the columns it has just computed),
+ * the keyed-noise extension's first maxima (noise/keyed_noise.c) and the start of the perturbed argmax
+ * both draw with (keyed_scan.h) read rows alike, so one copy serves all. The value first (vmaxps over the
+ * lanes, which keeps its second operand where either is a NaN — a NaN is reported by its own test), then
+ * the first index holding it: the index an argmax over the row gives, the first of equal maxima.
+ * Header-only, each function under its own target attribute, so every includer calls it from code built
+ * for that instruction set or more. */
 #ifndef TIERSPEC_ROW_TOP_H
 #define TIERSPEC_ROW_TOP_H
 

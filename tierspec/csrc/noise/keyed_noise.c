@@ -132,51 +132,6 @@ AVX2 static void gather_avx2(uint64_t key, const int64_t *ids, int64_t count, fl
 }
 #endif
 
-/* ---- the perturbed argmax (keyed_scan.h's scans over the whole row) --------------------------------- */
-
-/* Scores one row; returns the token, or −1 when the row holds a NaN. A row that excludes every token
- * (all −inf: every score equal) gives its first index, as the argmax over the whole vector does; so does
- * +inf its first +inf. */
-static int64_t argmax_plain(const float *x, int64_t vocab, uint64_t key) {
-    int64_t top = 0;
-    for (int64_t j = 0; j < vocab; j++) {
-        if (x[j] != x[j]) return -1;
-        if (x[j] > x[top]) top = j;
-    }
-    if (x[top] == -INFINITY || x[top] == INFINITY) return top;
-    int64_t best_j = top;
-    float best = x[top] + keyed_gumbel_at(key, (uint64_t)top);
-    keyed_scan_plain(x, 0, 0, vocab, key, top, &best, &best_j);
-    return best_j;
-}
-
-#if HAVE_AVX2_BUILD
-/* The same scan, four tokens' bounds at a time. */
-AVX2 static int64_t argmax_avx2(const float *x, int64_t vocab, uint64_t key) {
-    float top_x;
-    int64_t top = row_top_avx2(x, vocab, &top_x);
-    if (top < 0 || x[top] == -INFINITY || x[top] == INFINITY) return top; /* a NaN; every score equal; +inf */
-    int64_t best_j = top;
-    float best = x[top] + keyed_gumbel_at(key, (uint64_t)top);
-    keyed_scan_avx2(x, 0, vocab, key, top, &best, &best_j);
-    return best_j;
-}
-
-/* The same scan, eight tokens' bounds at a time (keyed_scan_avx512; a row whose top is beyond
- * KEYED_WIDEST_TOP on the AVX2 scan). */
-KEYED_AVX512 static int64_t argmax_avx512(const float *x, int64_t vocab, uint64_t key) {
-    int nan;
-    float top_x = row_max_avx512(x, vocab, &nan);
-    if (nan) return -1;
-    if (top_x == -INFINITY || top_x == INFINITY) return row_top_avx512(x, vocab, &top_x); /* every score equal; +inf */
-    if (!(fabsf(top_x) <= KEYED_WIDEST_TOP)) return argmax_avx2(x, vocab, key);
-    int64_t best_j = -1;
-    float best = top_x - 4.0f;
-    keyed_scan_avx512(x, 0, vocab, key, &best, &best_j);
-    return best_j;
-}
-#endif
-
 /* The loops this build and CPU can run: 0 the plain one, 1 AVX2, 2 AVX-512 (F, DQ, CD, VL). */
 enum { LOOP_PLAIN = 0, LOOP_AVX2 = 1, LOOP_AVX512 = 2 };
 
@@ -204,24 +159,32 @@ static int loop_usable(int loop) {
     return 1;
 }
 
-/* The first index of the largest entry of a row; −1 for a row holding a NaN. */
-static int64_t row_top_plain(const float *x, int64_t vocab) {
-    int64_t top = 0;
-    for (int64_t j = 0; j < vocab; j++) {
-        if (x[j] != x[j]) return -1;
-        if (x[j] > x[top]) top = j;
-    }
-    return top;
+/* One row's first maximum on the chosen loop; −1 for a row holding a NaN. */
+static int64_t row_first_max(const float *row, int64_t vocab, int loop) {
+    float top;
+#if HAVE_AVX2_BUILD
+    if (loop == LOOP_AVX512) return row_top_avx512(row, vocab, &top);
+    if (loop == LOOP_AVX2) return row_top_avx2(row, vocab, &top);
+#endif
+    return keyed_first_max_plain(row, vocab, &top);
 }
 
-/* One row's perturbed argmax (keys) or first maximum on the chosen loop. */
+/* One row's perturbed argmax (keys) or first maximum on the chosen loop: keyed_scan.h's stretch over the whole
+ * row; −1 for a row holding a NaN. A row whose top is +inf or −inf (every token excluded) gives its first
+ * maximum, as the argmax over the whole vector does. */
 static int64_t row_token(const float *row, int64_t vocab, const uint64_t *key, int loop) {
+    if (!key) return row_first_max(row, vocab, loop);
+    float value;
+    int64_t token = -1;
+    int status;
 #if HAVE_AVX2_BUILD
-    float top;
-    if (loop == LOOP_AVX512) return key ? argmax_avx512(row, vocab, *key) : row_top_avx512(row, vocab, &top);
-    if (loop == LOOP_AVX2) return key ? argmax_avx2(row, vocab, *key) : row_top_avx2(row, vocab, &top);
+    if (loop == LOOP_AVX512) status = keyed_stretch_avx512(row, vocab, 0, *key, &value, &token);
+    else if (loop == LOOP_AVX2) status = keyed_stretch_avx2(row, vocab, 0, *key, &value, &token);
+    else
 #endif
-    return key ? argmax_plain(row, vocab, *key) : row_top_plain(row, vocab);
+        status = keyed_stretch_plain(row, vocab, 0, *key, &value, &token);
+    if (status == KEYED_ELSEWHERE) return row_first_max(row, vocab, loop);
+    return status == KEYED_FOUND ? token : -1;
 }
 
 static PyObject *py_fill_gumbel(PyObject *self, PyObject *args, PyObject *kw) {
