@@ -485,8 +485,6 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
             raise BenchError("a run on Ray loads its models on every worker, by path: pass the models' paths, "
                              "not loaded models")
         cluster.check_device(config.device)
-    # Records name the dtype they were measured in. On Ray each worker settles "auto" itself: this
-    # process may lack the workers' devices.
     if not generate and not out.is_dir():
         raise BenchError(f"{out} does not exist: nothing to summarize")
     created = not out.exists()
@@ -570,7 +568,8 @@ class BenchWorker:
         if drafter is None and config.drafter:
             drafter = load_model(config.drafter, config.dtype, config.device, config.kernels, config.implementation)
         self.drafter = drafter
-        # The records say what computed them ("auto" is resolved: it depends on the model and the CPU).
+        # The records say what computed them ("auto" is settled here, by every worker of a Ray run
+        # itself: it depends on the model and the CPU, and the driver may lack the workers' devices).
         self.config = replace(config, dtype=settled_dtype(config.dtype, self.target),
                               implementation=model_code(self.target.model))
         self.machine = MachineInfo.here(name, self.target.device).to_dict()
