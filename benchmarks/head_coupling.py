@@ -90,7 +90,7 @@ def coupling(q: torch.Tensor, log_p: torch.Tensor, draft_ids: torch.Tensor, head
             head_gumbel = gumbel[:, draft_ids]
             for t in head_temperatures:
                 coupled[t] += int((draft_ids[(scaled[t] + head_gumbel).argmax(-1)] == target_token).sum())
-            best = draft_ids[(scaled.get(1.0, q_block.log_softmax(-1)) + head_gumbel).topk(max(TOP_M), -1).indices]
+            best = draft_ids[(scaled[1.0] + head_gumbel).topk(max(TOP_M), -1).indices]
             for m in TOP_M:
                 top[m] += int((best[:, :m] == target_token[:, None]).any(-1).sum())
             total += len(p_block)

@@ -18,7 +18,7 @@ from .engine import threads_for
 from .errors import PromptError
 from .limits import check_num_draft
 from .methods import Method, MethodOptions, build_method, default_method
-from .models import DEFAULT_MODEL, LoadedModel, auto_dtype, load_model, on_engine_defaults, resolve_device, resolve_dtype
+from .models import DEFAULT_MODEL, LoadedModel, load_model, on_engine_defaults, resolve_device, resolve_dtype
 from .prompting import encode_prompt, eos_ids
 from .sampling import SamplingConfig
 
@@ -57,8 +57,7 @@ class _SharedModels:
         # engine's default numerics is a load of its own (no named dtype computes as it does).
         name = str(Path(spec).resolve()) if Path(spec).exists() else str(spec)
         auto = isinstance(dtype, str) and dtype == "auto"
-        key = (name, "engine default" if auto and on_engine_defaults(spec, device) else
-               auto_dtype(spec, device) if auto else resolve_dtype(dtype, device),
+        key = (name, "engine default" if auto and on_engine_defaults(spec, device) else resolve_dtype(dtype, device),
                resolve_device(device), kernels, implementation)
         with self._lock:
             entry = self._entries.setdefault(key, _SharedEntry())

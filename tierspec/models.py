@@ -159,19 +159,6 @@ def resolve_dtype(dtype: torch.dtype | str, device: str | torch.device = "cpu") 
     raise ModelLoadError(f"unsupported dtype {dtype!r}; choose one of: {', '.join(DTYPES)}")
 
 
-def auto_dtype(spec: str | os.PathLike, device: str | torch.device = "cpu") -> torch.dtype:
-    """What ``auto`` loads ``spec`` in: for a GGUF file (or the default model) computed on the CPU by
-    the pass engine, the dtype of the engine's default numerics for this CPU
-    (``quant.default_numerics``: int8 rows where the CPU has int8 dot products, else float32); else
-    ``fastest_dtype``. Read from the name alone (no file is opened)."""
-    device = resolve_device(device)
-    if on_engine_defaults(spec, device):
-        from .quant import default_numerics
-
-        return default_numerics().dtype
-    return fastest_dtype(device)
-
-
 def on_engine_defaults(spec: str | os.PathLike, device: str | torch.device = "cpu") -> bool:
     """Whether ``auto`` loads ``spec`` on the pass engine's default numerics (a GGUF model computed on
     the CPU): then ``auto`` is not any dtype asked for by name (its KV caches are float16,
