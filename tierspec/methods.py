@@ -593,13 +593,14 @@ def _eagle(target, drafter_model, options) -> Method:
 
 
 def _hybrid(target, drafter_model, options) -> Method:
-    from .drafters.eagle import EagleDrafter, HybridDrafter
+    from .drafters.eagle import EagleDrafter, HybridDrafter, ScheduleMemory
 
     head = draft_head_for(target, options)
     policy = _cost_aware(target, options, EagleDrafter(head), _head_fractions(target, head))
+    memory = ScheduleMemory()  # when to try the head, carried from each generation to the next
     return _method("hybrid", "lossless: n-gram lookup where the context offers a match expected to pay more, the draft "
                    "head otherwise", ExactRule(options.sampling_rule),
-                   lambda n: (HybridDrafter(NgramDrafter(options.ngram_size), EagleDrafter(head)), policy(n)))
+                   lambda n: (HybridDrafter(NgramDrafter(options.ngram_size), EagleDrafter(head), memory), policy(n)))
 
 
 #: Tokens of the widest tree pass the tree policy costs (the pending token and up to 15 nodes): a

@@ -118,14 +118,15 @@ def test_a_head_that_is_the_target_is_accepted_throughout(prompt_ids):
 
 
 def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = None, saved=None,
-                      looked: list | None = None) -> list[bool]:
+                      looked: list | None = None, memory=None, sampling=SamplingConfig(0.0)) -> list[bool]:
     """Which cycles ran the hybrid's head, one cycle per entry of ``head_rates`` (the head's learned
     rate that cycle; None: not tried yet), under planted rates: drafting nothing pays 1 token per
     unit time, a head step costs 0.1 of a pass, n-gram lookup finds nothing, and certain drafts
     would pay ``ceilings[i]`` (default 2: the head could pay); the n-gram drafts saved ``saved[i]``
     a cycle of late (default None: no evidence yet). ``wants``: gets the hybrid's
     ``wants_features`` after each cycle's drafting; ``looked``: whether each cycle ran the n-gram
-    lookup."""
+    lookup. ``memory``: the method's ``ScheduleMemory`` (one generation at ``sampling`` each call,
+    every cycle committed)."""
     from tierspec.proposal import DraftRequest, Proposal
 
     rate = [None]
@@ -169,10 +170,10 @@ def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = No
     lookups = [0]
     lookup = ngram.propose
     ngram.propose = lambda *args: lookups.__setitem__(0, lookups[0] + 1) or lookup(*args)
-    hybrid = HybridDrafter(ngram, eagle)
+    hybrid = HybridDrafter(ngram, eagle, memory)
     context = torch.arange(40, 60)  # no repeated n-gram: lookup finds nothing
     hybrid.start(context[:10])
-    request = DraftRequest(budget=4, sampling=SamplingConfig(0.0), noise=None, policy=Rates())
+    request = DraftRequest(budget=4, sampling=sampling, noise=None, policy=Rates())
     ran = []
     for i, head_rate in enumerate(head_rates):
         rate[0] = head_rate
@@ -180,6 +181,7 @@ def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = No
         saving[0] = None if saved is None else saved[i]
         before, looked_before = len(calls), lookups[0]
         hybrid.propose(context, request)
+        hybrid.commit(len(context))
         if looked is not None:
             looked.append(lookups[0] > looked_before)
         ran.append(len(calls) > before)
@@ -228,15 +230,15 @@ def test_the_hybrid_never_tries_a_head_that_even_certain_drafts_would_not_pay_fo
 
 def test_the_hybrid_goes_dormant_where_its_drafts_do_not_pay_for_its_own_work(target32):
     """A head that does not pay (1.05) and n-gram drafts that saved less than the hybrid's own work
-    in a cycle (``DRAFTING_CYCLE_FRACTION`` of a one-token pass, here 1 time unit): after
+    in a cycle (``DRAFTING_CYCLE_SECONDS``, whatever a pass costs): after
     ``DORMANT_CYCLES`` cycles of that evidence the hybrid runs no lookup for ``DORMANT_CYCLES``
     cycles, then looks again, each pause twice the last while the drafts still do not pay; the
     head's tries come as they would without the pauses. Drafts that pay (saved above the threshold)
     end it, and a hybrid without evidence yet never pauses."""
-    from tierspec.drafters.eagle import DORMANT_CYCLES, DORMANT_MAX_CYCLES, DRAFTING_CYCLE_FRACTION
+    from tierspec.drafters.eagle import DORMANT_CYCLES, DORMANT_MAX_CYCLES, DRAFTING_CYCLE_SECONDS
 
     assert DORMANT_CYCLES == 8 and DORMANT_MAX_CYCLES == 64
-    below, above = 0.5 * DRAFTING_CYCLE_FRACTION, 2 * DRAFTING_CYCLE_FRACTION
+    below, above = 0.5 * DRAFTING_CYCLE_SECONDS, 2 * DRAFTING_CYCLE_SECONDS
     looked = []
     ran = _hybrid_head_runs(target32, [1.05] * 120, saved=[below] * 120, looked=looked)
     # looks 0-7 (the head idle), a pause of 8 (8-15) with the head's first try at 8 (its wait of 8 over), looks 16-23,
@@ -255,6 +257,60 @@ def test_the_hybrid_goes_dormant_where_its_drafts_do_not_pay_for_its_own_work(ta
     looked = []
     _hybrid_head_runs(target32, [1.05] * 40, saved=None, looked=looked)
     assert all(looked)
+
+
+def test_a_generation_waits_as_long_as_the_last_at_its_settings_had_learned_to(target32):
+    """With the method's ``ScheduleMemory`` a generation still tries the head at its first cycle (a
+    fresh policy knows no rate: untried), but where it does not pay the wait before the next try is
+    the one the latest generation at its sampling settings had reached, not 8 again; a head that
+    pays starts the waits over; another temperature, or no memory, starts from 8."""
+    from tierspec.drafters.eagle import ScheduleMemory
+
+    hot, greedy = SamplingConfig(1.0), SamplingConfig(0.0)
+    memory = ScheduleMemory()
+    tries = lambda ran: [i for i, r in enumerate(ran) if r]
+    assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 99, memory=memory, sampling=hot)) == [0, 9, 26, 59]
+    assert memory.recall(hot).wait == 64 and memory.recall(greedy) is None
+    assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 99, memory=memory, sampling=hot)) == [0, 65]
+    assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 30, memory=memory, sampling=greedy)) == [0, 9, 26]
+    assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 30, sampling=hot)) == [0, 9, 26]  # no memory
+    # a head that pays at its first try: the wait once it stops paying is 8 again, and so is the one kept
+    assert tries(_hybrid_head_runs(target32, [None, 1.2, 1.2] + [1.05] * 20, memory=memory, sampling=hot)) == [0, 1, 2, 11]
+    assert memory.recall(hot).wait == 16
+
+
+def test_the_built_hybrids_generations_share_one_memory_and_keep_the_targets_text(target32, prompt_ids):
+    """``build_method("hybrid")``: every generation's drafter holds the method's one memory, the
+    first sampled generation leaves its schedule there, and the next (starting from it) still
+    samples the target's own text for its seed."""
+    from tierspec.methods import MethodOptions, build_method
+
+    method = build_method("hybrid", target32, None, MethodOptions(draft_head=random_head(target32)))
+    memory = method.generation().drafter.memory
+    assert memory is not None and method.generation().drafter.memory is memory
+    hot = SamplingConfig(1.0)
+    ar = build_method("ar", target32)
+    for seed in (4, 5):
+        assert run_ids(target32, method, prompt_ids, 30, hot, generator=seed) == \
+            run_ids(target32, ar, prompt_ids, 30, hot, generator=seed)
+        assert memory.recall(hot) is not None and memory.recall(SamplingConfig(0.0)) is None
+
+
+def test_a_generations_first_lookup_pause_is_as_long_as_the_last_ones(target32):
+    """The n-gram lookup's pauses carry over as the head's waits do: a generation looks up from its
+    first cycle (its prompt may offer what the last one's did not), and where its drafts do not pay
+    its first pause is as long as the next pause the latest generation at its settings would have made."""
+    from tierspec.drafters.eagle import DRAFTING_CYCLE_SECONDS, ScheduleMemory
+
+    below = 0.5 * DRAFTING_CYCLE_SECONDS
+    hot, memory = SamplingConfig(1.0), ScheduleMemory()
+    looked = []
+    _hybrid_head_runs(target32, [1.05] * 30, saved=[below] * 30, looked=looked, memory=memory, sampling=hot)
+    # looks 0-7, pauses 8-15, looks 16-23, pauses 24-39 (16 cycles): the next pause would be 32
+    assert [i for i, seen in enumerate(looked) if not seen] == list(range(8, 16)) + list(range(24, 30))
+    looked = []
+    _hybrid_head_runs(target32, [1.05] * 60, saved=[below] * 60, looked=looked, memory=memory, sampling=hot)
+    assert [i for i, seen in enumerate(looked) if not seen] == list(range(8, 40)) + list(range(48, 60))  # 32, then 64
 
 
 def test_what_a_sources_drafts_saved_is_measured_by_the_verdicts():

@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import torch
 
+from dataclasses import dataclass
+from threading import Lock
 from typing import Generator
 
 from ..heads.draft import DraftHead, HeadOutput, HeadRunner, HeadStep
 from ..proposal import DraftRequest, RateView
+from ..sampling import SamplingConfig
 from .base import Drafter, FeatureLog, Proposal, drafting_autoregressively, run_steps
 from .ngram import NgramDrafter
 
@@ -155,19 +158,62 @@ HEAD_RETRY_MAX_CYCLES = 64
 #: resting cycle would cost each of those passes its copy-out (a two-token pass of the default
 #: model 6.64 → 6.83 ms featured; a batched pass of 8 sequences × 2 rows 0.2–0.7 ms more in two runs).
 HEAD_WARMUP_CYCLES = 2
-#: The hybrid's own work in a cycle in which it drafts, in units of a one-token target pass: the
-#: n-gram lookup, the policy's rates and trim, keying and learning from the verdict. Measured as
-#: the default method's loop time less plain decoding's (``benchmarks/loop_time.py``): 0.19 ms
-#: against a 5.4 ms pass at temperature 1 on a Zen 4 (results/zen4/int8/loop_time_after_pass.json),
-#: 0.27 greedy against a 7.5 ms one-row pass on a Zen 3 (docs/history.md, csrc/matmul.c). A fraction of the pass, not the clock's reading,
-#: so that a seed fixes which cycles draft.
-DRAFTING_CYCLE_FRACTION = 0.03
+#: The hybrid's own work in a cycle in which it drafts, in seconds: the n-gram lookup, the policy's
+#: rates and trim, keying and learning from the verdict. Measured as the default method's loop time
+#: less plain decoding's (``benchmarks/loop_time.py``): 0.19 ms at temperature 1 on a Zen 4
+#: (results/zen4/int8/loop_time_after_pass.json), 0.16 on the Intel Xeon (stop 57's run), 0.27
+#: greedy on a Zen 3 (docs/history.md). Seconds, not a fraction of the pass: it is Python's work,
+#: the same beside the default model's 3-ms pass as beside a 100-ms one (as 0.03 of a pass it
+#: was 0.08 ms on the Xeon's 2.7-ms pass and would be 3 ms on an 8B model's). A constant, not the
+#: clock's reading, so that a seed fixes which cycles draft.
+DRAFTING_CYCLE_SECONDS = 0.19e-3
 #: Cycles the hybrid runs no n-gram lookup (nor its candidate's rates, keying and learning) once
-#: what those drafts saved of late no longer pays for its own work (``DRAFTING_CYCLE_FRACTION``),
+#: what those drafts saved of late no longer pays for its own work (``DRAFTING_CYCLE_SECONDS``),
 #: before it looks again; each pause after which they still do not pay doubles the next, up to
 #: ``DORMANT_MAX_CYCLES``. The head's schedule is its own. Counted, not timed.
 DORMANT_CYCLES = 8
 DORMANT_MAX_CYCLES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class HybridSchedule:
+    """How long a hybrid had learned to rest what does not pay, after its latest cycle: what the
+    next generation of the same method at the same sampling settings starts from (``ScheduleMemory``).
+
+    wait:         idle cycles before the head's next try, should it not pay
+    dormant_wait: the n-gram lookup's next pause, should its drafts not pay
+    """
+
+    wait: int
+    dormant_wait: int
+
+
+class ScheduleMemory:
+    """What one method's hybrid generations learned about how long to rest the head and the n-gram
+    lookup where they do not pay, by sampling settings. Each generation still tries the head at its
+    first cycle and looks up n-grams from its first (a new prompt is new evidence: at temperature 0
+    carrying the rest itself into the next generation cost 1.3% on Spec-Bench prompts), but where
+    they do not pay it waits as long as the latest generation at its settings had learned to, not
+    8, 16, 32 … cycles over again: at temperature 1 on the default model the head pays almost
+    nowhere, and every generation tried it four times (docs/algorithms.md §Draft-length policies).
+    It changes which cycles draft, never a text (the hybrid's rule is lossless); a method's
+    statistics (tokens per pass) then depend on what it generated before.
+
+    Keyed by the ``SamplingConfig``: the head's acceptance moves with the temperature and the
+    filters. One memory per built method (``methods``); generations running side by side in a
+    batch each leave their schedule after their cycles (the latest wins)."""
+
+    def __init__(self):
+        self._schedules: dict[SamplingConfig, HybridSchedule] = {}
+        self._lock = Lock()
+
+    def recall(self, sampling: SamplingConfig) -> HybridSchedule | None:
+        """The schedule the latest generation at ``sampling`` left (None: none yet)."""
+        return self._schedules.get(sampling)
+
+    def keep(self, sampling: SamplingConfig, schedule: HybridSchedule) -> None:
+        with self._lock:
+            self._schedules[sampling] = schedule
 
 
 class HybridDrafter(Drafter):
@@ -193,7 +239,7 @@ class HybridDrafter(Drafter):
 
     Where nothing pays, nothing is drafted: when the head is idle or ruled out and what the n-gram
     drafts saved of late (``RateView.saved_seconds``, measured by the verdicts) does not pay for
-    the hybrid's own work in a cycle (``DRAFTING_CYCLE_FRACTION`` of a one-token pass) after as many
+    the hybrid's own work in a cycle (``DRAFTING_CYCLE_SECONDS``) after as many
     cycles of such drafting as a dormancy lasts, the n-gram lookup goes dormant — ``DORMANT_CYCLES``
     cycles without it or its candidate's rates, keying and learning — then looks again, after twice
     as long each time its drafts still did not pay (``DORMANT_MAX_CYCLES`` at most). The head keeps
@@ -201,13 +247,18 @@ class HybridDrafter(Drafter):
     the head's tries back too cost τ 1.53 → 1.50 on Spec-Bench). At temperature 1 on the default
     model the n-gram drafts only pay for their rows (a first draft's chance 0.18–0.19, a row
     0.09–0.18 of a pass), and the hybrid's own work made it 2-5% slower than plain decoding in some
-    categories."""
+    categories.
+
+    With a ``ScheduleMemory`` (the built method's, ``methods``) a generation's first wait and first
+    pause are as long as the latest generation at its sampling settings had made them."""
 
     needs_target_features = True
     drafts_in_head_steps = True
 
-    def __init__(self, ngram: NgramDrafter, eagle: EagleDrafter):
+    def __init__(self, ngram: NgramDrafter, eagle: EagleDrafter, memory: ScheduleMemory | None = None):
         self.ngram, self.eagle = ngram, eagle
+        self.memory = memory
+        self._sampling: SamplingConfig | None = None  # the generation's, from its first drafting cycle
         self.feature_layers = eagle.feature_layers
         self._idle = 0  # cycles since the head last ran while it did not pay
         self._wait = HEAD_RETRY_CYCLES  # idle cycles before the next try
@@ -223,6 +274,15 @@ class HybridDrafter(Drafter):
         self._idle, self._wait = 0, HEAD_RETRY_CYCLES
         self._resting = self._ruled_out = False
         self._dormant, self._dormant_wait, self._looked = 0, DORMANT_CYCLES, 0
+        self._sampling = None
+
+    def _recall(self, sampling: SamplingConfig) -> None:
+        """The generation's first drafting cycle: its waits from the latest generation at the same
+        settings (``ScheduleMemory``)."""
+        self._sampling = sampling
+        schedule = None if self.memory is None else self.memory.recall(sampling)
+        if schedule is not None:
+            self._wait, self._dormant_wait = schedule.wait, schedule.dormant_wait
 
     def wants_features(self) -> bool:
         """No features while the head is ruled out, nor while it rests more than
@@ -237,6 +297,8 @@ class HybridDrafter(Drafter):
         in steps (``EagleDrafter.drafting``)."""
         if request.budget <= 0:
             return Proposal.empty()
+        if self._sampling is None:  # the generation's first drafting cycle
+            self._recall(request.sampling)
         rates: RateView = request.policy  # methods pairs this drafter with a CostAware policy
         looking = not self._dormant  # a dormant lookup: its drafts have not paid for the hybrid's work of late
         if looking:
@@ -262,8 +324,9 @@ class HybridDrafter(Drafter):
                 return candidate  # the n-gram candidate (possibly empty): the head is not worth its cycle
             # A try: should the head still not pay after it, the next try waits twice as long.
             self._idle, self._wait = 0, min(2 * self._wait, HEAD_RETRY_MAX_CYCLES)
-        else:
+        elif head_rate is not None:  # it pays: a wait once it stops starts short again
             self._idle, self._wait = 0, HEAD_RETRY_CYCLES
+        # (untried: the first wait, should it not pay, is the one recalled)
         self._resting = False
         return (yield from self.eagle.drafting(context, request))
 
@@ -274,7 +337,7 @@ class HybridDrafter(Drafter):
         the pause."""
         saved = rates.saved_seconds("ngram")
         self._looked += 1
-        if saved is not None and saved > DRAFTING_CYCLE_FRACTION / rates.plain_rate():  # of a one-token pass
+        if saved is not None and saved > DRAFTING_CYCLE_SECONDS:
             self._dormant_wait, self._looked = DORMANT_CYCLES, 0
         elif saved is not None and self._looked >= DORMANT_CYCLES:  # evidence of as many cycles as a pause
             self._dormant, self._looked = self._dormant_wait, 0
@@ -285,3 +348,5 @@ class HybridDrafter(Drafter):
 
     def commit(self, committed_length: int) -> None:
         self.eagle.commit(committed_length)
+        if self.memory is not None and self._sampling is not None:
+            self.memory.keep(self._sampling, HybridSchedule(self._wait, self._dormant_wait))
