@@ -597,9 +597,10 @@ def _hybrid(target, drafter_model, options) -> Method:
 
     head = draft_head_for(target, options)
     policy = _cost_aware(target, options, EagleDrafter(head), _head_fractions(target, head))
-    memory = ScheduleMemory()  # when to try the head, carried from each generation to the next
+    rule = ExactRule(options.sampling_rule)
+    memory = ScheduleMemory(rule.emits_target_tokens)  # how long to rest what does not pay, carried across generations
     return _method("hybrid", "lossless: n-gram lookup where the context offers a match expected to pay more, the draft "
-                   "head otherwise", ExactRule(options.sampling_rule),
+                   "head otherwise", rule,
                    lambda n: (HybridDrafter(NgramDrafter(options.ngram_size), EagleDrafter(head), memory), policy(n)))
 
 

@@ -267,7 +267,7 @@ def test_a_generation_waits_as_long_as_the_last_at_its_settings_had_learned_to(t
     from tierspec.drafters.eagle import ScheduleMemory
 
     hot, greedy = SamplingConfig(1.0), SamplingConfig(0.0)
-    memory = ScheduleMemory()
+    memory = ScheduleMemory(lambda sampling: True)
     tries = lambda ran: [i for i, r in enumerate(ran) if r]
     assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 99, memory=memory, sampling=hot)) == [0, 9, 26, 59]
     assert memory.recall(hot).wait == 64 and memory.recall(greedy) is None
@@ -282,7 +282,8 @@ def test_a_generation_waits_as_long_as_the_last_at_its_settings_had_learned_to(t
 def test_the_built_hybrids_generations_share_one_memory_and_keep_the_targets_text(target32, prompt_ids):
     """``build_method("hybrid")``: every generation's drafter holds the method's one memory, the
     first sampled generation leaves its schedule there, and the next (starting from it) still
-    samples the target's own text for its seed."""
+    samples the target's own text for its seed; under the residual rule no sampled schedule is kept
+    (tests/loop/test_seed.py: a seed fixes the text whatever ran before)."""
     from tierspec.methods import MethodOptions, build_method
 
     method = build_method("hybrid", target32, None, MethodOptions(draft_head=random_head(target32)))
@@ -294,6 +295,12 @@ def test_the_built_hybrids_generations_share_one_memory_and_keep_the_targets_tex
         assert run_ids(target32, method, prompt_ids, 30, hot, generator=seed) == \
             run_ids(target32, ar, prompt_ids, 30, hot, generator=seed)
         assert memory.recall(hot) is not None and memory.recall(SamplingConfig(0.0)) is None
+    # under the residual rule a sampled text follows the drafts: nothing is carried there (greedy still is)
+    residual = build_method("hybrid", target32, None, MethodOptions(draft_head=random_head(target32), sampling_rule="residual"))
+    memory = residual.generation().drafter.memory
+    for sampling in (hot, SamplingConfig(0.0)):
+        run_ids(target32, residual, prompt_ids, 30, sampling, generator=4)
+    assert memory.recall(hot) is None and memory.recall(SamplingConfig(0.0)) is not None
 
 
 def test_a_generations_first_lookup_pause_is_as_long_as_the_last_ones(target32):
@@ -303,7 +310,7 @@ def test_a_generations_first_lookup_pause_is_as_long_as_the_last_ones(target32):
     from tierspec.drafters.eagle import DRAFTING_CYCLE_SECONDS, ScheduleMemory
 
     below = 0.5 * DRAFTING_CYCLE_SECONDS
-    hot, memory = SamplingConfig(1.0), ScheduleMemory()
+    hot, memory = SamplingConfig(1.0), ScheduleMemory(lambda sampling: True)
     looked = []
     _hybrid_head_runs(target32, [1.05] * 30, saved=[below] * 30, looked=looked, memory=memory, sampling=hot)
     # looks 0-7, pauses 8-15, looks 16-23, pauses 24-39 (16 cycles): the next pause would be 32

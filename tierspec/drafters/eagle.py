@@ -17,7 +17,7 @@ import torch
 
 from dataclasses import dataclass
 from threading import Lock
-from typing import Generator
+from typing import Callable, Generator
 
 from ..heads.draft import DraftHead, HeadOutput, HeadRunner, HeadStep
 from ..proposal import DraftRequest, RateView
@@ -200,20 +200,24 @@ class ScheduleMemory:
     statistics (tokens per pass) then depend on what it generated before.
 
     Keyed by the ``SamplingConfig``: the head's acceptance moves with the temperature and the
-    filters. One memory per built method (``methods``); generations running side by side in a
-    batch each leave their schedule after their cycles (the latest wins)."""
+    filters. Kept only at settings where ``applies`` (the rule's ``emits_target_tokens``: greedy, or
+    the coupled rule): under the residual rule a sampled text follows the drafts, and a seed must
+    fix the text whatever ran before. One memory per built method (``methods``); generations
+    running side by side in a batch each leave their schedule after their cycles (the latest wins)."""
 
-    def __init__(self):
+    def __init__(self, applies: Callable[[SamplingConfig], bool]):
+        self.applies = applies
         self._schedules: dict[SamplingConfig, HybridSchedule] = {}
         self._lock = Lock()
 
     def recall(self, sampling: SamplingConfig) -> HybridSchedule | None:
-        """The schedule the latest generation at ``sampling`` left (None: none yet)."""
+        """The schedule the latest generation at ``sampling`` left (None: none yet, or none kept there)."""
         return self._schedules.get(sampling)
 
     def keep(self, sampling: SamplingConfig, schedule: HybridSchedule) -> None:
-        with self._lock:
-            self._schedules[sampling] = schedule
+        if self.applies(sampling):
+            with self._lock:
+                self._schedules[sampling] = schedule
 
 
 class HybridDrafter(Drafter):

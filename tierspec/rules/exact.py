@@ -50,7 +50,12 @@ class ExactRule(ScoreRule):
         return self.verdict(exact_walk(proposal, scores.logits, sampling, noise, self.sampling_rule))
 
     def walks_by_target_tokens(self, proposal: Proposal, sampling: SamplingConfig) -> bool:
-        return proposal.is_chain and (sampling.greedy or self.sampling_rule == "coupled")
+        return proposal.is_chain and self.emits_target_tokens(sampling)
+
+    def emits_target_tokens(self, sampling: SamplingConfig) -> bool:
+        """Whether every text at ``sampling`` is the target's own whatever was drafted (greedy, or
+        the coupled rule); under the residual rule a sampled text follows the drafts."""
+        return sampling.greedy or self.sampling_rule == "coupled"
 
     def verdict(self, walk: Walk) -> Verdict:
         return Verdict(walk.path, walk.next_token, [DRAFTER] * walk.accepted + [TARGET])
