@@ -263,6 +263,7 @@ class HybridDrafter(Drafter):
         self.ngram, self.eagle = ngram, eagle
         self.memory = memory
         self._sampling: SamplingConfig | None = None  # the generation's, from its first drafting cycle
+        self._kept: tuple[int, int] | None = None  # the waits last kept in the memory (or recalled)
         self.feature_layers = eagle.feature_layers
         self._idle = 0  # cycles since the head last ran while it did not pay
         self._wait = HEAD_RETRY_CYCLES  # idle cycles before the next try
@@ -287,6 +288,7 @@ class HybridDrafter(Drafter):
         schedule = None if self.memory is None else self.memory.recall(sampling)
         if schedule is not None:
             self._wait, self._dormant_wait = schedule.wait, schedule.dormant_wait
+        self._kept = (self._wait, self._dormant_wait)
 
     def wants_features(self) -> bool:
         """No features while the head is ruled out, nor while it rests more than
@@ -352,5 +354,6 @@ class HybridDrafter(Drafter):
 
     def commit(self, committed_length: int) -> None:
         self.eagle.commit(committed_length)
-        if self.memory is not None and self._sampling is not None:
-            self.memory.keep(self._sampling, HybridSchedule(self._wait, self._dormant_wait))
+        if self.memory is not None and self._sampling is not None and (self._wait, self._dormant_wait) != self._kept:
+            self._kept = (self._wait, self._dormant_wait)  # kept when it moves (a batch commits every sequence each cycle)
+            self.memory.keep(self._sampling, HybridSchedule(*self._kept))
