@@ -137,8 +137,8 @@ def test_every_lossless_method_samples_ars_text_for_a_seed(name, sampling, targe
     ar = build_method("ar", target)
     drafted = kept = 0
     for seed in range(6):
-        # a method of its own each seed: a hybrid's schedule carries its rests over from one generation
-        # to the next (drafters/eagle.py ScheduleMemory), and on this random head it soon rests long
+        # a method of its own each seed: a hybrid carries how long it rests the head from one generation
+        # to the next (drafters/eagle.py ScheduleMemory), and this random head soon rests long
         method = build_method(name, target, drafter, options_for(name, parts), strict=False)  # a superset of parts
         reference = tokens(target, ar, PROMPT, seed, sampling)
         out = []

@@ -658,6 +658,8 @@ def test_the_probe_reports_what_the_kernels_do():
     if found["features"]["avx512vnni"] and found["features"]["os_zmm"] and found["cap"] in (None, "amx", "avx512bf16",
                                                                                              "avx512vnni"):
         assert found["paths"]["int8"] in ("avx512vnni", "amx")  # VNNI without AVX512-BF16 counts
+    if found["isa"] in ("avx512", "avx512vnni", "avx512bf16", "amx"):  # its keyed draws count leading zeros with CD
+        assert found["features"]["avx512cd"] and found["paths"]["keyed_max"] == "avx512"
     assert engine.kernel_report().startswith(f"engine kernels {found['isa']} (")
     with pytest.raises(ValueError, match="not one this process runs"):
         qe.select_isa("avx9000")

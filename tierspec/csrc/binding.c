@@ -777,7 +777,7 @@ static PyObject *py_probe(PyObject *self, PyObject *unused) {
     if (!out || !features || !paths) goto fail;
     const struct { const char *name; int value; } listed[] = {
         {"avx2", cpu.avx2}, {"fma", cpu.fma}, {"f16c", cpu.f16c}, {"avx512f", cpu.avx512f}, {"avx512bw", cpu.avx512bw},
-        {"avx512vl", cpu.avx512vl}, {"avx512dq", cpu.avx512dq}, {"avx512vnni", cpu.avx512vnni},
+        {"avx512vl", cpu.avx512vl}, {"avx512dq", cpu.avx512dq}, {"avx512cd", cpu.avx512cd}, {"avx512vnni", cpu.avx512vnni},
         {"avx512bf16", cpu.avx512bf16}, {"amx_tile", cpu.amx_tile}, {"amx_bf16", cpu.amx_bf16}, {"amx_int8", cpu.amx_int8},
         {"os_ymm", cpu.os_ymm}, {"os_zmm", cpu.os_zmm}, {"os_tiles", cpu.os_tiles}};
     for (size_t i = 0; i < sizeof listed / sizeof listed[0]; i++)

@@ -132,6 +132,7 @@ int cpu_init(char *error, size_t size) {
         cpu.avx2 = (b >> 5) & 1;
         cpu.avx512f = (b >> 16) & 1;
         cpu.avx512dq = (b >> 17) & 1;
+        cpu.avx512cd = (b >> 28) & 1;
         cpu.avx512bw = (b >> 30) & 1;
         cpu.avx512vl = (b >> 31) & 1;
         cpu.avx512vnni = (c >> 11) & 1;
@@ -149,7 +150,8 @@ int cpu_init(char *error, size_t size) {
     cpu.best = ISA_PORTABLE;
     if (cpu.os_ymm && cpu.avx2 && cpu.fma && cpu.f16c) {
         cpu.best = ISA_AVX2;
-        if (cpu.os_zmm && cpu.avx512f && cpu.avx512bw && cpu.avx512vl && cpu.avx512dq) {
+        /* CD too: the keyed draw's scan (keyed_scan.h, kernel_set.keyed_max) counts leading zeros with it */
+        if (cpu.os_zmm && cpu.avx512f && cpu.avx512bw && cpu.avx512vl && cpu.avx512dq && cpu.avx512cd) {
             cpu.best = ISA_AVX512;
             if (cpu.avx512vnni) {
                 cpu.best = ISA_AVX512VNNI;

@@ -50,7 +50,7 @@ extern const char *const isa_names[ISAS];
 
 typedef struct {
     /* what CPUID lists */
-    int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq, avx512vnni, avx512bf16, amx_tile, amx_bf16, amx_int8;
+    int avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512dq, avx512cd, avx512vnni, avx512bf16, amx_tile, amx_bf16, amx_int8;
     /* what the OS saves on a context switch (XCR0 read by xgetbv) */
     int os_ymm, os_zmm, os_tiles;
     int amx;                /* the tile state granted (arch_prctl) and a tile product run in a forked child */

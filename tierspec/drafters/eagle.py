@@ -161,8 +161,9 @@ HEAD_WARMUP_CYCLES = 2
 #: The hybrid's own work in a cycle in which it drafts, in seconds: the n-gram lookup, the policy's
 #: rates and trim, keying and learning from the verdict. Measured as the default method's loop time
 #: less plain decoding's (``benchmarks/loop_time.py``): 0.19 ms at temperature 1 on a Zen 4
-#: (results/zen4/int8/loop_time_after_pass.json), 0.16 on the Intel Xeon (stop 57's run), 0.27
-#: greedy on a Zen 3 (docs/history.md). Seconds, not a fraction of the pass: it is Python's work,
+#: (results/zen4/int8/loop_time_after_pass.json), 0.27 greedy on a Zen 3 (docs/history.md); 0.08–0.09
+#: on the Intel Xeon with AMX averaged over every cycle, drafting or not (results/xeon_amx/loop_time3.log).
+#: Seconds, not a fraction of the pass: it is Python's work,
 #: the same beside the default model's 3-ms pass as beside a 100-ms one (as 0.03 of a pass it
 #: was 0.08 ms on the Xeon's 2.7-ms pass and would be 3 ms on an 8B model's). A constant, not the
 #: clock's reading, so that a seed fixes which cycles draft.
