@@ -11,7 +11,8 @@ prompts drawn (seeded) from MT-Bench, GSM8K, CNN/DailyMail and WMT14 (not Spec-B
 the issue's speed target is measured on) are answered by ``ar`` at ``--temperature`` (seeds 100, 101,
 …); each prompt + answer is run teacher-forced through the target (its logits, and the features the
 head reads), and the head's first-draft distribution q at every answer position is scored against the
-target's p at the same position, ``--draws`` Gumbel vectors a position (one generator, seed 0):
+target's p at the same position, ``--draws`` noise vectors a position — the decode loop's own keyed
+Gumbel noise (``sampling.gumbel_rows``; keys 0, 1, 2, … over positions and draws):
 
 - ``coupled``: P(d = y) with q sharpened or flattened by each head temperature (q^(1/τ_h), renormalised);
 - ``top_m``: P(y among the head's m best perturbed tokens) — what a token tree of m first drafts
@@ -43,6 +44,7 @@ from tierspec.data import load_prompts
 from tierspec.heads.shipped import shipped_head
 from tierspec.methods import ADAPTIVE_DRAFT, build_method
 from tierspec.prompting import encode_prompt
+from tierspec.sampling import gumbel_rows
 from tierspec.training.draft_train import Sequence, collate, unrolled_forward
 from tierspec.util import atomic_write_text
 
@@ -77,7 +79,7 @@ def paired_rows(target, head, prompts: list[str], tokens: int, temperature: floa
 def coupling(q: torch.Tensor, log_p: torch.Tensor, draft_ids: torch.Tensor, head_temperatures: list[float],
              draws: int) -> dict:
     """The acceptances the module docstring names, over ``draws`` Gumbel vectors a position."""
-    generator = torch.Generator().manual_seed(0)
+    keys = 0  # one key a (position, draw): the noise vector the decode loop would draw under it
     coupled = {t: 0 for t in head_temperatures}
     top = {m: 0 for m in TOP_M}
     total = 0
@@ -85,7 +87,8 @@ def coupling(q: torch.Tensor, log_p: torch.Tensor, draft_ids: torch.Tensor, head
         q_block, p_block = q[start : start + 64], log_p[start : start + 64]
         scaled = {t: (q_block / t).log_softmax(-1) for t in head_temperatures}
         for _ in range(draws):
-            gumbel = -torch.log(-torch.log(torch.rand(p_block.shape, generator=generator).clamp_min(1e-30)))
+            gumbel = gumbel_rows(list(range(keys, keys + len(p_block))), p_block.shape[1])
+            keys += len(p_block)
             target_token = (p_block + gumbel).argmax(-1)
             head_gumbel = gumbel[:, draft_ids]
             for t in head_temperatures:

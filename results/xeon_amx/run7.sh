@@ -11,4 +11,7 @@ step spec_bench_t1_stop61 tierspec bench --dataset spec_bench --per-category 5 -
     --methods ar,hybrid,eagle,llamacpp-greedy --out $out/spec_bench-t1-stop61 --no-progress
 step spec_bench_peers_t0_stop61 tierspec bench --dataset spec_bench --per-category 5 --max-new-tokens 128 --temperature 0 \
     --seed 0 --methods ar,hybrid,llamacpp-greedy,llamacpp-lookup,ov-greedy,ov-lookup --out $out/spec_bench-peers-t0-stop61 --no-progress
+# After the review: head_coupling.py draws the decode loop's own keyed noise (sampling.gumbel_rows) in place of
+# its own torch.rand Gumbel vectors; run 6's head_coupling.json came from the latter.
+step head_coupling_keyed python benchmarks/head_coupling.py --out $out/head_coupling_keyed.json
 echo "all done $(date -u +%FT%TZ)"

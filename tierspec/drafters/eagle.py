@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from dataclasses import dataclass
-from threading import Lock
 from typing import Callable, Generator
 
 from ..heads.draft import DraftHead, HeadOutput, HeadRunner, HeadStep
@@ -164,8 +163,9 @@ HEAD_WARMUP_CYCLES = 2
 #: (results/zen4/int8/loop_time_after_pass.json), 0.27 greedy on a Zen 3 (docs/history.md); 0.08–0.09
 #: on the Intel Xeon with AMX averaged over every cycle, drafting or not (results/xeon_amx/loop_time3.log).
 #: Seconds, not a fraction of the pass: it is Python's work,
-#: the same beside the default model's 3-ms pass as beside a 100-ms one (as 0.03 of a pass it
-#: was 0.08 ms on the Xeon's 2.7-ms pass and would be 3 ms on an 8B model's). A constant, not the
+#: the same beside the default model's 3-ms pass as beside an 8B model's (as 0.03 of a pass it was
+#: 0.08 ms on the Xeon's 2.7-ms pass and 4.5 ms beside Llama 3.1 8B's 149-ms int8 pass on a Zen 3,
+#: results/scale/zen3/int8_passes.log). A constant, not the
 #: clock's reading, so that a seed fixes which cycles draft.
 DRAFTING_CYCLE_SECONDS = 0.19e-3
 #: Cycles the hybrid runs no n-gram lookup (nor its candidate's rates, keying and learning) once
@@ -208,8 +208,7 @@ class ScheduleMemory:
 
     def __init__(self, applies: Callable[[SamplingConfig], bool]):
         self.applies = applies
-        self._schedules: dict[SamplingConfig, HybridSchedule] = {}
-        self._lock = Lock()
+        self._schedules: dict[SamplingConfig, HybridSchedule] = {}  # one assignment a keep: no lock needed
 
     def recall(self, sampling: SamplingConfig) -> HybridSchedule | None:
         """The schedule the latest generation at ``sampling`` left (None: none yet, or none kept there)."""
@@ -217,8 +216,7 @@ class ScheduleMemory:
 
     def keep(self, sampling: SamplingConfig, schedule: HybridSchedule) -> None:
         if self.applies(sampling):
-            with self._lock:
-                self._schedules[sampling] = schedule
+            self._schedules[sampling] = schedule
 
 
 class HybridDrafter(Drafter):
