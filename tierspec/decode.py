@@ -463,8 +463,8 @@ def open_sequence(target: LoadedModel, method: DecodeMethod, prompt_ids: torch.T
     drafter.set_source(source)
     verifiers = Verifiers(target, reach(len(prompt_ids), config, policy), slim_mask=method.slim_mask,
                           pass_costs=policy.pass_costs, record_features=drafter.needs_target_features,
-                          feature_layers=drafter.feature_layers, slim_vocabulary=method.slim_vocabulary, source=source,
-                          modifiers=config.modifiers)
+                          feature_layers=drafter.feature_layers, feature_history=drafter.feature_history,
+                          slim_vocabulary=method.slim_vocabulary, source=source, modifiers=config.modifiers)
     constraint = None if config.constraint is None else config.constraint.start()
     sequence = Sequence(key, verifiers, parts, config, Noise(seed, target.vocab_size), prompt_ids, constraint)
     verifiers.begin_prefill(prompt_ids, score=config.score_prompt)

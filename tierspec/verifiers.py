@@ -184,7 +184,8 @@ class Verifiers:
     def __init__(self, target: LoadedModel, positions: int, slim_mask: RoutingMask | None = None,
                  pass_costs: ForwardCosts | None = None, record_features: bool = False,
                  feature_layers: tuple[int, ...] = (), slim_vocabulary: SlimVocabulary | None = None,
-                 source: torch.Tensor | None = None, modifiers: LogitModifiers = LogitModifiers()):
+                 source: torch.Tensor | None = None, modifiers: LogitModifiers = LogitModifiers(),
+                 feature_history: int | None = None):
         """``positions``: every position this generation's passes can reach (the prompt, the
         token budget and a last pass's draft and padding); the KV buffer, the committed sequence
         and the feature log are allocated for them once. ``pass_costs`` (a ``costs.ForwardCosts``,
@@ -194,7 +195,9 @@ class Verifiers:
         slim tier scores only those tokens. ``source`` [S]: an encoder–decoder target's encoder
         input (``seq2seq``); the cache is then its decoder's. ``modifiers``: applied to every row
         of every pass the rules read (target and slim), each row with the counts of the
-        generated text before it."""
+        generated text before it. ``feature_history`` (with ``record_features``): the prefill logs the
+        features of the prompt's last that many positions only, all that the drafter reads of them
+        (``Drafter.feature_history``; None: every position's)."""
         self.runner = runner_for(target.model, source)
         self.runner.reserve(positions)  # a longer pass than foreseen still grows the KV buffer
         self.positions = positions
@@ -205,6 +208,8 @@ class Verifiers:
         self.feature_layers = tuple(feature_layers)  # decoder layers recorded beside f (a fused draft head)
         self.hidden_size = int(target.identity.hidden_size)
         self.features = FeatureLog(positions, self.hidden_size * (1 + len(self.feature_layers))) if record_features else None
+        self.feature_history = feature_history
+        self._features_from = 0  # the first prompt position whose features the prefill logs
         self.committed = CommittedTokens(torch.empty(0, dtype=torch.long), positions)
         self.full_length = 0
         self.target_calls = 0
@@ -234,10 +239,11 @@ class Verifiers:
         return self.feature_layers if self.features is not None else None
 
     # -- passes ------------------------------------------------------------------------------
-    def _forward(self, tokens: torch.Tensor, logits_for: int, with_hidden: bool = False, **kwargs) -> PassResult:
+    def _forward(self, tokens: torch.Tensor, logits_for: int, with_hidden: bool = False, record_features: bool = True,
+                 **kwargs) -> PassResult:
         """A pass on the target's cache, with the hidden states the feature log needs (and
-        those asked for)."""
-        recording = self.features is not None
+        those asked for; ``record_features`` False: none for the log)."""
+        recording = self.features is not None and record_features
         started = time.perf_counter()
         result = self.runner.forward(tokens, logits_for=logits_for, with_hidden=with_hidden or recording,
                                      hidden_layers=self.feature_layers if recording else (), **kwargs)
@@ -281,6 +287,8 @@ class Verifiers:
         self.committed = CommittedTokens(prompt_ids, self.positions)
         self._prefilled = 0
         self._prompt_rows = [] if score else None
+        history = self.feature_history
+        self._features_from = 0 if self.features is None or history is None else max(len(prompt_ids) - 1 - history, 0)
         if not self.prefilling:
             self._finish_prefill()
 
@@ -304,14 +312,16 @@ class Verifiers:
         if scored:
             count = min(count, SCORED_PREFILL_CHUNK)
         chunk = self.committed.context[self._prefilled : self._prefilled + count]
-        request = PassRequest(self.runner, chunk, count if scored else 1, hidden_layers=self.hidden_layers)
+        logged = self._prefilled + count > self._features_from  # a chunk before the logged positions: no features
+        request = PassRequest(self.runner, chunk, count if scored else 1, hidden_layers=self.hidden_layers if logged else None)
         return PrefillChunk(request, self._prefilled)
 
     def prefill_result(self, chunk: PrefillChunk, result: PassResult) -> None:
         """Take a chunk's pass result in: its features logged, its scored rows kept."""
         count = chunk.request.rows
-        if self.features is not None:
-            self.features.write(chunk.start, result.hidden)
+        skip = self._features_from - chunk.start  # rows before the logged positions
+        if self.features is not None and skip < count:
+            self.features.write(chunk.start + max(skip, 0), result.hidden[max(skip, 0) :])
         if self._prompt_rows is not None:
             self._prompt_rows.append(self._modified(result.logits, lambda prior: prior.expand(count, -1)))
         self._prefilled += count
@@ -321,6 +331,7 @@ class Verifiers:
     def _finish_prefill(self) -> None:
         self.full_length = self.runner.length
         if self.features is not None:
+            self.features.commit(self._features_from, written=False)  # the prompt's positions no drafter reads
             self.features.commit(self.full_length)
 
     def prompt_rows(self) -> torch.Tensor | None:
@@ -338,7 +349,8 @@ class Verifiers:
         while self.prefilling:
             chunk = self.prefill_request()
             request = chunk.request
-            self.prefill_result(chunk, self._forward(request.tokens, logits_for=request.logits_for))
+            self.prefill_result(chunk, self._forward(request.tokens, logits_for=request.logits_for,
+                                                     record_features=request.hidden_layers is not None))
 
     def prefill(self, prompt_ids: torch.Tensor, score: bool = False) -> torch.Tensor | None:
         """``begin_prefill`` and ``run_prefill``; returns ``prompt_rows``."""

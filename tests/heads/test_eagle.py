@@ -442,6 +442,65 @@ def test_a_first_catch_up_feeds_only_the_latest_positions(target32, monkeypatch)
     assert short.runner.length == 8 and short._first == 0  # within the window: the whole prompt
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_the_prefill_logs_the_features_of_the_prompts_last_positions_only(target32, chunk):
+    """With a ``feature_history`` the prefill logs the features of the prompt's last that many
+    positions: the log's readable rows begin there and equal a full log's rows bit for bit; a chunk
+    before them asks its pass for no hidden states (the batch's chunked prefill), one across them
+    logs its later rows only."""
+    from tierspec.passes import pass_backend
+    from tierspec.verifiers import Verifiers
+
+    prompt = torch.randint(0, target32.vocab_size, (30,), generator=torch.Generator().manual_seed(4))
+    backend = pass_backend(target32.model)
+
+    def prefilled(history):
+        verifiers = Verifiers(target32, 40, record_features=True, feature_layers=(0,), feature_history=history)
+        verifiers.begin_prefill(prompt)
+        asked = []
+        while verifiers.prefilling:
+            part = verifiers.prefill_request(chunk)
+            asked.append(part.request.hidden_layers)
+            verifiers.prefill_result(part, backend.run([part.request])[0])
+        return verifiers.features, asked
+
+    full, _ = prefilled(None)
+    log, asked = prefilled(8)
+    assert (full.start, full.length, log.start, log.length) == (0, 29, 21, 29)  # 29 positions run, the last 8 logged
+    assert torch.equal(log.read(21, 29), full.read(21, 29))
+    with pytest.raises(ValueError, match="not committed rows"):
+        log.read(20, 29)
+    assert asked == ([(0,)] if chunk is None else [None, None, None, (0,), (0,)])  # chunks from 0, 7, 14, 21, 28
+    short, _ = prefilled(40)  # a prompt within the history: every position
+    assert (short.start, short.length) == (0, 29)
+
+
+@pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(1.0)])
+def test_a_head_drafts_the_same_from_a_prefill_that_logs_only_what_it_reads(target32, monkeypatch, sampling):
+    """Through the loop, a prompt longer than ``FIRST_CATCH_UP``: the head's drafts, cycle by
+    cycle, and the text are those of a run whose prefill logged every prompt position."""
+    from tierspec.drafters import eagle
+
+    monkeypatch.setattr(eagle, "FIRST_CATCH_UP", 8)
+    prompt = torch.randint(0, target32.vocab_size, (30,), generator=torch.Generator().manual_seed(6))
+
+    class Everything(EagleDrafter):
+        feature_history = None
+
+    def drafts(drafter):
+        seen = []
+        tokens = run_ids(target32, as_method(drafter, num_draft=3), prompt, 24, sampling=sampling, generator=3,
+                         on_step=lambda step: seen.append((step.proposal.token_list, step.proposal.confidence)))
+        return tokens, seen
+
+    (text, drafted), (every_text, every_drafted) = drafts(EagleDrafter(random_head(target32))), \
+        drafts(Everything(random_head(target32)))
+    assert text == every_text and [t for t, _ in drafted] == [t for t, _ in every_drafted]
+    confidences = [(c, d) for (_, c), (_, d) in zip(drafted, every_drafted) if c is not None or d is not None]
+    assert len(confidences) > 3 and all(torch.equal(c, d) for c, d in confidences)  # the head's own numbers
+
+
 @pytest.mark.parametrize("sampling", [SamplingConfig(), SamplingConfig(1.0)])
 def test_passes_skip_the_features_the_drafter_does_not_want_and_the_text_stays_the_targets(
         target32, prompt_ids, monkeypatch, sampling):

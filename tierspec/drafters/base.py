@@ -131,6 +131,14 @@ class Drafter:
     feature_layers: tuple[int, ...] = ()  # decoder layers whose outputs the drafter reads beside f
     uses_target_cache = False
 
+    @property
+    def feature_history(self) -> int | None:
+        """With ``needs_target_features``: how many of the prompt's last positions' features the
+        drafter can read (None: all of them). The prefill logs those rows only (``Verifiers``):
+        a long prompt's rows are 2,304 floats a position on the default model, written once and
+        never read."""
+        return None
+
     def start(self, prompt_ids: torch.Tensor, features: FeatureLog | None = None,
               target_view: TargetDraftView | None = None) -> None:
         pass

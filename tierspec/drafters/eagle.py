@@ -55,6 +55,10 @@ class EagleDrafter(Drafter):
         self._last_output: torch.Tensor | None = None
         self._first = 0  # the target position of the head's cache slot 0
 
+    @property
+    def feature_history(self) -> int:
+        return FIRST_CATCH_UP  # a first catch-up feeds no earlier position (``_catch_up``)
+
     def start(self, prompt_ids, features: FeatureLog | None = None, target_view=None) -> None:
         self.runner.reset()
         self.features = features
@@ -288,6 +292,10 @@ class HybridDrafter(Drafter):
         if schedule is not None:
             self._wait, self._dormant_wait = schedule.wait, schedule.dormant_wait
         self._kept = (self._wait, self._dormant_wait)
+
+    @property
+    def feature_history(self) -> int:
+        return self.eagle.feature_history
 
     def wants_features(self) -> bool:
         """No features while the head is ruled out, nor while it rests more than

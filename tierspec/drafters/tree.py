@@ -249,6 +249,10 @@ class HybridTreeDrafter(Drafter):
         self.feature_layers = eagle.feature_layers
         self.head_rate: float | None = None
 
+    @property
+    def feature_history(self) -> int:
+        return self.eagle.feature_history
+
     def start(self, prompt_ids, features=None, target_view=None) -> None:
         self.head_rate = None
         self.eagle.start(prompt_ids, features, target_view)
