@@ -519,6 +519,7 @@ class _Drafted:
     pass_seconds: float
     grammar_seconds: float  # the sequence's ``grammar_seconds`` before this cycle
     masks: torch.Tensor | None = None
+    by_target_tokens: bool = False  # the rule walks ``proposal`` by the target's own tokens (set before the pass)
 
 
 def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None = None,
@@ -551,6 +552,7 @@ def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None =
     alone = len(drafted) + len(prefilling) == 1  # a lone pass is padded to the cheapest measured size
     for d in drafted:
         sequence = d.sequence
+        d.by_target_tokens = sequence.rule.walks_by_target_tokens(d.proposal, sequence.config.sampling)
         target_pass = sequence.verifiers.target_request(
             d.proposal, with_hidden=sequence.rule.reads_hidden, pad=alone, masks=d.masks,
             record_features=sequence.drafter.wants_features(), draws=_row_draws(d))
@@ -622,8 +624,7 @@ def _row_draws(d: _Drafted) -> RowDraws | None:
     (``walks.chain_batch_walks``): every row's at the temperature, under the block's keys — only where the
     sampling logits are the logits divided by the temperature (no top-k, no nucleus)."""
     sampling = d.sequence.config.sampling
-    if d.block is None or sampling.top_k or sampling.top_p < 1.0 or not d.proposal.is_chain \
-            or not d.sequence.rule.walks_by_target_tokens(d.proposal, sampling):
+    if d.block is None or sampling.top_k or sampling.top_p < 1.0 or not d.by_target_tokens:
         return None
     return RowDraws(d.block.keys(len(d.proposal) + 1), sampling.temperature)
 
@@ -727,24 +728,25 @@ def _decide(drafted: list[_Drafted], scores: list[Scores]) -> list[Verdict]:
     """Every sequence's verdict: the chains decided by the target's own tokens all at once
     (``walks.chain_batch_walks``), every other proposal by its rule."""
     verdicts: list[Verdict | None] = [None] * len(drafted)
-    matched = [i for i, d in enumerate(drafted)
-               if d.sequence.rule.walks_by_target_tokens(d.proposal, d.sequence.config.sampling)]
+    matched = [i for i, d in enumerate(drafted) if d.by_target_tokens]
     if matched:
         samplings = [drafted[i].sequence.config.sampling for i in matched]
-        # Where the pass found every row's first maximum, a greedy walk reads those alone: the logits
-        # are joined only for a sequence that samples.
+        greedy = [sampling.greedy for sampling in samplings]
         maxima = [scores[i].first_maxima for i in matched]
         maxima = None if any(m is None for m in maxima) else maxima[0] if len(maxima) == 1 else \
             [token for rows in maxima for token in rows]
-        sampled = maxima is None or not all(sampling.greedy for sampling in samplings)
         # The draws the pass made for sampled chains, every row of the others marked as not drawn
+        drawn = [scores[i].keyed_draws is not None for i in matched]
         draws = None
-        if any(scores[i].keyed_draws is not None for i in matched):
+        if any(drawn):
             draws = [token for i in matched for token in (
                 scores[i].keyed_draws or [NOT_DRAWN] * (len(drafted[i].proposal) + 1))]
+        # The logits are joined only where a walk reads them: a greedy one where the pass found no
+        # maxima, a sampled one whose rows the pass did not draw.
+        read = any(maxima is None if is_greedy else not drew for is_greedy, drew in zip(greedy, drawn))
         batch = ChainBatch([token for i in matched for token in drafted[i].proposal.token_list],
                            [len(drafted[i].proposal) for i in matched],
-                           rows_together([scores[i].logits for i in matched]) if sampled else None,
+                           rows_together([scores[i].logits for i in matched]) if read else None,
                            samplings, [drafted[i].block for i in matched], maxima, draws)
         for i, walk in zip(matched, chain_batch_walks(batch)):
             verdicts[i] = drafted[i].sequence.rule.verdict(walk)

@@ -408,6 +408,7 @@ class Noise:
     vocab_size: int
     _kept: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
     _token_keys: dict[int, int] = field(default_factory=dict, repr=False, compare=False)  # made ahead (``key``)
+    _keys_forgotten: int = field(default=0, repr=False, compare=False)  # ``forget_before``'s last pass over the keys
 
     def __post_init__(self) -> None:
         self.seed = seed_of(self.seed)
@@ -457,11 +458,15 @@ class Noise:
         return ((_keyed_noise.mix64(self.key(position, purpose)) >> 11) + 0.5) * 2.0**-53
 
     def forget_before(self, position: int) -> None:
-        """Drop kept noise of positions < ``position`` (committed: never drawn for again)."""
-        for kept in [p for p in self._kept if p < position]:
-            del self._kept[kept]
-        for kept in [p for p in self._token_keys if p < position]:
-            del self._token_keys[kept]
+        """Drop kept noise of positions < ``position`` (committed: never drawn for again); the
+        keys, a few ints, once every ``TOKEN_KEYS_AHEAD`` positions (the loop commits every cycle)."""
+        if self._kept:
+            for kept in [p for p in self._kept if p < position]:
+                del self._kept[kept]
+        if position >= self._keys_forgotten + TOKEN_KEYS_AHEAD:
+            for kept in [p for p in self._token_keys if p < position]:
+                del self._token_keys[kept]
+            self._keys_forgotten = position
 
     def block(self, start: int) -> "BlockNoise":
         return BlockNoise(self, start)

@@ -270,6 +270,8 @@ class Verifiers:
         """A pass's rows [1 + m, V] by node under the modifiers (row 1 + i with the counts of the
         generated text and node i's path) and the constraint's ``masks`` [1 + m, V] (−inf where a
         row's state forbids a token)."""
+        if self.modifiers is None and masks is None:
+            return logits
         if tree.is_chain:
             rows = self._modified(logits, lambda prior: chain_counts(prior, tree.tokens))
         else:

@@ -318,6 +318,8 @@ def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
 
 
 def _by_sampling(indices: list[int], samplings: list[SamplingConfig]) -> dict[SamplingConfig, list[int]]:
+    if len(indices) == 1:  # one sequence left (every depth of a lone one)
+        return {samplings[indices[0]]: indices}
     groups: dict[SamplingConfig, list[int]] = {}
     for i in indices:
         groups.setdefault(samplings[i], []).append(i)
