@@ -295,35 +295,28 @@ def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
         raise ValueError(f"{len(drawn)} rows' draws for chains of {at} rows")
     depth = 0
     while live:
-        reached = []
-        for sampling, group in _by_sampling(live, batch.samplings).items():
-            tokens = [NOT_DRAWN] * len(group) if drawn is None else [drawn[first_row[i] + depth] for i in group]
-            if -1 in tokens:
-                row = first_row[group[tokens.index(-1)]] + depth
-                raise NoiseError(f"row {row} of the scores to sample from holds a NaN")
-            left = [g for g, token in enumerate(tokens) if token == NOT_DRAWN]  # the rows the pass did not draw
-            if left:
-                keys = [_needs(batch.noises[group[g]]).keys(1, depth)[0] for g in left]
-                for g, token in zip(left, _perturbed_rows(batch.target_logits, [first_row[group[g]] + depth for g in left],
-                                                          sampling, keys)):
+        tokens = [NOT_DRAWN] * len(live) if drawn is None else [drawn[first_row[i] + depth] for i in live]
+        if -1 in tokens:
+            raise NoiseError(f"row {first_row[live[tokens.index(-1)]] + depth} of the scores to sample from holds a NaN")
+        left = [g for g, token in enumerate(tokens) if token == NOT_DRAWN]  # the rows the pass did not draw
+        if left:  # drawn here, the rows of each sampling setting together
+            groups: dict[SamplingConfig, list[int]] = {}
+            for g in left:
+                groups.setdefault(batch.samplings[live[g]], []).append(g)
+            for sampling, group in groups.items():
+                keys = [_needs(batch.noises[live[g]]).keys(1, depth)[0] for g in group]
+                rows = [first_row[live[g]] + depth for g in group]
+                for g, token in zip(group, _perturbed_rows(batch.target_logits, rows, sampling, keys)):
                     tokens[g] = token
-            for i, token in zip(group, tokens):
-                if depth < batch.num_drafts[i] and drafts[first_draft[i] + depth] == token:
-                    reached.append(i)
-                else:
-                    walks[i] = Walk.chain(depth, token)
+        reached = []
+        for i, token in zip(live, tokens):
+            if depth < batch.num_drafts[i] and drafts[first_draft[i] + depth] == token:
+                reached.append(i)
+            else:
+                walks[i] = Walk.chain(depth, token)
         live = reached
         depth += 1
     return walks
-
-
-def _by_sampling(indices: list[int], samplings: list[SamplingConfig]) -> dict[SamplingConfig, list[int]]:
-    if len(indices) == 1:  # one sequence left (every depth of a lone one)
-        return {samplings[indices[0]]: indices}
-    groups: dict[SamplingConfig, list[int]] = {}
-    for i in indices:
-        groups.setdefault(samplings[i], []).append(i)
-    return groups
 
 
 def _perturbed_rows(logits: torch.Tensor, rows: list[int], sampling: SamplingConfig, keys: list[int]) -> list[int]:
