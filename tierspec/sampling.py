@@ -85,21 +85,194 @@ def sampling_logits(logits: torch.Tensor, config: SamplingConfig) -> torch.Tenso
     logits = logits.float()
     if config.greedy:
         raise SamplingError("greedy decoding (temperature 0) samples from no distribution; see reported_logprobs")
+    allowed = allowed_tokens(logits.reshape(-1, logits.shape[-1]), config) if filters(config, logits.shape[-1]) else None
     if config.temperature != 1.0:  # x / 1 is x, bit for bit: no copy to make
         logits = logits / config.temperature
-    if config.top_k and config.top_k < logits.shape[-1]:
-        kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if config.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
-        sorted_probs = sorted_logits.softmax(-1)
-        # Drop a token when the mass *before* it already reaches top_p; the most likely
-        # token always survives.
-        mass_before = sorted_probs.cumsum(-1) - sorted_probs
-        drop_sorted = mass_before >= config.top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        logits = logits.masked_fill(drop, float("-inf"))
-    return logits
+    if allowed is None:
+        return logits
+    rows = logits.reshape(-1, logits.shape[-1])
+    kept = torch.full_like(rows, float("-inf"))
+    for row, ids in enumerate(allowed):
+        kept[row, ids] = rows[row, ids]
+    return kept.reshape(logits.shape)
+
+
+def filters(config: SamplingConfig, vocab_size: int) -> bool:
+    """Whether ``config``'s top-k or top-p can drop tokens of a ``vocab_size`` vocabulary."""
+    return bool(config.top_k and config.top_k < vocab_size) or config.top_p < 1.0
+
+
+def allowed_tokens(rows: torch.Tensor, config: SamplingConfig) -> list[torch.Tensor]:
+    """For each row of ``rows`` [r, V] (float32 logits, before the temperature), the ids (int64,
+    ascending) of the tokens that top-k and then top-p keep of the logits at the temperature, none
+    whose logit is −inf — every id of a row whose probabilities are NaN (whoever draws from it
+    refuses it). Top-k keeps every token not below the k-th largest logit (equal ones included, a
+    NaN too). Top-p keeps the nucleus (``nucleus_ids``) of the row, or of the tokens top-k kept:
+    their softmax among themselves (in id order), largest logit first (equal ones by id), a token
+    dropped once the mass before it reaches top_p.
+
+    With top-k the row is not divided by the temperature: the division keeps the order of any two
+    logits or makes them equal, so the k + 1 largest, divided, say whether the k-th has an equal
+    (then the whole row is divided and read); only the survivors are divided after that."""
+    vocab, temperature = rows.shape[-1], config.temperature
+    if not (config.top_k and config.top_k < vocab):
+        if config.top_p >= 1.0:
+            return [torch.nonzero(row > float("-inf")).flatten() for row in rows]
+        return nucleus_ids(rows if temperature == 1.0 else rows / temperature, config.top_p)
+    k = config.top_k
+    values, ids = torch.topk(rows, k + 1, dim=-1)  # one more: whether an equal logit follows the k-th
+    if temperature != 1.0:
+        values = values / temperature
+    kept = []
+    for row, value, top in zip(rows, values, ids):
+        if value[k] < value[k - 1] and value[k - 1] > float("-inf"):
+            survivors = top[:k].sort().values
+        else:  # NaN kept (as a mask of ``row < k-th`` keeps it), −inf not
+            scaled = row if temperature == 1.0 else row / temperature
+            survivors = torch.nonzero(~(scaled < value[k - 1]) & (scaled != float("-inf"))).flatten()
+        if config.top_p < 1.0:
+            survivors = _top_k_nucleus(row[survivors] if temperature == 1.0 else row[survivors] / temperature,
+                                       survivors, vocab, config.top_p)
+        kept.append(survivors)
+    return kept
+
+
+def _top_k_nucleus(logits: torch.Tensor, survivors: torch.Tensor, vocab: int, top_p: float) -> torch.Tensor:
+    """The nucleus of the top-k ``survivors`` (ids ascending, ``logits`` theirs at the temperature)
+    of a ``vocab``-token row: their softmax among themselves, summed largest logit first (equal
+    ones by id: a stable sort of the id order)."""
+    probs = logits.softmax(-1)
+    if bool(probs.isnan().any()):
+        return torch.arange(vocab)
+    order = torch.sort(logits, descending=True, stable=True).indices
+    mass = probs[order]
+    kept = int((~(mass.cumsum(0) - mass >= top_p)).sum())
+    return survivors[order[:kept]].sort().values
+
+
+def keyed_allowed_tokens(rows: torch.Tensor, config: SamplingConfig, keys: list[int],
+                         which: list[int] | None = None) -> list[int]:
+    """``keyed_tokens`` of ``sampling_logits(rows, config)`` (``which``: only those rows of ``rows``
+    [r, V], in that order), bit for bit, with the noise drawn at the allowed tokens only
+    (``gumbel_values``): the first of the equal maxima of their logit plus noise, in id order, is
+    the whole row's first (every other token is −inf there). A row that keeps every token (its
+    probabilities NaN) or none (every logit −inf: its first) is drawn whole, and a NaN refused as
+    ``keyed_tokens`` refuses it."""
+    which = range(rows.shape[0]) if which is None else which
+    if len(keys) != len(which):
+        raise NoiseError(f"{len(which)} rows of scores need {len(which)} keys, got {len(keys)}")
+    vocab = rows.shape[-1]
+    tokens = []
+    for index, key in zip(which, keys):
+        row = rows[index]
+        (ids,) = allowed_tokens(row[None], config)
+        if len(ids) in (0, vocab):  # every token (NaN probabilities) or none: the whole row
+            if bool(row.isnan().any()):
+                raise NoiseError(f"row {index} of the scores to sample from holds a NaN")
+            tokens += keyed_tokens(row[None] if config.temperature == 1.0 else row[None] / config.temperature, [key])
+            continue
+        logits = row.numpy()[ids.numpy()]  # a few numbers: numpy's calls cost less than torch's
+        if config.temperature != 1.0:
+            logits = logits / np.float32(config.temperature)
+        scores = logits + gumbel_values(key, ids, vocab).numpy()
+        if bool(np.isnan(scores).any()):
+            raise NoiseError(f"row {index} of the scores to sample from holds a NaN")
+        tokens.append(int(ids[int(np.argmax(scores))]))  # the first maximum, in id order
+    return tokens
+
+
+#: The likeliest tokens a row's nucleus is first looked for among (``nucleus``).
+NUCLEUS_CANDIDATES = 64
+#: A wider nucleus is looked for among the tokens of the logit bins, ``NUCLEUS_BIN_WIDTH`` nats
+#: each below the row's largest, that hold ``top_p`` and ``NUCLEUS_MARGIN`` more of its mass (the
+#: margin spares a second look where the sums' rounding differs; the last bin gathers what lies
+#: further down).
+NUCLEUS_BIN_WIDTH = 0.05
+NUCLEUS_BINS = 800
+NUCLEUS_MARGIN = 1e-3
+
+
+def nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """``logits`` [..., V] (float32) with −inf outside each row's nucleus (``nucleus_ids``); a row
+    whose probabilities are NaN as it is."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    kept = torch.full_like(rows, float("-inf"))
+    for row, ids in enumerate(nucleus_ids(rows, top_p)):
+        kept[row, ids] = rows[row, ids]
+    return kept.reshape(logits.shape)
+
+
+def nucleus_ids(rows: torch.Tensor, top_p: float) -> list[torch.Tensor]:
+    """Each row's nucleus in ``rows`` [r, V] (float32 logits), as its finite-logit token ids
+    (int64, ascending): in the order of the logits, largest first (equal ones by token id), a token
+    is dropped when the probability mass before it (the row's softmax, summed in that order) already
+    reaches ``top_p``; the likeliest token always stays. Every id of a row whose probabilities are
+    NaN (whoever draws from it refuses it).
+
+    Found without sorting the vocabulary. The mass before a token only grows along the order, so
+    the nucleus is its first tokens, and any first tokens of it (the candidates) whose last one is
+    dropped hold the whole nucleus: the sums over them are the sums over the whole sorted row
+    (a running sum; equal logits have equal probabilities, so which of them a selection picked
+    changes no sum). The candidates are first the row's ``NUCLEUS_CANDIDATES`` largest
+    (``torch.topk``), then every token above a bound read from the mass by logit bins
+    (``NUCLEUS_BIN_WIDTH``), then the whole row. At top-p 0.95 the default model's nucleus held
+    52 tokens at the median, over 512 in one row of six and up to 5,294 (MT-Bench, temperature 1);
+    a sort of its 49,152 logits took 3.1 ms on the Intel Xeon, the top 64 0.1 ms, the binned look
+    at 5,000 tokens about 0.5 (sampling at top-p 0.95 ran 130 tokens a second, 318 without)."""
+    vocab = rows.shape[-1]
+    probs = rows.softmax(-1)
+    count = min(NUCLEUS_CANDIDATES, vocab)
+    values, ids = torch.topk(rows, count, dim=-1)  # largest first, every row at once
+    mass = probs.gather(-1, ids)
+    mass_before = mass.cumsum(-1) - mass
+    kept = (~(mass_before >= top_p)).sum(-1)  # a prefix of the candidates; NaN mass keeps everything
+    nan = mass_before[:, -1].isnan()
+    closed = (kept < count) | (values[:, -1] == float("-inf"))
+    nuclei = []
+    for row in range(rows.shape[0]):
+        if nan[row]:
+            nuclei.append(torch.arange(vocab))
+        elif closed[row] or count == vocab:
+            nuclei.append(_top_ids(rows[row], values[row], ids[row], int(kept[row])))
+        else:
+            nuclei.append(_binned_ids(rows[row], probs[row], top_p))
+    return nuclei
+
+
+def _top_ids(row: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, kept: int) -> torch.Tensor:
+    """The first ``kept`` tokens of ``row`` [V] in the nucleus order, from its largest ``values``
+    (in order) and their ``ids``: finite ones, ascending."""
+    bound = values[kept - 1]
+    above, equal = int((values > bound).sum()), int((values == bound).sum())
+    if above + equal == kept and (values[-1] != bound or len(values) == len(row)):
+        chosen = ids[:kept]  # every token equal to the bound is a candidate and kept
+    else:  # equal logits at the bound: the first of them by id, as many as the nucleus holds
+        tied = torch.nonzero(row == bound).flatten()
+        chosen = torch.cat([ids[values > bound], tied[: kept - above]])
+    chosen = chosen[row[chosen] > float("-inf")]
+    return chosen.sort().values
+
+
+def _binned_ids(row: torch.Tensor, probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """A wide nucleus of ``row`` [V] (finite ids, ascending): the candidates are the tokens of the
+    top logit bins holding ``top_p`` + ``NUCLEUS_MARGIN`` of the mass (the whole row if they are not
+    enough), in id order, sorted stably (equal logits by id)."""
+    top = float(row.max())
+    bins = ((top - row) / NUCLEUS_BIN_WIDTH).clamp_(max=NUCLEUS_BINS - 1).to(torch.int64)
+    reach = torch.bincount(bins, weights=probs, minlength=NUCLEUS_BINS).cumsum(0)
+    enough = int(torch.searchsorted(reach, top_p + NUCLEUS_MARGIN))
+    bound = top - (enough + 1) * NUCLEUS_BIN_WIDTH if enough < NUCLEUS_BINS - 1 else float("-inf")
+    while True:
+        candidates = torch.nonzero(row > bound).flatten() if bound > float("-inf") else torch.arange(len(row))
+        values, order = torch.sort(row[candidates], descending=True, stable=True)
+        mass = probs[candidates[order]]
+        kept = int((~(mass.cumsum(0) - mass >= top_p)).sum())
+        if kept < len(candidates) or bound == float("-inf"):
+            break
+        bound = float("-inf")  # the bins' sums fell short of the running sum's: the whole row
+    chosen = candidates[order[:kept]]
+    chosen = chosen[row[chosen] > float("-inf")]
+    return chosen.sort().values
 
 
 def reported_logprobs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:

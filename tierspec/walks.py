@@ -46,9 +46,9 @@ import torch
 
 from .errors import TierspecError
 from .proposal import Proposal, Walk
-from .sampling import (ACCEPT, NOT_DRAWN, RESIDUAL, BlockNoise, NoiseError, SamplingConfig, first_maxima, keyed_argmax,
-                       keyed_tokens, logits_to_probs, one_hot, one_hot_rows, residual_distribution, row_argmax,
-                       sampling_logits, temperature_one_probs)
+from .sampling import (ACCEPT, NOT_DRAWN, RESIDUAL, BlockNoise, NoiseError, SamplingConfig, filters, first_maxima,
+                       keyed_allowed_tokens, keyed_argmax, keyed_tokens, logits_to_probs, one_hot, one_hot_rows,
+                       residual_distribution, row_argmax, sampling_logits, temperature_one_probs)
 from .tree import ROOT, TokenTree, TreeError
 
 #: A distribution [V] to draw from, or a token id when the draw is deterministic (greedy).
@@ -199,7 +199,10 @@ def perturbed_target_tokens(target_logits: torch.Tensor, sampling: SamplingConfi
     ℓ = ``sampling_logits`` (the temperature, top-k and top-p applied: log q up to a constant per
     row, which no argmax sees, so no softmax is taken), g_r the token noise of ``keys[r]``. Every
     path that decides a target's sampled token takes it here (the plain loop, chains, batches,
-    trees), so they agree bit for bit."""
+    trees), so they agree bit for bit. With top-k or top-p the noise is drawn at the allowed tokens
+    only (``sampling.keyed_allowed_tokens``: the same tokens)."""
+    if filters(sampling, target_logits.shape[-1]):
+        return np.asarray(keyed_allowed_tokens(target_logits.float(), sampling, keys), dtype=np.int64)
     return keyed_argmax(sampling_logits(target_logits, sampling), keys)
 
 
@@ -323,7 +326,9 @@ def _perturbed_rows(logits: torch.Tensor, rows: list[int], sampling: SamplingCon
     """``perturbed_target_tokens`` of ``rows`` of ``logits`` [r, V] only: read where they lie at
     temperature 1 without top-k or top-p (the logits are the sampling logits), else gathered first
     (the temperature, top-k and top-p then transform those rows only)."""
-    if sampling.temperature == 1.0 and not sampling.top_k and sampling.top_p >= 1.0 and logits.dtype == torch.float32:
+    if logits.dtype == torch.float32 and filters(sampling, logits.shape[-1]):
+        return keyed_allowed_tokens(logits, sampling, keys, rows)
+    if sampling.temperature == 1.0 and logits.dtype == torch.float32:
         return keyed_tokens(logits, keys, rows=rows)
     return perturbed_target_tokens(logits.index_select(0, torch.tensor(rows, dtype=torch.long)), sampling, keys).tolist()
 

@@ -42,6 +42,147 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
 
 
+def _nucleus_reference(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The nucleus by a whole sort: logits largest first (equal ones by id: a stable sort), the
+    softmax's mass summed in that order, a token dropped once the mass before it reaches top_p."""
+    order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
+    probs = logits.softmax(-1).gather(-1, order)
+    mass_before = probs.cumsum(-1) - probs
+    drop = torch.zeros_like(mass_before, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def _nucleus_rows(seed: int) -> list[torch.Tensor]:
+    """Rows of each kind ``nucleus`` meets: peaked and flat, a wide vocabulary, many equal logits,
+    −inf (a top-k before it)."""
+    generator = torch.Generator().manual_seed(seed)
+    rows = []
+    for vocab, scale in [(7, 1.0), (100, 4.0), (1000, 0.3), (49152, 3.0), (49152, 12.0)]:
+        row = torch.randn(2, vocab, generator=generator) * scale
+        rows += [row, (row * 2).round() / 2]  # the second with many equal logits
+        cut = row.clone()
+        cut[:, : vocab // 2] = float("-inf")
+        rows.append(cut)
+    return rows
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.95, 0.999, 0.9999999])
+def test_the_nucleus_is_the_whole_sorts_bit_for_bit(top_p):
+    """Every row, whichever way its nucleus is found (the top candidates, the logit bins, the
+    whole row), equals the sorted reference exactly, equal logits at the bound included."""
+    from tierspec.sampling import nucleus
+
+    for rows in _nucleus_rows(seed=int(top_p * 1e7)):
+        assert torch.equal(nucleus(rows, top_p), _nucleus_reference(rows, top_p))
+    batch = torch.randn(2, 3, 500, generator=torch.Generator().manual_seed(1))
+    assert torch.equal(nucleus(batch, top_p), _nucleus_reference(batch, top_p))  # leading dimensions kept
+
+
+def test_the_nucleus_keeps_the_first_equal_logits_by_id_at_its_bound(monkeypatch):
+    """Four equal logits straddle the bound: the nucleus holds two of them, the first two by id,
+    whether the candidates saw all four, some, or the bins found them."""
+    from tierspec import sampling
+
+    row = torch.full((1, 300), -20.0)
+    row[0, [250, 10, 120, 37]] = 0.0  # four equal likeliest tokens, ~0.25 of the mass each
+    expected = torch.full((1, 300), float("-inf"))
+    expected[0, [10, 37]] = 0.0
+    for candidates in (64, 2, 3):  # all four in sight; two of them; three
+        monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", candidates)
+        assert torch.equal(sampling.nucleus(row, 0.4), expected)
+        assert torch.equal(sampling.nucleus(row, 0.4), _nucleus_reference(row, 0.4))
+
+
+def test_each_way_of_finding_the_nucleus_is_taken(monkeypatch):
+    """The planted rows reach each way: a narrow nucleus within the top candidates; a wide one
+    among the bins' tokens; over the whole row where the bins hold less than top_p and the margin,
+    and where they claimed enough but the running sum kept every candidate (a margin below
+    nothing); a row of NaN is left as it is."""
+    from tierspec import sampling
+
+    generator = torch.Generator().manual_seed(2)
+    flat, peaked, wide = torch.randn(1, 49152, generator=generator), torch.randn(1, 49152, generator=generator) * 40, \
+        torch.randn(1, 49152, generator=generator) * 4
+    cases = [(peaked, 0.9, None, "_top_ids", []), (wide, 0.9, None, "_binned_ids", "part"),
+             (flat, 1 - 2 ** -24, None, "_binned_ids", [49152]), (wide, 0.9, -0.5, "_binned_ids", "part, then all")]
+    real_sort = torch.sort
+    for rows, top_p, margin, way, sorts in cases:
+        taken, sorted_lengths = [], []
+        with monkeypatch.context() as patch:
+            for name in ("_top_ids", "_binned_ids"):
+                real = getattr(sampling, name)
+                patch.setattr(sampling, name, lambda *args, real=real, name=name: (taken.append(name), real(*args))[1])
+            patch.setattr(torch, "sort", lambda x, *a, **k: (sorted_lengths.append(len(x)), real_sort(x, *a, **k))[1])
+            if margin is not None:
+                patch.setattr(sampling, "NUCLEUS_MARGIN", margin)
+            got = sampling.nucleus(rows, top_p)
+        assert torch.equal(got, _nucleus_reference(rows, top_p)) and taken == [way]
+        if sorts == "part":
+            assert len(sorted_lengths) == 1 and 64 < sorted_lengths[0] < 49152 / 4
+        elif sorts == "part, then all":
+            assert len(sorted_lengths) == 2 and sorted_lengths[0] < 49152 / 4 and sorted_lengths[1] == 49152
+        else:
+            assert sorted_lengths == sorts
+    assert sampling.nucleus(torch.full((1, 10), float("nan")), 0.5).isnan().all()
+
+
+def _top_k_reference(rows: torch.Tensor, k: int, top_p: float = 1.0) -> torch.Tensor:
+    """Top-k as a mask below the k-th largest logit; then, with top_p, the nucleus of the tokens it
+    kept: their softmax among themselves (in id order), largest first (equal ones by id)."""
+    kth = torch.topk(rows, k, dim=-1).values[..., -1:]
+    kept = rows.masked_fill(rows < kth, float("-inf"))
+    if top_p >= 1.0:
+        return kept
+    out = torch.full_like(rows, float("-inf"))
+    for row, source in zip(out, kept):
+        survivors = torch.nonzero(source > float("-inf")).flatten()
+        probs = source[survivors].softmax(-1)
+        order = torch.sort(source[survivors], descending=True, stable=True).indices
+        mass = probs[order]
+        chosen = survivors[order[~(mass.cumsum(0) - mass >= top_p)]]
+        row[chosen] = source[chosen]
+    return out
+
+
+@pytest.mark.parametrize("top_k, top_p", [(40, 1.0), (1, 1.0), (40, 0.9), (1, 0.5), (3, 0.9999999), (500, 0.95)])
+def test_top_k_and_its_nucleus_are_the_plain_references_bit_for_bit(top_k, top_p):
+    """Top-k alone keeps every token not below the k-th logit (equal ones included); top-k then
+    top-p keeps the nucleus of what top-k kept — for rows of every kind, equal logits at the k-th
+    and at the nucleus's bound included."""
+    from tierspec.sampling import sampling_logits
+
+    for rows in _nucleus_rows(seed=top_k):
+        if rows.shape[-1] <= top_k:
+            continue
+        got = sampling_logits(rows, SamplingConfig(1.0, top_k=top_k, top_p=top_p))
+        assert torch.equal(got, _top_k_reference(rows, top_k, top_p))
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(1.0, top_k=40), SamplingConfig(0.7, top_k=1), SamplingConfig(1.0, top_p=0.95),
+                                    SamplingConfig(1.3, top_p=0.5), SamplingConfig(0.7, top_k=40, top_p=0.9),
+                                    SamplingConfig(1.0, top_k=3, top_p=0.9999999)])
+def test_a_draw_among_the_allowed_tokens_is_the_filtered_rows_draw(config):
+    """The keyed draw from the allowed tokens' noise alone is, bit for bit, the keyed draw of the
+    whole filtered row (``sampling_logits``: −inf outside top-k and top-p), rows picked or not; a
+    NaN row is refused as the whole row's draw refuses it."""
+    from tierspec.sampling import NoiseError, keyed_allowed_tokens, keyed_tokens, sampling_logits
+
+    noise = Noise(7, 49152)
+    for rows in _nucleus_rows(seed=3)[-6:] + [torch.randn(5, 49152, generator=torch.Generator().manual_seed(4)) * 2]:
+        if rows.shape[-1] != 49152:
+            continue
+        keys = [noise.key(position) for position in range(len(rows))]
+        expected = keyed_tokens(sampling_logits(rows, config), keys)
+        assert keyed_allowed_tokens(rows, config, keys) == expected
+        which = list(range(len(rows)))[::-1]
+        assert keyed_allowed_tokens(rows, config, keys[::-1], which) == keyed_tokens(sampling_logits(rows, config),
+                                                                                   keys[::-1], rows=which)
+    poisoned = torch.randn(1, 49152)
+    poisoned[0, 5] = float("nan")
+    with pytest.raises(NoiseError, match="NaN"):
+        keyed_allowed_tokens(poisoned, config, [noise.key(0)])
+
+
 def test_residual_is_normalised_positive_part():
     q = torch.tensor([0.5, 0.3, 0.2])
     p = torch.tensor([0.2, 0.6, 0.2])
