@@ -4,6 +4,9 @@ steps, by method and temperature, optionally beside another checkout's in the sa
     python benchmarks/loop_time.py [--methods ar,hybrid] [--temperatures 0,1] [--prompts 4] [--tokens 128]
                                    [--repeats 2] [--before /tmp/loop_base] [--out results/loop_time/loop_time.json]
 
+A temperature may carry the sampling filters users set, as ``T/kK/pP`` (``1/p0.95``: top-p 0.95;
+``0.7/k40/p0.9``: top-k 40 then top-p 0.9): the loop then also finds each row's allowed tokens.
+
 Per method and temperature (seed 0), ``--prompts`` Spec-Bench prompts (one per category in turn)
 run to ``--tokens`` tokens, ``--repeats`` times. Probes (the same in every version) time every
 target pass (the pass backend's ``run`` — preparing the pass's rows is the pass's — and
@@ -97,9 +100,9 @@ class Version:
     def method(self, name: str):
         return self.module("methods").build_method(name, self.target)
 
-    def run(self, method, prompt_ids: torch.Tensor, tokens: int, temperature: float) -> dict:
+    def run(self, method, prompt_ids: torch.Tensor, tokens: int, setting: tuple[float, int, float]) -> dict:
         decode, sampling = self.module("decode"), self.module("sampling")
-        config = decode.DecodeConfig(max_new_tokens=tokens, sampling=sampling.SamplingConfig(temperature),
+        config = decode.DecodeConfig(max_new_tokens=tokens, sampling=sampling.SamplingConfig(*setting),
                                      eos_token_ids=self.module("prompting").eos_ids(self.target))
         self.probe.totals.clear()
         run = decode.DecodeRun(self.target, method, prompt_ids, config, seed=0)
@@ -117,10 +120,24 @@ class Version:
         return row
 
 
+def sampling_setting(spec: str) -> tuple[float, int, float]:
+    """``T``, ``T/kK``, ``T/pP`` or ``T/kK/pP`` as (temperature, top_k, top_p)."""
+    temperature, top_k, top_p = float(spec.split("/")[0]), 0, 1.0
+    for part in spec.split("/")[1:]:
+        if part.startswith("k"):
+            top_k = int(part[1:])
+        elif part.startswith("p"):
+            top_p = float(part[1:])
+        else:
+            raise SystemExit(f"a sampling setting is T, T/kK, T/pP or T/kK/pP, not {spec!r}")
+    return temperature, top_k, top_p
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", default="ar,hybrid")
-    parser.add_argument("--temperatures", default="0,1")
+    parser.add_argument("--temperatures", default="0,1", help="temperatures, each optionally with top-k and "
+                        "top-p: T/kK/pP (module docstring)")
     parser.add_argument("--prompts", type=int, default=4, help="Spec-Bench prompts, one per category in turn")
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=2)
@@ -145,12 +162,13 @@ def main() -> None:
     data = after.module("data")
     prompts = data.select(data.load_prompts("spec_bench"), per_category=1, seed=0)[: args.prompts]
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
-    temperatures = [float(t) for t in args.temperatures.split(",")]
+    temperatures = [t.strip() for t in args.temperatures.split(",") if t.strip()]
+    settings = {t: sampling_setting(t) for t in temperatures}
     built = {(v.label, name): v.method(name) for v in versions for name in names}
     ids = {v.label: [v.module("prompting").encode_prompt(v.target, p.text) for p in prompts] for v in versions}
     for v in versions:  # warm-up: the first generation of a process pays one-off costs
         for name in names:
-            v.run(built[(v.label, name)], ids[v.label][0], 8, 0.0)
+            v.run(built[(v.label, name)], ids[v.label][0], 8, (0.0, 0, 1.0))
     runs = defaultdict(list)
     for repeat in range(args.repeats):
         for index in range(len(prompts)):
@@ -158,12 +176,12 @@ def main() -> None:
                 for name in names:
                     outputs = {}
                     for v in (versions if (index + repeat) % 2 == 0 else versions[::-1]):
-                        row = v.run(built[(v.label, name)], ids[v.label][index], args.tokens, temperature)
+                        row = v.run(built[(v.label, name)], ids[v.label][index], args.tokens, settings[temperature])
                         outputs[v.label] = row.pop("ids")
                         runs[(name, temperature, v.label)].append(row)
-                    differ_by_design = args.sampled_texts_differ and temperature > 0
+                    differ_by_design = args.sampled_texts_differ and settings[temperature][0] > 0
                     if len({tuple(out) for out in outputs.values()}) != 1 and not differ_by_design:
-                        raise SystemExit(f"{name} at temperature {temperature:g}, prompt {index}: the versions "
+                        raise SystemExit(f"{name} at temperature {temperature}, prompt {index}: the versions "
                                          "emitted different tokens")
     result = {"command": " ".join(sys.argv), "dtype": args.dtype, "tokens": args.tokens, "prompts": [p.id for p in prompts],
               "repeats": args.repeats, "threads": args.threads, "rows": []}
@@ -182,7 +200,7 @@ def main() -> None:
         def cell(key: str) -> str:
             return f"{row[key]:.3f}" if key in row else "–"
 
-        lines.append(f"| `{row['method']}` | {row['temperature']:g} | {row['version']} | {cell('loop')} | "
+        lines.append(f"| `{row['method']}` | {row['temperature']} | {row['version']} | {cell('loop')} | "
                      f"{cell('loop_per_token')} | {cell('draft (less the head)')} | {cell('verify')} | "
                      f"{cell('commit')} | {cell('pass')} | {cell('head')} | {row['tokens_per_cycle']} |")
     result["table"] = "\n".join(lines)
