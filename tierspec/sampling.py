@@ -181,7 +181,7 @@ def keyed_allowed_tokens(rows: torch.Tensor, config: SamplingConfig, keys: list[
     return tokens
 
 
-#: The likeliest tokens a row's nucleus is first looked for among (``nucleus``).
+#: The likeliest tokens a row's nucleus is first looked for among (``nucleus_ids``).
 NUCLEUS_CANDIDATES = 64
 #: A wider nucleus is looked for among the tokens of the logit bins, ``NUCLEUS_BIN_WIDTH`` nats
 #: each below the row's largest, that hold ``top_p`` and ``NUCLEUS_MARGIN`` more of its mass (the
