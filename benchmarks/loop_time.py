@@ -2,7 +2,8 @@
 steps, by method and temperature, optionally beside another checkout's in the same process.
 
     python benchmarks/loop_time.py [--methods ar,hybrid] [--temperatures 0,1] [--prompts 4] [--tokens 128]
-                                   [--repeats 2] [--before /tmp/loop_base] [--out results/loop_time/loop_time.json]
+                                   [--repeats 2] [--model smollm2-135m] [--before /tmp/loop_base]
+                                   [--out results/loop_time/loop_time.json]
 
 A temperature may carry the sampling filters users set, as ``T/kK/pP`` (``1/p0.95``: top-p 0.95;
 ``0.7/k40/p0.9``: top-k 40 then top-p 0.9): the loop then also finds each row's allowed tokens.
@@ -80,10 +81,10 @@ class Probe:
 class Version:
     """One version of tierspec: its model, its probes, its methods."""
 
-    def __init__(self, label: str, package, dtype: str = "auto"):
+    def __init__(self, label: str, package, dtype: str = "auto", model: str = "smollm2-135m"):
         self.label, self.package = label, package
         self.module = lambda name: importlib.import_module(f"{package.__name__}.{name}")
-        self.target = package.load_model("smollm2-135m", dtype=dtype)
+        self.target = package.load_model(model, dtype=dtype)
         self.probe = Probe()
         self.probe.wrap(self.module("cached_model").CachedModel, "forward", "pass")
         # the pass backend's run, whatever it calls: a lone request runs as a batched pass of one since 2026-12-05
@@ -144,6 +145,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="auto", help="the model's numerics, as the CLI's --dtype (auto: what "
                         "`tierspec generate` runs: int8 rows on an x86 CPU with int8 dot products)")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="the engine's threads")
+    parser.add_argument("--model", default="smollm2-135m", help="a known model's name (docs/models.md)")
     parser.add_argument("--before", type=Path, help="a folder holding another checkout's tierspec package")
     parser.add_argument("--sampled-texts-differ", action="store_true",
                         help="--before draws other noise (a checkout before the keyed-noise kernels): its sampled "
@@ -155,10 +157,10 @@ def main() -> None:
     import tierspec
     from tierspec.util import atomic_write_text
 
-    after = Version("this", tierspec, args.dtype)
+    after = Version("this", tierspec, args.dtype, args.model)
     versions = [after]
     if args.before is not None:  # both read the pass-cost table cached under one key: the same drafts
-        versions.insert(0, Version("before", import_before(args.before), args.dtype))
+        versions.insert(0, Version("before", import_before(args.before), args.dtype, args.model))
     data = after.module("data")
     prompts = data.select(data.load_prompts("spec_bench"), per_category=1, seed=0)[: args.prompts]
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
@@ -183,7 +185,7 @@ def main() -> None:
                     if len({tuple(out) for out in outputs.values()}) != 1 and not differ_by_design:
                         raise SystemExit(f"{name} at temperature {temperature}, prompt {index}: the versions "
                                          "emitted different tokens")
-    result = {"command": " ".join(sys.argv), "dtype": args.dtype, "tokens": args.tokens, "prompts": [p.id for p in prompts],
+    result = {"command": " ".join(sys.argv), "model": args.model, "dtype": args.dtype, "tokens": args.tokens, "prompts": [p.id for p in prompts],
               "repeats": args.repeats, "threads": args.threads, "rows": []}
     for (name, temperature, label), rows in runs.items():
         keys = [k for k in rows[0] if k not in ("cycles", "tokens")]

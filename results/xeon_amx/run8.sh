@@ -25,4 +25,7 @@ step batch_cycle_stop62_t1 python benchmarks/batch_cycle.py --sizes 1,8 --method
     --out $out/batch_cycle_stop62_t1.json
 step serve_load_stop62 python benchmarks/serve_load.py --concurrency 1,8 --requests-per-client 3 --max-tokens 128 \
     --out $out/serve_load_stop62.json
+# After the review: the same beside 16347a9 on the second known model (Gemma 3 270M, Q4_K_M: 262,144 tokens a row)
+step loop_time_filters_gemma python benchmarks/loop_time.py --model gemma3-270m --methods ar --temperatures 1,1/p0.95,0.7/k40/p0.9 \
+    --prompts 2 --tokens 64 --repeats 2 --before $before --sampled-texts-differ --out $out/loop_time_filters_gemma.json
 echo "all done $(date -u +%FT%TZ)"
