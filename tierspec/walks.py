@@ -323,9 +323,10 @@ def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
 
 
 def _perturbed_rows(logits: torch.Tensor, rows: list[int], sampling: SamplingConfig, keys: list[int]) -> list[int]:
-    """``perturbed_target_tokens`` of ``rows`` of ``logits`` [r, V] only: read where they lie at
-    temperature 1 without top-k or top-p (the logits are the sampling logits), else gathered first
-    (the temperature, top-k and top-p then transform those rows only)."""
+    """``perturbed_target_tokens`` of ``rows`` of ``logits`` [r, V] only, read where they lie: with
+    top-k or top-p from the allowed tokens' noise (``keyed_allowed_tokens``), at temperature 1 without
+    them as they are (the logits are the sampling logits); else (another temperature, other float
+    types) gathered first."""
     if logits.dtype == torch.float32 and filters(sampling, logits.shape[-1]):
         return keyed_allowed_tokens(logits, sampling, keys, rows)
     if sampling.temperature == 1.0 and logits.dtype == torch.float32:

@@ -42,6 +42,13 @@ def test_top_p_keeps_the_smallest_prefix_reaching_p():
     assert probs.tolist() == [0.0, 1.0, 0.0, 0.0]
 
 
+def _nucleus(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The code's nucleus alone: ``sampling_logits`` at temperature 1 with top-p only."""
+    from tierspec.sampling import sampling_logits
+
+    return sampling_logits(logits, SamplingConfig(1.0, top_p=top_p))
+
+
 def _nucleus_reference(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """The nucleus by a whole sort: logits largest first (equal ones by id: a stable sort), the
     softmax's mass summed in that order, a token dropped once the mass before it reaches top_p."""
@@ -70,12 +77,10 @@ def _nucleus_rows(seed: int) -> list[torch.Tensor]:
 def test_the_nucleus_is_the_whole_sorts_bit_for_bit(top_p):
     """Every row, whichever way its nucleus is found (the top candidates, the logit bins, the
     whole row), equals the sorted reference exactly, equal logits at the bound included."""
-    from tierspec.sampling import nucleus
-
     for rows in _nucleus_rows(seed=int(top_p * 1e7)):
-        assert torch.equal(nucleus(rows, top_p), _nucleus_reference(rows, top_p))
+        assert torch.equal(_nucleus(rows, top_p), _nucleus_reference(rows, top_p))
     batch = torch.randn(2, 3, 500, generator=torch.Generator().manual_seed(1))
-    assert torch.equal(nucleus(batch, top_p), _nucleus_reference(batch, top_p))  # leading dimensions kept
+    assert torch.equal(_nucleus(batch, top_p), _nucleus_reference(batch, top_p))  # leading dimensions kept
 
 
 def test_the_nucleus_keeps_the_first_equal_logits_by_id_at_its_bound(monkeypatch):
@@ -89,8 +94,8 @@ def test_the_nucleus_keeps_the_first_equal_logits_by_id_at_its_bound(monkeypatch
     expected[0, [10, 37]] = 0.0
     for candidates in (64, 2, 3):  # all four in sight; two of them; three
         monkeypatch.setattr(sampling, "NUCLEUS_CANDIDATES", candidates)
-        assert torch.equal(sampling.nucleus(row, 0.4), expected)
-        assert torch.equal(sampling.nucleus(row, 0.4), _nucleus_reference(row, 0.4))
+        assert torch.equal(_nucleus(row, 0.4), expected)
+        assert torch.equal(_nucleus(row, 0.4), _nucleus_reference(row, 0.4))
 
 
 def test_each_way_of_finding_the_nucleus_is_taken(monkeypatch):
@@ -115,7 +120,7 @@ def test_each_way_of_finding_the_nucleus_is_taken(monkeypatch):
             patch.setattr(torch, "sort", lambda x, *a, **k: (sorted_lengths.append(len(x)), real_sort(x, *a, **k))[1])
             if margin is not None:
                 patch.setattr(sampling, "NUCLEUS_MARGIN", margin)
-            got = sampling.nucleus(rows, top_p)
+            got = _nucleus(rows, top_p)
         assert torch.equal(got, _nucleus_reference(rows, top_p)) and taken == [way]
         if sorts == "part":
             assert len(sorted_lengths) == 1 and 64 < sorted_lengths[0] < 49152 / 4
@@ -123,7 +128,7 @@ def test_each_way_of_finding_the_nucleus_is_taken(monkeypatch):
             assert len(sorted_lengths) == 2 and sorted_lengths[0] < 49152 / 4 and sorted_lengths[1] == 49152
         else:
             assert sorted_lengths == sorts
-    assert sampling.nucleus(torch.full((1, 10), float("nan")), 0.5).isnan().all()
+    assert _nucleus(torch.full((1, 10), float("nan")), 0.5).isnan().all()
 
 
 def _top_k_reference(rows: torch.Tensor, k: int, top_p: float = 1.0) -> torch.Tensor:
