@@ -802,18 +802,22 @@ def test_the_vector_attention_of_each_head_width_it_covers(tmp_path, path, head_
 @pytest.mark.parametrize("head_dim, heads, kv_heads", [(64, 6, 2), (128, 2, 1), (256, 2, 2)])
 @pytest.mark.parametrize("kv", [torch.float32, torch.float16])
 def test_rows_attending_together_get_what_each_gets_alone(tmp_path, path, head_dim, heads, kv_heads, kv):
-    """A long pass's chain rows attend in blocks (``attend_rows``: a block of keys and values widened
-    to float32 once for all the block's rows and heads, on the AVX2 and AVX-512 paths): every row gets bitwise
-    what it gets in a pass of its own — float32 and float16 caches, groups of 3, 2 and 1 query heads
-    per kv head, rows whose keys end inside a block of 16 and odd and even key counts, a pass that
-    begins after cached tokens, one thread and two."""
+    """A pass's chain rows attend in blocks (``attend_rows``: a block of keys and values widened to
+    float32 once for all the block's rows and heads, on the AVX2 and AVX-512 paths; a one-row pass's
+    row too): every row gets bitwise what the one-row kernel (``attend``, which a masked row takes)
+    gives it in a pass of its own — float32 and float16 caches, groups of 3, 2 and 1 query heads per
+    kv head, rows whose keys end inside a block of 16 and odd and even key counts, a pass that begins
+    after cached tokens, passes of 2-5 rows (split in two blocks for two threads), one thread and two."""
     tiny = write_tiny_gguf(tmp_path, seed=7, layers=2, hidden=heads * head_dim, heads=heads, kv_heads=kv_heads)
     model = load_gguf_llama(tiny.gguf, tiny.folder, dataclasses.replace(numerics_for(torch.float32), kv_dtype=kv))
     prompt = LONG_PROMPT[:90]
+    one_node = {"offsets": torch.zeros(1, dtype=torch.long), "attends": torch.ones(1, 1, dtype=torch.bool)}
     with torch.inference_mode(), kernels(path):
         assert engine.probe()["paths"]["attention_rows"] == ("avx2" if path == "avx2" else "avx512")
         runner = CachedModel(model)
-        alone = torch.cat([runner.forward(prompt[i : i + 1]).logits for i in range(len(prompt))])
+        qe.profile(True)
+        alone = torch.cat([runner.forward(prompt[i : i + 1], **one_node).logits for i in range(len(prompt))])
+        assert qe.profile(False)[4] == 0, "a masked row attended in a block: alone was not the one-row kernel"
         for threads in (1, 2):
             with _threads(threads):
                 runner.rollback(0)
@@ -821,10 +825,16 @@ def test_rows_attending_together_get_what_each_gets_alone(tmp_path, path, head_d
                 whole = runner.forward(prompt).logits  # 64 rows, then 26
                 runner.rollback(13)
                 after = runner.forward(prompt[13:]).logits
+                runner.rollback(40)
+                chain_alone = torch.cat([runner.forward(prompt[i : i + 1]).logits for i in range(40, 46)])
+                runner.rollback(46)
+                few = [runner.forward(prompt[i : i + rows]).logits for i, rows in ((46, 2), (48, 3), (51, 4), (55, 5))]
                 in_blocks = qe.profile(False)[4]
             assert in_blocks > 0, "no row attended in a block: the test compared one-row attention with itself"
             assert torch.equal(whole, alone), threads
             assert torch.equal(after, alone[13:]), threads
+            assert torch.equal(chain_alone, alone[40:46]), threads
+            assert torch.equal(torch.cat(few), alone[46:60]), threads
 
 
 def test_the_cost_tables_key_names_the_numerics_and_the_kernel_path(tiny):

@@ -75,10 +75,10 @@ static void attention_task(void *raw, int chunk) { /* chunk: one (block of rows,
     const attention_task_args *t = (const attention_task_args *)raw;
     const layer_desc *L = t->L;
     int heads = L->heads, D = L->head_dim, groups = heads / t->group, block = chunk / groups;
-    int head0 = chunk % groups * t->group, local = t->blocks[2 * block], rows = t->blocks[2 * block + 1];
+    int head0 = chunk % groups * t->group, local = t->blocks[3 * block], rows = t->blocks[3 * block + 1];
     const segment_desc *sg = &t->p->segments[t->p->segment_of[t->c0 + local]];
     attention_view view = segment_view(L, t->layer, sg);
-    if (rows > 1) {
+    if (t->blocks[3 * block + 2]) { /* chain rows: their keys and values widened once for all of them */
         int j0 = t->c0 + local - sg->row0;
         float *scratch = (float *)scratch_get(&scratch_scores, attend_rows_scratch(rows, t->group, sg->start + j0 + rows, D));
         if (kernels.attend_rows(&view, t->q + (size_t)local * heads * D, t->out + (size_t)local * heads * D, j0, rows,
@@ -88,21 +88,39 @@ static void attention_task(void *raw, int chunk) { /* chunk: one (block of rows,
     for (int r = 0; r < rows; r++) attend_row(t, &view, sg, local + r, head0);
 }
 
-/* The chunk's rows in blocks for attention_task, into ``blocks`` [2 n]: consecutive rows of one
- * segment that see a chain, up to ``most`` together where the path has attend_rows; each other row
- * alone. Returns the number of blocks. */
-static int attention_blocks(const pass_desc *p, const layer_desc *L, int c0, int n, int most, int *blocks) {
+/* The chunk's rows in blocks for attention_task, into ``blocks`` [3 n] (first row in the chunk, rows,
+ * whether they go to attend_rows): consecutive rows of one segment that see a chain, up to
+ * ATTENTION_BLOCK_ROWS together where the path has attend_rows (a single such row too: its group of
+ * query heads then shares each widened block of keys and values, where attend widens them once a
+ * head); each other row alone. Then, while the tasks (a block's kv heads) leave a thread fewer than
+ * two, the largest block is halved: a verify pass of a few rows of one sequence made one block of 3
+ * tasks over 2 threads (one idle a third of the time) — two blocks balance them, and each still
+ * widens the keys once for its rows (a row a task before: every row read the whole cache again).
+ * The results are the same whatever the blocks (attend_rows gives each row what attend gives it).
+ * Returns the number of blocks. */
+static int attention_blocks(const pass_desc *p, const layer_desc *L, int c0, int n, int threads, int *blocks) {
     int count = 0;
     for (int r = 0; r < n;) {
         const segment_desc *sg = &p->segments[p->segment_of[c0 + r]];
-        int rows = 1;
-        if (kernels.attend_rows && most > 1 && sees_a_chain(sg, c0 + r - sg->row0, L->window))
-            while (rows < most && r + rows < n && p->segment_of[c0 + r + rows] == p->segment_of[c0 + r] &&
+        int rows = 1, chain = kernels.attend_rows != NULL && sees_a_chain(sg, c0 + r - sg->row0, L->window);
+        if (chain)
+            while (rows < ATTENTION_BLOCK_ROWS && r + rows < n && p->segment_of[c0 + r + rows] == p->segment_of[c0 + r] &&
                    sees_a_chain(sg, c0 + r + rows - sg->row0, L->window))
                 rows++;
-        blocks[2 * count] = r, blocks[2 * count + 1] = rows;
+        blocks[3 * count] = r, blocks[3 * count + 1] = rows, blocks[3 * count + 2] = chain;
         count++;
         r += rows;
+    }
+    while (count * L->kv_heads < 2 * threads) {
+        int largest = 0;
+        for (int b = 1; b < count; b++)
+            if (blocks[3 * b + 1] > blocks[3 * largest + 1]) largest = b;
+        int rows = blocks[3 * largest + 1], first = (rows + 1) / 2;
+        if (rows < 2) break;
+        blocks[3 * largest + 1] = first;
+        blocks[3 * count] = blocks[3 * largest] + first, blocks[3 * count + 1] = rows - first;
+        blocks[3 * count + 2] = blocks[3 * largest + 2];
+        count++;
     }
     return count;
 }
@@ -189,7 +207,7 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
     int flags = p->flags[layer], nth = p->threads, n = c1 - c0;
     int H = L->hidden, D = L->head_dim, heads = L->heads, kvh = L->kv_heads, I = L->inter;
     int qkv_width = (heads + 2 * kvh) * D;
-    size_t need = (size_t)n * (H + qkv_width + 2 * heads * D + 2 * I + I + 2) * 4 + 7 * 64; /* + the blocks' ints */
+    size_t need = (size_t)n * (H + qkv_width + 2 * heads * D + 2 * I + I + 3) * 4 + 7 * 64; /* + the blocks' ints */
     char *mem = scratch_get(&scratch_main, need);
     float *xn = (float *)mem; /* [n, H]: a unit's normalised input, then (post-norms) its output */
     float *qkv = xn + (size_t)n * H;
@@ -230,14 +248,12 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
          * way (a one-row pass of the default model: 3 tasks of 3 heads over 2 threads instead of 9 of one,
          * each of which read its kv head's cache again) */
         int threads = work < 1024 ? 1 : nth; /* a few microseconds: one thread */
-        /* rows together where that still leaves each thread about four tasks (a few rows' pass keeps
-         * a task a row: more tasks than threads balance better) */
-        int most = n * kvh / (4 * threads), *blocks = (int *)(act + (size_t)n * I); /* act's tail: 2 n ints */
-        int count = attention_blocks(p, L, c0, n, most < ATTENTION_BLOCK_ROWS ? most : ATTENTION_BLOCK_ROWS, blocks);
+        int *blocks = (int *)(act + (size_t)n * I); /* act's tail: 3 n ints */
+        int count = attention_blocks(p, L, c0, n, threads, blocks);
         attention_task_args aa = {p, L, layer, c0, q, att, count * kvh >= threads ? heads / kvh : 1, blocks};
         int64_t attention_started = profiling ? now_ns() : 0;
         if (profiling)
-            for (int b = 0; b < count; b++) profile_ns[4] += blocks[2 * b + 1] > 1 ? blocks[2 * b + 1] : 0;
+            for (int b = 0; b < count; b++) profile_ns[4] += blocks[3 * b + 2] ? blocks[3 * b + 1] : 0;
         run_parallel(attention_task, &aa, count * heads / aa.group, threads);
         if (profiling) profile_ns[2] += now_ns() - attention_started;
         add_unit_output(L, L->o, att, n, L->attention_out_norm, xn, h, nth);
