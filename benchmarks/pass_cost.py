@@ -6,7 +6,8 @@ llama.cpp's pass on the same GGUF file.
 
 Each configuration is ``dtype:kernels`` (see ``tierspec.load_model``; ``auto:auto`` is the
 default load: the file's own blocks on the pass engine). For every configuration the model is
-loaded once, a 256-token context is cached, and passes of k = 1, 2, 4, 8, 16 new tokens are timed
+loaded once (its few-row products on the threads a generation settles for it here,
+``costs.few_row_threads``), a 256-token context is cached, and passes of k = 1, 2, 4, 8, 16 new tokens are timed
 (logits for every new token, as a verification pass needs them), the cache rolled back after each.
 Configurations are interleaved round by round so that a busy spell of a shared machine hits all
 of them alike; the table gives medians over rounds.
@@ -38,6 +39,7 @@ import torch
 
 from tierspec.cached_model import CachedModel
 from tierspec.models import load_model
+from tierspec.costs import few_row_threads
 from tierspec.engine import threads_for
 
 WIDTHS = (1, 2, 4, 8, 16)
@@ -177,6 +179,7 @@ def main() -> None:
     runners = {}
     for dtype, kernels in configs:
         loaded = load_model("smollm2-135m", dtype=dtype, kernels=kernels)
+        few_row_threads(loaded)  # the threads a generation's few-row products run on, as the decode loop settles them
         runner = CachedModel(loaded.model)
         with torch.inference_mode():
             runner.forward(torch.arange(args.context) % runner.vocab_size, logits_for=1)
