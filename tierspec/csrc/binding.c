@@ -825,11 +825,11 @@ static PyObject *py_block_types(PyObject *self, PyObject *unused) {
 }
 
 /* profile(on) -> (stack seconds, matrix seconds, attention seconds, layer runs, rows handed to attend_rows
- * in blocks) since the last call */
+ * in blocks, attention tasks) since the last call */
 static PyObject *py_profile(PyObject *self, PyObject *arg) {
     (void)self;
-    PyObject *out = Py_BuildValue("(dddLL)", profile_ns[0] * 1e-9, profile_ns[1] * 1e-9, profile_ns[2] * 1e-9,
-                                  (long long)profile_ns[3], (long long)profile_ns[4]);
+    PyObject *out = Py_BuildValue("(dddLLL)", profile_ns[0] * 1e-9, profile_ns[1] * 1e-9, profile_ns[2] * 1e-9,
+                                  (long long)profile_ns[3], (long long)profile_ns[4], (long long)profile_ns[5]);
     memset(profile_ns, 0, sizeof profile_ns);
     profiling = PyObject_IsTrue(arg);
     return out;
@@ -864,7 +864,7 @@ static PyMethodDef methods[] = {
      "Tests: the AMX kernels over emulated tile instructions, until the next select_isa."},
     {"probe", py_probe, METH_NOARGS, "The CPU's features, the AMX probe's result and each kernel's path."},
     {"block_types", py_block_types, METH_NOARGS, "The natively computed ggml types: {id: (name, values, bytes)}."},
-    {"profile", py_profile, METH_O, "Time spent in stack calls, their products and attention, and rows attended in blocks (and switch it on/off)."},
+    {"profile", py_profile, METH_O, "Time spent in stack calls, their products and attention, layer runs, rows attended in blocks and attention tasks (and switch it on/off)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -433,7 +433,8 @@ typedef struct {
 void *scratch_get(scratch_t *s, size_t bytes);
 
 extern int profiling;
-extern int64_t profile_ns[5]; /* whole stack calls, matrix products, attention, layer runs, rows attended in blocks */
+extern int64_t profile_ns[6]; /* whole stack calls, matrix products, attention, layer runs, rows attended in blocks,
+                                attention tasks */
 int64_t now_ns(void);
 
 #endif

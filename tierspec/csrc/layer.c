@@ -34,13 +34,16 @@ typedef struct {
     int c0;            /* the chunk's first row */
     const float *q;    /* [chunk rows, heads * D] */
     float *out;        /* [chunk rows, heads * D] */
-    int group;         /* query heads per task, all of one kv head */
-    const int *blocks; /* per block of rows: its first row in the chunk and its rows (all of one segment) */
+    const int *blocks; /* per block of rows: its first row in the chunk, its rows (all of one segment), whether they
+                        * go to attend_rows */
+    const int *tasks;  /* per task: its block, first query head and query heads (all of one kv head) */
 } attention_task_args;
 
 /* Query rows a task of a chain's rows takes at most (their keys and values widened once for all:
  * kernel_set.attend_rows). */
 #define ATTENTION_BLOCK_ROWS 8
+/* Attention tasks ordered largest first at most (attention_tasks) */
+#define SORTED_TASKS 64
 
 static attention_view segment_view(const layer_desc *L, int layer, const segment_desc *sg) {
     const int64_t *kv = sg->kv + KV_COLUMNS * (size_t)layer;
@@ -59,33 +62,34 @@ static int sees_a_chain(const segment_desc *sg, int j, int window) {
 
 /* One row's heads head0 .. head0 + group - 1, alone. */
 static void attend_row(const attention_task_args *t, const attention_view *view, const segment_desc *sg, int local,
-                       int head0) {
+                       int head0, int group) {
     int heads = t->L->heads, D = t->L->head_dim, row = t->c0 + local, keys = view->start + view->n;
-    char *mem = scratch_get(&scratch_scores, (size_t)keys * 4 * (t->group + 1) + 64);
+    char *mem = scratch_get(&scratch_scores, (size_t)keys * 4 * (group + 1) + 64);
     float *scores = (float *)mem;
-    int *slots = (int *)(mem + (size_t)keys * 4 * t->group);
+    int *slots = (int *)(mem + (size_t)keys * 4 * group);
     int count = visible_slots(view, row - sg->row0, slots);
     const float *q = t->q + (size_t)local * heads * D;
     float *out = t->out + (size_t)local * heads * D;
-    if (!kernels.attend(view, q, out, head0, t->group, scores, slots, count))
-        attend_ref(view, q, out, head0, t->group, scores, slots, count);
+    if (!kernels.attend(view, q, out, head0, group, scores, slots, count))
+        attend_ref(view, q, out, head0, group, scores, slots, count);
 }
 
-static void attention_task(void *raw, int chunk) { /* chunk: one (block of rows, group of query heads) */
+static void attention_task(void *raw, int chunk) { /* chunk: one task (a block of rows, a group of query heads) */
     const attention_task_args *t = (const attention_task_args *)raw;
     const layer_desc *L = t->L;
-    int heads = L->heads, D = L->head_dim, groups = heads / t->group, block = chunk / groups;
-    int head0 = chunk % groups * t->group, local = t->blocks[3 * block], rows = t->blocks[3 * block + 1];
+    const int *task = t->tasks + 3 * chunk;
+    int heads = L->heads, D = L->head_dim, block = task[0], head0 = task[1], group = task[2];
+    int local = t->blocks[3 * block], rows = t->blocks[3 * block + 1];
     const segment_desc *sg = &t->p->segments[t->p->segment_of[t->c0 + local]];
     attention_view view = segment_view(L, t->layer, sg);
     if (t->blocks[3 * block + 2]) { /* chain rows: their keys and values widened once for all of them */
         int j0 = t->c0 + local - sg->row0;
-        float *scratch = (float *)scratch_get(&scratch_scores, attend_rows_scratch(rows, t->group, sg->start + j0 + rows, D));
+        float *scratch = (float *)scratch_get(&scratch_scores, attend_rows_scratch(rows, group, sg->start + j0 + rows, D));
         if (kernels.attend_rows(&view, t->q + (size_t)local * heads * D, t->out + (size_t)local * heads * D, j0, rows,
-                                head0, t->group, scratch))
+                                head0, group, scratch))
             return;
     }
-    for (int r = 0; r < rows; r++) attend_row(t, &view, sg, local + r, head0);
+    for (int r = 0; r < rows; r++) attend_row(t, &view, sg, local + r, head0, group);
 }
 
 /* The chunk's rows in blocks for attention_task, into ``blocks`` [3 n] (first row in the chunk, rows,
@@ -123,6 +127,50 @@ static int attention_blocks(const pass_desc *p, const layer_desc *L, int c0, int
         count++;
     }
     return count;
+}
+
+/* The attention tasks over the ``count`` blocks, into ``tasks`` [3 count heads] (block, first query head, query
+ * heads), largest first (rows x heads x keys seen), the order threads claim them in. A task takes a kv head's
+ * whole group of query heads (the group shares each load, each widened block, of its keys and values); then,
+ * while the tasks leave a thread fewer than two, the largest group is halved — a one-row pass of the default
+ * model made 3 tasks over 2 threads, one thread idle a third of the attention; 4 tasks (3, 3, 2 and 1 heads)
+ * keep both busy, one kv head's keys read twice. Each head gets what it gets alone, whatever its task's group.
+ * Returns the number of tasks. */
+static int attention_tasks(const pass_desc *p, const layer_desc *L, int c0, int count, const int *blocks, int threads,
+                           int *tasks) {
+    int per = L->heads / L->kv_heads, n = 0;
+    for (int b = 0; b < count; b++)
+        for (int g = 0; g < L->kv_heads; g++, n++) tasks[3 * n] = b, tasks[3 * n + 1] = g * per, tasks[3 * n + 2] = per;
+    while (n < 2 * threads) {
+        int largest = -1;
+        for (int i = 0; i < n; i++)
+            if (tasks[3 * i + 2] > 1 && (largest < 0 || tasks[3 * i + 2] * blocks[3 * tasks[3 * i] + 1] >
+                                                             tasks[3 * largest + 2] * blocks[3 * tasks[3 * largest] + 1]))
+                largest = i;
+        if (largest < 0) break;
+        int group = tasks[3 * largest + 2], first = (group + 1) / 2;
+        tasks[3 * largest + 2] = first;
+        tasks[3 * n] = tasks[3 * largest], tasks[3 * n + 1] = tasks[3 * largest + 1] + first, tasks[3 * n + 2] = group - first;
+        n++;
+    }
+    /* largest first (an insertion sort, stable); past SORTED_TASKS tasks each thread has plenty to balance with */
+    if (n > SORTED_TASKS) return n;
+    int64_t cost[SORTED_TASKS];
+    for (int i = 0; i < n; i++) {
+        const int *block = blocks + 3 * tasks[3 * i];
+        const segment_desc *sg = &p->segments[p->segment_of[c0 + block[0]]];
+        cost[i] = (int64_t)block[1] * tasks[3 * i + 2] * (sg->start + (c0 + block[0] - sg->row0) + block[1]);
+    }
+    for (int i = 1; i < n; i++) {
+        int64_t c = cost[i];
+        int b = tasks[3 * i], h = tasks[3 * i + 1], g = tasks[3 * i + 2], j = i - 1;
+        for (; j >= 0 && cost[j] < c; j--) {
+            cost[j + 1] = cost[j];
+            tasks[3 * (j + 1)] = tasks[3 * j], tasks[3 * (j + 1) + 1] = tasks[3 * j + 1], tasks[3 * (j + 1) + 2] = tasks[3 * j + 2];
+        }
+        cost[j + 1] = c, tasks[3 * (j + 1)] = b, tasks[3 * (j + 1) + 1] = h, tasks[3 * (j + 1) + 2] = g;
+    }
+    return n;
 }
 
 /* ---- the gated MLP's activation --------------------------------------------------------------- */
@@ -207,7 +255,7 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
     int flags = p->flags[layer], nth = p->threads, n = c1 - c0;
     int H = L->hidden, D = L->head_dim, heads = L->heads, kvh = L->kv_heads, I = L->inter;
     int qkv_width = (heads + 2 * kvh) * D;
-    size_t need = (size_t)n * (H + qkv_width + 2 * heads * D + 2 * I + I + 3) * 4 + 7 * 64; /* + the blocks' ints */
+    size_t need = (size_t)n * (H + qkv_width + 2 * heads * D + 2 * I + I + 3 + 3 * heads) * 4 + 7 * 64; /* + the blocks' and tasks' ints */
     char *mem = scratch_get(&scratch_main, need);
     float *xn = (float *)mem; /* [n, H]: a unit's normalised input, then (post-norms) its output */
     float *qkv = xn + (size_t)n * H;
@@ -243,18 +291,17 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
         /* the queries packed (they were in gu, the MLP's: a model whose heads are wider than its MLP's
          * 3 I values a row wrote past the scratch's end) */
         for (int r = 0; r < n; r++) memcpy(q + (size_t)r * heads * D, qkv + (size_t)r * qkv_width, (size_t)heads * D * 4);
-        /* a task takes a kv head's whole group of query heads (their keys and values loaded once for
-         * all of them) where that leaves every thread a task, else one head: the same results either
-         * way (a one-row pass of the default model: 3 tasks of 3 heads over 2 threads instead of 9 of one,
-         * each of which read its kv head's cache again) */
         int threads = work < 1024 ? 1 : nth; /* a few microseconds: one thread */
-        int *blocks = (int *)(act + (size_t)n * I); /* act's tail: 3 n ints */
+        int *blocks = (int *)(act + (size_t)n * I), *tasks = blocks + 3 * n; /* act's tail: 3 n + 3 n heads ints */
         int count = attention_blocks(p, L, c0, n, threads, blocks);
-        attention_task_args aa = {p, L, layer, c0, q, att, count * kvh >= threads ? heads / kvh : 1, blocks};
+        int task_count = attention_tasks(p, L, c0, count, blocks, threads, tasks);
+        attention_task_args aa = {p, L, layer, c0, q, att, blocks, tasks};
         int64_t attention_started = profiling ? now_ns() : 0;
-        if (profiling)
+        if (profiling) {
             for (int b = 0; b < count; b++) profile_ns[4] += blocks[3 * b + 2] ? blocks[3 * b + 1] : 0;
-        run_parallel(attention_task, &aa, count * heads / aa.group, threads);
+            profile_ns[5] += task_count;
+        }
+        run_parallel(attention_task, &aa, task_count, threads);
         if (profiling) profile_ns[2] += now_ns() - attention_started;
         add_unit_output(L, L->o, att, n, L->attention_out_norm, xn, h, nth);
     }

@@ -196,7 +196,7 @@ void *scratch_get(scratch_t *s, size_t bytes) {
 }
 
 int profiling = 0;
-int64_t profile_ns[5];
+int64_t profile_ns[6];
 
 int64_t now_ns(void) {
     struct timespec t;
