@@ -20,7 +20,6 @@ for round in 1 2; do
             --contexts 300,1000 --rows 1,2 --repeats 20 --out $out/batched_pass_cost_${side}_${round}.json
     done
 done
-step pass_cost_peers python benchmarks/pass_cost.py --configs auto:auto --llamacpp --rounds 7 --out $out/pass_cost_peers.md
 step spec_bench_peers_t0_stop63 tierspec bench --dataset spec_bench --per-category 5 --max-new-tokens 128 --temperature 0 \
     --seed 0 --methods ar,hybrid,llamacpp-greedy,llamacpp-lookup,ov-greedy,ov-lookup --out $out/spec_bench-peers-t0-stop63 --no-progress
 echo "all done $(date -u +%FT%TZ)"
