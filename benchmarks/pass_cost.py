@@ -43,9 +43,6 @@ from tierspec.costs import few_row_threads
 from tierspec.engine import threads_for
 
 WIDTHS = (1, 2, 4, 8, 16)
-# A pause after llama.cpp's passes each round: its worker threads keep spinning for a while after an eval, and the
-# engine's first width timed next (k = 1) shared the cores with them (3.4 ms against 2.6 without the peer, run 9).
-PEER_SETTLE_SECONDS = 0.5
 # token trees of 7 and 15 nodes (with the pending token: passes of 8 and 16 rows), 4 and 8 leaves
 TREES = {8: [[1, 2, 3, 4], [1, 5], [6], [7]],
          16: [[1, 2, 3, 4, 5, 6], [1, 7, 8], [1, 2, 9], [10, 11], [12], [13], [14], [1, 15]]}
@@ -210,7 +207,6 @@ def main() -> None:
             if llamacpp is not None:
                 for k, seconds in llamacpp.time_passes(WIDTHS).items():
                     llamacpp_times[k].append(seconds)
-                time.sleep(PEER_SETTLE_SECONDS)
             print(f"round {round_index + 1}/{args.rounds}", file=sys.stderr, flush=True)
 
     def ms(values):

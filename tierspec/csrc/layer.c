@@ -42,8 +42,6 @@ typedef struct {
 /* Query rows a task of a chain's rows takes at most (their keys and values widened once for all:
  * kernel_set.attend_rows). */
 #define ATTENTION_BLOCK_ROWS 8
-/* Attention tasks ordered largest first at most (attention_tasks) */
-#define SORTED_TASKS 64
 
 static attention_view segment_view(const layer_desc *L, int layer, const segment_desc *sg) {
     const int64_t *kv = sg->kv + KV_COLUMNS * (size_t)layer;
@@ -130,14 +128,12 @@ static int attention_blocks(const pass_desc *p, const layer_desc *L, int c0, int
 }
 
 /* The attention tasks over the ``count`` blocks, into ``tasks`` [3 count heads] (block, first query head, query
- * heads), largest first (rows x heads x keys seen), the order threads claim them in. A task takes a kv head's
- * whole group of query heads (the group shares each load, each widened block, of its keys and values); then,
- * while the tasks leave a thread fewer than two, the largest group is halved — a one-row pass of the default
- * model made 3 tasks over 2 threads, one thread idle a third of the attention; 4 tasks (3, 3, 2 and 1 heads)
- * keep both busy, one kv head's keys read twice. Each head gets what it gets alone, whatever its task's group.
- * Returns the number of tasks. */
-static int attention_tasks(const pass_desc *p, const layer_desc *L, int c0, int count, const int *blocks, int threads,
-                           int *tasks) {
+ * heads; the threads claim them in this order). A task takes a kv head's whole group of query heads (the group
+ * shares each load, each widened block, of its keys and values); then, while the tasks leave a thread fewer than
+ * two, the largest group is halved: a one-row pass of the default model made 3 tasks over 2 threads, one thread
+ * idle a third of the attention; 4 tasks (3, 3, 2 and 1 heads) keep both busy, one kv head's keys read twice.
+ * Each head gets what it gets alone, whatever its task's group. Returns the number of tasks. */
+static int attention_tasks(const layer_desc *L, int count, const int *blocks, int threads, int *tasks) {
     int per = L->heads / L->kv_heads, n = 0;
     for (int b = 0; b < count; b++)
         for (int g = 0; g < L->kv_heads; g++, n++) tasks[3 * n] = b, tasks[3 * n + 1] = g * per, tasks[3 * n + 2] = per;
@@ -152,23 +148,6 @@ static int attention_tasks(const pass_desc *p, const layer_desc *L, int c0, int 
         tasks[3 * largest + 2] = first;
         tasks[3 * n] = tasks[3 * largest], tasks[3 * n + 1] = tasks[3 * largest + 1] + first, tasks[3 * n + 2] = group - first;
         n++;
-    }
-    /* largest first (an insertion sort, stable); past SORTED_TASKS tasks each thread has plenty to balance with */
-    if (n > SORTED_TASKS) return n;
-    int64_t cost[SORTED_TASKS];
-    for (int i = 0; i < n; i++) {
-        const int *block = blocks + 3 * tasks[3 * i];
-        const segment_desc *sg = &p->segments[p->segment_of[c0 + block[0]]];
-        cost[i] = (int64_t)block[1] * tasks[3 * i + 2] * (sg->start + (c0 + block[0] - sg->row0) + block[1]);
-    }
-    for (int i = 1; i < n; i++) {
-        int64_t c = cost[i];
-        int b = tasks[3 * i], h = tasks[3 * i + 1], g = tasks[3 * i + 2], j = i - 1;
-        for (; j >= 0 && cost[j] < c; j--) {
-            cost[j + 1] = cost[j];
-            tasks[3 * (j + 1)] = tasks[3 * j], tasks[3 * (j + 1) + 1] = tasks[3 * j + 1], tasks[3 * (j + 1) + 2] = tasks[3 * j + 2];
-        }
-        cost[j + 1] = c, tasks[3 * (j + 1)] = b, tasks[3 * (j + 1) + 1] = h, tasks[3 * (j + 1) + 2] = g;
     }
     return n;
 }
@@ -294,7 +273,7 @@ static void run_layer_rows(const pass_desc *p, int layer, int c0, int c1, float 
         int threads = work < 1024 ? 1 : nth; /* a few microseconds: one thread */
         int *blocks = (int *)(act + (size_t)n * I), *tasks = blocks + 3 * n; /* act's tail: 3 n + 3 n heads ints */
         int count = attention_blocks(p, L, c0, n, threads, blocks);
-        int task_count = attention_tasks(p, L, c0, count, blocks, threads, tasks);
+        int task_count = attention_tasks(L, count, blocks, threads, tasks);
         attention_task_args aa = {p, L, layer, c0, q, att, blocks, tasks};
         int64_t attention_started = profiling ? now_ns() : 0;
         if (profiling) {
