@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Intel Xeon with AMX (as run1.sh), 2026-12-06, stop 63, the final attention (923613a: run 9's blocks, and a one-row
-# pass's groups of query heads halved for two threads, tasks largest first) against the stop's start (a4ed32e, built
+# Intel Xeon with AMX (as run1.sh), 2026-12-06, stop 63, the final attention (4ca51c6: run 9's blocks, and a one-row
+# pass's groups of query heads halved for two threads) against the stop's start (a4ed32e, built
 # from its own sources), whole runs alternated; then the pass by rows beside llama.cpp and a prefill beside llama.cpp
 # and OpenVINO on the current code:
 #   nohup bash results/xeon_amx/run10.sh > results/xeon_amx/run10.log 2>&1 &
