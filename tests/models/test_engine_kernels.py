@@ -838,24 +838,31 @@ def test_rows_attending_together_get_what_each_gets_alone(tmp_path, path, head_d
 
 
 @pytest.mark.parametrize("path", VECTOR_PATHS)
-@pytest.mark.parametrize("heads, kv_heads", [(9, 3), (6, 2)])
-def test_attention_tasks_shared_by_two_threads_give_each_row_what_it_gets_alone(tmp_path, path, heads, kv_heads):
+@pytest.mark.parametrize("heads, kv_heads, tasks", [(9, 3, 4), (6, 2, 2), (4, 1, 2)])
+def test_attention_tasks_shared_by_two_threads_give_each_row_what_it_gets_alone(tmp_path, path, heads, kv_heads, tasks):
     """Past a few hundred cached tokens a pass's attention runs on two threads: a sequence's few chain
-    rows split in two blocks, and a one-row pass's groups of query heads halved until each thread has two
-    tasks (the default model's 9 heads on 3 kv heads: groups 3, 3, 2 and 1). Every row gets bitwise what
-    the one-row kernel gives it on one thread — one-row passes, passes of 2-5 rows, masked rows."""
+    rows split in two blocks, and a one-row pass's groups of query heads halved until the threads share the
+    tasks evenly (the default model's 9 heads on 3 kv heads: groups 3, 3, 2 and 1; 2 kv heads: as they are;
+    Gemma 3 270M's 4 heads on one: two groups of 2; one thread's are not split).
+    Every row gets bitwise what the one-row kernel gives it on one thread — one-row passes, passes of 2-5
+    rows, masked rows."""
     head_dim, layers = 64, 2
     tiny = write_tiny_gguf(tmp_path, seed=11, layers=layers, hidden=heads * head_dim, heads=heads, kv_heads=kv_heads)
     model = load_gguf_llama(tiny.gguf, tiny.folder, dataclasses.replace(numerics_for(torch.float32), kv_dtype=torch.float16))
     prompt = (torch.arange(330) * 37 + 5) % 256
     one_node = {"offsets": torch.zeros(1, dtype=torch.long), "attends": torch.ones(1, 1, dtype=torch.bool)}
-    start = 300  # 9 or 6 heads x 300 keys: past the engine's one-thread bound (1,024 head-keys)
+    start = 300  # 9, 6 or 4 heads x 300 keys: past the engine's one-thread bound (1,024 head-keys)
     with torch.inference_mode(), kernels(path):
         runner = CachedModel(model)
         runner.forward(prompt[:start])
         with _threads(1):
             alone = torch.cat([runner.forward(prompt[i : i + 1], **one_node).logits for i in range(start, 330)])
         runner.rollback(start)
+        with _threads(1):
+            qe.profile(True)
+            runner.forward(prompt[start : start + 1])
+            tasks_on_one_thread = qe.profile(False)[5]
+            runner.rollback(start)
         with _threads(2):
             qe.profile(True)
             runner.forward(prompt[start : start + 1])
@@ -867,7 +874,8 @@ def test_attention_tasks_shared_by_two_threads_give_each_row_what_it_gets_alone(
             qe.profile(True)
             few = [runner.forward(prompt[i : i + rows]).logits for i, rows in ((316, 2), (318, 3), (321, 4), (325, 5))]
             in_blocks = qe.profile(False)[4]
-    assert tasks_of_one_row == layers * 4, "a one-row pass's attention did not give each of two threads two tasks"
+    assert tasks_on_one_thread == layers * kv_heads, "one thread's tasks were split"
+    assert tasks_of_one_row == layers * tasks, "a one-row pass's attention tasks did not share two threads evenly"
     assert in_blocks == layers * 14
     assert torch.equal(masked, alone[:16])
     assert torch.equal(chain, alone[:16])

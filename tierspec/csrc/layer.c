@@ -80,7 +80,7 @@ static void attention_task(void *raw, int chunk) { /* chunk: one task (a block o
     int local = t->blocks[3 * block], rows = t->blocks[3 * block + 1];
     const segment_desc *sg = &t->p->segments[t->p->segment_of[t->c0 + local]];
     attention_view view = segment_view(L, t->layer, sg);
-    if (t->blocks[3 * block + 2]) { /* chain rows: their keys and values widened once for all of them */
+    if (t->blocks[3 * block + 2] && (rows > 1 || group > 1)) { /* chain rows: keys and values widened once for all */
         int j0 = t->c0 + local - sg->row0;
         float *scratch = (float *)scratch_get(&scratch_scores, attend_rows_scratch(rows, group, sg->start + j0 + rows, D));
         if (kernels.attend_rows(&view, t->q + (size_t)local * heads * D, t->out + (size_t)local * heads * D, j0, rows,
@@ -90,12 +90,19 @@ static void attention_task(void *raw, int chunk) { /* chunk: one task (a block o
     for (int r = 0; r < rows; r++) attend_row(t, &view, sg, local + r, head0, group);
 }
 
+/* Whether ``tasks`` equal tasks leave some of ``threads`` threads idle while others work: fewer tasks than
+ * threads, or (below two each) a count the threads do not divide — 3 tasks over 2 threads keep one idle a
+ * third of the time; 2 or 4 do not. */
+static int unbalanced(int tasks, int threads) {
+    return threads > 1 && (tasks < threads || (tasks % threads != 0 && tasks < 2 * threads));
+}
+
 /* The chunk's rows in blocks for attention_task, into ``blocks`` [3 n] (first row in the chunk, rows,
  * whether they go to attend_rows): consecutive rows of one segment that see a chain, up to
- * ATTENTION_BLOCK_ROWS together where the path has attend_rows (a single such row too: its group of
- * query heads then shares each widened block of keys and values, where attend widens them once a
- * head); each other row alone. Then, while the tasks (a block's kv heads) leave a thread fewer than
- * two, the largest block is halved: a verify pass of a few rows of one sequence made one block of 3
+ * ATTENTION_BLOCK_ROWS together where the path has attend_rows (a single such row too, where a task
+ * takes several of its query heads: they then share each widened block of keys and values, where
+ * attend widens them once a head); each other row alone. Then, while the tasks (a block's kv heads)
+ * leave the threads unbalanced (``unbalanced``), the largest block is halved: a verify pass of a few rows of one sequence made one block of 3
  * tasks over 2 threads (one idle a third of the time) — two blocks balance them, and each still
  * widens the keys once for its rows (a row a task before: every row read the whole cache again).
  * The results are the same whatever the blocks (attend_rows gives each row what attend gives it).
@@ -113,7 +120,7 @@ static int attention_blocks(const pass_desc *p, const layer_desc *L, int c0, int
         count++;
         r += rows;
     }
-    while (count * L->kv_heads < 2 * threads) {
+    while (unbalanced(count * L->kv_heads, threads)) {
         int largest = 0;
         for (int b = 1; b < count; b++)
             if (blocks[3 * b + 1] > blocks[3 * largest + 1]) largest = b;
@@ -129,15 +136,15 @@ static int attention_blocks(const pass_desc *p, const layer_desc *L, int c0, int
 
 /* The attention tasks over the ``count`` blocks, into ``tasks`` [3 count heads] (block, first query head, query
  * heads; the threads claim them in this order). A task takes a kv head's whole group of query heads (the group
- * shares each load, each widened block, of its keys and values); then, while the tasks leave a thread fewer than
- * two, the largest group is halved: a one-row pass of the default model made 3 tasks over 2 threads, one thread
+ * shares each load, each widened block, of its keys and values); then, while the tasks leave the threads
+ * unbalanced, the largest group is halved: a one-row pass of the default model made 3 tasks over 2 threads, one thread
  * idle a third of the attention; 4 tasks (3, 3, 2 and 1 heads) keep both busy, one kv head's keys read twice.
  * Each head gets what it gets alone, whatever its task's group. Returns the number of tasks. */
 static int attention_tasks(const layer_desc *L, int count, const int *blocks, int threads, int *tasks) {
     int per = L->heads / L->kv_heads, n = 0;
     for (int b = 0; b < count; b++)
         for (int g = 0; g < L->kv_heads; g++, n++) tasks[3 * n] = b, tasks[3 * n + 1] = g * per, tasks[3 * n + 2] = per;
-    while (n < 2 * threads) {
+    while (unbalanced(n, threads)) {
         int largest = -1;
         for (int i = 0; i < n; i++)
             if (tasks[3 * i + 2] > 1 && (largest < 0 || tasks[3 * i + 2] * blocks[3 * tasks[3 * i] + 1] >
