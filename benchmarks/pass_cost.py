@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 
 from tierspec.cached_model import CachedModel
-from tierspec.models import load_model
 from tierspec.costs import few_row_threads
 from tierspec.engine import threads_for
+from tierspec.models import load_model
 
 WIDTHS = (1, 2, 4, 8, 16)
 # token trees of 7 and 15 nodes (with the pending token: passes of 8 and 16 rows), 4 and 8 leaves

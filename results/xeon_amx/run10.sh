@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Intel Xeon with AMX (as run1.sh), 2026-12-06, stop 63, the final attention (4ca51c6: run 9's blocks, and a one-row
-# pass's groups of query heads halved for two threads) against the stop's start (a4ed32e, built
-# from its own sources), whole runs alternated; then the pass by rows beside llama.cpp and a prefill beside llama.cpp
-# and OpenVINO on the current code:
+# Intel Xeon with AMX (as run1.sh), 2026-12-06, stop 63, the final attention (b10af17: run 9's blocks, and a one-row
+# pass's groups of query heads halved for two threads, split only where the threads are unbalanced) against the
+# stop's start (a4ed32e, built from its own sources), whole runs alternated; then the pass by rows beside llama.cpp
+# and a prefill beside llama.cpp and OpenVINO on the current code (run first at 4ca51c6, then again here):
 #   nohup bash results/xeon_amx/run10.sh > results/xeon_amx/run10.log 2>&1 &
 set -u
 cd "$(dirname "$0")/../.."

@@ -807,7 +807,7 @@ def test_rows_attending_together_get_what_each_gets_alone(tmp_path, path, head_d
     row too): every row gets bitwise what the one-row kernel (``attend``, which a masked row takes)
     gives it in a pass of its own — float32 and float16 caches, groups of 3, 2 and 1 query heads per
     kv head, rows whose keys end inside a block of 16 and odd and even key counts, a pass that begins
-    after cached tokens, passes of 2-5 rows (split in two blocks for two threads), one thread and two."""
+    after cached tokens, passes of 2-5 rows, one thread and two (the next test: attention on two threads)."""
     tiny = write_tiny_gguf(tmp_path, seed=7, layers=2, hidden=heads * head_dim, heads=heads, kv_heads=kv_heads)
     model = load_gguf_llama(tiny.gguf, tiny.folder, dataclasses.replace(numerics_for(torch.float32), kv_dtype=kv))
     prompt = LONG_PROMPT[:90]
