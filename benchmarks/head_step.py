@@ -41,6 +41,7 @@ def main() -> None:
     import tierspec
     from tierspec import _qengine
     from tierspec.cached_model import CachedModel
+    from tierspec.costs import few_row_threads
     from tierspec.engine import threads_for
     from tierspec.heads.draft import HeadRunner, HeadStep
     from tierspec.methods import MethodOptions, draft_head_for
@@ -50,6 +51,7 @@ def main() -> None:
     for call in ENGINE_CALLS:
         clock.wrap(_qengine, call, "engine")
     target = tierspec.load_model("smollm2-135m", dtype="auto")
+    few_row_threads(target)  # the threads a generation's few-row products run on, as the decode loop settles them
     head = draft_head_for(target, MethodOptions())
     if head.engine is None:
         raise SystemExit("the head does not draft on the engine here: nothing to time")

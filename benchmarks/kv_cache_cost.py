@@ -25,6 +25,7 @@ import torch
 import tierspec
 from tierspec import _qengine
 from tierspec.cached_model import CachedModel
+from tierspec.costs import few_row_threads
 from tierspec.engine import kernel_report, threads_for
 
 
@@ -36,6 +37,7 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=0)
     args = parser.parse_args()
     target = tierspec.load_model("smollm2-135m", dtype="auto")
+    few_row_threads(target)  # the threads a generation's few-row products run on, as the decode loop settles them
     layers = target.model.model.layers
     print(f"{torch.get_num_threads()} threads; {kernel_report()}")
     with torch.inference_mode(), threads_for(target.model):

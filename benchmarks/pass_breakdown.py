@@ -57,11 +57,13 @@ def main() -> None:
 
     import tierspec
     from tierspec import cached_model, engine, llama, quant
+    from tierspec.costs import few_row_threads
     from tierspec.engine import threads_for
     from tierspec.sampling import Noise, keyed_tokens
     from tierspec.util import atomic_write_text
 
     target = tierspec.load_model("smollm2-135m", dtype=args.dtype)
+    few_row_threads(target)  # the threads a generation's few-row products run on, as the decode loop settles them
     probe = Probe()
     probe.wrap(engine, "run_stack", "stack (engine call)")
     probe.wrap(quant.QuantWeight, "multiply", "LM head product (engine call)")

@@ -42,6 +42,7 @@ def paths(package, batches: list[int], rows: int):
     cached_model = importlib.import_module(f"{package.__name__}.cached_model")
     passes = importlib.import_module(f"{package.__name__}.passes")
     target = package.load_model("smollm2-135m", dtype="auto")
+    importlib.import_module(f"{package.__name__}.costs").few_row_threads(target)  # as the decode loop settles them
     model = target.model
     backend = passes.pass_backend(model)
     largest = max(batches)

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from tierspec.cached_model import CachedModel
+from tierspec.costs import few_row_threads
 from tierspec.engine import engine, threads_for
 from tierspec.models import default_model_file, load_model
 
@@ -137,6 +138,7 @@ def main() -> None:
     runners = {}
     for dtype in args.configs.split(","):
         loaded = load_model("smollm2-135m", dtype=dtype, kernels="gguf")
+        few_row_threads(loaded)  # the one-token pass after it on the threads a generation settles
         runners[dtype] = CachedModel(loaded.model)
     vocab = next(iter(runners.values())).vocab_size
     ids = prompt_ids(args.tokens, vocab)

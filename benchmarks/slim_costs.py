@@ -24,6 +24,7 @@ import torch
 
 from tierspec import load_model
 from tierspec.cached_model import CachedModel, SlimVocabulary
+from tierspec.costs import few_row_threads
 from tierspec.heads.shipped import shipped_head
 from tierspec.layerskip.masks import RoutingMask, decoder_layers
 from tierspec.util import atomic_write_text
@@ -55,6 +56,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(2)
     target = load_model("smollm2-135m")
+    few_row_threads(target)  # the threads a generation's few-row products run on, as the decode loop settles them
     head = shipped_head(target)
     vocabulary = SlimVocabulary(target.model, head.draft_ids)
     paths = [Path(p) for p in args.masks] if args.masks else sorted((ROOT / "masks").glob("*.json"))

@@ -114,9 +114,11 @@ def main() -> None:
     args = parser.parse_args()
 
     import tierspec
+    from tierspec.costs import few_row_threads
     from tierspec.util import atomic_write_text
 
     target = tierspec.load_model("smollm2-135m", dtype="auto")
+    few_row_threads(target)  # the threads a generation's few-row products run on, as the decode loop settles them
     cycles, sites = count_calls(target, args.method, args.temperature, args.prompts, args.tokens)
     costs = cold_costs(target, args.rounds)
     per_cycle = sum(sites.values()) / cycles
