@@ -56,7 +56,7 @@ from .passes import PassBackend, PassRequest, pass_backend
 from .policies import CostAware, CycleOutcome, DraftPolicy
 from .proposal import DraftRequest, Proposal, Scores, Shape, Verdict, walk_reached
 from .rules.base import ScoreRule, VerificationRule
-from .sampling import NOT_DRAWN, BlockNoise, Noise, SamplingConfig, reported_logprobs
+from .sampling import NOT_DRAWN, BlockNoise, Noise, SamplingConfig, filters, reported_logprobs
 from .seq2seq import decoder_start, is_encoder_decoder
 from .verifiers import CommittedTokens, GeneratedTokens, TargetPass, Verifiers
 from .walks import ChainBatch, chain_batch_walks
@@ -622,9 +622,10 @@ def _propose(decoding: list[Sequence]) -> list[_Drafted]:
 def _row_draws(d: _Drafted) -> RowDraws | None:
     """The keyed draws the pass may make for a sampled chain that the target's own tokens decide
     (``walks.chain_batch_walks``): every row's at the temperature, under the block's keys — only where the
-    sampling logits are the logits divided by the temperature (no top-k, no nucleus)."""
+    sampling logits are the logits divided by the temperature (no top-k or top-p that drops a token:
+    ``sampling.filters``)."""
     sampling = d.sequence.config.sampling
-    if d.block is None or sampling.top_k or sampling.top_p < 1.0 or not d.by_target_tokens:
+    if d.block is None or not d.by_target_tokens or filters(sampling, d.sequence.verifiers.runner.vocab_size):
         return None
     return RowDraws(d.block.keys(len(d.proposal) + 1), sampling.temperature)
 

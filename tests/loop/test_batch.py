@@ -11,6 +11,7 @@ import torch
 
 from gguf_models import write_tiny_gguf
 from tierspec.batch import BatchDecoder, BatchError
+from tierspec.cached_model import CachedModel
 from tierspec.decode import DecodeConfig, DecodeRun, batch_lengths
 from tierspec.gguf_llama import load_gguf_llama
 from tierspec.methods import MethodOptions, build_method
@@ -162,7 +163,6 @@ def test_the_batch_refuses_what_it_cannot_take(target):
 def test_the_head_steps_of_several_sequences_in_one_engine_pass_are_each_ones_own(target, head):
     """``heads.draft.run_head_steps`` over several runners (catch-ups of different lengths, self-fed
     steps, a score-only step) gives each exactly what its own ``HeadRunner.step`` gives."""
-    from tierspec.cached_model import CachedModel
     from tierspec.heads.draft import HeadRunner, HeadStep, run_head_steps
 
     features = []
@@ -344,7 +344,8 @@ def test_sampled_walks_take_the_passs_draws_and_keep_their_text(flat_target, mon
     """On the engine a sampled chain's rows are drawn inside the LM head's product (``cached_model.RowDraws``):
     the walks read those draws (``ChainBatch.row_draws``), and every text — alone and in a batch, `ar` and the
     n-gram drafts of `pld` — is the text the rows drawn after the pass give (the draws switched off). Where
-    the rows are not the pass's own (a logit bias) or top-k cuts them, the pass draws nothing."""
+    the rows are not the pass's own (a logit bias) or top-k cuts them, the pass draws nothing; a top-k of the
+    whole vocabulary cuts nothing, so the pass draws and the text is plain sampling's."""
     import sys
 
     from tierspec.modifiers import LogitModifiers
@@ -377,3 +378,11 @@ def test_sampled_walks_take_the_passs_draws_and_keep_their_text(flat_target, mon
         seen.clear()
         DecodeRun(target, ar, PROMPTS[0], config, seed=0).finish()
         assert seen and not any(seen)
+    vocab = CachedModel(target.model).vocab_size
+    plain = DecodeRun(target, ar, PROMPTS[0], DecodeConfig(max_new_tokens=8, sampling=SamplingConfig(temperature)),
+                      seed=0).finish().token_ids
+    seen.clear()
+    whole = DecodeRun(target, ar, PROMPTS[0], DecodeConfig(max_new_tokens=8, sampling=SamplingConfig(temperature, top_k=vocab)),
+                      seed=0).finish().token_ids
+    assert seen and all(seen), "a top-k of the whole vocabulary kept the pass from drawing its rows"
+    assert whole == plain
