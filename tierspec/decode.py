@@ -203,15 +203,19 @@ class GenerationStats:
         for decider in cycle.deciders:  # not Counter.update: its isinstance(…, Mapping) is an ABC check a cycle
             self.decided_by[decider] += 1
         # Positions 1..evaluated were evaluated given acceptance so far; the first `accepted` passed.
-        while len(self.position_drafted) < cycle.evaluated:
-            self.position_drafted.append(0)
-            self.position_accepted.append(0)
-        for i in range(cycle.evaluated):
-            self.position_drafted[i] += 1
-            self.position_accepted[i] += int(i < cycle.accepted)
-        while len(self.accepted_lengths) <= cycle.accepted:
-            self.accepted_lengths.append(0)
-        self.accepted_lengths[cycle.accepted] += 1
+        evaluated, accepted = cycle.evaluated, cycle.accepted
+        if evaluated:
+            drafted, kept = self.position_drafted, self.position_accepted
+            if len(drafted) < evaluated:
+                drafted += [0] * (evaluated - len(drafted))
+                kept += [0] * (evaluated - len(kept))
+            for i in range(evaluated):
+                drafted[i] += 1
+                kept[i] += i < accepted
+        lengths = self.accepted_lengths
+        if len(lengths) <= accepted:
+            lengths += [0] * (accepted + 1 - len(lengths))
+        lengths[accepted] += 1
         if cycle.tree_depth is not None:
             self.tree_cycles += 1
             self.tree_nodes += cycle.drafted
@@ -414,6 +418,9 @@ class Sequence:
         # The rule is the generation's for good: what it is asked once, not every cycle.
         self.scored = isinstance(self.rule, ScoreRule)
         self.batchable = self.scored and self.rule.lossless
+        # Whether the policy learns from verdicts (the base policy's ``observe`` does nothing: its
+        # cycles make no outcome to tell it).
+        self.learns = type(self.policy).observe is not DraftPolicy.observe
 
     @property
     def committed(self) -> CommittedTokens:
@@ -539,9 +546,11 @@ def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None =
     decoding = [s for s in live if s.ready and s.scored]
     prefilling = [s for s in live if not s.ready]
     batch = len(decoding) + len(prefilling) > 1 and passes.shares_passes
+    shared = len(decoding) if batch and shared_costs else 1
     for sequence in decoding:  # each policy costs its drafts as this cycle's passes (policies.CostModel.verify)
-        sequence.policy.share_passes(len(decoding) if batch and shared_costs and sequence.batchable else 1)
-        sequence.policy.at_context(len(sequence.verifiers.committed))
+        policy = sequence.policy
+        policy.share_passes(shared if sequence.batchable else 1)
+        policy.at_context(sequence.verifiers.committed.length)
     drafted = _propose(decoding)
     if batch:
         _cut_to_the_batch(drafted, passes, max_rows)
@@ -550,15 +559,18 @@ def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None =
     requests: list[PassRequest] = []
     target_passes: list[TargetPass] = []
     alone = len(drafted) + len(prefilling) == 1  # a lone pass is padded to the cheapest measured size
+    rows = 0
     for d in drafted:
         sequence = d.sequence
-        d.by_target_tokens = sequence.rule.walks_by_target_tokens(d.proposal, sequence.config.sampling)
+        rule = sequence.rule
+        d.by_target_tokens = rule.walks_by_target_tokens(d.proposal, sequence.config.sampling)
         target_pass = sequence.verifiers.target_request(
-            d.proposal, with_hidden=sequence.rule.reads_hidden, pad=alone, masks=d.masks,
-            record_features=sequence.drafter.wants_features(), draws=_row_draws(d))
+            d.proposal, with_hidden=rule.reads_hidden, pad=alone, masks=d.masks,
+            record_features=sequence.drafter.wants_features(), draws=None if d.block is None else _row_draws(d))
         target_passes.append(target_pass)
         requests.append(target_pass.request)
-    chunks = _prefill_chunks(prefilling, max_rows, sum(r.rows for r in requests), bool(drafted))
+        rows += target_pass.request.rows
+    chunks = _prefill_chunks(prefilling, max_rows, rows, bool(drafted))
     requests += [chunk.request for _, chunk in chunks]
     drafted_at = time.perf_counter()
     grammar_drafting = sum(s.grammar_seconds for s in constrained) - grammar_before
@@ -567,7 +579,7 @@ def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None =
         results = passes.run(requests)
         passed_at = time.perf_counter()
         times.passes = passed_at - drafted_at
-        times.rows = sum(r.rows for r in requests)
+        times.rows = rows + sum(chunk.request.rows for _, chunk in chunks)
         share = times.passes / len(requests)
         for (sequence, chunk), result in zip(chunks, results[len(drafted):]):
             sequence.verifiers.pass_seconds += share
@@ -596,23 +608,26 @@ def _propose(decoding: list[Sequence]) -> list[_Drafted]:
     them together: ``drafters.base.propose_all``)."""
     requests, blocks, contexts = [], [], []
     for sequence in decoding:
-        contexts.append(sequence.verifiers.context)
-        position = len(sequence.verifiers.committed)  # the context's length, without making its view again
+        committed, policy, sampling = sequence.verifiers.committed, sequence.policy, sequence.config.sampling
+        contexts.append(committed.context)
+        position = committed.length
         # Never draft past the budget: the cycle emits at most (drafts on the path) + 1 tokens.
-        budget = max(0, min(sequence.policy.max_draft, sequence.tokens_left - 1))
+        budget = max(0, min(policy.max_draft, sequence.config.max_new_tokens - (position - committed.prompt_length) - 1))
         if budget and sequence.constraint is not None and _forced_next(sequence):
             budget = 0  # the constraint's forced tokens are this cycle's drafts (``_constrain``): no drafter steps
         # Draft token i (a node at depth i + 1) and the token after the drafts sit at position + i.
-        block = None if sequence.config.sampling.greedy else sequence.noise.block(position)
+        block = None if sampling.greedy else sequence.noise.block(position)
         blocks.append(block)
-        requests.append(DraftRequest(budget, sequence.config.sampling, block, sequence.policy))
+        requests.append(DraftRequest(budget, sampling, block, policy))
     proposals = propose_all([s.drafter for s in decoding], contexts, requests)
     drafted = []
     for sequence, request, block, proposal in zip(decoding, requests, blocks, proposals):
-        verified = proposal.prefix(sequence.policy.trim(proposal, _forced_runs(sequence, proposal)))
-        if verified.tree.depth > request.budget:
-            raise TierspecError(f"{type(sequence.drafter).__name__} drafted {verified.tree.depth} tokens deep for a "
-                                f"budget of {request.budget}")
+        verified = proposal
+        if len(proposal.tree):  # an empty proposal is its own trim (a policy's trim only chooses a length)
+            verified = proposal.prefix(sequence.policy.trim(proposal, _forced_runs(sequence, proposal)))
+            if verified.tree.depth > request.budget:
+                raise TierspecError(f"{type(sequence.drafter).__name__} drafted {verified.tree.depth} tokens deep for "
+                                    f"a budget of {request.budget}")
         verifiers = sequence.verifiers
         drafted.append(_Drafted(sequence, proposal, verified, block, verifiers.target_calls, verifiers.slim_calls,
                                 verifiers.pass_seconds, sequence.grammar_seconds))
@@ -731,24 +746,35 @@ def _decide(drafted: list[_Drafted], scores: list[Scores]) -> list[Verdict]:
     verdicts: list[Verdict | None] = [None] * len(drafted)
     matched = [i for i, d in enumerate(drafted) if d.by_target_tokens]
     if matched:
-        samplings = [drafted[i].sequence.config.sampling for i in matched]
-        greedy = [sampling.greedy for sampling in samplings]
-        maxima = [scores[i].first_maxima for i in matched]
-        maxima = None if any(m is None for m in maxima) else maxima[0] if len(maxima) == 1 else \
-            [token for rows in maxima for token in rows]
-        # The draws the pass made for sampled chains, every row of the others marked as not drawn
-        drawn = [scores[i].keyed_draws is not None for i in matched]
+        # The batch's lists in one sweep over the matched sequences: the draft tokens, each row's
+        # maxima where the pass found every sequence's (a greedy walk then reads no logits) and the
+        # draws the pass made for sampled chains (every row of the others marked as not drawn).
+        tokens, num_drafts, samplings, blocks, maxima, drawn = [], [], [], [], [], []
+        every_maximum, any_drawn, read = True, False, False
+        for i in matched:
+            d, score = drafted[i], scores[i]
+            tokens += d.proposal.token_list
+            num_drafts.append(len(d.proposal.tree))
+            sampling = d.sequence.config.sampling
+            samplings.append(sampling)
+            blocks.append(d.block)
+            if score.first_maxima is None:
+                every_maximum = False
+            elif every_maximum:
+                maxima += score.first_maxima
+            drawn.append(score.keyed_draws)
+            if score.keyed_draws is not None:
+                any_drawn = True
+            elif not sampling.greedy:
+                read = True  # a sampled walk draws the rows the pass did not
         draws = None
-        if any(drawn):
-            draws = [token for i in matched for token in (
-                scores[i].keyed_draws or [NOT_DRAWN] * (len(drafted[i].proposal) + 1))]
+        if any_drawn:
+            draws = [token for k, rows in zip(num_drafts, drawn) for token in (rows or [NOT_DRAWN] * (k + 1))]
         # The logits are joined only where a walk reads them: a greedy one where the pass found no
         # maxima, a sampled one whose rows the pass did not draw.
-        read = any(maxima is None if is_greedy else not drew for is_greedy, drew in zip(greedy, drawn))
-        batch = ChainBatch([token for i in matched for token in drafted[i].proposal.token_list],
-                           [len(drafted[i].proposal) for i in matched],
-                           rows_together([scores[i].logits for i in matched]) if read else None,
-                           samplings, [drafted[i].block for i in matched], maxima, draws)
+        read = read or (not every_maximum and any(sampling.greedy for sampling in samplings))
+        batch = ChainBatch(tokens, num_drafts, rows_together([scores[i].logits for i in matched]) if read else None,
+                           samplings, blocks, maxima if every_maximum else None, draws)
         for i, walk in zip(matched, chain_batch_walks(batch)):
             verdicts[i] = drafted[i].sequence.rule.verdict(walk)
     for i, d in enumerate(drafted):
@@ -782,31 +808,34 @@ def _conclude(d: _Drafted, verdict: Verdict, draft_seconds: float, seconds: floa
     """Commit the verdict and report the cycle: the accepted path + the correction/bonus token,
     cut at EOS and the budget; the policy learns from the drafter's part of it."""
     sequence, proposal = d.sequence, d.proposal
-    verifiers, policy = sequence.verifiers, sequence.policy
+    verifiers = sequence.verifiers
     path = verdict.path
     if path:  # the accepted drafts' tokens
         tokens = proposal.token_list
         emitted = [tokens[node] for node in path] + [verdict.next_token]
     else:
         emitted = [verdict.next_token]
-    new_tokens, finished, records = _commit(sequence, emitted, verdict.path)
-    policy.observe(_policy_outcome(d.drafted, proposal, verdict))
+    new_tokens, finished, records = _commit(sequence, emitted, path)
+    if sequence.learns:
+        sequence.policy.observe(_policy_outcome(d.drafted, proposal, verdict))
+    drafted = len(proposal.tree)
+    accepted = len(path)
     cycle_stats = CycleStats(
-        drafted=len(proposal),
+        drafted,
         # A node is evaluated when its parent was reached: the accepted path's nodes and the child
         # tried below its end (the cycle's rejection; a chain's first rejected draft).
-        evaluated=verdict.accepted + int(walk_reached(proposal.tree, verdict.path)),
-        accepted=verdict.accepted,
-        emitted=len(new_tokens),
-        target_calls=verifiers.target_calls - d.target_calls,
-        slim_calls=verifiers.slim_calls - d.slim_calls,
-        drafter_calls=proposal.drafter_calls,
-        seconds=seconds,
-        draft_seconds=draft_seconds,
-        pass_seconds=verifiers.pass_seconds - d.pass_seconds,
-        grammar_seconds=sequence.grammar_seconds - d.grammar_seconds,
-        deciders=verdict.deciders[: len(new_tokens)],
-        tree_depth=proposal.tree.depth if sequence.tree_stats else None,
+        accepted + int(drafted > 0 and walk_reached(proposal.tree, path)),
+        accepted,
+        len(new_tokens),
+        verifiers.target_calls - d.target_calls,
+        verifiers.slim_calls - d.slim_calls,
+        proposal.drafter_calls,
+        seconds,
+        draft_seconds,
+        verifiers.pass_seconds - d.pass_seconds,
+        sequence.grammar_seconds - d.grammar_seconds,
+        verdict.deciders[: len(new_tokens)],
+        proposal.tree.depth if sequence.tree_stats else None,
     )
     return _step(sequence, Step(new_tokens, cycle_stats, finished, records, committed=sequence.committed,
                                 proposal=proposal, verdict=verdict))
@@ -854,12 +883,16 @@ def _commit(sequence: Sequence, new_tokens: list[int], path: list[int]) -> tuple
     tokens committed, whether generation is finished, their logprob records when the config asks)."""
     config, verifiers = sequence.config, sequence.verifiers
     finished = False
+    eos = sequence.eos
     for i, token in enumerate(new_tokens):
-        if token in sequence.eos:
+        if token in eos:
             new_tokens = new_tokens[: i + 1]
             finished = True
             break
-    new_tokens = new_tokens[: config.max_new_tokens - sequence.committed.generated_count]
+    committed = verifiers.committed
+    left = config.max_new_tokens - (committed.length - committed.prompt_length)
+    if len(new_tokens) > left:
+        new_tokens = new_tokens[:left]
     if sequence.constraint is not None:
         began = time.perf_counter()
         taken = sequence.constraint.advance(new_tokens)
@@ -872,10 +905,10 @@ def _commit(sequence: Sequence, new_tokens: list[int], path: list[int]) -> tuple
     records = None
     if config.logprobs is not None:
         records = token_logprobs(verifiers.scored_rows(new_tokens, path), new_tokens, config.sampling, config.logprobs)
-    committed = verifiers.commit(new_tokens, path)
-    sequence.noise.forget_before(committed)
-    finished = finished or sequence.committed.generated_count >= config.max_new_tokens
-    sequence.drafter.commit(committed)
+    length = verifiers.commit(new_tokens, path)
+    sequence.noise.forget_before(length)
+    finished = finished or length - committed.prompt_length >= config.max_new_tokens
+    sequence.drafter.commit(length)
     return new_tokens, finished, records
 
 
