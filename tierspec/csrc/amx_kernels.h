@@ -211,8 +211,7 @@ AMX_TARGET static KERNEL_INLINE void AMX_NAME(tile_int8_rows)(const matmul_args 
             const __m512 mn = _mm512_load_ps(scales + 48 * b + 32);
             for (int i = 0; i < rows; i++)
                 acc[i] = avx512_int8_scaled(kind, acc[i], _mm512_load_si512((const void *)(cs + 16 * i)),
-                                            _mm512_load_si512((const void *)(cs + 256 * halves + 16 * i)), d, mn, a->sums[(size_t)(m + i) * KB + b],
-                                            a->isums[(size_t)(m + i) * KB + b],
+                                            _mm512_load_si512((const void *)(cs + 256 * halves + 16 * i)), d, mn, a, (size_t)(m + i) * KB + b,
                                             halves ? a->half_isums + (size_t)(m + i) * (2 * KB) + 2 * b : NULL);
         }
         float vals[TILE];

@@ -85,6 +85,8 @@ typedef struct {
     const float *sums;    /* BF16, F32: each row's block sums [M, K/32]; INT8: block scales [M, K/32] */
     const int32_t *isums; /* INT8: block sums of the 8-bit values [M, K/32] */
     const int32_t *half_isums; /* INT8, Q6_K: sums of the 8-bit values per 16 [M, K/16] (its two scales a block) */
+    const float *offsets; /* INT8: s * (float)isum per row and block [M, K/32], the factor of a block's minimum
+                           * (Q4, Q4_K, Q5_K): made once a product, not once a tile of 16 outputs */
     int M;
     float *out;
     int ldo;        /* out's row stride (floats) */

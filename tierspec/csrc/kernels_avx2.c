@@ -458,9 +458,8 @@ AVX2_TARGET static KERNEL_INLINE void tile_int8_avx2_rows(const matmul_args *a, 
                 __m256 si = _mm256_set1_ps(s[(size_t)i * KB]);
                 switch (kind) {
                 case KIND_Q4: case KIND_Q4K: case KIND_Q5K: {
-                    float offset = s[(size_t)i * KB] * (float)a->isums[(size_t)(m0 + i) * KB + b];
                     acc[i][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[i][h][0]), _mm256_mul_ps(d[0], si), acc[i][h]);
-                    acc[i][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(offset), acc[i][h]);
+                    acc[i][h] = _mm256_fmadd_ps(mn, _mm256_set1_ps(a->offsets[(size_t)(m0 + i) * KB + b]), acc[i][h]);
                     break;
                 }
                 case KIND_Q8:

@@ -51,8 +51,7 @@ VNNI_TARGET static KERNEL_INLINE void tile_int8_vnni_rows(const matmul_args *a, 
                 }
             }
             for (int i = 0; i < mt; i++)
-                acc[i] = avx512_int8_scaled(kind, acc[i], _mm512_add_epi32(c0[i], c1[i]), c1[i], d, mn, a->sums[(size_t)(m0 + i) * KB + b],
-                                            a->isums[(size_t)(m0 + i) * KB + b], NULL);
+                acc[i] = avx512_int8_scaled(kind, acc[i], _mm512_add_epi32(c0[i], c1[i]), c1[i], d, mn, a, (size_t)(m0 + i) * KB + b, NULL);
             break;
         }
         case KIND_Q4: case KIND_Q4K: case KIND_Q5K: case KIND_Q6K: {
@@ -75,9 +74,8 @@ VNNI_TARGET static KERNEL_INLINE void tile_int8_vnni_rows(const matmul_args *a, 
                 }
             }
             for (int i = 0; i < mt; i++) /* Q6_K: its halves' chains apart; otherwise the two chains summed */
-                acc[i] = avx512_int8_scaled(kind, acc[i], halves ? c0[i] : _mm512_add_epi32(c0[i], c1[i]), c1[i], d, mn,
-                                            a->sums[(size_t)(m0 + i) * KB + b], a->isums[(size_t)(m0 + i) * KB + b],
-                                            halves ? a->half_isums + (size_t)(m0 + i) * (2 * KB) + 2 * b : NULL);
+                acc[i] = avx512_int8_scaled(kind, acc[i], halves ? c0[i] : _mm512_add_epi32(c0[i], c1[i]), c1[i], d, mn, a,
+                                            (size_t)(m0 + i) * KB + b, halves ? a->half_isums + (size_t)(m0 + i) * (2 * KB) + 2 * b : NULL);
             break;
         }
         default: UNKNOWN_KIND();

@@ -139,11 +139,16 @@ static void linear_scored(const packed_weight *w, const float *x, int M, float *
     size_t rows_bytes = ((size_t)padded * w->K * row_bytes(w->layout) + 63) & ~(size_t)63;
     size_t sums_bytes = ((size_t)M * KB * 4 + 63) & ~(size_t)63;
     size_t halves_bytes = halves ? ((size_t)M * KB * 8 + 63) & ~(size_t)63 : 0;
-    char *mem = scratch_get(&scratch_rows, rows_bytes + 2 * sums_bytes + halves_bytes);
+    char *mem = scratch_get(&scratch_rows, rows_bytes + 3 * sums_bytes + halves_bytes);
     float *sums = (float *)(mem + rows_bytes);
     int32_t *isums = (int32_t *)(mem + rows_bytes + sums_bytes);
-    int32_t *half_isums = halves ? (int32_t *)(mem + rows_bytes + 2 * sums_bytes) : NULL;
-    if (w->layout == LAYOUT_INT8) kernels.prepare_int8(x, M, w->K, (int8_t *)mem, sums, isums);
+    float *offsets = (float *)(mem + rows_bytes + 2 * sums_bytes);
+    int32_t *half_isums = halves ? (int32_t *)(mem + rows_bytes + 3 * sums_bytes) : NULL;
+    if (w->layout == LAYOUT_INT8) {
+        kernels.prepare_int8(x, M, w->K, (int8_t *)mem, sums, isums);
+        /* the minimum's factor of each row's block, as every 8-bit kernel took it a tile at a time: the same float */
+        for (size_t i = 0; i < (size_t)M * KB; i++) offsets[i] = sums[i] * (float)isums[i];
+    }
     else if (w->layout == LAYOUT_BF16) kernels.prepare_bf16(x, M, w->K, (uint16_t *)mem, sums);
     else kernels.prepare_f32(w->round_rows, x, M, w->K, (float *)mem, sums);
     if (halves) half_block_sums((const int8_t *)mem, M, w->K, half_isums);
@@ -161,7 +166,7 @@ static void linear_scored(const packed_weight *w, const float *x, int M, float *
     for (int p = 0; p < count; p++) {
         const packed_weight *part = parts[p];
         int row0 = w->parts ? w->part_row0[p] : 0;
-        task.a[p] = (matmul_args){part, mem, sums, isums, half_isums, M, out + row0, ldo, accumulate};
+        task.a[p] = (matmul_args){part, mem, sums, isums, half_isums, offsets, M, out + row0, ldo, accumulate};
         task.kernel[p] = kernels.tile[w->layout][part->kind];
         task.column0[p] = row0;
         task.first_chunk[p + 1] = task.first_chunk[p] + ((part->N + TILE - 1) / TILE + per - 1) / per;
