@@ -612,7 +612,7 @@ def _propose(decoding: list[Sequence]) -> list[_Drafted]:
         contexts.append(committed.context)
         position = committed.length
         # Never draft past the budget: the cycle emits at most (drafts on the path) + 1 tokens.
-        budget = max(0, min(policy.max_draft, sequence.config.max_new_tokens - (position - committed.prompt_length) - 1))
+        budget = max(0, min(policy.max_draft, sequence.tokens_left - 1))
         if budget and sequence.constraint is not None and _forced_next(sequence):
             budget = 0  # the constraint's forced tokens are this cycle's drafts (``_constrain``): no drafter steps
         # Draft token i (a node at depth i + 1) and the token after the drafts sit at position + i.
@@ -889,8 +889,7 @@ def _commit(sequence: Sequence, new_tokens: list[int], path: list[int]) -> tuple
             new_tokens = new_tokens[: i + 1]
             finished = True
             break
-    committed = verifiers.committed
-    left = config.max_new_tokens - (committed.length - committed.prompt_length)
+    left = sequence.tokens_left
     if len(new_tokens) > left:
         new_tokens = new_tokens[:left]
     if sequence.constraint is not None:
@@ -907,7 +906,7 @@ def _commit(sequence: Sequence, new_tokens: list[int], path: list[int]) -> tuple
         records = token_logprobs(verifiers.scored_rows(new_tokens, path), new_tokens, config.sampling, config.logprobs)
     length = verifiers.commit(new_tokens, path)
     sequence.noise.forget_before(length)
-    finished = finished or length - committed.prompt_length >= config.max_new_tokens
+    finished = finished or sequence.tokens_left <= 0
     sequence.drafter.commit(length)
     return new_tokens, finished, records
 

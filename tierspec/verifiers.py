@@ -374,11 +374,10 @@ class Verifiers:
         (``Drafter.wants_features``): the pass copies none out and their log has no rows for the
         positions it commits. ``draws``: the keyed draws the pass may make of the rows (``RowDraws``; not
         where modifiers or masks change the logits after the pass: then the rule draws from those)."""
-        start = self.full_length
-        if self.runner.length > start:
-            self._full_model_kv_only()  # slim-only KV is recomputed in this pass
+        self._full_model_kv_only()  # slim-only KV is recomputed in this pass
         if self.modifiers is not None or masks is not None:
             draws = None
+        start = self.full_length
         tree = proposal.tree
         rows, m = self.committed.length - start, len(tree)
         extra = self._pad_count(rows + m) if pad else 0
@@ -481,21 +480,17 @@ class Verifiers:
         if len(path) > record.nodes or (path and max(path) >= record.nodes) or len(new_tokens) > len(path) + 1:
             raise ValueError(f"a verdict on {record.nodes} nodes commits a path of them and one token more; "
                              f"got path {path} and {len(new_tokens)} tokens")
-        if record.hidden is not None or not record.chain:  # a chain's KV sits where it belongs already
-            self._keep_path(record, path)
+        self._keep_path(record, path)
         committed = self.committed
         committed.extend(new_tokens)
         if self._generated_counts is not None:
             self._generated_counts = self._generated_counts + token_counts(torch.tensor(new_tokens, dtype=torch.long),
                                                                            self._generated_counts.shape[0])
         keep = committed.length - 1  # the last committed token is fed with the next draft
-        runner = self.runner
-        if runner.length > keep:
-            runner.rollback(keep)
-        if self.full_length > keep:
-            self.full_length = keep
+        self.runner.rollback(min(self.runner.length, keep))
+        self.full_length = min(self.full_length, keep)
         if self.features is not None:
-            self.features.commit(runner.length, written=record.hidden is not None)
+            self.features.commit(self.runner.length, written=record.hidden is not None)
         return committed.length
 
     def _keep_path(self, record: PassRecord, path: list[int]) -> None:
