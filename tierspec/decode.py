@@ -685,12 +685,17 @@ def _cut_to_the_batch(drafted: list[_Drafted], passes: PassBackend, max_rows: in
     """Cut the batchable sequences' chains to what pays for the batch's pass (``batch_lengths``),
     then every proposal to the row budget (largest first). A sequence that keeps its solo text
     only with its own drafts (a lossy rule) keeps them."""
-    proposals = [d.proposal for d in drafted]
-    reaches = [_reach(d.sequence, d.proposal) if d.sequence.batchable else None for d in drafted]
-    lengths = batch_lengths(proposals, reaches, _pass_seconds(drafted))
+    # An empty proposal has nothing to cut: it is one row of the pass and one token, nothing to choose.
+    drafting = [d for d in drafted if len(d.proposal.tree)]
+    if not drafting:
+        return
+    others = len(drafted) - len(drafting)
+    proposals = [d.proposal for d in drafting]
+    reaches = [_reach(d.sequence, d.proposal) if d.sequence.batchable else None for d in drafting]
+    lengths = batch_lengths(proposals, reaches, _pass_seconds(drafted), others)
     if max_rows is not None:
-        lengths = _fit_rows(lengths, max_rows)
-    for d, length in zip(drafted, lengths):
+        lengths = _fit_rows(lengths, max_rows - others)
+    for d, length in zip(drafting, lengths):
         if length < len(d.proposal):
             d.proposal = d.proposal.prefix(length)
 
@@ -914,19 +919,21 @@ def _commit(sequence: Sequence, new_tokens: list[int], path: list[int]) -> tuple
 # ---- a batch's draft lengths ---------------------------------------------------------------------
 
 
-def batch_lengths(proposals: list[Proposal], reaches: list[list[float] | None], pass_seconds) -> list[int]:
+def batch_lengths(proposals: list[Proposal], reaches: list[list[float] | None], pass_seconds,
+                  others: int = 0) -> list[int]:
     """How many of each proposal's drafts the batch verifies this cycle: the lengths that maximise
     the batch's expected emitted tokens per second, from ``pass_seconds(rows)`` (the measured cost
     of a pass of that many rows) and each proposal's chance of reaching each of its drafts (its
     policy's learned acceptance, ``reaches[i][j]``: P(drafts 0..j all accepted); None: keep it whole).
+    ``others``: sequences of the pass with no drafts (a row and a token each).
 
     Greedy on marginal value: start every proposal at no draft (its one row), then repeatedly take
     the next draft of the proposal whose next draft adds the most expected tokens, while that raises
     the batch's expected tokens per second. A longer batch makes every row dearer, so drafts shrink
     as it grows; when a draft no longer pays, none is verified."""
     lengths = [len(p) if reach is None else 0 for p, reach in zip(proposals, reaches)]
-    rows = len(proposals) + sum(lengths)
-    expected = float(len(proposals)) + sum(len(p) for p, reach in zip(proposals, reaches) if reach is None)
+    rows = len(proposals) + others + sum(lengths)
+    expected = float(len(proposals) + others) + sum(len(p) for p, reach in zip(proposals, reaches) if reach is None)
     rate = expected / pass_seconds(rows)
     while True:
         best, gain = None, 0.0

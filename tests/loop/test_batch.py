@@ -245,6 +245,11 @@ def test_batch_lengths_take_the_drafts_that_pay():
     # the best next draft first: the second proposal's 0.8 before the first's 0.3
     assert batch_lengths([P([1, 2]), P([1])], [[0.9, 0.3], [0.8]], lambda rows: 1.0 + 0.2 * rows) == [1, 1]
     assert batch_lengths([P([1, 2])], [None], steep) == [2]  # no learned acceptance: as drafted
+    # sequences that drafted nothing make every row dearer: a draft kept 0.3 of the time pays alone
+    # (1.3 / 1.25 > 1 / 1), not beside 8 one-row sequences (9.3 / 3.25 < 9 / 3), counted or listed
+    assert batch_lengths([P([1])], [[0.3]], affine) == [1]
+    assert batch_lengths([P([1])], [[0.3]], affine, others=8) == [0]
+    assert batch_lengths([P([1])] + [P([])] * 8, [[0.3]] + [None] * 8, affine) == [0] * 9
 
 
 def test_a_policy_in_a_batch_costs_its_drafts_as_the_batch_passes():
