@@ -22,4 +22,8 @@ step spec_bench_t1_stop65 tierspec bench --dataset spec_bench --per-category 5 -
     --seed 0 --methods ar,hybrid,llamacpp-greedy --out $out/spec_bench-t1-stop65 --no-progress
 step pass_cost_stop65 python benchmarks/pass_cost.py --configs auto:auto --llamacpp --rounds 7 --out $out/pass_cost_stop65.md
 step prefill_stop65 python benchmarks/prefill.py --configs auto --rounds 3 --openvino --out $out/prefill_stop65.md
+step prefill_2048_stop65 python benchmarks/prefill.py --configs auto --rounds 3 --openvino --tokens 2048 \
+    --out $out/prefill_2048_stop65.md
+step kquant_stop65 python benchmarks/kquant_passes.py gemma3-270m smollm2-135m --dtypes auto --rounds 3
+step memory_startup_stop65 python benchmarks/memory_startup.py --repeats 3 --out $out/memory_startup_stop65.md
 echo "all done $(date -u +%FT%TZ)"
