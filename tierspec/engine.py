@@ -73,7 +73,9 @@ def probe() -> dict:
     """What the engine found at import: ``isa`` (the path in use), ``best`` (the most this CPU and
     OS run), ``cap`` (``TIERSPEC_ENGINE_ISA`` or None), ``features`` (CPUID's and the OS's flags),
     ``amx`` and ``amx_reason`` (why AMX is not used: not listed, not granted by Linux, or its probe
-    child killed by a tile instruction), and ``paths``: the path each kernel takes per numerics."""
+    child killed by a tile instruction), ``paths``: the path each kernel takes per numerics, and
+    ``pass_rows``: the rows per chunk of a long pass (a prefill runs through every layer a chunk at a
+    time; the AMX path takes larger chunks, which its tiles amortise their weights' setup over)."""
     return engine().probe()
 
 

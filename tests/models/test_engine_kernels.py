@@ -404,7 +404,7 @@ def test_bfloat16_dot_products_match_the_reference_within_their_rounding(path, k
 
 
 # the AMX int8 tiles take 64 rows and more (kernels_amx.c), VNNI's kernel fewer, both the reference's bits
-AMX_INT8_ROW_COUNTS = [1, 16, 63, 64, 65, 127, 128, 150]
+AMX_INT8_ROW_COUNTS = [1, 16, 63, 64, 65, 127, 128, 150, 256, 257, 300]  # a call takes up to 256 rows
 
 
 @pytest.mark.skipif("amx" not in PATHS, reason=f"no AMX here: {AMX_REASON}")
@@ -461,7 +461,8 @@ def tiny(tmp_path_factory):
     return write_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf-kernels"), seed=11)
 
 
-LONG_PROMPT = (torch.arange(150) * 37 + 5) % 256  # longer than a chunk of a long pass (PASS_ROWS rows)
+#: Longer than a chunk of a long pass on every path (``engine.probe()["pass_rows"]``: 64, or the AMX path's 256).
+LONG_PROMPT = (torch.arange(300) * 37 + 5) % 256
 CONTRACT_NUMERICS = [torch.float32, torch.int8] + ([torch.bfloat16] if NATIVE_BF16 else [])
 
 
@@ -503,10 +504,10 @@ def test_a_tokens_logits_do_not_depend_on_its_pass_or_the_threads_on_every_path(
         _emulated_available()
     model = _load(which, tiny, tiny_q4_k_m, numerics_for(dtype))
     runner = CachedModel(model)
-    prompt = LONG_PROMPT[:80]
     with torch.inference_mode(), kernels(path):
+        prompt = LONG_PROMPT[: engine.probe()["pass_rows"] + 16]
         with _threads(2):
-            whole = runner.forward(prompt).logits  # one pass of 80 rows: two chunks
+            whole = runner.forward(prompt).logits  # one pass of a chunk and 16 rows: two chunks
             runner.rollback(0)
             alone = torch.cat([runner.forward(prompt[i : i + 1]).logits for i in range(16)])
         assert torch.equal(alone, whole[:16])

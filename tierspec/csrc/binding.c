@@ -794,6 +794,7 @@ static PyObject *py_probe(PyObject *self, PyObject *unused) {
         set_item(out, "cap", cpu.cap_set ? PyUnicode_FromString(isa_names[cpu.cap]) : Py_NewRef(Py_None)) ||
         set_item(out, "amx", PyBool_FromLong(cpu.amx)) ||
         set_item(out, "amx_reason", PyUnicode_FromString(cpu.amx_reason)) ||
+        set_item(out, "pass_rows", PyLong_FromLong(kernels.pass_rows)) ||
         PyDict_SetItemString(out, "features", features) || PyDict_SetItemString(out, "paths", paths))
         goto fail;
     Py_DECREF(features);

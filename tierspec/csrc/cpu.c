@@ -181,6 +181,7 @@ void select_kernels(int level) {
     kernel_set k;
     memset(&k, 0, sizeof k);
     install_portable(&k);
+    k.pass_rows = PASS_ROWS;
     if (level >= ISA_AVX2) install_avx2(&k);
     if (level >= ISA_AVX512) install_avx512(&k);
     if (level >= ISA_AVX512VNNI) install_vnni(&k);

@@ -242,9 +242,16 @@ typedef struct {
      * fl(x_i + g(token0 + i)) in *value and its token in *token, the first of equal ones; returns KEYED_FOUND,
      * or KEYED_NAN / KEYED_ELSEWHERE (then *value and *token are unset). Every path gives the same bits. */
     int (*keyed_max)(const float *x, int64_t n, int64_t token0, uint64_t key, float *value, int64_t *token);
+    /* rows per chunk of a long pass (layer.c's run_pass): PASS_ROWS, or what the tile kernels amortise
+     * their per-call work over (AMX: each block's B tile is made once per call, for all its rows) */
+    int pass_rows;
     int isa[OPS]; /* which path serves each of the functions above (reports) */
 } kernel_set;
 
+
+/* Rows per chunk of a long pass where no path asks for more: measured on the default model
+ * (benchmarks/prefill.py) before the AMX path ran; a row's results never depend on the chunking. */
+#define PASS_ROWS 64
 
 /* The kernels in use, composed by select_kernels from every path up to cpu.level. */
 extern kernel_set kernels;

@@ -10,9 +10,14 @@
  * stores (the nibbles widened) waits for them to reach the cache before tileloadd (41.5 ns a block
  * against 16.5 loaded from memory, in a loop of those instructions), which a row's 8 vpdpbusd
  * undercut. Block by block over 16 rows (three arrangements tried) the tiles lost or tied at every
- * width. Made once for up to 64 rows (AMX_INT8_CALL_ROWS), the Bs cost once: passes of 64 / 128 rows
+ * width. Made once for up to 64 rows (AMX_INT8_CALL_ROWS then), the Bs cost once: passes of 64 / 128 rows
  * 59.5 / 111.7 ms against VNNI's 59.9 / 124.2 and a 1,024-token prefill 0.87 s against 0.91
- * (benchmarks/isa_compare.py; docs/engine.md has the rest), nothing gained below 64 rows.
+ * (benchmarks/isa_compare.py; docs/engine.md has the rest), nothing gained below 64 rows. A long pass
+ * ran in chunks of 64 rows, so no call saw more; with the AMX path a long pass runs in chunks of
+ * AMX_PASS_ROWS (``kernels.pass_rows``) and each call takes them all: a B made once for 256 rows. The
+ * default model's 1,024-token prefill 0.570 / 0.569 -> 0.539 / 0.537 s (two rounds of
+ * benchmarks/prefill.py, medians of 3; 128 rows read 0.552 / 0.527), float32 and bfloat16 rows no
+ * slower (1.250 / 1.206 -> 1.206 / 1.179 s, 0.791 / 0.750 -> 0.749 / 0.743).
  *
  * The same kernels over a plain-C emulation of the tile instructions (``emulated``, tests only) are
  * the reference of the tile math and let a CPU without AMX check the kernels' layouts. */
@@ -33,9 +38,11 @@ typedef struct {
 static_assert(sizeof(tile_config) == 64, "ldtilecfg reads 64 bytes");
 
 /* 8-bit products take the tiles from AMX_INT8_ROWS rows (VNNI's kernel below: the same bits), up to
- * AMX_INT8_CALL_ROWS rows a call, each block's B made once for them all (above: why). */
+ * AMX_INT8_CALL_ROWS rows a call, each block's B made once for them all, and a long pass runs in chunks
+ * of as many rows (above: why). */
 #define AMX_INT8_ROWS 64
-#define AMX_INT8_CALL_ROWS 64
+#define AMX_INT8_CALL_ROWS 256
+#define AMX_PASS_ROWS AMX_INT8_CALL_ROWS
 
 /* ---- the real tiles ----
  * The configuration and the tiles' loads and stores are written here as inline assembly, not taken
@@ -175,6 +182,7 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8"))) int amx_selftest(void) {
 }
 
 void install_amx(kernel_set *k) {
+    k->pass_rows = AMX_PASS_ROWS;
     for (int kind = 0; kind < KINDS; kind++) {
         k->tile[LAYOUT_BF16][kind] = (tile_kernel){amx_tile_bf16, 16, ISA_AMX, NULL, 0, 0, amx_enter, amx_leave};
         tile_kernel vnni = k->tile[LAYOUT_INT8][kind];

@@ -10,7 +10,7 @@
  * cache, so a row's results are what its sequence's own pass gives. Everything between the products
  * is computed row by row, so a row's results never depend on the others.
  *
- * Long passes (a prompt's prefill) run in chunks of PASS_ROWS rows through all the layers, one chunk
+ * Long passes (a prompt's prefill) run in chunks of ``kernels.pass_rows`` rows through all the layers, one chunk
  * after the other: a row's attention needs the keys of the rows before it, which an earlier chunk
  * (or its own) has written by then, so a chunked pass gives exactly the unchunked pass's numbers
  * (the products are row-independent). Why chunks: the activations of a chunk stay in the caches
@@ -19,9 +19,6 @@
 #include <string.h>
 
 #include "engine.h"
-
-/* Rows per chunk of a long pass: measured on the default model (benchmarks/prefill.py). */
-#define PASS_ROWS 64
 
 static _Thread_local scratch_t scratch_main, scratch_scores;
 
@@ -303,7 +300,7 @@ void run_pass(const pass_desc *p) {
     int H = p->layers[p->first < p->last ? p->first : 0]->hidden;
     /* a mask over every slot may let a row see a later new row: such a pass (the draft head's few
      * rows) is never split */
-    int chunk = PASS_ROWS;
+    int chunk = kernels.pass_rows;
     for (int i = 0; i < p->count; i++)
         if (p->segments[i].every_slot && p->segments[i].attends) chunk = p->rows;
     for (int c0 = 0; c0 < p->rows; c0 += chunk) {
