@@ -15,4 +15,7 @@ for round in 1 2; do
         done
     done
 done
+step prefill_final_stop65 python benchmarks/prefill.py --configs auto --rounds 3 --openvino --out $out/prefill_final_stop65.md
+step prefill_final_2048_stop65 python benchmarks/prefill.py --configs auto --rounds 3 --openvino --tokens 2048 \
+    --out $out/prefill_final_2048_stop65.md
 echo "all done $(date -u +%FT%TZ)"
