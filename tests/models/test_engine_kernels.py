@@ -505,18 +505,22 @@ def test_a_tokens_logits_do_not_depend_on_its_pass_or_the_threads_on_every_path(
     model = _load(which, tiny, tiny_q4_k_m, numerics_for(dtype))
     runner = CachedModel(model)
     with torch.inference_mode(), kernels(path):
-        prompt = LONG_PROMPT[: engine.probe()["pass_rows"] + 16]
+        chunk = engine.probe()["pass_rows"]
+        prompt = LONG_PROMPT[: chunk + 16]
         with _threads(2):
             whole = runner.forward(prompt).logits  # one pass of a chunk and 16 rows: two chunks
             runner.rollback(0)
             alone = torch.cat([runner.forward(prompt[i : i + 1]).logits for i in range(16)])
         assert torch.equal(alone, whole[:16])
-        for width in (2, 3, 8, 64):
+        # (start, width): passes inside the first chunk, and one across where the long pass was cut
+        for start, width in ((7, 2), (7, 3), (7, 8), (7, 64), (chunk - 4, 20)):
             for threads in (1, 3):
                 with _threads(threads):
-                    runner.rollback(7)
-                    inside = runner.forward(prompt[7 : 7 + width]).logits
-                assert torch.equal(inside, whole[7 : 7 + width]), (width, threads)
+                    if runner.length < start:  # the cache refilled up to the pass's start
+                        runner.forward(prompt[runner.length : start])
+                    runner.rollback(start)
+                    inside = runner.forward(prompt[start : start + width]).logits
+                assert torch.equal(inside, whole[start : start + width]), (start, width, threads)
 
 
 @pytest.mark.parametrize("path", PATHS + ("amx-emulated",))

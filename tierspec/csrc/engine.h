@@ -249,8 +249,8 @@ typedef struct {
 } kernel_set;
 
 
-/* Rows per chunk of a long pass where no path asks for more: measured on the default model
- * (benchmarks/prefill.py) before the AMX path ran; a row's results never depend on the chunking. */
+/* Rows per chunk of a long pass where no path asks for more (chosen on the default model's prefill,
+ * benchmarks/prefill.py); a row's results never depend on the chunking. */
 #define PASS_ROWS 64
 
 /* The kernels in use, composed by select_kernels from every path up to cpu.level. */
