@@ -210,7 +210,9 @@ def _ar(target, drafter_model, options) -> Method:
         refuse(num_draft)
         return NoDrafter(), FixedLength(0)
 
-    return _method("ar", "plain autoregressive decoding", ExactRule(options.sampling_rule), parts)
+    # Plain decoding's sampled tokens are the same under both sampling rules: none to choose.
+    _moot(options, "sampling_rule", "plain decoding drafts nothing for a sampling rule to keep")
+    return _method("ar", "plain autoregressive decoding", ExactRule(), parts)
 
 
 def _forced(target, drafter_model, options) -> Method:
@@ -221,8 +223,9 @@ def _forced(target, drafter_model, options) -> Method:
         # Drafts nothing of its own; a policy that may draft lets the loop append the forced tokens.
         return NoDrafter(), FixedLength(FORCED_PER_CYCLE)
 
+    _moot(options, "sampling_rule", "its only drafts are the constraint's forced tokens, which every rule keeps")
     return _method("forced", "plain decoding whose only drafts are a constraint's forced tokens (jump-forward "
-                   "decoding); without a constraint it is ar", ExactRule(options.sampling_rule), parts)
+                   "decoding); without a constraint it is ar", ExactRule(), parts)
 
 
 def _model_drafter(target: LoadedModel, drafter_model: LoadedModel | None) -> Callable[[], ModelDrafter]:
@@ -396,18 +399,39 @@ def _lossy_parts(make_drafter: Callable[[], Drafter], options: MethodOptions, ta
     """A lossy rule's parts: its drafter and draft-length policy (a cost-aware one holds the
     pass-cost table the loop pads passes with).
 
-    The trained draft head drafts with the cost-aware policy, as in ``eagle`` (it learns the
-    acceptance of whatever rule verifies); a stop threshold (BiLD's fallback: part of that
-    method) or a self-drafter stops below a confidence; other drafters draft γ tokens."""
+    A stop threshold (BiLD's fallback: part of that method) or a self-drafter stops the block below
+    a confidence; otherwise the trained draft head drafts with the cost-aware policy, as in
+    ``eagle`` (it learns the acceptance of whatever rule verifies), and other drafters draft γ
+    tokens. A drafter without a distribution (n-gram lookup) has no confidence to stop on:
+    its fallback is moot (``_gated``)."""
     from .drafters.eagle import EagleDrafter
 
     probe = make_drafter()
+    if (stop is not None and probe.has_distribution) or isinstance(probe, SelfSpeculativeDrafter):
+        return lambda n: (make_drafter(), _confidence_stop(n, options, stop))
     if isinstance(probe, EagleDrafter):
         cost_aware = _cost_aware(target, options, probe)
         return lambda n: (make_drafter(), cost_aware(n))
-    if stop is not None or isinstance(probe, SelfSpeculativeDrafter):
-        return lambda n: (make_drafter(), _confidence_stop(n, options, stop))
     return lambda n: (make_drafter(), FixedLength(_draft_count(n, options, FIXED_DRAFT)))
+
+
+def _moot(options: MethodOptions, name: str, why: str) -> None:
+    """Note that option ``name`` cannot change this method, and ``why`` (``build_method`` refuses it,
+    set, with that reason; a server's pooled options pass)."""
+    if isinstance(options, _Reads):
+        options.moot[name] = why
+
+
+def _gated(options: MethodOptions, make_drafter: Callable[[], Drafter], gates: tuple[str, ...], why: str) -> tuple:
+    """The values of a lossy rule's ``gates`` options: the options' where the method's drafter has a
+    distribution, else their defaults — without one (n-gram lookup) the gates take one fixed branch
+    whatever they are set to (``why``), so the options are moot (``_moot``)."""
+    if make_drafter().has_distribution:
+        return tuple(getattr(options, gate) for gate in gates)
+    for gate in gates:
+        _moot(options, gate, f"the drafter (n-gram lookup) has no distribution and {why}; draft with one that has "
+                              "(--draft-with eagle, --draft-with self with --draft-mask, or --drafter MODEL)")
+    return tuple(_DEFAULTS[gate] for gate in gates)
 
 
 def _lossy(target, drafter_model, options) -> Method:
@@ -417,15 +441,22 @@ def _lossy(target, drafter_model, options) -> Method:
 
 
 def _bild(target, drafter_model, options) -> Method:
-    parts = _lossy_parts(_drafter(target, drafter_model, options), options, target, stop=options.fallback)
+    make = _drafter(target, drafter_model, options)
+    (fallback,) = _gated(options, make, ("fallback",), "BiLD's fallback stops a block below the drafter's top probability")
+    parts = _lossy_parts(make, options, target, stop=fallback)
     return _method("bild", "BiLD: fallback when the drafter is unsure, rollback on unlikely tokens",
                    BildRule(options.rollback), parts)
 
 
 def _cascade(target, drafter_model, options) -> Method:
-    parts = _lossy_parts(_drafter(target, drafter_model, options), options, target)
-    return _method("cascade", "speculative cascades with a deferral rule",
-                   SpeculativeCascadeRule(options.deferral, options.alpha), parts)
+    make = _drafter(target, drafter_model, options)
+    deferral, alpha = _gated(options, make, ("deferral", "alpha"), "without one every position defers (exact "
+                             "speculative decoding)")
+    if deferral == "always":  # α weighs what a deferral compares: nothing, here
+        _moot(options, "alpha", "the deferral rule 'always' defers every position; choose --deferral chow, diff or opt")
+        alpha = _DEFAULTS["alpha"]
+    parts = _lossy_parts(make, options, target)
+    return _method("cascade", "speculative cascades with a deferral rule", SpeculativeCascadeRule(deferral, alpha), parts)
 
 
 def _csd(target, drafter_model, options) -> Method:
@@ -447,21 +478,24 @@ def _csd(target, drafter_model, options) -> Method:
 TARGET_LAG_BLOCKS = 4
 
 
-def _via_rule(options: MethodOptions, num_draft: int | None, judge: JudgeHead | None = None) -> ViaRule:
-    """VIA-SD's rule; its lag cap defaults to ``TARGET_LAG_BLOCKS`` blocks of the generation's γ."""
+def _via_rule(options: MethodOptions, num_draft: int | None, judge: JudgeHead | None = None,
+              alpha1: float | None = None) -> ViaRule:
+    """VIA-SD's rule; its lag cap defaults to ``TARGET_LAG_BLOCKS`` blocks of the generation's γ;
+    ``alpha1`` (None: the options')."""
     gamma = _draft_count(num_draft, options, FIXED_DRAFT)
     lag = options.max_target_lag if options.max_target_lag is not None else TARGET_LAG_BLOCKS * max(gamma, 1)
-    return ViaRule(options.alpha1, options.alpha2, lag, judge=judge, judge_threshold=options.judge_threshold)
+    return ViaRule(options.alpha1 if alpha1 is None else alpha1, options.alpha2, lag, judge=judge,
+                   judge_threshold=options.judge_threshold)
 
 
 def _tiered(name: str, description: str, options: MethodOptions, parts, judge: JudgeHead | None, mask: RoutingMask,
-            slim_vocabulary: SlimVocabulary | None) -> Method:
+            slim_vocabulary: SlimVocabulary | None, alpha1: float) -> Method:
     """A VIA-SD method: its rule's lag follows each generation's γ."""
     def make(num_draft):
         drafter, policy = parts(num_draft)
-        return GenerationParts(drafter, policy, _via_rule(options, num_draft, judge))
+        return GenerationParts(drafter, policy, _via_rule(options, num_draft, judge, alpha1))
 
-    return Method(name, description, _via_rule(options, None, judge), make, mask, slim_vocabulary)
+    return Method(name, description, _via_rule(options, None, judge, alpha1), make, mask, slim_vocabulary)
 
 
 def _slim_vocabulary(target: LoadedModel, options: MethodOptions) -> SlimVocabulary | None:
@@ -471,11 +505,19 @@ def _slim_vocabulary(target: LoadedModel, options: MethodOptions) -> SlimVocabul
     return SlimVocabulary(target.model, draft_head_for(target, options).draft_ids)
 
 
+def _via_parts(target, drafter_model, options):
+    """VIA-SD's drafter and policy maker, and its α1 (moot where the drafter has no distribution:
+    δ1 reads the drafter's top probability)."""
+    make = _drafter(target, drafter_model, options)
+    (alpha1,) = _gated(options, make, ("alpha1",), "without one every draft goes to the slim verifier (δ1 = 1)")
+    return _lossy_parts(make, options, target), alpha1
+
+
 def _via(target, drafter_model, options) -> Method:
     mask = _require_mask("via", target, options)
-    parts = _lossy_parts(_drafter(target, drafter_model, options), options, target)
+    parts, alpha1 = _via_parts(target, drafter_model, options)
     return _tiered("via", "VIA-SD: drafter → slim verifier (routing mask) → full target when unsure", options, parts,
-                   None, mask, _slim_vocabulary(target, options))
+                   None, mask, _slim_vocabulary(target, options), alpha1)
 
 
 def _require_judge(name: str, target: LoadedModel, options: MethodOptions):
@@ -501,9 +543,9 @@ def _judge(target, drafter_model, options) -> Method:
 def _via_judge(target, drafter_model, options) -> Method:
     head = _require_judge("via-judge", target, options)
     mask = _require_mask("via-judge", target, options)
-    parts = _lossy_parts(_drafter(target, drafter_model, options), options, target)
+    parts, alpha1 = _via_parts(target, drafter_model, options)
     return _tiered("via-judge", "VIA-SD with the judge at the full-verifier tier", options, parts, head, mask,
-                   _slim_vocabulary(target, options))
+                   _slim_vocabulary(target, options), alpha1)
 
 
 def _cost_table(target: LoadedModel, max_tokens: int) -> ForwardCosts:
@@ -744,15 +786,20 @@ class _Reads:
     """An object seen through, recording which of its attributes are read (``build_method``: an
     option no part of a method reads, or a drafter model it never touches, would change nothing)."""
 
-    __slots__ = ("_seen", "read")
+    __slots__ = ("_seen", "read", "moot")
 
     def __init__(self, seen):
         object.__setattr__(self, "_seen", seen)
         object.__setattr__(self, "read", set())
+        object.__setattr__(self, "moot", {})  # option → why it cannot change the method (``_moot``)
 
     def __getattr__(self, name: str):
         self.read.add(name)
         return getattr(self._seen, name)
+
+
+#: each option's default (what "set" is measured against)
+_DEFAULTS = {option.name: option.default for option in fields(MethodOptions)}
 
 
 def _flag(name: str) -> str:
@@ -782,10 +829,11 @@ def build_method(
     seen_options, seen_drafter = _Reads(options), None if drafter is None else _Reads(drafter)
     method = _BUILDERS[name](target, seen_drafter, seen_options)
     method.generation()  # what a generation reads counts too
-    unread = [f.name for f in fields(MethodOptions)
-              if getattr(options, f.name) != f.default and f.name not in seen_options.read]
+    unread = [f.name for f in fields(MethodOptions) if getattr(options, f.name) != f.default
+              and (f.name not in seen_options.read or f.name in seen_options.moot)]
     if unread:
-        given = ", ".join(f"{option} ({_flag(option)})" for option in unread)
+        given = ", ".join(f"{option} ({_flag(option)})" + (f" here: {seen_options.moot[option]}" if option in
+                                                             seen_options.moot else "") for option in unread)
         raise MethodOptionError(f"method '{name}' does not use {given}: {'it' if len(unread) == 1 else 'they'} would "
                                 "change nothing; leave it out or choose a method that uses it (tierspec generate --help "
                                 "says which)")

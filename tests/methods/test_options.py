@@ -61,10 +61,10 @@ USES = {
     "draft_head": ("eagle", "draft", {}, lambda d, p, r: d.head is not None),
     "alpha": ("lossy", 0.2, {}, lambda d, p, r: r.alpha == 0.2),
     "beta": ("lossy", 0.5, {}, lambda d, p, r: r.beta == 0.5),
-    "fallback": ("bild", 0.5, {}, lambda d, p, r: p.threshold == 0.5),
+    "fallback": ("bild", 0.5, {"drafter_kind": "model"}, lambda d, p, r: p.threshold == 0.5),
     "rollback": ("bild", 2.0, {}, lambda d, p, r: r.rollback == 2.0),
-    "deferral": ("cascade", "chow", {}, lambda d, p, r: r.deferral == "chow"),
-    "alpha1": ("via", 0.4, {"mask": MASK}, lambda d, p, r: r.alpha1 == 0.4),
+    "deferral": ("cascade", "chow", {"drafter_kind": "model"}, lambda d, p, r: r.deferral == "chow"),
+    "alpha1": ("via", 0.4, {"mask": MASK, "drafter_kind": "model"}, lambda d, p, r: r.alpha1 == 0.4),
     "alpha2": ("via", 0.4, {"mask": MASK}, lambda d, p, r: r.alpha2 == 0.4),
     "max_target_lag": ("via", 3, {"mask": MASK}, lambda d, p, r: r.max_target_lag == 3),
     "csd_model_positions": ("csd", 2, {}, lambda d, p, r: d.model_positions == 2),
@@ -115,6 +115,64 @@ def test_a_drafter_model_a_method_never_drafts_with_is_refused(target):
     build_method("lossy", target, drafter)  # auto: the drafter model
     with pytest.raises(MethodOptionError, match="drafts without a drafter model"):
         build_method("lossy", target, drafter, MethodOptions(drafter_kind="ngram"))
+
+
+# ---- options a method's drafter makes moot ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name, values, needs", [
+    ("cascade", {"deferral": "chow"}, {}),
+    ("cascade", {"alpha": 0.4}, {}),
+    ("bild", {"fallback": 0.9}, {}),
+    ("via", {"alpha1": 0.9}, {"mask": MASK}),
+    ("via-judge", {"alpha1": 0.9}, {"mask": MASK, "judge_head": "judge"}),
+])
+def test_a_gate_an_ngram_drafter_makes_moot_is_refused(name, values, needs, target, heads):
+    """Without a drafter distribution the gates take one branch whatever they are set to (cascade
+    defers every position, VIA-SD's δ1 is 1, BiLD has no confidence to stop on): refused, and taken
+    with a drafter that has one."""
+    with pytest.raises(MethodOptionError, match=r"does not use .* here: the drafter \(n-gram lookup\) has no distribution"):
+        build_method(name, target, None, _options(heads, **needs, **values))
+    build_method(name, target, None, _options(heads, **needs, **values, drafter_kind="model"))
+
+
+def test_alpha_is_refused_with_the_deferral_that_ignores_it(target, heads):
+    with pytest.raises(MethodOptionError, match="does not use alpha .*'always' defers every position"):
+        build_method("cascade", target, None, MethodOptions(deferral="always", alpha=0.3, drafter_kind="model"))
+
+
+@pytest.mark.parametrize("name", ["ar", "forced"])
+def test_a_sampling_rule_is_refused_where_nothing_is_drafted_to_keep(name, target):
+    with pytest.raises(MethodOptionError, match="does not use sampling_rule"):
+        build_method(name, target, None, MethodOptions(sampling_rule="residual"))
+
+
+def _run_stats(target, method, temperature=1.0):
+    """(the tokens, drafted, accepted, the tiers' shares): what a run did, none of its timings."""
+    config = DecodeConfig(max_new_tokens=32, sampling=tierspec.SamplingConfig(temperature))
+    run = DecodeRun(target, method, PROMPT, config, seed=5).finish()
+    stats = run.stats
+    return run.token_ids, stats.drafted, stats.accepted, stats.tier_fractions()
+
+
+def test_the_gates_change_what_they_gate(target, heads):
+    """Each gate option changes the run it gates (not only the object it is stored in): BiLD's
+    fallback with the draft head (it used to draft by the cost-aware policy whatever the fallback),
+    cascade's deferral and VIA-SD's α1 with a drafter model."""
+    head = {"drafter_kind": "eagle", "draft_head": heads["draft"]}
+    low = build_method("bild", target, None, MethodOptions(fallback=0.0, **head))
+    high = build_method("bild", target, None, MethodOptions(fallback=1.0, **head))
+    assert _run_stats(target, low)[1] > 0 == _run_stats(target, high)[1]
+    model = {"drafter_kind": "model"}
+    runs = {deferral: _run_stats(target, build_method("cascade", target, None, MethodOptions(deferral=deferral, **alpha,
+                                                                                             **model)))
+            for deferral, alpha in (("always", {}), ("chow", {"alpha": 0.9}))}
+    assert runs["always"] != runs["chow"]
+    # α2 = 1: the slim tier never defers to the target, so α1 alone picks the draft's or the slim distribution
+    slim = {alpha1: _run_stats(target, build_method("via", target, None, MethodOptions(mask=MASK, alpha1=alpha1, alpha2=1.0,
+                                                                                       **model)))
+            for alpha1 in (0.0, 1.0)}
+    assert slim[0.0] != slim[1.0]
 
 
 # ---- num_draft on every face ------------------------------------------------------------------------

@@ -78,7 +78,8 @@ def _mask(smollm):
         ("pearl", {"pearl_gamma": 3}),
         ("adaptive-pld", {}),
         ("lossy", {"alpha": 0.0, "beta": 1.0}),
-        ("cascade", {"deferral": "always"}),
+        ("cascade", {"deferral": "always", "drafter_kind": "eagle"}),  # the head's distribution, every position deferred
+        ("cascade", {}),  # n-gram lookup has no distribution: every position defers
         ("csd", {}),
     ],
 )

@@ -127,6 +127,9 @@ class Drafter:
     proposes: ClassVar[Shape] = Shape.CHAIN
     #: the drafter drafts in head steps (``drafting``), which a cycle runs for every such sequence at once
     drafts_in_head_steps: ClassVar[bool] = False
+    #: its drafts come with the distribution each was drawn from (and its confidence): what a lossy
+    #: rule's gates read (cascade's deferral, VIA-SD's δ1, BiLD's fallback); n-gram lookup has none
+    has_distribution: ClassVar[bool] = True
     needs_target_features = False
     feature_layers: tuple[int, ...] = ()  # decoder layers whose outputs the drafter reads beside f
     uses_target_cache = False
@@ -227,6 +230,8 @@ def streamed_weights(model: torch.nn.Module) -> int:
 class NoDrafter(Drafter):
     """Proposes nothing: with any rule the loop then emits one target token per cycle,
     i.e. plain autoregressive decoding."""
+
+    has_distribution = False
 
     def propose(self, context, request) -> Proposal:
         return Proposal.empty()

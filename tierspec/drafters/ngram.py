@@ -38,6 +38,8 @@ class NgramDrafter(Drafter):
     Each drafted token is labelled ("ngram", n) with the size n of the match that produced it:
     a draft-length policy learns how often each match size is right."""
 
+    has_distribution = False
+
     def __init__(self, ngram_size: int = 3, min_ngram_size: int = 1):
         if not 1 <= min_ngram_size <= ngram_size:
             raise TierspecError(f"need 1 <= min_ngram_size <= ngram_size, got {min_ngram_size}, {ngram_size}")
