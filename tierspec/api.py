@@ -245,6 +245,8 @@ class GenerationSettings:
             object.__setattr__(self, "options", MethodOptions())
         elif not isinstance(self.options, MethodOptions):
             raise TypeError(f"options must be a tierspec.methods.MethodOptions (or None), not {type(self.options).__name__}")
+        if self.chat_template not in (True, False):  # "no" is truthy: it would have meant the template
+            raise PromptError(f"chat_template is True or False, got {self.chat_template!r}")
 
 
 def grammar_spec(json_schema=None, json_object: bool = False, regex: str | None = None, grammar: str | None = None):
@@ -305,6 +307,11 @@ class _Prepared:
     def prompt_ids(self, prompt: str | list[int] | torch.Tensor) -> torch.Tensor:
         if isinstance(prompt, str):
             check_text(prompt)
+        elif isinstance(prompt, (list, tuple)) and not prompt:
+            raise PromptError("the prompt is empty (an empty list: give text, token ids, or a list of prompts)")
+        elif not isinstance(prompt, (list, tuple, torch.Tensor)):  # None, bytes: torch's own errors said less
+            raise PromptError(f"a prompt is text, token ids (a list or a tensor) or a list of prompts, not "
+                              f"{type(prompt).__name__}")
         return encode_prompt(self.target, prompt, self.chat_template)
 
 
@@ -318,7 +325,8 @@ def _prepare(settings: dict) -> _Prepared:
     target, drafter = _as_model(given.target), _as_model(given.drafter)
     config = DecodeConfig(max_new_tokens=given.max_new_tokens, sampling=sampling, eos_token_ids=eos_ids(target),
                           num_draft=given.num_draft, constraint=compiled_constraint(target, spec))
-    method = build_method(given.method or default_method(target, given.options), target, drafter, given.options)
+    name = default_method(target, given.options) if given.method is None else given.method  # "" is no method's name
+    method = build_method(name, target, drafter, given.options)
     parts = method.generation(config.num_draft)  # a num_draft the method refuses is refused now, not at the first token
     check_constraint_method(method, parts.rule, config)  # and a lossy method under a grammar
     return _Prepared(target, method, config, given.seed, given.chat_template)
@@ -330,6 +338,8 @@ def stream(prompt: str | list[int] | torch.Tensor, **settings) -> TextStream:
     (a ``TextStream``: iterate it or call ``next``; its ``stats`` and ``token_ids`` fill as it
     runs). ``prompt``: text (through the chat template unless ``chat_template=False``) or token
     ids. The keyword arguments are ``GenerationSettings``' (see there)."""
+    if _is_batch(prompt):
+        raise PromptError("stream takes one prompt; generate takes a list of prompts (one Generation each)")
     prepared = _prepare(settings)
     return stream_method(prepared.target, prepared.method, prepared.prompt_ids(prompt), prepared.config,
                          prepared.seed)

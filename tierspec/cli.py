@@ -505,8 +505,11 @@ def _add_bench(sub) -> None:
                         help="the largest draft of every method that takes one (default: each method's own; "
                         "a spec's num_draft=N wins)")
     parser.add_argument("--repeats", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--mask", default=None, help="default routing mask for self/via specs that name none")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="seeds the sampled generations and also picks the prompts --per-category / --limit sample: "
+                        "runs with two seeds differ in their prompts too")
+    parser.add_argument("--mask", default=None, help="default routing mask for self/via/via-judge/pearl specs that name "
+                        "none")
     parser.add_argument("--hf-pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens of hf-pld")
     parser.add_argument("--hf-early-exit-layer", type=int, default=None, help="assistant_early_exit of hf-early-exit")
     parser.add_argument("--no-nll", action="store_true", help="skip the target-NLL pass per record")

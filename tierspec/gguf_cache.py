@@ -247,11 +247,19 @@ def converted_copy_problem(folder: Path) -> str | None:
     marker_path = folder / CONVERTED_MARKER
     if not marker_path.exists():
         return "no conversion marker"
+    unreadable = "unreadable conversion marker (or one written by an older tierspec)"
     try:
-        marker = json.loads(marker_path.read_text())
-        files = marker["files"]
+        files = json.loads(marker_path.read_text())["files"]
     except (OSError, ValueError, KeyError, TypeError):
-        return "unreadable conversion marker (or one written by an older tierspec)"
+        return unreadable
+    # Valid JSON of another shape (a record without its size, a list of files) is as unreadable as
+    # broken JSON: it was a KeyError on every later load, until the folder was deleted by hand.
+    if not isinstance(files, dict) or not all(
+            isinstance(name, str) and name and "/" not in name and name not in (".", "..") and isinstance(record, dict)
+            and all(isinstance(record.get(key), int) and not isinstance(record.get(key), bool)
+                    for key in ("size", "mtime_ns")) and isinstance(record.get("sha256"), str)
+            for name, record in files.items()):
+        return unreadable
     for name, record in files.items():
         path = folder / name
         if not path.exists():

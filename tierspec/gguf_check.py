@@ -432,6 +432,7 @@ class ModelSizes:
 
 # Architectures checked tensor by tensor; the rest get the structural checks only.
 CHECKED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "phi3")
+_INTEGER_TENSOR_TYPES = ("I8", "I16", "I32", "I64")
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
@@ -543,8 +544,13 @@ def model_sizes(header: GgufHeader, architecture: str) -> ModelSizes:
     if rope_dims > key_length or rope_dims % 2:
         _fail_key(header, f"{a}.rope.dimension_count", rope_dims, f"an even number ≤ the head size {key_length}")
     _integer(header, f"{a}.context_length", least=1, most=1 << 24)
-    for key, low, high in ((f"{a}.rope.freq_base", 0.0, math.inf), (f"{a}.attention.layer_norm_rms_epsilon", 0.0, 1.0)):
+    # A rope base at or below 1 (1e-38 passed "positive") sends the rotation to infinity; a zero or NaN
+    # scaling factor or soft cap divides by it: each makes every logit NaN at the first token.
+    for key, low, high in ((f"{a}.rope.freq_base", 1.0, math.inf), (f"{a}.attention.layer_norm_rms_epsilon", 0.0, 1.0),
+                           (f"{a}.rope.scaling.factor", 0.0, math.inf), (f"{a}.attn_logit_softcapping", 0.0, math.inf)):
         _positive_float(header, key, low, high)
+    if f"{a}.attention.sliding_window" in header.fields:  # the engine takes it as a 32-bit int (a window ≥ the
+        _integer(header, f"{a}.attention.sliding_window", most=(1 << 31) - 1)  # context is full attention)
     vocabulary = _vocabulary(header, a)
     return ModelSizes(blocks, embedding, feed_forward, heads, kv_heads, key_length, value_length, rope_dims,
                       vocabulary, experts)
@@ -626,6 +632,9 @@ def _check_tensor_set(header: GgufHeader, architecture: str, sizes: ModelSizes) 
                                 "blocks", f"only {architecture}'s tensors (gguf.MODEL_TENSORS) for blk.0 to "
                                 f"blk.{sizes.blocks - 1}")
         want = shapes[base] if kind == "weight" else shapes[base][1:2] or shapes[base][:1]
+        if tensor.type_name in _INTEGER_TENSOR_TYPES:  # the same bytes as F32 / F16 pass the layout check
+            raise GgufFileError(path, f"tensor {name!r}", f"of type {tensor.type_name}",
+                                "float or quantised weights (F32, F16, BF16, Q*_*, IQ*): integers are not weights")
         if tensor.dims != want:
             raise GgufFileError(path, f"tensor {name!r}", f"shape {list(tensor.dims)}",
                                 f"{list(want)} from the metadata ({_sizes_text(architecture, sizes)})")

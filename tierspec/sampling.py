@@ -55,6 +55,10 @@ class SamplingConfig:
     top_p: float = 1.0  # 1.0 = no nucleus filter
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p"):  # math.isfinite("1") and "0.5" <= 1.0 fail with bare TypeErrors
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise SamplingError(f"{name} must be a number, got {value!r}")
         # ``not x >= 0`` also refuses NaN, which compares false with everything.
         if not math.isfinite(self.temperature) or not self.temperature >= 0:
             raise SamplingError(f"temperature must be a finite number >= 0, got {self.temperature}")

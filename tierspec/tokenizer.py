@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 
@@ -44,6 +45,45 @@ def fits(folder: Path) -> str | None:
     if config.get("chat_template") is not None and not isinstance(config["chat_template"], str):
         return "named chat templates"
     return None
+
+
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's, which Llama 3, Qwen and SmolLM vocabularies spell their
+    pieces in): the character each byte is written as → the byte. Printable Latin-1 bytes are
+    themselves; the others are shifted to U+0100 and up, in byte order."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    alphabet, shifted = {}, 0
+    for byte in range(256):
+        if byte in kept:
+            alphabet[chr(byte)] = byte
+        else:
+            alphabet[chr(256 + shifted)] = byte
+            shifted += 1
+    return alphabet
+
+
+def token_bytes(tokenizer, token: int, text: str) -> bytes:
+    """The bytes of ``token``, whose text decoded alone is ``text``: that text's UTF-8 where it
+    decodes whole; a token that holds part of a character (decoded alone it shows U+FFFD) is
+    spelled from its vocabulary piece — a byte-fallback piece ``<0xNN>`` (SentencePiece), or a
+    byte-level BPE piece (``_byte_level_alphabet``). Why not the text: four tokens of one emoji would
+    each report the replacement character's three bytes, and their bytes would not add up to the
+    emoji's (OpenAI's ``bytes`` field is there to rebuild such characters)."""
+    if "\ufffd" not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token)
+    if isinstance(piece, str):
+        fallback = _BYTE_FALLBACK.fullmatch(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)])
+        alphabet = _byte_level_alphabet()
+        if piece and all(char in alphabet for char in piece):
+            return bytes(alphabet[char] for char in piece)
+    return text.encode("utf-8")  # a piece in neither spelling: its text is all there is
 
 
 def _token_text(value) -> str | None:
@@ -110,6 +150,10 @@ class FastTokenizer:
 
     def convert_tokens_to_ids(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    def convert_ids_to_tokens(self, token: int) -> str | None:
+        """The vocabulary's piece of one id (as transformers' method of that name, for an int)."""
+        return self.backend.id_to_token(int(token))
 
     def __len__(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)

@@ -11,6 +11,7 @@ import pytest
 import tierspec
 from tierspec import api
 from tierspec.api import IncrementalDetokenizer
+from tierspec.errors import TierspecError
 from tierspec.models import resolve_dtype
 
 EMOJI_PROMPT = "Write a short happy message with lots of emojis."  # the model answers 🌟🌟🌟…
@@ -107,6 +108,28 @@ def test_a_failed_load_is_not_kept(monkeypatch, tiny_target):
 def test_a_seed_outside_int64_is_a_clear_error(tiny_target, prompt_ids):
     with pytest.raises(tierspec.PromptError, match="int64"):
         tierspec.generate(prompt_ids.tolist(), target=tiny_target, method="ar", max_new_tokens=2, seed=2 ** 64)
+
+
+@pytest.mark.parametrize("settings, error, message", [
+    ({"method": ""}, "UnknownMethodError", "unknown method ''"),  # "" ran the default method, as None does
+    ({"chat_template": "no"}, "PromptError", "chat_template is True or False"),  # truthy: it meant the template
+    ({"temperature": "1"}, "SamplingError", "temperature must be a number"),  # were bare TypeErrors
+    ({"top_p": "0.5"}, "SamplingError", "top_p must be a number"),
+])
+def test_a_setting_of_the_wrong_kind_is_a_clear_error(settings, error, message, tiny_target, prompt_ids):
+    with pytest.raises(TierspecError, match=message) as raised:
+        tierspec.generate(prompt_ids.tolist(), target=tiny_target, max_new_tokens=2, **settings)
+    assert type(raised.value).__name__ == error
+
+
+def test_an_empty_list_and_a_list_to_stream_are_clear_errors(tiny_target):
+    with pytest.raises(tierspec.PromptError, match="the prompt is empty"):  # was "prompt ids must be integers"
+        tierspec.generate([], target=tiny_target, method="ar", max_new_tokens=2)
+    with pytest.raises(tierspec.PromptError, match="stream takes one prompt"):  # was "too many dimensions 'str'"
+        tierspec.stream(["a", "b"], target=tiny_target, method="ar", max_new_tokens=2)
+    for prompt in (None, b"hello"):  # were torch's "Could not infer dtype" and "invalid data type 'bytes'"
+        with pytest.raises(tierspec.PromptError, match="a prompt is text, token ids"):
+            tierspec.generate(prompt, target=tiny_target, method="ar", max_new_tokens=2)
 
 
 def test_options_none_are_the_methods_defaults_and_another_type_is_a_clear_error(tiny_target, prompt_ids):

@@ -86,6 +86,34 @@ def test_damage_to_a_converted_copy_is_detected(tmp_path):
     assert converted_copy_problem(tmp_path / "again") is None
 
 
+def test_a_pipe_named_gguf_is_refused_not_waited_on(tmp_path):
+    import os
+
+    from tierspec import load_model
+    from tierspec.errors import ModelLoadError
+
+    pipe = tmp_path / "model.gguf"
+    os.mkfifo(pipe)  # opening it waited forever for a writer
+    with pytest.raises(ModelLoadError, match="not a regular file"):
+        load_model(str(pipe))
+
+
+@pytest.mark.parametrize("files", [
+    {"model.safetensors": {"mtime_ns": 1, "sha256": "s"}},  # a record without its size: was a KeyError on every load
+    ["model.safetensors"],  # a list: was an AttributeError
+    {"../model.safetensors": {"size": 1000, "mtime_ns": 1, "sha256": "s"}},  # a name outside the folder
+    {"model.safetensors": {"size": "1000", "mtime_ns": 1, "sha256": "s"}},
+])
+def test_a_marker_of_another_shape_is_unreadable_not_an_error(files, tmp_path):
+    """Valid JSON that is not a marker: the copy is converted again (``converted_copy``), as for broken JSON."""
+    from tierspec.gguf_cache import CONVERTED_MARKER, converted_copy_problem
+
+    folder = tmp_path / "copy"
+    planted_conversion(folder)
+    (folder / CONVERTED_MARKER).write_text(json.dumps({"sha256": "s", "files": files}))
+    assert converted_copy_problem(folder).startswith("unreadable conversion marker")
+
+
 # ---- 3. input that is not UTF-8 -----------------------------------------------------------------
 
 def test_argv_that_is_not_utf8_is_a_clear_error(capsys):

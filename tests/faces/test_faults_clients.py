@@ -118,6 +118,32 @@ def test_a_damaged_head_is_a_one_line_error(tmp_path):
     assert "\n" not in str(caught.value) and "does not hold the expected weights" in str(caught.value)
 
 
+@pytest.mark.parametrize("planted", [[1, 2, 10 ** 6], [-1, 2, 3], [4, 4, 5], [1, 2]])
+def test_a_vocabulary_map_outside_the_targets_vocabulary_is_refused_at_load(planted, tmp_path):
+    """Ids past the vocabulary (or negative, repeated, too few) with the checksum recomputed to
+    match: an IndexError from the engine at the first draft, now the head's one-line error."""
+    import hashlib
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tierspec.heads.draft import DraftHead, DraftHeadError
+
+    target = tiny_llama(seed=4, dtype=torch.float32)
+    path = tmp_path / "head.safetensors"
+    DraftHead.for_target(target, torch.arange(0, 6, 2), seed=1).save(path)
+    with safe_open(str(path), "pt") as handle:
+        metadata = handle.metadata()
+        tensors = {key: handle.get_tensor(key) for key in handle.keys()}
+    tensors["draft_ids"] = torch.tensor(planted, dtype=torch.long)
+    info = json.loads(metadata["info"])
+    info["draft_vocab_sha256"] = hashlib.sha256(tensors["draft_ids"].numpy().tobytes()).hexdigest()
+    save_file(tensors, str(path), metadata={**metadata, "info": json.dumps(info)})
+    with pytest.raises(DraftHeadError, match="its vocabulary map is not 3 distinct token ids"):
+        DraftHead.load(path, target)
+
+
 def test_an_os_error_no_writer_named_is_one_line(monkeypatch, capsys):
     def full(args):
         raise OSError(errno.ENOSPC, "No space left on device", "results/x/records.jsonl")

@@ -98,7 +98,7 @@ def test_echo_with_max_tokens_0_only_scores_and_a_text_prompt_works_too(server, 
                           atol=LOGPROB_TOLERANCE)
     assert "".join(choice["logprobs"]["tokens"]) == text
     status, body = post(server[1], "/v1/completions", {"prompt": text, "max_tokens": 0})
-    assert status == 400 and "allowed with echo" in body["error"]["message"]
+    assert status == 400 and "allowed with echo" in body["error"]["message"] and body["error"]["param"] == "max_tokens"
 
 
 @pytest.mark.parametrize("method", ["hybrid", "pld", "eagle"])
@@ -141,6 +141,19 @@ def test_a_stop_sequence_cuts_the_logprobs_with_the_text(client):
     assert cut.finish_reason == "stop" and full.text.startswith(cut.text + " 12")
     assert "".join(cut.logprobs.tokens) == cut.text
     assert cut.logprobs.token_logprobs == full.logprobs.token_logprobs[: len(cut.logprobs.tokens)]
+    # usage counts the tokens of the text returned, not those a cycle committed past the stop
+    reply = client.completions.create(**kwargs, stop=[" 12"])
+    assert reply.usage.completion_tokens == len(reply.choices[0].logprobs.tokens) < len(full.logprobs.tokens)
+
+
+def test_chat_logprobs_bytes_rebuild_characters_split_over_tokens(client):
+    """An emoji is several byte-level tokens, each decoding alone to U+FFFD: their ``bytes`` are the
+    emoji's own, so that the entries' bytes add up to the reply's text."""
+    reply = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, logprobs=True, messages=[
+        {"role": "user", "content": "Reply with only a smiley emoji like 😀 and nothing else."}]).choices[0]
+    content = reply.logprobs.content
+    assert any(entry.token == "\ufffd" for entry in content), reply.message.content  # the case this is for
+    assert b"".join(bytes(entry.bytes) for entry in content).decode() == reply.message.content
 
 
 # ---- prompts, n, modifiers --------------------------------------------------------------------------
@@ -266,6 +279,9 @@ def test_tokenize_and_detokenize_with_the_served_tokenizer(server, smollm):
     assert status == 200 and body["prompt"] == "Hello world"
     status, body = post(server[1], "/detokenize", {"tokens": [10 ** 9]})
     assert status == 400 and "outside the model's vocabulary" in body["error"]["message"]
+    for path, request in (("/tokenize", {"prompt": "hi"}), ("/detokenize", {"tokens": [1]})):  # another model: 404,
+        status, body = post(server[1], path, {"model": "bogus", **request})  # as the generation endpoints answer
+        assert status == 404 and body["error"]["param"] == "model", (path, body)
 
 
 # ---- the HTTP layer: slow bodies, garbage ------------------------------------------------------------

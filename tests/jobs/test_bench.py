@@ -152,6 +152,45 @@ def test_runner_end_to_end_and_resume(tmp_path, tiny_text_model, data_dir):
         (json.loads(l)["method"], json.loads(l)["prompt_id"]) for l in lines}
 
 
+@pytest.mark.parametrize("changes, methods, message", [
+    ({"mask": "m.json"}, ("ar", "pld"), "--mask"),
+    ({"mask": "m.json"}, ("ar", "via:mask=own.json"), "--mask"),  # the only masked spec names its own
+    ({"drafter": "d"}, ("ar", "pld", "lossy:draft_with=ngram"), "--drafter"),
+    ({"hf_pld_tokens": 3}, ("ar", "pld"), "--hf-pld-tokens"),
+    ({"hf_pld_tokens": 3}, ("ar", "hf-pld:tokens=4"), "--hf-pld-tokens"),
+    ({"hf_early_exit_layer": 5}, ("ar", "hf-greedy"), "--hf-early-exit-layer"),
+])
+def test_a_run_wide_setting_no_method_reads_is_refused(changes, methods, message):
+    """Each would change nothing and exit 0 (the same refusal as an unused method option)."""
+    from tierspec.bench.runner import check_run_flags, parse_spec
+
+    config = BenchConfig(target="tiny", methods=methods, **changes)
+    with pytest.raises(BenchError, match=f"no method of this run uses {message}"):
+        check_run_flags(config, [parse_spec(spec) for spec in methods])
+
+
+@pytest.mark.parametrize("changes, methods", [
+    ({"mask": "m.json"}, ("ar", "via-judge")), ({"mask": "m.json"}, ("self", "via:mask=own.json")),
+    ({"drafter": "d"}, ("ar", "sd")), ({"drafter": "d"}, ("lossy",)), ({"drafter": "d"}, ("hf-assisted-stock",)),
+    ({"hf_pld_tokens": 3}, ("hf-pld-stock",)), ({"hf_early_exit_layer": 5}, ("hf-early-exit",)),
+])
+def test_a_run_wide_setting_a_method_reads_is_taken(changes, methods):
+    from tierspec.bench.runner import check_run_flags, parse_spec
+
+    check_run_flags(BenchConfig(target="tiny", methods=methods, **changes), [parse_spec(spec) for spec in methods])
+
+
+def test_code_execution_flags_outside_humaneval_are_refused(tmp_path, tiny_text_model, data_dir):
+    from dataclasses import replace
+
+    config = BenchConfig(target="tiny", methods=("ar",), dataset="spec_bench", per_category=1, max_new_tokens=4,
+                         data_dir=str(data_dir))
+    for changed, allow in ((config, True), (replace(config, code_sandbox=False), False)):
+        with pytest.raises(BenchError, match="concern humaneval's code runs"):
+            run_bench(changed, tmp_path / "out", progress=False, target=tiny_text_model, allow_code_execution=allow)
+    assert not (tmp_path / "out").exists()
+
+
 def test_missing_data_dir_is_a_clear_error(tmp_path, tiny_text_model):
     config = BenchConfig(target="tiny", methods=("ar",), data_dir=str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="data file .* is missing"):

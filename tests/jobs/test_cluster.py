@@ -217,7 +217,7 @@ def test_a_prompt_that_fails_on_every_try_is_reported_and_the_rest_is_done(ray_c
     the other prompts is written. A rerun tries it again."""
     texts = {"qa": ["what is one and one?", "x" * 600], "rag": ["say rain, rain, rain."]}
     data = write_spec_bench(tmp_path / "data", texts)
-    config = bench_config(models, data, methods=("ar", "pld"), per_category=None, max_new_tokens=8)
+    config = bench_config(models, data, methods=("ar", "pld"), per_category=None, max_new_tokens=8, drafter=None)
     out = tmp_path / "ray"
     with pytest.raises(BenchError, match=r"1 prompt\(s\) failed on every try \(prompt spec_bench/2 \(repeat 0\)\)"):
         run_bench(config, out, progress=False, cluster=two_workers(max_tries=2))

@@ -92,6 +92,30 @@ def test_corrupted_mask_files_are_clear_errors(tmp_path, content, message):
         RoutingMask.load(path)
 
 
+@pytest.mark.parametrize("skip_attention, num_layers", [
+    ("13", 4),  # was read as layers {1, 3}
+    ([1.7], 4),  # was layer 1
+    ([True], 4),  # was layer 1
+    ([1], "4"),
+    ([1], True),
+])
+def test_a_mask_is_lists_of_layer_indices_never_coerced(tmp_path, skip_attention, num_layers):
+    import json
+
+    path = tmp_path / "mask.json"
+    path.write_text(json.dumps({"format": "tierspec-routing-mask", "version": 1, "num_layers": num_layers,
+                                "unit": "sublayer", "skip_attention": skip_attention, "skip_mlp": []}))
+    with pytest.raises(RoutingMaskError, match="malformed: (skip_attention must be a list of layer indices|num_layers)"):
+        RoutingMask.load(path)
+
+
+def test_a_mask_nested_too_deeply_is_a_clear_error(tmp_path):
+    path = tmp_path / "mask.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)  # was a RecursionError
+    with pytest.raises(RoutingMaskError, match="not valid JSON"):
+        RoutingMask.load(path)
+
+
 @pytest.mark.parametrize("num_draft", [1, 3, 6])
 @pytest.mark.parametrize("threshold", [0.0, 0.5])
 def test_self_speculative_greedy_equals_ar(tiny_target, prompt_ids, num_draft, threshold):

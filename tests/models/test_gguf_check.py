@@ -255,7 +255,16 @@ MESSAGES = {
     "block_count_float": "metadata 'llama.block_count': 30.0; expected an integer",
     "context_length_0": "metadata 'llama.context_length': 0; expected an integer from 1 to 16777216",
     "rms_epsilon_nan": "metadata 'llama.attention.layer_norm_rms_epsilon': nan; expected a finite number in (0, 1)",
-    "rope_base_0": "metadata 'llama.rope.freq_base': 0.0; expected a finite number in (0, inf)",
+    "rope_base_0": "metadata 'llama.rope.freq_base': 0.0; expected a finite number in (1, inf)",
+    "rope_base_tiny": "metadata 'llama.rope.freq_base': 9.999999350456404e-39; expected a finite number in (1, inf)",
+    "rope_scaling_nan": "metadata 'llama.rope.scaling.factor': nan; expected a finite number in (0, inf)",
+    "softcap_0": "metadata 'llama.attn_logit_softcapping': 0.0; expected a finite number in (0, inf)",
+    "sliding_window_negative": "metadata 'llama.attention.sliding_window': -1; expected an integer from 1 to 2147483647",
+    "sliding_window_2_31": "metadata 'llama.attention.sliding_window': 2147483648; expected an integer from 1 to "
+                           "2147483647",
+    "sliding_window_float": "metadata 'llama.attention.sliding_window': 512.0; expected an integer",
+    "integer_norm": "tensor 'blk.0.attn_norm.weight': of type I32; expected float or quantised weights (F32, F16, BF16, "
+                    "Q*_*, IQ*): integers are not weights",
     "eos_outside": "metadata 'tokenizer.ggml.eos_token_id': 64; expected an integer from 0 to 63",
     "vocab_size_key": "metadata 'llama.vocab_size': 65; expected the token list's length 64 (tokenizer.ggml.tokens)",
     "nan_norm": "tensor 'blk.1.ffn_norm.weight': 1 non-finite values (the first, nan, at index 7); expected finite "
@@ -439,6 +448,20 @@ def damage_cases():
     yield "n_dims_2_to_3", info(up, "n_dims", "<I", 3), three_dims_message
     yield "rms_epsilon_nan", meta("llama.attention.layer_norm_rms_epsilon", "<f", float("nan")), fixed("rms_epsilon_nan")
     yield "rope_base_0", written(metadata=lambda w: w.add_rope_freq_base(0.0)), fixed("rope_base_0")
+    # each of these made every logit NaN at the first token (a base of 1e-38 passed "positive")
+    yield "rope_base_tiny", written(metadata=lambda w: w.add_rope_freq_base(1e-38)), fixed("rope_base_tiny")
+    yield "rope_scaling_nan", written(metadata=lambda w: w.add_float32("llama.rope.scaling.factor", float("nan"))), \
+        fixed("rope_scaling_nan")
+    yield "softcap_0", written(metadata=lambda w: w.add_float32("llama.attn_logit_softcapping", 0.0)), fixed("softcap_0")
+    # a window of -1 loaded and wrote garbage; 2^31 was an OverflowError from the engine
+    yield "sliding_window_negative", written(metadata=lambda w: w.add_int32("llama.attention.sliding_window", -1)), \
+        fixed("sliding_window_negative")
+    yield "sliding_window_2_31", written(metadata=lambda w: w.add_uint32("llama.attention.sliding_window", 2**31)), \
+        fixed("sliding_window_2_31")
+    yield "sliding_window_float", written(metadata=lambda w: w.add_float32("llama.attention.sliding_window", 512.0)), \
+        fixed("sliding_window_float")
+    # F32 → I32 keeps every size: gguf-py's "Dequantization for I32 is not yet implemented" at load
+    yield "integer_norm", info("blk.0.attn_norm.weight", "type", "<I", 26), fixed("integer_norm")
     yield "vocab_size_key", written(metadata=lambda w: w.add_vocab_size(65)), fixed("vocab_size_key")
     yield "nan_norm", written(nan_norm=True), fixed("nan_norm")
     yield "missing_tensor", written(drop=("blk.1.ffn_norm.weight",)), fixed("missing_tensor")

@@ -118,3 +118,38 @@ def test_a_template_that_changes_content_in_ways_not_followed_refuses_special_st
     assert chat_ids(tokenizer, plain, add_generation_prompt=False) == tokenizer(rendered, add_special_tokens=False)["input_ids"]
     with pytest.raises(PromptError, match="'<\\|im_end\\|>'"):
         chat_ids(tokenizer, [{"role": "user", "content": "hi<|im_end|>"}], add_generation_prompt=False)
+
+
+# ---- a token's bytes (the server's chat logprobs) ------------------------------------------------------
+
+TEXT_WITH_SPLIT_CHARACTERS = "🌟 héllo 😀 日本語 ꙮ𓀀 plain"
+
+
+@pytest.mark.parametrize("kind", ["tierspec's tokenizer", "transformers' tokenizer"])
+def test_a_tokens_bytes_add_up_to_the_text_where_tokens_split_characters(kind, default_model_folder):
+    """Byte-level BPE (the default model): an emoji is several tokens, each decoding alone to U+FFFD;
+    their bytes, spelled from their pieces, make the emoji's UTF-8."""
+    from transformers import AutoTokenizer
+
+    from tierspec.tokenizer import FastTokenizer, token_bytes
+
+    tokenizer = FastTokenizer(default_model_folder) if "tierspec" in kind else AutoTokenizer.from_pretrained(
+        default_model_folder)
+    ids = tokenizer.encode(TEXT_WITH_SPLIT_CHARACTERS, add_special_tokens=False)
+    texts = [tokenizer.decode([token]) for token in ids]
+    assert any("\ufffd" in text for text in texts)  # the case this is for
+    assert b"".join(token_bytes(tokenizer, token, text) for token, text in zip(ids, texts)) == \
+        TEXT_WITH_SPLIT_CHARACTERS.encode()
+
+
+def test_byte_fallback_pieces_spell_their_bytes():
+    """SentencePiece's byte fallback (``<0xNN>`` pieces: Gemma, Llama 2, Mistral)."""
+    from tierspec.tokenizer import token_bytes
+
+    class Pieces:  # the one method token_bytes reads of a SentencePiece tokenizer
+        def convert_ids_to_tokens(self, token):
+            return {1: "<0xF0>", 2: "<0x93>", 3: "▁日本", 4: "é"}[token]
+
+    assert token_bytes(Pieces(), 1, "\ufffd") + token_bytes(Pieces(), 2, "\ufffd") == b"\xf0\x93"
+    assert token_bytes(Pieces(), 3, " 日本") == " 日本".encode()
+    assert token_bytes(Pieces(), 4, "é") == "é".encode()  # whole characters: their text's UTF-8, never the piece's

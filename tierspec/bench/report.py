@@ -8,7 +8,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from ..util import atomic_write_text
+from ..util import atomic_write, atomic_write_text
 from . import metrics
 
 TASK_METRICS = ("gsm8k_exact_match", "humaneval_pass@1", "rouge_l", "json_valid", "json_cut", "json_answer_match")
@@ -452,7 +452,7 @@ def quality_panels(points: dict[str, dict], panels: list[tuple[str, str]], title
     shown = [name for name in points if name in handles]
     fig.legend([handles[name] for name in shown], shown, loc="lower center", ncol=ncol, fontsize=7, frameon=False)
     fig.tight_layout(rect=(0, legend_inches / (4.2 + legend_inches), 1, 1))
-    fig.savefig(path, dpi=120)
+    _save_figure(fig, path)
     plt.close(fig)
 
 
@@ -494,7 +494,7 @@ def plot(summary: dict, out: Path) -> None:
     _row_labels(ax, [labels[n] for n in names])
     ax.set_title("Speed-up vs ar by category (green: faster than ar)", fontsize=9)
     fig.tight_layout()
-    fig.savefig(out / "speedup_by_category.png", dpi=120)
+    _save_figure(fig, out / "speedup_by_category.png")
     plt.close(fig)
 
     quality_panels({labels[n]: methods[n]["overall"] for n in names},
@@ -515,5 +515,10 @@ def plot(summary: dict, out: Path) -> None:
     ax.set_title("Which tier decided each emitted token", fontsize=9)
     ax.legend(fontsize=7, ncol=4, loc="lower center", bbox_to_anchor=(0.5, 1.06), frameon=False)
     fig.tight_layout()
-    fig.savefig(out / "tier_fractions.png", dpi=120)
+    _save_figure(fig, out / "tier_fractions.png")
     plt.close(fig)
+
+
+def _save_figure(fig, path: Path) -> None:
+    """``fig`` as a PNG at ``path``, written atomically (a stopped run leaves the old plot or the new one)."""
+    atomic_write(path, lambda staging: fig.savefig(staging, dpi=120, format="png"))

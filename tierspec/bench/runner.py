@@ -207,6 +207,8 @@ _OPTION_KINDS = {name: "other" if f.metadata.get("kind") else "int" if "int" in 
                  else "float" if "float" in str(f.type) else "other" for name, f in _OPTION_FIELDS.items()}
 # The parameters of the transformers peers (with and without -stock): prompt_lookup_num_tokens, the exit layer.
 _HF_PARAMETERS = {"hf-pld": {"tokens": "int"}, "hf-early-exit": {"layer": "int"}}
+#: the methods a run's --mask serves (a spec's own mask= wins): the ones that need a routing mask
+MASKED_METHODS = ("self", "via", "via-judge", "pearl", "via-pearl")
 _ALIASES = {"draft_with": "drafter_kind"}  # the CLI flag's name
 
 
@@ -352,7 +354,7 @@ class TierspecMethod:
         # the run's num_draft sizes the methods that take one (ar and PEARL refuse any)
         num_draft = _number(spec, "num_draft", params.pop("num_draft"), "int") if "num_draft" in params else \
             config.num_draft if takes_num_draft(name) else None
-        if config.mask and "mask" not in params and name in ("self", "via", "pearl", "via-pearl"):
+        if config.mask and "mask" not in params and name in MASKED_METHODS:
             params["mask"] = config.mask
         options = replace(MethodOptions(num_draft=num_draft), **{k: _convert(spec, k, v, target) for k, v in params.items()})
         # the run's drafter model serves the methods that draft with one
@@ -477,6 +479,9 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
     if config.dataset == "humaneval" and generate:
         check_code_execution_allowed(allow_code_execution)
         check_isolation(config.code_sandbox)  # no isolation (and no opt-out), no run: said before any generation
+    elif allow_code_execution or not config.code_sandbox:
+        raise BenchError(f"--allow-code-execution and --no-sandbox concern humaneval's code runs; {config.dataset} runs "
+                         "no code: leave them out")
     if out.exists() and not out.is_dir():
         raise BenchError(f"--out {out} is a file; give a folder (a new one, or one a bench run made)")
     cluster = cluster if generate else None
@@ -698,14 +703,37 @@ def append_records(path: Path, records: list[dict]) -> None:
         raise write_error(path, error) from None
 
 
+def check_run_flags(config: BenchConfig, specs: list[tuple[str, dict[str, str]]]) -> None:
+    """Refuse a run-wide setting that no method of the run reads (it would change nothing, with
+    exit 0): ``--mask`` with no masked method that names none, ``--drafter`` with no method that
+    drafts with a model, ``--hf-pld-tokens`` / ``--hf-early-exit-layer`` without their peer (or
+    with every one of them naming its own)."""
+    def bare(names: tuple[str, ...], own: str) -> bool:  # a spec of ``names`` that leaves ``own`` to the run
+        return any(name.removesuffix(STOCK_SUFFIX) in names and own not in params for name, params in specs)
+
+    unused = []
+    if config.mask is not None and not bare(MASKED_METHODS, "mask"):
+        unused.append(f"--mask (it serves {', '.join(MASKED_METHODS)} specs without a mask= of their own)")
+    if config.drafter is not None and not any(
+            name.removesuffix(STOCK_SUFFIX) == "hf-assisted" or (name in method_names() and drafts_with_model(
+                name, MethodOptions(drafter_kind=params.get("drafter_kind", "auto")))) for name, params in specs):
+        unused.append("--drafter (no method here drafts with a drafter model: sd, adaptive-sd, csd, pearl, hf-assisted, "
+                      "or a lossy rule drafting with --draft-with auto or model)")
+    if config.hf_pld_tokens != BenchConfig.hf_pld_tokens and not bare(("hf-pld",), "tokens"):
+        unused.append("--hf-pld-tokens (it serves hf-pld specs without a tokens= of their own)")
+    if config.hf_early_exit_layer is not None and not bare(("hf-early-exit",), "layer"):
+        unused.append("--hf-early-exit-layer (it serves hf-early-exit specs without a layer= of their own)")
+    if unused:
+        raise BenchError(f"no method of this run uses {'; '.join(unused)}: leave it out or add a method that uses it")
+
+
 def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedModel | None, drafter: LoadedModel | None,
                generate: bool, cluster: ClusterConfig | None) -> dict:
     methods = list(dict.fromkeys(config.methods))
     if BASELINE not in methods:
         methods.insert(0, BASELINE)  # speed-ups are defined against plain decoding of the same run
     config = replace(config, methods=tuple(methods))
-    for spec in methods:
-        parse_spec(spec)
+    check_run_flags(config, [parse_spec(spec) for spec in methods])
     if config.free_text and config.dataset not in CONSTRAINED_DATASETS:
         raise BenchError(f"--free-text leaves a constrained set's texts free; {config.dataset} constrains none "
                          f"(constrained sets: {', '.join(CONSTRAINED_DATASETS)})")

@@ -294,6 +294,13 @@ class DraftHead(torch.nn.Module):
         draft_ids = tensors.get("draft_ids")
         if draft_ids is None or hashlib.sha256(draft_ids.numpy().tobytes()).hexdigest() != info.get("draft_vocab_sha256"):
             raise DraftHeadError(f"draft head {path}: the vocabulary map is missing or does not match its checksum")
+        # The checksum is the file's own: a map written wrong (ids past the vocabulary) matches it too
+        # and was an IndexError from the engine at the first draft.
+        if (draft_ids.dim() != 1 or draft_ids.is_floating_point() or draft_ids.numel() != config.draft_vocab_size
+                or draft_ids.numel() == 0 or int(draft_ids.min()) < 0 or int(draft_ids.max()) >= config.vocab_size
+                or draft_ids.unique().numel() != draft_ids.numel()):
+            raise DraftHeadError(f"draft head {path}: its vocabulary map is not {config.draft_vocab_size} distinct token "
+                                 f"ids of the target's 0 .. {config.vocab_size - 1}")
         head = cls(config, draft_ids)
         tensors = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
         try:

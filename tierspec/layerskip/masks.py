@@ -29,6 +29,11 @@ from ..identity import ModelIdentity
 from ..util import atomic_write_text
 
 UNITS = ("layer", "sublayer")
+
+
+def _one_line(value) -> str:
+    return " ".join(str(value).split())
+
 MASK_FORMAT = "tierspec-routing-mask"
 
 
@@ -122,10 +127,19 @@ class RoutingMask:
             data = json.loads(path.read_text())
         except FileNotFoundError:
             raise RoutingMaskError(f"mask file {path} does not exist (make one with `tierspec route`)") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise RoutingMaskError(f"mask file {path} is not valid JSON: {error}") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as error:
+            raise RoutingMaskError(f"mask file {path} is not valid JSON: {_one_line(error)}") from None
         if not isinstance(data, dict) or data.get("format") != MASK_FORMAT:
             raise RoutingMaskError(f"{path} is not a tierspec routing mask (no '\"format\": \"{MASK_FORMAT}\"')")
+        # Exactly lists of layer indices: "13" was read as layers {1, 3}, 13.7 as 13 and true as 1.
+        for key in ("skip_attention", "skip_mlp"):
+            layers = data.get(key)
+            if not isinstance(layers, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in layers):
+                raise RoutingMaskError(f"mask file {path} is malformed: {key} must be a list of layer indices "
+                                       f"(integers), got {_one_line(repr(layers))[:80]}")
+        if isinstance(data.get("num_layers"), bool) or not isinstance(data.get("num_layers"), int):
+            raise RoutingMaskError(f"mask file {path} is malformed: num_layers must be an integer, got "
+                                   f"{_one_line(repr(data.get('num_layers')))[:80]}")
         try:
             identity = ModelIdentity(**data["model"]) if data.get("model") else None
             info = {k: v for k, v in data.items() if k not in _MASK_KEYS}

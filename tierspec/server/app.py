@@ -30,8 +30,9 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from ..decode import GenerationStats
 from ..errors import TierspecError
 from ..structured import CALL_OPEN, ToolConfig, ToolReply, parse_tool_reply
+from ..tokenizer import token_bytes
 from .scheduler import CLIENT_LEFT, ApiError, ChoiceDone, Failed, Finished, Job, Scheduler, TextPiece, shutting_down
-from .parsing import ChatRequest, CompletionRequest, GenerationRequest, prepare
+from .parsing import ChatRequest, CompletionRequest, GenerationRequest, check_model, prepare
 
 #: Bodies above this many bytes get 413 (``--max-request-bytes``). A prompt filling a whole
 #: 8192-token context is about 40 KB of English; JSON escapes of other scripts take up to 12
@@ -57,17 +58,25 @@ def _finite(logprob: float) -> float:
 
 
 class TokenTexts:
-    """Each token id's own text (special tokens spelled out), decoded once per id."""
+    """Each token id's own text (special tokens spelled out) and bytes (``tokenizer.token_bytes``),
+    decoded once per id."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._texts: dict[int, str] = {}
+        self._bytes: dict[int, list[int]] = {}
 
     def __call__(self, token: int) -> str:
         text = self._texts.get(token)
         if text is None:
             text = self._texts[token] = self.tokenizer.decode([token], skip_special_tokens=False)
         return text
+
+    def bytes(self, token: int) -> list[int]:
+        spelled = self._bytes.get(token)
+        if spelled is None:
+            spelled = self._bytes[token] = list(token_bytes(self.tokenizer, token, self(token)))
+        return spelled
 
 
 class Endpoint:
@@ -166,8 +175,7 @@ class ChatCompletions(Endpoint):
     def logprobs(self, records, texts: TokenTexts, offset: int) -> dict:
         """OpenAI's chat format: one entry per token with its UTF-8 bytes and top alternatives."""
         def entry(token: int, logprob: float) -> dict:
-            text = texts(token)
-            return {"token": text, "logprob": _finite(logprob), "bytes": list(text.encode("utf-8"))}
+            return {"token": texts(token), "logprob": _finite(logprob), "bytes": texts.bytes(token)}
 
         content = [{**entry(r.token, r.logprob), "top_logprobs": [entry(t, lp) for t, lp in r.top]}
                    for r in records if r.logprob is not None]
@@ -333,6 +341,7 @@ async def tokenize(request: Request) -> JSONResponse:
     scheduler = _scheduler(request)
     body = _small_body(await _read_body(request, request.app.state.max_request_bytes, request.app.state.body_timeout),
                        _TokenizeRequest)
+    check_model(body.model, scheduler.model_name)
     tokens = (await run_in_threadpool(scheduler.target.tokenizer, body.prompt,
                                       add_special_tokens=body.add_special_tokens))["input_ids"]
     return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": scheduler.context})
@@ -343,6 +352,7 @@ async def detokenize(request: Request) -> JSONResponse:
     scheduler = _scheduler(request)
     body = _small_body(await _read_body(request, request.app.state.max_request_bytes, request.app.state.body_timeout),
                        _DetokenizeRequest)
+    check_model(body.model, scheduler.model_name)
     vocab_size = scheduler.target.vocab_size
     bad = [token for token in body.tokens if not 0 <= token < vocab_size]
     if bad:

@@ -161,11 +161,6 @@ class CompletionRequest(GenerationRequest):
                 raise ValueError(f"{where}: give one or more token ids >= 0")
         return value
 
-    @model_validator(mode="after")
-    def _tokens_or_echo(self):
-        if self.max_tokens == 0 and not self.echo:
-            raise ValueError("max_tokens: 0 generates nothing; it is allowed with echo (score the prompt) only")
-        return self
 
     def prompts(self) -> list[str | list[int]]:
         value = self.prompt
@@ -339,6 +334,13 @@ def _parse(request_model: type[GenerationRequest], raw: bytes) -> GenerationRequ
     return request
 
 
+def check_model(model: str | None, served: str) -> None:
+    """A request that names a model names the one served here (404 otherwise, as OpenAI's)."""
+    if model is not None and model != served:
+        raise ApiError(404, f"model '{model}' is not served here; this server serves '{served}'", "model",
+                       kind="not_found_error")
+
+
 def _check_unicode(value, where: str) -> None:
     """Refuse strings that are not valid Unicode: JSON may carry a lone surrogate (``"\\ud800"``),
     which no tokenizer can encode."""
@@ -377,9 +379,10 @@ def prepare(engine: Scheduler, request_model: type[GenerationRequest], raw: byte
     if body.top_k > engine.target.vocab_size:
         raise ApiError(400, f"top_k: at most the vocabulary size {engine.target.vocab_size} (0: no top-k), got "
                        f"{body.top_k}", "top_k")
-    if body.model is not None and body.model != engine.model_name:
-        raise ApiError(404, f"model '{body.model}' is not served here; this server serves '{engine.model_name}'",
-                       "model", kind="not_found_error")
+    check_model(body.model, engine.model_name)
+    if isinstance(body, CompletionRequest) and body.max_tokens == 0 and not body.echo:
+        raise ApiError(400, "max_tokens: 0 generates nothing; it is allowed with echo (score the prompt) only",
+                       "max_tokens")
     method = engine.default_method if body.method is None else body.method
     try:
         check_method_name(method)

@@ -538,6 +538,7 @@ class _Live:
         self.out = ChoiceText(job, choice, tokenizer)
         self.logprobs: list[TokenLogprob] = []
         self.finish: str | None = None
+        self.kept: int | None = None  # at a stop sequence: the tokens of the text sent (``_tokens_of``)
 
     def feed(self, step: Step, eos: set[int]) -> bool:
         """Send ``step``'s new text; True when the generation is over (done or at a stop sequence)."""
@@ -546,6 +547,7 @@ class _Live:
         self.out.echo(step.prompt_logprobs)
         if self.out.feed(self.detok.add(step.committed.generated_view, final=step.finished), self.logprobs):
             self.finish = "stop"
+            self.kept = _tokens_of(self.detok.tokenizer, self.sequence.token_ids, self.out.sent)
             return True
         if step.finished:
             self.finish = self.out.end(self.logprobs, self.sequence.token_ids, eos)
@@ -553,8 +555,24 @@ class _Live:
         return False
 
     def done(self, finish: str | None = None) -> ChoiceDone:
+        """The choice's end; its completion tokens are those of the text sent: at a stop sequence not
+        the ones committed past it (a cycle commits several tokens, and the text is cut inside them)."""
         sequence = self.sequence
-        return ChoiceDone(self.choice.index, finish or self.finish or "length", sequence.stats, len(sequence.token_ids))
+        tokens = len(sequence.token_ids) if self.kept is None else self.kept
+        return ChoiceDone(self.choice.index, finish or self.finish or "length", sequence.stats, tokens)
+
+
+def _tokens_of(tokenizer, token_ids: list[int], characters: int) -> int:
+    """The fewest leading ``token_ids`` whose text holds ``characters`` characters (the text cut at a
+    stop sequence): the tokens a stopped choice reports as its completion's."""
+    low, high = 0, len(token_ids)
+    while low < high:  # the decoded text grows with the tokens
+        middle = (low + high) // 2
+        if len(tokenizer.decode(token_ids[:middle], skip_special_tokens=True)) >= characters:
+            high = middle
+        else:
+            low = middle + 1
+    return low
 
 
 class TokenRecords:
