@@ -117,6 +117,95 @@ def test_a_drafter_model_a_method_never_drafts_with_is_refused(target):
         build_method("lossy", target, drafter, MethodOptions(drafter_kind="ngram"))
 
 
+# ---- every option changes the run it says it changes ------------------------------------------------
+
+OTHER_MASK = RoutingMask.from_units(4, "sublayer", [("attn", 1), ("mlp", 2)])
+
+#: Per option: (method, the options of two runs that differ in it, temperature). The runs must differ
+#: in what the option governs — their tokens, drafts, acceptances, calls or deciders (``_observed``),
+#: none of their timings. ``pearl_threads`` is not here: it sets when PEARL's drafts are made (beside
+#: the target's pass, or before it with 0), not which — the same drafts by design; the table above
+#: checks that it reaches the drafter. Confidence-stopped drafters run with threshold 0 where the
+#: option is not the threshold (the tiny model is rarely confident: they would draft nothing).
+SURE = {"confidence_threshold": 0.0}
+CHANGES = {
+    "num_draft": ("adaptive-pld", ({}, {"num_draft": 1}), 0.0),
+    "ngram_size": ("pld", ({}, {"ngram_size": 1}), 0.0),  # on NGRAM_PROMPT: its 3-gram and 1-gram matches differ
+    "mask": ("self", ({"mask": MASK, **SURE}, {"mask": OTHER_MASK, **SURE}), 0.0),
+    "confidence_threshold": ("self", ({"mask": MASK, **SURE}, {"mask": MASK, "confidence_threshold": 1.0}), 0.0),
+    "swift_ratio": ("swift", (SURE, {"swift_ratio": 0.1, **SURE}), 0.0),
+    "clasp_ratio": ("clasp", (SURE, {"clasp_ratio": 0.1, **SURE}), 0.0),
+    "clasp_interval": ("clasp", (SURE, {"clasp_interval": 1, **SURE}), 0.0),
+    "pearl_gamma": ("pearl", ({"mask": MASK}, {"mask": MASK, "pearl_gamma": 1}), 0.0),
+    "drafter_kind": ("lossy", ({"drafter_kind": "ngram"}, {"drafter_kind": "model"}), 0.0),
+    "draft_mask": ("lossy", ({"drafter_kind": "self", "draft_mask": MASK, **SURE},
+                             {"drafter_kind": "self", "draft_mask": OTHER_MASK, **SURE}), 0.0),
+    "draft_head": ("eagle", ({"draft_head": "draft"}, {"draft_head": "other draft"}), 0.0),
+    "alpha": ("lossy", ({}, {"alpha": 0.9}), 0.0),
+    # β shapes the draw after a rejection: a drafter model of its own (the masked target agrees with the
+    # tiny target too well to be rejected), and α = 0 for many rejections
+    "beta": ("lossy", ({"alpha": 0.0, "drafter_model": True}, {"alpha": 0.0, "beta": 0.05, "drafter_model": True}), 1.0),
+    "fallback": ("bild", ({"drafter_kind": "model", "fallback": 0.0}, {"drafter_kind": "model", "fallback": 1.0}), 0.0),
+    "rollback": ("bild", ({"drafter_kind": "model", "fallback": 0.0},
+                          {"drafter_kind": "model", "fallback": 0.0, "rollback": 0.01}), 1.0),
+    "deferral": ("cascade", ({"drafter_kind": "model", "alpha": 0.9}, {"drafter_kind": "model", "alpha": 0.9,
+                                                                      "deferral": "chow"}), 1.0),
+    "alpha1": ("via", ({"mask": MASK, "drafter_kind": "model", "alpha2": 1.0, "alpha1": 0.0},
+                       {"mask": MASK, "drafter_kind": "model", "alpha2": 1.0, "alpha1": 1.0}), 1.0),
+    "alpha2": ("via", ({"mask": MASK, "drafter_kind": "model", "alpha2": 0.0},
+                       {"mask": MASK, "drafter_kind": "model", "alpha2": 1.0}), 1.0),
+    "max_target_lag": ("via", ({"mask": MASK, "drafter_kind": "model", "alpha2": 1.0},
+                               {"mask": MASK, "drafter_kind": "model", "alpha2": 1.0, "max_target_lag": 0}), 0.0),
+    "csd_model_positions": ("csd", ({}, {"csd_model_positions": 1}), 0.0),
+    "csd_inner_draft": ("csd", ({}, {"csd_inner_draft": 0}), 0.0),
+    "judge_head": ("judge", ({"judge_head": "judge", "judge_threshold": 0.5},
+                             {"judge_head": "other judge", "judge_threshold": 0.5}), 1.0),
+    "judge_threshold": ("judge", ({"judge_head": "judge", "judge_threshold": 0.0},
+                                  {"judge_head": "judge", "judge_threshold": 1.0}), 1.0),
+    "sampling_rule": ("pld", ({}, {"sampling_rule": "residual"}), 1.0),
+    "slim_vocabulary": ("via", ({"mask": MASK, "drafter_kind": "model", "alpha2": 1.0},
+                                {"mask": MASK, "drafter_kind": "model", "alpha2": 1.0, "draft_head": "draft",
+                                 "slim_vocabulary": "draft-head"}), 1.0),
+}
+#: Its last 3-gram (1 2 3) was last followed by 4, its last token (3) by 7: lookup of 3 and of 1 drafts apart.
+NGRAM_PROMPT = torch.tensor([1, 2, 3, 4, 11, 12, 13, 9, 3, 7, 8, 20, 1, 2, 3])
+
+
+def test_every_option_but_one_has_a_change_to_show():
+    assert set(CHANGES) | {"pearl_threads"} == {option.name for option in option_fields()}
+
+
+@pytest.fixture(scope="module")
+def other_heads(target):
+    hidden = target.identity.hidden_size
+    judge = JudgeHead(-torch.randn(hidden, generator=torch.Generator().manual_seed(9)), 2.0, torch.zeros(hidden),
+                      torch.ones(hidden), "hidden", 0.5, target.identity)
+    return {"other draft": DraftHead.for_target(target, torch.arange(1, 64, 2), seed=8).eval(), "other judge": judge}
+
+
+def _observed(model, method, temperature, prompt):
+    """What a run did, none of its timings: per cycle its tokens, drafts, acceptances, calls and deciders."""
+    config = DecodeConfig(max_new_tokens=32, sampling=tierspec.SamplingConfig(temperature))
+    return [(step.new_tokens, step.proposal.token_list, step.cycle.accepted, step.cycle.target_calls, step.cycle.slim_calls,
+             step.cycle.drafter_calls, tuple(step.cycle.deciders))
+            for step in DecodeRun(model, method, prompt, config, seed=5)]
+
+
+@pytest.mark.parametrize("option", list(CHANGES))
+def test_an_option_changes_the_run_it_governs(option, target, own_target, heads, other_heads, sampling_drafter):
+    name, both, temperature = CHANGES[option]
+    model = own_target if name == "clasp" else target
+    named = {**heads, **other_heads}
+    runs = []
+    for given in both:
+        given = dict(given)
+        drafter = sampling_drafter if given.pop("drafter_model", False) else None
+        options = MethodOptions(**{k: named.get(v, v) if isinstance(v, str) else v for k, v in given.items()})
+        runs.append(_observed(model, build_method(name, model, drafter, options), temperature,
+                              NGRAM_PROMPT if option == "ngram_size" else PROMPT))
+    assert runs[0] != runs[1], f"{option}: {both[0]} and {both[1]} ran the same"
+
+
 # ---- options a method's drafter makes moot ------------------------------------------------------------
 
 
