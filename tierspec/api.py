@@ -29,9 +29,14 @@ SEED_RANGE = (-(2 ** 63), 2 ** 63 - 1)  # int64, as OpenAI's ``seed``; torch's g
 
 @dataclass
 class Generation:
+    """A finished generation: its text, token ids and statistics, and why it ended —
+    ``finish_reason`` "stop" (an end token, or its constraint complete) or "length" (the token
+    budget: a constrained text is then incomplete, not valid under its constraint)."""
+
     text: str
     token_ids: list[int]
     stats: GenerationStats
+    finish_reason: str | None = None
 
 
 # ---- models loaded once per process ----------------------------------------------------------------
@@ -146,6 +151,11 @@ class TextStream:
     @property
     def token_ids(self) -> list[int]:
         return self._run.token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        """"stop" or "length" once the stream is exhausted (``Generation.finish_reason``); None before."""
+        return self._run.finish_reason
 
     def __iter__(self) -> TextStream:
         return self
@@ -371,7 +381,7 @@ def generate(prompt: str | list[int] | torch.Tensor | list[str] | list[list[int]
                                     prepared.seed)
         for _ in text_stream:
             pass
-        return Generation(text_stream.text, text_stream.token_ids, text_stream.stats)
+        return Generation(text_stream.text, text_stream.token_ids, text_stream.stats, text_stream.finish_reason)
     from .batch import BatchDecoder
     from .engine import runs_on_engine
 
@@ -381,4 +391,4 @@ def generate(prompt: str | list[int] | torch.Tensor | list[str] | list[list[int]
     with threads_for(target.model):
         done = BatchDecoder(target, max_batch=width).run_all(encoded, prepared.method, prepared.config, prepared.seed)
     return [Generation(IncrementalDetokenizer(target.tokenizer).add(s.token_ids, final=True) if target.tokenizer
-                       else "", s.token_ids, s.stats) for s in done]
+                       else "", s.token_ids, s.stats, s.finish_reason()) for s in done]

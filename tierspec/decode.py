@@ -435,6 +435,17 @@ class Sequence:
     def tokens_left(self) -> int:
         return self.config.max_new_tokens - self.committed.generated_count
 
+    def finish_reason(self) -> str | None:
+        """Why the generation ended (None: it has not): ``"stop"`` at an end token or where its
+        constraint was complete, ``"length"`` at the token budget — then a constrained text is
+        incomplete (not valid under its constraint)."""
+        if not self.finished:
+            return None
+        tokens = self.committed.generated(self.committed.generated_count - 1)
+        if tokens and tokens[-1] in self.eos:
+            return "stop"
+        return "stop" if self.constraint is not None and self.constraint.finished() else "length"
+
     def _begin_decoding(self) -> None:
         """The prompt is prefilled: its records kept (``echo``), the drafter and policy started."""
         verifiers = self.verifiers
@@ -1042,6 +1053,11 @@ class DecodeRun:
     def token_ids(self) -> list[int]:
         """The tokens generated so far."""
         return [] if self.committed is None else self.committed.generated()
+
+    @property
+    def finish_reason(self) -> str | None:
+        """``Sequence.finish_reason``: "stop", "length", or None before the end."""
+        return None if self.sequence is None else self.sequence.finish_reason()
 
     def __iter__(self) -> DecodeRun:
         return self

@@ -58,9 +58,11 @@ GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
 #: How generated JSON is laid out: Python's ``json.dumps`` separators and no other whitespace
 #: (the layout the model has seen most, and the one that forces the most tokens). Given as
 #: llguidance's overrides, so a schema's own ``x-guidance`` options cannot loosen them; in
-#: particular ``lenient`` (ignore unimplemented keywords) stays off: a schema is enforced whole
-#: or refused.
-JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False}
+#: particular ``lenient`` (ignore unimplemented keywords) and ``coerce_one_of`` (enforce a ``oneOf``
+#: whose branches overlap as ``anyOf``: text valid under two branches, which the schema forbids)
+#: stay off: a schema is enforced whole or refused.
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": ", "lenient": False,
+                "coerce_one_of": False}
 
 
 class GrammarError(TierspecError):
@@ -86,6 +88,10 @@ class GrammarSpec:
                 raise GrammarError(f"the JSON schema is not valid JSON: {error}") from None
         if not isinstance(schema, (dict, bool)):
             raise GrammarError(f"a JSON schema is an object (or true/false), got {type(schema).__name__}")
+        if schema is False:
+            raise GrammarError("the JSON schema false admits no value: no text can satisfy it")
+        if schema is True:  # any JSON value: the engine takes options only on an object schema
+            schema = {}
         return cls("json_schema", json.dumps(schema, ensure_ascii=False))
 
     @classmethod
@@ -161,19 +167,25 @@ def engine_tokenizer(tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
 
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[(.*?)\]")
+MESSAGE_LIMIT = 400  # characters of an engine's message kept in an error (one line)
+KIND_NAMES = {"json_schema": "JSON schema", "json_object": "JSON grammar", "regex": "regular expression",
+              "lark": "Lark grammar"}
 
 
 def _compile_error(spec: GrammarSpec, message: str) -> GrammarError:
-    """llguidance's message as a one-line error naming what is wrong."""
-    message = message.strip().splitlines()[0] if message.strip() else "unknown error"
+    """llguidance's message as a one-line error naming what is wrong (its detail kept: a regex's
+    parse error is on the lines after the first)."""
+    message = " ".join(message.split()) or "unknown error"
+    if len(message) > MESSAGE_LIMIT:
+        message = message[: MESSAGE_LIMIT - 1] + "…"
+    # its advice to switch an option on that tierspec keeps off (``JSON_OPTIONS``)
+    message = re.sub(r"\s*Enable 'coerce_one_of' option[^.]*\.?", "", message)
     unimplemented = _UNIMPLEMENTED.search(message)
     if unimplemented:
         keys = ", ".join(key.strip().strip('"') for key in unimplemented.group(1).split(","))
         return GrammarError(f"the JSON schema uses keywords tierspec cannot enforce: {keys} "
                             "(leave them out, or check them after generation)")
-    what = {"json_schema": "JSON schema", "json_object": "JSON grammar", "regex": "regular expression",
-            "lark": "Lark grammar"}[spec.kind]
-    return GrammarError(f"invalid {what}: {message}")
+    return GrammarError(f"invalid {KIND_NAMES[spec.kind]}: {message}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -210,7 +222,17 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, eos_token_ids
     matcher = LLMatcher(vocabulary, grammar, log_level=0)
     if matcher.is_error():
         raise _compile_error(spec, matcher.get_error())
-    return CompiledGrammar(spec, vocab_size, tuple(vocabulary.eos_tokens), matcher)
+    compiled = CompiledGrammar(spec, vocab_size, tuple(vocabulary.eos_tokens), matcher)
+    # A grammar that compiles may still match nothing ([^\s\S], a Lark intersection of disjoint
+    # terminals): the engine then fails at the first token, mid-generation. Asked for the first
+    # token's mask now, it is refused as the request's fault.
+    try:
+        nothing = not compiled.new_state().allowed().any()
+    except GrammarError:
+        nothing = True
+    if nothing:
+        raise GrammarError(f"the {KIND_NAMES[spec.kind]} matches no text: nothing could be generated under it")
+    return compiled
 
 
 def _words(vocab_size: int) -> int:

@@ -298,8 +298,10 @@ def tool_call_grammar(config: ToolConfig) -> GrammarSpec | None:
     block = f'"{CALL_OPEN}" calls "{CALL_CLOSE}"'
     calls = f"calls: %json {json.dumps(_calls_schema(config), ensure_ascii=False)}"
     if config.choice.mode == "auto":
-        # Text that does not begin with the call tag (llguidance's & and ~ on a lexeme), or a block.
-        text = f'TEXT: /(.|\\n)+/ & ~/{re.escape(CALL_OPEN)}(.|\\n)*/'
+        # Text that does not begin with the call tag, after any whitespace (llguidance's & and ~ on a
+        # lexeme: the reply is read back stripped, so " <tool_call>…" would be read as calls the
+        # grammar never checked), or a block.
+        text = f'TEXT: /(.|\\n)+/ & ~/\\s*{re.escape(CALL_OPEN)}(.|\\n)*/'
         return GrammarSpec.lark(f"start: TEXT | {block}\n{text}\n{calls}\n")
     return GrammarSpec.lark(f"start: {block}\n{calls}\n")
 
@@ -369,6 +371,8 @@ def parse_tool_reply(text: str, config: ToolConfig) -> ToolReply:
     tools = {tool.name: tool for tool in config.offered()}
     if not isinstance(block, list) or not block:
         return ToolReply(text, problem="the tool-call block is not a non-empty list of calls")
+    if not config.parallel and len(block) > 1:
+        return ToolReply(text, problem=f"{len(block)} calls where parallel_tool_calls is false (one at most)")
     calls = []
     for index, call in enumerate(block):
         if not isinstance(call, dict) or set(call) != {"name", "arguments"} or call["name"] not in tools:

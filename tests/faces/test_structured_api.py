@@ -66,6 +66,32 @@ def test_json_mode_regex_and_lark(byte_target, prompt):
     assert re.fullmatch(r"a[bc]+\.", text)
 
 
+def test_a_generation_says_whether_its_budget_cut_it(byte_target, prompt):
+    """``finish_reason``: "stop" at the end token or a complete constraint, "length" at the budget —
+    the only way a caller could tell a cut (invalid) constrained text was reading the last id."""
+    whole = tierspec.generate(prompt, target=byte_target, method="pld", json_schema=SCHEMA, max_new_tokens=40)
+    cut = tierspec.generate(prompt, target=byte_target, method="pld", json_schema=SCHEMA, max_new_tokens=6)
+    assert (whole.finish_reason, cut.finish_reason) == ("stop", "length") and whole.token_ids[-1] == EOS
+    regex = tierspec.generate(prompt, target=byte_target, method="pld", regex=r"(yes|no)-[0-9]{2}", max_new_tokens=20)
+    assert regex.finish_reason == "stop"  # the regex complete: the constraint ended it
+    batch = tierspec.generate([prompt, prompt], target=byte_target, method="pld", json_schema=SCHEMA,
+                              max_new_tokens=6)
+    assert [g.finish_reason for g in batch] == ["length", "length"]
+    text_stream = tierspec.stream(prompt, target=byte_target, method="pld", json_schema=SCHEMA, max_new_tokens=6)
+    assert text_stream.finish_reason is None  # not yet run
+    list(text_stream)
+    assert text_stream.finish_reason == "length"
+
+
+def test_the_cli_fails_a_constrained_text_its_budget_cut(monkeypatch, capsys, byte_target):
+    """Printed, but exit 1 and said: the text is not valid under its constraint (exit 0 before)."""
+    monkeypatch.setattr("tierspec.models.load_model", lambda spec, *a, **k: byte_target)
+    assert cli.main(["generate", "x", "--json-schema", json.dumps(SCHEMA), "--max-new-tokens", "4", "--method", "pld",
+                     "--no-chat-template"]) == 1
+    assert "before its constraint was complete: it is not valid" in capsys.readouterr().err
+    assert cli.main(["generate", "x", "--max-new-tokens", "4", "--method", "pld", "--no-chat-template"]) == 0
+
+
 def test_a_batch_of_constrained_prompts_keeps_each_solo_text(byte_target, prompt):
     alone = [tierspec.generate(p, target=byte_target, method="pld", json_schema=SCHEMA, max_new_tokens=30).token_ids
              for p in (prompt, prompt[5:])]

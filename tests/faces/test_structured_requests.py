@@ -57,7 +57,13 @@ def test_a_schema_and_tools_together(tok):
     ({"response_format": {"type": "regex", "regex": "[0-9"}}, True, "invalid regular expression", "response_format"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}]}, True,
-     "the JSON schema uses keywords tierspec cannot enforce: not", "tools"),
+     "tools.0.function.parameters (f): the JSON schema uses keywords tierspec cannot enforce: not",
+     "tools.0.function.parameters"),  # named, not the reply's joined Lark grammar
+    ({"response_format": {"type": "regex", "regex": "[^\\s\\S]"}}, True,  # was a 500 at the first token
+     "the regular expression matches no text", "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "oneOf": [{"type": "number"}, {"type": "integer"}], "x-guidance": {"coerce_one_of": True}}}}}, True,
+     "invalid JSON schema: oneOf constraints are not supported", "response_format"),  # was enforced as anyOf
     ({"tools": [TOOL]}, False, "tools is for /v1/chat/completions", "tools"),
     ({"tool_choice": "auto"}, True, "tool_choice 'auto' needs tools", "tool_choice"),
     ({"response_format": {"type": "regex", "regex": "[a-z]+"}, "tools": [TOOL]}, True,

@@ -306,7 +306,12 @@ def test_unpack_and_mask_logits():
     (lambda: GrammarSpec.json_schema("{not json"), "the JSON schema is not valid JSON"),
     (lambda: GrammarSpec.json_schema([1]), "a JSON schema is an object"),
     (lambda: GrammarSpec.regex("[0-9"), "invalid regular expression"),
+    (lambda: GrammarSpec.regex("([a"), "invalid regular expression: .*unclosed character class"),  # the detail kept
     (lambda: GrammarSpec.lark("start: missing_rule"), "invalid Lark grammar"),
+    # compiled, but no text: each failed mid-generation ("NoExtensionBias"), a server's 500
+    (lambda: GrammarSpec.regex(r"[^\s\S]"), "the regular expression matches no text"),
+    (lambda: GrammarSpec.lark("start: A\nA: /a/ & /b/"), "the Lark grammar matches no text"),
+    (lambda: GrammarSpec.json_schema(False), "the JSON schema false admits no value"),
 ])
 def test_unsupported_or_invalid_grammars_are_named(tok, spec, message):
     with pytest.raises(GrammarError, match=message.replace("$", r"\$").replace("(", r"\(")):
@@ -318,6 +323,19 @@ def test_a_schemas_own_options_cannot_turn_off_enforcement(tok):
     # unimplemented keywords) cannot make an unenforced keyword pass silently.
     with pytest.raises(GrammarError, match="uniqueItems"):
         compiled_for(tok, GrammarSpec.json_schema({"type": "array", "uniqueItems": True, "x-guidance": {"lenient": True}}))
+    # nor "coerce_one_of", which enforced an overlapping oneOf as anyOf: text valid under both branches
+    overlapping = {"oneOf": [{"type": "number"}, {"type": "integer"}]}
+    with pytest.raises(GrammarError, match="oneOf") as refused:
+        compiled_for(tok, GrammarSpec.json_schema({**overlapping, "x-guidance": {"coerce_one_of": True}}))
+    assert "coerce_one_of" not in str(refused.value)  # nor advised to switch it on
+
+
+def test_the_schema_true_is_any_json_value(tok):
+    compiled = compiled_for(tok, GrammarSpec.json_schema(True))
+    for text in ('{"a": [1, 2]}', "3", '"x"', "null"):
+        state = compiled.new_state()
+        ids = tok.encode(text)
+        assert state.advance(ids + [EOS]) == len(ids) + 1, text
 
 
 # -- constrained decoding on a tiny random model: every output parses and validates ------------------------

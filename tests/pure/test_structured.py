@@ -151,6 +151,9 @@ def test_tool_call_grammar_by_choice(tok):
     assert takes(tok, auto, call) and takes(tok, auto, two) and takes(tok, auto, "It is sunny.")
     assert not takes(tok, auto, '<tool_call>[{"name": "get_weather", "arguments": {"city": "Oslo"}}]</tool_call>')
     assert not takes(tok, auto, "<tool_call>not json")  # text may not begin with the tag
+    for space in (" ", "\n", " \n\t"):  # nor after whitespace: the reply is read back stripped, as calls
+        assert not takes(tok, auto, space + '<tool_call>[{"name": "get_rain", "arguments": {}}]</tool_call>')
+        assert takes(tok, auto, space + "It is sunny.")
     assert not takes(tok, auto, '<tool_call>[{"name": "get_rain", "arguments": {}}]</tool_call>')
     required = compile_grammar(tool_call_grammar(parse_tools([WEATHER, TIME], "required", False)), tok, len(tok), [EOS])
     assert takes(tok, required, call) and not takes(tok, required, two) and not takes(tok, required, "It is sunny.")
@@ -193,6 +196,10 @@ def test_replies_read_back():
     assert cut.tool_calls == () and cut.content.startswith("<tool_call>") and "not closed" in cut.problem
     wrong = parse_tool_reply('<tool_call>[{"name": "get_time", "arguments": {"zone": 99}}]</tool_call>', config)
     assert wrong.tool_calls == () and "99 is greater than the maximum of 14" in wrong.problem
+    one = parse_tools([WEATHER, TIME], "auto", False)  # parallel_tool_calls false: one call at most, read back too
+    two = parse_tool_reply('<tool_call>[{"name": "get_time", "arguments": {"zone": 1}}, '
+                           '{"name": "get_time", "arguments": {"zone": 2}}]</tool_call>', one)
+    assert two.tool_calls == () and "2 calls where parallel_tool_calls is false" in two.problem
     # tool_choice "none": the text is content whatever it looks like
     none = parse_tools([WEATHER], "none")
     assert parse_tool_reply('<tool_call>[]</tool_call>', none).content == '<tool_call>[]</tool_call>'

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..grammar import CompiledGrammar, GrammarError, compile_grammar
+from ..grammar import CompiledGrammar, GrammarError, GrammarSpec, compile_grammar
 from ..structured import ResponseFormat, StructuredError, ToolConfig, parse_response_format, parse_tools, reply_grammar
 from .scheduler import ApiError
 
@@ -51,5 +51,14 @@ def structured_request(fields: dict, tokenizer, vocab_size: int, eos_token_ids, 
     try:
         compiled = compile_grammar(spec, tokenizer, vocab_size, eos_token_ids)
     except GrammarError as error:
-        raise ApiError(400, str(error), "tools" if tools.active else "response_format") from None
+        if not tools.active:
+            raise ApiError(400, str(error), "response_format") from None
+        # the reply's grammar joins every tool's schema: name the one at fault, not the joined grammar
+        for index, tool in enumerate(tools.tools):
+            try:
+                compile_grammar(GrammarSpec.json_schema(tool.parameters), tokenizer, vocab_size, eos_token_ids)
+            except GrammarError as fault:
+                where = f"tools.{index}.function.parameters"
+                raise ApiError(400, f"{where} ({tool.name}): {fault}", where) from None
+        raise ApiError(400, str(error), "tools") from None
     return StructuredRequest(response, tools, compiled)
