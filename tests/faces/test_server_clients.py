@@ -571,8 +571,8 @@ def test_a_conversation_with_a_call_and_its_result(client):
         "type": "array", "items": {"type": "integer"}, "uniqueItems": True}}}}, "response_format",
      "the JSON schema uses keywords tierspec cannot enforce: uniqueItems"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}]}, "tools",
-     "the JSON schema uses keywords tierspec cannot enforce: not"),
+        "type": "object", "properties": {"x": {"not": {"type": "string"}}}}}}]}, "tools.0.function.parameters",
+     "tools.0.function.parameters (f): the JSON schema uses keywords tierspec cannot enforce: not"),
     ({"response_format": {"type": "json_object"}, "method": "lossy"}, "method", "cannot decode under a constraint"),
 ])
 def test_what_cannot_be_enforced_is_a_400_naming_it(client, server, body, param, message):

@@ -240,6 +240,21 @@ def test_a_run_made_on_transformers_modules_is_not_resumed_on_tierspec_code(tmp_
     assert summary["config"]["implementation"] == "transformers"
 
 
+def test_a_summary_reports_the_folders_run_not_the_commands_flags(tmp_path, tiny_text_model, data_dir):
+    """--summarize-only took its own --methods (the default when left out): the report was rewritten
+    without the other methods' results, with exit 0."""
+    from dataclasses import replace
+
+    run = BenchConfig(target="tiny", methods=("ar", "pld", "adaptive-pld"), dataset="spec_bench", per_category=1,
+                      max_new_tokens=6, data_dir=str(data_dir))
+    out = tmp_path / "out"
+    made = run_bench(run, out, progress=False, target=tiny_text_model)
+    summary = run_bench(replace(run, methods=("ar",), per_category=None, limit=1), out, progress=False,
+                        target=tiny_text_model, generate=False)
+    assert list(summary["methods"]) == list(made["methods"]) == ["ar", "pld", "adaptive-pld"]
+    assert summary["methods"] == made["methods"]
+
+
 def test_fidelity_against_a_reference_run(tmp_path, tiny_text_model, data_dir):
     greedy = BenchConfig(target="tiny", methods=("ar", "pld"), dataset="spec_bench", per_category=1, max_new_tokens=10,
                          data_dir=str(data_dir))

@@ -217,6 +217,10 @@ def test_free_text_runs_the_same_prompts_unconstrained(tmp_path, byte_target, sm
     records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
     assert len(records) == 4 and all(record["grammar_seconds"] == 0 for record in records)
     assert any(record["json_valid"] == 0.0 for record in records)
+    from dataclasses import replace  # free and constrained records in one folder would be averaged together
+
+    with pytest.raises(BenchError, match="free_text: True → False"):
+        run_bench(replace(config, free_text=False), tmp_path / "out", progress=False, target=byte_target)
     with pytest.raises(BenchError, match="--free-text leaves a constrained set's texts free; spec_bench constrains none"):
         run_bench(BenchConfig(target="byte", methods=("ar",), free_text=True), tmp_path / "other", progress=False,
                   target=byte_target)

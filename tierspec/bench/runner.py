@@ -131,7 +131,13 @@ class BenchConfig:
 # Settings that change what a record measures: a run may only resume into a folder made with the
 # same values (methods, prompt counts and repeats may grow).
 _RESUME_KEYS = ("target", "dtype", "device", "kernels", "implementation", "drafter", "dataset", "data_dir", "max_new_tokens", "temperature", "top_k", "top_p",
-                "num_draft", "seed", "mask", "hf_pld_tokens", "hf_early_exit_layer")
+                "num_draft", "seed", "mask", "hf_pld_tokens", "hf_early_exit_layer", "free_text")
+# What a summary of a folder reports is the folder's run: its methods, prompt selection and generation
+# settings, not the flags (or their defaults) of the --summarize-only command. (The model's settings
+# are the folder's too, once the worker has settled them: ``_settle``.)
+_SUMMARY_KEYS = ("methods", "dataset", "data_dir", "per_category", "limit", "repeats", "seed", "free_text",
+                 "max_new_tokens", "temperature", "top_k", "top_p", "num_draft", "mask", "hf_pld_tokens",
+                 "hf_early_exit_layer")
 
 
 # What a run made before a setting existed used: its records came from that (not today's default).
@@ -729,6 +735,8 @@ def check_run_flags(config: BenchConfig, specs: list[tuple[str, dict[str, str]]]
 
 def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedModel | None, drafter: LoadedModel | None,
                generate: bool, cluster: ClusterConfig | None) -> dict:
+    if not generate:
+        config = _the_folders_run(config, out)
     methods = list(dict.fromkeys(config.methods))
     if BASELINE not in methods:
         methods.insert(0, BASELINE)  # speed-ups are defined against plain decoding of the same run
@@ -782,6 +790,21 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
     if generate:
         _report_failures(out, failures)
     return summary
+
+
+def _the_folders_run(config: BenchConfig, out: Path) -> BenchConfig:
+    """``config`` with the settings, methods and prompt selection of the run in ``out`` (its
+    config.json), every method of its records included: a summary reports what was run. Without
+    this, ``--summarize-only`` took the command's own --methods and --dataset (their defaults when
+    left out) and rewrote the report without the other methods' results, with exit 0."""
+    previous = _previous_config(out) or {}
+    settings = {key: previous[key] for key in _SUMMARY_KEYS if key in previous}
+    methods = list(settings.get("methods", config.methods))
+    for record in read_records(out / "records.jsonl"):
+        if record.get("method") not in methods:
+            methods.append(record["method"])
+    settings["methods"] = tuple(methods)
+    return replace(config, **settings)
 
 
 def _settle(config: BenchConfig, settings: WorkerSettings, prompts: list[Prompt], out: Path,
