@@ -275,6 +275,33 @@ def _read_calibration_file(path: str) -> list[str]:
     return prompts
 
 
+def _check_route_flags(args) -> None:
+    """The mask search's flags, refused before the model and the calibration text are loaded: a
+    bad count was a traceback after them, an output folder an error after the whole search, and a
+    flag the chosen search does not read would change nothing."""
+    from pathlib import Path
+
+    from .errors import TierspecError
+
+    for flag, value in (("--budget", args.budget), ("--bo-every", args.bo_every), ("--patience", args.patience),
+                        ("--calibration-prompts", args.calibration_prompts), ("--window", args.window),
+                        ("--context", args.context)):
+        if value < 1:
+            raise TierspecError(f"{flag} must be at least 1, got {value}")
+    moot = []
+    if args.calibration_file is not None:
+        moot += [f"{flag} (--calibration-file gives the prompts)" for flag, given in (
+            ("--calibration-prompts", args.calibration_prompts != 8), ("--data-dir", args.data_dir is not None)) if given]
+    if args.strategy == "random" and args.bo_every != 2:
+        moot.append("--bo-every (--strategy random takes no Bayesian-optimisation step)")
+    if args.objective == "agreement" and (args.alpha, args.beta) != (0.0, 1.0):
+        moot.append("--alpha / --beta (they weigh the KL cost; --objective agreement chooses by greedy agreement)")
+    if moot:
+        raise TierspecError(f"these flags would change nothing here: {'; '.join(moot)}")
+    if Path(args.out).is_dir():
+        raise TierspecError(f"--out {args.out} is a folder; give the mask file's path")
+
+
 def _run_route(args) -> int:
     from pathlib import Path
 
@@ -282,6 +309,7 @@ def _run_route(args) -> int:
     from .layerskip.search import SearchConfig, search_mask
     from .training.calibration import build_calibration
 
+    _check_route_flags(args)
     config = SearchConfig(
         ratio=args.ratio, ratio_by=args.ratio_by, unit=args.unit, budget=args.budget, bo_every=args.bo_every, patience=args.patience,
         objective=args.objective, strategy=args.strategy, alpha=args.alpha, beta=args.beta, seed=args.seed,
@@ -339,6 +367,7 @@ def _run_generate(args) -> int:
         check_method_name(args.method)
     # Refuse bad values before loading anything (a load and a cost table take 10-56 s).
     SamplingConfig(args.temperature, args.top_k, args.top_p)
+    _check_filters_sample(args)
     _check_model_flags(args)
     _check_generation_budget(args.max_new_tokens, args.target)
     structured = _structured_flags(args)
@@ -530,9 +559,20 @@ def _add_bench(sub) -> None:
     parser.set_defaults(run=_run_bench, resume_hint="; rerun the same command to resume")
 
 
+def _check_filters_sample(args) -> None:
+    """--top-k / --top-p filter the distribution a token is sampled from: at temperature 0 (greedy)
+    nothing is sampled and they would change nothing."""
+    from .errors import TierspecError
+
+    if args.temperature == 0 and (args.top_k != 0 or args.top_p != 1.0):
+        raise TierspecError("--top-k and --top-p filter what a sampled token is drawn from; at --temperature 0 "
+                            "(greedy) they would change nothing: leave them out or sample (--temperature > 0)")
+
+
 def _run_bench(args) -> int:
     from pathlib import Path
 
+    _check_filters_sample(args)
     from .bench.report import markdown_table
     from .bench.runner import BenchConfig, run_bench
 
@@ -610,15 +650,40 @@ def _add_judge(sub) -> None:
     evaluate.add_argument("--head", required=True)
     evaluate.add_argument("--data", required=True)
     evaluate.add_argument("--threshold", type=float, default=None)
-    evaluate.add_argument("--split", default="val")
+    evaluate.add_argument("--split", choices=["train", "val"], default="val")
     evaluate.add_argument("--no-progress", action="store_true")
     evaluate.set_defaults(run=_run_judge_eval)
+
+
+def _at_least(flags: dict[str, int], least: int = 1) -> None:
+    """Refuse a count below ``least`` (a negative count was a traceback, 0 an empty output with exit 0)."""
+    from .errors import TierspecError
+
+    for flag, value in flags.items():
+        if value < least:
+            raise TierspecError(f"{flag} must be at least {least}, got {value}")
+
+
+def _output_file(path: str) -> None:
+    """Refuse an --out that is a folder before the work (it was refused at the write, after it all)."""
+    from pathlib import Path
+
+    from .errors import TierspecError
+
+    if Path(path).is_dir():
+        raise TierspecError(f"--out {path} is a folder; give the file's path")
 
 
 def _run_judge_build(args) -> int:
     from pathlib import Path
 
     from .data import default_data_dir
+    from .errors import TierspecError
+
+    _at_least({"--count": args.count})
+    if not 0.0 < args.val_fraction < 1.0:  # 1.5 made every example validation, 0 one problem silently
+        raise TierspecError(f"--val-fraction must be between 0 and 1 (exclusive), got {args.val_fraction}")
+    _output_file(args.out)
     from .training.judge_data import build_gsm8k_judge_data
 
     root = Path(args.data_dir) if args.data_dir else default_data_dir()
@@ -632,8 +697,13 @@ def _run_judge_build(args) -> int:
 def _run_judge_train(args) -> int:
     from pathlib import Path
 
+    from .errors import TierspecError
     from .training.judge_train import train_judge
 
+    if not 0.0 <= args.max_mistake_acceptance <= 1.0:  # a negative share indexed the list from its end
+        raise TierspecError(f"--max-mistake-acceptance is a share of mistakes, from 0 to 1; got "
+                            f"{args.max_mistake_acceptance}")
+    _output_file(args.out)
     target = _load(args, args.target)
     head, metrics = train_judge(target, Path(args.data), args.features, not args.no_progress, args.max_mistake_acceptance,
                                 args.seed, args.threshold_from)
@@ -648,6 +718,9 @@ def _run_judge_mismatches(args) -> int:
     from .training.judge_mismatches import MismatchConfig, build_mismatch_data, mismatch_prompts
     from .methods import MethodOptions, draft_head_for
 
+    _at_least({"--prompts": args.prompts, "--per-prompt": args.per_prompt, "--answer-tokens": args.answer_tokens,
+               "--window": args.window, "--match": args.match})
+    _output_file(args.out)
     target = _load(args, args.target)
     options = MethodOptions()
     if args.draft_head:
@@ -721,8 +794,9 @@ def _add_drafter(sub) -> None:
     from .training.draft_train import TrainConfig
 
     defaults = TrainConfig()
-    train.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab_size,
-                       help="K: the most frequent answer tokens the head drafts over")
+    train.add_argument("--draft-vocab", type=int, default=None,
+                       help=f"K: the most frequent answer tokens the head drafts over (default {defaults.draft_vocab_size}; "
+                       "a head continued with --init-head keeps its own)")
     train.add_argument("--epochs", type=float, default=defaults.epochs)
     train.add_argument("--batch-tokens", type=int, default=defaults.batch_tokens)
     train.add_argument("--lr", type=float, default=defaults.lr)
@@ -778,10 +852,16 @@ def _run_drafter_train(args) -> int:
     from .training.draft_train import TrainConfig
     from .util import exclusive_lock
 
+    from .errors import TierspecError
+
+    if args.init_head is not None and args.draft_vocab is not None:  # it was ignored: the head's own K stood
+        raise TierspecError("the head continued from --init-head drafts over its own vocabulary: --draft-vocab would "
+                            "change nothing; leave it out")
+    _output_file(args.out)
     layers = None if args.feature_layers is None else tuple(int(i) for i in args.feature_layers.split(",") if i.strip())
-    config = TrainConfig(draft_vocab_size=args.draft_vocab, epochs=args.epochs, batch_tokens=args.batch_tokens,
-                         lr=args.lr, ttt_steps=args.ttt_steps, ce_weight=args.ce_weight, feature_layers=layers,
-                         seed=args.seed)
+    vocabulary = {} if args.draft_vocab is None else {"draft_vocab_size": args.draft_vocab}
+    config = TrainConfig(**vocabulary, epochs=args.epochs, batch_tokens=args.batch_tokens, lr=args.lr,
+                         ttt_steps=args.ttt_steps, ce_weight=args.ce_weight, feature_layers=layers, seed=args.seed)
     out = Path(args.out)
     # One training per output (its checkpoint is out + .checkpoint.pt): a second is refused.
     with exclusive_lock(out.with_name(f".{out.name}.train.lock"), f"the head file {out}", "tierspec drafter train"):

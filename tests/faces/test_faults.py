@@ -476,3 +476,28 @@ def test_heads_shards_and_checkpoints_get_the_permissions_of_an_ordinary_write(w
     mode = lambda name: stat.S_IMODE(os.stat(tmp_path / name).st_mode)  # noqa: E731
     assert mode("written.safetensors") == mode("plain.txt")
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == []  # no staging file left
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["route", "--out", "m.json", "--context", "0"], "--context must be at least 1, got 0"),  # was a traceback
+    (["route", "--out", "m.json", "--patience", "0"], "--patience must be at least 1"),  # "min() arg is an empty sequence"
+    (["route", "--out", "m.json", "--strategy", "random", "--bo-every", "3"], "--bo-every (--strategy random"),
+    (["route", "--out", "m.json", "--objective", "agreement", "--alpha", "0.1"], "--alpha / --beta"),
+    (["route", "--out", "m.json", "--calibration-file", "p.txt", "--data-dir", "d"], "--data-dir (--calibration-file"),
+    (["route", "--out", "."], "--out . is a folder"),  # was said after the whole search
+    (["judge", "build-data", "--out", "j.jsonl", "--count", "0"], "--count must be at least 1"),  # an empty file, exit 0
+    (["judge", "build-data", "--out", "j.jsonl", "--val-fraction", "1.5"], "--val-fraction must be between 0 and 1"),
+    (["judge", "train", "--data", "j.jsonl", "--out", "h.safetensors", "--max-mistake-acceptance", "-0.5"],
+     "--max-mistake-acceptance is a share of mistakes"),  # indexed from the list's end: 75% of mistakes accepted
+    (["judge", "train", "--data", "j.jsonl", "--out", "."], "--out . is a folder"),
+    (["judge", "build-mismatch-data", "--out", "m.jsonl", "--per-prompt", "0"], "--per-prompt must be at least 1"),
+    (["drafter", "train", "--data", "d", "--out", "."], "--out . is a folder"),
+    (["generate", "hi", "--top-k", "5"], "at --temperature 0 (greedy) they would change nothing"),
+    (["bench", "--out", "b", "--top-p", "0.5"], "at --temperature 0 (greedy) they would change nothing"),
+])
+def test_a_jobs_bad_flags_are_refused_before_any_work(argv, message, capsys, monkeypatch):
+    from tierspec.cli import main
+
+    monkeypatch.setattr("tierspec.models.load_model", lambda *a, **k: pytest.fail("loaded a model before refusing"))
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -751,6 +751,10 @@ def test_drafter_commands_build_data_train_and_generate_on_a_tiny_model(tmp_path
     manifest = json.loads((data / "manifest.json").read_text())
     assert manifest["shards_done"] == manifest["shards_planned"] > 0 and manifest["answer_tokens"] > 0
     shards = sorted(p.name for p in data.glob("shard-*.safetensors"))
+    first = json.loads((data / "plan.json").read_text())["dtype"]  # auto: bfloat16 where native, else float32
+    other = "float32" if first == "bfloat16" else "bfloat16"
+    assert main(build + ["--dtype", other]) == 2  # other numbers than the shards' so far: refused
+    assert "planned with other settings" in capsys.readouterr().err
     assert main(build) == 0  # resumes: every shard is done, nothing is rewritten
     assert sorted(p.name for p in data.glob("shard-*.safetensors")) == shards
     head_path = tmp_path / "head.safetensors"
@@ -765,7 +769,10 @@ def test_drafter_commands_build_data_train_and_generate_on_a_tiny_model(tmp_path
     continued = tmp_path / "continued.safetensors"
     assert main(["drafter", "train", "--target", str(folder), "--data", str(data), "--out", str(continued),
                  "--epochs", "1", "--batch-tokens", "256", "--draft-vocab", "30", "--init-head", str(head_path),
-                 "--no-progress"]) == 0
+                 "--no-progress"]) == 2  # it was taken and ignored
+    assert "--draft-vocab would change nothing" in capsys.readouterr().err
+    assert main(["drafter", "train", "--target", str(folder), "--data", str(data), "--out", str(continued),
+                 "--epochs", "1", "--batch-tokens", "256", "--init-head", str(head_path), "--no-progress"]) == 0
     more = json.loads(continued.with_suffix(".json").read_text())
     assert more["draft_vocab_sha256"] == info["draft_vocab_sha256"] and more["config"] == info["config"]
     assert more["continued_from"]["sha256"] == hashlib.sha256(head_path.read_bytes()).hexdigest()

@@ -103,6 +103,65 @@ def test_search_resumes_from_its_checkpoint(planted, tmp_path):
     assert [e.keep for e in resumed.evaluations] == [e.keep for e in full.evaluations]
 
 
+def test_a_resumed_search_stops_where_an_uninterrupted_one_does_and_a_larger_budget_extends_it(planted, tmp_path,
+                                                                                                   capsys):
+    """Its count of evaluations without improvement was restarted at 0 (a resumed search stopped
+    later than an uninterrupted one); budget and patience only say when it stops, so a larger
+    budget resumes the evaluations made instead of discarding them without a word."""
+    model, calibration = planted
+    checkpoint = tmp_path / "search.partial.json"
+    config = SearchConfig(ratio=0.25, unit="layer", budget=40, patience=4, bo_every=2, initial_random=4, seed=3)
+    full = search_mask(model, calibration, config, progress=False)
+    assert len(full.evaluations) < 40  # stopped by its patience
+    stop_at = len(full.evaluations) - 2
+    evaluated = iter(range(100))
+
+    def crash(mask):
+        from tierspec.layerskip.search import evaluate_mask
+
+        if next(evaluated) == stop_at:
+            raise KeyboardInterrupt
+        return evaluate_mask(model.model, calibration, mask)
+
+    with pytest.raises(KeyboardInterrupt):
+        search_mask(model, calibration, config, checkpoint=checkpoint, progress=False, evaluate=crash)
+    resumed = search_mask(model, calibration, config, checkpoint=checkpoint, progress=False)
+    assert [e.keep for e in resumed.evaluations] == [e.keep for e in full.evaluations]
+    checkpoint = tmp_path / "extended.partial.json"
+    short = SearchConfig(**{**config.__dict__, "budget": 3, "patience": 100})
+    search_mask(model, calibration, short, checkpoint=checkpoint, progress=False)
+    calls = []
+    longer = SearchConfig(**{**config.__dict__, "budget": 6, "patience": 100})
+    extended = search_mask(model, calibration, longer, checkpoint=checkpoint, progress=False,
+                           evaluate=lambda mask: calls.append(mask) or (1.0, 0.0))
+    assert len(calls) == 3 and len(extended.evaluations) == 6  # the first three kept
+    assert "starts over" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("content", ["[1]", '{"signature": "x"}', "{not json"])
+def test_a_damaged_or_other_progress_file_is_said_and_the_search_starts_over(planted, tmp_path, capsys, content):
+    model, calibration = planted
+    checkpoint = tmp_path / "search.partial.json"
+    checkpoint.write_text(content)  # "[1]" was an AttributeError
+    result = search_mask(model, calibration, SearchConfig(ratio=0.25, unit="layer", budget=3), checkpoint=checkpoint,
+                         progress=False)
+    assert len(result.evaluations) == 3 and "the search starts over" in capsys.readouterr().err
+
+
+def test_a_progress_file_with_a_mask_of_another_size_is_damaged(planted, tmp_path, capsys):
+    import json
+
+    model, calibration = planted
+    checkpoint = tmp_path / "search.partial.json"
+    config = SearchConfig(ratio=0.25, unit="layer", budget=3)
+    search_mask(model, calibration, config, checkpoint=checkpoint, progress=False)
+    state = json.loads(checkpoint.read_text())
+    state["evaluations"][0]["keep"] = state["evaluations"][0]["keep"][:-1]  # was a numpy ValueError
+    checkpoint.write_text(json.dumps(state))
+    search_mask(model, calibration, config, checkpoint=checkpoint, progress=False)
+    assert "damaged (a mask that is not" in capsys.readouterr().err
+
+
 def test_search_refuses_an_impossible_ratio(planted):
     model, calibration = planted
     with pytest.raises(ValueError, match="bypasses 12 of 10 eligible layer units"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -152,10 +153,30 @@ class SearchResult:
 
 
 def _signature(target: LoadedModel, calibration: Calibration, config: SearchConfig, budget=None) -> str:
+    """What fixes the sequence of evaluations: not ``budget`` nor ``patience``, which only say when it
+    stops (each evaluation is seeded by its position), so a rerun with a larger budget extends it."""
     weights = None if not isinstance(budget, ComputeBudget) else [round(w, 3) for w in budget.weights]
-    payload = json.dumps({"model": target.identity.to_dict(), "calibration": calibration.digest, "config": asdict(config),
+    settings = {key: value for key, value in asdict(config).items() if key not in ("budget", "patience")}
+    payload = json.dumps({"model": target.identity.to_dict(), "calibration": calibration.digest, "config": settings,
                           "weights": weights}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _resumed(checkpoint: Path, signature: str, units: int) -> tuple[list[Evaluation], float, str | None]:
+    """The evaluations and seconds a search's progress file holds, and why it cannot be resumed
+    (None: it can; then nothing was lost): damaged, or made with other settings."""
+    try:
+        state = json.loads(checkpoint.read_text())
+        if not isinstance(state, dict):
+            raise ValueError("not a progress record")
+        if state.get("signature") != signature:
+            return [], 0.0, "its evaluations were made with other settings, model or calibration text"
+        evaluations = [Evaluation(**e) for e in state["evaluations"]]
+        if any(len(e.keep) != units or not set(e.keep) <= {0, 1} for e in evaluations):
+            raise ValueError(f"a mask that is not {units} units kept or bypassed")
+        return evaluations, float(state.get("seconds", 0.0)), None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
+        return [], 0.0, f"damaged ({' '.join(str(error).split())[:120] or type(error).__name__})"
 
 
 def search_mask(
@@ -202,18 +223,17 @@ def search_mask(
     evaluations: list[Evaluation] = []
     seconds_before = 0.0
     if checkpoint is not None and checkpoint.exists():
-        try:
-            state = json.loads(checkpoint.read_text())
-        except (OSError, json.JSONDecodeError):
-            state = {}
-        if state.get("signature") == signature:
-            evaluations = [Evaluation(**e) for e in state["evaluations"]]
-            seconds_before = float(state.get("seconds", 0.0))
+        evaluations, seconds_before, problem = _resumed(checkpoint, signature, len(eligible))
+        if problem is not None:
+            print(f"tierspec: {checkpoint}: {problem}; the search starts over", file=sys.stderr)
 
     started = time.perf_counter()
     bar = tqdm(total=config.budget, initial=len(evaluations), desc=f"{config.strategy} r={config.ratio} {config.unit}", disable=not progress)
-    since_best = 0
-    best_score = min((e.score(config.objective) for e in evaluations), default=math.inf)
+    # where an uninterrupted search would stand after these evaluations (its count without improvement too)
+    since_best, best_score = 0, math.inf
+    for evaluation in evaluations:
+        score = evaluation.score(config.objective)
+        best_score, since_best = (score, 0) if score < best_score - 1e-12 else (best_score, since_best + 1)
     while len(evaluations) < config.budget and since_best < config.patience:
         # Seeded by position, so a resumed search continues exactly as an uninterrupted one.
         rng = np.random.default_rng([config.seed, len(evaluations)])

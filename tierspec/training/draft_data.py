@@ -240,7 +240,10 @@ def make_plan(target: LoadedModel, config: DataConfig, data_dir: Path | None) ->
                              "load the target with implementation='transformers'")
     layers = aux_layers(target.identity.num_layers)
     jobs, own, forced = plan_jobs(target, config, data_dir)
-    header = {"format": DATA_FORMAT, "config": asdict(config), "model": target.identity.to_dict(),
+    # The weights' numbers too: a rerun with another --dtype made the later shards' features (and
+    # some answers) differ from the first ones', accepted with exit 0.
+    dtype = str(next(target.model.parameters()).dtype).removeprefix("torch.")
+    header = {"format": DATA_FORMAT, "config": asdict(config), "model": target.identity.to_dict(), "dtype": dtype,
               "aux_layers": layers, "items_hash": _items_hash(own, forced), "shards": len(jobs)}
     return DataPlan(jobs, own, forced, layers, header)
 
