@@ -185,6 +185,7 @@ def read_architecture(fields: dict, tensors: dict) -> Architecture:
     if scaling not in ("none", "linear"):
         raise UnsupportedArchitecture(f"rope scaling {scaling!r} (only linear scaling and Llama 3's frequency factors)")
     linear = float(_field(fields, arch, "rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+    linear = linear or 1.0  # a factor of 0 is no scaling (llama.cpp's reading)
     if any(name.startswith("rope_factors_") for name in tensors):
         raise UnsupportedArchitecture("LongRoPE frequency factors (rope_factors_long/short)")
     factors = None
@@ -206,7 +207,7 @@ def read_architecture(fields: dict, tensors: dict) -> Architecture:
     if _field(fields, arch, "final_logit_softcapping") is not None:
         # the LM head's rows are read directly (slim vocabularies, draft heads): a cap after it would be missed
         raise UnsupportedArchitecture("final logit soft-capping (Gemma 2's) is not covered")
-    window = _field(fields, arch, "attention.sliding_window")
+    window = _field(fields, arch, "attention.sliding_window") or None  # 0: no window (Phi-4's files)
     global_rotary = Rotary(theta, linear, factors)
     if arch == "gemma3":
         return _gemma3(common, fields, global_rotary, window)

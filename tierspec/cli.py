@@ -223,6 +223,9 @@ def method_options(args, target):
     return MethodOptions(**values)
 
 
+CALIBRATION_PROMPTS = 8  # the mask search's calibration prompts drawn from the data folder by default
+
+
 def _add_route(sub) -> None:
     parser = sub.add_parser(
         "route",
@@ -246,7 +249,8 @@ def _add_route(sub) -> None:
     parser.add_argument("--strategy", choices=["dimr", "random"], default="dimr", help="random: random search alone")
     parser.add_argument("--alpha", type=float, default=0.0, help="cost tolerance α")
     parser.add_argument("--beta", type=float, default=1.0, help="cost tolerance β")
-    parser.add_argument("--calibration-prompts", type=int, default=8, help="prompts sampled from the data folder")
+    parser.add_argument("--calibration-prompts", type=int, default=CALIBRATION_PROMPTS,
+                        help="prompts sampled from the data folder")
     parser.add_argument("--calibration-file", default=None, help="your own prompts: a text file, one per line, or JSONL with 'prompt'")
     parser.add_argument("--data-dir", default=None, help="evaluation data folder (default: the copy shipped in the package, or $TIERSPEC_DATA)")
     parser.add_argument("--window", type=int, default=32, help="τ: scored positions per calibration sequence")
@@ -282,7 +286,9 @@ def _check_route_flags(args) -> None:
     from pathlib import Path
 
     from .errors import TierspecError
+    from .layerskip.search import SearchConfig
 
+    defaults = SearchConfig()
     for flag, value in (("--budget", args.budget), ("--bo-every", args.bo_every), ("--patience", args.patience),
                         ("--calibration-prompts", args.calibration_prompts), ("--window", args.window),
                         ("--context", args.context)):
@@ -291,10 +297,11 @@ def _check_route_flags(args) -> None:
     moot = []
     if args.calibration_file is not None:
         moot += [f"{flag} (--calibration-file gives the prompts)" for flag, given in (
-            ("--calibration-prompts", args.calibration_prompts != 8), ("--data-dir", args.data_dir is not None)) if given]
-    if args.strategy == "random" and args.bo_every != 2:
+            ("--calibration-prompts", args.calibration_prompts != CALIBRATION_PROMPTS),
+            ("--data-dir", args.data_dir is not None)) if given]
+    if args.strategy == "random" and args.bo_every != defaults.bo_every:
         moot.append("--bo-every (--strategy random takes no Bayesian-optimisation step)")
-    if args.objective == "agreement" and (args.alpha, args.beta) != (0.0, 1.0):
+    if args.objective == "agreement" and (args.alpha, args.beta) != (defaults.alpha, defaults.beta):
         moot.append("--alpha / --beta (they weigh the KL cost; --objective agreement chooses by greedy agreement)")
     if moot:
         raise TierspecError(f"these flags would change nothing here: {'; '.join(moot)}")
@@ -498,7 +505,7 @@ def _note_unused_options(scheduler) -> None:
     try:
         build_method(scheduler.default_method, scheduler.target, scheduler.drafter, scheduler.options)
     except MethodOptionError as error:
-        print(f"tierspec serve: note: {error} — it applies to requests naming a method that uses it", file=sys.stderr)
+        print(f"tierspec serve: note: {error} — the server keeps it for requests whose method uses it", file=sys.stderr)
 
 
 def _add_bench(sub) -> None:
@@ -849,10 +856,9 @@ def _run_drafter_build(args) -> int:
 def _run_drafter_train(args) -> int:
     from pathlib import Path
 
+    from .errors import TierspecError
     from .training.draft_train import TrainConfig
     from .util import exclusive_lock
-
-    from .errors import TierspecError
 
     if args.init_head is not None and args.draft_vocab is not None:  # it was ignored: the head's own K stood
         raise TierspecError("the head continued from --init-head drafts over its own vocabulary: --draft-vocab would "

@@ -47,7 +47,8 @@ class ConstraintState(Protocol):
     (at least as many as one cycle's drafts and commits). ``forced()``: the tokens that must come
     next whatever the model says (the only continuation, possibly several tokens; empty when more
     than one token is allowed). ``finished()``: the constraint is complete and nothing more may
-    be generated.
+    be generated. ``accepting()``: the text so far satisfies the constraint (its end may come now:
+    a text the token budget cuts here is whole).
 
     A state class may also give ``chain_masks(states, chains, out)`` (a static method): fill
     ``out[i]`` (bool [1 + len(chains[i]), V]) with ``states[i]``'s masks along ``chains[i]`` (each
@@ -66,6 +67,9 @@ class ConstraintState(Protocol):
         ...
 
     def finished(self) -> bool:
+        ...
+
+    def accepting(self) -> bool:
         ...
 
 

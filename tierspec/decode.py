@@ -437,14 +437,15 @@ class Sequence:
 
     def finish_reason(self) -> str | None:
         """Why the generation ended (None: it has not): ``"stop"`` at an end token or where its
-        constraint was complete, ``"length"`` at the token budget — then a constrained text is
-        incomplete (not valid under its constraint)."""
+        constraint's text was complete (the budget may end it after a closing brace, before the
+        end token the grammar would force next), else ``"length"``: the token budget cut it, and a
+        constrained text is then incomplete (not valid under its constraint)."""
         if not self.finished:
             return None
         tokens = self.committed.generated(self.committed.generated_count - 1)
         if tokens and tokens[-1] in self.eos:
             return "stop"
-        return "stop" if self.constraint is not None and self.constraint.finished() else "length"
+        return "stop" if self.constraint is not None and self.constraint.accepting() else "length"
 
     def _begin_decoding(self) -> None:
         """The prompt is prefilled: its records kept (``echo``), the drafter and policy started."""

@@ -544,13 +544,16 @@ def model_sizes(header: GgufHeader, architecture: str) -> ModelSizes:
     if rope_dims > key_length or rope_dims % 2:
         _fail_key(header, f"{a}.rope.dimension_count", rope_dims, f"an even number ≤ the head size {key_length}")
     _integer(header, f"{a}.context_length", least=1, most=1 << 24)
-    # A rope base at or below 1 (1e-38 passed "positive") sends the rotation to infinity; a zero or NaN
-    # scaling factor or soft cap divides by it: each makes every logit NaN at the first token.
+    # A rope base at or below 1 (1e-38 passed "positive") sends the rotation to infinity; a NaN scaling
+    # factor or a zero or NaN soft cap divides by it: each makes every logit NaN at the first token.
     for key, low, high in ((f"{a}.rope.freq_base", 1.0, math.inf), (f"{a}.attention.layer_norm_rms_epsilon", 0.0, 1.0),
-                           (f"{a}.rope.scaling.factor", 0.0, math.inf), (f"{a}.attn_logit_softcapping", 0.0, math.inf)):
+                           (f"{a}.attn_logit_softcapping", 0.0, math.inf)):
         _positive_float(header, key, low, high)
-    if f"{a}.attention.sliding_window" in header.fields:  # the engine takes it as a 32-bit int (a window ≥ the
-        _integer(header, f"{a}.attention.sliding_window", most=(1 << 31) - 1)  # context is full attention)
+    factor = header.fields.get(f"{a}.rope.scaling.factor")  # 0: no scaling, as llama.cpp reads it
+    if factor is not None and factor != 0:
+        _positive_float(header, f"{a}.rope.scaling.factor", 0.0, math.inf)
+    if f"{a}.attention.sliding_window" in header.fields:  # the engine takes it as a 32-bit int; 0 is no window
+        _integer(header, f"{a}.attention.sliding_window", least=0, most=(1 << 31) - 1)  # (Phi-4's files mark it so)
     vocabulary = _vocabulary(header, a)
     return ModelSizes(blocks, embedding, feed_forward, heads, kv_heads, key_length, value_length, rope_dims,
                       vocabulary, experts)

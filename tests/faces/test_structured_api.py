@@ -74,6 +74,10 @@ def test_a_generation_says_whether_its_budget_cut_it(byte_target, prompt):
     assert (whole.finish_reason, cut.finish_reason) == ("stop", "length") and whole.token_ids[-1] == EOS
     regex = tierspec.generate(prompt, target=byte_target, method="pld", regex=r"(yes|no)-[0-9]{2}", max_new_tokens=20)
     assert regex.finish_reason == "stop"  # the regex complete: the constraint ended it
+    exact = len(regex.token_ids) - 1  # the budget ends it at its last byte, before the end token it would force
+    whole_text = tierspec.generate(prompt, target=byte_target, method="pld", regex=r"(yes|no)-[0-9]{2}",
+                                   max_new_tokens=exact)
+    assert whole_text.text == regex.text and whole_text.finish_reason == "stop"  # complete, so not cut
     batch = tierspec.generate([prompt, prompt], target=byte_target, method="pld", json_schema=SCHEMA,
                               max_new_tokens=6)
     assert [g.finish_reason for g in batch] == ["length", "length"]

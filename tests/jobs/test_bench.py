@@ -189,6 +189,9 @@ def test_code_execution_flags_outside_humaneval_are_refused(tmp_path, tiny_text_
         with pytest.raises(BenchError, match="concern humaneval's code runs"):
             run_bench(changed, tmp_path / "out", progress=False, target=tiny_text_model, allow_code_execution=allow)
     assert not (tmp_path / "out").exists()
+    run_bench(config, tmp_path / "out", progress=False, target=tiny_text_model)  # a summary runs no code: the
+    run_bench(config, tmp_path / "out", progress=False, target=tiny_text_model, generate=False,  # flags of the run
+              allow_code_execution=True)  # that made the folder may come with it
 
 
 def test_missing_data_dir_is_a_clear_error(tmp_path, tiny_text_model):

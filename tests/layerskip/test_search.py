@@ -138,6 +138,27 @@ def test_a_resumed_search_stops_where_an_uninterrupted_one_does_and_a_larger_bud
     assert "starts over" not in capsys.readouterr().err
 
 
+def test_a_progress_file_of_the_previous_signature_resumes(planted, tmp_path, capsys):
+    """Files written before budget and patience left the signature are resumed, not restarted."""
+    import json
+
+    from tierspec.layerskip.search import _signature
+
+    model, calibration = planted
+    checkpoint = tmp_path / "search.partial.json"
+    config = SearchConfig(ratio=0.25, unit="layer", budget=3)
+    search_mask(model, calibration, config, checkpoint=checkpoint, progress=False)
+    state = json.loads(checkpoint.read_text())
+    bypass = round(config.ratio * 12)  # layer units of the planted model: ``search_mask``'s own count
+    assert state["signature"] == _signature(model, calibration, config, bypass)
+    state["signature"] = _signature(model, calibration, config, bypass, with_stops=True)
+    checkpoint.write_text(json.dumps(state))
+    calls = []
+    search_mask(model, calibration, config, checkpoint=checkpoint, progress=False,
+                evaluate=lambda mask: calls.append(mask) or (1.0, 0.0))
+    assert calls == [] and "starts over" not in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("content", ["[1]", '{"signature": "x"}', "{not json"])
 def test_a_damaged_or_other_progress_file_is_said_and_the_search_starts_over(planted, tmp_path, capsys, content):
     model, calibration = planted

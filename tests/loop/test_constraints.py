@@ -85,6 +85,9 @@ class AutomatonState:
     def finished(self) -> bool:
         return not self.automaton.edges[self.path[-1]]
 
+    def accepting(self) -> bool:
+        return self.finished()
+
 
 def planted_automaton(length: int = 36) -> TokenAutomaton:
     """``length`` steps: at step t the allowed tokens are a third of the vocabulary (which third

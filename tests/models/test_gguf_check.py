@@ -156,6 +156,9 @@ def sound(tmp_path_factory) -> Path:
     ("qwen2", {"tied": False}), ("qwen3", {}), ("gemma3", {"head_dim": 32}),
     ("phi3", {"fused_qkv": True, "tied": False}), ("phi3", {}),
     ("llama", {"extra": {"rope_freqs.weight": np.ones(8, np.float32)}}),  # Llama 3.1's rope factors
+    # Phi-4's converter writes a window of 0 (no window), and llama.cpp reads a scaling factor of 0 as none
+    ("phi3", {"metadata": lambda w: w.add_uint32("phi3.attention.sliding_window", 0)}),
+    ("llama", {"metadata": lambda w: w.add_float32("llama.rope.scaling.factor", 0.0)}),
 ])
 def test_sound_files_of_every_checked_architecture_pass(tmp_path, arch, options):
     path = write_model(tmp_path / f"{arch}.gguf", arch, **options)
@@ -259,8 +262,8 @@ MESSAGES = {
     "rope_base_tiny": "metadata 'llama.rope.freq_base': 9.999999350456404e-39; expected a finite number in (1, inf)",
     "rope_scaling_nan": "metadata 'llama.rope.scaling.factor': nan; expected a finite number in (0, inf)",
     "softcap_0": "metadata 'llama.attn_logit_softcapping': 0.0; expected a finite number in (0, inf)",
-    "sliding_window_negative": "metadata 'llama.attention.sliding_window': -1; expected an integer from 1 to 2147483647",
-    "sliding_window_2_31": "metadata 'llama.attention.sliding_window': 2147483648; expected an integer from 1 to "
+    "sliding_window_negative": "metadata 'llama.attention.sliding_window': -1; expected an integer from 0 to 2147483647",
+    "sliding_window_2_31": "metadata 'llama.attention.sliding_window': 2147483648; expected an integer from 0 to "
                            "2147483647",
     "sliding_window_float": "metadata 'llama.attention.sliding_window': 512.0; expected an integer",
     "integer_norm": "tensor 'blk.0.attn_norm.weight': of type I32; expected float or quantised weights (F32, F16, BF16, "

@@ -153,3 +153,16 @@ def test_byte_fallback_pieces_spell_their_bytes():
     assert token_bytes(Pieces(), 1, "\ufffd") + token_bytes(Pieces(), 2, "\ufffd") == b"\xf0\x93"
     assert token_bytes(Pieces(), 3, " 日本") == " 日本".encode()
     assert token_bytes(Pieces(), 4, "é") == "é".encode()  # whole characters: their text's UTF-8, never the piece's
+
+
+def test_a_stopped_choice_counts_the_tokens_of_its_text_through_a_split_character(default_model_folder):
+    """The server's usage at a stop sequence (``scheduler._tokens_of``): the fewest tokens whose text
+    holds the text sent — a prefix ending inside the emoji decodes as U+FFFD, which is not the emoji."""
+    from tierspec.server.scheduler import _tokens_of
+    from tierspec.tokenizer import FastTokenizer
+
+    tokenizer = FastTokenizer(default_model_folder)
+    ids = tokenizer.encode("ab 😀 cd", add_special_tokens=False)
+    through_emoji = next(n for n in range(len(ids) + 1) if tokenizer.decode(ids[:n]) == "ab 😀")
+    assert _tokens_of(tokenizer, ids, len("ab 😀")) == through_emoji
+    assert _tokens_of(tokenizer, ids, 0) == 0 and _tokens_of(tokenizer, ids, len("ab 😀 cd")) == len(ids)

@@ -141,7 +141,7 @@ _SUMMARY_KEYS = ("methods", "dataset", "data_dir", "per_category", "limit", "rep
 
 
 # What a run made before a setting existed used: its records came from that (not today's default).
-_BEFORE_THE_KEY_EXISTED = {"implementation": "transformers"}
+_BEFORE_THE_KEY_EXISTED = {"implementation": "transformers", "free_text": False}
 
 
 def _previous_config(out: Path) -> dict | None:
@@ -485,7 +485,7 @@ def run_bench(config: BenchConfig, out: Path, progress: bool = True, target: Loa
     if config.dataset == "humaneval" and generate:
         check_code_execution_allowed(allow_code_execution)
         check_isolation(config.code_sandbox)  # no isolation (and no opt-out), no run: said before any generation
-    elif allow_code_execution or not config.code_sandbox:
+    elif generate and (allow_code_execution or not config.code_sandbox):
         raise BenchError(f"--allow-code-execution and --no-sandbox concern humaneval's code runs; {config.dataset} runs "
                          "no code: leave them out")
     if out.exists() and not out.is_dir():
@@ -741,7 +741,11 @@ def _run_bench(config: BenchConfig, out: Path, progress: bool, target: LoadedMod
     if BASELINE not in methods:
         methods.insert(0, BASELINE)  # speed-ups are defined against plain decoding of the same run
     config = replace(config, methods=tuple(methods))
-    check_run_flags(config, [parse_spec(spec) for spec in methods])
+    if generate:  # a summary reports what the folder's run was given
+        check_run_flags(config, [parse_spec(spec) for spec in methods])
+    else:
+        for spec in methods:
+            parse_spec(spec)
     if config.free_text and config.dataset not in CONSTRAINED_DATASETS:
         raise BenchError(f"--free-text leaves a constrained set's texts free; {config.dataset} constrains none "
                          f"(constrained sets: {', '.join(CONSTRAINED_DATASETS)})")

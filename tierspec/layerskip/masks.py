@@ -29,11 +29,6 @@ from ..identity import ModelIdentity
 from ..util import atomic_write_text
 
 UNITS = ("layer", "sublayer")
-
-
-def _one_line(value) -> str:
-    return " ".join(str(value).split())
-
 MASK_FORMAT = "tierspec-routing-mask"
 
 
@@ -378,3 +373,8 @@ def apply_decoder_mask(model: torch.nn.Module, mask: RoutingMask | None) -> Iter
         finally:
             for owner, position, original in reversed(swapped):
                 owner[position] = original
+
+
+def _one_line(value) -> str:
+    """``value`` as text on one line (an error message quotes what a file held)."""
+    return " ".join(str(value).split())

@@ -152,24 +152,28 @@ class SearchResult:
         }
 
 
-def _signature(target: LoadedModel, calibration: Calibration, config: SearchConfig, budget=None) -> str:
+def _signature(target: LoadedModel, calibration: Calibration, config: SearchConfig, budget=None,
+               with_stops: bool = False) -> str:
     """What fixes the sequence of evaluations: not ``budget`` nor ``patience``, which only say when it
-    stops (each evaluation is seeded by its position), so a rerun with a larger budget extends it."""
+    stops (each evaluation is seeded by its position), so a rerun with a larger budget extends it.
+    ``with_stops``: the signature progress files had before (both in it), still resumed."""
     weights = None if not isinstance(budget, ComputeBudget) else [round(w, 3) for w in budget.weights]
-    settings = {key: value for key, value in asdict(config).items() if key not in ("budget", "patience")}
+    settings = {key: value for key, value in asdict(config).items()
+                if with_stops or key not in ("budget", "patience")}
     payload = json.dumps({"model": target.identity.to_dict(), "calibration": calibration.digest, "config": settings,
                           "weights": weights}, sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def _resumed(checkpoint: Path, signature: str, units: int) -> tuple[list[Evaluation], float, str | None]:
+def _resumed(checkpoint: Path, signatures: tuple[str, ...], units: int) -> tuple[list[Evaluation], float, str | None]:
     """The evaluations and seconds a search's progress file holds, and why it cannot be resumed
-    (None: it can; then nothing was lost): damaged, or made with other settings."""
+    (None: it can; then nothing was lost): damaged, or made with other settings (``signatures``:
+    this search's, as this version and the one before write it)."""
     try:
         state = json.loads(checkpoint.read_text())
         if not isinstance(state, dict):
             raise ValueError("not a progress record")
-        if state.get("signature") != signature:
+        if state.get("signature") not in signatures:
             return [], 0.0, "its evaluations were made with other settings, model or calibration text"
         evaluations = [Evaluation(**e) for e in state["evaluations"]]
         if any(len(e.keep) != units or not set(e.keep) <= {0, 1} for e in evaluations):
@@ -220,10 +224,11 @@ def search_mask(
 
     evaluate = evaluate or (lambda mask: evaluate_mask(target.model, calibration, mask, config.alpha, config.beta))
     signature = _signature(target, calibration, config, bypass)
+    accepted = (signature, _signature(target, calibration, config, bypass, with_stops=True))
     evaluations: list[Evaluation] = []
     seconds_before = 0.0
     if checkpoint is not None and checkpoint.exists():
-        evaluations, seconds_before, problem = _resumed(checkpoint, signature, len(eligible))
+        evaluations, seconds_before, problem = _resumed(checkpoint, accepted, len(eligible))
         if problem is not None:
             print(f"tierspec: {checkpoint}: {problem}; the search starts over", file=sys.stderr)
 

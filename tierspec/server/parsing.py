@@ -161,7 +161,6 @@ class CompletionRequest(GenerationRequest):
                 raise ValueError(f"{where}: give one or more token ids >= 0")
         return value
 
-
     def prompts(self) -> list[str | list[int]]:
         value = self.prompt
         return value if isinstance(value, list) and value and not isinstance(value[0], int) else [value]

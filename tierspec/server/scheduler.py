@@ -568,7 +568,8 @@ def _tokens_of(tokenizer, token_ids: list[int], characters: int) -> int:
     low, high = 0, len(token_ids)
     while low < high:  # the decoded text grows with the tokens
         middle = (low + high) // 2
-        if len(tokenizer.decode(token_ids[:middle], skip_special_tokens=True)) >= characters:
+        # a prefix ending inside a character decodes it as U+FFFD, which the text sent does not hold
+        if len(tokenizer.decode(token_ids[:middle], skip_special_tokens=True).rstrip("\ufffd")) >= characters:
             high = middle
         else:
             low = middle + 1

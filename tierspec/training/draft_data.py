@@ -371,6 +371,7 @@ def _build(out: Path, header: dict, make: Callable[[list[int]], Iterable[Shard]]
             previous = json.loads(plan_path.read_text())
         except (OSError, ValueError) as error:
             raise DraftDataError(f"{plan_path} is unreadable ({error}); delete the folder or use another --out") from None
+        previous.setdefault("dtype", header["dtype"])  # a plan made before the dtype was recorded: not known
         if {k: previous.get(k) for k in header} != header:
             raise DraftDataError(f"{out} was planned with other settings, data or model; use another --out "
                                  "(or the same settings to resume)")
