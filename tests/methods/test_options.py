@@ -136,7 +136,8 @@ CHANGES = {
     "swift_ratio": ("swift", (SURE, {"swift_ratio": 0.1, **SURE}), 0.0),
     "clasp_ratio": ("clasp", (SURE, {"clasp_ratio": 0.1, **SURE}), 0.0),
     "clasp_interval": ("clasp", (SURE, {"clasp_interval": 1, **SURE}), 0.0),
-    "pearl_gamma": ("pearl", ({"mask": MASK}, {"mask": MASK, "pearl_gamma": 1}), 0.0),
+    # both given: the default is derived from the weights' bytes (1 for this mask on the tiny model)
+    "pearl_gamma": ("pearl", ({"mask": MASK, "pearl_gamma": 1}, {"mask": MASK, "pearl_gamma": 4}), 0.0),
     "drafter_kind": ("lossy", ({"drafter_kind": "ngram"}, {"drafter_kind": "model"}), 0.0),
     "draft_mask": ("lossy", ({"drafter_kind": "self", "draft_mask": MASK, **SURE},
                              {"drafter_kind": "self", "draft_mask": OTHER_MASK, **SURE}), 0.0),
