@@ -312,15 +312,28 @@ def _check_route_flags(args) -> None:
 def _run_route(args) -> int:
     from pathlib import Path
 
-    from .data import calibration_prompts
-    from .layerskip.search import SearchConfig, search_mask
-    from .training.calibration import build_calibration
+    from .layerskip.search import SearchConfig
+    from .util import exclusive_lock
 
     _check_route_flags(args)
     config = SearchConfig(
         ratio=args.ratio, ratio_by=args.ratio_by, unit=args.unit, budget=args.budget, bo_every=args.bo_every, patience=args.patience,
         objective=args.objective, strategy=args.strategy, alpha=args.alpha, beta=args.beta, seed=args.seed,
     )
+    out = Path(args.out)
+    # One search per mask file (its progress is out + .partial.json): a second is refused at once.
+    with exclusive_lock(out.with_name(f".{out.name}.route.lock"), f"the mask file {out}", "tierspec route"):
+        return _route_into(args, config, out)
+
+
+def _route_into(args, config, out) -> int:
+    """The mask search into ``out`` (its lock held): the model, the calibration text, the search."""
+    from pathlib import Path
+
+    from .data import calibration_prompts
+    from .layerskip.search import search_mask
+    from .training.calibration import build_calibration
+
     target = _load(args, args.target)
     if args.calibration_file:
         prompts = _read_calibration_file(args.calibration_file)
@@ -331,7 +344,6 @@ def _run_route(args) -> int:
         sample = task_calibration_prompts if is_encoder_decoder(target.model) else calibration_prompts  # T5's task format
         prompts = sample(args.calibration_prompts, Path(args.data_dir) if args.data_dir else None, args.seed)
     calibration = build_calibration(target, prompts, args.context, args.window, progress=not args.no_progress)
-    out = Path(args.out)
     checkpoint = out.with_name(out.name + ".partial.json")
     result = search_mask(target, calibration, config, checkpoint=checkpoint, progress=not args.no_progress)
     result.mask.save(out)

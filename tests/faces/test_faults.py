@@ -501,3 +501,15 @@ def test_a_jobs_bad_flags_are_refused_before_any_work(argv, message, capsys, mon
     monkeypatch.setattr("tierspec.models.load_model", lambda *a, **k: pytest.fail("loaded a model before refusing"))
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_second_mask_search_into_one_file_is_refused_at_once(tmp_path, capsys, monkeypatch):
+    """Its progress file is the mask's + .partial.json: two searches would write it in turn."""
+    from tierspec.cli import main
+    from tierspec.util import exclusive_lock
+
+    out = tmp_path / "mask.json"
+    monkeypatch.setattr("tierspec.models.load_model", lambda *a, **k: pytest.fail("loaded a model before refusing"))
+    with exclusive_lock(out.with_name(f".{out.name}.route.lock"), "the mask file", "tierspec route"):
+        assert main(["route", "--out", str(out)]) == 2
+    assert "is in use by another tierspec route run" in capsys.readouterr().err

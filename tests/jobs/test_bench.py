@@ -194,6 +194,21 @@ def test_code_execution_flags_outside_humaneval_are_refused(tmp_path, tiny_text_
               allow_code_execution=True)  # that made the folder may come with it
 
 
+def test_a_resumed_runs_bar_counts_the_whole_run(tmp_path, tiny_text_model, data_dir, capsys):
+    """It counted only what was left (0/13 where 5 of 18 were done)."""
+    from dataclasses import replace
+
+    config = BenchConfig(target="tiny", methods=("ar", "pld"), dataset="spec_bench", per_category=1, max_new_tokens=4,
+                         data_dir=str(data_dir))
+    out = tmp_path / "out"
+    run_bench(replace(config, methods=("ar",)), out, progress=False, target=tiny_text_model)
+    done = len(read_records(out / "records.jsonl"))
+    capsys.readouterr()
+    run_bench(config, out, progress=True, target=tiny_text_model)
+    bar = capsys.readouterr().err
+    assert f"{done}/{2 * done}" in bar and f"{2 * done}/{2 * done}" in bar
+
+
 def test_missing_data_dir_is_a_clear_error(tmp_path, tiny_text_model):
     config = BenchConfig(target="tiny", methods=("ar",), data_dir=str(tmp_path / "nowhere"))
     with pytest.raises(ValueError, match="data file .* is missing"):

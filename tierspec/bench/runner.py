@@ -840,7 +840,10 @@ def _generate(config: BenchConfig, out: Path, prompts: list[Prompt], progress: b
     done = {(r["method"], r["prompt_id"], r["repeat"]) for r in read_records(records_path) if "error" not in r}
     atomic_write_text(out / "config.json", json.dumps(asdict(config), indent=2))
     units = bench_units(prompts, list(config.methods), config.repeats, done) if generate else []
-    bar = tqdm(total=sum(len(unit.methods) for unit in units), desc="bench", disable=not progress)
+    # a resumed run's bar counts the run's whole work, starting at what the folder holds (it read 0/13, not 5/18)
+    left = sum(len(unit.methods) for unit in units)
+    whole = len(prompts) * len(config.methods) * config.repeats if generate else 0
+    bar = tqdm(total=max(whole, left), initial=max(whole - left, 0), desc="bench", disable=not progress)
     for records in execute(units):
         append_records(records_path, records)
         bar.set_postfix_str(f"{records[-1]['method']} {records[-1]['prompt_id']}")
