@@ -279,21 +279,35 @@ def _read_calibration_file(path: str) -> list[str]:
     return prompts
 
 
+def _at_least(flags: dict[str, int], least: int = 1) -> None:
+    """Refuse a count below ``least`` (a negative count was a traceback, 0 an empty output with exit 0)."""
+    from .errors import TierspecError
+
+    for flag, value in flags.items():
+        if value < least:
+            raise TierspecError(f"{flag} must be at least {least}, got {value}")
+
+
+def _output_file(path: str) -> None:
+    """Refuse an --out that is a folder before the work (it was refused at the write, after it all)."""
+    from pathlib import Path
+
+    from .errors import TierspecError
+
+    if Path(path).is_dir():
+        raise TierspecError(f"--out {path} is a folder; give the file's path")
+
+
 def _check_route_flags(args) -> None:
     """The mask search's flags, refused before the model and the calibration text are loaded: a
     bad count was a traceback after them, an output folder an error after the whole search, and a
     flag the chosen search does not read would change nothing."""
-    from pathlib import Path
-
     from .errors import TierspecError
     from .layerskip.search import SearchConfig
 
     defaults = SearchConfig()
-    for flag, value in (("--budget", args.budget), ("--bo-every", args.bo_every), ("--patience", args.patience),
-                        ("--calibration-prompts", args.calibration_prompts), ("--window", args.window),
-                        ("--context", args.context)):
-        if value < 1:
-            raise TierspecError(f"{flag} must be at least 1, got {value}")
+    _at_least({"--budget": args.budget, "--bo-every": args.bo_every, "--patience": args.patience,
+               "--calibration-prompts": args.calibration_prompts, "--window": args.window, "--context": args.context})
     moot = []
     if args.calibration_file is not None:
         moot += [f"{flag} (--calibration-file gives the prompts)" for flag, given in (
@@ -305,8 +319,7 @@ def _check_route_flags(args) -> None:
         moot.append("--alpha / --beta (they weigh the KL cost; --objective agreement chooses by greedy agreement)")
     if moot:
         raise TierspecError(f"these flags would change nothing here: {'; '.join(moot)}")
-    if Path(args.out).is_dir():
-        raise TierspecError(f"--out {args.out} is a folder; give the mask file's path")
+    _output_file(args.out)
 
 
 def _run_route(args) -> int:
@@ -672,25 +685,6 @@ def _add_judge(sub) -> None:
     evaluate.add_argument("--split", choices=["train", "val"], default="val")
     evaluate.add_argument("--no-progress", action="store_true")
     evaluate.set_defaults(run=_run_judge_eval)
-
-
-def _at_least(flags: dict[str, int], least: int = 1) -> None:
-    """Refuse a count below ``least`` (a negative count was a traceback, 0 an empty output with exit 0)."""
-    from .errors import TierspecError
-
-    for flag, value in flags.items():
-        if value < least:
-            raise TierspecError(f"{flag} must be at least {least}, got {value}")
-
-
-def _output_file(path: str) -> None:
-    """Refuse an --out that is a folder before the work (it was refused at the write, after it all)."""
-    from pathlib import Path
-
-    from .errors import TierspecError
-
-    if Path(path).is_dir():
-        raise TierspecError(f"--out {path} is a folder; give the file's path")
 
 
 def _run_judge_build(args) -> int:

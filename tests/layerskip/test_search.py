@@ -138,25 +138,37 @@ def test_a_resumed_search_stops_where_an_uninterrupted_one_does_and_a_larger_bud
     assert "starts over" not in capsys.readouterr().err
 
 
-def test_a_progress_file_of_the_previous_signature_resumes(planted, tmp_path, capsys):
-    """Files written before budget and patience left the signature are resumed, not restarted."""
+def _resumed_after(planted, tmp_path, edit):
+    """A 3-evaluation search saved to its progress file, the file's state changed by ``edit``, then
+    the same search run again: the evaluations that rerun made."""
     import json
-
-    from tierspec.layerskip.search import _signature
 
     model, calibration = planted
     checkpoint = tmp_path / "search.partial.json"
     config = SearchConfig(ratio=0.25, unit="layer", budget=3)
     search_mask(model, calibration, config, checkpoint=checkpoint, progress=False)
     state = json.loads(checkpoint.read_text())
-    bypass = round(config.ratio * 12)  # layer units of the planted model: ``search_mask``'s own count
-    assert state["signature"] == _signature(model, calibration, config, bypass)
-    state["signature"] = _signature(model, calibration, config, bypass, with_stops=True)
+    edit(state, config)
     checkpoint.write_text(json.dumps(state))
     calls = []
     search_mask(model, calibration, config, checkpoint=checkpoint, progress=False,
                 evaluate=lambda mask: calls.append(mask) or (1.0, 0.0))
-    assert calls == [] and "starts over" not in capsys.readouterr().err
+    return calls
+
+
+def test_a_progress_file_of_the_previous_signature_resumes(planted, tmp_path, capsys):
+    """Files written before budget and patience left the signature are resumed, not restarted."""
+    from tierspec.layerskip.search import _signature
+
+    model, calibration = planted
+
+    def previous_signature(state, config):
+        bypass = round(config.ratio * 12)  # layer units of the planted model: ``search_mask``'s own count
+        assert state["signature"] == _signature(model, calibration, config, bypass)
+        state["signature"] = _signature(model, calibration, config, bypass, with_stops=True)
+
+    assert _resumed_after(planted, tmp_path, previous_signature) == []
+    assert "starts over" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("content", ["[1]", '{"signature": "x"}', "{not json"])
@@ -170,16 +182,10 @@ def test_a_damaged_or_other_progress_file_is_said_and_the_search_starts_over(pla
 
 
 def test_a_progress_file_with_a_mask_of_another_size_is_damaged(planted, tmp_path, capsys):
-    import json
+    def cut_a_mask(state, config):
+        state["evaluations"][0]["keep"] = state["evaluations"][0]["keep"][:-1]  # was a numpy ValueError
 
-    model, calibration = planted
-    checkpoint = tmp_path / "search.partial.json"
-    config = SearchConfig(ratio=0.25, unit="layer", budget=3)
-    search_mask(model, calibration, config, checkpoint=checkpoint, progress=False)
-    state = json.loads(checkpoint.read_text())
-    state["evaluations"][0]["keep"] = state["evaluations"][0]["keep"][:-1]  # was a numpy ValueError
-    checkpoint.write_text(json.dumps(state))
-    search_mask(model, calibration, config, checkpoint=checkpoint, progress=False)
+    assert len(_resumed_after(planted, tmp_path, cut_a_mask)) == 3  # started over
     assert "damaged (a mask that is not" in capsys.readouterr().err
 
 

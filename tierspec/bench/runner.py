@@ -135,9 +135,9 @@ _RESUME_KEYS = ("target", "dtype", "device", "kernels", "implementation", "draft
 # What a summary of a folder reports is the folder's run: its methods, prompt selection and generation
 # settings, not the flags (or their defaults) of the --summarize-only command. (The model's settings
 # are the folder's too, once the worker has settled them: ``_settle``.)
-_SUMMARY_KEYS = ("methods", "dataset", "data_dir", "per_category", "limit", "repeats", "seed", "free_text",
-                 "max_new_tokens", "temperature", "top_k", "top_p", "num_draft", "mask", "hf_pld_tokens",
-                 "hf_early_exit_layer")
+_MODEL_KEYS = ("target", "dtype", "device", "kernels", "implementation", "drafter")
+_SUMMARY_KEYS = tuple(key for key in _RESUME_KEYS if key not in _MODEL_KEYS) + ("methods", "per_category", "limit",
+                                                                                "repeats")
 
 
 # What a run made before a setting existed used: its records came from that (not today's default).

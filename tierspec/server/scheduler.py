@@ -439,7 +439,7 @@ class Scheduler:
             return
         for sequence, step in self.batch.step():
             live = self._live[sequence.key]
-            if live.feed(step, self.eos):
+            if live.feed(step):
                 del self._live[sequence.key]
                 self.batch.cancel(sequence.key)  # a stop sequence ends it before the batch would
                 live.job.done.append(live.done())
@@ -517,15 +517,14 @@ class ChoiceText:
             self.job.send(TextPiece(text, self.index, self.records.release(self.sent) if self.records is not None else ()))
         return stopped
 
-    def end(self, logprobs: list[TokenLogprob], token_ids: list[int], eos: set[int]) -> str:
-        """The generation ended without a stop sequence: the held-back text and records; the finish reason."""
+    def end(self, logprobs: list[TokenLogprob]) -> None:
+        """The generation ended without a stop sequence: the held-back text and records."""
         if self.records is not None:
             self.records.add(logprobs)
         tail = self.stops.flush()
         rest = self.records.release(None) if self.records is not None else ()
         if tail or rest:
             self.job.send(TextPiece(tail, self.index, rest))
-        return "stop" if token_ids and token_ids[-1] in eos else "length"
 
 
 class _Live:
@@ -540,7 +539,7 @@ class _Live:
         self.finish: str | None = None
         self.kept: int | None = None  # at a stop sequence: the tokens of the text sent (``_tokens_of``)
 
-    def feed(self, step: Step, eos: set[int]) -> bool:
+    def feed(self, step: Step) -> bool:
         """Send ``step``'s new text; True when the generation is over (done or at a stop sequence)."""
         if step.logprobs is not None:
             self.logprobs.extend(step.logprobs)
@@ -550,7 +549,8 @@ class _Live:
             self.kept = _tokens_of(self.detok.tokenizer, self.sequence.token_ids, self.out.sent)
             return True
         if step.finished:
-            self.finish = self.out.end(self.logprobs, self.sequence.token_ids, eos)
+            self.out.end(self.logprobs)
+            self.finish = self.sequence.finish_reason()  # the library's: a complete constrained text is "stop"
             return True
         return False
 
