@@ -664,7 +664,8 @@ def _add_judge(sub) -> None:
                                     "harmless when the target continuing from the draft rejoins its own text")
     mismatch.add_argument("--target", default=DEFAULT_MODEL)
     _add_model_flags(mismatch)
-    mismatch.add_argument("--out", required=True, help="judge JSONL")
+    mismatch.add_argument("--out", required=True, help="judge JSONL (a rerun with the same settings resumes after the "
+                          "prompts done, kept in a hidden progress file beside it)")
     mismatch.add_argument("--prompts", type=int, default=120, help="training prompts (the draft head's mix; no test set)")
     mismatch.add_argument("--answer-tokens", type=int, default=64)
     mismatch.add_argument("--window", type=int, default=8, help="tokens the target continues after the draft token")
@@ -728,12 +729,24 @@ def _run_judge_train(args) -> int:
 def _run_judge_mismatches(args) -> int:
     from pathlib import Path
 
-    from .training.judge_mismatches import MismatchConfig, build_mismatch_data, mismatch_prompts
-    from .methods import MethodOptions, draft_head_for
+    from .util import exclusive_lock
 
     _at_least({"--prompts": args.prompts, "--per-prompt": args.per_prompt, "--answer-tokens": args.answer_tokens,
                "--window": args.window, "--match": args.match})
     _output_file(args.out)
+    out = Path(args.out)
+    with exclusive_lock(out.with_name(f".{out.name}.mismatches.lock"), f"the judge data file {out}",
+                        "tierspec judge build-mismatch-data"):
+        return _mismatches_into(args, out)
+
+
+def _mismatches_into(args, out) -> int:
+    """The mismatch data into ``out`` (its lock held): the target, the head, the prompts, the build."""
+    from pathlib import Path
+
+    from .training.judge_mismatches import MismatchConfig, build_mismatch_data, mismatch_prompts
+    from .methods import MethodOptions, draft_head_for
+
     target = _load(args, args.target)
     options = MethodOptions()
     if args.draft_head:
@@ -744,7 +757,7 @@ def _run_judge_mismatches(args) -> int:
     config = MismatchConfig(answer_tokens=args.answer_tokens, window=args.window, match=args.match,
                             per_prompt=args.per_prompt, seed=args.seed)
     prompts = mismatch_prompts(args.prompts, Path(args.data_dir) if args.data_dir else None, args.seed)
-    info = build_mismatch_data(target, head, prompts, Path(args.out), config, progress=not args.no_progress)
+    info = build_mismatch_data(target, head, prompts, out, config, progress=not args.no_progress)
     print(json.dumps(info))
     return 0
 

@@ -251,15 +251,17 @@ def test_a_full_disk_during_conversion_is_one_line_and_leaves_nothing(fake_gguf,
 @pytest.mark.parametrize("command, lock", [
     (["drafter", "build-data", "--out", "{out}"], "{out}/.build-data.lock"),
     (["drafter", "train", "--data", "{out}", "--out", "{out}/head.safetensors"], "{out}/.head.safetensors.train.lock"),
+    (["judge", "build-mismatch-data", "--out", "{out}/m.jsonl"], "{out}/.m.jsonl.mismatches.lock"),
 ])
-def test_a_second_drafter_job_into_the_same_place_is_refused_with_the_first_pid(command, lock, tmp_path, no_loading,
+def test_a_second_training_job_into_the_same_place_is_refused_with_the_first_pid(command, lock, tmp_path, no_loading,
                                                                                capsys):
     out = tmp_path / "data"
     command = [part.replace("{out}", str(out)) for part in command]
     with exclusive_lock(Path(lock.replace("{out}", str(out))), "held", "a test"):
         assert cli.main(command) == 2
     err = capsys.readouterr().err
-    assert f"is in use by another tierspec drafter" in err and f"(pid {os.getpid()})" in err and err.count("\n") == 1
+    assert f"is in use by another tierspec {command[0]} {command[1]}" in err and f"(pid {os.getpid()})" in err
+    assert err.count("\n") == 1
 
 
 # ---- serve: a second signal during teardown -----------------------------------------------------------

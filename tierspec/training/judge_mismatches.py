@@ -20,8 +20,13 @@ draft token's first character, a harmless one leaves it null (all its tokens are
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import random
-from dataclasses import dataclass
+import sys
+import time
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +34,7 @@ import torch
 from ..cached_model import CachedModel
 from ..errors import TierspecError
 from ..models import LoadedModel
-from ..util import atomic_write_text
+from ..util import atomic_write_text, write_error
 from .judge_data import JudgeExample
 
 
@@ -84,29 +89,128 @@ def find_mismatches(target: LoadedModel, head, prompt_ids: torch.Tensor, config:
     return answer, pairs
 
 
+#: The progress file's format (its header's ``format``): a different one is not resumed.
+PROGRESS_FORMAT = "tierspec-judge-mismatches/1"
+
+
+def progress_path(out: Path) -> Path:
+    """Where a build into ``out`` keeps its finished prompts until it ends: a hidden file beside it."""
+    return out.with_name(f".{out.name}.progress.jsonl")
+
+
+def _signature(target: LoadedModel, head, prompts: list[str], config: MismatchConfig) -> str:
+    """What fixes the examples of every prompt: the target, the head's weights, the prompts and the
+    settings (a resume with any other is not one)."""
+    digest = hashlib.sha256()
+    digest.update(json.dumps({"model": target.identity.to_dict(), "config": asdict(config)}, sort_keys=True).encode())
+    for name, tensor in sorted(head.state_dict().items()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().to(torch.float32).contiguous().numpy().tobytes())
+    for prompt in prompts:
+        digest.update(hashlib.sha256(prompt.encode()).digest())
+    return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class _PromptDone:
+    """One prompt's finished work, as its progress line records it."""
+
+    index: int
+    examples: list[str]  # judge JSONL lines
+    harmless: int
+    harmful: int
+    seconds: float
+
+    @classmethod
+    def from_line(cls, line: str, prompts: int) -> "_PromptDone":
+        record = json.loads(line)
+        if not isinstance(record, dict):
+            raise ValueError("a line that is not a record")
+        done = cls(record["index"], record["examples"], record["harmless"], record["harmful"], float(record["seconds"]))
+        counts = (done.index, done.harmless, done.harmful)
+        if not all(type(n) is int and n >= 0 for n in counts) or done.index >= prompts:
+            raise ValueError(f"a record with counts {counts} for {prompts} prompts")
+        if not isinstance(done.examples, list) or not all(isinstance(e, str) for e in done.examples):
+            raise ValueError("examples that are not JSONL lines")
+        return done
+
+
+def _resumed(path: Path, signature: str, prompts: int) -> tuple[dict[int, _PromptDone], str | None]:
+    """The prompts a progress file holds as finished, and why it cannot be resumed (None: it can).
+    A last line without its newline (the run killed while writing it) is dropped: its prompt runs again."""
+    try:
+        text = path.read_text()
+        lines = text.split("\n")
+        lines.pop()  # after the last newline: nothing, or a line torn mid-write (its prompt runs again)
+        header = json.loads(lines[0])
+        if not isinstance(header, dict) or header.get("format") != PROGRESS_FORMAT:
+            raise ValueError("not a mismatch-data progress file")
+        if header.get("signature") != signature:
+            return {}, "its prompts were done with another model, head, prompt list or settings"
+        finished: dict[int, _PromptDone] = {}
+        for line in lines[1:]:
+            done = _PromptDone.from_line(line, prompts)
+            finished[done.index] = done
+        return finished, None
+    except (OSError, ValueError, KeyError, IndexError, TypeError, RecursionError) as error:
+        return {}, f"damaged ({' '.join(str(error).split())[:120] or type(error).__name__})"
+
+
+def _append_line(path: Path, line: str) -> None:
+    """``line`` added to the progress file and on disk before the next prompt starts."""
+    try:
+        with open(path, "a") as handle:
+            handle.write(line + "\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+    except OSError as error:
+        raise write_error(path, error) from None
+
+
 def build_mismatch_data(target: LoadedModel, head, prompts: list[str], out: Path, config: MismatchConfig = MismatchConfig(),
                         progress: bool = True) -> dict:
     """Write judge examples from the head's mismatches on ``prompts`` (never test sets) to
-    ``out`` (JSONL, atomically); split by prompt into train / val."""
+    ``out`` (JSONL, atomically); split by prompt into train / val.
+
+    Each finished prompt's examples are kept in a progress file beside ``out`` (``progress_path``)
+    until the end: a rerun with the same target, head, prompts and settings resumes after the
+    prompts done and writes what one uninterrupted run writes (each prompt draws its sample of
+    mismatches from its own seeded stream). The caller holds ``out`` (the CLI locks it)."""
     from tqdm.auto import tqdm
 
     from ..prompting import encode_prompt, eos_ids
 
     if target.tokenizer is None:
         raise TierspecError("mismatch data needs the target's tokenizer")
+    out = Path(out)
     eos = set(eos_ids(target))
-    rng = random.Random(config.seed)
     order = list(range(len(prompts)))
-    rng.shuffle(order)
+    random.Random(config.seed).shuffle(order)
     val = set(order[: round(config.val_fraction * len(prompts))])
-    lines, counts = [], {"harmless": 0, "harmful": 0, "prompts": len(prompts)}
+    signature = _signature(target, head, prompts, config)
+    log = progress_path(out)
+    finished: dict[int, _PromptDone] = {}
+    if log.exists():
+        finished, problem = _resumed(log, signature, len(prompts))
+        if problem is not None:
+            print(f"tierspec: {log}: {problem}; the build starts over", file=sys.stderr)
+        elif finished:
+            print(f"tierspec: resuming from {log}: {len(finished)} of {len(prompts)} prompts done", file=sys.stderr)
+    if not finished:
+        atomic_write_text(log, json.dumps({"format": PROGRESS_FORMAT, "signature": signature}) + "\n")
     decode = target.tokenizer.decode
+    bar = tqdm(total=len(prompts), initial=len(finished), desc="mismatches", disable=not progress)
     with torch.inference_mode():
-        for index in tqdm(range(len(prompts)), desc="mismatches", disable=not progress):
+        for index in range(len(prompts)):
+            if index in finished:
+                continue
+            started = time.perf_counter()
+            rng = random.Random(f"mismatch-sample/{config.seed}/{index}")  # its own stream: resumable
             prompt_ids = encode_prompt(target, prompts[index])
             answer, pairs = find_mismatches(target, head, prompt_ids, config, eos)
             if len(pairs) > config.per_prompt:
                 pairs = sorted(rng.sample(pairs, config.per_prompt))
+            lines, counts = [], {"harmless": 0, "harmful": 0}
             for i, draft in pairs:
                 prefix = answer[:i]
                 context = torch.cat([prompt_ids, torch.tensor(prefix + [draft], dtype=torch.long)])
@@ -121,10 +225,21 @@ def build_mismatch_data(target: LoadedModel, head, prompts: list[str], out: Path
                 example = JudgeExample(f"mismatch-{index}-{i}@{len(before)}", prompts[index], response,
                                        None if harmless else len(before), "val" if index in val else "train")
                 lines.append(example.to_json())
+            done = _PromptDone(index, lines, counts["harmless"], counts["harmful"], time.perf_counter() - started)
+            _append_line(log, json.dumps(asdict(done)))
+            finished[index] = done
+            bar.update(1)
+    bar.close()
+    lines = [line for index in sorted(finished) for line in finished[index].examples]
     if not lines:
+        log.unlink(missing_ok=True)
         raise TierspecError("no mismatches found: the head agrees with the target on every prompt given")
-    atomic_write_text(Path(out), "\n".join(lines) + "\n")
-    return {"out": str(out), "examples": len(lines), **counts, "config": config.__dict__}
+    atomic_write_text(out, "\n".join(lines) + "\n")
+    log.unlink(missing_ok=True)
+    harmless = sum(done.harmless for done in finished.values())
+    harmful = sum(done.harmful for done in finished.values())
+    return {"out": str(out), "examples": len(lines), "harmless": harmless, "harmful": harmful, "prompts": len(prompts),
+            "seconds_total": round(sum(done.seconds for done in finished.values()), 1), "config": asdict(config)}
 
 
 def mismatch_prompts(count: int, data_dir: Path | None = None, seed: int = 0) -> list[str]:
