@@ -651,7 +651,8 @@ def _add_judge(sub) -> None:
     train.add_argument("--features", choices=["hidden", "hidden+logprob"], default="hidden+logprob")
     train.add_argument("--max-mistake-acceptance", type=float, default=0.1,
                        help="the threshold accepts at most this share of the training split's mistaken tokens")
-    train.add_argument("--out", required=True, help="head .safetensors (metadata goes beside it as .json)")
+    train.add_argument("--out", required=True, help="head .safetensors (metadata goes beside it as .json); a killed run's rerun "
+                       "resumes from the features it kept beside it")
     train.add_argument("--threshold-from", choices=["train", "val"], default="train",
                        help="split whose mistakes set the threshold; val: the operating point on the validation curve "
                        "(mismatch data: harmless vs harmful draft tokens accepted)")
@@ -712,16 +713,22 @@ def _run_judge_train(args) -> int:
     from pathlib import Path
 
     from .errors import TierspecError
-    from .training.judge_train import train_judge
+    from .training.judge_train import FeatureStore, features_folder, train_judge
+    from .util import exclusive_lock
 
     if not 0.0 <= args.max_mistake_acceptance <= 1.0:  # a negative share indexed the list from its end
         raise TierspecError(f"--max-mistake-acceptance is a share of mistakes, from 0 to 1; got "
                             f"{args.max_mistake_acceptance}")
     _output_file(args.out)
-    target = _load(args, args.target)
-    head, metrics = train_judge(target, Path(args.data), args.features, not args.no_progress, args.max_mistake_acceptance,
-                                args.seed, args.threshold_from)
-    head.save(args.out)
+    out = Path(args.out)
+    with exclusive_lock(out.with_name(f".{out.name}.judge-train.lock"), f"the judge head file {out}",
+                        "tierspec judge train"):
+        target = _load(args, args.target)
+        features = features_folder(out)
+        head, metrics = train_judge(target, Path(args.data), args.features, not args.no_progress,
+                                    args.max_mistake_acceptance, args.seed, args.threshold_from, features)
+        head.save(out)
+        FeatureStore.discard_folder(features)
     print(json.dumps({"out": args.out, "train_seconds": head.metadata["train_seconds"], **metrics}, indent=2))
     return 0
 

@@ -13,7 +13,10 @@ mistakes are). At the chosen threshold: recall and precision of negatives on the
 from __future__ import annotations
 
 import hashlib
+import json
 import math
+import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,9 +26,11 @@ import torch
 
 from ..cached_model import HiddenCapture
 from ..errors import TierspecError
+from ..heads.draft import one_line
 from ..heads.judge import JudgeHead, judge_features
 from ..models import LoadedModel
 from ..prompting import encode_prompt
+from ..util import atomic_write, atomic_write_text
 from .judge_data import JudgeExample, read_judge_data, token_labels
 
 
@@ -38,13 +43,11 @@ class LabelledTokens:
     split: list[str]
 
 
-def extract(target: LoadedModel, examples: list[JudgeExample], kind: str, progress: bool = True) -> LabelledTokens:
-    """One target pass per example; features of every labelled response token."""
-    from tqdm.auto import tqdm
-
+def _extract_examples(target: LoadedModel, examples: list[JudgeExample], kind: str) -> LabelledTokens:
+    """One target pass per example; features of every labelled response token (none: an empty record)."""
     tokenizer = target.tokenizer
     feats, labels, ids, offsets, splits = [], [], [], [], []
-    for example in tqdm(examples, desc="judge features", disable=not progress):
+    for example in examples:
         prompt_ids = encode_prompt(target, example.prompt)
         encoded = tokenizer(example.response, add_special_tokens=False, return_offsets_mapping=True)
         response_ids = torch.tensor(encoded["input_ids"], dtype=torch.long)
@@ -65,7 +68,116 @@ def extract(target: LoadedModel, examples: list[JudgeExample], kind: str, progre
         ids.extend([example.id] * len(keep))
         offsets.extend(encoded["offset_mapping"][i][0] for i in keep)
         splits.extend([example.split] * len(keep))
-    return LabelledTokens(torch.cat(feats), torch.tensor(labels, dtype=torch.float32), ids, offsets, splits)
+    features = torch.cat(feats) if feats else torch.zeros(0, 0)
+    return LabelledTokens(features, torch.tensor(labels, dtype=torch.float32), ids, offsets, splits)
+
+
+def extract(target: LoadedModel, examples: list[JudgeExample], kind: str, progress: bool = True,
+            store: "FeatureStore | None" = None) -> LabelledTokens:
+    """One target pass per example; features of every labelled response token. With ``store``, the
+    examples go in chunks of ``FeatureStore.CHUNK``, each kept there as it is done and taken from it
+    on a rerun (a killed ``judge train`` resumes after its extracted chunks)."""
+    from tqdm.auto import tqdm
+
+    parts = []
+    bar = tqdm(total=len(examples), desc="judge features", disable=not progress)
+    size = FeatureStore.CHUNK if store is not None else max(len(examples), 1)
+    for number, start in enumerate(range(0, len(examples), size)):
+        chunk = examples[start:start + size]
+        part = store.load(number) if store is not None else None
+        if part is None:
+            started = time.perf_counter()
+            part = _extract_examples(target, chunk, kind)
+            if store is not None:
+                store.save(number, part, time.perf_counter() - started)
+        parts.append(part)
+        bar.update(len(chunk))
+    bar.close()
+    parts = [part for part in parts if part.labels.numel()]
+    if not parts:
+        raise TierspecError("no labelled response token in the judge data")
+    return LabelledTokens(torch.cat([part.features for part in parts]), torch.cat([part.labels for part in parts]),
+                          [i for part in parts for i in part.example], [o for part in parts for o in part.offset],
+                          [s for part in parts for s in part.split])
+
+
+class FeatureStore:
+    """A ``judge train``'s extracted features, kept chunk by chunk in a hidden folder beside its
+    ``--out`` until the head is saved (``discard``): extraction is one target pass per example,
+    the job's long part, and a rerun with the same data, target and feature kind takes the chunks
+    done from here. Its ``plan.json`` names what the chunks were made from; a folder made
+    otherwise is said and emptied, a damaged chunk said and made again."""
+
+    FORMAT = "tierspec-judge-features/1"
+    #: examples a chunk (a file) holds
+    CHUNK = 32
+
+    def __init__(self, folder: Path, data_path: Path, target: LoadedModel, kind: str):
+        self.folder = Path(folder)
+        digest = hashlib.sha256(Path(data_path).read_bytes()).hexdigest()
+        self.plan = {"format": self.FORMAT, "data_sha256": digest, "model": target.identity.to_dict(), "kind": kind,
+                     "chunk": self.CHUNK}
+        #: the extraction seconds of the chunks taken from the folder (their runs' time)
+        self.resumed_seconds = 0.0
+        self.resumed_chunks = 0
+        plan_path = self.folder / "plan.json"
+        if plan_path.exists():
+            try:
+                previous = json.loads(plan_path.read_text())
+                problem = None if previous == self.plan else "its features were extracted from other data, model or kind"
+            except (OSError, ValueError) as error:
+                problem = f"damaged ({one_line(error)[:120]})"
+            if problem is None:
+                return
+            print(f"tierspec: {self.folder}: {problem}; the extraction starts over", file=sys.stderr)
+            shutil.rmtree(self.folder, ignore_errors=True)
+        atomic_write_text(plan_path, json.dumps(self.plan, indent=2))
+
+    def _path(self, number: int) -> Path:
+        return self.folder / f"chunk-{number:05d}.safetensors"
+
+    def load(self, number: int) -> LabelledTokens | None:
+        """Chunk ``number`` as saved (None: not done yet, or damaged — said, and made again)."""
+        from safetensors import safe_open
+
+        path = self._path(number)
+        if not path.exists():
+            return None
+        try:
+            with safe_open(str(path), "pt") as handle:
+                meta = handle.metadata() or {}
+                features, labels, offsets = (handle.get_tensor(n) for n in ("features", "labels", "offsets"))
+            example, split, seconds = json.loads(meta["example"]), json.loads(meta["split"]), float(meta["seconds"])
+            rows = len(labels)
+            if features.dim() != 2 or features.shape[0] != rows or len(offsets) != rows or len(example) != rows \
+                    or len(split) != rows or not all(isinstance(v, str) for v in example + split):
+                raise ValueError("its records disagree in length")
+        except Exception as error:  # safetensors raises several types for a damaged file
+            print(f"tierspec: {path}: damaged ({one_line(error)[:120]}); its examples are extracted again", file=sys.stderr)
+            return None
+        self.resumed_seconds += seconds
+        self.resumed_chunks += 1
+        return LabelledTokens(features, labels, example, offsets.tolist(), split)
+
+    def save(self, number: int, part: LabelledTokens, seconds: float) -> None:
+        """Chunk ``number``, atomically."""
+        from safetensors.torch import save_file
+
+        tensors = {"features": part.features.contiguous(), "labels": part.labels.contiguous(),
+                   "offsets": torch.tensor(part.offset, dtype=torch.long)}
+        meta = {"example": json.dumps(part.example), "split": json.dumps(part.split), "seconds": repr(seconds)}
+        atomic_write(self._path(number), lambda staging: save_file(tensors, str(staging), metadata=meta))
+
+    @staticmethod
+    def discard_folder(folder: Path) -> None:
+        """``folder`` removed (the head is saved: nothing left to resume)."""
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def features_folder(out: Path) -> Path:
+    """Where ``judge train --out out`` keeps its extracted features until the head is saved."""
+    out = Path(out)
+    return out.with_name(f".{out.name}.features")
 
 
 def class_weights(labels: torch.Tensor) -> torch.Tensor:
@@ -198,16 +310,19 @@ def choose_threshold(scores_of_mistakes: list[float], max_mistake_acceptance: fl
 
 
 def train_judge(target: LoadedModel, data_path: Path, kind: str = "hidden+logprob", progress: bool = True,
-                max_mistake_acceptance: float = 0.1, seed: int = 0, threshold_from: str = "train") -> tuple[JudgeHead, dict]:
+                max_mistake_acceptance: float = 0.1, seed: int = 0, threshold_from: str = "train",
+                features: Path | None = None) -> tuple[JudgeHead, dict]:
     """Train a judge head; its threshold caps the accepted share of mistaken tokens, measured on
     the training split (``threshold_from="train"``) or on the held-out validation split
     (``"val"``: for mismatch data, the operating point on the validation curve of harmless vs
-    harmful draft tokens accepted, printed in the metrics)."""
+    harmful draft tokens accepted, printed in the metrics). ``features``: a folder that keeps the
+    extracted features until the caller has saved the head (``FeatureStore``; a rerun resumes)."""
     if threshold_from not in ("train", "val"):
         raise TierspecError(f"threshold_from must be 'train' or 'val', got '{threshold_from}'")
     started = time.perf_counter()
     examples = read_judge_data(data_path)
-    tokens = extract(target, examples, kind, progress)
+    store = FeatureStore(features, data_path, target, kind) if features is not None else None
+    tokens = extract(target, examples, kind, progress, store)
     is_val = torch.tensor([s == "val" for s in tokens.split])
     if not is_val.any() or is_val.all():
         raise TierspecError("judge data needs both a 'train' and a 'val' split")
@@ -239,7 +354,8 @@ def train_judge(target: LoadedModel, data_path: Path, kind: str = "hidden+logpro
     head.metadata = {
         "data_sha256": hashlib.sha256(Path(data_path).read_bytes()).hexdigest(),
         "epochs": epochs,
-        "train_seconds": round(time.perf_counter() - started, 1),
+        # every run's: the chunks this run took from ``features`` were extracted by earlier ones
+        "train_seconds": round(time.perf_counter() - started + (store.resumed_seconds if store else 0.0), 1),
         "validation": metrics,
         "train": {k: metrics_train[k] for k in ("auroc_all", "auroc_matched")},
     }
