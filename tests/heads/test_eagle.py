@@ -902,6 +902,27 @@ def test_interrupted_and_resumed_training_gives_the_uninterrupted_head_exactly(t
     assert without_time(resumed_metrics["history"]) == without_time(whole_metrics["history"])
 
 
+def test_a_resumed_training_counts_the_seconds_of_the_runs_before(target32, tmp_path, monkeypatch):
+    """train_seconds counted the last run only: a job killed near its end and resumed read seconds."""
+    from tierspec.training import draft_train as train_module
+
+    sequences, config = small_training(target32, tmp_path)
+    save = train_module._save_checkpoint
+
+    def interrupted(path, state):
+        save(path, {**state, "seconds": 1000.0})  # as if the run before had trained 1,000 s to here
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "_save_checkpoint", interrupted)
+    checkpoint = tmp_path / "parted.pt"
+    with pytest.raises(KeyboardInterrupt):
+        fit_head(target32, sequences, config, checkpoint, progress=False, log=lambda message: None)
+    monkeypatch.setattr(train_module, "_save_checkpoint", save)
+    _, metrics = fit_head(target32, sequences, config, checkpoint, progress=False, log=lambda message: None)
+    assert 1000.0 < metrics["train_seconds"] < 1000.0 + 600
+    assert all(entry["seconds"] > 1000.0 for entry in metrics["history"][1:])
+
+
 def test_continued_training_starts_from_the_head_and_scores_it_first(target32, tmp_path):
     """``init_head``: the history's epoch 0 is the starting head's validation on the same chains;
     training continues from its weights (the starting head itself is left as it was) with its
@@ -958,3 +979,39 @@ def test_build_data_runs_with_the_largest_seed(tmp_path, training_data_dir):
                         seed=2**63 - 1)
     build_data(target, tmp_path / "data", config, training_data_dir, progress=False, max_shards=1)
     assert len(list((tmp_path / "data").glob("shard-*.safetensors"))) == 1
+
+
+def test_a_resumed_data_job_counts_the_seconds_of_the_runs_before(tmp_path, training_data_dir, monkeypatch):
+    """seconds_total read the last manifest, which a killed run never wrote: its time was lost."""
+    import json
+
+    from tierspec.training import draft_data
+    from tierspec.models import wrap_model
+
+    model = tiny_llama(seed=4, vocab_size=56, layers=4, sharpness=20.0, dtype=torch.float32).model
+    target = wrap_model(model, char_tokenizer(), name="tiny-char")
+    config = draft_data.DataConfig(own_prompts=6, reference_items=0, batch_size=2, max_new_tokens=4,
+                                   max_prompt_tokens=120)
+    write = draft_data._write_shard
+
+    written = []
+
+    def killed(path, data):  # killed as the second shard is written
+        written.append(path)
+        if len(written) == 2:
+            raise KeyboardInterrupt
+        write(path, data)
+
+    monkeypatch.setattr(draft_data, "_write_shard", killed)
+    out = tmp_path / "data"
+    with pytest.raises(KeyboardInterrupt):
+        draft_data.build_data(target, out, config, training_data_dir, progress=False)
+    clock = out / ".seconds.json"
+    assert json.loads(clock.read_text())["seconds_total"] > 0
+    clock.write_text(json.dumps({"seconds_total": 1000.0}))  # as if the killed run had worked 1,000 s
+    monkeypatch.setattr(draft_data, "_write_shard", write)
+    manifest = draft_data.build_data(target, out, config, training_data_dir, progress=False)
+    assert manifest["shards_done"] == manifest["shards_planned"] > 1
+    assert 1000.0 <= manifest["seconds_total"] < 1000.0 + 600 and not clock.exists()
+    again = draft_data.build_data(target, out, config, training_data_dir, progress=False)  # nothing left to do
+    assert manifest["seconds_total"] <= again["seconds_total"] < manifest["seconds_total"] + 60

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import random
 import sys
 import time
@@ -386,10 +387,14 @@ def _build(out: Path, header: dict, make: Callable[[list[int]], Iterable[Shard]]
         todo = todo[:max_shards]
     bar = tqdm(total=shards, initial=shards - len(todo) if max_shards is None else 0, desc="draft data",
                disable=not progress)
+    # the seconds of the runs before: each run keeps its total to date after every shard (a killed run's too)
+    clock = out / ".seconds.json"
+    previous_seconds = _seconds_total(clock if clock.exists() else out / "manifest.json")
     started = time.perf_counter()
     workers: dict[str, dict] = {}
     for shard in make(todo):
         _write_shard(out / f"shard-{shard.index:05d}.safetensors", shard.data)
+        atomic_write_text(clock, json.dumps({"seconds_total": previous_seconds + time.perf_counter() - started}))
         bar.update(1)
         bar.set_postfix_str(f"{shard.kind} {shard.answer_tokens / shard.seconds:.0f} answer tok/s")
         where = ""
@@ -401,19 +406,23 @@ def _build(out: Path, header: dict, make: Callable[[list[int]], Iterable[Shard]]
             print(f"shard {shard.index} ({shard.kind}, {shard.sequences} sequences, {shard.answer_tokens} answer tokens) "
                   f"in {shard.seconds:.1f} s{where}", file=sys.stderr, flush=True)
     bar.close()
-    previous_seconds = 0.0
-    if (out / "manifest.json").exists():
-        try:
-            previous_seconds = float(json.loads((out / "manifest.json").read_text()).get("seconds_total", 0.0))
-        except (OSError, ValueError, TypeError):
-            previous_seconds = 0.0
     manifest = summarize_data(out)
     manifest["seconds_this_run"] = round(time.perf_counter() - started, 1)
     manifest["seconds_total"] = round(previous_seconds + manifest["seconds_this_run"], 1)  # every run of the job
     if workers:  # a run on Ray: who made this run's shards
         manifest["workers_this_run"] = workers
     atomic_write_text(out / "manifest.json", json.dumps(manifest, indent=2))
+    clock.unlink(missing_ok=True)  # the manifest holds the total now
     return manifest
+
+
+def _seconds_total(path: Path) -> float:
+    """The ``seconds_total`` a data folder's manifest or running clock holds (0: none, or unreadable)."""
+    try:
+        seconds = float(json.loads(path.read_text()).get("seconds_total", 0.0))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return 0.0
+    return seconds if 0.0 <= seconds < math.inf else 0.0
 
 
 def summarize_data(folder: Path) -> dict:

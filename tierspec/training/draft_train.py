@@ -392,6 +392,9 @@ def fit_head(target: LoadedModel, sequences: list[Sequence], config: TrainConfig
             raise DraftDataError(f"checkpoint {checkpoint} does not fit this head ({error}); delete it to start "
                                  "over") from None
         step, history, window = state["step"], state["history"], state["window"]
+        # the earlier runs' seconds up to the checkpoint (a checkpoint of the version before holds none)
+        earlier = state.get("seconds")
+        started -= float(earlier) if isinstance(earlier, (int, float)) and 0 <= earlier < math.inf else 0.0
         log(f"resumed from {checkpoint} at step {step}/{total_steps}")
     elif init_head is not None:  # epoch 0: the starting head on the same validation chains
         entry = {"step": 0, "epoch": 0.0, "train_loss": None, "val_loss": round(validation_loss(head, val, config), 4),
@@ -440,7 +443,8 @@ def fit_head(target: LoadedModel, sequences: list[Sequence], config: TrainConfig
             if checkpoint is not None:
                 _save_checkpoint(checkpoint, {"fingerprint": fingerprint, "head": head.state_dict(),
                                               "optimizer": optimizer.state_dict(), "step": step, "history": history,
-                                              "window": window, "noise_generator": generator.get_state()})
+                                              "window": window, "noise_generator": generator.get_state(),
+                                              "seconds": time.perf_counter() - started})
     bar.close()
     head.eval()
     final = history[-1] if history and history[-1]["step"] == step else validate(head, val, config.val_steps)
