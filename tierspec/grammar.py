@@ -188,6 +188,43 @@ def _compile_error(spec: GrammarSpec, message: str) -> GrammarError:
     return GrammarError(f"invalid {KIND_NAMES[spec.kind]}: {message}")
 
 
+def _schema_patterns(node, pointer: str = "") -> list[tuple[str, str]]:
+    """(JSON pointer, regex) of every ``pattern`` and ``patternProperties`` key in a JSON schema."""
+    found = []
+    if isinstance(node, dict):
+        for key, value in node.items():
+            here = f"{pointer}/{str(key).replace('~', '~0').replace('/', '~1')}"
+            if key == "pattern" and isinstance(value, str):
+                found.append((here, value))
+            elif key == "patternProperties" and isinstance(value, dict):
+                for regex, sub in value.items():
+                    found.append((f"{here}/{regex.replace('~', '~0').replace('/', '~1')}", regex))
+                    found += _schema_patterns(sub, f"{here}/{regex.replace('~', '~0').replace('/', '~1')}")
+            elif key in ("properties", "$defs", "definitions", "dependentSchemas") and isinstance(value, dict):
+                for name, sub in value.items():  # a property named "pattern" is a schema, not a regex
+                    found += _schema_patterns(sub, f"{here}/{str(name).replace('~', '~0').replace('/', '~1')}")
+            else:
+                found += _schema_patterns(value, here)
+    elif isinstance(node, list):
+        for index, item in enumerate(node):
+            found += _schema_patterns(item, f"{pointer}/{index}")
+    return found
+
+
+def _where_in_schema(spec: GrammarSpec, message: str, vocabulary) -> str:
+    """A schema's regex error with the place of the pattern that caused it: llguidance names the
+    regex's fault, not where in the schema it sits (a schema may hold dozens of patterns)."""
+    from llguidance import LLMatcher
+
+    if spec.kind != "json_schema" or "regex" not in message.lower():
+        return message
+    for pointer, regex in _schema_patterns(json.loads(spec.source)):
+        problem = LLMatcher.validate_grammar(GrammarSpec("regex", regex).engine_grammar(), vocabulary)
+        if problem and not problem.startswith("WARNING"):
+            return f"the pattern at {pointer} ({json.dumps(regex, ensure_ascii=False)}): {message}"
+    return message
+
+
 @dataclass(frozen=True, eq=False)
 class CompiledGrammar:
     """A grammar compiled against one tokenizer: ``new_state()`` starts a sequence (a copy of
@@ -218,10 +255,10 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, eos_token_ids
         raise _compile_error(spec, str(error)) from None
     problem = LLMatcher.validate_grammar(grammar, vocabulary)
     if problem and not problem.startswith("WARNING"):
-        raise _compile_error(spec, problem)
+        raise _compile_error(spec, _where_in_schema(spec, problem, vocabulary))
     matcher = LLMatcher(vocabulary, grammar, log_level=0)
     if matcher.is_error():
-        raise _compile_error(spec, matcher.get_error())
+        raise _compile_error(spec, _where_in_schema(spec, matcher.get_error(), vocabulary))
     compiled = CompiledGrammar(spec, vocab_size, tuple(vocabulary.eos_tokens), matcher)
     # A grammar that compiles may still match nothing ([^\s\S], a Lark intersection of disjoint
     # terminals): the engine then fails at the first token, mid-generation. Asked for the first

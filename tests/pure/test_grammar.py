@@ -318,6 +318,24 @@ def test_unsupported_or_invalid_grammars_are_named(tok, spec, message):
         compiled_for(tok, spec())
 
 
+@pytest.mark.parametrize("schema, place", [
+    ({"type": "object", "properties": {"id": {"type": "string", "pattern": "^[0-9]+$"},
+                                       "tags": {"type": "array", "items": {"type": "string", "pattern": "(x"}}}},
+     '/properties/tags/items/pattern ("(x")'),
+    ({"type": "object", "patternProperties": {"[a-": {"type": "string"}}}, '/patternProperties/[a- ("[a-")'),
+    # a property named "pattern" is a schema: its own pattern is the fault
+    ({"type": "object", "properties": {"pattern": {"type": "string", "pattern": "a{2,1}"}}},
+     '/properties/pattern/pattern ("a{2,1}")'),
+    ({"$defs": {"a/b": {"type": "string", "pattern": "[z"}}, "$ref": "#/$defs/a~1b"}, '/$defs/a~1b/pattern ("[z")'),
+])
+def test_a_schemas_bad_pattern_is_named_by_its_place(tok, schema, place):
+    """llguidance names a regex's fault but not where in the schema it sits."""
+    with pytest.raises(GrammarError) as refused:
+        compiled_for(tok, GrammarSpec.json_schema(schema))
+    message = str(refused.value)
+    assert message.startswith(f"invalid JSON schema: the pattern at {place}: regex parse error") and "\n" not in message
+
+
 def test_a_schemas_own_options_cannot_turn_off_enforcement(tok):
     # llguidance reads options from "x-guidance"; tierspec's overrides win, so "lenient" (ignore
     # unimplemented keywords) cannot make an unenforced keyword pass silently.
