@@ -969,6 +969,19 @@ def _check_seed(args) -> None:
         raise TierspecError(f"--seed must be an integer from 0 to 2**63 - 1 ({SEED_LIMIT - 1}), got {seed}")
 
 
+def _end_progress_bars() -> None:
+    """Close the progress bars a job left open when it stopped, so the last message starts a line
+    of its own (it was printed on the bar's line, after the bar)."""
+    tqdm = sys.modules.get("tqdm")
+    if tqdm is None:
+        return
+    for bar in list(getattr(tqdm.tqdm, "_instances", ())):
+        try:
+            bar.close()
+        except Exception:  # a bar half made when the job stopped: the message matters more
+            pass
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the command line. Validation errors (``TierspecError``) and OS errors (a full disk)
     print as one line and exit 2; a closed stdout pipe ends quietly (141, SIGPIPE's status);
@@ -991,11 +1004,13 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 141
     except KeyboardInterrupt:
+        _end_progress_bars()
         print(f"tierspec: interrupted{getattr(args, 'resume_hint', '')}", file=sys.stderr)
         return 130
     except TierspecError as error:
         if debug:
             raise
+        _end_progress_bars()
         message = " ".join(line.strip() for line in str(error).splitlines())  # one line, whoever wrote it
         print(f"tierspec: error: {message}", file=sys.stderr)
         return 2
@@ -1004,6 +1019,7 @@ def main(argv: list[str] | None = None) -> int:
         # the file when the error knows it (a bug is not an OSError; --debug shows the traceback).
         if debug:
             raise
+        _end_progress_bars()
         where = f" ({error.filename})" if error.filename else ""
         print(f"tierspec: error: {error.strerror or error}{where}", file=sys.stderr)
         return 2

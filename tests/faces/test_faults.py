@@ -513,3 +513,25 @@ def test_a_second_mask_search_into_one_file_is_refused_at_once(tmp_path, capsys,
     with exclusive_lock(out.with_name(f".{out.name}.route.lock"), "the mask file", "tierspec route"):
         assert main(["route", "--out", str(out)]) == 2
     assert "is in use by another tierspec route run" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("stop, message", [(KeyboardInterrupt, "tierspec: interrupted"),
+                                           (lambda: PromptError("the disk went away"), "tierspec: error: the disk went away")])
+def test_a_job_stopped_mid_bar_says_so_on_a_line_of_its_own(monkeypatch, capsys, stop, message):
+    """The message was printed on the progress bar's line, after the bar."""
+    from tqdm.auto import tqdm
+
+    from tierspec import cli
+
+    def job(args):  # a bar updated by hand, as the mask search's (one iterated closes itself)
+        bar = tqdm(total=4, desc="a job")
+        for step in range(4):
+            if step == 2:
+                raise stop()
+            bar.update(1)
+        return 0
+
+    monkeypatch.setattr(cli, "_run_judge_build", job)
+    assert cli.main(["judge", "build-data", "--out", "x.jsonl"]) in (2, 130)
+    err = capsys.readouterr().err
+    assert "a job" in err and f"\n{message}" in err
