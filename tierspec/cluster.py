@@ -21,7 +21,6 @@ connects.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import platform
 import socket
@@ -33,6 +32,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator
 
 from .errors import TierspecError
+from .util import source_fingerprint
 
 LOCAL = "local"  # a cluster started by the job itself, on this machine's loopback address
 
@@ -115,17 +115,6 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def code_fingerprint() -> str:
-    """A digest of the tierspec source this process imports. Every worker must run the driver's
-    code: the records name one implementation, and a node with another tierspec would mix two."""
-    root = Path(__file__).resolve().parent
-    digest = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
-        digest.update(str(path.relative_to(root)).encode())
-        digest.update(path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
 @dataclass
 class UnitFailure:
     """A unit given up after ``tries`` tries, with the error of each try."""
@@ -186,7 +175,7 @@ def connected(cluster: ClusterConfig):
 @dataclass(frozen=True)
 class Readiness:
     """A worker's answer once started: its job worker's ``describe()``, the tierspec code it runs
-    (``code_fingerprint``) and its host, or the user error that kept it from starting."""
+    (``util.source_fingerprint``) and its host, or the user error that kept it from starting."""
 
     description: Any = None
     code: str = ""
@@ -215,7 +204,7 @@ class Worker:
     def ready(self) -> Readiness:
         if self.error is not None:
             return Readiness(error=self.error)
-        return Readiness(self.worker.describe(), code_fingerprint(), socket.gethostname())
+        return Readiness(self.worker.describe(), source_fingerprint(), socket.gethostname())
 
     def run(self, unit):
         if self.worker is None:
@@ -271,7 +260,7 @@ class WorkerPool:
                 num_cpus=self.cluster.cpus_per_worker, num_gpus=self.cluster.gpus_per_worker,
                 max_restarts=self.cluster.max_tries, max_task_retries=0,
             ).remote(self.factory, name, self.args, self.cluster.cpus_per_worker)
-        mine = code_fingerprint()
+        mine = source_fingerprint()
         descriptions = []
         for name, actor in self.actors.items():
             try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from contextlib import contextmanager
@@ -130,3 +131,24 @@ def exclusive_lock(lock_path: Path, what: str, job: str, error: type[TierspecErr
 def atomic_write_text(path: Path, text: str) -> None:
     """``atomic_write`` of ``text``."""
     atomic_write(path, lambda staging: staging.write_text(text))
+
+
+_SOURCE_FINGERPRINT: list[str] = []
+
+
+def source_fingerprint() -> str:
+    """A digest of the tierspec source this process imports (every Python module, and the C files
+    its engine is compiled from), made once per process. What made a record: a bench folder's
+    records are not resumed by other code, and every worker of a cluster must run the driver's.
+    (``costs.code_fingerprint`` digests the compiled extensions instead: a cost measured times
+    the build.)"""
+    if not _SOURCE_FINGERPRINT:
+        root = Path(__file__).resolve().parent
+        digest = hashlib.sha256()
+        files = [path for path in root.rglob("*") if path.is_file() and "__pycache__" not in path.parts
+                 and (path.suffix == ".py" or (path.suffix in (".c", ".h") and "csrc" in path.parts))]
+        for path in sorted(files):
+            digest.update(path.relative_to(root).as_posix().encode() + b"\0")
+            digest.update(hashlib.sha256(path.read_bytes()).digest())
+        _SOURCE_FINGERPRINT.append(digest.hexdigest()[:16])
+    return _SOURCE_FINGERPRINT[0]

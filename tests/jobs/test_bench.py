@@ -232,6 +232,30 @@ def test_resume_with_other_settings_is_refused_and_changes_nothing(tmp_path, tin
     assert json.loads((out / "config.json").read_text())["implementation"] == "transformers"
 
 
+def test_a_run_made_by_other_tierspec_code_is_not_resumed(tmp_path, tiny_text_model, data_dir):
+    """The records named the method and implementation, not the code: a folder resumed after an upgrade
+    mixed records of two versions of a method under one name."""
+    config = BenchConfig(target="tiny", methods=("ar",), dataset="spec_bench", per_category=1, max_new_tokens=6,
+                         data_dir=str(data_dir))
+    out = tmp_path / "out"
+    run_bench(config, out, progress=False, target=tiny_text_model)
+    saved = json.loads((out / "config.json").read_text())
+    assert saved["code"] == config.code and len(config.code) == 16
+    (out / "config.json").write_text(json.dumps({**saved, "code": "0123456789abcdef"}))
+    before = (out / "records.jsonl").read_bytes()
+    from dataclasses import replace
+
+    with pytest.raises(BenchError, match=f"made by other tierspec code \\(source 0123456789abcdef, this is {config.code}"):
+        run_bench(replace(config, methods=("ar", "pld")), out, progress=False, target=tiny_text_model)
+    assert (out / "records.jsonl").read_bytes() == before
+    # a summary reports the code its records came from; a folder from before the key is not refused
+    assert run_bench(config, out, progress=False, generate=False, target=tiny_text_model)["config"]["code"] == \
+        "0123456789abcdef"
+    del saved["code"]
+    (out / "config.json").write_text(json.dumps(saved))
+    run_bench(replace(config, methods=("ar", "pld")), out, progress=False, target=tiny_text_model)
+
+
 def test_a_run_made_on_transformers_modules_is_not_resumed_on_tierspec_code(tmp_path, data_dir):
     from dataclasses import replace
 

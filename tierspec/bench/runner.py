@@ -26,7 +26,7 @@ import sys
 import time
 import weakref
 import zlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -43,7 +43,7 @@ from ..layerskip.masks import RoutingMask, model_lock
 from ..sampling import SamplingConfig
 from ..data import as_task_prompts
 from ..seq2seq import is_encoder_decoder
-from ..util import atomic_write_text, exclusive_lock, write_error
+from ..util import atomic_write_text, exclusive_lock, source_fingerprint, write_error
 from .sandbox import check_code_execution_allowed, check_isolation
 from . import metrics
 from .llamacpp import LLAMACPP_PARAMETERS, LLAMACPP_PEERS
@@ -110,6 +110,9 @@ class BenchConfig:
     code_sandbox: bool = True
     # A constrained set's prompts as free text (--free-text): what the constraint's speed is compared with.
     free_text: bool = False
+    # The tierspec source that made the records (``util.source_fingerprint``): a folder is not resumed by
+    # other code, whose records would measure something else under the same method names.
+    code: str = field(default_factory=lambda: source_fingerprint())
 
     @property
     def constrained(self) -> bool:
@@ -131,7 +134,7 @@ class BenchConfig:
 # Settings that change what a record measures: a run may only resume into a folder made with the
 # same values (methods, prompt counts and repeats may grow).
 _RESUME_KEYS = ("target", "dtype", "device", "kernels", "implementation", "drafter", "dataset", "data_dir", "max_new_tokens", "temperature", "top_k", "top_p",
-                "num_draft", "seed", "mask", "hf_pld_tokens", "hf_early_exit_layer", "free_text")
+                "num_draft", "seed", "mask", "hf_pld_tokens", "hf_early_exit_layer", "free_text", "code")
 # What a summary of a folder reports is the folder's run: its methods, prompt selection and generation
 # settings, not the flags (or their defaults) of the --summarize-only command. (The model's settings
 # are the folder's too, once the worker has settled them: ``_settle``.)
@@ -166,6 +169,10 @@ def check_resumable(config: "BenchConfig", out: Path, unsettled: tuple[str, ...]
     current = asdict(config)
     changed = [f"{key}: {previous.get(key)!r} → {current[key]!r}" for key in _RESUME_KEYS
                if key in previous and key not in unsettled and previous[key] != current[key]]
+    if any(change.startswith("code: ") for change in changed):  # (a folder from before the key: not known)
+        raise BenchError(f"{out} holds records made by other tierspec code (source {previous['code']}, this is "
+                         f"{current['code']}: an upgrade or an edit since); resuming would mix what the two measure: "
+                         "use another --out")
     if changed:
         raise BenchError(f"{out} holds records made with other settings ({'; '.join(changed)}); "
                          "resuming would mix them: use another --out")
