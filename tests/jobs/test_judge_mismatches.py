@@ -46,6 +46,15 @@ def counting(monkeypatch, stop_at=None):
     return calls
 
 
+def killed_build(model_and_head, out, monkeypatch, config=CONFIG, prompts_done=2):
+    """A build into ``out`` killed as it starts prompt ``prompts_done`` + 1; its progress file's lines."""
+    target, head = model_and_head
+    counting(monkeypatch, stop_at=prompts_done + 1)
+    with pytest.raises(KeyboardInterrupt):
+        build_mismatch_data(target, head, PROMPTS, out, config, progress=False)
+    return progress_path(out).read_text().splitlines()
+
+
 def test_the_build_finds_mismatches_of_both_kinds_and_leaves_no_progress_file(uninterrupted, tmp_path):
     text, info = uninterrupted
     examples = [json.loads(line) for line in text.splitlines()]
@@ -59,11 +68,8 @@ def test_a_killed_build_resumes_after_its_finished_prompts_and_writes_the_same_f
                                                                                     tmp_path, monkeypatch, capsys):
     target, head = model_and_head
     out = tmp_path / "m.jsonl"
-    counting(monkeypatch, stop_at=3)
-    with pytest.raises(KeyboardInterrupt):
-        build_mismatch_data(target, head, PROMPTS, out, CONFIG, progress=False)
+    assert len(killed_build(model_and_head, out, monkeypatch)) == 1 + 2  # the header and two prompts
     assert not out.exists()
-    assert len(progress_path(out).read_text().splitlines()) == 1 + 2  # the header and two prompts
     calls = counting(monkeypatch)
     info = build_mismatch_data(target, head, PROMPTS, out, CONFIG, progress=False)
     assert len(calls) == 2  # prompts 3 and 4 only
@@ -77,11 +83,8 @@ def test_a_killed_build_resumes_after_its_finished_prompts_and_writes_the_same_f
 def test_a_line_torn_by_the_kill_is_done_again(model_and_head, uninterrupted, tmp_path, monkeypatch):
     target, head = model_and_head
     out = tmp_path / "m.jsonl"
-    counting(monkeypatch, stop_at=3)
-    with pytest.raises(KeyboardInterrupt):
-        build_mismatch_data(target, head, PROMPTS, out, CONFIG, progress=False)
+    lines = killed_build(model_and_head, out, monkeypatch)
     log = progress_path(out)
-    lines = log.read_text().splitlines()
     log.write_text("\n".join(lines[:2]) + "\n" + lines[2][: len(lines[2]) // 2])  # the second prompt's line, half
     calls = counting(monkeypatch)
     build_mismatch_data(target, head, PROMPTS, out, CONFIG, progress=False)
@@ -95,11 +98,8 @@ def test_a_progress_file_it_cannot_trust_is_said_and_the_build_starts_over(model
     target, head = model_and_head
     out = tmp_path / "m.jsonl"
     other = CONFIG if damage != "other settings" else MismatchConfig(**{**CONFIG.__dict__, "window": 5})
-    counting(monkeypatch, stop_at=3)
-    with pytest.raises(KeyboardInterrupt):
-        build_mismatch_data(target, head, PROMPTS, out, other, progress=False)
+    lines = killed_build(model_and_head, out, monkeypatch, other)
     log = progress_path(out)
-    lines = log.read_text().splitlines()
     if damage == "damaged header":
         log.write_text("[1]\n" + "\n".join(lines[1:]) + "\n")
     elif damage == "damaged line":
@@ -120,9 +120,7 @@ def test_a_progress_file_it_cannot_trust_is_said_and_the_build_starts_over(model
 def test_another_head_is_another_build(model_and_head, tmp_path, monkeypatch, capsys):
     target, head = model_and_head
     out = tmp_path / "m.jsonl"
-    counting(monkeypatch, stop_at=2)
-    with pytest.raises(KeyboardInterrupt):
-        build_mismatch_data(target, head, PROMPTS, out, CONFIG, progress=False)
+    killed_build(model_and_head, out, monkeypatch, prompts_done=1)
     weights = head.state_dict()
     monkeypatch.setattr(head, "state_dict", lambda: {**weights, "fc.bias": weights["fc.bias"] + 1e-3})  # retrained
     monkeypatch.setattr(judge_mismatches, "find_mismatches", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
