@@ -58,6 +58,7 @@ class BatchDecoder:
         self.shared_costs = shared_costs  # False: policies cost drafts as if alone (for comparison)
         self.passes = pass_backend(target.model)
         self.sequences: dict[Hashable, Sequence] = {}
+        self.failed: list[Sequence] = []  # ended by their own error, not yet taken (``take_failed``)
         self.times = CycleTimes()
 
     def __len__(self) -> int:
@@ -88,6 +89,8 @@ class BatchDecoder:
             while len(done) < len(prompts) and len(self) < self.max_batch:
                 done.append(self.add(len(done), method, prompts[len(done)], config, seed))
             self.step()
+            for failed in self.take_failed():
+                raise failed.error
         return done
 
     def cancel(self, key: Hashable) -> None:
@@ -113,5 +116,14 @@ class BatchDecoder:
         for sequence, _ in out:
             if sequence.finished:
                 self.sequences.pop(sequence.key, None)
+        for sequence in live:  # ended by an error of its own (``Sequence.error``): no step, out of the batch
+            if sequence.error is not None and self.sequences.pop(sequence.key, None) is not None:
+                self.failed.append(sequence)
         return out
+
+    def take_failed(self) -> list[Sequence]:
+        """The generations an error of their own ended since the last call (``Sequence.error``:
+        a constraint's dead end); the others went on."""
+        failed, self.failed = self.failed, []
+        return failed
 

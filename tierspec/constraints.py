@@ -38,6 +38,12 @@ class ConstraintError(TierspecError):
     """A constraint state that broke its contract (it refused a token its own mask allowed)."""
 
 
+class ConstraintDeadEnd(TierspecError):
+    """A generation whose constraint allows no token after its text so far (a grammar whose only way
+    on is a special token's text, which the model writes only as that token): the generation ends
+    with this error, the others of its batch go on (``decode.cycle``)."""
+
+
 class ConstraintState(Protocol):
     """One generation's position in a constraint (a grammar's matcher state), moved by tokens.
 

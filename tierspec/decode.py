@@ -43,7 +43,7 @@ from typing import Callable, Hashable, Iterator, Protocol
 import torch
 
 from .cached_model import RowDraws, SlimVocabulary
-from .constraints import Constraint, ConstraintError, ConstraintState, MaskBuffer, constrain_all
+from .constraints import Constraint, ConstraintDeadEnd, ConstraintError, ConstraintState, MaskBuffer, constrain_all
 from .costs import few_row_threads
 from .drafters.base import Drafter, propose_all
 from .engine import threads_for
@@ -411,6 +411,8 @@ class Sequence:
         self.stats = GenerationStats()
         self.prompt_logprobs: list[TokenLogprob] | None = None
         self.finished = False
+        #: why the generation ended early, where it did (``ConstraintDeadEnd``): its text is not complete
+        self.error: TierspecError | None = None
         self.started = time.perf_counter()
         self.tree_stats = self.drafter.proposes is Shape.TREE  # each cycle reports its tree's shape
         self._prompt_ids = prompt_ids
@@ -568,6 +570,7 @@ def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None =
         _cut_to_the_batch(drafted, passes, max_rows)
     if any(d.sequence.constraint is not None for d in drafted):
         _constrain(drafted, max_rows)
+        drafted = [d for d in drafted if d.sequence.error is None]  # a dead end ends its generation alone
     requests: list[PassRequest] = []
     target_passes: list[TargetPass] = []
     alone = len(drafted) + len(prefilling) == 1  # a lone pass is padded to the cheapest measured size
@@ -739,6 +742,15 @@ def _constrain(drafted: list[_Drafted], max_rows: int | None) -> None:
     for d, result in zip(constrained, results):
         d.proposal, d.masks = result.proposal, result.masks
         d.sequence.grammar_seconds += share
+        open_rows = result.masks.any(dim=1)
+        if not open_rows[0]:  # no token may come: the generation cannot go on
+            why = getattr(d.sequence.constraint, "dead_end", None)
+            d.sequence.error = ConstraintDeadEnd((why() if why is not None else None)
+                                                 or "the constraint allows no token after the text so far")
+            d.sequence.finished = True
+        elif not open_rows.all():  # a node after which no token may come: verified, its row would be sampled
+            first = int((~open_rows).nonzero()[0])  # from nothing; cut before it (the dead end is met at row 0)
+            d.proposal, d.masks = d.proposal.prefix(first - 1), d.masks[:first]
 
 
 def _prefill_chunks(prefilling: list[Sequence], max_rows: int | None, used: int, others: bool):
@@ -1018,7 +1030,10 @@ def decode_sequence(target: LoadedModel, sequence: Sequence, inspect: Callable[[
     inference = torch.inference_mode()  # entered once a cycle (the caller runs between steps), made once
     while not sequence.finished and sequence.tokens_left > 0:
         with inference:
-            ((_, step),), spent = cycle([sequence], passes)
+            steps, spent = cycle([sequence], passes)
+        if sequence.error is not None:
+            raise sequence.error
+        ((_, step),) = steps
         if times is not None:
             times.add(spent)
         if inspect is not None:

@@ -145,6 +145,48 @@ def tokenizer_json(tokenizer) -> str:
     return copy.to_str()
 
 
+@dataclass(frozen=True)
+class SpecialTokens:
+    """A vocabulary's special tokens (the end tokens among them) as packed-mask words and bits, to find
+    them in a mask with one vectorised read. llguidance lets a special token into a mask where its
+    spelled-out text fits the grammar (the regex ``<\\|im_end\\|>``; an end token where the text is not
+    complete) and then refuses to take it: a mask must allow only what the state takes
+    (``GrammarState.bitmask``)."""
+
+    ids: tuple[int, ...]
+    words: np.ndarray  # int64 [w]: the words that hold special tokens
+    bits: np.ndarray  # uint32 [w]: their special tokens' bits
+    names: dict[int, str]  # each one's text ("<|im_start|>")
+
+    @classmethod
+    def of(cls, vocabulary, vocab_size: int) -> "SpecialTokens":
+        ids = tuple(token for token in range(vocab_size) if vocabulary.is_special_token(token))
+        by_word: dict[int, int] = {}
+        for token in ids:
+            by_word[token // 32] = by_word.get(token // 32, 0) | (1 << (token % 32))
+        names = {token: vocabulary.decode_bytes([token]).decode("utf-8", "replace") for token in ids}
+        return cls(ids, np.array(sorted(by_word), dtype=np.int64),
+                   np.array([by_word[word] for word in sorted(by_word)], dtype=np.uint32), names)
+
+    def allowed_in(self, words: np.ndarray) -> list[int]:
+        """The special tokens the packed mask ``words`` (uint32 view [ceil(V/32)]) allows."""
+        hits = words[self.words] & self.bits
+        if not hits.any():
+            return []
+        return [token for token in self.ids if words[token // 32] & np.uint32(1 << (token % 32))]
+
+
+def special_tokens(tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> SpecialTokens:
+    """``SpecialTokens`` of ``engine_tokenizer``'s vocabulary, made once per tokenizer (49,152 questions)."""
+    vocabulary = engine_tokenizer(tokenizer, vocab_size, eos_token_ids)
+    with _VOCABULARIES_LOCK:
+        per_tokenizer = _VOCABULARIES.setdefault(tokenizer, {})
+        key = ("special", vocab_size)
+        if key not in per_tokenizer:
+            per_tokenizer[key] = SpecialTokens.of(vocabulary, vocab_size)
+        return per_tokenizer[key]
+
+
 def engine_tokenizer(tokenizer, vocab_size: int, eos_token_ids: Sequence[int]):
     """llguidance's tokenizer for (``tokenizer``, the model's output width ``vocab_size``, its end
     tokens), cached per tokenizer object."""
@@ -188,26 +230,31 @@ def _compile_error(spec: GrammarSpec, message: str) -> GrammarError:
     return GrammarError(f"invalid {KIND_NAMES[spec.kind]}: {message}")
 
 
+def _pointer_part(key) -> str:
+    """A JSON pointer's reference token for ``key`` (RFC 6901: ``~`` as ``~0``, ``/`` as ``~1``)."""
+    return "/" + str(key).replace("~", "~0").replace("/", "~1")
+
+
 def _schema_patterns(node, pointer: str = "") -> list[tuple[str, str]]:
     """(JSON pointer, regex) of every ``pattern`` and ``patternProperties`` key in a JSON schema."""
     found = []
     if isinstance(node, dict):
         for key, value in node.items():
-            here = f"{pointer}/{str(key).replace('~', '~0').replace('/', '~1')}"
+            here = pointer + _pointer_part(key)
             if key == "pattern" and isinstance(value, str):
                 found.append((here, value))
             elif key == "patternProperties" and isinstance(value, dict):
                 for regex, sub in value.items():
-                    found.append((f"{here}/{regex.replace('~', '~0').replace('/', '~1')}", regex))
-                    found += _schema_patterns(sub, f"{here}/{regex.replace('~', '~0').replace('/', '~1')}")
+                    found.append((here + _pointer_part(regex), regex))
+                    found += _schema_patterns(sub, here + _pointer_part(regex))
             elif key in ("properties", "$defs", "definitions", "dependentSchemas") and isinstance(value, dict):
                 for name, sub in value.items():  # a property named "pattern" is a schema, not a regex
-                    found += _schema_patterns(sub, f"{here}/{str(name).replace('~', '~0').replace('/', '~1')}")
+                    found += _schema_patterns(sub, here + _pointer_part(name))
             else:
                 found += _schema_patterns(value, here)
     elif isinstance(node, list):
         for index, item in enumerate(node):
-            found += _schema_patterns(item, f"{pointer}/{index}")
+            found += _schema_patterns(item, pointer + _pointer_part(index))
     return found
 
 
@@ -234,6 +281,7 @@ class CompiledGrammar:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     _initial: object  # llguidance.LLMatcher at the start, never advanced
+    special: SpecialTokens
 
     def new_state(self) -> GrammarState:
         return GrammarState(self, self._initial.deep_copy())
@@ -259,7 +307,8 @@ def compile_grammar(spec: GrammarSpec, tokenizer, vocab_size: int, eos_token_ids
     matcher = LLMatcher(vocabulary, grammar, log_level=0)
     if matcher.is_error():
         raise _compile_error(spec, _where_in_schema(spec, matcher.get_error(), vocabulary))
-    compiled = CompiledGrammar(spec, vocab_size, tuple(vocabulary.eos_tokens), matcher)
+    compiled = CompiledGrammar(spec, vocab_size, tuple(vocabulary.eos_tokens), matcher,
+                               special_tokens(tokenizer, vocab_size, eos_token_ids))
     # A grammar that compiles may still match nothing ([^\s\S], a Lark intersection of disjoint
     # terminals): the engine then fails at the first token, mid-generation. Asked for the first
     # token's mask now, it is refused as the request's fault.
@@ -343,6 +392,37 @@ class GrammarState:
             return
         self._matcher.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
         self._check()
+        self._settle_special(out)
+
+    def dead_end(self) -> str | None:
+        """Why no token may come next, where none may and the text is not ended (None: one may):
+        the special tokens the grammar's text needs next, which are not text (``SpecialTokens``)."""
+        if self._ended:
+            return None
+        words = np.zeros(_words(self.compiled.vocab_size), dtype=np.int32)
+        self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+        self._check()
+        needed = self.compiled.special.allowed_in(words.view(np.uint32))
+        self._settle_special(words)
+        if words.any():
+            return None
+        named = ", ".join(f"{self.compiled.special.names[token]!r} (id {token})" for token in needed) or "none"
+        return (f"the constraint allows no token after {self._taken} generated tokens: its text goes on only with "
+                f"the text of special tokens ({named}), which the model writes as those tokens, not as text; "
+                "leave special tokens' text out of the constraint")
+
+    def _settle_special(self, out: np.ndarray) -> None:
+        """Clear from this state's mask ``out`` the special tokens it would not take: an end token
+        where the text is not complete, another special token the engine refuses (``SpecialTokens``).
+        Only the special tokens the mask allows are asked about: almost always none."""
+        words = out.view(np.uint32)
+        for token in self.compiled.special.allowed_in(words):
+            if token in self._eos:
+                keep = self._matcher.is_accepting()
+            else:
+                keep = self._matcher.validate_tokens([token]) == 1
+            if not keep:
+                words[token // 32] &= np.uint32(~(1 << (token % 32)) & 0xFFFFFFFF)
 
     def allowed(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The tokens that may come next: bool [V] (written into ``out`` when given)."""
@@ -462,6 +542,7 @@ class GrammarState:
         certain = 0
         for token in tokens:
             self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
+            self._settle_special(words)
             if np.count_nonzero(words) != 1 or int(words.view(np.uint32)[token // 32]) != 1 << (token % 32):
                 break
             if self._matcher.try_consume_tokens([token]) != 1:
@@ -608,6 +689,14 @@ def draft_masks(states: Sequence[GrammarState], drafts: Sequence[Sequence[int]])
         from llguidance.numpy import fill_next_token_bitmask_par_with_draft_tokens
 
         fill_next_token_bitmask_par_with_draft_tokens(_executor(), jobs, words)
+        for matcher, offset, ordinary in jobs:  # the special tokens the rows allow, settled at each row's state
+            state = next(s for s, o in zip(states, offsets) if o == offset)
+            for row in range(len(ordinary) + 1):
+                if state.compiled.special.allowed_in(words[offset + row].view(np.uint32)):
+                    if row and matcher.try_consume_tokens(ordinary[:row]) != row:
+                        raise GrammarError("the grammar engine refused a draft it had validated")
+                    state._settle_special(words[offset + row])
+                    state._rollback_engine(row)
     for state in states:
         state._check()
     return DraftMasks(unpack_masks(words, vocab_size), tuple(offsets), tuple(valid))

@@ -623,3 +623,23 @@ def test_a_batching_server_gives_every_request_its_solo_reply(smollm):
     assert together == solo
     assert solo[2][1] == "stop" and not solo[2][0].endswith(" 15")  # the stop sequence cut it
     assert solo[3][2] and solo[3][1] == "length"
+
+
+def test_a_requests_dead_end_fails_it_alone(smollm):
+    """A response_format whose text needs a special token's text: every request of the batch answered 500."""
+    import requests
+
+    engine = Scheduler(smollm, method="ar", max_queue=4, max_batch=4)
+    plain = {"messages": [{"role": "user", "content": "Count to five."}], "max_tokens": 24, "temperature": 0}
+    dead = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 24, "temperature": 0,
+            "response_format": {"type": "regex", "regex": "hi<\\|im_start\\|>"}}
+    with serving_in_background(engine) as port:
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        solo = requests.post(url, json=plain, timeout=120).json()["choices"][0]["message"]["content"]
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda body: requests.post(url, json=body, timeout=120), [dead, plain, dead]))
+        assert [a.status_code for a in answers] == [400, 200, 400]
+        assert "'<|im_start|>'" in answers[0].json()["error"]["message"]
+        assert answers[1].json()["choices"][0]["message"]["content"] == solo
+        health = engine.health()
+        assert health["failed"] == 0 and health["invalid"] >= 2

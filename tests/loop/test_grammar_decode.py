@@ -218,3 +218,31 @@ def test_a_batchs_chain_masks_come_from_one_parallel_call(tok, target, grammars,
     assert batch.times.grammar > 0 and batch.times.to_dict()["grammar"] == batch.times.grammar
     for run, kind in zip(runs[:3], ("schema", "schema", "regex")):
         check_text(run.token_ids, tok, kind)
+
+
+def test_a_dead_end_ends_its_generation_with_an_error_and_the_batch_goes_on(tok):
+    """A regex whose text goes on only with a special token's text: llguidance's masks let the special
+    token in and then refused it (a ConstraintError: the server failed every generation of the batch)."""
+    from tierspec.batch import BatchDecoder
+    from tierspec.constraints import ConstraintDeadEnd
+
+    tokenizer = ByteTokenizer()
+    tokenizer.backend.add_special_tokens(["<sep>"])
+    tokenizer.size += 1
+    model = tiny_llama(seed=5, vocab_size=len(tokenizer), layers=3, hidden=32, sharpness=6.0, dtype=torch.float32)
+    dead = compile_grammar(GrammarSpec.regex("ab<sep>c"), tokenizer, len(tokenizer), [EOS])
+    base = torch.tensor(tokenizer.encode('{"ok": true, "n": 1} {"ok": true, "n": 1}'))
+    method = build_method("pld", model, None, MethodOptions(num_draft=4))
+    configs = [DecodeConfig(max_new_tokens=12, eos_token_ids=(EOS,), constraint=dead),
+               DecodeConfig(max_new_tokens=12, eos_token_ids=(EOS,))]
+    with pytest.raises(ConstraintDeadEnd, match=r"after 2 generated tokens.*'<sep>'"):
+        DecodeRun(model, method, base, configs[0]).finish()
+    solo = DecodeRun(model, method, base[3:], configs[1]).finish().token_ids
+    batch = BatchDecoder(model, max_batch=2)
+    failing, other = batch.add(0, method, base, configs[0]), batch.add(1, method, base[3:], configs[1])
+    failed = []
+    while len(batch):
+        batch.step()
+        failed += batch.take_failed()
+    assert failed == [failing] and isinstance(failing.error, ConstraintDeadEnd)
+    assert failing.token_ids == tokenizer.encode("ab") and other.token_ids == solo

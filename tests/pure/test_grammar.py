@@ -430,3 +430,68 @@ def test_forced_keys_on_the_default_models_vocabulary():
     assert [real.decode([t]) for t in state.forced()] == [' "', "age", '":']
     state.advance(state.forced() + real.encode(" 7}", add_special_tokens=False))
     assert state.forced() == [real.eos_token_id] and state.advance([real.eos_token_id]) == 1
+
+
+# -- special tokens: a mask allows only what the state takes ---------------------------------------------
+@pytest.fixture(scope="module")
+def tok_sep():
+    """The byte-level tokenizer with a second special token, ``<sep>`` (not an end token)."""
+    tokenizer = ByteTokenizer()
+    tokenizer.backend.add_special_tokens(["<sep>"])
+    tokenizer.size += 1
+    return tokenizer
+
+
+def test_an_end_tokens_text_is_not_text_and_a_grammar_of_it_alone_is_refused(tok):
+    """llguidance let the end token into the mask where its text fits the regex; the state then
+    refused it (the text is not complete): the server answered 500 to every request of the batch."""
+    with pytest.raises(GrammarError, match="matches no text"):
+        compiled_for(tok, GrammarSpec.regex("<eos>"))
+
+
+def test_a_special_tokens_text_in_a_grammar_is_a_dead_end_said_by_name(tok_sep):
+    sep = len(tok_sep) - 1
+    state = compile_grammar(GrammarSpec.regex("ab<sep>c"), tok_sep, len(tok_sep), [EOS]).new_state()
+    assert state.advance(tok_sep.encode("ab")) == 2
+    assert not state.allowed().any()  # llguidance's own mask allows <sep> here, and then refuses to take it
+    assert state.advance([sep]) == 0
+    assert "'<sep>' (id " in state.dead_end() and "after 2 generated tokens" in state.dead_end()
+    fresh = compile_grammar(GrammarSpec.regex("ab<sep>c"), tok_sep, len(tok_sep), [EOS]).new_state()
+    assert fresh.dead_end() is None and fresh.allowed().any()
+
+
+def test_a_special_token_a_lark_grammar_names_is_allowed_and_taken(tok_sep):
+    sep = len(tok_sep) - 1
+    state = compile_grammar(GrammarSpec.lark(f'start: "ab" <[{sep}]> "c"'), tok_sep, len(tok_sep), [EOS]).new_state()
+    assert state.advance(tok_sep.encode("ab")) == 2
+    assert allowed_ids(state) == {sep}
+    assert state.advance([sep]) == 1 and state.advance(tok_sep.encode("c") + [EOS]) == 2
+
+
+@pytest.mark.parametrize("spec", [lambda: GrammarSpec.regex("(a|b<sep>)c"), lambda: GrammarSpec.regex("[ab]{1,3}(<sep>)?"),
+                                  lambda: GrammarSpec.json_schema({"type": "string", "pattern": "^x(<sep>|<eos>)?y$"})])
+def test_every_token_a_mask_allows_is_taken_along_random_paths(tok_sep, spec):
+    """Row masks and the batched draft masks (``draft_masks``) alike."""
+    compiled = compile_grammar(spec(), tok_sep, len(tok_sep), [EOS])
+    rng = random.Random(3)
+    for _ in range(20):
+        state = compiled.new_state()
+        path = []
+        for _ in range(8):
+            allowed = sorted(allowed_ids(state))
+            for token in allowed:  # each allowed token is taken (an end token where the text is complete)
+                probe = state.copy()
+                assert probe.advance([token]) == 1, (path, token)
+            if not allowed or allowed == [EOS]:
+                break
+            token = rng.choice([t for t in allowed if t != EOS] or allowed)
+            state.advance([token])
+            path.append(token)
+        start = compiled.new_state()
+        masks = draft_masks([start], [path])
+        assert masks.valid[0] == len(path)
+        replay = compiled.new_state()
+        for row in range(len(path) + 1):
+            assert masks.rows(0)[row].tolist() == replay.allowed().tolist(), row
+            if row < len(path):
+                replay.advance([path[row]])

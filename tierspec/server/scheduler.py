@@ -444,6 +444,10 @@ class Scheduler:
                 self.batch.cancel(sequence.key)  # a stop sequence ends it before the batch would
                 live.job.done.append(live.done())
                 live.job.send(live.job.done[-1])
+        for sequence in self.batch.take_failed():  # its own error: its job fails, the others go on
+            live = self._live.get(sequence.key)
+            if live is not None and live.job in self._jobs:
+                self._end_job(live.job, "invalid", Failed(ApiError(400, str(sequence.error))))
         for job in list(self._jobs):
             if job.cancelled_by is None and job in self._jobs:
                 self._fill(job)
