@@ -42,6 +42,11 @@ BASE = {"prompt": [1, 2, 3], "max_tokens": 4}
     ({"logit_bias": {str(i): 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)}}, "logit_bias",
      f"logit_bias: at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {MAX_LOGIT_BIAS_ENTRIES + 1}"),
     ({"logit_bias": {"64": 1.0}}, "logit_bias", "logit_bias: token id 64 is outside the model's vocabulary (0 .. 63)"),
+    # digits str.isdigit takes and int() refuses (a 500) or reads as another number ("٣": token 3)
+    ({"logit_bias": {"²": 1.0}}, "logit_bias", "logit_bias: keys are token ids (strings of at most 10 digits 0-9), got '²'"),
+    ({"logit_bias": {"٣": 1.0}}, "logit_bias", "logit_bias: keys are token ids (strings of at most 10 digits 0-9), got '٣'"),
+    ({"logit_bias": {"9" * 5000: 1.0}}, "logit_bias",
+     "logit_bias: keys are token ids (strings of at most 10 digits 0-9), got '" + "9" * 40 + "'"),
     ({"max_tokens": 200}, "max_tokens", "max_tokens 200 + the 3 tokens of prompt exceed the model's context of 128"),
     ({"stream_options": {"include_usage": True}}, "stream_options",
      "The 'stream_options' parameter is only allowed when 'stream' is enabled."),
@@ -51,6 +56,19 @@ BASE = {"prompt": [1, 2, 3], "max_tokens": 4}
 def test_out_of_bound_fields_get_400_naming_the_bound(fields, param, message):
     error = refusal({**BASE, **fields})
     assert error == {"message": message, "type": "invalid_request_error", "param": param, "code": None}
+
+
+def test_null_is_the_default_of_a_field_that_has_one():
+    """OpenAI reads null as "not given"; clients serialise unset options so ("temperature": null was a 400)."""
+    nulls = {"temperature": None, "top_p": None, "n": None, "presence_penalty": None, "frequency_penalty": None,
+             "stream": None, "echo": None, "logprobs": None, "top_k": None, "seed": None, "stop": None}
+    body, job = prepare(ENGINE, CompletionRequest, json.dumps({**BASE, **nulls}).encode(), asyncio.new_event_loop())
+    plain, _ = prepare(ENGINE, CompletionRequest, json.dumps(BASE).encode(), asyncio.new_event_loop())
+    assert body == plain and len(job.choices) == 1
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    body = ChatRequest.model_validate_json(json.dumps({**chat, "logprobs": None, "temperature": None}))
+    assert body.logprobs is False and body.temperature == 1.0
+    assert refusal({**BASE, "temperature": "0.5"})["param"] == "temperature"  # still strict about types
 
 
 def test_chat_top_logprobs_is_bounded_too():

@@ -643,3 +643,22 @@ def test_a_requests_dead_end_fails_it_alone(smollm):
         assert answers[1].json()["choices"][0]["message"]["content"] == solo
         health = engine.health()
         assert health["failed"] == 0 and health["invalid"] >= 2
+
+
+def test_a_bug_reading_a_request_is_a_500_counted_as_failed(server, monkeypatch):
+    """/health's failed counted the worker's errors only: a 500 from reading a request left it at 0."""
+    import requests
+
+    from tierspec.server import app
+
+    engine, port = server
+    wait_idle(engine)
+    before = engine.health()["failed"]
+
+    def broken(*args):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(app, "prepare", broken)
+    answer = requests.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert answer.status_code == 500 and answer.json()["error"]["type"] == "server_error"
+    assert engine.health()["failed"] == before + 1

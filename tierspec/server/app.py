@@ -404,7 +404,7 @@ async def _read_body(request: Request, limit: int, timeout: float) -> bytes:
     closed."""
     too_large = ApiError(413, f"the request body exceeds the server's limit of {limit} bytes")
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
 
@@ -562,6 +562,8 @@ async def _http_error(request: Request, error: HTTPException) -> JSONResponse:
 
 
 async def _internal_error(request: Request, error: Exception) -> JSONResponse:
+    """A bug outside the worker (reading a request, say): a 500, counted in /health's ``failed``."""
+    request.app.state.scheduler.count_failed()
     return _json_error(ApiError(500, f"internal error: {type(error).__name__}", kind="server_error"))
 
 

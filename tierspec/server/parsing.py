@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import re
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -29,6 +30,10 @@ from .structured import structured_request
 MAX_CHOICES = 128
 #: A request without tools.
 NO_TOOLS = ToolConfig((), ToolChoice("none"))
+
+
+#: a logit_bias key: a token id in ASCII digits
+TOKEN_ID = re.compile(r"[0-9]{1,10}")
 
 
 class StreamOptions(BaseModel):
@@ -71,14 +76,27 @@ class GenerationRequest(BaseModel):
     top_k: int = Field(default=0, ge=0)  # at most the vocabulary: checked in ``prepare``
     num_draft: int | None = Field(default=None, ge=0, le=MAX_NUM_DRAFT)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """``null`` for a field whose default is a value means that default, as OpenAI's API reads it
+        (clients serialise unset options as null: ``"temperature": null`` was a 400)."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {key: value for key, value in data.items()
+                    if not (value is None and key in fields and fields[key].default is not None
+                            and not fields[key].is_required())}
+        return data
+
     @field_validator("logit_bias")
     @classmethod
     def _bias_by_token_id(cls, value):
         if value is not None and len(value) > MAX_LOGIT_BIAS_ENTRIES:
             raise ValueError(f"at most {MAX_LOGIT_BIAS_ENTRIES} tokens, got {len(value)}")
         for key, bias in (value or {}).items():
-            if not key.isdigit():
-                raise ValueError(f"keys are token ids (strings of digits), got '{key}'")
+            # ASCII digits only: str.isdigit took "²" (int() then raised: a 500) and read "٣" as 3
+            if not TOKEN_ID.fullmatch(key):
+                raise ValueError(f"keys are token ids (strings of at most 10 digits 0-9), got '{key[:40]}'")
             if not BIAS_RANGE[0] <= bias <= BIAS_RANGE[1]:
                 raise ValueError(f"the bias of token {key} must be in [{BIAS_RANGE[0]:g}, {BIAS_RANGE[1]:g}], got {bias}")
         return value

@@ -306,6 +306,11 @@ class Scheduler:
         with self._lock:
             self._counts["invalid"] += 1
 
+    def count_failed(self) -> None:
+        """One more request the server's own error failed (a 500) before it reached the queue."""
+        with self._lock:
+            self._counts["failed"] += 1
+
     def submit(self, job: Job) -> None:
         """Queue ``job``, or raise the 503 of a full or stopping server."""
         with self._lock:
