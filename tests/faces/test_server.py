@@ -662,3 +662,19 @@ def test_a_bug_reading_a_request_is_a_500_counted_as_failed(server, monkeypatch)
     answer = requests.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
     assert answer.status_code == 500 and answer.json()["error"]["type"] == "server_error"
     assert engine.health()["failed"] == before + 1
+
+
+def test_completion_text_offsets_count_a_split_character_once(smollm):
+    """Each token's offset advanced by its own text's length: a character split over three tokens (each
+    shown as U+FFFD) counted three, and every later offset drifted (non-streaming; the stream was right)."""
+    from tierspec.decode import TokenLogprob
+    from tierspec.server.app import COMPLETIONS, TokenTexts
+
+    text = "🌏 in braille, café"
+    ids = smollm.tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > len(smollm.tokenizer.encode(" in braille, café", add_special_tokens=False)) + 1  # split
+    logprobs = COMPLETIONS.logprobs([TokenLogprob(token, -1.0) for token in ids], TokenTexts(smollm.tokenizer), 5)
+    expected = [5 + len(smollm.tokenizer.decode(ids[:i]).rstrip("\ufffd")) for i in range(len(ids))]
+    assert logprobs["text_offset"] == expected
+    pieces = logprobs["tokens"]
+    assert text[expected[-1] - 5:] == pieces[-1]  # the last token's text where its offset says

@@ -4,6 +4,7 @@ application's state), one response format per endpoint, and running the server u
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import errno
 import json
@@ -124,18 +125,20 @@ class Completions(Endpoint):
         """OpenAI's legacy format: parallel lists of tokens, their logprobs, the top alternatives
         as {token: logprob} and each token's offset in the choice's text."""
         tokens, values, tops, offsets = [], [], [], []
+        # Offsets count the characters the tokens before make: a character split over several tokens
+        # (each shown as U+FFFD) is one character, made by the token that completes it.
+        characters = codecs.getincrementaldecoder("utf-8")(errors="replace")
         for record in records:
             if record.logprob is None:  # an echoed prompt's first token: nothing scores it
                 value, top = None, None
             else:
                 value = _finite(record.logprob)
                 top = {texts(alternative): _finite(logprob) for alternative, logprob in record.top}
-            text = texts(record.token)
-            tokens.append(text)
+            tokens.append(texts(record.token))
             values.append(value)
             tops.append(top)
             offsets.append(offset)
-            offset += len(text)
+            offset += len(characters.decode(bytes(texts.bytes(record.token))))
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
