@@ -43,10 +43,11 @@ class BatchDecoder:
     refuses more); ``max_rows``: at most that many rows per batched pass (drafts are cut to fit;
     every generation keeps at least its one row; a joining prompt takes the rows left);
     ``shared_costs``: each policy costs its drafts as the batch's passes (False: as if alone).
+    ``lone_prefill``: the rows a prompt prefilled alone takes a cycle (None: all; ``decode.cycle``).
     ``times``: where the cycles' time went (``decode.CycleTimes``)."""
 
     def __init__(self, target: LoadedModel, max_batch: int = 8, max_rows: int | None = None,
-                 shared_costs: bool = True):
+                 shared_costs: bool = True, lone_prefill: int | None = None):
         if isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1:
             raise BatchError(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if max_rows is not None and (isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < max_batch):
@@ -56,6 +57,10 @@ class BatchDecoder:
         self.max_batch = max_batch
         self.max_rows = max_rows
         self.shared_costs = shared_costs  # False: policies cost drafts as if alone (for comparison)
+        if lone_prefill is not None and (isinstance(lone_prefill, bool) or not isinstance(lone_prefill, int)
+                                         or lone_prefill < 1):
+            raise BatchError(f"lone_prefill must be an integer >= 1 or None, got {lone_prefill!r}")
+        self.lone_prefill = lone_prefill
         self.passes = pass_backend(target.model)
         self.sequences: dict[Hashable, Sequence] = {}
         self.failed: list[Sequence] = []  # ended by their own error, not yet taken (``take_failed``)
@@ -110,7 +115,7 @@ class BatchDecoder:
         out: list[tuple[Sequence, Step]] = []
         with threads_for(self.target.model), torch.inference_mode():
             for group in groups:
-                steps, times = cycle(group, self.passes, self.max_rows, self.shared_costs)
+                steps, times = cycle(group, self.passes, self.max_rows, self.shared_costs, self.lone_prefill)
                 self.times.add(times)
                 out += steps
         for sequence, _ in out:

@@ -544,11 +544,13 @@ class _Drafted:
 
 
 def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None = None,
-          shared_costs: bool = True) -> tuple[list[tuple[Sequence, Step]], CycleTimes]:
+          shared_costs: bool = True, lone_prefill: int | None = None) -> tuple[list[tuple[Sequence, Step]], CycleTimes]:
     """One draft–verify–commit cycle for every sequence that is not finished (module docstring):
     the ready ones decode, the others prefill in chunks from the rows left. ``max_rows``: at most
     that many rows in the pass (drafts are cut to fit, every decoding sequence keeps its one row;
-    None: a prefill takes ``PREFILL_CHUNK`` rows beside others, its whole prompt alone).
+    None: a prefill takes ``PREFILL_CHUNK`` rows beside others, ``lone_prefill`` rows alone — None:
+    its whole prompt, the fastest where nothing may join; a server bounds it, so that a request
+    that joins, a cancel or a shutdown waits one chunk, not a long prompt's whole pass).
     ``shared_costs``: a batch's policies cost drafts as the batch's passes (False: as if alone).
     Returns a ``Step`` per decoding sequence and where the cycle's time went."""
     times = CycleTimes(cycles=1)
@@ -585,7 +587,7 @@ def cycle(sequences: list[Sequence], passes: PassBackend, max_rows: int | None =
         target_passes.append(target_pass)
         requests.append(target_pass.request)
         rows += target_pass.request.rows
-    chunks = _prefill_chunks(prefilling, max_rows, rows, bool(drafted))
+    chunks = _prefill_chunks(prefilling, max_rows, rows, bool(drafted), lone_prefill)
     requests += [chunk.request for _, chunk in chunks]
     drafted_at = time.perf_counter()
     grammar_drafting = sum(s.grammar_seconds for s in constrained) - grammar_before
@@ -753,16 +755,18 @@ def _constrain(drafted: list[_Drafted], max_rows: int | None) -> None:
             d.proposal, d.masks = d.proposal.prefix(first - 1), d.masks[:first]
 
 
-def _prefill_chunks(prefilling: list[Sequence], max_rows: int | None, used: int, others: bool):
+def _prefill_chunks(prefilling: list[Sequence], max_rows: int | None, used: int, others: bool,
+                    lone: int | None = None):
     """The prompt chunks this cycle's pass takes, first come first: the rows ``max_rows`` leaves
     after the decoding sequences' (at least one row each prompt; without a budget
-    ``PREFILL_CHUNK`` beside decoding sequences, the whole prompt when nothing else runs)."""
+    ``PREFILL_CHUNK`` beside decoding sequences, ``lone`` rows when nothing else runs — None: the
+    whole prompt)."""
     chunks = []
     for sequence in prefilling:
         if max_rows is not None:
             rows = max(1, max_rows - used)
         else:
-            rows = PREFILL_CHUNK if others or chunks else None
+            rows = PREFILL_CHUNK if others or chunks else lone
         chunk = sequence.verifiers.prefill_request(rows)
         chunks.append((sequence, chunk))
         used += chunk.request.rows

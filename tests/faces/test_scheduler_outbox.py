@@ -82,3 +82,18 @@ def test_each_loop_gets_its_own_events_and_a_job_not_admitted_sends_at_once():
     assert drained(admitted) == [Started()]
     assert drained(waiting) == [Started()] and drained(other_admitted) == [TextPiece("x", 0)]
 
+
+def test_events_for_a_closed_event_loop_are_dropped_not_raised():
+    """A shutdown during a long pass closed the event loop; the worker's next release raised
+    RuntimeError('Event loop is closed') in its thread."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from tierspec.server.scheduler import Outbox
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    outbox = Outbox()
+    outbox.post(SimpleNamespace(loop=loop), "an event")
+    outbox.release()
+    assert outbox.released == 1

@@ -114,6 +114,25 @@ def test_a_long_prompt_joining_is_prefilled_in_chunks_while_the_others_decode(ta
     assert first.token_ids == _solo(target, method, 0.0, PROMPTS[:1], [20])[0]
 
 
+def test_a_prompt_alone_is_prefilled_in_lone_prefill_chunks_and_a_joiner_waits_one(target):
+    """A server's long prompt alone went in one pass: a request that joined waited all of it (38 s for
+    8,000 tokens). With ``lone_prefill`` the prompt goes 64 rows a cycle and a joiner starts at the next."""
+    method = _method(target, "ar")
+    batch = BatchDecoder(target, max_batch=2, lone_prefill=64)
+    long = batch.add("long", method, PROMPTS[5], DecodeConfig(max_new_tokens=4))
+    batch.step()
+    assert long.verifiers.prefill_left == 149 - 64 and not long.ready  # 64 of its 149 prefill rows
+    short = batch.add("short", method, PROMPTS[0], DecodeConfig(max_new_tokens=6))
+    batch.step()
+    assert short.ready and not long.ready  # the joiner's prompt went in the next pass, beside a chunk of the long one
+    while len(batch):
+        batch.step()
+    assert long.token_ids == _solo(target, method, 0.0, PROMPTS[5:], [4])[0]
+    assert short.token_ids == _solo(target, method, 0.0, PROMPTS[:1], [6])[0]
+    with pytest.raises(BatchError, match="lone_prefill"):
+        BatchDecoder(target, lone_prefill=0)
+
+
 def test_a_cancelled_generation_leaves_the_others_as_they_were(target):
     method = _method(target, "pld")
     expected = _solo(target, method, 0.0)
