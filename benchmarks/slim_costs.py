@@ -26,7 +26,7 @@ from tierspec import load_model
 from tierspec.cached_model import CachedModel, SlimVocabulary
 from tierspec.costs import few_row_threads
 from tierspec.heads.shipped import shipped_head
-from tierspec.layerskip.masks import RoutingMask, decoder_layers
+from tierspec.layerskip.masks import RoutingMask
 from tierspec.util import atomic_write_text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,17 +34,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def weight_shares(model: torch.nn.Module, mask: RoutingMask | None, vocab_rows: int | None) -> float:
     """Share of the pass's matrix weights (decoder sub-layers + LM head rows scored) that the
-    mask and the vocabulary leave out."""
-    layers = decoder_layers(model)
-    attention = sum(p.numel() for p in layers[0].self_attn.parameters())
-    mlp = sum(p.numel() for p in layers[0].mlp.parameters())
-    head = model.get_output_embeddings().weight
-    full = len(layers) * (attention + mlp) + head.numel()
+    mask and the vocabulary leave out, counted from the model's shapes (its config): on the pass
+    engine the layers hold no torch parameters (the weights are the engine's blocks), so counting
+    parameters read 0 for every mask."""
+    config = model.config
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    queries, keys = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+    attention = hidden * queries + 2 * hidden * keys + queries * hidden  # q, k, v, o
+    mlp = 3 * hidden * config.intermediate_size  # gate, up, down
+    head = config.vocab_size * hidden
+    full = layers * (attention + mlp) + head
     skipped = 0
     if mask is not None:
         skipped += len(mask.skip_attention) * attention + len(mask.skip_mlp) * mlp
     if vocab_rows is not None:
-        skipped += head.numel() - vocab_rows * head.shape[1]
+        skipped += head - vocab_rows * hidden
     return skipped / full
 
 

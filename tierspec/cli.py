@@ -432,8 +432,11 @@ def _run_generate(args) -> int:
     sys.stdout.write("\n")
     sys.stdout.flush()  # here, where a closed pipe is caught (main), not at the interpreter's exit
     if args.stats:
+        from .engine import kernel_report, runs_on_engine
+
+        kernels = {"kernels": kernel_report()} if runs_on_engine(target.model) else {}
         print(json.dumps({"method": method, "finish_reason": text_stream.finish_reason,
-                          **text_stream.stats.to_dict()}), file=sys.stderr)
+                          **text_stream.stats.to_dict(), **kernels}), file=sys.stderr)
     constrained = any(value is not None and value is not False for value in structured.values())
     if constrained and text_stream.finish_reason == "length":  # incomplete: not valid under its constraint
         print(f"tierspec: the text stopped at --max-new-tokens {args.max_new_tokens} before its constraint was "

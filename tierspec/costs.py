@@ -225,6 +225,17 @@ def forward_costs(target: LoadedModel, max_tokens: int = 16, refresh: bool = Fal
 
 # Measurements made by this process, by cache key: each is made (or read and checked) once.
 _MEASURED: dict[str, object] = {}
+# Seconds this process has spent making or checking measurements (``measuring_seconds``), and how
+# deep each thread is in one (a measurement settles the few-row threads first: counted once).
+_MEASURING_SECONDS = [0.0]
+_MEASURING_DEPTH = threading.local()
+
+
+def measuring_seconds() -> float:
+    """Seconds this process has spent measuring costs or checking cached measurements so far: one-time
+    work that may fall inside a generation's first steps, which ``decode.DecodeRun`` leaves out of its
+    wall clock (a first run's tokens per second read a third of the true one)."""
+    return _MEASURING_SECONDS[0]
 # One measurement at a time in a process: two threads measuring at once would each time the
 # other's load, and both would measure what one measurement gives.
 _MEASURING = threading.Lock()
@@ -294,8 +305,16 @@ def _cached_measurement(target: LoadedModel, prefix: str, what: str, key_extra: 
                       "code": model_code(target.model), "tierspec": code_fingerprint(), **key_extra}, sort_keys=True)
     with _MEASURING:
         if refresh or key not in _MEASURED:
-            _MEASURED[key] = _read_or_measure(target, prefix, what, key, read, measure, to_json, one_token_seconds,
-                                              refresh)
+            depth = getattr(_MEASURING_DEPTH, "depth", 0)
+            _MEASURING_DEPTH.depth = depth + 1
+            began = time.perf_counter()
+            try:
+                _MEASURED[key] = _read_or_measure(target, prefix, what, key, read, measure, to_json,
+                                                  one_token_seconds, refresh)
+            finally:
+                _MEASURING_DEPTH.depth = depth
+                if depth == 0:
+                    _MEASURING_SECONDS[0] += time.perf_counter() - began
         return _MEASURED[key]
 
 

@@ -44,7 +44,7 @@ import torch
 
 from .cached_model import RowDraws, SlimVocabulary
 from .constraints import Constraint, ConstraintDeadEnd, ConstraintError, ConstraintState, MaskBuffer, constrain_all
-from .costs import few_row_threads
+from .costs import few_row_threads, measuring_seconds
 from .drafters.base import Drafter, propose_all
 from .engine import threads_for
 from .errors import PromptError, TierspecError
@@ -1052,8 +1052,9 @@ class DecodeRun:
     Iterating runs ``decode`` (same arguments) and yields its ``Step``s; meanwhile each cycle is
     added to ``stats``; ``token_ids`` reads the generated tokens from the generation's committed
     sequence. ``stats.wall_seconds`` runs from the first step asked for (the prefill is in it) to
-    the latest step handed out, or to the end of the generation once it is exhausted
-    (docs/metrics.md §Generation statistics). ``finish()`` runs it to the end; ``close()`` stops it
+    the latest step handed out, or to the end of the generation once it is exhausted, less the
+    one-time cost measurements made meanwhile (``costs.measuring_seconds``: a first run's would read
+    a third of its true speed) (docs/metrics.md §Generation statistics). ``finish()`` runs it to the end; ``close()`` stops it
     early. ``sequence``: the generation's ``Sequence`` once its first step was asked for; ``times``:
     where its cycles' time went (``CycleTimes``)."""
 
@@ -1084,7 +1085,7 @@ class DecodeRun:
 
     def __next__(self) -> Step:
         if self._started is None:
-            self._started = time.perf_counter()
+            self._started, self._measuring_before = time.perf_counter(), measuring_seconds()
         try:
             with self._threads:
                 if self._steps is None:
@@ -1092,7 +1093,8 @@ class DecodeRun:
                     self._steps = decode_sequence(self._target, self.sequence, self._inspect, self.times)
                 step = next(self._steps)
         finally:
-            self.stats.wall_seconds = time.perf_counter() - self._started
+            measuring = measuring_seconds() - self._measuring_before
+            self.stats.wall_seconds = time.perf_counter() - self._started - measuring
         self.stats.add(step.cycle)
         self.committed = step.committed
         return step

@@ -666,7 +666,7 @@ def draft_masks(states: Sequence[GrammarState], drafts: Sequence[Sequence[int]])
     if any(state.compiled.vocab_size != vocab_size for state in states):
         raise ValueError("the states' grammars are compiled for different vocabulary sizes")
     drafts = [[int(token) for token in draft] for draft in drafts]
-    offsets, valid, jobs = [], [], []
+    offsets, valid, jobs, job_states = [], [], [], []
     rows = 0
     for state, draft in zip(states, drafts):
         offsets.append(rows)
@@ -683,14 +683,14 @@ def draft_masks(states: Sequence[GrammarState], drafts: Sequence[Sequence[int]])
             _set_bits(words[offset + count], state._eos)
         if ordinary:
             jobs.append((state._matcher, offset, ordinary))
+            job_states.append(state)
         else:  # llguidance's batch call takes no empty draft (nor a lone end token)
             state.bitmask(words[offset])
     if jobs:
         from llguidance.numpy import fill_next_token_bitmask_par_with_draft_tokens
 
         fill_next_token_bitmask_par_with_draft_tokens(_executor(), jobs, words)
-        for matcher, offset, ordinary in jobs:  # the special tokens the rows allow, settled at each row's state
-            state = next(s for s, o in zip(states, offsets) if o == offset)
+        for (matcher, offset, ordinary), state in zip(jobs, job_states):  # special tokens settled at each row's state
             for row in range(len(ordinary) + 1):
                 if state.compiled.special.allowed_in(words[offset + row].view(np.uint32)):
                     if row and matcher.try_consume_tokens(ordinary[:row]) != row:

@@ -144,6 +144,9 @@ def test_models_and_health(client, server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     status, health = get(server[1], "/health")
     assert status == 200 and health["status"] == "ok" and health["model"] == MODEL
+    from tierspec.engine import kernel_report
+
+    assert health["kernels"] == kernel_report()  # the default model runs on the engine
 
 
 def test_completion_equals_greedy_ar(client, smollm):

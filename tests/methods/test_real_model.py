@@ -55,6 +55,9 @@ def test_cli_streams_text_and_stats(smollm, capsys):
 
     stats = json.loads(captured.err.strip().splitlines()[-1])
     assert stats["method"] == "hybrid" and stats["emitted"] == 16  # the default where a draft head ships
+    from tierspec.engine import kernel_report
+
+    assert stats["kernels"] == kernel_report()  # the default model runs on the engine: which kernels
 
 
 def test_empty_text_prompt_is_refused(smollm):

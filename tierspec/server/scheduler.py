@@ -17,6 +17,7 @@ import torch
 
 from ..api import IncrementalDetokenizer, check_seed
 from ..batch import BatchDecoder
+from ..engine import kernel_report, runs_on_engine
 from ..cached_model import PassResult
 from ..decode import DecodeConfig, GenerationStats, Sequence, Step, TokenLogprob, score_prompt
 from ..errors import TierspecError
@@ -264,6 +265,8 @@ class Scheduler:
         self.max_queue, self.max_methods = max_queue, max_methods
         self.eos = eos_ids(target)
         self.context = getattr(target.model.config, "max_position_embeddings", None)
+        # the engine's kernels on this CPU (``engine.kernel_report``), where the model runs on the engine
+        self._kernels = {"kernels": kernel_report()} if runs_on_engine(target.model) else {}
         # checks max_batch, max_rows; a prompt alone is prefilled in chunks too: a request may join any time
         self.batch = BatchDecoder(target, max_batch=max_batch, max_rows=max_rows, lone_prefill=LONE_PREFILL)
         self._outbox = Outbox()  # the admitted jobs' events, released as each pass begins
@@ -297,7 +300,7 @@ class Scheduler:
                     # since the start: cycles, the generations and rows they carried, seconds by phase
                     "cycles": {"cycles": times.cycles, "sequences": times.sequences, "rows": times.rows,
                                "seconds": {k: round(v, 6) for k, v in times.to_dict().items()}},
-                    "methods_cached": len(self._methods), **self._counts}
+                    "methods_cached": len(self._methods), **self._kernels, **self._counts}
 
     def method(self, name: str) -> Method:
         """The built method, from the cache when it was used lately (call it on the worker
