@@ -225,10 +225,8 @@ def forward_costs(target: LoadedModel, max_tokens: int = 16, refresh: bool = Fal
 
 # Measurements made by this process, by cache key: each is made (or read and checked) once.
 _MEASURED: dict[str, object] = {}
-# Seconds this process has spent making or checking measurements (``measuring_seconds``), and how
-# deep each thread is in one (a measurement settles the few-row threads first: counted once).
+# Seconds this process has spent making or checking measurements (``measuring_seconds``).
 _MEASURING_SECONDS = [0.0]
-_MEASURING_DEPTH = threading.local()
 
 
 def measuring_seconds() -> float:
@@ -304,17 +302,13 @@ def _cached_measurement(target: LoadedModel, prefix: str, what: str, key_extra: 
                       "torch": torch.__version__, "linear": _linear_kind(target.model, with_threads=not measures_threads),
                       "code": model_code(target.model), "tierspec": code_fingerprint(), **key_extra}, sort_keys=True)
     with _MEASURING:
-        if refresh or key not in _MEASURED:
-            depth = getattr(_MEASURING_DEPTH, "depth", 0)
-            _MEASURING_DEPTH.depth = depth + 1
+        if refresh or key not in _MEASURED:  # (the few-row threads are settled before, outside the lock)
             began = time.perf_counter()
             try:
                 _MEASURED[key] = _read_or_measure(target, prefix, what, key, read, measure, to_json,
                                                   one_token_seconds, refresh)
             finally:
-                _MEASURING_DEPTH.depth = depth
-                if depth == 0:
-                    _MEASURING_SECONDS[0] += time.perf_counter() - began
+                _MEASURING_SECONDS[0] += time.perf_counter() - began
         return _MEASURED[key]
 
 

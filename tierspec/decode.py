@@ -40,6 +40,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterator, Protocol
 
+import numpy as np
 import torch
 
 from .cached_model import RowDraws, SlimVocabulary
@@ -744,14 +745,14 @@ def _constrain(drafted: list[_Drafted], max_rows: int | None) -> None:
     for d, result in zip(constrained, results):
         d.proposal, d.masks = result.proposal, result.masks
         d.sequence.grammar_seconds += share
-        open_rows = result.masks.any(dim=1)
+        open_rows = result.masks.numpy().any(axis=1)  # (numpy: torch's reduction over 49,152 columns is ~10× slower)
         if not open_rows[0]:  # no token may come: the generation cannot go on
             why = getattr(d.sequence.constraint, "dead_end", None)
             d.sequence.error = ConstraintDeadEnd((why() if why is not None else None)
                                                  or "the constraint allows no token after the text so far")
             d.sequence.finished = True
         elif not open_rows.all():  # a node after which no token may come: verified, its row would be sampled
-            first = int((~open_rows).nonzero()[0])  # from nothing; cut before it (the dead end is met at row 0)
+            first = int(np.flatnonzero(~open_rows)[0])  # from nothing; cut before it (the dead end is met at row 0)
             d.proposal, d.masks = d.proposal.prefix(first - 1), d.masks[:first]
 
 

@@ -169,11 +169,18 @@ class SpecialTokens:
                    np.array([by_word[word] for word in sorted(by_word)], dtype=np.uint32), names)
 
     def allowed_in(self, words: np.ndarray) -> list[int]:
-        """The special tokens the packed mask ``words`` (uint32 view [ceil(V/32)]) allows."""
+        """The special tokens the packed mask ``words`` (uint32 view [ceil(V/32)]) allows: one
+        vectorised read, then only the set bits of the words that hold any (an end token where the
+        text is complete: almost always one bit)."""
         hits = words[self.words] & self.bits
-        if not hits.any():
-            return []
-        return [token for token in self.ids if words[token // 32] & np.uint32(1 << (token % 32))]
+        found = []
+        for index in np.flatnonzero(hits):
+            word, bits = int(self.words[index]), int(hits[index])
+            while bits:
+                low = bits & -bits
+                found.append(32 * word + low.bit_length() - 1)
+                bits ^= low
+        return found
 
 
 def special_tokens(tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> SpecialTokens:
@@ -181,7 +188,7 @@ def special_tokens(tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> 
     vocabulary = engine_tokenizer(tokenizer, vocab_size, eos_token_ids)
     with _VOCABULARIES_LOCK:
         per_tokenizer = _VOCABULARIES.setdefault(tokenizer, {})
-        key = ("special", vocab_size)
+        key = ("special", vocab_size, tuple(sorted({int(token) for token in eos_token_ids})))
         if key not in per_tokenizer:
             per_tokenizer[key] = SpecialTokens.of(vocabulary, vocab_size)
         return per_tokenizer[key]
@@ -247,6 +254,8 @@ def _schema_patterns(node, pointer: str = "") -> list[tuple[str, str]]:
                 for regex, sub in value.items():
                     found.append((here + _pointer_part(regex), regex))
                     found += _schema_patterns(sub, here + _pointer_part(regex))
+            elif key in ("default", "const", "enum", "examples"):  # data, not schemas: a "pattern" key there is a value
+                continue
             elif key in ("properties", "$defs", "definitions", "dependentSchemas") and isinstance(value, dict):
                 for name, sub in value.items():  # a property named "pattern" is a schema, not a regex
                     found += _schema_patterns(sub, here + _pointer_part(name))
@@ -403,20 +412,25 @@ class GrammarState:
         self._matcher.unsafe_compute_mask_ptr(words.ctypes.data, words.nbytes)
         self._check()
         needed = self.compiled.special.allowed_in(words.view(np.uint32))
-        self._settle_special(words)
+        self._settle_special(words, needed)
         if words.any():
             return None
         named = ", ".join(f"{self.compiled.special.names[token]!r} (id {token})" for token in needed) or "none"
+        if any(token in self._eos for token in needed):
+            return (f"the constraint allows no token after {self._taken} generated tokens but the end token "
+                    f"({named}) inside its text: the end token ends the generation, so a grammar ends where its "
+                    "text ends, without naming it")
         return (f"the constraint allows no token after {self._taken} generated tokens: its text goes on only with "
                 f"the text of special tokens ({named}), which the model writes as those tokens, not as text; "
                 "leave special tokens' text out of the constraint")
 
-    def _settle_special(self, out: np.ndarray) -> None:
+    def _settle_special(self, out: np.ndarray, allowed: list[int] | None = None) -> None:
         """Clear from this state's mask ``out`` the special tokens it would not take: an end token
         where the text is not complete, another special token the engine refuses (``SpecialTokens``).
-        Only the special tokens the mask allows are asked about: almost always none."""
+        Only the special tokens the mask allows are asked about (``allowed``, when the caller found
+        them): almost always none, or the end token where the text is complete."""
         words = out.view(np.uint32)
-        for token in self.compiled.special.allowed_in(words):
+        for token in self.compiled.special.allowed_in(words) if allowed is None else allowed:
             if token in self._eos:
                 keep = self._matcher.is_accepting()
             else:
@@ -691,12 +705,18 @@ def draft_masks(states: Sequence[GrammarState], drafts: Sequence[Sequence[int]])
 
         fill_next_token_bitmask_par_with_draft_tokens(_executor(), jobs, words)
         for (matcher, offset, ordinary), state in zip(jobs, job_states):  # special tokens settled at each row's state
-            for row in range(len(ordinary) + 1):
-                if state.compiled.special.allowed_in(words[offset + row].view(np.uint32)):
-                    if row and matcher.try_consume_tokens(ordinary[:row]) != row:
+            special = state.compiled.special
+            rows = words[offset:offset + len(ordinary) + 1].view(np.uint32)
+            flagged = np.flatnonzero((rows[:, special.words] & special.bits).any(axis=1))
+            taken = 0  # the state walks the draft once, to each flagged row in turn
+            try:
+                for row in flagged.tolist():
+                    if matcher.try_consume_tokens(ordinary[taken:row]) != row - taken:
                         raise GrammarError("the grammar engine refused a draft it had validated")
-                    state._settle_special(words[offset + row])
-                    state._rollback_engine(row)
+                    taken = row
+                    state._settle_special(words[offset + row], special.allowed_in(rows[row]))
+            finally:
+                state._rollback_engine(taken)
     for state in states:
         state._check()
     return DraftMasks(unpack_masks(words, vocab_size), tuple(offsets), tuple(valid))

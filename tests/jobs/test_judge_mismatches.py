@@ -86,9 +86,13 @@ def test_a_line_torn_by_the_kill_is_done_again(model_and_head, uninterrupted, tm
     lines = killed_build(model_and_head, out, monkeypatch)
     log = progress_path(out)
     log.write_text("\n".join(lines[:2]) + "\n" + lines[2][: len(lines[2]) // 2])  # the second prompt's line, half
+    counting(monkeypatch, stop_at=2)  # killed again, a prompt later: the torn line was cut, not glued to
+    with pytest.raises(KeyboardInterrupt):  # the next one (the rerun after found the file damaged)
+        build_mismatch_data(target, head, PROMPTS, out, CONFIG, progress=False)
+    assert len(log.read_text().splitlines()) == 1 + 2
     calls = counting(monkeypatch)
     build_mismatch_data(target, head, PROMPTS, out, CONFIG, progress=False)
-    assert len(calls) == 3
+    assert len(calls) == 2
     assert out.read_text() == uninterrupted[0]
 
 

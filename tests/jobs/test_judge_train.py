@@ -73,10 +73,12 @@ def same_head(a, b):
         and torch.equal(a.mean, b.mean) and torch.equal(a.std, b.std)
 
 
-def test_the_head_scores_the_planted_mistakes_below_the_correct_tokens(uninterrupted):
+def test_the_head_trains_and_reports_its_validation_metrics(uninterrupted):
+    """(Twelve examples train no judge worth ranking: its quality is measured on the real data, docs/methods.md.)"""
     head, metrics = uninterrupted
-    assert metrics["matched_pairs"] == 2 and metrics["tokens"] > 0
-    assert metrics["auroc_all"] is not None and head.metadata["train_seconds"] > 0
+    assert metrics["matched_pairs"] == 2 and metrics["tokens"] > 0 and metrics["negatives"] == 2
+    assert 0.0 <= metrics["auroc_all"] <= 1.0 and head.metadata["train_seconds"] > 0
+    assert head.weight.abs().sum() > 0 and 0.0 < head.threshold <= 1.0
 
 
 def test_the_store_changes_nothing_and_a_killed_run_resumes_after_its_chunks(smollm, data, uninterrupted, tmp_path,

@@ -495,3 +495,15 @@ def test_every_token_a_mask_allows_is_taken_along_random_paths(tok_sep, spec):
             assert masks.rows(0)[row].tolist() == replay.allowed().tolist(), row
             if row < len(path):
                 replay.advance([path[row]])
+
+
+def test_a_grammar_naming_the_end_token_inside_its_text_is_told_to_end_there(tok):
+    state = compile_grammar(GrammarSpec.lark(f'start: "ab" <[{EOS}]> "c"'), tok, len(tok), [EOS]).new_state()
+    assert state.advance(tok.encode("ab")) == 2 and not state.allowed().any()
+    assert "the end token ends the generation" in state.dead_end()
+
+
+def test_a_pattern_key_in_a_schemas_data_is_not_taken_for_the_fault(tok):
+    schema = {"type": "object", "default": {"pattern": "("}, "properties": {"id": {"type": "string", "pattern": "[z"}}}
+    with pytest.raises(GrammarError, match=r'the pattern at /properties/id/pattern \("\[z"\)'):
+        compiled_for(tok, GrammarSpec.json_schema(schema))

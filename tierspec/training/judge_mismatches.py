@@ -156,6 +156,19 @@ def _resumed(path: Path, signature: str, prompts: int) -> tuple[dict[int, _Promp
         return {}, f"damaged ({' '.join(str(error).split())[:120] or type(error).__name__})"
 
 
+def _cut_torn_line(path: Path) -> None:
+    """The file cut after its last newline: a line torn by a kill would glue itself to the next one
+    appended, and the rerun after that would find the file damaged and start over."""
+    data = path.read_bytes()
+    keep = data.rfind(b"\n") + 1
+    if keep < len(data):
+        try:
+            with open(path, "r+b") as handle:
+                handle.truncate(keep)
+        except OSError as error:
+            raise write_error(path, error) from None
+
+
 def _append_line(path: Path, line: str) -> None:
     """``line`` added to the progress file and on disk before the next prompt starts."""
     try:
@@ -196,6 +209,7 @@ def build_mismatch_data(target: LoadedModel, head, prompts: list[str], out: Path
             print(f"tierspec: {log}: {problem}; the build starts over", file=sys.stderr)
         elif finished:
             print(f"tierspec: resuming from {log}: {len(finished)} of {len(prompts)} prompts done", file=sys.stderr)
+            _cut_torn_line(log)
     if not finished:
         atomic_write_text(log, json.dumps({"format": PROGRESS_FORMAT, "signature": signature}) + "\n")
     decode = target.tokenizer.decode
