@@ -441,10 +441,13 @@ class Sequence:
     def finish_reason(self) -> str | None:
         """Why the generation ended (None: it has not): ``"stop"`` at an end token or where its
         constraint's text was complete (the budget may end it after a closing brace, before the
-        end token the grammar would force next), else ``"length"``: the token budget cut it, and a
-        constrained text is then incomplete (not valid under its constraint)."""
+        end token the grammar would force next), ``"error"`` where an error of its own ended it
+        (``error``), else ``"length"``: the token budget cut it, and a constrained text is then
+        incomplete (not valid under its constraint)."""
         if not self.finished:
             return None
+        if self.error is not None:
+            return "error"
         tokens = self.committed.generated(self.committed.generated_count - 1)
         if tokens and tokens[-1] in self.eos:
             return "stop"

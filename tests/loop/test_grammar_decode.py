@@ -244,5 +244,5 @@ def test_a_dead_end_ends_its_generation_with_an_error_and_the_batch_goes_on(tok)
     while len(batch):
         batch.step()
         failed += batch.take_failed()
-    assert failed == [failing] and isinstance(failing.error, ConstraintDeadEnd)
+    assert failed == [failing] and isinstance(failing.error, ConstraintDeadEnd) and failing.finish_reason() == "error"
     assert failing.token_ids == tokenizer.encode("ab") and other.token_ids == solo
