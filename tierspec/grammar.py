@@ -194,12 +194,6 @@ class SpecialTokens:
                 bits ^= low
         return found
 
-    def any_in(self, rows: np.ndarray) -> np.ndarray:
-        """Which of the packed masks ``rows`` (uint32 [r, ceil(V/32)]) allow a special token."""
-        if len(self.pairs) <= FEW_SPECIAL_WORDS:
-            return np.array([any(int(row[word]) & bits for word, bits in self.pairs) for row in rows], dtype=bool)
-        return (rows[:, self.words] & self.bits).any(axis=1)
-
 
 def special_tokens(tokenizer, vocab_size: int, eos_token_ids: Sequence[int]) -> SpecialTokens:
     """``SpecialTokens`` of ``engine_tokenizer``'s vocabulary, made once per tokenizer (49,152 questions)."""
@@ -725,14 +719,16 @@ def draft_masks(states: Sequence[GrammarState], drafts: Sequence[Sequence[int]])
         for (matcher, offset, ordinary), state in zip(jobs, job_states):  # special tokens settled at each row's state
             special = state.compiled.special
             rows = words[offset:offset + len(ordinary) + 1].view(np.uint32)
-            flagged = np.flatnonzero(special.any_in(rows))
-            taken = 0  # the state walks the draft once, to each flagged row in turn
+            taken = 0  # the state walks the draft once, to each row that allows a special token in turn
             try:
-                for row in flagged.tolist():
+                for row in range(len(rows)):
+                    allowed = special.allowed_in(rows[row])
+                    if not allowed:
+                        continue
                     if matcher.try_consume_tokens(ordinary[taken:row]) != row - taken:
                         raise GrammarError("the grammar engine refused a draft it had validated")
                     taken = row
-                    state._settle_special(words[offset + row], special.allowed_in(rows[row]))
+                    state._settle_special(words[offset + row], allowed)
             finally:
                 state._rollback_engine(taken)
     for state in states:

@@ -12,6 +12,11 @@ from typing import Callable
 from .errors import TierspecError
 
 
+def one_line(error: Exception) -> str:
+    """An error's message on one line (the command line prints a user error as one line)."""
+    return " ".join(str(error).split())
+
+
 def cache_root() -> Path:
     """tierspec's own cache folder: ``$TIERSPEC_CACHE``, default ``~/.cache/tierspec`` (converted
     GGUF models, measured cost tables)."""

@@ -44,7 +44,7 @@ from ..layerskip.masks import decoder_layers
 from ..llama import (DecoderLayer, KVLayer, PassLayout, RMSNorm, RotaryTable, ViewOnReadKVLayer, has_projections,
                      projection_weights, slot_mask)
 from ..models import LoadedModel, output_vocabulary_size
-from ..util import atomic_write, atomic_write_text
+from ..util import atomic_write, atomic_write_text, one_line
 
 HEAD_FORMAT = "tierspec-draft-head"
 
@@ -58,11 +58,6 @@ FILE_NAMES = {
     "layer.post_attention_layernorm.weight": "post_attention_norm",
     "norm.weight": "final_norm",
 }
-
-
-def one_line(error: Exception) -> str:
-    """An error's message on one line (the command line prints a user error as one line)."""
-    return " ".join(str(error).split())
 
 
 class DraftHeadError(TierspecError):

@@ -31,7 +31,7 @@ import torch
 
 from ..errors import TierspecError
 from ..models import LoadedModel
-from ..util import atomic_write_text
+from ..util import atomic_write_text, one_line
 from .candidates import ComputeBudget, Evaluation, next_keep
 from .masks import RoutingMask, apply_mask
 
@@ -180,7 +180,7 @@ def _resumed(checkpoint: Path, signatures: tuple[str, ...], units: int) -> tuple
             raise ValueError(f"a mask that is not {units} units kept or bypassed")
         return evaluations, float(state.get("seconds", 0.0)), None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
-        return [], 0.0, f"damaged ({' '.join(str(error).split())[:120] or type(error).__name__})"
+        return [], 0.0, f"damaged ({one_line(error)[:120] or type(error).__name__})"
 
 
 def search_mask(

@@ -34,7 +34,7 @@ import torch
 from ..cached_model import CachedModel
 from ..errors import TierspecError
 from ..models import LoadedModel
-from ..util import atomic_write_text, write_error
+from ..util import atomic_write_text, one_line, write_error
 from .judge_data import JudgeExample
 
 
@@ -153,7 +153,7 @@ def _resumed(path: Path, signature: str, prompts: int) -> tuple[dict[int, _Promp
             finished[done.index] = done
         return finished, None
     except (OSError, ValueError, KeyError, IndexError, TypeError, RecursionError) as error:
-        return {}, f"damaged ({' '.join(str(error).split())[:120] or type(error).__name__})"
+        return {}, f"damaged ({one_line(error)[:120] or type(error).__name__})"
 
 
 def _cut_torn_line(path: Path) -> None:

@@ -26,11 +26,10 @@ import torch
 
 from ..cached_model import HiddenCapture
 from ..errors import TierspecError
-from ..heads.draft import one_line
 from ..heads.judge import JudgeHead, judge_features
 from ..models import LoadedModel
 from ..prompting import encode_prompt
-from ..util import atomic_write, atomic_write_text
+from ..util import atomic_write, atomic_write_text, one_line
 from .judge_data import JudgeExample, read_judge_data, token_labels
 
 
