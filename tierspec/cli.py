@@ -298,6 +298,18 @@ def _output_file(path: str) -> None:
         raise TierspecError(f"--out {path} is a folder; give the file's path")
 
 
+def _holding_file(path: str, job: str, what: str):
+    """A lock on the output file ``path`` of ``job`` (``tierspec route``, ...), held while the job
+    runs: a second run into it is refused at once with the first's pid (``util.exclusive_lock``);
+    the lock file sits beside it, named for the job."""
+    from pathlib import Path
+
+    from .util import exclusive_lock
+
+    out = Path(path)
+    return exclusive_lock(out.with_name(f".{out.name}.{job.split()[-1]}.lock"), f"the {what} {out}", job)
+
+
 def _check_route_flags(args) -> None:
     """The mask search's flags, refused before the model and the calibration text are loaded: a
     bad count was a traceback after them, an output folder an error after the whole search, and a
@@ -326,7 +338,6 @@ def _run_route(args) -> int:
     from pathlib import Path
 
     from .layerskip.search import SearchConfig
-    from .util import exclusive_lock
 
     _check_route_flags(args)
     config = SearchConfig(
@@ -335,7 +346,7 @@ def _run_route(args) -> int:
     )
     out = Path(args.out)
     # One search per mask file (its progress is out + .partial.json): a second is refused at once.
-    with exclusive_lock(out.with_name(f".{out.name}.route.lock"), f"the mask file {out}", "tierspec route"):
+    with _holding_file(args.out, "tierspec route", "mask file"):
         return _route_into(args, config, out)
 
 
@@ -717,15 +728,13 @@ def _run_judge_train(args) -> int:
 
     from .errors import TierspecError
     from .training.judge_train import FeatureStore, features_folder, train_judge
-    from .util import exclusive_lock
 
     if not 0.0 <= args.max_mistake_acceptance <= 1.0:  # a negative share indexed the list from its end
         raise TierspecError(f"--max-mistake-acceptance is a share of mistakes, from 0 to 1; got "
                             f"{args.max_mistake_acceptance}")
     _output_file(args.out)
     out = Path(args.out)
-    with exclusive_lock(out.with_name(f".{out.name}.judge-train.lock"), f"the judge head file {out}",
-                        "tierspec judge train"):
+    with _holding_file(args.out, "tierspec judge train", "judge head file"):
         target = _load(args, args.target)
         features = features_folder(out)
         head, metrics = train_judge(target, Path(args.data), args.features, not args.no_progress,
@@ -739,14 +748,11 @@ def _run_judge_train(args) -> int:
 def _run_judge_mismatches(args) -> int:
     from pathlib import Path
 
-    from .util import exclusive_lock
-
     _at_least({"--prompts": args.prompts, "--per-prompt": args.per_prompt, "--answer-tokens": args.answer_tokens,
                "--window": args.window, "--match": args.match})
     _output_file(args.out)
     out = Path(args.out)
-    with exclusive_lock(out.with_name(f".{out.name}.mismatches.lock"), f"the judge data file {out}",
-                        "tierspec judge build-mismatch-data"):
+    with _holding_file(args.out, "tierspec judge build-mismatch-data", "judge data file"):
         return _mismatches_into(args, out)
 
 
@@ -887,7 +893,6 @@ def _run_drafter_train(args) -> int:
 
     from .errors import TierspecError
     from .training.draft_train import TrainConfig
-    from .util import exclusive_lock
 
     if args.init_head is not None and args.draft_vocab is not None:  # it was ignored: the head's own K stood
         raise TierspecError("the head continued from --init-head drafts over its own vocabulary: --draft-vocab would "
@@ -899,7 +904,7 @@ def _run_drafter_train(args) -> int:
                          ttt_steps=args.ttt_steps, ce_weight=args.ce_weight, feature_layers=layers, seed=args.seed)
     out = Path(args.out)
     # One training per output (its checkpoint is out + .checkpoint.pt): a second is refused.
-    with exclusive_lock(out.with_name(f".{out.name}.train.lock"), f"the head file {out}", "tierspec drafter train"):
+    with _holding_file(args.out, "tierspec drafter train", "head file"):
         return _train_into(args, config, out)
 
 

@@ -251,8 +251,8 @@ def test_a_full_disk_during_conversion_is_one_line_and_leaves_nothing(fake_gguf,
 @pytest.mark.parametrize("command, lock", [
     (["drafter", "build-data", "--out", "{out}"], "{out}/.build-data.lock"),
     (["drafter", "train", "--data", "{out}", "--out", "{out}/head.safetensors"], "{out}/.head.safetensors.train.lock"),
-    (["judge", "build-mismatch-data", "--out", "{out}/m.jsonl"], "{out}/.m.jsonl.mismatches.lock"),
-    (["judge", "train", "--data", "{out}/j.jsonl", "--out", "{out}/h.safetensors"], "{out}/.h.safetensors.judge-train.lock"),
+    (["judge", "build-mismatch-data", "--out", "{out}/m.jsonl"], "{out}/.m.jsonl.build-mismatch-data.lock"),
+    (["judge", "train", "--data", "{out}/j.jsonl", "--out", "{out}/h.safetensors"], "{out}/.h.safetensors.train.lock"),
 ])
 def test_a_second_training_job_into_the_same_place_is_refused_with_the_first_pid(command, lock, tmp_path, no_loading,
                                                                                capsys):
