@@ -28,6 +28,7 @@ def uninterrupted(model_and_head, tmp_path_factory):
     target, head = model_and_head
     out = tmp_path_factory.mktemp("whole") / "m.jsonl"
     info = build_mismatch_data(target, head, PROMPTS, out, CONFIG, progress=False)
+    assert not progress_path(out).exists()  # kept only until the build ends
     return out.read_text(), info
 
 
@@ -55,12 +56,16 @@ def killed_build(model_and_head, out, monkeypatch, config=CONFIG, prompts_done=2
     return progress_path(out).read_text().splitlines()
 
 
-def test_the_build_finds_mismatches_of_both_kinds_and_leaves_no_progress_file(uninterrupted, tmp_path):
+def test_the_build_labels_each_mismatch_at_its_draft_tokens_offset(uninterrupted):
     text, info = uninterrupted
     examples = [json.loads(line) for line in text.splitlines()]
     assert len(examples) == info["examples"] > 0
     assert info["harmless"] + info["harmful"] >= info["examples"]
     assert {e["split"] for e in examples} == {"train", "val"}
+    for example in examples:  # the id carries the draft token's offset; a harmful one is labelled there
+        offset = int(example["id"].rpartition("@")[2])
+        assert 0 < offset < len(example["response"])
+        assert example["mistake_offset"] in (None, offset)
     assert info["seconds_total"] > 0
 
 
