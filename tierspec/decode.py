@@ -630,7 +630,7 @@ def _propose(decoding: list[Sequence]) -> list[_Drafted]:
     requests, blocks, contexts = [], [], []
     for sequence in decoding:
         committed, policy, sampling = sequence.verifiers.committed, sequence.policy, sequence.config.sampling
-        contexts.append(committed.context)
+        contexts.append(committed.array)
         position = committed.length
         # Never draft past the budget: the cycle emits at most (drafts on the path) + 1 tokens.
         budget = max(0, min(policy.max_draft, sequence.tokens_left - 1))

@@ -35,12 +35,12 @@ def test_continuation_truncated_at_context_end():
 
 
 def test_no_match_gives_empty_proposal():
-    proposal = NgramDrafter(3).propose(torch.tensor([1, 2, 3, 4]), draft_request(4))
+    proposal = NgramDrafter(3).propose(np.array([1, 2, 3, 4]), draft_request(4))
     assert len(proposal) == 0 and proposal.draft_probs is None
 
 
 def test_budget_caps_the_block_and_tokens_carry_their_match_size():
-    proposal = NgramDrafter(2).propose(torch.tensor([1, 2, 3, 4, 5, 1, 2]), draft_request(2))
+    proposal = NgramDrafter(2).propose(np.array([1, 2, 3, 4, 5, 1, 2]), draft_request(2))
     assert proposal.tokens.tolist() == [3, 4]
     assert proposal.match_sizes == [2, 2] and proposal.source == "ngram"
     assert NgramDrafter(3).lookup(np.array([2, 7, 4, 2]), 2)[1] == 1  # fell back to a 1-gram match
@@ -72,7 +72,7 @@ def test_the_indexed_lookup_equals_the_written_out_one_as_the_text_grows():
         sequence = rng.integers(0, int(rng.integers(1, 5)), 50).tolist()
         for length in list(range(int(rng.integers(1, 6)), 50, int(rng.integers(1, 4)))) + [7]:  # 7: starts over
             budget = int(rng.integers(0, 6))
-            proposal = drafter.propose(torch.tensor(sequence[:length]), draft_request(budget))
+            proposal = drafter.propose(np.array(sequence[:length]), draft_request(budget))
             text = ([] if source is None else source.tolist()) + sequence[:length]
             found, size = brute_force_lookup(text, budget, drafter.ngram_size, drafter.min_ngram_size) if budget else ([], 0)
             assert proposal.tokens.tolist() == found and (not found or proposal.match_sizes == [size] * len(found))

@@ -4,6 +4,7 @@ costs, learning node acceptance from verdicts, the n-gram trie, the hybrid's cho
 from __future__ import annotations
 
 import pytest
+import numpy as np
 import torch
 
 from tierspec.proposal import Proposal, TreeSize
@@ -66,12 +67,12 @@ def test_ngram_lookup_offers_every_distinct_continuation_as_a_trie():
     from tierspec.drafters.tree import NgramTreeDrafter
     from tierspec.policies import TreePolicy
 
-    context = torch.tensor([5, 6, 1, 2, 5, 6, 1, 3, 9, 5, 6, 7, 5, 6])  # 5 6 was followed by 1 2, 1 3 and 7
+    context = np.array([5, 6, 1, 2, 5, 6, 1, 3, 9, 5, 6, 7, 5, 6])  # 5 6 was followed by 1 2, 1 3 and 7
     from tierspec.costs import ForwardCosts
 
     flat = ForwardCosts({n: 1.0 for n in range(1, 12)})  # every node free: all are kept
     drafter, policy = NgramTreeDrafter(ngram_size=2), TreePolicy(max_nodes=10, forward_costs=flat)
-    found, size = drafter.continuations(context.numpy(), 2)
+    found, size = drafter.continuations(context, 2)
     assert size == 2 and [c.tolist() for c in found] == [[7, 5], [1, 3], [1, 2]]  # most recent first
     proposal = drafter.propose(context, draft_request(2, policy=policy))
     assert sorted(proposal.tree.paths()) == [[1, 2], [1, 3], [7, 5]]
@@ -100,7 +101,7 @@ def test_the_hybrid_tree_skips_the_head_when_the_ngram_trie_is_expected_to_pay_m
 
     hybrid = HybridTreeDrafter(NgramTreeDrafter(ngram_size=2), Head())
     request = draft_request(3, policy=policy)
-    repetitive = torch.tensor([5, 6, 1, 2, 3, 5, 6, 1, 2, 3, 5, 6])  # 5 6 → 1 2 3 (twice)
+    repetitive = np.array([5, 6, 1, 2, 3, 5, 6, 1, 2, 3, 5, 6])  # 5 6 → 1 2 3 (twice)
     first = hybrid.propose(repetitive, request)
     assert Head.calls == 1 and first.source == "hybrid"  # the head's rate is unknown: it drafts first
     assert sorted(first.tree.paths()) == [[1, 2, 3], [40, 41], [42]]
@@ -110,6 +111,6 @@ def test_the_hybrid_tree_skips_the_head_when_the_ngram_trie_is_expected_to_pay_m
     second = hybrid.propose(repetitive, request)
     assert Head.calls == 1 and second.source == "ngram" and second.drafter_calls == 0  # the head did not run
     assert second.tree.paths() == [[1, 2, 3]] and second.rate == pytest.approx(1.875)
-    unmatched = torch.tensor([5, 6, 1, 2, 3, 9])  # no earlier occurrence of a suffix: only the head drafts
+    unmatched = np.array([5, 6, 1, 2, 3, 9])  # no earlier occurrence of a suffix: only the head drafts
     third = hybrid.propose(unmatched, request)
     assert Head.calls == 2 and third.source == "head"

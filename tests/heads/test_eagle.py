@@ -3,6 +3,7 @@ drafting, the drafter is lossless (greedy and sampled, over a reduced vocabulary
 checked, and training on a tiny model lowers the validation loss."""
 
 import pytest
+import numpy as np
 import torch
 from conftest import as_method, char_tokenizer, run_ids, tiny_llama
 
@@ -171,7 +172,7 @@ def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = No
     lookup = ngram.propose
     ngram.propose = lambda *args: lookups.__setitem__(0, lookups[0] + 1) or lookup(*args)
     hybrid = HybridDrafter(ngram, eagle, memory)
-    context = torch.arange(40, 60)  # no repeated n-gram: lookup finds nothing
+    context = np.arange(40, 60)  # no repeated n-gram: lookup finds nothing
     hybrid.start(context[:10])
     request = DraftRequest(budget=4, sampling=sampling, noise=None, policy=Rates())
     ran = []
@@ -368,7 +369,7 @@ def _planted_catch_up(target, seed: int):
 
     head = random_head(target)
     generator = torch.Generator().manual_seed(seed)
-    context = torch.randint(0, 32, (41,), generator=generator)
+    context = torch.randint(0, 32, (41,), generator=generator).numpy()  # as the cycle hands it (Drafter.propose)
     rows = torch.randn(41, head.config.feature_width, generator=generator)
     return head, context, rows, DraftRequest(budget=3, sampling=SamplingConfig(0.0), noise=None, policy=DraftEverything())
 

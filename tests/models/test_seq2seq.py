@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import numpy as np
 import torch
 from conftest import as_method, char_tokenizer, draft_request, run_ids
 from distributions import chi_square_p_value, pooled_chi_square_p_value
@@ -183,7 +184,7 @@ def test_lossy_rules_run_with_a_same_family_drafter(target, drafter, name):
 def test_prompt_lookup_drafts_from_the_source():
     drafter = NgramDrafter(3)
     drafter.set_source(torch.tensor([8, 2, 6, 4, 7, 5, 1]))
-    context = torch.tensor([0, 3, 6, 4])  # decoder start, then a suffix [6, 4] that only the source holds
+    context = np.array([0, 3, 6, 4])  # decoder start, then a suffix [6, 4] that only the source holds
     proposal = drafter.propose(context, draft_request(3))
     assert proposal.tokens.tolist() == [7, 5, 1] and proposal.match_sizes == [2, 2, 2]
     drafter.set_source(None)  # a decoder-only generation: the context alone

@@ -17,6 +17,7 @@ coupled rule with the block's token noise: its tokens are exactly the drafter mo
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..errors import TierspecError
@@ -40,7 +41,8 @@ class CsDrafter(ModelDrafter):
         self.ngram = ngram or NgramDrafter(3)
         self.model_positions, self.inner_draft = model_positions, inner_draft
 
-    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+    def propose(self, context: np.ndarray, request: DraftRequest) -> Proposal:
+        context = torch.as_tensor(context)
         num_tokens, sampling, noise = request.budget, request.sampling, request.noise
         calls, self._prefill_calls = self._prefill_calls, 0
         if num_tokens <= 0:

@@ -13,6 +13,7 @@ recomputed from the target's real features.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ class EagleDrafter(Drafter):
         self._last_output = None
         self._first = 0
 
-    def _catch_up(self, context: torch.Tensor) -> HeadStep | None:
+    def _catch_up(self, context: np.ndarray) -> HeadStep | None:
         """The first step of a block: feed every committed position the head has not seen (its
         feature read from the log) and score the last (≈ the pending token's feature); with none
         new, score the head's last output again. None when the head cannot draft yet.
@@ -92,9 +93,9 @@ class EagleDrafter(Drafter):
         values = self.features.read(start, end)
         if values.dtype != self._input_dtype:
             values = values.to(self._input_dtype)
-        return HeadStep(self.runner, values, context[start + 1 : end + 1], from_target=True)
+        return HeadStep(self.runner, values, torch.as_tensor(context[start + 1 : end + 1]), from_target=True)
 
-    def _caught_up(self, context: torch.Tensor) -> torch.Tensor | None:
+    def _caught_up(self, context: np.ndarray) -> torch.Tensor | None:
         """The catch-up alone (``_catch_up``'s positions fed, no logits): the head's output at the
         last committed position [1, H], or None when the head cannot draft yet (a tree drafter
         scores its outputs itself)."""
@@ -103,7 +104,7 @@ class EagleDrafter(Drafter):
             self._last_output = self.runner.extend(step.inputs, step.next_tokens, from_target=True)[-1:]
         return None if step is None else self._last_output
 
-    def drafting(self, context: torch.Tensor, request: DraftRequest) -> Generator[HeadStep, HeadOutput, Proposal]:
+    def drafting(self, context: np.ndarray, request: DraftRequest) -> Generator[HeadStep, HeadOutput, Proposal]:
         """The block as head steps (``heads.draft.HeadStep``, answered by whoever drives it: alone
         by ``propose``, beside other sequences' by the cycle): the catch-up and the first draft's
         logits in one step, then one step per further draft on the head's own output. The drafted
@@ -127,7 +128,7 @@ class EagleDrafter(Drafter):
         finally:
             self.runner.rollback(committed)
 
-    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+    def propose(self, context: np.ndarray, request: DraftRequest) -> Proposal:
         return run_steps(self.drafting(context, request), self.runner.step)
 
     def draft_step_weights(self) -> dict[str, int]:
@@ -305,7 +306,7 @@ class HybridDrafter(Drafter):
             return False
         return not self._resting or self._wait - self._idle < HEAD_WARMUP_CYCLES
 
-    def drafting(self, context: torch.Tensor, request: DraftRequest) -> Generator[HeadStep, HeadOutput, Proposal]:
+    def drafting(self, context: np.ndarray, request: DraftRequest) -> Generator[HeadStep, HeadOutput, Proposal]:
         """The cycle's choice (class docstring): the n-gram candidate at once, or the head's block
         in steps (``EagleDrafter.drafting``)."""
         if request.budget <= 0:
@@ -356,7 +357,7 @@ class HybridDrafter(Drafter):
             self._dormant, self._looked = self._dormant_wait, 0
             self._dormant_wait = min(2 * self._dormant_wait, DORMANT_MAX_CYCLES)
 
-    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+    def propose(self, context: np.ndarray, request: DraftRequest) -> Proposal:
         return run_steps(self.drafting(context, request), self.eagle.runner.step)
 
     def commit(self, committed_length: int) -> None:

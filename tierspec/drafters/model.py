@@ -6,6 +6,7 @@ full forward), but it lets ``--method sd`` work with no second model.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..cached_model import CachedModel
@@ -58,11 +59,11 @@ class ModelDrafter(Drafter):
             self.runner.forward(prompt_ids[:-1], logits_for=1)
             self._prefill_calls = 1
 
-    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+    def propose(self, context: np.ndarray, request: DraftRequest) -> Proposal:
         calls, self._prefill_calls = self._prefill_calls, 0
         if request.budget <= 0:
             return Proposal.empty(calls)
-        pending = context[self.runner.length :]  # committed tokens this drafter has not seen
+        pending = torch.as_tensor(context[self.runner.length :])  # committed tokens this drafter has not seen
 
         def next_logits(tokens: torch.Tensor) -> torch.Tensor:
             return self.runner.forward(tokens, logits_for=1).logits[-1, : self.vocab_size]

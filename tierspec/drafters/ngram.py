@@ -67,13 +67,13 @@ class NgramDrafter(Drafter):
         self.source = None if source_ids is None else source_ids.numpy()
         self._forget()
 
-    def _indexed(self, context: torch.Tensor) -> list[int]:
+    def _indexed(self, context: np.ndarray) -> list[int]:
         """The searched text for ``context`` (the committed tokens), its index brought up to it
         (the n-grams ending before its last token). A context that does not extend the indexed one
         (a new generation begun without ``start``) is indexed afresh."""
         offset = 0 if self.source is None else len(self.source)
         known = len(self._text) - offset
-        ids = context.numpy()
+        ids = np.asarray(context)  # (a tensor too: tests and direct callers)
         tail = ids[max(known - 1, 0) :].tolist()  # the last indexed token, then the new ones
         if known > len(ids) or (known > 0 and tail[0] != self._text[-1]) or len(self._last_end) != self.ngram_size:
             self._forget()
@@ -108,7 +108,7 @@ class NgramDrafter(Drafter):
                 return context[start : start + num_tokens], n
         return context[:0], 0
 
-    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+    def propose(self, context: np.ndarray, request: DraftRequest) -> Proposal:
         if request.budget <= 0:
             return Proposal.empty(source="ngram")
         # Source first, then the output: the output's own matches are the most recent and win.

@@ -31,6 +31,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import torch
 
 from ..errors import TierspecError
@@ -114,7 +115,7 @@ class PearlDrafter(Drafter):
                 block = None if noise is None else noise.block(len(sequence))
                 with torch.inference_mode():
                     request = DraftRequest(self.gamma + 1, sampling, block, _UntilCancelled(self._cancel))
-                    self._result = self.inner.propose(sequence, request)
+                    self._result = self.inner.propose(sequence.numpy(), request)
             except BaseException as error:  # re-raised in the loop's thread by _join
                 self._error = error
 
@@ -174,9 +175,10 @@ class PearlDrafter(Drafter):
             return None
         return suffix(self.drafts, length - self.drafts_start)
 
-    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+    def propose(self, context: np.ndarray, request: DraftRequest) -> Proposal:
         num_tokens, sampling, noise = request.budget, request.sampling, request.noise
         self._join()
+        context = torch.as_tensor(context)  # its text and the thread's join drafts as tensors
         length = len(context)
         ahead = self._agreed(context)
         if ahead is None:  # back to the committed text
@@ -191,7 +193,7 @@ class PearlDrafter(Drafter):
             self.kept_ahead += 1
             proposal = ahead.prefix(num_tokens)
         else:  # pre-verify: one token now, checked by the target while the thread drafts on
-            proposal = self.inner.propose(self.sequence, DraftRequest(1, sampling, noise, request.policy))
+            proposal = self.inner.propose(self.sequence.numpy(), DraftRequest(1, sampling, noise, request.policy))
             self.sequence, self.drafts = torch.cat([self.sequence, proposal.tokens]), suffix(proposal, 0)
         # Draft ahead only if tokens remain after this block (the budget is the tokens left − 1).
         if len(proposal) and len(proposal) < num_tokens:

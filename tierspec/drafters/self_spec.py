@@ -9,6 +9,7 @@ verification sees the cache exactly as the last commit left it.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..layerskip.masks import RoutingMask
@@ -31,10 +32,10 @@ class SelfSpeculativeDrafter(Drafter):
             raise ValueError("a self-speculative drafter needs the loop's view of the target cache")
         self.view = target_view
 
-    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+    def propose(self, context: np.ndarray, request: DraftRequest) -> Proposal:
         if request.budget <= 0:
             return Proposal.empty()
-        pending = context[self.view.length :]
+        pending = torch.as_tensor(context[self.view.length :])
 
         def next_logits(tokens: torch.Tensor) -> torch.Tensor:
             return self.view.forward(tokens, self.mask)

@@ -92,7 +92,7 @@ class SwiftDrafter(SelfSpeculativeDrafter):
         calls = 0
         if self.optimising and self.cycle % self.opt_interval == 0:
             before = self.optimisation_calls
-            self._optimise(context)
+            self._optimise(torch.as_tensor(context))
             calls = self.optimisation_calls - before  # an optimisation pass is drafter work too
         self.cycle += 1
         proposal = super().propose(context, request)

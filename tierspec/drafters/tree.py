@@ -105,7 +105,7 @@ class EagleTreeDrafter(EagleDrafter):
         self.branching = branching
         self.beam = beam
 
-    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+    def propose(self, context: np.ndarray, request: DraftRequest) -> Proposal:
         policy: TreeView = request.policy  # methods pairs tree drafters with a TreePolicy
         sampling, noise = request.sampling, request.noise
         max_depth = min(request.budget, policy.max_depth)
@@ -200,12 +200,12 @@ class NgramTreeDrafter(Drafter):
                 return [context[h + n : h + n + depth] for h in hits.tolist()], n
         return [], 0
 
-    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+    def propose(self, context: np.ndarray, request: DraftRequest) -> Proposal:
         policy: TreeView = request.policy  # methods pairs tree drafters with a TreePolicy
         max_depth = min(request.budget, policy.max_depth)
         if max_depth <= 0:
             return empty_tree("ngram")
-        found, size = self.continuations(context.numpy(), max_depth)
+        found, size = self.continuations(np.asarray(context), max_depth)
         tokens, parents, support = [], [], []
         index: dict[tuple[int, int], int] = {}
         for continuation in found:
@@ -263,7 +263,7 @@ class HybridTreeDrafter(Drafter):
     def draft_step_weights(self) -> dict[str, int]:
         return self.eagle.draft_step_weights()
 
-    def propose(self, context: torch.Tensor, request: DraftRequest) -> Proposal:
+    def propose(self, context: np.ndarray, request: DraftRequest) -> Proposal:
         policy: TreeView = request.policy  # methods pairs tree drafters with a TreePolicy
         ngram = self.ngram.propose(context, request)
         if len(ngram.tree) and self.head_rate is not None and ngram.rate > self.head_rate:
