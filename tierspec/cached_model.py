@@ -350,7 +350,9 @@ class BatchItem:
     """One sequence's part of a batched pass: its ``runner`` (a CachedModel on the shared model),
     its new ``token_ids`` [n] (int64, or a list of ints), the last ``logits_for`` rows to score (None: all), and for a token
     tree its position ``offsets`` [n] and ``attends`` [n, n] (as ``CachedModel.forward`` takes them);
-    ``draws``: the keyed draws of its scored rows (``RowDraws``), where the LM head can make them."""
+    ``draws``: the keyed draws of its scored rows (``RowDraws``), where the LM head can make them;
+    ``hidden_into``: float32 [n, H·(1 + captured layers)] contiguous, where its hidden states are
+    written (its result's ``hidden`` is then this tensor), or None."""
 
     runner: CachedModel
     token_ids: torch.Tensor | list[int]
@@ -358,6 +360,7 @@ class BatchItem:
     offsets: torch.Tensor | None = None
     attends: torch.Tensor | None = None
     draws: RowDraws | None = None
+    hidden_into: torch.Tensor | None = None
 
 
 def run_stack_rows(stack, begin: int, end: int, hidden: torch.Tensor, segments: list, rotary: tuple,
@@ -452,6 +455,13 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
     else:  # each kind's table over every row
         rotary = decoder.engine_rotary(torch.tensor(positions, dtype=torch.int64))
     hidden = embedded_rows(decoder.embed_tokens, torch.tensor(ids, dtype=torch.long))  # [rows, H]
+    width = int(hidden.shape[1]) * (1 + len(hidden_layers or ()))
+    for item, segment in zip(items, sequences):  # checked before the pass: a bad one changes no cache
+        into = item.hidden_into
+        if into is not None and (hidden_layers is None or into.dtype != torch.float32 or not into.is_contiguous()
+                                 or tuple(into.shape) != (segment.rows, width)):
+            raise ValueError(f"a sequence's hidden states of {segment.rows} rows go into float32 ({segment.rows}, "
+                             f"{width}) contiguous (with hidden layers asked for), not {into.dtype} {tuple(into.shape)}")
     flags = decoder.engine_stack.every_unit
     last = len(decoder.layers) - 1
     # The layers a draft head reads are copied out inside the one stack call (``run_stack``'s
@@ -480,12 +490,15 @@ def _batched_pass(model: torch.nn.Module, decoder: torch.nn.Module, items: list[
     logits, maxima, draws = _scored(model.lm_head, final if len(picks) == rows else final.index_select(0, torch.tensor(picks)),
                                     keys, temperatures)
     results = []
-    for segment, (at, m) in zip(sequences, spans):
+    for item, segment, (at, m) in zip(items, sequences, spans):
         hidden_states = None
         if hidden_layers is not None:
             row0, n = segment.first_row, segment.rows
             parts = [final[row0 : row0 + n]] + [captured[i][row0 : row0 + n] for i in hidden_layers]
-            hidden_states = torch.cat(parts, dim=-1)  # float32 as its parts
+            if item.hidden_into is None:
+                hidden_states = torch.cat(parts, dim=-1)  # float32 as its parts
+            else:  # where the caller keeps them (a generation's feature log): nothing to copy after the pass
+                hidden_states = torch.cat(parts, dim=-1, out=item.hidden_into)
         if m == len(picks):
             results.append(PassResult(logits, hidden_states, maxima, draws))
         else:

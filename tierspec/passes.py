@@ -35,7 +35,10 @@ class PassRequest:
     tree's position ``offsets`` [n] and ``attends`` [n, n] (None for a chain); ``hidden_layers``: None
     for no hidden states, else the final hidden states [n, H] followed by those decoder layers'
     outputs (``CachedModel.forward(with_hidden=True, hidden_layers=...)``); ``draws``: the keyed draws
-    the pass may make of the scored rows (``cached_model.RowDraws``; a backend that cannot returns none)."""
+    the pass may make of the scored rows (``cached_model.RowDraws``; a backend that cannot returns none);
+    ``hidden_into``: where the pass may write those hidden states ([n, width] float32 contiguous: a
+    chain's rows of the generation's feature log, ``FeatureLog.rows_at``), so that its commit copies
+    nothing (a backend that cannot returns its own, and the commit copies them)."""
 
     runner: CachedModel
     tokens: torch.Tensor | list[int]
@@ -44,6 +47,7 @@ class PassRequest:
     attends: torch.Tensor | None = None
     hidden_layers: tuple[int, ...] | None = None
     draws: RowDraws | None = None
+    hidden_into: torch.Tensor | None = None
 
     @property
     def rows(self) -> int:
@@ -102,7 +106,9 @@ class EnginePasses:
             return [_solo(request) for request in requests]
         wanted = [r.hidden_layers for r in requests if r.hidden_layers is not None]
         captured = tuple(sorted({layer for layers in wanted for layer in layers})) if wanted else None
-        items = [BatchItem(r.runner, r.tokens, r.logits_for, r.offsets, r.attends, r.draws) for r in requests]
+        # A request's hidden states land in its ``hidden_into`` where they are the batch's very blocks.
+        items = [BatchItem(r.runner, r.tokens, r.logits_for, r.offsets, r.attends, r.draws,
+                           r.hidden_into if r.hidden_layers == captured else None) for r in requests]
         results = batched_pass(self.model, items, captured)
         hidden_size = int(self.model.config.hidden_size)
         return [_own_hidden(result, captured, request.hidden_layers, hidden_size)

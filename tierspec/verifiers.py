@@ -392,8 +392,10 @@ class Verifiers:
         recording = self.features is not None and record_features
         hidden = self.feature_layers if recording else (() if with_hidden else None)
         if tree.is_chain:  # as ints: the batched pass joins every sequence's rows in one tensor
+            # A chain's accepted rows are its first: recorded features are written in the log in place.
+            into = self.features.rows_at(start, rows + m + extra) if recording else None
             request = PassRequest(self.runner, _chain_rows(self.committed.pending_list(start), tree.token_list, extra),
-                                  m + 1 + extra, None, None, hidden, draws)
+                                  m + 1 + extra, None, None, hidden, draws, into)
         else:
             layout = tree_pass(self.committed.pending(start), tree, extra)
             request = PassRequest(self.runner, layout.tokens, m + 1 + extra, layout.offsets, layout.attends, hidden,

@@ -134,6 +134,32 @@ def test_a_batched_pass_gives_each_sequence_its_own_pass_bitwise(files, arch):
         assert g.first_maxima == (first_maxima(g.logits) if direct else None)
 
 
+def test_a_batched_pass_writes_hidden_states_where_a_sequence_asks_and_refuses_a_wrong_place(files):
+    """``BatchItem.hidden_into`` (a generation's feature-log rows): the sequence's hidden states are
+    written there, bitwise those a pass makes of its own, and its result's ``hidden`` is that tensor;
+    the other sequence's are its own tensor. A place of the wrong shape or type is refused before the
+    pass: no cache moves."""
+    from tierspec.cached_model import BatchItem, batched_pass
+
+    model = _build(files("llama3", "Q8_0"))
+    width = int(model.config.hidden_size) * 2  # the final states and layer 1's
+    with torch.inference_mode():
+        plain = [CachedModel(model), CachedModel(model)]
+        expected = batched_pass(model, [BatchItem(plain[0], PROMPT[:7]), BatchItem(plain[1], PROMPT[:4])], hidden_layers=(1,))
+        log = torch.full((12, width), float("nan"))
+        placed = [CachedModel(model), CachedModel(model)]
+        got = batched_pass(model, [BatchItem(placed[0], PROMPT[:7], hidden_into=log[2:9]), BatchItem(placed[1], PROMPT[:4])],
+                           hidden_layers=(1,))
+        assert torch.equal(log[2:9], expected[0].hidden) and got[0].hidden.data_ptr() == log[2].data_ptr()
+        assert torch.isnan(log[:2]).all() and torch.isnan(log[9:]).all()
+        assert torch.equal(got[1].hidden, expected[1].hidden) and torch.equal(got[0].logits, expected[0].logits)
+        for wrong, layers in ((log[2:8], (1,)), (log[2:9, :-1], (1,)), (log[2:9].double(), (1,)), (log[2:9], None)):
+            fresh = CachedModel(model)
+            with pytest.raises(ValueError, match="hidden states"):
+                batched_pass(model, [BatchItem(fresh, PROMPT[:7], hidden_into=wrong)], hidden_layers=layers)
+            assert fresh.length == 0 and fresh.cache.get_seq_length() == 0
+
+
 @pytest.mark.parametrize("block_type", BLOCK_TYPES)
 @pytest.mark.parametrize("numerics", [True, False])
 def test_the_weights_are_gguf_pys_dequantised_values_exactly(files, block_type, numerics):
