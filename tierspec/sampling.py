@@ -309,6 +309,17 @@ def finite_argmax(row: torch.Tensor) -> int | None:
     return argmax_token(row) if all_finite(row) else None
 
 
+def top_probability(row: torch.Tensor) -> float:
+    """The largest probability of softmax(``row``) at temperature 1 (a drafter's confidence in its
+    token), for a row [V] of finite logits: 1 / Σ exp(x − max x), read through numpy on a float CPU
+    row. Why not ``row.softmax(-1).max()``: two torch operators a draft step, each cold after the
+    target's pass on a CPU whose caches the pass empties."""
+    if row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64) and not row.requires_grad:
+        array = row.numpy()
+        return float(1.0 / np.exp(array - array.max()).sum())
+    return float(row.float().softmax(-1).max())
+
+
 def row_argmax(logits: torch.Tensor):
     """``i → `` the first maximum of ``logits[i]`` for rows [r, V], each taken when asked (a walk
     that stops early reads fewer rows; ``first_maxima``); a row the walk reads that holds a NaN is

@@ -131,6 +131,9 @@ class PassRecord:
     hidden: [pending + m, W] the rows' features, when the feature log records them
     scored:  [1 + m, V] the full target's logits of the proposal (modifiers applied), which the
              committed tokens' log-probabilities are read from; None after a slim pass
+    in_place: the pass wrote ``hidden`` in the feature log at ``start`` itself (a chain's
+             ``PassRequest.hidden_into``): the commit has nothing to copy (``hidden`` may then hold
+             the padding rows too)
     """
 
     start: int
@@ -139,6 +142,7 @@ class PassRecord:
     chain: bool
     hidden: torch.Tensor | None = None
     scored: torch.Tensor | None = None
+    in_place: bool = False
 
 
 @dataclass(slots=True)
@@ -410,8 +414,10 @@ class Verifiers:
         self.target_calls += 1
         self.full_length = self.runner.length
         logits = self.node_rows(result.logits[: m + 1] if target_pass.pad else result.logits, tree, target_pass.masks)
-        recorded = result.hidden[: rows + m] if target_pass.recording else None
-        self._pass = PassRecord(target_pass.start, rows, m, tree.is_chain, recorded, logits)
+        in_place = target_pass.recording and result.hidden is target_pass.request.hidden_into
+        # (rows the pass wrote in the log are not sliced again: a tensor view is a cold operator after a pass)
+        recorded = (result.hidden if in_place else result.hidden[: rows + m]) if target_pass.recording else None
+        self._pass = PassRecord(target_pass.start, rows, m, tree.is_chain, recorded, logits, in_place)
         hidden = result.hidden[rows - 1 : rows + m, : self.hidden_size] if target_pass.with_hidden else None
         # The pass's rows' first maxima and draws hold for the rule's rows if nothing changed them
         maxima, draws = result.first_maxima, result.keyed_draws if target_pass.request.draws is not None else None
@@ -510,7 +516,7 @@ class Verifiers:
         if not record.chain:
             self.runner.compact(committed, committed + torch.tensor(path, dtype=torch.long))
             self.full_length = min(self.full_length, self.runner.length)
-        if record.hidden is None:
+        if record.hidden is None or record.in_place:
             return
         if record.chain:
             self.features.write(record.start, record.hidden[: record.pending + len(path)])

@@ -565,3 +565,15 @@ def test_rows_and_keys_may_be_numpy_integers_and_nothing_else():
     assert first_maxima(table, list(np.asarray(rows))) == table.argmax(-1)[rows].tolist()
     with pytest.raises(TypeError):
         keyed_tokens(table, [1.5], rows=[0])
+
+
+def test_top_probability_is_the_largest_softmax_probability():
+    """A drafter's confidence read through numpy is the largest softmax probability at temperature 1
+    (float32 and float64 rows, a flat row, one far-ahead logit), as torch's softmax gives it."""
+    from tierspec.sampling import top_probability
+
+    rows = [torch.randn(8192, generator=torch.Generator().manual_seed(3)) * 4, torch.zeros(10),
+            torch.tensor([0.0, 30.0, -5.0]), torch.randn(50, dtype=torch.float64)]
+    for row in rows:
+        assert abs(top_probability(row) - float(row.softmax(-1).max())) <= 1e-6 * float(row.softmax(-1).max())
+    assert abs(top_probability(torch.zeros(10)) - 0.1) < 1e-7

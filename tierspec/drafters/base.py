@@ -17,7 +17,7 @@ import torch
 
 from ..heads.draft import HeadOutput, HeadStep, run_head_steps
 from ..proposal import DraftRequest, Proposal, Shape
-from ..sampling import all_finite, finite_argmax, logits_to_probs
+from ..sampling import all_finite, finite_argmax, logits_to_probs, top_probability
 
 
 class DraftEverything:
@@ -303,7 +303,7 @@ def drafting_autoregressively(
                 token = noise.noise.argmax(scores, noise.start + len(tokens))
         tokens.append(token)
         logits_rows.append(logits)
-        confidences.append(float(logits.float().softmax(-1).max()))
+        confidences.append(top_probability(logits))
         fed[len(tokens) - 1] = token
         pending = feeds[len(tokens) - 1 : len(tokens)]
         if not policy.keep_drafting(confidences, source):
