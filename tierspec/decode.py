@@ -1117,7 +1117,8 @@ class DecodeRun:
         After its first step (the prompt's passes, as a stream runs them) every step runs under one
         entry of the thread arrangement and of torch's inference mode, not one a step as a stream's
         steps must (its caller runs between them): leaving and entering them again cost about 30 µs
-        a cycle after each pass on a Zen 4, whose caches the pass has emptied."""
+        a cycle after each pass on a Zen 4, whose caches the pass has emptied. An ``inspect``
+        callback then runs inside both too."""
         if self._steps is None and next(self, None) is None:
             return self
         self._holding = True

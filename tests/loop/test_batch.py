@@ -244,6 +244,40 @@ def test_the_engine_heads_step_reads_embeddings_norms_and_rotary_factors_as_the_
     assert torch.equal(plain, placed)
 
 
+@pytest.mark.parametrize("name", ["eagle", "hybrid"])
+def test_features_a_pass_writes_in_place_are_those_a_copy_would_commit(target, head, name, monkeypatch):
+    """A chain's pass writes its features into the generation's feature log (``FeatureLog.rows_at``,
+    ``PassRequest.hidden_into``): after every commit the log's readable rows are bitwise those the
+    copying commit leaves (the same pass, ``rows_at`` refused), and every cycle's drafts and
+    confidences are the same — so a wrong offset, a clobbered row or a skipped copy would show."""
+    from tierspec.drafters.base import FeatureLog
+
+    def run():
+        logs = []
+
+        def inspect(verifiers, drafter):
+            features = verifiers.features
+            logs.append((features.start, features.length, features.read(features.start, features.length).clone()))
+
+        config = DecodeConfig(max_new_tokens=30, sampling=SamplingConfig(temperature=0.0))
+        steps = list(DecodeRun(target, _method(target, name, head), PROMPTS[0], config, seed=3, inspect=inspect))
+        drafts = [(s.proposal.token_list, None if s.proposal.confidence is None else s.proposal.confidence.tolist())
+                  for s in steps]
+        return logs, drafts, [token for s in steps for token in s.new_tokens]
+
+    handed = []
+    rows_at = FeatureLog.rows_at
+    monkeypatch.setattr(FeatureLog, "rows_at", lambda self, start, count: handed.append(start) or rows_at(self, start, count))
+    in_place = run()
+    assert handed  # the in-place path ran
+    monkeypatch.setattr(FeatureLog, "rows_at", lambda self, start, count: None)
+    copied = run()
+    assert in_place[1] == copied[1] and in_place[2] == copied[2] and len(in_place[0]) == len(copied[0])
+    assert any(length > start for start, length, _ in in_place[0])
+    for (start, length, rows), (start_copied, length_copied, rows_copied) in zip(in_place[0], copied[0]):
+        assert (start, length) == (start_copied, length_copied) and torch.equal(rows, rows_copied)
+
+
 def test_batch_lengths_take_the_drafts_that_pay():
     class P(list):  # a proposal of n drafts
         pass

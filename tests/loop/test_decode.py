@@ -184,14 +184,17 @@ def test_rows_a_pass_wrote_into_the_feature_log_are_kept_as_they_are():
     """``FeatureLog.rows_at`` hands a pass the log's own rows; writing them back (the commit of a
     chain whose pass wrote in place) keeps them, a copy from elsewhere still lands, and rows past
     the reserved positions are not handed out."""
-    log = FeatureLog(6, 2)
+    log = FeatureLog(8, 2)
     rows = log.rows_at(1, 3)
     rows.copy_(torch.arange(6.0).reshape(3, 2))
     log.write(1, rows[:2])
     log.write(3, torch.full((1, 2), 9.0))
     log.commit(4)
     assert torch.equal(log.read(1, 4), torch.tensor([[0.0, 1.0], [2.0, 3.0], [9.0, 9.0]]))
-    assert log.rows_at(4, 2) is not None and log.rows_at(4, 3) is None
+    log.write(4, log.rows_at(1, 2))  # the log's own rows written elsewhere: copied there
+    log.commit(6)
+    assert torch.equal(log.read(4, 6), torch.tensor([[0.0, 1.0], [2.0, 3.0]]))
+    assert log.rows_at(6, 2) is not None and log.rows_at(6, 3) is None
 
 def test_a_decode_runs_clock_leaves_out_a_cost_measurement_made_in_its_first_step(tiny_target, prompt_ids,
                                                                                    monkeypatch):

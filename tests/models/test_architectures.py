@@ -153,7 +153,9 @@ def test_a_batched_pass_writes_hidden_states_where_a_sequence_asks_and_refuses_a
         assert torch.equal(log[2:9], expected[0].hidden) and got[0].hidden.data_ptr() == log[2].data_ptr()
         assert torch.isnan(log[:2]).all() and torch.isnan(log[9:]).all()
         assert torch.equal(got[1].hidden, expected[1].hidden) and torch.equal(got[0].logits, expected[0].logits)
-        for wrong, layers in ((log[2:8], (1,)), (log[2:9, :-1], (1,)), (log[2:9].double(), (1,)), (log[2:9], None)):
+        across = torch.empty(width, 7).t()  # the right shape, not contiguous
+        for wrong, layers in ((log[2:8], (1,)), (log[2:9, :-1], (1,)), (log[2:9].double(), (1,)), (across, (1,)),
+                              (log[2:9], None)):
             fresh = CachedModel(model)
             with pytest.raises(ValueError, match="hidden states"):
                 batched_pass(model, [BatchItem(fresh, PROMPT[:7], hidden_into=wrong)], hidden_layers=layers)

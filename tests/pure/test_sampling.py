@@ -573,7 +573,9 @@ def test_top_probability_is_the_largest_softmax_probability():
     from tierspec.sampling import top_probability
 
     rows = [torch.randn(8192, generator=torch.Generator().manual_seed(3)) * 4, torch.zeros(10),
-            torch.tensor([0.0, 30.0, -5.0]), torch.randn(50, dtype=torch.float64)]
+            torch.tensor([0.0, 30.0, -5.0]), torch.tensor([150.0, 200.0, 199.0]),  # exp(200) overflows float32
+            torch.randn(50, dtype=torch.float64), torch.tensor([1.0, 2.5, 2.0], dtype=torch.bfloat16)]
     for row in rows:
-        assert abs(top_probability(row) - float(row.softmax(-1).max())) <= 1e-6 * float(row.softmax(-1).max())
+        expected = float(row.float().softmax(-1).max())
+        assert abs(top_probability(row) - expected) <= 1e-6 * expected
     assert abs(top_probability(torch.zeros(10)) - 0.1) < 1e-7

@@ -44,7 +44,7 @@ class FeatureLog:
     then ``start .. length − 1``, those after the last such commit."""
 
     def __init__(self, positions: int, width: int):
-        self._rows = torch.empty(positions, width)  # [positions, W]
+        self._rows = torch.empty(positions, width, dtype=torch.float32)  # [positions, W], as passes give them
         self._address, self._row_bytes = self._rows.data_ptr(), width * self._rows.element_size()
         self.length = 0  # committed positions
         self.start = 0  # the first committed position with a row (every later committed one has one)
