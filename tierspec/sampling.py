@@ -280,33 +280,40 @@ def reported_logprobs(logits: torch.Tensor, config: SamplingConfig) -> torch.Ten
     return sampling_logits(logits, config).log_softmax(-1)
 
 
+def _numpy_view(values: torch.Tensor) -> np.ndarray | None:
+    """``values`` as a numpy view where numpy can read it (a float32 or float64 CPU tensor outside
+    autograd), else None: the reductions below read such rows through numpy."""
+    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) and not values.requires_grad:
+        return values.numpy()
+    return None
+
+
 def argmax_token(row: torch.Tensor) -> int:
     """The index of the largest of ``row`` [V] (the first of equal maxima, as ``torch.argmax``).
     A float CPU row is read through numpy, whose argmax is vectorised where torch's CPU argmax
     is a scalar loop (the greedy loop takes one per verified row and per draft: 34 against 4 µs for
     49,152 logits, warm, in issue 30's measurement, docs/history.md)."""
-    if row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64) and not row.requires_grad:
-        return int(row.numpy().argmax())
-    return int(row.argmax())
+    array = _numpy_view(row)
+    return int(row.argmax()) if array is None else int(array.argmax())
 
 
 def all_finite(values: torch.Tensor) -> bool:
     """Whether no entry is NaN or ±inf: a float CPU tensor's smallest and largest entries (numpy's
     min and max carry a NaN through; no boolean copy is made), else ``torch.isfinite``."""
-    if values.device.type == "cpu" and values.dtype in (torch.float32, torch.float64) and not values.requires_grad:
-        array = values.numpy()
-        return bool(np.isfinite(array.min()) and np.isfinite(array.max()))
-    return bool(torch.isfinite(values).all())
+    array = _numpy_view(values)
+    if array is None:
+        return bool(torch.isfinite(values).all())
+    return bool(np.isfinite(array.min()) and np.isfinite(array.max()))
 
 
 def finite_argmax(row: torch.Tensor) -> int | None:
     """``argmax_token(row)`` when every entry of ``row`` [V] is finite, else None — one read for
     both on a float CPU row (the argmax lands on a NaN or +inf if there is one; the min on −inf)."""
-    if row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64) and not row.requires_grad:
-        array = row.numpy()
-        index = int(array.argmax())
-        return index if np.isfinite(array[index]) and np.isfinite(array.min()) else None
-    return argmax_token(row) if all_finite(row) else None
+    array = _numpy_view(row)
+    if array is None:
+        return argmax_token(row) if all_finite(row) else None
+    index = int(array.argmax())
+    return index if np.isfinite(array[index]) and np.isfinite(array.min()) else None
 
 
 def top_probability(row: torch.Tensor) -> float:
@@ -314,10 +321,10 @@ def top_probability(row: torch.Tensor) -> float:
     token), for a row [V] of finite logits: 1 / Σ exp(x − max x), read through numpy on a float CPU
     row. Why not ``row.softmax(-1).max()``: two torch operators a draft step, each cold after the
     target's pass on a CPU whose caches the pass empties."""
-    if row.device.type == "cpu" and row.dtype in (torch.float32, torch.float64) and not row.requires_grad:
-        array = row.numpy()
-        return float(1.0 / np.exp(array - array.max()).sum())
-    return float(row.float().softmax(-1).max())
+    array = _numpy_view(row)
+    if array is None:
+        return float(row.float().softmax(-1).max())
+    return float(1.0 / np.exp(array - array.max()).sum())
 
 
 def row_argmax(logits: torch.Tensor):

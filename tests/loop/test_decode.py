@@ -180,14 +180,13 @@ def test_positions_committed_without_features_leave_the_log_readable_after_them_
 
 
 
-def test_rows_a_pass_wrote_into_the_feature_log_are_kept_as_they_are():
-    """``FeatureLog.rows_at`` hands a pass the log's own rows; writing them back (the commit of a
-    chain whose pass wrote in place) keeps them, a copy from elsewhere still lands, and rows past
-    the reserved positions are not handed out."""
+def test_rows_a_pass_wrote_into_the_feature_log_are_its_rows():
+    """``FeatureLog.rows_at`` hands a pass the log's own rows (a view, not a copy): what the pass
+    writes there is what the log reads once committed, beside rows written by a copy; the log's
+    own rows written elsewhere land there; rows past the reserved positions are not handed out."""
     log = FeatureLog(8, 2)
-    rows = log.rows_at(1, 3)
-    rows.copy_(torch.arange(6.0).reshape(3, 2))
-    log.write(1, rows[:2])
+    rows = log.rows_at(1, 2)
+    rows.copy_(torch.arange(4.0).reshape(2, 2))
     log.write(3, torch.full((1, 2), 9.0))
     log.commit(4)
     assert torch.equal(log.read(1, 4), torch.tensor([[0.0, 1.0], [2.0, 3.0], [9.0, 9.0]]))

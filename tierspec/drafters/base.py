@@ -45,7 +45,6 @@ class FeatureLog:
 
     def __init__(self, positions: int, width: int):
         self._rows = torch.empty(positions, width, dtype=torch.float32)  # [positions, W], as passes give them
-        self._address, self._row_bytes = self._rows.data_ptr(), width * self._rows.element_size()
         self.length = 0  # committed positions
         self.start = 0  # the first committed position with a row (every later committed one has one)
 
@@ -54,19 +53,17 @@ class FeatureLog:
         return int(self._rows.shape[1])
 
     def write(self, start: int, values: torch.Tensor) -> None:
-        """Features [n, W] of positions ``start`` .. ``start`` + n − 1 (committed or not yet). Rows a
-        pass wrote in place (``rows_at``) are not copied again."""
+        """Features [n, W] of positions ``start`` .. ``start`` + n − 1 (committed or not yet)."""
         end = start + int(values.shape[0])
         if end > self._rows.shape[0]:
             raise ValueError(f"features of positions up to {end} do not fit the log's {self._rows.shape[0]} "
                              "(the generation's positions were reserved too short)")
-        if values.data_ptr() != self._address + start * self._row_bytes or values.dtype != self._rows.dtype:
-            self._rows[start:end] = values
+        self._rows[start:end] = values
 
     def rows_at(self, start: int, count: int) -> torch.Tensor | None:
         """The log's rows of positions ``start`` .. ``start`` + count − 1 [count, W] (a view), for a
         pass to write its features into (``passes.PassRequest.hidden_into``): a chain's commit then
-        copies nothing. Why: that copy, a torch operator after the weights' stream has evicted the
+        writes nothing (``verifiers.PassRecord.in_place``). Why: that copy, a torch operator after the weights' stream has evicted the
         caches, cost 46–51 µs a cycle on a Zen 4 (a /tmp probe in the default method's cycles). None
         where they do not all fit (padding rows past the reserved positions)."""
         return self._rows[start : start + count] if start + count <= self._rows.shape[0] else None
