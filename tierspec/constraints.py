@@ -233,7 +233,7 @@ def select_nodes(proposal: Proposal, nodes: list[int]) -> Proposal:
         return None if x is None else [x[i] for i in nodes]
 
     return replace(proposal, tree=TokenTree(tree.tokens[picked], torch.tensor(parents, dtype=torch.long)),
-                   probs=rows(proposal.probs), logits=rows(proposal.logits), confidence=rows(proposal.confidence),
+                   probs=rows(proposal.probs), _logits=rows(proposal.logits), confidence=items(proposal.confidence),
                    match_sizes=items(proposal.match_sizes), keys=items(proposal.keys), priors=items(proposal.priors),
                    forced=0, _wide=None)
 
@@ -257,7 +257,7 @@ def with_forced(proposal: Proposal, forced: list[int]) -> Proposal:
             certain = torch.full((f, width), float("-inf"), dtype=proposal.logits.dtype)
             certain[torch.arange(f), extra] = 0.0
             logits = torch.cat([proposal.draft_logits[:, :width], certain])
-    confidence = None if proposal.confidence is None else torch.cat([proposal.confidence, torch.ones(f)])
+    confidence = None if proposal.confidence is None else proposal.confidence + [1.0] * f
     match_sizes = None if proposal.match_sizes is None else proposal.match_sizes + [0] * f
     chain = Proposal.chain(torch.cat([proposal.tokens, extra]), probs, logits, confidence, match_sizes,
                            proposal.drafter_calls, proposal.source)

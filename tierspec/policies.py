@@ -233,8 +233,7 @@ class ConfidenceStop(DraftPolicy):
         confidence = proposal.confidence
         if confidence is None or self.threshold <= 0:
             return len(proposal)
-        unsure = (confidence < self.threshold).nonzero()
-        return int(unsure[0]) if unsure.numel() else len(proposal)
+        return next((i for i, c in enumerate(confidence) if c < self.threshold), len(proposal))
 
 
 # ---- the cost-aware policy -------------------------------------------------------------------
@@ -265,11 +264,16 @@ def best_length(reach: list[float], cost, forced: list[int] | None = None, rows=
         certain = (reach[k - 1] if k else 1.0) * forced[k]
         return (emitted[k] + certain) / (cost(k) + rows(k, forced[k]))
 
-    best_k, best_rate = 0, rate(0)
-    for k in range(1, len(emitted)):
-        candidate = rate(k)
-        if candidate > best_rate * (1 + RATE_TIE):
-            best_k, best_rate = k, candidate
+    return best_of([rate(k) for k in range(len(emitted))])
+
+
+def best_of(rates: list[float]) -> int:
+    """The length k whose ``rates[k]`` is best, a longer one taken only where it beats the shorter's
+    by more than ``RATE_TIE`` (``best_length``)."""
+    best_k, best_rate = 0, rates[0]
+    for k in range(1, len(rates)):
+        if rates[k] > best_rate * (1 + RATE_TIE):
+            best_k, best_rate = k, rates[k]
     return best_k
 
 
@@ -468,6 +472,7 @@ class CostAware(DraftPolicy):
         self.streak = False  # was the last verified block accepted whole?
         self.rates: dict[str, float] = {}  # per source: running expected tokens/s of its verified blocks
         self._keyed: tuple[Proposal, list[AcceptanceKey]] | None = None  # the last proposal keyed, its keys
+        self._scored: tuple | None = None  # the last proposal scored: it, its cost model, reach and rates (``_block``)
         self._pooled: dict[str, tuple[float, float]] = {}  # per source: later-position evidence, until a verdict
         self.saved: dict[str, float] = {}  # per source: running seconds its cycles' drafts saved (``saved_seconds``)
 
@@ -487,7 +492,7 @@ class CostAware(DraftPolicy):
         if proposal.match_sizes is not None:
             keys = [MatchKey(source, size, self.streak) for size in proposal.match_sizes[:count]]
         elif proposal.confidence is not None:
-            keys = [self.confidence_key(source, c, i) for i, c in enumerate(proposal.confidence[:count].tolist())]
+            keys = [self.confidence_key(source, c, i) for i, c in enumerate(proposal.confidence[:count])]
         else:
             keys = [SourceKey(source, self.streak)] * count
         self._keyed = (proposal, keys)
@@ -497,6 +502,21 @@ class CostAware(DraftPolicy):
     def confidence_key(source: str, confidence: float, position: int) -> ConfidenceKey:
         """The key of a token drafted at ``confidence`` at block ``position``."""
         return ConfidenceKey(source, confidence_bin(confidence), position == 0)
+
+    def _block(self, proposal, count: int) -> tuple[list[float], list[float]]:
+        """(``reach``, the expected tokens per second of its first k drafts, k = 0 .. ``count``) of
+        ``proposal``'s first ``count`` drafts. The hybrid's choice, the trim, a batch's cut and the
+        verdict ask for the same proposal between two verdicts, with the estimates and the cost
+        model unchanged: made once, and a shorter count is the longer one's prefix (reach[j] and
+        rate k read drafts before them only)."""
+        made, cost = self._scored, self.cost
+        if made is not None and made[0] is proposal and made[1] is cost and len(made[2]) >= count:
+            return made[2][:count], made[3][: count + 1]
+        reach = self._reach(self.keys(proposal, count))
+        emitted, source = expected_emitted(reach), proposal.source
+        rates = [emitted[k] / cost(k, source) for k in range(count + 1)]
+        self._scored = (proposal, cost, reach, rates)
+        return reach, rates
 
     def _reach(self, keys: list[AcceptanceKey]) -> list[float]:
         reach, alive = [], 1.0
@@ -550,14 +570,11 @@ class CostAware(DraftPolicy):
         """P(drafts 0..j of ``proposal`` all accepted), j = 0 .. len − 1 (at most ``max_draft``), by
         the acceptance learned so far: what a batch weighs a proposal's drafts by (``batch``)."""
         count = min(len(proposal), self.max_draft)
-        return self._reach(self.keys(proposal, count)) if count else []
+        return self._block(proposal, count)[0] if count else []
 
     def expected_rate(self, proposal) -> float:
         """The best expected emitted tokens per second over the lengths of ``proposal``."""
-        count = min(len(proposal), self.max_draft)
-        emitted = expected_emitted(self._reach(self.keys(proposal, count)))
-        cost = self._cost(proposal.source)
-        return max(emitted[k] / cost(k) for k in range(len(emitted)))
+        return max(self._block(proposal, min(len(proposal), self.max_draft))[1])
 
     def source_rate(self, source: str) -> float | None:
         """The running expected tokens per second of ``source``'s recent blocks (None: none yet)."""
@@ -611,9 +628,9 @@ class CostAware(DraftPolicy):
             count = min(count, len(forced_after) - 1)
         if count == 0:
             return 0
-        reach = self._reach(self.keys(proposal, count))
+        reach, rates = self._block(proposal, count)
         if not forced_after:
-            return best_length(reach, self._cost(proposal.source))
+            return best_of(rates)  # ``best_length`` without forced tokens
         return best_length(reach, self._cost(proposal.source), forced_after[: count + 1], self._rows_cost(proposal.source))
 
     def _rows_cost(self, source: str):
@@ -644,7 +661,7 @@ class CostAware(DraftPolicy):
         if not k and cut_key is None:
             return  # nothing was drafted: nothing to learn
         # The block's expected rate, from the estimates it was chosen with (before this verdict).
-        rate = expected_emitted(self._reach(keys))[k] / self.cost(k, verified.source)
+        rate = expected_emitted(self._block(outcome.drafted, k)[0])[k] / self.cost(k, verified.source)
         _running_mean(self.rates, verified.source, rate, RATE_MEMORY)
         if not k:  # drafted, but none was worth verifying: let the first key drift back
             self._estimate(cut_key).shrink(self.idle_decay)
@@ -659,7 +676,7 @@ class CostAware(DraftPolicy):
             self._estimate(key).update(successes, failures, self.decay)
         if k:
             self.streak = accepted == k
-        self._keyed = None
+        self._keyed = self._scored = None
         self._pooled.clear()
 
     @property

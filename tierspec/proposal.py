@@ -55,8 +55,12 @@ class Proposal:
                    distribution is the one-hot of its argmax. ``vocabulary`` [K] names the target
                    ids of its columns (a draft head's reduced vocabulary); None: the target's ids.
     logits:        [m, K] raw logits where the drafter has them (deferral bits read them at
-                   temperature 1), else None; columns as ``probs``.
-    confidence:    [m] top probability at temperature 1 of each node's distribution, or None.
+                   temperature 1), else None; columns as ``probs``. A drafter may give them as a
+                   list of its steps' rows [K]: they are stacked the first time they are read
+                   (``logits``) — the lossless rules and the policies never read them, and the
+                   stack, a torch operator after the target's pass, is cold on a CPU whose caches
+                   the pass empties.
+    confidence:    per node, the top probability at temperature 1 of its distribution (floats), or None.
     match_sizes:   per node, the size of the n-gram whose continuation it copied (a policy's
                    acceptance key), or None.
     keys, priors:  per node, the acceptance key a tree policy learns and its prior (tree drafters).
@@ -71,10 +75,10 @@ class Proposal:
 
     tree: TokenTree
     probs: torch.Tensor | None = None
-    logits: torch.Tensor | None = None
+    _logits: torch.Tensor | list[torch.Tensor] | None = None  # read as ``logits``
     vocabulary: torch.Tensor | None = None
     vocab_size: int = 0  # V: the width ``draft_probs`` / ``draft_logits`` widen narrow rows to
-    confidence: torch.Tensor | None = None
+    confidence: list[float] | None = None
     match_sizes: list[int] | None = None
     keys: list[Hashable] | None = None
     priors: list[float] | None = None
@@ -85,10 +89,12 @@ class Proposal:
     _wide: dict | None = field(default=None, repr=False, compare=False)  # rows widened to V, made once
 
     @staticmethod
-    def chain(tokens: torch.Tensor | list[int], probs: torch.Tensor | None = None, logits: torch.Tensor | None = None,
-              confidence: torch.Tensor | None = None, match_sizes: list[int] | None = None, drafter_calls: int = 0,
+    def chain(tokens: torch.Tensor | list[int], probs: torch.Tensor | None = None,
+              logits: torch.Tensor | list[torch.Tensor] | None = None, confidence: list[float] | None = None,
+              match_sizes: list[int] | None = None, drafter_calls: int = 0,
               source: str = "", vocabulary: torch.Tensor | None = None, vocab_size: int = 0) -> "Proposal":
-        """k drafts one after another (``tokens`` [k] int64, or a list of ints: kept as ``token_list``)."""
+        """k drafts one after another (``tokens`` [k] int64, or a list of ints: kept as ``token_list``;
+        ``logits`` [k, K] or the k rows [K] to stack when read)."""
         return Proposal(TokenTree.chain(tokens), probs, logits, vocabulary, vocab_size, confidence, match_sizes,
                         drafter_calls=drafter_calls, source=source)
 
@@ -99,6 +105,14 @@ class Proposal:
 
     def __len__(self) -> int:
         return len(self.tree)
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """[m, K] raw draft logits, or None (class docstring; rows given as a list are stacked once)."""
+        rows = self._logits
+        if isinstance(rows, list):
+            rows = self._logits = torch.stack(rows)
+        return rows
 
     @property
     def tokens(self) -> torch.Tensor:
@@ -144,7 +158,9 @@ class Proposal:
         def cut(x):
             return None if x is None else x[:count]
 
-        return Proposal(self.tree.prefix(count), cut(self.probs), cut(self.logits), self.vocabulary, self.vocab_size,
+        # rows not stacked yet stay a list; none of them is a [0, K] tensor (a list cannot say K)
+        logits = self.logits[:0] if count == 0 and isinstance(self._logits, list) else cut(self._logits)
+        return Proposal(self.tree.prefix(count), cut(self.probs), logits, self.vocabulary, self.vocab_size,
                         cut(self.confidence), cut(self.match_sizes), cut(self.keys), cut(self.priors),
                         self.drafter_calls, self.source, self.rate, max(0, self.forced - (len(self) - count)))
 

@@ -316,6 +316,22 @@ def finite_argmax(row: torch.Tensor) -> int | None:
     return index if np.isfinite(array[index]) and np.isfinite(array.min()) else None
 
 
+def greedy_choice(row: torch.Tensor) -> tuple[int, float] | None:
+    """A greedy draft step's token and confidence from its logits ``row`` [V]: ``finite_argmax``
+    and ``top_probability`` of the same row in one read (None where the row is not all finite).
+    Why one: each reads the row through a numpy view, and after the target's pass every such
+    call is cold; the maximum both need is the argmax's entry."""
+    array = _numpy_view(row)
+    if array is None:
+        index = finite_argmax(row)
+        return None if index is None else (index, top_probability(row))
+    index = int(array.argmax())
+    largest = array[index]
+    if not (np.isfinite(largest) and np.isfinite(array.min())):
+        return None
+    return index, float(1.0 / np.exp(array - largest).sum())
+
+
 def top_probability(row: torch.Tensor) -> float:
     """The largest probability of softmax(``row``) at temperature 1 (a drafter's confidence in its
     token), for a row [V] of finite logits: 1 / Σ exp(x − max x), read through numpy on a float CPU

@@ -225,7 +225,7 @@ def test_in_a_batch_a_head_step_that_a_pass_row_does_not_cover_cannot_pay():
 
 def test_keys_are_typed_by_what_the_drafter_knew():
     policy = CostAware(4, cost=cost)
-    sampled = Proposal.chain(torch.tensor([1, 2]), confidence=torch.tensor([0.97, 0.5]), source="head")
+    sampled = Proposal.chain(torch.tensor([1, 2]), confidence=[0.97, 0.5], source="head")
     assert policy.keys(sampled, 2) == [ConfidenceKey("head", 5, True), ConfidenceKey("head", 2, False)]
     assert ConfidenceKey("head", 5, True).prior == pytest.approx(0.975) and MatchKey("ngram", 2, True).prior == 0.5
     assert policy.keys(Proposal.chain(torch.tensor([4]), source="model"), 1) == [SourceKey("model", False)]
@@ -265,12 +265,36 @@ def test_a_forced_run_after_a_draft_is_counted_certain_and_planned_around():
     assert policy.trim(proposal, [0, 6, 0, 0]) == 1
     assert policy.trim(proposal, [0]) == 0  # the constraint refuses the first draft
     policy.acceptance[SourceKey("model", False)] = AcceptanceEstimate(prior=0.99)
+    # planted between two cycles: the next cycle's block (a proposal is scored once between verdicts)
+    proposal = Proposal.chain(torch.tensor([5, 6, 7]), source="model")
     assert policy.trim(proposal) == 3 and policy.trim(proposal, [0, 0]) == 1  # it takes one draft only
+
+
+def test_a_block_is_scored_once_between_verdicts_and_again_after_one():
+    """The hybrid's choice, the trim and the verdict read one block's reach and rates, made once
+    while the estimates and the cost model stand (``CostAware._block``); a verdict, or another cost
+    model (a new context step, another batch size), scores it again."""
+    from tierspec.costs import ForwardCosts
+
+    table = ForwardCosts({1: 0.010, 2: 0.011, 3: 0.012}, context=256, per_position={1: 1e-6, 2: 2e-6, 3: 3e-6})
+    policy = CostAware(2, forward_costs=table)
+    proposal = Proposal.chain(torch.tensor([5, 6]), match_sizes=[3, 3], source="ngram")
+    asked = []
+    reach_of = policy._reach
+    policy._reach = lambda keys: asked.append(len(keys)) or reach_of(keys)
+    rate = policy.expected_rate(proposal)
+    assert policy.trim(proposal) == 2 and policy.reach(proposal) == pytest.approx([0.5, 0.25]) and asked == [2]
+    assert rate == pytest.approx(max(e / policy.cost(k, "ngram") for k, e in enumerate([1.0, 1.5, 1.75])))
+    policy.at_context(4096)  # another cost model: scored again
+    policy.trim(proposal)
+    assert asked == [2, 2]
+    policy.observe(CycleOutcome(proposal, proposal, Verdict([], 9, ["target"])))  # both rejected: learned
+    assert policy.reach(proposal)[0] < 0.5 and asked == [2, 2, 2]
 
 
 def test_confidence_stop_cuts_before_the_first_unsure_token():
     policy = ConfidenceStop(5, 0.5)
-    proposal = Proposal.chain(torch.tensor([1, 2, 3]), confidence=torch.tensor([0.9, 0.4, 0.95]))
+    proposal = Proposal.chain(torch.tensor([1, 2, 3]), confidence=[0.9, 0.4, 0.95])
     assert policy.trim(proposal) == 1
     assert policy.keep_drafting([0.9]) and not policy.keep_drafting([0.9, 0.4])
 

@@ -261,8 +261,7 @@ def test_features_a_pass_writes_in_place_are_those_a_copy_would_commit(target, h
 
         config = DecodeConfig(max_new_tokens=30, sampling=SamplingConfig(temperature=0.0))
         steps = list(DecodeRun(target, _method(target, name, head), PROMPTS[0], config, seed=3, inspect=inspect))
-        drafts = [(s.proposal.token_list, None if s.proposal.confidence is None else s.proposal.confidence.tolist())
-                  for s in steps]
+        drafts = [(s.proposal.token_list, s.proposal.confidence) for s in steps]
         return logs, drafts, [token for s in steps for token in s.new_tokens]
 
     handed = []
@@ -323,7 +322,7 @@ def test_a_policy_in_a_batch_costs_its_drafts_as_the_batch_passes():
     assert shared.verify(3) == pytest.approx(table.cost(8) / 8 + table.cost(10) - table.cost(8))
     assert shared.draft_step("head") == alone.draft_step("head") == pytest.approx(0.25 * table.cost(1))
 
-    head = Proposal.chain(torch.tensor([5, 6]), confidence=torch.tensor([0.7, 0.7]), source="head")
+    head = Proposal.chain(torch.tensor([5, 6]), confidence=[0.7, 0.7], source="head")
     ngram = Proposal.chain(torch.tensor([5, 6]), match_sizes=[3, 3], source="ngram")
     policy = CostAware(8, table, draft_fractions={"head": 0.25})
     assert policy.trim(head) == 2 and policy.trim(ngram) == 2

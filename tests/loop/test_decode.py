@@ -1,11 +1,13 @@
 """The one decode loop: lossless methods reproduce plain greedy decoding token for token."""
 
+from dataclasses import fields
+
 import pytest
 import torch
 from conftest import as_method, run_ids
 
 from tierspec.cached_model import CachedModel, PassResult
-from tierspec.decode import DecodeConfig, DecodeRun, decode
+from tierspec.decode import CycleTimes, DecodeConfig, DecodeRun, decode
 from tierspec.errors import PromptError
 from tierspec.drafters import Drafter, ModelDrafter, NgramDrafter, NoDrafter
 from tierspec.proposal import Proposal
@@ -234,6 +236,14 @@ def test_a_decode_run_adds_up_the_generation_once(tiny_target, prompt_ids):
     assert all(0 < step.cycle.pass_seconds <= step.cycle.seconds - step.cycle.draft_seconds for step in steps)
     assert run.stats.pass_seconds == pytest.approx(sum(step.cycle.pass_seconds for step in steps))
     assert run.token_ids == run_ids(tiny_target, as_method(NgramDrafter(3), num_draft=4), prompt_ids, 20)
+    assert run.sequence.stats is run.stats  # one record: the cycles were counted once (cycles == steps above)
+
+
+def test_cycle_times_add_every_field():
+    names = [f.name for f in fields(CycleTimes)]
+    total = CycleTimes(**{name: i + 1 for i, name in enumerate(names)})
+    total.add(CycleTimes(**{name: 10 * (i + 1) for i, name in enumerate(names)}))
+    assert {name: getattr(total, name) for name in names} == {name: 11 * (i + 1) for i, name in enumerate(names)}
 
 
 def test_sampled_generation_is_reproducible_with_a_seed(tiny_target, tiny_drafter, prompt_ids):

@@ -17,7 +17,7 @@ import torch
 
 from ..heads.draft import HeadOutput, HeadStep, run_head_steps
 from ..proposal import DraftRequest, Proposal, Shape
-from ..sampling import all_finite, finite_argmax, logits_to_probs, top_probability
+from ..sampling import all_finite, greedy_choice, logits_to_probs, top_probability
 
 
 class DraftEverything:
@@ -278,15 +278,18 @@ def drafting_autoregressively(
     tokens, probs, logits_rows, confidences = [], [], [], []
     fed = np.empty(max(request.budget, 1), dtype=np.int64)  # each draft is fed back as a one-token view of this
     feeds = torch.from_numpy(fed)
+    # a greedy draft's id read through numpy: indexing the tensor is a torch operator a step, cold after a pass
+    ids = vocabulary.cpu().numpy() if vocabulary is not None and sampling.greedy else None
     calls = 0
     for _ in range(request.budget):
         logits = yield pending
         calls += 1
         if sampling.greedy:  # the distribution is the one-hot of the argmax (left implicit below)
-            choice = finite_argmax(logits)
+            choice = greedy_choice(logits)
             if choice is None:
                 break
-            token = choice if vocabulary is None else int(vocabulary[choice])
+            index, confidence = choice
+            token = index if ids is None else int(ids[index])
         elif not all_finite(logits):
             break
         else:
@@ -298,9 +301,10 @@ def drafting_autoregressively(
                 scores = torch.full((noise.noise.vocab_size,), float("-inf"))
                 scores[vocabulary] = step_probs.log()
                 token = noise.noise.argmax(scores, noise.start + len(tokens))
+            confidence = top_probability(logits)
         tokens.append(token)
         logits_rows.append(logits)
-        confidences.append(top_probability(logits))
+        confidences.append(confidence)
         fed[len(tokens) - 1] = token
         pending = feeds[len(tokens) - 1 : len(tokens)]
         if not policy.keep_drafting(confidences, source):
@@ -310,7 +314,7 @@ def drafting_autoregressively(
     # Greedy: each token's distribution is its one-hot, which is what every rule reads for rows
     # left out (``walks.draft_rows``), so none are made.
     rows = None if sampling.greedy else torch.stack(probs)
-    return Proposal.chain(tokens, rows, torch.stack(logits_rows), torch.tensor(confidences),
+    return Proposal.chain(tokens, rows, logits_rows, confidences,
                           drafter_calls=calls, source=source, vocabulary=vocabulary, vocab_size=vocab_size)
 
 

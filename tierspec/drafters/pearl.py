@@ -48,8 +48,9 @@ def joined(first: Proposal, second: Proposal) -> Proposal:
     def cat(a, b):
         return None if a is None or b is None else torch.cat([a, b])
 
+    confidence = None if first.confidence is None or second.confidence is None else first.confidence + second.confidence
     return Proposal.chain(torch.cat([first.tokens, second.tokens]), cat(first.probs, second.probs),
-                          cat(first.logits, second.logits), cat(first.confidence, second.confidence), None,
+                          cat(first.logits, second.logits), confidence, None,
                           first.drafter_calls + second.drafter_calls, first.source or second.source,
                           first.vocabulary, first.vocab_size)
 
