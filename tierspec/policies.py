@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Hashable
 
@@ -667,11 +666,11 @@ class CostAware(DraftPolicy):
             self._estimate(cut_key).shrink(self.idle_decay)
         # Positions up to and including the first rejection were evaluated; later ones were not.
         # Each key's evidence decays once per block (a memory of about ten blocks).
-        counts: dict[AcceptanceKey, list[int]] = defaultdict(lambda: [0, 0])
+        counts: dict[AcceptanceKey, list[int]] = {}
         for i, key in enumerate(keys[: accepted + 1]):
-            counts[key][0 if i < accepted else 1] += 1
+            counts.setdefault(key, [0, 0])[0 if i < accepted else 1] += 1
         if cut:
-            counts[cut_key][0 if verdict.next_token == outcome.drafted.token_list[k] else 1] += 1
+            counts.setdefault(cut_key, [0, 0])[0 if verdict.next_token == outcome.drafted.token_list[k] else 1] += 1
         for key, (successes, failures) in counts.items():
             self._estimate(key).update(successes, failures, self.decay)
         if k:

@@ -256,12 +256,37 @@ class NoDrafter(Drafter):
 DraftSteps = Generator[torch.Tensor, torch.Tensor, Proposal]
 
 
+class DraftFeeds:
+    """The one-token tensors a drafter feeds its drafts back through (``drafting_autoregressively``),
+    made once per drafter, each a view of one int64 buffer the drafts are written into: a block
+    that made its buffer and sliced a view per draft ran two torch operators and one a draft, each
+    cold after the target's pass. A drafter's own: its views are read by its head step before its
+    next draft is written (a batch's sequences each have theirs)."""
+
+    def __init__(self, size: int = 1):
+        self.values = np.zeros(max(size, 1), dtype=np.int64)
+        self._ids = torch.from_numpy(self.values)
+        self._views: list[torch.Tensor] = []  # made as first asked for
+
+    def view(self, index: int) -> torch.Tensor:
+        """[1] int64: ``values[index]`` as a tensor (the same view each time)."""
+        views = self._views
+        while len(views) <= index:
+            views.append(self._ids[len(views) : len(views) + 1])
+        return views[index]
+
+    def at_least(self, size: int) -> "DraftFeeds":
+        """These feeds, or larger ones where a block may draft more than ``len(values)`` tokens."""
+        return self if size <= len(self.values) else DraftFeeds(size)
+
+
 def drafting_autoregressively(
     pending: torch.Tensor,
     request: DraftRequest,
     source: str = "model",
     vocabulary: torch.Tensor | None = None,
     vocab_size: int = 0,
+    feeds: DraftFeeds | None = None,
 ) -> DraftSteps:
     """Draft up to ``request.budget`` tokens one at a time, as steps: each step yields the tokens
     to feed the drafting model (``pending`` [n] first, then each draft as it is drawn) and is sent
@@ -273,13 +298,16 @@ def drafting_autoregressively(
     ``vocabulary`` [K] (target ids; a draft head's reduced vocabulary): the logits score only
     these tokens, a sampled draft reads their entries of the position's token noise, and the
     proposal's rows stay over the K tokens (``Proposal.draft_probs`` widens them to
-    ``vocab_size``, with probability 0 elsewhere, only if a rule reads them)."""
+    ``vocab_size``, with probability 0 elsewhere, only if a rule reads them). ``feeds``: the
+    drafter's ``DraftFeeds`` (None: made for this block)."""
     sampling, noise, policy = request.sampling, request.noise, request.policy
     tokens, probs, logits_rows, confidences = [], [], [], []
-    fed = np.empty(max(request.budget, 1), dtype=np.int64)  # each draft is fed back as a one-token view of this
-    feeds = torch.from_numpy(fed)
+    feeds = DraftFeeds(request.budget) if feeds is None else feeds.at_least(request.budget)
+    fed = feeds.values  # each draft is fed back as a one-token view of this buffer
     # a greedy draft's id read through numpy: indexing the tensor is a torch operator a step, cold after a pass
-    ids = vocabulary.cpu().numpy() if vocabulary is not None and sampling.greedy else None
+    ids = None
+    if vocabulary is not None and sampling.greedy:
+        ids = vocabulary.numpy() if vocabulary.device.type == "cpu" else vocabulary.cpu().numpy()
     calls = 0
     for _ in range(request.budget):
         logits = yield pending
@@ -306,7 +334,7 @@ def drafting_autoregressively(
         logits_rows.append(logits)
         confidences.append(confidence)
         fed[len(tokens) - 1] = token
-        pending = feeds[len(tokens) - 1 : len(tokens)]
+        pending = feeds.view(len(tokens) - 1)
         if not policy.keep_drafting(confidences, source):
             break
     if not tokens:

@@ -22,7 +22,7 @@ from typing import Callable, Generator
 from ..heads.draft import DraftHead, HeadOutput, HeadRunner, HeadStep
 from ..proposal import DraftRequest, RateView
 from ..sampling import SamplingConfig
-from .base import Drafter, FeatureLog, Proposal, drafting_autoregressively, run_steps
+from .base import DraftFeeds, Drafter, FeatureLog, Proposal, drafting_autoregressively, run_steps
 from .ngram import NgramDrafter
 
 _NO_TOKENS = torch.empty(0, dtype=torch.long)  # the first draft feeds nothing: its logits are the catch-up's
@@ -51,6 +51,7 @@ class EagleDrafter(Drafter):
         self.runner = HeadRunner(head)
         self.vocab_size = head.config.vocab_size
         self._draft_ids = head.draft_ids.cpu()  # [K] target ids of the head's vocabulary
+        self._feeds = DraftFeeds()  # its drafts fed back to it (grown to the largest block asked for)
         self._input_dtype = head.fc.weight.dtype  # the features are cast to it
         self.features: FeatureLog | None = None  # the generation's, owned by the loop's verifiers
         self._last_output: torch.Tensor | None = None
@@ -117,7 +118,9 @@ class EagleDrafter(Drafter):
         out = yield step
         self._last_output = out.last
         committed = self.runner.length
-        drafting = drafting_autoregressively(_NO_TOKENS, request, "head", self._draft_ids, self.vocab_size)
+        self._feeds = self._feeds.at_least(request.budget)
+        drafting = drafting_autoregressively(_NO_TOKENS, request, "head", self._draft_ids, self.vocab_size,
+                                             self._feeds)
         try:
             next(drafting)  # the first draft's logits are the catch-up's
             while True:
