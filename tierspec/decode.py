@@ -410,6 +410,7 @@ class Sequence:
         self.constraint = constraint
         self.grammar_seconds = 0.0  # the constraint's own work so far (``CycleStats.grammar_seconds``)
         self.stats = GenerationStats()
+        self.timed = True  # ``stats.wall_seconds`` read from ``started`` each cycle (False: its owner keeps the clock)
         self.prompt_logprobs: list[TokenLogprob] | None = None
         self.finished = False
         #: why the generation ended early, where it did (``ConstraintDeadEnd``): its text is not complete
@@ -524,7 +525,7 @@ class CycleTimes:
 
     def add(self, other: "CycleTimes") -> None:
         # Every field is a sum over cycles, written out: a loop over the fields by name cost a lone
-        # generation's cycle ~5 µs after its pass (py-spy, Zen 4); ``test_cycle_times_add`` checks it adds each.
+        # generation's cycle ~5 µs after its pass (py-spy, Zen 4); ``test_cycle_times_add_every_field`` checks it adds each.
         self.draft += other.draft
         self.passes += other.passes
         self.verify += other.verify
@@ -721,7 +722,7 @@ def _cut_to_the_batch(drafted: list[_Drafted], passes: PassBackend, max_rows: in
         return
     others = len(drafted) - len(drafting)
     proposals = [d.proposal for d in drafting]
-    reaches = [_reach(d.sequence, d.proposal) if d.sequence.batchable else None for d in drafting]
+    reaches = [_reach(d) if d.sequence.batchable else None for d in drafting]
     lengths = batch_lengths(proposals, reaches, _pass_seconds(drafted), others)
     if max_rows is not None:
         lengths = _fit_rows(lengths, max_rows - others)
@@ -904,7 +905,8 @@ def _step(sequence: Sequence, step: Step) -> Step:
     """``step`` with the sequence's statistics brought up to it (and its echo records, once)."""
     step.prompt_logprobs, sequence.prompt_logprobs = sequence.prompt_logprobs, None
     sequence.stats.add(step.cycle)
-    sequence.stats.wall_seconds = time.perf_counter() - sequence.started
+    if sequence.timed:
+        sequence.stats.wall_seconds = time.perf_counter() - sequence.started
     if step.finished:
         sequence.finished = True
     return step
@@ -990,14 +992,15 @@ def batch_lengths(proposals: list[Proposal], reaches: list[list[float] | None], 
         rows, expected, rate = rows + 1, expected + gain, candidate
 
 
-def _reach(sequence: Sequence, proposal: Proposal) -> list[float] | None:
-    """P(the first j + 1 drafts all accepted) for each draft of a chain ``proposal``, by the
+def _reach(d: _Drafted) -> list[float] | None:
+    """P(the first j + 1 drafts all accepted) for each draft of the chain ``d.proposal``, by the
     sequence's policy (None: a tree, or a policy that learns no acceptance — the proposal stays
-    as drafted)."""
-    policy = sequence.policy
-    if not isinstance(policy, CostAware) or not proposal.is_chain or len(proposal) == 0:
+    as drafted). Read from the drafter's whole proposal, whose trim ``d.proposal`` is (the policy
+    scored it already: ``CostAware._block``; a prefix's reach is the whole one's prefix)."""
+    policy, proposal = d.sequence.policy, d.proposal
+    if not isinstance(policy, CostAware) or not proposal.is_chain or len(proposal) == 0 or not d.drafted.is_chain:
         return None
-    return policy.reach(proposal)
+    return policy.reach(d.drafted)[: len(proposal)]
 
 
 def _pass_seconds(drafted: list[_Drafted]) -> Callable[[int], float]:
@@ -1062,13 +1065,14 @@ def decode_sequence(target: LoadedModel, sequence: Sequence, inspect: Callable[[
 
 
 class DecodeRun:
-    """One generation, iterated step by step, with the totals every caller reads: the one place
-    a generation's ``GenerationStats`` is built and its wall clock read.
+    """One generation, iterated step by step, with the totals every caller reads: its
+    ``GenerationStats`` (its sequence's own record, each cycle added as it ends) and the one place
+    its wall clock is read.
 
     Iterating runs ``decode`` (same arguments) and yields its ``Step``s; meanwhile each cycle is
     added to ``stats``; ``token_ids`` reads the generated tokens from the generation's committed
     sequence. ``stats.wall_seconds`` runs from the first step asked for (the prefill is in it) to
-    the latest step handed out, or to the end of the generation once it is exhausted, less the
+    the latest step handed out (under ``finish``: to its end), or to the end of the generation once it is exhausted, less the
     one-time cost measurements made meanwhile (``costs.measuring_seconds``: a first run's would read
     a third of its true speed) (docs/metrics.md §Generation statistics). ``finish()`` runs it to the end; ``close()`` stops it
     early. ``sequence``: the generation's ``Sequence`` once its first step was asked for; ``times``:
@@ -1106,8 +1110,9 @@ class DecodeRun:
             with self._threads:
                 if self._steps is None:
                     self.sequence = open_sequence(self._target, self._method, self._prompt_ids, self._config, self._seed)
-                    # One record of the totals: each cycle adds itself to its sequence's (``_step``)
-                    self.sequence.stats = self.stats
+                    # One record of the totals: each cycle adds itself to its sequence's (``_step``); the
+                    # clock is the run's (from the first step asked for, less the measurements)
+                    self.sequence.stats, self.sequence.timed = self.stats, False
                     self._steps = decode_sequence(self._target, self.sequence, self._inspect, self.times)
                 step = next(self._steps)
         finally:  # the run's wall clock, not the sequence's: from the first step asked for, less measurements

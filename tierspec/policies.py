@@ -453,7 +453,9 @@ class CostAware(DraftPolicy):
     its fate (``CycleOutcome.cut_key``). Estimates decay (a memory of about ten blocks), and a
     key the policy chose not to draft drifts back to its prior so that a context written off
     early is tried again. Every generation starts from the priors (``start``). ``trim`` only
-    chooses; everything is learned in ``observe``.
+    chooses; everything is learned in ``observe``: the estimates (``acceptance``) and the streak
+    change there and in ``start`` only, so a proposal is scored once between two verdicts
+    (``_block``) — one who plants estimates by hand asks about a new proposal after.
     """
 
     def __init__(self, max_draft: int = 10, forward_costs: ForwardCosts | None = None, cost=None,
@@ -509,13 +511,11 @@ class CostAware(DraftPolicy):
         model unchanged: made once, and a shorter count is the longer one's prefix (reach[j] and
         rate k read drafts before them only)."""
         made, cost = self._scored, self.cost
-        if made is not None and made[0] is proposal and made[1] is cost and len(made[2]) >= count:
-            return made[2][:count], made[3][: count + 1]
-        reach = self._reach(self.keys(proposal, count))
-        emitted, source = expected_emitted(reach), proposal.source
-        rates = [emitted[k] / cost(k, source) for k in range(count + 1)]
-        self._scored = (proposal, cost, reach, rates)
-        return reach, rates
+        if made is None or made[0] is not proposal or made[1] is not cost or len(made[2]) < count:
+            reach = self._reach(self.keys(proposal, count))
+            emitted, source = expected_emitted(reach), proposal.source
+            made = self._scored = (proposal, cost, reach, [emitted[k] / cost(k, source) for k in range(count + 1)])
+        return made[2][:count], made[3][: count + 1]  # copies: a caller cannot change what is kept
 
     def _reach(self, keys: list[AcceptanceKey]) -> list[float]:
         reach, alive = [], 1.0

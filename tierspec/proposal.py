@@ -158,8 +158,8 @@ class Proposal:
         def cut(x):
             return None if x is None else x[:count]
 
-        # rows not stacked yet stay a list; none of them is a [0, K] tensor (a list cannot say K)
-        logits = self.logits[:0] if count == 0 and isinstance(self._logits, list) else cut(self._logits)
+        rows = self._logits  # rows not stacked yet stay a list; none of them is a [0, K] tensor (a list cannot say K)
+        logits = rows[0].new_empty((0, rows[0].shape[-1])) if count == 0 and isinstance(rows, list) else cut(rows)
         return Proposal(self.tree.prefix(count), cut(self.probs), logits, self.vocabulary, self.vocab_size,
                         cut(self.confidence), cut(self.match_sizes), cut(self.keys), cut(self.priors),
                         self.drafter_calls, self.source, self.rate, max(0, self.forced - (len(self) - count)))

@@ -306,25 +306,15 @@ def all_finite(values: torch.Tensor) -> bool:
     return bool(np.isfinite(array.min()) and np.isfinite(array.max()))
 
 
-def finite_argmax(row: torch.Tensor) -> int | None:
-    """``argmax_token(row)`` when every entry of ``row`` [V] is finite, else None — one read for
-    both on a float CPU row (the argmax lands on a NaN or +inf if there is one; the min on −inf)."""
-    array = _numpy_view(row)
-    if array is None:
-        return argmax_token(row) if all_finite(row) else None
-    index = int(array.argmax())
-    return index if np.isfinite(array[index]) and np.isfinite(array.min()) else None
-
-
 def greedy_choice(row: torch.Tensor) -> tuple[int, float] | None:
-    """A greedy draft step's token and confidence from its logits ``row`` [V]: ``finite_argmax``
-    and ``top_probability`` of the same row in one read (None where the row is not all finite).
-    Why one: each reads the row through a numpy view, and after the target's pass every such
-    call is cold; the maximum both need is the argmax's entry."""
+    """A greedy draft step's token and confidence from its logits ``row`` [V]: ``argmax_token``
+    and ``top_probability`` of the same row in one read, None where the row is not all finite
+    (``all_finite``). Why one: each reads the row through a numpy view, and after the target's
+    pass every such call is cold; the maximum both need is the argmax's entry (the argmax lands
+    on a NaN or +inf if there is one; the min on −inf)."""
     array = _numpy_view(row)
     if array is None:
-        index = finite_argmax(row)
-        return None if index is None else (index, top_probability(row))
+        return (argmax_token(row), top_probability(row)) if all_finite(row) else None
     index = int(array.argmax())
     largest = array[index]
     if not (np.isfinite(largest) and np.isfinite(array.min())):

@@ -221,6 +221,34 @@ def test_a_decode_runs_clock_leaves_out_a_cost_measurement_made_in_its_first_ste
     assert time.perf_counter() - began >= 2.0 > run.stats.wall_seconds > 0
 
 
+@pytest.mark.parametrize("stepped", [0, 2])
+def test_a_decode_runs_clock_is_its_own_from_its_first_step_to_its_end(tiny_target, prompt_ids, monkeypatch, stepped):
+    """The run's totals are its sequence's record, but its clock is the run's: from the first step
+    asked for (a slow opening of the generation, not a measurement, counts), never the sequence's
+    own from its opening — read mid-run by an ``inspect`` callback as at the end, after ``finish``
+    alone or after a few steps drawn one by one first."""
+    import importlib
+    import time
+
+    decode_module = importlib.import_module("tierspec.decode")
+    opened = decode_module.open_sequence
+
+    def slow_open(*args, **kwargs):
+        time.sleep(0.3)
+        return opened(*args, **kwargs)
+
+    monkeypatch.setattr(decode_module, "open_sequence", slow_open)
+    seen = []
+    run = DecodeRun(tiny_target, as_method(NgramDrafter(3), num_draft=4), prompt_ids, DecodeConfig(max_new_tokens=12),
+                    inspect=lambda verifiers, drafter: seen.append(run.stats.wall_seconds))
+    for _ in range(stepped):
+        next(run)
+        assert run.stats.wall_seconds >= 0.3
+    run.finish()
+    # (inside the first step nothing was handed out yet: the clock reads 0 there)
+    assert len(seen) == run.stats.cycles > stepped + 1 and min(seen[1:]) >= 0.3 and run.stats.wall_seconds >= max(seen)
+
+
 def test_a_decode_run_adds_up_the_generation_once(tiny_target, prompt_ids):
     config = DecodeConfig(max_new_tokens=20)
     steps = []

@@ -582,20 +582,20 @@ def test_top_probability_is_the_largest_softmax_probability():
 
 
 def test_greedy_choice_is_the_argmax_and_its_confidence_or_none():
-    """A greedy draft step's one read of its row: the first maximum (as ``finite_argmax``) and the
-    largest softmax probability (as ``top_probability``, the same float), None for a row with a NaN or
-    an infinity anywhere (as ``finite_argmax``); rows numpy cannot view take torch's path."""
-    from tierspec.sampling import finite_argmax, greedy_choice, top_probability
+    """A greedy draft step's one read of its row: the first maximum (torch's argmax) and the largest
+    softmax probability (as ``top_probability``, the same float), None for a row with a NaN or an
+    infinity anywhere; rows numpy cannot view take torch's path."""
+    from tierspec.sampling import greedy_choice, top_probability
 
     generator = torch.Generator().manual_seed(5)
     rows = [torch.randn(8192, generator=generator) * 4, torch.tensor([1.0, 3.0, 3.0, -2.0]),  # a tie: the first
             torch.tensor([150.0, 200.0, 199.0]), torch.randn(50, dtype=torch.float64),
             torch.tensor([1.0, 2.5, 2.0], dtype=torch.bfloat16)]
     for row in rows:
-        assert greedy_choice(row) == (finite_argmax(row), top_probability(row))
+        assert greedy_choice(row) == (int(row.argmax()), top_probability(row))
     assert greedy_choice(torch.tensor([1.0, 3.0, 3.0]))[0] == 1
     for bad in (float("nan"), float("inf"), float("-inf")):
         for at in (0, 2):
             row = torch.tensor([0.5, 2.0, 1.0])
             row[at] = bad
-            assert greedy_choice(row) is None and finite_argmax(row) is None
+            assert greedy_choice(row) is None and greedy_choice(row.to(torch.bfloat16)) is None
