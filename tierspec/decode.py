@@ -525,7 +525,8 @@ class CycleTimes:
 
     def add(self, other: "CycleTimes") -> None:
         # Every field is a sum over cycles, written out: a loop over the fields by name cost a lone
-        # generation's cycle ~5 µs after its pass (py-spy, Zen 4); ``test_cycle_times_add_every_field`` checks it adds each.
+        # generation's cycle ~7 µs after its pass (py-spy samples, Zen 4); ``test_cycle_times_add_every_field``
+        # checks it adds each.
         self.draft += other.draft
         self.passes += other.passes
         self.verify += other.verify
@@ -997,10 +998,10 @@ def _reach(d: _Drafted) -> list[float] | None:
     sequence's policy (None: a tree, or a policy that learns no acceptance — the proposal stays
     as drafted). Read from the drafter's whole proposal, whose trim ``d.proposal`` is (the policy
     scored it already: ``CostAware._block``; a prefix's reach is the whole one's prefix)."""
-    policy, proposal = d.sequence.policy, d.proposal
-    if not isinstance(policy, CostAware) or not proposal.is_chain or len(proposal) == 0 or not d.drafted.is_chain:
+    policy, drafts = d.sequence.policy, len(d.proposal)
+    if not isinstance(policy, CostAware) or not d.drafted.is_chain or drafts == 0:
         return None
-    return policy.reach(d.drafted)[: len(proposal)]
+    return policy.reach(d.drafted)[:drafts]
 
 
 def _pass_seconds(drafted: list[_Drafted]) -> Callable[[int], float]:
@@ -1115,11 +1116,14 @@ class DecodeRun:
                     self.sequence.stats, self.sequence.timed = self.stats, False
                     self._steps = decode_sequence(self._target, self.sequence, self._inspect, self.times)
                 step = next(self._steps)
-        finally:  # the run's wall clock, not the sequence's: from the first step asked for, less measurements
-            measuring = measuring_seconds() - self._measuring_before
-            self.stats.wall_seconds = time.perf_counter() - self._started - measuring
+        finally:
+            self._read_clock()
         self.committed = step.committed
         return step
+
+    def _read_clock(self) -> None:
+        """The run's wall clock, not its sequence's: from the first step asked for, less measurements."""
+        self.stats.wall_seconds = time.perf_counter() - self._started - (measuring_seconds() - self._measuring_before)
 
     def finish(self) -> DecodeRun:
         """Run the generation to its end; returns this run (``token_ids`` and ``stats`` complete).
@@ -1127,21 +1131,18 @@ class DecodeRun:
         entry of the thread arrangement and of torch's inference mode, not one a step as a stream's
         steps must (its caller runs between them): leaving and entering them again cost ``ar`` 40 µs
         a cycle on a Zen 4, whose caches each pass empties (``benchmarks/loop_time.py``: 0.232 →
-        0.192 ms). An ``inspect``
-        callback then runs inside both too."""
+        0.192 ms). An ``inspect`` callback then runs inside both too. The steps are drawn from the
+        generator itself, not through ``__next__`` (its clock and bookkeeping, ~6 µs a step in py-spy
+        samples on a Zen 4): ``committed`` is the generation's one record, set at the first step, and
+        the clock is read once, at the end."""
         if self._steps is None and next(self, None) is None:
             return self
         try:
             with self._threads, torch.inference_mode():
-                # The steps drawn here, not through ``__next__``: its clock and bookkeeping a step cost
-                # ~15 µs of a lone generation's cycle after its pass (py-spy, Zen 4). ``committed`` is the
-                # generation's one record, set at the first step; the clock is read once, at the end,
-                # as ``__next__`` would have left it.
                 for _ in self._steps:
                     pass
         finally:
-            measuring = measuring_seconds() - self._measuring_before
-            self.stats.wall_seconds = time.perf_counter() - self._started - measuring
+            self._read_clock()
         return self
 
     def close(self) -> None:

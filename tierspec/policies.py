@@ -660,7 +660,7 @@ class CostAware(DraftPolicy):
         if not k and cut_key is None:
             return  # nothing was drafted: nothing to learn
         # The block's expected rate, from the estimates it was chosen with (before this verdict).
-        rate = expected_emitted(self._block(outcome.drafted, k)[0])[k] / self.cost(k, verified.source)
+        rate = self._block(outcome.drafted, k)[1][k]  # (the verified drafts are the drafted ones' first k)
         _running_mean(self.rates, verified.source, rate, RATE_MEMORY)
         if not k:  # drafted, but none was worth verifying: let the first key drift back
             self._estimate(cut_key).shrink(self.idle_decay)

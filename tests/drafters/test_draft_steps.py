@@ -35,4 +35,5 @@ def test_drafts_are_fed_back_through_the_drafters_own_views_block_after_block():
     assert proposal.token_list == [13, 10, 11] and again[1] is fed[1] and int(again[1]) == 13
     longer, proposal = _block(rows + rows, 5, feeds, vocabulary)  # more drafts than the buffer holds: a larger one
     assert [int(t) for t in longer[1:]] == [11, 10, 13, 11] and len(proposal) == 5
+    assert len(feeds.values) == 5 and longer[1] is feeds.view(0)  # grown in place: the drafter keeps it
     assert [int(t) for t in _block(rows, 3, None)[0][1:]] == [1, 0]  # no feeds given: made for the block

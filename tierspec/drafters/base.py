@@ -264,9 +264,18 @@ class DraftFeeds:
     next draft is written (a batch's sequences each have theirs)."""
 
     def __init__(self, size: int = 1):
+        self._allocate(size)
+
+    def _allocate(self, size: int) -> None:
         self.values = np.zeros(max(size, 1), dtype=np.int64)
         self._ids = torch.from_numpy(self.values)
         self._views: list[torch.Tensor] = []  # made as first asked for
+
+    def reserve(self, size: int) -> None:
+        """Room for a block of ``size`` drafts: a larger buffer (its views made anew) where this one
+        holds fewer. Between two blocks: no view of the earlier block is read after it."""
+        if size > len(self.values):
+            self._allocate(size)
 
     def view(self, index: int) -> torch.Tensor:
         """[1] int64: ``values[index]`` as a tensor (the same view each time)."""
@@ -274,10 +283,6 @@ class DraftFeeds:
         while len(views) <= index:
             views.append(self._ids[len(views) : len(views) + 1])
         return views[index]
-
-    def at_least(self, size: int) -> "DraftFeeds":
-        """These feeds, or larger ones where a block may draft more than ``len(values)`` tokens."""
-        return self if size <= len(self.values) else DraftFeeds(size)
 
 
 def drafting_autoregressively(
@@ -302,7 +307,10 @@ def drafting_autoregressively(
     drafter's ``DraftFeeds`` (None: made for this block)."""
     sampling, noise, policy = request.sampling, request.noise, request.policy
     tokens, probs, logits_rows, confidences = [], [], [], []
-    feeds = DraftFeeds(request.budget) if feeds is None else feeds.at_least(request.budget)
+    if feeds is None:
+        feeds = DraftFeeds(request.budget)
+    else:
+        feeds.reserve(request.budget)
     fed = feeds.values  # each draft is fed back as a one-token view of this buffer
     # a greedy draft's id read through numpy: indexing the tensor is a torch operator a step, cold after a pass
     ids = None

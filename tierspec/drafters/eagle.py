@@ -118,7 +118,6 @@ class EagleDrafter(Drafter):
         out = yield step
         self._last_output = out.last
         committed = self.runner.length
-        self._feeds = self._feeds.at_least(request.budget)
         drafting = drafting_autoregressively(_NO_TOKENS, request, "head", self._draft_ids, self.vocab_size,
                                              self._feeds)
         try:
