@@ -17,7 +17,9 @@ to back (greedy, then seeded at temperature 1: request i has seed i): total toke
 median and p99 latency, whether every reply equals the same request's reply with one client (its
 solo text), replies lost (no finish reason), and where the server's cycles went (``/health``'s
 cycle times: draft, pass, verify, commit per cycle, and the time outside the pass against one
-client's); ``--peers`` adds OpenVINO GenAI's ContinuousBatchingPipeline on the same GGUF, fed as
+client's round and against the same requests sent by one client one after another, before the rounds:
+a one-sequence cycle on the same prompts — a 1-client round sends only the first requests — and the CPU
+time a cycle of the server's event loop, whose handlers take it from the pass's threads); ``--peers`` adds OpenVINO GenAI's ContinuousBatchingPipeline on the same GGUF, fed as
 many prompts at a time; ``--before FOLDER`` runs a second server from another checkout (its extensions
 built) beside this one, the two taking turns for ``--rounds`` rounds at each client count (the first
 of a round goes last in the next), so a change is measured against its parent on the same load
@@ -201,15 +203,34 @@ def per_cycle(before: dict, after: dict) -> dict:
             "ms_per_cycle": {k: round(v, 3) for k, v in ms.items()}}
 
 
+#: The server process on each port (``serving_process``), for its threads' CPU time.
+SERVER_PIDS: dict[int, int] = {}
+
+
+def event_loop_cpu_seconds(port: int) -> float | None:
+    """CPU seconds the server's event loop has used: its process's main thread, which runs the
+    HTTP handlers (``/proc``; None elsewhere, or for a server this script did not start)."""
+    pid = SERVER_PIDS.get(port)
+    try:  # the nanoseconds the thread ran (schedstat's first field; stat's ticks are 10 ms)
+        return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
+    except (OSError, IndexError, ValueError, TypeError):
+        return None
+
+
 def load_round(port: int, prompts: list[str], clients: int, max_tokens: int, temperature: float) -> dict:
     """``clients`` concurrent clients, each sending its share of ``prompts`` back to back (request
-    i seeded with i); every reply, its latency, the wall time, and where the server's cycles went."""
+    i seeded with i); every reply, its latency, the wall time, where the server's cycles went, and
+    its event loop's CPU time a cycle (the handlers' work: it takes CPU from the pass's threads)."""
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
-    before = cycle_times(port)
+    before, loop_before = cycle_times(port), event_loop_cpu_seconds(port)
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
         replies = list(pool.map(lambda i: chat(client, prompts[i], max_tokens, i, temperature), range(len(prompts))))
-    return {"wall": time.perf_counter() - started, "replies": replies, "cycles": per_cycle(before, cycle_times(port))}
+    wall = time.perf_counter() - started
+    cycles, loop_after = per_cycle(before, cycle_times(port)), event_loop_cpu_seconds(port)
+    if loop_before is not None and loop_after is not None:
+        cycles["event_loop_cpu_ms_per_cycle"] = round(1000 * (loop_after - loop_before) / cycles["cycles"], 3)
+    return {"wall": wall, "replies": replies, "cycles": cycles}
 
 
 def openvino_batch_round(prompts_ids: list[list[int]], clients: int, max_tokens: int, lookup: bool) -> dict | None:
@@ -287,8 +308,10 @@ def serving_process(max_batch: int, checkout: Path | None = None):
                 if time.monotonic() > deadline:
                     raise SystemExit("tierspec serve did not come up within 300 s")
                 time.sleep(0.5)
+        SERVER_PIDS[port] = process.pid
         yield port
     finally:
+        SERVER_PIDS.pop(port, None)
         process.send_signal(signal.SIGTERM)
         try:
             process.wait(timeout=60)
@@ -320,6 +343,12 @@ def batching(args) -> None:
             solo = [r["text"] for r in load_round(this_port, everything, 1, args.max_tokens, temperature)["replies"]]
             for clients in concurrency:
                 prompts = load_prompts_for_load(clients * args.requests_per_client)
+                # A one-sequence cycle on these very requests (one client sending them one after another,
+                # before the rounds): what batching adds to a cycle outside its pass, on the same prompts
+                # (a 1-client round sends only the first requests, whose drafts differ).
+                alone = {} if clients == 1 else {
+                    engine: load_round(port, prompts, 1, args.max_tokens, temperature)["cycles"]
+                    for engine, port in servers.items()}
                 for round_index in range(args.rounds):
                     # the servers take turns, the first in the next round going last
                     order = list(servers.items()) if round_index % 2 == 0 else list(reversed(servers.items()))
@@ -334,7 +363,8 @@ def batching(args) -> None:
                                      "tokens_per_s": round(tokens / done["wall"], 1),
                                      "latency_p50_s": round(statistics.median(latencies), 3),
                                      "latency_p99_s": round(percentile(latencies, 0.99), 3),
-                                     "same_as_solo": same, "lost": lost, **done["cycles"]})
+                                     "same_as_solo": same, "lost": lost, **done["cycles"],
+                                     "alone": alone.get(engine, done["cycles"])})
                         checks.append(same and lost == 0)
                         print(json.dumps(rows[-1]), flush=True)
     if args.peers:
@@ -365,7 +395,8 @@ def batching(args) -> None:
     lines += ["", "Where tierspec's cycles went, ms per cycle (draft: every generation's drafter and policy, the "
               "draft head's steps included; outside: all but the pass):", "",
               "| engine | round | temperature | clients | mean batch | rows/pass | draft | pass | verify | commit | outside "
-              "| outside vs 1 client |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| outside vs 1 client | the same requests alone: outside | outside vs alone | event loop's CPU |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if "ms_per_cycle" not in row:
             continue
@@ -375,7 +406,9 @@ def batching(args) -> None:
         lines.append(f"| {row['engine']} | {row['round']} | {row['temperature']:g} | {row['clients']} | "
                      f"{row['mean_batch']} | {row['rows_per_pass']} | "
                      f"{ms['draft']} | {ms['pass']} | {ms['verify']} | {ms['commit']} | {ms['outside']} | "
-                     f"{ms['outside'] / one['outside']:.2f}× |")
+                     f"{ms['outside'] / one['outside']:.2f}× | {row['alone']['ms_per_cycle']['outside']} | "
+                     f"{ms['outside'] / row['alone']['ms_per_cycle']['outside']:.2f}× | "
+                     f"{row.get('event_loop_cpu_ms_per_cycle', '–')} |")
     table = "\n".join(lines)
     print(table)
     atomic_write_text(args.out, json.dumps({"rows": rows, "table": table, "all_checks_hold": all(checks)}, indent=2))

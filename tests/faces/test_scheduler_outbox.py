@@ -2,7 +2,7 @@
 event loop in one call, in the order they were posted (``server.scheduler.Outbox``)."""
 
 from tierspec.server.scheduler import ChoiceDone, Finished, Job, Outbox, Started, TextPiece, _ReleasingPasses
-from tierspec.decode import GenerationStats
+from tierspec.decode import GenerationStats, TokenLogprob
 
 
 class RecordingLoop:
@@ -97,3 +97,75 @@ def test_events_for_a_closed_event_loop_are_dropped_not_raised():
     outbox.post(SimpleNamespace(loop=loop), "an event")
     outbox.release()
     assert outbox.released == 1
+
+
+# ---- a choice's text: as it comes to a streaming job, once at its end to a whole response's ----------
+
+
+class LetterTokenizer:
+    """Token i's text is the i-th letter (wrapping), enough for ``TokenRecords``' offsets."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def _choice_text(stream: bool, stops: list[str], logprobs: bool, echo: str | None = None):
+    import torch
+
+    from tierspec.decode import DecodeConfig
+    from tierspec.server.scheduler import Choice, ChoiceText
+
+    loop = RecordingLoop()
+    job = Job([], "ar", stops, loop, stream=stream)
+    choice = Choice(0, 0, torch.tensor([1, 2]), None, DecodeConfig(logprobs=1 if logprobs else None), echo_text=echo)
+    return ChoiceText(job, choice, LetterTokenizer()), job, loop
+
+
+def _fed(out, pieces, records, end: bool):
+    """Feed ``pieces`` (records so far with each), then end or stop; what the job received."""
+    stopped = False
+    for i, piece in enumerate(pieces):
+        stopped = out.feed(piece, records[: i + 1])
+        if stopped:
+            break
+    if end and not stopped:
+        out.end(records)
+    out.flush()  # what ``_Live.done`` does before the choice's end
+    return stopped
+
+
+def _events(job, loop):
+    loop.run()
+    return drained(job)
+
+
+PIECES = ["ab", "cd", "e", "fg"]
+RECORDS = [TokenLogprob(i, -0.5 * i, ((i, -0.5 * i),)) for i in range(4)]
+
+
+def test_a_whole_responses_job_gets_each_choices_text_once_as_its_pieces_joined():
+    for stops, logprobs in (([], False), ([], True), (["e"], True), (["dx"], False), (["g"], True)):
+        streamed, streamed_job, streamed_loop = _choice_text(True, stops, logprobs, echo="Q: ")
+        whole, whole_job, whole_loop = _choice_text(False, stops, logprobs, echo="Q: ")
+        streamed.echo(None)
+        whole.echo(None)
+        assert _fed(streamed, PIECES, RECORDS, end=True) == _fed(whole, PIECES, RECORDS, end=True)
+        sent, held = _events(streamed_job, streamed_loop), _events(whole_job, whole_loop)
+        assert sent[0] == held[0] == TextPiece("Q: ", 0, (), echo=True)  # the echo goes out at once either way
+        assert len(held) == 2 and len(sent) > 2, (stops, logprobs)  # one piece for the whole text
+        assert held[1].text == "".join(piece.text for piece in sent[1:]), (stops, logprobs)
+        assert held[1].logprobs == tuple(r for piece in sent[1:] for r in piece.logprobs), (stops, logprobs)
+        assert whole.sent == streamed.sent
+
+
+def test_a_whole_responses_job_gets_nothing_until_its_choice_ends_and_no_empty_piece():
+    whole, job, loop = _choice_text(False, [], False)
+    whole.feed("ab", [])
+    whole.feed("cd", [])
+    assert _events(job, loop) == []  # held: the event loop is not woken a cycle for it
+    whole.flush()
+    whole.flush()  # twice: nothing more
+    assert _events(job, loop) == [TextPiece("abcd", 0)]
+    nothing, job, loop = _choice_text(False, [], False)
+    nothing.end([])
+    assert _events(job, loop) == []

@@ -452,4 +452,5 @@ def prepare(engine: Scheduler, request_model: type[GenerationRequest], raw: byte
         for i in range(body.n):
             choices.append(Choice(p * body.n + i, p, prompt_ids, choice_seed(seed, i), config,
                                   score_only=max_tokens == 0, echo_text=echo_text))
-    return body, Job(choices, method, body.stop or [], loop, tools=structured.tools if structured.tools.active else None)
+    return body, Job(choices, method, body.stop or [], loop, tools=structured.tools if structured.tools.active else None,
+                     stream=bool(body.stream))
