@@ -122,7 +122,8 @@ def _choice_text(stream: bool, stops: list[str], logprobs: bool, echo: str | Non
 
 
 def _fed(out, pieces, records, end: bool):
-    """Feed ``pieces`` (records so far with each), then end or stop; what the job received."""
+    """Feed ``pieces`` (records so far with each), then end, or at a stop sequence flush as
+    ``_Live.done`` does (``end`` sends the held text itself)."""
     stopped = False
     for i, piece in enumerate(pieces):
         stopped = out.feed(piece, records[: i + 1])
@@ -130,7 +131,8 @@ def _fed(out, pieces, records, end: bool):
             break
     if end and not stopped:
         out.end(records)
-    out.flush()  # what ``_Live.done`` does before the choice's end
+    else:
+        out.flush()
     return stopped
 
 
@@ -169,3 +171,57 @@ def test_a_whole_responses_job_gets_nothing_until_its_choice_ends_and_no_empty_p
     nothing, job, loop = _choice_text(False, [], False)
     nothing.end([])
     assert _events(job, loop) == []
+
+
+class Committed:
+    """A sequence's committed tokens as ``_Live`` reads them (``generated_view``: its generated ids)."""
+
+    def __init__(self, tokens):
+        self.generated_view = tokens
+
+
+class FakeSequence:
+    def __init__(self):
+        self.token_ids: list[int] = []
+        self.stats = GenerationStats()
+
+    def finish_reason(self):
+        return "length"
+
+
+def _live_events(stream: bool, stops: list[str], steps: list[list[int]], finishes: bool):
+    """A ``_Live`` of a job fed ``steps`` (new token ids each; letters a, b, …), the last one
+    finishing the generation when ``finishes``; its job's events once the choice is done."""
+    import torch
+
+    from tierspec.decode import CycleStats, DecodeConfig, Step
+    from tierspec.server.scheduler import Choice, _Live
+
+    loop = RecordingLoop()
+    job = Job([], "ar", stops, loop, stream=stream)
+    sequence = FakeSequence()
+    live = _Live(job, Choice(0, 0, torch.tensor([1]), None, DecodeConfig()), sequence, LetterTokenizer())
+    over = False
+    for i, new in enumerate(steps):
+        sequence.token_ids += new
+        last = finishes and i == len(steps) - 1
+        over = live.feed(Step(new, CycleStats(0, 0, 0, len(new), 1, 0, 0, 0.0), last,
+                              committed=Committed(list(sequence.token_ids))))
+        if over:
+            break
+    assert over
+    job.send(live.done())
+    return _events(job, loop)
+
+
+def test_a_whole_responses_choice_sends_its_text_once_before_its_end_at_a_stop_and_at_the_end():
+    from tierspec.server.scheduler import ChoiceDone as Done
+
+    steps = [[0, 1], [2], [3, 4], [5]]  # "ab", "c", "de", "f"
+    for stops, finishes, text in ((["d"], False, "abc"), ([], True, "abcdef"), (["zz"], True, "abcdef")):
+        held = _live_events(False, stops, steps, finishes)
+        assert [type(event) for event in held] == [TextPiece, Done], (stops, finishes)
+        assert held[0] == TextPiece(text, 0), (stops, finishes)
+        streamed = _live_events(True, stops, steps, finishes)
+        assert "".join(event.text for event in streamed[:-1]) == text and len(streamed) > 2
+        assert held[1] == streamed[-1]  # the same end: reason, tokens
