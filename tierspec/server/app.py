@@ -244,9 +244,10 @@ class Reply:
         """Take ``piece`` in; returns its logprobs object (None without logprobs)."""
         return self.add_all([piece])
 
-    def add_all(self, pieces: list[TextPiece]) -> dict | None:
+    def add_all(self, pieces: list[TextPiece], formatted: bool = True) -> dict | None:
         """Take ``pieces`` of one choice in, in order; returns one logprobs object for all of
-        them (None without logprobs or pieces)."""
+        them (None without logprobs or pieces, or unless ``formatted``: a whole response formats
+        every record once, in ``whole``)."""
         if not pieces:
             return None
         index = pieces[0].index
@@ -256,7 +257,7 @@ class Reply:
             return None
         records = [record for piece in pieces for record in piece.logprobs]
         self._records.setdefault(index, []).extend(records)
-        return self.endpoint.logprobs(records, self.texts, offset)
+        return self.endpoint.logprobs(records, self.texts, offset) if formatted else None
 
     def whole(self, done: Finished) -> dict:
         choices = []
@@ -451,7 +452,7 @@ async def _whole(job: Job, reply: Reply) -> dict:
     while True:
         match await job.events.get():
             case TextPiece() as piece:
-                reply.add(piece)
+                reply.add_all([piece], formatted=False)
             case ChoiceDone():
                 pass
             case Failed(error):
