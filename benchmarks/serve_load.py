@@ -213,7 +213,7 @@ def event_loop_cpu_seconds(port: int) -> float | None:
     pid = SERVER_PIDS.get(port)
     try:  # the nanoseconds the thread ran (schedstat's first field; stat's ticks are 10 ms)
         return int(Path(f"/proc/{pid}/task/{pid}/schedstat").read_text().split()[0]) / 1e9
-    except (OSError, IndexError, ValueError, TypeError):
+    except (OSError, IndexError, ValueError):  # (no pid: the path names no process)
         return None
 
 

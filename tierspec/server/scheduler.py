@@ -530,7 +530,6 @@ class ChoiceText:
         self.stops = StopMatcher(job.stops)
         self.records = TokenRecords(tokenizer) if choice.config.logprobs is not None else None
         self.sent = 0  # characters sent (or held to be sent)
-        self.holds = not job.stream
         self._held_text: list[str] = []
         self._held_records: list[TokenLogprob] = []
 
@@ -568,7 +567,7 @@ class ChoiceText:
             self.job.send(TextPiece(text, self.index, records))
 
     def _send(self, text: str, records: tuple[TokenLogprob, ...]) -> None:
-        if self.holds:
+        if not self.job.stream:
             self._held_text.append(text)
             self._held_records += records
         else:
