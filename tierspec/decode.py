@@ -668,13 +668,12 @@ def _propose(decoding: list[Sequence]) -> list[_Drafted]:
 
 def _row_draws(d: _Drafted) -> RowDraws | None:
     """The keyed draws the pass may make for a sampled chain that the target's own tokens decide
-    (``walks.chain_batch_walks``): every row's at the temperature, under the block's keys — only where the
-    sampling logits are the logits divided by the temperature (no top-k or top-p that drops a token:
-    ``sampling.filters``)."""
-    sampling = d.sequence.config.sampling
-    if d.block is None or not d.by_target_tokens or filters(sampling, d.sequence.verifiers.runner.vocab_size):
+    (``walks.chain_batch_walks``): every row's at the temperature, under the block's keys. Under top-k
+    or top-p they are the unfiltered rows' draws, each the filtered row's where the filters surely
+    keep it (``sampling.keyed_allowed_tokens``: the walk checks them)."""
+    if d.block is None or not d.by_target_tokens:
         return None
-    return RowDraws(d.block.keys(len(d.proposal) + 1), sampling.temperature)
+    return RowDraws(d.block.keys(len(d.proposal) + 1), d.sequence.config.sampling.temperature)
 
 
 def _forced_runs(sequence: Sequence, proposal: Proposal) -> list[int] | None:
@@ -813,13 +812,14 @@ def _decide(drafted: list[_Drafted], scores: list[Scores]) -> list[Verdict]:
             drawn.append(score.keyed_draws)
             if score.keyed_draws is not None:
                 any_drawn = True
-            elif not sampling.greedy:
-                read = True  # a sampled walk draws the rows the pass did not
+            if not sampling.greedy and (score.keyed_draws is None
+                                        or filters(sampling, d.sequence.verifiers.runner.vocab_size)):
+                read = True  # a sampled walk draws the rows the pass did not, and checks its draws under top-k or top-p
         draws = None
         if any_drawn:
             draws = [token for k, rows in zip(num_drafts, drawn) for token in (rows or [NOT_DRAWN] * (k + 1))]
         # The logits are joined only where a walk reads them: a greedy one where the pass found no
-        # maxima, a sampled one whose rows the pass did not draw.
+        # maxima, a sampled one whose rows the pass did not draw or that top-k or top-p filters.
         read = read or (not every_maximum and any(sampling.greedy for sampling in samplings))
         batch = ChainBatch(tokens, num_drafts, rows_together([scores[i].logits for i in matched]) if read else None,
                            samplings, blocks, maxima if every_maximum else None, draws)

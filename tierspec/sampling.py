@@ -155,19 +155,35 @@ def _top_k_nucleus(logits: torch.Tensor, survivors: torch.Tensor, vocab: int, to
 
 
 def keyed_allowed_tokens(rows: torch.Tensor, config: SamplingConfig, keys: list[int],
-                         which: list[int] | None = None) -> list[int]:
+                         which: list[int] | None = None, candidates: list[int] | None = None) -> list[int]:
     """``keyed_tokens`` of ``sampling_logits(rows, config)`` (``which``: only those rows of ``rows``
-    [r, V], in that order), bit for bit, with the noise drawn at the allowed tokens only
-    (``gumbel_values``): the first of the equal maxima of their logit plus noise, in id order, is
-    the whole row's first (every other token is −inf there). A row that keeps every token (its
-    probabilities NaN) or none (every logit −inf: its first) is drawn whole, and a NaN refused as
-    ``keyed_tokens`` refuses it."""
-    which = range(rows.shape[0]) if which is None else which
+    [r, V], in that order), bit for bit.
+
+    First from each row's unfiltered draw (``candidates``: each row's ``keyed_tokens`` of the logits
+    at the temperature, as a pass's ``RowDraws`` makes them — a negative one is not drawn; None:
+    drawn here): where top-k and top-p surely keep it (``surely_allowed``) it is the filtered row's
+    draw too — the whole row's first maximum, allowed, is the first maximum among the allowed
+    tokens, whose scores are the same. That holds for all but about 1 − top_p of the rows, and it
+    costs a softmax and a sum a row where finding the nucleus and drawing among it cost several
+    times more (``benchmarks/filtered_draws.py``). Every other row: drawn from the allowed tokens'
+    noise (``gumbel_values``): the first of the equal maxima of their logit plus noise, in id
+    order, is the whole row's first (every other token is −inf there). A row that keeps every
+    token (its probabilities NaN) or none (every logit −inf: its first) is drawn whole, and a NaN
+    refused as ``keyed_tokens`` refuses it."""
+    which = list(range(rows.shape[0])) if which is None else list(which)
     if len(keys) != len(which):
         raise NoiseError(f"{len(which)} rows of scores need {len(which)} keys, got {len(keys)}")
+    if candidates is not None and len(candidates) != len(which):
+        raise NoiseError(f"{len(which)} rows of scores need {len(which)} candidate draws, got {len(candidates)}")
     vocab = rows.shape[-1]
+    # The check where the kernel's vector loop runs (AVX2): its plain loop costs what finding the nucleus does.
+    drawn = _unfiltered_draws(rows, config, keys, which, candidates) if _NOISE_LOOP else None
+    sure = surely_allowed(rows, config, which, drawn) if drawn is not None else [False] * len(which)
     tokens = []
-    for index, key in zip(which, keys):
+    for index, key, token, allowed in zip(which, keys, drawn or which, sure):
+        if allowed:
+            tokens.append(token)
+            continue
         row = rows[index]
         (ids,) = allowed_tokens(row[None], config)
         if len(ids) in (0, vocab):  # every token (NaN probabilities) or none: the whole row
@@ -183,6 +199,63 @@ def keyed_allowed_tokens(rows: torch.Tensor, config: SamplingConfig, keys: list[
             raise NoiseError(f"row {index} of the scores to sample from holds a NaN")
         tokens.append(int(ids[int(np.argmax(scores))]))  # the first maximum, in id order
     return tokens
+
+
+#: How far below ``top_p`` the mass before a token must lie for ``surely_allowed`` to keep it. The
+#: nucleus's own sums (a float32 softmax whose denominator is summed in float32 vector lanes, a running
+#: sum in float64 rounded to float32) and the kernel's (float64 sums of float32 terms, each within a few
+#: float ulps) differ by about 1e-7 on the default model's rows; the margin covers the worst a float32
+#: sum of 49,152 terms in 16 lanes can be off (3,072 roundings of 6e-8, 1.8e-4). Nearer the bound the
+#: nucleus itself decides (a row in thousands).
+SURE_MARGIN = 5e-4
+
+
+def _unfiltered_draws(rows: torch.Tensor, config: SamplingConfig, keys: list[int], which: list[int],
+                      candidates: list[int] | None) -> list[int] | None:
+    """Each row's ``keyed_tokens`` of its logits at the temperature, top-k and top-p not applied:
+    ``candidates`` where drawn (≥ 0), the others drawn here; None where a row cannot be drawn whole
+    (a NaN: the filtered draw refuses it with its own message)."""
+    missing = [at for at, token in enumerate(candidates or [])
+               if token < 0] if candidates is not None else list(range(len(which)))
+    drawn = list(candidates) if candidates is not None else [0] * len(which)
+    if not missing:
+        return drawn
+    picked = [which[at] for at in missing]
+    table = rows.float()
+    try:
+        if config.temperature == 1.0:
+            tokens = keyed_tokens(table, [keys[at] for at in missing], rows=picked)
+        else:
+            tokens = keyed_tokens(table[torch.tensor(picked, dtype=torch.long)] / config.temperature,
+                                  [keys[at] for at in missing])
+    except NoiseError:
+        return None
+    for at, token in zip(missing, tokens):
+        drawn[at] = token
+    return drawn
+
+
+def surely_allowed(rows: torch.Tensor, config: SamplingConfig, which: list[int], tokens: list[int]) -> list[bool]:
+    """For each row ``which[i]`` of ``rows`` [r, V] (float32 logits before the temperature), whether
+    top-k and top-p surely keep ``tokens[i]`` (``allowed_tokens``' rule, without finding the row's
+    allowed tokens): at the temperature fewer than ``top_k`` tokens have a larger logit, and the mass
+    before the token — of the tokens with a larger logit, or an equal one and a smaller id, in the
+    row's softmax or, with top-k, in the softmax of the tokens top-k keeps — lies ``SURE_MARGIN``
+    below ``top_p`` (csrc/noise/keyed_noise.c: ``mass_before``, one pass over the row). False for a
+    negative token, a row holding a NaN or +inf, an excluded token (−inf), and where the mass lies
+    within the margin (the caller then finds the allowed tokens)."""
+    if not which:
+        return []
+    table = _float_rows(rows)
+    vocab = table.shape[1]
+    top_k = config.top_k if config.top_k and config.top_k < vocab else 0
+    try:
+        masses = _keyed_noise.mass_before(table.data_ptr(), table.shape[0], vocab, table.stride(0), which, tokens,
+                                          config.temperature, top_k, config.top_p < 1.0, _NOISE_LOOP)
+    except IndexError:
+        raise NoiseError(f"rows {list(which)} are not all among the scores' {table.shape[0]}") from None
+    bound = config.top_p - SURE_MARGIN if config.top_p < 1.0 else 1.0  # top-k alone: 0 where kept, NaN where not
+    return [mass < bound for mass in masses]  # a NaN is below nothing
 
 
 #: The likeliest tokens a row's nucleus is first looked for among (``nucleus_ids``).

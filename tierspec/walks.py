@@ -296,20 +296,24 @@ def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
     drawn = batch.row_draws
     if drawn is not None and len(drawn) != at:
         raise ValueError(f"{len(drawn)} rows' draws for chains of {at} rows")
+    # A pass's draw of a row under top-k or top-p is the unfiltered one: a candidate the filters decide.
+    logits = batch.target_logits  # None where no sampled walk reads them (then none filters)
+    filtered = set() if logits is None else {i for i in live if filters(batch.samplings[i], logits.shape[-1])}
     depth = 0
     while live:
         tokens = [NOT_DRAWN] * len(live) if drawn is None else [drawn[first_row[i] + depth] for i in live]
         if -1 in tokens:
             raise NoiseError(f"row {first_row[live[tokens.index(-1)]] + depth} of the scores to sample from holds a NaN")
-        left = [g for g, token in enumerate(tokens) if token == NOT_DRAWN]  # the rows the pass did not draw
-        if left:  # drawn here, the rows of each sampling setting together
+        left = [g for g, token in enumerate(tokens) if token == NOT_DRAWN or live[g] in filtered]
+        if left:  # drawn here (or the pass's draw checked), the rows of each sampling setting together
             groups: dict[SamplingConfig, list[int]] = {}
             for g in left:
                 groups.setdefault(batch.samplings[live[g]], []).append(g)
             for sampling, group in groups.items():
                 keys = [_needs(batch.noises[live[g]]).keys(1, depth)[0] for g in group]
                 rows = [first_row[live[g]] + depth for g in group]
-                for g, token in zip(group, _perturbed_rows(batch.target_logits, rows, sampling, keys)):
+                candidates = [tokens[g] for g in group]
+                for g, token in zip(group, _perturbed_rows(batch.target_logits, rows, sampling, keys, candidates)):
                     tokens[g] = token
         reached = []
         for i, token in zip(live, tokens):
@@ -322,13 +326,14 @@ def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
     return walks
 
 
-def _perturbed_rows(logits: torch.Tensor, rows: list[int], sampling: SamplingConfig, keys: list[int]) -> list[int]:
+def _perturbed_rows(logits: torch.Tensor, rows: list[int], sampling: SamplingConfig, keys: list[int],
+                    candidates: list[int] | None = None) -> list[int]:
     """``perturbed_target_tokens`` of ``rows`` of ``logits`` [r, V] only, read where they lie: with
-    top-k or top-p from the allowed tokens' noise (``keyed_allowed_tokens``), at temperature 1 without
-    them as they are (the logits are the sampling logits); else (another temperature, other float
-    types) gathered first."""
+    top-k or top-p by ``keyed_allowed_tokens`` (``candidates``: the rows' unfiltered draws where a pass
+    made them, else ``NOT_DRAWN``), at temperature 1 without them as they are (the logits are the
+    sampling logits); else (another temperature, other float types) gathered first."""
     if logits.dtype == torch.float32 and filters(sampling, logits.shape[-1]):
-        return keyed_allowed_tokens(logits, sampling, keys, rows)
+        return keyed_allowed_tokens(logits, sampling, keys, rows, candidates)
     if sampling.temperature == 1.0 and logits.dtype == torch.float32:
         return keyed_tokens(logits, keys, rows=rows)
     return perturbed_target_tokens(logits.index_select(0, torch.tensor(rows, dtype=torch.long)), sampling, keys).tolist()

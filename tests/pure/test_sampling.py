@@ -188,6 +188,98 @@ def test_a_draw_among_the_allowed_tokens_is_the_filtered_rows_draw(config):
         keyed_allowed_tokens(poisoned, config, [noise.key(0)])
 
 
+def _mass_before_reference(row: torch.Tensor, token: int, config: SamplingConfig) -> float:
+    """The mass before ``token`` in float64, plainly: at the temperature, the tokens of a larger logit or an
+    equal one and a smaller id, in the softmax of the row or, with top-k, of the tokens not below the k-th
+    largest logit; NaN where top-k drops the token, its logit is −inf, or another lies 87 above it (the
+    kernel's terms would overflow: such a token, e^-87 of the likeliest's probability, is in no nucleus)."""
+    scaled = row / config.temperature
+    values = scaled.double()
+    own = values[token]
+    if own == float("-inf") or float(scaled.max() - scaled[token]) > 87:
+        return float("nan")
+    before = (values > own) | ((values == own) & (torch.arange(len(row)) < token))
+    kept = torch.ones_like(before)
+    if config.top_k and config.top_k < len(row):
+        if int((values > own).sum()) >= config.top_k:
+            return float("nan")
+        kept = values >= torch.topk(values, config.top_k).values[-1]
+    weights = torch.exp(values - values.max()) * kept
+    return float((weights * before).sum() / weights.sum())
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(1.0, top_p=0.95), SamplingConfig(0.7, top_p=0.5),
+                                    SamplingConfig(1.0, top_k=40), SamplingConfig(0.7, top_k=40, top_p=0.9),
+                                    SamplingConfig(1.3, top_k=3, top_p=0.6)])
+def test_a_token_is_surely_allowed_only_where_the_filters_keep_it(config):
+    """``surely_allowed`` against the plain rule: every token it keeps is among ``allowed_tokens`` (ties
+    at the token's logit, −inf and flat rows included); it keeps every token whose mass before lies the
+    margin below top_p inside top-k (it is no check that never says yes); the kernel's masses, by its
+    plain loop and by its vector loop, are the float64 reference's within 1e-6."""
+    from tierspec import _keyed_noise
+    from tierspec.sampling import SURE_MARGIN, allowed_tokens, surely_allowed
+
+    generator = torch.Generator().manual_seed(config.top_k + int(config.top_p * 100))
+    said_yes = 0
+    for rows in _nucleus_rows(seed=5):
+        rows = rows.contiguous()
+        vocab = rows.shape[-1]
+        if config.top_k >= vocab:
+            continue
+        for tokens in ([int(torch.randint(vocab, ()).item()) for _ in rows], rows.argmax(-1).tolist(),
+                       torch.multinomial((rows / config.temperature).softmax(-1).nan_to_num(1.0), 1, generator=generator)[:, 0].tolist()):
+            sure = surely_allowed(rows, config, list(range(len(rows))), tokens)
+            for row, token, yes in zip(rows, tokens, sure):
+                allowed = set(allowed_tokens(row[None], config)[0].tolist())
+                expected = _mass_before_reference(row, token, config)
+                assert not yes or token in allowed
+                bound = config.top_p - SURE_MARGIN if config.top_p < 1 else 1.0
+                assert yes == (expected < bound) or abs(expected - bound) < 1e-6
+                said_yes += yes
+            for loop in range(_keyed_noise.best_loop() + 1):
+                masses = _keyed_noise.mass_before(rows.data_ptr(), len(rows), vocab, vocab, list(range(len(rows))), tokens,
+                                                  config.temperature, config.top_k if config.top_k < vocab else 0,
+                                                  config.top_p < 1.0, loop)
+                for row, token, mass in zip(rows, tokens, masses):
+                    expected = _mass_before_reference(row, token, config)
+                    assert (mass != mass and expected != expected) or abs(mass - expected) < 1e-6 \
+                        if config.top_p < 1.0 else (mass != mass) == (expected != expected)
+    assert said_yes > 10
+
+
+def test_the_mass_before_a_token_orders_equal_logits_by_id_and_refuses_what_it_cannot_sum():
+    """Equal logits lie in id order: of two equal likeliest tokens the first has nothing before it, the
+    second the first's mass (just below or above top_p: kept or not). A NaN or +inf row, a token at −inf
+    or outside the vocabulary are never sure; a mass within the margin of top_p is left to the nucleus."""
+    from tierspec.sampling import SURE_MARGIN, keyed_allowed_tokens, keyed_tokens, sampling_logits, surely_allowed
+
+    row = torch.full((1, 300), -30.0)
+    row[0, [40, 200]] = 0.0  # two equal likeliest tokens, half the mass each (less e^-30's)
+    half = SamplingConfig(1.0, top_p=0.5)
+    assert surely_allowed(row, half, [0, 0], [40, 200]) == [True, False]
+    assert surely_allowed(row, SamplingConfig(1.0, top_p=0.5 + 2 * SURE_MARGIN), [0], [200]) == [True]
+    assert surely_allowed(row, SamplingConfig(1.0, top_p=0.5 + SURE_MARGIN / 2), [0], [200]) == [False]  # within the margin
+    assert surely_allowed(row, SamplingConfig(1.0, top_k=1), [0, 0], [40, 200]) == [True, True]  # equal to the 1st largest
+    cut = row.clone()
+    cut[0, 7] = float("-inf")
+    poisoned, infinite = row.clone(), row.clone()
+    poisoned[0, 3], infinite[0, 3] = float("nan"), float("inf")
+    config = SamplingConfig(1.0, top_p=0.9)
+    assert surely_allowed(cut, config, [0, 0, 0, 0], [7, -1, -2, 300]) == [False] * 4
+    assert surely_allowed(poisoned, config, [0], [40]) == [False]
+    assert surely_allowed(infinite, config, [0], [40]) == [False]
+    # keyed draws with candidates: right ones, wrong ones, none — always the filtered row's own draw
+    noise = Noise(3, 300)
+    keys = [noise.key(position) for position in range(6)]
+    rows = (torch.randn(6, 300, generator=torch.Generator().manual_seed(2)) * 4).contiguous()
+    for config in (SamplingConfig(0.7, top_k=5, top_p=0.8), SamplingConfig(1.0, top_p=0.3)):
+        expected = keyed_tokens(sampling_logits(rows, config), keys)
+        unfiltered = keyed_tokens(rows / config.temperature, keys)
+        assert keyed_allowed_tokens(rows, config, keys, candidates=unfiltered) == expected
+        assert keyed_allowed_tokens(rows, config, keys, candidates=[int(r.argmin()) for r in rows]) == expected
+        assert keyed_allowed_tokens(rows, config, keys, candidates=[-2] * 6) == expected
+
+
 def test_residual_is_normalised_positive_part():
     q = torch.tensor([0.5, 0.3, 0.2])
     p = torch.tensor([0.2, 0.6, 0.2])

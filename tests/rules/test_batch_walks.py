@@ -85,8 +85,8 @@ def test_a_sampled_row_is_drawn_only_once_its_walk_reaches_it(monkeypatch):
     poisoned[3][1:] = float("nan")  # after sequence 3's rejected first draft
     drawn = []
     real = walks._perturbed_rows
-    monkeypatch.setattr(walks, "_perturbed_rows", lambda logits, rows, sampling, keys:
-                        drawn.append(list(rows)) or real(logits, rows, sampling, keys))
+    monkeypatch.setattr(walks, "_perturbed_rows", lambda logits, rows, sampling, keys, candidates=None:
+                        drawn.append(list(rows)) or real(logits, rows, sampling, keys, candidates))
     batch = ChainBatch([t for p, _, _, _ in sequences for t in p.token_list], [len(p) for p, _, _, _ in sequences],
                        torch.cat(poisoned), [s for _, _, s, _ in sequences], [n for _, _, _, n in sequences])
     together = chain_batch_walks(batch)
@@ -119,8 +119,8 @@ def test_the_draws_a_pass_made_decide_the_sampled_walks_and_the_rest_are_drawn_h
                        [n for _, _, _, n in sequences], row_draws=draws)
     drawn = []
     real = walks._perturbed_rows
-    monkeypatch.setattr(walks, "_perturbed_rows", lambda logits, rows, sampling, keys:
-                        drawn.extend(rows) or real(logits, rows, sampling, keys))
+    monkeypatch.setattr(walks, "_perturbed_rows", lambda logits, rows, sampling, keys, candidates=None:
+                        drawn.extend(rows) or real(logits, rows, sampling, keys, candidates))
     assert [(w.path, w.next_token) for w in chain_batch_walks(batch)] == [(w.path, w.next_token) for w in alone]
     assert all(draws[row] == NOT_DRAWN for row in drawn)  # only the rows the pass left
     sampled = [i for i, (_, _, s, _) in enumerate(sequences) if not s.greedy and not s.top_k and s.top_p >= 1.0]
@@ -135,6 +135,54 @@ def test_the_draws_a_pass_made_decide_the_sampled_walks_and_the_rest_are_drawn_h
         chain_batch_walks(dataclasses.replace(batch, row_draws=planted))
     with pytest.raises(ValueError, match="rows' draws"):
         chain_batch_walks(dataclasses.replace(batch, row_draws=draws[:-1]))
+
+
+@pytest.mark.parametrize("vocab", [61, 49152])
+def test_a_pass_draw_under_top_k_or_top_p_is_a_candidate_the_filters_decide(monkeypatch, vocab):
+    """Under top-k or top-p a pass's draw is the unfiltered row's (``decode._row_draws``): the walk keeps it
+    only where the filters surely allow it (``sampling.surely_allowed``), else finds the row's allowed tokens —
+    the walks are each sequence's own either way. Most rows are settled by the check (no allowed tokens found);
+    a planted draw the filters drop, or one of a row whose mass lies at the bound, is not taken."""
+    import tierspec.sampling as sampling_module
+    from tierspec.sampling import keyed_tokens
+
+    samplings = [SamplingConfig(0.7, top_k=5), SamplingConfig(1.3, top_p=0.8), SamplingConfig(1.0, top_k=9, top_p=0.9),
+                 SamplingConfig(1.0)]
+    generator = torch.Generator().manual_seed(vocab)
+    sequences, draws = [], []
+    for index in range(8):
+        k = [3, 0, 5, 2][index % 4]
+        logits = torch.randn(k + 1, vocab, generator=generator) * 3
+        for row in logits:  # a language model's rows: most of the mass on a few tokens
+            row[torch.randint(vocab, (3,), generator=generator)] += 14
+        sampling = samplings[index % len(samplings)]
+        noise = Noise(500 + index, vocab).block(9 * index)
+        own = own_tokens(logits, sampling, noise)
+        drafts = own[:k].clone()
+        drafts[k // 2 + 1 :] = (drafts[k // 2 + 1 :] + 1) % vocab
+        sequences.append((Proposal.chain(drafts), logits, sampling, noise))
+        draws += keyed_tokens(logits / sampling.temperature, noise.keys(k + 1))  # what a pass draws: no filter
+    alone = [exact_walk(p, logits, sampling, noise) for p, logits, sampling, noise in sequences]
+    batch = ChainBatch([t for p, _, _, _ in sequences for t in p.token_list], [len(p) for p, _, _, _ in sequences],
+                       torch.cat([logits for _, logits, _, _ in sequences]), [s for _, _, s, _ in sequences],
+                       [n for _, _, _, n in sequences], row_draws=draws)
+    nuclei = []
+    real = sampling_module.allowed_tokens
+    monkeypatch.setattr(sampling_module, "allowed_tokens", lambda rows, config: nuclei.append(len(rows)) or real(rows, config))
+    assert [(w.path, w.next_token) for w in chain_batch_walks(batch)] == [(w.path, w.next_token) for w in alone]
+    filtered_rows = sum(min(w.accepted + 1, len(p) + 1) for w, (p, _, s, _) in zip(alone, sequences) if s.top_k or s.top_p < 1)
+    assert len(nuclei) < filtered_rows / 2  # most rows settled by their draw
+    # A draw the filters drop is never the filtered row's token: planted on every filtered row, the walks hold.
+    first, planted = 0, list(draws)
+    for proposal, logits, sampling, _ in sequences:
+        if sampling.top_k or sampling.top_p < 1:
+            for row in range(len(proposal) + 1):
+                planted[first + row] = int(logits[row].argmin())  # below top-k and outside any nucleus
+        first += len(proposal) + 1
+    nuclei.clear()
+    assert [(w.path, w.next_token) for w in chain_batch_walks(dataclasses.replace(batch, row_draws=planted))] == \
+        [(w.path, w.next_token) for w in alone]
+    assert len(nuclei) == filtered_rows  # every filtered row went the nucleus's way
 
 
 def test_a_greedy_walk_refuses_a_nan_row_it_reads_and_only_that():

@@ -382,6 +382,276 @@ done:
     return result;
 }
 
+/* ---- the mass before a token under top-k and top-p (sampling.surely_allowed) ---------------------------
+ *
+ * Whether top-k and top-p keep a row's unfiltered draw: the nucleus keeps a token when the probability mass
+ * of the tokens before it (a larger logit, or an equal one and a smaller id) is below top_p, in the row's
+ * softmax or, under top-k, in the softmax of the tokens top-k keeps (every logit not below the k-th largest).
+ * One pass over the row (two under both filters: the k-th largest first) where finding the nucleus sorts or
+ * bins it: the caller keeps the draw only where the mass lies a margin below top_p, so the sums need not be
+ * the nucleus's bits, only within a millionth of them. The logits at the temperature are divided as torch
+ * divides them (float32 by float32): which tokens lie before the token, and which top-k keeps, is exact. */
+
+/* e^y for |y| <= 87 (clamped there), within a few float ulps: 2^(y log2 e) as 2^n (the exponent's bits) times
+ * 2^f, f in [−1/2, 1/2], by its Taylor series to the 8th term (truncation 5e−9). Branch-free, so the compiler
+ * runs it over a vector of logits at a time. */
+static inline float exp_clamped(float y) {
+    y = y > -87.0f ? y : -87.0f;
+    y = y < 87.0f ? y : 87.0f;
+    float t = y * 1.44269504088896341f;
+    int n = (int)(t + (t >= 0.0f ? 0.5f : -0.5f)); /* t's nearest integer (truncation toward zero) */
+    float f = t - (float)n;
+    float p = 1.525273380405984e-05f;
+    p = p * f + 1.5403530393381608e-04f;
+    p = p * f + 1.3333558146428443e-03f;
+    p = p * f + 9.618129107628477e-03f;
+    p = p * f + 5.550410866482158e-02f;
+    p = p * f + 2.402265069591007e-01f;
+    p = p * f + 6.931471805599453e-01f;
+    p = p * f + 1.0f;
+    union {
+        uint32_t bits;
+        float value;
+    } scale = {.bits = (uint32_t)(n + 127) << 23};
+    return p * scale.value;
+}
+
+/* ``s`` into a min-heap of ``size`` of the ``k`` largest values seen (it grows to k, then keeps the larger). */
+static void heap_offer(float *heap, Py_ssize_t *size, Py_ssize_t k, float s) {
+    Py_ssize_t at;
+    if (*size < k) { /* sift up */
+        at = (*size)++;
+        while (at > 0 && heap[(at - 1) / 2] > s) {
+            heap[at] = heap[(at - 1) / 2];
+            at = (at - 1) / 2;
+        }
+        heap[at] = s;
+        return;
+    }
+    if (!(s > heap[0])) return;
+    at = 0; /* the root replaced: sift down */
+    for (;;) {
+        Py_ssize_t child = 2 * at + 1;
+        if (child >= k) break;
+        if (child + 1 < k && heap[child + 1] < heap[child]) child++;
+        if (!(heap[child] < s)) break;
+        heap[at] = heap[child];
+        at = child;
+    }
+    heap[at] = s;
+}
+
+#if HAVE_AVX2_BUILD
+/* Offers the row 8 values at a time once the heap is full, skipping the eights all below its root (most). */
+AVX2 static Py_ssize_t heap_offer_avx2(const float *row, Py_ssize_t vocab, float temperature, Py_ssize_t k, float *heap,
+                                       Py_ssize_t *size) {
+    Py_ssize_t v = 0;
+    for (; v < vocab && *size < k; v++) heap_offer(heap, size, k, row[v] / temperature);
+    const __m256 divisor = _mm256_set1_ps(temperature);
+    for (; v + 8 <= vocab; v += 8) {
+        __m256 s = _mm256_div_ps(_mm256_loadu_ps(row + v), divisor);
+        if (!_mm256_movemask_ps(_mm256_cmp_ps(s, _mm256_set1_ps(heap[0]), _CMP_GT_OQ))) continue;
+        float values[8];
+        _mm256_storeu_ps(values, s);
+        for (int i = 0; i < 8; i++) heap_offer(heap, size, k, values[i]);
+    }
+    return v;
+}
+#endif
+
+/* The k-th largest of the row's values at the temperature (counted with their repeats), k <= vocab, by a
+ * min-heap of the k largest seen (``heap``: room for k). */
+static float kth_largest(const float *row, Py_ssize_t vocab, float temperature, Py_ssize_t k, float *heap, int loop) {
+    Py_ssize_t size = 0, v = 0;
+#if HAVE_AVX2_BUILD
+    if (loop >= LOOP_AVX2) v = heap_offer_avx2(row, vocab, temperature, k, heap, &size);
+#endif
+    for (; v < vocab; v++) heap_offer(heap, &size, k, row[v] / temperature);
+    return heap[0];
+}
+
+struct mass_sums {
+    double total, before; /* e^(s − own) over the kept tokens, and over those before the token */
+    int64_t above;        /* tokens of a larger logit */
+    int flawed;           /* a NaN or +inf, or a logit 87 above the token's (its e^ would not hold) */
+};
+
+/* The sums over one row: the reference, and the path of CPUs without AVX2. */
+static void mass_sums_plain(const float *row, Py_ssize_t vocab, float temperature, float own, int64_t token, float kth,
+                            struct mass_sums *sums) {
+    for (Py_ssize_t v = 0; v < vocab; v++) {
+        float s = row[v] / temperature;
+        sums->flawed |= s != s || s - own > 87.0f; /* +inf − own is above 87 too */
+        sums->above += s > own;
+        float e = s > -INFINITY ? exp_clamped(s - own) : 0.0f;
+        sums->total += s >= kth ? (double)e : 0.0;
+        sums->before += (s > own) || (s == own && v < token) ? (double)e : 0.0;
+    }
+}
+
+#if HAVE_AVX2_BUILD
+/* e^y of 8 values, as exp_clamped (rounding t to the nearest even integer instead: the same accuracy). */
+AVX2 static inline __m256 exp_clamped8(__m256 y) {
+    y = _mm256_min_ps(_mm256_max_ps(y, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(87.0f));
+    __m256 t = _mm256_mul_ps(y, _mm256_set1_ps(1.44269504088896341f));
+    __m256 n = _mm256_round_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_sub_ps(t, n);
+    __m256 p = _mm256_set1_ps(1.525273380405984e-05f);
+    static const float terms[] = {1.5403530393381608e-04f, 1.3333558146428443e-03f, 9.618129107628477e-03f,
+                                  5.550410866482158e-02f,  2.402265069591007e-01f,  6.931471805599453e-01f, 1.0f};
+    for (int i = 0; i < 7; i++) p = _mm256_add_ps(_mm256_mul_ps(p, f), _mm256_set1_ps(terms[i]));
+    __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
+}
+
+/* The sums 8 tokens at a time (the tail plainly); float32 terms, float64 sums, as the plain loop. */
+AVX2 static void mass_sums_avx2(const float *row, Py_ssize_t vocab, float temperature, float own, int64_t token,
+                                float kth, struct mass_sums *sums) {
+    const __m256 divisor = _mm256_set1_ps(temperature), mine = _mm256_set1_ps(own), bound = _mm256_set1_ps(kth);
+    const __m256 limit = _mm256_set1_ps(87.0f), none = _mm256_set1_ps(-INFINITY);
+    const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    __m256d total_low = _mm256_setzero_pd(), total_high = _mm256_setzero_pd();
+    __m256d before_low = _mm256_setzero_pd(), before_high = _mm256_setzero_pd();
+    __m256i above = _mm256_setzero_si256();
+    __m256 flawed = _mm256_setzero_ps();
+    int32_t last = token < INT32_MAX ? (int32_t)token : INT32_MAX; /* vocab fits an int32 (below) */
+    Py_ssize_t v = 0;
+    for (; v + 8 <= vocab; v += 8) {
+        __m256 s = _mm256_div_ps(_mm256_loadu_ps(row + v), divisor);
+        __m256 d = _mm256_sub_ps(s, mine);
+        flawed = _mm256_or_ps(flawed, _mm256_or_ps(_mm256_cmp_ps(s, s, _CMP_UNORD_Q), _mm256_cmp_ps(d, limit, _CMP_GT_OQ)));
+        __m256 larger = _mm256_cmp_ps(s, mine, _CMP_GT_OQ);
+        above = _mm256_sub_epi32(above, _mm256_castps_si256(larger));
+        __m256i ids = _mm256_add_epi32(_mm256_set1_epi32((int32_t)v), lanes);
+        __m256 earlier = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(last), ids));
+        __m256 before = _mm256_or_ps(larger, _mm256_and_ps(_mm256_cmp_ps(s, mine, _CMP_EQ_OQ), earlier));
+        __m256 e = _mm256_and_ps(exp_clamped8(d), _mm256_cmp_ps(s, none, _CMP_GT_OQ));
+        __m256 kept = _mm256_and_ps(e, _mm256_cmp_ps(s, bound, _CMP_GE_OQ));
+        __m256 ahead = _mm256_and_ps(e, before);
+        total_low = _mm256_add_pd(total_low, _mm256_cvtps_pd(_mm256_castps256_ps128(kept)));
+        total_high = _mm256_add_pd(total_high, _mm256_cvtps_pd(_mm256_extractf128_ps(kept, 1)));
+        before_low = _mm256_add_pd(before_low, _mm256_cvtps_pd(_mm256_castps256_ps128(ahead)));
+        before_high = _mm256_add_pd(before_high, _mm256_cvtps_pd(_mm256_extractf128_ps(ahead, 1)));
+    }
+    double totals[4], befores[4];
+    int32_t counts[8];
+    _mm256_storeu_pd(totals, _mm256_add_pd(total_low, total_high));
+    _mm256_storeu_pd(befores, _mm256_add_pd(before_low, before_high));
+    _mm256_storeu_si256((__m256i *)counts, above);
+    for (int i = 0; i < 4; i++) sums->total += totals[i], sums->before += befores[i];
+    for (int i = 0; i < 8; i++) sums->above += counts[i];
+    sums->flawed |= _mm256_movemask_ps(flawed) != 0;
+    mass_sums_plain(row + v, vocab - v, temperature, own, token - v, kth, sums);
+}
+#endif
+
+/* The sums by ``loop`` (LOOP_AVX512 runs the AVX2 loop: a row's sums are not where the time goes). */
+static void mass_sums(const float *row, Py_ssize_t vocab, float temperature, float own, int64_t token, float kth,
+                      int loop, struct mass_sums *sums) {
+    *sums = (struct mass_sums){0.0, 0.0, 0, 0};
+#if HAVE_AVX2_BUILD
+    if (vocab < INT32_MAX && loop >= LOOP_AVX2) {
+        mass_sums_avx2(row, vocab, temperature, own, token, kth, sums);
+        return;
+    }
+#endif
+    mass_sums_plain(row, vocab, temperature, own, token, kth, sums);
+}
+
+/* The mass before ``token`` in the row's filtered distribution (see above), NaN where the row holds a NaN or
+ * +inf, the token is outside the vocabulary or −inf, or top-k drops it; 0 where top-k keeps it and there is
+ * no nucleus to look at. ``heap``: room for top_k floats (top_k 0: no top-k). */
+static double row_mass_before(const float *row, Py_ssize_t vocab, int64_t token, float temperature, Py_ssize_t top_k,
+                              int nucleus, float *heap, int loop) {
+    if (token < 0 || token >= vocab) return NAN;
+    float own = row[token] / temperature;
+    if (!(own > -INFINITY && own < INFINITY)) return NAN;
+    float kth = top_k > 0 && nucleus ? kth_largest(row, vocab, temperature, top_k, heap, loop) : -INFINITY;
+    struct mass_sums sums;
+    mass_sums(row, vocab, temperature, own, token, kth, loop, &sums);
+    if (sums.flawed || (top_k > 0 && sums.above >= top_k)) return NAN;
+    return nucleus ? sums.before / sums.total : 0.0;
+}
+
+static PyObject *py_mass_before(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"x", "table_rows", "vocab", "stride", "rows", "tokens", "temperature", "top_k", "nucleus",
+                            "loop", NULL};
+    PyObject *x_address, *rows_arg, *tokens_arg;
+    Py_ssize_t table_rows, vocab, stride, top_k;
+    double temperature;
+    int nucleus, loop;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OnnnOOdnpi", names, &x_address, &table_rows, &vocab, &stride, &rows_arg,
+                                     &tokens_arg, &temperature, &top_k, &nucleus, &loop))
+        return NULL;
+    if (!loop_usable(loop)) return NULL;
+    if (table_rows < 0 || vocab < 1 || stride < 0 || top_k < 0 || top_k > vocab)
+        return PyErr_Format(PyExc_ValueError, "table_rows %zd, vocab %zd, stride %zd, top_k %zd: expected table_rows >= 0, "
+                            "vocab >= 1, stride >= 0, 0 <= top_k <= vocab", table_rows, vocab, stride, top_k);
+    if (!(temperature > 0.0) || !isfinite(temperature) || !isfinite((float)temperature))
+        return PyErr_Format(PyExc_ValueError, "temperature must be a finite number > 0, got %g", temperature);
+    const float *x = PyLong_AsVoidPtr(x_address);
+    if (PyErr_Occurred()) return NULL;
+    PyObject *rows_seq = PySequence_Tuple(rows_arg), *tokens_seq = NULL, *result = NULL;
+    uint64_t *rows = NULL;
+    int64_t *tokens = NULL;
+    double *masses = NULL;
+    float *heap = NULL;
+    if (!rows_seq) return NULL;
+    Py_ssize_t count = PyTuple_GET_SIZE(rows_seq);
+    tokens_seq = PySequence_Tuple(tokens_arg);
+    if (!tokens_seq) goto done;
+    if (PyTuple_GET_SIZE(tokens_seq) != count) {
+        PyErr_Format(PyExc_ValueError, "%zd rows need %zd tokens, got %zd", count, count, PyTuple_GET_SIZE(tokens_seq));
+        goto done;
+    }
+    if (count == 0) {
+        result = PyList_New(0);
+        goto done;
+    }
+    if (!x) {
+        PyErr_Format(PyExc_ValueError, "x must be a non-null address");
+        goto done;
+    }
+    rows = PyMem_Malloc((size_t)count * sizeof *rows);
+    tokens = PyMem_Malloc((size_t)count * sizeof *tokens);
+    masses = PyMem_Malloc((size_t)count * sizeof *masses);
+    heap = top_k > 0 && nucleus ? PyMem_Malloc((size_t)top_k * sizeof *heap) : NULL;
+    if (!rows || !tokens || !masses || (top_k > 0 && nucleus && !heap)) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (!read_ints(rows_seq, count, rows, 0, table_rows)) goto done;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *item = PyNumber_Index(PyTuple_GET_ITEM(tokens_seq, i));
+        if (!item) goto done;
+        int overflow = 0;
+        long long token = PyLong_AsLongLongAndOverflow(item, &overflow);
+        Py_DECREF(item);
+        if (token == -1 && PyErr_Occurred()) goto done;
+        tokens[i] = overflow ? -1 : (int64_t)token; /* beyond a long long: outside the vocabulary, NaN */
+    }
+    float t = (float)temperature; /* as torch divides a float32 row by a Python number */
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < count; i++)
+        masses[i] = row_mass_before(x + (size_t)rows[i] * (size_t)stride, vocab, tokens[i], t, top_k, nucleus, heap, loop);
+    Py_END_ALLOW_THREADS
+    result = PyList_New(count);
+    for (Py_ssize_t i = 0; result && i < count; i++) {
+        PyObject *mass = PyFloat_FromDouble(masses[i]);
+        if (!mass) Py_CLEAR(result);
+        else PyList_SET_ITEM(result, i, mass);
+    }
+done:
+    PyMem_Free(rows);
+    PyMem_Free(tokens);
+    PyMem_Free(masses);
+    PyMem_Free(heap);
+    Py_XDECREF(rows_seq);
+    Py_XDECREF(tokens_seq);
+    return result;
+}
+
 static PyObject *py_mix64(PyObject *self, PyObject *arg) {
     (void)self;
     uint64_t z = PyLong_AsUnsignedLongLongMask(arg);
@@ -410,6 +680,13 @@ static PyMethodDef methods[] = {
      "table at x [table_rows, vocab] (rows: row indices, or None for all), its first maximum (keys None) or its "
      "perturbed argmax under keys[i]'s noise, as gumbel_argmax; -1 for a row holding a NaN. IndexError for a row "
      "outside the table, ValueError for keys of another count."},
+    {"mass_before", (PyCFunction)(void (*)(void))py_mass_before, METH_VARARGS | METH_KEYWORDS,
+     "mass_before(x, table_rows, vocab, stride, rows, tokens, temperature, top_k, nucleus, loop) -> list: for each chosen "
+     "row of the float32 table at x and its token, the probability mass before the token at the temperature (the "
+     "tokens of a larger logit, or an equal one and a smaller id; under top_k > 0 in the softmax of the tokens "
+     "not below the k-th largest logit), 0.0 without nucleus; NaN for a row holding a NaN or +inf, a token "
+     "outside the vocabulary or at -inf, or one top_k drops; loop: 0 plain, 1 or 2 AVX2 (sums within a float's "
+     "rounding of each other). IndexError for a row outside the table."},
     {"mix64", py_mix64, METH_O, "SplitMix64's output function of a 64-bit word."},
     {"best_loop", py_best_loop, METH_NOARGS, "The fastest loop this CPU runs: 0 plain, 1 AVX2, 2 AVX-512 (the same bits)."},
     {NULL, NULL, 0, NULL},
