@@ -516,8 +516,10 @@ AVX2 static void mass_sums_avx2(const float *row, Py_ssize_t vocab, float temper
     __m256 flawed = _mm256_setzero_ps();
     int32_t last = token < INT32_MAX ? (int32_t)token : INT32_MAX; /* vocab fits an int32 (below) */
     Py_ssize_t v = 0;
+    const int divide = temperature != 1.0f;
     for (; v + 8 <= vocab; v += 8) {
-        __m256 s = _mm256_div_ps(_mm256_loadu_ps(row + v), divisor);
+        __m256 s = _mm256_loadu_ps(row + v);
+        if (divide) s = _mm256_div_ps(s, divisor); /* x / 1 is x */
         __m256 d = _mm256_sub_ps(s, mine);
         flawed = _mm256_or_ps(flawed, _mm256_or_ps(_mm256_cmp_ps(s, s, _CMP_UNORD_Q), _mm256_cmp_ps(d, limit, _CMP_GT_OQ)));
         __m256 larger = _mm256_cmp_ps(s, mine, _CMP_GT_OQ);
@@ -545,11 +547,70 @@ AVX2 static void mass_sums_avx2(const float *row, Py_ssize_t vocab, float temper
 }
 #endif
 
-/* The sums by ``loop`` (LOOP_AVX512 runs the AVX2 loop: a row's sums are not where the time goes). */
+#if HAVE_AVX2_BUILD
+/* e^y of 16 values, as exp_clamped8. */
+KEYED_AVX512 static inline __m512 exp_clamped16(__m512 y) {
+    y = _mm512_min_ps(_mm512_max_ps(y, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(87.0f));
+    __m512 t = _mm512_mul_ps(y, _mm512_set1_ps(1.44269504088896341f));
+    __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(1.525273380405984e-05f);
+    static const float terms[] = {1.5403530393381608e-04f, 1.3333558146428443e-03f, 9.618129107628477e-03f,
+                                  5.550410866482158e-02f,  2.402265069591007e-01f,  6.931471805599453e-01f, 1.0f};
+    for (int i = 0; i < 7; i++) p = _mm512_add_ps(_mm512_mul_ps(p, f), _mm512_set1_ps(terms[i]));
+    __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(p, _mm512_castsi512_ps(bits));
+}
+
+/* The sums 16 tokens at a time, as mass_sums_avx2 (masks for the selections; the division skipped at t = 1,
+ * where x / 1 is x). */
+KEYED_AVX512 static void mass_sums_avx512(const float *row, Py_ssize_t vocab, float temperature, float own,
+                                          int64_t token, float kth, struct mass_sums *sums) {
+    const __m512 divisor = _mm512_set1_ps(temperature), mine = _mm512_set1_ps(own), bound = _mm512_set1_ps(kth);
+    const __m512 limit = _mm512_set1_ps(87.0f), none = _mm512_set1_ps(-INFINITY);
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int divide = temperature != 1.0f;
+    __m512d total_low = _mm512_setzero_pd(), total_high = _mm512_setzero_pd();
+    __m512d before_low = _mm512_setzero_pd(), before_high = _mm512_setzero_pd();
+    __m512i above = _mm512_setzero_si512();
+    __mmask16 flawed = 0;
+    int32_t last = token < INT32_MAX ? (int32_t)token : INT32_MAX;
+    Py_ssize_t v = 0;
+    for (; v + 16 <= vocab; v += 16) {
+        __m512 s = _mm512_loadu_ps(row + v);
+        if (divide) s = _mm512_div_ps(s, divisor);
+        __m512 d = _mm512_sub_ps(s, mine);
+        flawed |= _mm512_cmp_ps_mask(s, s, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(d, limit, _CMP_GT_OQ);
+        __mmask16 larger = _mm512_cmp_ps_mask(s, mine, _CMP_GT_OQ);
+        above = _mm512_mask_sub_epi32(above, larger, above, _mm512_set1_epi32(-1));
+        __mmask16 earlier = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(last),
+                                                    _mm512_add_epi32(_mm512_set1_epi32((int32_t)v), lanes));
+        __mmask16 before = larger | (_mm512_cmp_ps_mask(s, mine, _CMP_EQ_OQ) & earlier);
+        __m512 e = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, none, _CMP_GT_OQ), exp_clamped16(d));
+        __m512 kept = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s, bound, _CMP_GE_OQ), e);
+        __m512 ahead = _mm512_maskz_mov_ps(before, e);
+        total_low = _mm512_add_pd(total_low, _mm512_cvtps_pd(_mm512_castps512_ps256(kept)));
+        total_high = _mm512_add_pd(total_high, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(kept), 1))));
+        before_low = _mm512_add_pd(before_low, _mm512_cvtps_pd(_mm512_castps512_ps256(ahead)));
+        before_high = _mm512_add_pd(before_high, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(ahead), 1))));
+    }
+    sums->total += _mm512_reduce_add_pd(_mm512_add_pd(total_low, total_high));
+    sums->before += _mm512_reduce_add_pd(_mm512_add_pd(before_low, before_high));
+    sums->above += _mm512_reduce_add_epi32(above);
+    sums->flawed |= flawed != 0;
+    mass_sums_plain(row + v, vocab - v, temperature, own, token - v, kth, sums);
+}
+#endif
+
+/* The sums by ``loop``. */
 static void mass_sums(const float *row, Py_ssize_t vocab, float temperature, float own, int64_t token, float kth,
                       int loop, struct mass_sums *sums) {
     *sums = (struct mass_sums){0.0, 0.0, 0, 0};
 #if HAVE_AVX2_BUILD
+    if (vocab < INT32_MAX && loop >= LOOP_AVX512) {
+        mass_sums_avx512(row, vocab, temperature, own, token, kth, sums);
+        return;
+    }
     if (vocab < INT32_MAX && loop >= LOOP_AVX2) {
         mass_sums_avx2(row, vocab, temperature, own, token, kth, sums);
         return;
@@ -685,7 +746,7 @@ static PyMethodDef methods[] = {
      "row of the float32 table at x and its token, the probability mass before the token at the temperature (the "
      "tokens of a larger logit, or an equal one and a smaller id; under top_k > 0 in the softmax of the tokens "
      "not below the k-th largest logit), 0.0 without nucleus; NaN for a row holding a NaN or +inf, a token "
-     "outside the vocabulary or at -inf, or one top_k drops; loop: 0 plain, 1 or 2 AVX2 (sums within a float's "
+     "outside the vocabulary or at -inf, or one top_k drops; loop: 0 plain, 1 AVX2, 2 AVX-512 (sums within a float's "
      "rounding of each other). IndexError for a row outside the table."},
     {"mix64", py_mix64, METH_O, "SplitMix64's output function of a 64-bit word."},
     {"best_loop", py_best_loop, METH_NOARGS, "The fastest loop this CPU runs: 0 plain, 1 AVX2, 2 AVX-512 (the same bits)."},
