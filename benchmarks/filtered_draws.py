@@ -4,7 +4,7 @@ checking the row's unfiltered draw (``sampling.surely_allowed``), with the draw 
 pass makes it (``cached_model.RowDraws``) — the same tokens, row by row.
 
     python benchmarks/filtered_draws.py [--prompts 8] [--tokens 64] [--filters 1/p0.95,0.7/k40/p0.9,1/k40,0.8/p0.9]
-                                        [--rows 1,4,13] [--out results/filtered_draws/filtered_draws.json]
+                                        [--rows 1,4,13] [--out results/filtered_draws.json]
 
 Rows: ``--prompts`` MT-Bench prompts answered by ``ar`` at temperature 1 (seeds 0, 1, …), each prompt
 and answer run teacher-forced through the default model; every answer position's logits row is kept
@@ -102,12 +102,15 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--filters", default="1/p0.95,0.7/k40/p0.9,1/k40,0.8/p0.9")
     parser.add_argument("--rows", default="1,4,13", help="rows drawn in one call")
-    parser.add_argument("--out", type=Path, default=Path("results/filtered_draws/filtered_draws.json"))
+    parser.add_argument("--out", type=Path, default=Path("results/filtered_draws.json"))
     args = parser.parse_args()
     torch.set_num_threads(2)
     rows = target_rows(args.prompts, args.tokens)
     print(f"{len(rows)} rows of {rows.shape[-1]} logits", flush=True)
-    report = {"rows": len(rows), "threads": torch.get_num_threads(), "results": []}
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
+    report = {"rows": len(rows), "threads": torch.get_num_threads(), "cpu": cpu,
+              "noise_loop": ["plain", "AVX2", "AVX-512"][sampling._NOISE_LOOP], "results": []}
     lines = ["| filter | rows a call | nucleus µs/row | check µs/row | pass draw µs/row | settled by the check |",
              "|---|---|---|---|---|---|"]
     for text in args.filters.split(","):

@@ -163,10 +163,10 @@ def keyed_allowed_tokens(rows: torch.Tensor, config: SamplingConfig, keys: list[
     at the temperature, as a pass's ``RowDraws`` makes them — a negative one is not drawn; None:
     drawn here): where top-k and top-p surely keep it (``surely_allowed``) it is the filtered row's
     draw too — the whole row's first maximum, allowed, is the first maximum among the allowed
-    tokens, whose scores are the same. That holds for all but about 1 − top_p of the rows, and it
-    costs a softmax and a sum a row where finding the nucleus and drawing among it cost several
-    times more (``benchmarks/filtered_draws.py``). Every other row: drawn from the allowed tokens'
-    noise (``gumbel_values``): the first of the equal maxima of their logit plus noise, in id
+    tokens, whose scores are the same. That settles every row but those whose draw the filters drop
+    (about the mass they drop) or whose mass lies at the bound, by one pass over the row in C, where
+    finding the allowed tokens and drawing among them cost 3–10× more (``benchmarks/filtered_draws.py``).
+    Every other row: drawn from the allowed tokens' noise (``gumbel_values``): the first of the equal maxima of their logit plus noise, in id
     order, is the whole row's first (every other token is −inf there). A row that keeps every
     token (its probabilities NaN) or none (every logit −inf: its first) is drawn whole, and a NaN
     refused as ``keyed_tokens`` refuses it."""
@@ -202,11 +202,11 @@ def keyed_allowed_tokens(rows: torch.Tensor, config: SamplingConfig, keys: list[
 
 
 #: How far below ``top_p`` the mass before a token must lie for ``surely_allowed`` to keep it. The
-#: nucleus's own sums (a float32 softmax whose denominator is summed in float32 vector lanes, a running
-#: sum in float64 rounded to float32) and the kernel's (float64 sums of float32 terms, each within a few
-#: float ulps) differ by about 1e-7 on the default model's rows; the margin covers the worst a float32
-#: sum of 49,152 terms in 16 lanes can be off (3,072 roundings of 6e-8, 1.8e-4). Nearer the bound the
-#: nucleus itself decides (a row in thousands).
+#: kernel's masses (float64 sums of float32 terms, each within a few float ulps) lie within 5e-8 of a
+#: float64 reference on the default model's rows (``tests/pure/test_sampling.py`` holds them to 1e-6);
+#: the nucleus's own (a float32 softmax, its denominator summed in float32 vector lanes, then a running
+#: sum rounded to float32) can be off by at most what 49,152 terms summed in 16 lanes round away
+#: (3,072 roundings of 6e-8: 1.8e-4). Nearer the bound the nucleus itself decides.
 SURE_MARGIN = 5e-4
 
 

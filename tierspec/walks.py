@@ -239,7 +239,8 @@ class ChainBatch:
     ``row_maxima`` [T + B]: every row's ``first_maxima`` where the pass found them (then the greedy
     sequences' rows are not read again, and ``target_logits`` may be None if no sequence samples);
     ``row_draws`` [T + B]: every sampled row's keyed draw where the pass made it (``cached_model.RowDraws``;
-    ``sampling.NOT_DRAWN`` where it did not: that row is drawn here)."""
+    ``sampling.NOT_DRAWN`` where it did not: that row is drawn here); a top-k or top-p sequence's are its
+    unfiltered rows' draws, kept where the filters surely allow them (``sampling.keyed_allowed_tokens``)."""
 
     draft_tokens: list[int]
     num_drafts: list[int]
