@@ -33,19 +33,7 @@ from tierspec.prompting import encode_prompt
 from tierspec.sampling import Noise, SamplingConfig, keyed_allowed_tokens, keyed_tokens
 from tierspec.util import atomic_write_text
 
-
-def parse_filter(text: str) -> SamplingConfig:
-    """``T/kK/pP`` (``1/p0.95``, ``0.7/k40/p0.9``) as a sampling config."""
-    temperature, *parts = text.split("/")
-    top_k, top_p = 0, 1.0
-    for part in parts:
-        if part.startswith("k"):
-            top_k = int(part[1:])
-        elif part.startswith("p"):
-            top_p = float(part[1:])
-        else:
-            raise SystemExit(f"unknown filter part {part!r} in {text!r} (kK or pP)")
-    return SamplingConfig(float(temperature), top_k, top_p)
+from loop_time import sampling_setting  # (the script's folder is on the path: ``T/kK/pP`` as loop_time reads it)
 
 
 def target_rows(prompts: int, tokens: int) -> torch.Tensor:
@@ -114,7 +102,7 @@ def main() -> None:
     lines = ["| filter | rows a call | nucleus µs/row | check µs/row | pass draw µs/row | settled by the check |",
              "|---|---|---|---|---|---|"]
     for text in args.filters.split(","):
-        config = parse_filter(text)
+        config = SamplingConfig(*sampling_setting(text))
         for group in (int(g) for g in args.rows.split(",")):
             times: dict[str, list[float]] = {"nucleus": [], "check": [], "pass draw": []}
             reference, settled = None, 0
