@@ -48,8 +48,9 @@ class PassResult:
 class RowDraws:
     """The keyed draws a pass makes in its LM head's product for a sequence's scored rows: row i's
     token argmax_v(logits[i, v] / ``temperature`` + g_i(v)) under the Gumbel noise of ``keys[i]``
-    (``sampling.keyed_tokens`` of ``sampling.sampling_logits`` without top-k or top-p, bit for bit: under
-    them a candidate the walk checks, ``sampling.keyed_allowed_tokens``), drawn by the engine's threads from each chunk of the product while it is in their caches; rows past
+    (``sampling.keyed_tokens`` of ``sampling.sampling_logits`` without top-k or top-p, bit for bit:
+    under them a candidate the walk checks, ``sampling.keyed_allowed_tokens``), drawn by the engine's
+    threads from each chunk of the product while it is in their caches; rows past
     ``keys`` are not drawn. A backend that cannot draw (a solo pass, a head that is not quantised)
     returns none: the caller draws them itself."""
 

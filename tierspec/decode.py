@@ -57,7 +57,7 @@ from .passes import PassBackend, PassRequest, pass_backend
 from .policies import CostAware, CycleOutcome, DraftPolicy
 from .proposal import DraftRequest, Proposal, Scores, Shape, Verdict, walk_reached
 from .rules.base import ScoreRule, VerificationRule
-from .sampling import NOT_DRAWN, BlockNoise, Noise, SamplingConfig, filters, reported_logprobs
+from .sampling import CHECKS_UNFILTERED_DRAWS, NOT_DRAWN, BlockNoise, Noise, SamplingConfig, filters, reported_logprobs
 from .seq2seq import decoder_start, is_encoder_decoder
 from .verifiers import CommittedTokens, GeneratedTokens, TargetPass, Verifiers
 from .walks import ChainBatch, chain_batch_walks
@@ -670,10 +670,13 @@ def _row_draws(d: _Drafted) -> RowDraws | None:
     """The keyed draws the pass may make for a sampled chain that the target's own tokens decide
     (``walks.chain_batch_walks``): every row's at the temperature, under the block's keys. Under top-k
     or top-p they are the unfiltered rows' draws, each the filtered row's where the filters surely
-    keep it (``sampling.keyed_allowed_tokens``: the walk checks them)."""
-    if d.block is None or not d.by_target_tokens:
+    keep it (``sampling.keyed_allowed_tokens``: the walk checks them) — none where the check does not
+    run (``sampling.CHECKS_UNFILTERED_DRAWS``)."""
+    sampling = d.sequence.config.sampling
+    if d.block is None or not d.by_target_tokens or (not CHECKS_UNFILTERED_DRAWS
+                                                      and filters(sampling, d.sequence.verifiers.runner.vocab_size)):
         return None
-    return RowDraws(d.block.keys(len(d.proposal) + 1), d.sequence.config.sampling.temperature)
+    return RowDraws(d.block.keys(len(d.proposal) + 1), sampling.temperature)
 
 
 def _forced_runs(sequence: Sequence, proposal: Proposal) -> list[int] | None:
@@ -812,8 +815,7 @@ def _decide(drafted: list[_Drafted], scores: list[Scores]) -> list[Verdict]:
             drawn.append(score.keyed_draws)
             if score.keyed_draws is not None:
                 any_drawn = True
-            if not sampling.greedy and (score.keyed_draws is None
-                                        or filters(sampling, d.sequence.verifiers.runner.vocab_size)):
+            if not sampling.greedy and (score.keyed_draws is None or sampling.top_k or sampling.top_p < 1.0):
                 read = True  # a sampled walk draws the rows the pass did not, and checks its draws under top-k or top-p
         draws = None
         if any_drawn:

@@ -40,6 +40,10 @@ def _noise_loop() -> int:
 
 #: The noise kernels' loop (``_noise_loop``).
 _NOISE_LOOP = _noise_loop()
+#: Whether a top-k or top-p row's draw starts from its unfiltered draw, checked (``keyed_allowed_tokens``):
+#: where the check's vector loop runs (AVX2 or AVX-512); its plain loop costs what finding the allowed
+#: tokens does, so there (and the decode loop asks the pass for no such draws) the allowed tokens are found.
+CHECKS_UNFILTERED_DRAWS = _NOISE_LOOP > 0
 
 
 class SamplingError(TierspecError):
@@ -164,9 +168,10 @@ def keyed_allowed_tokens(rows: torch.Tensor, config: SamplingConfig, keys: list[
     drawn here): where top-k and top-p surely keep it (``surely_allowed``) it is the filtered row's
     draw too — the whole row's first maximum, allowed, is the first maximum among the allowed
     tokens, whose scores are the same. That settles every row but those whose draw the filters drop
-    (about the mass they drop) or whose mass lies at the bound, by one pass over the row in C, where
-    finding the allowed tokens and drawing among them cost 3–10× more (``benchmarks/filtered_draws.py``).
-    Every other row: drawn from the allowed tokens' noise (``gumbel_values``): the first of the equal maxima of their logit plus noise, in id
+    (at most about the mass they drop) or whose mass lies at the bound, by one pass over the row in C,
+    where finding the allowed tokens and drawing among them cost 3–10× more
+    (``benchmarks/filtered_draws.py``). Only where ``CHECKS_UNFILTERED_DRAWS``. Every other row: drawn
+    from the allowed tokens' noise (``gumbel_values``): the first of the equal maxima of their logit plus noise, in id
     order, is the whole row's first (every other token is −inf there). A row that keeps every
     token (its probabilities NaN) or none (every logit −inf: its first) is drawn whole, and a NaN
     refused as ``keyed_tokens`` refuses it."""
@@ -176,13 +181,12 @@ def keyed_allowed_tokens(rows: torch.Tensor, config: SamplingConfig, keys: list[
     if candidates is not None and len(candidates) != len(which):
         raise NoiseError(f"{len(which)} rows of scores need {len(which)} candidate draws, got {len(candidates)}")
     vocab = rows.shape[-1]
-    # The check where the kernel's vector loop runs (AVX2): its plain loop costs what finding the nucleus does.
-    drawn = _unfiltered_draws(rows, config, keys, which, candidates) if _NOISE_LOOP else None
+    drawn = _unfiltered_draws(rows, config, keys, which, candidates) if CHECKS_UNFILTERED_DRAWS else None
     sure = surely_allowed(rows, config, which, drawn) if drawn is not None else [False] * len(which)
     tokens = []
-    for index, key, token, allowed in zip(which, keys, drawn or which, sure):
-        if allowed:
-            tokens.append(token)
+    for at, (index, key) in enumerate(zip(which, keys)):
+        if sure[at]:
+            tokens.append(drawn[at])
             continue
         row = rows[index]
         (ids,) = allowed_tokens(row[None], config)
@@ -201,13 +205,21 @@ def keyed_allowed_tokens(rows: torch.Tensor, config: SamplingConfig, keys: list[
     return tokens
 
 
-#: How far below ``top_p`` the mass before a token must lie for ``surely_allowed`` to keep it. The
-#: kernel's masses (float64 sums of float32 terms, each within a few float ulps) lie within 5e-8 of a
-#: float64 reference on the default model's rows (``tests/pure/test_sampling.py`` holds them to 1e-6);
-#: the nucleus's own (a float32 softmax, its denominator summed in float32 vector lanes, then a running
-#: sum rounded to float32) can be off by at most what 49,152 terms summed in 16 lanes round away
-#: (3,072 roundings of 6e-8: 1.8e-4). Nearer the bound the nucleus itself decides.
-SURE_MARGIN = 5e-4
+#: How far below ``top_p`` the mass before a token must lie for ``surely_allowed`` to keep it, beyond
+#: what the nucleus's own sums can be off (``sure_margin``). The kernel's masses (float64 sums of float32
+#: terms, each within a few float ulps) lie within 5e-8 of a float64 reference on the default model's
+#: rows (``tests/pure/test_sampling.py`` holds them to 1e-6).
+SURE_MARGIN = 1e-5
+
+
+def sure_margin(vocab: int) -> float:
+    """How far below ``top_p`` ``surely_allowed`` wants the mass before a token on rows of ``vocab``
+    logits: ``SURE_MARGIN`` and the most the nucleus's own mass can be off. That one is a float32
+    softmax (each probability within a few ulps, its denominator a float32 sum of ``vocab`` terms —
+    at worst ``vocab`` roundings of 2⁻²⁴ of a sum of 1, however torch splits it into lanes) summed
+    in float64 and rounded once: below ``vocab``·2⁻²⁴ + 2⁻²¹ (2.9e-3 for the default model's 49,152
+    tokens; errors measured there are about 1e-6). Nearer the bound the nucleus itself decides."""
+    return SURE_MARGIN + vocab * 2.0**-24 + 2.0**-21
 
 
 def _unfiltered_draws(rows: torch.Tensor, config: SamplingConfig, keys: list[int], which: list[int],
@@ -215,8 +227,8 @@ def _unfiltered_draws(rows: torch.Tensor, config: SamplingConfig, keys: list[int
     """Each row's ``keyed_tokens`` of its logits at the temperature, top-k and top-p not applied:
     ``candidates`` where drawn (≥ 0), the others drawn here; None where a row cannot be drawn whole
     (a NaN: the filtered draw refuses it with its own message)."""
-    missing = [at for at, token in enumerate(candidates or [])
-               if token < 0] if candidates is not None else list(range(len(which)))
+    missing = [at for at, token in enumerate(candidates) if token < 0] if candidates is not None \
+        else list(range(len(which)))
     drawn = list(candidates) if candidates is not None else [0] * len(which)
     if not missing:
         return drawn
@@ -240,10 +252,11 @@ def surely_allowed(rows: torch.Tensor, config: SamplingConfig, which: list[int],
     top-k and top-p surely keep ``tokens[i]`` (``allowed_tokens``' rule, without finding the row's
     allowed tokens): at the temperature fewer than ``top_k`` tokens have a larger logit, and the mass
     before the token — of the tokens with a larger logit, or an equal one and a smaller id, in the
-    row's softmax or, with top-k, in the softmax of the tokens top-k keeps — lies ``SURE_MARGIN``
+    row's softmax or, with top-k, in the softmax of the tokens top-k keeps — lies ``sure_margin``
     below ``top_p`` (csrc/noise/keyed_noise.c: ``mass_before``, one pass over the row). False for a
-    negative token, a row holding a NaN or +inf, an excluded token (−inf), and where the mass lies
-    within the margin (the caller then finds the allowed tokens)."""
+    negative token, a row holding a NaN or +inf, an excluded token (−inf) or one some logit lies 87
+    above (its e^ would not hold), and where the mass lies within the margin (the caller then finds
+    the allowed tokens)."""
     if not which:
         return []
     table = _float_rows(rows)
@@ -254,7 +267,7 @@ def surely_allowed(rows: torch.Tensor, config: SamplingConfig, which: list[int],
                                           config.temperature, top_k, config.top_p < 1.0, _NOISE_LOOP)
     except IndexError:
         raise NoiseError(f"rows {list(which)} are not all among the scores' {table.shape[0]}") from None
-    bound = config.top_p - SURE_MARGIN if config.top_p < 1.0 else 1.0  # top-k alone: 0 where kept, NaN where not
+    bound = config.top_p - sure_margin(vocab) if config.top_p < 1.0 else 1.0  # top-k alone: 0 where kept, NaN where not
     return [mass < bound for mass in masses]  # a NaN is below nothing
 
 

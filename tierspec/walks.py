@@ -298,8 +298,13 @@ def chain_batch_walks(batch: ChainBatch) -> list[Walk]:
     if drawn is not None and len(drawn) != at:
         raise ValueError(f"{len(drawn)} rows' draws for chains of {at} rows")
     # A pass's draw of a row under top-k or top-p is the unfiltered one: a candidate the filters decide.
-    logits = batch.target_logits  # None where no sampled walk reads them (then none filters)
-    filtered = set() if logits is None else {i for i in live if filters(batch.samplings[i], logits.shape[-1])}
+    logits = batch.target_logits
+    if logits is None:
+        if drawn is not None and any(batch.samplings[i].top_k or batch.samplings[i].top_p < 1.0 for i in live):
+            raise ValueError("the draws of top-k or top-p rows are checked against their logits: none were given")
+        filtered = set()
+    else:
+        filtered = {i for i in live if filters(batch.samplings[i], logits.shape[-1])}
     depth = 0
     while live:
         tokens = [NOT_DRAWN] * len(live) if drawn is None else [drawn[first_row[i] + depth] for i in live]

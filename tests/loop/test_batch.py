@@ -401,14 +401,16 @@ def test_sampled_walks_take_the_passs_draws_and_keep_their_text(flat_target, mon
     """On the engine a sampled chain's rows are drawn inside the LM head's product (``cached_model.RowDraws``):
     the walks read those draws (``ChainBatch.row_draws``), and every text — alone and in a batch, `ar` and the
     n-gram drafts of `pld` — is the text the rows drawn after the pass give (the draws switched off). Where
-    the rows are not the pass's own (a logit bias) or top-k cuts them, the pass draws nothing; a top-k of the
-    whole vocabulary cuts nothing, so the pass draws and the text is plain sampling's."""
+    the rows are not the pass's own (a logit bias) the pass draws nothing. Under top-k or top-p it draws the
+    unfiltered rows, which the walk checks against the filters (``sampling.keyed_allowed_tokens``): the text
+    is the text without the pass's draws, alone and in a batch. A top-k of the whole vocabulary cuts nothing:
+    the text is plain sampling's."""
     import sys
 
     from tierspec.modifiers import LogitModifiers
     from tierspec.sampling import NOT_DRAWN
 
-    decode_module = sys.modules["tierspec.decode"]
+    decode_module, sampling_module = sys.modules["tierspec.decode"], sys.modules["tierspec.sampling"]
     walks, seen = decode_module.chain_batch_walks, []
 
     def spy(batch):
@@ -429,12 +431,29 @@ def test_sampled_walks_take_the_passs_draws_and_keep_their_text(flat_target, mon
             assert _solo(target, method, temperature) == drawn_solo == drawn_batch, name
             assert not any(seen)
     ar = build_method("ar", target)
-    for config in (DecodeConfig(max_new_tokens=8, sampling=SamplingConfig(temperature),
-                                modifiers=LogitModifiers(logit_bias=((7, 2.0),))),
-                   DecodeConfig(max_new_tokens=8, sampling=SamplingConfig(temperature, top_k=5))):
-        seen.clear()
-        DecodeRun(target, ar, PROMPTS[0], config, seed=0).finish()
-        assert seen and not any(seen)
+    seen.clear()
+    DecodeRun(target, ar, PROMPTS[0], DecodeConfig(max_new_tokens=8, sampling=SamplingConfig(temperature),
+                                                   modifiers=LogitModifiers(logit_bias=((7, 2.0),))), seed=0).finish()
+    assert seen and not any(seen)
+    for sampling in (SamplingConfig(temperature, top_k=5), SamplingConfig(temperature, top_p=0.6),
+                     SamplingConfig(temperature, top_k=9, top_p=0.8)):
+        for name in ("ar", "pld"):
+            method = _method(target, name)
+            config = DecodeConfig(max_new_tokens=12, sampling=sampling)
+            seen.clear()
+            drawn_solo = [DecodeRun(target, method, prompt, config, seed=7 + i).finish().token_ids
+                          for i, prompt in enumerate(PROMPTS[:3])]
+            batch = BatchDecoder(target, max_batch=3)
+            runs = [batch.add(i, method, prompt, config, seed=7 + i) for i, prompt in enumerate(PROMPTS[:3])]
+            while len(batch):
+                batch.step()
+            checked = sampling_module.CHECKS_UNFILTERED_DRAWS  # the pass draws filtered rows where they are checked
+            assert seen and (all(seen) if checked else not any(seen)), (sampling, name)
+            with monkeypatch.context() as off:
+                off.setattr(decode_module, "_row_draws", lambda drafted: None)
+                alone = [DecodeRun(target, method, prompt, config, seed=7 + i).finish().token_ids
+                         for i, prompt in enumerate(PROMPTS[:3])]
+            assert drawn_solo == [run.token_ids for run in runs] == alone, (sampling, name)
     vocab = CachedModel(target.model).vocab_size
     plain = DecodeRun(target, ar, PROMPTS[0], DecodeConfig(max_new_tokens=8, sampling=SamplingConfig(temperature)),
                       seed=0).finish().token_ids

@@ -217,7 +217,7 @@ def test_a_token_is_surely_allowed_only_where_the_filters_keep_it(config):
     margin below top_p inside top-k (it is no check that never says yes); the kernel's masses, by its
     plain loop and by its vector loop, are the float64 reference's within 1e-6."""
     from tierspec import _keyed_noise
-    from tierspec.sampling import SURE_MARGIN, allowed_tokens, surely_allowed
+    from tierspec.sampling import allowed_tokens, sure_margin, surely_allowed
 
     generator = torch.Generator().manual_seed(config.top_k + int(config.top_p * 100))
     said_yes = 0
@@ -233,7 +233,7 @@ def test_a_token_is_surely_allowed_only_where_the_filters_keep_it(config):
                 allowed = set(allowed_tokens(row[None], config)[0].tolist())
                 expected = _mass_before_reference(row, token, config)
                 assert not yes or token in allowed
-                bound = config.top_p - SURE_MARGIN if config.top_p < 1 else 1.0
+                bound = config.top_p - sure_margin(vocab) if config.top_p < 1 else 1.0
                 assert yes == (expected < bound) or abs(expected - bound) < 1e-6
                 said_yes += yes
             for loop in range(_keyed_noise.best_loop() + 1):
@@ -251,14 +251,15 @@ def test_the_mass_before_a_token_orders_equal_logits_by_id_and_refuses_what_it_c
     """Equal logits lie in id order: of two equal likeliest tokens the first has nothing before it, the
     second the first's mass (just below or above top_p: kept or not). A NaN or +inf row, a token at −inf
     or outside the vocabulary are never sure; a mass within the margin of top_p is left to the nucleus."""
-    from tierspec.sampling import SURE_MARGIN, keyed_allowed_tokens, keyed_tokens, sampling_logits, surely_allowed
+    from tierspec.sampling import keyed_allowed_tokens, keyed_tokens, sampling_logits, sure_margin, surely_allowed
 
     row = torch.full((1, 300), -30.0)
     row[0, [40, 200]] = 0.0  # two equal likeliest tokens, half the mass each (less e^-30's)
     half = SamplingConfig(1.0, top_p=0.5)
     assert surely_allowed(row, half, [0, 0], [40, 200]) == [True, False]
-    assert surely_allowed(row, SamplingConfig(1.0, top_p=0.5 + 2 * SURE_MARGIN), [0], [200]) == [True]
-    assert surely_allowed(row, SamplingConfig(1.0, top_p=0.5 + SURE_MARGIN / 2), [0], [200]) == [False]  # within the margin
+    margin = sure_margin(300)
+    assert surely_allowed(row, SamplingConfig(1.0, top_p=0.5 + 2 * margin), [0], [200]) == [True]
+    assert surely_allowed(row, SamplingConfig(1.0, top_p=0.5 + margin / 2), [0], [200]) == [False]  # within the margin
     assert surely_allowed(row, SamplingConfig(1.0, top_k=1), [0, 0], [40, 200]) == [True, True]  # equal to the 1st largest
     cut = row.clone()
     cut[0, 7] = float("-inf")

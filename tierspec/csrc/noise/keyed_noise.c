@@ -388,8 +388,9 @@ done:
  * of the tokens before it (a larger logit, or an equal one and a smaller id) is below top_p, in the row's
  * softmax or, under top-k, in the softmax of the tokens top-k keeps (every logit not below the k-th largest).
  * One pass over the row (two under both filters: the k-th largest first) where finding the nucleus sorts or
- * bins it: the caller keeps the draw only where the mass lies a margin below top_p, so the sums need not be
- * the nucleus's bits, only within a millionth of them. The logits at the temperature are divided as torch
+ * bins it: the caller keeps the draw only where the mass lies a margin below top_p (sampling.sure_margin), so
+ * the sums need not be the nucleus's bits, only within a millionth of a float64 reference (they are within
+ * 1e-7 on the default model's rows). The logits at the temperature are divided as torch
  * divides them (float32 by float32): which tokens lie before the token, and which top-k keeps, is exact. */
 
 /* e^y for |y| <= 87 (clamped there), within a few float ulps: 2^(y log2 e) as 2^n (the exponent's bits) times
@@ -746,7 +747,8 @@ static PyMethodDef methods[] = {
      "row of the float32 table at x and its token, the probability mass before the token at the temperature (the "
      "tokens of a larger logit, or an equal one and a smaller id; under top_k > 0 in the softmax of the tokens "
      "not below the k-th largest logit), 0.0 without nucleus; NaN for a row holding a NaN or +inf, a token "
-     "outside the vocabulary or at -inf, or one top_k drops; loop: 0 plain, 1 AVX2, 2 AVX-512 (sums within a float's "
+     "outside the vocabulary, at -inf or 87 below another logit, or one top_k drops; loop: 0 plain, 1 AVX2, "
+     "2 AVX-512 (sums within a float's "
      "rounding of each other). IndexError for a row outside the table."},
     {"mix64", py_mix64, METH_O, "SplitMix64's output function of a 64-bit word."},
     {"best_loop", py_best_loop, METH_NOARGS, "The fastest loop this CPU runs: 0 plain, 1 AVX2, 2 AVX-512 (the same bits)."},
