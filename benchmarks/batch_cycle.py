@@ -2,6 +2,7 @@
 
     python benchmarks/batch_cycle.py [--sizes 1,2,4,8] [--methods hybrid,ar,adaptive-pld]
                                      [--prompts 16] [--max-new-tokens 128] [--temperature 0] [--top-k 0] [--top-p 1]
+                                     [--presence-penalty 0] [--frequency-penalty 0]
                                      [--noise-rows-shared-from 8,24] [--out results/batch_cycle.json]
 
 For each method and batch size B, the same ``--prompts`` MT-Bench first turns (greedy) run through one
@@ -14,7 +15,8 @@ against its B = 1 tokens (the batch's invariance). The methods are interleaved s
 ``--alone-costs`` adds each speculative method with its policies costing drafts as if alone
 (``BatchDecoder(shared_costs=False)``: only the batch's own cut), for comparison. ``--temperature``
 above 0 samples under seed 0 (keyed noise: the batch's texts are still each one's solo text), with
-``--top-k`` and ``--top-p`` filtering the rows as users set them;
+``--top-k`` and ``--top-p`` filtering the rows as users set them (and ``--presence-penalty``,
+``--frequency-penalty`` changing them: ``tierspec.modifiers``);
 ``--noise-rows-shared-from`` adds each method with the batch's keyed draws shared among the engine's
 threads from that many rows (``sampling.PARALLEL_ROWS``; the default is the noise loop's own).
 """
@@ -31,6 +33,7 @@ from tierspec.batch import BatchDecoder
 from tierspec.data import load_prompts
 from tierspec.decode import DecodeConfig
 from tierspec.methods import MethodOptions, build_method
+from tierspec.modifiers import LogitModifiers
 from tierspec.prompting import encode_prompt, eos_ids
 from tierspec import sampling
 from tierspec.sampling import SamplingConfig
@@ -39,9 +42,9 @@ from tierspec.util import atomic_write_text
 
 def run_batch(target, method: str, prompts, size: int, max_new_tokens: int, shared_costs: bool = True,
               temperature: float = 0.0, noise_rows_shared_from: int | None = None, top_k: int = 0,
-              top_p: float = 1.0) -> dict:
+              top_p: float = 1.0, modifiers: LogitModifiers = LogitModifiers()) -> dict:
     config = DecodeConfig(max_new_tokens=max_new_tokens, sampling=SamplingConfig(temperature, top_k, top_p),
-                          eos_token_ids=eos_ids(target))
+                          eos_token_ids=eos_ids(target), modifiers=modifiers)
     batch = BatchDecoder(target, max_batch=size, shared_costs=shared_costs)
     built = build_method(method, target, None, MethodOptions())
     default_rows = sampling.PARALLEL_ROWS
@@ -80,6 +83,8 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
     parser.add_argument("--noise-rows-shared-from", default="",
                         help="also each method with its keyed draws shared among threads from these row counts")
     parser.add_argument("--out", type=Path, default=Path("results/cycle/batch_cycle.json"))
@@ -93,13 +98,14 @@ def main() -> None:
     for method in methods:  # builds each method once (cost tables, the head) before any timing
         run_batch(target, method, prompts[:1], 1, 8)
     rows, solo = [], {}
+    modifiers = LogitModifiers(presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
     variants = [(m, True, None) for m in methods]
     variants += [(m, False, None) for m in methods if m != "ar"] if args.alone_costs else []
     variants += [(m, True, int(rows)) for rows in args.noise_rows_shared_from.split(",") if rows for m in methods]
     for size in sizes:
         for method, shared, noise_rows in variants:
             row = run_batch(target, method, prompts, size, args.max_new_tokens, shared, args.temperature, noise_rows,
-                            args.top_k, args.top_p)
+                            args.top_k, args.top_p, modifiers)
             ids = row.pop("token_ids")
             solo.setdefault(method, ids)  # every variant's tokens against the method's B = 1 tokens
             row["every_text_its_solo_text"] = ids == solo[method]
@@ -108,6 +114,8 @@ def main() -> None:
     lines = [f"`python benchmarks/batch_cycle.py --sizes {args.sizes} --methods {args.methods} --prompts {args.prompts} "
              f"--max-new-tokens {args.max_new_tokens} --temperature {args.temperature:g}"
              f"{f' --top-k {args.top_k}' if args.top_k else ''}{f' --top-p {args.top_p:g}' if args.top_p < 1 else ''}"
+             f"{f' --presence-penalty {args.presence_penalty:g}' if args.presence_penalty else ''}"
+             f"{f' --frequency-penalty {args.frequency_penalty:g}' if args.frequency_penalty else ''}"
              f"{' --alone-costs' if args.alone_costs else ''}"
              f"{' --noise-rows-shared-from ' + args.noise_rows_shared_from if args.noise_rows_shared_from else ''}` "
              f"(MT-Bench first turns, seed 0):", "",

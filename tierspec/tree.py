@@ -170,6 +170,18 @@ class TokenTree:
             node = int(self.parents[node])
         return path[::-1]
 
+    def row_paths(self) -> list[list[int]]:
+        """The tokens before each row of a pass over the tree (``tree_pass``: row 0 after the root, row
+        1 + i after node i): [] for row 0, node i's path's tokens (its ancestors', then its own) for row
+        1 + i — a chain's drafts before the row."""
+        tokens = self.token_list
+        if self.is_chain:
+            return [tokens[:i] for i in range(len(tokens) + 1)]
+        paths: list[list[int]] = [[]]
+        for token, parent in zip(tokens, self.parents.tolist()):
+            paths.append(paths[parent + 1] + [token])  # a parent precedes its children
+        return paths
+
     def leaves(self) -> list[int]:
         has_child = torch.zeros(len(self), dtype=torch.bool)
         has_child[self.parents[self.parents >= 0]] = True

@@ -13,8 +13,8 @@ itself (``rules.base.VerifierTiers``).
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 import torch
@@ -24,7 +24,7 @@ from .costs import ForwardCosts
 from .drafters.base import FeatureLog, TargetDraftView
 from .errors import TierspecError
 from .layerskip.masks import RoutingMask
-from .modifiers import LogitModifiers, chain_counts, modified_logits, token_counts, tree_counts
+from .modifiers import LogitModifiers, modify_touched
 from .models import LoadedModel
 from .passes import PassRequest
 from .proposal import Proposal, Scores
@@ -232,8 +232,8 @@ class Verifiers:
         self.pass_seconds = 0.0  # time in verifier passes: where a cycle's time goes
         self._pass: PassRecord | None = None  # the cycle's last verifier pass, until its commit
         self.modifiers = modifiers if modifiers.active else None
-        self._generated_counts: torch.Tensor | None = None  # c [V] of the committed generated tokens
-        self._bias: torch.Tensor | None = None  # b [V]
+        self._generated_counts: dict[int, int] | None = None  # token → count of the committed generated tokens
+        self._bias: dict[int, float] = {}  # token → its logit bias
         self._prefilled = 0  # prompt tokens (of all but the last) the prefill has run
         self._prompt_rows: list[torch.Tensor] | None = None  # a scored prefill's rows so far
 
@@ -271,15 +271,17 @@ class Verifiers:
         if self.runner.length > self.full_length:
             self.runner.rollback(self.full_length)
 
-    def _modified(self, logits: torch.Tensor, counts: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        """``logits`` [r, V] under the modifiers; ``counts(prior [V])`` gives each row's counts [r, V]."""
+    def _modified(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """``logits`` [r, V] under the modifiers, row i with the counts of the generated text and
+        ``paths[i]`` (``modifiers.modify_touched``: written where they lie — a pass's rows are this
+        generation's own, read by nothing else)."""
         if self.modifiers is None:
             return logits
-        vocab_size = logits.shape[-1]
-        if self._generated_counts is None or self._generated_counts.shape[0] != vocab_size:
-            self._generated_counts = token_counts(torch.tensor(self.committed.generated()), vocab_size)
-            self._bias = self.modifiers.bias_vector(vocab_size) if self.modifiers.logit_bias else None
-        return modified_logits(logits, counts(self._generated_counts), self.modifiers, self._bias)
+        if self._generated_counts is None:
+            self.modifiers.check_vocabulary(logits.shape[-1])
+            self._generated_counts = dict(Counter(self.committed.generated()))
+            self._bias = {token: float(bias) for token, bias in self.modifiers.logit_bias}
+        return modify_touched(logits, self._generated_counts, paths, self.modifiers, self._bias)
 
     def node_rows(self, logits: torch.Tensor, tree: TokenTree, masks: torch.Tensor | None = None) -> torch.Tensor:
         """A pass's rows [1 + m, V] by node under the modifiers (row 1 + i with the counts of the
@@ -287,10 +289,7 @@ class Verifiers:
         row's state forbids a token)."""
         if self.modifiers is None and masks is None:
             return logits
-        if tree.is_chain:
-            rows = self._modified(logits, lambda prior: chain_counts(prior, tree.tokens))
-        else:
-            rows = self._modified(logits, lambda prior: tree_counts(prior, tree.tokens, tree.parents))
+        rows = self._modified(logits, tree.row_paths()) if self.modifiers is not None else logits
         if masks is not None:
             rows = rows.masked_fill(~masks, float("-inf"))
         return rows
@@ -340,7 +339,7 @@ class Verifiers:
         if self.features is not None and skip < count:
             self.features.write(chunk.start + max(skip, 0), result.hidden[max(skip, 0) :])
         if self._prompt_rows is not None:
-            self._prompt_rows.append(self._modified(result.logits, lambda prior: prior.expand(count, -1)))
+            self._prompt_rows.append(self._modified(result.logits, [[] for _ in range(count)]))  # nothing generated
         self._prefilled += count
         if not self.prefilling:
             self._finish_prefill()
@@ -503,8 +502,9 @@ class Verifiers:
         committed = self.committed
         committed.extend(new_tokens)
         if self._generated_counts is not None:
-            self._generated_counts = self._generated_counts + token_counts(torch.tensor(new_tokens, dtype=torch.long),
-                                                                           self._generated_counts.shape[0])
+            counts = self._generated_counts
+            for token in new_tokens:
+                counts[token] = counts.get(token, 0) + 1
         keep = committed.length - 1  # the last committed token is fed with the next draft
         self.runner.rollback(min(self.runner.length, keep))
         self.full_length = min(self.full_length, keep)

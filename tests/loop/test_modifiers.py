@@ -60,6 +60,48 @@ def test_modified_logits_subtract_the_penalties_and_add_the_bias():
     assert out.tolist() == [[1.0, 1.0, 2.0], [0.25, 1.0, 3.0]]
 
 
+@pytest.mark.parametrize("modifiers", [MODIFIERS, LogitModifiers(presence_penalty=-1.5),
+                                       LogitModifiers(frequency_penalty=-0.7, logit_bias=((3, 100.0), (0, -100.0))),
+                                       LogitModifiers(logit_bias=((61, 0.25),))])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_touched_tokens_alone_give_the_dense_rows_bit_for_bit(modifiers, dtype):
+    """``modify_touched`` (the verifier's path: only the counted and biased tokens written) equals the dense
+    reference (``modified_logits`` of ``chain_counts`` / ``tree_counts``) value for value — drafts that repeat
+    themselves and the history, a tree, a bias on tokens counted and not, negative penalties, float64 rows —
+    and a bias or a count of a token outside the rows is refused."""
+    from tierspec.modifiers import modify_touched
+    from tierspec.tree import TokenTree
+
+    generator = torch.Generator().manual_seed(3)
+    vocab = 64
+    history = torch.randint(vocab, (40,), generator=generator)
+    prior = {}
+    for token in history.tolist():
+        prior[token] = prior.get(token, 0) + 1
+    dense_prior = token_counts(history, vocab)
+    bias = {token: float(value) for token, value in modifiers.logit_bias}
+    dense_bias = modifiers.bias_vector(vocab) if modifiers.logit_bias else None
+    chain = TokenTree.chain([history[0].item(), 7, 7, 61, history[5].item()])
+    tree = TokenTree([7, 3, 7, 61, 3], [-1, -1, 0, 2, 1])
+    for shape in (chain, tree, TokenTree.chain([])):
+        rows = (torch.randn(len(shape) + 1, vocab, generator=generator) * 4).to(dtype)
+        rows[0, 9] = float("-inf")
+        counts = chain_counts(dense_prior, shape.tokens) if shape.is_chain else tree_counts(dense_prior, shape.tokens,
+                                                                                           shape.parents)
+        expected = modified_logits(rows, counts, modifiers, dense_bias)
+        got = modify_touched(rows.clone(), prior, shape.row_paths(), modifiers, bias)
+        assert got.dtype == expected.dtype and torch.equal(got, expected)
+    with pytest.raises(TierspecError, match="not all in the rows"):
+        modify_touched(torch.zeros(1, vocab), {vocab: 1}, [[]], MODIFIERS, {})
+
+
+def test_a_trees_row_paths_are_each_nodes_path():
+    from tierspec.tree import TokenTree
+
+    assert TokenTree.chain([4, 2, 4]).row_paths() == [[], [4], [4, 2], [4, 2, 4]]
+    assert TokenTree([3, 1, 3, 5], [-1, -1, 0, 2]).row_paths() == [[], [3], [1], [3, 3], [3, 3, 5]]
+
+
 def test_a_penalty_turns_greedy_away_from_a_repeated_token():
     logits = torch.tensor([[2.0, 1.9]])
     assert modified_logits(logits, torch.tensor([[1.0, 0.0]]), LogitModifiers(frequency_penalty=0.2)).argmax() == 1  # rejects 0
