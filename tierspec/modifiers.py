@@ -114,7 +114,7 @@ def modify_touched(rows: torch.Tensor, prior: dict[int, int], paths: list[list[i
     one's (an untouched logit gains + 0 and − 0 there, which changes no value but −0's sign). Returns
     the rows. Why: the dense counts [r, V] and the operators over every row's whole vocabulary cost a
     sequence about 0.2 ms a cycle after the pass on the Zen 4 of BENCHMARKS.md (verifying and committing
-    a batch of 8 under two penalties, 2.6–2.8 → 0.9–1.1 ms a cycle), for the few hundred tokens a
+    a batch of 8 under two penalties, 2.5–2.8 → 0.9–1.1 ms a cycle), for the few hundred tokens a
     generation has touched."""
     if rows.dtype not in (torch.float32, torch.float64):
         rows = rows.float()
