@@ -10,7 +10,9 @@ with c_t(x) the count of x among the tokens *generated* before t (the prompt doe
 in OpenAI's definition). A verification pass scores several positions at once: row i of a chain
 pass comes after the committed text and drafts 1..i, exactly the text that exists if those
 drafts are kept, so each row gets the counts of that text (``chain_counts``); a tree node's row
-gets its ancestors' (``tree_counts``). The rule then verifies against the modified target, and
+gets its ancestors' (``tree_counts``). ``modified_logits`` of those counts is the definition, over
+the whole vocabulary (kept as the reference the tests hold the verifier's path to); the verifier
+applies it where it changes a row (``TouchedCounts``). The rule then verifies against the modified target, and
 the lossless methods emit what plain decoding under the same modifiers emits; a drafter may
 ignore the modifiers (fewer drafts are kept, none wrongly).
 
@@ -105,49 +107,98 @@ def tree_counts(prior_counts: torch.Tensor, tokens: torch.Tensor, parents: torch
     return torch.stack(rows)
 
 
-def modify_touched(rows: torch.Tensor, prior: dict[int, int], paths: list[list[int]], modifiers: LogitModifiers,
-                   bias: dict[int, float]) -> torch.Tensor:
-    """``modified_logits(rows, counts)`` where row i's counts are ``prior`` (token → count, the committed
-    generated tokens) plus the counts of ``paths[i]`` (the drafts before the row), written into ``rows``
-    [r, V] (float32 or float64; another dtype is made float32 first) where it changes anything: at the
-    tokens counted or biased, with the same operations in the same order, so every value is the dense
-    one's (an untouched logit gains + 0 and − 0 there, which changes no value but −0's sign). Returns
-    the rows. Why: the dense counts [r, V] and the operators over every row's whole vocabulary cost a
-    sequence about 0.2 ms a cycle after the pass on the Zen 4 of BENCHMARKS.md (verifying and committing
-    a batch of 8 under two penalties, 2.5–2.8 → 0.9–1.1 ms a cycle), for the few hundred tokens a
-    generation has touched."""
-    if rows.dtype not in (torch.float32, torch.float64):
-        rows = rows.float()
-    if len(paths) != rows.shape[0]:
-        raise TierspecError(f"{rows.shape[0]} rows need {rows.shape[0]} paths, got {len(paths)}")
-    slots = {token: slot for slot, token in enumerate(prior)}
-    for token in (t for path in paths for t in path):
-        slots.setdefault(token, len(slots))
-    if modifiers.logit_bias:
-        for token in bias:
-            slots.setdefault(token, len(slots))
-    if not slots:
+class TouchedCounts:
+    """A generation's modifiers applied where they change a row: its generated tokens' counts and its
+    biased tokens, each in a slot of growing buffers (token ids, counts, biases), updated by ``add``
+    at every commit. ``modify`` writes ``modified_logits`` of the rows' counts (``chain_counts``,
+    ``tree_counts``) into the rows at those tokens only, with the same operations in the same order
+    (the bias as float32, then the rows' dtype, as ``bias_vector``): every value is the dense
+    formula's, but for the sign of a zero (an untouched −0 stays −0 where the formula adds +0).
+
+    Why: the dense counts [r, V] and the operators over every row's whole vocabulary cost a sequence
+    about 0.2 ms a cycle after the pass on the Zen 4 of BENCHMARKS.md (verifying and committing a
+    batch of 8 under two penalties, 2.5–2.8 → 0.9–1.1 ms a cycle); here a cycle's work is its rows'
+    gather and scatter over the touched tokens and its drafts' few counts, however long the text."""
+
+    def __init__(self, modifiers: LogitModifiers, vocab_size: int, generated: list[int] = ()):
+        modifiers.check_vocabulary(vocab_size)
+        self.modifiers, self.vocab_size = modifiers, vocab_size
+        self._slots: dict[int, int] = {}
+        self._ids = torch.empty(64, dtype=torch.long)
+        self._counts = torch.zeros(64)
+        self._bias = torch.zeros(64)
+        self._pending: dict[int, float] = {}  # slot → its count, not yet in ``_counts``
+        for token, value in modifiers.logit_bias:
+            self._bias[self._slot(token)] = float(value)
+        self.add(generated)
+
+    def _slot(self, token: int) -> int:
+        slot = self._slots.get(token)
+        if slot is None:
+            if not 0 <= token < self.vocab_size:
+                raise TierspecError(f"token id {token} is not in the vocabulary (0 .. {self.vocab_size - 1})")
+            slot = self._slots[token] = len(self._slots)
+            if slot == len(self._ids):  # room for twice as many
+                self._ids = torch.cat([self._ids, torch.empty_like(self._ids)])
+                self._counts = torch.cat([self._counts, torch.zeros_like(self._counts)])
+                self._bias = torch.cat([self._bias, torch.zeros_like(self._bias)])
+            self._ids[slot] = token
+        return slot
+
+    def add(self, tokens) -> None:
+        """Count committed generated ``tokens`` (written into the buffers at the next ``modify``)."""
+        for token in tokens:
+            slot = self._slot(token)
+            self._pending[slot] = self._pending.get(slot, float(self._counts[slot])) + 1.0
+
+    def modify(self, rows: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
+        """``rows`` [r, V] (float32 or float64; another dtype is made float32 first) under the
+        modifiers, row i counting the generated tokens and ``paths[i]`` (the tokens drafted before it,
+        ``TokenTree.row_paths``), written where they lie. Returns the rows."""
+        if rows.dtype not in (torch.float32, torch.float64):
+            rows = rows.float()
+        if len(paths) != rows.shape[0] or rows.shape[-1] != self.vocab_size:
+            raise TierspecError(f"rows {tuple(rows.shape)} need {rows.shape[0]} paths over a vocabulary of "
+                                f"{self.vocab_size}, got {len(paths)} paths")
+        if self._pending:
+            slots = list(self._pending)
+            self._counts[torch.tensor(slots, dtype=torch.long)] = torch.tensor([self._pending[s] for s in slots])
+            self._pending.clear()
+        known = len(self._slots)
+        extra: dict[int, int] = {}  # drafted tokens not yet counted: slots of this call only
+        steps_rows, steps_slots = [], []
+        for row, path in enumerate(paths):
+            for token in path:
+                slot = self._slots.get(token)
+                if slot is None:
+                    if not 0 <= token < self.vocab_size:
+                        raise TierspecError(f"drafted token id {token} is not in the vocabulary")
+                    slot = known + extra.setdefault(token, len(extra))
+                steps_rows.append(row)
+                steps_slots.append(slot)
+        width = known + len(extra)
+        if not width:
+            return rows
+        ids, base, bias = self._ids[:known], self._counts[:known], self._bias[:known]
+        if extra:
+            ids = torch.cat([ids, torch.tensor(list(extra), dtype=torch.long)])
+            base = torch.cat([base, torch.zeros(len(extra))])
+            bias = torch.cat([bias, torch.zeros(len(extra))])
+        counted = base.expand(len(paths), width).clone()
+        if steps_rows:
+            counted.index_put_((torch.tensor(steps_rows), torch.tensor(steps_slots)), torch.ones(len(steps_rows)),
+                               accumulate=True)
+        counted = counted.to(rows.dtype)
+        modifiers = self.modifiers
+        touched = rows[:, ids]
+        if modifiers.logit_bias:
+            touched = touched + bias.to(rows.dtype)
+        if modifiers.frequency_penalty:
+            touched = touched - modifiers.frequency_penalty * counted
+        if modifiers.presence_penalty:
+            touched = touched - modifiers.presence_penalty * (counted > 0).to(rows.dtype)
+        rows[:, ids] = touched
         return rows
-    if max(slots) >= rows.shape[-1] or min(slots) < 0:
-        raise TierspecError(f"token ids {min(slots)} .. {max(slots)} are not all in the rows' {rows.shape[-1]}")
-    base = [float(prior.get(token, 0)) for token in slots]
-    counts = []
-    for path in paths:
-        row = list(base)
-        for token in path:
-            row[slots[token]] += 1.0
-        counts.append(row)
-    ids = torch.tensor(list(slots), dtype=torch.long)
-    counted = torch.tensor(counts, dtype=rows.dtype)
-    touched = rows[:, ids]
-    if modifiers.logit_bias:
-        touched = touched + torch.tensor([float(bias.get(token, 0.0)) for token in slots], dtype=rows.dtype)
-    if modifiers.frequency_penalty:
-        touched = touched - modifiers.frequency_penalty * counted
-    if modifiers.presence_penalty:
-        touched = touched - modifiers.presence_penalty * (counted > 0).to(rows.dtype)
-    rows[:, ids] = touched
-    return rows
 
 
 def modified_logits(logits: torch.Tensor, counts: torch.Tensor, modifiers: LogitModifiers,

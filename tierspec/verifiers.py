@@ -13,7 +13,6 @@ itself (``rules.base.VerifierTiers``).
 from __future__ import annotations
 
 import time
-from collections import Counter
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +23,7 @@ from .costs import ForwardCosts
 from .drafters.base import FeatureLog, TargetDraftView
 from .errors import TierspecError
 from .layerskip.masks import RoutingMask
-from .modifiers import LogitModifiers, modify_touched
+from .modifiers import LogitModifiers, TouchedCounts
 from .models import LoadedModel
 from .passes import PassRequest
 from .proposal import Proposal, Scores
@@ -232,8 +231,7 @@ class Verifiers:
         self.pass_seconds = 0.0  # time in verifier passes: where a cycle's time goes
         self._pass: PassRecord | None = None  # the cycle's last verifier pass, until its commit
         self.modifiers = modifiers if modifiers.active else None
-        self._generated_counts: dict[int, int] | None = None  # token → count of the committed generated tokens
-        self._bias: dict[int, float] = {}  # token → its logit bias
+        self._touched: TouchedCounts | None = None  # the modifiers' counts, made at the first modified pass
         self._prefilled = 0  # prompt tokens (of all but the last) the prefill has run
         self._prompt_rows: list[torch.Tensor] | None = None  # a scored prefill's rows so far
 
@@ -273,15 +271,14 @@ class Verifiers:
 
     def _modified(self, logits: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
         """``logits`` [r, V] under the modifiers, row i with the counts of the generated text and
-        ``paths[i]`` (``modifiers.modify_touched``: written where they lie — a pass's rows are this
-        generation's own, read by nothing else)."""
+        ``paths[i]`` (``modifiers.TouchedCounts``: written where they lie — a pass's rows are this
+        generation's own, read by nothing else; the pass and this run under the same
+        ``torch.inference_mode``, as the decode loop runs them)."""
         if self.modifiers is None:
             return logits
-        if self._generated_counts is None:
-            self.modifiers.check_vocabulary(logits.shape[-1])
-            self._generated_counts = dict(Counter(self.committed.generated()))
-            self._bias = {token: float(bias) for token, bias in self.modifiers.logit_bias}
-        return modify_touched(logits, self._generated_counts, paths, self.modifiers, self._bias)
+        if self._touched is None:
+            self._touched = TouchedCounts(self.modifiers, logits.shape[-1], self.committed.generated())
+        return self._touched.modify(logits, paths)
 
     def node_rows(self, logits: torch.Tensor, tree: TokenTree, masks: torch.Tensor | None = None) -> torch.Tensor:
         """A pass's rows [1 + m, V] by node under the modifiers (row 1 + i with the counts of the
@@ -501,10 +498,8 @@ class Verifiers:
         self._keep_path(record, path)
         committed = self.committed
         committed.extend(new_tokens)
-        if self._generated_counts is not None:
-            counts = self._generated_counts
-            for token in new_tokens:
-                counts[token] = counts.get(token, 0) + 1
+        if self._touched is not None:
+            self._touched.add(new_tokens)
         keep = committed.length - 1  # the last committed token is fed with the next draft
         self.runner.rollback(min(self.runner.length, keep))
         self.full_length = min(self.full_length, keep)

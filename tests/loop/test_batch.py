@@ -388,6 +388,32 @@ def test_a_greedy_walk_reads_the_passs_maxima_only_where_the_rule_scores_the_pas
     assert tokens == [7] * 12 != plain and set(seen) == {(False, False)}
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_sequences_with_their_own_penalties_share_a_pass_and_keep_their_solo_texts(flat_target, temperature):
+    """The modifiers are written into each sequence's own rows of the batch's logits (``modifiers.TouchedCounts``):
+    sequences with different penalties, a bias and none at all, in one batch, each give their solo text, and the
+    penalties change the text (the test sees them)."""
+    from tierspec.modifiers import LogitModifiers
+
+    target = flat_target
+    settings = [LogitModifiers(presence_penalty=1.5, frequency_penalty=0.8), LogitModifiers(),
+                LogitModifiers(logit_bias=((7, 3.0), (2, -2.0))), LogitModifiers(frequency_penalty=-0.6)]
+    for name in ("ar", "pld"):
+        method = _method(target, name)
+        configs = [DecodeConfig(max_new_tokens=16, sampling=SamplingConfig(temperature), modifiers=m) for m in settings]
+        solo = [DecodeRun(target, method, PROMPTS[i % len(PROMPTS)], config, seed=40 + i).finish().token_ids
+                for i, config in enumerate(configs)]
+        batch = BatchDecoder(target, max_batch=len(configs))
+        runs = [batch.add(i, method, PROMPTS[i % len(PROMPTS)], config, seed=40 + i) for i, config in enumerate(configs)]
+        while len(batch):
+            batch.step()
+        assert [run.token_ids for run in runs] == solo, name
+        plain = [DecodeRun(target, method, PROMPTS[i % len(PROMPTS)],
+                           DecodeConfig(max_new_tokens=16, sampling=SamplingConfig(temperature)), seed=40 + i).finish().token_ids
+                 for i in range(len(configs))]
+        assert solo[1] == plain[1] and sum(a != b for a, b in zip(solo, plain)) >= 2, name  # the modifiers show
+
+
 @pytest.fixture(scope="module")
 def flat_target(tmp_path_factory):
     """A tiny model whose distributions are broad, so that a wrong key would change the sampled text."""

@@ -61,38 +61,50 @@ def test_modified_logits_subtract_the_penalties_and_add_the_bias():
 
 
 @pytest.mark.parametrize("modifiers", [MODIFIERS, LogitModifiers(presence_penalty=-1.5),
-                                       LogitModifiers(frequency_penalty=-0.7, logit_bias=((3, 100.0), (0, -100.0))),
+                                       LogitModifiers(frequency_penalty=-0.7, logit_bias=((3, 100.0), (0, -100.0), (8, 0.1))),
                                        LogitModifiers(logit_bias=((61, 0.25),))])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-def test_the_touched_tokens_alone_give_the_dense_rows_bit_for_bit(modifiers, dtype):
-    """``modify_touched`` (the verifier's path: only the counted and biased tokens written) equals the dense
-    reference (``modified_logits`` of ``chain_counts`` / ``tree_counts``) value for value — drafts that repeat
-    themselves and the history, a tree, a bias on tokens counted and not, negative penalties, float64 rows —
-    and a bias or a count of a token outside the rows is refused."""
-    from tierspec.modifiers import modify_touched
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_the_touched_tokens_alone_give_the_dense_rows(modifiers, dtype):
+    """``TouchedCounts`` (the verifier's path: only the counted and biased tokens written) gives the dense
+    reference's values (``modified_logits`` of ``chain_counts`` / ``tree_counts``; equal as values, a zero's
+    sign aside) as the generation goes on — drafts that repeat themselves and the history, a tree, tokens drafted
+    before they are ever generated, a bias on tokens counted and not (0.1: not a float32 number), negative
+    penalties, float64 and bfloat16 rows — in place on float32 and float64 rows; ids outside the vocabulary
+    are refused."""
+    from tierspec.modifiers import TouchedCounts
     from tierspec.tree import TokenTree
 
     generator = torch.Generator().manual_seed(3)
     vocab = 64
-    history = torch.randint(vocab, (40,), generator=generator)
-    prior = {}
-    for token in history.tolist():
-        prior[token] = prior.get(token, 0) + 1
-    dense_prior = token_counts(history, vocab)
-    bias = {token: float(value) for token, value in modifiers.logit_bias}
+    history = torch.randint(vocab, (40,), generator=generator).tolist()
+    touched = TouchedCounts(modifiers, vocab, history[:10])
     dense_bias = modifiers.bias_vector(vocab) if modifiers.logit_bias else None
-    chain = TokenTree.chain([history[0].item(), 7, 7, 61, history[5].item()])
-    tree = TokenTree([7, 3, 7, 61, 3], [-1, -1, 0, 2, 1])
-    for shape in (chain, tree, TokenTree.chain([])):
-        rows = (torch.randn(len(shape) + 1, vocab, generator=generator) * 4).to(dtype)
-        rows[0, 9] = float("-inf")
-        counts = chain_counts(dense_prior, shape.tokens) if shape.is_chain else tree_counts(dense_prior, shape.tokens,
-                                                                                           shape.parents)
-        expected = modified_logits(rows, counts, modifiers, dense_bias)
-        got = modify_touched(rows.clone(), prior, shape.row_paths(), modifiers, bias)
-        assert got.dtype == expected.dtype and torch.equal(got, expected)
-    with pytest.raises(TierspecError, match="not all in the rows"):
-        modify_touched(torch.zeros(1, vocab), {vocab: 1}, [[]], MODIFIERS, {})
+    generated = list(history[:10])
+    for step in range(4):
+        dense_prior = token_counts(torch.tensor(generated, dtype=torch.long), vocab)
+        chain = TokenTree.chain([generated[0], 7, 7, 61 - step, generated[5]])
+        tree = TokenTree([7, 3, 7, 61, 3], [-1, -1, 0, 2, 1])
+        for shape in (chain, tree, TokenTree.chain([])):
+            rows = (torch.randn(len(shape) + 1, vocab, generator=generator) * 4).to(dtype)
+            rows[0, 9] = float("-inf")
+            counts = chain_counts(dense_prior, shape.tokens) if shape.is_chain else tree_counts(dense_prior, shape.tokens,
+                                                                                               shape.parents)
+            expected = modified_logits(rows, counts, modifiers, dense_bias)
+            given = rows.clone()
+            got = touched.modify(given, shape.row_paths())
+            assert got.dtype == expected.dtype and torch.equal(got, expected)
+            assert (got is given) == (dtype != torch.bfloat16)  # written where the rows lie
+        new = history[10 + 7 * step : 17 + 7 * step] + [50 + step]  # a committed cycle's tokens, one never seen
+        touched.add(new)
+        generated += new
+    with pytest.raises(TierspecError, match="not in the vocabulary"):
+        TouchedCounts(MODIFIERS, vocab, [vocab])
+    with pytest.raises(TierspecError, match="not in the vocabulary"):
+        touched.modify(torch.zeros(2, vocab), [[], [vocab + 3]])
+    with pytest.raises(TierspecError, match="outside the model's vocabulary"):
+        TouchedCounts(LogitModifiers(logit_bias=((vocab, 1.0),)), vocab)
+    plain = torch.randn(2, vocab)
+    assert torch.equal(TouchedCounts(LogitModifiers(presence_penalty=0.5), vocab).modify(plain.clone(), [[], []]), plain)
 
 
 def test_a_trees_row_paths_are_each_nodes_path():
