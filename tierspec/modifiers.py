@@ -123,13 +123,19 @@ class TouchedCounts:
     def __init__(self, modifiers: LogitModifiers, vocab_size: int, generated: list[int] = ()):
         modifiers.check_vocabulary(vocab_size)
         self.modifiers, self.vocab_size = modifiers, vocab_size
-        self._slots: dict[int, int] = {}
-        self._ids = torch.empty(64, dtype=torch.long)
+        self._slots: dict[int, int] = {}  # token → its slot
+        self._tokens: list[int] = []  # each slot's token
+        self._counted: list[float] = []  # each slot's count, in Python: a commit touches no tensor
+        self._ids = torch.empty(64, dtype=torch.long)  # the buffers ``modify`` reads, brought up to date there
         self._counts = torch.zeros(64)
         self._bias = torch.zeros(64)
-        self._pending: dict[int, float] = {}  # slot → its count, not yet in ``_counts``
+        self._written = 0  # slots whose token is in ``_ids``
+        self._changed: set[int] = set()  # slots whose count ``_counts`` does not hold yet
+        for token, _ in modifiers.logit_bias:
+            self._slot(token)
+        self._flush()
         for token, value in modifiers.logit_bias:
-            self._bias[self._slot(token)] = float(value)
+            self._bias[self._slots[token]] = float(value)
         self.add(generated)
 
     def _slot(self, token: int) -> int:
@@ -137,19 +143,34 @@ class TouchedCounts:
         if slot is None:
             if not 0 <= token < self.vocab_size:
                 raise TierspecError(f"token id {token} is not in the vocabulary (0 .. {self.vocab_size - 1})")
-            slot = self._slots[token] = len(self._slots)
-            if slot == len(self._ids):  # room for twice as many
-                self._ids = torch.cat([self._ids, torch.empty_like(self._ids)])
-                self._counts = torch.cat([self._counts, torch.zeros_like(self._counts)])
-                self._bias = torch.cat([self._bias, torch.zeros_like(self._bias)])
-            self._ids[slot] = token
+            slot = self._slots[token] = len(self._counted)
+            self._tokens.append(token)
+            self._counted.append(0.0)
         return slot
 
     def add(self, tokens) -> None:
-        """Count committed generated ``tokens`` (written into the buffers at the next ``modify``)."""
+        """Count committed generated ``tokens`` (the buffers follow at the next ``modify``)."""
+        counted, changed = self._counted, self._changed
         for token in tokens:
             slot = self._slot(token)
-            self._pending[slot] = self._pending.get(slot, float(self._counts[slot])) + 1.0
+            counted[slot] += 1.0
+            changed.add(slot)
+
+    def _flush(self) -> None:
+        """The buffers brought up to the slots: room for them all, the new slots' tokens, the changed counts."""
+        size = len(self._counted)
+        if size > len(self._ids):
+            room = max(size, 2 * len(self._ids))
+            self._ids = torch.cat([self._ids, torch.empty(room - len(self._ids), dtype=torch.long)])
+            self._counts = torch.cat([self._counts, torch.zeros(room - len(self._counts))])
+            self._bias = torch.cat([self._bias, torch.zeros(room - len(self._bias))])
+        if self._written < size:
+            self._ids[self._written : size] = torch.tensor(self._tokens[self._written :], dtype=torch.long)
+            self._written = size
+        if self._changed:
+            slots = list(self._changed)
+            self._counts[torch.tensor(slots, dtype=torch.long)] = torch.tensor([self._counted[s] for s in slots])
+            self._changed.clear()
 
     def modify(self, rows: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
         """``rows`` [r, V] (float32 or float64; another dtype is made float32 first) under the
@@ -160,10 +181,7 @@ class TouchedCounts:
         if len(paths) != rows.shape[0] or rows.shape[-1] != self.vocab_size:
             raise TierspecError(f"rows {tuple(rows.shape)} need {rows.shape[0]} paths over a vocabulary of "
                                 f"{self.vocab_size}, got {len(paths)} paths")
-        if self._pending:
-            slots = list(self._pending)
-            self._counts[torch.tensor(slots, dtype=torch.long)] = torch.tensor([self._pending[s] for s in slots])
-            self._pending.clear()
+        self._flush()
         known = len(self._slots)
         extra: dict[int, int] = {}  # drafted tokens not yet counted: slots of this call only
         steps_rows, steps_slots = [], []
