@@ -117,7 +117,7 @@ class TouchedCounts:
 
     Why: the dense counts [r, V] and the operators over every row's whole vocabulary cost a sequence
     about 0.2 ms a cycle after the pass on the Zen 4 of BENCHMARKS.md (verifying and committing a
-    batch of 8 under two penalties, 2.5–2.8 → 0.9–1.1 ms a cycle); here a cycle's work is its rows'
+    batch of 8 under two penalties, 2.4–2.8 → 0.9–1.2 ms a cycle); here a cycle's work is its rows'
     gather and scatter over the touched tokens and its drafts' few counts, however long the text."""
 
     def __init__(self, modifiers: LogitModifiers, vocab_size: int, generated: list[int] = ()):
