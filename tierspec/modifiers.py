@@ -20,6 +20,7 @@ The temperature, top-k and top-p apply after the modifiers (``sampling.logits_to
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -149,7 +150,12 @@ class TouchedCounts:
         return slot
 
     def add(self, tokens) -> None:
-        """Count committed generated ``tokens`` (the buffers follow at the next ``modify``)."""
+        """Count committed generated ``tokens`` (ints; the buffers follow at the next ``modify``): all of
+        them, or none where one is not in the vocabulary."""
+        tokens = [operator.index(token) for token in tokens]  # a tensor's elements would hash apart
+        bad = next((token for token in tokens if not 0 <= token < self.vocab_size), None)
+        if bad is not None:
+            raise TierspecError(f"token id {bad} is not in the vocabulary (0 .. {self.vocab_size - 1})")
         counted, changed = self._counted, self._changed
         for token in tokens:
             slot = self._slot(token)

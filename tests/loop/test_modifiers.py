@@ -99,6 +99,15 @@ def test_the_touched_tokens_alone_give_the_dense_rows(modifiers, dtype):
         generated += new
     with pytest.raises(TierspecError, match="not in the vocabulary"):
         TouchedCounts(MODIFIERS, vocab, [vocab])
+    before = touched.modify(torch.zeros(1, vocab), [[]]).clone()
+    with pytest.raises(TierspecError, match="not in the vocabulary"):
+        touched.add([4, 5, vocab, 6])  # nothing counted
+    touched.add(torch.tensor([7, 7]))  # a tensor's elements count as the ints they hold
+    after = touched.modify(torch.zeros(1, vocab), [[]])
+    dense = token_counts(torch.tensor(generated + [7, 7], dtype=torch.long), vocab)
+    assert torch.equal(after, modified_logits(torch.zeros(1, vocab), dense[None], modifiers, dense_bias))
+    assert torch.equal(before, modified_logits(torch.zeros(1, vocab), token_counts(torch.tensor(generated), vocab)[None],
+                                               modifiers, dense_bias))
     with pytest.raises(TierspecError, match="not in the vocabulary"):
         touched.modify(torch.zeros(2, vocab), [[], [vocab + 3]])
     with pytest.raises(TierspecError, match="outside the model's vocabulary"):
