@@ -125,28 +125,26 @@ class TouchedCounts:
         modifiers.check_vocabulary(vocab_size)
         self.modifiers, self.vocab_size = modifiers, vocab_size
         self._slots: dict[int, int] = {}  # token → its slot
-        self._tokens: list[int] = []  # each slot's token
-        self._counted: list[float] = []  # each slot's count, in Python: a commit touches no tensor
+        self._tokens: list[int] = []  # each slot's token, count and bias, in Python: a commit touches no tensor
+        self._counted: list[float] = []
+        self._biased: list[float] = []
         self._ids = torch.empty(64, dtype=torch.long)  # the buffers ``modify`` reads, brought up to date there
         self._counts = torch.zeros(64)
         self._bias = torch.zeros(64)
-        self._written = 0  # slots whose token is in ``_ids``
+        self._written = 0  # slots whose token and bias are in the buffers
         self._changed: set[int] = set()  # slots whose count ``_counts`` does not hold yet
-        for token, _ in modifiers.logit_bias:
-            self._slot(token)
-        self._flush()
-        for token, value in modifiers.logit_bias:
-            self._bias[self._slots[token]] = float(value)
+        for token, value in modifiers.logit_bias:  # (ids checked above)
+            self._biased[self._slot(token)] = float(value)
         self.add(generated)
 
     def _slot(self, token: int) -> int:
+        """``token``'s slot, a new one for a token not seen (an id the caller checked)."""
         slot = self._slots.get(token)
         if slot is None:
-            if not 0 <= token < self.vocab_size:
-                raise TierspecError(f"token id {token} is not in the vocabulary (0 .. {self.vocab_size - 1})")
-            slot = self._slots[token] = len(self._counted)
+            slot = self._slots[token] = len(self._tokens)
             self._tokens.append(token)
             self._counted.append(0.0)
+            self._biased.append(0.0)
         return slot
 
     def add(self, tokens) -> None:
@@ -164,7 +162,7 @@ class TouchedCounts:
 
     def _flush(self) -> None:
         """The buffers brought up to the slots: room for them all, the new slots' tokens, the changed counts."""
-        size = len(self._counted)
+        size = len(self._tokens)
         if size > len(self._ids):
             room = max(size, 2 * len(self._ids))
             self._ids = torch.cat([self._ids, torch.empty(room - len(self._ids), dtype=torch.long)])
@@ -172,6 +170,7 @@ class TouchedCounts:
             self._bias = torch.cat([self._bias, torch.zeros(room - len(self._bias))])
         if self._written < size:
             self._ids[self._written : size] = torch.tensor(self._tokens[self._written :], dtype=torch.long)
+            self._bias[self._written : size] = torch.tensor(self._biased[self._written :])
             self._written = size
         if self._changed:
             slots = list(self._changed)

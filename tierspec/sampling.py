@@ -218,7 +218,8 @@ def sure_margin(vocab: int) -> float:
     softmax (each probability within a few ulps, its denominator a float32 sum of ``vocab`` terms —
     at worst ``vocab`` roundings of 2⁻²⁴ of a sum of 1, however torch splits it into lanes) summed
     in float64 and rounded once: below ``vocab``·2⁻²⁴ + 2⁻²¹ (2.9e-3 for the default model's 49,152
-    tokens; errors measured there are about 1e-6). Nearer the bound the nucleus itself decides."""
+    tokens; a review measured float32-against-float64 masses there within 1.1e-6). Nearer the bound
+    the nucleus itself decides."""
     return SURE_MARGIN + vocab * 2.0**-24 + 2.0**-21
 
 
