@@ -245,7 +245,9 @@ def test_the_issues_command_prints_one_text_on_the_real_model():
     def run(method: str) -> str:
         command = [sys.executable, "-m", "tierspec.cli", "generate", "Write a short story about a robot learning to paint.",
                    "--method", method, "--temperature", "1", "--seed", "7", "--max-new-tokens", "48"]
-        result = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO,
+        # The first run may measure the pass costs for this engine path: with TIERSPEC_ENGINE_ISA=portable
+        # that run took 7 min 42 s alone on a Zen 4, and passed 10 min inside the suite.
+        result = subprocess.run(command, capture_output=True, text=True, timeout=1800, cwd=REPO,
                                 env={**os.environ, "PYTHONPATH": str(REPO)})
         assert result.returncode == 0, result.stderr
         return result.stdout
