@@ -2,8 +2,11 @@
 steps, by method and temperature, optionally beside another checkout's in the same process.
 
     python benchmarks/loop_time.py [--methods ar,hybrid] [--temperatures 0,1] [--prompts 4] [--tokens 128]
-                                   [--repeats 2] [--model smollm2-135m] [--before /tmp/loop_base]
+                                   [--repeats 2] [--model smollm2-135m] [--before /tmp/loop_base] [--entry generate]
                                    [--out results/loop_time/loop_time.json]
+
+``--entry generate`` times ``tierspec.generate`` (a streamed run and its text, as the library and the CLI run
+it) instead of ``DecodeRun.finish``; it reports no phases.
 
 A temperature may carry the sampling filters users set, as ``T/kK/pP`` (``1/p0.95``: top-p 0.95;
 ``0.7/k40/p0.9``: top-k 40 then top-p 0.9): the loop then also finds each row's allowed tokens.
@@ -101,14 +104,21 @@ class Version:
     def method(self, name: str):
         return self.module("methods").build_method(name, self.target)
 
-    def run(self, method, prompt_ids: torch.Tensor, tokens: int, setting: tuple[float, int, float]) -> dict:
+    def run(self, method, prompt_ids: torch.Tensor, tokens: int, setting: tuple[float, int, float],
+            entry: str = "finish", name: str = "") -> dict:
         decode, sampling = self.module("decode"), self.module("sampling")
-        config = decode.DecodeConfig(max_new_tokens=tokens, sampling=sampling.SamplingConfig(*setting),
-                                     eos_token_ids=self.module("prompting").eos_ids(self.target))
         self.probe.totals.clear()
-        run = decode.DecodeRun(self.target, method, prompt_ids, config, seed=0)
-        run.finish()
-        phases = run.times.to_dict() if hasattr(run, "times") else {}  # an earlier version keeps no phases
+        if entry == "generate":  # the library's call (and the CLI's loop): the streamed steps and their text
+            temperature, top_k, top_p = setting
+            run = self.package.generate(prompt_ids.tolist(), target=self.target, method=name, max_new_tokens=tokens,
+                                        temperature=temperature, top_k=top_k, top_p=top_p, seed=0, chat_template=False)
+            phases = {}
+        else:
+            config = decode.DecodeConfig(max_new_tokens=tokens, sampling=sampling.SamplingConfig(*setting),
+                                         eos_token_ids=self.module("prompting").eos_ids(self.target))
+            run = decode.DecodeRun(self.target, method, prompt_ids, config, seed=0)
+            run.finish()
+            phases = run.times.to_dict() if hasattr(run, "times") else {}  # an earlier version keeps no phases
         cycles = run.stats.cycles
         passes, head = self.probe.totals["pass"], self.probe.totals["head"]
         row = {"cycles": cycles, "tokens": len(run.token_ids), "ids": run.token_ids,
@@ -150,6 +160,9 @@ def main() -> None:
     parser.add_argument("--sampled-texts-differ", action="store_true",
                         help="--before draws other noise (a checkout before the keyed-noise kernels): its sampled "
                              "texts differ by design, so only greedy texts are compared")
+    parser.add_argument("--entry", choices=("finish", "generate"), default="finish",
+                        help="finish: DecodeRun.finish, the issue's measure; generate: tierspec.generate of the "
+                             "prompt's ids, the streamed steps and their text as the library and the CLI run them")
     parser.add_argument("--out", type=Path, default=Path("results/loop_time/loop_time.json"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -170,7 +183,7 @@ def main() -> None:
     ids = {v.label: [v.module("prompting").encode_prompt(v.target, p.text) for p in prompts] for v in versions}
     for v in versions:  # warm-up: the first generation of a process pays one-off costs
         for name in names:
-            v.run(built[(v.label, name)], ids[v.label][0], 8, (0.0, 0, 1.0))
+            v.run(built[(v.label, name)], ids[v.label][0], 8, (0.0, 0, 1.0), args.entry, name)
     runs = defaultdict(list)
     for repeat in range(args.repeats):
         for index in range(len(prompts)):
@@ -178,14 +191,15 @@ def main() -> None:
                 for name in names:
                     outputs = {}
                     for v in (versions if (index + repeat) % 2 == 0 else versions[::-1]):
-                        row = v.run(built[(v.label, name)], ids[v.label][index], args.tokens, settings[temperature])
+                        row = v.run(built[(v.label, name)], ids[v.label][index], args.tokens, settings[temperature],
+                                    args.entry, name)
                         outputs[v.label] = row.pop("ids")
                         runs[(name, temperature, v.label)].append(row)
                     differ_by_design = args.sampled_texts_differ and settings[temperature][0] > 0
                     if len({tuple(out) for out in outputs.values()}) != 1 and not differ_by_design:
                         raise SystemExit(f"{name} at temperature {temperature}, prompt {index}: the versions "
                                          "emitted different tokens")
-    result = {"command": " ".join(sys.argv), "model": args.model, "dtype": args.dtype, "tokens": args.tokens, "prompts": [p.id for p in prompts],
+    result = {"command": " ".join(sys.argv), "entry": args.entry, "model": args.model, "dtype": args.dtype, "tokens": args.tokens, "prompts": [p.id for p in prompts],
               "repeats": args.repeats, "threads": args.threads, "rows": []}
     for (name, temperature, label), rows in runs.items():
         keys = [k for k in rows[0] if k not in ("cycles", "tokens")]

@@ -176,6 +176,11 @@ class TextStream:
                 self.text += piece
                 yield piece
 
+    def held(self):
+        """``DecodeRun.held``: iterate inside it where the caller's code between pieces uses no torch
+        (``generate``, the CLI) — each step then skips leaving and entering torch's modes."""
+        return self._run.held()
+
     def close(self) -> None:
         """Stop the generation (a suspended stream holds the model's cache until closed)."""
         self._pieces.close()
@@ -379,8 +384,9 @@ def generate(prompt: str | list[int] | torch.Tensor | list[str] | list[list[int]
     if not _is_batch(prompt):
         text_stream = stream_method(prepared.target, prepared.method, prepared.prompt_ids(prompt), prepared.config,
                                     prepared.seed)
-        for _ in text_stream:
-            pass
+        with text_stream.held():
+            for _ in text_stream:
+                pass
         return Generation(text_stream.text, text_stream.token_ids, text_stream.stats, text_stream.finish_reason)
     from .batch import BatchDecoder
     from .engine import runs_on_engine

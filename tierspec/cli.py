@@ -437,9 +437,10 @@ def _run_generate(args) -> int:
         options=options,
         **structured,
     )
-    for piece in text_stream:
-        sys.stdout.write(piece)
-        sys.stdout.flush()
+    with text_stream.held():  # between the pieces only writes to stdout: no torch
+        for piece in text_stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
     sys.stdout.write("\n")
     sys.stdout.flush()  # here, where a closed pipe is caught (main), not at the interpreter's exit
     if args.stats:

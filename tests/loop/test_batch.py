@@ -488,3 +488,28 @@ def test_sampled_walks_take_the_passs_draws_and_keep_their_text(flat_target, mon
                       seed=0).finish().token_ids
     assert seen and all(seen), "a top-k of the whole vocabulary kept the pass from drawing its rows"
     assert whole == plain
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_run_held_gives_finishs_steps_and_restores_torchs_modes_after(target, head, temperature):
+    """``DecodeRun.held`` (``generate`` and the CLI iterate inside it): the same tokens and cycles as
+    ``finish``, the steps inside one entry of the thread arrangement and inference mode (between
+    steps too), both restored when the block ends — and when a step raises inside it."""
+    method = _method(target, "hybrid", head)
+    config = DecodeConfig(max_new_tokens=20, sampling=SamplingConfig(temperature=temperature))
+    finished = DecodeRun(target, method, PROMPTS[0], config, seed=4).finish()
+    threads, inference = torch.get_num_threads(), torch.is_inference_mode_enabled()
+    run = DecodeRun(target, method, PROMPTS[0], config, seed=4)
+    between = []
+    with run.held():
+        for step in run:
+            between.append((torch.get_num_threads(), torch.is_inference_mode_enabled()))
+    assert run.token_ids == finished.token_ids and run.stats.cycles == finished.stats.cycles
+    assert (threads, inference) != (1, True) and set(between) == {(1, True)}  # (not as they were outside)
+    assert (torch.get_num_threads(), torch.is_inference_mode_enabled()) == (threads, inference)
+    broken = DecodeRun(target, method, PROMPTS[0], config, seed=4)
+    with pytest.raises(RuntimeError, match="stop here"):
+        with broken.held():
+            next(broken)
+            raise RuntimeError("stop here")
+    assert (torch.get_num_threads(), torch.is_inference_mode_enabled()) == (threads, inference)
