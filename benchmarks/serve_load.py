@@ -9,11 +9,12 @@ queueing: the comparison between methods is like for like. Stops by itself.
 
     python benchmarks/serve_load.py [--requests 16] [--clients 2] [--max-tokens 64]
     python benchmarks/serve_load.py --concurrency 1,2,4,8 [--requests-per-client 2] [--max-tokens 128] [--peers]
-                                    [--before FOLDER --rounds 3]
+                                    [--before FOLDER --rounds 3] [--settings 0,1,1/p0.95,0/pres0.5/freq0.3]
 
 The second form (batching, issue 31) runs one batching server (``tierspec serve`` in a process of its
 own, as deployed, ``--max-batch`` the largest concurrency) and, for each client count, that many concurrent clients sending their requests back
-to back (greedy, then seeded at temperature 1: request i has seed i): total tokens per second,
+to back (greedy, then seeded at temperature 1: request i has seed i; ``--settings`` other samplings, top-k,
+top-p and the penalties among them): total tokens per second,
 median and p99 latency, whether every reply equals the same request's reply with one client (its
 solo text), replies lost (no finish reason), and where the server's cycles went (``/health``'s
 cycle times: draft, pass, verify, commit per cycle, and the time outside the pass against one
@@ -44,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -175,10 +177,55 @@ def load_prompts_for_load(count: int) -> list[str]:
     return [texts[i % len(texts)] for i in range(count)]
 
 
-def chat(client: openai.OpenAI, prompt: str, max_tokens: int, seed: int | None, temperature: float) -> dict:
+DEFAULT_SETTINGS = "0,1"  # greedy, then seeded at temperature 1
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A round's sampling fields: ``temperature``, ``top_p``, ``top_k`` (tierspec's extra field; 0: none),
+    the two penalties — every request of the round sends them."""
+
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def label(self) -> str:
+        """``T``, with ``/kK``, ``/pP``, ``/presP``, ``/freqF`` where they are set (the ``--settings`` syntax)."""
+        parts = [f"{self.temperature:g}"]
+        parts += [f"k{self.top_k}"] if self.top_k else []
+        parts += [f"p{self.top_p:g}"] if self.top_p < 1.0 else []
+        parts += [f"pres{self.presence_penalty:g}"] if self.presence_penalty else []
+        parts += [f"freq{self.frequency_penalty:g}"] if self.frequency_penalty else []
+        return "/".join(parts)
+
+
+def parse_setting(spec: str) -> Setting:
+    """``T`` then any of ``/kK`` (top-k), ``/pP`` (top-p), ``/presP`` (presence penalty), ``/freqF``
+    (frequency penalty): ``1/p0.95``, ``0/pres0.5/freq0.3``."""
+    head, *rest = spec.strip().split("/")
+    fields = {"temperature": float(head)}
+    for part in rest:
+        for prefix, name, kind in (("pres", "presence_penalty", float), ("freq", "frequency_penalty", float),
+                                   ("k", "top_k", int), ("p", "top_p", float)):
+            if part.startswith(prefix):
+                fields[name] = kind(part[len(prefix):])
+                break
+        else:
+            raise SystemExit(f"a setting is T then /kK, /pP, /presP or /freqF parts, not {spec!r}")
+    return Setting(**fields)
+
+
+def chat(client: openai.OpenAI, prompt: str, max_tokens: int, seed: int | None, setting: Setting | float) -> dict:
     started = time.perf_counter()
+    setting = setting if isinstance(setting, Setting) else Setting(float(setting))
     reply = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
-                                           max_tokens=max_tokens, temperature=temperature, seed=seed)
+                                           max_tokens=max_tokens, temperature=setting.temperature, seed=seed,
+                                           top_p=setting.top_p, presence_penalty=setting.presence_penalty,
+                                           frequency_penalty=setting.frequency_penalty,
+                                           extra_body={"top_k": setting.top_k} if setting.top_k else None)
     choice = reply.choices[0]
     return {"latency": time.perf_counter() - started, "text": choice.message.content,
             "finish_reason": choice.finish_reason, "tokens": reply.usage.completion_tokens}
@@ -217,7 +264,7 @@ def event_loop_cpu_seconds(port: int) -> float | None:
         return None
 
 
-def load_round(port: int, prompts: list[str], clients: int, max_tokens: int, temperature: float) -> dict:
+def load_round(port: int, prompts: list[str], clients: int, max_tokens: int, setting: Setting | float) -> dict:
     """``clients`` concurrent clients, each sending its share of ``prompts`` back to back (request
     i seeded with i); every reply, its latency, the wall time, where the server's cycles went, and
     its event loop's CPU time a cycle (the handlers' work: it takes CPU from the pass's threads)."""
@@ -225,7 +272,7 @@ def load_round(port: int, prompts: list[str], clients: int, max_tokens: int, tem
     before, loop_before = cycle_times(port), event_loop_cpu_seconds(port)
     started = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
-        replies = list(pool.map(lambda i: chat(client, prompts[i], max_tokens, i, temperature), range(len(prompts))))
+        replies = list(pool.map(lambda i: chat(client, prompts[i], max_tokens, i, setting), range(len(prompts))))
     wall = time.perf_counter() - started
     cycles, loop_after = per_cycle(before, cycle_times(port)), event_loop_cpu_seconds(port)
     if loop_before is not None and loop_after is not None:
@@ -337,28 +384,29 @@ def batching(args) -> None:
             warm = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
             chat(warm, "Hi", 8, None, 0.0)  # builds the method and its cost table
         this_port = servers["tierspec serve"]
-        for temperature in (0.0, 1.0):
+        for setting in args.settings:
             # every request's solo text: the largest round's requests, one client, one at a time
             everything = load_prompts_for_load(max(concurrency) * args.requests_per_client)
-            solo = [r["text"] for r in load_round(this_port, everything, 1, args.max_tokens, temperature)["replies"]]
+            solo = [r["text"] for r in load_round(this_port, everything, 1, args.max_tokens, setting)["replies"]]
             for clients in concurrency:
                 prompts = load_prompts_for_load(clients * args.requests_per_client)
                 # A one-sequence cycle on these very requests (one client sending them one after another,
                 # before the rounds): what batching adds to a cycle outside its pass, on the same prompts
                 # (a 1-client round sends only the first requests, whose drafts differ).
                 alone = {} if clients == 1 else {
-                    engine: load_round(port, prompts, 1, args.max_tokens, temperature)["cycles"]
+                    engine: load_round(port, prompts, 1, args.max_tokens, setting)["cycles"]
                     for engine, port in servers.items()}
                 for round_index in range(args.rounds):
                     # the servers take turns, the first in the next round going last
                     order = list(servers.items()) if round_index % 2 == 0 else list(reversed(servers.items()))
                     for engine, port in order:
-                        done = load_round(port, prompts, clients, args.max_tokens, temperature)
+                        done = load_round(port, prompts, clients, args.max_tokens, setting)
                         same = all(r["text"] == solo[i] for i, r in enumerate(done["replies"]))
                         lost = sum(1 for r in done["replies"] if r["finish_reason"] not in ("stop", "length"))
                         tokens = sum(r["tokens"] for r in done["replies"])
                         latencies = [r["latency"] for r in done["replies"]]
-                        rows.append({"engine": engine, "round": round_index + 1, "temperature": temperature,
+                        rows.append({"engine": engine, "round": round_index + 1, "temperature": setting.temperature,
+                                     "setting": setting.label,
                                      "clients": clients, "requests": len(prompts),
                                      "tokens_per_s": round(tokens / done["wall"], 1),
                                      "latency_p50_s": round(statistics.median(latencies), 3),
@@ -376,25 +424,26 @@ def batching(args) -> None:
                 if done is None:
                     break
                 rows.append({"engine": "OpenVINO ContinuousBatchingPipeline" + (" + prompt lookup" if lookup else ""),
-                             "temperature": 0.0, "clients": clients, "requests": len(prompts),
+                             "temperature": 0.0, "setting": "0", "clients": clients, "requests": len(prompts),
                              "tokens_per_s": round(done["tokens"] / done["wall"], 1)})
                 print(json.dumps(rows[-1]), flush=True)
     lines = [f"`python benchmarks/serve_load.py --concurrency {args.concurrency} --requests-per-client "
              f"{args.requests_per_client} --max-tokens {args.max_tokens}{' --peers' if args.peers else ''}"
-             f"{f' --before {args.before} --rounds {args.rounds}' if args.before else ''}`, "
+             f"{f' --before {args.before} --rounds {args.rounds}' if args.before else ''}"
+             f"{f' --settings {args.settings_text}' if args.settings_text != DEFAULT_SETTINGS else ''}`, "
              f"{torch.get_num_threads()} threads, MT-Bench first turns:", "",
-             "| engine | round | temperature | clients | requests | total tok/s | vs 1 client | p50 latency s | "
+             "| engine | round | sampling | clients | requests | total tok/s | vs 1 client | p50 latency s | "
              "p99 latency s | every text its solo text | lost |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
-        one = next(r for r in rows if r["engine"] == row["engine"] and r["temperature"] == row["temperature"]
+        one = next(r for r in rows if r["engine"] == row["engine"] and r["setting"] == row["setting"]
                    and r["clients"] == concurrency[0])  # its first round
-        lines.append(f"| {row['engine']} | {row.get('round', 1)} | {row['temperature']:g} | {row['clients']} | {row['requests']} | "
+        lines.append(f"| {row['engine']} | {row.get('round', 1)} | {row['setting']} | {row['clients']} | {row['requests']} | "
                      f"{row['tokens_per_s']} | {row['tokens_per_s'] / one['tokens_per_s']:.2f}× | "
                      f"{row.get('latency_p50_s', '–')} | {row.get('latency_p99_s', '–')} | "
                      f"{row.get('same_as_solo', '–')} | {row.get('lost', '–')} |")
     lines += ["", "Where tierspec's cycles went, ms per cycle (draft: every generation's drafter and policy, the "
               "draft head's steps included; outside: all but the pass):", "",
-              "| engine | round | temperature | clients | mean batch | rows/pass | draft | pass | verify | commit | outside "
+              "| engine | round | sampling | clients | mean batch | rows/pass | draft | pass | verify | commit | outside "
               "| outside vs 1 client | the same requests alone: outside | outside vs alone | event loop's CPU |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -402,8 +451,8 @@ def batching(args) -> None:
             continue
         ms = row["ms_per_cycle"]
         one = next(r for r in rows if "ms_per_cycle" in r and r["engine"] == row["engine"]
-                   and r["temperature"] == row["temperature"] and r["clients"] == concurrency[0])["ms_per_cycle"]
-        lines.append(f"| {row['engine']} | {row['round']} | {row['temperature']:g} | {row['clients']} | "
+                   and r["setting"] == row["setting"] and r["clients"] == concurrency[0])["ms_per_cycle"]
+        lines.append(f"| {row['engine']} | {row['round']} | {row['setting']} | {row['clients']} | "
                      f"{row['mean_batch']} | {row['rows_per_pass']} | "
                      f"{ms['draft']} | {ms['pass']} | {ms['verify']} | {ms['commit']} | {ms['outside']} | "
                      f"{ms['outside'] / one['outside']:.2f}× | {row['alone']['ms_per_cycle']['outside']} | "
@@ -427,6 +476,9 @@ def main() -> None:
                              "built), taking turns with this checkout's round by round")
     parser.add_argument("--rounds", type=int, default=1, help="batching mode: rounds per client count (alternating "
                                                                "the servers' order with --before)")
+    parser.add_argument("--settings", dest="settings_text", default=DEFAULT_SETTINGS,
+                        help="batching mode: the sampling of each set of rounds, comma-separated, each T then any of "
+                             "/kK (top-k), /pP (top-p), /presP, /freqF (the penalties): e.g. 0,1,1/p0.95,0/pres0.5/freq0.3")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--clients", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -435,6 +487,7 @@ def main() -> None:
     parser.add_argument("--report", type=Path, default=None,
                         help="the markdown report (default results/serving-report.md; batching mode: none unless given)")
     args = parser.parse_args()
+    args.settings = [parse_setting(spec) for spec in args.settings_text.split(",") if spec.strip()]
     if args.concurrency:
         if args.rounds < 1:
             parser.error("--rounds must be >= 1")
