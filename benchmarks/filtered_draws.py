@@ -1,7 +1,8 @@
 """What a sampled token costs under top-k and top-p: the filtered keyed draw of a target's rows
 (``sampling.keyed_allowed_tokens``) by finding each row's allowed tokens and drawing among them, against
 checking the row's unfiltered draw (``sampling.surely_allowed``), with the draw made here or given as a
-pass makes it (``cached_model.RowDraws``) — the same tokens, row by row.
+pass makes it (``cached_model.RowDraws``), and the rows the check leaves under top-k found from their k largest
+logits (``sampling._plain_top_k_allowed``) or the nucleus's way — the same tokens, row by row.
 
     python benchmarks/filtered_draws.py [--prompts 8] [--tokens 64] [--filters 1/p0.95,0.7/k40/p0.9,1/k40,0.8/p0.9]
                                         [--rows 1,4,13] [--out results/filtered_draws.json]
@@ -54,11 +55,13 @@ def target_rows(prompts: int, tokens: int) -> torch.Tensor:
 def sweep(rows: torch.Tensor, config: SamplingConfig, group: int, way: str) -> tuple[float, list[int], int]:
     """(seconds, tokens, rows the check settled) for every row drawn ``group`` rows a call, ``way``:
     ``nucleus`` (every row's allowed tokens found, then drawn among), ``check`` (the unfiltered draw made
-    here, then checked), ``pass draw`` (the unfiltered draw given, as a pass makes it)."""
+    here, then checked), ``pass draw`` (the unfiltered draw given, as a pass makes it), ``pass draw, nucleus
+    after`` (the same, the rows it leaves finding their allowed tokens the nucleus's way — as before
+    ``sampling._plain_top_k_allowed``, which ``nucleus`` never uses either)."""
     noise = Noise(11, rows.shape[-1])
     keys = [noise.key(position) for position in range(len(rows))]
     given = None
-    if way == "pass draw":
+    if way.startswith("pass draw"):
         scaled = rows if config.temperature == 1.0 else rows / config.temperature
         given = keyed_tokens(scaled, keys)
     settled = 0
@@ -75,6 +78,8 @@ def sweep(rows: torch.Tensor, config: SamplingConfig, group: int, way: str) -> t
         patches.enter_context(mock.patch.object(sampling, "surely_allowed", counted))
         if way == "nucleus":  # no unfiltered draw: every row's allowed tokens found, as before the check
             patches.enter_context(mock.patch.object(sampling, "_unfiltered_draws", lambda *args: None))
+        if way in ("nucleus", "pass draw, nucleus after"):
+            patches.enter_context(mock.patch.object(sampling, "_plain_top_k_allowed", lambda *args: None))
         started = time.perf_counter()
         for first in range(0, len(rows), group):
             which = list(range(first, min(first + group, len(rows))))
@@ -99,12 +104,12 @@ def main() -> None:
                 if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
     report = {"rows": len(rows), "threads": torch.get_num_threads(), "cpu": cpu,
               "noise_loop": ["plain", "AVX2", "AVX-512"][sampling._NOISE_LOOP], "results": []}
-    lines = ["| filter | rows a call | nucleus µs/row | check µs/row | pass draw µs/row | settled by the check |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| filter | rows a call | nucleus µs/row | check µs/row | pass draw, nucleus after µs/row | "
+             "pass draw µs/row | settled by the check |", "|---|---|---|---|---|---|---|"]
     for text in args.filters.split(","):
         config = SamplingConfig(*sampling_setting(text))
         for group in (int(g) for g in args.rows.split(",")):
-            times: dict[str, list[float]] = {"nucleus": [], "check": [], "pass draw": []}
+            times: dict[str, list[float]] = {"nucleus": [], "check": [], "pass draw, nucleus after": [], "pass draw": []}
             reference, settled = None, 0
             for _ in range(3):
                 for way in times:
@@ -118,7 +123,8 @@ def main() -> None:
             us = {way: round(statistics.median(values), 1) for way, values in times.items()}
             report["results"].append({"filter": text, "rows_per_call": group, "us_per_row": us,
                                       "settled": round(settled / len(rows), 4)})
-            lines.append(f"| {text} | {group} | {us['nucleus']} | {us['check']} | {us['pass draw']} | "
+            lines.append(f"| {text} | {group} | {us['nucleus']} | {us['check']} | {us['pass draw, nucleus after']} | "
+                         f"{us['pass draw']} | "
                          f"{settled / len(rows):.1%} |")
             print(lines[-1], flush=True)
     print("\n".join(lines))

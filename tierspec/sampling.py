@@ -183,26 +183,60 @@ def keyed_allowed_tokens(rows: torch.Tensor, config: SamplingConfig, keys: list[
     vocab = rows.shape[-1]
     drawn = _unfiltered_draws(rows, config, keys, which, candidates) if CHECKS_UNFILTERED_DRAWS else None
     sure = surely_allowed(rows, config, which, drawn) if drawn is not None else [False] * len(which)
+    top_k = bool(config.top_k and config.top_k < vocab)
     tokens = []
     for at, (index, key) in enumerate(zip(which, keys)):
         if sure[at]:
             tokens.append(drawn[at])
             continue
         row = rows[index]
-        (ids,) = allowed_tokens(row[None], config)
+        ids = _plain_top_k_allowed(row, config) if top_k else None
+        if ids is None:
+            ids = allowed_tokens(row[None], config)[0].numpy()
         if len(ids) in (0, vocab):  # every token (NaN probabilities) or none: the whole row
             if bool(row.isnan().any()):
                 raise NoiseError(f"row {index} of the scores to sample from holds a NaN")
             tokens += keyed_tokens(row[None] if config.temperature == 1.0 else row[None] / config.temperature, [key])
             continue
-        logits = row.numpy()[ids.numpy()]  # a few numbers: numpy's calls cost less than torch's
+        logits = row.numpy()[ids]  # a few numbers: numpy's calls cost less than torch's
         if config.temperature != 1.0:
             logits = logits / np.float32(config.temperature)
-        scores = logits + gumbel_values(key, ids, vocab).numpy()
+        scores = logits + gumbel_values(key, torch.from_numpy(ids), vocab).numpy()
         if bool(np.isnan(scores).any()):
             raise NoiseError(f"row {index} of the scores to sample from holds a NaN")
         tokens.append(int(ids[int(np.argmax(scores))]))  # the first maximum, in id order
     return tokens
+
+
+def _plain_top_k_allowed(row: torch.Tensor, config: SamplingConfig) -> np.ndarray | None:
+    """``allowed_tokens`` of one row [V] under top-k (then top-p), as int64 ids ascending, from its
+    k + 1 largest logits alone where they are plain; None elsewhere (the caller asks
+    ``allowed_tokens``). Plain: the k-th largest logit at the temperature is finite and above the
+    (k + 1)-th — top-k keeps exactly the k largest, whatever order ``topk`` gives equal ones among
+    them, their logits at the temperature are the row's own divided (the same operation on the same
+    numbers) — and, under top-p, every survivor's mass before it (their softmax among themselves,
+    largest logit first, equal ones by id; in float64) lies ``sure_margin(k)`` clear of top_p, beyond
+    what the nucleus's float32 sums over k terms can be off (``_top_k_nucleus``): the tokens below it
+    are the nucleus. Where a row's unfiltered draw is dropped (``keyed_allowed_tokens``) this spares
+    finding the nucleus with a dozen torch operators on k numbers, each cold after a pass."""
+    k = config.top_k
+    values, ids = torch.topk(row, k + 1)
+    if config.temperature != 1.0:
+        values = values / config.temperature  # as ``allowed_tokens`` divides them
+    values, ids = values.numpy(), ids.numpy()
+    if not (values[k] < values[k - 1] and np.isfinite(values[:k]).all()):
+        return None  # a tie at the k-th (top-k keeps more than k), or a NaN, ±inf among the k largest
+    survivors, logits = ids[:k], values[:k]
+    if config.top_p < 1.0:
+        order = np.lexsort((survivors, -logits.astype(np.float64)))  # largest first, equal ones by id
+        weights = np.exp(logits[order].astype(np.float64) - float(logits.max()))
+        before = (np.cumsum(weights) - weights) / weights.sum()
+        margin = sure_margin(k)
+        kept = before < config.top_p - margin
+        if not (kept | (before >= config.top_p + margin)).all():
+            return None  # a survivor's mass lies at the bound: the nucleus's own sums decide it
+        survivors = survivors[order[kept]]
+    return np.sort(survivors)
 
 
 #: How far below ``top_p`` the mass before a token must lie for ``surely_allowed`` to keep it, beyond

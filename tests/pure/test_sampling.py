@@ -692,3 +692,40 @@ def test_greedy_choice_is_the_argmax_and_its_confidence_or_none():
             row = torch.tensor([0.5, 2.0, 1.0])
             row[at] = bad
             assert greedy_choice(row) is None and greedy_choice(row.to(torch.bfloat16)) is None
+
+
+@pytest.mark.parametrize("config", [SamplingConfig(0.7, top_k=40, top_p=0.9), SamplingConfig(1.0, top_k=40),
+                                    SamplingConfig(1.3, top_k=3, top_p=0.6), SamplingConfig(0.5, top_k=200, top_p=0.95),
+                                    SamplingConfig(1.0, top_k=1, top_p=0.5)])
+def test_the_allowed_tokens_from_the_k_largest_are_the_rows_where_plain_and_refused_at_a_tie_or_the_bound(config):
+    """``_plain_top_k_allowed`` (a row whose unfiltered draw the filters drop): where it answers, its ids
+    are ``allowed_tokens``' (random rows of several spreads, rows with repeated logits); it answers most
+    rows (it is no check that never says yes); it refuses a tie at the k-th largest and a survivor whose
+    mass before lies at top_p; and draws through it are the filtered rows' draws, bit for bit."""
+    from tierspec.sampling import _plain_top_k_allowed, allowed_tokens, keyed_allowed_tokens, keyed_tokens, sampling_logits
+
+    generator = torch.Generator().manual_seed(config.top_k)
+    rows = [torch.randn(49152, generator=generator) * scale for scale in (0.5, 2.0, 4.0, 8.0) for _ in range(6)]
+    rows += [torch.randint(-6, 4, (4096,), generator=generator).float() for _ in range(6)]  # many equal logits
+    answered = 0
+    for row in rows:
+        ids = _plain_top_k_allowed(row, config)
+        if ids is not None:
+            answered += 1
+            assert ids.tolist() == allowed_tokens(row[None], config)[0].tolist()
+    assert answered >= 20
+    tied = torch.full((300,), -5.0)
+    tied[:config.top_k + 1] = 1.0  # k + 1 equal largest: top-k keeps them all
+    assert _plain_top_k_allowed(tied, config) is None
+    if config.top_p < 1.0 and config.top_k >= 2:
+        at_bound = -80.0 - 0.01 * torch.arange(300.0)  # distinct, each e^-80 of the two below
+        at_bound[[3, 9]] = 0.0  # two equal survivors, half the mass each: the second's mass before is 1/2
+        assert _plain_top_k_allowed(at_bound, SamplingConfig(config.temperature, config.top_k, 0.5)) is None
+        assert _plain_top_k_allowed(at_bound, SamplingConfig(config.temperature, config.top_k, 0.51)).tolist() == [3, 9]
+        assert _plain_top_k_allowed(at_bound, SamplingConfig(config.temperature, config.top_k, 0.49)).tolist() == [3]
+    noise = Noise(11, 49152)
+    table = torch.stack(rows[:24]).contiguous()
+    keys = [noise.key(position) for position in range(len(table))]
+    dropped = [int(r.argmin()) for r in table]  # every row's "unfiltered draw" outside the filters
+    expected = keyed_tokens(sampling_logits(table, config), keys)
+    assert keyed_allowed_tokens(table, config, keys, candidates=dropped) == expected

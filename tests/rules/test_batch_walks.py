@@ -166,13 +166,20 @@ def test_a_pass_draw_under_top_k_or_top_p_is_a_candidate_the_filters_decide(monk
     batch = ChainBatch([t for p, _, _, _ in sequences for t in p.token_list], [len(p) for p, _, _, _ in sequences],
                        torch.cat([logits for _, logits, _, _ in sequences]), [s for _, _, s, _ in sequences],
                        [n for _, _, _, n in sequences], row_draws=draws)
-    nuclei = []
-    real = sampling_module.allowed_tokens
+    nuclei, plain = [], []
+    real, real_plain = sampling_module.allowed_tokens, sampling_module._plain_top_k_allowed
     monkeypatch.setattr(sampling_module, "allowed_tokens", lambda rows, config: nuclei.append(len(rows)) or real(rows, config))
+
+    def counted_plain(row, config):
+        ids = real_plain(row, config)
+        plain.append(ids is not None)
+        return ids
+
+    monkeypatch.setattr(sampling_module, "_plain_top_k_allowed", counted_plain)
     assert [(w.path, w.next_token) for w in chain_batch_walks(batch)] == [(w.path, w.next_token) for w in alone]
     filtered_rows = sum(min(w.accepted + 1, len(p) + 1) for w, (p, _, s, _) in zip(alone, sequences) if s.top_k or s.top_p < 1)
     if sampling_module.CHECKS_UNFILTERED_DRAWS:  # (without AVX2 every row finds its allowed tokens)
-        assert len(nuclei) < filtered_rows / 2  # most rows settled by their draw
+        assert len(nuclei) + sum(plain) < filtered_rows / 2  # most rows settled by their draw
     # A draw the filters drop is never the filtered row's token: planted on every filtered row, the walks hold.
     first, planted = 0, list(draws)
     for proposal, logits, sampling, _ in sequences:
@@ -181,9 +188,11 @@ def test_a_pass_draw_under_top_k_or_top_p_is_a_candidate_the_filters_decide(monk
                 planted[first + row] = int(logits[row].argmin())  # below top-k and outside any nucleus
         first += len(proposal) + 1
     nuclei.clear()
+    plain.clear()
     assert [(w.path, w.next_token) for w in chain_batch_walks(dataclasses.replace(batch, row_draws=planted))] == \
         [(w.path, w.next_token) for w in alone]
-    assert len(nuclei) == filtered_rows  # every filtered row went the nucleus's way
+    # every filtered row found its allowed tokens: from its k largest logits where plain, else the nucleus's way
+    assert len(nuclei) + sum(plain) == filtered_rows and sum(plain) > 0
     with pytest.raises(ValueError, match="checked against their logits"):  # draws of filtered rows and no logits
         chain_batch_walks(dataclasses.replace(batch, target_logits=None))
 
