@@ -57,7 +57,8 @@ def sweep(rows: torch.Tensor, config: SamplingConfig, group: int, way: str) -> t
     ``nucleus`` (every row's allowed tokens found, then drawn among), ``check`` (the unfiltered draw made
     here, then checked), ``pass draw`` (the unfiltered draw given, as a pass makes it), ``pass draw, nucleus
     after`` (the same, the rows it leaves finding their allowed tokens the nucleus's way — as before
-    ``sampling._plain_top_k_allowed``, which ``nucleus`` never uses either)."""
+    ``sampling._plain_top_k_allowed``, which ``nucleus`` never uses either). Since that function, ``check``
+    and ``pass draw`` under top-k include it: their columns in files made before it are stop 71's way."""
     noise = Noise(11, rows.shape[-1])
     keys = [noise.key(position) for position in range(len(rows))]
     given = None

@@ -206,15 +206,20 @@ def parse_setting(spec: str) -> Setting:
     """``T`` then any of ``/kK`` (top-k), ``/pP`` (top-p), ``/presP`` (presence penalty), ``/freqF``
     (frequency penalty): ``1/p0.95``, ``0/pres0.5/freq0.3``."""
     head, *rest = spec.strip().split("/")
-    fields = {"temperature": float(head)}
-    for part in rest:
-        for prefix, name, kind in (("pres", "presence_penalty", float), ("freq", "frequency_penalty", float),
-                                   ("k", "top_k", int), ("p", "top_p", float)):
-            if part.startswith(prefix):
-                fields[name] = kind(part[len(prefix):])
-                break
-        else:
-            raise SystemExit(f"a setting is T then /kK, /pP, /presP or /freqF parts, not {spec!r}")
+    try:
+        fields = {"temperature": float(head)}
+        for part in rest:
+            for prefix, name, kind in (("pres", "presence_penalty", float), ("freq", "frequency_penalty", float),
+                                       ("k", "top_k", int), ("p", "top_p", float)):
+                if part.startswith(prefix):
+                    if name in fields:
+                        raise ValueError(f"{prefix} given twice")
+                    fields[name] = kind(part[len(prefix):])
+                    break
+            else:
+                raise ValueError(f"{part!r} is none of kK, pP, presP, freqF")
+    except ValueError as error:
+        raise SystemExit(f"a setting is T then /kK, /pP, /presP or /freqF parts, not {spec!r}: {error}") from None
     return Setting(**fields)
 
 
@@ -384,7 +389,7 @@ def batching(args) -> None:
             warm = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
             chat(warm, "Hi", 8, None, 0.0)  # builds the method and its cost table
         this_port = servers["tierspec serve"]
-        for setting in args.settings:
+        for setting in args.sampling_settings:
             # every request's solo text: the largest round's requests, one client, one at a time
             everything = load_prompts_for_load(max(concurrency) * args.requests_per_client)
             solo = [r["text"] for r in load_round(this_port, everything, 1, args.max_tokens, setting)["replies"]]
@@ -487,8 +492,11 @@ def main() -> None:
     parser.add_argument("--report", type=Path, default=None,
                         help="the markdown report (default results/serving-report.md; batching mode: none unless given)")
     args = parser.parse_args()
-    args.settings = [parse_setting(spec) for spec in args.settings_text.split(",") if spec.strip()]
     if args.concurrency:
+        settings = [parse_setting(spec) for spec in args.settings_text.split(",") if spec.strip()]
+        if not settings or len({s.label for s in settings}) != len(settings):
+            parser.error(f"--settings {args.settings_text!r}: one setting or more, each once")
+        args.sampling_settings = settings  # (the batching tables' rows; not a setting the plain form dumps)
         if args.rounds < 1:
             parser.error("--rounds must be >= 1")
         if args.before is not None and not (args.before / "tierspec" / "__init__.py").is_file():

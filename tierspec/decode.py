@@ -35,6 +35,7 @@ suspended generation does not leak it into the caller's code.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -1093,7 +1094,7 @@ class DecodeRun:
         self.times = CycleTimes()
         self.committed: CommittedTokens | None = None  # the generation's, from its first step
         self._started: float | None = None
-        self._holding = False  # inside ``held``: the thread arrangement is entered already
+        self._holding: int | None = None  # inside ``held``: the thread that entered it (the arrangement is entered)
 
     @property
     def token_ids(self) -> list[int]:
@@ -1112,7 +1113,7 @@ class DecodeRun:
         if self._started is None:
             self._started, self._measuring_before = time.perf_counter(), measuring_seconds()
         try:
-            if self._holding:
+            if self._holding == threading.get_ident():  # (another thread's step enters both its own way)
                 step = self._next_step()
             else:
                 with self._threads:
@@ -1135,18 +1136,22 @@ class DecodeRun:
     def held(self) -> Iterator[DecodeRun]:
         """A block in which the steps asked for run under one entry of the thread arrangement and of
         torch's inference mode (``finish``'s), not one a step: for a caller whose code between the
-        steps uses no torch (a detokenizer, a write to a terminal), since inside the block torch runs
-        its operators on one thread and makes inference tensors. Leaving and entering both at every
-        step cost a streamed generation ~40 µs a cycle on a Zen 4 (``finish``)."""
-        if self._holding:
+        steps uses no torch (a detokenizer, a write to a terminal), since inside the block torch makes
+        inference tensors and, on the pass engine, runs its operators on one thread. Leaving and entering
+        both at every step cost a streamed generation 30–50 µs a cycle on a Zen 4
+        (``benchmarks/loop_time.py --entry generate``). The block is left on the thread that entered it,
+        and blocks of several runs nest (each restores what it found: two left in the order they were
+        entered would leave the first's settings behind); steps asked for from another thread enter both
+        their own way. Not to be held across a ``yield`` to code that uses torch."""
+        if self._holding is not None:
             yield self
             return
         with self._threads, torch.inference_mode():
-            self._holding = True
+            self._holding = threading.get_ident()
             try:
                 yield self
             finally:
-                self._holding = False
+                self._holding = None
 
     def _read_clock(self) -> None:
         """The run's wall clock, not its sequence's: from the first step asked for, less measurements."""

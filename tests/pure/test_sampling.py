@@ -706,14 +706,22 @@ def test_the_allowed_tokens_from_the_k_largest_are_the_rows_where_plain_and_refu
 
     generator = torch.Generator().manual_seed(config.top_k)
     rows = [torch.randn(49152, generator=generator) * scale for scale in (0.5, 2.0, 4.0, 8.0) for _ in range(6)]
-    rows += [torch.randint(-6, 4, (4096,), generator=generator).float() for _ in range(6)]  # many equal logits
+    rows += [torch.randint(-6, 4, (4096,), generator=generator).float() for _ in range(6)]  # a tie at the k-th
+    paired = []  # equal logits inside the k largest (in pairs), the (k + 1)-th below them: answered
+    for _ in range(6):
+        row = torch.randn(49152, generator=generator) * 3
+        top = torch.topk(row, config.top_k + 1).indices
+        for j in range(1, config.top_k, 2):
+            row[top[j]] = row[top[j - 1]]
+        paired.append(row)
     answered = 0
-    for row in rows:
+    for row in rows + paired:
         ids = _plain_top_k_allowed(row, config)
         if ids is not None:
             answered += 1
             assert ids.tolist() == allowed_tokens(row[None], config)[0].tolist()
-    assert answered >= 20
+    # (under top-p a pair's two masses before may straddle the bound: such a row is refused)
+    assert answered >= 20 and sum(_plain_top_k_allowed(row, config) is not None for row in paired) >= 3
     tied = torch.full((300,), -5.0)
     tied[:config.top_k + 1] = 1.0  # k + 1 equal largest: top-k keeps them all
     assert _plain_top_k_allowed(tied, config) is None
