@@ -23,6 +23,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .errors import TierspecError
@@ -128,9 +129,9 @@ class TouchedCounts:
         self._tokens: list[int] = []  # each slot's token, count and bias, in Python: a commit touches no tensor
         self._counted: list[float] = []
         self._biased: list[float] = []
-        self._ids = torch.empty(64, dtype=torch.long)  # the buffers ``modify`` reads, brought up to date there
-        self._counts = torch.zeros(64)
-        self._bias = torch.zeros(64)
+        self._ids = np.empty(64, dtype=np.int64)  # the buffers ``modify`` reads, brought up to date there
+        self._counts = np.zeros(64, dtype=np.float32)
+        self._bias = np.zeros(64, dtype=np.float32)
         self._written = 0  # slots whose token and bias are in the buffers
         self._changed: set[int] = set()  # slots whose count ``_counts`` does not hold yet
         for token, value in modifiers.logit_bias:  # (ids checked above)
@@ -165,22 +166,28 @@ class TouchedCounts:
         size = len(self._tokens)
         if size > len(self._ids):
             room = max(size, 2 * len(self._ids))
-            self._ids = torch.cat([self._ids, torch.empty(room - len(self._ids), dtype=torch.long)])
-            self._counts = torch.cat([self._counts, torch.zeros(room - len(self._counts))])
-            self._bias = torch.cat([self._bias, torch.zeros(room - len(self._bias))])
+            self._ids = np.concatenate([self._ids, np.empty(room - len(self._ids), dtype=np.int64)])
+            self._counts = np.concatenate([self._counts, np.zeros(room - len(self._counts), dtype=np.float32)])
+            self._bias = np.concatenate([self._bias, np.zeros(room - len(self._bias), dtype=np.float32)])
         if self._written < size:
-            self._ids[self._written : size] = torch.tensor(self._tokens[self._written :], dtype=torch.long)
-            self._bias[self._written : size] = torch.tensor(self._biased[self._written :])
+            self._ids[self._written : size] = self._tokens[self._written :]
+            self._bias[self._written : size] = self._biased[self._written :]  # (rounded to float32 as bias_vector does)
             self._written = size
         if self._changed:
             slots = list(self._changed)
-            self._counts[torch.tensor(slots, dtype=torch.long)] = torch.tensor([self._counted[s] for s in slots])
+            self._counts[slots] = [self._counted[s] for s in slots]
             self._changed.clear()
 
     def modify(self, rows: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
         """``rows`` [r, V] (float32 or float64; another dtype is made float32 first) under the
         modifiers, row i counting the generated tokens and ``paths[i]`` (the tokens drafted before it,
-        ``TokenTree.row_paths``), written where they lie. Returns the rows."""
+        ``TokenTree.row_paths``), written where they lie. Returns the rows.
+
+        On the CPU through numpy views of the rows: a few numpy calls on the touched columns, where the
+        same steps as torch operators cost a sequence ~0.1 ms a cycle right after a pass (each cold, a
+        dozen of them; BENCHMARKS.md, stop 72). The operations are the same ones in the same order (a
+        float32 or float64 row's gather, + the float32 bias, − the penalty times the counts, the
+        penalty cast to the rows' dtype as torch casts a scalar, then the scatter)."""
         if rows.dtype not in (torch.float32, torch.float64):
             rows = rows.float()
         if len(paths) != rows.shape[0] or rows.shape[-1] != self.vocab_size:
@@ -204,18 +211,36 @@ class TouchedCounts:
             return rows
         ids, base, bias = self._ids[:known], self._counts[:known], self._bias[:known]
         if extra:
-            ids = torch.cat([ids, torch.tensor(list(extra), dtype=torch.long)])
-            base = torch.cat([base, torch.zeros(len(extra))])
-            bias = torch.cat([bias, torch.zeros(len(extra))])
-        counted = base.expand(len(paths), width).clone()
-        if steps_rows:
-            counted.index_put_((torch.tensor(steps_rows), torch.tensor(steps_slots)), torch.ones(len(steps_rows)),
-                               accumulate=True)
-        counted = counted.to(rows.dtype)
+            ids = np.concatenate([ids, np.fromiter(extra, dtype=np.int64, count=len(extra))])
+            base = np.concatenate([base, np.zeros(len(extra), dtype=np.float32)])
+            bias = np.concatenate([bias, np.zeros(len(extra), dtype=np.float32)])
+        counted = np.repeat(base[None, :], len(paths), axis=0)
+        for row, slot in zip(steps_rows, steps_slots):
+            counted[row, slot] += 1.0
+        if rows.device.type != "cpu":  # the same operations as torch operators on the rows' device
+            return self._modify_on(rows, torch.from_numpy(ids), torch.from_numpy(counted), torch.from_numpy(bias))
+        table = rows.numpy()
+        kind = table.dtype.type
+        counted = counted.astype(table.dtype, copy=False)
+        modifiers = self.modifiers
+        touched = table[:, ids]
+        if modifiers.logit_bias:
+            touched = touched + bias.astype(table.dtype, copy=False)
+        if modifiers.frequency_penalty:
+            touched = touched - kind(modifiers.frequency_penalty) * counted
+        if modifiers.presence_penalty:
+            touched = touched - kind(modifiers.presence_penalty) * (counted > 0).astype(table.dtype)
+        table[:, ids] = touched
+        return rows
+
+    def _modify_on(self, rows: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """``modify``'s arithmetic as torch operators, for rows off the CPU."""
+        device = rows.device
+        ids, counted = ids.to(device), counted.to(device, rows.dtype)
         modifiers = self.modifiers
         touched = rows[:, ids]
         if modifiers.logit_bias:
-            touched = touched + bias.to(rows.dtype)
+            touched = touched + bias.to(device, rows.dtype)
         if modifiers.frequency_penalty:
             touched = touched - modifiers.frequency_penalty * counted
         if modifiers.presence_penalty:
