@@ -184,8 +184,9 @@ class TouchedCounts:
         ``TokenTree.row_paths``), written where they lie. Returns the rows.
 
         On the CPU through numpy views of the rows: a few numpy calls on the touched columns, where the
-        same steps as torch operators cost a sequence ~0.1 ms a cycle right after a pass (each cold, a
-        dozen of them; BENCHMARKS.md, stop 72). The operations are the same ones in the same order (a
+        same steps as a dozen torch operators, each cold right after a pass, cost a sequence 0.04–0.11
+        ms more a cycle (``benchmarks/batch_cycle.py`` under two penalties on a Zen 4, BENCHMARKS.md
+        stop 72). The operations are the same ones in the same order (a
         float32 or float64 row's gather, + the float32 bias, − the penalty times the counts, the
         penalty cast to the rows' dtype as torch casts a scalar, then the scatter)."""
         if rows.dtype not in (torch.float32, torch.float64):
