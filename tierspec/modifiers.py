@@ -119,8 +119,9 @@ class TouchedCounts:
 
     Why: the dense counts [r, V] and the operators over every row's whole vocabulary cost a sequence
     about 0.2 ms a cycle after the pass on the Zen 4 of BENCHMARKS.md (verifying and committing a
-    batch of 8 under two penalties, 2.4–2.8 → 0.9–1.2 ms a cycle); here a cycle's work is its rows'
-    gather and scatter over the touched tokens and its drafts' few counts, however long the text."""
+    batch of 8 under two penalties, 2.4–2.8 → 0.9–1.2 ms a cycle; stop 71); here a cycle's work is its
+    rows' gather and scatter over the touched tokens and its drafts' few counts, however long the text —
+    in numpy since stop 72 (``modify``: verifying a batch of 8, 0.76–0.97 → 0.38–0.62 ms a cycle)."""
 
     def __init__(self, modifiers: LogitModifiers, vocab_size: int, generated: list[int] = ()):
         modifiers.check_vocabulary(vocab_size)
@@ -183,10 +184,12 @@ class TouchedCounts:
         modifiers, row i counting the generated tokens and ``paths[i]`` (the tokens drafted before it,
         ``TokenTree.row_paths``), written where they lie. Returns the rows.
 
-        On the CPU through numpy views of the rows: a few numpy calls on the touched columns, where the
-        same steps as a dozen torch operators, each cold right after a pass, cost a sequence 0.04–0.11
-        ms more a cycle (``benchmarks/batch_cycle.py`` under two penalties on a Zen 4, BENCHMARKS.md
-        stop 72). The operations are the same ones in the same order (a
+        On the CPU through a numpy view of the rows: a few numpy calls on the touched columns, where the
+        same steps as a dozen torch operators, each cold right after a pass, cost a sequence 0.04–0.05
+        ms more a cycle in a batch of 8 (``benchmarks/batch_cycle.py`` under two penalties on a Zen 4,
+        BENCHMARKS.md stop 72). Rows that track gradients, and inference tensors outside inference
+        mode, go through torch's operators instead (``_modify_on``): a write through numpy would pass
+        by autograd's and inference mode's checks. The operations are the same ones in the same order (a
         float32 or float64 row's gather, + the float32 bias, − the penalty times the counts, the
         penalty cast to the rows' dtype as torch casts a scalar, then the scatter)."""
         if rows.dtype not in (torch.float32, torch.float64):
@@ -218,7 +221,7 @@ class TouchedCounts:
         counted = np.repeat(base[None, :], len(paths), axis=0)
         for row, slot in zip(steps_rows, steps_slots):
             counted[row, slot] += 1.0
-        if rows.device.type != "cpu":  # the same operations as torch operators on the rows' device
+        if rows.device.type != "cpu" or rows.requires_grad or (rows.is_inference() and not torch.is_inference_mode_enabled()):
             return self._modify_on(rows, torch.from_numpy(ids), torch.from_numpy(counted), torch.from_numpy(bias))
         table = rows.numpy()
         kind = table.dtype.type
@@ -235,7 +238,8 @@ class TouchedCounts:
         return rows
 
     def _modify_on(self, rows: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """``modify``'s arithmetic as torch operators, for rows off the CPU."""
+        """``modify``'s arithmetic as torch operators: rows off the CPU, rows tracking gradients, inference
+        tensors outside inference mode (where torch refuses the write, as before)."""
         device = rows.device
         ids, counted = ids.to(device), counted.to(device, rows.dtype)
         modifiers = self.modifiers

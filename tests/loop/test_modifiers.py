@@ -116,6 +116,32 @@ def test_the_touched_tokens_alone_give_the_dense_rows(modifiers, dtype):
     assert torch.equal(TouchedCounts(LogitModifiers(presence_penalty=0.5), vocab).modify(plain.clone(), [[], []]), plain)
 
 
+def test_the_touched_tokens_past_the_first_buffers_and_through_torchs_operators_give_the_dense_rows():
+    """Past 64 distinct tokens (the buffers grow, twice), and for rows that track gradients (torch's
+    operators, ``_modify_on``, where a write through numpy would pass by autograd): the dense values."""
+    from tierspec.modifiers import TouchedCounts
+
+    generator = torch.Generator().manual_seed(8)
+    vocab = 5000
+    modifiers = LogitModifiers(presence_penalty=0.3, frequency_penalty=-0.45, logit_bias=((17, 0.1), (4999, -3.0)))
+    touched = TouchedCounts(modifiers, vocab)
+    generated: list[int] = []
+    for step in range(30):
+        new = torch.randint(vocab, (9,), generator=generator).tolist()
+        touched.add(new)
+        generated += new
+        drafts = [generated[-1], int(torch.randint(vocab, ()).item()), generated[0]]
+        counts = chain_counts(token_counts(torch.tensor(generated), vocab), torch.tensor(drafts))
+        paths = [drafts[:i] for i in range(len(drafts) + 1)]
+        for dtype in (torch.float32, torch.float64):
+            rows = torch.randn(len(drafts) + 1, vocab, generator=generator, dtype=dtype) * 4
+            expected = modified_logits(rows, counts, modifiers, modifiers.bias_vector(vocab))
+            assert torch.equal(touched.modify(rows.clone(), paths), expected)
+            tracked = rows.clone().requires_grad_() * 1.0  # not a leaf: written in place by torch, as before
+            assert torch.equal(touched.modify(tracked, paths).detach(), expected)
+    assert len(generated) > 128 and len(touched._ids) >= 256  # grown past 64 and 128 slots
+
+
 def test_a_trees_row_paths_are_each_nodes_path():
     from tierspec.tree import TokenTree
 
