@@ -183,49 +183,39 @@ DEFAULT_SETTINGS = "0,1"  # greedy, then seeded at temperature 1
 @dataclass(frozen=True)
 class Setting:
     """A round's sampling fields: ``temperature``, ``top_p``, ``top_k`` (tierspec's extra field; 0: none),
-    the two penalties — every request of the round sends them."""
+    the two penalties — every request of the round sends them; ``label``: the ``--settings`` text."""
 
     temperature: float
     top_p: float = 1.0
     top_k: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-
-    @property
-    def label(self) -> str:
-        """``T``, with ``/kK``, ``/pP``, ``/presP``, ``/freqF`` where they are set (the ``--settings`` syntax)."""
-        parts = [f"{self.temperature:g}"]
-        parts += [f"k{self.top_k}"] if self.top_k else []
-        parts += [f"p{self.top_p:g}"] if self.top_p < 1.0 else []
-        parts += [f"pres{self.presence_penalty:g}"] if self.presence_penalty else []
-        parts += [f"freq{self.frequency_penalty:g}"] if self.frequency_penalty else []
-        return "/".join(parts)
+    label: str = "0"
 
 
 def parse_setting(spec: str) -> Setting:
-    """``T`` then any of ``/kK`` (top-k), ``/pP`` (top-p), ``/presP`` (presence penalty), ``/freqF``
-    (frequency penalty): ``1/p0.95``, ``0/pres0.5/freq0.3``."""
-    head, *rest = spec.strip().split("/")
+    """``T`` then any of ``/kK`` (top-k), ``/pP`` (top-p) — ``loop_time.sampling_setting``'s syntax — and
+    ``/presP`` (presence penalty), ``/freqF`` (frequency penalty): ``1/p0.95``, ``0/pres0.5/freq0.3``."""
+    from loop_time import sampling_setting  # (the script's folder is on the path)
+
+    spec = spec.strip()
+    head, *rest = spec.split("/")
+    penalties = {prefix: part[len(prefix):] for part in rest for prefix in ("pres", "freq") if part.startswith(prefix)}
+    filters = [part for part in rest if not part.startswith(("pres", "freq"))]
+    kinds = [part[:4] if part.startswith(("pres", "freq")) else part[:1] for part in rest]
+    if len(set(kinds)) != len(kinds):
+        raise SystemExit(f"a setting gives each part once, not {spec!r}")
     try:
-        fields = {"temperature": float(head)}
-        for part in rest:
-            for prefix, name, kind in (("pres", "presence_penalty", float), ("freq", "frequency_penalty", float),
-                                       ("k", "top_k", int), ("p", "top_p", float)):
-                if part.startswith(prefix):
-                    if name in fields:
-                        raise ValueError(f"{prefix} given twice")
-                    fields[name] = kind(part[len(prefix):])
-                    break
-            else:
-                raise ValueError(f"{part!r} is none of kK, pP, presP, freqF")
+        temperature, top_k, top_p = sampling_setting("/".join([head, *filters]))
+        presence, frequency = (float(penalties.get(prefix, 0.0)) for prefix in ("pres", "freq"))
     except ValueError as error:
         raise SystemExit(f"a setting is T then /kK, /pP, /presP or /freqF parts, not {spec!r}: {error}") from None
-    return Setting(**fields)
+    return Setting(temperature, top_p, top_k, presence, frequency, spec)
 
 
 def chat(client: openai.OpenAI, prompt: str, max_tokens: int, seed: int | None, setting: Setting | float) -> dict:
     started = time.perf_counter()
-    setting = setting if isinstance(setting, Setting) else Setting(float(setting))
+    setting = setting if isinstance(setting, Setting) else Setting(float(setting), label=f"{float(setting):g}")
     reply = client.chat.completions.create(model="smollm2-135m", messages=[{"role": "user", "content": prompt}],
                                            max_tokens=max_tokens, temperature=setting.temperature, seed=seed,
                                            top_p=setting.top_p, presence_penalty=setting.presence_penalty,

@@ -35,7 +35,6 @@ suspended generation does not leak it into the caller's code.
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import Counter
 from contextlib import contextmanager
@@ -1094,7 +1093,7 @@ class DecodeRun:
         self.times = CycleTimes()
         self.committed: CommittedTokens | None = None  # the generation's, from its first step
         self._started: float | None = None
-        self._holding: int | None = None  # inside ``held``: the thread that entered it (the arrangement is entered)
+        self._holding = False  # inside ``held``: the thread arrangement is entered already
 
     @property
     def token_ids(self) -> list[int]:
@@ -1113,7 +1112,7 @@ class DecodeRun:
         if self._started is None:
             self._started, self._measuring_before = time.perf_counter(), measuring_seconds()
         try:
-            if self._holding == threading.get_ident():  # (another thread's step enters both its own way)
+            if self._holding:
                 step = self._next_step()
             else:
                 with self._threads:
@@ -1141,17 +1140,17 @@ class DecodeRun:
         both at every step cost a streamed generation 30–50 µs a cycle on a Zen 4
         (``benchmarks/loop_time.py --entry generate``). The block is left on the thread that entered it,
         and blocks of several runs nest (each restores what it found: two left in the order they were
-        entered would leave the first's settings behind); steps asked for from another thread enter both
-        their own way. Not to be held across a ``yield`` to code that uses torch."""
-        if self._holding is not None:
+        entered would leave the first's settings behind). Not to be held across a ``yield`` to code that
+        uses torch."""
+        if self._holding:
             yield self
             return
         with self._threads, torch.inference_mode():
-            self._holding = threading.get_ident()
+            self._holding = True
             try:
                 yield self
             finally:
-                self._holding = None
+                self._holding = False
 
     def _read_clock(self) -> None:
         """The run's wall clock, not its sequence's: from the first step asked for, less measurements."""

@@ -126,58 +126,38 @@ class TouchedCounts:
     def __init__(self, modifiers: LogitModifiers, vocab_size: int, generated: list[int] = ()):
         modifiers.check_vocabulary(vocab_size)
         self.modifiers, self.vocab_size = modifiers, vocab_size
-        self._slots: dict[int, int] = {}  # token → its slot
-        self._tokens: list[int] = []  # each slot's token, count and bias, in Python: a commit touches no tensor
-        self._counted: list[float] = []
-        self._biased: list[float] = []
-        self._ids = np.empty(64, dtype=np.int64)  # the buffers ``modify`` reads, brought up to date there
+        self._slots: dict[int, int] = {}  # token → its slot in the buffers below
+        self._ids = np.empty(64, dtype=np.int64)  # each slot's token, count and bias (float32, as ``bias_vector``)
         self._counts = np.zeros(64, dtype=np.float32)
         self._bias = np.zeros(64, dtype=np.float32)
-        self._written = 0  # slots whose token and bias are in the buffers
-        self._changed: set[int] = set()  # slots whose count ``_counts`` does not hold yet
         for token, value in modifiers.logit_bias:  # (ids checked above)
-            self._biased[self._slot(token)] = float(value)
+            slot = self._slot(token)  # (first: it may replace the buffers)
+            self._bias[slot] = value
         self.add(generated)
 
     def _slot(self, token: int) -> int:
-        """``token``'s slot, a new one for a token not seen (an id the caller checked)."""
+        """``token``'s slot, a new one for a token not seen (an id the caller checked); the buffers
+        double when full."""
         slot = self._slots.get(token)
         if slot is None:
-            slot = self._slots[token] = len(self._tokens)
-            self._tokens.append(token)
-            self._counted.append(0.0)
-            self._biased.append(0.0)
+            slot = len(self._slots)
+            if slot == len(self._ids):
+                self._ids, self._counts, self._bias = (np.concatenate([buffer, np.zeros_like(buffer)])
+                                                       for buffer in (self._ids, self._counts, self._bias))
+            self._slots[token] = slot
+            self._ids[slot] = token
         return slot
 
     def add(self, tokens) -> None:
-        """Count committed generated ``tokens`` (ints; the buffers follow at the next ``modify``): all of
-        them, or none where one is not in the vocabulary."""
+        """Count committed generated ``tokens`` (ints): all of them, or none where one is not in the
+        vocabulary."""
         tokens = [operator.index(token) for token in tokens]  # a tensor's elements would hash apart
         bad = next((token for token in tokens if not 0 <= token < self.vocab_size), None)
         if bad is not None:
             raise TierspecError(f"token id {bad} is not in the vocabulary (0 .. {self.vocab_size - 1})")
-        counted, changed = self._counted, self._changed
         for token in tokens:
-            slot = self._slot(token)
-            counted[slot] += 1.0
-            changed.add(slot)
-
-    def _flush(self) -> None:
-        """The buffers brought up to the slots: room for them all, the new slots' tokens, the changed counts."""
-        size = len(self._tokens)
-        if size > len(self._ids):
-            room = max(size, 2 * len(self._ids))
-            self._ids = np.concatenate([self._ids, np.empty(room - len(self._ids), dtype=np.int64)])
-            self._counts = np.concatenate([self._counts, np.zeros(room - len(self._counts), dtype=np.float32)])
-            self._bias = np.concatenate([self._bias, np.zeros(room - len(self._bias), dtype=np.float32)])
-        if self._written < size:
-            self._ids[self._written : size] = self._tokens[self._written :]
-            self._bias[self._written : size] = self._biased[self._written :]  # (rounded to float32 as bias_vector does)
-            self._written = size
-        if self._changed:
-            slots = list(self._changed)
-            self._counts[slots] = [self._counted[s] for s in slots]
-            self._changed.clear()
+            slot = self._slot(token)  # (first: it may replace the buffers)
+            self._counts[slot] += 1.0
 
     def modify(self, rows: torch.Tensor, paths: list[list[int]]) -> torch.Tensor:
         """``rows`` [r, V] (float32 or float64; another dtype is made float32 first) under the
@@ -197,7 +177,6 @@ class TouchedCounts:
         if len(paths) != rows.shape[0] or rows.shape[-1] != self.vocab_size:
             raise TierspecError(f"rows {tuple(rows.shape)} need {rows.shape[0]} paths over a vocabulary of "
                                 f"{self.vocab_size}, got {len(paths)} paths")
-        self._flush()
         known = len(self._slots)
         extra: dict[int, int] = {}  # drafted tokens not yet counted: slots of this call only
         steps_rows, steps_slots = [], []
@@ -238,19 +217,13 @@ class TouchedCounts:
         return rows
 
     def _modify_on(self, rows: torch.Tensor, ids: torch.Tensor, counted: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """``modify``'s arithmetic as torch operators: rows off the CPU, rows tracking gradients, inference
-        tensors outside inference mode (where torch refuses the write, as before)."""
+        """``modify`` by torch's operators (``modified_logits`` of the touched columns): rows off the CPU,
+        rows tracking gradients, inference tensors outside inference mode (where torch refuses the
+        write, as before)."""
         device = rows.device
-        ids, counted = ids.to(device), counted.to(device, rows.dtype)
-        modifiers = self.modifiers
-        touched = rows[:, ids]
-        if modifiers.logit_bias:
-            touched = touched + bias.to(device, rows.dtype)
-        if modifiers.frequency_penalty:
-            touched = touched - modifiers.frequency_penalty * counted
-        if modifiers.presence_penalty:
-            touched = touched - modifiers.presence_penalty * (counted > 0).to(rows.dtype)
-        rows[:, ids] = touched
+        ids = ids.to(device)
+        bias = bias.to(device) if self.modifiers.logit_bias else None
+        rows[:, ids] = modified_logits(rows[:, ids], counted.to(device), self.modifiers, bias)
         return rows
 
 

@@ -139,7 +139,12 @@ def test_the_touched_tokens_past_the_first_buffers_and_through_torchs_operators_
             assert torch.equal(touched.modify(rows.clone(), paths), expected)
             tracked = rows.clone().requires_grad_() * 1.0  # not a leaf: written in place by torch, as before
             assert torch.equal(touched.modify(tracked, paths).detach(), expected)
-    assert len(generated) > 128 and len(touched._ids) >= 256  # grown past 64 and 128 slots
+    assert len(touched._slots) > 128 and len(touched._ids) >= 256  # grown past 64 and 128 slots
+    many = LogitModifiers(frequency_penalty=0.7, logit_bias=tuple((3 * i, 0.1 * i - 4) for i in range(70)))
+    rows = torch.randn(2, vocab, generator=generator) * 4  # 70 biased tokens: grown while the biases are written
+    expected = modified_logits(rows, chain_counts(token_counts(torch.tensor(generated), vocab), torch.tensor([5])), many,
+                               many.bias_vector(vocab))
+    assert torch.equal(TouchedCounts(many, vocab, generated).modify(rows.clone(), [[], [5]]), expected)
 
 
 def test_a_trees_row_paths_are_each_nodes_path():
