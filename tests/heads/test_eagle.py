@@ -264,18 +264,34 @@ def test_a_generation_waits_as_long_as_the_last_at_its_settings_had_learned_to(t
     """With the method's ``ScheduleMemory`` a generation still tries the head at its first cycle (a
     fresh policy knows no rate: untried), but where it does not pay the wait before the next try is
     the one the latest generation at its sampling settings had reached, not 8 again; a head that
-    pays starts the waits over; another temperature, or no memory, starts from 8."""
-    from tierspec.drafters.eagle import ScheduleMemory
+    pays starts the waits over; another temperature, or no memory, starts from 8. Where the wait
+    had reached its longest (64: the last four tries did not pay), the rest itself goes on: no first
+    try, the next when the idle cycles counted across the generations reach 64, and no features
+    recorded until the two cycles before it."""
+    from tierspec.drafters.eagle import HEAD_RETRY_MAX_CYCLES, HEAD_WARMUP_CYCLES, HybridSchedule, ScheduleMemory
 
     hot, greedy = SamplingConfig(1.0), SamplingConfig(0.0)
     memory = ScheduleMemory(lambda sampling: True)
     tries = lambda ran: [i for i, r in enumerate(ran) if r]
     assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 99, memory=memory, sampling=hot)) == [0, 9, 26, 59]
-    assert memory.recall(hot).wait == 64 and memory.recall(greedy) is None
-    assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 99, memory=memory, sampling=hot)) == [0, 65]
+    assert memory.recall(hot).wait == HEAD_RETRY_MAX_CYCLES and memory.recall(hot).idle == 40  # cycles 60-99
+    assert memory.recall(greedy) is None
+    wants = []
+    # idle 40 carried: 24 more idle cycles (0-23), untried; the try at 24, then 64 idle (25-88), a try at 89
+    ran = _hybrid_head_runs(target32, [None] * 25 + [1.05] * 75, memory=memory, sampling=hot, wants=wants)
+    assert tries(ran) == [24, 89]
+    assert HEAD_WARMUP_CYCLES == 2 and [i for i, w in enumerate(wants[:60]) if w] == [22, 23, 24]
+    assert memory.recall(hot).idle == 10
     assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 30, memory=memory, sampling=greedy)) == [0, 9, 26]
     assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 30, sampling=hot)) == [0, 9, 26]  # no memory
+    # a wait short of the longest carries no rest: the next generation tries at once, then waits 32
+    memory = ScheduleMemory(lambda sampling: True)
+    assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 30, memory=memory, sampling=hot)) == [0, 9, 26]
+    assert memory.recall(hot).wait == 32 and memory.recall(hot).idle == 0
+    assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 40, memory=memory, sampling=hot)) == [0, 33]
+    assert memory.recall(hot).wait == HEAD_RETRY_MAX_CYCLES  # the try at 33 did not pay either
     # a head that pays at its first try: the wait once it stops paying is 8 again, and so is the one kept
+    memory.keep(hot, HybridSchedule(32, 8))
     assert tries(_hybrid_head_runs(target32, [None, 1.2, 1.2] + [1.05] * 20, memory=memory, sampling=hot)) == [0, 1, 2, 11]
     assert memory.recall(hot).wait == 16
 

@@ -190,20 +190,28 @@ class HybridSchedule:
 
     wait:         idle cycles before the head's next try, should it not pay
     dormant_wait: the n-gram lookup's next pause, should its drafts not pay
+    idle:         with ``wait`` at ``HEAD_RETRY_MAX_CYCLES`` and the head resting, the idle cycles since
+                  its last try: the rest the next generation carries on (``ScheduleMemory``); else 0
     """
 
     wait: int
     dormant_wait: int
+    idle: int = 0
 
 
 class ScheduleMemory:
     """What one method's hybrid generations learned about how long to rest the head and the n-gram
-    lookup where they do not pay, by sampling settings. Each generation still tries the head at its
-    first cycle and looks up n-grams from its first (a new prompt is new evidence: at temperature 0
-    carrying the rest itself into the next generation cost 1.3% on Spec-Bench prompts), but where
-    they do not pay it waits as long as the latest generation at its settings had learned to, not
-    8, 16, 32 … cycles over again: at temperature 1 on the default model the head pays almost
-    nowhere, and every generation tried it four times (docs/algorithms.md §Draft-length policies).
+    lookup where they do not pay, by sampling settings. Each generation looks up n-grams from its
+    first cycle (a new prompt is new evidence: what a lookup finds is the prompt's), and tries the
+    head at its first cycle (at temperature 0 carrying the rest itself into the next generation cost
+    1.3% on Spec-Bench prompts) — but where they do not pay it waits as long as the latest
+    generation at its settings had learned to, not 8, 16, 32 … cycles over again: at temperature 1
+    on the default model the head pays almost nowhere, and every generation tried it four times
+    (docs/algorithms.md §Draft-length policies). Where the head's wait had reached its longest
+    (``HEAD_RETRY_MAX_CYCLES``: its last four tries at these settings did not pay — the head's
+    acceptance is the settings', a prompt moves it little), the rest itself carries on: no first
+    try, the next after the wait's idle cycles counted across generations (``HybridSchedule.idle``),
+    so that at such settings the head is tried once every 64 cycles however short the generations.
     It changes which cycles draft, never a text (the hybrid's rule is lossless); a method's
     statistics (tokens per pass) then depend on what it generated before.
 
@@ -269,7 +277,7 @@ class HybridDrafter(Drafter):
         self.ngram, self.eagle = ngram, eagle
         self.memory = memory
         self._sampling: SamplingConfig | None = None  # the generation's, from its first drafting cycle
-        self._kept: tuple[int, int] | None = None  # the waits last kept in the memory (or recalled)
+        self._kept: tuple[int, int, int] | None = None  # the schedule last kept in the memory (or recalled)
         self.feature_layers = eagle.feature_layers
         self._idle = 0  # cycles since the head last ran while it did not pay
         self._wait = HEAD_RETRY_CYCLES  # idle cycles before the next try
@@ -294,7 +302,13 @@ class HybridDrafter(Drafter):
         schedule = None if self.memory is None else self.memory.recall(sampling)
         if schedule is not None:
             self._wait, self._dormant_wait = schedule.wait, schedule.dormant_wait
-        self._kept = (self._wait, self._dormant_wait)
+            if schedule.wait >= HEAD_RETRY_MAX_CYCLES:  # the head's last tries here did not pay: its rest goes on
+                self._idle, self._resting = schedule.idle, True
+        self._kept = (self._wait, self._dormant_wait, self._carried_idle())
+
+    def _carried_idle(self) -> int:
+        """The idle count the memory keeps: the rest's, where the wait is at its longest (``HybridSchedule``)."""
+        return self._idle if self._resting and self._wait >= HEAD_RETRY_MAX_CYCLES else 0
 
     @property
     def feature_history(self) -> int:
@@ -331,7 +345,8 @@ class HybridDrafter(Drafter):
         if len(candidate) and head_rate is not None and rates.expected_rate(candidate) > head_rate:
             self._resting = False
             return candidate  # the head catches up when it next runs
-        if head_rate is not None and head_rate <= worth:
+        # untried but resting: the rest the memory carried on (``ScheduleMemory``) lasts until its try
+        if head_rate is not None and head_rate <= worth or head_rate is None and self._resting:
             if self._idle < self._wait:
                 self._idle += 1
                 self._resting = True
@@ -364,6 +379,8 @@ class HybridDrafter(Drafter):
 
     def commit(self, committed_length: int) -> None:
         self.eagle.commit(committed_length)
-        if self.memory is not None and self._sampling is not None and (self._wait, self._dormant_wait) != self._kept:
-            self._kept = (self._wait, self._dormant_wait)  # kept when it moves (a batch commits every sequence each cycle)
-            self.memory.keep(self._sampling, HybridSchedule(*self._kept))
+        if self.memory is not None and self._sampling is not None:
+            schedule = (self._wait, self._dormant_wait, self._carried_idle())
+            if schedule != self._kept:  # kept when it moves (a batch commits every sequence each cycle)
+                self._kept = schedule
+                self.memory.keep(self._sampling, HybridSchedule(*schedule))
