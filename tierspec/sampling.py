@@ -719,24 +719,31 @@ class Noise:
     seed: int | torch.Generator | None  # anything ``seed_of`` takes; an int in [0, 2⁶⁴) once made
     vocab_size: int
     _kept: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    _token_keys: dict[int, int] = field(default_factory=dict, repr=False, compare=False)  # made ahead (``key``)
-    _keys_forgotten: int = field(default=0, repr=False, compare=False)  # ``forget_before``'s last pass over the keys
+    # The token keys of positions _keys_from .. _keys_from + len(_token_keys) − 1, made ahead (``token_keys``)
+    _token_keys: list[int] = field(default_factory=list, repr=False, compare=False)
+    _keys_from: int = field(default=0, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.seed = seed_of(self.seed)
 
     def key(self, position: int, purpose: str = TOKEN) -> int:
-        """The 64-bit key of the draws for ``position`` and ``purpose``. Token keys are made
-        ``TOKEN_KEYS_AHEAD`` positions at a time and kept until ``forget_before`` passes them: the
-        loop asks one or a few a cycle right after a pass, when the hash's code and data are out of
-        the caches; a run of them costs little more than the first (the keys are the same)."""
+        """The 64-bit key of the draws for ``position`` and ``purpose`` (token keys: ``token_keys``)."""
         if purpose == TOKEN:
-            key = self._token_keys.get(position)
-            if key is None:
-                self._token_keys.update((at, self._hash(at, TOKEN)) for at in range(position, position + TOKEN_KEYS_AHEAD))
-                key = self._token_keys[position]
-            return key
+            return self.token_keys(position, 1)[0]
         return self._hash(position, purpose)
+
+    def token_keys(self, position: int, count: int) -> list[int]:
+        """The token keys of positions ``position`` .. ``position + count − 1``. Made
+        ``TOKEN_KEYS_AHEAD`` positions at a time (or ``count``, if more) and kept until a position
+        outside them is asked: the loop asks one or a few a cycle, each sequence of a batch right
+        after a pass, when the hash's code and data are out of the caches; a run of them costs little
+        more than the first, and a slice of a list kept by position is the least a cycle reads (a
+        dict lookup and a call a key cost a batch of 8 ~4 µs a sequence a cycle at t=1)."""
+        at = position - self._keys_from
+        if at < 0 or at + count > len(self._token_keys):
+            self._keys_from, at = position, 0
+            self._token_keys = [self._hash(p, TOKEN) for p in range(position, position + max(count, TOKEN_KEYS_AHEAD))]
+        return self._token_keys[at : at + count]
 
     def _hash(self, position: int, purpose: str) -> int:
         # blake2b, not hash(): Python salts string hashes per process.
@@ -770,15 +777,11 @@ class Noise:
         return ((_keyed_noise.mix64(self.key(position, purpose)) >> 11) + 0.5) * 2.0**-53
 
     def forget_before(self, position: int) -> None:
-        """Drop kept noise of positions < ``position`` (committed: never drawn for again); the
-        keys, a few ints, once every ``TOKEN_KEYS_AHEAD`` positions (the loop commits every cycle)."""
+        """Drop kept noise of positions < ``position`` (committed: never drawn for again). The
+        token keys made ahead are a few ints, replaced as the positions move on (``token_keys``)."""
         if self._kept:
             for kept in [p for p in self._kept if p < position]:
                 del self._kept[kept]
-        if position >= self._keys_forgotten + TOKEN_KEYS_AHEAD:
-            for kept in [p for p in self._token_keys if p < position]:
-                del self._token_keys[kept]
-            self._keys_forgotten = position
 
     def block(self, start: int) -> "BlockNoise":
         return BlockNoise(self, start)
@@ -832,7 +835,7 @@ class BlockNoise:
 
     def keys(self, count: int, first: int = 0) -> list[int]:
         """The token-noise keys of block positions first .. first + count − 1 (``keyed_argmax``)."""
-        return [self.noise.key(self.start + i) for i in range(first, first + count)]
+        return self.noise.token_keys(self.start + first, count)
 
     def token(self, i: int, probs: torch.Tensor) -> int:
         """A draw from ``probs`` [V] at block position i with its token noise (a drafter's draft,

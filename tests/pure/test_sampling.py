@@ -329,6 +329,30 @@ def test_noise_of_committed_positions_is_dropped():
     assert torch.equal(noise.gumbel(5), kept)  # made again, the same
 
 
+def test_token_keys_are_the_hash_of_seed_position_and_purpose_in_any_order_of_asking():
+    """``Noise.token_keys`` (made ahead in runs, kept while the positions stay in the run): the
+    keys ``blake2b("seed/position/token")`` spells out, however the positions are asked — forward,
+    back, in runs longer than a run made ahead, after ``forget_before`` — and a block's keys its
+    positions' (``BlockNoise.keys``)."""
+    import hashlib
+    import random
+
+    from tierspec.sampling import TOKEN_KEYS_AHEAD
+
+    def spelled(seed, position):
+        return int.from_bytes(hashlib.blake2b(f"{seed}/{position}/token".encode(), digest_size=8).digest(), "little")
+
+    noise, rng = Noise(11, 50), random.Random(0)
+    asks = [(0, 1), (3, 2), (15, 1), (15, 2), (16, 40), (2, 1), (100, 3), (99, 1), (101, 2 * TOKEN_KEYS_AHEAD + 3)]
+    asks += [(rng.randrange(0, 300), rng.randrange(1, 40)) for _ in range(200)]
+    for position, count in asks:
+        assert noise.token_keys(position, count) == [spelled(11, p) for p in range(position, position + count)]
+        assert noise.key(position) == spelled(11, position)
+        noise.forget_before(position)
+    assert noise.block(40).keys(5, first=2) == [spelled(11, p) for p in range(42, 47)]
+    assert noise.key(7, RESIDUAL) == int.from_bytes(hashlib.blake2b(b"11/7/residual", digest_size=8).digest(), "little")
+
+
 def test_token_noise_is_standard_gumbel_and_independent_across_keys():
     from scipy.stats import kstest
 
