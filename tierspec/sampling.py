@@ -530,7 +530,7 @@ def seed_of(seed: int | torch.Generator | None) -> int:
 #: 0.485 and 0.524 ms a cycle shared from 8 rows, 0.35 and 0.35 on one thread.
 PARALLEL_ROWS_BY_LOOP = (8, 8, 24)
 PARALLEL_ROWS = PARALLEL_ROWS_BY_LOOP[_NOISE_LOOP]
-#: Token keys made at once (``Noise.key``): a cycle commits one to a few positions.
+#: Token keys made at once (``Noise.token_keys``): a cycle commits one to a few positions.
 TOKEN_KEYS_AHEAD = 16
 _row_threads = 1
 _row_pool: tuple[ThreadPoolExecutor, int] | None = None  # the workers and how many
@@ -719,9 +719,8 @@ class Noise:
     seed: int | torch.Generator | None  # anything ``seed_of`` takes; an int in [0, 2⁶⁴) once made
     vocab_size: int
     _kept: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
-    # The token keys of positions _keys_from .. _keys_from + len(_token_keys) − 1, made ahead (``token_keys``)
-    _token_keys: list[int] = field(default_factory=list, repr=False, compare=False)
-    _keys_from: int = field(default=0, repr=False, compare=False)
+    # (p, the token keys of positions p, p + 1, ...) made ahead (``token_keys``): one tuple, replaced whole
+    _token_keys: tuple[int, list[int]] = field(default=(0, []), init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.seed = seed_of(self.seed)
@@ -729,6 +728,9 @@ class Noise:
     def key(self, position: int, purpose: str = TOKEN) -> int:
         """The 64-bit key of the draws for ``position`` and ``purpose`` (token keys: ``token_keys``)."""
         if purpose == TOKEN:
+            start, keys = self._token_keys
+            if 0 <= position - start < len(keys):
+                return keys[position - start]
             return self.token_keys(position, 1)[0]
         return self._hash(position, purpose)
 
@@ -738,12 +740,15 @@ class Noise:
         outside them is asked: the loop asks one or a few a cycle, each sequence of a batch right
         after a pass, when the hash's code and data are out of the caches; a run of them costs little
         more than the first, and a slice of a list kept by position is the least a cycle reads (a
-        dict lookup and a call a key cost a batch of 8 ~4 µs a sequence a cycle at t=1)."""
-        at = position - self._keys_from
-        if at < 0 or at + count > len(self._token_keys):
-            self._keys_from, at = position, 0
-            self._token_keys = [self._hash(p, TOKEN) for p in range(position, position + max(count, TOKEN_KEYS_AHEAD))]
-        return self._token_keys[at : at + count]
+        dict lookup and a call a key cost a batch of 8 about 2 µs a sequence a cycle at t=1)."""
+        if count < 0:
+            raise ValueError(f"a count of keys must be >= 0, got {count}")
+        start, keys = self._token_keys
+        at = position - start
+        if at < 0 or at + count > len(keys):
+            keys = [self._hash(p, TOKEN) for p in range(position, position + max(count, TOKEN_KEYS_AHEAD))]
+            self._token_keys, at = (position, keys), 0
+        return keys[at : at + count]
 
     def _hash(self, position: int, purpose: str) -> int:
         # blake2b, not hash(): Python salts string hashes per process.

@@ -119,7 +119,8 @@ def test_a_head_that_is_the_target_is_accepted_throughout(prompt_ids):
 
 
 def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = None, saved=None,
-                      looked: list | None = None, memory=None, sampling=SamplingConfig(0.0)) -> list[bool]:
+                      looked: list | None = None, memory=None, sampling=SamplingConfig(0.0),
+                      lookup_wins: list[bool] | None = None) -> list[bool]:
     """Which cycles ran the hybrid's head, one cycle per entry of ``head_rates`` (the head's learned
     rate that cycle; None: not tried yet), under planted rates: drafting nothing pays 1 token per
     unit time, a head step costs 0.1 of a pass, n-gram lookup finds nothing, and certain drafts
@@ -127,12 +128,14 @@ def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = No
     a cycle of late (default None: no evidence yet). ``wants``: gets the hybrid's
     ``wants_features`` after each cycle's drafting; ``looked``: whether each cycle ran the n-gram
     lookup. ``memory``: the method's ``ScheduleMemory`` (one generation at ``sampling`` each call,
-    every cycle committed)."""
+    every cycle committed). ``lookup_wins[i]``: the lookup finds a chain expected to pay more than the
+    head that cycle."""
     from tierspec.proposal import DraftRequest, Proposal
 
     rate = [None]
     ceiling = [2.0]
     saving = [None]
+    wins = [False]
 
     class Rates:
         def source_rate(self, source):
@@ -153,7 +156,7 @@ def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = No
             return worth, self.ceiling_rate(source) <= worth
 
         def expected_rate(self, proposal):
-            return 0.0
+            return 10.0 if wins[0] else 0.0
 
         def saved_seconds(self, source):
             assert source == "ngram"
@@ -170,7 +173,8 @@ def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = No
     ngram = NgramDrafter(3)
     lookups = [0]
     lookup = ngram.propose
-    ngram.propose = lambda *args: lookups.__setitem__(0, lookups[0] + 1) or lookup(*args)
+    found = Proposal.chain(torch.tensor([1, 2]), match_sizes=[1, 1], source="ngram")
+    ngram.propose = lambda *args: lookups.__setitem__(0, lookups[0] + 1) or (found if wins[0] else lookup(*args))
     hybrid = HybridDrafter(ngram, eagle, memory)
     context = np.arange(40, 60)  # no repeated n-gram: lookup finds nothing
     hybrid.start(context[:10])
@@ -180,6 +184,7 @@ def _hybrid_head_runs(target, head_rates, ceilings=None, wants: list | None = No
         rate[0] = head_rate
         ceiling[0] = 2.0 if ceilings is None else ceilings[i]
         saving[0] = None if saved is None else saved[i]
+        wins[0] = lookup_wins is not None and lookup_wins[i]
         before, looked_before = len(calls), lookups[0]
         hybrid.propose(context, request)
         hybrid.commit(len(context))
@@ -282,6 +287,10 @@ def test_a_generation_waits_as_long_as_the_last_at_its_settings_had_learned_to(t
     assert tries(ran) == [24, 89]
     assert HEAD_WARMUP_CYCLES == 2 and [i for i, w in enumerate(wants[:60]) if w] == [22, 23, 24]
     assert memory.recall(hot).idle == 10
+    # a last cycle the lookup's chain won (the head idle, not resting on it) carries the idle count too
+    wins = [False] * 20 + [True]
+    assert tries(_hybrid_head_runs(target32, [1.05] * 21, memory=memory, sampling=hot, lookup_wins=wins)) == []
+    assert memory.recall(hot).wait == HEAD_RETRY_MAX_CYCLES and memory.recall(hot).idle == 30
     assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 30, memory=memory, sampling=greedy)) == [0, 9, 26]
     assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 30, sampling=hot)) == [0, 9, 26]  # no memory
     # a wait short of the longest carries no rest: the next generation tries at once, then waits 32
@@ -310,11 +319,13 @@ def test_the_built_hybrids_generations_share_one_memory_and_keep_the_targets_tex
     assert memory is not None and method.generation().drafter.memory is memory
     hot, greedy = SamplingConfig(1.0), SamplingConfig(0.0)
     longest = HybridSchedule(HEAD_RETRY_MAX_CYCLES, DORMANT_MAX_CYCLES)
-    memory.keep(hot, longest)
     ar = build_method("ar", target32)
-    for seed in (4, 5):
-        assert run_ids(target32, method, prompt_ids, 30, hot, generator=seed) == \
-            run_ids(target32, ar, prompt_ids, 30, hot, generator=seed)
+    # the longest rests, carried on: a try two cycles in (its drafts then verified), and none in 30 tokens
+    for rest in (HybridSchedule(HEAD_RETRY_MAX_CYCLES, DORMANT_MAX_CYCLES, HEAD_RETRY_MAX_CYCLES - 2), longest):
+        for seed in (4, 5):
+            memory.keep(hot, rest)
+            assert run_ids(target32, method, prompt_ids, 30, hot, generator=seed) == \
+                run_ids(target32, ar, prompt_ids, 30, hot, generator=seed)
     residual = build_method("hybrid", target32, None, MethodOptions(draft_head=random_head(target32), sampling_rule="residual"))
     memory = residual.generation().drafter.memory
     memory.keep(hot, longest)

@@ -350,6 +350,9 @@ def test_token_keys_are_the_hash_of_seed_position_and_purpose_in_any_order_of_as
         assert noise.key(position) == spelled(11, position)
         noise.forget_before(position)
     assert noise.block(40).keys(5, first=2) == [spelled(11, p) for p in range(42, 47)]
+    with pytest.raises(ValueError, match="count"):
+        noise.token_keys(5, -1)
+    assert noise.token_keys(5, 0) == []
     assert noise.key(7, RESIDUAL) == int.from_bytes(hashlib.blake2b(b"11/7/residual", digest_size=8).digest(), "little")
 
 

@@ -190,8 +190,8 @@ class HybridSchedule:
 
     wait:         idle cycles before the head's next try, should it not pay
     dormant_wait: the n-gram lookup's next pause, should its drafts not pay
-    idle:         with ``wait`` at ``HEAD_RETRY_MAX_CYCLES`` and the head resting, the idle cycles since
-                  its last try: the rest the next generation carries on (``ScheduleMemory``); else 0
+    idle:         with ``wait`` at ``HEAD_RETRY_MAX_CYCLES``, the idle cycles since the head's last try:
+                  the rest the next generation carries on (``ScheduleMemory``); else 0
     """
 
     wait: int
@@ -219,7 +219,8 @@ class ScheduleMemory:
     filters. Kept only at settings where ``applies`` (the rule's ``emits_target_tokens``: greedy, or
     the coupled rule): under the residual rule a sampled text follows the drafts, and a seed must
     fix the text whatever ran before. One memory per built method (``methods``); generations
-    running side by side in a batch each leave their schedule after their cycles (the latest wins)."""
+    running side by side in a batch each leave their schedule after their cycles (the latest wins: the
+    carried idle count is that of the sequence that committed last)."""
 
     def __init__(self, applies: Callable[[SamplingConfig], bool]):
         self.applies = applies
@@ -268,7 +269,9 @@ class HybridDrafter(Drafter):
     categories.
 
     With a ``ScheduleMemory`` (the built method's, ``methods``) a generation's first wait and first
-    pause are as long as the latest generation at its sampling settings had made them."""
+    pause are as long as the latest generation at its sampling settings had made them; where that
+    wait had reached ``HEAD_RETRY_MAX_CYCLES``, the generation makes no first try: the head's rest goes
+    on, its idle cycles counted across generations."""
 
     needs_target_features = True
     drafts_in_head_steps = True
@@ -278,6 +281,7 @@ class HybridDrafter(Drafter):
         self.memory = memory
         self._sampling: SamplingConfig | None = None  # the generation's, from its first drafting cycle
         self._kept: tuple[int, int, int] | None = None  # the schedule last kept in the memory (or recalled)
+        self._keeps = False  # the memory keeps this generation's schedule (its settings are ones it ``applies`` to)
         self.feature_layers = eagle.feature_layers
         self._idle = 0  # cycles since the head last ran while it did not pay
         self._wait = HEAD_RETRY_CYCLES  # idle cycles before the next try
@@ -293,7 +297,7 @@ class HybridDrafter(Drafter):
         self._idle, self._wait = 0, HEAD_RETRY_CYCLES
         self._resting = self._ruled_out = False
         self._dormant, self._dormant_wait, self._looked = 0, DORMANT_CYCLES, 0
-        self._sampling = None
+        self._sampling, self._keeps = None, False
 
     def _recall(self, sampling: SamplingConfig) -> None:
         """The generation's first drafting cycle: its waits from the latest generation at the same
@@ -305,10 +309,15 @@ class HybridDrafter(Drafter):
             if schedule.wait >= HEAD_RETRY_MAX_CYCLES:  # the head's last tries here did not pay: its rest goes on
                 self._idle, self._resting = schedule.idle, True
         self._kept = (self._wait, self._dormant_wait, self._carried_idle())
+        self._keeps = self.memory is not None and self.memory.applies(sampling)
 
     def _carried_idle(self) -> int:
-        """The idle count the memory keeps: the rest's, where the wait is at its longest (``HybridSchedule``)."""
-        return self._idle if self._resting and self._wait >= HEAD_RETRY_MAX_CYCLES else 0
+        """The idle count the memory keeps: the rest's, where the wait is at its longest (``HybridSchedule``;
+        0 after a try, and a head that pays has a wait of 8). A generation whose last cycle was a try
+        that paid leaves the wait at 64 (the wait starts over at the next drafting cycle, which the
+        verdict's rates reach first): the next generation then rests up to 64 cycles before its first
+        try — the one try of the settings' schedule it moves."""
+        return self._idle if self._wait >= HEAD_RETRY_MAX_CYCLES else 0
 
     @property
     def feature_history(self) -> int:
@@ -341,7 +350,7 @@ class HybridDrafter(Drafter):
             if looking:
                 self._weigh_lookup(rates)
             return candidate
-        head_rate = rates.source_rate("head")  # None until the head has drafted: try it first
+        head_rate = rates.source_rate("head")  # None until the head has drafted: try it (unless a carried rest lasts)
         if len(candidate) and head_rate is not None and rates.expected_rate(candidate) > head_rate:
             self._resting = False
             return candidate  # the head catches up when it next runs
@@ -379,8 +388,10 @@ class HybridDrafter(Drafter):
 
     def commit(self, committed_length: int) -> None:
         self.eagle.commit(committed_length)
-        if self.memory is not None and self._sampling is not None:
+        if self._keeps:
             schedule = (self._wait, self._dormant_wait, self._carried_idle())
-            if schedule != self._kept:  # kept when it moves (a batch commits every sequence each cycle)
+            # kept when it moves (a batch commits every sequence each cycle): every cycle while the head
+            # rests at its longest wait, whose idle count the next generation carries on
+            if schedule != self._kept:
                 self._kept = schedule
                 self.memory.keep(self._sampling, HybridSchedule(*schedule))
