@@ -79,3 +79,32 @@ def test_the_indexed_lookup_equals_the_written_out_one_as_the_text_grows():
             for n in range(1, 5):  # the array search the trie and CS Drafting use agrees too
                 expected = [s for s in range(len(text) - n) if text[s : s + n] == text[len(text) - n :]]
                 assert suffix_matches(np.array(text), n).tolist() == expected
+
+
+def test_the_index_holds_each_ngrams_latest_end_however_the_text_grew():
+    """``NgramDrafter._indexed``: after each growth of the text (by one token or many, from empty or
+    a prompt), for every size n the index maps each n-gram ending before the text's last token to
+    its latest end — what a loop over every position and size, written out, makes."""
+    import random
+
+    def written_out(text, sizes):
+        index = [{} for _ in range(sizes)]
+        for end in range(len(text) - 1):
+            for n in range(1, min(sizes, end + 1) + 1):
+                index[n - 1][tuple(text[end - n + 1 : end + 1])] = end
+        return index
+
+    rng, checks = random.Random(0), 0
+    for _ in range(300):
+        sizes = rng.randint(1, 5)
+        drafter, vocab = NgramDrafter(sizes), rng.choice([2, 3, 5, 50])
+        text = [rng.randrange(vocab) for _ in range(rng.randint(0, 60))]
+        at = rng.randint(0, len(text))
+        while True:
+            drafter._indexed(np.array(text[:at], dtype=np.int64))
+            assert drafter._last_end == written_out(text[:at], sizes)
+            checks += 1
+            if at >= len(text):
+                break
+            at = min(len(text), at + rng.randint(1, 5))
+    assert checks > 1000

@@ -80,12 +80,16 @@ class NgramDrafter(Drafter):
             known, tail = 0, ids.tolist()
         text = self._text
         text.extend(tail[1:] if known > 0 else tail)
-        for end in range(self._ended, len(text) - 1):
-            for n, last_end in enumerate(self._last_end, start=1):
-                if end < n - 1:
-                    break
-                last_end[tuple(text[end - n + 1 : end + 1])] = end
-        self._ended = max(self._ended, len(text) - 1)
+        stop = len(text) - 1  # n-grams end before the text's last token
+        for n, last_end in enumerate(self._last_end, start=1):
+            first = max(self._ended, n - 1)
+            if first < stop:
+                # The n-grams ending at first .. stop − 1, in order (a later end overwrites an earlier
+                # one): zipped and stored by the interpreter's C loops, where a Python loop over the
+                # prompt's positions cost a joining generation's first lookup ~0.1 ms a hundred tokens.
+                grams = zip(*(text[first - n + 1 + k : stop - n + 1 + k] for k in range(n)))
+                last_end.update(zip(grams, range(first, stop)))
+        self._ended = max(self._ended, stop)
         return text
 
     def _latest_match(self, text: list[int], num_tokens: int) -> tuple[list[int], int]:
