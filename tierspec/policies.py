@@ -491,7 +491,15 @@ class CostAware(DraftPolicy):
             return made[1][:count]
         source = proposal.source
         if proposal.match_sizes is not None:
-            keys = [MatchKey(source, size, self.streak) for size in proposal.match_sizes[:count]]
+            # one key a match size (a lookup's chain has one size throughout): a frozen dataclass is
+            # made in microseconds, and equal keys that are one object compare by identity
+            made_keys: dict[int, MatchKey] = {}
+            keys = []
+            for size in proposal.match_sizes[:count]:
+                key = made_keys.get(size)
+                if key is None:
+                    key = made_keys[size] = MatchKey(source, size, self.streak)
+                keys.append(key)
         elif proposal.confidence is not None:
             keys = [self.confidence_key(source, c, i) for i, c in enumerate(proposal.confidence[:count])]
         else:
@@ -519,8 +527,11 @@ class CostAware(DraftPolicy):
 
     def _reach(self, keys: list[AcceptanceKey]) -> list[float]:
         reach, alive = [], 1.0
+        last, probability = None, 1.0
         for key in keys:
-            alive *= self._estimate(key).probability
+            if key is not last:  # a run of one key (``keys``): its estimate read once
+                last, probability = key, self._estimate(key).probability
+            alive *= probability
             reach.append(alive)
         return reach
 

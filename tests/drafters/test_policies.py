@@ -480,3 +480,26 @@ def test_the_code_fingerprint_follows_the_packages_files(tmp_path, monkeypatch):
         monkeypatch.setattr(costs, "_FINGERPRINT", [])
         prints.append(costs.code_fingerprint())
     assert prints[0] == prints[1] != prints[2]  # only code counts
+
+
+def test_a_lookups_keys_are_one_object_a_match_size_and_its_reach_the_product_of_their_estimates():
+    """``CostAware.keys`` for a chain with match sizes: the ``MatchKey`` of each token's size and the
+    streak (equal ones one object), and ``reach`` the running product of their estimates'
+    probabilities, written out."""
+    from tierspec.policies import CostAware, MatchKey
+    from tierspec.proposal import Proposal
+
+    policy = CostAware(max_draft=8, cost=lambda k, source: 1.0 + 0.1 * k)
+    sizes = [3, 3, 2, 2, 2, 3, 1]
+    for size, (successes, failures) in zip((1, 2, 3), ((1.0, 4.0), (3.0, 1.0), (7.0, 2.0))):
+        estimate = policy._estimate(MatchKey("ngram", size, policy.streak))
+        estimate.successes, estimate.failures = successes, failures
+    proposal = Proposal.chain(torch.arange(7), match_sizes=sizes, source="ngram")
+    keys = policy.keys(proposal, 7)
+    assert keys == [MatchKey("ngram", size, policy.streak) for size in sizes]
+    assert keys[0] is keys[1] is keys[5] and keys[2] is keys[3] is keys[4] and keys[0] is not keys[2]
+    expected, alive = [], 1.0
+    for size in sizes:
+        alive *= policy.acceptance[MatchKey("ngram", size, policy.streak)].probability
+        expected.append(alive)
+    assert policy.reach(proposal) == expected
