@@ -491,8 +491,8 @@ class CostAware(DraftPolicy):
             return made[1][:count]
         source = proposal.source
         if proposal.match_sizes is not None:
-            # one key a match size (a lookup's chain has one size throughout): a frozen dataclass is
-            # made in microseconds, and equal keys that are one object compare by identity
+            # one key a match size (a lookup's chain has one size, a constraint's forced tokens after it
+            # size 0): a frozen dataclass is made in microseconds, and one object compares by identity
             made_keys: dict[int, MatchKey] = {}
             keys = []
             for size in proposal.match_sizes[:count]:

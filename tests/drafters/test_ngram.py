@@ -1,6 +1,7 @@
 """Prompt lookup on planted contexts."""
 
 import numpy as np
+import pytest
 import torch
 
 from conftest import draft_request
@@ -81,11 +82,19 @@ def test_the_indexed_lookup_equals_the_written_out_one_as_the_text_grows():
                 assert suffix_matches(np.array(text), n).tolist() == expected
 
 
-def test_the_index_holds_each_ngrams_latest_end_however_the_text_grew():
-    """``NgramDrafter._indexed``: after each growth of the text (by one token or many, from empty or
-    a prompt), for every size n the index maps each n-gram ending before the text's last token to
-    its latest end — what a loop over every position and size, written out, makes."""
+@pytest.mark.parametrize("bulk", [0, 8, 10**9])
+def test_the_index_holds_each_ngrams_latest_end_however_the_text_grew(monkeypatch, bulk):
+    """``NgramDrafter._indexed``: after each growth of the text (by nothing, one token or many, from
+    empty or a prompt, after a source, and after a shorter context: a new generation begun without
+    ``start``), for every size n the index maps each n-gram ending before the searched text's
+    last token to its latest end — what a loop over every position and size, written out, makes —
+    whether the growth goes through the loop or the zipped slices (``BULK_INDEX``: both ways
+    forced, and the default)."""
     import random
+
+    from tierspec.drafters import ngram
+
+    monkeypatch.setattr(ngram, "BULK_INDEX", bulk)
 
     def written_out(text, sizes):
         index = [{} for _ in range(sizes)]
@@ -94,17 +103,24 @@ def test_the_index_holds_each_ngrams_latest_end_however_the_text_grew():
                 index[n - 1][tuple(text[end - n + 1 : end + 1])] = end
         return index
 
-    rng, checks = random.Random(0), 0
-    for _ in range(300):
-        sizes = rng.randint(1, 5)
+    rng, checks = random.Random(bulk % 7), 0
+    for trial in range(200):
+        sizes = rng.randint(1, 6)
         drafter, vocab = NgramDrafter(sizes), rng.choice([2, 3, 5, 50])
+        source = [rng.randrange(vocab) for _ in range(rng.randint(1, 8))] if trial % 3 == 0 else []
+        if source:
+            drafter.set_source(torch.tensor(source))
         text = [rng.randrange(vocab) for _ in range(rng.randint(0, 60))]
         at = rng.randint(0, len(text))
         while True:
             drafter._indexed(np.array(text[:at], dtype=np.int64))
-            assert drafter._last_end == written_out(text[:at], sizes)
+            assert drafter._last_end == written_out(source + text[:at], sizes)
             checks += 1
             if at >= len(text):
                 break
-            at = min(len(text), at + rng.randint(1, 5))
-    assert checks > 1000
+            at = min(len(text), at + rng.randint(0, 20))
+        if len(text) > 1:  # a shorter context, so not an extension (a new generation): indexed afresh
+            other = [rng.randrange(vocab) for _ in range(rng.randint(1, len(text) - 1))]
+            drafter._indexed(np.array(other, dtype=np.int64))
+            assert drafter._last_end == written_out(source + other, sizes)
+    assert checks > 600
