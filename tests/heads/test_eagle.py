@@ -270,9 +270,10 @@ def test_a_generation_waits_as_long_as_the_last_at_its_settings_had_learned_to(t
     fresh policy knows no rate: untried), but where it does not pay the wait before the next try is
     the one the latest generation at its sampling settings had reached, not 8 again; a head that
     pays starts the waits over; another temperature, or no memory, starts from 8. Where the wait
-    had reached its longest (64: the last four tries did not pay), the rest itself goes on: no first
-    try, the next when the idle cycles counted across the generations reach 64, and no features
-    recorded until the two cycles before it."""
+    had reached its longest (64: the last four tries did not pay) in a generation whose head paid
+    nowhere, the rest itself goes on: no first try, the next when the idle cycles counted across the
+    generations reach 64, and no features recorded until the two cycles before it; a generation
+    whose head paid somewhere lets the next try at once."""
     from tierspec.drafters.eagle import HEAD_RETRY_MAX_CYCLES, HEAD_WARMUP_CYCLES, HybridSchedule, ScheduleMemory
 
     hot, greedy = SamplingConfig(1.0), SamplingConfig(0.0)
@@ -296,9 +297,15 @@ def test_a_generation_waits_as_long_as_the_last_at_its_settings_had_learned_to(t
     # a wait short of the longest carries no rest: the next generation tries at once, then waits 32
     memory = ScheduleMemory(lambda sampling: True)
     assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 30, memory=memory, sampling=hot)) == [0, 9, 26]
-    assert memory.recall(hot).wait == 32 and memory.recall(hot).idle == 0
+    assert memory.recall(hot).wait == 32 and memory.recall(hot).idle is None
     assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 40, memory=memory, sampling=hot)) == [0, 33]
     assert memory.recall(hot).wait == HEAD_RETRY_MAX_CYCLES  # the try at 33 did not pay either
+    # a head that paid (cycle 1), then four tries that did not: the wait at 64, but the next generation tries at once
+    memory = ScheduleMemory(lambda sampling: True)
+    assert tries(_hybrid_head_runs(target32, [None, 1.2] + [1.05] * 130, memory=memory, sampling=hot)) == \
+        [0, 1, 10, 27, 60, 125]
+    assert memory.recall(hot).wait == HEAD_RETRY_MAX_CYCLES and memory.recall(hot).idle is None
+    assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 10, memory=memory, sampling=hot)) == [0]
     # a head that pays at its first try: the wait once it stops paying is 8 again, and so is the one kept
     memory.keep(hot, HybridSchedule(32, 8))
     assert tries(_hybrid_head_runs(target32, [None, 1.2, 1.2] + [1.05] * 20, memory=memory, sampling=hot)) == [0, 1, 2, 11]
@@ -320,8 +327,9 @@ def test_the_built_hybrids_generations_share_one_memory_and_keep_the_targets_tex
     hot, greedy = SamplingConfig(1.0), SamplingConfig(0.0)
     longest = HybridSchedule(HEAD_RETRY_MAX_CYCLES, DORMANT_MAX_CYCLES)
     ar = build_method("ar", target32)
-    # the longest rests, carried on: a try two cycles in (its drafts then verified), and none in 30 tokens
-    for rest in (HybridSchedule(HEAD_RETRY_MAX_CYCLES, DORMANT_MAX_CYCLES, HEAD_RETRY_MAX_CYCLES - 2), longest):
+    # the longest rests, carried on: a try two cycles in (its drafts then verified), none in 30 tokens; and not carried
+    for rest in (HybridSchedule(HEAD_RETRY_MAX_CYCLES, DORMANT_MAX_CYCLES, HEAD_RETRY_MAX_CYCLES - 2),
+                 HybridSchedule(HEAD_RETRY_MAX_CYCLES, DORMANT_MAX_CYCLES, 0), longest):
         for seed in (4, 5):
             memory.keep(hot, rest)
             assert run_ids(target32, method, prompt_ids, 30, hot, generator=seed) == \

@@ -190,13 +190,14 @@ class HybridSchedule:
 
     wait:         idle cycles before the head's next try, should it not pay
     dormant_wait: the n-gram lookup's next pause, should its drafts not pay
-    idle:         with ``wait`` at ``HEAD_RETRY_MAX_CYCLES``, the idle cycles since the head's last try:
-                  the rest the next generation carries on (``ScheduleMemory``); else 0
+    idle:         the idle cycles since the head's last try, where its wait is at ``HEAD_RETRY_MAX_CYCLES``
+                  and it paid nowhere in the generation: the rest the next generation carries on
+                  (``ScheduleMemory``); None: the next generation tries the head at its first cycle
     """
 
     wait: int
     dormant_wait: int
-    idle: int = 0
+    idle: int | None = None
 
 
 class ScheduleMemory:
@@ -207,11 +208,13 @@ class ScheduleMemory:
     1.3% on Spec-Bench prompts) — but where they do not pay it waits as long as the latest
     generation at its settings had learned to, not 8, 16, 32 … cycles over again: at temperature 1
     on the default model the head pays almost nowhere, and every generation tried it four times
-    (docs/algorithms.md §Draft-length policies). Where the head's wait had reached its longest
-    (``HEAD_RETRY_MAX_CYCLES``: its last four tries at these settings did not pay — the head's
-    acceptance is the settings', a prompt moves it little), the rest itself carries on: no first
-    try, the next after the wait's idle cycles counted across generations (``HybridSchedule.idle``),
-    so that at such settings the head is tried once every 64 cycles however short the generations.
+    (docs/algorithms.md §Draft-length policies). Where the latest generation's head paid at no cycle
+    and its wait had reached its longest (``HEAD_RETRY_MAX_CYCLES``: its last four tries did not
+    pay — at temperature 1 on the default model, every generation after the first few), the rest
+    itself carries on: no first try, the next after the wait's idle cycles counted across
+    generations (``HybridSchedule.idle``), so that the head is tried once every 64 cycles however
+    short the generations. A generation whose head paid somewhere (greedy, on a prompt it drafts
+    well) lets the next try it at once.
     It changes which cycles draft, never a text (the hybrid's rule is lossless); a method's
     statistics (tokens per pass) then depend on what it generated before.
 
@@ -270,8 +273,8 @@ class HybridDrafter(Drafter):
 
     With a ``ScheduleMemory`` (the built method's, ``methods``) a generation's first wait and first
     pause are as long as the latest generation at its sampling settings had made them; where that
-    wait had reached ``HEAD_RETRY_MAX_CYCLES``, the generation makes no first try: the head's rest goes
-    on, its idle cycles counted across generations."""
+    wait had reached ``HEAD_RETRY_MAX_CYCLES`` in a generation whose head paid nowhere, the next makes no
+    first try: the head's rest goes on, its idle cycles counted across generations."""
 
     needs_target_features = True
     drafts_in_head_steps = True
@@ -280,12 +283,13 @@ class HybridDrafter(Drafter):
         self.ngram, self.eagle = ngram, eagle
         self.memory = memory
         self._sampling: SamplingConfig | None = None  # the generation's, from its first drafting cycle
-        self._kept: tuple[int, int, int] | None = None  # the schedule last kept in the memory (or recalled)
+        self._kept: tuple[int, int, int | None] | None = None  # the schedule last kept in the memory (or recalled)
         self._keeps = False  # the memory keeps this generation's schedule (its settings are ones it ``applies`` to)
         self.feature_layers = eagle.feature_layers
         self._idle = 0  # cycles since the head last ran while it did not pay
         self._wait = HEAD_RETRY_CYCLES  # idle cycles before the next try
         self._resting = False  # the last cycle left the head idle because it did not pay
+        self._paid = False  # the head paid at some cycle of this generation
         self._ruled_out = False  # the last cycle's cost model ruled the head out (not even certain drafts pay)
         self._dormant = 0  # cycles left without the n-gram lookup
         self._dormant_wait = DORMANT_CYCLES  # the next dormancy's length
@@ -295,7 +299,7 @@ class HybridDrafter(Drafter):
         self.ngram.start(prompt_ids, features, target_view)
         self.eagle.start(prompt_ids, features, target_view)
         self._idle, self._wait = 0, HEAD_RETRY_CYCLES
-        self._resting = self._ruled_out = False
+        self._resting = self._ruled_out = self._paid = False
         self._dormant, self._dormant_wait, self._looked = 0, DORMANT_CYCLES, 0
         self._sampling, self._keeps = None, False
 
@@ -306,18 +310,20 @@ class HybridDrafter(Drafter):
         schedule = None if self.memory is None else self.memory.recall(sampling)
         if schedule is not None:
             self._wait, self._dormant_wait = schedule.wait, schedule.dormant_wait
-            if schedule.wait >= HEAD_RETRY_MAX_CYCLES:  # the head's last tries here did not pay: its rest goes on
+            if schedule.idle is not None:  # the head paid nowhere in the last generation here: its rest goes on
                 self._idle, self._resting = schedule.idle, True
         self._kept = (self._wait, self._dormant_wait, self._carried_idle())
         self._keeps = self.memory is not None and self.memory.applies(sampling)
 
-    def _carried_idle(self) -> int:
-        """The idle count the memory keeps: the rest's, where the wait is at its longest (``HybridSchedule``;
-        0 after a try, and a head that pays has a wait of 8). A generation whose last cycle was a try
-        that paid leaves the wait at 64 (the wait starts over at the next drafting cycle, which the
-        verdict's rates reach first): the next generation then rests up to 64 cycles before its first
-        try — the one try of the settings' schedule it moves."""
-        return self._idle if self._wait >= HEAD_RETRY_MAX_CYCLES else 0
+    def _carried_idle(self) -> int | None:
+        """The idle count the memory keeps (``HybridSchedule.idle``): the rest's, where the wait is at its
+        longest and the head paid at no cycle of this generation (0 after a try); else None. A
+        generation whose head paid somewhere — greedy, on a prompt it drafts well — lets the next
+        try it at once: at temperature 0 a head that stopped paying late in one prompt often pays
+        from the start of the next. A generation whose last cycle was a try that paid keeps 0 (the
+        head is known to pay at the next drafting cycle, which its verdict's rates reach first):
+        the next generation then rests up to 64 cycles before its first try."""
+        return self._idle if self._wait >= HEAD_RETRY_MAX_CYCLES and not self._paid else None
 
     @property
     def feature_history(self) -> int:
@@ -365,7 +371,7 @@ class HybridDrafter(Drafter):
             # A try: should the head still not pay after it, the next try waits twice as long.
             self._idle, self._wait = 0, min(2 * self._wait, HEAD_RETRY_MAX_CYCLES)
         elif head_rate is not None:  # it pays: a wait once it stops starts short again
-            self._idle, self._wait = 0, HEAD_RETRY_CYCLES
+            self._idle, self._wait, self._paid = 0, HEAD_RETRY_CYCLES, True
         # (untried: the first wait, should it not pay, is the one recalled)
         self._resting = False
         return (yield from self.eagle.drafting(context, request))
