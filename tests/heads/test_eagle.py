@@ -306,6 +306,17 @@ def test_a_generation_waits_as_long_as_the_last_at_its_settings_had_learned_to(t
         [0, 1, 10, 27, 60, 125]
     assert memory.recall(hot).wait == HEAD_RETRY_MAX_CYCLES and memory.recall(hot).idle is None
     assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 10, memory=memory, sampling=hot)) == [0]
+    assert memory.recall(hot).idle is None  # no try of its own that did not pay (nor a rest carried in): no evidence
+    assert tries(_hybrid_head_runs(target32, [None] + [1.05] * 69, memory=memory, sampling=hot)) == [0, 65]
+    assert memory.recall(hot).idle == 4  # its try at 65 did not pay: cycles 66-69 carried on
+    # a head whose rate beats its bar where the lookup's chain beats it: paid, so the next generation tries at once
+    ran = _hybrid_head_runs(target32, [1.2] * 3, memory=memory, sampling=hot, lookup_wins=[True] * 3)
+    assert tries(ran) == [] and memory.recall(hot).idle is None
+    # a generation whose head is ruled out throughout (a large batch) has no evidence: what the memory held stays
+    for held in (None, 7):
+        memory.keep(hot, HybridSchedule(HEAD_RETRY_MAX_CYCLES, 8, held))
+        assert tries(_hybrid_head_runs(target32, [1.05] * 5, [1.1] * 5, memory=memory, sampling=hot)) == []
+        assert memory.recall(hot).idle == held
     # a head that pays at its first try: the wait once it stops paying is 8 again, and so is the one kept
     memory.keep(hot, HybridSchedule(32, 8))
     assert tries(_hybrid_head_runs(target32, [None, 1.2, 1.2] + [1.05] * 20, memory=memory, sampling=hot)) == [0, 1, 2, 11]

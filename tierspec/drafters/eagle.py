@@ -214,7 +214,8 @@ class ScheduleMemory:
     itself carries on: no first try, the next after the wait's idle cycles counted across
     generations (``HybridSchedule.idle``), so that the head is tried once every 64 cycles however
     short the generations. A generation whose head paid somewhere (greedy, on a prompt it drafts
-    well) lets the next try it at once.
+    well) lets the next try it at once (but for a try in its very last cycle:
+    ``HybridDrafter._carried_idle``).
     It changes which cycles draft, never a text (the hybrid's rule is lossless); a method's
     statistics (tokens per pass) then depend on what it generated before.
 
@@ -274,7 +275,7 @@ class HybridDrafter(Drafter):
     With a ``ScheduleMemory`` (the built method's, ``methods``) a generation's first wait and first
     pause are as long as the latest generation at its sampling settings had made them; where that
     wait had reached ``HEAD_RETRY_MAX_CYCLES`` in a generation whose head paid nowhere, the next makes no
-    first try: the head's rest goes on, its idle cycles counted across generations."""
+    first try: the head's rest goes on, its idle cycles counted across generations (``_carried_idle``)."""
 
     needs_target_features = True
     drafts_in_head_steps = True
@@ -289,7 +290,8 @@ class HybridDrafter(Drafter):
         self._idle = 0  # cycles since the head last ran while it did not pay
         self._wait = HEAD_RETRY_CYCLES  # idle cycles before the next try
         self._resting = False  # the last cycle left the head idle because it did not pay
-        self._paid = False  # the head paid at some cycle of this generation
+        self._paid = False  # the head's rate beat its bar at some cycle of this generation
+        self._rested = False  # this generation made a try that did not pay, or carried a rest in
         self._ruled_out = False  # the last cycle's cost model ruled the head out (not even certain drafts pay)
         self._dormant = 0  # cycles left without the n-gram lookup
         self._dormant_wait = DORMANT_CYCLES  # the next dormancy's length
@@ -299,7 +301,7 @@ class HybridDrafter(Drafter):
         self.ngram.start(prompt_ids, features, target_view)
         self.eagle.start(prompt_ids, features, target_view)
         self._idle, self._wait = 0, HEAD_RETRY_CYCLES
-        self._resting = self._ruled_out = self._paid = False
+        self._resting = self._ruled_out = self._paid = self._rested = False
         self._dormant, self._dormant_wait, self._looked = 0, DORMANT_CYCLES, 0
         self._sampling, self._keeps = None, False
 
@@ -312,18 +314,24 @@ class HybridDrafter(Drafter):
             self._wait, self._dormant_wait = schedule.wait, schedule.dormant_wait
             if schedule.idle is not None:  # the head paid nowhere in the last generation here: its rest goes on
                 self._idle, self._resting = schedule.idle, True
-        self._kept = (self._wait, self._dormant_wait, self._carried_idle())
+                self._rested = True
+        # what the memory holds (a first commit writes where this generation's schedule differs)
+        self._kept = None if schedule is None else (schedule.wait, schedule.dormant_wait, schedule.idle)
         self._keeps = self.memory is not None and self.memory.applies(sampling)
 
     def _carried_idle(self) -> int | None:
         """The idle count the memory keeps (``HybridSchedule.idle``): the rest's, where the wait is at its
-        longest and the head paid at no cycle of this generation (0 after a try); else None. A
-        generation whose head paid somewhere — greedy, on a prompt it drafts well — lets the next
-        try it at once: at temperature 0 a head that stopped paying late in one prompt often pays
-        from the start of the next. A generation whose last cycle was a try that paid keeps 0 (the
-        head is known to pay at the next drafting cycle, which its verdict's rates reach first):
-        the next generation then rests up to 64 cycles before its first try."""
-        return self._idle if self._wait >= HEAD_RETRY_MAX_CYCLES and not self._paid else None
+        longest, this generation has evidence of its own (a try that did not pay, or the rest it
+        carried in: not a generation whose head was ruled out throughout, as in a large batch) and
+        the head's rate beat its bar at no cycle (0 after a try); else None. A generation whose head
+        paid somewhere — greedy, on a prompt it drafts well — lets the next try it at once: at
+        temperature 0 a head that stopped paying late in one prompt often pays from the start of the
+        next. The one exception: a generation whose last cycle was a try that paid keeps 0 (that it
+        paid is learned at the next drafting cycle, from its verdict's rates), and the next
+        generation rests up to 64 cycles before its first try."""
+        if self._wait >= HEAD_RETRY_MAX_CYCLES and self._rested and not self._paid:
+            return self._idle
+        return None
 
     @property
     def feature_history(self) -> int:
@@ -359,6 +367,7 @@ class HybridDrafter(Drafter):
         head_rate = rates.source_rate("head")  # None until the head has drafted: try it (unless a carried rest lasts)
         if len(candidate) and head_rate is not None and rates.expected_rate(candidate) > head_rate:
             self._resting = False
+            self._paid = self._paid or head_rate > worth  # the head would pay: the lookup pays more
             return candidate  # the head catches up when it next runs
         # untried but resting: the rest the memory carried on (``ScheduleMemory``) lasts until its try
         if head_rate is not None and head_rate <= worth or head_rate is None and self._resting:
@@ -369,7 +378,7 @@ class HybridDrafter(Drafter):
                     self._weigh_lookup(rates)
                 return candidate  # the n-gram candidate (possibly empty): the head is not worth its cycle
             # A try: should the head still not pay after it, the next try waits twice as long.
-            self._idle, self._wait = 0, min(2 * self._wait, HEAD_RETRY_MAX_CYCLES)
+            self._idle, self._wait, self._rested = 0, min(2 * self._wait, HEAD_RETRY_MAX_CYCLES), True
         elif head_rate is not None:  # it pays: a wait once it stops starts short again
             self._idle, self._wait, self._paid = 0, HEAD_RETRY_CYCLES, True
         # (untried: the first wait, should it not pay, is the one recalled)
