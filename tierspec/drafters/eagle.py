@@ -291,7 +291,7 @@ class HybridDrafter(Drafter):
         self._wait = HEAD_RETRY_CYCLES  # idle cycles before the next try
         self._resting = False  # the last cycle left the head idle because it did not pay
         self._paid = False  # the head's rate beat its bar at some cycle of this generation
-        self._rested = False  # this generation made a try that did not pay, or carried a rest in
+        self._rest_earned = False  # this generation made a try that did not pay, or carried a rest in: its own evidence
         self._ruled_out = False  # the last cycle's cost model ruled the head out (not even certain drafts pay)
         self._dormant = 0  # cycles left without the n-gram lookup
         self._dormant_wait = DORMANT_CYCLES  # the next dormancy's length
@@ -301,7 +301,7 @@ class HybridDrafter(Drafter):
         self.ngram.start(prompt_ids, features, target_view)
         self.eagle.start(prompt_ids, features, target_view)
         self._idle, self._wait = 0, HEAD_RETRY_CYCLES
-        self._resting = self._ruled_out = self._paid = self._rested = False
+        self._resting = self._ruled_out = self._paid = self._rest_earned = False
         self._dormant, self._dormant_wait, self._looked = 0, DORMANT_CYCLES, 0
         self._sampling, self._keeps = None, False
 
@@ -314,7 +314,7 @@ class HybridDrafter(Drafter):
             self._wait, self._dormant_wait = schedule.wait, schedule.dormant_wait
             if schedule.idle is not None:  # the head paid nowhere in the last generation here: its rest goes on
                 self._idle, self._resting = schedule.idle, True
-                self._rested = True
+                self._rest_earned = True
         # what the memory holds (a first commit writes where this generation's schedule differs)
         self._kept = None if schedule is None else (schedule.wait, schedule.dormant_wait, schedule.idle)
         self._keeps = self.memory is not None and self.memory.applies(sampling)
@@ -329,7 +329,7 @@ class HybridDrafter(Drafter):
         next. The one exception: a generation whose last cycle was a try that paid keeps 0 (that it
         paid is learned at the next drafting cycle, from its verdict's rates), and the next
         generation rests up to 64 cycles before its first try."""
-        if self._wait >= HEAD_RETRY_MAX_CYCLES and self._rested and not self._paid:
+        if self._wait >= HEAD_RETRY_MAX_CYCLES and self._rest_earned and not self._paid:
             return self._idle
         return None
 
@@ -378,7 +378,7 @@ class HybridDrafter(Drafter):
                     self._weigh_lookup(rates)
                 return candidate  # the n-gram candidate (possibly empty): the head is not worth its cycle
             # A try: should the head still not pay after it, the next try waits twice as long.
-            self._idle, self._wait, self._rested = 0, min(2 * self._wait, HEAD_RETRY_MAX_CYCLES), True
+            self._idle, self._wait, self._rest_earned = 0, min(2 * self._wait, HEAD_RETRY_MAX_CYCLES), True
         elif head_rate is not None:  # it pays: a wait once it stops starts short again
             self._idle, self._wait, self._paid = 0, HEAD_RETRY_CYCLES, True
         # (untried: the first wait, should it not pay, is the one recalled)
