@@ -31,7 +31,7 @@ from .heads.judge import JudgeHead
 from .layerskip.masks import RoutingMask
 from .llama import ATTENTION_ROWS
 from .models import LoadedModel
-from .policies import TREE_DEPTH, ConfidenceStop, CostAware, DraftPolicy, FixedLength, TreePolicy
+from .policies import TREE_DEPTH, ConfidenceStop, CostAware, CostModel, DraftPolicy, FixedLength, TreePolicy
 from .rules import ExactRule, VerificationRule
 from .rules.bild import BildRule
 from .rules.lossy import LossyRule
@@ -608,7 +608,10 @@ def _cost_aware(target: LoadedModel, options: MethodOptions, drafter: Drafter,
     table = _cost_table(target, max(_draft_count(None, options, ADAPTIVE_DRAFT), ADAPTIVE_DRAFT) + 1)
     if fractions is None:
         fractions = _draft_fractions(target, drafter.draft_step_weights())
-    return lambda n: CostAware(_draft_count(n, options, ADAPTIVE_DRAFT), forward_costs=table, draft_fractions=fractions)
+    # one cost model for every generation of the method: what it derives by batch size and context
+    # (``CostModel.variants``, a few microseconds a draft length) is derived once, not once a generation
+    costs = CostModel(table, dict(fractions))
+    return lambda n: CostAware(_draft_count(n, options, ADAPTIVE_DRAFT), cost=costs)
 
 
 def _adaptive_pld(target, drafter_model, options) -> Method:
@@ -664,8 +667,9 @@ def _tree_policy(target: LoadedModel, drafter_weights: dict[str, int], options: 
     table = _cost_table(target, TREE_PASS_TOKENS)
     fractions = _draft_fractions(target, drafter_weights)
     call = tree_call_seconds(target)
+    costs = CostModel(table, dict(fractions))  # shared by the method's generations (``_cost_aware``)
     return lambda n: TreePolicy(max_nodes=table.max_tokens - 1, max_depth=_draft_count(n, options, TREE_DEPTH),
-                                forward_costs=table, draft_fractions=fractions, path_call_seconds=call)
+                                path_call_seconds=call, cost=costs)
 
 
 def _eagle_tree(target, drafter_model, options) -> Method:

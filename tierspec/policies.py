@@ -461,8 +461,10 @@ class CostAware(DraftPolicy):
     def __init__(self, max_draft: int = 10, forward_costs: ForwardCosts | None = None, cost=None,
                  decay: float = CHAIN_DECAY, idle_decay: float = IDLE_DECAY,
                  draft_fractions: dict[str, float] | None = None):
-        """``cost``: a function (k, source) → seconds instead of the ``CostModel`` of
-        ``forward_costs`` and ``draft_fractions`` (tests)."""
+        """``cost``: the ``CostModel`` to start from instead of one of ``forward_costs`` and
+        ``draft_fractions`` — a method's generations share one, so that the costs it derives by
+        batch size and context (``CostModel.variants``) are derived once, not once a generation —
+        or a function (k, source) → seconds (tests)."""
         self.max_draft = _check_length("max_draft", max_draft)
         self.cost = CostModel(forward_costs, dict(draft_fractions or {})) if cost is None else cost
         self.decay, self.idle_decay = decay, idle_decay
@@ -720,17 +722,20 @@ class TreePolicy(DraftPolicy):
 
     def __init__(self, max_nodes: int = TREE_NODES, max_depth: int = TREE_DEPTH, forward_costs: ForwardCosts | None = None,
                  draft_fractions: dict[str, float] | None = None, decay: float = TREE_DECAY,
-                 prior_weight: float = TREE_PRIOR_WEIGHT, path_call_seconds: float = 0.0):
+                 prior_weight: float = TREE_PRIOR_WEIGHT, path_call_seconds: float = 0.0,
+                 cost: CostModel | None = None):
         """``max_nodes``, ``max_depth``: the largest tree (nodes per pass, depth); ``methods`` takes
         the nodes from the pass-cost table's size. ``decay``: the weight of a key's evidence after
         each verdict (a long memory: a tree tries many keys per cycle). ``prior_weight``: the
         prior's weight in verdicts. ``path_call_seconds``: what one more attention call costs a
         pass (every layer), measured by ``costs.tree_call_seconds``: a tree pass on the non-fused
         path attends once per root-to-leaf path (``llama.tree_attention_plan``), so a bushy tree
-        costs more than a chain of as many tokens."""
+        costs more than a chain of as many tokens. ``cost``: the ``CostModel`` to start from instead
+        of one of ``forward_costs`` and ``draft_fractions`` (a method's generations share one:
+        ``CostAware``)."""
         self.max_draft = self.max_depth = _check_length("max_depth", max_depth)
         self.max_nodes = _check_length("max_nodes", max_nodes)
-        self.cost = CostModel(forward_costs, dict(draft_fractions or {}))
+        self.cost = CostModel(forward_costs, dict(draft_fractions or {})) if cost is None else cost
         self.path_call_seconds = path_call_seconds
         self.decay = decay
         self.prior_weight = prior_weight

@@ -88,29 +88,39 @@ def test_the_index_holds_each_ngrams_latest_end_however_the_text_grew(monkeypatc
     empty or a prompt, after a source, and after a shorter context: a new generation begun without
     ``start``), for every size n the index maps each n-gram ending before the searched text's
     last token to its latest end — what a loop over every position and size, written out, makes —
-    whether the growth goes through the loop or the zipped slices (``BULK_INDEX``: both ways
-    forced, and the default)."""
+    whether the growth goes through the loop or the array operations (``BULK_INDEX``: both ways
+    forced, and the default), with the keys packed (every id below 2**KEY_BITS; sizes past an
+    int64's three packed in Python) or, once an id does not pack, tuples."""
     import random
 
     from tierspec.drafters import ngram
+    from tierspec.drafters.ngram import KEY_BITS, ngram_key
 
     monkeypatch.setattr(ngram, "BULK_INDEX", bulk)
 
     def written_out(text, sizes):
+        packed = all(0 <= token < 1 << KEY_BITS for token in text)
         index = [{} for _ in range(sizes)]
         for end in range(len(text) - 1):
             for n in range(1, min(sizes, end + 1) + 1):
-                index[n - 1][tuple(text[end - n + 1 : end + 1])] = end
+                index[n - 1][ngram_key(text[end - n + 1 : end + 1], packed)] = end
         return index
 
-    rng, checks = random.Random(bulk % 7), 0
+    rng, checks, unpacked = random.Random(bulk % 7), 0, 0
     for trial in range(200):
         sizes = rng.randint(1, 6)
-        drafter, vocab = NgramDrafter(sizes), rng.choice([2, 3, 5, 50])
-        source = [rng.randrange(vocab) for _ in range(rng.randint(1, 8))] if trial % 3 == 0 else []
+        drafter, vocab = NgramDrafter(sizes), rng.choice([2, 3, 5, 50, 1 << KEY_BITS])
+        # ids at the top of the packed range, and (a few generations) one past it or far past it
+        top = [(1 << KEY_BITS) - 1 - i for i in range(3)] + ([1 << KEY_BITS, 1 << 40] if trial % 5 == 1 else [])
+
+        def token():
+            return rng.choice(top) if rng.random() < 0.1 else rng.randrange(vocab)
+
+        source = [token() for _ in range(rng.randint(1, 8))] if trial % 3 == 0 else []
         if source:
             drafter.set_source(torch.tensor(source))
-        text = [rng.randrange(vocab) for _ in range(rng.randint(0, 60))]
+        text = [token() for _ in range(rng.randint(0, 60))]
+        unpacked += not drafter._packable(source + text)
         at = rng.randint(0, len(text))
         while True:
             drafter._indexed(np.array(text[:at], dtype=np.int64))
@@ -123,4 +133,5 @@ def test_the_index_holds_each_ngrams_latest_end_however_the_text_grew(monkeypatc
             other = [rng.randrange(vocab) for _ in range(rng.randint(1, len(text) - 1))]
             drafter._indexed(np.array(other, dtype=np.int64))
             assert drafter._last_end == written_out(source + other, sizes)
-    assert checks > 600
+            assert drafter._packed == drafter._packable(source + other)
+    assert checks > 500 and 10 < unpacked < 100

@@ -33,11 +33,34 @@ def suffix_matches(context: np.ndarray, n: int) -> np.ndarray:
 
 #: New positions up to which ``NgramDrafter._indexed`` stores each n-gram in a Python loop (a cycle's
 #: tokens: a block of 10 drafts accepted whole commits 11); more (a prompt, the text after a pause of
-#: the lookup) go through zipped slices, whose set-up costs a few microseconds a size but whose
-#: entries cost a third of the loop's. Warm, 3 sizes, on a Zen 4: one new position 4.1 µs by the loop,
-#: 11.2 by zips; they cross at 11–12 positions (19–20 µs); 24 positions 39 → 25 µs; a 500-token
-#: prompt 488 → 118 µs.
+#: the lookup) are keyed by array operations and stored by the interpreter's C loops, whose set-up
+#: costs a few microseconds a size but whose entries cost a fraction of the loop's. Measured warm on a
+#: Zen 4 with tuple keys (stop 73): they crossed at 11–12 positions.
 BULK_INDEX = 11
+
+#: Bits a token takes in a packed n-gram key (``ngram_key``). Ids below 2**21 (SmolLM2's vocabulary
+#: has 49,152, Gemma 3's 262,144) pack three to an int64, so a prompt's keys are computed by numpy.
+KEY_BITS = 21
+_PACKABLE = 1 << KEY_BITS
+#: The longest n-gram whose packed key fits an int64 (the array path; longer ones are packed in Python).
+_ARRAY_SIZES = 63 // KEY_BITS
+
+
+def ngram_key(gram, packed: bool = True):
+    """The index's key of the n-gram ``gram`` (its tokens in order): its tokens packed into one int,
+    the first in the highest ``KEY_BITS`` bits (``packed``: the text's every id is below 2**KEY_BITS),
+    else the tuple of them. One n's keys are one size's dictionary: packing is one-to-one there.
+
+    Why ints: a tuple is a container the garbage collector tracks, and the index of a generation's
+    text holds one per position and size — on the default model at 8 sequences its tuples set off
+    most of the young-generation collections (6 of 10 in 133 cycles, and the older generation's one:
+    1.2 ms) — while an int is not tracked, and hashes without reading its items."""
+    if not packed:
+        return tuple(gram)
+    key = 0
+    for token in gram:
+        key = (key << KEY_BITS) | token
+    return key
 
 
 class NgramDrafter(Drafter):
@@ -59,13 +82,18 @@ class NgramDrafter(Drafter):
 
     def _forget(self) -> None:
         # The text searched (the source, then the committed tokens) and, per n-gram size n, where
-        # each n-gram last ended in it (positions before the text's last: a suffix never matches
-        # itself). Grown by the tokens committed since the last proposal, so a proposal is one
-        # dictionary read per size however long the context, where scanning every earlier place
-        # of the last token walked hundreds of places of a common token in Python.
+        # each n-gram (its key: ``ngram_key``) last ended in it (positions before the text's last: a
+        # suffix never matches itself). Grown by the tokens committed since the last proposal, so a
+        # proposal is one dictionary read per size however long the context, where scanning every
+        # earlier place of the last token walked hundreds of places of a common token in Python.
         self._text: list[int] = [] if self.source is None else self.source.tolist()
-        self._last_end: list[dict[tuple[int, ...], int]] = [{} for _ in range(self.ngram_size)]
+        self._last_end: list[dict] = [{} for _ in range(self.ngram_size)]
         self._ended = 0  # n-grams ending before this position are in ``_last_end``
+        self._packed = self._packable(self._text)  # the keys are packed ints (else tuples)
+
+    @staticmethod
+    def _packable(tokens: list[int]) -> bool:
+        return not tokens or (min(tokens) >= 0 and max(tokens) < _PACKABLE)
 
     def start(self, prompt_ids, features=None, target_view=None) -> None:
         self._forget()
@@ -78,8 +106,11 @@ class NgramDrafter(Drafter):
 
     def _indexed(self, context: np.ndarray) -> list[int]:
         """The searched text for ``context`` (the committed tokens), its index brought up to it
-        (the n-grams ending before its last token). A context that does not extend the indexed one
-        (a new generation begun without ``start``) is indexed afresh."""
+        (the n-grams ending before its last token). A context that is not longer than the indexed
+        text or whose token at the indexed text's end differs (a new generation begun without
+        ``start``) is indexed afresh; one that keeps that token and changes earlier ones is taken
+        as an extension — the decoding loop never passes one (a generation's committed tokens only
+        grow, and a new one starts the drafter)."""
         offset = 0 if self.source is None else len(self.source)
         known = len(self._text) - offset
         ids = np.asarray(context)  # (a tensor too: tests and direct callers)
@@ -87,31 +118,76 @@ class NgramDrafter(Drafter):
         if known > len(ids) or (known > 0 and tail[0] != self._text[-1]) or len(self._last_end) != self.ngram_size:
             self._forget()
             known, tail = 0, ids.tolist()
+        new = tail[1:] if known > 0 else tail
+        if self._packed and not self._packable(new):  # an id too large to pack: every key a tuple from here
+            self._text, self._last_end = self._text[: offset + known], [{} for _ in range(self.ngram_size)]
+            self._ended, self._packed = 0, False
         text = self._text
-        text.extend(tail[1:] if known > 0 else tail)
+        text.extend(new)
         stop = len(text) - 1  # n-grams end before the text's last token
-        if stop - self._ended <= BULK_INDEX:  # a cycle's few tokens: a tuple and a store each
-            for end in range(self._ended, stop):
-                for n, last_end in enumerate(self._last_end, start=1):
-                    if end < n - 1:
-                        break
-                    last_end[tuple(text[end - n + 1 : end + 1])] = end
+        if stop - self._ended <= BULK_INDEX:
+            self._index_each(text, stop)
         else:
-            for n, last_end in enumerate(self._last_end, start=1):
-                first = max(self._ended, n - 1)
-                if first < stop:
-                    # The n-grams ending at first .. stop − 1, in order (a later end overwrites an
-                    # earlier one): zipped and stored by the interpreter's C loops.
-                    grams = zip(*(text[first - n + 1 + k : stop - n + 1 + k] for k in range(n)))
-                    last_end.update(zip(grams, range(first, stop)))
+            self._index_bulk(text, stop)
         self._ended = max(self._ended, stop)
         return text
+
+    def _index_each(self, text: list[int], stop: int) -> None:
+        """A cycle's few new positions: each n-gram's key made and stored in turn (a longer n-gram's
+        packed key is the shorter one's with the token before it in the bits above)."""
+        packed, bits = self._packed, KEY_BITS
+        for end in range(self._ended, stop):
+            key = 0
+            for n, last_end in enumerate(self._last_end, start=1):
+                if end < n - 1:
+                    break
+                if packed:
+                    key |= text[end - n + 1] << (bits * (n - 1))
+                    last_end[key] = end
+                else:
+                    last_end[tuple(text[end - n + 1 : end + 1])] = end
+
+    def _index_bulk(self, text: list[int], stop: int) -> None:
+        """Many new positions: each size's keys for the n-grams ending at its first new end .. stop − 1
+        made together, then stored in order (a later end overwrites an earlier one) by C loops."""
+        lowest = max(self._ended - self.ngram_size + 1, 0)
+        tokens = np.array(text[lowest:stop], dtype=np.int64) if self._packed else None
+        keys = None  # packed: the previous size's keys, as an array (sizes ≤ _ARRAY_SIZES) or a list
+        for n, last_end in enumerate(self._last_end, start=1):
+            first = max(self._ended, n - 1)
+            if first >= stop:
+                break
+            ends = range(first, stop)
+            if not self._packed:
+                grams = zip(*(text[first - n + 1 + k : stop - n + 1 + k] for k in range(n)))
+                last_end.update(zip(grams, ends))
+                continue
+            heads = tokens[first - n + 1 - lowest : stop - n + 1 - lowest]  # each n-gram's first token
+            if n == 1:
+                keys = heads
+            else:
+                below = keys[len(keys) - len(heads) :]  # the (n − 1)-grams ending at the same ends
+                if n <= _ARRAY_SIZES:
+                    keys = below | (heads << (KEY_BITS * (n - 1)))
+                else:  # past an int64: Python's ints
+                    shift = KEY_BITS * (n - 1)
+                    keys = [low | (head << shift) for low, head in zip(below if isinstance(below, list) else below.tolist(),
+                                                                        heads.tolist())]
+            last_end.update(zip(keys.tolist() if isinstance(keys, np.ndarray) else keys, ends))
 
     def _latest_match(self, text: list[int], num_tokens: int) -> tuple[list[int], int]:
         """``lookup`` on the indexed ``text``: the latest earlier end of its last n tokens, longest n first."""
         length = len(text)
-        for n in range(min(self.ngram_size, length - 1), self.min_ngram_size - 1, -1):
-            end = self._last_end[n - 1].get(tuple(text[length - n :]))
+        longest = min(self.ngram_size, length - 1)
+        if longest < self.min_ngram_size:
+            return [], 0
+        if self._packed:
+            keys, key = [], 0
+            for n in range(1, longest + 1):  # the suffix's keys, shortest first
+                key |= text[length - n] << (KEY_BITS * (n - 1))
+                keys.append(key)
+        for n in range(longest, self.min_ngram_size - 1, -1):
+            end = self._last_end[n - 1].get(keys[n - 1] if self._packed else tuple(text[length - n :]))
             if end is not None:
                 return text[end + 1 : end + 1 + num_tokens], n
         return [], 0
