@@ -326,14 +326,19 @@ class Verifiers:
             count = min(count, SCORED_PREFILL_CHUNK)
         chunk = self.committed.context[self._prefilled : self._prefilled + count]
         logged = self._prefilled + count > self._features_from  # a chunk before the logged positions: no features
-        request = PassRequest(self.runner, chunk, count if scored else 1, hidden_layers=self.hidden_layers if logged else None)
+        # The pass may write the chunk's features into the log's rows of its positions (those before the
+        # logged ones are written too, never read: ``_finish_prefill``), so that its result copies none.
+        into = self.features.rows_at(self._prefilled, count) if logged and self.features is not None else None
+        request = PassRequest(self.runner, chunk, count if scored else 1, hidden_layers=self.hidden_layers if logged else None,
+                              hidden_into=into)
         return PrefillChunk(request, self._prefilled)
 
     def prefill_result(self, chunk: PrefillChunk, result: PassResult) -> None:
         """Take a chunk's pass result in: its features logged, its scored rows kept."""
         count = chunk.request.rows
         skip = self._features_from - chunk.start  # rows before the logged positions
-        if self.features is not None and skip < count:
+        in_place = result.hidden is not None and result.hidden is chunk.request.hidden_into
+        if self.features is not None and skip < count and not in_place:
             self.features.write(chunk.start + max(skip, 0), result.hidden[max(skip, 0) :])
         if self._prompt_rows is not None:
             self._prompt_rows.append(self._modified(result.logits, [[] for _ in range(count)]))  # nothing generated
