@@ -323,6 +323,25 @@ def test_a_generation_waits_as_long_as_the_last_at_its_settings_had_learned_to(t
     assert memory.recall(hot).wait == 16
 
 
+def test_the_schedule_memory_keeps_by_settings_where_it_applies_and_the_latest_wins():
+    """``ScheduleMemory``: a generation's slot (asked once) and ``keep`` write the one schedule its
+    settings recall; settings where the memory does not apply get no slot and keep nothing; two
+    generations at one setting share its slot, the latest write wins."""
+    from tierspec.drafters.eagle import HybridSchedule, ScheduleMemory
+
+    greedy, hot = SamplingConfig(temperature=0.0), SamplingConfig(temperature=1.0)
+    memory = ScheduleMemory(lambda sampling: sampling.greedy)
+    assert memory.recall(greedy) is None and memory.slot(hot) is None
+    memory.keep(hot, HybridSchedule(16, 8, 3))
+    assert memory.recall(hot) is None and memory.slot(hot) is None
+    first, second = memory.slot(greedy), memory.slot(SamplingConfig(temperature=0.0))
+    assert first is second and first == [None] and memory.recall(greedy) is None
+    first[0] = (32, 16, None)
+    assert memory.recall(greedy) == HybridSchedule(32, 16, None)
+    memory.keep(greedy, HybridSchedule(64, 8, 5))
+    assert first[0] == (64, 8, 5) and memory.recall(greedy) == HybridSchedule(64, 8, 5)
+
+
 def test_the_built_hybrids_generations_share_one_memory_and_keep_the_targets_text(target32, prompt_ids):
     """``build_method("hybrid")``: every generation's drafter holds the method's one memory; generations
     that start from the longest rests a run can leave still sample the target's own text for their
