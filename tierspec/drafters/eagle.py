@@ -307,6 +307,7 @@ class HybridDrafter(Drafter):
         self._paid = False  # the head's rate beat its bar at some cycle of this generation
         self._rest_earned = False  # this generation made a try that did not pay, or carried a rest in: its own evidence
         self._ruled_out = False  # the last cycle's cost model ruled the head out (not even certain drafts pay)
+        self._head_ran = False  # the head ran (caught up or drafted) since the last commit
         self._dormant = 0  # cycles left without the n-gram lookup
         self._dormant_wait = DORMANT_CYCLES  # the next dormancy's length
         self._looked = 0  # cycles of n-gram drafting with the head idle that did not pay, since a pause or paying ones
@@ -315,7 +316,7 @@ class HybridDrafter(Drafter):
         self.ngram.start(prompt_ids, features, target_view)
         self.eagle.start(prompt_ids, features, target_view)
         self._idle, self._wait = 0, HEAD_RETRY_CYCLES
-        self._resting = self._ruled_out = self._paid = self._rest_earned = False
+        self._resting = self._ruled_out = self._paid = self._rest_earned = self._head_ran = False
         self._dormant, self._dormant_wait, self._looked = 0, DORMANT_CYCLES, 0
         self._sampling, self._slot = None, None
 
@@ -397,6 +398,7 @@ class HybridDrafter(Drafter):
             self._idle, self._wait, self._paid = 0, HEAD_RETRY_CYCLES, True
         # (untried: the first wait, should it not pay, is the one recalled)
         self._resting = False
+        self._head_ran = True
         return (yield from self.eagle.drafting(context, request))
 
     def _weigh_lookup(self, rates: RateView) -> None:
@@ -416,7 +418,12 @@ class HybridDrafter(Drafter):
         return run_steps(self.drafting(context, request), self.eagle.runner.step)
 
     def commit(self, committed_length: int) -> None:
-        self.eagle.commit(committed_length)
+        # Only a head that ran since the last commit can hold positions past the committed ones: the
+        # others' caches were rolled back then, and committed tokens only grow (a batch's idle heads
+        # skip reading their caches' lengths, cold after the pass).
+        if self._head_ran:
+            self._head_ran = False
+            self.eagle.commit(committed_length)
         if self._slot is not None:
             schedule = (self._wait, self._dormant_wait, self._carried_idle())
             # kept when it moves (a batch commits every sequence each cycle): every cycle while the head
