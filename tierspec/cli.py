@@ -495,7 +495,7 @@ def _add_serve(sub) -> None:
 def _run_serve(args) -> int:
     from .errors import TierspecError
     from .methods import check_method_name
-    from .server import DEFAULT_MAX_REQUEST_BYTES, Scheduler, listen, serve
+    from .server import DEFAULT_MAX_REQUEST_BYTES, Scheduler, listen, serve, settle_heap
     from .server.app import DEFAULT_BODY_TIMEOUT
 
     if args.method is not None:
@@ -524,6 +524,7 @@ def _run_serve(args) -> int:
                               max_batch=max_batch, max_rows=args.max_rows)
         scheduler.method(scheduler.default_method)  # build (and measure costs for) the default method before the first request
         _note_unused_options(scheduler)
+        settle_heap()
         serve(scheduler, sock, args.log_level, max_request_bytes, body_timeout)
     finally:
         sock.close()

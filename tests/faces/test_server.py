@@ -681,3 +681,22 @@ def test_completion_text_offsets_count_a_split_character_once(smollm):
     assert logprobs["text_offset"] == expected
     pieces = logprobs["tokens"]
     assert text[expected[-1] - 5:] == pieces[-1]  # the last token's text where its offset says
+
+
+def test_the_server_puts_what_it_loaded_out_of_the_collectors_reach():
+    """``settle_heap`` (``tierspec serve``, once the default method is built): what exists then is
+    frozen — no collection walks it again — and what is made later is collected as before."""
+    import gc
+
+    from tierspec.server import settle_heap
+
+    loaded = [object()]  # a container the collector tracks, made "at start-up"
+    frozen_before = gc.get_freeze_count()
+    try:
+        settle_heap()
+        assert gc.get_freeze_count() > frozen_before
+        assert not any(o is loaded for o in gc.get_objects())  # in the permanent generation
+        later = [object()]
+        assert any(o is later for o in gc.get_objects())
+    finally:
+        gc.unfreeze()

@@ -23,8 +23,8 @@ well-formed ending. Every error answers with OpenAI's body,
 ``{"error": {"message", "type", "param", "code"}}``.
 """
 
-from .app import DEFAULT_MAX_REQUEST_BYTES, create_app, listen, serve, serving_in_background
+from .app import DEFAULT_MAX_REQUEST_BYTES, create_app, listen, serve, serving_in_background, settle_heap
 from .scheduler import ApiError, Scheduler, StopMatcher
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "ApiError", "Scheduler", "StopMatcher", "create_app", "listen", "serve",
-           "serving_in_background"]
+           "serving_in_background", "settle_heap"]

@@ -7,6 +7,7 @@ import asyncio
 import codecs
 import contextlib
 import errno
+import gc
 import json
 import signal
 import socket
@@ -650,6 +651,16 @@ class _Server(uvicorn.Server):
     async def shutdown(self, sockets=None) -> None:
         self.scheduler.stop()
         await super().shutdown(sockets)
+
+
+def settle_heap() -> None:
+    """Put what the server has loaded so far (the model, the tokenizer, the built default method)
+    out of the garbage collector's reach (``gc.freeze``, after a collection of what start-up left):
+    it lives as long as the server, and a full collection would otherwise walk all of it while every
+    running generation waits — 57 ms each on the default model's server (4 in a load benchmark's
+    run, Zen 4). A full collection then walks what requests made since."""
+    gc.collect()
+    gc.freeze()
 
 
 def serve(scheduler: Scheduler, sock: socket.socket, log_level: str = "info",
