@@ -37,7 +37,7 @@ class PassRequest:
     outputs (``CachedModel.forward(with_hidden=True, hidden_layers=...)``); ``draws``: the keyed draws
     the pass may make of the scored rows (``cached_model.RowDraws``; a backend that cannot returns none);
     ``hidden_into``: where the pass may write those hidden states ([n, width] float32 contiguous: a
-    chain's rows of the generation's feature log, ``FeatureLog.rows_at``), so that its commit copies
+    chain's or a prefill chunk's rows of the generation's feature log, ``FeatureLog.rows_at``), so that its commit copies
     nothing (a backend that cannot returns its own, and the commit copies them)."""
 
     runner: CachedModel

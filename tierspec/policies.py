@@ -407,8 +407,10 @@ class CostModel:
     def _variant(self, sequences: int, context: int | None) -> "CostModel":
         """This model's family member for ``sequences`` and ``context`` (made once: ``variants``)."""
         model = self.variants.get((sequences, context))
-        return model if model is not None else CostModel(self.forward_costs, self.draft_fractions, sequences, context,
-                                                         self.variants)
+        if model is None:  # made here; where two threads make one at once, both take the one kept
+            CostModel(self.forward_costs, self.draft_fractions, sequences, context, self.variants)
+            model = self.variants[(sequences, context)]
+        return model
 
     def __call__(self, k: int, source: str = "") -> float:
         seconds = self._cycle.get((k, source))

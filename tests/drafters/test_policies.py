@@ -95,6 +95,30 @@ def test_a_cost_models_batch_and_context_variants_are_made_once_and_cost_as_new_
             assert model(k, "head") == fresh(k, "head") and model.verify(k + 1) == fresh.verify(k + 1)
 
 
+@pytest.mark.parametrize("name", ["adaptive-pld", "hybrid", "eagle-tree"])
+def test_a_methods_generations_share_one_cost_model_and_move_apart_from_it(tiny_target, sampling_own_target, name):
+    """``methods``: every generation's policy starts from the method's one ``CostModel`` (its batch and
+    context variants made once for them all); a generation moving to a batch of 8 and a long context
+    moves its own policy only — the next generation starts from the shared model, alone."""
+    from tierspec.heads.draft import DraftHead
+    from tierspec.methods import MethodOptions, build_method
+
+    target = sampling_own_target if name.endswith("-tree") else tiny_target  # trees: tierspec's own forward
+    head = DraftHead.for_target(target, torch.arange(0, target.vocab_size, 2), seed=5).eval()
+    method = build_method(name, target, None, MethodOptions(draft_head=head if name != "adaptive-pld" else None))
+    first, second = method.generation().policy, method.generation().policy
+    assert first is not second and isinstance(first.cost, CostModel) and first.cost is second.cost
+    shared = first.cost
+    first.share_passes(8)
+    first.at_context(1000)
+    assert (first.cost.sequences, first.cost.context) == (8, 960) and first.cost.variants is shared.variants
+    third = method.generation().policy
+    assert third.cost is shared and (shared.sequences, shared.context) == (1, None)
+    third.share_passes(8)
+    third.at_context(1000)
+    assert third.cost is first.cost  # the variant made once
+
+
 def test_a_draft_that_pays_after_few_positions_does_not_after_many():
     """Planted: a 2-row pass costs 1.1× one row after 256 positions, and each row adds as much
     attention per position, so after 4,096 positions 2 rows cost 1.35× one: a one-token draft

@@ -246,8 +246,8 @@ def test_the_engine_heads_step_reads_embeddings_norms_and_rotary_factors_as_the_
 
 @pytest.mark.parametrize("name", ["eagle", "hybrid"])
 def test_features_a_pass_writes_in_place_are_those_a_copy_would_commit(target, head, name, monkeypatch):
-    """A chain's pass, and the prompt's prefill chunks, write their features into the generation's
-    feature log (``FeatureLog.rows_at``, ``PassRequest.hidden_into``): after every commit the log's readable rows are bitwise those the
+    """A chain's pass writes its features into the generation's feature log (``FeatureLog.rows_at``,
+    ``PassRequest.hidden_into``): after every commit the log's readable rows are bitwise those the
     copying commit leaves (the same pass, ``rows_at`` refused), and every cycle's drafts and
     confidences are the same — so a wrong offset, a clobbered row or a skipped copy would show."""
     from tierspec.drafters.base import FeatureLog
@@ -268,13 +268,59 @@ def test_features_a_pass_writes_in_place_are_those_a_copy_would_commit(target, h
     rows_at = FeatureLog.rows_at
     monkeypatch.setattr(FeatureLog, "rows_at", lambda self, start, count: handed.append(start) or rows_at(self, start, count))
     in_place = run()
-    assert handed and min(handed) < len(PROMPTS[0]) - 1  # the in-place path ran, the prompt's chunk's too
+    assert handed  # the in-place path ran
     monkeypatch.setattr(FeatureLog, "rows_at", lambda self, start, count: None)
     copied = run()
     assert in_place[1] == copied[1] and in_place[2] == copied[2] and len(in_place[0]) == len(copied[0])
     assert any(length > start for start, length, _ in in_place[0])
     for (start, length, rows), (start_copied, length_copied, rows_copied) in zip(in_place[0], copied[0]):
         assert (start, length) == (start_copied, length_copied) and torch.equal(rows, rows_copied)
+
+
+@pytest.mark.parametrize("name", ["eagle", "hybrid"])
+def test_a_prompts_chunks_write_their_features_in_place_as_a_copy_would(target, head, name, monkeypatch):
+    """A prompt prefilled in chunks inside a batch's cycles: each logged chunk's pass writes its
+    features into the generation's feature log (``Verifiers.prefill_request``'s ``hidden_into``) and
+    its result copies none — the chunk that straddles the first logged position too (its earlier
+    rows written, never read). After every cycle each generation's readable rows, its log's bounds
+    and its drafts are bitwise those of the same batch whose chunks are copied (``rows_at`` refused)."""
+    from tierspec.drafters.base import FeatureLog
+    from tierspec.drafters.eagle import FIRST_CATCH_UP
+    from tierspec.verifiers import Verifiers
+
+    prompts = [PROMPTS[1], PROMPTS[5]]  # the long one's logged positions begin inside a chunk of 24 rows
+
+    def run():
+        logs, placed = [], []
+        prefill_result = Verifiers.prefill_result
+
+        def spy(self, chunk, result):
+            if chunk.request.hidden_layers is not None:
+                placed.append((chunk.start, chunk.request.rows, result.hidden is chunk.request.hidden_into))
+            return prefill_result(self, chunk, result)
+
+        monkeypatch.setattr(Verifiers, "prefill_result", spy)
+        batch = BatchDecoder(target, max_batch=2, max_rows=24)
+        method = _method(target, name, head)
+        for key, prompt in enumerate(prompts):
+            batch.add(key, method, prompt, DecodeConfig(max_new_tokens=12, sampling=SamplingConfig(0.0)), seed=key)
+        while len(batch):
+            for sequence, step in batch.step():
+                log = sequence.verifiers.features
+                logs.append((sequence.key, log.start, log.length, log.read(log.start, log.length).clone(),
+                             step.proposal.token_list))
+        return logs, placed
+
+    in_place, placed = run()
+    first_logged = len(prompts[1]) - 1 - FIRST_CATCH_UP  # ``EagleDrafter.feature_history``: the positions a head reads
+    assert all(done for _, _, done in placed)
+    assert any(start < first_logged < start + rows for start, rows, _ in placed)  # a straddling chunk, in place
+    monkeypatch.setattr(FeatureLog, "rows_at", lambda self, start, count: None)
+    copied, placed = run()
+    assert placed and not any(done for _, _, done in placed)
+    assert len(in_place) == len(copied) and any(length > start for _, start, length, _, _ in in_place)
+    for (key, start, length, rows, drafts), (key_c, start_c, length_c, rows_c, drafts_c) in zip(in_place, copied):
+        assert (key, start, length, drafts) == (key_c, start_c, length_c, drafts_c) and torch.equal(rows, rows_c)
 
 
 def test_batch_lengths_take_the_drafts_that_pay():

@@ -62,8 +62,8 @@ class FeatureLog:
 
     def rows_at(self, start: int, count: int) -> torch.Tensor | None:
         """The log's rows of positions ``start`` .. ``start`` + count − 1 [count, W] (a view), for a
-        pass to write its features into (``passes.PassRequest.hidden_into``): a chain's commit then
-        writes nothing (``verifiers.PassRecord.in_place``). Why: that copy, a torch operator after the weights' stream has evicted the
+        pass to write its features into (``passes.PassRequest.hidden_into``): a chain's commit, or a
+        prefill chunk's result, then writes nothing (``verifiers.PassRecord.in_place``). Why: that copy, a torch operator after the weights' stream has evicted the
         caches, cost 46–51 µs a cycle on a Zen 4 (a /tmp probe in the default method's cycles). None
         where they do not all fit (padding rows past the reserved positions)."""
         return self._rows[start : start + count] if start + count <= self._rows.shape[0] else None

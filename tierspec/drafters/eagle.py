@@ -248,6 +248,8 @@ class ScheduleMemory:
         return holder if holder is not None else self._schedules.setdefault(sampling, [None])
 
     def keep(self, sampling: SamplingConfig, schedule: HybridSchedule) -> None:
+        """Keep ``schedule`` as the latest at ``sampling`` (where the memory applies): what a generation's
+        commits write through its ``slot``, for a caller that holds none (tests plant schedules so)."""
         holder = self.slot(sampling)
         if holder is not None:
             holder[0] = (schedule.wait, schedule.dormant_wait, schedule.idle)
@@ -420,7 +422,9 @@ class HybridDrafter(Drafter):
     def commit(self, committed_length: int) -> None:
         # Only a head that ran since the last commit can hold positions past the committed ones: the
         # others' caches were rolled back then, and committed tokens only grow (a batch's idle heads
-        # skip reading their caches' lengths, cold after the pass).
+        # skip reading their caches' lengths, cold after the pass). After a block drafted to its end
+        # the head holds committed positions only (``EagleDrafter.drafting`` drops its drafts): the
+        # rollback is for a block left unfinished.
         if self._head_ran:
             self._head_ran = False
             self.eagle.commit(committed_length)

@@ -47,7 +47,8 @@ _ARRAY_SIZES = 63 // KEY_BITS
 
 
 def ngram_key(gram, packed: bool = True):
-    """The index's key of the n-gram ``gram`` (its tokens in order): its tokens packed into one int,
+    """The index's key of the n-gram ``gram`` (its tokens in order) — the definition the index's paths
+    compute incrementally (``_index_each``, ``_index_bulk``, ``_latest_match``): its tokens packed into one int,
     the first in the highest ``KEY_BITS`` bits (``packed``: the text's every id is below 2**KEY_BITS),
     else the tuple of them. One n's keys are one size's dictionary: packing is one-to-one there.
 
@@ -119,8 +120,8 @@ class NgramDrafter(Drafter):
             self._forget()
             known, tail = 0, ids.tolist()
         new = tail[1:] if known > 0 else tail
-        if self._packed and not self._packable(new):  # an id too large to pack: every key a tuple from here
-            self._text, self._last_end = self._text[: offset + known], [{} for _ in range(self.ngram_size)]
+        if self._packed and not self._packable(new):  # an id that does not pack: every key a tuple, indexed afresh
+            self._last_end = [{} for _ in range(self.ngram_size)]
             self._ended, self._packed = 0, False
         text = self._text
         text.extend(new)

@@ -658,7 +658,9 @@ def settle_heap() -> None:
     out of the garbage collector's reach (``gc.freeze``, after a collection of what start-up left):
     it lives as long as the server, and a full collection would otherwise walk all of it while every
     running generation waits — 57 ms each on the default model's server (4 in a load benchmark's
-    run, Zen 4). A full collection then walks what requests made since."""
+    run, Zen 4). A full collection then walks what requests made since. What was frozen is never
+    collected: a default method the server's method cache later drops (its cost model's variants
+    refer to one another) stays in memory — one method's worth, once."""
     gc.collect()
     gc.freeze()
 
