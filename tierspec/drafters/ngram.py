@@ -34,9 +34,10 @@ def suffix_matches(context: np.ndarray, n: int) -> np.ndarray:
 #: New positions up to which ``NgramDrafter._indexed`` stores each n-gram in a Python loop (a cycle's
 #: tokens: a block of 10 drafts accepted whole commits 11); more (a prompt, the text after a pause of
 #: the lookup) are keyed by array operations and stored by the interpreter's C loops, whose set-up
-#: costs a few microseconds a size but whose entries cost a fraction of the loop's. Measured warm on a
-#: Zen 4 with tuple keys (stop 73): they crossed at 11–12 positions.
-BULK_INDEX = 11
+#: costs a few microseconds but whose entries cost a fraction of the loop's. Measured warm with packed
+#: keys on a Zen 4 (results/zen4/stop74/index_crossover.py): one position 2.7 µs by the loop, 7.5 by
+#: the arrays; they cross at 14–16 positions (9.5–10.6 µs); 64 positions 39.2 → 20.9 µs.
+BULK_INDEX = 14
 
 #: Bits a token takes in a packed n-gram key (``ngram_key``). Ids below 2**21 (SmolLM2's vocabulary
 #: has 49,152, Gemma 3's 262,144) pack three to an int64, so a prompt's keys are computed by numpy.
@@ -129,7 +130,7 @@ class NgramDrafter(Drafter):
         if stop - self._ended <= BULK_INDEX:
             self._index_each(text, stop)
         else:
-            self._index_bulk(text, stop)
+            self._index_bulk(text, stop, ids if offset == 0 and ids.dtype == np.int64 else None)
         self._ended = max(self._ended, stop)
         return text
 
@@ -148,11 +149,15 @@ class NgramDrafter(Drafter):
                 else:
                     last_end[tuple(text[end - n + 1 : end + 1])] = end
 
-    def _index_bulk(self, text: list[int], stop: int) -> None:
+    def _index_bulk(self, text: list[int], stop: int, ids: np.ndarray | None) -> None:
         """Many new positions: each size's keys for the n-grams ending at its first new end .. stop − 1
-        made together, then stored in order (a later end overwrites an earlier one) by C loops."""
+        made together, then stored in order (a later end overwrites an earlier one) by C loops.
+        ``ids``: the context as int64, where it is the searched text itself (no source before it):
+        the arrays' tokens are read from it, not converted from the list."""
         lowest = max(self._ended - self.ngram_size + 1, 0)
-        tokens = np.array(text[lowest:stop], dtype=np.int64) if self._packed else None
+        tokens = None
+        if self._packed and self.ngram_size > 1:
+            tokens = ids[lowest:stop] if ids is not None else np.array(text[lowest:stop], dtype=np.int64)
         keys = None  # packed: the previous size's keys, as an array (sizes ≤ _ARRAY_SIZES) or a list
         for n, last_end in enumerate(self._last_end, start=1):
             first = max(self._ended, n - 1)
@@ -163,17 +168,20 @@ class NgramDrafter(Drafter):
                 grams = zip(*(text[first - n + 1 + k : stop - n + 1 + k] for k in range(n)))
                 last_end.update(zip(grams, ends))
                 continue
+            if n == 1:  # a token's key is the token: the list's own ints
+                keys = text[first:stop]
+                last_end.update(zip(keys, ends))
+                if tokens is not None:
+                    keys = tokens[first - lowest : stop - lowest]
+                continue
             heads = tokens[first - n + 1 - lowest : stop - n + 1 - lowest]  # each n-gram's first token
-            if n == 1:
-                keys = heads
-            else:
-                below = keys[len(keys) - len(heads) :]  # the (n − 1)-grams ending at the same ends
-                if n <= _ARRAY_SIZES:
-                    keys = below | (heads << (KEY_BITS * (n - 1)))
-                else:  # past an int64: Python's ints
-                    shift = KEY_BITS * (n - 1)
-                    keys = [low | (head << shift) for low, head in zip(below if isinstance(below, list) else below.tolist(),
-                                                                        heads.tolist())]
+            below = keys[len(keys) - len(heads) :]  # the (n − 1)-grams ending at the same ends
+            if n <= _ARRAY_SIZES:
+                keys = below | (heads << (KEY_BITS * (n - 1)))
+            else:  # past an int64: Python's ints
+                shift = KEY_BITS * (n - 1)
+                keys = [low | (head << shift) for low, head in zip(below if isinstance(below, list) else below.tolist(),
+                                                                    heads.tolist())]
             last_end.update(zip(keys.tolist() if isinstance(keys, np.ndarray) else keys, ends))
 
     def _latest_match(self, text: list[int], num_tokens: int) -> tuple[list[int], int]:
