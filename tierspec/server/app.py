@@ -656,9 +656,11 @@ class _Server(uvicorn.Server):
 def settle_heap() -> None:
     """Put what the server has loaded so far (the model, the tokenizer, the built default method)
     out of the garbage collector's reach (``gc.freeze``, after a collection of what start-up left):
-    it lives as long as the server, and a full collection would otherwise walk all of it while every
-    running generation waits — 57 ms each on the default model's server (4 in a load benchmark's
-    run, Zen 4). A full collection then walks what requests made since. What was frozen is never
+    it lives as long as the server, and a full collection — one comes whenever the objects that
+    outlived the younger collections have grown by a quarter of the old ones — would otherwise walk
+    all of it while every running generation waits. On the default model's server a full collection
+    took 124 ms unfrozen and 14 ms frozen (each the interpreter's last, at exit; none came during a
+    40-second load benchmark: results/zen4/stop74/server_gc_*.log). What was frozen is never
     collected: a default method the server's method cache later drops (its cost model's variants
     refer to one another) stays in memory — one method's worth, once."""
     gc.collect()

@@ -1,0 +1,27 @@
+import sys, gc, time, collections  # python gc_collections.py SIZE TEMPERATURE METHOD: cycles64.py's run, counting collections
+# Every garbage collection during the measured batch run (gc.callbacks): how many of each generation and their time.
+from tierspec import load_model
+from tierspec.batch import BatchDecoder
+from tierspec.data import load_prompts
+from tierspec.decode import DecodeConfig
+from tierspec.methods import MethodOptions, build_method
+from tierspec.prompting import encode_prompt, eos_ids
+from tierspec.sampling import SamplingConfig
+size = int(sys.argv[1]); temp = float(sys.argv[2]); method = sys.argv[3]
+target = load_model("smollm2-135m", dtype="auto")
+texts = [p.text for p in load_prompts("mt_bench")]
+prompts = [encode_prompt(target, texts[i % len(texts)]) for i in range(16)]
+config = DecodeConfig(max_new_tokens=64, sampling=SamplingConfig(temp, 0, 1.0), eos_token_ids=eos_ids(target))
+built = build_method(method, target, None, MethodOptions())
+BatchDecoder(target, max_batch=1).run_all(prompts[:1], built, DecodeConfig(max_new_tokens=8, eos_token_ids=eos_ids(target)), seed=0)
+stats = collections.defaultdict(lambda: [0, 0.0]); began = [0.0]
+def count(phase, info):
+    if phase == "start": began[0] = time.perf_counter()
+    else: stats[info["generation"]][0] += 1; stats[info["generation"]][1] += time.perf_counter() - began[0]
+gc.callbacks.append(count)
+batch = BatchDecoder(target, max_batch=size)
+batch.run_all(prompts, built, config, seed=0)
+gc.callbacks.remove(count)
+c = batch.times.cycles
+d = {k: round(v*1000/c, 3) for k, v in batch.times.to_dict().items()}; d["cycles"] = c; d["outside"] = round(d["draft"] + d["verify"] + d["commit"], 3)
+print(d, " ".join(f"gen{g}: {n} ({s*1e3:.2f} ms, {s*1e6/c:.1f} us a cycle)" for g, (n, s) in sorted(stats.items())), flush=True)
