@@ -132,6 +132,13 @@ def test_the_index_holds_each_ngrams_latest_end_however_the_text_grew(monkeypatc
             if at >= len(text):
                 break
             at = min(len(text), at + rng.randint(0, 20))
+        if len(text) > 1 and trial % 4 == 2:  # earlier tokens changed, the last indexed kept: taken as an extension
+            known = len(source) + len(text)  # the drafter keeps its text and indexes the new tokens only
+            changed = [token() for _ in range(len(text) - 1)] + text[-1:] + [token() for _ in range(rng.randint(1, 30))]
+            drafter._indexed(np.array(changed, dtype=np.int64))
+            kept = source + text + changed[len(text):]
+            assert drafter._last_end == written_out(kept, sizes) and drafter._text == kept and known < len(kept)
+            text = changed  # (the shorter context below: a new generation's, indexed afresh)
         if len(text) > 1:  # a shorter context, so not an extension (a new generation): indexed afresh
             other = [token() for _ in range(rng.randint(1, len(text) - 1))]
             drafter._indexed(np.array(other, dtype=np.int64))

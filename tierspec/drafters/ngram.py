@@ -35,8 +35,8 @@ def suffix_matches(context: np.ndarray, n: int) -> np.ndarray:
 #: tokens: a block of 10 drafts accepted whole commits 11); more (a prompt, the text after a pause of
 #: the lookup) are keyed by array operations and stored by the interpreter's C loops, whose set-up
 #: costs a few microseconds but whose entries cost a fraction of the loop's. Measured warm with packed
-#: keys on a Zen 4 (results/zen4/stop74/index_crossover.py): one position 2.7 µs by the loop, 7.5 by
-#: the arrays; they cross at 14–16 positions (9.5–10.6 µs); 64 positions 39.2 → 20.9 µs.
+#: keys on a Zen 4 (results/zen4/stop74/index_crossover.py): one position 2.4 µs by the loop, 7.3 by
+#: the arrays; they cross at 14–16 positions (9.5–10.5 µs); 64 positions 39.2 → 20.1 µs.
 BULK_INDEX = 14
 
 #: Bits a token takes in a packed n-gram key (``ngram_key``). Ids below 2**21 (SmolLM2's vocabulary
@@ -54,9 +54,10 @@ def ngram_key(gram, packed: bool = True):
     else the tuple of them. One n's keys are one size's dictionary: packing is one-to-one there.
 
     Why ints: a tuple is a container the garbage collector tracks, and the index of a generation's
-    text holds one per position and size — on the default model at 8 sequences its tuples set off
-    most of the young-generation collections (6 of 10 in 133 cycles, and the older generation's one:
-    1.2 ms) — while an int is not tracked, and hashes without reading its items."""
+    text holds one per position and size — on the default model at 8 sequences with tuples, 11 young
+    collections and an older one (1.0 ms) came in 133 cycles, with packed ints 4 young ones
+    (results/zen4/stop74/gc_collections.log) — while an int is not tracked, and hashes without
+    reading its items."""
     if not packed:
         return tuple(gram)
     key = 0
@@ -130,7 +131,9 @@ class NgramDrafter(Drafter):
         if stop - self._ended <= BULK_INDEX:
             self._index_each(text, stop)
         else:
-            self._index_bulk(text, stop, ids if offset == 0 and ids.dtype == np.int64 else None)
+            # the context's array is the searched text only where this call indexed it afresh (an
+            # extension keeps the text it had: a context may change tokens before the indexed end)
+            self._index_bulk(text, stop, ids if offset == 0 and known == 0 and ids.dtype == np.int64 else None)
         self._ended = max(self._ended, stop)
         return text
 

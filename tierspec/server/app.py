@@ -656,11 +656,12 @@ class _Server(uvicorn.Server):
 def settle_heap() -> None:
     """Put what the server has loaded so far (the model, the tokenizer, the built default method)
     out of the garbage collector's reach (``gc.freeze``, after a collection of what start-up left):
-    it lives as long as the server, and a full collection — one comes whenever the objects that
-    outlived the younger collections have grown by a quarter of the old ones — would otherwise walk
-    all of it while every running generation waits. On the default model's server a full collection
-    took 124 ms unfrozen and 14 ms frozen (each the interpreter's last, at exit; none came during a
-    40-second load benchmark: results/zen4/stop74/server_gc_*.log). What was frozen is never
+    it lives as long as the server, and a full collection — one comes once ten middle-generation
+    collections have run and the objects they promoted exceed a quarter of those the last full one
+    left — would otherwise walk all of it while every running generation waits. On the default
+    model's server the freeze's own collection, a walk of start-up's heap, took 113 ms; the last full
+    collection, at exit, 124 ms unfrozen and 14 ms frozen (none came during a load benchmark's
+    requests: results/zen4/stop74/server_gc_*.log). What was frozen is never
     collected: a default method the server's method cache later drops (its cost model's variants
     refer to one another) stays in memory — one method's worth, once."""
     gc.collect()
