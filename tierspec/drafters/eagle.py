@@ -299,8 +299,7 @@ class HybridDrafter(Drafter):
     def __init__(self, ngram: NgramDrafter, eagle: EagleDrafter, memory: ScheduleMemory | None = None):
         self.ngram, self.eagle = ngram, eagle
         self.memory = memory
-        self._sampling: SamplingConfig | None = None  # the generation's, from its first drafting cycle
-        self._kept: tuple[int, int, int | None] | None = None  # the schedule last kept in the memory (or recalled)
+        self._recalled = False  # the generation's first drafting cycle has read the memory (``_recall``)
         self._slot: list | None = None  # where the memory keeps this generation's schedule (``ScheduleMemory.slot``)
         self.feature_layers = eagle.feature_layers
         self._idle = 0  # cycles since the head last ran while it did not pay
@@ -320,20 +319,18 @@ class HybridDrafter(Drafter):
         self._idle, self._wait = 0, HEAD_RETRY_CYCLES
         self._resting = self._ruled_out = self._paid = self._rest_earned = self._head_ran = False
         self._dormant, self._dormant_wait, self._looked = 0, DORMANT_CYCLES, 0
-        self._sampling, self._slot = None, None
+        self._recalled, self._slot = False, None
 
     def _recall(self, sampling: SamplingConfig) -> None:
         """The generation's first drafting cycle: its waits from the latest generation at the same
         settings (``ScheduleMemory``)."""
-        self._sampling = sampling
+        self._recalled = True
         schedule = None if self.memory is None else self.memory.recall(sampling)
         if schedule is not None:
             self._wait, self._dormant_wait = schedule.wait, schedule.dormant_wait
             if schedule.idle is not None:  # the head paid nowhere in the last generation here: its rest goes on
                 self._idle, self._resting = schedule.idle, True
                 self._rest_earned = True
-        # what the memory holds (a first commit writes where this generation's schedule differs)
-        self._kept = None if schedule is None else (schedule.wait, schedule.dormant_wait, schedule.idle)
         self._slot = None if self.memory is None else self.memory.slot(sampling)
 
     def _carried_idle(self) -> int | None:
@@ -367,7 +364,7 @@ class HybridDrafter(Drafter):
         in steps (``EagleDrafter.drafting``)."""
         if request.budget <= 0:
             return Proposal.empty()
-        if self._sampling is None:  # the generation's first drafting cycle
+        if not self._recalled:  # the generation's first drafting cycle
             self._recall(request.sampling)
         rates: RateView = request.policy  # methods pairs this drafter with a CostAware policy
         looking = not self._dormant  # a dormant lookup: its drafts have not paid for the hybrid's work of late
@@ -430,7 +427,8 @@ class HybridDrafter(Drafter):
             self.eagle.commit(committed_length)
         if self._slot is not None:
             schedule = (self._wait, self._dormant_wait, self._carried_idle())
-            # kept when it moves (a batch commits every sequence each cycle): every cycle while the head
+            # written where it differs from what the slot holds (a batch commits every sequence each
+            # cycle; the slot is shared by the generations at these settings): every cycle while the head
             # rests at its longest wait, whose idle count the next generation carries on
-            if schedule != self._kept:
-                self._kept = self._slot[0] = schedule
+            if schedule != self._slot[0]:
+                self._slot[0] = schedule
