@@ -430,12 +430,17 @@ def all_finite(values: torch.Tensor) -> bool:
 def greedy_choice(row: torch.Tensor) -> tuple[int, float] | None:
     """A greedy draft step's token and confidence from its logits ``row`` [V]: ``argmax_token``
     and ``top_probability`` of the same row in one read, None where the row is not all finite
-    (``all_finite``). Why one: each reads the row through a numpy view, and after the target's
-    pass every such call is cold; the maximum both need is the argmax's entry (the argmax lands
-    on a NaN or +inf if there is one; the min on −inf)."""
+    (``all_finite``). Why one: after the target's pass every call on the row is cold, and a float32
+    CPU row takes one call of the noise extension (``_keyed_noise.top_choice``) where numpy took five
+    (argmax, min, a difference, exp, sum) and two arrays (the maximum both need is the argmax's entry:
+    the argmax lands on a NaN or +inf if there is one; the min on −inf)."""
+    if _reads_directly(row):
+        return _keyed_noise.top_choice(row.data_ptr(), row.shape[0], _NOISE_LOOP)
     array = _numpy_view(row)
     if array is None:
         return (argmax_token(row), top_probability(row)) if all_finite(row) else None
+    if not array.size:
+        raise SamplingError("an empty row has no largest entry")
     index = int(array.argmax())
     largest = array[index]
     if not (np.isfinite(largest) and np.isfinite(array.min())):
@@ -445,13 +450,25 @@ def greedy_choice(row: torch.Tensor) -> tuple[int, float] | None:
 
 def top_probability(row: torch.Tensor) -> float:
     """The largest probability of softmax(``row``) at temperature 1 (a drafter's confidence in its
-    token), for a row [V] of finite logits: 1 / Σ exp(x − max x), read through numpy on a float CPU
-    row. Why not ``row.softmax(-1).max()``: two torch operators a draft step, each cold after the
-    target's pass on a CPU whose caches the pass empties."""
+    token), for a row [V] of finite logits: 1 / Σ exp(x − max x), by the noise extension on a
+    float32 CPU row (``greedy_choice``'s sum, the same float), else through numpy or torch. Why not
+    ``row.softmax(-1).max()``: two torch operators a draft step, each cold after the target's pass on
+    a CPU whose caches the pass empties."""
+    if _reads_directly(row):
+        choice = _keyed_noise.top_choice(row.data_ptr(), row.shape[0], _NOISE_LOOP)
+        if choice is not None:
+            return choice[1]
     array = _numpy_view(row)
     if array is None:
         return float(row.float().softmax(-1).max())
     return float(1.0 / np.exp(array - array.max()).sum())
+
+
+def _reads_directly(row: torch.Tensor) -> bool:
+    """Whether the noise extension can read ``row`` where it lies: a non-empty float32 CPU row [V]
+    whose entries lie one after another."""
+    return (row.dtype == torch.float32 and row.device.type == "cpu" and row.dim() == 1 and row.shape[0] > 0
+            and row.stride(0) == 1)
 
 
 def row_argmax(logits: torch.Tensor):

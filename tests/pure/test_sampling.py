@@ -1,5 +1,7 @@
 """The pure sampling functions on hand-built distributions."""
 
+import math
+
 import pytest
 import torch
 
@@ -719,6 +721,69 @@ def test_greedy_choice_is_the_argmax_and_its_confidence_or_none():
             row = torch.tensor([0.5, 2.0, 1.0])
             row[at] = bad
             assert greedy_choice(row) is None and greedy_choice(row.to(torch.bfloat16)) is None
+
+
+def test_the_extensions_top_choice_is_the_first_maximum_and_its_softmax_probability_on_every_loop():
+    """``_keyed_noise.top_choice``, the greedy draft step's one read: the first maximum (torch's argmax,
+    ties to the lowest id) and 1 / Σ exp(x − max) within a millionth of a float64 reference, the same
+    bits on every loop this CPU runs (rows of every length around the vector width, so each loop's
+    tail runs); None for a NaN or an infinity anywhere, a row of −inf included; planted distributions
+    exact: a flat row of 10 is 0.1, two equal maxima 0.5, a logit 100 ahead 1.0."""
+    from tierspec import _keyed_noise
+
+    loops = range(_keyed_noise.best_loop() + 1)
+    generator = torch.Generator().manual_seed(11)
+    rows = [torch.randn(n, generator=generator) * scale for n in (1, 7, 8, 9, 15, 16, 17, 31, 33, 8192, 49152)
+            for scale in (1.0, 6.0)]
+    rows += [torch.tensor([1.0, 3.0, 3.0, -2.0]), torch.tensor([0.0, -90.0, -200.0, -1e30] * 5),  # e^ underflows
+             torch.tensor([3.0e38, -3.0e38, 1.0])]
+    for row in rows:
+        reference = row.double()
+        expected = float(1.0 / torch.exp(reference - reference.max()).sum())
+        choices = {loop: _keyed_noise.top_choice(row.data_ptr(), row.shape[0], loop) for loop in loops}
+        index, probability = choices[0]
+        assert index == int(row.argmax()), row
+        assert abs(probability - expected) <= 1e-6 * expected, (probability, expected)
+        assert len(set(choices.values())) == 1, choices  # the same index and the same bits on every loop
+    flat, tied, far = torch.zeros(10), torch.tensor([2.0, 5.0, 5.0]), torch.tensor([0.0, 100.0])  # alive while read
+    for loop in loops:
+        assert _keyed_noise.top_choice(flat.data_ptr(), 10, loop) == (0, pytest.approx(0.1, rel=1e-7))
+        assert _keyed_noise.top_choice(tied.data_ptr(), 3, loop) == (1, pytest.approx(1.0 / (2.0 + math.exp(-3.0)),
+                                                                                          rel=1e-7))
+        assert _keyed_noise.top_choice(far.data_ptr(), 2, loop) == (1, 1.0)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for length in (3, 20):
+            for at in (0, length - 1):
+                row = torch.ones(length)
+                row[at] = bad
+                assert all(_keyed_noise.top_choice(row.data_ptr(), length, loop) is None for loop in loops), (bad, at)
+    minus = torch.full((9,), float("-inf"))
+    assert all(_keyed_noise.top_choice(minus.data_ptr(), 9, loop) is None for loop in loops)
+    with pytest.raises(ValueError, match="vocab 0"):
+        _keyed_noise.top_choice(flat.data_ptr(), 0, 0)
+    with pytest.raises(ValueError, match="non-null"):
+        _keyed_noise.top_choice(0, 4, 0)
+    with pytest.raises(ValueError, match="cannot run loop|not one of"):
+        _keyed_noise.top_choice(flat.data_ptr(), 4, 3)
+
+
+def test_greedy_choice_reads_rows_the_extension_cannot_through_numpy_or_torch():
+    """A strided float32 row and a float64 row give what a contiguous float32 copy gives
+    through the extension (the index exactly, the probability within a float's rounding); an empty row
+    is refused with a clear error."""
+    from tierspec.sampling import SamplingError, greedy_choice
+
+    table = torch.randn(64, 3, generator=torch.Generator().manual_seed(2)) * 3
+    strided = table[:, 1]
+    assert strided.stride(0) != 1
+    index, probability = greedy_choice(strided.contiguous())
+    assert index == int(strided.argmax())
+    for row in (strided, strided.double()):
+        other_index, other_probability = greedy_choice(row)
+        assert other_index == index
+        assert abs(other_probability - probability) <= 2e-6 * probability
+    with pytest.raises(SamplingError, match="empty row"):
+        greedy_choice(torch.zeros(0, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("config", [SamplingConfig(0.7, top_k=40, top_p=0.9), SamplingConfig(1.0, top_k=40),

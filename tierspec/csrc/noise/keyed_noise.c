@@ -635,6 +635,117 @@ static double row_mass_before(const float *row, Py_ssize_t vocab, int64_t token,
     return nucleus ? sums.before / sums.total : 0.0;
 }
 
+/* ---- a greedy draft step's token and confidence ------------------------------------------------------------
+ *
+ * A greedy draft step keeps its row's first maximum and the policy's confidence in it, the largest softmax
+ * probability at temperature 1: 1 / Σ_j e^(x_j − max). Numpy took five calls for it (argmax, min, a
+ * difference, exp, sum), each cold after the target's pass had swept the caches, and two arrays a step; here
+ * it is one read of the row. The terms are float32 (exp_clamped8's arithmetic, the plain loop rounding t to the
+ * nearest even integer as the vector loops do), summed in float64 into eight lanes by the index modulo 8 and
+ * the lanes added in a fixed order, so every loop gives the same bits. */
+
+/* exp_clamped8's e^y of one value (y <= 0 here: a logit less the row's maximum). */
+static inline float exp_clamped_even(float y) {
+    y = y > -87.0f ? y : -87.0f;
+    y = y < 87.0f ? y : 87.0f;
+    float t = y * 1.44269504088896341f;
+    float n = nearbyintf(t); /* the default rounding: to the nearest, ties to even, as _mm256_round_ps's */
+    float f = t - n;
+    float p = 1.525273380405984e-05f;
+    p = p * f + 1.5403530393381608e-04f;
+    p = p * f + 1.3333558146428443e-03f;
+    p = p * f + 9.618129107628477e-03f;
+    p = p * f + 5.550410866482158e-02f;
+    p = p * f + 2.402265069591007e-01f;
+    p = p * f + 6.931471805599453e-01f;
+    p = p * f + 1.0f;
+    union {
+        uint32_t bits;
+        float value;
+    } scale = {.bits = (uint32_t)((int32_t)n + 127) << 23};
+    return p * scale.value;
+}
+
+/* Σ e^(x_v − top) for v in [from, vocab) into lanes[v mod 8]; *minus_inf set where an entry is −inf. The
+ * reference, the path of CPUs without AVX2 and every loop's tail. */
+static void softmax_lanes_plain(const float *row, Py_ssize_t from, Py_ssize_t vocab, float top, double lanes[8],
+                                int *minus_inf) {
+    for (Py_ssize_t v = from; v < vocab; v++) {
+        *minus_inf |= row[v] == -INFINITY;
+        lanes[v & 7] += (double)exp_clamped_even(row[v] - top);
+    }
+}
+
+#if HAVE_AVX2_BUILD
+/* The same sums 8 entries at a time (lane j takes entry v + j, as the plain loop's v mod 8); returns where
+ * the plain tail starts. */
+AVX2 static Py_ssize_t softmax_lanes_avx2(const float *row, Py_ssize_t vocab, float top, double lanes[8],
+                                          int *minus_inf) {
+    const __m256 shift = _mm256_set1_ps(top), none = _mm256_set1_ps(-INFINITY);
+    __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
+    __m256 infinite = _mm256_setzero_ps();
+    Py_ssize_t v = 0;
+    for (; v + 8 <= vocab; v += 8) {
+        __m256 x = _mm256_loadu_ps(row + v);
+        infinite = _mm256_or_ps(infinite, _mm256_cmp_ps(x, none, _CMP_EQ_OQ));
+        __m256 e = exp_clamped8(_mm256_sub_ps(x, shift));
+        low = _mm256_add_pd(low, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+        high = _mm256_add_pd(high, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    }
+    _mm256_storeu_pd(lanes, low);
+    _mm256_storeu_pd(lanes + 4, high);
+    *minus_inf |= _mm256_movemask_ps(infinite) != 0;
+    return v;
+}
+#endif
+
+/* The row's first maximum in *index and 1 / Σ e^(x − max) in *probability; 0 where the row holds a NaN or an
+ * infinity (nothing set). */
+static int row_top_choice(const float *row, Py_ssize_t vocab, int loop, int64_t *index, double *probability) {
+    float top = 0.0f;
+    int64_t first;
+#if HAVE_AVX2_BUILD
+    if (loop == LOOP_AVX512) first = row_top_avx512(row, vocab, &top);
+    else if (loop == LOOP_AVX2) first = row_top_avx2(row, vocab, &top);
+    else
+#endif
+        first = keyed_first_max_plain(row, vocab, &top);
+    if (first < 0 || !(top > -INFINITY && top < INFINITY)) return 0; /* a NaN; +inf (or every entry −inf) */
+    double lanes[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+    int minus_inf = 0;
+    Py_ssize_t v = 0;
+#if HAVE_AVX2_BUILD
+    if (loop >= LOOP_AVX2) v = softmax_lanes_avx2(row, vocab, top, lanes, &minus_inf);
+#endif
+    softmax_lanes_plain(row, v, vocab, top, lanes, &minus_inf);
+    if (minus_inf) return 0;
+    *index = first;
+    *probability = 1.0 / (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])));
+    return 1;
+}
+
+static PyObject *py_top_choice(PyObject *self, PyObject *args, PyObject *kw) {
+    (void)self;
+    static char *names[] = {"x", "vocab", "loop", NULL};
+    PyObject *x_address;
+    Py_ssize_t vocab;
+    int loop;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Oni", names, &x_address, &vocab, &loop)) return NULL;
+    if (vocab < 1) return PyErr_Format(PyExc_ValueError, "vocab %zd: expected at least 1", vocab);
+    if (!loop_usable(loop)) return NULL;
+    const float *x = PyLong_AsVoidPtr(x_address);
+    if (PyErr_Occurred()) return NULL;
+    if (!x) return PyErr_Format(PyExc_ValueError, "x must be a non-null address");
+    int64_t index = -1;
+    double probability = 0.0;
+    int finite;
+    Py_BEGIN_ALLOW_THREADS
+    finite = row_top_choice(x, vocab, loop, &index, &probability);
+    Py_END_ALLOW_THREADS
+    if (!finite) Py_RETURN_NONE;
+    return Py_BuildValue("(Ld)", (long long)index, probability);
+}
+
 static PyObject *py_mass_before(PyObject *self, PyObject *args, PyObject *kw) {
     (void)self;
     static char *names[] = {"x", "table_rows", "vocab", "stride", "rows", "tokens", "temperature", "top_k", "nucleus",
@@ -750,6 +861,10 @@ static PyMethodDef methods[] = {
      "outside the vocabulary, at -inf or 87 below another logit, or one top_k drops; loop: 0 plain, 1 AVX2, "
      "2 AVX-512 (sums within a float's "
      "rounding of each other). IndexError for a row outside the table."},
+    {"top_choice", (PyCFunction)(void (*)(void))py_top_choice, METH_VARARGS | METH_KEYWORDS,
+     "top_choice(x, vocab, loop) -> (index, probability) | None: the first maximum of the float32 row at x [vocab] "
+     "and its softmax probability at temperature 1, 1 / sum_j exp(x_j - max) (float32 terms within a few ulps, "
+     "float64 sums; the same bits on every loop); None where the row holds a NaN or an infinity."},
     {"mix64", py_mix64, METH_O, "SplitMix64's output function of a 64-bit word."},
     {"best_loop", py_best_loop, METH_NOARGS, "The fastest loop this CPU runs: 0 plain, 1 AVX2, 2 AVX-512 (the same bits)."},
     {NULL, NULL, 0, NULL},
