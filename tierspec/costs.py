@@ -119,15 +119,11 @@ def measure_forward_costs(model: torch.nn.Module, max_tokens: int = 16, context:
 
 
 def _timed_sizes(runner: CachedModel, sizes: list[int], context: int, repeats: int) -> dict[int, float]:
-    """Each size's pass after ``context`` cached positions (the runner holds them), ``repeats`` rounds
-    of every size in turn: the 1-token pass its fastest (the one no other process delayed), every other
-    size that times the median over the rounds of its pass over the same round's 1-token pass. Why
-    paired: the policies choose by the ratios, and the fastest of each size apart read them low and
-    scattered — on a 2-core Zen 3 VM, from 60 rounds of 1-4 token passes (stop 75), subsets of 5 rounds
-    read a second row at 1.04-1.24x a first by the fastest (5-95%; four measurements of the table made
-    that way read 1.006-1.168), 1.09-1.23x paired; four rows 1.20-1.61x against 1.37-1.62x, whose median
-    1.51x is what the decode loop's 4-token passes took (1.45-1.50x its 1-token passes). A machine whose
-    load comes and goes slows a round's sizes alike, which the pairing cancels."""
+    """Each size's fastest of ``repeats`` passes after ``context`` cached positions (the runner
+    holds them), the sizes taken in turn round after round: a machine whose load comes and goes
+    slows the rounds it hits, not the wide sizes (measured last in a size-by-size order) more than
+    the narrow ones; and the fastest pass is the one no other process delayed, so the table's
+    ratios, which choose the draft lengths, are the passes' own."""
     vocab = runner.vocab_size
     samples: dict[int, list[float]] = {n: [] for n in sizes}
     for round_ in range(repeats + 1):
@@ -139,11 +135,7 @@ def _timed_sizes(runner: CachedModel, sizes: list[int], context: int, repeats: i
             runner.rollback(context)
             if round_:  # the first round warms every size's kernels
                 samples[n].append(elapsed)
-    if 1 not in samples:
-        return {n: min(samples[n]) for n in sizes}
-    one = samples[1]
-    return {n: min(one) if n == 1 else min(one) * statistics.median(t / o for t, o in zip(samples[n], one))
-            for n in sizes}
+    return {n: min(samples[n]) for n in sizes}
 
 
 def _measure_forward_costs(model: torch.nn.Module, max_tokens: int, context: int, repeats: int,
@@ -228,50 +220,7 @@ def forward_costs(target: LoadedModel, max_tokens: int = 16, refresh: bool = Fal
                                lambda: measure_forward_costs(target.model, max_tokens),
                                lambda table: {"seconds": table.seconds, "context": table.context,
                                               "per_position": table.per_position},
-                               lambda table: table.seconds[1], refresh,
-                               second_row=lambda table: table.seconds[2] / table.seconds[1] if 2 in table.seconds else None)
-
-
-def second_row_check(model: torch.nn.Module, repeats: int = 5, context: int = 64) -> float | None:
-    """What a second row of a pass costs now: a 2-token pass over a 1-token pass as the table times
-    them (``_timed_sizes``: the median of ``repeats`` rounds' ratios, after a ``context``-token
-    prefill), the ratio a cost-aware policy weighs a first draft by. None for a model whose weights take fewer than
-    ``FEW_ROW_MIN_BYTES`` (the caches hold them: a tiny model's ratio is the timer's noise).
-
-    Why checked (``_cached_measurement``): a table measured while the machine's load came and went can
-    keep a wrong ratio, and the 1-token spot check sees only its scale. On a 2-core Zen 3 VM a table
-    read a second row at 1.006x a first, where 2-token passes then took 1.12-1.17x a 1-token pass
-    (three measurements, stop 75): the default method drafted n-gram tokens at temperature 1 that
-    did not pay for their row."""
-    from .engine import threads_for
-
-    weights = _engine_weights(model)
-    size = (sum(w.nbytes for w in weights) if weights
-            else sum(p.numel() * p.element_size() for p in model.parameters()))
-    if size < FEW_ROW_MIN_BYTES:
-        return None
-    runner = measuring_runner(model)
-    with threads_for(model), torch.inference_mode():
-        runner.forward(torch.arange(context) % runner.vocab_size, logits_for=1)
-        seconds = _timed_sizes(runner, [1, 2], context, repeats)
-    return seconds[2] / seconds[1]
-
-
-def _second_row_disagreement(model: torch.nn.Module, cached: float | None) -> str | None:
-    """None where a table's second row ``cached`` (its 2-token over its 1-token pass) agrees within
-    ``SECOND_ROW_TOLERANCE`` with a check now (``second_row_check``) — the first, or else the median of
-    ``SPOT_CHECKS`` (a ratio's noise goes both ways: one check of three landing near a wrong table kept
-    it, in a stop-75 run) — or where there is nothing to check; else why the table is measured again."""
-    if cached is None:
-        return None
-    first = second_row_check(model)
-    if first is None or abs(first - cached) <= SECOND_ROW_TOLERANCE:
-        return None
-    now = [first] + [second_row_check(model) for _ in range(SPOT_CHECKS - 1)]
-    if abs(statistics.median(now) - cached) <= SECOND_ROW_TOLERANCE:
-        return None
-    return (f"the cached file's 2-token pass costs {cached:.3f}x its 1-token pass, spot checks now "
-            f"{min(now):.3f}-{max(now):.3f}x (median {statistics.median(now):.3f}x); measuring again")
+                               lambda table: table.seconds[1], refresh)
 
 
 # Measurements made by this process, by cache key: each is made (or read and checked) once.
@@ -302,12 +251,6 @@ FASTER_NOW = 1.3
 SLOWER_NOW = 2.0
 
 
-#: A cached table's second row (its 2-token over its 1-token pass) and a check of it now agree within
-#: this much of a 1-token pass. Three measurements of the default model's table on a Zen 3 read
-#: 1.115-1.168: a check's spread is a few hundredths, a table made under a passing load was 0.11-0.16 off.
-SECOND_ROW_TOLERANCE = 0.08
-
-
 def _agrees(table_seconds: float, now: float) -> bool:
     """A table's 1-token pass and a spot check agree: now at most ``SLOWER_NOW`` times slower
     and at most ``FASTER_NOW`` times faster."""
@@ -335,7 +278,7 @@ def code_fingerprint() -> str:
 
 
 def _cached_measurement(target: LoadedModel, prefix: str, what: str, key_extra: dict, read, measure, to_json,
-                        one_token_seconds, refresh: bool, second_row=None):
+                        one_token_seconds, refresh: bool):
     """A measurement of ``target`` on this machine, made at most once per process (under a lock:
     a second thread waits for the first's) and cached as JSON under ``$TIERSPEC_CACHE`` keyed by
     the model's identity, the thread count, the CPU, torch, the linear kernels and tierspec's code
@@ -347,10 +290,7 @@ def _cached_measurement(target: LoadedModel, prefix: str, what: str, key_extra: 
     more than ``SLOWER_NOW`` times slower, the machine is busy now: the cached measurement is kept
     (one made now would record the load). When they are more than ``FASTER_NOW`` times faster,
     the cached one was made on a busier machine (or another machine): it is measured again, so
-    that the cache moves toward the quiet machine's measurement and stays there. ``second_row(cached)``
-    (a forward-cost table's 2-token over its 1-token pass; None: nothing to check) must also agree with a
-    check now (``second_row_check``, up to ``SPOT_CHECKS`` tries), else it is measured again: the
-    policies choose drafts by the table's ratios, which the 1-token check does not see. A new
+    that the cache moves toward the quiet machine's measurement and stays there. A new
     measurement whose 1-token pass disagrees with a spot check right after it was disturbed by
     load: this process uses it, no file keeps it. Every decision other than reusing the file is
     one line on stderr. Any measurement but the few-row threads' (``few_row_threads``) first
@@ -366,14 +306,14 @@ def _cached_measurement(target: LoadedModel, prefix: str, what: str, key_extra: 
             began = time.perf_counter()
             try:
                 _MEASURED[key] = _read_or_measure(target, prefix, what, key, read, measure, to_json,
-                                                  one_token_seconds, refresh, second_row)
+                                                  one_token_seconds, refresh)
             finally:
                 _MEASURING_SECONDS[0] += time.perf_counter() - began
         return _MEASURED[key]
 
 
 def _read_or_measure(target: LoadedModel, prefix: str, what: str, key: str, read, measure, to_json, one_token_seconds,
-                     refresh: bool, second_row=None):
+                     refresh: bool):
     """The cached measurement if it passes the spot checks, else a new one (see ``_cached_measurement``)."""
     import sys
 
@@ -394,18 +334,13 @@ def _read_or_measure(target: LoadedModel, prefix: str, what: str, key: str, read
         for _ in range(SPOT_CHECKS):
             checks.append(spot_check(target.model))
             if _agrees(table, checks[-1]):
-                break
-        if _agrees(table, checks[-1]):  # its scale holds: then its second row, where it has one to check
-            reason = _second_row_disagreement(target.model, None if second_row is None else second_row(cached))
-            if reason is None:
                 return cached
-        elif min(checks) > table:
+        if min(checks) > table:
             say(f"a 1-token pass takes {min(checks) * 1000:.0f} ms now, {table * 1000:.0f} ms in the cached file: the "
                 "machine is busy; using the cached file")
             return cached
-        else:
-            reason = (f"the cached file says a 1-token pass takes {table * 1000:.0f} ms, it now takes "
-                      f"{min(checks) * 1000:.0f} ms (measured on a busy machine?); measuring again")
+        reason = (f"the cached file says a 1-token pass takes {table * 1000:.0f} ms, it now takes "
+                  f"{min(checks) * 1000:.0f} ms (measured on a busy machine?); measuring again")
     say(f"{reason} (cached in {path.parent})")
     measured = measure()
     after = spot_check(target.model)

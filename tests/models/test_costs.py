@@ -12,12 +12,10 @@ from tierspec import costs
 @pytest.fixture
 def planted(monkeypatch, tmp_path):
     """An empty cache and process memo; ``measure`` returns a table whose 1-token pass takes
-    ``state["table"]`` s (n tokens n times that: a second row 2.0x a first), ``spot_check`` returns
-    ``state["checks"]`` one by one (then the last), ``second_row_check`` ``state["second_rows"]`` alike."""
+    ``state["table"]`` s, ``spot_check`` returns ``state["checks"]`` one by one (then the last)."""
     monkeypatch.setenv("TIERSPEC_CACHE", str(tmp_path))
     monkeypatch.setattr(costs, "_MEASURED", {}, raising=False)
-    state = {"table": 0.01, "checks": [0.01], "measured": 0, "spot_checks": 0, "second_rows": [None],
-             "second_row_checks": 0}
+    state = {"table": 0.01, "checks": [0.01], "measured": 0, "spot_checks": 0}
 
     def measure(model, max_tokens, **kwargs):
         state["measured"] += 1
@@ -27,14 +25,8 @@ def planted(monkeypatch, tmp_path):
         state["spot_checks"] += 1
         return state["checks"].pop(0) if len(state["checks"]) > 1 else state["checks"][0]
 
-    def second_row_check(model, **kwargs):  # None: nothing to check (a tiny model's, unless planted)
-        state["second_row_checks"] += 1
-        rows = state["second_rows"]
-        return rows.pop(0) if len(rows) > 1 else rows[0]
-
     monkeypatch.setattr(costs, "measure_forward_costs", measure)
     monkeypatch.setattr(costs, "spot_check", spot_check)
-    monkeypatch.setattr(costs, "second_row_check", second_row_check)
     state["new_process"] = lambda: monkeypatch.setattr(costs, "_MEASURED", {}, raising=False)
     state["files"] = lambda: sorted(tmp_path.glob("forward-costs-*.json"))
     return state
@@ -108,84 +100,6 @@ def test_a_table_made_on_a_busier_machine_is_measured_again(planted, tiny_target
     expected = 0.01 if measured_again else 0.01 * table_over_now
     assert costs.forward_costs(tiny_target, max_tokens=4).seconds[1] == pytest.approx(expected)
     assert planted["measured"] == 1 + measured_again
-
-
-@pytest.mark.parametrize("now, measured_again", [([1.5], True), ([2.0 + 0.07], False), ([2.0 - 0.07], False),
-                                                 ([1.5, 2.03, 2.05], False), ([1.5, 1.3, 2.03], True),
-                                                 ([2.2, 1.9, 1.5], True)])
-def test_a_table_whose_second_row_is_off_now_is_measured_again(planted, tiny_target, capsys, now, measured_again):
-    """A cached table's 1-token pass agrees with the spot check, but its 2-token pass over its 1-token pass
-    (2.0 here) is more than ``SECOND_ROW_TOLERANCE`` (0.08) off a check of it now and off the median of
-    ``SPOT_CHECKS`` checks: its ratios would choose the drafts, so it is measured again, saying why. A first
-    check that agrees keeps it (no further checks); else the median decides (one of three that agrees does not)."""
-    costs.forward_costs(tiny_target, max_tokens=4)
-    planted["new_process"]()
-    planted["second_rows"] = list(now)
-    checks = planted["second_row_checks"]
-    costs.forward_costs(tiny_target, max_tokens=4)
-    assert planted["measured"] == 1 + measured_again
-    made = planted["second_row_checks"] - checks
-    assert made == (1 if len(now) == 1 and not measured_again else costs.SPOT_CHECKS)
-    said = capsys.readouterr().err
-    assert ("the cached file's 2-token pass costs 2.000x its 1-token pass" in said) == measured_again
-
-
-def test_the_second_row_is_checked_only_where_the_scale_holds(planted, tiny_target):
-    """A busy machine (every 1-token check 5x slower) keeps the cached table without timing its second
-    row (a ratio under load says nothing); a 1-token table of 4 tokens' max has its second row checked,
-    one of 1 token (no second row) none."""
-    costs.forward_costs(tiny_target, max_tokens=4)
-    planted["new_process"]()
-    planted["checks"], planted["second_rows"] = [0.05], [1.5]
-    costs.forward_costs(tiny_target, max_tokens=4)
-    assert planted["measured"] == 1 and planted["second_row_checks"] == 0
-    planted["checks"] = [0.01]
-    costs.forward_costs(tiny_target, max_tokens=1)
-    planted["new_process"]()
-    costs.forward_costs(tiny_target, max_tokens=1)
-    assert planted["second_row_checks"] == 0
-
-
-def test_a_second_row_check_times_one_and_two_token_passes_of_a_model_worth_timing(tiny_target, monkeypatch):
-    """``second_row_check``: None for a model under ``FEW_ROW_MIN_BYTES`` (the tests' tiny models: their
-    timing is noise), else a 2-token pass over a 1-token pass after a short prefill, the two sizes taken
-    in turn round after round."""
-    from tierspec.cached_model import CachedModel
-
-    assert costs.second_row_check(tiny_target.model) is None
-    monkeypatch.setattr(costs, "FEW_ROW_MIN_BYTES", 0)
-    widths, forward = [], CachedModel.forward
-
-    def counted(self, token_ids, *args, **kwargs):
-        widths.append(int(token_ids.shape[0]))
-        return forward(self, token_ids, *args, **kwargs)
-
-    monkeypatch.setattr(CachedModel, "forward", counted)
-    ratio = costs.second_row_check(tiny_target.model, repeats=2, context=16)
-    assert 0 < ratio < 100 and widths == [16] + [1, 2] * 3
-
-
-def test_a_tables_sizes_are_timed_against_the_same_rounds_one_token_pass(monkeypatch):
-    """``_timed_sizes``: the 1-token pass its fastest round; a wider pass that fastest times the median of
-    its rounds' ratios to the same round's 1-token pass (a planted clock: round 2 slowed both sizes 1.5x,
-    round 3's 2-token pass alone hit a blip, round 4 was the fastest), the warm-up round dropped."""
-    durations = iter([9, 9,  # warm-up round
-                      10, 12, 15, 18, 10, 20, 8, 9.6])  # rounds 1-4, (1-token, 2-token) each
-
-    class Runner:
-        vocab_size = 100
-
-        def forward(self, tokens, logits_for):
-            clock[0] += next(durations)
-
-        def rollback(self, length):
-            pass
-
-    clock = [0.0]
-    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
-    table = costs._timed_sizes(Runner(), [1, 2], context=0, repeats=4)
-    assert table[1] == 8  # round 4's 1-token pass
-    assert table[2] == pytest.approx(8 * 1.2)  # ratios 1.2, 1.2, 2.0, 1.2: the median
 
 
 def test_a_table_the_load_disturbed_is_used_but_not_cached(planted, tiny_target, capsys):
