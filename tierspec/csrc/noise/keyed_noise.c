@@ -393,15 +393,9 @@ done:
  * 1e-7 on the default model's rows). The logits at the temperature are divided as torch
  * divides them (float32 by float32): which tokens lie before the token, and which top-k keeps, is exact. */
 
-/* e^y for |y| <= 87 (clamped there), within a few float ulps: 2^(y log2 e) as 2^n (the exponent's bits) times
- * 2^f, f in [−1/2, 1/2], by its Taylor series to the 8th term (truncation 5e−9). Branch-free, so the compiler
- * runs it over a vector of logits at a time. */
-static inline float exp_clamped(float y) {
-    y = y > -87.0f ? y : -87.0f;
-    y = y < 87.0f ? y : 87.0f;
-    float t = y * 1.44269504088896341f;
-    int n = (int)(t + (t >= 0.0f ? 0.5f : -0.5f)); /* t's nearest integer (truncation toward zero) */
-    float f = t - (float)n;
+/* 2^n · 2^f for f in [−1/2, 1/2]: 2^f by its Taylor series to the 8th term (truncation 5e−9), 2^n as
+ * the exponent's bits (n in −126 .. 126 here). */
+static inline float exp2_split(float f, int n) {
     float p = 1.525273380405984e-05f;
     p = p * f + 1.5403530393381608e-04f;
     p = p * f + 1.3333558146428443e-03f;
@@ -415,6 +409,17 @@ static inline float exp_clamped(float y) {
         float value;
     } scale = {.bits = (uint32_t)(n + 127) << 23};
     return p * scale.value;
+}
+
+/* e^y for |y| <= 87 (clamped there), within a few float ulps: 2^(y log2 e) as 2^n (the exponent's bits) times
+ * 2^f, f in [−1/2, 1/2], by its Taylor series to the 8th term (truncation 5e−9). Branch-free, so the compiler
+ * runs it over a vector of logits at a time. */
+static inline float exp_clamped(float y) {
+    y = y > -87.0f ? y : -87.0f;
+    y = y < 87.0f ? y : 87.0f;
+    float t = y * 1.44269504088896341f;
+    int n = (int)(t + (t >= 0.0f ? 0.5f : -0.5f)); /* t's nearest integer (truncation toward zero) */
+    return exp2_split(t - (float)n, n);
 }
 
 /* ``s`` into a min-heap of ``size`` of the ``k`` largest values seen (it grows to k, then keeps the larger). */
@@ -650,20 +655,7 @@ static inline float exp_clamped_even(float y) {
     y = y < 87.0f ? y : 87.0f;
     float t = y * 1.44269504088896341f;
     float n = nearbyintf(t); /* the default rounding: to the nearest, ties to even, as _mm256_round_ps's */
-    float f = t - n;
-    float p = 1.525273380405984e-05f;
-    p = p * f + 1.5403530393381608e-04f;
-    p = p * f + 1.3333558146428443e-03f;
-    p = p * f + 9.618129107628477e-03f;
-    p = p * f + 5.550410866482158e-02f;
-    p = p * f + 2.402265069591007e-01f;
-    p = p * f + 6.931471805599453e-01f;
-    p = p * f + 1.0f;
-    union {
-        uint32_t bits;
-        float value;
-    } scale = {.bits = (uint32_t)((int32_t)n + 127) << 23};
-    return p * scale.value;
+    return exp2_split(t - n, (int)n);
 }
 
 /* Σ e^(x_v − top) for v in [from, vocab) into lanes[v mod 8]; *minus_inf set where an entry is −inf. The
