@@ -431,7 +431,8 @@ def greedy_choice(row: torch.Tensor) -> tuple[int, float] | None:
     """A greedy draft step's token and confidence from its logits ``row`` [V]: ``argmax_token``
     and ``top_probability`` of the same row in one read, None where the row is not all finite
     (``all_finite``). Why one: after the target's pass every call on the row is cold, and a float32
-    CPU row takes one call of the noise extension (``_keyed_noise.top_choice``) where numpy took five
+    CPU row takes one call of the noise extension (``_keyed_noise.top_choice``, on a vector loop:
+    ``_reads_directly``) where numpy takes five
     (argmax, min, a difference, exp, sum) and two arrays (the maximum both need is the argmax's entry:
     the argmax lands on a NaN or +inf if there is one; the min on −inf)."""
     if _reads_directly(row):
@@ -465,10 +466,11 @@ def top_probability(row: torch.Tensor) -> float:
 
 
 def _reads_directly(row: torch.Tensor) -> bool:
-    """Whether the noise extension can read ``row`` where it lies: a non-empty float32 CPU row [V]
-    whose entries lie one after another."""
-    return (row.dtype == torch.float32 and row.device.type == "cpu" and row.dim() == 1 and row.shape[0] > 0
-            and row.stride(0) == 1)
+    """Whether the noise extension reads ``row`` where it lies: a non-empty float32 CPU row [V] whose
+    entries lie one after another, on a vector loop (AVX2 or AVX-512: the plain loop, the reference,
+    sums one entry at a time, 375 against numpy's ~210 µs for 49,152 logits on a Zen 3)."""
+    return (_NOISE_LOOP > 0 and row.dtype == torch.float32 and row.device.type == "cpu" and row.dim() == 1
+            and row.shape[0] > 0 and row.stride(0) == 1)
 
 
 def row_argmax(logits: torch.Tensor):

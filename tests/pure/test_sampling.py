@@ -690,7 +690,7 @@ def test_rows_and_keys_may_be_numpy_integers_and_nothing_else():
 
 
 def test_top_probability_is_the_largest_softmax_probability():
-    """A drafter's confidence read through numpy is the largest softmax probability at temperature 1
+    """A drafter's confidence (the noise extension's, or numpy's) is the largest softmax probability at temperature 1
     (float32 and float64 rows, a flat row, one far-ahead logit), as torch's softmax gives it."""
     from tierspec.sampling import top_probability
 
@@ -723,6 +723,28 @@ def test_greedy_choice_is_the_argmax_and_its_confidence_or_none():
             assert greedy_choice(row) is None and greedy_choice(row.to(torch.bfloat16)) is None
 
 
+def _top_choice_reference(row):
+    """``top_choice``'s probability as its plain loop computes it, in numpy: float32 terms (the clamp, t
+    rounded to the nearest integer with ties to even, 2^f's series, 2^n by the exponent's bits), each lane
+    of index mod 8 summed in float64 in index order, the lanes added in the loop's fixed order."""
+    import numpy as np
+
+    with np.errstate(over="ignore"):  # a difference past float32's range is −inf, clamped as the loop clamps it
+        y = np.clip(row - row.max(), np.float32(-87.0), np.float32(87.0)).astype(np.float32)
+    t = y * np.float32(1.44269504088896341)
+    n = np.rint(t)
+    f = t - n
+    p = np.full_like(f, np.float32(1.525273380405984e-05))
+    for term in (1.5403530393381608e-04, 1.3333558146428443e-03, 9.618129107628477e-03, 5.550410866482158e-02,
+                 2.402265069591007e-01, 6.931471805599453e-01, 1.0):
+        p = p * f + np.float32(term)
+    terms = p * ((n.astype(np.int32) + 127) << 23).view(np.float32)
+    lanes = [0.0] * 8
+    for v, term in enumerate(terms.tolist()):
+        lanes[v & 7] += term
+    return 1.0 / (((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7])))
+
+
 def test_the_extensions_top_choice_is_the_first_maximum_and_its_softmax_probability_on_every_loop():
     """``_keyed_noise.top_choice``, the greedy draft step's one read: the first maximum (torch's argmax,
     ties to the lowest id) and 1 / Σ exp(x − max) within a millionth of a float64 reference, the same
@@ -736,7 +758,10 @@ def test_the_extensions_top_choice_is_the_first_maximum_and_its_softmax_probabil
     rows = [torch.randn(n, generator=generator) * scale for n in (1, 7, 8, 9, 15, 16, 17, 31, 33, 8192, 49152)
             for scale in (1.0, 6.0)]
     rows += [torch.tensor([1.0, 3.0, 3.0, -2.0]), torch.tensor([0.0, -90.0, -200.0, -1e30] * 5),  # e^ underflows
-             torch.tensor([3.0e38, -3.0e38, 1.0])]
+             torch.tensor([3.0e38, -3.0e38, 1.0]), torch.tensor([-1.0, 2.0] * 12 + [2.0]),  # ties past the first lanes
+             # sums whose rounding the lanes' grouping decides: a half swap or a neighbour swap of the lanes changes them
+             torch.tensor([0.0, -100.0, -100.0, -100.0, -37.0, -100.0, -100.0, -100.0, -37.0]),
+             torch.tensor([0.0, -37.0] + [-100.0] * 6 + [-37.0])]
     for row in rows:
         reference = row.double()
         expected = float(1.0 / torch.exp(reference - reference.max()).sum())
@@ -744,6 +769,7 @@ def test_the_extensions_top_choice_is_the_first_maximum_and_its_softmax_probabil
         index, probability = choices[0]
         assert index == int(row.argmax()), row
         assert abs(probability - expected) <= 1e-6 * expected, (probability, expected)
+        assert probability == _top_choice_reference(row.numpy()), row  # the plain loop's own bits
         assert len(set(choices.values())) == 1, choices  # the same index and the same bits on every loop
     flat, tied, far = torch.zeros(10), torch.tensor([2.0, 5.0, 5.0]), torch.tensor([0.0, 100.0])  # alive while read
     for loop in loops:
@@ -768,15 +794,32 @@ def test_the_extensions_top_choice_is_the_first_maximum_and_its_softmax_probabil
 
 
 def test_greedy_choice_reads_rows_the_extension_cannot_through_numpy_or_torch():
-    """A strided float32 row and a float64 row give what a contiguous float32 copy gives
-    through the extension (the index exactly, the probability within a float's rounding); an empty row
-    is refused with a clear error."""
+    """A contiguous float32 row goes to the extension (one call, its bits); a strided float32 row and a
+    float64 row give what a contiguous float32 copy gives through it (the index exactly, the probability
+    within a float's rounding); an empty row is refused with a clear error."""
+    from tierspec import sampling
     from tierspec.sampling import SamplingError, greedy_choice
 
     table = torch.randn(64, 3, generator=torch.Generator().manual_seed(2)) * 3
     strided = table[:, 1]
     assert strided.stride(0) != 1
-    index, probability = greedy_choice(strided.contiguous())
+    calls, top_choice = [], sampling._keyed_noise.top_choice
+
+    def counted(*args):
+        calls.append(args)
+        return top_choice(*args)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sampling._keyed_noise, "top_choice", counted)
+        patch.setattr(sampling, "_NOISE_LOOP", 1 if sampling._keyed_noise.best_loop() else 0)
+        index, probability = greedy_choice(strided.contiguous())
+        vector = sampling._NOISE_LOOP > 0  # the plain loop (a CPU without AVX2, or TIERSPEC_ENGINE_ISA=portable): numpy's
+        assert len(calls) == vector and sampling.top_probability(strided.contiguous()) == probability
+        assert len(calls) == 2 * vector
+        greedy_choice(strided)
+        assert len(calls) == 2 * vector  # a strided row: numpy's path
+        patch.setattr(sampling, "_NOISE_LOOP", 0)
+        assert greedy_choice(strided.contiguous())[0] == index and len(calls) == 2 * vector
     assert index == int(strided.argmax())
     for row in (strided, strided.double()):
         other_index, other_probability = greedy_choice(row)

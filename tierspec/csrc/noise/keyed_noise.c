@@ -646,7 +646,7 @@ static double row_mass_before(const float *row, Py_ssize_t vocab, int64_t token,
  * probability at temperature 1: 1 / Σ_j e^(x_j − max). Numpy took five calls for it (argmax, min, a
  * difference, exp, sum), each cold after the target's pass had swept the caches, and two arrays a step; here
  * it is one read of the row. The terms are float32 (exp_clamped8's arithmetic, the plain loop rounding t to the
- * nearest even integer as the vector loops do), summed in float64 into eight lanes by the index modulo 8 and
+ * nearest integer, ties to even, as the vector loops do), summed in float64 into eight lanes by the index modulo 8 and
  * the lanes added in a fixed order, so every loop gives the same bits. */
 
 /* exp_clamped8's e^y of one value (y <= 0 here: a logit less the row's maximum). */
@@ -654,7 +654,10 @@ static inline float exp_clamped_even(float y) {
     y = y > -87.0f ? y : -87.0f;
     y = y < 87.0f ? y : 87.0f;
     float t = y * 1.44269504088896341f;
-    float n = nearbyintf(t); /* the default rounding: to the nearest, ties to even, as _mm256_round_ps's */
+    /* t's nearest integer, ties to even, as _mm256_round_ps's: 1.5 * 2^23 + t has no bits below the units for
+     * |t| < 2^22 (here |t| < 126), so the sum rounds t under the default rounding and the difference is exact.
+     * Not nearbyintf: a call into libm every entry at the baseline ISA, which kept the loop scalar (5x slower). */
+    float n = (t + 0x1.8p23f) - 0x1.8p23f;
     return exp2_split(t - n, (int)n);
 }
 
