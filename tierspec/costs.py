@@ -51,6 +51,13 @@ def _cpu_name() -> str:
 #: after 256 positions, 1.16× in Spec-Bench's generations); measured, not assumed, as the rows are.
 TABLE_CONTEXT = 256
 LONG_CONTEXT = 1024
+#: Rounds of passes a forward-cost table is measured from (each size once a round, ``_timed_sizes``), and
+#: ``LONG_ROUNDS`` at ``LONG_CONTEXT``, whose passes give only each size's cost per further position. On a 2-core
+#: Zen 3 VM (``results/zen3/stop76/table_rounds.log``, 5–95% of resamples of 40 rounds) 20 rounds' paired
+#: medians read a 2-token pass 1.10–1.18× a 1-token one, 5 rounds' 1.06–1.26; the default model's table took
+#: 9.4 s to measure at 20 / 10 rounds, 4.3 s at 5 / 5 — once per machine and code.
+TABLE_ROUNDS = 20
+LONG_ROUNDS = 10
 #: Contexts are costed in steps of this many positions (a policy's costs are re-derived per step).
 CONTEXT_STEP = 64
 
@@ -58,7 +65,7 @@ CONTEXT_STEP = 64
 @dataclass
 class ForwardCosts:
     """seconds[n] = the time of a cached forward over n new tokens (n = 1 .. max) after ``context``
-    cached positions: the fastest of a few, measured in rounds (``measure_forward_costs``); and
+    cached positions, measured in rounds (``measure_forward_costs``, ``paired_costs``); and
     per_position[n] = what each further cached position adds to it (from the same sizes after
     ``LONG_CONTEXT`` positions; None when the model holds too few positions or a table predates it)."""
 
@@ -111,19 +118,30 @@ class ForwardCosts:
 
 
 def measure_forward_costs(model: torch.nn.Module, max_tokens: int = 16, context: int = TABLE_CONTEXT,
-                          repeats: int = 5, long_context: int = LONG_CONTEXT) -> ForwardCosts:
+                          repeats: int = TABLE_ROUNDS, long_context: int = LONG_CONTEXT,
+                          long_repeats: int | None = None) -> ForwardCosts:
+    """The table (``ForwardCosts``) of ``model``'s cached passes over 1 .. ``max_tokens`` new tokens after
+    ``context`` cached positions, from ``repeats`` rounds (``_timed_sizes``), and each size's cost per
+    further position from ``long_repeats`` rounds after ``long_context`` (None: ``LONG_ROUNDS``, at most
+    ``repeats``; a ``long_context`` below ``context`` + ``CONTEXT_STEP``: none)."""
     from .engine import threads_for
 
+    long_repeats = min(LONG_ROUNDS, repeats) if long_repeats is None else long_repeats
     with threads_for(model):  # as a generation runs its passes (engine.threads_for)
-        return _measure_forward_costs(model, max_tokens, context, repeats, long_context)
+        return _measure_forward_costs(model, max_tokens, context, repeats, long_context, long_repeats)
 
 
 def _timed_sizes(runner: CachedModel, sizes: list[int], context: int, repeats: int) -> dict[int, float]:
-    """Each size's fastest of ``repeats`` passes after ``context`` cached positions (the runner
-    holds them), the sizes taken in turn round after round: a machine whose load comes and goes
-    slows the rounds it hits, not the wide sizes (measured last in a size-by-size order) more than
-    the narrow ones; and the fastest pass is the one no other process delayed, so the table's
-    ratios, which choose the draft lengths, are the passes' own."""
+    """Each size's pass after ``context`` cached positions (the runner holds them), from ``repeats``
+    rounds that take the sizes in turn: the first size's fastest pass, and every other size's that
+    times the median over the rounds of its pass ÷ the same round's pass of the first size.
+
+    Why paired: the policies choose draft lengths by the table's ratios, and a shared machine's speed
+    drifts from round to round, moving a round's passes together. Each size's fastest pass on its own
+    (the table's estimator before) picks each size's luckiest round, and a wider size's passes scatter
+    more: on a 2-core Zen 3 VM, 40 rounds of the default model read 3 and 4 tokens 1.12× and 1.22× one
+    token by their fastest passes, 1.25× and 1.38× by the paired median, where that machine's real cycles
+    took 1.17–1.27× for 3 (``results/zen3/stop76/table_rounds.log``, ``results/zen3/stop75/pass_rows.log``)."""
     vocab = runner.vocab_size
     samples: dict[int, list[float]] = {n: [] for n in sizes}
     for round_ in range(repeats + 1):
@@ -135,11 +153,28 @@ def _timed_sizes(runner: CachedModel, sizes: list[int], context: int, repeats: i
             runner.rollback(context)
             if round_:  # the first round warms every size's kernels
                 samples[n].append(elapsed)
-    return {n: min(samples[n]) for n in sizes}
+    return paired_costs(samples)
+
+
+def paired_costs(samples: dict[int, list[float]]) -> dict[int, float]:
+    """Seconds by size from rounds of passes (``samples[n][r]``: size n's pass in round r, every size
+    timed in every round): the first size's fastest, and each other size's that times the median over
+    the rounds of its pass ÷ the round's pass of the first size (``_timed_sizes``)."""
+    first = min(samples)
+    base = samples[first]
+    fastest = min(base)
+    seconds = {first: fastest}
+    for n, passes in samples.items():
+        if n != first:
+            if len(passes) != len(base):
+                raise ValueError(f"size {n} has {len(passes)} rounds, size {first} {len(base)}: rounds pair passes")
+            ratios = [t / b for t, b in zip(passes, base) if b > 0]  # (a clock that did not move: no ratio)
+            seconds[n] = fastest * statistics.median(ratios) if ratios else min(passes)
+    return seconds
 
 
 def _measure_forward_costs(model: torch.nn.Module, max_tokens: int, context: int, repeats: int,
-                           long_context: int) -> ForwardCosts:
+                           long_context: int, long_repeats: int) -> ForwardCosts:
     runner = measuring_runner(model)  # an encoder–decoder model's decoder, against a source
     vocab = runner.vocab_size
     sizes = list(range(1, max_tokens + 1))
@@ -152,7 +187,7 @@ def _measure_forward_costs(model: torch.nn.Module, max_tokens: int, context: int
         per_position = None
         if long_context >= context + CONTEXT_STEP:
             runner.forward((torch.arange(context, long_context) * 3 + 5) % vocab, logits_for=1)
-            longer = _timed_sizes(runner, sizes, long_context, repeats)
+            longer = _timed_sizes(runner, sizes, long_context, long_repeats)
             span = long_context - context
             per_position = {n: max(longer[n] - seconds[n], 0.0) / span for n in sizes}
     return ForwardCosts(seconds, context, per_position)

@@ -118,8 +118,8 @@ class TouchedCounts:
     formula's, but for the sign of a zero (an untouched −0 stays −0 where the formula adds +0).
 
     Why: the dense counts [r, V] and the operators over every row's whole vocabulary cost a sequence
-    about 0.2 ms a cycle after the pass on the Zen 4 of BENCHMARKS.md (verifying and committing a
-    batch of 8 under two penalties, 2.4–2.8 → 0.9–1.2 ms a cycle; stop 71); here a cycle's work is its
+    about 0.2 ms a cycle after the pass on a Zen 4 (docs/history.md, stop 71: verifying and committing a
+    batch of 8 under two penalties, 2.4–2.8 → 0.9–1.2 ms a cycle); here a cycle's work is its
     rows' gather and scatter over the touched tokens and its drafts' few counts, however long the text —
     in numpy since stop 72 (``modify``: verifying a batch of 8, 0.76–0.97 → 0.38–0.62 ms a cycle)."""
 
@@ -167,7 +167,7 @@ class TouchedCounts:
         On the CPU through a numpy view of the rows: a few numpy calls on the touched columns, where the
         same steps as a dozen torch operators, each cold right after a pass, cost a sequence 0.04–0.05
         ms more a cycle in a batch of 8 (``benchmarks/batch_cycle.py`` under two penalties on a Zen 4,
-        BENCHMARKS.md stop 72). Rows that track gradients, and inference tensors outside inference
+        docs/history.md, stop 72). Rows that track gradients, and inference tensors outside inference
         mode, go through torch's operators instead (``_modify_on``): a write through numpy would pass
         by autograd's and inference mode's checks. The operations are the same ones in the same order (a
         float32 or float64 row's gather, + the float32 bias, − the penalty times the counts, the

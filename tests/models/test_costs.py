@@ -156,3 +156,45 @@ def test_a_spot_check_times_a_short_context_only(tiny_target, monkeypatch):
     monkeypatch.setattr(CachedModel, "forward", counted)
     seconds = costs.spot_check(tiny_target.model, repeats=2, context=16)
     assert seconds > 0 and widths == [16] + [1] * 3
+
+
+def test_paired_costs_read_each_size_against_its_rounds_first_pass():
+    """Planted rounds: a machine whose speed drifts from round to round (every pass of a round scaled
+    alike) and one round where only the 1-token pass ran fast. The paired estimator gives the planted
+    ratios exactly; each size's fastest pass alone would read a 2-token pass 1.03× where it is 1.15×."""
+    ratios = {1: 1.0, 2: 1.15, 3: 1.3, 4: 1.5}
+    drift = [1.0, 1.2, 0.9, 1.1, 1.3]
+    samples = {n: [0.01 * r * d for d in drift] for n, r in ratios.items()}
+    samples[1][3] = 0.01 * 0.8  # a blip: this round's 1-token pass alone was fast
+    seconds = costs.paired_costs(samples)
+    assert seconds[1] == pytest.approx(0.008)  # the first size: its fastest pass
+    for n in (2, 3, 4):  # the median of the five rounds' ratios is an undisturbed round's
+        assert seconds[n] / seconds[1] == pytest.approx(ratios[n], rel=1e-12)
+    naive = {n: min(v) for n, v in samples.items()}
+    assert naive[2] / naive[1] == pytest.approx(0.009 * 1.15 / 0.008)  # what the fastest of each read
+
+
+def test_paired_costs_refuse_unpaired_rounds_and_take_one_size_alone():
+    assert costs.paired_costs({1: [0.02, 0.01, 0.03]}) == {1: 0.01}
+    with pytest.raises(ValueError, match="rounds pair passes"):
+        costs.paired_costs({1: [0.01, 0.01], 2: [0.02]})
+
+
+def test_timed_sizes_pair_each_round_s_passes(monkeypatch):
+    """``_timed_sizes`` on a planted clock: a runner whose passes take what the round's drift makes
+    them; the first round only warms (its passes are ten times slower and never read)."""
+    from types import SimpleNamespace
+
+    clock = [0.0]
+    monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
+    drift = iter([10.0] * 3 + [1.0] * 3 + [2.0] * 3 + [1.5] * 3)  # rounds of sizes 1, 2, 3
+    rolled = []
+
+    def forward(tokens, logits_for):
+        clock[0] += next(drift) * 0.01 * (1 + 0.2 * (len(tokens) - 1))
+
+    runner = SimpleNamespace(vocab_size=50, forward=forward, rollback=rolled.append)
+    seconds = costs._timed_sizes(runner, [1, 2, 3], context=7, repeats=3)
+    assert seconds[1] == pytest.approx(0.01)
+    assert seconds[2] == pytest.approx(0.012) and seconds[3] == pytest.approx(0.014)
+    assert rolled == [7] * 12
