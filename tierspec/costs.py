@@ -51,11 +51,13 @@ def _cpu_name() -> str:
 #: after 256 positions, 1.16× in Spec-Bench's generations); measured, not assumed, as the rows are.
 TABLE_CONTEXT = 256
 LONG_CONTEXT = 1024
-#: Rounds of passes a forward-cost table is measured from (each size once a round, ``_timed_sizes``), and
+#: Rounds of passes a forward-cost table is measured from (each size once a round, ``paired_costs``), and
 #: ``LONG_ROUNDS`` at ``LONG_CONTEXT``, whose passes give only each size's cost per further position. On a 2-core
-#: Zen 3 VM (``results/zen3/stop76/table_rounds.log``, 5–95% of resamples of 40 rounds) 20 rounds' paired
-#: medians read a 2-token pass 1.10–1.18× a 1-token one, 5 rounds' 1.06–1.26; the default model's table took
-#: 9.4 s to measure at 20 / 10 rounds, 4.3 s at 5 / 5 — once per machine and code.
+#: Zen 3 VM (``results/zen3/stop76/table_rounds.log``) subsets of 20 of 40 rounds read a 2-token pass 1.10–1.18×
+#: a 1-token one by their paired medians, subsets of 5 1.06–1.26 (5–95%; subsets of one run overlap, so a fresh
+#: measurement scatters more: two at 20 rounds read 3 tokens 1.27× and 1.38×). Measuring the default model's
+#: table took 9.4 s there at 20 / 10 rounds, 4.3 s at 5 / 5 — once per machine and code version (a tree
+#: method's 16 sizes take longer).
 TABLE_ROUNDS = 20
 LONG_ROUNDS = 10
 #: Contexts are costed in steps of this many positions (a policy's costs are re-derived per step).
@@ -121,7 +123,7 @@ def measure_forward_costs(model: torch.nn.Module, max_tokens: int = 16, context:
                           repeats: int = TABLE_ROUNDS, long_context: int = LONG_CONTEXT,
                           long_repeats: int | None = None) -> ForwardCosts:
     """The table (``ForwardCosts``) of ``model``'s cached passes over 1 .. ``max_tokens`` new tokens after
-    ``context`` cached positions, from ``repeats`` rounds (``_timed_sizes``), and each size's cost per
+    ``context`` cached positions, from ``repeats`` rounds (``paired_costs``), and each size's cost per
     further position from ``long_repeats`` rounds after ``long_context`` (None: ``LONG_ROUNDS``, at most
     ``repeats``; a ``long_context`` below ``context`` + ``CONTEXT_STEP``: none)."""
     from .engine import threads_for
@@ -131,17 +133,9 @@ def measure_forward_costs(model: torch.nn.Module, max_tokens: int = 16, context:
         return _measure_forward_costs(model, max_tokens, context, repeats, long_context, long_repeats)
 
 
-def _timed_sizes(runner: CachedModel, sizes: list[int], context: int, repeats: int) -> dict[int, float]:
-    """Each size's pass after ``context`` cached positions (the runner holds them), from ``repeats``
-    rounds that take the sizes in turn: the first size's fastest pass, and every other size's that
-    times the median over the rounds of its pass ÷ the same round's pass of the first size.
-
-    Why paired: the policies choose draft lengths by the table's ratios, and a shared machine's speed
-    drifts from round to round, moving a round's passes together. Each size's fastest pass on its own
-    (the table's estimator before) picks each size's luckiest round, and a wider size's passes scatter
-    more: on a 2-core Zen 3 VM, 40 rounds of the default model read 3 and 4 tokens 1.12× and 1.22× one
-    token by their fastest passes, 1.25× and 1.38× by the paired median, where that machine's real cycles
-    took 1.17–1.27× for 3 (``results/zen3/stop76/table_rounds.log``, ``results/zen3/stop75/pass_rows.log``)."""
+def _timed_rounds(runner: CachedModel, sizes: list[int], context: int, repeats: int) -> dict[int, list[float]]:
+    """Seconds of each size's pass in each of ``repeats`` rounds after ``context`` cached positions (the runner
+    holds them), the sizes taken in turn round after round, after a round that warms every size's kernels."""
     vocab = runner.vocab_size
     samples: dict[int, list[float]] = {n: [] for n in sizes}
     for round_ in range(repeats + 1):
@@ -153,13 +147,22 @@ def _timed_sizes(runner: CachedModel, sizes: list[int], context: int, repeats: i
             runner.rollback(context)
             if round_:  # the first round warms every size's kernels
                 samples[n].append(elapsed)
-    return paired_costs(samples)
+    return samples
 
 
 def paired_costs(samples: dict[int, list[float]]) -> dict[int, float]:
     """Seconds by size from rounds of passes (``samples[n][r]``: size n's pass in round r, every size
-    timed in every round): the first size's fastest, and each other size's that times the median over
-    the rounds of its pass ÷ the round's pass of the first size (``_timed_sizes``)."""
+    timed in every round, ``_timed_rounds``): the first size's fastest pass, and every other size's that
+    times the median over the rounds of its pass ÷ the same round's pass of the first size.
+
+    Why paired: the policies choose draft lengths by the table's ratios, and a shared machine's speed
+    drifts, moving the passes of a round (~0.15 s for the default model's 11 sizes) together. Each size's
+    fastest pass on its own (the table's estimator before) takes each size's luckiest round: on a 2-core
+    Zen 3 VM, from 40 rounds of the default model, 3 and 4 tokens read 1.12× and 1.22× one token by their
+    fastest passes, 1.25× and 1.38× by the paired median (``results/zen3/stop76/table_rounds.log``), where
+    that machine's generations' 3-token passes took 1.17–1.27× their 1-token ones (the medians in
+    ``results/zen3/stop75/pass_rows.log``, greedy and at t=1, with and without the head's features). Drift
+    within a round is not paired away: the widest sizes run furthest from their round's first pass."""
     first = min(samples)
     base = samples[first]
     fastest = min(base)
@@ -167,8 +170,9 @@ def paired_costs(samples: dict[int, list[float]]) -> dict[int, float]:
     for n, passes in samples.items():
         if n != first:
             if len(passes) != len(base):
-                raise ValueError(f"size {n} has {len(passes)} rounds, size {first} {len(base)}: rounds pair passes")
-            ratios = [t / b for t, b in zip(passes, base) if b > 0]  # (a clock that did not move: no ratio)
+                raise ValueError(f"size {n} was timed in {len(passes)} rounds and size {first} in {len(base)}: "
+                                 "each round pairs one pass of every size")
+            ratios = [t / b for t, b in zip(passes, base) if b > 0]  # (a pass the clock did not see: no ratio)
             seconds[n] = fastest * statistics.median(ratios) if ratios else min(passes)
     return seconds
 
@@ -183,13 +187,17 @@ def _measure_forward_costs(model: torch.nn.Module, max_tokens: int, context: int
         long_context = min(long_context, limit - max_tokens)
     with torch.inference_mode():
         runner.forward(torch.arange(context) % vocab, logits_for=1)
-        seconds = _timed_sizes(runner, sizes, context, repeats)
+        rounds = _timed_rounds(runner, sizes, context, repeats)
+        seconds = paired_costs(rounds)
         per_position = None
         if long_context >= context + CONTEXT_STEP:
             runner.forward((torch.arange(context, long_context) * 3 + 5) % vocab, logits_for=1)
-            longer = _timed_sizes(runner, sizes, long_context, long_repeats)
+            longer = _timed_rounds(runner, sizes, long_context, long_repeats)
             span = long_context - context
-            per_position = {n: max(longer[n] - seconds[n], 0.0) / span for n in sizes}
+            # Each size's median pass at both contexts: a difference of two fastest passes would lean on the
+            # round counts (the fastest of fewer rounds runs slower), which differ (``LONG_ROUNDS``).
+            per_position = {n: max(statistics.median(longer[n]) - statistics.median(rounds[n]), 0.0) / span
+                            for n in sizes}
     return ForwardCosts(seconds, context, per_position)
 
 
@@ -247,7 +255,7 @@ def spot_check(model: torch.nn.Module, repeats: int = 3, context: int = 64) -> f
 
 
 def forward_costs(target: LoadedModel, max_tokens: int = 16, refresh: bool = False) -> ForwardCosts:
-    """The table for this model on this machine: measured (a few seconds) once per process, and
+    """The table for this model on this machine: measured (about 10 s for the default model on a 2-core Zen 3) once per process, and
     cached across processes; see ``_cached_measurement`` for when a cached table is re-measured."""
     return _cached_measurement(target, "forward-costs", f"forward cost for 1..{max_tokens} tokens",
                                {"max_tokens": max_tokens, "contexts": [TABLE_CONTEXT, LONG_CONTEXT]},

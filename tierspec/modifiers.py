@@ -167,7 +167,7 @@ class TouchedCounts:
         On the CPU through a numpy view of the rows: a few numpy calls on the touched columns, where the
         same steps as a dozen torch operators, each cold right after a pass, cost a sequence 0.04–0.05
         ms more a cycle in a batch of 8 (``benchmarks/batch_cycle.py`` under two penalties on a Zen 4,
-        docs/history.md, stop 72). Rows that track gradients, and inference tensors outside inference
+        BENCHMARKS.md at 6a93e8c, stop 72). Rows that track gradients, and inference tensors outside inference
         mode, go through torch's operators instead (``_modify_on``): a write through numpy would pass
         by autograd's and inference mode's checks. The operations are the same ones in the same order (a
         float32 or float64 row's gather, + the float32 bias, − the penalty times the counts, the

@@ -160,41 +160,71 @@ def test_a_spot_check_times_a_short_context_only(tiny_target, monkeypatch):
 
 def test_paired_costs_read_each_size_against_its_rounds_first_pass():
     """Planted rounds: a machine whose speed drifts from round to round (every pass of a round scaled
-    alike) and one round where only the 1-token pass ran fast. The paired estimator gives the planted
-    ratios exactly; each size's fastest pass alone would read a 2-token pass 1.03× where it is 1.15×."""
-    ratios = {1: 1.0, 2: 1.15, 3: 1.3, 4: 1.5}
+    alike), ratios that differ from round to round (so that their median is neither their least nor their
+    mean), and one round whose 1-token pass alone ran fast. The table is the fastest 1-token pass times
+    each size's median ratio; each size's fastest pass on its own reads a 2-token pass 1.725× one."""
     drift = [1.0, 1.2, 0.9, 1.1, 1.3]
-    samples = {n: [0.01 * r * d for d in drift] for n, r in ratios.items()}
-    samples[1][3] = 0.01 * 0.8  # a blip: this round's 1-token pass alone was fast
+    ratios = {2: [1.10, 1.30, 1.15, 1.12, 1.40], 3: [1.30, 1.20, 1.25, 1.60, 1.40]}  # medians 1.15 and 1.30
+    samples = {1: [0.01 * d for d in drift]}
+    samples.update({n: [0.01 * d * r for d, r in zip(drift, row)] for n, row in ratios.items()})
+    samples[1][4] = 0.01 * 0.6  # a blip: the last round's 1-token pass alone was fast (its ratios read high)
     seconds = costs.paired_costs(samples)
-    assert seconds[1] == pytest.approx(0.008)  # the first size: its fastest pass
-    for n in (2, 3, 4):  # the median of the five rounds' ratios is an undisturbed round's
-        assert seconds[n] / seconds[1] == pytest.approx(ratios[n], rel=1e-12)
+    assert seconds[1] == pytest.approx(0.006)  # the 1-token pass: its fastest
+    # the blip's round reads 1.40 * 1.3 / 0.6 = 3.03 for both sizes, above their medians: these stay
+    # 1.15 and 1.30, neither the least ratio (1.10, 1.20) nor the mean (1.74, 1.68)
+    assert seconds[2] / seconds[1] == pytest.approx(1.15, rel=1e-12)
+    assert seconds[3] / seconds[1] == pytest.approx(1.30, rel=1e-12)
     naive = {n: min(v) for n, v in samples.items()}
-    assert naive[2] / naive[1] == pytest.approx(0.009 * 1.15 / 0.008)  # what the fastest of each read
+    assert naive[2] / naive[1] == pytest.approx(0.01035 / 0.006)  # what each size's fastest pass read: 1.725
 
 
 def test_paired_costs_refuse_unpaired_rounds_and_take_one_size_alone():
     assert costs.paired_costs({1: [0.02, 0.01, 0.03]}) == {1: 0.01}
-    with pytest.raises(ValueError, match="rounds pair passes"):
+    with pytest.raises(ValueError, match="each round pairs one pass of every size"):
         costs.paired_costs({1: [0.01, 0.01], 2: [0.02]})
 
 
-def test_timed_sizes_pair_each_round_s_passes(monkeypatch):
-    """``_timed_sizes`` on a planted clock: a runner whose passes take what the round's drift makes
-    them; the first round only warms (its passes are ten times slower and never read)."""
+def test_timed_rounds_time_each_pass_after_a_warm_round(monkeypatch):
+    """``_timed_rounds`` on a planted clock: a runner whose passes take what the planted list says; the first
+    round only warms (its passes are a tenth as long and never read), each pass is rolled back to the context."""
     from types import SimpleNamespace
 
     clock = [0.0]
     monkeypatch.setattr(costs.time, "perf_counter", lambda: clock[0])
-    drift = iter([10.0] * 3 + [1.0] * 3 + [2.0] * 3 + [1.5] * 3)  # rounds of sizes 1, 2, 3
-    rolled = []
+    planted = iter([0.001, 0.0012, 0.0014, 0.01, 0.012, 0.014, 0.02, 0.024, 0.028])  # warm round, then rounds
 
     def forward(tokens, logits_for):
-        clock[0] += next(drift) * 0.01 * (1 + 0.2 * (len(tokens) - 1))
+        assert logits_for == len(tokens)
+        clock[0] += next(planted)
 
+    rolled = []
     runner = SimpleNamespace(vocab_size=50, forward=forward, rollback=rolled.append)
-    seconds = costs._timed_sizes(runner, [1, 2, 3], context=7, repeats=3)
-    assert seconds[1] == pytest.approx(0.01)
-    assert seconds[2] == pytest.approx(0.012) and seconds[3] == pytest.approx(0.014)
-    assert rolled == [7] * 12
+    samples = costs._timed_rounds(runner, [1, 2, 3], context=7, repeats=2)
+    assert samples == {1: pytest.approx([0.01, 0.02]), 2: pytest.approx([0.012, 0.024]), 3: pytest.approx([0.014, 0.028])}
+    assert rolled == [7] * 9
+
+
+def test_a_table_is_paired_at_its_context_and_its_slopes_from_medians(tiny_target, monkeypatch):
+    """``measure_forward_costs`` reads its rounds through ``paired_costs`` and each size's cost per further
+    position from the two contexts' median passes (a difference of fastest passes would lean on the round
+    counts, which differ): planted rounds at both contexts."""
+    planted = [{1: [0.010, 0.012, 0.011], 2: [0.013, 0.0144, 0.0132]},  # the table's context, then the longer one
+               {1: [0.020, 0.016], 2: [0.030, 0.024]}]
+    asked = []
+
+    def rounds(runner, sizes, context, repeats):
+        asked.append((context, repeats))
+        return {n: list(planted[len(asked) - 1][n]) for n in sizes}
+
+    monkeypatch.setattr(costs, "_timed_rounds", rounds)
+    table = costs.measure_forward_costs(tiny_target.model, max_tokens=2, repeats=3, long_repeats=2)
+    long_context = min(costs.LONG_CONTEXT, tiny_target.model.config.max_position_embeddings - 2)
+    assert asked == [(costs.TABLE_CONTEXT, 3), (long_context, 2)]
+    assert table.seconds[1] == pytest.approx(0.010)
+    assert table.seconds[2] == pytest.approx(0.010 * 1.2)  # ratios 1.3, 1.2, 1.2: median 1.2
+    span = long_context - costs.TABLE_CONTEXT
+    assert table.per_position[1] == pytest.approx((0.018 - 0.011) / span)
+    assert table.per_position[2] == pytest.approx((0.027 - 0.0132) / span)
+    import inspect
+
+    assert inspect.signature(costs.measure_forward_costs).parameters["repeats"].default == costs.TABLE_ROUNDS
