@@ -204,12 +204,15 @@ def test_timed_rounds_time_each_pass_after_a_warm_round(monkeypatch):
     assert rolled == [7] * 9
 
 
-def test_a_table_is_paired_at_its_context_and_its_slopes_from_medians(tiny_target, monkeypatch):
-    """``measure_forward_costs`` reads its rounds through ``paired_costs`` and each size's cost per further
-    position from the two contexts' median passes (a difference of fastest passes would lean on the round
-    counts, which differ): planted rounds at both contexts."""
+def test_a_table_is_paired_at_both_contexts_from_as_many_rounds(tiny_target, monkeypatch):
+    """``measure_forward_costs`` reads the rounds of both contexts through ``paired_costs``, as many at each
+    by default (``LONG_ROUNDS``: a size's cost per further position is the difference of the two, whose
+    1-token passes are each the fastest of its rounds), and each size's slope is that difference over the
+    positions between them: planted rounds."""
+    import inspect
+
     planted = [{1: [0.010, 0.012, 0.011], 2: [0.013, 0.0144, 0.0132]},  # the table's context, then the longer one
-               {1: [0.020, 0.016], 2: [0.030, 0.024]}]
+               {1: [0.020, 0.016, 0.018], 2: [0.030, 0.0224, 0.0234]}]
     asked = []
 
     def rounds(runner, sizes, context, repeats):
@@ -217,14 +220,13 @@ def test_a_table_is_paired_at_its_context_and_its_slopes_from_medians(tiny_targe
         return {n: list(planted[len(asked) - 1][n]) for n in sizes}
 
     monkeypatch.setattr(costs, "_timed_rounds", rounds)
-    table = costs.measure_forward_costs(tiny_target.model, max_tokens=2, repeats=3, long_repeats=2)
+    table = costs.measure_forward_costs(tiny_target.model, max_tokens=2, repeats=3)
     long_context = min(costs.LONG_CONTEXT, tiny_target.model.config.max_position_embeddings - 2)
-    assert asked == [(costs.TABLE_CONTEXT, 3), (long_context, 2)]
+    assert asked == [(costs.TABLE_CONTEXT, 3), (long_context, 3)]
     assert table.seconds[1] == pytest.approx(0.010)
     assert table.seconds[2] == pytest.approx(0.010 * 1.2)  # ratios 1.3, 1.2, 1.2: median 1.2
     span = long_context - costs.TABLE_CONTEXT
-    assert table.per_position[1] == pytest.approx((0.018 - 0.011) / span)
-    assert table.per_position[2] == pytest.approx((0.027 - 0.0132) / span)
-    import inspect
-
-    assert inspect.signature(costs.measure_forward_costs).parameters["repeats"].default == costs.TABLE_ROUNDS
+    assert table.per_position[1] == pytest.approx((0.016 - 0.010) / span)
+    assert table.per_position[2] == pytest.approx((0.016 * 1.4 - 0.012) / span)  # ratios 1.5, 1.4, 1.3
+    parameters = inspect.signature(costs.measure_forward_costs).parameters
+    assert parameters["repeats"].default == costs.TABLE_ROUNDS == costs.LONG_ROUNDS

@@ -52,7 +52,7 @@ for k in (5, 10, 20):
             cells.append(f"{n}: {statistics.median(v):.3f} [{q[0]:.3f}-{q[-1]:.3f}]")
         print(f"{k:2d} rounds, {name:13s} " + "  ".join(cells))
 # What measuring a table takes (the default model, both contexts, each after a warm-up round): the estimator
-# before stop 76 took 5 rounds at both; stop 76's default is costs.TABLE_ROUNDS / costs.LONG_ROUNDS.
+# before stop 76 took 5 rounds at both; the log ran at b3d7996, whose LONG_ROUNDS was 10 (now costs.TABLE_ROUNDS).
 for rounds, long_rounds in ((5, 5), (costs.TABLE_ROUNDS, costs.TABLE_ROUNDS), (costs.TABLE_ROUNDS, costs.LONG_ROUNDS)):
     started = time.perf_counter()
     table = costs.measure_forward_costs(target.model, 11, repeats=rounds, long_repeats=long_rounds)
