@@ -52,15 +52,14 @@ def _cpu_name() -> str:
 TABLE_CONTEXT = 256
 LONG_CONTEXT = 1024
 #: Rounds of passes a forward-cost table is measured from (each size once a round, ``paired_costs``), at
-#: ``TABLE_CONTEXT`` and as many (``LONG_ROUNDS``) at ``LONG_CONTEXT``: each size's cost per further position is
-#: the difference of the two, whose 1-token passes are each the fastest of its rounds — of as many rounds, or
-#: the fewer would run slower and lean the difference. On a 2-core Zen 3 VM (``results/zen3/stop76/table_rounds.log``)
+#: ``TABLE_CONTEXT`` and as many at ``LONG_CONTEXT``: each size's cost per further position is the difference
+#: of the two, whose 1-token passes are each the fastest of its rounds — of as many rounds, or the fewer would
+#: run slower and lean the difference. On a 2-core Zen 3 VM (``results/zen3/stop76/table_rounds.log``)
 #: subsets of 20 of 40 rounds read a 2-token pass 1.10–1.18× a 1-token one by their paired medians, subsets of 5
 #: 1.06–1.26 (5–95%; subsets of one run overlap, so a fresh measurement scatters more: two at 20 rounds read 3
 #: tokens 1.27× and 1.38×). Measuring the default model's table took 11.2 s there at 20 rounds at both contexts,
 #: 4.3 s at 5 — once per machine and code version (a tree method's 16 sizes take longer).
 TABLE_ROUNDS = 20
-LONG_ROUNDS = TABLE_ROUNDS
 #: Contexts are costed in steps of this many positions (a policy's costs are re-derived per step).
 CONTEXT_STEP = 64
 
@@ -121,17 +120,15 @@ class ForwardCosts:
 
 
 def measure_forward_costs(model: torch.nn.Module, max_tokens: int = 16, context: int = TABLE_CONTEXT,
-                          repeats: int = TABLE_ROUNDS, long_context: int = LONG_CONTEXT,
-                          long_repeats: int | None = None) -> ForwardCosts:
+                          repeats: int = TABLE_ROUNDS, long_context: int = LONG_CONTEXT) -> ForwardCosts:
     """The table (``ForwardCosts``) of ``model``'s cached passes over 1 .. ``max_tokens`` new tokens after
-    ``context`` cached positions, from ``repeats`` rounds (``paired_costs``), and each size's cost per
-    further position from ``long_repeats`` rounds after ``long_context`` (None: as many as ``repeats``, see
-    ``LONG_ROUNDS``; a ``long_context`` below ``context`` + ``CONTEXT_STEP``: none)."""
+    ``context`` cached positions, and each size's cost per further position from its passes after
+    ``long_context`` (none for a ``long_context`` below ``context`` + ``CONTEXT_STEP``), both from
+    ``repeats`` rounds (``paired_costs``, ``TABLE_ROUNDS``)."""
     from .engine import threads_for
 
-    long_repeats = repeats if long_repeats is None else long_repeats
     with threads_for(model):  # as a generation runs its passes (engine.threads_for)
-        return _measure_forward_costs(model, max_tokens, context, repeats, long_context, long_repeats)
+        return _measure_forward_costs(model, max_tokens, context, repeats, long_context)
 
 
 def _timed_rounds(runner: CachedModel, sizes: list[int], context: int, repeats: int) -> dict[int, list[float]]:
@@ -179,7 +176,7 @@ def paired_costs(samples: dict[int, list[float]]) -> dict[int, float]:
 
 
 def _measure_forward_costs(model: torch.nn.Module, max_tokens: int, context: int, repeats: int,
-                           long_context: int, long_repeats: int) -> ForwardCosts:
+                           long_context: int) -> ForwardCosts:
     runner = measuring_runner(model)  # an encoder–decoder model's decoder, against a source
     vocab = runner.vocab_size
     sizes = list(range(1, max_tokens + 1))
@@ -192,7 +189,7 @@ def _measure_forward_costs(model: torch.nn.Module, max_tokens: int, context: int
         per_position = None
         if long_context >= context + CONTEXT_STEP:
             runner.forward((torch.arange(context, long_context) * 3 + 5) % vocab, logits_for=1)
-            longer = paired_costs(_timed_rounds(runner, sizes, long_context, long_repeats))
+            longer = paired_costs(_timed_rounds(runner, sizes, long_context, repeats))
             span = long_context - context
             per_position = {n: max(longer[n] - seconds[n], 0.0) / span for n in sizes}
     return ForwardCosts(seconds, context, per_position)
@@ -252,8 +249,8 @@ def spot_check(model: torch.nn.Module, repeats: int = 3, context: int = 64) -> f
 
 
 def forward_costs(target: LoadedModel, max_tokens: int = 16, refresh: bool = False) -> ForwardCosts:
-    """The table for this model on this machine: measured (about 11 s for the default model on a 2-core Zen 3) once per process, and
-    cached across processes; see ``_cached_measurement`` for when a cached table is re-measured."""
+    """The table for this model on this machine: measured once per process (about 11 s for the default
+    model on a 2-core Zen 3), and cached across processes; see ``_cached_measurement`` for when a cached table is re-measured."""
     return _cached_measurement(target, "forward-costs", f"forward cost for 1..{max_tokens} tokens",
                                {"max_tokens": max_tokens, "contexts": [TABLE_CONTEXT, LONG_CONTEXT]},
                                lambda path: _read_table(path, max_tokens),

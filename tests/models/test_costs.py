@@ -206,9 +206,9 @@ def test_timed_rounds_time_each_pass_after_a_warm_round(monkeypatch):
 
 def test_a_table_is_paired_at_both_contexts_from_as_many_rounds(tiny_target, monkeypatch):
     """``measure_forward_costs`` reads the rounds of both contexts through ``paired_costs``, as many at each
-    by default (``LONG_ROUNDS``: a size's cost per further position is the difference of the two, whose
-    1-token passes are each the fastest of its rounds), and each size's slope is that difference over the
-    positions between them: planted rounds."""
+    (a size's cost per further position is the difference of the two, whose 1-token passes are each the
+    fastest of its rounds), and each size's slope is that difference over the positions between them:
+    planted rounds."""
     import inspect
 
     planted = [{1: [0.010, 0.012, 0.011], 2: [0.013, 0.0144, 0.0132]},  # the table's context, then the longer one
@@ -229,4 +229,4 @@ def test_a_table_is_paired_at_both_contexts_from_as_many_rounds(tiny_target, mon
     assert table.per_position[1] == pytest.approx((0.016 - 0.010) / span)
     assert table.per_position[2] == pytest.approx((0.016 * 1.4 - 0.012) / span)  # ratios 1.5, 1.4, 1.3
     parameters = inspect.signature(costs.measure_forward_costs).parameters
-    assert parameters["repeats"].default == costs.TABLE_ROUNDS == costs.LONG_ROUNDS
+    assert parameters["repeats"].default == costs.TABLE_ROUNDS

@@ -51,10 +51,11 @@ for k in (5, 10, 20):
             q = statistics.quantiles(v, n=20)
             cells.append(f"{n}: {statistics.median(v):.3f} [{q[0]:.3f}-{q[-1]:.3f}]")
         print(f"{k:2d} rounds, {name:13s} " + "  ".join(cells))
-# What measuring a table takes (the default model, both contexts, each after a warm-up round): the estimator
-# before stop 76 took 5 rounds at both; the log ran at b3d7996, whose LONG_ROUNDS was 10 (now costs.TABLE_ROUNDS).
-for rounds, long_rounds in ((5, 5), (costs.TABLE_ROUNDS, costs.TABLE_ROUNDS), (costs.TABLE_ROUNDS, costs.LONG_ROUNDS)):
+# What measuring a table takes (the default model, both contexts, as many rounds at each, after a warm-up round): the
+# estimator before stop 76 took 5 rounds. The log was made at b3d7996, whose measure_forward_costs also took a
+# separate count of rounds at the long context (its third line, 20 / 10; `git show b3d7996:tierspec/costs.py`).
+for rounds in (5, costs.TABLE_ROUNDS):
     started = time.perf_counter()
-    table = costs.measure_forward_costs(target.model, 11, repeats=rounds, long_repeats=long_rounds)
-    print(f"measure_forward_costs, {rounds} / {long_rounds} rounds: {time.perf_counter() - started:.2f} s; ratios "
+    table = costs.measure_forward_costs(target.model, 11, repeats=rounds)
+    print(f"measure_forward_costs, {rounds} / {rounds} rounds: {time.perf_counter() - started:.2f} s; ratios "
           + " ".join(f"{n}: {v / table.seconds[1]:.3f}" for n, v in table.seconds.items()))
