@@ -1,5 +1,5 @@
 """What an engine call costs when its weights have not been touched for a while: the draft head's qkv product
-(576 -> 1,728 outputs, Q8_0, 0.59 MB) timed right after each of: nothing (a tight loop), filling 64 MB / 1 MB
+(576 -> 960 outputs, Q8_0, 0.59 MB) timed right after each of: nothing (a tight loop), filling 64 MB / 1 MB
 of other memory, sleeping 9 ms, and 9 ms of Python busy on the calling thread; then products of 32 / 256 / 1,024
 random Q8_0 rows (576 inputs) right after a one-token target pass and again at once; then each part of the
 head's step right after a target pass (cold) and at once again. Medians of 40-60 (15 after passes).
